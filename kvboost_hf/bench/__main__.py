@@ -1,0 +1,27 @@
+"""Dispatch ``python -m kvboost_hf.bench NAME [args...]`` to ``kvboost_hf.bench.NAME.main``."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS = ("multiturn", "rag", "tiers", "attention", "serve")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in BENCHMARKS:
+        print(f"usage: python -m kvboost_hf.bench {{{','.join(BENCHMARKS)}}} [options]", file=sys.stderr)
+        return 2
+    try:
+        module = importlib.import_module(f"kvboost_hf.bench.{args[0]}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"kvboost_hf.bench.{args[0]}":
+            print(f"benchmark {args[0]!r} is not implemented yet", file=sys.stderr)
+            return 2
+        raise
+    return int(module.main(args[1:]) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
