@@ -1,0 +1,160 @@
+"""``attn_implementation="kvboost"``: the Triton flash-attention kernel behind transformers' attention interfaces.
+
+Mask contract between :func:`kvboost_mask` (registered in ``AttentionMaskInterface``) and
+:func:`kvboost_attention_forward` (registered in ``AttentionInterface``):
+
+* ``None`` means plain causal attention where the queries are the *last* ``Lq`` of the ``Lk`` keys (bottom-right
+  alignment): plain prefill, prefill on top of a cache, decode. The kernel masks by absolute key index, so no mask
+  is materialised. This is a superset of the cases in which sdpa's own mask function returns ``None``.
+* otherwise a 4D mask ``[B, 1|H, Lq, >=Lk]``, boolean (True = attend) or additive float (0 / ``-inf``): sdpa's
+  mask for padding, sliding windows, static caches, packed sequences, or a caller's explicit 4D mask (e.g. the
+  repair forward over scattered query positions). The kernel loads it tile by tile and applies nothing else.
+
+Where the kernel cannot run (no Triton, tensors not on CUDA without ``TRITON_INTERPRET=1``, training, unsupported
+dtype/head dim/features) the call goes to transformers' sdpa implementation, with one log line per reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    causal_mask_function,
+    prepare_padding_mask,
+    sdpa_mask,
+)
+
+logger = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "kvboost"
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_KERNEL_MAX_HEAD_DIM = 128
+_UNSUPPORTED_KWARGS = ("softcap", "position_bias", "s_aux", "sinks", "cache")
+
+
+def _interpret_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _kernel() -> Callable[..., torch.Tensor] | None:
+    """The Triton launcher, imported on first use (so TRITON_INTERPRET can still be set before it), or None."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from kvboost_hf.kernels.flash_attention import flash_attention
+
+    return flash_attention
+
+
+@functools.cache
+def _log_fallback(reason: str) -> None:
+    logger.warning("kvboost attention falls back to torch SDPA: %s", reason)
+
+
+def _fallback_reason(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float, kwargs: dict[str, Any]
+) -> str | None:
+    """Why the Triton kernel cannot serve this call, or None when it can."""
+    if query.device.type != "cuda" and not _interpret_mode():
+        return f"tensors are on {query.device.type} (set TRITON_INTERPRET=1 to run the kernel interpreted)"
+    if _kernel() is None:
+        return "triton is not installed"
+    if query.dtype not in _KERNEL_DTYPES:
+        return f"dtype {query.dtype} is not supported"
+    if query.shape[-1] > _KERNEL_MAX_HEAD_DIM or value.shape[-1] != query.shape[-1]:
+        return f"head dims q={query.shape[-1]} v={value.shape[-1]} are not supported"
+    if dropout > 0.0 or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)):
+        return "the kernel is forward-only (dropout or autograd requested)"
+    used = [name for name in _UNSUPPORTED_KWARGS if kwargs.get(name) is not None]
+    if used:
+        return f"unsupported arguments {used}"
+    return None
+
+
+def _bottom_right_causal_mask(num_q: int, num_k: int, device: torch.device) -> torch.Tensor:
+    """Boolean ``[1, 1, Lq, Lk]``: query ``i`` sees keys ``j <= Lk - Lq + i``."""
+    return torch.ones(num_q, num_k, dtype=torch.bool, device=device).tril(num_k - num_q)[None, None]
+
+
+def kvboost_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention for transformers: q ``[B, H, Lq, D]``, k/v ``[B, H_kv, Lk, D]`` -> (``[B, Lq, H, D]``, None)."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    num_q, num_k = query.shape[2], key.shape[2]
+    reason = _fallback_reason(query, key, value, dropout, kwargs)
+    if reason is not None:
+        _log_fallback(reason)
+        if attention_mask is None and causal and 1 < num_q < num_k:
+            attention_mask = _bottom_right_causal_mask(num_q, num_k, query.device)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=causal, **kwargs
+        )
+    mask = attention_mask[..., :num_k] if attention_mask is not None else None
+    kernel = _kernel()
+    out = kernel(query, key, value, scale=scaling, causal=causal and mask is None, mask=mask)
+    return out, None
+
+
+def _is_bottom_right_causal(
+    q_length: int, kv_length: int, q_offset: Any, kv_offset: Any, mask_function: Callable, padding: Any
+) -> bool:
+    """True when the mask is exactly causal with the queries being the last keys and no padding inside the window."""
+    if mask_function is not causal_mask_function or torch.compiler.is_compiling():
+        return False
+    if not (isinstance(q_offset, int) and isinstance(kv_offset, int)) or q_offset + q_length != kv_offset + kv_length:
+        return False
+    return padding is None or bool(padding[:, kv_offset : kv_offset + kv_length].all())
+
+
+def kvboost_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable = causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    allow_is_causal_skip: bool = True,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """sdpa's boolean mask, or None whenever the kernel's bottom-right causal masking is exact (see module doc)."""
+    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if allow_is_causal_skip and _is_bottom_right_causal(
+        q_length, kv_length, q_offset, kv_offset, mask_function, padding
+    ):
+        return None
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        allow_is_causal_skip=allow_is_causal_skip,
+        **kwargs,
+    )
+
+
+def register_kvboost_attention() -> None:
+    """Register ``"kvboost"`` in transformers' attention and mask interfaces (idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, kvboost_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, kvboost_mask)
