@@ -1,0 +1,351 @@
+"""Stage 6: :class:`ChunkReuseCache`, a drop-in ``transformers.Cache`` that stitches stored chunk K/V.
+
+Use it like any cache::
+
+    cache = ChunkReuseCache(store, model)
+    model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+
+Data path of one ``generate`` call (the hooks live in :mod:`kvboost_hf.hooks`):
+
+1. before the first forward: the prompt's chunks are looked up (:mod:`kvboost_hf.lookup`); the longest run of
+   exact (prefix-key) hits is stitched into the layers, and the forward's ``input_ids``/``position_ids`` are cut
+   to the uncached tail, so the model computes only what is missing;
+2. after each forward: the fed tokens are recorded and every chunk completed by them is written back to the
+   store under its prefix key (the next turn of a conversation hits the previous answer too).
+
+Invariants:
+
+* ``self.tokens`` holds one token id per cached column (left padding included) and every layer holds exactly
+  ``self.num_columns`` columns of K/V;
+* K/V written back under a prefix key were computed (or loaded) with all preceding chunks as their real past;
+* a call whose prompt does not extend the tokens already cached raises instead of attending to stale K/V.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+from transformers import Cache
+from transformers.cache_utils import DynamicLayer
+
+from kvboost_hf.chunking import ChunkingConfig, Span, chunk_spans
+from kvboost_hf.hooks import install_hooks
+from kvboost_hf.keys import chain_prefix_keys, make_namespace
+from kvboost_hf.models import model_dtype, num_cache_layers
+from kvboost_hf.store import ChunkKV, ChunkStore
+
+logger = logging.getLogger(__name__)
+
+
+class GenerationMode(str, Enum):
+    """What reuse a generation may use."""
+
+    BASELINE = "baseline"  # plain generate(), no lookups, no write-back
+    PREFIX_CACHE = "prefix_cache"  # exact prefix hits only
+    CHUNK_KV_REUSE = "chunk_kv_reuse"  # everything enabled
+
+
+@dataclass
+class RowReuse:
+    """Reuse achieved for one batch row in the last prompt forward (tokens)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    hit_chunks: int = 0
+
+
+@dataclass
+class _RowChunks:
+    """Chunk bookkeeping of one batch row: spans and prefix keys computed so far, and how many are stored."""
+
+    spans: list[Span] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    stored: int = 0
+
+    def truncate(self, num_tokens: int) -> None:
+        """Forget chunks that are no longer fully inside the first ``num_tokens`` tokens."""
+        keep = sum(1 for _, end in self.spans if end <= num_tokens)
+        del self.spans[keep:], self.keys[keep:]
+        self.stored = min(self.stored, keep)
+
+
+def _cat_or_only(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _stack_or_unsqueeze(rows: list[torch.Tensor]) -> torch.Tensor:
+    """``[L, H, T, D]`` per row -> ``[L, B, H, T, D]`` without a copy for a single row."""
+    return rows[0].unsqueeze(1) if len(rows) == 1 else torch.stack(rows, dim=1)
+
+
+class ChunkReuseLayer(DynamicLayer):
+    """A full-attention dynamic layer; stitched K/V are appended exactly like computed K/V.
+
+    The first update of an empty layer adopts the given tensors instead of concatenating them to an empty one
+    (one copy fewer for a stitched prefix).
+    """
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized or self.keys.numel() == 0:
+            self.lazy_initialization(key_states, value_states)
+            self.keys, self.values = key_states, value_states
+            return self.keys, self.values
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+class ChunkReuseCache(Cache):
+    """A ``transformers.Cache`` that loads exact chunk hits from a :class:`ChunkStore` and writes new chunks back.
+
+    Args:
+        store: where chunk K/V live.
+        model: the model this cache serves (its identity and dtype name the store namespace).
+        chunk_size: nominal chunk length in tokens.
+        chunk_boundary_window: how far (tokens) a cut may slide back to follow a sentence or line end.
+        boundary_token_ids: the token ids that end a sentence or line (needed with a boundary window).
+        mode: a :class:`GenerationMode`.
+        cache_salt: tenant isolation; caches with different salts never see each other's chunks.
+        kv_cache_bits: the precision the store keeps K/V in (part of the namespace).
+        write_back: store the chunks completed during generation.
+    """
+
+    def __init__(
+        self,
+        store: ChunkStore,
+        model: torch.nn.Module,
+        *,
+        chunk_size: int = 128,
+        chunk_boundary_window: int = 0,
+        boundary_token_ids: frozenset[int] | None = None,
+        mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
+        cache_salt: str | None = None,
+        kv_cache_bits: int = 16,
+        write_back: bool = True,
+    ) -> None:
+        super().__init__(layers=[ChunkReuseLayer() for _ in range(num_cache_layers(model))])
+        self.store = store
+        self.model = model
+        self.mode = GenerationMode(mode)
+        self.chunking = ChunkingConfig(chunk_size, chunk_boundary_window, frozenset(boundary_token_ids or ()))
+        self.namespace = make_namespace(model, model_dtype(model), self.chunking, kv_cache_bits, cache_salt)
+        self.write_back = write_back and self.mode is not GenerationMode.BASELINE
+        self.tokens = torch.empty(0, 0, dtype=torch.long)
+        self.pads: list[int] = []
+        self._rows: list[_RowChunks] = []
+        self.last_reuse: list[RowReuse] = []
+        self.reuse_enabled = True
+        install_hooks(model)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def num_columns(self) -> int:
+        """Columns (token positions, padding included) held by every layer."""
+        return int(self.tokens.shape[1])
+
+    def row_tokens(self, row: int) -> list[int]:
+        """The real (unpadded) token ids of ``row`` whose K/V are cached."""
+        return self.tokens[row, self.pads[row] :].tolist()
+
+    def check_extends(self, input_ids: torch.Tensor) -> None:
+        """Raise unless ``input_ids`` (a full sequence handed to ``generate``) extends the cached tokens."""
+        n = self.num_columns
+        if n == 0:
+            return
+        if input_ids.shape[0] != self.tokens.shape[0] or input_ids.shape[1] <= n:
+            raise ValueError(
+                f"ChunkReuseCache holds {n} tokens for a batch of {self.tokens.shape[0]}; the new input "
+                f"{tuple(input_ids.shape)} does not extend them. Use a fresh ChunkReuseCache per conversation."
+            )
+        if not torch.equal(input_ids[:, :n].to(self.tokens.device), self.tokens):
+            raise ValueError(
+                "ChunkReuseCache holds K/V for a different token sequence: the new prompt does not extend the "
+                "cached conversation. Use a fresh ChunkReuseCache (or the same one only to continue a conversation)."
+            )
+
+    # ------------------------------------------------------------------ forward hooks
+    def before_forward(self, kwargs: dict) -> None:
+        """Stitch stored chunks in front of this forward's tokens and cut its inputs to the uncached tail."""
+        input_ids = kwargs.get("input_ids")
+        if input_ids is None:
+            if self.num_columns == 0:
+                self.reuse_enabled = False  # inputs_embeds: token ids unknown, nothing to look up or store
+            return
+        if self.num_columns == 0:
+            self._start(input_ids, kwargs.get("attention_mask"))
+        if not self.reuse_enabled or self.mode is GenerationMode.BASELINE or input_ids.shape[1] < 2:
+            return
+        cached_before = self.num_columns
+        full = torch.cat([self.tokens, input_ids.to(self.tokens.device)], dim=1)
+        skip = self._stitch_hits(full) - cached_before
+        if skip <= 0:
+            return
+        kwargs["input_ids"] = input_ids[:, skip:]
+        position_ids = kwargs.get("position_ids")
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids[..., skip:]
+
+    def after_forward(self, kwargs: dict) -> None:
+        """Record the tokens this forward computed and write completed chunks back."""
+        if not self.reuse_enabled:
+            return
+        fed = kwargs["input_ids"].to(self.tokens.device)
+        self.tokens = torch.cat([self.tokens, fed], dim=1)
+        if self.layers[0].get_seq_length() != self.num_columns:
+            self.reuse_enabled = False
+            raise RuntimeError(
+                f"ChunkReuseCache is inconsistent: layers hold {self.layers[0].get_seq_length()} positions but "
+                f"{self.num_columns} tokens were fed; was the cache shared between two forwards?"
+            )
+        if self.write_back:
+            self._write_back()
+
+    # ------------------------------------------------------------------ internals
+    def _start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """First forward of this cache: learn the batch layout (left padding)."""
+        batch = input_ids.shape[0]
+        self.tokens = torch.empty(batch, 0, dtype=torch.long, device="cpu")
+        self._rows = [_RowChunks() for _ in range(batch)]
+        self.pads = [0] * batch
+        if attention_mask is not None and attention_mask.dim() == 2:
+            mask = attention_mask.to("cpu", torch.long)
+            pads = (mask.cumsum(-1) == 0).sum(-1)
+            ends_ok = all(bool(mask[i, int(p) :].all()) for i, p in enumerate(pads))
+            if not ends_ok:
+                logger.warning("ChunkReuseCache: attention mask is not left padding; reuse disabled for this call")
+                self.reuse_enabled = False
+            self.pads = [int(p) for p in pads]
+        elif attention_mask is not None:
+            logger.warning("ChunkReuseCache: custom %dD attention mask; reuse disabled", attention_mask.dim())
+            self.reuse_enabled = False
+
+    def _extend_chunks(self, row: int, tokens: list[int]) -> _RowChunks:
+        """Bring the row's spans and prefix keys up to date with ``tokens`` (its real tokens so far)."""
+        chunks = self._rows[row]
+        start = chunks.spans[-1][1] if chunks.spans else 0
+        new_spans = chunk_spans(tokens, self.chunking, start)
+        parent = chunks.keys[-1] if chunks.keys else None
+        chunks.keys += chain_prefix_keys(self.namespace, tokens, new_spans, parent)
+        chunks.spans += new_spans
+        return chunks
+
+    def _stitch_hits(self, full: torch.Tensor) -> int:
+        """Append stored K/V for the leading exact hits of every row; return the columns now covered.
+
+        Row ``i`` is covered up to column ``pads[i] + hit_tokens[i]``; the batch can only skip columns covered
+        in every row, and at least one token is left for the forward to produce logits.
+        """
+        n = self.num_columns
+        row_hits: list[list[tuple[Span, ChunkKV]]] = []
+        covered_columns: list[int] = []
+        for row in range(full.shape[0]):
+            tokens = full[row, self.pads[row] :].tolist()
+            chunks = self._extend_chunks(row, tokens)
+            present = max(n - self.pads[row], 0)
+            covered, entries = present, []
+            for span, key in zip(chunks.spans, chunks.keys, strict=True):
+                if span[1] <= present:
+                    continue
+                entry = self.store.get(key)
+                if entry is None:
+                    break
+                entries.append((span, entry))
+                covered = span[1]
+            row_hits.append(entries)
+            covered_columns.append(self.pads[row] + covered)
+        target = min(*covered_columns, full.shape[1] - 1)
+        self.last_reuse = [
+            RowReuse(full.shape[1] - pad, max(0, min(target, full.shape[1] - 1) - pad), len(entries))
+            for pad, entries in zip(self.pads, row_hits, strict=True)
+        ]
+        if target <= n or not any(row_hits):
+            return n
+        for layer_idx, (keys, values) in enumerate(self._assemble(row_hits, n, target)):
+            self.layers[layer_idx].update(keys, values)
+        self.tokens = full[:, :target].clone()
+        for row, chunks in enumerate(self._rows):
+            done = sum(1 for _, end in chunks.spans if end <= target - self.pads[row])
+            chunks.stored = max(chunks.stored, done)
+        return target
+
+    def _assemble(self, row_hits: list[list[tuple[Span, ChunkKV]]], start: int, stop: int):
+        """Per layer ``(keys, values)`` shaped ``[B, H_kv, stop - start, D]`` for columns ``[start, stop)``.
+
+        Columns left of a row's padding get zeros (the attention mask hides them); the others come from the
+        row's hits, which cover its tokens ``[first hit start, stop - pad)``.
+        """
+        reference = next(entry for entries in row_hits for _, entry in entries)
+        layers, heads, _, head_dim = reference.keys.shape
+        per_row: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for pad, entries in zip(self.pads, row_hits, strict=True):
+            lo, hi = start - pad, stop - pad  # token indices wanted for this row
+            num_pad = min(max(0, -lo), stop - start)
+            parts_k = [reference.keys.new_zeros(layers, heads, num_pad, head_dim)]
+            parts_v = [reference.values.new_zeros(layers, heads, num_pad, head_dim)]
+            if hi > max(lo, 0):
+                offset = entries[0][0][0]
+                keys = torch.cat([entry.keys for _, entry in entries], dim=2)
+                values = torch.cat([entry.values for _, entry in entries], dim=2)
+                parts_k.append(keys[:, :, max(lo, 0) - offset : hi - offset])
+                parts_v.append(values[:, :, max(lo, 0) - offset : hi - offset])
+            if num_pad == 0:
+                parts_k, parts_v = parts_k[1:], parts_v[1:]
+            per_row.append((_cat_or_only(parts_k, dim=2), _cat_or_only(parts_v, dim=2)))
+        device, dtype = self._device_and_dtype()
+        all_k = _stack_or_unsqueeze([k for k, _ in per_row]).to(device=device, dtype=dtype, non_blocking=True)
+        all_v = _stack_or_unsqueeze([v for _, v in per_row]).to(device=device, dtype=dtype, non_blocking=True)
+        return zip(all_k.unbind(0), all_v.unbind(0), strict=True)
+
+    def _device_and_dtype(self) -> tuple[torch.device, torch.dtype]:
+        param = next(self.model.parameters())
+        return param.device, model_dtype(self.model)
+
+    def _write_back(self) -> None:
+        """Store every chunk fully computed in every row and not stored yet."""
+        for row in range(self.tokens.shape[0]):
+            pad = self.pads[row]
+            chunks = self._extend_chunks(row, self.row_tokens(row))
+            for index in range(chunks.stored, len(chunks.spans)):
+                start, end = chunks.spans[index]
+                key = chunks.keys[index]
+                if not self.store.contains(key):
+                    keys = torch.stack([layer.keys[row, :, pad + start : pad + end] for layer in self.layers])
+                    values = torch.stack([layer.values[row, :, pad + start : pad + end] for layer in self.layers])
+                    self.store.put(key, ChunkKV(keys, values))
+            chunks.stored = len(chunks.spans)
+
+    # ------------------------------------------------------------------ generation strategies
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` columns (assisted decoding); a non-negative value is an absolute
+        length, like ``DynamicCache.crop``'s legacy form."""
+        length = self.num_columns + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
+        length = max(0, min(length, self.num_columns))
+        removed = self.num_columns - length
+        if removed == 0:
+            return
+        super().crop(-removed)
+        self.tokens = self.tokens[:, :length]
+        for row, chunks in enumerate(self._rows):
+            chunks.truncate(length - self.pads[row])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._select_rows(beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._select_rows([row for row in range(self.tokens.shape[0]) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._select_rows(torch.as_tensor(indices).tolist())
+
+    def _select_rows(self, rows: list[int]) -> None:
+        if self.tokens.shape[0] == 0:
+            return
+        self.tokens = self.tokens[rows]
+        self.pads = [self.pads[r] for r in rows]
+        self._rows = [
+            _RowChunks(list(self._rows[r].spans), list(self._rows[r].keys), self._rows[r].stored) for r in rows
+        ]

