@@ -28,6 +28,9 @@ import triton
 import triton.language as tl
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+# Finite additive biases are clamped here so that ``bias * LOG2E`` cannot overflow to -inf: a row masked only with
+# the dtype minimum (eager-style masks) then averages uniformly, as SDPA does, instead of becoming "fully masked".
+MIN_BIAS: tl.constexpr = tl.constexpr(-1e37)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128
 
@@ -112,8 +115,9 @@ def _attn_fwd_kernel(
             allowed = tl.load(m_base + offs_n[None, :] * stride_mn, mask=valid, other=0)
             valid = valid & (allowed != 0)
         if MASK_KIND == 2:
-            bias = tl.load(m_base + offs_n[None, :] * stride_mn, mask=valid, other=0.0)
-            qk = qk + bias.to(tl.float32) * LOG2E
+            bias = tl.load(m_base + offs_n[None, :] * stride_mn, mask=valid, other=0.0).to(tl.float32)
+            valid = valid & (bias != float("-inf"))
+            qk = qk + tl.maximum(bias, MIN_BIAS) * LOG2E
         qk = tl.where(valid, qk, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
