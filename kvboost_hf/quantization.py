@@ -1,0 +1,190 @@
+"""KIVI-style asymmetric K/V quantization for what the store holds (the live cache stays in the model's dtype).
+
+Keys are quantized **per channel**: every ``(layer, head, channel)`` gets its own scale and zero point,
+computed over groups of ``group_size`` consecutive tokens (key outliers live in fixed channels). Values are
+quantized **per token**: every ``(layer, head, token)`` gets its own scale and zero point, computed over groups
+of ``group_size`` consecutive channels. A group at the end of an axis may be shorter than ``group_size``.
+
+Reconstruction is ``x = code * scale + zero`` with ``code`` in ``[0, 2**bits - 1]``. Scales and zeros are stored
+as float16 and rounded so that the group range stays inside the representable codes; the error of every
+element is then at most ``scale / 2`` (plus float32 rounding and the cast to the original dtype).
+4-bit codes are packed two per byte (element ``2i`` in the low nibble, ``2i + 1`` in the high one).
+
+Storage per element: ``bits / 8`` bytes of codes plus ``4 / group_size`` bytes of float16 scale and zero.
+With ``group_size=64`` that is 0.53x (8 bits) and 0.28x (4 bits) of float16 storage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_BITS = (4, 8)
+DEFAULT_GROUP_SIZE = 64
+STATS_DTYPE = torch.float16
+
+
+def stats_shape(shape: tuple[int, ...], group_size: int, per_channel: bool) -> tuple[int, int, int, int]:
+    """Shape of the scale and zero tensors of a ``[layers, heads, tokens, head_dim]`` tensor.
+
+    Per channel (keys): ``[layers, heads, head_dim, ceil(tokens / group_size)]``.
+    Per token (values): ``[layers, heads, tokens, ceil(head_dim / group_size)]``.
+    """
+    layers, heads, tokens, dim = shape
+    if per_channel:
+        return layers, heads, dim, -(-tokens // group_size)
+    return layers, heads, tokens, -(-dim // group_size)
+
+
+def packed_numel(numel: int, bits: int) -> int:
+    """Bytes of packed codes for ``numel`` elements."""
+    return numel if bits == 8 else (numel + 1) // 2
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """One quantized ``[layers, heads, tokens, head_dim]`` tensor.
+
+    ``data`` holds the packed uint8 codes in grouping layout: ``[layers, heads, head_dim, tokens]`` order for
+    per-channel (keys), ``[layers, heads, tokens, head_dim]`` for per-token (values), flattened.
+    ``scale`` and ``zero`` are float16 shaped :func:`stats_shape`. ``dtype`` is the dtype to dequantise to.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+    bits: int
+    group_size: int
+    per_channel: bool
+
+    def __post_init__(self) -> None:
+        numel = self.shape[0] * self.shape[1] * self.shape[2] * self.shape[3]
+        expected_stats = stats_shape(self.shape, self.group_size, self.per_channel)
+        if (
+            self.bits not in SUPPORTED_BITS
+            or self.data.dtype != torch.uint8
+            or self.data.numel() != packed_numel(numel, self.bits)
+            or tuple(self.scale.shape) != expected_stats
+            or tuple(self.zero.shape) != expected_stats
+        ):
+            raise ValueError(f"inconsistent quantized tensor: shape {self.shape}, bits {self.bits}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes, scales and zeros."""
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.zero))
+
+    def to(self, device: torch.device) -> QuantizedTensor:
+        return QuantizedTensor(
+            self.data.to(device),
+            self.scale.to(device),
+            self.zero.to(device),
+            self.shape,
+            self.dtype,
+            self.bits,
+            self.group_size,
+            self.per_channel,
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        """The ``[layers, heads, tokens, head_dim]`` tensor in ``dtype``."""
+        layers, heads, tokens, dim = self.shape
+        outer, grouped_len = (dim, tokens) if self.per_channel else (tokens, dim)
+        codes = _unpack(self.data, self.bits, layers * heads * tokens * dim).view(layers, heads, outer, grouped_len)
+        pad = -grouped_len % self.group_size
+        if pad:
+            codes = torch.nn.functional.pad(codes, (0, pad))
+        groups = codes.unflatten(-1, (-1, self.group_size)).to(torch.float32)
+        out = torch.addcmul(self.zero.float().unsqueeze(-1), groups, self.scale.float().unsqueeze(-1))
+        out = out.flatten(-2)[..., :grouped_len]
+        if self.per_channel:
+            out = out.transpose(2, 3)
+        return out.to(self.dtype).contiguous()
+
+
+@dataclass(frozen=True)
+class QuantizedChunk:
+    """A chunk's K/V in quantized form: keys per channel, values per token."""
+
+    keys: QuantizedTensor
+    values: QuantizedTensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def to(self, device: torch.device) -> QuantizedChunk:
+        return QuantizedChunk(self.keys.to(device), self.values.to(device))
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` in the dtype they were quantized from."""
+        return self.keys.dequantize(), self.values.dequantize()
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int, per_channel: bool) -> QuantizedTensor:
+    """Quantize a ``[layers, heads, tokens, head_dim]`` tensor (see the module docstring for the axes).
+
+    Raises ValueError for unsupported ``bits``, ``group_size < 1``, or values that are not finite or do not fit
+    float16 statistics.
+    """
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"kv_cache_bits must be one of {SUPPORTED_BITS} for quantization, got {bits}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if x.dim() != 4:
+        raise ValueError(f"expected [layers, heads, tokens, head_dim], got shape {tuple(x.shape)}")
+    shape = (int(x.shape[0]), int(x.shape[1]), int(x.shape[2]), int(x.shape[3]))
+    grouped = x.float().transpose(2, 3) if per_channel else x.float()
+    codes, scale, zero = _quantize_last_axis(grouped, bits, group_size)
+    return QuantizedTensor(_pack(codes.reshape(-1), bits), scale, zero, shape, x.dtype, bits, group_size, per_channel)
+
+
+def quantize_chunk(keys: torch.Tensor, values: torch.Tensor, bits: int, group_size: int) -> QuantizedChunk:
+    """KIVI: keys per channel (grouped along tokens), values per token (grouped along channels)."""
+    return QuantizedChunk(quantize(keys, bits, group_size, True), quantize(values, bits, group_size, False))
+
+
+def _quantize_last_axis(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes (uint8, shape of ``x``), scale and zero (float16, ``[..., ceil(n / group_size)]``) along the last axis."""
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("cannot quantize K/V that contain inf or nan")
+    n = x.shape[-1]
+    pad = -n % group_size
+    # Replicating the last element keeps every group's min and max unchanged.
+    padded = torch.cat([x, x[..., -1:].expand(*x.shape[:-1], pad)], dim=-1) if pad else x
+    groups = padded.unflatten(-1, (-1, group_size))
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    if lo.numel() and float(torch.maximum(lo.abs(), hi.abs()).max()) > torch.finfo(STATS_DTYPE).max / 2:
+        raise ValueError("K/V magnitude exceeds what float16 quantization statistics can represent")
+    levels = (1 << bits) - 1
+    zero = lo.to(STATS_DTYPE)
+    zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, float("-inf"))), zero)
+    scale = ((hi - zero.float()) / levels).to(STATS_DTYPE)
+    too_small = scale.float() * levels + zero.float() < hi
+    scale = torch.where(too_small, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
+    divisor = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+    codes = ((groups - zero.float().unsqueeze(-1)) / divisor.unsqueeze(-1)).round_().clamp_(0, levels)
+    codes = codes.flatten(-2)[..., :n].to(torch.uint8)
+    return codes, scale, zero
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return codes.contiguous()
+    if codes.numel() % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    pairs = codes.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def _unpack(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    if bits == 8:
+        return data
+    return torch.stack([data & 0x0F, data >> 4], dim=-1).view(-1)[:numel]
