@@ -1,0 +1,161 @@
+"""Whole tiny models with ``attn_implementation="kvboost"`` against ``"sdpa"`` on the same weights.
+
+The kernel runs under the Triton interpreter; a spy on the launcher proves it served the calls. The fallback
+(CPU tensors without the interpreter) is checked too, including prefill on top of a cache, whose ``None`` mask
+means bottom-right causal alignment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernel module
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, PreTrainedModel, Qwen2Config
+
+from kvboost_hf import attention
+from kvboost_hf.cache import ChunkReuseCache
+from kvboost_hf.store import ChunkStore
+
+ATOL = 1e-4  # fp32 logits
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 256,
+    "initializer_range": 0.2,  # peaked logits: greedy choices are not near-ties
+}
+CONFIGS: dict[str, Callable[[], object]] = {
+    "llama": lambda: LlamaConfig(**TINY),
+    "qwen2": lambda: Qwen2Config(**TINY),
+}
+
+
+@pytest.fixture(params=sorted(CONFIGS))
+def model(request: pytest.FixtureRequest) -> PreTrainedModel:
+    attention.register_kvboost_attention()
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(CONFIGS[request.param](), attn_implementation="kvboost").eval()
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Counts launches of the Triton kernel made through the attention function."""
+    calls: list[int] = []
+    launcher = attention._kernel()
+    assert launcher is not None
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return launcher(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_kernel", lambda: spy)
+    yield calls
+
+
+def _generate(model: PreTrainedModel, impl: str, ids: torch.Tensor, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        out = model.generate(
+            ids, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs
+        )
+    return out.sequences, torch.stack(out.logits)
+
+
+def _forward_logits(model: PreTrainedModel, impl: str, **kwargs: object) -> torch.Tensor:
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model(**kwargs).logits
+
+
+def _prompt(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_selected_by_name(model: PreTrainedModel) -> None:
+    assert model.config._attn_implementation == "kvboost"
+    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation("kvboost")
+    assert model.config._attn_implementation == "kvboost"
+
+
+def test_greedy_generation_matches_sdpa(model: PreTrainedModel, kernel_calls: list[int]) -> None:
+    ids = _prompt(1, 21)
+    ref_tokens, ref_logits = _generate(model, "sdpa", ids)
+    tokens, logits = _generate(model, "kvboost", ids)
+    assert kernel_calls, "the Triton kernel was not used"
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+
+
+def test_left_padded_batch_matches_sdpa(model: PreTrainedModel, kernel_calls: list[int]) -> None:
+    ids = _prompt(3, 13)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    mask[2, :9] = 0
+    ref_tokens, ref_logits = _generate(model, "sdpa", ids, attention_mask=mask)
+    tokens, logits = _generate(model, "kvboost", ids, attention_mask=mask)
+    assert kernel_calls
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+
+
+def _prefill_on_cache(model: PreTrainedModel, impl: str) -> torch.Tensor:
+    """Logits of 7 tokens forwarded on top of a 12-token cache (Lq < Lk)."""
+    ids = _prompt(1, 19)
+    cache = DynamicCache(config=model.config)
+    _forward_logits(model, impl, input_ids=ids[:, :12], past_key_values=cache, use_cache=True)
+    return _forward_logits(model, impl, input_ids=ids[:, 12:], past_key_values=cache, use_cache=True)
+
+
+def test_prefill_on_cache_matches_sdpa(model: PreTrainedModel, kernel_calls: list[int]) -> None:
+    ref = _prefill_on_cache(model, "sdpa")
+    torch.testing.assert_close(_prefill_on_cache(model, "kvboost"), ref, atol=ATOL, rtol=0)
+    assert kernel_calls
+
+
+def test_explicit_4d_float_mask_with_scattered_positions(model: PreTrainedModel, kernel_calls: list[int]) -> None:
+    """A repair-style forward: caller-built 0/-inf mask [B, 1, Lq, Lk] and non-contiguous position ids."""
+    num_q = 6
+    positions = torch.tensor([[1, 4, 5, 9, 13, 14], [0, 2, 3, 7, 8, 15]])
+    allowed = positions[:, None, :, None] >= positions[:, None, None, :]
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    kwargs = {"input_ids": _prompt(2, num_q), "attention_mask": mask, "position_ids": positions}
+    ref = _forward_logits(model, "sdpa", **kwargs)
+    torch.testing.assert_close(_forward_logits(model, "kvboost", **kwargs), ref, atol=ATOL, rtol=0)
+    assert kernel_calls
+
+
+def test_chunk_reuse_cache_matches_sdpa(model: PreTrainedModel, kernel_calls: list[int]) -> None:
+    """Two generations on one store: the second stitches stored chunks and must still match sdpa."""
+    ids = _prompt(1, 40)
+    ref_tokens, ref_logits = _generate(model, "sdpa", ids)
+    store = ChunkStore(max_bytes=1 << 24)
+    for run in range(2):
+        cache = ChunkReuseCache(store, model, chunk_size=16)
+        tokens, logits = _generate(model, "kvboost", ids, past_key_values=cache)
+        assert torch.equal(tokens, ref_tokens), f"run {run}"
+        torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    assert cache.last_reuse[0].cached_tokens > 0, "the second run reused no chunk"
+    assert kernel_calls
+
+
+def test_fallback_without_interpreter_matches_sdpa(
+    model: PreTrainedModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """CPU tensors without TRITON_INTERPRET: SDPA serves the calls (bottom-right causal on a cache), one log line."""
+    ref = _prefill_on_cache(model, "sdpa")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    attention._log_fallback.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=attention.__name__):
+        out = _prefill_on_cache(model, "kvboost")
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    assert len([r for r in caplog.records if r.name == attention.__name__]) == 1
