@@ -61,7 +61,9 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield calls
 
 
-def _generate(model: PreTrainedModel, impl: str, ids: torch.Tensor, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+def _generate(
+    model: PreTrainedModel, impl: str, ids: torch.Tensor, **kwargs: object
+) -> tuple[torch.Tensor, torch.Tensor]:
     model.set_attn_implementation(impl)
     with torch.no_grad():
         out = model.generate(
