@@ -1,5 +1,38 @@
-"""kvboost_hf."""
+"""kvboost_hf: chunk-level K/V reuse across requests for Hugging Face Transformers.
+
+Public API::
+
+    from kvboost_hf import KVBoost, ChunkStore, ChunkReuseCache
+
+    engine = KVBoost.from_pretrained()            # embedded SmolLM2-135M-Instruct
+    result = engine.generate("Hello", max_new_tokens=32)
+
+    cache = ChunkReuseCache(ChunkStore(), model)  # drop-in for model.generate(past_key_values=...)
+
+Importing the package registers ``attn_implementation="kvboost"`` with transformers.
+"""
 
 from kvboost_hf.attention import register_kvboost_attention
+from kvboost_hf.cache import ChunkReuseCache, GenerationMode
+from kvboost_hf.engine import InferenceEngine
+from kvboost_hf.models import UnsupportedModelError
+from kvboost_hf.results import CorrectnessReport, GenerationResult, RecomputeStrategy, WarmResult
+from kvboost_hf.store import ChunkKV, ChunkStore
 
+KVBoost = InferenceEngine
 register_kvboost_attention()
+
+__all__ = [
+    "ChunkKV",
+    "ChunkReuseCache",
+    "ChunkStore",
+    "CorrectnessReport",
+    "GenerationMode",
+    "GenerationResult",
+    "InferenceEngine",
+    "KVBoost",
+    "RecomputeStrategy",
+    "UnsupportedModelError",
+    "WarmResult",
+]
+__version__ = "0.1.0"

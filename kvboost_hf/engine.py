@@ -1,0 +1,412 @@
+"""The engine facade: one object that owns a model, its tokenizer and a chunk store.
+
+``KVBoost`` (this module's :class:`InferenceEngine`) renders prompts, runs ``model.generate`` with a fresh
+:class:`~kvboost_hf.cache.ChunkReuseCache` per request, and reports time to first token and reuse.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from kvboost_hf.cache import ChunkReuseCache, GenerationMode
+from kvboost_hf.chunking import ChunkingConfig, boundary_token_ids_from_tokenizer, chunk_spans
+from kvboost_hf.models import check_model_support, load_model_and_tokenizer
+from kvboost_hf.results import (
+    CorrectnessReport,
+    GenerationResult,
+    PromptCheck,
+    RecomputeStrategy,
+    WarmResult,
+)
+from kvboost_hf.store import ChunkStore
+from kvboost_hf.streaming import CancelCriteria, TokenTimer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[dict[str, str]]
+DEFAULT_MAX_CACHE_BYTES = 2 << 30
+
+
+class InferenceEngine:
+    """Chunk K/V reuse around a Hugging Face causal LM.
+
+    Args:
+        model, tokenizer: a loaded causal LM and its tokenizer.
+        chunk_size: nominal chunk length (tokens).
+        chunk_boundary_window: tokens a cut may slide back to end at a sentence or line boundary.
+        recompute_strategy: repair for non-prefix hits (see :class:`RecomputeStrategy`).
+        kv_cache_bits: precision of stored K/V (16 = the model's dtype).
+        max_cache_bytes: RAM budget of the store (bytes).
+        disk_cache_dir, remote_url: optional lower store tiers.
+        store: share an existing :class:`ChunkStore` instead of creating one.
+        strict: refuse architectures that are not known to work.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        chunk_size: int = 128,
+        chunk_boundary_window: int = 0,
+        recompute_strategy: RecomputeStrategy | str = RecomputeStrategy.SELECTIVE,
+        kv_cache_bits: int = 16,
+        max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES,
+        disk_cache_dir: str | os.PathLike | None = None,
+        remote_url: str | None = None,
+        store: ChunkStore | None = None,
+        strict: bool = True,
+    ) -> None:
+        check_model_support(model.config, strict=strict)
+        boundary_ids = boundary_token_ids_from_tokenizer(tokenizer) if chunk_boundary_window else frozenset()
+        self.chunking = ChunkingConfig(chunk_size, chunk_boundary_window, boundary_ids)
+        self.recompute_strategy = RecomputeStrategy(recompute_strategy)
+        if kv_cache_bits not in (16, 8, 4):
+            raise ValueError(f"kv_cache_bits must be 16, 8 or 4, got {kv_cache_bits!r}")
+        self.kv_cache_bits = kv_cache_bits
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_context = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 0))
+        if store is None:
+            tier_options: dict[str, Any] = {"kv_cache_bits": kv_cache_bits} if kv_cache_bits != 16 else {}
+            if disk_cache_dir is not None:
+                tier_options["disk_cache_dir"] = disk_cache_dir
+            if remote_url is not None:
+                tier_options["remote_url"] = remote_url
+            store = ChunkStore(max_cache_bytes, **tier_options)
+        self.store = store
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_name_or_path: str | os.PathLike | None = None,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | str | None = None,
+        strict: bool = True,
+        **engine_kwargs: Any,
+    ) -> InferenceEngine:
+        """Load a model by hub name or local directory (``None``: the embedded SmolLM2-135M-Instruct)."""
+        model, tokenizer = load_model_and_tokenizer(model_name_or_path, device=device, dtype=dtype, strict=strict)
+        return cls(model, tokenizer, strict=strict, **engine_kwargs)
+
+    # ------------------------------------------------------------------ prompts
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def render(self, prompt: Prompt, *, add_generation_prompt: bool = True) -> str:
+        """The text the model sees: a string as is, chat messages through the tokenizer's chat template."""
+        if isinstance(prompt, str):
+            return prompt
+        messages = list(prompt)
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError("a chat prompt must be a non-empty list of {'role': ..., 'content': ...} messages")
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode(self, prompt: Prompt, *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered prompt; raises on an empty prompt."""
+        text = self.render(prompt, add_generation_prompt=add_generation_prompt)
+        if not text:
+            raise ValueError("prompt is empty")
+        ids = self.tokenizer(text, add_special_tokens=isinstance(prompt, str))["input_ids"]
+        if not ids:
+            raise ValueError("prompt tokenizes to zero tokens")
+        return list(ids)
+
+    def _check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if self.max_context and prompt_tokens + max_new_tokens > self.max_context:
+            raise ValueError(
+                f"prompt of {prompt_tokens} tokens + max_new_tokens={max_new_tokens} exceeds the model's context "
+                f"of {self.max_context} tokens"
+            )
+
+    def new_cache(
+        self, mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, cache_salt: str | None = None
+    ) -> ChunkReuseCache:
+        """A fresh drop-in cache bound to this engine's store and settings."""
+        return ChunkReuseCache(
+            self.store,
+            self.model,
+            chunk_size=self.chunking.chunk_size,
+            chunk_boundary_window=self.chunking.boundary_window,
+            boundary_token_ids=self.chunking.boundary_token_ids,
+            mode=mode,
+            cache_salt=cache_salt,
+            kv_cache_bits=self.kv_cache_bits,
+        )
+
+    # ------------------------------------------------------------------ warm
+    def warm(self, text: Prompt, *, cache_salt: str | None = None) -> WarmResult:
+        """Compute and store the K/V of ``text`` (a string, or chat messages rendered without a generation prompt)
+        so that later prompts starting with it hit. Only full chunks are stored."""
+        ids = self.encode(text, add_generation_prompt=False)
+        self._check_length(len(ids), 1)
+        puts_before = self.store.stats()["puts"]
+        cache = self.new_cache(GenerationMode.PREFIX_CACHE, cache_salt)
+        with self._lock, torch.inference_mode():
+            input_ids = torch.tensor([ids], device=self.device)
+            self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        spans = chunk_spans(ids, self.chunking)
+        covered = spans[-1][1] if spans else 0
+        tail = len(ids) - covered
+        warning = None
+        if tail:
+            warning = (
+                f"the last {tail} of {len(ids)} tokens do not fill a chunk of {self.chunking.chunk_size} and are not "
+                "stored; later prompts recompute them"
+            )
+        return WarmResult(
+            chunks_stored=self.store.stats()["puts"] - puts_before,
+            token_count=len(ids),
+            chunk_size=self.chunking.chunk_size,
+            chunk_boundary_aligned=tail == 0,
+            partial_tail_tokens=tail,
+            alignment_warning=warning,
+        )
+
+    # ------------------------------------------------------------------ generate
+    def generate(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 64,
+        mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
+        temperature: float = 1.0,
+        do_sample: bool = False,
+        top_p: float = 1.0,
+        stop: str | Sequence[str] | None = None,
+        *,
+        seed: int | None = None,
+        cache_salt: str | None = None,
+        on_token: Callable[[int], None] | None = None,
+        cancel: threading.Event | None = None,
+        logprobs: int | None = None,
+    ) -> GenerationResult:
+        """Generate a completion of ``prompt`` (string or chat messages). ``temperature=0`` means greedy.
+
+        ``on_token`` receives each generated token id as soon as it exists; setting ``cancel`` stops generation
+        (finish_reason ``"cancelled"``); ``logprobs=k`` returns each token's log-probability and the top ``k``.
+        """
+        return self.generate_batch(
+            [prompt], max_new_tokens, mode, temperature, do_sample, top_p, stop,
+            seed=seed, cache_salt=cache_salt, cancel=cancel, logprobs=logprobs,
+            on_token=None if on_token is None else (lambda tokens: on_token(tokens[0])),
+        )[0]
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Prompt],
+        max_new_tokens: int = 64,
+        mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
+        temperature: float = 1.0,
+        do_sample: bool = False,
+        top_p: float = 1.0,
+        stop: str | Sequence[str] | None = None,
+        *,
+        seed: int | None = None,
+        cache_salt: str | None = None,
+        on_token: Callable[[list[int]], None] | None = None,
+        cancel: threading.Event | None = None,
+        logprobs: int | None = None,
+    ) -> list[GenerationResult]:
+        """Generate for several prompts in one left-padded batch (best when they share a prefix: its K/V is
+        looked up once per chunk). Each row's greedy output equals what it gets alone. TTFT is the batch's."""
+        started = time.perf_counter()
+        if not prompts:
+            raise ValueError("prompts is empty")
+        mode = GenerationMode(mode)
+        encoded = [self.encode(p) for p in prompts]
+        for ids in encoded:
+            self._check_length(len(ids), max_new_tokens)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        input_ids, attention_mask = self._left_pad(encoded)
+        cache = DynamicCache() if mode is GenerationMode.BASELINE else self.new_cache(mode, cache_salt)
+        timer = TokenTimer(on_token)
+        sampling = do_sample and temperature > 0
+        options: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "do_sample": sampling,
+            "streamer": timer,
+            "past_key_values": cache,
+            "attention_mask": attention_mask,
+            "pad_token_id": self._pad_token_id(),
+            "return_dict_in_generate": True,
+            "output_logits": logprobs is not None,
+        }
+        if sampling:
+            options.update(temperature=float(temperature), top_p=float(top_p), top_k=0)
+        else:
+            options.update(temperature=None, top_p=None, top_k=None)
+        if stops:
+            options.update(stop_strings=stops, tokenizer=self.tokenizer)
+        if cancel is not None:
+            options["stopping_criteria"] = [CancelCriteria(cancel)]
+        with self._lock, torch.inference_mode():
+            if seed is not None:
+                torch.manual_seed(seed)
+            output = self.model.generate(input_ids, **options)
+        finished = time.perf_counter()
+        first = timer.first_token_time or finished
+        reuse = cache.last_reuse if isinstance(cache, ChunkReuseCache) else []
+        results = []
+        for row, ids in enumerate(encoded):
+            generated = self._trim_generated(output.sequences[row, input_ids.shape[1] :].tolist())
+            text, finish = self._finish(generated, max_new_tokens, stops, cancel)
+            cached = reuse[row].cached_tokens if row < len(reuse) else 0
+            decode_s = max(finished - first, 1e-9)
+            row_logprobs = self._logprobs(output.logits, row, generated, logprobs) if logprobs is not None else None
+            results.append(
+                GenerationResult(
+                    mode=mode.value,
+                    prompt=self.tokenizer.decode(ids),
+                    output_text=text,
+                    output_ids=generated,
+                    generated_tokens=len(generated),
+                    ttft_ms=(first - started) * 1e3,
+                    total_ms=(finished - started) * 1e3,
+                    tokens_per_sec=(len(generated) - 1) / decode_s if len(generated) > 1 else 0.0,
+                    kv_reuse_ratio=cached / len(ids),
+                    prompt_tokens=len(ids),
+                    cached_tokens=cached,
+                    finish_reason=finish,
+                    token_logprobs=None if row_logprobs is None else row_logprobs[0],
+                    top_logprobs=None if row_logprobs is None else row_logprobs[1],
+                )
+            )
+        return results
+
+    def generate_many(
+        self, prompts: Sequence[Prompt], max_new_tokens: int = 64, *, max_batch_size: int = 8, **kwargs: Any
+    ) -> list[GenerationResult]:
+        """Generate for many prompts: those sharing their first chunk run as one batch; input order is kept."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for index, prompt in enumerate(prompts):
+            ids = self.encode(prompt)
+            spans = chunk_spans(ids, self.chunking)
+            head = tuple(ids[: spans[0][1]]) if spans else ("unique", index)
+            groups.setdefault(head, []).append(index)
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        for members in groups.values():
+            for lo in range(0, len(members), max_batch_size):
+                batch = members[lo : lo + max_batch_size]
+                outputs = self.generate_batch([prompts[i] for i in batch], max_new_tokens, **kwargs)
+                for index, result in zip(batch, outputs, strict=True):
+                    results[index] = result
+        return [r for r in results if r is not None]
+
+    # ------------------------------------------------------------------ checks and stats
+    def cache_stats(self) -> dict[str, int]:
+        """Store counters: hits, misses, chunks, evictions, and bytes per tier (``ram_bytes``, ...)."""
+        return self.store.stats()
+
+    def verify_correctness(
+        self, prompts: Sequence[Prompt] | None = None, max_new_tokens: int = 32
+    ) -> CorrectnessReport:
+        """Greedy output with reuse (after the prompt's chunks are stored) against plain generation."""
+        if prompts is None:
+            from kvboost_hf.corpus import sample_prompts
+
+            prompts = sample_prompts()
+        report = CorrectnessReport()
+        for prompt in prompts:
+            baseline = self._greedy_with_logits(prompt, max_new_tokens, GenerationMode.BASELINE)
+            self._greedy_with_logits(prompt, max_new_tokens, GenerationMode.CHUNK_KV_REUSE)  # stores the chunks
+            reused = self._greedy_with_logits(prompt, max_new_tokens, GenerationMode.CHUNK_KV_REUSE)
+            (base_ids, base_logits, _), (reuse_ids, reuse_logits, cached) = baseline, reused
+            first_diff = next(
+                (i for i, (a, b) in enumerate(zip(base_ids, reuse_ids, strict=False)) if a != b),
+                None if len(base_ids) == len(reuse_ids) else min(len(base_ids), len(reuse_ids)),
+            )
+            compared = len(base_logits) if first_diff is None else first_diff + 1
+            diff = max(
+                (float((a - b).abs().max()) for a, b in zip(base_logits[:compared], reuse_logits, strict=False)),
+                default=0.0,
+            )
+            report.checks.append(
+                PromptCheck(self.render(prompt), first_diff is None, first_diff, diff, cached)
+            )
+        return report
+
+    # ------------------------------------------------------------------ internals
+    def _greedy_with_logits(
+        self, prompt: Prompt, max_new_tokens: int, mode: GenerationMode
+    ) -> tuple[list[int], list[torch.Tensor], int]:
+        ids = torch.tensor([self.encode(prompt)], device=self.device)
+        cache = DynamicCache() if mode is GenerationMode.BASELINE else self.new_cache(mode)
+        with self._lock, torch.inference_mode():
+            out = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=max_new_tokens,
+                do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=self._pad_token_id(),
+                return_dict_in_generate=True, output_logits=True,
+            )
+        cached = cache.last_reuse[0].cached_tokens if isinstance(cache, ChunkReuseCache) else 0
+        return out.sequences[0, ids.shape[1] :].tolist(), [x[0].float().cpu() for x in out.logits], cached
+
+    def _pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = self.tokenizer.eos_token_id
+        return int(pad if pad is not None else 0)
+
+    def _left_pad(self, encoded: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(ids) for ids in encoded)
+        pad = self._pad_token_id()
+        input_ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(encoded), width), dtype=torch.long)
+        for row, ids in enumerate(encoded):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)
+            mask[row, width - len(ids) :] = 1
+        return input_ids.to(self.device), mask.to(self.device)
+
+    def _eos_ids(self) -> set[int]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return set(eos if isinstance(eos, list) else [eos]) - {None}
+
+    def _trim_generated(self, tokens: list[int]) -> list[int]:
+        """Drop the padding generate() appends to rows that finished before the others (keeps the EOS)."""
+        eos = self._eos_ids()
+        for i, token in enumerate(tokens):
+            if token in eos:
+                return tokens[: i + 1]
+        return tokens
+
+    def _finish(
+        self, generated: list[int], max_new_tokens: int, stops: list[str], cancel: threading.Event | None
+    ) -> tuple[str, str]:
+        """Output text cut exactly before the first stop string, and the finish reason."""
+        text = self.tokenizer.decode(generated, skip_special_tokens=True)
+        cuts = [text.find(s) for s in stops if s and s in text]
+        if cuts:
+            return text[: min(cuts)], "stop"
+        if generated and generated[-1] in self._eos_ids():
+            return text, "stop"
+        if cancel is not None and cancel.is_set():
+            return text, "cancelled"
+        return text, "length" if len(generated) >= max_new_tokens else "stop"
+
+    @staticmethod
+    def _logprobs(
+        logits: tuple[torch.Tensor, ...], row: int, generated: list[int], top: int
+    ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        chosen, tops = [], []
+        for step, token in enumerate(generated):
+            logp = torch.log_softmax(logits[step][row].float(), dim=-1)
+            chosen.append(float(logp[token]))
+            values, indices = logp.topk(top) if top > 0 else (logp[:0], logp[:0].long())
+            tops.append([(int(i), float(v)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)])
+        return chosen, tops

@@ -1,0 +1,79 @@
+"""Result types returned by the engine (plain dataclasses, JSON-friendly through ``dataclasses.asdict``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RecomputeStrategy(str, Enum):
+    """How stitched K/V that missed their real preceding context are repaired.
+
+    Exact prefix hits never need repair; these strategies apply to non-prefix (content-key) hits.
+    """
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    CACHEBLEND = "cacheblend"
+
+
+@dataclass
+class GenerationResult:
+    """One generated completion. Times are milliseconds from the call; TTFT ends when the first generated
+    token is available (synchronised on GPU), tokenisation, lookup and stitching included."""
+
+    mode: str
+    prompt: str
+    output_text: str
+    output_ids: list[int]
+    generated_tokens: int
+    ttft_ms: float
+    total_ms: float
+    tokens_per_sec: float
+    kv_reuse_ratio: float
+    prompt_tokens: int
+    cached_tokens: int
+    finish_reason: str  # "stop" (EOS or a stop string), "length" or "cancelled"
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class WarmResult:
+    """What :meth:`~kvboost_hf.engine.InferenceEngine.warm` stored.
+
+    Only full chunks are stored; ``partial_tail_tokens`` after the last full chunk are not, and
+    ``alignment_warning`` says so when they exist.
+    """
+
+    chunks_stored: int
+    token_count: int
+    chunk_size: int
+    chunk_boundary_aligned: bool
+    partial_tail_tokens: int
+    alignment_warning: str | None = None
+
+
+@dataclass
+class PromptCheck:
+    """Reuse vs no reuse for one prompt (greedy)."""
+
+    prompt: str
+    tokens_identical: bool
+    first_differing_step: int | None
+    max_logit_diff: float
+    cached_tokens: int
+
+
+@dataclass
+class CorrectnessReport:
+    """Truthy when every prompt produced identical greedy tokens with and without reuse."""
+
+    checks: list[PromptCheck] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return all(check.tokens_identical for check in self.checks)
+
+    @property
+    def max_logit_diff(self) -> float:
+        return max((check.max_logit_diff for check in self.checks), default=0.0)

@@ -1,0 +1,48 @@
+"""Stage 8 helpers for ``generate()``: a streamer that timestamps tokens, and a cancellation criterion."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import StoppingCriteria
+from transformers.generation.streamers import BaseStreamer
+
+
+class TokenTimer(BaseStreamer):
+    """Records when each generated token becomes available and forwards it to ``on_token``.
+
+    ``generate()`` first puts the prompt, then one tensor of new tokens (one per batch row) per step. Moving a
+    token to the CPU synchronises the device, so a timestamp is taken when the token really exists.
+    ``first_token_time`` is a ``time.perf_counter()`` value, or None before the first token.
+    """
+
+    def __init__(self, on_token: Callable[[list[int]], None] | None = None) -> None:
+        self.on_token = on_token
+        self.first_token_time: float | None = None
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        tokens = value.reshape(-1).tolist()
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        if self.on_token is not None:
+            self.on_token(tokens)
+
+    def end(self) -> None:
+        return None
+
+
+class CancelCriteria(StoppingCriteria):
+    """Stops every row as soon as ``event`` is set (a client disconnected)."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
