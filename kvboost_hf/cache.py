@@ -10,8 +10,10 @@ Data path of one ``generate`` call (the hooks live in :mod:`kvboost_hf.hooks`):
 1. before the first forward: the prompt's chunks are looked up (:mod:`kvboost_hf.lookup`); the longest run of
    exact (prefix-key) hits is stitched into the layers, and the forward's ``input_ids``/``position_ids`` are cut
    to the uncached tail, so the model computes only what is missing;
-2. after each forward: the fed tokens are recorded and every chunk completed by them is written back to the
-   store under its prefix key (the next turn of a conversation hits the previous answer too).
+2. after each forward: the fed tokens are recorded; chunks they complete are written back to the store under
+   their prefix keys (the next turn of a conversation hits the previous answer too). The write-back of a
+   prompt forward is deferred to the next forward (or :meth:`ChunkReuseCache.flush`) so it never delays the
+   first token.
 
 Invariants:
 
@@ -136,6 +138,7 @@ class ChunkReuseCache(Cache):
         self._rows: list[_RowChunks] = []
         self.last_reuse: list[RowReuse] = []
         self.reuse_enabled = True
+        self._write_back_pending = False
         install_hooks(model)
 
     # ------------------------------------------------------------------ state
@@ -199,7 +202,16 @@ class ChunkReuseCache(Cache):
                 f"{self.num_columns} tokens were fed; was the cache shared between two forwards?"
             )
         if self.write_back:
+            if fed.shape[1] > 1 and not self._write_back_pending:
+                self._write_back_pending = True  # a prompt forward: store its chunks after the first token
+            else:
+                self.flush()
+
+    def flush(self) -> None:
+        """Write back every chunk computed so far that is not stored yet (a no-op when all are stored)."""
+        if self.write_back and self.reuse_enabled and self.num_columns:
             self._write_back()
+        self._write_back_pending = False
 
     # ------------------------------------------------------------------ internals
     def _start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:

@@ -18,6 +18,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvboost_hf.cache import ChunkReuseCache, GenerationMode
 from kvboost_hf.chunking import ChunkingConfig, boundary_token_ids_from_tokenizer, chunk_spans
+from kvboost_hf.keys import model_digest
 from kvboost_hf.models import check_model_support, load_model_and_tokenizer
 from kvboost_hf.results import (
     CorrectnessReport,
@@ -84,6 +85,7 @@ class InferenceEngine:
             store = ChunkStore(max_cache_bytes, **tier_options)
         self.store = store
         self._lock = threading.Lock()
+        model_digest(model)  # computed once here, not inside the first request's TTFT
 
     @classmethod
     def from_pretrained(
@@ -111,9 +113,7 @@ class InferenceEngine:
         messages = list(prompt)
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError("a chat prompt must be a non-empty list of {'role': ..., 'content': ...} messages")
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def encode(self, prompt: Prompt, *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered prompt; raises on an empty prompt."""
@@ -160,6 +160,7 @@ class InferenceEngine:
         with self._lock, torch.inference_mode():
             input_ids = torch.tensor([ids], device=self.device)
             self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache.flush()
         spans = chunk_spans(ids, self.chunking)
         covered = spans[-1][1] if spans else 0
         tail = len(ids) - covered
@@ -201,8 +202,17 @@ class InferenceEngine:
         (finish_reason ``"cancelled"``); ``logprobs=k`` returns each token's log-probability and the top ``k``.
         """
         return self.generate_batch(
-            [prompt], max_new_tokens, mode, temperature, do_sample, top_p, stop,
-            seed=seed, cache_salt=cache_salt, cancel=cancel, logprobs=logprobs,
+            [prompt],
+            max_new_tokens,
+            mode,
+            temperature,
+            do_sample,
+            top_p,
+            stop,
+            seed=seed,
+            cache_salt=cache_salt,
+            cancel=cancel,
+            logprobs=logprobs,
             on_token=None if on_token is None else (lambda tokens: on_token(tokens[0])),
         )[0]
 
@@ -258,7 +268,9 @@ class InferenceEngine:
             if seed is not None:
                 torch.manual_seed(seed)
             output = self.model.generate(input_ids, **options)
-        finished = time.perf_counter()
+            finished = time.perf_counter()
+            if isinstance(cache, ChunkReuseCache):
+                cache.flush()
         first = timer.first_token_time or finished
         reuse = cache.last_reuse if isinstance(cache, ChunkReuseCache) else []
         results = []
@@ -335,9 +347,7 @@ class InferenceEngine:
                 (float((a - b).abs().max()) for a, b in zip(base_logits[:compared], reuse_logits, strict=False)),
                 default=0.0,
             )
-            report.checks.append(
-                PromptCheck(self.render(prompt), first_diff is None, first_diff, diff, cached)
-            )
+            report.checks.append(PromptCheck(self.render(prompt), first_diff is None, first_diff, diff, cached))
         return report
 
     # ------------------------------------------------------------------ internals
@@ -348,10 +358,20 @@ class InferenceEngine:
         cache = DynamicCache() if mode is GenerationMode.BASELINE else self.new_cache(mode)
         with self._lock, torch.inference_mode():
             out = self.model.generate(
-                ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=max_new_tokens,
-                do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=self._pad_token_id(),
-                return_dict_in_generate=True, output_logits=True,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                past_key_values=cache,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=self._pad_token_id(),
+                return_dict_in_generate=True,
+                output_logits=True,
             )
+            if isinstance(cache, ChunkReuseCache):
+                cache.flush()
         cached = cache.last_reuse[0].cached_tokens if isinstance(cache, ChunkReuseCache) else 0
         return out.sequences[0, ids.shape[1] :].tolist(), [x[0].float().cpu() for x in out.logits], cached
 

@@ -49,7 +49,9 @@ def model_digest(model: torch.nn.Module) -> str:
             flat = tensor.detach().reshape(-1)
             step = max(1, flat.numel() // _WEIGHT_SAMPLES_PER_TENSOR)
             sample = flat[::step][:_WEIGHT_SAMPLES_PER_TENSOR].to("cpu", torch.float64)
-            h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|{float(flat.double().sum()):.10e}".encode())
+            h.update(
+                f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|{float(flat.sum(dtype=torch.float64)):.10e}".encode()
+            )
             h.update(sample.numpy().tobytes())
     digest = h.hexdigest()
     _model_digests[model] = digest
