@@ -16,6 +16,7 @@ With ``group_size=64`` that is 0.53x (8 bits) and 0.28x (4 bits) of float16 stor
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,13 +29,18 @@ STATS_DTYPE = torch.float16
 def stats_shape(shape: tuple[int, ...], group_size: int, per_channel: bool) -> tuple[int, int, int, int]:
     """Shape of the scale and zero tensors of a ``[layers, heads, tokens, head_dim]`` tensor.
 
-    Per channel (keys): ``[layers, heads, head_dim, ceil(tokens / group_size)]``.
+    Per channel (keys): ``[layers, heads, ceil(tokens / group_size), head_dim]``.
     Per token (values): ``[layers, heads, tokens, ceil(head_dim / group_size)]``.
     """
     layers, heads, tokens, dim = shape
     if per_channel:
-        return layers, heads, dim, -(-tokens // group_size)
+        return layers, heads, -(-tokens // group_size), dim
     return layers, heads, tokens, -(-dim // group_size)
+
+
+def _group_axis(per_channel: bool) -> int:
+    """The axis whose consecutive elements share statistics: tokens for keys, channels for values."""
+    return 2 if per_channel else 3
 
 
 def packed_numel(numel: int, bits: int) -> int:
@@ -46,8 +52,7 @@ def packed_numel(numel: int, bits: int) -> int:
 class QuantizedTensor:
     """One quantized ``[layers, heads, tokens, head_dim]`` tensor.
 
-    ``data`` holds the packed uint8 codes in grouping layout: ``[layers, heads, head_dim, tokens]`` order for
-    per-channel (keys), ``[layers, heads, tokens, head_dim]`` for per-token (values), flattened.
+    ``data`` holds the packed uint8 codes of the ``[layers, heads, tokens, head_dim]`` elements in row-major order.
     ``scale`` and ``zero`` are float16 shaped :func:`stats_shape`. ``dtype`` is the dtype to dequantise to.
     """
 
@@ -61,7 +66,7 @@ class QuantizedTensor:
     per_channel: bool
 
     def __post_init__(self) -> None:
-        numel = self.shape[0] * self.shape[1] * self.shape[2] * self.shape[3]
+        numel = math.prod(self.shape)
         expected_stats = stats_shape(self.shape, self.group_size, self.per_channel)
         if (
             self.bits not in SUPPORTED_BITS
@@ -91,17 +96,18 @@ class QuantizedTensor:
 
     def dequantize(self) -> torch.Tensor:
         """The ``[layers, heads, tokens, head_dim]`` tensor in ``dtype``."""
-        layers, heads, tokens, dim = self.shape
-        outer, grouped_len = (dim, tokens) if self.per_channel else (tokens, dim)
-        codes = _unpack(self.data, self.bits, layers * heads * tokens * dim).view(layers, heads, outer, grouped_len)
-        pad = -grouped_len % self.group_size
+        axis = _group_axis(self.per_channel)
+        length = self.shape[axis]
+        codes = _unpack(self.data, self.bits, math.prod(self.shape)).view(self.shape)
+        pad = -length % self.group_size
         if pad:
-            codes = torch.nn.functional.pad(codes, (0, pad))
-        groups = codes.unflatten(-1, (-1, self.group_size)).to(torch.float32)
-        out = torch.addcmul(self.zero.float().unsqueeze(-1), groups, self.scale.float().unsqueeze(-1))
-        out = out.flatten(-2)[..., :grouped_len]
-        if self.per_channel:
-            out = out.transpose(2, 3)
+            pad_widths = (0, 0, 0, pad) if self.per_channel else (0, pad)
+            codes = torch.nn.functional.pad(codes, pad_widths)
+        groups = codes.unflatten(axis, (-1, self.group_size)).to(torch.float32)
+        scale, zero = self.scale.unsqueeze(axis + 1), self.zero.unsqueeze(axis + 1)
+        out = torch.addcmul(zero.float(), groups, scale.float()).flatten(axis, axis + 1)
+        if pad:
+            out = out.narrow(axis, 0, length)
         return out.to(self.dtype).contiguous()
 
 
@@ -141,8 +147,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, per_channel: bool) -> 
     if x.dim() != 4:
         raise ValueError(f"expected [layers, heads, tokens, head_dim], got shape {tuple(x.shape)}")
     shape = (int(x.shape[0]), int(x.shape[1]), int(x.shape[2]), int(x.shape[3]))
-    grouped = x.float().transpose(2, 3) if per_channel else x.float()
-    codes, scale, zero = _quantize_last_axis(grouped, bits, group_size)
+    codes, scale, zero = _quantize_along(x.float(), _group_axis(per_channel), bits, group_size)
     return QuantizedTensor(_pack(codes.reshape(-1), bits), scale, zero, shape, x.dtype, bits, group_size, per_channel)
 
 
@@ -151,16 +156,19 @@ def quantize_chunk(keys: torch.Tensor, values: torch.Tensor, bits: int, group_si
     return QuantizedChunk(quantize(keys, bits, group_size, True), quantize(values, bits, group_size, False))
 
 
-def _quantize_last_axis(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes (uint8, shape of ``x``), scale and zero (float16, ``[..., ceil(n / group_size)]``) along the last axis."""
+def _quantize_along(
+    x: torch.Tensor, axis: int, bits: int, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes (uint8, shape of ``x``), scale and zero (float16, ``ceil(n / group_size)`` groups on ``axis``)."""
     if not bool(torch.isfinite(x).all()):
         raise ValueError("cannot quantize K/V that contain inf or nan")
-    n = x.shape[-1]
+    n = x.shape[axis]
     pad = -n % group_size
-    # Replicating the last element keeps every group's min and max unchanged.
-    padded = torch.cat([x, x[..., -1:].expand(*x.shape[:-1], pad)], dim=-1) if pad else x
-    groups = padded.unflatten(-1, (-1, group_size))
-    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    if pad:  # replicating the last element keeps every group's min and max unchanged
+        last = x.narrow(axis, n - 1, 1)
+        x = torch.cat([x, last.expand(*[pad if d == axis else -1 for d in range(x.dim())])], dim=axis)
+    groups = x.unflatten(axis, (-1, group_size))
+    lo, hi = groups.amin(dim=axis + 1), groups.amax(dim=axis + 1)
     if lo.numel() and float(torch.maximum(lo.abs(), hi.abs()).max()) > torch.finfo(STATS_DTYPE).max / 2:
         raise ValueError("K/V magnitude exceeds what float16 quantization statistics can represent")
     levels = (1 << bits) - 1
@@ -170,8 +178,8 @@ def _quantize_last_axis(x: torch.Tensor, bits: int, group_size: int) -> tuple[to
     too_small = scale.float() * levels + zero.float() < hi
     scale = torch.where(too_small, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
     divisor = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
-    codes = ((groups - zero.float().unsqueeze(-1)) / divisor.unsqueeze(-1)).round_().clamp_(0, levels)
-    codes = codes.flatten(-2)[..., :n].to(torch.uint8)
+    codes = ((groups - zero.float().unsqueeze(axis + 1)) / divisor.unsqueeze(axis + 1)).round_().clamp_(0, levels)
+    codes = codes.flatten(axis, axis + 1).narrow(axis, 0, n).to(torch.uint8)
     return codes, scale, zero
 
 

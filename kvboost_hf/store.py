@@ -1,90 +1,39 @@
 """Stage 3: the chunk store, a stack of tiers behind one small interface.
 
-:class:`ChunkStore` is what the cache talks to: ``get``/``put``/``contains``/``pin``. It owns an ordered list
-of :class:`StorageTier` objects, fastest first (RAM, then disk and remote tiers when configured). A hit in a
-lower tier is promoted into RAM; entries evicted from RAM are demoted to the next tier that accepts them.
+:class:`ChunkStore` is what the cache talks to: ``get``/``put``/``contains``/``pin``. It owns
+
+* a RAM tier (:class:`RamTier`, ``max_bytes``), always;
+* a disk tier (:class:`~kvboost_hf.tiers.disk.DiskTier`) with ``disk_cache_dir``: RAM evictions are demoted
+  into it, its hits are promoted back into RAM, and :meth:`ChunkStore.close` (also run at interpreter exit)
+  writes the RAM entries into it so that a restart keeps them;
+* a remote tier (:class:`~kvboost_hf.tiers.remote.RemoteTier`) with ``remote_url``: every ``put`` is also
+  written there in the background (write-through, so other replicas see new chunks at once); its hits are
+  promoted into RAM.
+
+With ``kv_cache_bits`` 8 or 4 every tier holds the KIVI-quantized form (RAM included: that is the saving);
+``get`` dequantises to the dtype the entry was put with. The live cache never sees quantized tensors.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
+import atexit
 import logging
+import os
 import threading
-from abc import ABC, abstractmethod
+import weakref
 from dataclasses import dataclass
 
 import torch
 
+from kvboost_hf.quantization import DEFAULT_GROUP_SIZE, SUPPORTED_BITS, QuantizedChunk, quantize_chunk
+from kvboost_hf.tiers.base import ChunkKV, FrequencyRecencyOrder, StorageTier, StoredChunk
+from kvboost_hf.tiers.disk import DEFAULT_MAX_BYTES as DEFAULT_DISK_MAX_BYTES
+from kvboost_hf.tiers.disk import DiskTier
+from kvboost_hf.tiers.remote import DEFAULT_PREFIX, RemoteTier
+
+__all__ = ["ChunkKV", "ChunkStore", "RamTier", "StorageTier", "StoredChunk"]
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ChunkKV:
-    """K/V of one chunk for every layer of a model.
-
-    ``keys`` and ``values`` are ``[num_layers, num_kv_heads, num_tokens, head_dim]`` (keys already RoPE-rotated
-    at the chunk's positions). Entries are immutable once stored: readers may share the tensors.
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-
-    def __post_init__(self) -> None:
-        if self.keys.dim() != 4 or self.values.dim() != 4 or self.keys.shape[:3] != self.values.shape[:3]:
-            raise ValueError(
-                "ChunkKV needs keys and values shaped [num_layers, num_kv_heads, num_tokens, head_dim], got "
-                f"{tuple(self.keys.shape)} and {tuple(self.values.shape)}"
-            )
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.keys.shape[2])
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the tensors."""
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-
-
-class StorageTier(ABC):
-    """One level of the store. Implementations are thread-safe and never exceed their byte budget."""
-
-    name: str
-
-    @abstractmethod
-    def get(self, key: str) -> ChunkKV | None:
-        """The entry under ``key``, or None. Never returns an entry whose bytes fail verification."""
-
-    @abstractmethod
-    def put(self, key: str, entry: ChunkKV) -> list[tuple[str, ChunkKV]]:
-        """Store ``entry``; return the entries evicted to make room (for demotion to a lower tier)."""
-
-    @abstractmethod
-    def contains(self, key: str) -> bool: ...
-
-    @abstractmethod
-    def delete(self, key: str) -> None: ...
-
-    @abstractmethod
-    def clear(self) -> None:
-        """Drop every entry."""
-
-    @property
-    @abstractmethod
-    def nbytes(self) -> int:
-        """Bytes currently held."""
-
-    @abstractmethod
-    def __len__(self) -> int: ...
-
-
-@dataclass
-class _RamSlot:
-    entry: ChunkKV
-    hits: int
-    tick: int
-    pinned: bool = False
 
 
 class RamTier(StorageTier):
@@ -102,108 +51,90 @@ class RamTier(StorageTier):
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
-        self._slots: dict[str, _RamSlot] = {}
-        self._heap: list[tuple[int, int, str]] = []  # (hits, tick, key); stale items skipped lazily
-        self._ticks = itertools.count()
+        self._entries: dict[str, StoredChunk] = {}
+        self._order = FrequencyRecencyOrder()
         self._nbytes = 0
         self._lock = threading.RLock()
         self.evictions = 0
 
-    def get(self, key: str) -> ChunkKV | None:
+    def get(self, key: str) -> StoredChunk | None:
         with self._lock:
-            slot = self._slots.get(key)
-            if slot is None:
-                return None
-            slot.hits += 1
-            self._touch(key, slot)
-            return slot.entry
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._order.touch(key, hit=True)
+            return entry
 
-    def put(self, key: str, entry: ChunkKV) -> list[tuple[str, ChunkKV]]:
+    def put(self, key: str, entry: StoredChunk) -> list[tuple[str, StoredChunk]]:
         with self._lock:
-            if key in self._slots:
-                self._touch(key, self._slots[key])
+            if key in self._entries:
+                self._order.touch(key, hit=False)
                 return []
-            size = entry.nbytes
-            evicted: list[tuple[str, ChunkKV]] = []
-            while self._nbytes + size > self.max_bytes:
-                victim = self._pop_victim()
+            evicted: list[tuple[str, StoredChunk]] = []
+            while self._nbytes + entry.nbytes > self.max_bytes:
+                victim = self._order.pop_victim()
                 if victim is None:
                     return [*evicted, (key, entry)]
-                evicted.append(victim)
-            slot = _RamSlot(entry, hits=0, tick=0)
-            self._slots[key] = slot
-            self._nbytes += size
-            self._touch(key, slot)
+                evicted.append((victim, self._remove(victim)))
+                self.evictions += 1
+            self._entries[key] = entry
+            self._nbytes += entry.nbytes
+            self._order.add(key)
             return evicted
 
     def contains(self, key: str) -> bool:
         with self._lock:
-            return key in self._slots
+            return key in self._entries
 
     def delete(self, key: str) -> None:
         with self._lock:
-            slot = self._slots.pop(key, None)
-            if slot is not None:
-                self._nbytes -= slot.entry.nbytes
+            if key in self._entries:
+                self._order.discard(key)
+                self._remove(key)
 
     def clear(self) -> None:
         with self._lock:
-            self._slots.clear()
-            self._heap.clear()
+            self._entries.clear()
+            self._order.clear()
             self._nbytes = 0
+
+    def items(self) -> list[tuple[str, StoredChunk]]:
+        """A snapshot of the resident entries."""
+        with self._lock:
+            return list(self._entries.items())
 
     def pin(self, key: str) -> bool:
         """Protect ``key`` from eviction; False if it is not resident."""
         with self._lock:
-            slot = self._slots.get(key)
-            if slot is None:
+            if key not in self._entries:
                 return False
-            slot.pinned = True
+            self._order.pin(key)
             return True
 
     def unpin(self, key: str) -> None:
         with self._lock:
-            slot = self._slots.get(key)
-            if slot is not None and slot.pinned:
-                slot.pinned = False
-                self._touch(key, slot)
+            if key in self._entries:
+                self._order.unpin(key)
 
     def is_pinned(self, key: str) -> bool:
         with self._lock:
-            slot = self._slots.get(key)
-            return slot is not None and slot.pinned
+            return self._order.is_pinned(key)
 
     def eviction_order(self) -> list[str]:
         """Unpinned keys in the order they would be evicted (for inspection and tests)."""
         with self._lock:
-            unpinned = [(s.hits, s.tick, k) for k, s in self._slots.items() if not s.pinned]
-            return [k for _, _, k in sorted(unpinned)]
+            return self._order.order()
 
     @property
     def nbytes(self) -> int:
         return self._nbytes
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return len(self._entries)
 
-    def _touch(self, key: str, slot: _RamSlot) -> None:
-        slot.tick = next(self._ticks)
-        heapq.heappush(self._heap, (slot.hits, slot.tick, key))
-        if len(self._heap) > 4 * len(self._slots) + 64:
-            self._heap = [(s.hits, s.tick, k) for k, s in self._slots.items()]
-            heapq.heapify(self._heap)
-
-    def _pop_victim(self) -> tuple[str, ChunkKV] | None:
-        while self._heap:
-            hits, tick, key = heapq.heappop(self._heap)
-            slot = self._slots.get(key)
-            if slot is None or slot.tick != tick or slot.hits != hits or slot.pinned:
-                continue  # stale heap item; a pinned slot is pushed again on unpin
-            del self._slots[key]
-            self._nbytes -= slot.entry.nbytes
-            self.evictions += 1
-            return key, slot.entry
-        return None
+    def _remove(self, key: str) -> StoredChunk:
+        entry = self._entries.pop(key)
+        self._nbytes -= entry.nbytes
+        return entry
 
 
 @dataclass
@@ -217,76 +148,136 @@ class StoreStats:
 
 
 class ChunkStore:
-    """Chunk K/V store: a RAM tier of ``max_bytes`` plus optional lower tiers (disk, remote).
+    """Chunk K/V store: RAM (``max_bytes``), then optional disk and Redis tiers (see the module docstring).
 
-    Thread-safe. ``get`` searches tiers in order and promotes a lower-tier hit to RAM; ``put`` writes to RAM
-    and demotes what RAM evicts to the next tier. Entries are kept on ``device`` (CPU by default).
+    Args:
+        max_bytes: RAM budget in bytes (of the stored form: quantized bytes with ``kv_cache_bits`` < 16).
+        kv_cache_bits: 16 keeps K/V as computed; 8 or 4 stores KIVI-quantized K/V in every tier.
+        kv_group_size: quantization group in tokens (keys) and channels (values).
+        disk_cache_dir: enables the disk tier in that directory (one process at a time).
+        disk_max_bytes: size of the disk tier's slot file in bytes.
+        remote_url: enables the Redis tier (``redis://`` or ``rediss://``, credentials in the URL).
+        remote_prefix: prefix of every Redis key this store reads and writes.
+        device: where RAM entries live and where ``get`` returns them.
+
+    Thread-safe. Never returns K/V that failed verification: a damaged disk or Redis record is a miss.
     """
 
     def __init__(
         self,
         max_bytes: int = 2 << 30,
         *,
-        lower_tiers: list[StorageTier] | None = None,
+        kv_cache_bits: int = 16,
+        kv_group_size: int = DEFAULT_GROUP_SIZE,
+        disk_cache_dir: str | os.PathLike[str] | None = None,
+        disk_max_bytes: int = DEFAULT_DISK_MAX_BYTES,
+        remote_url: str | None = None,
+        remote_prefix: str = DEFAULT_PREFIX,
         device: torch.device | str = "cpu",
     ) -> None:
-        self.ram = RamTier(max_bytes)
-        self.lower_tiers: list[StorageTier] = list(lower_tiers or [])
+        if kv_cache_bits != 16 and kv_cache_bits not in SUPPORTED_BITS:
+            raise ValueError(f"kv_cache_bits must be 16, 8 or 4, got {kv_cache_bits}")
+        if kv_group_size < 1:
+            raise ValueError(f"kv_group_size must be >= 1 (tokens or channels), got {kv_group_size}")
+        self.kv_cache_bits = kv_cache_bits
+        self.kv_group_size = kv_group_size
         self.device = torch.device(device)
+        self.ram = RamTier(max_bytes)
+        self.disk = DiskTier(disk_cache_dir, disk_max_bytes) if disk_cache_dir is not None else None
+        self.remote = RemoteTier(remote_url, prefix=remote_prefix) if remote_url else None
         self._stats = StoreStats()
-        self._tier_hits: dict[str, int] = {tier.name: 0 for tier in self.tiers}
-        self._lock = threading.RLock()
+        self._tier_hits = {"ram": 0, "disk": 0, "remote": 0}
+        self._lock = threading.Lock()
+        self._closed = False
+        if self.disk is not None or self.remote is not None:
+            atexit.register(_close_at_exit, weakref.ref(self))
 
     @property
     def tiers(self) -> list[StorageTier]:
-        return [self.ram, *self.lower_tiers]
+        """Configured tiers, fastest first."""
+        return [tier for tier in (self.ram, self.disk, self.remote) if tier is not None]
 
     def get(self, key: str) -> ChunkKV | None:
-        """The entry under ``key`` from the fastest tier holding it, or None (counted as a miss)."""
-        with self._lock:
-            for tier in self.tiers:
-                entry = tier.get(key)
-                if entry is None:
-                    continue
+        """The entry under ``key`` from the fastest tier holding it, dequantised, or None (counted as a miss)."""
+        for tier in self.tiers:
+            stored = tier.get(key)
+            if stored is None:
+                continue
+            with self._lock:
                 self._stats.hits += 1
                 self._tier_hits[tier.name] += 1
-                if tier is not self.ram:
-                    self._demote(self.ram.put(key, entry))
-                return entry
+            if tier is not self.ram:
+                stored = stored.to(self.device)
+                self._demote(self.ram.put(key, stored))
+            return _materialize(stored)
+        with self._lock:
             self._stats.misses += 1
-            return None
+        return None
 
     def contains(self, key: str) -> bool:
-        with self._lock:
-            return any(tier.contains(key) for tier in self.tiers)
+        return any(tier.contains(key) for tier in self.tiers)
 
     def put(self, key: str, entry: ChunkKV) -> None:
-        """Store ``entry`` under ``key``; a key already present is only touched (entries are immutable)."""
-        entry = ChunkKV(entry.keys.to(self.device), entry.values.to(self.device))
+        """Store ``entry`` under ``key`` (quantized if configured); a key already present is only touched."""
+        stored: StoredChunk
+        if self.kv_cache_bits == 16:
+            stored = entry.to(self.device)
+        else:
+            stored = quantize_chunk(entry.keys, entry.values, self.kv_cache_bits, self.kv_group_size).to(self.device)
         with self._lock:
             self._stats.puts += 1
-            self._demote(self.ram.put(key, entry))
-            if not self.ram.contains(key):
+        self._demote(self.ram.put(key, stored))
+        if not self.ram.contains(key) and (self.disk is None or not self.disk.contains(key)):
+            with self._lock:
                 self._stats.rejected += 1
+        if self.remote is not None:
+            self.remote.put(key, stored)
 
     def pin(self, key: str) -> bool:
         """Keep ``key`` resident in RAM (loading it from a lower tier if needed); False if unknown."""
-        with self._lock:
-            if not self.ram.contains(key) and self.get(key) is None:
-                return False
-            return self.ram.pin(key)
+        if not self.ram.contains(key) and self.get(key) is None:
+            return False
+        return self.ram.pin(key)
 
     def unpin(self, key: str) -> None:
         self.ram.unpin(key)
 
     def clear(self) -> None:
-        """Drop every entry of every tier."""
+        """Drop every entry of every tier, including the Redis records under this store's prefix."""
+        for tier in self.tiers:
+            tier.clear()
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        """Write RAM entries into the disk tier and its index, and wait (up to ``timeout_s``) for Redis writes."""
+        if self.disk is not None:
+            for key, stored in self.ram.items():
+                self.disk.put(key, stored)
+            self.disk.flush()
+        if self.remote is not None:
+            self.remote.flush(timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """:meth:`flush`, then release the disk tier's files and stop the Redis writer. Idempotent."""
         with self._lock:
-            for tier in self.tiers:
-                tier.clear()
+            if self._closed:
+                return
+            self._closed = True
+        self.flush(timeout_s)
+        if self.disk is not None:
+            self.disk.close()
+        if self.remote is not None:
+            self.remote.close(timeout_s)
+
+    def __enter__(self) -> ChunkStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def stats(self) -> dict[str, int]:
-        """hits, misses, puts, rejected, evictions, chunks (in RAM), and ``<tier>_bytes`` / ``<tier>_hits``."""
+        """Counters: hits, misses, puts, rejected, evictions (RAM), chunks (in RAM), ``{ram,disk,remote}_bytes``,
+        ``{ram,disk,remote}_hits``, ``disk_evictions``, ``corrupt`` (disk + Redis records refused),
+        ``remote_errors``, ``remote_dropped`` (writes not done). Tiers not configured report 0."""
         with self._lock:
             out = {
                 "hits": self._stats.hits,
@@ -295,17 +286,37 @@ class ChunkStore:
                 "rejected": self._stats.rejected,
                 "evictions": self.ram.evictions,
                 "chunks": len(self.ram),
+                **{f"{name}_hits": hits for name, hits in self._tier_hits.items()},
             }
-            for tier in self.tiers:
-                out[f"{tier.name}_bytes"] = tier.nbytes
-                out[f"{tier.name}_hits"] = self._tier_hits[tier.name]
-            return out
+        disk, remote = self.disk, self.remote
+        out |= {
+            "ram_bytes": self.ram.nbytes,
+            "disk_bytes": disk.nbytes if disk else 0,
+            "remote_bytes": remote.nbytes if remote else 0,
+            "disk_chunks": len(disk) if disk else 0,
+            "disk_evictions": disk.evictions if disk else 0,
+            "corrupt": (disk.corrupt if disk else 0) + (remote.corrupt if remote else 0),
+            "remote_errors": remote.errors if remote else 0,
+            "remote_dropped": remote.dropped if remote else 0,
+        }
+        return out
 
-    def _demote(self, evicted: list[tuple[str, ChunkKV]]) -> None:
-        """Cascade entries evicted from one tier into the next; what the last tier evicts is dropped."""
-        for tier in self.lower_tiers:
-            if not evicted:
-                return
-            evicted = [spilled for key, entry in evicted for spilled in tier.put(key, entry)]
-        for key, _ in evicted:
-            logger.debug("chunk %s left the store", key[:12])
+    def _demote(self, evicted: list[tuple[str, StoredChunk]]) -> None:
+        """Entries leaving RAM go to the disk tier when there is one; otherwise they leave the store."""
+        for key, stored in evicted:
+            if self.disk is not None:
+                self.disk.put(key, stored)
+            else:
+                logger.debug("chunk %s left the store", key[:12])
+
+
+def _materialize(stored: StoredChunk) -> ChunkKV:
+    if isinstance(stored, QuantizedChunk):
+        return ChunkKV(*stored.dequantize())
+    return stored
+
+
+def _close_at_exit(ref: weakref.ref[ChunkStore]) -> None:
+    store = ref()
+    if store is not None:
+        store.close(timeout_s=2.0)
