@@ -20,6 +20,7 @@ slice writes a normalised partial output and its log2-sum-exp, and ``_combine_ke
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -70,7 +71,7 @@ def _attn_fwd_kernel(
     MASK_KIND: 0 no tensor mask, 1 boolean (stored as uint8, nonzero = attend), 2 additive float.
     qk_scale is softmax scale * log2(e). The key slice is [pid_s * split_len, (pid_s + 1) * split_len).
     """
-    pid_m = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal row blocks first: better tail balance
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
     b = pid_bh // num_heads_kv
@@ -298,3 +299,44 @@ def flash_attention(
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         )
     return out
+
+
+_TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def compile_for_cuda(arch: int = 90) -> int:
+    """Compile, without a GPU, kernel variants the launcher picks on CUDA for ``sm_<arch>``; return their count.
+
+    Each dtype in a prefill and a split-K decode configuration, cycling through head dims 64/80/96/128, the
+    mask kinds and causal modes. Raises ``RuntimeError`` under ``TRITON_INTERPRET=1``.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if not isinstance(_attn_fwd_kernel, triton.runtime.JITFunction):
+        raise RuntimeError("kernels are interpreted (TRITON_INTERPRET=1); compile in a process without it")
+    target = GPUTarget("cuda", arch, 32)
+
+    def build(kernel: triton.runtime.JITFunction, types: dict[str, str], constants: dict[str, object], **opts: int):
+        names = kernel.arg_names
+        signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in names}
+        source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constants.items()})
+        triton.compile(source, target=target, options=opts)
+
+    variants = list(itertools.product(SUPPORTED_DTYPES, (4096, 4)))  # rows per (batch, kv head): prefill, decode
+    for index, (dtype, rows) in enumerate(variants):
+        split, mask_kind, head_dim = rows < 64, index % 3, (64, 80, 96, 128)[index % 4]
+        block_d = triton.next_power_of_2(head_dim)
+        cfg = _launch_config(torch.device("cuda"), dtype, rows, block_d)
+        io = "*" + _TRITON_TYPES[dtype]
+        types = {"q_ptr": io, "k_ptr": io, "v_ptr": io, "o_ptr": "*fp32" if split else io, "lse_ptr": "*fp32",
+                 "mask_ptr": "*u8" if mask_kind == 1 else "*fp32", "qpos_ptr": "*i32", "qk_scale": "fp32"}
+        constants = {
+            "GROUP": 4, "HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+            "CAUSAL": mask_kind == 0, "HAS_QPOS": split, "MASK_KIND": mask_kind, "WRITE_LSE": split,
+            "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32", "DOT_UPCAST": False,
+        }
+        build(_attn_fwd_kernel, types, constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    combine_types = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "o_ptr": "*bf16"}
+    build(_combine_kernel, combine_types, {"HEAD_DIM": 80, "BLOCK_D": 128, "BLOCK_S": 8})
+    return len(variants) + 1

@@ -6,6 +6,8 @@ Shapes are small but never multiples of the interpreter's 16x16 tiles, so every 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernel module
 
@@ -134,3 +136,14 @@ def test_rejects_bad_inputs() -> None:
     q, k, v = _qkv(1, 2, 2, 4, 4, 64, torch.float64)
     with pytest.raises(ValueError, match="dtypes"):
         flash_attention(q, k, v)
+
+
+def test_compiles_for_hopper() -> None:
+    """The real (not interpreted) kernels compile for sm_90 without a GPU, in a process without TRITON_INTERPRET."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    code = "from kvboost_hf.kernels.flash_attention import compile_for_cuda; print(compile_for_cuda(90))"
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
