@@ -183,7 +183,7 @@ class DiskTier(StorageTier):
             self.flush()
             self._finalizer()
 
-    def keys(self) -> list[str]:
+    def indexed_keys(self) -> list[str]:
         """Keys currently indexed (verified only when read)."""
         with self._lock:
             return list(self._entries)
