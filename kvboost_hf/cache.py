@@ -177,11 +177,16 @@ class ChunkReuseCache(Cache):
             return
         if self.num_columns == 0:
             self._start(input_ids, kwargs.get("attention_mask"))
-        if not self.reuse_enabled or self.mode is GenerationMode.BASELINE or input_ids.shape[1] < 2:
+        # Skipped tokens produce no logits: only skip when the caller asks for the last ``logits_to_keep`` only
+        # (generate() does; a plain forward with the default 0 wants every position's logits).
+        keep = kwargs.get("logits_to_keep", 0)
+        if not self.reuse_enabled or self.mode is GenerationMode.BASELINE or not isinstance(keep, int) or keep < 1:
+            return
+        if input_ids.shape[1] <= keep:
             return
         cached_before = self.num_columns
         full = torch.cat([self.tokens, input_ids.to(self.tokens.device)], dim=1)
-        skip = self._stitch_hits(full) - cached_before
+        skip = self._stitch_hits(full, full.shape[1] - keep) - cached_before
         if skip <= 0:
             return
         kwargs["input_ids"] = input_ids[:, skip:]
@@ -242,11 +247,11 @@ class ChunkReuseCache(Cache):
         chunks.spans += new_spans
         return chunks
 
-    def _stitch_hits(self, full: torch.Tensor) -> int:
+    def _stitch_hits(self, full: torch.Tensor, limit: int) -> int:
         """Append stored K/V for the leading exact hits of every row; return the columns now covered.
 
         Row ``i`` is covered up to column ``pads[i] + hit_tokens[i]``; the batch can only skip columns covered
-        in every row, and at least one token is left for the forward to produce logits.
+        in every row, and never column ``limit`` or later (those tokens must produce logits).
         """
         n = self.num_columns
         row_hits: list[list[tuple[Span, ChunkKV]]] = []
@@ -259,6 +264,8 @@ class ChunkReuseCache(Cache):
             for span, key in zip(chunks.spans, chunks.keys, strict=True):
                 if span[1] <= present:
                     continue
+                if span[0] >= limit - self.pads[row]:
+                    break
                 entry = self.store.get(key)
                 if entry is None:
                     break
@@ -266,9 +273,9 @@ class ChunkReuseCache(Cache):
                 covered = span[1]
             row_hits.append(entries)
             covered_columns.append(self.pads[row] + covered)
-        target = min(*covered_columns, full.shape[1] - 1)
+        target = min(*covered_columns, limit)
         self.last_reuse = [
-            RowReuse(full.shape[1] - pad, max(0, min(target, full.shape[1] - 1) - pad), len(entries))
+            RowReuse(full.shape[1] - pad, max(0, target - pad), len(entries))
             for pad, entries in zip(self.pads, row_hits, strict=True)
         ]
         if target <= n or not any(row_hits):
@@ -329,14 +336,14 @@ class ChunkReuseCache(Cache):
 
     # ------------------------------------------------------------------ generation strategies
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` columns (assisted decoding); a non-negative value is an absolute
-        length, like ``DynamicCache.crop``'s legacy form."""
-        length = self.num_columns + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
-        length = max(0, min(length, self.num_columns))
-        removed = self.num_columns - length
-        if removed == 0:
+        """Drop the last ``-tokens_to_remove`` columns (assisted decoding); like ``DynamicCache.crop``, a positive
+        value is refused and 0 is a no-op."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop() takes a negative number of tokens to remove, got {tokens_to_remove}")
+        length = max(0, self.num_columns + tokens_to_remove)
+        if length == self.num_columns:
             return
-        super().crop(-removed)
+        super().crop(length - self.num_columns)
         self.tokens = self.tokens[:, :length]
         for row, chunks in enumerate(self._rows):
             chunks.truncate(length - self.pads[row])

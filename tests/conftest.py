@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny random models of each supported architecture, and the embedded model's engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+_COMMON = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=128, max_position_embeddings=512,
+)
+
+# name -> (config class, model class, extra config); Mistral gets a sliding window shorter than the prompts.
+TINY_ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 24}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": 24}),
+}
+EAGER_ONLY = {"gemma2"}  # transformers has no SDPA path for Gemma2's soft-capped attention
+
+
+def make_tiny_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
+    """A randomly initialised 2-layer model of architecture ``name`` in fp32, eval mode."""
+    config_name, model_name, extra = TINY_ARCHITECTURES[name]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(**{**_COMMON, **extra})
+    config._attn_implementation = "eager" if name in EAGER_ONLY else "sdpa"
+    return getattr(transformers, model_name)(config).eval()
+
+
+@pytest.fixture(params=sorted(TINY_ARCHITECTURES))
+def tiny_model(request: pytest.FixtureRequest) -> transformers.PreTrainedModel:
+    return make_tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def embedded_engine():
+    """The embedded SmolLM2-135M-Instruct engine, loaded once per test session."""
+    from kvboost_hf import KVBoost
+
+    return KVBoost.from_pretrained(chunk_size=64)

@@ -1,0 +1,172 @@
+"""ChunkReuseCache as a drop-in ``past_key_values``: exact reuse on every tiny architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+from kvboost_hf import ChunkReuseCache, ChunkStore, GenerationMode
+
+CHUNK = 16
+
+
+def greedy(model, ids, cache=None, new=8, **kwargs):
+    out = model.generate(
+        ids, past_key_values=cache, max_new_tokens=new, do_sample=False, pad_token_id=0,
+        return_dict_in_generate=True, output_logits=True, **kwargs,
+    )
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+@pytest.mark.parametrize("length", [5, CHUNK, 3 * CHUNK, 3 * CHUNK + 1, 60])
+def test_reuse_equals_plain_generate(tiny_model, length):
+    store = ChunkStore(1 << 26)
+    ids = torch.randint(1, 128, (1, length), generator=torch.Generator().manual_seed(length))
+    expected, expected_logits = greedy(tiny_model, ids)
+    for attempt in range(2):  # first call stores, second reuses
+        cache = ChunkReuseCache(store, tiny_model, chunk_size=CHUNK)
+        got, logits = greedy(tiny_model, ids, cache)
+        assert torch.equal(got, expected), f"attempt {attempt}"
+        assert (logits - expected_logits).abs().max() < 1e-4
+    full_chunks = (length + 7) // CHUNK  # the K/V of prompt + generated tokens except the last one
+    assert cache.last_reuse[0].cached_tokens == min(length - 1, (length // CHUNK) * CHUNK)
+    assert store.stats()["chunks"] == full_chunks
+
+
+def test_multi_turn_hits_previous_answer(tiny_model):
+    store = ChunkStore(1 << 26)
+    gen = torch.Generator().manual_seed(1)
+    history = torch.randint(1, 128, (1, 40), generator=gen)
+    for turn in range(3):
+        expected, _ = greedy(tiny_model, history, new=12)
+        cache = ChunkReuseCache(store, tiny_model, chunk_size=CHUNK)
+        got, _ = greedy(tiny_model, history, cache, new=12)
+        assert torch.equal(got, expected)
+        if turn:  # everything before this turn's new message was stored by the previous turn
+            assert cache.last_reuse[0].cached_tokens >= (previous_len // CHUNK) * CHUNK
+        previous_len = got.shape[1] - 1
+        history = torch.cat([got, torch.randint(1, 128, (1, 9), generator=gen)], dim=1)
+
+
+def test_continuing_with_the_same_cache(tiny_model):
+    store = ChunkStore(1 << 26)
+    ids = torch.randint(1, 128, (1, 37), generator=torch.Generator().manual_seed(2))
+    cache = ChunkReuseCache(store, tiny_model, chunk_size=CHUNK)
+    first, _ = greedy(tiny_model, ids, cache)
+    follow = torch.cat([first, torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(3))], 1)
+    got, _ = greedy(tiny_model, follow, cache)
+    expected, _ = greedy(tiny_model, follow)
+    assert torch.equal(got, expected)
+
+
+def test_prompt_that_does_not_extend_the_cache_raises():
+    model = make_tiny_model("llama")
+    cache = ChunkReuseCache(ChunkStore(1 << 26), model, chunk_size=CHUNK)
+    ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(4))
+    greedy(model, ids, cache)
+    other = torch.randint(1, 128, (1, 50), generator=torch.Generator().manual_seed(5))
+    with pytest.raises(ValueError, match="does not extend"):
+        greedy(model, other, cache)
+
+
+def test_left_padded_batch_matches_rows_alone():
+    model = make_tiny_model("llama")
+    store = ChunkStore(1 << 26)
+    gen = torch.Generator().manual_seed(6)
+    shared = torch.randint(1, 128, (40,), generator=gen)
+    rows = [torch.cat([shared, torch.randint(1, 128, (n,), generator=gen)]) for n in (3, 11)]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+    alone = [greedy(model, r[None])[0][0, len(r) :] for r in rows]
+    for _ in range(2):
+        cache = ChunkReuseCache(store, model, chunk_size=CHUNK)
+        got, _ = greedy(model, ids, cache, attention_mask=mask)
+        for i in range(2):
+            assert torch.equal(got[i, width:], alone[i])
+    assert all(r.cached_tokens >= 2 * CHUNK for r in cache.last_reuse)
+
+
+def test_assisted_decoding_crops_the_cache():
+    model = make_tiny_model("llama")
+    assistant = make_tiny_model("llama", seed=1)
+    store = ChunkStore(1 << 26)
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(7))
+    expected, _ = greedy(model, ids, new=12)
+    for _ in range(2):
+        cache = ChunkReuseCache(store, model, chunk_size=CHUNK)
+        out = model.generate(
+            ids, past_key_values=cache, assistant_model=assistant, max_new_tokens=12, do_sample=False,
+            pad_token_id=0,
+        )
+        assert torch.equal(out, expected)
+        assert cache.num_columns == out.shape[1] - 1
+
+
+def test_beam_search_reorders_rows():
+    model = make_tiny_model("qwen2")
+    store = ChunkStore(1 << 26)
+    ids = torch.randint(1, 128, (1, 35), generator=torch.Generator().manual_seed(8))
+    expected = model.generate(ids, num_beams=3, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for _ in range(2):
+        cache = ChunkReuseCache(store, model, chunk_size=CHUNK)
+        out = model.generate(
+            ids, past_key_values=cache, num_beams=3, max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
+        assert torch.equal(out, expected)
+
+
+def test_batch_select_and_repeat_keep_tokens_aligned():
+    model = make_tiny_model("llama")
+    cache = ChunkReuseCache(ChunkStore(1 << 26), model, chunk_size=CHUNK)
+    ids = torch.randint(1, 128, (2, 20), generator=torch.Generator().manual_seed(9))
+    model(ids, past_key_values=cache, use_cache=True)
+    cache.batch_repeat_interleave(2)
+    assert torch.equal(cache.tokens, ids.repeat_interleave(2, 0))
+    assert cache.layers[0].keys.shape[0] == 4
+    cache.batch_select_indices(torch.tensor([3]))
+    assert torch.equal(cache.tokens, ids[1:2])
+    cache.crop(-5)
+    assert cache.num_columns == 15 and cache.get_seq_length() == 15
+
+
+def test_models_do_not_share_entries():
+    first, second = make_tiny_model("llama", seed=0), make_tiny_model("llama", seed=1)
+    store = ChunkStore(1 << 26)
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(10))
+    greedy(first, ids, ChunkReuseCache(store, first, chunk_size=CHUNK))
+    cache = ChunkReuseCache(store, second, chunk_size=CHUNK)
+    got, _ = greedy(second, ids, cache)
+    assert cache.last_reuse[0].cached_tokens == 0
+    assert torch.equal(got, greedy(second, ids)[0])
+
+
+def test_salted_caches_do_not_share_entries():
+    model = make_tiny_model("llama")
+    store = ChunkStore(1 << 26)
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(11))
+    greedy(model, ids, ChunkReuseCache(store, model, chunk_size=CHUNK, cache_salt="tenant-a"))
+    other = ChunkReuseCache(store, model, chunk_size=CHUNK, cache_salt="tenant-b")
+    greedy(model, ids, other)
+    assert other.last_reuse[0].cached_tokens == 0
+    same = ChunkReuseCache(store, model, chunk_size=CHUNK, cache_salt="tenant-a")
+    greedy(model, ids, same)
+    assert same.last_reuse[0].cached_tokens == 32
+
+
+def test_baseline_mode_neither_reads_nor_writes():
+    model = make_tiny_model("llama")
+    store = ChunkStore(1 << 26)
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(12))
+    cache = ChunkReuseCache(store, model, chunk_size=CHUNK, mode=GenerationMode.BASELINE)
+    got, _ = greedy(model, ids, cache)
+    assert torch.equal(got, greedy(model, ids)[0])
+    assert store.stats()["chunks"] == 0 and store.stats()["misses"] == 0
+
+
+def test_chunk_size_must_be_positive():
+    with pytest.raises(ValueError, match="chunk_size"):
+        ChunkReuseCache(ChunkStore(), make_tiny_model("llama"), chunk_size=0)
