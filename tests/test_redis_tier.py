@@ -1,0 +1,238 @@
+"""Redis tier against a private redis-server: round trips, sharing between processes, outages, damage."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+from test_codec import assert_same, make_entry
+
+from kvboost_hf import codec
+from kvboost_hf.tiers.remote import RemoteTier
+
+TESTS_DIR = Path(__file__).parent
+
+
+@dataclass
+class RedisServer:
+    """A redis-server owned by one test; ``stop``/``start`` simulate an outage on the same port."""
+
+    port: int
+    directory: Path
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        assert binary is not None
+        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args += ["--dir", str(self.directory), "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if client.ping():
+                    return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(10)
+            self.process = None
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (.ci/start-redis.sh installs it)")
+    server = RedisServer(_free_port(), tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def remote(redis_server: RedisServer) -> Iterator[RemoteTier]:
+    tier = RemoteTier(redis_server.url, retry_after_s=0.2, timeout_s=0.5)
+    yield tier
+    tier.close(timeout_s=2)
+
+
+def key(i: int) -> str:
+    return f"{i:064x}"
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_through_redis(remote: RemoteTier, redis_server: RedisServer, bits: int, dtype: torch.dtype):
+    entry = make_entry(tokens=33, bits=bits, dtype=dtype)
+    assert remote.put(key(1), entry) == []
+    assert remote.flush(5)
+    raw = redis_server.client().get("kvboost:" + key(1))
+    assert raw is not None and raw[:4] == codec.MAGIC and remote.nbytes == len(raw) and len(remote) == 1
+    reader = RemoteTier(redis_server.url)  # another client, as another replica would be
+    try:
+        got = reader.get(key(1))
+        assert got is not None
+        assert_same(got, entry)
+        assert reader.contains(key(1)) and not reader.contains(key(2))
+    finally:
+        reader.close()
+
+
+def test_prefix_and_key_isolation(remote: RemoteTier, redis_server: RedisServer):
+    """Another prefix sees nothing; a record copied under another key (another namespace) is refused."""
+    remote.put(key(1), make_entry())
+    assert remote.flush(5)
+    other = RemoteTier(redis_server.url, prefix="tenant-b:")
+    try:
+        assert other.get(key(1)) is None
+        other.put(key(1), make_entry(seed=9))
+        assert other.flush(5)
+        got_a, got_b = remote.get(key(1)), other.get(key(1))
+        assert got_a is not None and got_b is not None
+        assert_same(got_a, make_entry())
+        assert_same(got_b, make_entry(seed=9))
+        other.clear()
+        assert remote.get(key(1)) is not None and other.get(key(1)) is None
+    finally:
+        other.close()
+    client = redis_server.client()
+    client.set("kvboost:" + key(2), client.get("kvboost:" + key(1)))
+    assert remote.get(key(2)) is None
+    assert remote.corrupt == 1 and client.exists("kvboost:" + key(2)) == 0
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
+def test_corrupted_values_are_misses(remote: RemoteTier, redis_server: RedisServer, damage: str, caplog):
+    remote.put(key(1), make_entry())
+    assert remote.flush(5)
+    client = redis_server.client()
+    raw = bytearray(client.get("kvboost:" + key(1)))
+    if damage == "flip":
+        raw[len(raw) // 2] ^= 1
+    elif damage == "truncate":
+        raw = raw[: len(raw) - 7]
+    else:
+        raw = bytearray(b"\x80\x04K\x01.")  # a pickle: never unpickled, just refused
+    client.set("kvboost:" + key(1), bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="kvboost_hf.tiers.remote"):
+        assert remote.get(key(1)) is None
+    assert remote.corrupt == 1 and "corrupt" in caplog.text
+    assert client.exists("kvboost:" + key(1)) == 0  # dropped, so the next writer recomputes it
+
+
+def test_outage_degrades_to_misses(remote: RemoteTier, redis_server: RedisServer, caplog):
+    remote.put(key(1), make_entry())
+    assert remote.flush(5)
+    redis_server.stop()
+    with caplog.at_level(logging.WARNING, logger="kvboost_hf.tiers.remote"):
+        started = time.monotonic()
+        for _ in range(20):
+            assert remote.get(key(1)) is None
+            assert not remote.contains(key(1))
+            remote.put(key(2), make_entry(seed=2))
+            remote.delete(key(1))
+        remote.clear()
+        assert time.monotonic() - started < 5  # back-off: no timeout paid on every call
+    assert remote.errors >= 1 and remote.dropped >= 1
+    assert caplog.text.count("unavailable") == 1
+    redis_server.start()  # an empty server on the same port: the tier recovers by itself
+    time.sleep(0.3)
+    remote.put(key(3), make_entry(seed=3))
+    assert remote.flush(5)
+    got = remote.get(key(3))
+    assert got is not None
+    assert_same(got, make_entry(seed=3))
+
+
+def test_full_queue_drops_writes_without_waiting(redis_server: RedisServer):
+    tier = RemoteTier(redis_server.url, queue_size=2, timeout_s=3)
+    admin = redis_server.client()
+    try:
+        admin.execute_command("CLIENT", "PAUSE", "1500", "WRITE")  # the writer's first SET blocks
+        tier.put(key(0), make_entry())
+        deadline = time.monotonic() + 5
+        while tier._queue.qsize() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        started = time.monotonic()
+        for i in range(1, 6):
+            tier.put(key(i), make_entry(seed=i))
+        assert time.monotonic() - started < 0.5
+        assert tier.dropped == 3
+        assert tier.flush(10)
+        assert tier.written == 3
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+        tier.close()
+
+
+_PROCESS = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from conftest import make_tiny_model
+    from kvboost_hf import ChunkReuseCache, ChunkStore
+
+    model = make_tiny_model("llama")
+    ids = torch.randint(1, 128, (1, 70), generator=torch.Generator().manual_seed(7))
+    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    store = ChunkStore(1 << 26, remote_url=sys.argv[1])
+    cache = ChunkReuseCache(store, model, chunk_size=16)
+    out = model.generate(ids, past_key_values=cache, **options)
+    store.close()
+    full_prefill = model.generate(ids, **options)
+    print(json.dumps({
+        "tokens": out[0].tolist(),
+        "full_prefill": full_prefill[0].tolist(),
+        "cached_tokens": cache.last_reuse[0].cached_tokens,
+        "stats": store.stats(),
+    }))
+    """
+)
+
+
+def test_second_process_reuses_first_process_chunks(redis_server: RedisServer):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), *sys.path])}
+
+    def run() -> dict:
+        done = subprocess.run(
+            [sys.executable, "-c", _PROCESS, redis_server.url], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert first["cached_tokens"] == 0 and first["stats"]["remote_bytes"] > 0
+    assert second["cached_tokens"] == 64 and second["stats"]["remote_hits"] == 4
+    assert second["tokens"] == second["full_prefill"] == first["tokens"]
