@@ -38,6 +38,7 @@ def test_multi_turn_hits_previous_answer(tiny_model):
     store = ChunkStore(1 << 26)
     gen = torch.Generator().manual_seed(1)
     history = torch.randint(1, 128, (1, 40), generator=gen)
+    previous_len = 0
     for turn in range(3):
         expected, _ = greedy(tiny_model, history, new=12)
         cache = ChunkReuseCache(store, tiny_model, chunk_size=CHUNK)

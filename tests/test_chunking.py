@@ -1,0 +1,62 @@
+"""Chunk cut points: full chunks only, contiguous, deterministic, stable under extension."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvboost_hf.chunking import ChunkingConfig, chunk_spans
+
+token_lists = st.lists(st.integers(0, 20), max_size=300)
+configs = st.builds(
+    lambda size, window: ChunkingConfig(size, min(window, size - 1), frozenset({0, 1})),
+    st.integers(1, 40),
+    st.integers(0, 10),
+)
+
+
+@given(token_lists, configs)
+def test_spans_are_full_contiguous_and_bounded(tokens, config):
+    spans = chunk_spans(tokens, config)
+    assert all(a == b for (_, a), (b, _) in itertools.pairwise(spans))
+    assert not spans or spans[0][0] == 0
+    for start, end in spans:
+        assert config.chunk_size - config.boundary_window <= end - start <= config.chunk_size
+    tail = len(tokens) - (spans[-1][1] if spans else 0)
+    assert tail >= 0  # whatever is left is the live tail
+    if not config.boundary_window:
+        assert len(spans) == len(tokens) // config.chunk_size
+
+
+@given(token_lists, token_lists, configs)
+def test_chunks_of_a_prefix_are_a_prefix_of_the_chunks(tokens, extension, config):
+    assert chunk_spans(tokens + extension, config)[: len(chunk_spans(tokens, config))] == chunk_spans(tokens, config)
+
+
+@given(token_lists, configs)
+def test_cuts_take_the_latest_boundary_inside_the_window(tokens, config):
+    for start, end in chunk_spans(tokens, config):
+        nominal = start + config.chunk_size
+        window = range(nominal - config.boundary_window, nominal + 1)
+        ends_at_boundary = [cut for cut in window if tokens[cut - 1] in config.boundary_token_ids]
+        assert end == (max(ends_at_boundary) if ends_at_boundary and config.boundary_window else nominal)
+
+
+def test_cut_slides_back_to_a_sentence_end():
+    config = ChunkingConfig(8, 3, frozenset({99}))
+    tokens = [1, 2, 3, 4, 99, 5, 6, 7, 8, 9, 10]
+    assert chunk_spans(tokens, config) == [(0, 5)]
+
+
+@pytest.mark.parametrize("size", [0, -3, 1.5])
+def test_bad_chunk_size_is_refused(size):
+    with pytest.raises(ValueError, match="chunk_size"):
+        ChunkingConfig(size)
+
+
+def test_window_needs_boundary_tokens():
+    with pytest.raises(ValueError, match="boundary_token_ids"):
+        ChunkingConfig(16, 4)

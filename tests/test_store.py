@@ -1,0 +1,103 @@
+"""RAM tier: byte budget, frequency-then-recency eviction, pinning, thread safety, stats."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvboost_hf.store import ChunkKV, ChunkStore
+
+
+def entry(tokens: int, fill: float = 0.0) -> ChunkKV:
+    return ChunkKV(torch.full((2, 1, tokens, 4), fill), torch.full((2, 1, tokens, 4), fill))
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["put", "get", "pin", "unpin"]), st.integers(0, 15), st.integers(1, 12)),
+    max_size=80,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops, st.integers(0, 2000))
+def test_budget_is_never_exceeded(operations, budget):
+    store = ChunkStore(budget)
+    for op, key, tokens in operations:
+        name = f"k{key}"
+        if op == "put":
+            store.put(name, entry(tokens))
+        elif op == "get":
+            store.get(name)
+        elif op == "pin":
+            store.pin(name)
+        else:
+            store.unpin(name)
+        assert store.ram.nbytes <= budget
+        assert store.stats()["ram_bytes"] == sum(stored.nbytes for _, stored in store.ram.items())
+
+
+def test_eviction_prefers_rarely_used_then_least_recent():
+    one = entry(4).nbytes
+    store = ChunkStore(3 * one)
+    for key in ("system", "a", "b"):
+        store.put(key, entry(4))
+    for _ in range(3):
+        store.get("system")  # the shared system prompt: read by every request
+    store.get("a")
+    store.put("c", entry(4))  # must evict "b": fewest hits
+    assert not store.contains("b") and store.contains("system") and store.contains("a")
+    store.put("d", entry(4))  # "a" (1 hit) stays over "c" (0 hits)
+    assert not store.contains("c") and store.contains("a")
+    assert store.ram.eviction_order()[-1] == "system"
+    assert store.stats()["evictions"] == 2
+
+
+def test_pinned_entries_are_never_evicted_and_full_pinned_store_refuses():
+    one = entry(4).nbytes
+    store = ChunkStore(2 * one)
+    store.put("a", entry(4))
+    store.put("b", entry(4))
+    assert store.pin("a") and store.pin("b")
+    store.put("c", entry(4))
+    assert store.contains("a") and store.contains("b") and not store.contains("c")
+    assert store.stats()["rejected"] == 1
+    store.unpin("a")
+    store.put("c", entry(4))
+    assert store.contains("c") and not store.contains("a")
+    assert not store.pin("missing")
+
+
+def test_oversized_entry_is_refused_without_evicting_others():
+    store = ChunkStore(entry(4).nbytes)
+    store.put("small", entry(4))
+    store.put("huge", entry(40))
+    assert store.contains("small") and not store.contains("huge")
+
+
+def test_hits_and_misses_are_counted():
+    store = ChunkStore()
+    store.put("a", entry(2, 1.0))
+    assert torch.equal(store.get("a").keys, entry(2, 1.0).keys)
+    assert store.get("nope") is None
+    stats = store.stats()
+    assert (stats["hits"], stats["misses"], stats["chunks"]) == (1, 1, 1)
+
+
+def test_concurrent_use_keeps_accounting_exact():
+    one = entry(3).nbytes
+    store = ChunkStore(10 * one)
+
+    def worker(offset: int) -> None:
+        for i in range(200):
+            store.put(f"{offset}-{i % 25}", entry(3))
+            store.get(f"{(offset + 1) % 4}-{i % 25}")
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert store.ram.nbytes == len(store.ram) * one <= 10 * one
