@@ -69,6 +69,8 @@ class RamTier(StorageTier):
             if key in self._entries:
                 self._order.touch(key, hit=False)
                 return []
+            if entry.nbytes > self.max_bytes:
+                return [(key, entry)]  # larger than the whole tier: refused without evicting anything
             evicted: list[tuple[str, StoredChunk]] = []
             while self._nbytes + entry.nbytes > self.max_bytes:
                 victim = self._order.pop_victim()
@@ -288,16 +290,16 @@ class ChunkStore:
                 "chunks": len(self.ram),
                 **{f"{name}_hits": hits for name, hits in self._tier_hits.items()},
             }
-        disk, remote = self.disk, self.remote
+        disk, remote = self.disk, self.remote  # tiers define __len__: test them against None, not for truth
         out |= {
             "ram_bytes": self.ram.nbytes,
-            "disk_bytes": disk.nbytes if disk else 0,
-            "remote_bytes": remote.nbytes if remote else 0,
-            "disk_chunks": len(disk) if disk else 0,
-            "disk_evictions": disk.evictions if disk else 0,
-            "corrupt": (disk.corrupt if disk else 0) + (remote.corrupt if remote else 0),
-            "remote_errors": remote.errors if remote else 0,
-            "remote_dropped": remote.dropped if remote else 0,
+            "disk_bytes": disk.nbytes if disk is not None else 0,
+            "remote_bytes": remote.nbytes if remote is not None else 0,
+            "disk_chunks": len(disk) if disk is not None else 0,
+            "disk_evictions": disk.evictions if disk is not None else 0,
+            "corrupt": (disk.corrupt if disk is not None else 0) + (remote.corrupt if remote is not None else 0),
+            "remote_errors": remote.errors if remote is not None else 0,
+            "remote_dropped": remote.dropped if remote is not None else 0,
         }
         return out
 

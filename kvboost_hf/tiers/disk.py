@@ -37,7 +37,7 @@ from kvboost_hf.tiers.base import FrequencyRecencyOrder, StorageTier, StoredChun
 logger = logging.getLogger(__name__)
 
 INDEX_FORMAT = 1
-DEFAULT_SLOT_BYTES = 256 << 10
+MAX_DEFAULT_SLOT_BYTES = 256 << 10
 DEFAULT_MAX_BYTES = 8 << 30
 
 
@@ -50,7 +50,8 @@ class _Placement:
 class DiskTier(StorageTier):
     """Bounded, restart-surviving tier under ``directory`` (see the module docstring for the layout).
 
-    ``max_bytes`` bounds the slot file; ``slot_bytes`` (a multiple of the page size) is the allocation unit and
+    ``max_bytes`` bounds the slot file; ``slot_bytes`` (a multiple of the page size, by default
+    :func:`default_slot_bytes`) is the allocation unit and
     is fixed when the directory is created: reopening with other geometry starts an empty store. Eviction is
     frequency-then-recency like the RAM tier; being the last local tier, it drops its victims (``put`` returns
     only a refused entry). ``nbytes`` counts whole slots in use.
@@ -62,8 +63,10 @@ class DiskTier(StorageTier):
         self,
         directory: str | os.PathLike[str],
         max_bytes: int = DEFAULT_MAX_BYTES,
-        slot_bytes: int = DEFAULT_SLOT_BYTES,
+        slot_bytes: int | None = None,
     ) -> None:
+        if slot_bytes is None:
+            slot_bytes = default_slot_bytes(max_bytes)
         if slot_bytes <= 0 or slot_bytes % mmap.PAGESIZE:
             raise ValueError(f"slot_bytes must be a positive multiple of {mmap.PAGESIZE}, got {slot_bytes}")
         if max_bytes < slot_bytes:
@@ -306,6 +309,11 @@ class DiskTier(StorageTier):
         if codec.peek(self._mm[start : start + min(length, 4096)]) != (key, length):
             return None
         return _Placement(slots, length)
+
+
+def default_slot_bytes(max_bytes: int) -> int:
+    """About ``max_bytes / 1024``, a multiple of the page size, between one page and 256 KiB."""
+    return max(mmap.PAGESIZE, min(MAX_DEFAULT_SLOT_BYTES, max_bytes // 1024 // mmap.PAGESIZE * mmap.PAGESIZE))
 
 
 def _release(mm: mmap.mmap, *files: object) -> None:
