@@ -34,6 +34,7 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 MIN_BIAS: tl.constexpr = tl.constexpr(-1e37)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128
+SHARED_MEMORY_BUDGET = 99 * 1024  # bytes per program: the smallest opt-in limit among sm_80+ GPUs (sm_86/89)
 
 
 @triton.jit
@@ -175,16 +176,20 @@ class _LaunchConfig:
     num_stages: int
 
 
-def _launch_config(device: torch.device, dtype: torch.dtype, rows: int, block_d: int) -> _LaunchConfig:
-    """Pick tiles: small ones for the CPU interpreter (so tests cross tile borders), FA2-like ones on GPU."""
-    row_block = max(16, min(triton.next_power_of_2(rows), 128))
+def _launch_config(device: torch.device, dtype: torch.dtype, rows: int, block_d: int, masked: bool) -> _LaunchConfig:
+    """Pick tiles: small ones for the CPU interpreter (so tests cross tile borders), FA2-like ones on GPU.
+
+    A tensor mask is one more pipelined tile, so masked prefill uses 2 stages to stay in the shared-memory budget.
+    """
     if device.type != "cuda":
-        return _LaunchConfig(min(row_block, 16), 16, 1, 1)
-    if rows <= 64:  # decode / short repair: few rows, stream keys in wide tiles
-        return _LaunchConfig(row_block, 64 if block_d > 64 else 128, 4, 3)
+        return _LaunchConfig(16, 16, 1, 1)
+    decode = rows <= 64  # decode / short repair: one small row block streams the keys
+    block_m = max(16, triton.next_power_of_2(rows)) if decode else 64 if dtype == torch.float32 else 128
     if dtype == torch.float32:
-        return _LaunchConfig(64, 32, 4, 2)
-    return _LaunchConfig(128, 64, 8 if block_d > 64 else 4, 3)
+        return _LaunchConfig(block_m, 32, 4, 2)
+    if decode:
+        return _LaunchConfig(block_m, 64 if block_d > 64 else 128, 4, 3)
+    return _LaunchConfig(block_m, 64, 8 if block_d > 64 else 4, 2 if masked else 3)
 
 
 def _num_programs_target(device: torch.device) -> int:
@@ -194,10 +199,14 @@ def _num_programs_target(device: torch.device) -> int:
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _auto_splits(base_programs: int, num_k: int, block_n: int, device: torch.device) -> int:
-    """Split the key range when the grid is too small to fill the device, keeping >= 4 key tiles per split."""
+def _auto_splits(row_blocks: int, base_programs: int, num_k: int, block_n: int, device: torch.device) -> int:
+    """Split the key range of single-row-block (decode-like) launches when the grid cannot fill the device.
+
+    Keeps at least 4 key tiles per split; prefill (several row blocks) is never split: causal row blocks would
+    leave many slices empty and pay for fp32 partials.
+    """
     target = _num_programs_target(device)
-    if base_programs >= target:
+    if row_blocks > 1 or base_programs >= target:
         return 1
     return max(1, min(math.ceil(target / base_programs), num_k // (4 * block_n), 64))
 
@@ -259,10 +268,10 @@ def flash_attention(
     qpos_t = q_pos.to(device=q.device, dtype=torch.int32).expand(batch, num_q).contiguous() if has_qpos else None
 
     block_d = max(16, triton.next_power_of_2(head_dim))
-    cfg = _launch_config(q.device, q.dtype, group * num_q, block_d)
+    cfg = _launch_config(q.device, q.dtype, group * num_q, block_d, mask_kind != 0)
     row_blocks = triton.cdiv(group * num_q, cfg.block_m)
     if num_splits is None:
-        num_splits = _auto_splits(row_blocks * batch * heads_kv, num_k, cfg.block_n, q.device)
+        num_splits = _auto_splits(row_blocks, row_blocks * batch * heads_kv, num_k, cfg.block_n, q.device)
     num_splits = max(1, min(num_splits, triton.cdiv(max(num_k, 1), cfg.block_n)))
     split_len = triton.cdiv(triton.cdiv(max(num_k, 1), num_splits), cfg.block_n) * cfg.block_n
 
@@ -308,7 +317,8 @@ def compile_for_cuda(arch: int = 90) -> int:
     """Compile, without a GPU, kernel variants the launcher picks on CUDA for ``sm_<arch>``; return their count.
 
     Each dtype in a prefill and a split-K decode configuration, cycling through head dims 64/80/96/128, the
-    mask kinds and causal modes. Raises ``RuntimeError`` under ``TRITON_INTERPRET=1``.
+    mask kinds and causal modes. Raises ``RuntimeError`` under ``TRITON_INTERPRET=1`` or when a variant needs more
+    than ``SHARED_MEMORY_BUDGET``.
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -321,13 +331,15 @@ def compile_for_cuda(arch: int = 90) -> int:
         names = kernel.arg_names
         signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in names}
         source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constants.items()})
-        triton.compile(source, target=target, options=opts)
+        compiled = triton.compile(source, target=target, options=opts)
+        if compiled.metadata.shared > SHARED_MEMORY_BUDGET:
+            raise RuntimeError(f"{kernel.__name__} {constants} needs {compiled.metadata.shared} B of shared memory")
 
     variants = list(itertools.product(SUPPORTED_DTYPES, (4096, 4)))  # rows per (batch, kv head): prefill, decode
     for index, (dtype, rows) in enumerate(variants):
         split, mask_kind, head_dim = rows < 64, index % 3, (64, 80, 96, 128)[index % 4]
         block_d = triton.next_power_of_2(head_dim)
-        cfg = _launch_config(torch.device("cuda"), dtype, rows, block_d)
+        cfg = _launch_config(torch.device("cuda"), dtype, rows, block_d, mask_kind != 0)
         io = "*" + _TRITON_TYPES[dtype]
         types = {"q_ptr": io, "k_ptr": io, "v_ptr": io, "o_ptr": "*fp32" if split else io, "lse_ptr": "*fp32",
                  "mask_ptr": "*u8" if mask_kind == 1 else "*fp32", "qpos_ptr": "*i32", "qk_scale": "fp32"}
