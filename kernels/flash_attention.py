@@ -75,7 +75,7 @@ def _attn_fwd_kernel(
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal row blocks first: better tail balance
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
-    b = pid_bh // num_heads_kv
+    b = (pid_bh // num_heads_kv).to(tl.int64)  # batch offsets can pass 2**31 elements (large 4D masks)
     kvh = pid_bh % num_heads_kv
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
