@@ -1,0 +1,96 @@
+"""``kvboost-hf serve`` / ``python -m kvboost_hf.server``: command-line flags and the uvicorn launch."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+from pathlib import Path
+
+from kvboost_hf.results import RecomputeStrategy
+
+logger = logging.getLogger(__name__)
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+LOOPBACK = "127.0.0.1"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the server's flags on ``parser``."""
+    model = parser.add_argument_group("model and cache")
+    model.add_argument("--model", default=None, help="local model directory or hub name (default: embedded model)")
+    model.add_argument("--served-model-name", default=None, help="model id clients send (default: from --model)")
+    model.add_argument("--chunk-size", type=int, default=128, help="tokens per cached chunk")
+    model.add_argument(
+        "--recompute-strategy", choices=[s.value for s in RecomputeStrategy], default=RecomputeStrategy.SELECTIVE.value
+    )
+    model.add_argument("--kv-cache-bits", type=int, choices=(16, 8, 4), default=16)
+    model.add_argument("--max-cache-bytes", type=int, default=2 << 30, help="RAM budget of the chunk store (bytes)")
+    model.add_argument("--disk-cache-dir", default=None, help="directory of the disk tier")
+    model.add_argument("--remote-url", default=None, help="redis:// URL of the remote tier")
+    model.add_argument("--no-reuse", action="store_true", help="plain K/V per request (for comparisons)")
+    model.add_argument("--warm", type=Path, default=None, metavar="FILE", help="pre-load this text file's K/V")
+    serving = parser.add_argument_group("serving")
+    serving.add_argument("--host", default=None, help=f"bind address (default {LOOPBACK})")
+    serving.add_argument("--port", type=int, default=8000)
+    serving.add_argument("--batch-window-ms", type=float, default=10.0, help="wait for same-prefix requests (ms)")
+    serving.add_argument("--max-batch-size", type=int, default=8, help="rows generated at once")
+    serving.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    serving.add_argument("--default-max-tokens", type=int, default=256, help="budget when a request names none")
+    serving.add_argument(
+        "--api-key", default=os.environ.get("KVBOOST_API_KEY"), help="required Bearer key (env KVBOOST_API_KEY)"
+    )
+    serving.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Load the model, build the app and run uvicorn until interrupted (graceful shutdown on SIGINT/SIGTERM)."""
+    import uvicorn
+
+    from kvboost_hf import KVBoost
+    from kvboost_hf.server.app import ServerSettings, create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    host = args.host or LOOPBACK
+    if args.api_key is None and not _is_loopback(host):
+        logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
+    engine = KVBoost.from_pretrained(
+        args.model,
+        chunk_size=args.chunk_size,
+        recompute_strategy=args.recompute_strategy,
+        kv_cache_bits=args.kv_cache_bits,
+        max_cache_bytes=args.max_cache_bytes,
+        disk_cache_dir=args.disk_cache_dir,
+        remote_url=args.remote_url,
+    )
+    if args.warm is not None:
+        result = engine.warm(args.warm.read_text(encoding="utf-8"))
+        logger.info("warmed %s: %d chunks of %d tokens", args.warm, result.chunks_stored, result.token_count)
+    settings = ServerSettings(
+        model_name=args.served_model_name or (Path(args.model).name if args.model else EMBEDDED_MODEL_NAME),
+        api_key=args.api_key,
+        reuse=not args.no_reuse,
+        batch_window_ms=args.batch_window_ms,
+        max_batch_size=args.max_batch_size,
+        max_queue=args.max_queue,
+        default_max_tokens=args.default_max_tokens,
+    )
+    app = create_app(engine, settings)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
+    )
+    uvicorn.Server(config).run()
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

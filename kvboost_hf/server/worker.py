@@ -1,0 +1,241 @@
+"""The single thread that owns the model: a bounded queue, prefix-grouped admission, interleaved batches.
+
+Scheduling, per loop iteration:
+
+1. admission: pending jobs are grouped by ``(cache_salt, first chunk of the prompt)``. A group is admitted as
+   one :class:`~kvboost_hf.server.batching.Batch` once its oldest job has waited ``batch_window_s`` (or it
+   fills ``max_batch_size`` rows), while the rows of all running batches stay within ``max_batch_size``;
+2. exclusive calls (``warm``) run;
+3. new batches run their prefill, then every running batch makes one decode step.
+
+Batches with different prefixes (or tenants) therefore run concurrently, step by step, and a new request gets its
+first token after at most one decode step of each running batch instead of after their whole generation.
+
+Invariants: only this thread touches the model; at most ``max_queue`` jobs wait for admission (``submit``
+raises :class:`Overloaded` beyond); an exception while running a batch fails that batch's jobs and nothing else.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from kvboost_hf.cache import GenerationMode
+from kvboost_hf.chunking import chunk_spans
+from kvboost_hf.engine import InferenceEngine, Prompt
+from kvboost_hf.server.batching import Batch, Job
+from kvboost_hf.server.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+GroupKey = tuple[Any, ...]
+
+
+class Overloaded(RuntimeError):
+    """The admission queue is full; retry after ``retry_after_s`` seconds."""
+
+    def __init__(self, depth: int, retry_after_s: int) -> None:
+        super().__init__(f"server overloaded: {depth} requests already waiting")
+        self.retry_after_s = retry_after_s
+
+
+class ShuttingDown(RuntimeError):
+    """The worker no longer accepts jobs."""
+
+
+class Worker:
+    """Runs every model call of the server on one thread.
+
+    Args:
+        engine: the engine (its model is used from this worker only).
+        reuse: chunk reuse on (``CHUNK_KV_REUSE``) or off (``BASELINE``: plain K/V, no store).
+        batch_window_s: how long (seconds) a job may wait for others sharing its prefix.
+        max_batch_size: rows (choices) running at once, over all batches.
+        max_queue: jobs waiting for admission before ``submit`` refuses.
+        metrics: where batch sizes, latencies and token origins are recorded.
+    """
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        *,
+        reuse: bool = True,
+        batch_window_s: float = 0.01,
+        max_batch_size: int = 8,
+        max_queue: int = 64,
+        metrics: Metrics | None = None,
+    ) -> None:
+        if max_batch_size < 1 or max_queue < 1 or batch_window_s < 0:
+            raise ValueError("max_batch_size and max_queue must be >= 1 and batch_window_s >= 0")
+        self.engine = engine
+        self.mode = GenerationMode.CHUNK_KV_REUSE if reuse else GenerationMode.BASELINE
+        self.batch_window_s = batch_window_s
+        self.max_batch_size = max_batch_size
+        self.max_queue = max_queue
+        self.metrics = metrics or Metrics()
+        self.tokenizer_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._pending: list[tuple[GroupKey, Job]] = []
+        self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
+        self._active: list[Batch] = []
+        self._closing = False
+        self._abort = False
+        self._thread = threading.Thread(target=self._run, name="kvboost-model-worker", daemon=True)
+
+    # ------------------------------------------------------------------ public API (any thread)
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        """Jobs waiting for admission."""
+        return len(self._pending)
+
+    @property
+    def running_rows(self) -> int:
+        """Rows (choices) in running batches."""
+        return sum(len(batch.rows) for batch in self._active)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a rendered prompt (raises ValueError on an empty or malformed prompt)."""
+        with self.tokenizer_lock:
+            return self.engine.encode(prompt)
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; its events reach ``job.sink`` from the worker thread. Raises Overloaded, ShuttingDown."""
+        with self._cond:
+            if self._closing:
+                raise ShuttingDown("server is shutting down")
+            if len(self._pending) >= self.max_queue:
+                raise Overloaded(len(self._pending), max(1, round(self.batch_window_s + 1)))
+            self._pending.append((self._group_key(job), job))
+            self._cond.notify()
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on the worker thread between decode steps (model work outside generation, e.g. warm)."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._cond:
+            if self._closing:
+                raise ShuttingDown("server is shutting down")
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return future
+
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        """Refuse new jobs, let queued and running ones finish for up to ``grace_s`` seconds, cancel the rest."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(grace_s)
+        with self._cond:
+            self._abort = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(30.0)
+
+    # ------------------------------------------------------------------ worker thread
+    def _run(self) -> None:
+        logger.info("model worker started (mode=%s, max_batch_size=%d)", self.mode.value, self.max_batch_size)
+        while True:
+            work = self._next_work()
+            if work is None:
+                break
+            admitted, calls = work
+            for fn, future in calls:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except Exception as exc:  # reported to the caller, the worker goes on
+                        future.set_exception(exc)
+            for batch in admitted:
+                self._guarded(batch, batch.prefill)
+                self.metrics.prompt_tokens.inc(batch.computed_tokens, "computed")
+                self.metrics.prompt_tokens.inc(sum(j.cached_tokens * j.n for j in batch.jobs), "loaded")
+            for batch in self._active:
+                if not batch.done:
+                    self._guarded(batch, batch.step)
+            with self._cond:
+                self._active = [batch for batch in self._active if not batch.done]
+        logger.info("model worker stopped")
+
+    def _guarded(self, batch: Batch, action: Callable[[], None]) -> None:
+        try:
+            action()
+        except Exception as exc:
+            logger.exception("batch of %d rows failed", len(batch.rows))
+            self.metrics.errors.inc(1, "worker", "500")
+            batch.fail(f"generation failed: {type(exc).__name__}: {exc}")
+
+    def _next_work(self) -> tuple[list[Batch], list[tuple[Callable[[], Any], concurrent.futures.Future]]] | None:
+        """Wait for something to do; None once closing and idle."""
+        with self._cond:
+            while True:
+                if self._abort:
+                    self._cancel_everything()
+                calls, self._calls = self._calls, []
+                admitted = self._admit(time.perf_counter())
+                if admitted or calls or self._active:
+                    self._active += admitted
+                    return admitted, calls
+                if self._closing and not self._pending:
+                    return None
+                deadlines = [job.arrival + self.batch_window_s for _, job in self._pending]
+                timeout = max(0.0, min(deadlines) - time.perf_counter()) if deadlines else None
+                self._cond.wait(timeout)
+
+    def _admit(self, now: float) -> list[Batch]:
+        """Batches formed from the pending jobs that are ready and fit (called with the lock held)."""
+        self._pending = [(key, job) for key, job in self._pending if not self._dropped_if_cancelled(job)]
+        groups: dict[GroupKey, list[Job]] = {}
+        for key, job in self._pending:
+            groups.setdefault(key, []).append(job)
+        free = self.max_batch_size - self.running_rows
+        admitted: list[Batch] = []
+        taken: set[int] = set()
+        for members in groups.values():  # insertion order = oldest job first
+            rows = sum(job.n for job in members)
+            if not (rows >= self.max_batch_size or self._closing or now >= members[0].arrival + self.batch_window_s):
+                continue
+            chosen: list[Job] = []
+            for job in members:
+                if job.n > free:
+                    break
+                chosen.append(job)
+                free -= job.n
+            if chosen:
+                admitted.append(self._new_batch(chosen))
+                taken.update(id(job) for job in chosen)
+        self._pending = [(key, job) for key, job in self._pending if id(job) not in taken]
+        return admitted
+
+    def _new_batch(self, jobs: Sequence[Job]) -> Batch:
+        self.metrics.batch_size.observe(sum(job.n for job in jobs))
+        return Batch(self.engine, jobs, self.mode, self.tokenizer_lock, self.metrics.observe_token)
+
+    def _group_key(self, job: Job) -> GroupKey:
+        spans = chunk_spans(job.prompt_ids, self.engine.chunking)
+        head = tuple(job.prompt_ids[: spans[0][1]]) if spans else ("alone", id(job))
+        return (job.cache_salt, *head)
+
+    @staticmethod
+    def _dropped_if_cancelled(job: Job) -> bool:
+        if job.cancel.is_set():
+            job.fail("cancelled before it started", 499)
+            return True
+        return False
+
+    def _cancel_everything(self) -> None:
+        for _, job in self._pending:
+            job.fail("server shut down before the request started", 503)
+        self._pending = []
+        for batch in self._active:
+            batch.cancel_all()
+        self._active = []
+        for _, future in self._calls:
+            future.cancel()
+        self._calls = []
