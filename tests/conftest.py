@@ -22,11 +22,11 @@ TINY_ARCHITECTURES = {
 EAGER_ONLY = {"gemma2"}  # transformers has no SDPA path for Gemma2's soft-capped attention
 
 
-def make_tiny_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
+def make_tiny_model(name: str, seed: int = 0, **overrides: object) -> transformers.PreTrainedModel:
     """A randomly initialised 2-layer model of architecture ``name`` in fp32, eval mode."""
     config_name, model_name, extra = TINY_ARCHITECTURES[name]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_name)(**{**_COMMON, **extra})
+    config = getattr(transformers, config_name)(**{**_COMMON, **extra, **overrides})
     config._attn_implementation = "eager" if name in EAGER_ONLY else "sdpa"
     return getattr(transformers, model_name)(config).eval()
 

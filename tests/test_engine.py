@@ -1,0 +1,140 @@
+"""The engine facade on the real embedded model (SmolLM2-135M-Instruct, fp32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+from kvboost_hf import KVBoost, UnsupportedModelError
+from kvboost_hf.corpus import documents
+from kvboost_hf.models import check_model_support, embedded_model_dir
+
+SYSTEM = {"role": "system", "content": documents()[0][1][:1200]}
+
+
+def test_greedy_output_and_first_logits_match_plain_generate(embedded_engine):
+    report = embedded_engine.verify_correctness(max_new_tokens=12)
+    assert report, report.checks
+    assert report.max_logit_diff < 1e-4
+    assert all(check.cached_tokens >= 64 for check in report.checks)
+
+
+def test_multi_turn_chat_reuses_previous_turns(embedded_engine):
+    messages = [SYSTEM, {"role": "user", "content": "What does this module do?"}]
+    for turn in range(2):
+        plain = embedded_engine.generate(messages, max_new_tokens=12, mode="baseline")
+        reused = embedded_engine.generate(messages, max_new_tokens=12)
+        assert reused.output_ids == plain.output_ids
+        if turn:
+            assert reused.cached_tokens >= previous_tokens - 64
+            assert reused.kv_reuse_ratio > 0.5
+        previous_tokens = reused.prompt_tokens + reused.generated_tokens
+        messages += [
+            {"role": "assistant", "content": reused.output_text},
+            {"role": "user", "content": f"Tell me more, part {turn}."},
+        ]
+
+
+def test_warm_reports_alignment(embedded_engine):
+    text = documents()[2][1][:900]
+    result = embedded_engine.warm(text)
+    ids = embedded_engine.encode(text)
+    assert result.token_count == len(ids)
+    assert result.chunks_stored <= len(ids) // 64
+    assert result.partial_tail_tokens == len(ids) % 64
+    assert result.chunk_boundary_aligned == (len(ids) % 64 == 0)
+    assert (result.alignment_warning is None) == result.chunk_boundary_aligned
+    follow = embedded_engine.generate(text + " In short,", max_new_tokens=4)
+    assert follow.cached_tokens == (len(ids) // 64) * 64
+
+
+def test_batch_equals_each_prompt_alone(embedded_engine):
+    shared = documents()[3][1][:700]
+    prompts = [shared + "\nQ: name one class.\nA:", shared + "\nQ: what is this module for? Be brief.\nA:"]
+    alone = [embedded_engine.generate(p, max_new_tokens=10, mode="baseline").output_ids for p in prompts]
+    batched = embedded_engine.generate_batch(prompts, max_new_tokens=10)
+    assert [r.output_ids for r in batched] == alone
+    many = embedded_engine.generate_many([prompts[1], "Hello there", prompts[0]], max_new_tokens=10)
+    assert [many[0].output_ids, many[2].output_ids] == [alone[1], alone[0]]
+    assert many[1].prompt.startswith("Hello there")
+
+
+def test_temperature_zero_is_greedy_and_stop_strings_cut_exactly(embedded_engine):
+    prompt = "List the numbers: 1, 2, 3,"
+    greedy = embedded_engine.generate(prompt, max_new_tokens=12, temperature=0.0, do_sample=True)
+    assert greedy.output_ids == embedded_engine.generate(prompt, max_new_tokens=12, mode="baseline").output_ids
+    stop_at = greedy.output_text[3:6]
+    stopped = embedded_engine.generate(prompt, max_new_tokens=12, stop=[stop_at])
+    assert stopped.finish_reason == "stop"
+    assert stopped.output_text == greedy.output_text[: greedy.output_text.find(stop_at)]
+
+
+def test_sampling_is_seeded(embedded_engine):
+    a = embedded_engine.generate("Once upon a time", max_new_tokens=8, do_sample=True, temperature=0.9, seed=3)
+    b = embedded_engine.generate("Once upon a time", max_new_tokens=8, do_sample=True, temperature=0.9, seed=3)
+    assert a.output_ids == b.output_ids
+
+
+def test_result_fields_and_stats(embedded_engine):
+    result = embedded_engine.generate("The capital of France is", max_new_tokens=5, logprobs=2)
+    assert result.generated_tokens == len(result.output_ids) <= 5
+    assert 0 < result.ttft_ms <= result.total_ms
+    assert len(result.token_logprobs) == result.generated_tokens
+    assert all(len(top) == 2 and top[0][1] >= top[1][1] for top in result.top_logprobs)
+    stats = embedded_engine.cache_stats()
+    assert {"hits", "misses", "chunks", "evictions", "ram_bytes"} <= stats.keys()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "kwargs", "message"),
+    [
+        ("", {}, "empty"),
+        ([], {}, "non-empty list"),
+        ("word " * 9000, {}, "exceeds the model's context"),
+        ("hello", {"max_new_tokens": 0}, "max_new_tokens"),
+    ],
+)
+def test_bad_input_is_refused_and_store_unchanged(embedded_engine, prompt, kwargs, message):
+    before = embedded_engine.cache_stats()
+    with pytest.raises(ValueError, match=message):
+        embedded_engine.generate(prompt, **kwargs)
+    assert embedded_engine.cache_stats() == before
+
+
+def test_bad_settings_are_refused(embedded_engine):
+    with pytest.raises(ValueError, match="chunk_size"):
+        KVBoost(embedded_engine.model, embedded_engine.tokenizer, chunk_size=0)
+    with pytest.raises(ValueError, match="kv_cache_bits"):
+        KVBoost(embedded_engine.model, embedded_engine.tokenizer, kv_cache_bits=3)
+
+
+def test_unsupported_architectures_are_named():
+    with pytest.raises(UnsupportedModelError, match="gpt2 uses learned absolute position"):
+        check_model_support(GPT2Config())
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(UnsupportedModelError, match="RoPE"):
+        KVBoost(model, None)
+
+
+def test_unknown_architecture_is_a_warning_when_not_strict(caplog):
+    config = make_tiny_model("llama").config
+    config.model_type = "mystery"
+    with pytest.raises(UnsupportedModelError, match="strict=False"):
+        check_model_support(config)
+    check_model_support(config, strict=False)
+    assert "not a tested architecture" in caplog.text
+
+
+def test_loads_a_local_model_directory(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    model = make_tiny_model("qwen2", vocab_size=len(tokenizer))
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = KVBoost.from_pretrained(tmp_path, chunk_size=8, device="cpu")
+    assert engine.model.config.model_type == "qwen2"
+    ids = torch.tensor([engine.encode("a b c d e f g h i j k l m n o p")])
+    expected = model.generate(ids, max_new_tokens=5, do_sample=False)[0, ids.shape[1] :].tolist()
+    for _ in range(2):
+        assert engine.generate("a b c d e f g h i j k l m n o p", max_new_tokens=5).output_ids[:5] == expected
