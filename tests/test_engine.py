@@ -23,6 +23,7 @@ def test_greedy_output_and_first_logits_match_plain_generate(embedded_engine):
 
 def test_multi_turn_chat_reuses_previous_turns(embedded_engine):
     messages = [SYSTEM, {"role": "user", "content": "What does this module do?"}]
+    previous_tokens = 0
     for turn in range(2):
         plain = embedded_engine.generate(messages, max_new_tokens=12, mode="baseline")
         reused = embedded_engine.generate(messages, max_new_tokens=12)
