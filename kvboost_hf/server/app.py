@@ -52,7 +52,8 @@ DISCONNECT_POLL_S = 0.25
 class ServerSettings:
     """Server behaviour. ``batch_window_ms``: how long a request may wait for others sharing its prefix;
     ``max_batch_size``: rows generated at once; ``max_queue``: requests waiting before 429;
-    ``default_max_tokens``: budget when a request names none; ``shutdown_grace_s``: time in-flight requests get
+    ``default_max_tokens``: budget when a request names none; ``max_tokens_limit``: largest budget a request may
+    ask for (None: up to the context); ``shutdown_grace_s``: time in-flight requests get
     to finish at shutdown before they are cancelled."""
 
     model_name: str = "SmolLM2-135M-Instruct"
@@ -62,6 +63,7 @@ class ServerSettings:
     max_batch_size: int = 8
     max_queue: int = 64
     default_max_tokens: int = 256
+    max_tokens_limit: int | None = None
     shutdown_grace_s: float = 10.0
 
 
@@ -188,8 +190,15 @@ def create_app(engine: InferenceEngine, settings: ServerSettings | None = None) 
             except Exception as exc:  # empty prompt, chat template refusing a role, ...
                 raise _error(400, f"invalid prompt: {exc}", param="messages" if kind == "chat" else "prompt") from exc
             room = engine.max_context - len(prompt_ids) if engine.max_context else None
+            limit = settings.max_tokens_limit
+            if max_tokens is not None and limit is not None and max_tokens > limit:
+                raise _error(400, f"max_tokens={max_tokens} exceeds this server's limit of {limit}", param="max_tokens")
             if max_tokens is None:
-                max_tokens = settings.default_max_tokens if room is None else min(settings.default_max_tokens, room)
+                max_tokens = min(
+                    settings.default_max_tokens,
+                    limit or settings.default_max_tokens,
+                    2**31 if room is None else max(room, 1),
+                )
             if room is not None and max_tokens > room:
                 raise _error(
                     400,

@@ -37,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serving.add_argument("--max-batch-size", type=int, default=8, help="rows generated at once")
     serving.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     serving.add_argument("--default-max-tokens", type=int, default=256, help="budget when a request names none")
+    serving.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens a request may ask")
     serving.add_argument(
         "--api-key", default=os.environ.get("KVBOOST_API_KEY"), help="required Bearer key (env KVBOOST_API_KEY)"
     )
@@ -74,6 +75,7 @@ def serve(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size,
         max_queue=args.max_queue,
         default_max_tokens=args.default_max_tokens,
+        max_tokens_limit=args.max_tokens_limit,
     )
     app = create_app(engine, settings)
     config = uvicorn.Config(

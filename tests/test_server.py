@@ -1,0 +1,365 @@
+"""The OpenAI-compatible server, driven by the official ``openai`` client against uvicorn on 127.0.0.1.
+
+One engine (the embedded model) is loaded per module; servers run in background threads on free loopback
+ports. Every wait is bounded; generations are at most 16 tokens except the cancelled one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from kvboost_hf import KVBoost  # noqa: E402
+from kvboost_hf.cache import GenerationMode  # noqa: E402
+from kvboost_hf.server.app import ServerSettings, create_app  # noqa: E402
+from kvboost_hf.server.batching import Batch, Delta, Done, Job, SamplingParams, visible_text  # noqa: E402
+from kvboost_hf.server.worker import Worker  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+SYSTEM = "You are a concise assistant. Answer in one short sentence and never use lists or headings."
+
+
+class LiveServer:
+    """uvicorn serving ``app`` in a daemon thread on a free loopback port."""
+
+    def __init__(self, app) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.app = app
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "server did not stop"
+
+    def client(self, key: str | None = KEY):
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or "none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return KVBoost.from_pretrained(chunk_size=16)
+
+
+@pytest.fixture(scope="module")
+def server(engine) -> Iterator[LiveServer]:
+    settings = ServerSettings(model_name=MODEL, api_key=KEY, batch_window_ms=30, max_batch_size=4, max_queue=16)
+    with LiveServer(create_app(engine, settings)) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def chat(user: str, system: str = SYSTEM) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def greedy(engine, prompt, max_new_tokens: int) -> str:
+    return engine.generate(prompt, max_new_tokens, mode="baseline", temperature=0).output_text
+
+
+def metric(server: LiveServer, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+    values = [float(m) for m in re.findall(rf"^{re.escape(name)} (\S+)$", text, flags=re.M)]
+    assert values, f"{name} missing from /metrics"
+    return values[0]
+
+
+# ---------------------------------------------------------------------------------------------- pure helpers
+def test_visible_text_cuts_exactly_and_holds_back_partial_stops():
+    assert visible_text("Hello world. Bye", ("world",)) == ("Hello ", True)
+    assert visible_text("Hello wor", ("world",)) == ("Hello ", False)
+    assert visible_text("Hello", ()) == ("Hello", False)
+    assert visible_text("caf\ufffd", ()) == ("caf", False)
+
+
+# ---------------------------------------------------------------------------------------------- batching core
+def test_batch_rows_equal_alone_with_mixed_settings(engine):
+    """Rows of different lengths, budgets and sampling settings in one batch; greedy rows equal the engine."""
+    shared = f"{SYSTEM} Session {uuid.uuid4().hex}."
+    users = ["Name a color.", "What is two plus two? Explain your reasoning.", "Say hi."]
+    prompts = [chat(u, shared) for u in users]
+    budgets = [6, 8, 5]
+    expected = [greedy(engine, p, b) for p, b in zip(prompts, budgets, strict=True)]
+    for _ in range(2):  # cold, then with the shared prefix and prompts stored
+        events: list[list] = [[], [], [], []]
+        jobs = [
+            Job(engine.encode(p), SamplingParams(max_tokens=b, temperature=0), events[i].append)
+            for i, (p, b) in enumerate(zip(prompts, budgets, strict=True))
+        ]
+        jobs.append(
+            Job(engine.encode(prompts[0]), SamplingParams(max_tokens=4, temperature=0.8, seed=3), events[3].append)
+        )
+        batch = Batch(engine, jobs, GenerationMode.CHUNK_KV_REUSE, threading.Lock())
+        batch.prefill()
+        while not batch.done:
+            batch.step()
+        texts = ["".join(e.text for e in evs if isinstance(e, Delta)) for evs in events]
+        assert texts[:3] == expected
+        assert all(isinstance(evs[-1], Done) for evs in events)
+        assert events[3][-1].completion_tokens == 4
+    assert all(job.cached_tokens > 0 for job in jobs)
+
+
+def test_worker_groups_requests_sharing_a_prefix(engine):
+    """Jobs queued within the window that share their first chunk run as one batch."""
+    worker = Worker(engine, batch_window_s=0.3, max_batch_size=4)
+    done = threading.Event()
+    finished: list[Done] = []
+
+    def sink(event) -> None:
+        if isinstance(event, Done):
+            finished.append(event)
+            if len(finished) == 3:
+                done.set()
+
+    shared = f"{SYSTEM} Ticket {uuid.uuid4().hex}."
+    for user in ("One.", "Two, please.", "Three?"):
+        worker.submit(Job(engine.encode(chat(user, shared)), SamplingParams(max_tokens=2, temperature=0), sink))
+    worker.start()
+    try:
+        assert done.wait(60)
+    finally:
+        worker.shutdown(5)
+    assert worker.metrics.batch_size.samples()[-1] == "kvboost_batch_size_count 1"
+    assert "kvboost_batch_size_sum 3" in worker.metrics.batch_size.samples()
+
+
+# ---------------------------------------------------------------------------------------------- API
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+    for name in ("kvboost_requests_total", "kvboost_ttft_seconds_bucket", "kvboost_queue_depth", "kvboost_batch_size"):
+        assert name in text
+    assert 'kvboost_store_hits_total{tier="ram"}' in text
+
+
+def test_chat_temperature_zero_equals_engine_greedy(engine, client):
+    prompt = chat("What is the capital of France?")
+    expected = greedy(engine, prompt, 8)
+    response = client.chat.completions.create(model=MODEL, messages=prompt, max_tokens=8, temperature=0)
+    assert response.choices[0].message.content == expected
+    assert response.choices[0].finish_reason in ("stop", "length")
+    assert response.usage.completion_tokens <= 8
+    assert response.usage.prompt_tokens == len(engine.encode(prompt))
+
+
+def test_completions_and_n(engine, client):
+    prompt = "The three primary colors are"
+    expected = greedy(engine, prompt, 6)
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, n=2)
+    assert [c.text for c in response.choices] == [expected, expected]
+    assert response.usage.completion_tokens == 12
+
+
+def test_streaming_sends_tokens_as_they_come_with_usage(engine, client):
+    prompt = chat("Describe the sea in one sentence.")
+    expected = greedy(engine, prompt, 12)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=prompt, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    pieces, arrivals, usage, finish = [], [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                pieces.append(choice.delta.content)
+                arrivals.append(time.perf_counter())
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == expected
+    assert usage is not None and usage.completion_tokens <= 12
+    assert len(pieces) >= usage.completion_tokens // 2  # one event per token, not one for the whole answer
+    assert arrivals[-1] - arrivals[0] > 0.01
+    assert finish in ("stop", "length")
+
+
+def test_stop_sequences_cut_exactly(engine, client):
+    prompt = "Count: 1, 2, 3,"
+    full = greedy(engine, prompt, 12)
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert stop.strip(), full
+    cut = full[: full.index(stop)]
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
+    assert response.choices[0].text == cut
+    assert response.choices[0].finish_reason == "stop"
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == cut
+
+
+def test_second_turn_reports_cached_tokens(client):
+    messages = chat("Tell me about owls.", f"Conversation {uuid.uuid4().hex}. {SYSTEM}")
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And about cats?"},
+    ]
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16 and cached < second.usage.prompt_tokens
+
+
+def test_cache_salt_isolates_tenants(client):
+    prompt = chat("Which planet is largest?", f"Tenant test {uuid.uuid4().hex}. {SYSTEM}")
+
+    def cached(salt: str | None) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        response = client.chat.completions.create(
+            model=MODEL, messages=prompt, max_tokens=2, temperature=0, extra_body=extra
+        )
+        return response.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 0
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0
+
+
+def test_sampling_with_seed_is_reproducible_and_logprobs(client):
+    prompt = chat("Invent a name for a cat.")
+    runs = [
+        client.chat.completions.create(model=MODEL, messages=prompt, max_tokens=6, temperature=0.9, top_p=0.9, seed=7)
+        for _ in range(2)
+    ]
+    assert runs[0].choices[0].message.content == runs[1].choices[0].message.content
+    response = client.chat.completions.create(
+        model=MODEL, messages=prompt, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in content)
+    assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)  # greedy = the top token
+
+
+def test_warm_then_hit(server, client):
+    text = f"Reference manual {uuid.uuid4().hex}. " + "The valve opens when the pressure exceeds the set point. " * 4
+    headers = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.post(f"{server.url}/v1/warm", json={"text": text}, timeout=10).status_code == 401
+    warmed = httpx.post(f"{server.url}/v1/warm", json={"text": text}, headers=headers, timeout=60).json()
+    assert warmed["chunks_stored"] >= 2
+    response = client.completions.create(model=MODEL, prompt=text + " Summary:", max_tokens=2, temperature=0)
+    assert response.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_api_key_required(server):
+    with pytest.raises(openai.AuthenticationError):
+        server.client("wrong").models.list()
+    response = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": []}, timeout=10)
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+
+
+BAD_REQUESTS = {
+    "malformed json": (b'{"model": "x", "messages": [', 400, "JSON"),
+    "unknown model": ({"model": "gpt-9", "messages": chat("hi")}, 404, "gpt-9"),
+    "empty messages": ({"model": MODEL, "messages": []}, 400, "messages"),
+    "negative max_tokens": ({"model": MODEL, "messages": chat("hi"), "max_tokens": -1}, 400, "max_tokens"),
+    "absurd max_tokens": ({"model": MODEL, "messages": chat("hi"), "max_tokens": 10**9}, 400, "context"),
+    "temperature too high": ({"model": MODEL, "messages": chat("hi"), "temperature": 7}, 400, "temperature"),
+    "n too large": ({"model": MODEL, "messages": chat("hi"), "n": 50}, 400, "n="),
+    "unknown role": ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    "too many stops": ({"model": MODEL, "messages": chat("hi"), "stop": list("abcde")}, 400, "stop"),
+    "prompt too long": ({"model": MODEL, "messages": chat("word " * 9000), "max_tokens": 1}, 400, "context"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_requests_get_openai_style_4xx(server, case):
+    body, status, needle = BAD_REQUESTS[case]
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(f"{server.url}/v1/chat/completions", content=content, headers=headers, timeout=30)
+    assert response.status_code == status, response.text
+    assert needle in response.json()["error"]["message"]
+
+
+def test_disconnect_mid_stream_cancels_generation(server):
+    before = metric(server, "kvboost_completion_tokens_total")
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 200, "temperature": 0, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=30) as response:
+        lines = response.iter_lines()
+        assert sum(1 for line, _ in zip(lines, range(3), strict=False) if line.startswith("data:")) >= 1
+    deadline = time.monotonic() + 30
+    while server.app.state.worker.running_rows and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.app.state.worker.running_rows == 0
+    assert metric(server, "kvboost_completion_tokens_total") - before < 100
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_overflow_answers_429_with_retry_after(engine):
+    settings = ServerSettings(model_name=MODEL, batch_window_ms=0, max_batch_size=1, max_queue=1)
+    with LiveServer(create_app(engine, settings)) as live:
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
+        results: list[httpx.Response] = []
+
+        def send() -> None:
+            results.append(httpx.post(f"{live.url}/v1/completions", json=body, timeout=120))
+
+        threads = [threading.Thread(target=send) for _ in range(5)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(150)
+    codes = sorted(r.status_code for r in results)
+    assert len(codes) == 5 and set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
+    rejected = next(r for r in results if r.status_code == 429)
+    assert int(rejected.headers["Retry-After"]) >= 1
+    assert rejected.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_openapi_document_fuzzing_finds_no_server_error(engine):
+    """Schemathesis-generated requests against every operation of the served OpenAPI document: never a 5xx."""
+    schemathesis = pytest.importorskip("schemathesis")
+    hypothesis = pytest.importorskip("hypothesis")
+    settings = ServerSettings(model_name=MODEL, api_key=KEY, max_tokens_limit=2, default_max_tokens=2)
+    with LiveServer(create_app(engine, settings)) as live:
+        schema = schemathesis.openapi.from_url(f"{live.url}/openapi.json")
+        for result in schema.get_all_operations():
+            operation = result.ok()
+
+            @hypothesis.settings(
+                max_examples=8,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(hypothesis.HealthCheck),
+                phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate],
+            )
+            @hypothesis.given(case=operation.as_strategy())
+            def check(case) -> None:
+                response = case.call(headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+                assert response.status_code < 500, (case.path, case.body, response.text)
+
+            check()
