@@ -1,0 +1,334 @@
+"""``python -m kvboost_hf.bench tiers``: TTFT by store tier, and bytes per token and fidelity by K/V bit width.
+
+TTFT: a ~1500-token prompt (a document followed by a question) on the embedded SmolLM2-135M. The document is
+stored with ``engine.warm`` first (the question is not: each timed run asks a different one, so only the
+document's chunks can hit); each timed ``engine.generate`` runs from the call to the first token, lookups,
+decoding and dequantisation included. Sources: RAM; disk with RAM budget 0 (page cache warm, and cold after
+``DiskTier.drop_page_cache``); Redis with RAM budget 0; nothing (plain prefill, ``mode="baseline"``).
+
+Fidelity: for each prompt (a window of the text plus a question), the chunks are stored by a first call and a
+second call generates ``--new-tokens`` greedy tokens from them. Quantized stores (8, 4 bits) are compared with
+the unquantized store (``16``: the model's dtype): share of prompts with identical greedy output, mean length of
+the agreeing prefix, and KL(unquantized || quantized) of the first generated token's distribution. Bytes per
+token are the stored bytes (codes, scales, zeros) over the stored tokens, also as a ratio to float16 K/V.
+
+Writes ``tiers.json`` and ``tiers.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import json
+import logging
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvboost_hf.cache import ChunkReuseCache
+from kvboost_hf.engine import InferenceEngine
+from kvboost_hf.store import ChunkStore
+
+logger = logging.getLogger(__name__)
+
+TARGETS = {"disk_vs_ram": 1.5, "redis_vs_ram": 2.0, "int8_fp16_ratio": 0.55, "int4_fp16_ratio": 0.30}
+BITS = (16, 8, 4)
+_QUESTIONS = (
+    "Which module above handles command-line options?",
+    "What does the text say about threads?",
+    "Name one function described above.",
+    "Summarise the first paragraph.",
+    "What is the purpose of the logging module?",
+    "Which errors can be raised?",
+    "How are subprocesses started?",
+    "What data structures are mentioned?",
+)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m kvboost_hf.bench tiers", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("bench_results"), help="directory for JSON and PNG")
+    parser.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
+    parser.add_argument("--chunk-size", type=int, default=128, help="tokens per chunk")
+    parser.add_argument("--prompt-tokens", type=int, default=1500, help="length of the TTFT prompt (tokens)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per tier (median reported)")
+    parser.add_argument("--redis-url", default=None, help="Redis to use (default: a private redis-server)")
+    parser.add_argument("--fidelity-prompts", type=int, default=24, help="prompts for the fidelity comparison")
+    parser.add_argument("--fidelity-tokens", type=int, default=400, help="text tokens per fidelity prompt")
+    parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens compared per prompt")
+    return parser.parse_args(argv)
+
+
+def corpus_text() -> str:
+    """Deterministic English text for a given Python version: docstrings of well-documented stdlib modules."""
+    import argparse as m1
+    import collections as m2
+    import json as m3
+    import logging as m4
+    import subprocess as m5
+    import threading as m6
+    import unittest as m7
+
+    parts = []
+    for module in (m5, m1, m4, m6, m2, m3, m7):
+        parts.append(inspect.getdoc(module) or "")
+        for _, obj in sorted(
+            inspect.getmembers(module, inspect.isclass) + inspect.getmembers(module, inspect.isfunction)
+        ):
+            if getattr(obj, "__module__", "") == module.__name__ and (doc := inspect.getdoc(obj)):
+                parts.append(doc)
+    return "\n\n".join(parts)
+
+
+@contextlib.contextmanager
+def redis_server(url: str | None) -> Iterator[str | None]:
+    """``url`` itself, or the URL of a private redis-server started for the run (None if none can be had)."""
+    if url is not None:
+        yield url
+        return
+    binary = shutil.which("redis-server")
+    if binary is None:
+        logger.warning("no --redis-url and no redis-server binary: the Redis tier is not measured")
+        yield None
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    with tempfile.TemporaryDirectory() as directory:
+        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args += ["--dir", directory, "--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru"]
+        process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            private = f"redis://127.0.0.1:{port}/0"
+            import redis
+
+            client = redis.Redis.from_url(private, socket_connect_timeout=0.2)
+            for _ in range(100):
+                with contextlib.suppress(redis.ConnectionError):
+                    if client.ping():
+                        break
+                time.sleep(0.05)
+            yield private
+        finally:
+            process.terminate()
+            process.wait(10)
+
+
+def _document(engine: InferenceEngine, corpus: str, tokens: int) -> str:
+    """A prefix of ``corpus`` of about ``tokens`` tokens, ending at a line break."""
+    ids = engine.tokenizer(corpus, add_special_tokens=False)["input_ids"][:tokens]
+    text = engine.tokenizer.decode(ids)
+    return text[: text.rfind("\n") + 1] if "\n" in text else text
+
+
+@dataclass
+class _Source:
+    """One way of serving the document's K/V; ``before_each`` runs untimed before every timed call."""
+
+    name: str
+    engine: InferenceEngine
+    mode: str = "chunk_kv_reuse"
+    before_each: Callable[[], None] | None = None
+    runs: list[float] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)
+
+
+def measure_ttft(engine: InferenceEngine, document: str, args: argparse.Namespace, url: str | None) -> dict:
+    """TTFT (ms) per source. Every source answers the same ``repeats`` questions about ``document``; the sources
+    take turns within each repeat so that load from other processes spreads over all of them."""
+    questions = [f"\nQuestion: {_QUESTIONS[r % len(_QUESTIONS)]}\nAnswer:" for r in range(args.repeats)]
+    engine.generate("Warm-up call: load kernels.", max_new_tokens=2, mode="baseline")
+    with contextlib.ExitStack() as stack:
+        directory = stack.enter_context(tempfile.TemporaryDirectory())
+        stores = {"ram": ChunkStore(2 << 30), "disk": ChunkStore(0, disk_cache_dir=directory, disk_max_bytes=2 << 30)}
+        if url is not None:
+            stores["redis"] = ChunkStore(0, remote_url=url, remote_prefix=f"kvboost-bench-{time.time_ns()}:")
+        for store in stores.values():
+            stack.callback(store.close)
+        sources = [_Source("full_prefill", engine, mode="baseline")]
+        for name, store in stores.items():
+            tier_engine = _engine_with(engine, store)
+            tier_engine.warm(document)
+            store.flush()
+            sources.append(_Source(name, tier_engine))
+        disk = stores["disk"].disk
+        assert disk is not None
+        sources.append(_Source("disk_cold", sources[2].engine, before_each=disk.drop_page_cache))
+        for question in questions:
+            for source in sources:
+                if source.before_each is not None:
+                    source.before_each()
+                result = source.engine.generate(document + question, max_new_tokens=1, mode=source.mode)
+                source.runs.append(result.ttft_ms)
+                source.cached.append(result.cached_tokens)
+        results: dict[str, Any] = {}
+        for source in sources:
+            stats = source.engine.store.stats()
+            results[source.name] = {
+                "ttft_ms_median": statistics.median(source.runs),
+                "ttft_ms_runs": source.runs,
+                "cached_tokens": source.cached,
+                "prompt_tokens": result.prompt_tokens,
+                "tier_hits": {k: stats[k] for k in ("ram_hits", "disk_hits", "remote_hits")},
+            }
+            logger.info(
+                "%-12s TTFT median %8.1f ms, cached %s", source.name, statistics.median(source.runs), source.cached
+            )
+        if "redis" in stores and stores["redis"].remote is not None:
+            stores["redis"].remote.clear()
+    ram = results["ram"]["ttft_ms_median"]
+    for entry in results.values():
+        entry["vs_ram"] = entry["ttft_ms_median"] / ram
+    return results
+
+
+def _engine_with(engine: InferenceEngine, store: ChunkStore) -> InferenceEngine:
+    return InferenceEngine(
+        engine.model,
+        engine.tokenizer,
+        chunk_size=engine.chunking.chunk_size,
+        store=store,
+        kv_cache_bits=store.kv_cache_bits,
+    )
+
+
+def measure_fidelity(engine: InferenceEngine, corpus: str, args: argparse.Namespace) -> dict:
+    """Bytes per token and agreement with the unquantized store, per bit width."""
+    model, tokenizer = engine.model, engine.tokenizer
+    corpus_ids = tokenizer(corpus, add_special_tokens=False)["input_ids"]
+    stride = max(1, (len(corpus_ids) - args.fidelity_tokens) // max(1, args.fidelity_prompts))
+    config = model.config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    fp16_bytes_per_token = 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
+    per_bits: dict[int, dict[str, Any]] = {
+        b: {"bytes": 0, "tokens": 0, "identical": 0, "prefix": [], "kl": []} for b in BITS
+    }
+    options = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=tokenizer.eos_token_id)
+    for i in range(args.fidelity_prompts):
+        window = corpus_ids[i * stride : i * stride + args.fidelity_tokens]
+        question = tokenizer(f"\nQuestion: {_QUESTIONS[i % len(_QUESTIONS)]}\nAnswer:", add_special_tokens=False)
+        ids = torch.tensor([window + question["input_ids"]], device=engine.device)
+        outputs = {}
+        for bits in BITS:
+            store = ChunkStore(1 << 30, kv_cache_bits=bits)
+            with torch.inference_mode():
+                first = ChunkReuseCache(store, model, chunk_size=args.chunk_size, kv_cache_bits=bits)
+                model.generate(ids, past_key_values=first, max_new_tokens=1, **options)
+                first.flush()
+                cache = ChunkReuseCache(store, model, chunk_size=args.chunk_size, kv_cache_bits=bits, write_back=False)
+                out = model.generate(
+                    ids,
+                    past_key_values=cache,
+                    max_new_tokens=args.new_tokens,
+                    return_dict_in_generate=True,
+                    output_logits=True,
+                    **options,
+                )
+            if cache.last_reuse[0].cached_tokens == 0:
+                raise RuntimeError("fidelity prompt got no stored chunks; is the prompt shorter than a chunk?")
+            per_bits[bits]["bytes"] += store.stats()["ram_bytes"]
+            per_bits[bits]["tokens"] += sum(entry.num_tokens for _, entry in store.ram.items())
+            outputs[bits] = (out.sequences[0, ids.shape[1] :].tolist(), out.logits[0][0].double())
+        reference, reference_logits = outputs[16]
+        for bits in BITS:
+            tokens, logits = outputs[bits]
+            prefix = next(
+                (j for j, (a, b) in enumerate(zip(tokens, reference, strict=False)) if a != b), len(reference)
+            )
+            per_bits[bits]["identical"] += int(tokens == reference)
+            per_bits[bits]["prefix"].append(prefix)
+            kl = torch.nn.functional.kl_div(
+                logits.log_softmax(-1), reference_logits.log_softmax(-1), log_target=True, reduction="sum"
+            )
+            per_bits[bits]["kl"].append(float(kl))
+        logger.info("fidelity prompt %d/%d done", i + 1, args.fidelity_prompts)
+    report = {}
+    for bits, acc in per_bits.items():
+        bytes_per_token = acc["bytes"] / acc["tokens"]
+        report[str(bits)] = {
+            "bytes_per_token": bytes_per_token,
+            "ratio_vs_fp16": bytes_per_token / fp16_bytes_per_token,
+            "identical_greedy_share": acc["identical"] / args.fidelity_prompts,
+            "mean_agreeing_prefix_tokens": statistics.mean(acc["prefix"]),
+            "first_token_kl_mean": statistics.mean(acc["kl"]),
+            "first_token_kl_max": max(acc["kl"]),
+        }
+    return {"fp16_bytes_per_token": fp16_bytes_per_token, "by_bits": report}
+
+
+def plot(report: dict, path: Path) -> bool:
+    """Two panels: TTFT by source, bytes per token by bit width. False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no PNG")
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    ttft = report["ttft"]
+    sources = list(ttft)
+    left.bar(sources, [ttft[s]["ttft_ms_median"] for s in sources], color="tab:blue")
+    left.set_ylabel("TTFT (ms, median)")
+    left.set_title(f"TTFT, {ttft['full_prefill']['prompt_tokens']}-token prompt")
+    left.tick_params(axis="x", rotation=20)
+    by_bits = report["fidelity"]["by_bits"]
+    dtype = report["machine"]["model_dtype"].removeprefix("torch.")
+    names = {"16": f"unquantized\n({dtype})", "8": "int8", "4": "int4"}
+    labels = [f"{names[b]}\n{by_bits[b]['identical_greedy_share']:.0%} identical" for b in by_bits]
+    right.bar(labels, [by_bits[b]["bytes_per_token"] / 1024 for b in by_bits], color="tab:green")
+    right.axhline(report["fidelity"]["fp16_bytes_per_token"] / 1024, color="gray", linestyle="--", label="float16")
+    right.set_ylabel("stored KiB per token")
+    right.set_title("K/V storage and greedy agreement")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    engine = InferenceEngine.from_pretrained(None, chunk_size=args.chunk_size, dtype=args.dtype)
+    corpus = corpus_text()
+    document = _document(engine, corpus, args.prompt_tokens - 20)
+    with redis_server(args.redis_url) as url:
+        ttft = measure_ttft(engine, document, args, url)
+    fidelity = measure_fidelity(engine, corpus, args)
+    report = {
+        "machine": {
+            "platform": platform.platform(),
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "device": str(engine.device),
+            "model_dtype": str(next(engine.model.parameters()).dtype),
+        },
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "targets": TARGETS,
+        "ttft": ttft,
+        "fidelity": fidelity,
+    }
+    (args.out / "tiers.json").write_text(json.dumps(report, indent=2))
+    plot(report, args.out / "tiers.png")
+    print(
+        json.dumps(
+            {"ttft_ms": {k: round(v["ttft_ms_median"], 1) for k, v in ttft.items()}, "fidelity": fidelity}, indent=2
+        )
+    )
+    return 0
