@@ -41,17 +41,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serving.add_argument(
         "--api-key", default=os.environ.get("KVBOOST_API_KEY"), help="required Bearer key (env KVBOOST_API_KEY)"
     )
+    serving.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     serving.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 
 def serve(args: argparse.Namespace) -> int:
     """Load the model, build the app and run uvicorn until interrupted (graceful shutdown on SIGINT/SIGTERM)."""
+    import torch
     import uvicorn
 
     from kvboost_hf import KVBoost
     from kvboost_hf.server.app import ServerSettings, create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     host = args.host or LOOPBACK
     if args.api_key is None and not _is_loopback(host):
         logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)

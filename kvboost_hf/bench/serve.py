@@ -1,0 +1,288 @@
+"""``python -m kvboost_hf.bench serve``: simulated chat users against the server with reuse off, then on.
+
+Each of ``--users`` users holds a ``--turns``-turn conversation that starts with one shared system prompt
+(real text from :mod:`kvboost_hf.corpus`); the next turn is sent as soon as the previous answer is complete.
+Both servers run the same build and flags on loopback (``--no-reuse`` for the first), each in its own process
+started and stopped by this script; nothing is warmed before the timed requests.
+
+Measured per request with the official ``openai`` client (streaming, ``include_usage``): TTFT (call to first
+content chunk, ms), inter-token latency (gaps between content chunks, ms), prompt and cached tokens, errors.
+Throughput is completed requests per second of the run's wall time. Output: a table, ``serve.json`` and
+``serve.png`` under ``--out``. Bounded: ``--users`` x ``--turns`` requests, each with ``--max-tokens`` tokens,
+and every run stops starting turns after ``--time-limit-s`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvboost_hf.corpus import documents
+
+logger = logging.getLogger(__name__)
+MODEL = "SmolLM2-135M-Instruct"
+QUESTIONS = (
+    "Summarise the first paragraph in one sentence.",
+    "Which function would you use first, and why?",
+    "Give one pitfall a beginner might hit.",
+    "How would you test code that uses it?",
+    "Name a related module.",
+    "What changed in recent Python versions?",
+)
+
+
+@dataclass
+class RequestRecord:
+    """One chat turn as the client saw it (times in milliseconds)."""
+
+    user: int
+    turn: int
+    ttft_ms: float | None = None
+    total_ms: float = 0.0
+    gaps_ms: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in [0, 100]); NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
+def system_prompt(min_chars: int) -> str:
+    """A shared system prompt of at least ``min_chars`` characters of real documentation text."""
+    text = "You are a documentation assistant. Answer briefly, using only this reference:\n\n"
+    for title, body in documents():
+        if len(text) >= min_chars:
+            break
+        text += f"## {title}\n{body}\n\n"
+    return text
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m kvboost_hf.server`` on a free loopback port; stopped with SIGINT (graceful)."""
+
+    def __init__(self, extra: list[str], startup_timeout_s: float) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "kvboost_hf.server", "--host", "127.0.0.1", "--port", str(self.port)]
+        self.process = subprocess.Popen([*command, *extra, "--log-level", "warning"])
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError("server did not start")
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+
+def run_user(url: str, user: int, args: argparse.Namespace, system: str, deadline: float) -> list[RequestRecord]:
+    """One user's conversation; returns a record per turn sent."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=args.request_timeout_s)
+    messages = [{"role": "system", "content": system}]
+    records = []
+    for turn in range(args.turns):
+        if time.monotonic() > deadline:
+            break
+        question = QUESTIONS[(user + turn) % len(QUESTIONS)]
+        messages.append({"role": "user", "content": f"(user {user}) {question}"})
+        record = RequestRecord(user, turn)
+        answer = ""
+        started = last = time.perf_counter()
+        try:
+            stream = client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=args.max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            for chunk in stream:
+                now = time.perf_counter()
+                if chunk.usage is not None:
+                    record.prompt_tokens = chunk.usage.prompt_tokens
+                    record.completion_tokens = chunk.usage.completion_tokens
+                    details = chunk.usage.prompt_tokens_details
+                    record.cached_tokens = details.cached_tokens if details else 0
+                if chunk.choices and chunk.choices[0].delta.content:
+                    answer += chunk.choices[0].delta.content
+                    if record.ttft_ms is None:
+                        record.ttft_ms = (now - started) * 1e3
+                    else:
+                        record.gaps_ms.append((now - last) * 1e3)
+                    last = now
+        except Exception as exc:  # counted as an error of the run, the user goes on
+            record.error = f"{type(exc).__name__}: {exc}"
+        record.total_ms = (time.perf_counter() - started) * 1e3
+        records.append(record)
+        messages.append({"role": "assistant", "content": answer})
+    return records
+
+
+def run_mode(reuse: bool, args: argparse.Namespace, system: str) -> dict:
+    """Start a server, run every user concurrently, stop the server; returns the summary and the records."""
+    flags = ["--chunk-size", str(args.chunk_size), "--batch-window-ms", str(args.batch_window_ms)]
+    flags += ["--max-batch-size", str(args.max_batch_size), "--max-queue", str(4 * args.users)]
+    if args.threads:
+        flags += ["--threads", str(args.threads)]
+    if not reuse:
+        flags.append("--no-reuse")
+    server = ServerProcess(flags, args.startup_timeout_s)
+    results: list[list[RequestRecord]] = [[] for _ in range(args.users)]
+    try:
+        started = time.perf_counter()
+        deadline = time.monotonic() + args.time_limit_s
+
+        def user(index: int) -> None:
+            results[index] = run_user(server.url, index, args, system, deadline)
+
+        threads = [threading.Thread(target=user, args=(i,), daemon=True) for i in range(args.users)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(args.time_limit_s + 2 * args.request_timeout_s)
+        wall_s = time.perf_counter() - started
+    finally:
+        server.stop()
+    records = [r for rs in results for r in rs]
+    ok = [r for r in records if r.error is None and r.ttft_ms is not None]
+    ttfts = [r.ttft_ms for r in ok if r.ttft_ms is not None]
+    gaps = [g for r in ok for g in r.gaps_ms]
+    prompt = sum(r.prompt_tokens for r in ok)
+    summary = {
+        "reuse": reuse,
+        "requests": len(records),
+        "errors": len(records) - len(ok),
+        "wall_s": wall_s,
+        "ttft_p50_ms": percentile(ttfts, 50),
+        "ttft_p99_ms": percentile(ttfts, 99),
+        "itl_p50_ms": percentile(gaps, 50),
+        "itl_p99_ms": percentile(gaps, 99),
+        "throughput_rps": len(ok) / wall_s,
+        "reuse_ratio": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        "mean_prompt_tokens": prompt / len(ok) if ok else 0.0,
+    }
+    return {"summary": summary, "records": [asdict(r) for r in records]}
+
+
+def plot(off: dict, on: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    panels = [
+        ("TTFT (ms)", ["ttft_p50_ms", "ttft_p99_ms"], ["p50", "p99"]),
+        ("inter-token latency (ms)", ["itl_p50_ms", "itl_p99_ms"], ["p50", "p99"]),
+        ("throughput (requests/s)", ["throughput_rps"], ["req/s"]),
+    ]
+    for ax, (title, keys, labels) in zip(axes, panels, strict=True):
+        xs = range(len(keys))
+        ax.bar([x - 0.2 for x in xs], [off[k] for k in keys], width=0.4, label="reuse off")
+        ax.bar([x + 0.2 for x in xs], [on[k] for k in keys], width=0.4, label="reuse on")
+        ax.set_xticks(list(xs), labels)
+        ax.set_title(title)
+    axes[0].legend()
+    fig.suptitle("kvboost_hf server: simulated multi-turn chat users, reuse off vs on (same run)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvboost_hf.bench serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--users", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--system-chars", type=int, default=2500, help="length of the shared system prompt")
+    parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--batch-window-ms", type=float, default=20.0)
+    parser.add_argument("--max-batch-size", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of each server")
+    parser.add_argument("--time-limit-s", type=float, default=120.0, help="per run: no new turn after this")
+    parser.add_argument("--request-timeout-s", type=float, default=120.0)
+    parser.add_argument("--startup-timeout-s", type=float, default=180.0)
+    parser.add_argument("--out", type=Path, default=Path("bench_results"))
+    args = parser.parse_args(argv)
+    if not (1 <= args.users <= 32 and 1 <= args.turns <= 16 and 1 <= args.max_tokens <= 256):
+        parser.error("keep the load bounded: users <= 32, turns <= 16, max-tokens <= 256")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    system = system_prompt(args.system_chars)
+    runs = {}
+    for reuse in (False, True):
+        logger.info("running %d users x %d turns with reuse %s", args.users, args.turns, "on" if reuse else "off")
+        runs["on" if reuse else "off"] = run_mode(reuse, args, system)
+    off, on = runs["off"]["summary"], runs["on"]["summary"]
+    comparison = {
+        "ttft_p50_speedup": off["ttft_p50_ms"] / on["ttft_p50_ms"],
+        "ttft_p99_speedup": off["ttft_p99_ms"] / on["ttft_p99_ms"],
+        "throughput_gain": on["throughput_rps"] / off["throughput_rps"],
+        "targets_met": off["ttft_p50_ms"] >= 5 * on["ttft_p50_ms"]
+        and on["throughput_rps"] >= 2 * off["throughput_rps"],
+    }
+    header = (
+        f"{'reuse':<6}{'reqs':>6}{'err':>5}{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>8}{'req/s':>8}{'reuse':>7}"
+    )
+    print(header)
+    for name, s in (("off", off), ("on", on)):
+        print(
+            f"{name:<6}{s['requests']:>6}{s['errors']:>5}{s['ttft_p50_ms']:>10.0f}{s['ttft_p99_ms']:>9.0f}"
+            f"{s['itl_p50_ms']:>9.0f}{s['itl_p99_ms']:>8.0f}{s['throughput_rps']:>8.3f}{s['reuse_ratio']:>7.2f}"
+        )
+    print(
+        f"TTFT p50 {comparison['ttft_p50_speedup']:.1f}x lower, p99 {comparison['ttft_p99_speedup']:.1f}x; "
+        f"throughput {comparison['throughput_gain']:.2f}x (targets: 5x, 2x)"
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    payload = {"config": config, "cpu_count": os.cpu_count(), "comparison": comparison, **runs}
+    (args.out / "serve.json").write_text(json.dumps(payload, indent=2))
+    plot(off, on, args.out / "serve.png")
+    print(f"wrote {args.out / 'serve.json'} and {args.out / 'serve.png'}")
+    return 0 if off["errors"] == 0 and on["errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
