@@ -9,9 +9,32 @@ import importlib
 import inspect
 
 _MODULES = (
-    "argparse", "logging", "json", "collections", "itertools", "functools", "pathlib", "subprocess",
-    "threading", "asyncio", "unittest", "dataclasses", "typing", "re", "datetime", "heapq", "contextlib",
-    "csv", "sqlite3", "shutil", "textwrap", "enum", "decimal", "fractions", "statistics", "random",
+    "argparse",
+    "logging",
+    "json",
+    "collections",
+    "itertools",
+    "functools",
+    "pathlib",
+    "subprocess",
+    "threading",
+    "asyncio",
+    "unittest",
+    "dataclasses",
+    "typing",
+    "re",
+    "datetime",
+    "heapq",
+    "contextlib",
+    "csv",
+    "sqlite3",
+    "shutil",
+    "textwrap",
+    "enum",
+    "decimal",
+    "fractions",
+    "statistics",
+    "random",
 )
 
 
@@ -36,5 +59,18 @@ def documents(min_chars: int = 400) -> list[tuple[str, str]]:
 
 def sample_prompts(count: int = 3) -> list[str]:
     """Prompts of a few hundred tokens built from :func:`documents` (for correctness checks)."""
-    return [f"{text[:1500]}\n\nQuestion: what is the {title} module for?\nAnswer:" for title, text in
-            documents()[:count]]
+    return [
+        f"{text[:1500]}\n\nQuestion: what is the {title} module for?\nAnswer:" for title, text in documents()[:count]
+    ]
+
+
+def chat_script(turns: int = 8, system_chars: int = 2400, message_chars: int = 450) -> tuple[str, list[str]]:
+    """A system prompt (a reference document) and ``turns`` user messages quoting further documentation, so a
+    conversation's context grows by a few hundred tokens per turn."""
+    docs = documents()
+    system = "You are a helpful assistant. Answer using this reference.\n\n" + docs[0][1][:system_chars]
+    messages = [
+        f"Here is the documentation of the {title} module:\n{text[:message_chars]}\nSummarize it in one sentence."
+        for title, text in docs[1 : turns + 1]
+    ]
+    return system, messages
