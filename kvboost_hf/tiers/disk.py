@@ -2,8 +2,8 @@
 
 Files in ``directory``:
 
-* ``slots.bin``: ``num_slots * slot_bytes`` bytes (``num_slots = max_bytes // slot_bytes``), sized at creation
-  with ``ftruncate`` (the file system allocates blocks on first write). Each entry is one
+* ``slots.bin``: ``num_slots * slot_bytes`` bytes (``num_slots = max_bytes // slot_bytes``), its blocks
+  reserved with ``posix_fallocate`` when it is opened. Each entry is one
   :mod:`kvboost_hf.codec` record spread over as many slots as it needs (not necessarily consecutive ones);
   an entry larger than the whole file is refused.
 * ``index.json``: geometry, and for every entry its slots, record length, hits and recency tick. Written
@@ -20,6 +20,7 @@ that points at it, so a process killed at any moment leaves a directory that reo
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import heapq
 import json
@@ -87,8 +88,7 @@ class DiskTier(StorageTier):
             self._lock_file.close()
             raise RuntimeError(f"disk cache directory {self.directory} is in use by another process") from None
         self._file = open(self.directory / "slots.bin", "a+b")  # noqa: SIM115 (mapped for the tier's lifetime)
-        if os.fstat(self._file.fileno()).st_size != self.max_bytes:
-            os.ftruncate(self._file.fileno(), self.max_bytes)
+        self._allocate()
         self._mm = mmap.mmap(self._file.fileno(), self.max_bytes)
         self._finalizer = weakref.finalize(self, _release, self._mm, self._file, self._lock_file)
         self._entries: dict[str, _Placement] = {}
@@ -207,6 +207,22 @@ class DiskTier(StorageTier):
             return self._order.state(key)[0]
 
     # ------------------------------------------------------------------ internals
+    def _allocate(self) -> None:
+        """Make ``slots.bin`` exactly ``max_bytes`` long with its blocks reserved: writing through the mapping
+        into a hole of a full file system would kill the process with SIGBUS."""
+        fd = self._file.fileno()
+        if os.fstat(fd).st_size > self.max_bytes:
+            os.ftruncate(fd, self.max_bytes)
+        try:
+            os.posix_fallocate(fd, 0, self.max_bytes)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                self._file.close()
+                self._lock_file.close()
+                raise RuntimeError(f"no space for a {self.max_bytes}-byte disk cache in {self.directory}") from exc
+            logger.warning("disk tier: cannot reserve blocks in %s (%s); the file stays sparse", self.directory, exc)
+            os.ftruncate(fd, self.max_bytes)
+
     def _read(self, placement: _Placement) -> bytearray:
         record = bytearray(placement.length)
         out = memoryview(record)
