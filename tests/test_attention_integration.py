@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, PreTrainedModel, Qwen2Config
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
 
 from kvboost_hf import attention
 from kvboost_hf.cache import ChunkReuseCache
@@ -148,6 +148,21 @@ def test_chunk_reuse_cache_matches_sdpa(model: PreTrainedModel, kernel_calls: li
         torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
     assert cache.last_reuse[0].cached_tokens > 0, "the second run reused no chunk"
     assert kernel_calls
+
+
+def test_sliding_window_with_padding_matches_sdpa(kernel_calls: list[int]) -> None:
+    """Mistral with a window shorter than the prompt: sdpa's sliding-window mask reaches the kernel as a 4D mask."""
+    attention.register_kvboost_attention()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(MistralConfig(**TINY, sliding_window=8), attn_implementation="sdpa")
+    ids = _prompt(2, 20)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ref_tokens, ref_logits = _generate(model.eval(), "sdpa", ids, attention_mask=mask)
+    tokens, logits = _generate(model, "kvboost", ids, attention_mask=mask)
+    assert kernel_calls
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
 
 
 def test_fallback_without_interpreter_matches_sdpa(
