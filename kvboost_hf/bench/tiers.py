@@ -4,7 +4,9 @@ TTFT: a ~1500-token prompt (a document followed by a question) on the embedded S
 stored with ``engine.warm`` first (the question is not: each timed run asks a different one, so only the
 document's chunks can hit); each timed ``engine.generate`` runs from the call to the first token, lookups,
 decoding and dequantisation included. Sources: RAM; disk with RAM budget 0 (page cache warm, and cold after
-``DiskTier.drop_page_cache``); Redis with RAM budget 0; nothing (plain prefill, ``mode="baseline"``).
+``DiskTier.drop_page_cache``); Redis with RAM budget 0; nothing (plain prefill, ``mode="baseline"``). Beside
+TTFT, ``lookup_ms`` is the time to fetch the document's chunks from each store alone (no model), which load
+from other processes distorts less.
 
 Fidelity: for each prompt (a window of the text plus a question), the chunks are stored by a first call and a
 second call generates ``--new-tokens`` greedy tokens from them. Quantized stores (8, 4 bits) are compared with
@@ -38,7 +40,9 @@ from typing import Any
 import torch
 
 from kvboost_hf.cache import ChunkReuseCache
+from kvboost_hf.chunking import chunk_spans
 from kvboost_hf.engine import InferenceEngine
+from kvboost_hf.keys import chain_prefix_keys
 from kvboost_hf.store import ChunkStore
 
 logger = logging.getLogger(__name__)
@@ -141,13 +145,26 @@ class _Source:
     engine: InferenceEngine
     mode: str = "chunk_kv_reuse"
     before_each: Callable[[], None] | None = None
+    keys: list[str] = field(default_factory=list)  # the document's chunk keys (empty: no store lookups)
     runs: list[float] = field(default_factory=list)
     cached: list[int] = field(default_factory=list)
+    lookups: list[float] = field(default_factory=list)
+
+    def lookup_ms(self) -> float:
+        """Time to fetch every document chunk from the store alone (no model), in ms."""
+        if self.before_each is not None:
+            self.before_each()
+        started = time.perf_counter()
+        for key in self.keys:
+            if self.engine.store.get(key) is None:
+                raise RuntimeError(f"{self.name}: document chunk missing from the store")
+        return (time.perf_counter() - started) * 1e3
 
 
 def measure_ttft(engine: InferenceEngine, document: str, args: argparse.Namespace, url: str | None) -> dict:
-    """TTFT (ms) per source. Every source answers the same ``repeats`` questions about ``document``; the sources
-    take turns within each repeat so that load from other processes spreads over all of them."""
+    """TTFT (ms) per source, and the time to fetch the document's chunks from each store alone. Every source
+    answers the same ``repeats`` questions about ``document``; the sources take turns within each repeat so that
+    load from other processes spreads over all of them."""
     questions = [f"\nQuestion: {_QUESTIONS[r % len(_QUESTIONS)]}\nAnswer:" for r in range(args.repeats)]
     engine.generate("Warm-up call: load kernels.", max_new_tokens=2, mode="baseline")
     with contextlib.ExitStack() as stack:
@@ -162,10 +179,10 @@ def measure_ttft(engine: InferenceEngine, document: str, args: argparse.Namespac
             tier_engine = _engine_with(engine, store)
             tier_engine.warm(document)
             store.flush()
-            sources.append(_Source(name, tier_engine))
+            sources.append(_Source(name, tier_engine, keys=_document_keys(tier_engine, document)))
         disk = stores["disk"].disk
         assert disk is not None
-        sources.append(_Source("disk_cold", sources[2].engine, before_each=disk.drop_page_cache))
+        sources.append(_Source("disk_cold", sources[2].engine, before_each=disk.drop_page_cache, keys=sources[2].keys))
         for question in questions:
             for source in sources:
                 if source.before_each is not None:
@@ -173,6 +190,8 @@ def measure_ttft(engine: InferenceEngine, document: str, args: argparse.Namespac
                 result = source.engine.generate(document + question, max_new_tokens=1, mode=source.mode)
                 source.runs.append(result.ttft_ms)
                 source.cached.append(result.cached_tokens)
+                if source.keys:
+                    source.lookups.append(source.lookup_ms())
         results: dict[str, Any] = {}
         for source in sources:
             stats = source.engine.store.stats()
@@ -183,6 +202,12 @@ def measure_ttft(engine: InferenceEngine, document: str, args: argparse.Namespac
                 "prompt_tokens": result.prompt_tokens,
                 "tier_hits": {k: stats[k] for k in ("ram_hits", "disk_hits", "remote_hits")},
             }
+            if source.lookups:
+                results[source.name] |= {
+                    "lookup_ms_median": statistics.median(source.lookups),
+                    "lookup_ms_runs": source.lookups,
+                    "lookup_chunks": len(source.keys),
+                }
             logger.info(
                 "%-12s TTFT median %8.1f ms, cached %s", source.name, statistics.median(source.runs), source.cached
             )
@@ -192,6 +217,12 @@ def measure_ttft(engine: InferenceEngine, document: str, args: argparse.Namespac
     for entry in results.values():
         entry["vs_ram"] = entry["ttft_ms_median"] / ram
     return results
+
+
+def _document_keys(engine: InferenceEngine, document: str) -> list[str]:
+    """Prefix keys of the full chunks of ``document`` as ``engine`` names them."""
+    ids = engine.encode(document, add_generation_prompt=False)
+    return chain_prefix_keys(engine.new_cache().namespace, ids, chunk_spans(ids, engine.chunking))
 
 
 def _engine_with(engine: InferenceEngine, store: ChunkStore) -> InferenceEngine:
