@@ -46,6 +46,7 @@ from kvboost_hf.server.worker import Overloaded, ShuttingDown, Worker
 
 logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI default of /v1/completions
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,13 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
-_ERROR_KINDS = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 503: "server_error"}
+_ERROR_KINDS = {
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
 
 
 def _error(status: int, message: str, **kwargs: Any) -> ApiError:
@@ -406,7 +413,8 @@ def create_app(engine: InferenceEngine, settings: ServerSettings | None = None) 
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if len(prompts) != 1:
             raise _error(400, "exactly one prompt per request is supported (use n for several choices)", param="prompt")
-        run = _Run(request, body, prompts[0], body.max_tokens, body.logprobs, "completion")
+        max_tokens = body.max_tokens or min(COMPLETIONS_DEFAULT_MAX_TOKENS, settings.max_tokens_limit or 2**31)
+        run = _Run(request, body, prompts[0], max_tokens, body.logprobs, "completion")
         return await run.respond()  # type: ignore[return-value]
 
     return app

@@ -89,7 +89,10 @@ def serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
     )
-    uvicorn.Server(config).run()
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT after its graceful shutdown
+        logger.info("server stopped")
     return 0
 
 

@@ -78,7 +78,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] = Field(description="One prompt (lists of exactly one string are accepted).")
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, description="default 16, as in the OpenAI API")
     logprobs: int | None = Field(default=None, ge=0, le=5)
 
 

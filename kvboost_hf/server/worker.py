@@ -33,6 +33,7 @@ from kvboost_hf.server.metrics import Metrics
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 GroupKey = tuple[Any, ...]
+RETRY_AFTER_S = 1  # what a 429 advises: about one batch window plus a few decode steps
 
 
 class Overloaded(RuntimeError):
@@ -111,7 +112,7 @@ class Worker:
             if self._closing:
                 raise ShuttingDown("server is shutting down")
             if len(self._pending) >= self.max_queue:
-                raise Overloaded(len(self._pending), max(1, round(self.batch_window_s + 1)))
+                raise Overloaded(len(self._pending), RETRY_AFTER_S)
             self._pending.append((self._group_key(job), job))
             self._cond.notify()
 
