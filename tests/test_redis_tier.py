@@ -236,3 +236,32 @@ def test_second_process_reuses_first_process_chunks(redis_server: RedisServer):
     assert first["cached_tokens"] == 0 and first["stats"]["remote_bytes"] > 0
     assert second["cached_tokens"] == 64 and second["stats"]["remote_hits"] == 4
     assert second["tokens"] == second["full_prefill"] == first["tokens"]
+
+
+def test_redis_budget_is_enforced_by_redis(remote: RemoteTier, redis_server: RedisServer):
+    """With ``maxmemory`` and ``allkeys-lru`` Redis evicts old chunks; they become plain misses."""
+    admin = redis_server.client()
+    admin.config_set("maxmemory", str(4 << 20))
+    entries = [make_entry(tokens=2000, seed=i) for i in range(12)]  # ~770 KB records, ~9 MB in all
+    for i, entry in enumerate(entries):
+        remote.put(key(i), entry)
+        assert remote.flush(5)
+    assert int(admin.info("memory")["used_memory"]) <= 5 << 20
+    served = [remote.get(key(i)) for i in range(len(entries))]
+    assert served[0] is None and served[-1] is not None
+    for got, entry in zip(served, entries, strict=True):
+        if got is not None:
+            assert_same(got, entry)
+    assert remote.errors == 0 and remote.corrupt == 0
+
+
+def test_error_reply_fails_one_write_without_an_outage(remote: RemoteTier, redis_server: RedisServer):
+    """A value Redis refuses (OOM under a tiny ``maxmemory``) is one counted error, not a back-off."""
+    redis_server.client().config_set("maxmemory", "1")  # every write is now refused with an OOM reply
+    remote.put(key(1), make_entry())
+    assert remote.flush(5)
+    assert remote.errors == 1 and remote.dropped == 1
+    redis_server.client().config_set("maxmemory", "0")
+    remote.put(key(2), make_entry(seed=2))
+    assert remote.flush(5)
+    assert remote.get(key(2)) is not None

@@ -5,9 +5,10 @@
 * Writes go through a bounded queue to one background thread: a request never waits on Redis. When the queue is
   full the write is dropped and counted (``dropped``).
 * Eviction is Redis's: run it with ``maxmemory <bytes>`` and ``maxmemory-policy allkeys-lru``.
-* Failures never reach the caller: a Redis error counts in ``errors``, logs one warning per outage, and the tier
-  answers misses (and drops writes) for ``retry_after_s`` before trying again. A record that fails verification
-  is deleted from Redis, counted in ``corrupt`` and served as a miss.
+* Failures never reach the caller: a Redis error counts in ``errors`` and is a miss (or a dropped write). A lost
+  connection or a timeout logs one warning per outage, and the tier answers misses (and drops writes) for
+  ``retry_after_s`` before trying again; an error reply (such as OOM) fails only that operation. A record that
+  fails verification is deleted from Redis, counted in ``corrupt`` and served as a miss.
 * AUTH and TLS come from the URL: ``redis://user:password@host:6379/0``, ``rediss://...`` for TLS.
 """
 
@@ -59,6 +60,8 @@ class RemoteTier(StorageTier):
         self.prefix = prefix
         self.retry_after_s = retry_after_s
         self._redis_error: type[Exception] = redis.RedisError
+        self._outage_errors: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError)
+        self._reply_error_logged = False
         self._client: redis.Redis = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
         )
@@ -184,13 +187,17 @@ class RemoteTier(StorageTier):
                     self._done_one()
 
     def _call(self, operation: Any) -> Any:
-        """Run one Redis operation; None (and a counted, logged outage) on any Redis error or while down."""
+        """Run one Redis operation; None on any Redis error (counted and logged) or while Redis is down.
+
+        Connection errors and timeouts start an outage (misses without network calls for ``retry_after_s``);
+        an error reply (e.g. OOM for a value above ``maxmemory``) only fails this operation.
+        """
         with self._state_lock:
             if self._is_down():
                 return None
         try:
             result = operation()
-        except self._redis_error as exc:
+        except self._outage_errors as exc:
             with self._state_lock:
                 self.errors += 1
                 first = self._down_until == 0.0
@@ -202,6 +209,12 @@ class RemoteTier(StorageTier):
                     exc,
                     self.retry_after_s,
                 )
+            return None
+        except self._redis_error as exc:
+            with self._state_lock:
+                self.errors += 1
+                first, self._reply_error_logged = not self._reply_error_logged, True
+            logger.log(logging.WARNING if first else logging.DEBUG, "remote tier: Redis refused an operation: %s", exc)
             return None
         with self._state_lock:
             if self._down_until:
