@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import torch
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -23,7 +24,15 @@ uvicorn = pytest.importorskip("uvicorn")
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.cache import GenerationMode  # noqa: E402
 from kvboost_hf.server.app import ServerSettings, create_app  # noqa: E402
-from kvboost_hf.server.batching import Batch, Delta, Done, Job, SamplingParams, visible_text  # noqa: E402
+from kvboost_hf.server.batching import (  # noqa: E402
+    Batch,
+    Delta,
+    Done,
+    Job,
+    SamplingParams,
+    pick_tokens,
+    visible_text,
+)
 from kvboost_hf.server.worker import Worker  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -101,6 +110,14 @@ def test_visible_text_cuts_exactly_and_holds_back_partial_stops():
     assert visible_text("Hello wor", ("world",)) == ("Hello ", False)
     assert visible_text("Hello", ()) == ("Hello", False)
     assert visible_text("caf\ufffd", ()) == ("caf", False)
+
+
+def test_pick_tokens_is_greedy_at_zero_and_safe_at_tiny_temperatures():
+    logits = torch.tensor([[1.0, 3.0, 2.0], [50.0, -1e4, 49.0]])
+    generators = [torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)]
+    assert pick_tokens(logits, [0.0, 0.0], [1.0, 1.0], generators) == [1, 0]
+    assert pick_tokens(logits, [1e-30, 1e-300], [1.0, 0.5], generators) == [1, 0]
+    assert pick_tokens(logits, [1.0, 1.0], [1e-6, 1e-300], generators) == [1, 0]  # top-p keeps the best token
 
 
 # ---------------------------------------------------------------------------------------------- batching core

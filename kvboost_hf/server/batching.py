@@ -34,6 +34,7 @@ from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.keys import chain_prefix_keys
 
 logger = logging.getLogger(__name__)
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 # ---------------------------------------------------------------------------------------------------- job types
@@ -141,16 +142,20 @@ def visible_text(text: str, stops: Sequence[str]) -> tuple[str, bool]:
 def pick_tokens(
     logits: torch.Tensor, temperatures: Sequence[float], top_ps: Sequence[float], generators: Sequence[torch.Generator]
 ) -> list[int]:
-    """One token per row of ``logits`` ``[B, V]`` (float32): argmax for temperature 0, else nucleus sampling
-    at that row's temperature and top-p with that row's generator. Never divides by a zero temperature."""
+    """One token per row of ``logits`` ``[B, V]`` (float32): argmax for temperature 0 (and below
+    ``GREEDY_BELOW_TEMPERATURE``, the limit sampling tends to), else nucleus sampling at that row's temperature and
+    top-p with that row's generator. Never divides by zero or by a temperature that underflows in float32."""
     chosen = logits.argmax(dim=-1).tolist()
     for row, (temperature, top_p, generator) in enumerate(zip(temperatures, top_ps, generators, strict=True)):
-        if temperature <= 0:
+        if temperature < GREEDY_BELOW_TEMPERATURE:
             continue
-        probs = torch.softmax(logits[row] / temperature, dim=-1)
+        # shift before scaling: the best token gets 0, the rest -inf at worst, so a tiny temperature cannot
+        # overflow into inf - inf = NaN
+        probs = torch.softmax((logits[row] - logits[row].max()) / temperature, dim=-1)
         if top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
-            outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the first token is always kept
+            outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+            outside[0] = False  # the best token always stays (top_p may underflow to 0 in float32)
             sorted_probs[outside] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         chosen[row] = int(torch.multinomial(probs, 1, generator=generator))
