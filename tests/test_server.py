@@ -192,6 +192,24 @@ def test_chat_temperature_zero_equals_engine_greedy(engine, client):
     assert response.usage.prompt_tokens == len(engine.encode(prompt))
 
 
+def test_concurrent_requests_sharing_a_prefix_equal_engine_greedy(engine, client):
+    shared = f"Desk {uuid.uuid4().hex}. {SYSTEM}"
+    prompts = [chat(u, shared) for u in ("Name a fruit.", "Name a river in Europe, please.", "Name a tool.")]
+    expected = [greedy(engine, p, 6) for p in prompts]
+    answers: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        reply = client.chat.completions.create(model=MODEL, messages=prompts[i], max_tokens=6, temperature=0)
+        answers[i] = reply.choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert [answers.get(i) for i in range(3)] == expected
+
+
 def test_completions_and_n(engine, client):
     prompt = "The three primary colors are"
     expected = greedy(engine, prompt, 6)

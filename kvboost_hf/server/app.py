@@ -231,6 +231,7 @@ def create_app(engine: InferenceEngine, settings: ServerSettings | None = None) 
 
             self.job = Job(prompt_ids, params, sink, n=body.n, cache_salt=body.cache_salt, arrival=self.arrival)
             self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+            logger.debug("%s: %d prompt tokens, n=%d, user=%r", self.id, len(prompt_ids), body.n, body.user)
             self.created = int(time.time())
 
         async def respond(self) -> ChatCompletion | Completion | StreamingResponse:

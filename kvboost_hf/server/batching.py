@@ -20,6 +20,7 @@ row leaves the batch, so nothing computed is lost.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -204,7 +205,7 @@ class Batch:
         for job in self.jobs:
             job.rows_left = job.n
             for index in range(job.n):
-                seed = job.params.seed + index if job.params.seed is not None else torch.seed()
+                seed = job.params.seed + index if job.params.seed is not None else secrets.randbits(63)
                 self.rows.append(_Row(job, index, torch.Generator().manual_seed(seed)))
         self.cache: ChunkReuseCache | DynamicCache | None = None
         self.mask = torch.empty(0)
