@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (1 <= args.users <= 32 and 1 <= args.turns <= 16 and 1 <= args.max_tokens <= 256):
         parser.error("keep the load bounded: users <= 32, turns <= 16, max-tokens <= 256")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     system = system_prompt(args.system_chars)
     runs = {}
     for reuse in (False, True):

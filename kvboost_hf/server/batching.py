@@ -228,11 +228,9 @@ class Batch:
         """Compute (or load) every row's prompt and pick each row's first token."""
         salt = self.jobs[0].cache_salt
         prompts = [row.job.prompt_ids for row in self.rows]
-        shared_computed = self._store_shared_prefix(prompts, salt) if self.mode is not GenerationMode.BASELINE else 0
-        if self.mode is GenerationMode.BASELINE:
-            self.cache = DynamicCache()
-        else:
-            self.cache = self.engine.new_cache(self.mode, salt)
+        reuse = self.mode is not GenerationMode.BASELINE
+        shared_computed = self._store_shared_prefix(prompts, salt) if reuse else 0
+        self.cache = self.engine.new_cache(self.mode, salt) if reuse else DynamicCache()
         input_ids, self.mask = self._left_pad(prompts)
         position_ids = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 1)
         logits = self._forward(input_ids, position_ids)
@@ -252,10 +250,10 @@ class Batch:
         self.positions = self.positions + 1
         self._advance(self._forward(last, self.positions[:, None]))
 
-    def cancel_all(self, reason: str = "cancelled") -> None:
+    def cancel_all(self) -> None:
         """Finish every running row now (shutdown)."""
         for row in self.rows:
-            self._finish(row, reason)
+            self._finish(row, "cancelled")
         self.rows = []
         self.close()
 
