@@ -1,0 +1,160 @@
+"""Non-prefix reuse: documents reused at any offset and order, re-rotated and repaired."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from transformers import DynamicCache
+
+from kvboost_hf import ChunkReuseCache, ChunkStore, GenerationMode
+from kvboost_hf.rope import KeyRotator
+
+CHUNK = 16
+ROTATING = ["llama", "qwen2", "phi3"]  # full-attention tiny models; the sliding-window ones fall back to exact
+
+
+def documents(count: int = 3, length: int = 40, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 128, (length,), generator=gen) for _ in range(count)]
+
+
+def warm_alone(model, store, doc: torch.Tensor, **kwargs) -> None:
+    cache = ChunkReuseCache(store, model, chunk_size=CHUNK, segment_starts=[0, len(doc)], **kwargs)
+    model(doc[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cache.flush()
+
+
+def run(model, store, ids, starts=(), new=8, **kwargs):
+    cache = ChunkReuseCache(store, model, chunk_size=CHUNK, segment_starts=starts, **kwargs)
+    out = model.generate(
+        ids, past_key_values=cache, max_new_tokens=new, do_sample=False, pad_token_id=0,
+        return_dict_in_generate=True, output_logits=True,
+    )
+    return out, cache
+
+
+def plain(model, ids, new=8):
+    return model.generate(
+        ids, max_new_tokens=new, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True
+    )
+
+
+def full_prefill(model, ids) -> DynamicCache:
+    cache = DynamicCache()
+    model(ids, past_key_values=cache)
+    return cache
+
+
+def shuffled_prompt(docs, order, question):
+    parts = [docs[i] for i in order] + [question]
+    starts = [sum(len(p) for p in parts[:i]) for i in range(len(parts))]
+    return torch.cat(parts)[None], starts
+
+
+@pytest.mark.parametrize("arch", ROTATING)
+def test_rerotation_equals_keys_computed_at_the_new_position(arch):
+    model = make_tiny_model(arch)
+    rotator = KeyRotator(model)
+    ids = torch.randint(1, 128, (1, 24), generator=torch.Generator().manual_seed(1))
+    at_zero = full_prefill(model, ids).layers[0].keys  # layer-0 keys depend on token and position only
+    moved = DynamicCache()
+    model(ids, past_key_values=moved, position_ids=torch.arange(24)[None] + 37)
+    assert torch.allclose(rotator.rotate(at_zero, 37), moved.layers[0].keys, atol=1e-5)
+    assert torch.allclose(rotator.rotate(moved.layers[0].keys, -37), at_zero, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ROTATING)
+@pytest.mark.parametrize("strategy", ["selective", "cacheblend"])
+def test_ratio_one_reproduces_the_full_prefill_in_any_order(arch, strategy):
+    model = make_tiny_model(arch)
+    store = ChunkStore(1 << 26)
+    docs = documents()
+    for doc in docs:
+        warm_alone(model, store, doc)
+    question = torch.randint(1, 128, (7,), generator=torch.Generator().manual_seed(2))
+    for order in ([2, 0, 1], [1, 2]):
+        ids, starts = shuffled_prompt(docs, order, question)
+        expected = plain(model, ids)
+        out, cache = run(model, store, ids, starts, recompute_strategy=strategy, recompute_ratio=1.0,
+                         write_back=False)
+        reuse = cache.last_reuse[0]
+        assert reuse.hit_chunks >= 3 * len(order) - 1 and reuse.approx_tokens == 0 and reuse.recomputed_tokens > 0
+        assert torch.equal(out.sequences, expected.sequences)
+        assert (out.logits[0] - expected.logits[0]).abs().max() < 1e-4
+        reference = full_prefill(model, ids)
+        for layer, ref_layer in zip(cache.layers, reference.layers, strict=True):
+            assert (layer.keys[:, :, : ids.shape[1]] - ref_layer.keys).abs().max() < 1e-4
+            assert (layer.values[:, :, : ids.shape[1]] - ref_layer.values).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("arch", sorted(ROTATING + ["mistral", "gemma2"]))
+@pytest.mark.parametrize("strategy", ["none", "selective", "cacheblend"])
+def test_every_strategy_runs_on_every_architecture(arch, strategy):
+    model = make_tiny_model(arch)
+    store = ChunkStore(1 << 26)
+    docs = documents(2)
+    for doc in docs:
+        warm_alone(model, store, doc)
+    ids, starts = shuffled_prompt(docs, [1, 0], torch.tensor([5, 6, 7]))
+    out, cache = run(model, store, ids, starts, recompute_strategy=strategy, recompute_ratio=0.3, write_back=False)
+    assert out.sequences.shape == (1, ids.shape[1] + 8)
+    reuse = cache.last_reuse[0]
+    if arch in ROTATING:
+        assert reuse.hit_chunks == 6
+        if strategy == "none":
+            assert reuse.recomputed_tokens == 0 and reuse.approx_tokens == 40
+        else:  # forced into repair: some reused tokens recomputed, the rest kept
+            assert 0 < reuse.recomputed_tokens < 40 and reuse.approx_tokens > 0
+    else:  # sliding windows: only exact prefix reuse, output identical to plain generate
+        assert reuse.approx_tokens == 0
+        assert torch.equal(out.sequences, plain(model, ids).sequences)
+
+
+def test_gap_in_the_middle_is_computed_in_place():
+    model = make_tiny_model("llama")
+    store = ChunkStore(1 << 26)
+    a, b, c = documents(3, seed=3)
+    warm_alone(model, store, a)
+    warm_alone(model, store, c)
+    ids, starts = shuffled_prompt([a, b, c], [0, 1, 2], torch.tensor([9, 9, 9]))
+    out, cache = run(model, store, ids, starts, recompute_ratio=1.0, write_back=False)
+    reuse = cache.last_reuse[0]
+    assert reuse.cached_tokens == 40  # document a, exact at the start; b is a gap; c reused and recomputed
+    assert reuse.recomputed_tokens == 40
+    assert torch.equal(out.sequences, plain(model, ids).sequences)
+
+
+def test_exact_prefix_hits_are_not_repaired_and_stale_chunks_never_written_by_prefix():
+    model = make_tiny_model("qwen2")
+    store = ChunkStore(1 << 26)
+    docs = documents(2, seed=4)
+    for doc in docs:
+        warm_alone(model, store, doc)
+    ids, starts = shuffled_prompt(docs, [0, 1], torch.tensor([3, 4, 5, 6]))
+    out, cache = run(model, store, ids, starts, recompute_strategy="none")
+    reuse = cache.last_reuse[0]
+    assert reuse.cached_tokens == 80 and reuse.approx_tokens == 40  # doc 0 exact (untouched), doc 1 as stored
+    stored_first = store.get(cache._rows[0].keys[0])
+    assert torch.equal(cache.layers[0].keys[0, :, :CHUNK], stored_first.keys[0])
+    # the stale continuation was not written under prefix keys: an exact-only lookup stops after document 0
+    exact_out, exact_only = run(model, store, ids, starts, mode=GenerationMode.PREFIX_CACHE)
+    assert exact_only.last_reuse[0].cached_tokens == 40
+    assert torch.equal(exact_out.sequences, plain(model, ids).sequences)
+
+
+def test_content_defined_chunks_hit_a_document_inside_a_plain_prompt():
+    model = make_tiny_model("llama")
+    store = ChunkStore(1 << 26)
+    doc = torch.randint(1, 128, (120,), generator=torch.Generator().manual_seed(5))
+    warm = ChunkReuseCache(store, model, chunk_size=CHUNK, chunking="content")
+    model(doc[None], past_key_values=warm, use_cache=True, logits_to_keep=1)
+    warm.flush()
+    prefix = torch.randint(1, 128, (13,), generator=torch.Generator().manual_seed(6))
+    ids = torch.cat([prefix, doc, torch.tensor([1, 2, 3])])[None]
+    out, cache = run(model, store, ids, chunking="content", recompute_ratio=1.0, write_back=False)
+    assert cache.last_reuse[0].hit_chunks >= 3
+    assert torch.equal(out.sequences, plain(model, ids).sequences)
+    fixed = ChunkReuseCache(store, model, chunk_size=CHUNK)  # fixed cuts at a shifted offset find nothing
+    model.generate(ids, past_key_values=fixed, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    assert fixed.last_reuse[0].hit_chunks == 0
