@@ -88,7 +88,7 @@ def test_ratio_one_reproduces_the_full_prefill_in_any_order(arch, strategy):
             assert (layer.values[:, :, : ids.shape[1]] - ref_layer.values).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("arch", sorted(ROTATING + ["mistral", "gemma2"]))
+@pytest.mark.parametrize("arch", sorted([*ROTATING, "mistral", "gemma2"]))
 @pytest.mark.parametrize("strategy", ["none", "selective", "cacheblend"])
 def test_every_strategy_runs_on_every_architecture(arch, strategy):
     model = make_tiny_model(arch)
@@ -132,7 +132,7 @@ def test_exact_prefix_hits_are_not_repaired_and_stale_chunks_never_written_by_pr
     for doc in docs:
         warm_alone(model, store, doc)
     ids, starts = shuffled_prompt(docs, [0, 1], torch.tensor([3, 4, 5, 6]))
-    out, cache = run(model, store, ids, starts, recompute_strategy="none")
+    _out, cache = run(model, store, ids, starts, recompute_strategy="none")
     reuse = cache.last_reuse[0]
     assert reuse.cached_tokens == 80 and reuse.approx_tokens == 40  # doc 0 exact (untouched), doc 1 as stored
     stored_first = store.get(cache._rows[0].keys[0])
