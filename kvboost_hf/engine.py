@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvboost_hf.cache import ChunkReuseCache, GenerationMode
+from kvboost_hf.cache import ChunkReuseCache, GenerationMode, RowReuse
 from kvboost_hf.chunking import ChunkingConfig, boundary_token_ids_from_tokenizer, chunk_spans
 from kvboost_hf.keys import model_digest
 from kvboost_hf.models import check_model_support, load_model_and_tokenizer
@@ -255,11 +255,13 @@ class InferenceEngine:
         on_token: Callable[[int], None] | None = None,
         cancel: threading.Event | None = None,
         logprobs: int | None = None,
+        repair: RepairConfig | None = None,
     ) -> GenerationResult:
         """Generate a completion of ``prompt`` (string or chat messages). ``temperature=0`` means greedy.
 
         ``on_token`` receives each generated token id as soon as it exists; setting ``cancel`` stops generation
-        (finish_reason ``"cancelled"``); ``logprobs=k`` returns each token's log-probability and the top ``k``.
+        (finish_reason ``"cancelled"``); ``logprobs=k`` returns each token's log-probability and the top ``k``
+        (and the first token's logits); ``repair`` overrides the engine's repair settings for this call.
         """
         return self.generate_batch(
             [prompt],
@@ -273,6 +275,7 @@ class InferenceEngine:
             cache_salt=cache_salt,
             cancel=cancel,
             logprobs=logprobs,
+            repair=repair,
             on_token=None if on_token is None else (lambda tokens: on_token(tokens[0])),
         )[0]
 
@@ -291,6 +294,7 @@ class InferenceEngine:
         on_token: Callable[[list[int]], None] | None = None,
         cancel: threading.Event | None = None,
         logprobs: int | None = None,
+        repair: RepairConfig | None = None,
     ) -> list[GenerationResult]:
         """Generate for several prompts in one left-padded batch (best when they share a prefix: its K/V is
         looked up once per chunk). Each row's greedy output equals what it gets alone. TTFT is the batch's."""
@@ -308,7 +312,7 @@ class InferenceEngine:
         if mode is GenerationMode.BASELINE:
             cache = DynamicCache()
         else:
-            cache = self.new_cache(mode, cache_salt, segment_starts[0] if len(prompts) == 1 else ())
+            cache = self.new_cache(mode, cache_salt, segment_starts[0] if len(prompts) == 1 else (), repair)
         timer = TokenTimer(on_token)
         sampling = do_sample and temperature > 0
         options: dict[str, Any] = {
@@ -342,7 +346,7 @@ class InferenceEngine:
         for row, ids in enumerate(encoded):
             generated = self._trim_generated(output.sequences[row, input_ids.shape[1] :].tolist())
             text, finish = self._finish(generated, max_new_tokens, stops, cancel)
-            cached = reuse[row].cached_tokens if row < len(reuse) else 0
+            row_reuse = reuse[row] if row < len(reuse) else RowReuse()
             decode_s = max(finished - first, 1e-9)
             row_logprobs = self._logprobs(output.logits, row, generated, logprobs) if logprobs is not None else None
             results.append(
@@ -355,9 +359,12 @@ class InferenceEngine:
                     ttft_ms=(first - started) * 1e3,
                     total_ms=(finished - started) * 1e3,
                     tokens_per_sec=(len(generated) - 1) / decode_s if len(generated) > 1 else 0.0,
-                    kv_reuse_ratio=cached / len(ids),
+                    kv_reuse_ratio=row_reuse.cached_tokens / len(ids),
                     prompt_tokens=len(ids),
-                    cached_tokens=cached,
+                    cached_tokens=row_reuse.cached_tokens,
+                    approx_tokens=row_reuse.approx_tokens,
+                    recomputed_tokens=row_reuse.recomputed_tokens,
+                    first_token_logits=output.logits[0][row].float().cpu() if logprobs is not None else None,
                     finish_reason=finish,
                     token_logprobs=None if row_logprobs is None else row_logprobs[0],
                     top_logprobs=None if row_logprobs is None else row_logprobs[1],

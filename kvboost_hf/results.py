@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 
 class RecomputeStrategy(str, Enum):
@@ -36,6 +37,9 @@ class GenerationResult:
     finish_reason: str  # "stop" (EOS or a stop string), "length" or "cancelled"
     token_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    first_token_logits: Any = None  # torch.Tensor [vocab] (fp32, CPU) when logprobs were requested
+    approx_tokens: int = 0  # cached tokens that came from content-key (non-prefix) hits, not recomputed
+    recomputed_tokens: int = 0  # loaded tokens recomputed by the repair
 
 
 @dataclass
