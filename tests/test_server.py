@@ -137,7 +137,7 @@ def test_batch_rows_equal_alone_with_mixed_settings(engine):
         jobs.append(
             Job(engine.encode(prompts[0]), SamplingParams(max_tokens=4, temperature=0.8, seed=3), events[3].append)
         )
-        batch = Batch(engine, jobs, GenerationMode.CHUNK_KV_REUSE, threading.Lock())
+        batch = Batch(engine, jobs, GenerationMode.PREFIX_CACHE, threading.Lock())
         batch.prefill()
         while not batch.done:
             batch.step()
@@ -396,7 +396,9 @@ def test_openapi_document_fuzzing_finds_no_server_error(engine):
     """Schemathesis-generated requests against every operation of the served OpenAPI document: never a 5xx."""
     schemathesis = pytest.importorskip("schemathesis")
     hypothesis = pytest.importorskip("hypothesis")
-    settings = ServerSettings(model_name=MODEL, api_key=KEY, max_tokens_limit=2, default_max_tokens=2)
+    settings = ServerSettings(
+        model_name=MODEL, api_key=KEY, reuse_mode="chunk", max_tokens_limit=2, default_max_tokens=2
+    )
     with LiveServer(create_app(engine, settings)) as live:
         schema = schemathesis.openapi.from_url(f"{live.url}/openapi.json")
         statuses: dict[str, set[int]] = {}

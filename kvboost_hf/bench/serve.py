@@ -2,7 +2,7 @@
 
 Each of ``--users`` users holds a ``--turns``-turn conversation that starts with one shared system prompt
 (real text from :mod:`kvboost_hf.corpus`); the next turn is sent as soon as the previous answer is complete.
-Both servers run the same build and flags on loopback (``--no-reuse`` for the first), each in its own process
+Both servers run the same build and flags on loopback (``--reuse-mode off``, then ``prefix``), each in its own process
 started and stopped by this script; nothing is warmed before the timed requests.
 
 Measured per request with the official ``openai`` client (streaming, ``include_usage``): TTFT (call to first
@@ -166,8 +166,7 @@ def run_mode(reuse: bool, args: argparse.Namespace, system: str) -> dict:
     flags += ["--max-batch-size", str(args.max_batch_size), "--max-queue", str(4 * args.users)]
     if args.threads:
         flags += ["--threads", str(args.threads)]
-    if not reuse:
-        flags.append("--no-reuse")
+    flags += ["--reuse-mode", "prefix" if reuse else "off"]
     server = ServerProcess(flags, args.startup_timeout_s)
     results: list[list[RequestRecord]] = [[] for _ in range(args.users)]
     try:

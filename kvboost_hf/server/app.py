@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvboost_hf.cache import GenerationMode
 from kvboost_hf.engine import InferenceEngine, Prompt
 from kvboost_hf.server.batching import Delta, Done, Event, Failed, Finished, Job, SamplingParams, TokenLogprob
 from kvboost_hf.server.metrics import Metrics, Scraped
@@ -47,19 +48,27 @@ from kvboost_hf.server.worker import Overloaded, ShuttingDown, Worker
 logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI default of /v1/completions
+REUSE_MODES = {
+    "off": GenerationMode.BASELINE,  # plain K/V per request
+    "prefix": GenerationMode.PREFIX_CACHE,  # exact prefix hits: outputs equal no reuse, batched or alone
+    "chunk": GenerationMode.CHUNK_KV_REUSE,  # also repaired non-prefix hits (approximate, single-row batches)
+}
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """Server behaviour. ``batch_window_ms``: how long a request may wait for others sharing its prefix;
-    ``max_batch_size``: rows generated at once; ``max_queue``: requests waiting before 429;
+    """Server behaviour.
+
+    ``reuse_mode``: a key of ``REUSE_MODES``; ``batch_window_ms``: how long a request may wait for others sharing
+    its prefix; ``max_batch_size``: rows generated at once; ``max_queue``: requests waiting before 429;
     ``default_max_tokens``: budget when a request names none; ``max_tokens_limit``: largest budget a request may
-    ask for (None: up to the context); ``shutdown_grace_s``: time in-flight requests get
-    to finish at shutdown before they are cancelled."""
+    ask for (None: up to the context); ``shutdown_grace_s``: time in-flight requests get to finish at shutdown
+    before they are cancelled.
+    """
 
     model_name: str = "SmolLM2-135M-Instruct"
     api_key: str | None = None
-    reuse: bool = True
+    reuse_mode: str = "prefix"
     batch_window_ms: float = 10.0
     max_batch_size: int = 8
     max_queue: int = 64
@@ -136,7 +145,7 @@ def create_app(engine: InferenceEngine, settings: ServerSettings | None = None) 
     metrics = Metrics()
     worker = Worker(
         engine,
-        reuse=settings.reuse,
+        mode=REUSE_MODES[settings.reuse_mode],
         batch_window_s=settings.batch_window_ms / 1e3,
         max_batch_size=settings.max_batch_size,
         max_queue=settings.max_queue,

@@ -28,7 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max-cache-bytes", type=int, default=2 << 30, help="RAM budget of the chunk store (bytes)")
     model.add_argument("--disk-cache-dir", default=None, help="directory of the disk tier")
     model.add_argument("--remote-url", default=None, help="redis:// URL of the remote tier")
-    model.add_argument("--no-reuse", action="store_true", help="plain K/V per request (for comparisons)")
+    model.add_argument(
+        "--reuse-mode",
+        choices=("prefix", "chunk", "off"),
+        default="prefix",
+        help="prefix: exact prefix hits (outputs equal no reuse); chunk: also repaired non-prefix hits; off: none",
+    )
     model.add_argument("--warm", type=Path, default=None, metavar="FILE", help="pre-load this text file's K/V")
     serving = parser.add_argument_group("serving")
     serving.add_argument("--host", default=None, help=f"bind address (default {LOOPBACK})")
@@ -74,7 +79,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model_name=args.served_model_name or (Path(args.model).name if args.model else EMBEDDED_MODEL_NAME),
         api_key=args.api_key,
-        reuse=not args.no_reuse,
+        reuse_mode=args.reuse_mode,
         batch_window_ms=args.batch_window_ms,
         max_batch_size=args.max_batch_size,
         max_queue=args.max_queue,

@@ -53,7 +53,8 @@ class Worker:
 
     Args:
         engine: the engine (its model is used from this worker only).
-        reuse: chunk reuse on (``CHUNK_KV_REUSE``) or off (``BASELINE``: plain K/V, no store).
+        mode: ``PREFIX_CACHE`` (exact prefix hits), ``CHUNK_KV_REUSE`` (also repaired non-prefix hits, which
+            the cache applies to batches of one row only) or ``BASELINE`` (plain K/V, no store).
         batch_window_s: how long (seconds) a job may wait for others sharing its prefix.
         max_batch_size: rows (choices) running at once, over all batches.
         max_queue: jobs waiting for admission before ``submit`` refuses.
@@ -64,7 +65,7 @@ class Worker:
         self,
         engine: InferenceEngine,
         *,
-        reuse: bool = True,
+        mode: GenerationMode = GenerationMode.PREFIX_CACHE,
         batch_window_s: float = 0.01,
         max_batch_size: int = 8,
         max_queue: int = 64,
@@ -73,7 +74,7 @@ class Worker:
         if max_batch_size < 1 or max_queue < 1 or batch_window_s < 0:
             raise ValueError("max_batch_size and max_queue must be >= 1 and batch_window_s >= 0")
         self.engine = engine
-        self.mode = GenerationMode.CHUNK_KV_REUSE if reuse else GenerationMode.BASELINE
+        self.mode = GenerationMode(mode)
         self.batch_window_s = batch_window_s
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
