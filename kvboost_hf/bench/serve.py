@@ -164,7 +164,7 @@ def run_mode(reuse: bool, args: argparse.Namespace, system: str) -> dict:
     """Start a server, run every user concurrently, stop the server; returns the summary and the records."""
     flags = ["--chunk-size", str(args.chunk_size), "--batch-window-ms", str(args.batch_window_ms)]
     flags += ["--max-batch-size", str(args.max_batch_size), "--max-queue", str(4 * args.users)]
-    if args.threads:
+    if args.threads:  # 0: torch's default
         flags += ["--threads", str(args.threads)]
     flags += ["--reuse-mode", "prefix" if reuse else "off"]
     server = ServerProcess(flags, args.startup_timeout_s)
@@ -239,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--batch-window-ms", type=float, default=20.0)
     parser.add_argument("--max-batch-size", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads of each server")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads of each server (1: stable timings on a shared CPU)"
+    )
     parser.add_argument("--time-limit-s", type=float, default=120.0, help="per run: no new turn after this")
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
     parser.add_argument("--startup-timeout-s", type=float, default=180.0)
@@ -247,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (1 <= args.users <= 32 and 1 <= args.turns <= 16 and 1 <= args.max_tokens <= 256):
         parser.error("keep the load bounded: users <= 32, turns <= 16, max-tokens <= 256")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # no per-request lines from httpx
+    logger.setLevel(logging.INFO)
     system = system_prompt(args.system_chars)
     runs = {}
     for reuse in (False, True):
