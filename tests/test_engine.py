@@ -139,3 +139,22 @@ def test_loads_a_local_model_directory(tmp_path):
     expected = model.generate(ids, max_new_tokens=5, do_sample=False)[0, ids.shape[1] :].tolist()
     for _ in range(2):
         assert engine.generate("a b c d e f g h i j k l m n o p", max_new_tokens=5).output_ids[:5] == expected
+
+
+def test_warmed_documents_hit_in_any_order_as_segments(embedded_engine):
+    from kvboost_hf.repair import RepairConfig
+
+    docs = [f"Document: {title}\n{text[:500]}\n\n" for title, text in documents()[5:7]]
+    for doc in docs:
+        warm = embedded_engine.warm(doc)
+        assert warm.chunks_stored >= 1
+    prompt = [docs[1], docs[0], "Question: which module is described first?\nAnswer:"]
+    plain = embedded_engine.generate(prompt, max_new_tokens=6, mode="baseline")
+    approx = embedded_engine.generate(prompt, max_new_tokens=6, repair=RepairConfig("cacheblend", 0.15))
+    assert approx.approx_tokens > 0 and approx.recomputed_tokens > 0
+    exact = embedded_engine.generate(prompt, max_new_tokens=6, repair=RepairConfig("cacheblend", 1.0))
+    assert exact.output_ids == plain.output_ids and exact.approx_tokens == 0
+    assert approx.cached_tokens > exact.cached_tokens
+    # ratio 1.0 made the whole prompt exact, so it was written back by prefix key: now a plain exact hit
+    again = embedded_engine.generate(prompt, max_new_tokens=6, repair=RepairConfig("none"))
+    assert again.output_ids == plain.output_ids and again.recomputed_tokens == 0
