@@ -364,20 +364,32 @@ class ChunkReuseCache(Cache):
         chunks.spans += new_spans
         return chunks
 
-    def _lookup(self, row: int, tokens: list[int], present: int, limit: int, approximate: bool) -> list[_Hit]:
+    def _lookup(
+        self,
+        row: int,
+        tokens: list[int],
+        present: int,
+        limit: int,
+        approximate: bool,
+        loaded: dict[str, ChunkKV | None] | None = None,
+    ) -> list[_Hit]:
         """Hits for the row's chunks after its first ``present`` tokens that start before ``limit``.
 
         Without ``approximate`` the lookup stops at the first prefix-key miss; with it, every later chunk is
-        looked up by prefix key, then by content key, and misses are gaps.
+        looked up by prefix key, then by content key, and misses are gaps. ``loaded`` memoises store reads
+        across the rows of a batch, so a shared prefix is read from the store once.
         """
         chunks = self._extend_chunks(row, tokens)
+        loaded = {} if loaded is None else loaded
         hits: list[_Hit] = []
         for span, key in zip(chunks.spans, chunks.keys, strict=True):
             if span[1] <= present:
                 continue
             if span[0] >= limit:
                 break
-            entry = self.store.get(key)
+            if key not in loaded:
+                loaded[key] = self.store.get(key)
+            entry = loaded[key]
             if entry is not None:
                 hits.append(_Hit(span, entry, exact=True))
             elif not approximate:
@@ -395,11 +407,12 @@ class ChunkReuseCache(Cache):
         n = self.num_columns
         row_hits: list[list[tuple[Span, ChunkKV]]] = []
         covered_columns: list[int] = []
+        loaded: dict[str, ChunkKV | None] = {}
         for row in range(full.shape[0]):
             present = max(n - self.pads[row], 0)
             if looked_up is None:
                 tokens = full[row, self.pads[row] :].tolist()
-                hits = self._lookup(row, tokens, present, limit - self.pads[row], approximate=False)
+                hits = self._lookup(row, tokens, present, limit - self.pads[row], False, loaded)
             else:
                 hits = looked_up[row]
             row_hits.append([(hit.span, hit.entry) for hit in hits])

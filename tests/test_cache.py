@@ -171,3 +171,16 @@ def test_baseline_mode_neither_reads_nor_writes():
 def test_chunk_size_must_be_positive():
     with pytest.raises(ValueError, match="chunk_size"):
         ChunkReuseCache(ChunkStore(), make_tiny_model("llama"), chunk_size=0)
+
+
+def test_batch_reads_a_shared_prefix_from_the_store_once():
+    model = make_tiny_model("llama")
+    store = ChunkStore(1 << 26)
+    shared = torch.randint(1, 128, (1, 48), generator=torch.Generator().manual_seed(13))
+    greedy(model, shared, ChunkReuseCache(store, model, chunk_size=CHUNK))
+    hits_before = store.stats()["hits"]
+    batch = torch.cat([shared.repeat(3, 1), torch.randint(1, 128, (3, 5))], dim=1)
+    cache = ChunkReuseCache(store, model, chunk_size=CHUNK)
+    greedy(model, batch, cache)
+    assert store.stats()["hits"] - hits_before == 3  # three shared chunks, read once for three rows
+    assert [r.cached_tokens for r in cache.last_reuse] == [48, 48, 48]
