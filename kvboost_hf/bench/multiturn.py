@@ -15,10 +15,7 @@ Writes ``multiturn.json`` and ``multiturn.png`` under ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import platform
 import time
 from pathlib import Path
 
@@ -26,6 +23,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
+from kvboost_hf.bench.common import machine_info, parser_for, save_results
 from kvboost_hf.corpus import chat_script
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.streaming import TokenTimer
@@ -96,8 +94,7 @@ def run(turns: int, max_new_tokens: int, chunk_size: int) -> dict:
         messages.append({"role": "assistant", "content": answer})
     return {
         "benchmark": "multiturn",
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "threads": torch.get_num_threads(), "device": str(engine.device)},
+        "machine": machine_info(engine.device),
         "model": engine.model.config._name_or_path,
         "chunk_size": chunk_size,
         "max_new_tokens": max_new_tokens,
@@ -141,17 +138,10 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvboost_hf.bench multiturn", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = parser_for("multiturn", __doc__)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--chunk-size", type=int, default=128)
-    parser.add_argument("--out", type=Path, default=Path("bench_results"))
     args = parser.parse_args(argv)
-    result = run(args.turns, args.max_new_tokens, args.chunk_size)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "multiturn.json").write_text(json.dumps(result, indent=2))
-    plot(result, args.out / "multiturn.png")
-    print(report(result))
-    print(f"saved {args.out / 'multiturn.json'} and {args.out / 'multiturn.png'}")
+    save_results(args.out, "multiturn", run(args.turns, args.max_new_tokens, args.chunk_size), report, plot)
     return 0

@@ -17,8 +17,6 @@ Writes ``rag.json`` and ``rag.png`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import random
 import statistics
 from pathlib import Path
@@ -26,6 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvboost_hf.bench.common import machine_info, parser_for, save_results
 from kvboost_hf.corpus import documents
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.repair import RepairConfig
@@ -101,7 +100,7 @@ def run(args: argparse.Namespace) -> dict:
         row["speedup_vs_full_prefill"] = full_ttft / row["ttft_ms"]
     return {
         "benchmark": "rag",
-        "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(), "device": str(engine.device)},
+        "machine": machine_info(engine.device),
         "model": engine.model.config._name_or_path,
         "settings": vars(args) | {"out": str(args.out)},
         "full_prefill": {"ttft_ms": full_ttft, "prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in baseline)},
@@ -169,20 +168,13 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvboost_hf.bench rag", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = parser_for("rag", __doc__)
     parser.add_argument("--docs", type=int, default=6)
     parser.add_argument("--docs-per-query", type=int, default=3)
     parser.add_argument("--queries", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--chunk-size", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("bench_results"))
     args = parser.parse_args(argv)
-    result = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "rag.json").write_text(json.dumps(result, indent=2))
-    plot(result, args.out / "rag.png")
-    print(report(result))
-    print(f"saved {args.out / 'rag.json'} and {args.out / 'rag.png'}")
+    save_results(args.out, "rag", run(args), report, plot)
     return 0

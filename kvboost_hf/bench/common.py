@@ -1,0 +1,47 @@
+"""Shared plumbing of the benchmark scripts: machine description, argument parsing, saving results."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def machine_info(device: torch.device | str) -> dict[str, Any]:
+    """Where a figure was measured: it only compares with figures from the same machine."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+    }
+    if torch.device(device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def parser_for(name: str, doc: str | None) -> argparse.ArgumentParser:
+    """An argument parser for ``python -m kvboost_hf.bench NAME`` with the common ``--out`` option."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m kvboost_hf.bench {name}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench_results"), help="folder for the JSON and PNG")
+    return parser
+
+
+def save_results(
+    out: Path, name: str, result: dict[str, Any], report: Callable[[dict], str], plot: Callable[[dict, Path], None]
+) -> None:
+    """Write ``NAME.json`` and ``NAME.png`` under ``out`` and print the report table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    plot(result, out / f"{name}.png")
+    print(report(result))
+    print(f"saved {out / f'{name}.json'} and {out / f'{name}.png'}")
