@@ -10,9 +10,10 @@ from other processes distorts less.
 
 Fidelity: for each prompt (a window of the text plus a question), the chunks are stored by a first call and a
 second call generates ``--new-tokens`` greedy tokens from them. Quantized stores (8, 4 bits) are compared with
-the unquantized store (``16``: the model's dtype): share of prompts with identical greedy output, mean length of
-the agreeing prefix, and KL(unquantized || quantized) of the first generated token's distribution. Bytes per
-token are the stored bytes (codes, scales, zeros) over the stored tokens, also as a ratio to float16 K/V.
+the unquantized store (``16``: the model's dtype): share of prompts with identical greedy output, mean share of
+the reference output that agrees before the first difference, and KL(unquantized || quantized) of the first
+generated token's distribution. Bytes per token are the stored bytes (codes, scales, zeros) over the stored
+tokens, also as a ratio to float16 K/V.
 
 Writes ``tiers.json`` and ``tiers.png`` under ``--out``.
 """
@@ -279,7 +280,7 @@ def measure_fidelity(engine: InferenceEngine, corpus: str, args: argparse.Namesp
                 (j for j, (a, b) in enumerate(zip(tokens, reference, strict=False)) if a != b), len(reference)
             )
             per_bits[bits]["identical"] += int(tokens == reference)
-            per_bits[bits]["prefix"].append(prefix)
+            per_bits[bits]["prefix"].append(prefix / len(reference))  # the reference may stop early at EOS
             kl = torch.nn.functional.kl_div(
                 logits.log_softmax(-1), reference_logits.log_softmax(-1), log_target=True, reduction="sum"
             )
@@ -292,7 +293,7 @@ def measure_fidelity(engine: InferenceEngine, corpus: str, args: argparse.Namesp
             "bytes_per_token": bytes_per_token,
             "ratio_vs_fp16": bytes_per_token / fp16_bytes_per_token,
             "identical_greedy_share": acc["identical"] / args.fidelity_prompts,
-            "mean_agreeing_prefix_tokens": statistics.mean(acc["prefix"]),
+            "mean_agreeing_prefix_share": statistics.mean(acc["prefix"]),
             "first_token_kl_mean": statistics.mean(acc["kl"]),
             "first_token_kl_max": max(acc["kl"]),
         }
