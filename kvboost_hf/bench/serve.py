@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--system-chars", type=int, default=2500, help="length of the shared system prompt")
-    parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--chunk-size", type=int, default=32, help="short chat turns suit small chunks")
     parser.add_argument("--batch-window-ms", type=float, default=20.0)
     parser.add_argument("--max-batch-size", type=int, default=4)
     parser.add_argument(
