@@ -32,19 +32,23 @@ class RedisServer:
 
     port: int
     directory: Path
+    password: str | None = None
     process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
         binary = shutil.which("redis-server")
         assert binary is not None
         args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         args += ["--dir", str(self.directory), "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"]
+        if self.password:
+            args += ["--requirepass", self.password]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -265,3 +269,23 @@ def test_error_reply_fails_one_write_without_an_outage(remote: RemoteTier, redis
     remote.put(key(2), make_entry(seed=2))
     assert remote.flush(5)
     assert remote.get(key(2)) is not None
+
+
+def test_auth_comes_from_the_url(tmp_path: Path):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (.ci/start-redis.sh installs it)")
+    server = RedisServer(_free_port(), tmp_path, password="s3cret")
+    server.start()
+    tier = RemoteTier(server.url)
+    intruder = RemoteTier(server.url.replace("s3cret", "wrong"))
+    try:
+        tier.put(key(1), make_entry())
+        assert tier.flush(5)
+        got = tier.get(key(1))
+        assert got is not None
+        assert_same(got, make_entry())
+        assert intruder.get(key(1)) is None and intruder.errors == 1  # refused, as a miss
+    finally:
+        intruder.close(timeout_s=1)
+        tier.close(timeout_s=1)
+        server.stop()
