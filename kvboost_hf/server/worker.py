@@ -108,7 +108,12 @@ class Worker:
             return self.engine.encode(prompt)
 
     def submit(self, job: Job) -> None:
-        """Queue ``job``; its events reach ``job.sink`` from the worker thread. Raises Overloaded, ShuttingDown."""
+        """Queue ``job``; its events reach ``job.sink`` from the worker thread.
+
+        Raises Overloaded (queue full), ShuttingDown, or ValueError when ``job.n`` exceeds ``max_batch_size``.
+        """
+        if not 1 <= job.n <= self.max_batch_size:
+            raise ValueError(f"a job needs 1 to max_batch_size={self.max_batch_size} rows, got n={job.n}")
         with self._cond:
             if self._closing:
                 raise ShuttingDown("server is shutting down")
