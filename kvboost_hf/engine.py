@@ -92,7 +92,7 @@ class InferenceEngine:
                 tier_options["remote_url"] = remote_url
             store = ChunkStore(max_cache_bytes, **tier_options)
         self.store = store
-        self._lock = threading.Lock()
+        self.lock = threading.RLock()  # held while the model runs: one forward at a time
         model_digest(model)  # computed once here, not inside the first request's TTFT
 
     @classmethod
@@ -211,7 +211,7 @@ class InferenceEngine:
             cache_salt,
             segment_starts=[0, len(ids)] if as_segment else starts,
         )
-        with self._lock, torch.inference_mode():
+        with self.lock, torch.inference_mode():
             input_ids = torch.tensor([ids], device=self.device)
             self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache.flush()
@@ -308,7 +308,7 @@ class InferenceEngine:
         if len(prompts) > 1 and any(segment_starts):
             raise ValueError("segment prompts (lists of strings) are generated one at a time: use generate()")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        input_ids, attention_mask = self._left_pad(list(encoded))
+        input_ids, attention_mask = self.left_pad(list(encoded))
         if mode is GenerationMode.BASELINE:
             cache = DynamicCache()
         else:
@@ -321,7 +321,7 @@ class InferenceEngine:
             "streamer": timer,
             "past_key_values": cache,
             "attention_mask": attention_mask,
-            "pad_token_id": self._pad_token_id(),
+            "pad_token_id": self.pad_token_id,
             "return_dict_in_generate": True,
             "output_logits": logprobs is not None,
         }
@@ -333,7 +333,7 @@ class InferenceEngine:
             options.update(stop_strings=stops, tokenizer=self.tokenizer)
         if cancel is not None:
             options["stopping_criteria"] = [CancelCriteria(cancel)]
-        with self._lock, torch.inference_mode():
+        with self.lock, torch.inference_mode():
             if seed is not None:
                 torch.manual_seed(seed)
             output = self.model.generate(input_ids, **options)
@@ -428,7 +428,7 @@ class InferenceEngine:
     ) -> tuple[list[int], list[torch.Tensor], int]:
         ids = torch.tensor([self.encode(prompt)], device=self.device)
         cache = DynamicCache() if mode is GenerationMode.BASELINE else self.new_cache(mode)
-        with self._lock, torch.inference_mode():
+        with self.lock, torch.inference_mode():
             out = self.model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
@@ -438,7 +438,7 @@ class InferenceEngine:
                 temperature=None,
                 top_p=None,
                 top_k=None,
-                pad_token_id=self._pad_token_id(),
+                pad_token_id=self.pad_token_id,
                 return_dict_in_generate=True,
                 output_logits=True,
             )
@@ -447,15 +447,18 @@ class InferenceEngine:
         cached = cache.last_reuse[0].cached_tokens if isinstance(cache, ChunkReuseCache) else 0
         return out.sequences[0, ids.shape[1] :].tolist(), [x[0].float().cpu() for x in out.logits], cached
 
-    def _pad_token_id(self) -> int:
+    @property
+    def pad_token_id(self) -> int:
+        """The id used for left padding (the tokenizer's pad token, else its EOS token, else 0)."""
         pad = self.tokenizer.pad_token_id
         if pad is None:
             pad = self.tokenizer.eos_token_id
         return int(pad if pad is not None else 0)
 
-    def _left_pad(self, encoded: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def left_pad(self, encoded: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids, attention_mask)`` of a left-padded batch, on the model's device."""
         width = max(len(ids) for ids in encoded)
-        pad = self._pad_token_id()
+        pad = self.pad_token_id
         input_ids = torch.full((len(encoded), width), pad, dtype=torch.long)
         mask = torch.zeros((len(encoded), width), dtype=torch.long)
         for row, ids in enumerate(encoded):
@@ -463,7 +466,9 @@ class InferenceEngine:
             mask[row, width - len(ids) :] = 1
         return input_ids.to(self.device), mask.to(self.device)
 
-    def _eos_ids(self) -> set[int]:
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """Token ids that end generation (the generation config's, else the tokenizer's)."""
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
@@ -471,7 +476,7 @@ class InferenceEngine:
 
     def _trim_generated(self, tokens: list[int]) -> list[int]:
         """Drop the padding generate() appends to rows that finished before the others (keeps the EOS)."""
-        eos = self._eos_ids()
+        eos = self.eos_token_ids
         for i, token in enumerate(tokens):
             if token in eos:
                 return tokens[: i + 1]
@@ -485,7 +490,7 @@ class InferenceEngine:
         cuts = [text.find(s) for s in stops if s and s in text]
         if cuts:
             return text[: min(cuts)], "stop"
-        if generated and generated[-1] in self._eos_ids():
+        if generated and generated[-1] in self.eos_token_ids:
             return text, "stop"
         if cancel is not None and cancel.is_set():
             return text, "cancelled"

@@ -211,9 +211,7 @@ class Batch:
         self.mask = torch.empty(0)
         self.positions = torch.empty(0)
         self.computed_tokens = 0  # prompt tokens computed (not loaded), all rows
-        eos = engine.model.generation_config.eos_token_id
-        eos = engine.tokenizer.eos_token_id if eos is None else eos
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.eos_ids = engine.eos_token_ids
 
     @property
     def done(self) -> bool:
@@ -231,7 +229,7 @@ class Batch:
         reuse = self.mode is not GenerationMode.BASELINE
         shared_computed = self._store_shared_prefix(prompts, salt) if reuse else 0
         self.cache = self.engine.new_cache(self.mode, salt) if reuse else DynamicCache()
-        input_ids, self.mask = self._left_pad(prompts)
+        input_ids, self.mask = self.engine.left_pad(prompts)
         position_ids = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 1)
         logits = self._forward(input_ids, position_ids)
         self.positions = position_ids[:, -1]
@@ -309,17 +307,6 @@ class Batch:
         loaded = cache.last_reuse[0].cached_tokens if cache.last_reuse else 0
         logger.debug("stored a shared prefix of %d tokens for %d rows", shared, len(prompts))
         return shared - loaded
-
-    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        tokenizer = self.engine.tokenizer
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        width = max(map(len, prompts))
-        input_ids = torch.full((len(prompts), width), int(pad or 0), dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, ids in enumerate(prompts):
-            input_ids[row, width - len(ids) :] = torch.tensor(ids)
-            mask[row, width - len(ids) :] = 1
-        return input_ids.to(self.device), mask.to(self.device)
 
     # ------------------------------------------------------------------ per-row bookkeeping
     def _advance(self, logits: torch.Tensor) -> None:

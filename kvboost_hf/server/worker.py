@@ -172,7 +172,8 @@ class Worker:
 
     def _guarded(self, batch: Batch, action: Callable[[], None]) -> None:
         try:
-            action()
+            with self.engine.lock:  # other threads calling the engine wait for this step
+                action()
         except Exception as exc:
             logger.exception("batch of %d rows failed", len(batch.rows))
             self.metrics.errors.inc(1, "worker", "500")
