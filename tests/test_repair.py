@@ -64,6 +64,38 @@ def test_rerotation_equals_keys_computed_at_the_new_position(arch):
     assert torch.allclose(rotator.rotate(moved.layers[0].keys, -37), at_zero, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 128, "rope_theta": 10000.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0},
+    ],
+    ids=lambda rope: rope["rope_type"],
+)
+def test_rerotation_is_exact_for_scaled_rope_variants(rope):
+    model = make_tiny_model("llama", rope_parameters=rope)
+    ids = torch.randint(1, 128, (1, 24), generator=torch.Generator().manual_seed(1))
+    moved = DynamicCache()
+    model(ids, past_key_values=moved, position_ids=torch.arange(24)[None] + 200)
+    rotated = KeyRotator(model).rotate(full_prefill(model, ids).layers[0].keys, 200)
+    assert torch.allclose(rotated, moved.layers[0].keys, atol=1e-5)
+
+
+def test_length_dependent_rope_disables_only_non_prefix_reuse(caplog):
+    model = make_tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    store = ChunkStore(1 << 26)
+    docs = documents(2)
+    for doc in docs:
+        warm_alone(model, store, doc)
+    assert "cannot be moved to another position exactly" in caplog.text
+    ids, starts = shuffled_prompt(docs, [1, 0], torch.tensor([5, 6, 7]))
+    out, cache = run(model, store, ids, starts, write_back=False)
+    assert cache.last_reuse[0].approx_tokens == 0 and cache.last_reuse[0].cached_tokens == 40
+    assert torch.equal(out.sequences, plain(model, ids).sequences)
+
+
 @pytest.mark.parametrize("arch", ROTATING)
 @pytest.mark.parametrize("strategy", ["selective", "cacheblend"])
 def test_ratio_one_reproduces_the_full_prefill_in_any_order(arch, strategy):
