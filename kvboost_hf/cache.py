@@ -33,6 +33,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -128,6 +129,23 @@ def _is_leading_run(hits: list[_Hit]) -> bool:
     return True
 
 
+_ROTATORS: weakref.WeakKeyDictionary[torch.nn.Module, KeyRotator | None] = weakref.WeakKeyDictionary()
+
+
+def _make_rotator(model: torch.nn.Module) -> KeyRotator | None:
+    """A key rotator for ``model``, or None (logged once per model) when non-prefix reuse cannot be exact."""
+    config = model.config.get_text_config(decoder=True)
+    layer_types = getattr(config, "layer_types", None) or ["sliding_attention"]
+    if getattr(config, "sliding_window", None) and "sliding_attention" in layer_types:
+        logger.info("non-prefix reuse is off for sliding-window models (its repair mask has no window)")
+        return None
+    try:
+        return KeyRotator(model)
+    except UnsupportedRopeError as exc:
+        logger.warning("%s", exc)
+        return None
+
+
 class ChunkReuseLayer(DynamicLayer):
     """A full-attention dynamic layer; stitched K/V are appended exactly like computed K/V.
 
@@ -209,19 +227,12 @@ class ChunkReuseCache(Cache):
         install_hooks(model)
 
     def _approximate_reuse_rotator(self) -> KeyRotator | None:
-        """The key rotator when non-prefix reuse is possible for this model and mode, else None (logged)."""
+        """The key rotator when non-prefix reuse is possible for this model and mode, else None."""
         if self.mode is not GenerationMode.CHUNK_KV_REUSE:
             return None
-        config = self.model.config.get_text_config(decoder=True)
-        layer_types = getattr(config, "layer_types", None) or ["sliding_attention"]
-        if getattr(config, "sliding_window", None) and "sliding_attention" in layer_types:
-            logger.info("non-prefix reuse is off for sliding-window models (its repair mask has no window)")
-            return None
-        try:
-            return KeyRotator(self.model)
-        except UnsupportedRopeError as exc:
-            logger.warning("%s", exc)
-            return None
+        if self.model not in _ROTATORS:
+            _ROTATORS[self.model] = _make_rotator(self.model)
+        return _ROTATORS[self.model]
 
     # ------------------------------------------------------------------ state
     @property
