@@ -23,14 +23,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
-import json
 import logging
-import platform
 import shutil
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +37,7 @@ from typing import Any
 
 import torch
 
+from kvboost_hf.bench.common import machine_info, parser_for, save_results
 from kvboost_hf.cache import ChunkReuseCache
 from kvboost_hf.chunking import chunk_spans
 from kvboost_hf.engine import InferenceEngine
@@ -63,12 +61,11 @@ _QUESTIONS = (
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m kvboost_hf.bench tiers", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("bench_results"), help="directory for JSON and PNG")
+    parser = parser_for("tiers", __doc__)
     parser.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
     parser.add_argument("--chunk-size", type=int, default=128, help="tokens per chunk")
     parser.add_argument("--prompt-tokens", type=int, default=1500, help="length of the TTFT prompt (tokens)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed calls per tier (median reported)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per tier (median reported)")
     parser.add_argument("--redis-url", default=None, help="Redis to use (default: a private redis-server)")
     parser.add_argument("--fidelity-prompts", type=int, default=24, help="prompts for the fidelity comparison")
     parser.add_argument("--fidelity-tokens", type=int, default=400, help="text tokens per fidelity prompt")
@@ -300,8 +297,23 @@ def measure_fidelity(engine: InferenceEngine, corpus: str, args: argparse.Namesp
     return {"fp16_bytes_per_token": fp16_bytes_per_token, "by_bits": report}
 
 
-def plot(report: dict, path: Path) -> bool:
-    """Two panels: TTFT by source, bytes per token by bit width. False if matplotlib is missing."""
+def report_table(result: dict) -> str:
+    """TTFT and lookup time by source, then bytes and fidelity by bit width, as text."""
+    lines = [f"{'source':<13}{'TTFT ms':>10}{'x RAM':>8}{'lookup ms':>11}"]
+    for source, row in result["ttft"].items():
+        lookup = f"{row['lookup_ms_median']:11.1f}" if "lookup_ms_median" in row else f"{'-':>11}"
+        lines.append(f"{source:<13}{row['ttft_ms_median']:10.1f}{row['vs_ram']:8.2f}{lookup}")
+    lines.append(f"{'bits':<6}{'B/token':>9}{'x fp16':>8}{'identical':>11}{'prefix':>8}{'KL mean':>10}")
+    for bits, row in result["fidelity"]["by_bits"].items():
+        lines.append(
+            f"{bits:<6}{row['bytes_per_token']:9.0f}{row['ratio_vs_fp16']:8.3f}{row['identical_greedy_share']:11.0%}"
+            f"{row['mean_agreeing_prefix_share']:8.0%}{row['first_token_kl_mean']:10.2e}"
+        )
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Two panels: TTFT by source, bytes per token by bit width (skipped without matplotlib)."""
     try:
         import matplotlib
 
@@ -309,7 +321,7 @@ def plot(report: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         logger.warning("matplotlib is not installed: no PNG")
-        return False
+        return
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     ttft = report["ttft"]
     sources = list(ttft)
@@ -335,7 +347,6 @@ def plot(report: dict, path: Path) -> bool:
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     engine = InferenceEngine.from_pretrained(None, chunk_size=args.chunk_size, dtype=args.dtype)
     corpus = corpus_text()
     document = _document(engine, corpus, args.prompt_tokens - 20)
@@ -343,24 +354,11 @@ def main(argv: list[str]) -> int:
         ttft = measure_ttft(engine, document, args, url)
     fidelity = measure_fidelity(engine, corpus, args)
     report = {
-        "machine": {
-            "platform": platform.platform(),
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "device": str(engine.device),
-            "model_dtype": str(next(engine.model.parameters()).dtype),
-        },
+        "machine": machine_info(engine.device) | {"model_dtype": str(next(engine.model.parameters()).dtype)},
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "targets": TARGETS,
         "ttft": ttft,
         "fidelity": fidelity,
     }
-    (args.out / "tiers.json").write_text(json.dumps(report, indent=2))
-    plot(report, args.out / "tiers.png")
-    print(
-        json.dumps(
-            {"ttft_ms": {k: round(v["ttft_ms_median"], 1) for k, v in ttft.items()}, "fidelity": fidelity}, indent=2
-        )
-    )
+    save_results(args.out, "tiers", report, report_table, plot)
     return 0
