@@ -98,6 +98,8 @@ def serve(args: argparse.Namespace) -> int:
         uvicorn.Server(config).run()
     except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT after its graceful shutdown
         logger.info("server stopped")
+    finally:
+        engine.store.close()  # RAM entries reach the disk tier, queued Redis writes finish
     return 0
 
 
