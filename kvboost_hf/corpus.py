@@ -64,13 +64,16 @@ def sample_prompts(count: int = 3) -> list[str]:
     ]
 
 
-def chat_script(turns: int = 8, system_chars: int = 2400, message_chars: int = 450) -> tuple[str, list[str]]:
-    """A system prompt (a reference document) and ``turns`` user messages quoting further documentation, so a
-    conversation's context grows by a few hundred tokens per turn."""
-    docs = documents()
-    system = "You are a helpful assistant. Answer using this reference.\n\n" + docs[0][1][:system_chars]
+def chat_script(turns: int = 8, system_chars: int = 4000, message_chars: int = 220) -> tuple[str, list[str]]:
+    """An agent-style chat: a long system prompt (reference documentation, ~1000 tokens) and ``turns`` short user
+    messages, each quoting a little more documentation (~70 tokens), so the context passes 1500 tokens by turn 8
+    with 32-token answers."""
+    docs = documents(min_chars=system_chars)
+    system = "You are a helpful assistant. Answer using this reference.\n\n" + "\n\n".join(
+        text for _, text in docs[:3]
+    )[:system_chars]
     messages = [
-        f"Here is the documentation of the {title} module:\n{text[:message_chars]}\nSummarize it in one sentence."
-        for title, text in docs[1 : turns + 1]
+        f"About the {title} module: {text[:message_chars]}\nWhat is it for, in one sentence?"
+        for title, text in documents()[3 : turns + 3]
     ]
     return system, messages

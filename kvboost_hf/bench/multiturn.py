@@ -9,13 +9,15 @@ as system prompt, each user turn quoting more documentation). For every turn, in
 (c) ``kvboost``: ``engine.generate`` with a fresh ``ChunkReuseCache`` on the engine's chunk store.
 
 TTFT runs from the call to the first generated token (streamer timestamp), tokenisation, lookup and stitching
-included. The conversation continues with the baseline's answer, and the three answers are compared.
+included. The conversation continues with the baseline's answer, and the three answers are compared. The
+conversation is played ``--repeats`` times from an empty store; each turn reports the median.
 Writes ``multiturn.json`` and ``multiturn.png`` under ``--out``.
 """
 
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from pathlib import Path
 
@@ -61,29 +63,53 @@ class PromptCacheRecipe:
         return ttft, generated
 
 
-def run(turns: int, max_new_tokens: int, chunk_size: int) -> dict:
+def run(turns: int, max_new_tokens: int, chunk_size: int, repeats: int) -> dict:
+    """Play the conversation ``repeats`` times (each from an empty store) and keep each turn's median TTFT."""
     engine = InferenceEngine.from_pretrained(chunk_size=chunk_size)
-    recipe = PromptCacheRecipe(engine)
     system, user_messages = chat_script(turns)
+    engine.generate("warm-up", max_new_tokens=2, mode="baseline")  # first-call allocator effects, no reuse
+    samples: list[list[dict]] = []
+    for _ in tqdm(range(repeats), desc="repeats"):
+        engine.store.clear()
+        samples.append(play(engine, system, user_messages, max_new_tokens))
+    rows = []
+    for turn_samples in zip(*samples, strict=True):
+        row = dict(turn_samples[0])
+        for method in METHODS:
+            row[f"{method}_ttft_ms"] = statistics.median(s[f"{method}_ttft_ms"] for s in turn_samples)
+        row["outputs_identical"] = all(s["outputs_identical"] for s in turn_samples)
+        rows.append(row)
+    return {
+        "benchmark": "multiturn",
+        "machine": machine_info(engine.device),
+        "model": engine.model.config._name_or_path,
+        "chunk_size": chunk_size,
+        "max_new_tokens": max_new_tokens,
+        "repeats": repeats,
+        "targets": TARGETS,
+        "turns": rows,
+    }
+
+
+def play(engine: InferenceEngine, system: str, user_messages: list[str], max_new_tokens: int) -> list[dict]:
+    """One conversation; every turn runs the three methods in rotating order on the same messages."""
+    recipe = PromptCacheRecipe(engine)
     messages = [{"role": "system", "content": system}]
     rows = []
-    engine.generate("warm-up", max_new_tokens=2, mode="baseline")  # first-call allocator effects, no reuse
-    engine.store.clear()
-    for turn, text in enumerate(tqdm(user_messages, desc="turns"), start=1):
+    for turn, text in enumerate(user_messages, start=1):
         messages.append({"role": "user", "content": text})
         results: dict[str, tuple[float, list[int]]] = {}
-        order = METHODS[turn % 3 :] + METHODS[: turn % 3]
-        for method in order:
-            if method == "baseline":
-                r = engine.generate(messages, max_new_tokens=max_new_tokens, mode="baseline")
-                results[method] = (r.ttft_ms, r.output_ids)
-                answer, prompt_tokens = r.output_text, r.prompt_tokens
-            elif method == "kvboost":
-                r = engine.generate(messages, max_new_tokens=max_new_tokens)
-                results[method] = (r.ttft_ms, r.output_ids)
-                cached = r.cached_tokens
-            else:
+        for method in METHODS[turn % 3 :] + METHODS[: turn % 3]:
+            if method == "hf_prompt_cache":
                 results[method] = recipe.generate(messages, max_new_tokens)
+                continue
+            r = engine.generate(messages, max_new_tokens=max_new_tokens, mode="baseline" if method == "baseline" else
+                                "chunk_kv_reuse")
+            results[method] = (r.ttft_ms, r.output_ids)
+            if method == "baseline":
+                answer, prompt_tokens = r.output_text, r.prompt_tokens
+            else:
+                cached = r.cached_tokens
         rows.append({
             "turn": turn,
             "prompt_tokens": prompt_tokens,
@@ -92,15 +118,7 @@ def run(turns: int, max_new_tokens: int, chunk_size: int) -> dict:
             "outputs_identical": len({tuple(results[m][1]) for m in METHODS}) == 1,
         })
         messages.append({"role": "assistant", "content": answer})
-    return {
-        "benchmark": "multiturn",
-        "machine": machine_info(engine.device),
-        "model": engine.model.config._name_or_path,
-        "chunk_size": chunk_size,
-        "max_new_tokens": max_new_tokens,
-        "targets": TARGETS,
-        "turns": rows,
-    }
+    return rows
 
 
 def report(result: dict) -> str:
@@ -142,6 +160,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--chunk-size", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="conversations played; each turn keeps the median")
     args = parser.parse_args(argv)
-    save_results(args.out, "multiturn", run(args.turns, args.max_new_tokens, args.chunk_size), report, plot)
+    result = run(args.turns, args.max_new_tokens, args.chunk_size, args.repeats)
+    save_results(args.out, "multiturn", result, report, plot)
     return 0
