@@ -100,14 +100,41 @@ class InferenceEngine:
         cls,
         model_name_or_path: str | os.PathLike | None = None,
         *,
+        chunk_size: int = 128,
+        chunk_boundary_window: int = 0,
+        chunking: str = "fixed",
+        recompute_strategy: RecomputeStrategy | str = RecomputeStrategy.SELECTIVE,
+        recompute_ratio: float = 0.15,
+        sink_tokens: int = 0,
+        kv_cache_bits: int = 16,
+        max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES,
+        disk_cache_dir: str | os.PathLike | None = None,
+        remote_url: str | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
         strict: bool = True,
-        **engine_kwargs: Any,
     ) -> InferenceEngine:
-        """Load a model by hub name or local directory (``None``: the embedded SmolLM2-135M-Instruct)."""
+        """Load a model by hub name or local directory (``None``: the embedded SmolLM2-135M-Instruct) and wrap it.
+
+        ``device`` defaults to CUDA when available; ``dtype`` to float32 on CPU and bfloat16 on GPU. The other
+        arguments are those of the constructor.
+        """
         model, tokenizer = load_model_and_tokenizer(model_name_or_path, device=device, dtype=dtype, strict=strict)
-        return cls(model, tokenizer, strict=strict, **engine_kwargs)
+        return cls(
+            model,
+            tokenizer,
+            chunk_size=chunk_size,
+            chunk_boundary_window=chunk_boundary_window,
+            chunking=chunking,
+            recompute_strategy=recompute_strategy,
+            recompute_ratio=recompute_ratio,
+            sink_tokens=sink_tokens,
+            kv_cache_bits=kv_cache_bits,
+            max_cache_bytes=max_cache_bytes,
+            disk_cache_dir=disk_cache_dir,
+            remote_url=remote_url,
+            strict=strict,
+        )
 
     # ------------------------------------------------------------------ prompts
     @property
