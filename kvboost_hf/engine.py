@@ -426,54 +426,28 @@ class InferenceEngine:
     def verify_correctness(
         self, prompts: Sequence[Prompt] | None = None, max_new_tokens: int = 32
     ) -> CorrectnessReport:
-        """Greedy output with reuse (after the prompt's chunks are stored) against plain generation."""
+        """Greedy output with reuse (after a first call stored the prompt's chunks) against plain generation:
+        tokens identical, first differing step, and the largest difference of the first token's logits."""
         if prompts is None:
             from kvboost_hf.corpus import sample_prompts
 
             prompts = sample_prompts()
         report = CorrectnessReport()
         for prompt in prompts:
-            baseline = self._greedy_with_logits(prompt, max_new_tokens, GenerationMode.BASELINE)
-            self._greedy_with_logits(prompt, max_new_tokens, GenerationMode.CHUNK_KV_REUSE)  # stores the chunks
-            reused = self._greedy_with_logits(prompt, max_new_tokens, GenerationMode.CHUNK_KV_REUSE)
-            (base_ids, base_logits, _), (reuse_ids, reuse_logits, cached) = baseline, reused
-            first_diff = next(
-                (i for i, (a, b) in enumerate(zip(base_ids, reuse_ids, strict=False)) if a != b),
-                None if len(base_ids) == len(reuse_ids) else min(len(base_ids), len(reuse_ids)),
+            plain = self.generate(prompt, max_new_tokens, GenerationMode.BASELINE, logprobs=0)
+            self.generate(prompt, max_new_tokens)  # stores the prompt's chunks
+            reused = self.generate(prompt, max_new_tokens, logprobs=0)
+            pairs = zip(plain.output_ids, reused.output_ids, strict=False)
+            first_diff = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+            if first_diff is None and len(plain.output_ids) != len(reused.output_ids):
+                first_diff = min(len(plain.output_ids), len(reused.output_ids))
+            diff = float((plain.first_token_logits - reused.first_token_logits).abs().max())
+            report.checks.append(
+                PromptCheck(self.render(prompt), first_diff is None, first_diff, diff, reused.cached_tokens)
             )
-            compared = len(base_logits) if first_diff is None else first_diff + 1
-            diff = max(
-                (float((a - b).abs().max()) for a, b in zip(base_logits[:compared], reuse_logits, strict=False)),
-                default=0.0,
-            )
-            report.checks.append(PromptCheck(self.render(prompt), first_diff is None, first_diff, diff, cached))
         return report
 
     # ------------------------------------------------------------------ internals
-    def _greedy_with_logits(
-        self, prompt: Prompt, max_new_tokens: int, mode: GenerationMode
-    ) -> tuple[list[int], list[torch.Tensor], int]:
-        ids = torch.tensor([self.encode(prompt)], device=self.device)
-        cache = DynamicCache() if mode is GenerationMode.BASELINE else self.new_cache(mode)
-        with self.lock, torch.inference_mode():
-            out = self.model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                past_key_values=cache,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                temperature=None,
-                top_p=None,
-                top_k=None,
-                pad_token_id=self.pad_token_id,
-                return_dict_in_generate=True,
-                output_logits=True,
-            )
-            if isinstance(cache, ChunkReuseCache):
-                cache.flush()
-        cached = cache.last_reuse[0].cached_tokens if isinstance(cache, ChunkReuseCache) else 0
-        return out.sequences[0, ids.shape[1] :].tolist(), [x[0].float().cpu() for x in out.logits], cached
-
     @property
     def pad_token_id(self) -> int:
         """The id used for left padding (the tokenizer's pad token, else its EOS token, else 0)."""
