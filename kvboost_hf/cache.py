@@ -44,7 +44,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvboost_hf.chunking import ChunkingConfig, Span, chunk_spans
 from kvboost_hf.hooks import install_hooks
-from kvboost_hf.keys import chain_prefix_keys, content_key, make_namespace
+from kvboost_hf.keys import chain_prefix_keys, content_key, make_namespace, prefix_key
 from kvboost_hf.models import model_dtype, num_cache_layers
 from kvboost_hf.repair import RepairConfig, most_deviating, position_mask, seam_positions
 from kvboost_hf.results import RecomputeStrategy
@@ -323,11 +323,34 @@ class ChunkReuseCache(Cache):
             else:
                 self.flush()
 
-    def flush(self) -> None:
-        """Write back every chunk computed so far that is not stored yet (a no-op when all are stored)."""
-        if self.write_back and self.reuse_enabled and self.num_columns:
-            self._write_back()
+    def flush(self, tail: bool = False) -> None:
+        """Write back every chunk computed so far that is not stored yet (a no-op when all are stored).
+
+        With ``tail``, also store each row's last, unfinished chunk (exact K/V only) under its prefix key and note
+        its length in the store, so the next turn of a conversation recomputes only its new tokens. Call it once
+        a generation is over (the engine does), not per step.
+        """
+        if not (self.write_back and self.reuse_enabled and self.num_columns):
+            self._write_back_pending = False
+            return
+        self._write_back()
         self._write_back_pending = False
+        if tail:
+            for row in range(self.tokens.shape[0]):
+                self._store_tail(row)
+
+    def _store_tail(self, row: int) -> None:
+        """Store the row's last, unfinished chunk when its K/V are exact, and note its length in the store."""
+        tokens = self.row_tokens(row)
+        chunks = self._rows[row]
+        start = chunks.spans[-1][1] if chunks.spans else 0
+        if not start < len(tokens) <= chunks.exact_tokens:
+            return
+        parent = chunks.keys[-1] if chunks.keys else None
+        key = prefix_key(self.namespace, parent, tokens[start:])
+        if not self.store.contains(key):
+            self.store.put(key, self._row_entry(row, start, len(tokens)))
+        self.store.note_tail(parent, len(tokens) - start)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
@@ -393,21 +416,49 @@ class ChunkReuseCache(Cache):
         chunks = self._extend_chunks(row, tokens)
         loaded = {} if loaded is None else loaded
         hits: list[_Hit] = []
-        for span, key in zip(chunks.spans, chunks.keys, strict=True):
+        missed = False
+        for index, (span, key) in enumerate(zip(chunks.spans, chunks.keys, strict=True)):
             if span[1] <= present:
                 continue
             if span[0] >= limit:
                 break
             if key not in loaded:
                 loaded[key] = self.store.get(key)
-            entry = loaded[key]
-            if entry is not None:
-                hits.append(_Hit(span, entry, exact=True))
-            elif not approximate:
+            if loaded[key] is not None:
+                hits.append(_Hit(span, loaded[key], exact=True))
+                continue
+            parent = chunks.keys[index - 1] if index else None
+            tail = None if missed else self._lookup_tail(parent, tokens, span[0], span[1] - span[0] - 1, loaded)
+            missed = True
+            if tail is not None:
+                hits.append(tail)
+            if not approximate:
                 break
-            elif (entry := self.store.get(content_key(self.namespace, tokens[span[0] : span[1]]))) is not None:
+            if tail is None and (
+                entry := self.store.get(content_key(self.namespace, tokens[span[0] : span[1]]))
+            ) is not None:
                 hits.append(_Hit(span, entry, exact=False))
+        start = chunks.spans[-1][1] if chunks.spans else 0
+        if not missed and present <= start < limit:  # all full chunks are in: look for the stored live tail
+            parent = chunks.keys[-1] if chunks.keys else None
+            tail = self._lookup_tail(parent, tokens, start, len(tokens) - start, loaded)
+            hits += [tail] if tail is not None else []
         return hits
+
+    def _lookup_tail(
+        self, parent: str | None, tokens: list[int], start: int, max_tokens: int, loaded: dict[str, ChunkKV | None]
+    ) -> _Hit | None:
+        """The longest stored partial chunk (at most ``max_tokens``) after the chunk keyed ``parent`` and starting
+        at token ``start``: the exact K/V of an earlier call's last, unfinished chunk (see :meth:`flush`)."""
+        for length in self.store.tail_lengths(parent):
+            if not 0 < length <= max_tokens:
+                continue
+            key = prefix_key(self.namespace, parent, tokens[start : start + length])
+            if key not in loaded:
+                loaded[key] = self.store.get(key)
+            if loaded[key] is not None:
+                return _Hit((start, start + length), loaded[key], exact=True)
+        return None
 
     def _stitch_hits(self, full: torch.Tensor, limit: int, looked_up: list[list[_Hit]] | None = None) -> int:
         """Append stored K/V for the leading exact hits of every row; return the columns now covered.
@@ -570,7 +621,6 @@ class ChunkReuseCache(Cache):
         """Store the chunks computed since the last write-back: under their prefix key when their K/V are exact,
         and (segments, content chunking) under their content key, re-rotated to position 0."""
         for row in range(self.tokens.shape[0]):
-            pad = self.pads[row]
             tokens = self.row_tokens(row)
             chunks = self._extend_chunks(row, tokens)
             for index in range(chunks.stored, len(chunks.spans)):
@@ -579,10 +629,7 @@ class ChunkReuseCache(Cache):
                 wants_content = self.store_content and not chunks.stale.intersection(range(start, end))
                 if not exact and not wants_content:
                     continue
-                entry = ChunkKV(
-                    torch.stack([layer.keys[row, :, pad + start : pad + end] for layer in self.layers]),
-                    torch.stack([layer.values[row, :, pad + start : pad + end] for layer in self.layers]),
-                )
+                entry = self._row_entry(row, start, end)
                 if exact and not self.store.contains(chunks.keys[index]):
                     self.store.put(chunks.keys[index], entry)
                 if wants_content:
@@ -590,6 +637,14 @@ class ChunkReuseCache(Cache):
                     if not self.store.contains(key):
                         self.store.put(key, ChunkKV(self._rotator.rotate(entry.keys, -start), entry.values))
             chunks.stored = len(chunks.spans)
+
+    def _row_entry(self, row: int, start: int, end: int) -> ChunkKV:
+        """A copy of the K/V of ``row``'s tokens ``[start, end)`` in every layer."""
+        pad = self.pads[row]
+        return ChunkKV(
+            torch.stack([layer.keys[row, :, pad + start : pad + end] for layer in self.layers]),
+            torch.stack([layer.values[row, :, pad + start : pad + end] for layer in self.layers]),
+        )
 
     # ------------------------------------------------------------------ generation strategies
     def crop(self, tokens_to_remove: int) -> None:

@@ -241,7 +241,7 @@ class InferenceEngine:
         with self.lock, torch.inference_mode():
             input_ids = torch.tensor([ids], device=self.device)
             self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache.flush()
+            cache.flush(tail=True)
         spans = chunk_spans(ids, self.chunking, segment_starts=cache.segment_starts)
         covered = spans[-1][1] if spans else 0
         tail = len(ids) - covered
@@ -366,7 +366,7 @@ class InferenceEngine:
             output = self.model.generate(input_ids, **options)
             finished = time.perf_counter()
             if isinstance(cache, ChunkReuseCache):
-                cache.flush()
+                cache.flush(tail=True)
         first = timer.first_token_time or finished
         reuse = cache.last_reuse if isinstance(cache, ChunkReuseCache) else []
         results = []

@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -149,6 +150,9 @@ class StoreStats:
     rejected: int = 0
 
 
+MAX_TAIL_PARENTS = 65536
+
+
 class ChunkStore:
     """Chunk K/V store: RAM (``max_bytes``), then optional disk and Redis tiers (see the module docstring).
 
@@ -189,6 +193,7 @@ class ChunkStore:
         self.remote = RemoteTier(remote_url, prefix=remote_prefix) if remote_url else None
         self._stats = StoreStats()
         self._tier_hits = {"ram": 0, "disk": 0, "remote": 0}
+        self._tail_lengths: OrderedDict[str, set[int]] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
         if self.disk is not None or self.remote is not None:
@@ -235,6 +240,22 @@ class ChunkStore:
         if self.remote is not None:
             self.remote.put(key, stored)
 
+    def note_tail(self, parent_key: str | None, num_tokens: int) -> None:
+        """Remember that a partial chunk of ``num_tokens`` tokens was stored after ``parent_key`` (None: at the
+        start), so a later prompt can find it without knowing its length. An in-process index of at most
+        ``MAX_TAIL_PARENTS`` parents (least recently noted forgotten first); the entry itself lives in the tiers."""
+        with self._lock:
+            lengths = self._tail_lengths.pop(parent_key or "", set())
+            lengths.add(num_tokens)
+            self._tail_lengths[parent_key or ""] = lengths
+            while len(self._tail_lengths) > MAX_TAIL_PARENTS:
+                self._tail_lengths.popitem(last=False)
+
+    def tail_lengths(self, parent_key: str | None) -> list[int]:
+        """Lengths (tokens) of the partial chunks noted after ``parent_key``, longest first."""
+        with self._lock:
+            return sorted(self._tail_lengths.get(parent_key or "", ()), reverse=True)
+
     def pin(self, key: str) -> bool:
         """Keep ``key`` resident in RAM (loading it from a lower tier if needed); False if unknown."""
         if not self.ram.contains(key) and self.get(key) is None:
@@ -248,6 +269,8 @@ class ChunkStore:
         """Drop every entry of every tier, including the Redis records under this store's prefix."""
         for tier in self.tiers:
             tier.clear()
+        with self._lock:
+            self._tail_lengths.clear()
 
     def flush(self, timeout_s: float = 10.0) -> None:
         """Write RAM entries into the disk tier and its index, and wait (up to ``timeout_s``) for Redis writes."""

@@ -184,3 +184,26 @@ def test_batch_reads_a_shared_prefix_from_the_store_once():
     greedy(model, batch, cache)
     assert store.stats()["hits"] - hits_before == 3  # three shared chunks, read once for three rows
     assert [r.cached_tokens for r in cache.last_reuse] == [48, 48, 48]
+
+
+@pytest.mark.parametrize("new_message", [5, 40])  # the next turn ends inside, or beyond, the unfinished chunk
+def test_stored_tail_lets_the_next_turn_recompute_only_new_tokens(new_message):
+    model = make_tiny_model("llama")
+    store = ChunkStore(1 << 26)
+    gen = torch.Generator().manual_seed(14)
+    first = torch.randint(1, 128, (1, 37), generator=gen)
+    cache = ChunkReuseCache(store, model, chunk_size=CHUNK)
+    turn_one, _ = greedy(model, first, cache, new=6)
+    cache.flush(tail=True)
+    known = turn_one.shape[1] - 1  # K/V exist for every token but the last generated one
+    follow = torch.cat([turn_one, torch.randint(1, 128, (1, new_message), generator=gen)], dim=1)
+    cache = ChunkReuseCache(store, model, chunk_size=CHUNK)
+    got, _ = greedy(model, follow, cache, new=6)
+    assert torch.equal(got, greedy(model, follow, new=6)[0])
+    assert cache.last_reuse[0].cached_tokens == known
+    # a different continuation of the same first chunks does not use the tail
+    other = torch.cat([turn_one[:, :34], torch.randint(1, 128, (1, 20), generator=gen)], dim=1)
+    cache = ChunkReuseCache(store, model, chunk_size=CHUNK)
+    got, _ = greedy(model, other, cache, new=6)
+    assert torch.equal(got, greedy(model, other, new=6)[0])
+    assert cache.last_reuse[0].cached_tokens == 2 * CHUNK
