@@ -103,8 +103,8 @@ def play(engine: InferenceEngine, system: str, user_messages: list[str], max_new
             if method == "hf_prompt_cache":
                 results[method] = recipe.generate(messages, max_new_tokens)
                 continue
-            r = engine.generate(messages, max_new_tokens=max_new_tokens, mode="baseline" if method == "baseline" else
-                                "chunk_kv_reuse")
+            mode = "baseline" if method == "baseline" else "chunk_kv_reuse"
+            r = engine.generate(messages, max_new_tokens=max_new_tokens, mode=mode)
             results[method] = (r.ttft_ms, r.output_ids)
             if method == "baseline":
                 answer, prompt_tokens = r.output_text, r.prompt_tokens
