@@ -26,7 +26,7 @@ def test_spans_are_full_contiguous_and_bounded(tokens, config):
     for start, end in spans:
         assert config.chunk_size - config.boundary_window <= end - start <= config.chunk_size
     tail = len(tokens) - (spans[-1][1] if spans else 0)
-    assert tail >= 0  # whatever is left is the live tail
+    assert 0 <= tail < config.chunk_size  # what is left is the live tail, shorter than a chunk
     if not config.boundary_window:
         assert len(spans) == len(tokens) // config.chunk_size
 
