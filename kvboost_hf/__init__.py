@@ -12,12 +12,14 @@ Public API::
 Importing the package registers ``attn_implementation="kvboost"`` with transformers.
 """
 
-from kvboost_hf.attention import register_kvboost_attention
-from kvboost_hf.cache import ChunkReuseCache, GenerationMode
+from kvboost_hf.core.chunk_kv import ChunkKV
+from kvboost_hf.core.config import GenerationMode, RecomputeStrategy
 from kvboost_hf.engine import InferenceEngine
-from kvboost_hf.models import UnsupportedModelError
-from kvboost_hf.results import CorrectnessReport, GenerationResult, RecomputeStrategy, WarmResult
-from kvboost_hf.store import ChunkKV, ChunkStore
+from kvboost_hf.hf.attention import register_kvboost_attention
+from kvboost_hf.hf.cache import ChunkReuseCache
+from kvboost_hf.hf.models import UnsupportedModelError
+from kvboost_hf.results import CorrectnessReport, GenerationResult, WarmResult
+from kvboost_hf.store.chunk_store import ChunkStore
 
 KVBoost = InferenceEngine
 register_kvboost_attention()

@@ -1,7 +1,7 @@
 """The engine facade: one object that owns a model, its tokenizer and a chunk store.
 
 ``KVBoost`` (this module's :class:`InferenceEngine`) renders prompts, runs ``model.generate`` with a fresh
-:class:`~kvboost_hf.cache.ChunkReuseCache` per request, and reports time to first token and reuse.
+:class:`~kvboost_hf.hf.cache.ChunkReuseCache` per request, and reports time to first token and reuse.
 """
 
 from __future__ import annotations
@@ -16,20 +16,14 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvboost_hf.cache import ChunkReuseCache, GenerationMode, RowReuse
-from kvboost_hf.chunking import ChunkingConfig, boundary_token_ids_from_tokenizer, chunk_spans
-from kvboost_hf.keys import model_digest
-from kvboost_hf.models import check_model_support, load_model_and_tokenizer
-from kvboost_hf.repair import RepairConfig
-from kvboost_hf.results import (
-    CorrectnessReport,
-    GenerationResult,
-    PromptCheck,
-    RecomputeStrategy,
-    WarmResult,
-)
-from kvboost_hf.store import ChunkStore
-from kvboost_hf.streaming import CancelCriteria, TokenTimer
+from kvboost_hf.core.chunking import ChunkingConfig, boundary_token_ids_from_tokenizer, chunk_spans
+from kvboost_hf.core.config import GenerationMode, RecomputeStrategy, RepairConfig
+from kvboost_hf.core.keys import model_digest
+from kvboost_hf.hf.cache import ChunkReuseCache, RowReuse
+from kvboost_hf.hf.generation import CancelCriteria, TokenTimer
+from kvboost_hf.hf.models import check_model_support, load_model_and_tokenizer
+from kvboost_hf.results import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
+from kvboost_hf.store.chunk_store import ChunkStore
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +42,7 @@ class InferenceEngine:
         chunk_boundary_window: tokens a cut may slide back to end at a sentence or line boundary.
         chunking: ``"fixed"`` cut points or ``"content"``-defined ones (same text, same chunks, at any offset).
         recompute_strategy, recompute_ratio, sink_tokens: repair of non-prefix hits (see
-            :class:`RecomputeStrategy` and :mod:`kvboost_hf.repair`).
+            :class:`RecomputeStrategy` and :mod:`kvboost_hf.reuse.repair`).
         kv_cache_bits: precision of stored K/V (16 = the model's dtype).
         max_cache_bytes: RAM budget of the store (bytes).
         disk_cache_dir, remote_url: optional lower store tiers.

@@ -3,19 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
-
-
-class RecomputeStrategy(str, Enum):
-    """How stitched K/V that missed their real preceding context are repaired.
-
-    Exact prefix hits never need repair; these strategies apply to non-prefix (content-key) hits.
-    """
-
-    NONE = "none"
-    SELECTIVE = "selective"
-    CACHEBLEND = "cacheblend"
 
 
 @dataclass

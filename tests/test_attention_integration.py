@@ -18,9 +18,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
 
-from kvboost_hf import attention
-from kvboost_hf.cache import ChunkReuseCache
-from kvboost_hf.store import ChunkStore
+from kvboost_hf.hf import attention
+from kvboost_hf.hf.cache import ChunkReuseCache
+from kvboost_hf.store.chunk_store import ChunkStore
 
 ATOL = 1e-4  # fp32 logits
 TINY = {

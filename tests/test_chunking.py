@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvboost_hf.chunking import ChunkingConfig, chunk_spans
+from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 
 token_lists = st.lists(st.integers(0, 20), max_size=300)
 configs = st.builds(

@@ -9,9 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvboost_hf.codec import MAGIC, CorruptEntryError, decode, encode, peek
-from kvboost_hf.quantization import QuantizedChunk, quantize_chunk
-from kvboost_hf.tiers.base import ChunkKV, StoredChunk
+from kvboost_hf.core.chunk_kv import ChunkKV
+from kvboost_hf.store.base import StoredChunk
+from kvboost_hf.store.codec import MAGIC, CorruptEntryError, decode, encode, peek
+from kvboost_hf.store.quantization import QuantizedChunk, quantize_chunk
 
 KEY = "ab" * 32
 

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_codec import assert_same, make_entry
 
-from kvboost_hf import codec
-from kvboost_hf.tiers.disk import DiskTier
+from kvboost_hf.store import codec
+from kvboost_hf.store.disk import DiskTier
 
 SLOT = mmap.PAGESIZE
 
@@ -126,7 +126,7 @@ def test_flipped_byte_is_dropped_and_logged(tmp_path: Path, caplog):
         f.write(bytes([byte[0] ^ 0x10]))
     reopened = DiskTier(tmp_path, max_bytes=64 * SLOT, slot_bytes=SLOT)
     try:
-        with caplog.at_level(logging.WARNING, logger="kvboost_hf.tiers.disk"):
+        with caplog.at_level(logging.WARNING, logger="kvboost_hf.store.disk"):
             assert reopened.get(key(1)) is None
         assert "corrupt" in caplog.text and reopened.corrupt == 1
         assert not reopened.contains(key(1))
@@ -217,7 +217,7 @@ _WRITER = textwrap.dedent(
     """
     import sys
     from test_codec import make_entry
-    from kvboost_hf.tiers.disk import DiskTier
+    from kvboost_hf.store.disk import DiskTier
 
     disk = DiskTier(sys.argv[1], max_bytes=48 * 4096 * 4, slot_bytes=4096 * 4)
     print("ready", flush=True)

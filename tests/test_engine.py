@@ -9,7 +9,7 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from kvboost_hf import KVBoost, UnsupportedModelError
 from kvboost_hf.corpus import documents
-from kvboost_hf.models import check_model_support, embedded_model_dir
+from kvboost_hf.hf.models import check_model_support, embedded_model_dir
 
 SYSTEM = {"role": "system", "content": documents()[0][1][:1200]}
 
@@ -142,7 +142,7 @@ def test_loads_a_local_model_directory(tmp_path):
 
 
 def test_warmed_documents_hit_in_any_order_as_segments(embedded_engine):
-    from kvboost_hf.repair import RepairConfig
+    from kvboost_hf.core.config import RepairConfig
 
     docs = [f"Document: {title}\n{text[:500]}\n\n" for title, text in documents()[5:7]]
     for doc in docs:

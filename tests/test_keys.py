@@ -7,8 +7,8 @@ from conftest import make_tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvboost_hf.chunking import ChunkingConfig
-from kvboost_hf.keys import chain_prefix_keys, content_key, forget_model_digest, make_namespace, prefix_key
+from kvboost_hf.core.chunking import ChunkingConfig
+from kvboost_hf.core.keys import chain_prefix_keys, content_key, forget_model_digest, make_namespace, prefix_key
 
 
 def test_namespace_changes_with_everything_that_changes_kv():

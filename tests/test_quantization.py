@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvboost_hf.quantization import QuantizedTensor, quantize, quantize_chunk
+from kvboost_hf.store.quantization import QuantizedTensor, quantize, quantize_chunk
 
 
 def _elementwise_scale(q: QuantizedTensor) -> torch.Tensor:

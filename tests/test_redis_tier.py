@@ -20,8 +20,8 @@ import redis
 import torch
 from test_codec import assert_same, make_entry
 
-from kvboost_hf import codec
-from kvboost_hf.tiers.remote import RemoteTier
+from kvboost_hf.store import codec
+from kvboost_hf.store.remote import RemoteTier
 
 TESTS_DIR = Path(__file__).parent
 
@@ -150,7 +150,7 @@ def test_corrupted_values_are_misses(remote: RemoteTier, redis_server: RedisServ
     else:
         raw = bytearray(b"\x80\x04K\x01.")  # a pickle: never unpickled, just refused
     client.set("kvboost:" + key(1), bytes(raw))
-    with caplog.at_level(logging.WARNING, logger="kvboost_hf.tiers.remote"):
+    with caplog.at_level(logging.WARNING, logger="kvboost_hf.store.remote"):
         assert remote.get(key(1)) is None
     assert remote.corrupt == 1 and "corrupt" in caplog.text
     assert client.exists("kvboost:" + key(1)) == 0  # dropped, so the next writer recomputes it
@@ -160,7 +160,7 @@ def test_outage_degrades_to_misses(remote: RemoteTier, redis_server: RedisServer
     remote.put(key(1), make_entry())
     assert remote.flush(5)
     redis_server.stop()
-    with caplog.at_level(logging.WARNING, logger="kvboost_hf.tiers.remote"):
+    with caplog.at_level(logging.WARNING, logger="kvboost_hf.store.remote"):
         started = time.monotonic()
         for _ in range(20):
             assert remote.get(key(1)) is None

@@ -8,7 +8,7 @@ from conftest import make_tiny_model
 from transformers import DynamicCache
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, GenerationMode
-from kvboost_hf.rope import KeyRotator
+from kvboost_hf.reuse.rope import KeyRotator
 
 CHUNK = 16
 ROTATING = ["llama", "qwen2", "phi3"]  # full-attention tiny models; the sliding-window ones fall back to exact

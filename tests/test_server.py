@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from kvboost_hf import KVBoost  # noqa: E402
-from kvboost_hf.cache import GenerationMode  # noqa: E402
+from kvboost_hf.core.config import GenerationMode  # noqa: E402
 from kvboost_hf.server.app import ServerSettings, create_app  # noqa: E402
 from kvboost_hf.server.batching import (  # noqa: E402
     Batch,

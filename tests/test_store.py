@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvboost_hf.store import ChunkKV, ChunkStore
+from kvboost_hf.core.chunk_kv import ChunkKV
+from kvboost_hf.store.chunk_store import ChunkStore
 
 
 def entry(tokens: int, fill: float = 0.0) -> ChunkKV:

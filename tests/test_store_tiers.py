@@ -15,9 +15,10 @@ from test_codec import make_entry
 from test_redis_tier import RedisServer, redis_server  # noqa: F401 (fixture)
 
 from kvboost_hf import ChunkReuseCache
-from kvboost_hf.chunking import ChunkingConfig, chunk_spans
-from kvboost_hf.keys import chain_prefix_keys, make_namespace
-from kvboost_hf.store import ChunkKV, ChunkStore
+from kvboost_hf.core.chunk_kv import ChunkKV
+from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
+from kvboost_hf.core.keys import chain_prefix_keys, make_namespace
+from kvboost_hf.store.chunk_store import ChunkStore
 
 SLOT = mmap.PAGESIZE
 

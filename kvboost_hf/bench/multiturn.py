@@ -28,7 +28,7 @@ from transformers import DynamicCache
 from kvboost_hf.bench.common import machine_info, parser_for, save_results
 from kvboost_hf.corpus import chat_script
 from kvboost_hf.engine import InferenceEngine
-from kvboost_hf.streaming import TokenTimer
+from kvboost_hf.hf.generation import TokenTimer
 
 METHODS = ("baseline", "hf_prompt_cache", "kvboost")
 TARGETS = {"turn8_vs_baseline_min": 8.0, "turn8_vs_hf_prompt_cache_max": 1.15, "turn1_vs_baseline_max": 1.05}

@@ -25,9 +25,9 @@ import torch
 from tqdm import tqdm
 
 from kvboost_hf.bench.common import machine_info, parser_for, save_results
+from kvboost_hf.core.config import RepairConfig
 from kvboost_hf.corpus import documents
 from kvboost_hf.engine import InferenceEngine
-from kvboost_hf.repair import RepairConfig
 from kvboost_hf.results import GenerationResult
 
 STRATEGIES = ("none", "selective", "cacheblend")

@@ -38,11 +38,11 @@ from typing import Any
 import torch
 
 from kvboost_hf.bench.common import machine_info, parser_for, save_results
-from kvboost_hf.cache import ChunkReuseCache
-from kvboost_hf.chunking import chunk_spans
+from kvboost_hf.core.chunking import chunk_spans
+from kvboost_hf.core.keys import chain_prefix_keys
 from kvboost_hf.engine import InferenceEngine
-from kvboost_hf.keys import chain_prefix_keys
-from kvboost_hf.store import ChunkStore
+from kvboost_hf.hf.cache import ChunkReuseCache
+from kvboost_hf.store.chunk_store import ChunkStore
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvboost_hf.cache import GenerationMode
+from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.engine import InferenceEngine, Prompt
 from kvboost_hf.server.batching import Delta, Done, Event, Failed, Finished, Job, SamplingParams, TokenLogprob
 from kvboost_hf.server.metrics import Metrics, Scraped

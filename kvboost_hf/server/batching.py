@@ -4,7 +4,7 @@ Why not ``engine.generate_batch``: a server batch mixes requests with different 
 token budgets and clients that may disconnect, and each one streams its own tokens. This module therefore drives
 ``engine.model`` forward by forward:
 
-* prefill: prompts are left-padded into one batch on a fresh :class:`~kvboost_hf.cache.ChunkReuseCache` (the
+* prefill: prompts are left-padded into one batch on a fresh :class:`~kvboost_hf.hf.cache.ChunkReuseCache` (the
   cache's hooks stitch stored chunks and compute only the uncached tail). When several rows share a
   chunk-aligned prefix whose chunks are not stored yet, that prefix is computed once (batch of one) and stored
   first, so the batch prefill loads it from the store for every row instead of computing it once per row;
@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from kvboost_hf.cache import ChunkReuseCache, GenerationMode
-from kvboost_hf.chunking import chunk_spans
+from kvboost_hf.core.chunking import chunk_spans
+from kvboost_hf.core.config import GenerationMode
+from kvboost_hf.core.keys import chain_prefix_keys
 from kvboost_hf.engine import InferenceEngine
-from kvboost_hf.keys import chain_prefix_keys
+from kvboost_hf.hf.cache import ChunkReuseCache
 
 logger = logging.getLogger(__name__)
 GREEDY_BELOW_TEMPERATURE = 1e-5

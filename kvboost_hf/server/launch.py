@@ -8,7 +8,7 @@ import logging
 import os
 from pathlib import Path
 
-from kvboost_hf.results import RecomputeStrategy
+from kvboost_hf.core.config import RecomputeStrategy
 
 logger = logging.getLogger(__name__)
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"

@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kvboost_hf.cache import GenerationMode
-from kvboost_hf.chunking import chunk_spans
+from kvboost_hf.core.chunking import chunk_spans
+from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.engine import InferenceEngine, Prompt
 from kvboost_hf.server.batching import Batch, Job
 from kvboost_hf.server.metrics import Metrics

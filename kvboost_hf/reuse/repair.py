@@ -1,7 +1,7 @@
 """Stage 5: repairing stitched K/V that were computed after other text (non-prefix hits).
 
 A chunk found by content key was computed with a different past and at other positions. Its keys are moved to
-their new positions exactly (:mod:`kvboost_hf.rope`), but its K/V still miss their real preceding context. The
+their new positions exactly (:mod:`kvboost_hf.reuse.rope`), but its K/V still miss their real preceding context. The
 strategies choose which of its tokens to recompute (every layer, in one forward with the gaps and the live
 tail, each at its absolute position):
 
@@ -19,30 +19,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from kvboost_hf.chunking import Span
-from kvboost_hf.results import RecomputeStrategy
-
-
-@dataclass(frozen=True)
-class RepairConfig:
-    """Knobs of the repair of approximate (content-key) hits. ``ratio`` is a share of the reused tokens."""
-
-    strategy: RecomputeStrategy = RecomputeStrategy.SELECTIVE
-    ratio: float = 0.15
-    check_layer: int = 1
-    overlap_k: int = 2
-    sink_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "strategy", RecomputeStrategy(self.strategy))
-        if not 0.0 <= self.ratio <= 1.0:
-            raise ValueError(f"recompute_ratio must be in [0, 1], got {self.ratio!r}")
-        if self.check_layer < 0 or self.overlap_k < 0 or self.sink_tokens < 0:
-            raise ValueError("check_layer, overlap_k and sink_tokens must be >= 0")
+from kvboost_hf.core.chunking import Span
+from kvboost_hf.core.config import RepairConfig
 
 
 def seam_positions(approx_spans: Sequence[Span], config: RepairConfig) -> list[int]:

@@ -1,4 +1,4 @@
-"""Stage 7: how a :class:`~kvboost_hf.cache.ChunkReuseCache` sees what ``generate()`` and ``forward()`` do.
+"""Stage 7: how a :class:`~kvboost_hf.hf.cache.ChunkReuseCache` sees what ``generate()`` and ``forward()`` do.
 
 Installed once per model and inert unless ``past_key_values`` is a cache that implements the hook protocol
 (``before_forward``, ``after_forward``, ``check_extends``):

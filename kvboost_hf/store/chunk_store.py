@@ -3,10 +3,10 @@
 :class:`ChunkStore` is what the cache talks to: ``get``/``put``/``contains``/``pin``. It owns
 
 * a RAM tier (:class:`RamTier`, ``max_bytes``), always;
-* a disk tier (:class:`~kvboost_hf.tiers.disk.DiskTier`) with ``disk_cache_dir``: RAM evictions are demoted
+* a disk tier (:class:`~kvboost_hf.store.disk.DiskTier`) with ``disk_cache_dir``: RAM evictions are demoted
   into it, its hits are promoted back into RAM, and :meth:`ChunkStore.close` (also run at interpreter exit)
   writes the RAM entries into it so that a restart keeps them;
-* a remote tier (:class:`~kvboost_hf.tiers.remote.RemoteTier`) with ``remote_url``: every ``put`` is also
+* a remote tier (:class:`~kvboost_hf.store.remote.RemoteTier`) with ``remote_url``: every ``put`` is also
   written there in the background (write-through, so other replicas see new chunks at once); its hits are
   promoted into RAM.
 
@@ -26,11 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvboost_hf.quantization import DEFAULT_GROUP_SIZE, SUPPORTED_BITS, QuantizedChunk, quantize_chunk
-from kvboost_hf.tiers.base import ChunkKV, FrequencyRecencyOrder, StorageTier, StoredChunk
-from kvboost_hf.tiers.disk import DEFAULT_MAX_BYTES as DEFAULT_DISK_MAX_BYTES
-from kvboost_hf.tiers.disk import DiskTier
-from kvboost_hf.tiers.remote import DEFAULT_PREFIX, RemoteTier
+from kvboost_hf.core.chunk_kv import ChunkKV
+from kvboost_hf.store.base import FrequencyRecencyOrder, StorageTier, StoredChunk
+from kvboost_hf.store.disk import DEFAULT_MAX_BYTES as DEFAULT_DISK_MAX_BYTES
+from kvboost_hf.store.disk import DiskTier
+from kvboost_hf.store.quantization import DEFAULT_GROUP_SIZE, SUPPORTED_BITS, QuantizedChunk, quantize_chunk
+from kvboost_hf.store.remote import DEFAULT_PREFIX, RemoteTier
 
 __all__ = ["ChunkKV", "ChunkStore", "RamTier", "StorageTier", "StoredChunk"]
 

@@ -5,7 +5,7 @@ Use it like any cache::
     cache = ChunkReuseCache(store, model)
     model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
 
-Data path of one ``generate`` call (the hooks live in :mod:`kvboost_hf.hooks`):
+Data path of one ``generate`` call (the hooks live in :mod:`kvboost_hf.hf.hooks`):
 
 1. before the first forward: the prompt's chunks are looked up; the longest run of exact (prefix-key) hits is
    stitched into the layers, and the forward's ``input_ids``/``position_ids`` are cut to the uncached tail, so
@@ -16,7 +16,7 @@ Data path of one ``generate`` call (the hooks live in :mod:`kvboost_hf.hooks`):
    first token.
 
 Non-prefix reuse (``mode="chunk_kv_reuse"``, batch size 1): after the first prefix miss, later chunks may hit
-by content key. Those are re-rotated to their new positions and repaired (:mod:`kvboost_hf.repair`): one
+by content key. Those are re-rotated to their new positions and repaired (:mod:`kvboost_hf.reuse.repair`): one
 forward over the chosen tokens, the gaps and the live tail, at their absolute positions with a 4D mask, while
 :meth:`ChunkReuseCache.update` scatters the fresh K/V into their slots before attention.
 
@@ -36,30 +36,22 @@ import logging
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
 from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
-from kvboost_hf.chunking import ChunkingConfig, Span, chunk_spans
-from kvboost_hf.hooks import install_hooks
-from kvboost_hf.keys import chain_prefix_keys, content_key, make_namespace, prefix_key
-from kvboost_hf.models import model_dtype, num_cache_layers
-from kvboost_hf.repair import RepairConfig, most_deviating, position_mask, seam_positions
-from kvboost_hf.results import RecomputeStrategy
-from kvboost_hf.rope import KeyRotator, UnsupportedRopeError
-from kvboost_hf.store import ChunkKV, ChunkStore
+from kvboost_hf.core.chunk_kv import ChunkKV
+from kvboost_hf.core.chunking import ChunkingConfig, Span, chunk_spans
+from kvboost_hf.core.config import GenerationMode, RecomputeStrategy, RepairConfig
+from kvboost_hf.core.keys import chain_prefix_keys, content_key, make_namespace, prefix_key
+from kvboost_hf.hf.hooks import install_hooks
+from kvboost_hf.hf.models import model_dtype, num_cache_layers
+from kvboost_hf.reuse.repair import most_deviating, position_mask, seam_positions
+from kvboost_hf.reuse.rope import KeyRotator, UnsupportedRopeError
+from kvboost_hf.store.chunk_store import ChunkStore
 
 logger = logging.getLogger(__name__)
-
-
-class GenerationMode(str, Enum):
-    """What reuse a generation may use."""
-
-    BASELINE = "baseline"  # plain generate(), no lookups, no write-back
-    PREFIX_CACHE = "prefix_cache"  # exact prefix hits only
-    CHUNK_KV_REUSE = "chunk_kv_reuse"  # everything enabled: also content-key hits, repaired
 
 
 @dataclass
@@ -174,11 +166,11 @@ class ChunkReuseCache(Cache):
         cache_salt: tenant isolation; caches with different salts never see each other's chunks.
         kv_cache_bits: the precision the store keeps K/V in (part of the namespace).
         write_back: store the chunks completed during generation.
-        chunking: ``"fixed"`` or ``"content"`` (content-defined cut points, see :mod:`kvboost_hf.chunking`).
+        chunking: ``"fixed"`` or ``"content"`` (content-defined cut points, see :mod:`kvboost_hf.core.chunking`).
         segment_starts: token offsets where a new segment (document, question) starts: each starts a chunk, and
             segment chunks are also stored by content key so they hit at any position.
         recompute_strategy, recompute_ratio, check_layer, overlap_k, sink_tokens: repair of non-prefix hits
-            (see :class:`~kvboost_hf.repair.RepairConfig`).
+            (see :class:`~kvboost_hf.reuse.repair.RepairConfig`).
     """
 
     def __init__(

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvboost_hf.chunking import ChunkingConfig, Span
+from kvboost_hf.core.chunking import ChunkingConfig, Span
 
 STORAGE_FORMAT_VERSION = 1
 _WEIGHT_SAMPLES_PER_TENSOR = 4096

@@ -4,7 +4,7 @@ Files in ``directory``:
 
 * ``slots.bin``: ``num_slots * slot_bytes`` bytes (``num_slots = max_bytes // slot_bytes``), its blocks
   reserved with ``posix_fallocate`` when it is opened. Each entry is one
-  :mod:`kvboost_hf.codec` record spread over as many slots as it needs (not necessarily consecutive ones);
+  :mod:`kvboost_hf.store.codec` record spread over as many slots as it needs (not necessarily consecutive ones);
   an entry larger than the whole file is refused.
 * ``index.json``: geometry, and for every entry its slots, record length, hits and recency tick. Written
   atomically (temporary file, fsync, ``os.replace``) after every change of membership, and on :meth:`flush`
@@ -32,8 +32,8 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvboost_hf import codec
-from kvboost_hf.tiers.base import FrequencyRecencyOrder, StorageTier, StoredChunk
+from kvboost_hf.store import codec
+from kvboost_hf.store.base import FrequencyRecencyOrder, StorageTier, StoredChunk
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Remote tier: chunks shared by several processes or machines through Redis.
 
-* Records are :mod:`kvboost_hf.codec` records (no pickle) stored under ``<prefix><key>``; the record names its key,
-  so a value copied under another key (or from another namespace) is refused.
+* Records are :mod:`kvboost_hf.store.codec` records (no pickle) stored under ``<prefix><key>``; the record names
+  its key, so a value copied under another key (or from another namespace) is refused.
 * Writes go through a bounded queue to one background thread: a request never waits on Redis. When the queue is
   full the write is dropped and counted (``dropped``).
 * Eviction is Redis's: run it with ``maxmemory <bytes>`` and ``maxmemory-policy allkeys-lru``.
@@ -21,8 +21,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvboost_hf import codec
-from kvboost_hf.tiers.base import StorageTier, StoredChunk
+from kvboost_hf.store import codec
+from kvboost_hf.store.base import StorageTier, StoredChunk
 
 if TYPE_CHECKING:
     import redis

@@ -1,47 +1,13 @@
-"""Types shared by the store and its tiers: :class:`ChunkKV`, the stored form of an entry, the tier interface."""
+"""Types shared by the store and its tiers: the stored form of an entry, the tier interface, the eviction order."""
 
 from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import TypeAlias
 
-import torch
-
-from kvboost_hf.quantization import QuantizedChunk
-
-
-@dataclass(frozen=True)
-class ChunkKV:
-    """K/V of one chunk for every layer of a model.
-
-    ``keys`` and ``values`` are ``[num_layers, num_kv_heads, num_tokens, head_dim]`` (keys already RoPE-rotated
-    at the chunk's positions). Entries are immutable once stored: readers may share the tensors.
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-
-    def __post_init__(self) -> None:
-        if self.keys.dim() != 4 or self.values.dim() != 4 or self.keys.shape[:3] != self.values.shape[:3]:
-            raise ValueError(
-                "ChunkKV needs keys and values shaped [num_layers, num_kv_heads, num_tokens, head_dim], got "
-                f"{tuple(self.keys.shape)} and {tuple(self.values.shape)}"
-            )
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.keys.shape[2])
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the tensors."""
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-
-    def to(self, device: torch.device) -> ChunkKV:
-        return ChunkKV(self.keys.to(device), self.values.to(device))
-
+from kvboost_hf.core.chunk_kv import ChunkKV
+from kvboost_hf.store.quantization import QuantizedChunk
 
 StoredChunk: TypeAlias = ChunkKV | QuantizedChunk
 """What tiers hold: the K/V as computed (``kv_cache_bits=16``) or KIVI-quantized (8 or 4 bits)."""

@@ -12,7 +12,7 @@ Layout (little-endian, every tensor starts at a multiple of 64 bytes from the st
                   group size u32, key shape 4 x u32, value shape 4 x u32
 
 The tensors that follow are implied by the body: raw form ``keys, values``; quantized form
-``key codes, key scales, key zeros, value codes, value scales, value zeros`` (see :mod:`kvboost_hf.quantization`
+``key codes, key scales, key zeros, value codes, value scales, value zeros`` (see :mod:`kvboost_hf.store.quantization`
 for their shapes). The record names the key it was stored under: :func:`decode` rejects a record read under
 another key (a value copied between keys or namespaces), one whose digest does not match, and one whose sizes
 are inconsistent, by raising :class:`CorruptEntryError`. Nothing is ever unpickled.
@@ -27,8 +27,9 @@ import sys
 
 import torch
 
-from kvboost_hf.quantization import QuantizedChunk, QuantizedTensor, packed_numel, stats_shape
-from kvboost_hf.tiers.base import ChunkKV, StoredChunk
+from kvboost_hf.core.chunk_kv import ChunkKV
+from kvboost_hf.store.base import StoredChunk
+from kvboost_hf.store.quantization import QuantizedChunk, QuantizedTensor, packed_numel, stats_shape
 
 if sys.byteorder != "little":  # raw tensor bytes are written in host order
     raise ImportError("kvboost_hf's storage format needs a little-endian host")

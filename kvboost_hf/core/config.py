@@ -1,0 +1,43 @@
+"""Settings shared by every stage: what reuse a generation may use and how approximate hits are repaired."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class GenerationMode(str, Enum):
+    """What reuse a generation may use."""
+
+    BASELINE = "baseline"  # plain generate(), no lookups, no write-back
+    PREFIX_CACHE = "prefix_cache"  # exact prefix hits only
+    CHUNK_KV_REUSE = "chunk_kv_reuse"  # everything enabled: also content-key hits, repaired
+
+
+class RecomputeStrategy(str, Enum):
+    """How stitched K/V that missed their real preceding context are repaired.
+
+    Exact prefix hits never need repair; these strategies apply to non-prefix (content-key) hits.
+    """
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    CACHEBLEND = "cacheblend"
+
+
+@dataclass(frozen=True)
+class RepairConfig:
+    """Knobs of the repair of approximate (content-key) hits. ``ratio`` is a share of the reused tokens."""
+
+    strategy: RecomputeStrategy = RecomputeStrategy.SELECTIVE
+    ratio: float = 0.15
+    check_layer: int = 1
+    overlap_k: int = 2
+    sink_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "strategy", RecomputeStrategy(self.strategy))
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"recompute_ratio must be in [0, 1], got {self.ratio!r}")
+        if self.check_layer < 0 or self.overlap_k < 0 or self.sink_tokens < 0:
+            raise ValueError("check_layer, overlap_k and sink_tokens must be >= 0")
