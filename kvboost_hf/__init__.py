@@ -13,12 +13,15 @@ Importing the package registers ``attn_implementation="kvboost"`` with transform
 """
 
 from kvboost_hf.core.chunk_kv import ChunkKV
-from kvboost_hf.core.config import GenerationMode, RecomputeStrategy
+from kvboost_hf.core.chunking import ChunkingConfig
+from kvboost_hf.core.config import GenerationMode, RecomputeStrategy, RepairConfig
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.attention import register_kvboost_attention
 from kvboost_hf.hf.cache import ChunkReuseCache
+from kvboost_hf.hf.generation import ChunkWriteBack
 from kvboost_hf.hf.models import UnsupportedModelError
 from kvboost_hf.results import CorrectnessReport, GenerationResult, WarmResult
+from kvboost_hf.reuse.plan import ReusePlan, plan_reuse
 from kvboost_hf.store.chunk_store import ChunkStore
 
 KVBoost = InferenceEngine
@@ -28,13 +31,18 @@ __all__ = [
     "ChunkKV",
     "ChunkReuseCache",
     "ChunkStore",
+    "ChunkWriteBack",
+    "ChunkingConfig",
     "CorrectnessReport",
     "GenerationMode",
     "GenerationResult",
     "InferenceEngine",
     "KVBoost",
     "RecomputeStrategy",
+    "RepairConfig",
+    "ReusePlan",
     "UnsupportedModelError",
     "WarmResult",
+    "plan_reuse",
 ]
 __version__ = "0.1.0"

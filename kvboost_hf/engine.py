@@ -43,7 +43,7 @@ class InferenceEngine:
         chunking: ``"fixed"`` cut points or ``"content"``-defined ones (same text, same chunks, at any offset).
         recompute_strategy, recompute_ratio, sink_tokens: repair of non-prefix hits (see
             :class:`RecomputeStrategy` and :mod:`kvboost_hf.reuse.repair`).
-        kv_cache_bits: precision of stored K/V (16 = the model's dtype).
+        kv_cache_bits: precision of stored K/V (16 = the model's dtype) of a store created here.
         max_cache_bytes: RAM budget of the store (bytes).
         disk_cache_dir, remote_url: optional lower store tiers.
         store: share an existing :class:`ChunkStore` instead of creating one.
@@ -72,9 +72,11 @@ class InferenceEngine:
         boundary_ids = boundary_token_ids_from_tokenizer(tokenizer) if chunk_boundary_window else frozenset()
         self.chunking = ChunkingConfig(chunk_size, chunk_boundary_window, boundary_ids, method=chunking)
         self.repair = RepairConfig(recompute_strategy, recompute_ratio, sink_tokens=sink_tokens)
-        if kv_cache_bits not in (16, 8, 4):
-            raise ValueError(f"kv_cache_bits must be 16, 8 or 4, got {kv_cache_bits!r}")
-        self.kv_cache_bits = kv_cache_bits
+        if store is not None and kv_cache_bits not in (16, store.kv_cache_bits):
+            raise ValueError(
+                f"kv_cache_bits={kv_cache_bits} conflicts with the given store's kv_cache_bits={store.kv_cache_bits}: "
+                "the store decides the stored precision"
+            )
         self.model = model
         self.tokenizer = tokenizer
         self.max_context = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 0))
@@ -94,41 +96,18 @@ class InferenceEngine:
         cls,
         model_name_or_path: str | os.PathLike | None = None,
         *,
-        chunk_size: int = 128,
-        chunk_boundary_window: int = 0,
-        chunking: str = "fixed",
-        recompute_strategy: RecomputeStrategy | str = RecomputeStrategy.SELECTIVE,
-        recompute_ratio: float = 0.15,
-        sink_tokens: int = 0,
-        kv_cache_bits: int = 16,
-        max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES,
-        disk_cache_dir: str | os.PathLike | None = None,
-        remote_url: str | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
         strict: bool = True,
+        **options: Any,
     ) -> InferenceEngine:
         """Load a model by hub name or local directory (``None``: the embedded SmolLM2-135M-Instruct) and wrap it.
 
-        ``device`` defaults to CUDA when available; ``dtype`` to float32 on CPU and bfloat16 on GPU. The other
-        arguments are those of the constructor.
+        ``device`` defaults to CUDA when available; ``dtype`` to float32 on CPU and bfloat16 on GPU. ``options``
+        are the constructor's keyword arguments (``chunk_size``, ``recompute_strategy``, ``max_cache_bytes``, ...).
         """
         model, tokenizer = load_model_and_tokenizer(model_name_or_path, device=device, dtype=dtype, strict=strict)
-        return cls(
-            model,
-            tokenizer,
-            chunk_size=chunk_size,
-            chunk_boundary_window=chunk_boundary_window,
-            chunking=chunking,
-            recompute_strategy=recompute_strategy,
-            recompute_ratio=recompute_ratio,
-            sink_tokens=sink_tokens,
-            kv_cache_bits=kv_cache_bits,
-            max_cache_bytes=max_cache_bytes,
-            disk_cache_dir=disk_cache_dir,
-            remote_url=remote_url,
-            strict=strict,
-        )
+        return cls(model, tokenizer, strict=strict, **options)
 
     # ------------------------------------------------------------------ prompts
     @property
@@ -196,23 +175,14 @@ class InferenceEngine:
         repair: RepairConfig | None = None,
     ) -> ChunkReuseCache:
         """A fresh drop-in cache bound to this engine's store and settings."""
-        repair = repair or self.repair
         return ChunkReuseCache(
             self.store,
             self.model,
-            chunk_size=self.chunking.chunk_size,
-            chunk_boundary_window=self.chunking.boundary_window,
-            boundary_token_ids=self.chunking.boundary_token_ids,
-            chunking=self.chunking.method,
+            self.chunking,
+            repair or self.repair,
             mode=mode,
             cache_salt=cache_salt,
-            kv_cache_bits=self.kv_cache_bits,
             segment_starts=tuple(segment_starts),
-            recompute_strategy=repair.strategy,
-            recompute_ratio=repair.ratio,
-            check_layer=repair.check_layer,
-            overlap_k=repair.overlap_k,
-            sink_tokens=repair.sink_tokens,
         )
 
     # ------------------------------------------------------------------ warm
@@ -235,7 +205,7 @@ class InferenceEngine:
         with self.lock, torch.inference_mode():
             input_ids = torch.tensor([ids], device=self.device)
             self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache.flush(tail=True)
+            cache.save(tail=True)
         spans = chunk_spans(ids, self.chunking, segment_starts=cache.segment_starts)
         covered = spans[-1][1] if spans else 0
         tail = len(ids) - covered
@@ -357,10 +327,8 @@ class InferenceEngine:
         with self.lock, torch.inference_mode():
             if seed is not None:
                 torch.manual_seed(seed)
-            output = self.model.generate(input_ids, **options)
+            output = self.model.generate(input_ids, **options)  # a ChunkReuseCache saves its chunks inside
             finished = time.perf_counter()
-            if isinstance(cache, ChunkReuseCache):
-                cache.flush(tail=True)
         first = timer.first_token_time or finished
         reuse = cache.last_reuse if isinstance(cache, ChunkReuseCache) else []
         results = []

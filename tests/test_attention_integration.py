@@ -142,7 +142,7 @@ def test_chunk_reuse_cache_matches_sdpa(model: PreTrainedModel, kernel_calls: li
     ref_tokens, ref_logits = _generate(model, "sdpa", ids)
     store = ChunkStore(max_bytes=1 << 24)
     for run in range(2):
-        cache = ChunkReuseCache(store, model, chunk_size=16)
+        cache = ChunkReuseCache(store, model, chunking=16)
         tokens, logits = _generate(model, "kvboost", ids, past_key_values=cache)
         assert torch.equal(tokens, ref_tokens), f"run {run}"
         torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)

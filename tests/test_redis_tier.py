@@ -212,7 +212,7 @@ _PROCESS = textwrap.dedent(
     ids = torch.randint(1, 128, (1, 70), generator=torch.Generator().manual_seed(7))
     options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     store = ChunkStore(1 << 26, remote_url=sys.argv[1])
-    cache = ChunkReuseCache(store, model, chunk_size=16)
+    cache = ChunkReuseCache(store, model, chunking=16)
     out = model.generate(ids, past_key_values=cache, **options)
     store.close()
     full_prefill = model.generate(ids, **options)

@@ -7,10 +7,11 @@ import torch
 from conftest import make_tiny_model
 from transformers import DynamicCache
 
-from kvboost_hf import ChunkReuseCache, ChunkStore, GenerationMode
+from kvboost_hf import ChunkingConfig, ChunkReuseCache, ChunkStore, GenerationMode, RepairConfig
 from kvboost_hf.reuse.rope import KeyRotator
 
 CHUNK = 16
+CONTENT = ChunkingConfig(CHUNK, method="content")
 ROTATING = ["llama", "qwen2", "phi3"]  # full-attention tiny models; the sliding-window ones fall back to exact
 
 
@@ -20,13 +21,16 @@ def documents(count: int = 3, length: int = 40, seed: int = 0) -> list[torch.Ten
 
 
 def warm_alone(model, store, doc: torch.Tensor, **kwargs) -> None:
-    cache = ChunkReuseCache(store, model, chunk_size=CHUNK, segment_starts=[0, len(doc)], **kwargs)
+    cache = ChunkReuseCache(store, model, chunking=CHUNK, segment_starts=[0, len(doc)], **kwargs)
     model(doc[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    cache.flush()
+    cache.save()
 
 
-def run(model, store, ids, starts=(), new=8, **kwargs):
-    cache = ChunkReuseCache(store, model, chunk_size=CHUNK, segment_starts=starts, **kwargs)
+def run(model, store, ids, starts=(), new=8, chunking=CHUNK, mode=GenerationMode.CHUNK_KV_REUSE, write_back=True,
+        **repair):
+    cache = ChunkReuseCache(
+        store, model, chunking, RepairConfig(**repair), mode=mode, segment_starts=starts, write_back=write_back
+    )
     out = model.generate(
         ids, past_key_values=cache, max_new_tokens=new, do_sample=False, pad_token_id=0,
         return_dict_in_generate=True, output_logits=True,
@@ -108,7 +112,7 @@ def test_ratio_one_reproduces_the_full_prefill_in_any_order(arch, strategy):
     for order in ([2, 0, 1], [1, 2]):
         ids, starts = shuffled_prompt(docs, order, question)
         expected = plain(model, ids)
-        out, cache = run(model, store, ids, starts, recompute_strategy=strategy, recompute_ratio=1.0,
+        out, cache = run(model, store, ids, starts, strategy=strategy, ratio=1.0,
                          write_back=False)
         reuse = cache.last_reuse[0]
         assert reuse.hit_chunks >= 3 * len(order) - 1 and reuse.approx_tokens == 0 and reuse.recomputed_tokens > 0
@@ -129,7 +133,7 @@ def test_every_strategy_runs_on_every_architecture(arch, strategy):
     for doc in docs:
         warm_alone(model, store, doc)
     ids, starts = shuffled_prompt(docs, [1, 0], torch.tensor([5, 6, 7]))
-    out, cache = run(model, store, ids, starts, recompute_strategy=strategy, recompute_ratio=0.3, write_back=False)
+    out, cache = run(model, store, ids, starts, strategy=strategy, ratio=0.3, write_back=False)
     assert out.sequences.shape == (1, ids.shape[1] + 8)
     reuse = cache.last_reuse[0]
     if arch in ROTATING:
@@ -150,7 +154,7 @@ def test_gap_in_the_middle_is_computed_in_place():
     warm_alone(model, store, a)
     warm_alone(model, store, c)
     ids, starts = shuffled_prompt([a, b, c], [0, 1, 2], torch.tensor([9, 9, 9]))
-    out, cache = run(model, store, ids, starts, recompute_ratio=1.0, write_back=False)
+    out, cache = run(model, store, ids, starts, ratio=1.0, write_back=False)
     reuse = cache.last_reuse[0]
     assert reuse.cached_tokens == 40  # document a, exact at the start; b is a gap; c reused and recomputed
     assert reuse.recomputed_tokens == 40
@@ -164,10 +168,10 @@ def test_exact_prefix_hits_are_not_repaired_and_stale_chunks_never_written_by_pr
     for doc in docs:
         warm_alone(model, store, doc)
     ids, starts = shuffled_prompt(docs, [0, 1], torch.tensor([3, 4, 5, 6]))
-    _out, cache = run(model, store, ids, starts, recompute_strategy="none")
+    _out, cache = run(model, store, ids, starts, strategy="none")
     reuse = cache.last_reuse[0]
     assert reuse.cached_tokens == 80 and reuse.approx_tokens == 40  # doc 0 exact (untouched), doc 1 as stored
-    stored_first = store.get(cache._rows[0].keys[0])
+    stored_first = store.get(cache.ledgers[0].keys[0])
     assert torch.equal(cache.layers[0].keys[0, :, :CHUNK], stored_first.keys[0])
     # the stale continuation was not written under prefix keys: an exact-only lookup stops after document 0
     exact_out, exact_only = run(model, store, ids, starts, mode=GenerationMode.PREFIX_CACHE)
@@ -179,14 +183,14 @@ def test_content_defined_chunks_hit_a_document_inside_a_plain_prompt():
     model = make_tiny_model("llama")
     store = ChunkStore(1 << 26)
     doc = torch.randint(1, 128, (120,), generator=torch.Generator().manual_seed(5))
-    warm = ChunkReuseCache(store, model, chunk_size=CHUNK, chunking="content")
+    warm = ChunkReuseCache(store, model, CONTENT)
     model(doc[None], past_key_values=warm, use_cache=True, logits_to_keep=1)
-    warm.flush()
+    warm.save()
     prefix = torch.randint(1, 128, (13,), generator=torch.Generator().manual_seed(6))
     ids = torch.cat([prefix, doc, torch.tensor([1, 2, 3])])[None]
-    out, cache = run(model, store, ids, chunking="content", recompute_ratio=1.0, write_back=False)
+    out, cache = run(model, store, ids, chunking=CONTENT, ratio=1.0, write_back=False)
     assert cache.last_reuse[0].hit_chunks >= 3
     assert torch.equal(out.sequences, plain(model, ids).sequences)
-    fixed = ChunkReuseCache(store, model, chunk_size=CHUNK)  # fixed cuts at a shifted offset find nothing
+    fixed = ChunkReuseCache(store, model, chunking=CHUNK)  # fixed cuts at a shifted offset find nothing
     model.generate(ids, past_key_values=fixed, max_new_tokens=1, do_sample=False, pad_token_id=0)
     assert fixed.last_reuse[0].hit_chunks == 0

@@ -229,7 +229,6 @@ def _engine_with(engine: InferenceEngine, store: ChunkStore) -> InferenceEngine:
         engine.tokenizer,
         chunk_size=engine.chunking.chunk_size,
         store=store,
-        kv_cache_bits=store.kv_cache_bits,
     )
 
 
@@ -253,10 +252,9 @@ def measure_fidelity(engine: InferenceEngine, corpus: str, args: argparse.Namesp
         for bits in BITS:
             store = ChunkStore(1 << 30, kv_cache_bits=bits)
             with torch.inference_mode():
-                first = ChunkReuseCache(store, model, chunk_size=args.chunk_size, kv_cache_bits=bits)
-                model.generate(ids, past_key_values=first, max_new_tokens=1, **options)
-                first.flush()
-                cache = ChunkReuseCache(store, model, chunk_size=args.chunk_size, kv_cache_bits=bits, write_back=False)
+                first = ChunkReuseCache(store, model, args.chunk_size)
+                model.generate(ids, past_key_values=first, max_new_tokens=1, **options)  # saves its chunks
+                cache = ChunkReuseCache(store, model, args.chunk_size, write_back=False)
                 out = model.generate(
                     ids,
                     past_key_values=cache,

@@ -67,10 +67,16 @@ def make_namespace(
     model: torch.nn.Module,
     dtype: torch.dtype,
     chunking: ChunkingConfig,
+    *,
     kv_cache_bits: int = 16,
+    kv_group_size: int | None = None,
     cache_salt: str | None = None,
 ) -> str:
-    """Namespace key (hex) for one model + settings + tenant."""
+    """Namespace key (hex) for one model + settings + stored precision + tenant.
+
+    ``kv_cache_bits`` and ``kv_group_size`` are the store's (the precision K/V come back in); the group size only
+    matters, and only enters the key, below 16 bits.
+    """
     payload = {
         "format": STORAGE_FORMAT_VERSION,
         "model": model_digest(model),
@@ -79,6 +85,8 @@ def make_namespace(
         "kv_cache_bits": kv_cache_bits,
         "salt": cache_salt,
     }
+    if kv_cache_bits < 16:
+        payload["kv_group_size"] = kv_group_size
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

@@ -1,13 +1,16 @@
-"""Stage 7: how a :class:`~kvboost_hf.hf.cache.ChunkReuseCache` sees what ``generate()`` and ``forward()`` do.
+"""Stage 7: an optional adapter that lets ``generate()`` and ``forward()`` drive a reuse cache.
 
-Installed once per model and inert unless ``past_key_values`` is a cache that implements the hook protocol
-(``before_forward``, ``after_forward``, ``check_extends``):
+:class:`~kvboost_hf.hf.cache.ChunkReuseCache` does its work in two explicit calls, ``prefill()`` and ``save()``,
+so it also works where these hooks cannot run (call them yourself). Installed once per model, the adapter is
+inert unless ``past_key_values`` is such a cache:
 
-* a forward pre-hook lets the cache stitch stored K/V and cut ``input_ids``/``position_ids`` to the uncached
-  tail before the model runs;
-* a forward hook lets it record the computed tokens and write completed chunks back;
-* a wrapper of ``prepare_inputs_for_generation`` (which receives the *full* sequence every step) lets it refuse
-  a prompt that does not extend what it holds, instead of silently attending to stale K/V.
+* a forward pre-hook calls ``prefill()`` on the forward's tokens and replaces the inputs with what is left to
+  compute (the uncached tail, or one sparse repair forward folded with the tail);
+* a forward hook calls ``record()`` with the tokens the forward computed;
+* a wrapper of ``prepare_inputs_for_generation`` (which receives the *full* sequence every step) refuses a
+  prompt that does not extend what the cache holds, instead of silently attending to stale K/V;
+* a wrapper of ``generate`` adds :class:`~kvboost_hf.hf.generation.ChunkWriteBack` to the logits processors
+  (write-back as generation proceeds) and saves the unfinished last chunk when generation ends.
 """
 
 from __future__ import annotations
@@ -16,13 +19,16 @@ import functools
 from typing import Any
 
 import torch
+from transformers import LogitsProcessorList
+
+from kvboost_hf.hf.generation import ChunkWriteBack
 
 _INSTALLED = "_kvboost_hooks_installed"
 
 
 def _reuse_cache(kwargs: dict[str, Any]) -> Any | None:
     cache = kwargs.get("past_key_values")
-    return cache if hasattr(cache, "before_forward") and hasattr(cache, "after_forward") else None
+    return cache if hasattr(cache, "prefill") and hasattr(cache, "record") else None
 
 
 def _pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
@@ -31,31 +37,73 @@ def _pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
         return None
     if args and "input_ids" not in kwargs:
         kwargs["input_ids"], args = args[0], args[1:]
-    cache.before_forward(kwargs)
+    fed = kwargs.get("input_ids")
+    if fed is None or cache.expects_sparse_forward or not cache.reuse_enabled:
+        return args, kwargs
+    keep = kwargs.get("logits_to_keep", 0)
+    keep = keep if isinstance(keep, int) and keep >= 1 else fed.shape[1]  # a forward that wants every logit
+    cached = cache.num_columns
+    if cached and fed.shape[1] <= keep:
+        return args, kwargs  # a decode step: nothing to look up
+    full = torch.cat([cache.tokens.to(fed.device), fed], dim=1) if cached else fed
+    pending = cache.prefill(full, kwargs.get("attention_mask"), keep=keep, defer=True)
+    if pending.position_ids is not None:
+        kwargs.update(pending.model_inputs())
+    elif (skip := pending.cached_columns - cached) > 0:
+        kwargs["input_ids"] = fed[:, skip:]
+        if kwargs.get("position_ids") is not None:
+            kwargs["position_ids"] = kwargs["position_ids"][..., skip:]
     return args, kwargs
 
 
 def _post_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
     cache = _reuse_cache(kwargs)
     if cache is not None:
-        cache.after_forward(kwargs)
+        cache.record(kwargs.get("input_ids"))
+
+
+def _wrap_prepare_inputs(model: torch.nn.Module) -> None:
+    prepare = getattr(model, "prepare_inputs_for_generation", None)
+    if prepare is None:
+        return
+
+    @functools.wraps(prepare)
+    def prepare_checked(input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.get("past_key_values")
+        if hasattr(cache, "check_extends") and input_ids is not None:
+            cache.check_extends(input_ids)
+        return prepare(input_ids, *args, **kwargs)
+
+    model.prepare_inputs_for_generation = prepare_checked
+
+
+def _wrap_generate(model: torch.nn.Module) -> None:
+    generate = getattr(model, "generate", None)
+    if generate is None:
+        return
+
+    @functools.wraps(generate)
+    def generate_with_write_back(*args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.get("past_key_values")
+        if not hasattr(cache, "save"):
+            return generate(*args, **kwargs)
+        processors = LogitsProcessorList(kwargs.get("logits_processor") or [])
+        if not any(isinstance(p, ChunkWriteBack) and p.cache is cache for p in processors):
+            processors.append(ChunkWriteBack(cache))
+        kwargs["logits_processor"] = processors
+        output = generate(*args, **kwargs)
+        cache.save(tail=True)
+        return output
+
+    model.generate = generate_with_write_back
 
 
 def install_hooks(model: torch.nn.Module) -> None:
-    """Attach the hooks to ``model`` (idempotent)."""
+    """Attach the adapter to ``model`` (idempotent)."""
     if getattr(model, _INSTALLED, False):
         return
     model.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     model.register_forward_hook(_post_forward, with_kwargs=True)
-    prepare = getattr(model, "prepare_inputs_for_generation", None)
-    if prepare is not None:
-
-        @functools.wraps(prepare)
-        def prepare_checked(input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            cache = kwargs.get("past_key_values")
-            if hasattr(cache, "check_extends") and input_ids is not None:
-                cache.check_extends(input_ids)
-            return prepare(input_ids, *args, **kwargs)
-
-        model.prepare_inputs_for_generation = prepare_checked
+    _wrap_prepare_inputs(model)
+    _wrap_generate(model)
     setattr(model, _INSTALLED, True)

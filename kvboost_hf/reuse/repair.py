@@ -18,12 +18,14 @@ token is recomputed and the result equals a full prefill.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from kvboost_hf.core.chunking import Span
-from kvboost_hf.core.config import RepairConfig
+from kvboost_hf.core.config import RecomputeStrategy, RepairConfig
+from kvboost_hf.reuse.plan import RowPlan
 
 
 def seam_positions(approx_spans: Sequence[Span], config: RepairConfig) -> list[int]:
@@ -50,3 +52,67 @@ def position_mask(query_positions: torch.Tensor, length: int, dtype: torch.dtype
     allowed = keys[None, :] <= query_positions[:, None]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=query_positions.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+KeyDeviation = Callable[[torch.Tensor], torch.Tensor]
+"""CacheBlend probe: given positions ``[n]`` (long), the squared key deviation of each at the check layer ``[n]``."""
+
+
+@dataclass(frozen=True)
+class RepairSelection:
+    """Which positions of a sparse row are computed, as ``[num_tokens]`` bool masks.
+
+    ``compute`` = gaps, sink tokens, the live tail and the chosen repairs: one forward runs over exactly these.
+    ``stale`` = approximate positions left as loaded; K/V stay exact up to the first of them (``exact_tokens``).
+    """
+
+    reused: torch.Tensor
+    compute: torch.Tensor
+    stale: list[int]
+    hit_chunks: int
+
+    @property
+    def exact_tokens(self) -> int:
+        return self.stale[0] if self.stale else int(self.compute.numel())
+
+    @property
+    def cached_tokens(self) -> int:
+        return int((self.reused & ~self.compute).sum())
+
+    @property
+    def recomputed_tokens(self) -> int:
+        return int((self.reused & self.compute).sum())
+
+
+def select_repairs(row: RowPlan, config: RepairConfig, key_deviation: KeyDeviation) -> RepairSelection:
+    """Choose what a sparse row recomputes under ``config`` (``key_deviation`` is only called for CacheBlend)."""
+    reused = torch.zeros(row.num_tokens, dtype=torch.bool)
+    approx = torch.zeros_like(reused)
+    for hit in row.hits:
+        start, end = hit.span[0], min(hit.span[1], row.limit)
+        reused[start:end] = True
+        approx[start:end] |= not hit.exact
+    fresh = ~reused
+    sinks = slice(0, config.sink_tokens)
+    fresh[sinks] |= approx[sinks]
+    compute = fresh.clone()
+    compute[_chosen(row, config, approx, fresh, key_deviation)] = True
+    stale = (approx & ~compute).nonzero().squeeze(1).tolist()
+    return RepairSelection(reused, compute, stale, len(row.hits))
+
+
+def _chosen(
+    row: RowPlan, config: RepairConfig, approx: torch.Tensor, fresh: torch.Tensor, key_deviation: KeyDeviation
+) -> list[int]:
+    """Positions of loaded approximate tokens to recompute."""
+    spans = row.approximate_spans
+    if not spans or config.strategy is RecomputeStrategy.NONE:
+        return []
+    if config.ratio >= 1.0:
+        return approx.nonzero().squeeze(1).tolist()
+    if config.strategy is RecomputeStrategy.SELECTIVE:
+        return seam_positions(spans, config)
+    probe_positions = (approx | fresh).nonzero().squeeze(1)
+    deviation = key_deviation(probe_positions)
+    candidates = approx[probe_positions]
+    return most_deviating(probe_positions[candidates], deviation[candidates], config.ratio)

@@ -266,7 +266,7 @@ class Batch:
     def close(self) -> None:
         """Store what the cache computed and drop it."""
         if isinstance(self.cache, ChunkReuseCache):
-            self.cache.flush()
+            self.cache.save()
         self.cache = None
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -304,7 +304,7 @@ class Batch:
         ids = torch.tensor([first[:shared]], device=self.device)
         with torch.inference_mode():
             self.engine.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache.flush()
+        cache.save(tail=False)
         loaded = cache.last_reuse[0].cached_tokens if cache.last_reuse else 0
         logger.debug("stored a shared prefix of %d tokens for %d rows", shared, len(prompts))
         return shared - loaded
@@ -366,7 +366,7 @@ class Batch:
 
     def _select(self, keep: list[int]) -> None:
         if isinstance(self.cache, ChunkReuseCache):
-            self.cache.flush()  # store the leaving rows' chunks first
+            self.cache.save(tail=False)  # store the leaving rows' chunks first
         self.rows = [self.rows[i] for i in keep]
         if not keep:
             self.close()

@@ -1,0 +1,216 @@
+"""Stage 4: the reuse plan. What a prompt can take from the store, decided before any tensor of a cache moves.
+
+:func:`plan_reuse` reads the store (``get`` and ``tail_lengths``) and nothing else: it touches no cache tensors
+and runs no model. Its :class:`ReusePlan` says, per batch row, which spans hit exactly (prefix key), which hit
+approximately (content key: keys stored at position 0, to be re-rotated), which are gaps to compute, and how far
+the row's K/V stay exact. Stitching (:mod:`.stitch`), repair (:mod:`.repair`) and write-back (:mod:`.write_back`)
+consume it.
+
+Terms (all counts in tokens, all offsets relative to a row's first real token, padding excluded):
+
+* ``present``: tokens whose K/V a cache already holds before this plan;
+* ``limit``: hits must start before it (the last ``keep`` prompt tokens are always computed: they give logits);
+* a row's :class:`ChunkLedger` carries its chunk spans and prefix keys across calls, so a conversation is chunked
+  and hashed once, incrementally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvboost_hf.core.chunk_kv import ChunkKV
+from kvboost_hf.core.chunking import ChunkingConfig, Span, chunk_spans
+from kvboost_hf.core.keys import chain_prefix_keys, content_key, prefix_key
+
+
+class ChunkSource(Protocol):
+    """What the planner reads: a :class:`~kvboost_hf.store.ChunkStore`, or a dict-backed fake in tests."""
+
+    def get(self, key: str) -> ChunkKV | None: ...
+
+    def tail_lengths(self, parent_key: str | None) -> list[int]: ...
+
+
+@dataclass
+class ChunkLedger:
+    """Chunk bookkeeping of one batch row.
+
+    Invariants: ``spans`` are consecutive ``(start, end)`` token offsets from 0 and ``keys[i]`` is the prefix key
+    of ``spans[i]``; the first ``stored`` chunks are in the store (or were found there); the row's K/V are exact
+    (computed or loaded with all preceding tokens as their real past) for its first ``exact_tokens`` tokens;
+    ``stale`` holds positions of loaded, unrepaired approximate K/V (never stored under any key).
+    """
+
+    spans: list[Span] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    stored: int = 0
+    exact_tokens: int = 0
+    stale: frozenset[int] = frozenset()
+
+    @property
+    def end(self) -> int:
+        """Token offset where the last complete chunk ends (0 without chunks)."""
+        return self.spans[-1][1] if self.spans else 0
+
+    @property
+    def last_key(self) -> str | None:
+        return self.keys[-1] if self.keys else None
+
+    def extend(
+        self, tokens: Sequence[int], namespace: str, chunking: ChunkingConfig, segment_starts: Sequence[int] = ()
+    ) -> None:
+        """Add the chunks that ``tokens`` (the row's real tokens so far, a continuation of what was seen) complete."""
+        new_spans = chunk_spans(tokens, chunking, self.end, segment_starts)
+        self.keys += chain_prefix_keys(namespace, tokens, new_spans, self.last_key)
+        self.spans += new_spans
+
+    def truncate(self, num_tokens: int) -> None:
+        """Forget chunks that are no longer fully inside the first ``num_tokens`` tokens."""
+        keep = sum(1 for _, end in self.spans if end <= num_tokens)
+        del self.spans[keep:], self.keys[keep:]
+        self.stored = min(self.stored, keep)
+        self.exact_tokens = min(self.exact_tokens, num_tokens)
+
+    def copy(self) -> ChunkLedger:
+        return ChunkLedger(list(self.spans), list(self.keys), self.stored, self.exact_tokens, self.stale)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A stored entry for ``span``: exact (prefix key, usable as is) or approximate (content key, keys rotated to
+    position 0, computed without this prompt's preceding text)."""
+
+    span: Span
+    entry: ChunkKV
+    exact: bool
+
+
+@dataclass
+class RowPlan:
+    """What one row reuses. ``hits`` are sorted, disjoint and lie in ``[present, limit + chunk)``."""
+
+    num_tokens: int
+    present: int
+    limit: int
+    hits: list[Hit]
+
+    @property
+    def is_leading_run(self) -> bool:
+        """True when the hits are exact and contiguous from ``present`` (plain prefix caching)."""
+        expected = self.present
+        for hit in self.hits:
+            if not hit.exact or hit.span[0] != expected:
+                return False
+            expected = hit.span[1]
+        return True
+
+    @property
+    def covered(self) -> int:
+        """Tokens held after stitching the leading run (``present`` when nothing hits)."""
+        return self.hits[-1].span[1] if self.hits else self.present
+
+    @property
+    def approximate_spans(self) -> list[Span]:
+        """Spans of content-key hits, clipped to ``limit``."""
+        return [(h.span[0], min(h.span[1], self.limit)) for h in self.hits if not h.exact]
+
+    @property
+    def gaps(self) -> list[Span]:
+        """Spans in ``[present, num_tokens)`` no hit covers: computed in place."""
+        gaps, cursor = [], self.present
+        for hit in self.hits:
+            if hit.span[0] > cursor:
+                gaps.append((cursor, hit.span[0]))
+            cursor = max(cursor, min(hit.span[1], self.limit))
+        if cursor < self.num_tokens:
+            gaps.append((cursor, self.num_tokens))
+        return gaps
+
+
+@dataclass
+class ReusePlan:
+    """Per-row plans of one forward. ``sparse`` when row 0 must be stitched at scattered positions and repaired
+    (approximate hits or gaps between hits: batch size 1 only); else rows stitch their leading exact run."""
+
+    rows: list[RowPlan]
+    sparse: bool = False
+
+    def stitch_columns(self, pads: Sequence[int], columns: int, limit: int) -> int:
+        """The column (padding included) up to which every row is covered by its leading run, capped at ``limit``
+        columns; ``columns`` (already cached) when stitching gains nothing."""
+        target = min(*(pad + row.covered for pad, row in zip(pads, self.rows, strict=True)), limit)
+        return target if target > columns and any(row.hits for row in self.rows) else columns
+
+
+def plan_reuse(
+    store: ChunkSource,
+    ledgers: Sequence[ChunkLedger],
+    rows: Sequence[Sequence[int]],
+    present: Sequence[int],
+    limits: Sequence[int],
+    *,
+    namespace: str,
+    chunking: ChunkingConfig,
+    segment_starts: Sequence[int] = (),
+    approximate: bool = False,
+) -> ReusePlan:
+    """Plan the reuse of ``rows`` (each row's real tokens) given what each row already holds.
+
+    Without ``approximate`` each row takes its run of exact prefix hits after ``present[i]`` (stopping at the first
+    miss, where the longest stored unfinished chunk may still hit). With ``approximate`` (one row only), later
+    chunks are also looked up by prefix key, then by content key, and misses become gaps. The ledgers are
+    extended to the rows' tokens. Store reads are memoised across rows, so a shared prefix is read once.
+    """
+    if approximate and len(rows) != 1:
+        raise ValueError(f"approximate reuse plans one row at a time, got {len(rows)} rows")
+    loaded: dict[str, ChunkKV | None] = {}
+
+    def read(key: str) -> ChunkKV | None:
+        if key not in loaded:
+            loaded[key] = store.get(key)
+        return loaded[key]
+
+    def tail_hit(parent: str | None, tokens: Sequence[int], start: int, max_tokens: int) -> Hit | None:
+        """The longest stored unfinished chunk (<= ``max_tokens``) after chunk ``parent``, starting at ``start``."""
+        for length in store.tail_lengths(parent):
+            if 0 < length <= max_tokens:
+                entry = read(prefix_key(namespace, parent, tokens[start : start + length]))
+                if entry is not None:
+                    return Hit((start, start + length), entry, exact=True)
+        return None
+
+    plans = []
+    for ledger, tokens, row_present, limit in zip(ledgers, rows, present, limits, strict=True):
+        ledger.extend(tokens, namespace, chunking, segment_starts)
+        hits: list[Hit] = []
+        missed = False
+        for index, (span, key) in enumerate(zip(ledger.spans, ledger.keys, strict=True)):
+            if span[1] <= row_present:
+                continue
+            if span[0] >= limit:
+                break
+            if (entry := read(key)) is not None:
+                hits.append(Hit(span, entry, exact=True))
+                continue
+            tail = None if missed else tail_hit(ledger.keys[index - 1] if index else None, tokens, *_tail_window(span))
+            missed = True
+            if tail is not None:
+                hits.append(tail)
+            if not approximate:
+                break
+            if tail is None and (entry := read(content_key(namespace, tokens[span[0] : span[1]]))) is not None:
+                hits.append(Hit(span, entry, exact=False))
+        start = ledger.end
+        if not missed and row_present <= start < limit:  # every full chunk hit: look for the stored live tail
+            tail = tail_hit(ledger.last_key, tokens, start, len(tokens) - start)
+            hits += [tail] if tail is not None else []
+        plans.append(RowPlan(len(tokens), row_present, limit, hits))
+    sparse = approximate and bool(plans[0].hits) and not plans[0].is_leading_run
+    return ReusePlan(plans, sparse)
+
+
+def _tail_window(span: Span) -> tuple[int, int]:
+    """Where an unfinished chunk may stand in place of a missed chunk: its start, and up to one token short."""
+    return span[0], span[1] - span[0] - 1
