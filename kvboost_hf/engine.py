@@ -120,7 +120,7 @@ class InferenceEngine:
             return prompt
         items = list(prompt)
         if items and all(isinstance(item, str) for item in items):
-            return "".join(items)
+            return "".join(str(item) for item in items)
         if not items or not all(isinstance(m, dict) and "role" in m and "content" in m for m in items):
             raise ValueError(
                 "a prompt must be a string, a non-empty list of segment strings, or a non-empty list of "
@@ -141,7 +141,7 @@ class InferenceEngine:
         starts: list[int] = []
         for index, segment in enumerate(segments):
             starts.append(len(ids))
-            ids += self._tokenize(segment, add_special_tokens=index == 0, allow_empty=True)
+            ids += self._tokenize(str(segment), add_special_tokens=index == 0, allow_empty=True)
         if not ids:
             raise ValueError("prompt is empty")
         return ids, starts
@@ -365,7 +365,7 @@ class InferenceEngine:
         self, prompts: Sequence[Prompt], max_new_tokens: int = 64, *, max_batch_size: int = 8, **kwargs: Any
     ) -> list[GenerationResult]:
         """Generate for many prompts: those sharing their first chunk run as one batch; input order is kept."""
-        groups: dict[tuple[int, ...], list[int]] = {}
+        groups: dict[tuple[object, ...], list[int]] = {}
         for index, prompt in enumerate(prompts):
             ids, starts = self.encode_segments(prompt)
             spans = chunk_spans(ids, self.chunking)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
+import sys
+from types import ModuleType
+
 import pytest
 import torch
 import transformers
@@ -42,3 +47,22 @@ def embedded_engine():
     from kvboost_hf import KVBoost
 
     return KVBoost.from_pretrained(chunk_size=64)
+
+
+_KERNEL_MODULE = "kvboost_hf.kernels.flash_attention"
+
+
+@functools.cache
+def _kernel_module_under_interpreter() -> ModuleType:
+    """The kernel module, first imported while TRITON_INTERPRET=1 (Triton picks interpretation when it decorates)."""
+    if _KERNEL_MODULE in sys.modules:
+        raise RuntimeError(f"{_KERNEL_MODULE} was imported without TRITON_INTERPRET=1 (use triton_interpreter)")
+    return importlib.import_module(_KERNEL_MODULE)
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """Run the Triton kernel on CPU under the interpreter for one test; TRITON_INTERPRET is unset afterwards."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return _kernel_module_under_interpreter()

@@ -8,10 +8,6 @@ means bottom-right causal alignment.
 from __future__ import annotations
 
 import logging
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernel module
-
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -37,6 +33,11 @@ CONFIGS: dict[str, Callable[[], object]] = {
     "llama": lambda: LlamaConfig(**TINY),
     "qwen2": lambda: Qwen2Config(**TINY),
 }
+
+
+@pytest.fixture(autouse=True)
+def interpreted(triton_interpreter) -> None:
+    """Every test here runs the kernel under the Triton interpreter (one test unsets it again)."""
 
 
 @pytest.fixture(params=sorted(CONFIGS))

@@ -9,12 +9,16 @@ import os
 import subprocess
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the kernel module
-
 import pytest
 import torch
-from kvboost_hf.kernels.flash_attention import flash_attention
 from kvboost_hf.kernels.reference import reference_attention
+
+
+@pytest.fixture
+def flash_attention(triton_interpreter):
+    """The kernel's launcher, interpreted on CPU for the test that asks for it."""
+    return triton_interpreter.flash_attention
+
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 80, 96, 128)
@@ -44,7 +48,7 @@ def _assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_on_cache_gqa(dtype: torch.dtype, head_dim: int) -> None:
+def test_prefill_on_cache_gqa(flash_attention, dtype: torch.dtype, head_dim: int) -> None:
     """Fewer queries than keys (bottom-right causal) with 2 query heads per K/V head."""
     q, k, v = _qkv(2, 4, 2, 19, 45, head_dim, dtype)
     out = flash_attention(q, k, v)
@@ -54,7 +58,7 @@ def test_prefill_on_cache_gqa(dtype: torch.dtype, head_dim: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 3, 5])
-def test_decode_split_k(dtype: torch.dtype, num_splits: int) -> None:
+def test_decode_split_k(flash_attention, dtype: torch.dtype, num_splits: int) -> None:
     """One query against a long cache, key range split across programs and merged by the combine kernel."""
     q, k, v = _qkv(1, 8, 2, 1, 150, 64, dtype)
     _assert_matches(flash_attention(q, k, v, num_splits=num_splits), reference_attention(q, k, v))
@@ -65,12 +69,12 @@ def test_decode_split_k(dtype: torch.dtype, num_splits: int) -> None:
     [(1, 2, 2, 33, 33), (3, 8, 1, 7, 7), (2, 6, 3, 1, 1), (1, 4, 2, 2, 70)],
     ids=["mha-square", "mqa", "single-token", "two-queries"],
 )
-def test_ragged_shapes(batch: int, heads: int, heads_kv: int, num_q: int, num_k: int) -> None:
+def test_ragged_shapes(flash_attention, batch: int, heads: int, heads_kv: int, num_q: int, num_k: int) -> None:
     q, k, v = _qkv(batch, heads, heads_kv, num_q, num_k, 80, torch.float16)
     _assert_matches(flash_attention(q, k, v), reference_attention(q, k, v))
 
 
-def test_non_causal_and_custom_scale() -> None:
+def test_non_causal_and_custom_scale(flash_attention) -> None:
     q, k, v = _qkv(2, 4, 2, 21, 37, 64, torch.float32)
     out = flash_attention(q, k, v, causal=False, scale=0.3)
     _assert_matches(out, reference_attention(q, k, v, causal=False, scale=0.3))
@@ -84,7 +88,7 @@ def _scattered_positions(batch: int, num_q: int, num_k: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
-def test_scattered_query_positions(num_splits: int) -> None:
+def test_scattered_query_positions(flash_attention, num_splits: int) -> None:
     """Repair forward: queries at arbitrary absolute positions, given as positions and as a 4D -inf mask."""
     q, k, v = _qkv(2, 4, 2, 9, 50, 96, torch.float16)
     pos = _scattered_positions(2, 9, 50)
@@ -95,7 +99,7 @@ def test_scattered_query_positions(num_splits: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_left_padding_boolean_mask(dtype: torch.dtype) -> None:
+def test_left_padding_boolean_mask(flash_attention, dtype: torch.dtype) -> None:
     """sdpa-style boolean mask with left padding; query rows that see no key at all come out as zeros."""
     batch, num_q, num_k = 3, 24, 40
     q, k, v = _qkv(batch, 4, 2, num_q, num_k, 64, dtype)
@@ -109,7 +113,7 @@ def test_left_padding_boolean_mask(dtype: torch.dtype) -> None:
     assert torch.all(out[2, :14] == 0)
 
 
-def test_additive_mask_per_head_with_finite_minimum() -> None:
+def test_additive_mask_per_head_with_finite_minimum(flash_attention) -> None:
     """Eager-style float mask (dtype minimum, not -inf) that differs per head, combined with split-K."""
     q, k, v = _qkv(1, 4, 2, 5, 64, 64, torch.float32)
     gen = torch.Generator().manual_seed(2)
@@ -122,14 +126,14 @@ def test_additive_mask_per_head_with_finite_minimum() -> None:
     _assert_matches(flash_attention(q, k, v, causal=False, mask=mask, num_splits=3), ref)
 
 
-def test_transformers_layout_strides() -> None:
+def test_transformers_layout_strides(flash_attention) -> None:
     """q/k/v as transformers produces them: views transposed from [B, L, H, D]."""
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in _qkv(2, 4, 2, 17, 17, 64, torch.float16))
     assert not q.is_contiguous()
     _assert_matches(flash_attention(q, k, v), reference_attention(q, k, v))
 
 
-def test_rejects_bad_inputs() -> None:
+def test_rejects_bad_inputs(flash_attention) -> None:
     q, k, v = _qkv(1, 3, 2, 4, 4, 64, torch.float32)
     with pytest.raises(ValueError, match="incompatible"):
         flash_attention(q, k, v)

@@ -47,7 +47,7 @@ class PromptCacheRecipe:
         started = time.perf_counter()
         ids = self.engine.encode(messages)
         usable = self.prompt_cache is not None and ids[: len(self.prompt_ids)] == self.prompt_ids
-        cache = copy.deepcopy(self.prompt_cache) if usable else DynamicCache()
+        cache = copy.deepcopy(self.prompt_cache) if usable and self.prompt_cache is not None else DynamicCache()
         timer = TokenTimer()
         input_ids = torch.tensor([ids], device=self.engine.device)
         with torch.inference_mode():
@@ -56,7 +56,7 @@ class PromptCacheRecipe:
                 max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
                 streamer=timer, pad_token_id=self.engine.tokenizer.eos_token_id,
             )
-        ttft = (timer.first_token_time - started) * 1e3
+        ttft = ((timer.first_token_time or time.perf_counter()) - started) * 1e3
         generated = out[0, len(ids) :].tolist()
         cache.crop(len(ids) - cache.get_seq_length())  # keep exactly this prompt's K/V (untimed bookkeeping)
         self.prompt_cache, self.prompt_ids = cache, ids

@@ -29,7 +29,7 @@ class RecomputeStrategy(str, Enum):
 class RepairConfig:
     """Knobs of the repair of approximate (content-key) hits. ``ratio`` is a share of the reused tokens."""
 
-    strategy: RecomputeStrategy = RecomputeStrategy.SELECTIVE
+    strategy: RecomputeStrategy | str = RecomputeStrategy.SELECTIVE  # a name is turned into the enum
     ratio: float = 0.15
     check_layer: int = 1
     overlap_k: int = 2

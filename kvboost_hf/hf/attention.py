@@ -109,6 +109,7 @@ def kvboost_attention_forward(
         )
     mask = attention_mask[..., :num_k] if attention_mask is not None else None
     kernel = _kernel()
+    assert kernel is not None  # _fallback_reason() returned None
     out = kernel(query, key, value, scale=scaling, causal=causal and mask is None, mask=mask)
     return out, None
 

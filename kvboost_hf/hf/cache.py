@@ -30,7 +30,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers import Cache
+from transformers import Cache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from kvboost_hf.core.chunk_kv import ChunkKV
@@ -82,7 +82,7 @@ class PendingForward:
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """Keyword arguments for ``model(...)`` (add ``past_key_values=cache``)."""
         inputs = {"input_ids": self.input_ids}
-        if self.position_ids is not None:
+        if self.position_ids is not None and self.attention_mask is not None:
             inputs.update(position_ids=self.position_ids, attention_mask=self.attention_mask)
         return inputs
 
@@ -90,7 +90,7 @@ class PendingForward:
 _ROTATORS: weakref.WeakKeyDictionary[torch.nn.Module, KeyRotator | None] = weakref.WeakKeyDictionary()
 
 
-def _rotator_for(model: torch.nn.Module) -> KeyRotator | None:
+def _rotator_for(model: PreTrainedModel) -> KeyRotator | None:
     """A key rotator for ``model`` (one per model), or None (logged once) when non-prefix reuse cannot be exact."""
     if model in _ROTATORS:
         return _ROTATORS[model]
@@ -114,6 +114,9 @@ class ChunkReuseLayer(DynamicLayer):
     The first update of an empty layer adopts the given tensors instead of concatenating them to an empty one
     (one copy fewer for a stitched prefix).
     """
+
+    keys: torch.Tensor
+    values: torch.Tensor
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized or self.keys.numel() == 0:
@@ -146,7 +149,7 @@ class ChunkReuseCache(Cache):
     def __init__(
         self,
         store: ChunkStore,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         chunking: ChunkingConfig | int = 128,
         repair: RepairConfig | None = None,
         *,
@@ -217,6 +220,7 @@ class ChunkReuseCache(Cache):
             )
 
     # ------------------------------------------------------------------ prefill
+    @torch.no_grad()
     def prefill(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, keep: int = 1, defer: bool = False
     ) -> PendingForward:
@@ -336,18 +340,16 @@ class ChunkReuseCache(Cache):
         head = pending.position_ids[0] < limit
         self._scatter = self._scatter[head]
         self._pending_tokens = full[:, :limit].clone()
-        if bool(head.any()):
-            with torch.no_grad():
-                self.model(
-                    input_ids=pending.input_ids[:, head],
-                    position_ids=pending.position_ids[:, head],
-                    attention_mask=pending.attention_mask[:, :, head],
-                    past_key_values=self,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )  # the hooks record it
-        else:
-            self._adopt_pending()
+        if bool(head.any()):  # forward(), not __call__: works whether or not the adapter's hooks can run
+            self.model.forward(
+                input_ids=pending.input_ids[:, head],
+                position_ids=pending.position_ids[:, head],
+                attention_mask=pending.attention_mask[:, :, head],
+                past_key_values=self,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        self._adopt_pending()
         return PendingForward(full[:, limit:].to(pending.input_ids.device), limit)
 
     def _device_and_dtype(self) -> tuple[torch.device, torch.dtype]:

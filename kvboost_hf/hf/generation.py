@@ -69,4 +69,5 @@ class CancelCriteria(StoppingCriteria):
         self.event = event
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+        stop = torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+        return stop  # type: ignore[return-value]  # transformers annotates BoolTensor, returns plain bool tensors

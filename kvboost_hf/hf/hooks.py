@@ -69,12 +69,12 @@ def _wrap_prepare_inputs(model: torch.nn.Module) -> None:
 
     @functools.wraps(prepare)
     def prepare_checked(input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        cache = kwargs.get("past_key_values")
+        cache: Any = kwargs.get("past_key_values")
         if hasattr(cache, "check_extends") and input_ids is not None:
             cache.check_extends(input_ids)
         return prepare(input_ids, *args, **kwargs)
 
-    model.prepare_inputs_for_generation = prepare_checked
+    setattr(model, "prepare_inputs_for_generation", prepare_checked)  # noqa: B010  (an instance attribute)
 
 
 def _wrap_generate(model: torch.nn.Module) -> None:
@@ -84,7 +84,7 @@ def _wrap_generate(model: torch.nn.Module) -> None:
 
     @functools.wraps(generate)
     def generate_with_write_back(*args: Any, **kwargs: Any) -> Any:
-        cache = kwargs.get("past_key_values")
+        cache: Any = kwargs.get("past_key_values")
         if not hasattr(cache, "save"):
             return generate(*args, **kwargs)
         processors = LogitsProcessorList(kwargs.get("logits_processor") or [])
@@ -95,7 +95,7 @@ def _wrap_generate(model: torch.nn.Module) -> None:
         cache.save(tail=True)
         return output
 
-    model.generate = generate_with_write_back
+    setattr(model, "generate", generate_with_write_back)  # noqa: B010  (an instance attribute)
 
 
 def install_hooks(model: torch.nn.Module) -> None:

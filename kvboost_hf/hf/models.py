@@ -87,7 +87,7 @@ def check_model_support(config: object, strict: bool = True) -> None:
         logger.warning("%s; continuing because strict=False", message)
 
 
-def num_cache_layers(model: torch.nn.Module) -> int:
+def num_cache_layers(model: PreTrainedModel) -> int:
     """Decoder layers that hold K/V."""
     return int(model.config.get_text_config(decoder=True).num_hidden_layers)
 

@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
-from transformers import Cache
+from transformers import Cache, PreTrainedModel
 from transformers.cache_utils import CacheLayerMixin
 
 from kvboost_hf.reuse.repair import position_mask
@@ -43,7 +43,7 @@ class _ProbeCache(Cache):
 
 
 @contextlib.contextmanager
-def truncated_depth(model: torch.nn.Module, num_layers: int) -> Iterator[None]:
+def truncated_depth(model: PreTrainedModel, num_layers: int) -> Iterator[None]:
     """Run only the first ``num_layers`` decoder layers inside the block (as transformers' early exit does)."""
     config = getattr(model, model.base_model_prefix, model).config
     original = config.num_hidden_layers
@@ -55,7 +55,7 @@ def truncated_depth(model: torch.nn.Module, num_layers: int) -> Iterator[None]:
 
 
 def key_deviation(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     layers: Sequence[CacheLayerMixin],
     input_ids: torch.Tensor,
     positions: torch.Tensor,
@@ -68,7 +68,7 @@ def key_deviation(
     device = layers[0].keys.device
     positions = positions.to(device)
     probe = _ProbeCache(layers[:depth], positions)
-    with truncated_depth(model, depth), torch.no_grad():
+    with truncated_depth(model, depth):
         model(
             input_ids=input_ids[:, positions.cpu()].to(device),
             position_ids=positions[None],

@@ -45,7 +45,8 @@ class KeyRotator:
                 "be moved to another position exactly; non-prefix (approximate) reuse is disabled for this model"
             )
         self.scaling = float(getattr(self.module, "attention_scaling", 1.0))
-        self.rotary_dim = 2 * int(self.module.inv_freq.numel())
+        inv_freq: torch.Tensor = self.module.inv_freq  # type: ignore[assignment]
+        self.rotary_dim = 2 * int(inv_freq.numel())
 
     def rotate(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
         """``keys`` moved ``delta`` positions later (earlier when negative); same dtype and device."""

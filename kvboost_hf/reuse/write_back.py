@@ -32,16 +32,16 @@ def write_chunks(
     for index in range(ledger.stored, len(ledger.spans)):
         start, end = ledger.spans[index]
         exact = end <= ledger.exact_tokens
-        by_content = content_rotator is not None and not ledger.stale.intersection(range(start, end))
-        if not exact and not by_content:
+        rotator = None if ledger.stale.intersection(range(start, end)) else content_rotator
+        if not exact and rotator is None:
             continue
         entry = row_slice(start, end)
         if exact and not store.contains(ledger.keys[index]):
             store.put(ledger.keys[index], entry)
-        if by_content:
+        if rotator is not None:
             key = content_key(namespace, tokens[start:end])
             if not store.contains(key):
-                store.put(key, ChunkKV(content_rotator.rotate(entry.keys, -start), entry.values))
+                store.put(key, ChunkKV(rotator.rotate(entry.keys, -start), entry.values))
     ledger.stored = len(ledger.spans)
 
 
