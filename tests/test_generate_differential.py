@@ -1,0 +1,229 @@
+"""Differential tests: every ``generate()`` path of transformers, plain vs. with a :class:`ChunkReuseCache`.
+
+Each case runs one transformers generation path three times on a tiny random model: plain (no cache argument,
+or a ``DynamicCache`` where the case continues a cache), then twice with a fresh ``ChunkReuseCache`` on one shared
+:class:`ChunkStore` (cold: stores; warm: must hit where the path allows reuse). Sequences must be identical and
+scores/logits equal within ``ATOL``. transformers' own ``GenerationTesterMixin`` is not shipped in its sdist or
+wheel, so this suite drives the same paths through the public ``generate()`` API instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from conftest import TINY_ARCHITECTURES, make_tiny_model
+from transformers import DynamicCache, PreTrainedModel
+
+from kvboost_hf import ChunkReuseCache, ChunkStore
+
+CHUNK = 4
+NEW_TOKENS = 10
+PROMPT_LEN = 30  # longer than the sliding window (24) of the Mistral and Gemma2 testers
+ATOL = 1e-4
+
+DEFECT_1 = "defect 1: crop() does nothing once reuse is off for the call, rejected draft K/V stay in the cache"
+DEFECT_2 = "defect 2: left-padded rows are never written back, so a padded row reuses nothing"
+
+
+def make_cache(store: ChunkStore, model: PreTrainedModel) -> ChunkReuseCache:
+    """The cache under test; the one place that knows its constructor."""
+    return ChunkReuseCache(store, model, chunk_size=CHUNK)
+
+
+def tokens(length: int, seed: int) -> torch.Tensor:
+    """``[1, length]`` random token ids in ``[1, 128)`` (0 is the pad token)."""
+    return torch.randint(1, 128, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def repetitive(length: int) -> torch.Tensor:
+    """``[1, length]`` ids cycling through 5..10, so prompt lookup finds n-gram matches."""
+    return (torch.arange(length) % 6 + 5)[None]
+
+
+def left_padded(lengths: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A left-padded batch (ids, mask) of rows of the given lengths."""
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = tokens(length, seed + row)[0]
+        mask[row, width - length :] = 1
+    return ids, mask
+
+
+# A case calls generate (once, or more for continuation) with the cache from ``new_cache`` (None for plain
+# transformers) and returns every call's output.
+CaseFn = Callable[[PreTrainedModel, PreTrainedModel, Callable[[], Any]], list[Any]]
+
+
+@dataclass(frozen=True)
+class Case:
+    run: CaseFn
+    reuses: bool = True  # the warm pass must read chunks from the store
+    every_row_reuses: bool = False  # ... in every batch row of its prompt forward
+    xfail: dict[str, str] = field(default_factory=dict)  # architecture ("*" = all) -> reason
+
+
+def generate(model: PreTrainedModel, cache: Any, seed: int | None = None, **kwargs: Any) -> Any:
+    """``model.generate`` with dict outputs, scores and logits; ``seed`` reseeds torch right before the call."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    options = dict(
+        max_new_tokens=NEW_TOKENS, pad_token_id=0, return_dict_in_generate=True, output_scores=True,
+        output_logits=True,
+    )
+    options.update(kwargs)
+    if cache is not None:
+        options["past_key_values"] = cache
+    return model.generate(**options)
+
+
+def single(with_assistant: bool = False, **kwargs: Any) -> CaseFn:
+    """A case of one generate call on ``input_ids`` (default: a random prompt) with ``kwargs``; with
+    ``with_assistant``, assisted decoding by the architecture's assistant model."""
+    kwargs.setdefault("input_ids", tokens(PROMPT_LEN, 0))
+
+    def run(model: PreTrainedModel, assistant: PreTrainedModel, new_cache: Callable[[], Any]) -> list[Any]:
+        extra = {"assistant_model": assistant} if with_assistant else {}
+        return [generate(model, new_cache(), **kwargs, **extra)]
+
+    return run
+
+
+def assisted(**kwargs: Any) -> CaseFn:
+    return single(with_assistant=True, **kwargs)
+
+
+def hole_mask(length: int) -> torch.Tensor:
+    """A 2D mask of ones with a 0 at position 1: not plain left padding."""
+    mask = torch.ones(1, length, dtype=torch.long)
+    mask[0, 1] = 0
+    return mask
+
+
+def embeds_case(**kwargs: Any) -> CaseFn:
+    """Generate from ``inputs_embeds`` of a random prompt (the ids are passed too when ``with_ids``)."""
+
+    def run(model: PreTrainedModel, assistant: PreTrainedModel, new_cache: Callable[[], Any]) -> list[Any]:
+        ids = tokens(PROMPT_LEN, 0)
+        embeds = model.get_input_embeddings()(ids).detach()
+        return [generate(model, new_cache(), inputs_embeds=embeds, **kwargs)]
+
+    return run
+
+
+def continuation(model: PreTrainedModel, assistant: PreTrainedModel, new_cache: Callable[[], Any]) -> list[Any]:
+    """Generate, append a user message, generate again on the same cache object."""
+    cache = new_cache() or DynamicCache(config=model.config)
+    first = generate(model, cache, input_ids=tokens(PROMPT_LEN, 0))
+    follow = torch.cat([first.sequences, tokens(7, 1)], dim=1)
+    return [first, generate(model, cache, input_ids=follow)]
+
+
+def eos_case(model: PreTrainedModel, assistant: PreTrainedModel, new_cache: Callable[[], Any]) -> list[Any]:
+    """A 2-row batch whose eos is a token the first row emits early, with ``min_new_tokens`` holding it back."""
+    ids = torch.cat([tokens(PROMPT_LEN, 0), tokens(PROMPT_LEN, 1)])
+    free = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    eos = int(free[0, PROMPT_LEN + 1])
+    return [
+        generate(model, new_cache(), input_ids=ids, eos_token_id=eos),
+        generate(model, new_cache(), input_ids=ids, eos_token_id=eos, min_new_tokens=4),
+    ]
+
+
+CASES: dict[str, Case] = {
+    "greedy": Case(single(do_sample=False)),
+    "sample": Case(single(do_sample=True, seed=7, top_k=0)),
+    "sample_top_k_top_p": Case(single(do_sample=True, seed=7, top_k=20, top_p=0.9, temperature=0.7)),
+    "beam_search": Case(single(num_beams=3, num_return_sequences=2, do_sample=False)),
+    "beam_sample": Case(single(num_beams=3, num_return_sequences=2, do_sample=True, seed=7)),
+    "assisted": Case(assisted(do_sample=False)),
+    "assisted_sample": Case(assisted(do_sample=True, seed=7)),
+    "prompt_lookup": Case(single(input_ids=repetitive(PROMPT_LEN), prompt_lookup_num_tokens=4, do_sample=False)),
+    "left_padded_batch": Case(
+        single(**dict(zip(("input_ids", "attention_mask"), left_padded((30, 23, 17), 3))), do_sample=False),
+        every_row_reuses=True,
+        xfail={"*": DEFECT_2},
+    ),
+    "mask_hole_greedy": Case(single(attention_mask=hole_mask(PROMPT_LEN), do_sample=False), reuses=False),
+    "mask_hole_prompt_lookup": Case(
+        single(
+            input_ids=repetitive(PROMPT_LEN), attention_mask=hole_mask(PROMPT_LEN), prompt_lookup_num_tokens=4,
+            do_sample=False,
+        ),
+        reuses=False,
+        xfail={"*": DEFECT_1},
+    ),
+    "mask_hole_assisted": Case(
+        assisted(attention_mask=hole_mask(PROMPT_LEN), do_sample=False), reuses=False, xfail={"*": DEFECT_1}
+    ),
+    "inputs_embeds": Case(embeds_case(do_sample=False), reuses=False),
+    "continuation": Case(continuation),
+    "eos_min_new_tokens": Case(eos_case),
+    "repetition_penalty": Case(single(input_ids=repetitive(PROMPT_LEN), repetition_penalty=1.5, do_sample=False)),
+    "no_repeat_ngram": Case(single(input_ids=repetitive(PROMPT_LEN), no_repeat_ngram_size=3, do_sample=False)),
+}
+
+
+def assert_same_output(got: Any, expected: Any, where: str) -> None:
+    """Identical sequences (and beam scores/indices); every score and logit within ``ATOL``."""
+    assert torch.equal(got.sequences, expected.sequences), f"{where}: sequences differ"
+    for name in ("scores", "logits"):
+        got_steps, expected_steps = getattr(got, name), getattr(expected, name)
+        assert len(got_steps) == len(expected_steps), f"{where}: {name} count differs"
+        for step, (a, b) in enumerate(zip(got_steps, expected_steps, strict=True)):
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=0, msg=lambda m: f"{where}: {name}[{step}]: {m}")
+    for name in ("sequences_scores", "beam_indices"):
+        if getattr(expected, name, None) is not None:
+            torch.testing.assert_close(getattr(got, name), getattr(expected, name), atol=ATOL, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def models() -> Iterator[dict[str, tuple[PreTrainedModel, PreTrainedModel]]]:
+    """Per architecture: the model and an assistant of the same vocabulary (another seed), no eos token.
+
+    Runs single-threaded: these models are so small that intra-op threads only add contention on a shared CPU.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    pairs = {}
+    for name in TINY_ARCHITECTURES:
+        pair = make_tiny_model(name, seed=0), make_tiny_model(name, seed=1)
+        for model in pair:
+            model.generation_config.eos_token_id = None  # generate exactly NEW_TOKENS unless a case sets one
+        pairs[name] = pair
+    yield pairs
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("case_name", list(CASES))
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
+def test_generate_path_matches_plain(models, arch: str, case_name: str, request: pytest.FixtureRequest) -> None:
+    case = CASES[case_name]
+    reason = case.xfail.get(arch) or case.xfail.get("*")
+    if reason:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+    model, assistant = models[arch]
+    expected = case.run(model, assistant, lambda: None)
+    store = ChunkStore(1 << 26)
+    for attempt in ("cold", "warm"):
+        hits_before = store.stats()["hits"]
+        caches: list[ChunkReuseCache] = []
+
+        def new_cache() -> ChunkReuseCache:
+            caches.append(make_cache(store, model))
+            return caches[-1]
+
+        got = case.run(model, assistant, new_cache)
+        assert len(got) == len(expected)
+        for call, (out, ref) in enumerate(zip(got, expected, strict=True)):
+            assert_same_output(out, ref, f"{attempt} call {call}")
+        if attempt == "warm":
+            hits = store.stats()["hits"] - hits_before
+            assert (hits > 0) == case.reuses, f"warm pass read {hits} chunks from the store"
+            if case.every_row_reuses:
+                assert all(row.hit_chunks > 0 for row in caches[0].last_reuse), caches[0].last_reuse
