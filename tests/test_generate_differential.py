@@ -27,6 +27,11 @@ ATOL = 1e-4
 
 DEFECT_1 = "defect 1: crop() does nothing once reuse is off for the call, rejected draft K/V stay in the cache"
 DEFECT_2 = "defect 2: left-padded rows are never written back, so a padded row reuses nothing"
+SKIPPED_STATES = "finding A: skipped prompt tokens get no hidden states / attentions in the warm prefill step"
+NOT_FULL_SEQUENCE = (
+    "finding B: prepare_inputs_for_generation is handed only the new tokens (chunked prefill, restart with new "
+    "tokens + full mask), and the cache's check_extends refuses them"
+)
 
 
 def make_cache(store: ChunkStore, model: PreTrainedModel) -> ChunkReuseCache:
@@ -129,10 +134,31 @@ def eos_case(model: PreTrainedModel, assistant: PreTrainedModel, new_cache: Call
     ids = torch.cat([tokens(PROMPT_LEN, 0), tokens(PROMPT_LEN, 1)])
     free = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
     eos = int(free[0, PROMPT_LEN + 1])
-    return [
-        generate(model, new_cache(), input_ids=ids, eos_token_id=eos),
-        generate(model, new_cache(), input_ids=ids, eos_token_id=eos, min_new_tokens=4),
-    ]
+    stopped = generate(model, new_cache(), input_ids=ids, eos_token_id=eos)
+    held = generate(model, new_cache(), input_ids=ids, eos_token_id=eos, min_new_tokens=4)
+    assert stopped.sequences[0, -1] == 0, "row 0 stops at eos and is padded"
+    assert not (held.sequences[:, PROMPT_LEN : PROMPT_LEN + 4] == eos).any(), "min_new_tokens holds eos back"
+    return [stopped, held]
+
+
+def new_tokens_only(model: PreTrainedModel, assistant: PreTrainedModel, new_cache: Callable[[], Any]) -> list[Any]:
+    """Continue a cache passing only the new tokens and the full attention mask (a form generate() accepts)."""
+    cache = new_cache() or DynamicCache(config=model.config)
+    first = generate(model, cache, input_ids=tokens(PROMPT_LEN, 0))
+    new = tokens(7, 1)
+    mask = torch.ones(1, first.sequences.shape[1] + new.shape[1], dtype=torch.long)
+    return [first, generate(model, cache, input_ids=new, attention_mask=mask)]
+
+
+def embeds_and_ids(**kwargs: Any) -> CaseFn:
+    """Generate from ``inputs_embeds`` together with their ``input_ids`` (repetitive prompt; prompt lookup works)."""
+
+    def run(model: PreTrainedModel, assistant: PreTrainedModel, new_cache: Callable[[], Any]) -> list[Any]:
+        ids = repetitive(PROMPT_LEN)
+        embeds = model.get_input_embeddings()(ids).detach()
+        return [generate(model, new_cache(), input_ids=ids, inputs_embeds=embeds, **kwargs)]
+
+    return run
 
 
 CASES: dict[str, Case] = {
@@ -149,7 +175,25 @@ CASES: dict[str, Case] = {
         every_row_reuses=True,
         xfail={"*": DEFECT_2},
     ),
+    "beam_search_left_padded": Case(
+        single(
+            **dict(zip(("input_ids", "attention_mask"), left_padded((30, 23, 17), 3))), num_beams=3,
+            do_sample=False,
+        )
+    ),
+    "sample_num_return_sequences": Case(single(do_sample=True, seed=7, num_return_sequences=3)),
+    "prompt_shorter_than_chunk": Case(single(input_ids=tokens(3, 0), do_sample=False), reuses=False),
+    "prompt_of_whole_chunks": Case(single(input_ids=tokens(7 * CHUNK, 0), do_sample=False)),
+    "assisted_early_exit": Case(single(assistant_early_exit=1, do_sample=False)),
+    "prefill_chunk_size": Case(single(prefill_chunk_size=8, do_sample=False), xfail={"*": NOT_FULL_SEQUENCE}),
+    "continue_with_new_tokens_only": Case(new_tokens_only, xfail={"*": NOT_FULL_SEQUENCE}),
+    "output_hidden_states_attentions": Case(
+        single(output_hidden_states=True, output_attentions=True, do_sample=False), xfail={"*": SKIPPED_STATES}
+    ),
     "mask_hole_greedy": Case(single(attention_mask=hole_mask(PROMPT_LEN), do_sample=False), reuses=False),
+    "mask_hole_beam_search": Case(
+        single(attention_mask=hole_mask(PROMPT_LEN), num_beams=3, do_sample=False), reuses=False
+    ),
     "mask_hole_prompt_lookup": Case(
         single(
             input_ids=repetitive(PROMPT_LEN), attention_mask=hole_mask(PROMPT_LEN), prompt_lookup_num_tokens=4,
@@ -162,6 +206,9 @@ CASES: dict[str, Case] = {
         assisted(attention_mask=hole_mask(PROMPT_LEN), do_sample=False), reuses=False, xfail={"*": DEFECT_1}
     ),
     "inputs_embeds": Case(embeds_case(do_sample=False), reuses=False),
+    "inputs_embeds_prompt_lookup": Case(
+        embeds_and_ids(prompt_lookup_num_tokens=4, do_sample=False), reuses=False, xfail={"*": DEFECT_1}
+    ),
     "continuation": Case(continuation),
     "eos_min_new_tokens": Case(eos_case),
     "repetition_penalty": Case(single(input_ids=repetitive(PROMPT_LEN), repetition_penalty=1.5, do_sample=False)),
@@ -170,13 +217,16 @@ CASES: dict[str, Case] = {
 
 
 def assert_same_output(got: Any, expected: Any, where: str) -> None:
-    """Identical sequences (and beam scores/indices); every score and logit within ``ATOL``."""
+    """Identical sequences (and beam scores/indices) and cache length; every score, logit, hidden state and
+    attention within ``ATOL``."""
     assert torch.equal(got.sequences, expected.sequences), f"{where}: sequences differ"
-    for name in ("scores", "logits"):
-        got_steps, expected_steps = getattr(got, name), getattr(expected, name)
+    for name in ("scores", "logits", "hidden_states", "attentions"):
+        got_steps, expected_steps = getattr(got, name) or (), getattr(expected, name) or ()
         assert len(got_steps) == len(expected_steps), f"{where}: {name} count differs"
         for step, (a, b) in enumerate(zip(got_steps, expected_steps, strict=True)):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=0, msg=lambda m: f"{where}: {name}[{step}]: {m}")
+    cached, expected_cached = got.past_key_values.get_seq_length(), expected.past_key_values.get_seq_length()
+    assert cached == expected_cached, f"{where}: the cache holds {cached} positions, plain {expected_cached}"
     for name in ("sequences_scores", "beam_indices"):
         if getattr(expected, name, None) is not None:
             torch.testing.assert_close(getattr(got, name), getattr(expected, name), atol=ATOL, rtol=0)
@@ -227,3 +277,31 @@ def test_generate_path_matches_plain(models, arch: str, case_name: str, request:
             assert (hits > 0) == case.reuses, f"warm pass read {hits} chunks from the store"
             if case.every_row_reuses:
                 assert all(row.hit_chunks > 0 for row in caches[0].last_reuse), caches[0].last_reuse
+
+
+def additive_causal_mask(queries: int, keys: int) -> torch.Tensor:
+    """A custom 4D float mask ``[1, 1, queries, keys]``: query ``i`` sees keys ``0..keys - queries + i``."""
+    past = keys - queries
+    allowed = torch.arange(keys)[None, :] <= torch.arange(queries)[:, None] + past
+    return torch.zeros(1, 1, queries, keys).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+@pytest.mark.xfail(strict=True, reason=DEFECT_1)
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
+def test_custom_4d_mask_forward_then_crop_matches_dynamic_cache(models, arch: str) -> None:
+    """``generate()`` refuses 4D masks, so drive the forward + crop + forward sequence of assisted decoding by hand."""
+    model = models[arch][0]
+    ids = tokens(16, 0)
+    results = []
+    for cache in (DynamicCache(config=model.config), make_cache(ChunkStore(1 << 26), model)):
+        with torch.no_grad():
+            model(ids, attention_mask=additive_causal_mask(16, 16), past_key_values=cache, use_cache=True)
+            cache.crop(-4)  # reject the last 4 "draft" tokens
+            logits = model(
+                ids[:, 12:14], attention_mask=additive_causal_mask(2, 14), past_key_values=cache, use_cache=True,
+                position_ids=torch.arange(12, 14)[None],
+            ).logits
+        results.append((logits, cache.get_seq_length()))
+    (expected, expected_length), (got, length) = results
+    assert length == expected_length == 14
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
