@@ -21,6 +21,7 @@ from transformers import DynamicCache, PreTrainedModel
 from kvboost_hf import ChunkReuseCache, ChunkStore
 
 CHUNK = 4
+SLIDING_WINDOW = {"mistral", "gemma2"}  # no non-prefix reuse for them (its repair mask has no window)
 NEW_TOKENS = 8
 PROMPT_LEN = 26  # longer than the sliding window (24) of the Mistral and Gemma2 testers
 ATOL = 1e-4
@@ -38,9 +39,11 @@ NOT_FULL_SEQUENCE = (
 )
 
 
-def make_cache(store: ChunkStore, model: PreTrainedModel) -> ChunkReuseCache:
-    """The cache under test; the one place that knows its constructor."""
-    return ChunkReuseCache(store, model, chunk_size=CHUNK)
+def make_cache(store: ChunkStore, model: PreTrainedModel, segment_starts: tuple[int, ...] = ()) -> ChunkReuseCache:
+    """The cache under test; the one place that knows its constructor. Chunks of ``CHUNK`` tokens; segments (if
+    any) are stored by content too, and a segment hit at another position is repaired by recomputing all of it,
+    so even non-prefix reuse must reproduce plain generation."""
+    return ChunkReuseCache(store, model, chunk_size=CHUNK, segment_starts=segment_starts, recompute_ratio=1.0)
 
 
 def tokens(length: int, seed: int) -> torch.Tensor:
@@ -74,7 +77,7 @@ class Case:
     run: CaseFn
     reuses: bool = True  # the warm pass must read chunks from the store
     cold_reuses: bool = False  # ... and so must the cold one (a later call hits what an earlier one stored)
-    every_row_reuses: bool = False  # ... in every batch row of its prompt forward
+    every_row_reuses: bool = False  # ... in every batch row of the prompt forward of its last call
     xfail: dict[str, str] = field(default_factory=dict)  # architecture ("*" = all) -> reason
 
 
@@ -163,6 +166,16 @@ def eos_case(model: PreTrainedModel, assistant: PreTrainedModel, new_cache: Call
     return [stopped, held]
 
 
+def padded_after_rows_alone(
+    model: PreTrainedModel, assistant: PreTrainedModel, new_cache: Callable[[], Any]
+) -> list[Any]:
+    """Generate for each row alone (storing its chunks), then for the left-padded batch of those rows."""
+    batch = left_padded()
+    rows = [ids[mask.bool()][None] for ids, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True)]
+    alone = [generate(model, new_cache(), input_ids=row, do_sample=False) for row in rows]
+    return [*alone, generate(model, new_cache(), **batch, do_sample=False)]
+
+
 def new_tokens_only(model: PreTrainedModel, assistant: PreTrainedModel, new_cache: Callable[[], Any]) -> list[Any]:
     """Continue a cache passing only the new tokens and the full attention mask (a form generate() accepts)."""
     cache = new_cache() or DynamicCache(config=model.config)
@@ -197,6 +210,7 @@ CASES: dict[str, Case] = {
         every_row_reuses=True,
         xfail={"*": DEFECT_2},
     ),
+    "left_padded_after_rows_alone": Case(padded_after_rows_alone, cold_reuses=True, every_row_reuses=True),
     "beam_search_left_padded": Case(single(**left_padded(), num_beams=3, do_sample=False)),
     "sample_num_return_sequences": Case(single(do_sample=True, seed=7, num_return_sequences=3)),
     "prompt_shorter_than_chunk": Case(single(input_ids=tokens(3, 0), do_sample=False), reuses=False),
@@ -309,7 +323,7 @@ def test_generate_path_matches_plain(models, arch: str, case_name: str, request:
         hits = store.stats()["hits"] - hits_before
         assert (hits > 0) == (case.reuses if attempt == "warm" else case.cold_reuses), f"{attempt}: {hits} hits"
         if attempt == "warm" and case.every_row_reuses:
-            assert all(row.hit_chunks > 0 for row in caches[0].last_reuse), caches[0].last_reuse
+            assert all(row.hit_chunks > 0 for row in caches[-1].last_reuse), caches[-1].last_reuse
 
 
 def additive_causal_mask(queries: int, keys: int) -> torch.Tensor:
@@ -341,3 +355,37 @@ def test_custom_4d_mask_forward_then_crop_matches_dynamic_cache(models, arch: st
     (expected, expected_length), (got, length) = results
     assert length == expected_length == 14
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+SEGMENT = 8
+REPAIR_PATHS = {
+    "greedy": {"do_sample": False},
+    "sample": {"do_sample": True, "seed": 7},
+    "beam_search": {"num_beams": 3, "num_return_sequences": 2, "do_sample": False},
+    "assisted": {"do_sample": False, "assisted": True},
+    "prompt_lookup": {"do_sample": False, "prompt_lookup_num_tokens": 4},
+}
+
+
+@pytest.mark.parametrize("path", list(REPAIR_PATHS))
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
+def test_moved_segments_fully_repaired_match_plain(models, arch: str, path: str) -> None:
+    """A prompt whose two documents swap places hits them by content key at new positions; with every moved
+    token recomputed, the non-prefix (stitch, re-rotate, repair forward) path must equal plain generation."""
+    model, assistant = models[arch]
+    system, doc_x, doc_y, question = (tokens(SEGMENT, seed) for seed in (10, 11, 12, 13))
+    segments = tuple(range(0, 4 * SEGMENT, SEGMENT))
+    kwargs = dict(REPAIR_PATHS[path])
+    if kwargs.pop("assisted", False):
+        kwargs["assistant_model"] = assistant
+    store = ChunkStore(1 << 26)
+    generate(model, make_cache(store, model, segments), input_ids=torch.cat([system, doc_x, doc_y, question], 1))
+    swapped = torch.cat([system, doc_y, doc_x, question], 1)
+    expected = generate(model, None, input_ids=swapped, **kwargs)
+    cache = make_cache(store, model, segments)
+    assert_same_output(generate(model, cache, input_ids=swapped, **kwargs), expected, path)
+    repaired = cache.last_reuse[0].recomputed_tokens
+    if path == "beam_search" or arch in SLIDING_WINDOW:  # batch rows (beams) and windowed models: prefix only
+        assert repaired == 0
+    else:
+        assert repaired >= 2 * SEGMENT, cache.last_reuse
