@@ -3,8 +3,11 @@
 Each case runs one transformers generation path three times on a tiny random model: plain (no cache argument,
 or a ``DynamicCache`` where the case continues a cache), then twice with a fresh ``ChunkReuseCache`` on one shared
 :class:`ChunkStore` (cold: stores; warm: must hit where the path allows reuse). Sequences must be identical and
-scores/logits equal within ``ATOL``. transformers' own ``GenerationTesterMixin`` is not shipped in its sdist or
-wheel, so this suite drives the same paths through the public ``generate()`` API instead.
+scores, logits, hidden states and attentions equal within ``ATOL``, and the cache must end up as long as plain
+transformers' (assisted decoding crops it). transformers' own ``GenerationTesterMixin`` is not shipped in its sdist
+or wheel, so this suite drives the same paths through the public ``generate()`` API instead.
+
+Known discrepancies are ``xfail(strict=True)`` with the defect in the reason, so a fix shows up as XPASS.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ CaseFn = Callable[[PreTrainedModel, PreTrainedModel, Callable[[], Any]], list[An
 @dataclass(frozen=True)
 class Case:
     run: CaseFn
-    reuses: bool = True  # the warm pass must read chunks from the store
+    reuses: bool | None = True  # the warm pass must read chunks from the store (None: a fix decides)
     cold_reuses: bool = False  # ... and so must the cold one (a later call hits what an earlier one stored)
     every_row_reuses: bool = False  # ... in every batch row of the prompt forward of its last call
     xfail: dict[str, str] = field(default_factory=dict)  # architecture ("*" = all) -> reason
@@ -122,7 +125,7 @@ def hole_mask(length: int) -> torch.Tensor:
 
 
 def embeds_case(**kwargs: Any) -> CaseFn:
-    """Generate from ``inputs_embeds`` of a random prompt (the ids are passed too when ``with_ids``)."""
+    """Generate from the ``inputs_embeds`` of a random prompt alone (no token ids: nothing to look up)."""
 
     def run(model: PreTrainedModel, assistant: PreTrainedModel, new_cache: Callable[[], Any]) -> list[Any]:
         ids = tokens(PROMPT_LEN, 0)
@@ -216,10 +219,13 @@ CASES: dict[str, Case] = {
     "prompt_shorter_than_chunk": Case(single(input_ids=tokens(3, 0), do_sample=False), reuses=False),
     "prompt_of_whole_chunks": Case(single(input_ids=tokens(7 * CHUNK, 0), do_sample=False)),
     "assisted_early_exit": Case(single(assistant_early_exit=1, do_sample=False)),
-    "prefill_chunk_size": Case(single(prefill_chunk_size=8, do_sample=False), xfail={"*": NOT_FULL_SEQUENCE}),
+    "prefill_chunk_size": Case(
+        single(prefill_chunk_size=8, do_sample=False), reuses=None, xfail={"*": NOT_FULL_SEQUENCE}
+    ),
     "continue_with_new_tokens_only": Case(new_tokens_only, xfail={"*": NOT_FULL_SEQUENCE}),
     "output_hidden_states_attentions": Case(
         single(output_hidden_states=True, output_attentions=True, do_sample=False),
+        reuses=None,  # prompt states exist only for computed tokens
         xfail={"*": SKIPPED_STATES, "gemma2": f"{SKIPPED_STATES}; {FULL_WINDOW}"},
     ),
     "mask_hole_greedy": Case(single(attention_mask=hole_mask(PROMPT_LEN), do_sample=False), reuses=False),
@@ -321,7 +327,8 @@ def test_generate_path_matches_plain(models, arch: str, case_name: str, request:
         for call, (out, ref) in enumerate(zip(got, expected, strict=True)):
             assert_same_output(out, ref, f"{attempt} call {call}")
         hits = store.stats()["hits"] - hits_before
-        assert (hits > 0) == (case.reuses if attempt == "warm" else case.cold_reuses), f"{attempt}: {hits} hits"
+        expect_hits = case.reuses if attempt == "warm" else case.cold_reuses
+        assert expect_hits is None or (hits > 0) == expect_hits, f"{attempt}: {hits} hits"
         if attempt == "warm" and case.every_row_reuses:
             assert all(row.hit_chunks > 0 for row in caches[-1].last_reuse), caches[-1].last_reuse
 
