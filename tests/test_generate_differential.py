@@ -201,8 +201,7 @@ def embeds_and_ids(**kwargs: Any) -> CaseFn:
 
 CASES: dict[str, Case] = {
     "greedy": Case(single(do_sample=False)),
-    "sample": Case(single(do_sample=True, seed=7, top_k=0)),
-    "sample_top_k_top_p": Case(single(do_sample=True, seed=7, top_k=20, top_p=0.9, temperature=0.7)),
+    "sample": Case(single(do_sample=True, seed=7, top_k=20, top_p=0.9, temperature=0.7)),
     "beam_search": Case(single(num_beams=3, num_return_sequences=2, do_sample=False)),
     "beam_sample": Case(single(num_beams=3, num_return_sequences=2, do_sample=True, seed=7)),
     "assisted": Case(assisted(do_sample=False)),
@@ -254,11 +253,11 @@ CASES: dict[str, Case] = {
     "continuation_left_padded": Case(continuation(padded=True)),
     "next_turn_new_cache": Case(continuation(same_cache=False), cold_reuses=True),
     "eos_min_new_tokens": Case(eos_case, cold_reuses=True),  # its second call hits what the first stored
-    "repetition_penalty": Case(single(input_ids=repetitive(PROMPT_LEN), repetition_penalty=1.5, do_sample=False)),
-    "no_repeat_ngram": Case(single(input_ids=repetitive(PROMPT_LEN), no_repeat_ngram_size=3, do_sample=False)),
-    "bad_words_sequence_bias": Case(
+    "input_id_processors": Case(  # processors that read the whole input_ids every step
         single(
             input_ids=repetitive(PROMPT_LEN),
+            repetition_penalty=1.5,
+            no_repeat_ngram_size=3,
             bad_words_ids=[[7, 8], [11]],
             sequence_bias={(9, 10): -5.0},
             suppress_tokens=[5],
