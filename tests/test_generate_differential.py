@@ -24,8 +24,8 @@ from transformers import DynamicCache, PreTrainedModel
 from kvboost_hf import ChunkReuseCache, ChunkStore
 
 CHUNK = 4
-SLIDING_WINDOW = {"mistral", "gemma2"}  # no non-prefix reuse for them (its repair mask has no window)
-NEW_TOKENS = 8
+SLIDING_WINDOW = {"mistral", "gemma2"}  # no non-prefix reuse for these (the repair mask has no window)
+NEW_TOKENS = 6
 PROMPT_LEN = 26  # longer than the sliding window (24) of the Mistral and Gemma2 testers
 ATOL = 1e-4
 
@@ -382,7 +382,7 @@ REPAIR_PATHS = {
 
 
 @pytest.mark.parametrize("path", list(REPAIR_PATHS))
-@pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
+@pytest.mark.parametrize("arch", sorted(set(TINY_ARCHITECTURES) - SLIDING_WINDOW))
 def test_moved_segments_fully_repaired_match_plain(models, arch: str, path: str) -> None:
     """A prompt whose two documents swap places hits them by content key at new positions; with every moved
     token recomputed, the non-prefix (stitch, re-rotate, repair forward) path must equal plain generation."""
@@ -399,7 +399,7 @@ def test_moved_segments_fully_repaired_match_plain(models, arch: str, path: str)
     cache = make_cache(store, model, segments)
     assert_same_output(generate(model, cache, input_ids=swapped, **kwargs), expected, path)
     repaired = cache.last_reuse[0].recomputed_tokens
-    if path == "beam_search" or arch in SLIDING_WINDOW:  # batch rows (beams) and windowed models: prefix only
+    if path == "beam_search":  # its prompt forward has one row per beam: prefix hits only
         assert repaired == 0
     else:
         assert repaired >= 2 * SEGMENT, cache.last_reuse
