@@ -21,7 +21,7 @@ import torch
 from conftest import TINY_ARCHITECTURES, make_tiny_model
 from transformers import DynamicCache, PreTrainedModel
 
-from kvboost_hf import ChunkReuseCache, ChunkStore
+from kvboost_hf import ChunkReuseCache, ChunkStore, RepairConfig
 
 CHUNK = 4
 SLIDING_WINDOW = {"mistral", "gemma2"}  # no non-prefix reuse for these (the repair mask has no window)
@@ -29,9 +29,6 @@ NEW_TOKENS = 6
 PROMPT_LEN = 26  # longer than the sliding window (24) of the Mistral and Gemma2 testers
 ATOL = 1e-4
 
-DEFECT_1 = "defect 1: crop() does nothing once reuse is off for the call, rejected draft K/V stay in the cache"
-DEFECT_2 = "defect 2: left-padded rows are never written back, so a padded row reuses nothing"
-SKIPPED_STATES = "finding A: skipped prompt tokens get no hidden states / attentions in the warm prefill step"
 FULL_WINDOW = (
     "finding C: ChunkReuseCache keeps full-length layers where DynamicCache keeps sliding-window layers, so "
     "sliding layers' attention weights have more key columns (all of them masked beyond the window)"
@@ -40,17 +37,13 @@ FULL_WINDOW_NUMERICS = (
     f"{FULL_WINDOW}; in bf16, SDPA over the longer masked keys rounds differently (plain generate with a "
     "full-layer DynamicCache() reproduces the cache's output bit for bit)"
 )
-NOT_FULL_SEQUENCE = (
-    "finding B: prepare_inputs_for_generation is handed only the new tokens (chunked prefill, restart with new "
-    "tokens + full mask), and the cache's check_extends refuses them"
-)
 
 
 def make_cache(store: ChunkStore, model: PreTrainedModel, segment_starts: tuple[int, ...] = ()) -> ChunkReuseCache:
     """The cache under test; the one place that knows its constructor. Chunks of ``CHUNK`` tokens; segments (if
     any) are stored by content too, and a segment hit at another position is repaired by recomputing all of it,
     so even non-prefix reuse must reproduce plain generation."""
-    return ChunkReuseCache(store, model, chunk_size=CHUNK, segment_starts=segment_starts, recompute_ratio=1.0)
+    return ChunkReuseCache(store, model, CHUNK, RepairConfig(ratio=1.0), segment_starts=segment_starts)
 
 
 def tokens(length: int, seed: int) -> torch.Tensor:
@@ -214,7 +207,6 @@ CASES: dict[str, Case] = {
     "left_padded_batch": Case(
         single(**left_padded(), do_sample=False),
         every_row_reuses=True,
-        xfail={"*": DEFECT_2},
     ),
     "left_padded_after_rows_alone": Case(padded_after_rows_alone, cold_reuses=True, every_row_reuses=True),
     "beam_search_left_padded": Case(single(**left_padded(), num_beams=3, do_sample=False)),
@@ -222,14 +214,12 @@ CASES: dict[str, Case] = {
     "prompt_shorter_than_chunk": Case(single(input_ids=tokens(3, 0), do_sample=False), reuses=False),
     "prompt_of_whole_chunks": Case(single(input_ids=tokens(7 * CHUNK, 0), do_sample=False)),
     "assisted_early_exit": Case(single(assistant_early_exit=1, do_sample=False)),
-    "prefill_chunk_size": Case(
-        single(prefill_chunk_size=8, do_sample=False), reuses=None, xfail={"*": NOT_FULL_SEQUENCE}
-    ),
-    "continue_with_new_tokens_only": Case(new_tokens_only, xfail={"*": NOT_FULL_SEQUENCE}),
+    "prefill_chunk_size": Case(single(prefill_chunk_size=8, do_sample=False), reuses=None),
+    "continue_with_new_tokens_only": Case(new_tokens_only),
     "output_hidden_states_attentions": Case(
         single(output_hidden_states=True, output_attentions=True, do_sample=False),
         reuses=None,  # prompt states exist only for computed tokens
-        xfail={"*": SKIPPED_STATES, "gemma2": f"{SKIPPED_STATES}; {FULL_WINDOW}"},
+        xfail={"gemma2": FULL_WINDOW},
     ),
     "mask_hole_greedy": Case(single(attention_mask=hole_mask(PROMPT_LEN), do_sample=False), reuses=False),
     "mask_hole_beam_search": Case(
@@ -243,15 +233,10 @@ CASES: dict[str, Case] = {
             do_sample=False,
         ),
         reuses=False,
-        xfail={"*": DEFECT_1},
     ),
-    "mask_hole_assisted": Case(
-        assisted(attention_mask=hole_mask(PROMPT_LEN), do_sample=False), reuses=False, xfail={"*": DEFECT_1}
-    ),
+    "mask_hole_assisted": Case(assisted(attention_mask=hole_mask(PROMPT_LEN), do_sample=False), reuses=False),
     "inputs_embeds": Case(embeds_case(do_sample=False), reuses=False),
-    "inputs_embeds_prompt_lookup": Case(
-        embeds_and_ids(prompt_lookup_num_tokens=4, do_sample=False), reuses=False, xfail={"*": DEFECT_1}
-    ),
+    "inputs_embeds_prompt_lookup": Case(embeds_and_ids(prompt_lookup_num_tokens=4, do_sample=False), reuses=False),
     "continuation": Case(continuation()),
     "continuation_after_assisted": Case(continuation(first_assisted=True)),
     "continuation_left_padded": Case(continuation(padded=True)),
@@ -347,7 +332,6 @@ def additive_causal_mask(queries: int, keys: int) -> torch.Tensor:
     return torch.zeros(1, 1, queries, keys).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
 
-@pytest.mark.xfail(strict=True, reason=DEFECT_1)
 @pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
 def test_custom_4d_mask_forward_then_crop_matches_dynamic_cache(models, arch: str) -> None:
     """``generate()`` refuses 4D masks, so drive the forward + crop + forward sequence of assisted decoding by hand."""

@@ -203,10 +203,26 @@ class ChunkReuseCache(Cache):
         """The real (unpadded) token ids of ``row`` whose K/V are cached."""
         return self.tokens[row, self.pads[row] :].tolist()
 
-    def check_extends(self, input_ids: torch.Tensor) -> None:
-        """Raise unless ``input_ids`` (a full sequence handed to ``generate``) extends the cached tokens."""
+    def check_extends(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        """Raise unless ``input_ids`` (a full sequence handed to ``generate``) extends the cached tokens.
+
+        An ``attention_mask`` longer than ``input_ids`` says only the new tokens were given (transformers' rule): they
+        extend the cache by construction when the mask covers exactly the cached columns plus them; otherwise the
+        cached tokens and the positions disagree, and reuse is turned off (the cache then acts as a DynamicCache).
+        """
         n = self.num_columns
         if n == 0:
+            return
+        if attention_mask is not None and attention_mask.shape[-1] > input_ids.shape[1]:
+            if attention_mask.shape[-1] != n + input_ids.shape[1]:
+                logger.warning(
+                    "ChunkReuseCache: the attention mask covers %d columns but the cache holds %d plus %d new tokens; "
+                    "reuse is off for this cache",
+                    attention_mask.shape[-1],
+                    n,
+                    input_ids.shape[1],
+                )
+                self.reuse_enabled = False
             return
         if input_ids.shape[0] != self.tokens.shape[0] or input_ids.shape[1] <= n:
             raise ValueError(

@@ -5,11 +5,11 @@ so it also works where these hooks cannot run (call them yourself). Installed on
 inert unless ``past_key_values`` is such a cache:
 
 * a forward pre-hook calls ``prefill()`` on the forward's tokens and replaces the inputs with what is left to
-  compute (the uncached tail, or one sparse repair forward folded with the tail);
+  compute (the uncached tail, or one sparse repair forward folded with the tail); a forward that asks for every
+  position's logits, hidden states or attentions is computed whole (and still recorded and written back);
 * a forward hook calls ``record()`` with the tokens the forward computed;
-* a wrapper of ``prepare_inputs_for_generation`` (which receives the *full* sequence every step) refuses a
-  prompt that does not extend what the cache holds, instead of silently attending to stale K/V;
-* a wrapper of ``generate`` adds :class:`~kvboost_hf.hf.generation.ChunkWriteBack` to the logits processors
+* a wrapper of ``generate`` refuses a prompt that does not extend what the cache holds (instead of silently
+  attending to stale K/V), adds :class:`~kvboost_hf.hf.generation.ChunkWriteBack` to the logits processors
   (write-back as generation proceeds) and saves the unfinished last chunk when generation ends.
 """
 
@@ -41,7 +41,8 @@ def _pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
     if fed is None or cache.expects_sparse_forward or not cache.reuse_enabled:
         return args, kwargs
     keep = kwargs.get("logits_to_keep", 0)
-    keep = keep if isinstance(keep, int) and keep >= 1 else fed.shape[1]  # a forward that wants every logit
+    if not isinstance(keep, int) or keep < 1 or kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
+        keep = fed.shape[1]  # the caller wants outputs for every position: skipping tokens would drop them
     cached = cache.num_columns
     if cached and fed.shape[1] <= keep:
         return args, kwargs  # a decode step: nothing to look up
@@ -62,21 +63,6 @@ def _post_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], 
         cache.record(kwargs.get("input_ids"))
 
 
-def _wrap_prepare_inputs(model: torch.nn.Module) -> None:
-    prepare = getattr(model, "prepare_inputs_for_generation", None)
-    if prepare is None:
-        return
-
-    @functools.wraps(prepare)
-    def prepare_checked(input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        cache: Any = kwargs.get("past_key_values")
-        if hasattr(cache, "check_extends") and input_ids is not None:
-            cache.check_extends(input_ids)
-        return prepare(input_ids, *args, **kwargs)
-
-    setattr(model, "prepare_inputs_for_generation", prepare_checked)  # noqa: B010  (an instance attribute)
-
-
 def _wrap_generate(model: torch.nn.Module) -> None:
     generate = getattr(model, "generate", None)
     if generate is None:
@@ -87,6 +73,9 @@ def _wrap_generate(model: torch.nn.Module) -> None:
         cache: Any = kwargs.get("past_key_values")
         if not hasattr(cache, "save"):
             return generate(*args, **kwargs)
+        input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        if isinstance(input_ids, torch.Tensor) and not input_ids.is_floating_point():
+            cache.check_extends(input_ids, kwargs.get("attention_mask"))
         processors = LogitsProcessorList(kwargs.get("logits_processor") or [])
         if not any(isinstance(p, ChunkWriteBack) and p.cache is cache for p in processors):
             processors.append(ChunkWriteBack(cache))
@@ -104,6 +93,5 @@ def install_hooks(model: torch.nn.Module) -> None:
         return
     model.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     model.register_forward_hook(_post_forward, with_kwargs=True)
-    _wrap_prepare_inputs(model)
     _wrap_generate(model)
     setattr(model, _INSTALLED, True)

@@ -172,10 +172,11 @@ def plan_reuse(
             loaded[key] = store.get(key)
         return loaded[key]
 
-    def tail_hit(parent: str | None, tokens: Sequence[int], start: int, max_tokens: int) -> Hit | None:
-        """The longest stored unfinished chunk (<= ``max_tokens``) after chunk ``parent``, starting at ``start``."""
+    def tail_hit(parent: str | None, tokens: Sequence[int], start: int, max_tokens: int, present: int) -> Hit | None:
+        """The longest stored unfinished chunk (<= ``max_tokens``) after chunk ``parent``, starting at ``start`` and
+        reaching past the ``present`` tokens."""
         for length in store.tail_lengths(parent):
-            if 0 < length <= max_tokens:
+            if present - start < length <= max_tokens:
                 entry = read(prefix_key(namespace, parent, tokens[start : start + length]))
                 if entry is not None:
                     return Hit((start, start + length), entry, exact=True)
@@ -194,7 +195,8 @@ def plan_reuse(
             if (entry := read(key)) is not None:
                 hits.append(Hit(span, entry, exact=True))
                 continue
-            tail = None if missed else tail_hit(ledger.keys[index - 1] if index else None, tokens, *_tail_window(span))
+            parent = ledger.keys[index - 1] if index else None
+            tail = None if missed else tail_hit(parent, tokens, *_tail_window(span), row_present)
             missed = True
             if tail is not None:
                 hits.append(tail)
@@ -204,7 +206,7 @@ def plan_reuse(
                 hits.append(Hit(span, entry, exact=False))
         start = ledger.end
         if not missed and row_present <= start < limit:  # every full chunk hit: look for the stored live tail
-            tail = tail_hit(ledger.last_key, tokens, start, len(tokens) - start)
+            tail = tail_hit(ledger.last_key, tokens, start, len(tokens) - start, row_present)
             hits += [tail] if tail is not None else []
         plans.append(RowPlan(len(tokens), row_present, limit, hits))
     sparse = approximate and bool(plans[0].hits) and not plans[0].is_leading_run
