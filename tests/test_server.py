@@ -468,9 +468,10 @@ def test_sampling_options_change_output_as_specified(engine, client):
     short = client.completions.create(**{**base, "max_tokens": 4}, logit_bias={str(eos): 100})
     assert short.usage.completion_tokens == 1  # EOS forced at once
     held = client.completions.create(
-        **{**base, "max_tokens": 4}, logit_bias={str(eos): 100}, extra_body={"min_tokens": 3}
+        **{**base, "max_tokens": 6}, logit_bias={str(eos): 100}, extra_body={"min_tokens": 3}
     )
-    assert held.usage.completion_tokens == 3  # EOS banned for 2 tokens, then forced
+    assert held.usage.completion_tokens == 4  # EOS banned until 3 tokens exist, then forced
+    assert held.choices[0].finish_reason == "stop"
     ignored = client.completions.create(
         **{**base, "max_tokens": 4}, logit_bias={str(eos): 100}, extra_body={"ignore_eos": True}
     )
@@ -528,7 +529,7 @@ def test_tool_calls_named_required_and_streamed(client):
     response = client.chat.completions.create(
         model=MODEL,
         messages=messages,
-        max_tokens=40,
+        max_tokens=64,
         temperature=0,
         tools=[WEATHER_TOOL],
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
@@ -540,10 +541,11 @@ def test_tool_calls_named_required_and_streamed(client):
     stream = client.chat.completions.create(
         model=MODEL,
         messages=messages,
-        max_tokens=40,
+        max_tokens=64,
         temperature=0,
         tools=[WEATHER_TOOL],
         tool_choice="required",
+        parallel_tool_calls=False,
         stream=True,
     )
     deltas, finish = [], None
@@ -577,7 +579,7 @@ def test_instructor_gets_a_validated_object(server):
         model=MODEL,
         messages=chat("Which city is the capital of France?"),
         response_model=City,
-        max_tokens=40,
+        max_tokens=80,
         temperature=0,
         max_retries=0,
     )

@@ -218,7 +218,7 @@ class Admission:
 
     # ------------------------------------------------------------------ tools and prompts
     def _tool_mode(self, body: ChatCompletionRequest) -> tuple[list[Tool], bool, bool]:
-        """``(tools offered, calls required, parallel calls allowed)``; a named choice offers only that tool."""
+        """``(tools offered, calls required, parallel calls allowed)``; a named choice allows one call of that tool."""
         if not body.tools:
             if body.tool_choice is not None:
                 raise ApiError(400, "tool_choice needs tools", param="tool_choice")
@@ -234,7 +234,7 @@ class Admission:
             raise ApiError(
                 400, f"tool_choice names {choice.function.name!r}, which is not in tools", param="tool_choice"
             )
-        return named, True, body.parallel_tool_calls
+        return named, True, False  # a named function: exactly one call of it
 
     def _encode(self, text: str, param: str) -> list[int]:
         self._check_chars(len(text), param)

@@ -54,7 +54,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        errors = list(exc.errors()) or [{"loc": (), "msg": "invalid request"}]
+        # a union (e.g. str | list of parts) reports one error per member: our own checks' messages say more
+        first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
         if first.get("type") == "json_invalid":
             return ApiError(400, "request body is not valid JSON").response()
         # skip "body" and the union-member tags pydantic adds (e.g. "str", "list[ContentPart]")
