@@ -168,6 +168,12 @@ class _GenerationRequest(_Strict):
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}]
+        }
+    )
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -179,6 +185,8 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 class CompletionRequest(_GenerationRequest):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"model": "SmolLM2-135M-Instruct", "prompt": "Hi"}]})
+
     prompt: str | list[str] = Field(description="One prompt (lists of exactly one string are accepted).")
     max_tokens: int | None = Field(default=None, ge=1, description="default 16, as in the OpenAI API")
     logprobs: int | None = Field(default=None, ge=0, le=5)
