@@ -115,7 +115,7 @@ def test_batch_rows_equal_alone_with_mixed_settings(engine):
     budgets = [6, 8, 5]
     expected = [greedy(engine, p, b) for p, b in zip(prompts, budgets, strict=True)]
     for _ in range(2):  # cold, then with the shared prefix and prompts stored
-        events: list[list] = [[], [], [], []]
+        events: list[list] = [[], [], [], [], []]
         jobs = [
             Job(engine.encode(p), JobParams(b, SamplingParams(temperature=0)), events[i].append)
             for i, (p, b) in enumerate(zip(prompts, budgets, strict=True))
@@ -123,12 +123,16 @@ def test_batch_rows_equal_alone_with_mixed_settings(engine):
         jobs.append(
             Job(engine.encode(prompts[0]), JobParams(4, SamplingParams(temperature=0.8, seed=3)), events[3].append)
         )
+        banana = engine.encode(" banana")[0]
+        forced = SamplingParams(temperature=0, logit_bias=((banana, 100.0),), repetition_penalty=1.3)
+        jobs.append(Job(engine.encode(prompts[1]), JobParams(3, forced), events[4].append))
         batch = Batch(engine, jobs, GenerationMode.PREFIX_CACHE, threading.Lock())
         batch.prefill()
         while not batch.done:
             batch.step()
         texts = ["".join(e.text for e in evs if isinstance(e, Delta)) for evs in events]
-        assert texts[:3] == expected
+        assert texts[:3] == expected  # unaffected by the other rows' settings
+        assert texts[4] == engine.tokenizer.decode([banana] * 3)
         assert all(isinstance(evs[-1], Done) for evs in events)
         assert events[3][-1].completion_tokens == 4
     assert all(job.cached_tokens > 0 for job in jobs)

@@ -104,15 +104,16 @@ class Admission:
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         tools, required, parallel = self._tool_mode(body)
+        tools = tools if body.tool_choice != "none" else []  # "none": no tools offered, none parsed
         if tools and body.logprobs:
             raise ApiError(400, "logprobs cannot be combined with tools", param="logprobs")
         fmt = body.response_format
         if tools and fmt is not None and fmt.type != "text":
             raise ApiError(400, "response_format cannot be combined with tools", param="response_format")
-        prompt_ids = self._encode_chat(body.messages, tools if body.tool_choice != "none" else None, True)
+        prompt_ids = self._encode_chat(body.messages, tools, True)
         grammar: Any = None
         try:
-            if tools and body.tool_choice != "none":
+            if tools:
                 grammar = self._compiler().tool_calls(tools, required=required, parallel=parallel)
             elif fmt is not None and fmt.type == "json_object":
                 grammar = self._compiler().json_object()
@@ -133,7 +134,7 @@ class Admission:
             body.cache_salt,
             body.stream,
             bool(body.stream_options and body.stream_options.include_usage),
-            bool(tools) and body.tool_choice != "none",
+            bool(tools),
         )
 
     def _completion(self, body: CompletionRequest) -> Prepared:
