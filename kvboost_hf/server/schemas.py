@@ -62,6 +62,8 @@ class ChatMessage(_Strict):
 
     @model_validator(mode="after")
     def _roles(self) -> ChatMessage:
+        if self.name is not None:
+            raise ValueError("message 'name' is unsupported (the chat template has no place for it)")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
