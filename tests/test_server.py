@@ -666,3 +666,20 @@ def test_shutdown_ends_streams_and_requests_cleanly(engine):
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][len("data: ") :])["choices"][0]["finish_reason"] == "length"
     assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "shutting_down"
+
+
+def test_retry_after_grows_with_the_queue(engine):
+    """Not started: jobs stay queued. Retry-After = rounds of max_batch_size queued jobs x a batch's wall time."""
+    from kvboost_hf.server.worker import Overloaded
+
+    worker = Worker(engine, max_batch_size=2, max_queue=8)
+    ids = engine.encode("Hello")
+    advised = []
+    for depth in (2, 8):
+        while worker.queue_depth < depth:
+            worker.submit(Job(ids, JobParams(1), lambda event: None))
+        with pytest.raises(Overloaded) as refused:
+            worker.max_queue = depth
+            worker.submit(Job(ids, JobParams(1), lambda event: None))
+        advised.append(refused.value.retry_after_s)
+    assert advised == [2, 5]  # (1 + 2/2) and (1 + 8/2) rounds of the initial 1 s estimate
