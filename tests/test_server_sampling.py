@@ -70,3 +70,19 @@ def test_parse_tool_calls_keeps_text_and_skips_cut_calls():
     content, calls = grammar.parse_tool_calls(text)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1})]
     assert content.startswith("Sure.") and "argu" in content
+
+
+def test_tool_call_stream_sends_content_then_growing_arguments():
+    grammar = pytest.importorskip("kvboost_hf.hf.grammar")
+    full = 'Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    stream = grammar.ToolCallStream()
+    content, names, arguments = "", [], ""
+    for end in range(1, len(full) + 1):  # one character at a time, as tokens might come
+        new, deltas = stream.update(full[:end])
+        assert "<" not in new  # a possible start of a tag is held back
+        content += new
+        names += [d.name for d in deltas if d.name]
+        arguments += "".join(d.arguments for d in deltas)
+    assert content == "Let me check." and names == ["get_weather"]
+    assert json.loads(arguments) == {"city": "Paris"}
+    assert stream.update(full, final=True) == ("", [])

@@ -31,6 +31,15 @@ from transformers import LogitsProcessor, PreTrainedTokenizerBase
 TOOL_CALL_BEGIN = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 _TOOL_CALL = re.compile(re.escape(TOOL_CALL_BEGIN) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
+_ARGUMENTS_END = "}" + TOOL_CALL_END
+
+
+def _call_header(name: str) -> str:
+    """The fixed text the grammar forces before a call's arguments object."""
+    return f'{TOOL_CALL_BEGIN}{{"name": {json.dumps(name)}, "arguments": '
+
+
+_HEADER = re.compile(re.escape(_call_header("NAME")).replace("NAME", r"([A-Za-z0-9_-]+)"))
 
 
 class GrammarError(ValueError):
@@ -78,9 +87,9 @@ class GrammarCompiler:
         tags = [
             {
                 "type": "tag",
-                "begin": f'{TOOL_CALL_BEGIN}{{"name": {json.dumps(tool.name)}, "arguments": ',
+                "begin": _call_header(tool.name),
                 "content": {"type": "json_schema", "json_schema": tool.parameters},
-                "end": f"}}{TOOL_CALL_END}",
+                "end": _ARGUMENTS_END,
             }
             for tool in tools
         ]
@@ -143,3 +152,53 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
         calls.append(ToolCall(payload["name"], json.dumps(payload.get("arguments", {}))))
     kept.append(text[position:])
     return "".join(kept).strip(), calls
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """New text of call ``index``: its ``name`` on the first delta of the call (else None), then argument text."""
+
+    index: int
+    name: str | None
+    arguments: str
+
+
+class ToolCallStream:
+    """Incremental reading of a growing generated text in the grammar's tag format: the content before the first
+    call (a possible start of a tag held back) and, per call, its name then its argument text as it grows (the
+    closing ``}</tool_call>`` held back). ``update`` is given the whole text so far each time."""
+
+    def __init__(self) -> None:
+        self.content_sent = 0
+        self.arguments_sent: list[int] = []
+
+    def update(self, text: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """``(new content, new call deltas)``; with ``final`` nothing is held back any more."""
+        first = text.find(TOOL_CALL_BEGIN)
+        content = text if first < 0 else text[:first]
+        if first < 0 and not final:
+            content = content[: len(content) - _held_back(content, TOOL_CALL_BEGIN)]
+        new_content = content[self.content_sent :]
+        self.content_sent = max(self.content_sent, len(content))
+        deltas: list[ToolCallDelta] = []
+        for index, match in enumerate(_HEADER.finditer(text)):
+            rest = text[match.end() :]
+            end = rest.find(_ARGUMENTS_END)
+            arguments = (
+                rest[:end] if end >= 0 else rest if final else rest[: len(rest) - _held_back(rest, _ARGUMENTS_END)]
+            )
+            if index == len(self.arguments_sent):
+                self.arguments_sent.append(0)
+                deltas.append(ToolCallDelta(index, match.group(1), ""))
+            if len(arguments) > self.arguments_sent[index]:
+                deltas.append(ToolCallDelta(index, None, arguments[self.arguments_sent[index] :]))
+                self.arguments_sent[index] = len(arguments)
+        return new_content, deltas
+
+
+def _held_back(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that is a proper prefix of ``marker`` (it may still become it)."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:size]):
+            return size
+    return 0

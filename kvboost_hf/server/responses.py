@@ -6,7 +6,8 @@ loop with ``loop.call_soon_threadsafe`` (no second event loop) and builds the Op
 Tool calls: when the request offered tools, the text of each choice is parsed for ``<tool_call>`` tags
 (:func:`~kvboost_hf.hf.grammar.parse_tool_calls`); the calls are answered as ``tool_calls`` with
 ``finish_reason: "tool_calls"``. While streaming, the text before the first tag is sent as content as it comes
-(a partial tag is held back) and each call is sent as one tool-call delta once the choice is complete.
+(a partial tag is held back), then each call as tool-call deltas: its id and name first, then its argument text
+as the tokens come (:class:`~kvboost_hf.hf.grammar.ToolCallStream`).
 
 A choice ended by a shutdown (reason "cancelled") ends a stream with ``finish_reason: "length"`` (the answer is
 cut short), usage and ``[DONE]``; a non-streaming request gets a 503 error body.
@@ -26,9 +27,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from kvboost_hf.hf.grammar import TOOL_CALL_BEGIN, parse_tool_calls
+from kvboost_hf.hf.grammar import ToolCall, ToolCallDelta, ToolCallStream, parse_tool_calls
 from kvboost_hf.server.admission import Prepared
-from kvboost_hf.server.batching import Delta, Done, Event, Failed, Finished, Job, TokenLogprob, visible_text
+from kvboost_hf.server.batching import Delta, Done, Event, Failed, Finished, Job, TokenLogprob
 from kvboost_hf.server.errors import ApiError
 from kvboost_hf.server.schemas import ChatCompletion, Completion, Usage
 from kvboost_hf.server.worker import Overloaded, ShuttingDown, Worker
@@ -145,24 +146,33 @@ class Exchange:
     async def _sse(self) -> AsyncIterator[str]:
         """SSE ``data:`` lines: one chunk per event as soon as it arrives, then ``[DONE]``."""
         n = self.prepared.n
-        texts, shown = [""] * n, [0] * n
+        texts = [""] * n
+        calls = [ToolCallStream() for _ in range(n)]
+        call_ids: list[list[str]] = [[] for _ in range(n)]
         if self.chat:
             for i in range(n):
                 delta = {"role": "assistant", "content": ""}
                 yield self._chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None})
         async for event in self._events(watch_disconnect=False):
-            if isinstance(event, Delta):
-                texts[event.index] += event.text
+            if isinstance(event, Delta | Finished):
+                i = event.index
+                if isinstance(event, Delta):
+                    texts[i] += event.text
                 if not self.prepared.tool_calls:
-                    yield self._chunk(self._delta_choice(event.index, event.text, event.logprobs))
-                    continue
-                visible, _ = visible_text(texts[event.index], (TOOL_CALL_BEGIN,))
-                if len(visible) > shown[event.index]:
-                    yield self._chunk(self._delta_choice(event.index, visible[shown[event.index] :], ()))
-                    shown[event.index] = len(visible)
-            elif isinstance(event, Finished):
-                for chunk in self._final_chunks(event, texts[event.index], shown[event.index]):
-                    yield chunk
+                    if isinstance(event, Delta):
+                        yield self._chunk(self._delta_choice(i, event.text, event.logprobs))
+                else:  # tools offered: content before the first call, then the calls as they grow
+                    content, deltas = calls[i].update(texts[i], final=isinstance(event, Finished))
+                    if content:
+                        yield self._chunk(self._delta_choice(i, content, ()))
+                    for delta in deltas:
+                        yield self._chunk(self._tool_delta_choice(i, delta, call_ids[i]))
+                if isinstance(event, Finished):
+                    reason = "length" if event.reason == SHUTDOWN_REASON else event.reason
+                    if reason == "stop" and self.prepared.tool_calls and parse_tool_calls(texts[i])[1]:
+                        reason = "tool_calls"
+                    empty = {"delta": {}} if self.chat else {"text": ""}
+                    yield self._chunk({"index": i, **empty, "logprobs": None, "finish_reason": reason})
             elif isinstance(event, Done):
                 if self.prepared.include_usage:
                     yield self._chunk(None, _usage(event).model_dump())
@@ -170,24 +180,14 @@ class Exchange:
                 yield f"data: {json.dumps(ApiError(event.status, event.message, code='generation_failed').body())}\n\n"
         yield "data: [DONE]\n\n"
 
-    def _final_chunks(self, event: Finished, text: str, shown: int) -> list[str]:
-        """The chunks closing one choice: held-back text or tool calls, then the finish reason."""
-        reason = "length" if event.reason == SHUTDOWN_REASON else event.reason
-        chunks = []
-        if self.prepared.tool_calls:
-            _, calls = parse_tool_calls(text)  # the text before the first call was streamed already
-            if calls:
-                for k, call in enumerate(calls):
-                    delta = {"tool_calls": [{"index": k, **_tool_call(call)}]}
-                    chunks.append(
-                        self._chunk({"index": event.index, "delta": delta, "logprobs": None, "finish_reason": None})
-                    )
-                reason = "tool_calls" if reason == "stop" else reason
-            elif len(text) > shown:
-                chunks.append(self._chunk(self._delta_choice(event.index, text[shown:], ())))
-        empty = {"delta": {}} if self.chat else {"text": ""}
-        chunks.append(self._chunk({"index": event.index, **empty, "logprobs": None, "finish_reason": reason}))
-        return chunks
+    def _tool_delta_choice(self, index: int, delta: ToolCallDelta, ids: list[str]) -> dict[str, Any]:
+        """A chunk choice carrying one tool-call delta (id, type and name on the call's first delta)."""
+        call: dict[str, Any] = {"index": delta.index, "function": {"arguments": delta.arguments}}
+        if delta.name is not None:
+            ids.append(_call_id())
+            call.update(id=ids[-1], type="function")
+            call["function"]["name"] = delta.name
+        return {"index": index, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}
 
     def _delta_choice(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
         if self.chat:
@@ -209,9 +209,12 @@ class Exchange:
         return f"data: {json.dumps(chunk)}\n\n"
 
 
-def _tool_call(call: Any) -> dict[str, Any]:
-    function = {"name": call.name, "arguments": call.arguments}
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": function}
+def _call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": _call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def _usage(done: Done) -> Usage:
