@@ -138,8 +138,8 @@ def test_batch_rows_equal_alone_with_mixed_settings(engine):
     assert all(job.cached_tokens > 0 for job in jobs)
 
 
-def test_worker_groups_requests_sharing_a_prefix(engine):
-    """Jobs queued within the window that share their first chunk run as one batch."""
+def test_worker_batches_requests_with_different_prefixes(engine):
+    """Jobs queued within the window run as one batch whatever their text; each row equals its greedy answer."""
     worker = Worker(engine, batch_window_s=0.3, max_batch_size=4)
     done = threading.Event()
     finished: list[Done] = []
@@ -151,8 +151,16 @@ def test_worker_groups_requests_sharing_a_prefix(engine):
                 done.set()
 
     shared = f"{SYSTEM} Ticket {uuid.uuid4().hex}."
-    for user in ("One.", "Two, please.", "Three?"):
-        worker.submit(Job(engine.encode(chat(user, shared)), JobParams(2, SamplingParams(temperature=0)), sink))
+    prompts = [chat("One.", shared), chat("Two, please.", shared), f"Unrelated {uuid.uuid4().hex}: the sky is"]
+    texts = [[] for _ in prompts]
+    for i, prompt in enumerate(prompts):
+
+        def row_sink(event, i=i) -> None:
+            if isinstance(event, Delta):
+                texts[i].append(event.text)
+            sink(event)
+
+        worker.submit(Job(engine.encode(prompt), JobParams(3, SamplingParams(temperature=0)), row_sink))
     worker.start()
     try:
         assert done.wait(60)
@@ -161,6 +169,7 @@ def test_worker_groups_requests_sharing_a_prefix(engine):
     registry = worker.metrics.registry
     assert registry.get_sample_value("kvboost_batch_size_count") == 1
     assert registry.get_sample_value("kvboost_batch_size_sum") == 3
+    assert ["".join(t) for t in texts] == [greedy(engine, p, 3) for p in prompts]
 
 
 # ---------------------------------------------------------------------------------------------- API

@@ -4,10 +4,11 @@ Why not ``engine.generate_batch``: a server batch mixes requests with different 
 token budgets and clients that may disconnect, and each one streams its own tokens. This module therefore drives
 ``engine.model`` forward by forward:
 
-* prefill: prompts are left-padded into one batch on a fresh :class:`~kvboost_hf.hf.cache.ChunkReuseCache` (the
-  cache's hooks stitch stored chunks and compute only the uncached tail). When several rows share a
-  chunk-aligned prefix whose chunks are not stored yet, that prefix is computed once (batch of one) and stored
-  first, so the batch prefill loads it from the store for every row instead of computing it once per row;
+* prefill: prompts (any prefixes) are left-padded into one batch on a fresh
+  :class:`~kvboost_hf.hf.cache.ChunkReuseCache` (the cache's hooks stitch stored chunks and compute only the
+  uncached tail). When several rows share a chunk-aligned prefix whose chunks are not stored yet, that prefix is
+  computed once (batch of one) and stored first, so the batch prefill loads it from the store for every row of
+  that group instead of computing it once per row;
 * decode: one forward per step for the rows still running; each row's logits go through its own transformers
   ``LogitsProcessorList`` (:mod:`kvboost_hf.hf.sampling`: penalties, bias, grammar, temperature, top-k/p, min-p),
   the row picks its token with its own seeded generator (temperature 0 = argmax, no division), checks its own
@@ -224,7 +225,7 @@ class Batch:
         salt = self.jobs[0].cache_salt
         prompts = [row.job.prompt_ids for row in self.rows]
         reuse = self.mode is not GenerationMode.BASELINE
-        shared_computed = self._store_shared_prefix(prompts, salt) if reuse else 0
+        shared_computed = self._store_shared_prefixes(prompts, salt) if reuse else [0] * len(prompts)
         self.cache = self.engine.new_cache(self.mode, salt) if reuse else DynamicCache()
         input_ids, self.mask = self.engine.left_pad(prompts)
         position_ids = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 1)
@@ -234,7 +235,7 @@ class Batch:
         for job in self.jobs:
             first = next(i for i, row in enumerate(self.rows) if row.job is job)
             cached = reuse[first].cached_tokens if first < len(reuse) else 0
-            job.cached_tokens = max(0, cached - shared_computed)
+            job.cached_tokens = max(0, cached - shared_computed[first])
         self.computed_tokens = sum(len(p) for p in prompts) - sum(j.cached_tokens * j.n for j in self.jobs)
         self._advance(logits)
 
@@ -276,6 +277,24 @@ class Batch:
                 logits_to_keep=1,
             )
         return out.logits[:, -1, :].float()
+
+    def _store_shared_prefixes(self, prompts: list[list[int]], salt: str | None) -> list[int]:
+        """For each group of rows with the same first chunk, store the chunk-aligned prefix they share once.
+
+        Returns, per row, the prompt tokens computed here for its group (then loaded by the batch prefill).
+        """
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for row, prompt in enumerate(prompts):
+            spans = chunk_spans(prompt, self.engine.chunking)
+            head = tuple(prompt[: spans[0][1]]) if spans else ()
+            groups.setdefault(head, []).append(row)
+        computed = [0] * len(prompts)
+        for head, rows in groups.items():
+            if head and len(rows) > 1:
+                shared = self._store_shared_prefix([prompts[row] for row in rows], salt)
+                for row in rows:
+                    computed[row] = shared
+        return computed
 
     def _store_shared_prefix(self, prompts: list[list[int]], salt: str | None) -> int:
         """Compute and store, once, the chunk-aligned prefix every row shares when it is not stored yet.

@@ -2,14 +2,16 @@
 
 Scheduling, per loop iteration:
 
-1. admission: pending jobs are grouped by ``(cache_salt, first chunk of the prompt)``. A group is admitted as
-   one :class:`~kvboost_hf.server.batching.Batch` once its oldest job has waited ``batch_window_s`` (or it
-   fills ``max_batch_size`` rows), while the rows of all running batches stay within ``max_batch_size``;
+1. admission: pending jobs are grouped by ``cache_salt`` (and, in ``CHUNK_KV_REUSE`` mode, by the first chunk of
+   the prompt), so prompts with different text share a batch and a decode step costs one forward per group, not
+   one per user. A group is admitted as one :class:`~kvboost_hf.server.batching.Batch` once its oldest job has
+   waited ``batch_window_s`` (or it fills ``max_batch_size`` rows), while the rows of all running batches stay
+   within ``max_batch_size``;
 2. exclusive calls (``warm``) run;
 3. new batches run their prefill, then every running batch makes one decode step.
 
-Batches with different prefixes (or tenants) therefore run concurrently, step by step, and a new request gets its
-first token after at most one decode step of each running batch instead of after their whole generation.
+Batches (admitted at different times, or of different tenants) run concurrently, step by step, and a new request
+gets its first token after at most one decode step of each running batch instead of after their whole generation.
 
 Invariants: only this thread touches the model; at most ``max_queue`` jobs wait for admission (``submit``
 raises :class:`Overloaded` beyond); an exception while running a batch fails that batch's jobs and nothing else.
@@ -237,6 +239,11 @@ class Worker:
         return Batch(self.engine, jobs, self.mode, self.tokenizer_lock, self.metrics.observe_token)
 
     def _group_key(self, job: Job) -> GroupKey:
+        """Jobs with the same key may share a batch: the same ``cache_salt`` (one cache namespace per batch); with
+        ``CHUNK_KV_REUSE`` also the same first chunk, since the cache repairs non-prefix hits of one-row batches
+        only and mixing prompts would lose those hits."""
+        if self.mode is not GenerationMode.CHUNK_KV_REUSE:
+            return (job.cache_salt,)
         spans = chunk_spans(job.prompt_ids, self.engine.chunking)
         head = tuple(job.prompt_ids[: spans[0][1]]) if spans else ("alone", id(job))
         return (job.cache_salt, *head)
