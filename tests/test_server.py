@@ -16,23 +16,15 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import torch
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.core.config import GenerationMode  # noqa: E402
-from kvboost_hf.server.app import ServerSettings, create_app  # noqa: E402
-from kvboost_hf.server.batching import (  # noqa: E402
-    Batch,
-    Delta,
-    Done,
-    Job,
-    SamplingParams,
-    pick_tokens,
-    visible_text,
-)
+from kvboost_hf.hf.sampling import SamplingParams  # noqa: E402
+from kvboost_hf.server.app import GracefulServer, ServerSettings, create_app  # noqa: E402
+from kvboost_hf.server.batching import Batch, Delta, Done, Job, JobParams, visible_text  # noqa: E402
 from kvboost_hf.server.worker import Worker  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -50,8 +42,10 @@ class LiveServer:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         self.app = app
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=30
+        )
+        self.server = GracefulServer(config, app.state.drain)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -112,15 +106,8 @@ def test_visible_text_cuts_exactly_and_holds_back_partial_stops():
     assert visible_text("caf\ufffd", ()) == ("caf", False)
 
 
-def test_pick_tokens_is_greedy_at_zero_and_safe_at_tiny_temperatures():
-    logits = torch.tensor([[1.0, 3.0, 2.0], [50.0, -1e4, 49.0]])
-    generators = [torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)]
-    assert pick_tokens(logits, [0.0, 0.0], [1.0, 1.0], generators) == [1, 0]
-    assert pick_tokens(logits, [1e-30, 1e-300], [1.0, 0.5], generators) == [1, 0]
-    assert pick_tokens(logits, [1.0, 1.0], [1e-6, 1e-300], generators) == [1, 0]  # top-p keeps the best token
-
-
 # ---------------------------------------------------------------------------------------------- batching core
+@pytest.mark.timeout(400)  # 9 generations on the embedded model; a busy shared CPU needs the room
 def test_batch_rows_equal_alone_with_mixed_settings(engine):
     """Rows of different lengths, budgets and sampling settings in one batch; greedy rows equal the engine."""
     shared = f"{SYSTEM} Session {uuid.uuid4().hex}."
@@ -129,27 +116,31 @@ def test_batch_rows_equal_alone_with_mixed_settings(engine):
     budgets = [6, 8, 5]
     expected = [greedy(engine, p, b) for p, b in zip(prompts, budgets, strict=True)]
     for _ in range(2):  # cold, then with the shared prefix and prompts stored
-        events: list[list] = [[], [], [], []]
+        events: list[list] = [[], [], [], [], []]
         jobs = [
-            Job(engine.encode(p), SamplingParams(max_tokens=b, temperature=0), events[i].append)
+            Job(engine.encode(p), JobParams(b, SamplingParams(temperature=0)), events[i].append)
             for i, (p, b) in enumerate(zip(prompts, budgets, strict=True))
         ]
         jobs.append(
-            Job(engine.encode(prompts[0]), SamplingParams(max_tokens=4, temperature=0.8, seed=3), events[3].append)
+            Job(engine.encode(prompts[0]), JobParams(4, SamplingParams(temperature=0.8, seed=3)), events[3].append)
         )
+        banana = engine.encode(" banana")[0]
+        forced = SamplingParams(temperature=0, logit_bias=((banana, 100.0),), repetition_penalty=1.3)
+        jobs.append(Job(engine.encode(prompts[1]), JobParams(3, forced), events[4].append))
         batch = Batch(engine, jobs, GenerationMode.PREFIX_CACHE, threading.Lock())
         batch.prefill()
         while not batch.done:
             batch.step()
         texts = ["".join(e.text for e in evs if isinstance(e, Delta)) for evs in events]
-        assert texts[:3] == expected
+        assert texts[:3] == expected  # unaffected by the other rows' settings
+        assert texts[4] == engine.tokenizer.decode([banana] * 3)
         assert all(isinstance(evs[-1], Done) for evs in events)
         assert events[3][-1].completion_tokens == 4
     assert all(job.cached_tokens > 0 for job in jobs)
 
 
-def test_worker_groups_requests_sharing_a_prefix(engine):
-    """Jobs queued within the window that share their first chunk run as one batch."""
+def test_worker_batches_requests_with_different_prefixes(engine):
+    """Jobs queued within the window run as one batch whatever their text; each row equals its greedy answer."""
     worker = Worker(engine, batch_window_s=0.3, max_batch_size=4)
     done = threading.Event()
     finished: list[Done] = []
@@ -161,15 +152,25 @@ def test_worker_groups_requests_sharing_a_prefix(engine):
                 done.set()
 
     shared = f"{SYSTEM} Ticket {uuid.uuid4().hex}."
-    for user in ("One.", "Two, please.", "Three?"):
-        worker.submit(Job(engine.encode(chat(user, shared)), SamplingParams(max_tokens=2, temperature=0), sink))
+    prompts = [chat("One.", shared), chat("Two, please.", shared), f"Unrelated {uuid.uuid4().hex}: the sky is"]
+    texts = [[] for _ in prompts]
+    for i, prompt in enumerate(prompts):
+
+        def row_sink(event, i=i) -> None:
+            if isinstance(event, Delta):
+                texts[i].append(event.text)
+            sink(event)
+
+        worker.submit(Job(engine.encode(prompt), JobParams(3, SamplingParams(temperature=0)), row_sink))
     worker.start()
     try:
         assert done.wait(60)
     finally:
         worker.shutdown(5)
-    assert worker.metrics.batch_size.samples()[-1] == "kvboost_batch_size_count 1"
-    assert "kvboost_batch_size_sum 3" in worker.metrics.batch_size.samples()
+    registry = worker.metrics.registry
+    assert registry.get_sample_value("kvboost_batch_size_count") == 1
+    assert registry.get_sample_value("kvboost_batch_size_sum") == 3
+    assert ["".join(t) for t in texts] == [greedy(engine, p, 3) for p in prompts]
 
 
 # ---------------------------------------------------------------------------------------------- API
@@ -263,7 +264,8 @@ def test_second_turn_reports_cached_tokens(client):
     ]
     second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached >= 16 and cached < second.usage.prompt_tokens
+    # the first turn's unfinished last chunk was stored too: all of its prompt is reused, not only whole chunks
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
 
 
 def test_cache_salt_isolates_tenants(client):
@@ -326,7 +328,33 @@ BAD_REQUESTS = {
     "unknown role": ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
     "too many stops": ({"model": MODEL, "messages": chat("hi"), "stop": list("abcde")}, 400, "stop"),
     "prompt too long": ({"model": MODEL, "messages": chat("word " * 9000), "max_tokens": 1}, 400, "context"),
+    "max_tokens as a string": ({"model": MODEL, "messages": chat("hi"), "max_tokens": "10"}, 400, "max_tokens"),
+    "max_tokens as a bool": ({"model": MODEL, "messages": chat("hi"), "max_tokens": True}, 400, "max_tokens"),
+    "stream as a string": ({"model": MODEL, "messages": chat("hi"), "stream": "yes"}, 400, "stream"),
+    "top_logprobs alone": ({"model": MODEL, "messages": chat("hi"), "top_logprobs": 2}, 400, "logprobs"),
+    "unsupported field": ({"model": MODEL, "messages": chat("hi"), "functions": []}, 400, "functions"),
+    "image part": (
+        {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "images are unsupported",
+    ),
+    "tool_choice without tools": ({"model": MODEL, "messages": chat("hi"), "tool_choice": "auto"}, 400, "tools"),
+    "bad schema": (
+        {
+            "model": MODEL,
+            "messages": chat("hi"),
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}},
+        },
+        400,
+        "nope",
+    ),
+    "logit_bias out of vocabulary": (
+        {"model": MODEL, "messages": chat("hi"), "logit_bias": {"999999": 1}},
+        400,
+        "vocab",
+    ),
 }
+PARAMS = {"max_tokens as a string": "max_tokens", "stream as a string": "stream", "image part": "messages.0.content"}
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
@@ -337,6 +365,19 @@ def test_bad_requests_get_openai_style_4xx(server, case):
     response = httpx.post(f"{server.url}/v1/chat/completions", content=content, headers=headers, timeout=30)
     assert response.status_code == status, response.text
     assert needle in response.json()["error"]["message"]
+    if case in PARAMS:
+        assert response.json()["error"]["param"].startswith(PARAMS[case])
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [({"echo": True}, "echo"), ({"suffix": "end"}, "suffix"), ({"best_of": 3}, "best_of")],
+)
+def test_unsupported_completion_options_are_rejected(server, body, needle):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    payload = {"model": MODEL, "prompt": "hi", "max_tokens": 1, **body}
+    response = httpx.post(f"{server.url}/v1/completions", json=payload, headers=headers, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == needle
 
 
 def test_disconnect_mid_stream_cancels_generation(server):
@@ -400,7 +441,7 @@ def test_openapi_document_fuzzing_finds_no_server_error(engine):
         model_name=MODEL, api_key=KEY, reuse_mode="chunk", max_tokens_limit=2, default_max_tokens=2
     )
     with LiveServer(create_app(engine, settings)) as live:
-        schema = schemathesis.openapi.from_url(f"{live.url}/openapi.json")
+        schema = schemathesis.openapi.from_url(f"{live.url}/openapi.json", headers={"Authorization": f"Bearer {KEY}"})
         statuses: dict[str, set[int]] = {}
         for result in schema.get_all_operations():
             operation = result.ok()
@@ -423,3 +464,232 @@ def test_openapi_document_fuzzing_finds_no_server_error(engine):
 
             check()
     assert 200 in statuses["/v1/chat/completions"] and 200 in statuses["/v1/completions"]  # generation was reached
+
+
+# ---------------------------------------------------------------------------------------------- sampling options
+def test_sampling_options_change_output_as_specified(engine, client):
+    prompt = "The three primary colors are"
+    greedy_ids = engine.encode(greedy(engine, prompt, 3))
+    base = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    target = engine.encode(" banana")[0]
+    forced = client.completions.create(**base, logit_bias={str(target): 100})
+    assert forced.choices[0].text == engine.tokenizer.decode([target] * 3)
+    stopped = client.completions.create(**base, extra_body={"stop_token_ids": [greedy_ids[0]]})
+    assert stopped.usage.completion_tokens == 1 and stopped.choices[0].finish_reason == "stop"
+    top1 = client.completions.create(**{**base, "temperature": 1.5}, extra_body={"top_k": 1})
+    assert top1.choices[0].text == greedy(engine, prompt, 3)
+    eos = sorted(engine.eos_token_ids)[0]
+    short = client.completions.create(**{**base, "max_tokens": 4}, logit_bias={str(eos): 100})
+    assert short.usage.completion_tokens == 1  # EOS forced at once
+    held = client.completions.create(
+        **{**base, "max_tokens": 6}, logit_bias={str(eos): 100}, extra_body={"min_tokens": 3}
+    )
+    assert held.usage.completion_tokens == 4  # EOS banned until 3 tokens exist, then forced
+    assert held.choices[0].finish_reason == "stop"
+    ignored = client.completions.create(
+        **{**base, "max_tokens": 4}, logit_bias={str(eos): 100}, extra_body={"ignore_eos": True}
+    )
+    assert ignored.usage.completion_tokens == 4 and ignored.choices[0].finish_reason == "length"
+
+
+# ---------------------------------------------------------------------------------------------- structured output
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_json_schema_and_json_object_outputs_parse(client):
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=chat("Give me a person as JSON."),
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+    )
+    person = json.loads(response.choices[0].message.content)
+    assert set(person) == {"name", "age"} and isinstance(person["name"], str) and isinstance(person["age"], int)
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=chat("Describe a cat as a JSON object."),
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_object"},
+        logit_bias={str(i): -5 for i in range(10)},  # rows keep their own settings under a grammar
+    )
+    if response.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(response.choices[0].message.content), dict)
+    else:  # cut by the budget: still a prefix of a JSON object
+        assert response.choices[0].message.content.startswith("{")
+
+
+def test_tool_calls_named_required_and_streamed(client):
+    messages = chat("What is the weather in Paris?")
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=64,
+        temperature=0,
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=64,
+        temperature=0,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        stream=True,
+    )
+    deltas, finish = [], None
+    for chunk in stream:
+        for c in chunk.choices:
+            deltas += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and deltas[0].function.name == "get_weather"
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == json.loads(call.function.arguments)
+    history = [
+        *messages,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=history, max_tokens=8, temperature=0, tools=[WEATHER_TOOL], tool_choice="none"
+    )
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+def test_instructor_gets_a_validated_object(server):
+    instructor = pytest.importorskip("instructor")
+    pydantic = pytest.importorskip("pydantic")
+
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=12)
+        country: str = pydantic.Field(max_length=12)
+
+    patched = instructor.from_openai(server.client(), mode=instructor.Mode.TOOLS)
+    city = patched.chat.completions.create(
+        model=MODEL,
+        messages=chat("Which city is the capital of France?"),
+        response_model=City,
+        max_tokens=80,
+        temperature=0,
+        max_retries=0,
+    )
+    assert isinstance(city, City) and city.name
+
+
+# ---------------------------------------------------------------------------------------------- endpoints
+def test_models_retrieve_tokenize_and_detokenize(server, client, engine):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    headers = {"Authorization": f"Bearer {KEY}"}
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello there"}, headers=headers, timeout=10).json()
+    assert tokens["tokens"] == engine.encode("Hello there") and tokens["count"] == len(tokens["tokens"])
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}, headers=headers, timeout=10)
+    assert text.json()["prompt"].endswith("Hello there")
+    messages = {"messages": chat("hi")}
+    chat_tokens = httpx.post(f"{server.url}/tokenize", json=messages, headers=headers, timeout=10).json()["tokens"]
+    assert chat_tokens == engine.encode(chat("hi"))
+
+
+# ---------------------------------------------------------------------------------------------- hardening
+def test_auth_before_body_and_body_limit(server):
+    # an unauthenticated request is refused from its headers: the (announced) 200 MB body is never read
+    announced = {"Content-Length": str(200 << 20), "Content-Type": "application/json"}
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        head = "".join(f"{k}: {v}\r\n" for k, v in announced.items())
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode() + b"{")
+        assert sock.recv(64).startswith(b"HTTP/1.1 401")
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(f"{server.url}{path}", timeout=10).status_code == 401
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    big = b'{"model": "x", "prompt": "' + b"a" * (5 << 20) + b'"}'
+    response = httpx.post(f"{server.url}/v1/completions", content=big, headers=headers, timeout=30)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
+
+
+def test_large_body_does_not_stall_other_clients(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "prompt": "word " * 700_000, "max_tokens": 1}  # 3.5 MB, under the 4 MB limit
+    results: list[httpx.Response] = []
+    sender = threading.Thread(
+        target=lambda: results.append(
+            httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
+        )
+    )
+    sender.start()
+    worst = 0.0
+    while sender.is_alive():
+        start = time.perf_counter()
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        worst = max(worst, time.perf_counter() - start)
+    sender.join()
+    assert results[0].status_code == 400 and results[0].json()["error"]["code"] == "context_length_exceeded"
+    assert worst < 1.0, worst
+
+
+def test_shutdown_ends_streams_and_requests_cleanly(engine):
+    live = LiveServer(create_app(engine, ServerSettings(model_name=MODEL, shutdown_grace_s=0.2))).__enter__()
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4,", "max_tokens": 200, "temperature": 0}
+    lines: list[str] = []
+    plain: list[httpx.Response] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{live.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            lines.extend(line for line in r.iter_lines() if line)
+
+    threads = [
+        threading.Thread(target=stream),
+        threading.Thread(target=lambda: plain.append(httpx.post(f"{live.url}/v1/completions", json=body, timeout=60))),
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while live.app.state.worker.running_rows < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    live.__exit__(None, None, None)
+    for thread in threads:
+        thread.join(30)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][len("data: ") :])["choices"][0]["finish_reason"] == "length"
+    assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "shutting_down"
+
+
+def test_retry_after_grows_with_the_queue(engine):
+    """Not started: jobs stay queued. Retry-After = rounds of max_batch_size queued jobs x a batch's wall time."""
+    from kvboost_hf.server.worker import Overloaded
+
+    worker = Worker(engine, max_batch_size=2)
+    ids = engine.encode("Hello")
+    advised = []
+    for depth in (2, 8):
+        worker.max_queue = depth
+        while worker.queue_depth < depth:
+            worker.submit(Job(ids, JobParams(1), lambda event: None))
+        with pytest.raises(Overloaded) as refused:
+            worker.submit(Job(ids, JobParams(1), lambda event: None))
+        advised.append(refused.value.retry_after_s)
+    assert advised == [2, 5]  # (1 + 2/2) and (1 + 8/2) rounds of the initial 1 s estimate

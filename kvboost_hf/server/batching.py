@@ -4,17 +4,20 @@ Why not ``engine.generate_batch``: a server batch mixes requests with different 
 token budgets and clients that may disconnect, and each one streams its own tokens. This module therefore drives
 ``engine.model`` forward by forward:
 
-* prefill: prompts are left-padded into one batch on a fresh :class:`~kvboost_hf.hf.cache.ChunkReuseCache` (the
-  cache's hooks stitch stored chunks and compute only the uncached tail). When several rows share a
-  chunk-aligned prefix whose chunks are not stored yet, that prefix is computed once (batch of one) and stored
-  first, so the batch prefill loads it from the store for every row instead of computing it once per row;
-* decode: one forward per step for the rows still running; each row picks its token with its own temperature,
-  top-p and seeded generator (temperature 0 = argmax, no division), checks its own stop strings, budget and
-  cancel event, and reports every token at once through its job's sink. Finished rows leave the batch.
+* prefill: prompts (any prefixes) are left-padded into one batch on a fresh
+  :class:`~kvboost_hf.hf.cache.ChunkReuseCache` (the cache's hooks stitch stored chunks and compute only the
+  uncached tail). When several rows share a chunk-aligned prefix whose chunks are not stored yet, that prefix is
+  computed once (batch of one) and stored first, so the batch prefill loads it from the store for every row of
+  that group instead of computing it once per row;
+* decode: one forward per step for the rows still running; each row's logits go through its own transformers
+  ``LogitsProcessorList`` (:mod:`kvboost_hf.hf.sampling`: penalties, bias, grammar, temperature, top-k/p, min-p),
+  the row picks its token with its own seeded generator (temperature 0 = argmax, no division), checks its own
+  end tokens, stop strings, budget and cancel event, and reports every token at once through its job's sink.
+  Finished rows leave the batch.
 
 Invariants: a row's positions and attention mask are exactly those ``generate()`` builds for a left-padded
-batch, so with temperature 0 each row yields the tokens it yields alone; stored chunks are flushed before a
-row leaves the batch, so nothing computed is lost.
+batch, so with temperature 0 each row yields the tokens it yields alone; stored chunks (and each row's unfinished
+last chunk, as ``engine.generate`` stores it) are saved before a row leaves the batch, so nothing computed is lost.
 """
 
 from __future__ import annotations
@@ -27,29 +30,30 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from kvboost_hf.core.chunking import chunk_spans
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.core.keys import chain_prefix_keys
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.cache import ChunkReuseCache
+from kvboost_hf.hf.sampling import SamplingParams, build_processors, choose_token
 
 logger = logging.getLogger(__name__)
-GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 # ---------------------------------------------------------------------------------------------------- job types
 @dataclass(frozen=True)
-class SamplingParams:
-    """Per-request decoding settings. ``temperature == 0`` is greedy; ``top_logprobs`` None = no logprobs."""
+class JobParams:
+    """Per-request settings: token budget, sampling (see :class:`~kvboost_hf.hf.sampling.SamplingParams`), stop
+    strings, logprobs (``top_logprobs`` None = none) and ``constraint``, a factory of a fresh per-row logits
+    processor (e.g. a grammar mask) given the prompt length in tokens."""
 
     max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
-    seed: int | None = None
     top_logprobs: int | None = None
+    constraint: Callable[[int], LogitsProcessor] | None = None
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,7 @@ class Job:
     must not block. ``arrival`` is a ``time.perf_counter()`` value (TTFT is measured from it)."""
 
     prompt_ids: list[int]
-    params: SamplingParams
+    params: JobParams
     sink: Callable[[Event], None]
     n: int = 1
     cache_salt: str | None = None
@@ -141,29 +145,6 @@ def visible_text(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     return text[:end], False
 
 
-def pick_tokens(
-    logits: torch.Tensor, temperatures: Sequence[float], top_ps: Sequence[float], generators: Sequence[torch.Generator]
-) -> list[int]:
-    """One token per row of ``logits`` ``[B, V]`` (float32): argmax for temperature 0 (and below
-    ``GREEDY_BELOW_TEMPERATURE``, the limit sampling tends to), else nucleus sampling at that row's temperature and
-    top-p with that row's generator. Never divides by zero or by a temperature that underflows in float32."""
-    chosen = logits.argmax(dim=-1).tolist()
-    for row, (temperature, top_p, generator) in enumerate(zip(temperatures, top_ps, generators, strict=True)):
-        if temperature < GREEDY_BELOW_TEMPERATURE:
-            continue
-        # shift before scaling: the best token gets 0, the rest -inf at worst, so a tiny temperature cannot
-        # overflow into inf - inf = NaN
-        probs = torch.softmax((logits[row] - logits[row].max()) / temperature, dim=-1)
-        if top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
-            outside[0] = False  # the best token always stays (top_p may underflow to 0 in float32)
-            sorted_probs[outside] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        chosen[row] = int(torch.multinomial(probs, 1, generator=generator))
-    return chosen
-
-
 # ---------------------------------------------------------------------------------------------------- the batch
 @dataclass(eq=False)
 class _Row:
@@ -172,6 +153,8 @@ class _Row:
     job: Job
     index: int
     generator: torch.Generator
+    processors: LogitsProcessorList
+    end_ids: set[int]
     tokens: list[int] = field(default_factory=list)
     shown: int = 0  # characters of the visible text already sent
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -205,18 +188,32 @@ class Batch:
         self.rows: list[_Row] = []
         for job in self.jobs:
             job.rows_left = job.n
+            sampling = job.params.sampling
             for index in range(job.n):
-                seed = job.params.seed + index if job.params.seed is not None else secrets.randbits(63)
-                self.rows.append(_Row(job, index, torch.Generator().manual_seed(seed)))
+                seed = sampling.seed + index if sampling.seed is not None else secrets.randbits(63)
+                constraint = job.params.constraint
+                processors = build_processors(
+                    sampling,
+                    len(job.prompt_ids),
+                    engine.eos_token_ids,
+                    [constraint(len(job.prompt_ids))] if constraint is not None else [],
+                )
+                end_ids = sampling.end_token_ids(engine.eos_token_ids)
+                self.rows.append(_Row(job, index, torch.Generator().manual_seed(seed), processors, end_ids))
         self.cache: ChunkReuseCache | DynamicCache | None = None
         self.mask = torch.empty(0)
         self.positions = torch.empty(0)
         self.computed_tokens = 0  # prompt tokens computed (not loaded), all rows
-        self.eos_ids = engine.eos_token_ids
+        self.started = time.perf_counter()
 
     @property
     def done(self) -> bool:
         return not self.rows
+
+    @property
+    def age_s(self) -> float:
+        """Seconds since the batch was formed."""
+        return time.perf_counter() - self.started
 
     @property
     def device(self) -> torch.device:
@@ -228,7 +225,7 @@ class Batch:
         salt = self.jobs[0].cache_salt
         prompts = [row.job.prompt_ids for row in self.rows]
         reuse = self.mode is not GenerationMode.BASELINE
-        shared_computed = self._store_shared_prefix(prompts, salt) if reuse else 0
+        shared_computed = self._store_shared_prefixes(prompts, salt) if reuse else [0] * len(prompts)
         self.cache = self.engine.new_cache(self.mode, salt) if reuse else DynamicCache()
         input_ids, self.mask = self.engine.left_pad(prompts)
         position_ids = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 1)
@@ -238,7 +235,7 @@ class Batch:
         for job in self.jobs:
             first = next(i for i, row in enumerate(self.rows) if row.job is job)
             cached = reuse[first].cached_tokens if first < len(reuse) else 0
-            job.cached_tokens = max(0, cached - shared_computed)
+            job.cached_tokens = max(0, cached - shared_computed[first])
         self.computed_tokens = sum(len(p) for p in prompts) - sum(j.cached_tokens * j.n for j in self.jobs)
         self._advance(logits)
 
@@ -264,9 +261,9 @@ class Batch:
         self.cache = None
 
     def close(self) -> None:
-        """Store what the cache computed and drop it."""
+        """Store what the cache computed (each row's unfinished last chunk included) and drop it."""
         if isinstance(self.cache, ChunkReuseCache):
-            self.cache.save()
+            self.cache.save(tail=True)
         self.cache = None
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -280,6 +277,24 @@ class Batch:
                 logits_to_keep=1,
             )
         return out.logits[:, -1, :].float()
+
+    def _store_shared_prefixes(self, prompts: list[list[int]], salt: str | None) -> list[int]:
+        """For each group of rows with the same first chunk, store the chunk-aligned prefix they share once.
+
+        Returns, per row, the prompt tokens computed here for its group (then loaded by the batch prefill).
+        """
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for row, prompt in enumerate(prompts):
+            spans = chunk_spans(prompt, self.engine.chunking)
+            head = tuple(prompt[: spans[0][1]]) if spans else ()
+            groups.setdefault(head, []).append(row)
+        computed = [0] * len(prompts)
+        for head, rows in groups.items():
+            if head and len(rows) > 1:
+                shared = self._store_shared_prefix([prompts[row] for row in rows], salt)
+                for row in rows:
+                    computed[row] = shared
+        return computed
 
     def _store_shared_prefix(self, prompts: list[list[int]], salt: str | None) -> int:
         """Compute and store, once, the chunk-aligned prefix every row shares when it is not stored yet.
@@ -313,9 +328,7 @@ class Batch:
     def _advance(self, logits: torch.Tensor) -> None:
         """Give every row its next token, report it, and drop the rows that finished."""
         params = [row.job.params for row in self.rows]
-        tokens = pick_tokens(
-            logits, [p.temperature for p in params], [p.top_p for p in params], [r.generator for r in self.rows]
-        )
+        tokens = [self._choose(row, logits[i : i + 1]) for i, row in enumerate(self.rows)]
         log_probs = torch.log_softmax(logits, dim=-1) if any(p.top_logprobs is not None for p in params) else None
         now = time.perf_counter()
         keep: list[int] = []
@@ -334,10 +347,17 @@ class Batch:
         if len(keep) < len(self.rows):
             self._select(keep)
 
+    def _choose(self, row: _Row, logits: torch.Tensor) -> int:
+        """The row's next token: its logits ``[1, V]`` through its own processors, then its own choice."""
+        if row.processors:
+            input_ids = torch.tensor([row.job.prompt_ids + row.tokens], device=logits.device)
+            logits = row.processors(input_ids, logits)
+        return choose_token(logits, row.job.params.sampling, row.generator)
+
     def _emit(self, row: _Row) -> str | None:
         """Send the row's newly visible text; return its finish reason, or None while it runs."""
         params = row.job.params
-        ended_by_eos = row.tokens[-1] in self.eos_ids
+        ended_by_eos = row.tokens[-1] in row.end_ids
         with self.tokenizer_lock:
             text = self.engine.tokenizer.decode(row.tokens, skip_special_tokens=True)
         visible, stopped = visible_text(text, params.stop)
@@ -366,7 +386,7 @@ class Batch:
 
     def _select(self, keep: list[int]) -> None:
         if isinstance(self.cache, ChunkReuseCache):
-            self.cache.save(tail=False)  # store the leaving rows' chunks first
+            self.cache.save(tail=True)  # store the leaving rows' chunks (and unfinished last chunks) first
         self.rows = [self.rows[i] for i in keep]
         if not keep:
             self.close()

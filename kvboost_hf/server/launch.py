@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serving.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     serving.add_argument("--default-max-tokens", type=int, default=256, help="budget when a request names none")
     serving.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens a request may ask")
+    serving.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (413 beyond)")
+    serving.add_argument("--shutdown-grace-s", type=float, default=10.0, help="time running requests get at shutdown")
     serving.add_argument(
         "--api-key", default=os.environ.get("KVBOOST_API_KEY"), help="required Bearer key (env KVBOOST_API_KEY)"
     )
@@ -56,7 +58,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvboost_hf import KVBoost
-    from kvboost_hf.server.app import ServerSettings, create_app
+    from kvboost_hf.server.app import GracefulServer, ServerSettings, create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads is not None:
@@ -85,6 +87,8 @@ def serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         default_max_tokens=args.default_max_tokens,
         max_tokens_limit=args.max_tokens_limit,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_grace_s=args.shutdown_grace_s,
     )
     app = create_app(engine, settings)
     config = uvicorn.Config(
@@ -92,10 +96,10 @@ def serve(args: argparse.Namespace) -> int:
         host=host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5,  # the worker drains first (GracefulServer)
     )
     try:
-        uvicorn.Server(config).run()
+        GracefulServer(config, app.state.drain).run()
     except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT after its graceful shutdown
         logger.info("server stopped")
     finally:

@@ -1,45 +1,126 @@
-"""Request and response bodies of the OpenAI-compatible API (the subset the server honours).
+"""Request and response bodies of the OpenAI-compatible API.
 
-Fields the server does not implement but clients commonly send (``presence_penalty``, ``tools``, ...) are
-ignored; fields it implements are validated here, so a bad value is a 400 naming the field.
+Requests are validated strictly: types are not coerced (``max_tokens: "10"`` or ``true`` and ``stream: "yes"``
+are 400s), and a field the server does not implement is a 400 naming it, never accepted and ignored. The
+extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos`` (as in
+vLLM) and ``cache_salt`` are accepted in the body (``extra_body`` in the openai SDK).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
 
-class TextPart(BaseModel):
-    """One part of a multi-part message content (text only)."""
-
-    type: Literal["text"] = "text"
-    text: str
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class ChatMessage(BaseModel):
+class ContentPart(BaseModel):
+    """One part of a multi-part message content; only ``text`` parts are supported."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ContentPart:
+        if self.type in ("image_url", "input_image", "image"):
+            raise ValueError("images are unsupported: this server's model reads text only")
+        if self.type != "text":
+            raise ValueError(f"content parts of type {self.type!r} are unsupported (text only)")
+        if self.text is None:
+            raise ValueError("a text part needs 'text'")
+        return self
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str = Field(description="JSON text of the arguments object")
+
+
+class ToolCallIn(_Strict):
+    """A tool call of an earlier assistant turn, as the API returned it."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _roles(self) -> ChatMessage:
+        if self.name is not None:
+            raise ValueError("message 'name' is unsupported (the chat template has no place for it)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text or "" for part in self.content)
         return self.content or ""
 
 
-class StreamOptions(BaseModel):
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaSpec(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema' and only then")
+        return self
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(_Strict):
     """Settings shared by both endpoints. ``max_tokens`` None = up to ``default_max_tokens`` of the server."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -51,6 +132,15 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(default=None, description="token id -> bias in [-100, 100]")
+    top_k: int = Field(default=0, ge=-1, description="Extension: keep the k most likely tokens (0 or -1: off).")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="Extension: drop tokens below min_p * top prob.")
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0, description="Extension: as in transformers.")
+    min_tokens: int = Field(default=0, ge=0, description="Extension: end tokens are banned until this many exist.")
+    stop_token_ids: list[int] | None = Field(default=None, description="Extension: token ids that end a choice.")
+    ignore_eos: bool = Field(default=False, description="Extension: EOS does not end a choice.")
     cache_salt: str | None = Field(
         default=None,
         max_length=256,
@@ -65,27 +155,50 @@ class _GenerationRequest(BaseModel):
             raise ValueError(f"stop must be up to {MAX_STOP_STRINGS} non-empty strings")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+        return value
+
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}]
+        }
+    )
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_GenerationRequest):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"model": "SmolLM2-135M-Instruct", "prompt": "Hi"}]})
+
     prompt: str | list[str] = Field(description="One prompt (lists of exactly one string are accepted).")
     max_tokens: int | None = Field(default=None, ge=1, description="default 16, as in the OpenAI API")
     logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = Field(default=False, description="only false is supported")
+    suffix: str | None = Field(default=None, description="unsupported: must be absent or empty")
+    best_of: int | None = Field(default=None, ge=1, description="only equal to n (no server-side selection)")
 
 
-class WarmRequest(BaseModel):
+class WarmRequest(_Strict):
     """Text to pre-load: a string, or chat messages (rendered without a generation prompt)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     text: str | None = None
     messages: list[ChatMessage] | None = None
@@ -98,6 +211,30 @@ class WarmResponse(BaseModel):
     chunk_size: int
     partial_tail_tokens: int
     alignment_warning: str | None = None
+
+
+class TokenizeRequest(_Strict):
+    """``prompt`` (tokenised as /v1/completions does) or ``messages`` (rendered as /v1/chat/completions does)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int | None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class PromptTokensDetails(BaseModel):

@@ -2,14 +2,16 @@
 
 Scheduling, per loop iteration:
 
-1. admission: pending jobs are grouped by ``(cache_salt, first chunk of the prompt)``. A group is admitted as
-   one :class:`~kvboost_hf.server.batching.Batch` once its oldest job has waited ``batch_window_s`` (or it
-   fills ``max_batch_size`` rows), while the rows of all running batches stay within ``max_batch_size``;
+1. admission: pending jobs are grouped by ``cache_salt`` (and, in ``CHUNK_KV_REUSE`` mode, by the first chunk of
+   the prompt), so prompts with different text share a batch and a decode step costs one forward per group, not
+   one per user. A group is admitted as one :class:`~kvboost_hf.server.batching.Batch` once its oldest job has
+   waited ``batch_window_s`` (or it fills ``max_batch_size`` rows), while the rows of all running batches stay
+   within ``max_batch_size``;
 2. exclusive calls (``warm``) run;
 3. new batches run their prefill, then every running batch makes one decode step.
 
-Batches with different prefixes (or tenants) therefore run concurrently, step by step, and a new request gets its
-first token after at most one decode step of each running batch instead of after their whole generation.
+Batches (admitted at different times, or of different tenants) run concurrently, step by step, and a new request
+gets its first token after at most one decode step of each running batch instead of after their whole generation.
 
 Invariants: only this thread touches the model; at most ``max_queue`` jobs wait for admission (``submit``
 raises :class:`Overloaded` beyond); an exception while running a batch fails that batch's jobs and nothing else.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +36,8 @@ from kvboost_hf.server.metrics import Metrics
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 GroupKey = tuple[Any, ...]
-RETRY_AFTER_S = 1  # what a 429 advises: about one batch window plus a few decode steps
+RETRY_AFTER_MAX_S = 600
+BATCH_SECONDS_WEIGHT = 0.2  # weight of the newest batch in the moving average behind Retry-After
 
 
 class Overloaded(RuntimeError):
@@ -86,6 +90,7 @@ class Worker:
         self._active: list[Batch] = []
         self._closing = False
         self._abort = False
+        self._batch_seconds = 1.0  # moving average of a batch's wall time, from prefill to its last row
         self._thread = threading.Thread(target=self._run, name="kvboost-model-worker", daemon=True)
 
     # ------------------------------------------------------------------ public API (any thread)
@@ -102,10 +107,10 @@ class Worker:
         """Rows (choices) in running batches."""
         return sum(len(batch.rows) for batch in self._active)
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: Prompt, *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a rendered prompt (raises ValueError on an empty or malformed prompt)."""
         with self.tokenizer_lock:
-            return self.engine.encode(prompt)
+            return self.engine.encode(prompt, add_generation_prompt=add_generation_prompt)
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; its events reach ``job.sink`` from the worker thread.
@@ -118,9 +123,15 @@ class Worker:
             if self._closing:
                 raise ShuttingDown("server is shutting down")
             if len(self._pending) >= self.max_queue:
-                raise Overloaded(len(self._pending), RETRY_AFTER_S)
+                raise Overloaded(len(self._pending), self.retry_after_s())
             self._pending.append((self._group_key(job), job))
             self._cond.notify()
+
+    def retry_after_s(self) -> int:
+        """Seconds until the queue has likely moved on: the waiting jobs, ``max_batch_size`` rows at a time, each
+        round taking as long as a batch recently took (at least 1 s)."""
+        rounds = 1 + len(self._pending) / self.max_batch_size
+        return max(1, min(RETRY_AFTER_MAX_S, math.ceil(rounds * self._batch_seconds)))
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run ``fn`` on the worker thread between decode steps (model work outside generation, e.g. warm)."""
@@ -161,11 +172,13 @@ class Worker:
                         future.set_exception(exc)
             for batch in admitted:
                 self._guarded(batch, batch.prefill)
-                self.metrics.prompt_tokens.inc(batch.computed_tokens, "computed")
-                self.metrics.prompt_tokens.inc(sum(j.cached_tokens * j.n for j in batch.jobs), "loaded")
+                self.metrics.prompt_tokens.labels("computed").inc(batch.computed_tokens)
+                self.metrics.prompt_tokens.labels("loaded").inc(sum(j.cached_tokens * j.n for j in batch.jobs))
             for batch in self._active:
                 if not batch.done:
                     self._guarded(batch, batch.step)
+                if batch.done:
+                    self._batch_seconds += BATCH_SECONDS_WEIGHT * (batch.age_s - self._batch_seconds)
             with self._cond:
                 self._active = [batch for batch in self._active if not batch.done]
         logger.info("model worker stopped")
@@ -176,7 +189,7 @@ class Worker:
                 action()
         except Exception as exc:
             logger.exception("batch of %d rows failed", len(batch.rows))
-            self.metrics.errors.inc(1, "worker", "500")
+            self.metrics.errors.labels("worker", "500").inc()
             batch.fail(f"generation failed: {type(exc).__name__}: {exc}")
 
     def _next_work(self) -> tuple[list[Batch], list[tuple[Callable[[], Any], concurrent.futures.Future]]] | None:
@@ -226,6 +239,11 @@ class Worker:
         return Batch(self.engine, jobs, self.mode, self.tokenizer_lock, self.metrics.observe_token)
 
     def _group_key(self, job: Job) -> GroupKey:
+        """Jobs with the same key may share a batch: the same ``cache_salt`` (one cache namespace per batch); with
+        ``CHUNK_KV_REUSE`` also the same first chunk, since the cache repairs non-prefix hits of one-row batches
+        only and mixing prompts would lose those hits."""
+        if self.mode is not GenerationMode.CHUNK_KV_REUSE:
+            return (job.cache_salt,)
         spans = chunk_spans(job.prompt_ids, self.engine.chunking)
         head = tuple(job.prompt_ids[: spans[0][1]]) if spans else ("alone", id(job))
         return (job.cache_salt, *head)

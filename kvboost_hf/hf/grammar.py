@@ -1,0 +1,204 @@
+"""Constrained decoding with xgrammar: JSON (any object or a schema) and tool calls, as a logits processor.
+
+:class:`GrammarCompiler` compiles, once per constraint (xgrammar caches compiled grammars), the grammar of
+
+* ``json_object``: any JSON object; ``json_schema``: JSON valid against a schema (compact, no free whitespace);
+* tool calls in the Hermes tag format ``<tool_call>{"name": "NAME", "arguments": {...}}</tool_call>``, where the
+  arguments follow the tool's parameter schema: ``auto`` allows free text and dispatches into a call when the model
+  writes ``<tool_call>``; ``required`` (and a named tool) allows nothing but calls.
+
+:class:`GrammarProcessor` is a transformers ``LogitsProcessor`` for ONE row: before each step it feeds the
+row's newly generated tokens to its matcher and masks every token the grammar forbids (the end tokens included
+until the grammar is complete). :func:`parse_tool_calls` reads the calls back out of the generated text.
+
+Invariant: a row constrained by a processor can only produce text the grammar accepts (or a prefix of it when its
+token budget runs out first).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xgrammar
+from transformers import LogitsProcessor, PreTrainedTokenizerBase
+
+TOOL_CALL_BEGIN = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+_TOOL_CALL = re.compile(re.escape(TOOL_CALL_BEGIN) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
+_ARGUMENTS_END = "}" + TOOL_CALL_END
+
+
+def _call_header(name: str) -> str:
+    """The fixed text the grammar forces before a call's arguments object."""
+    return f'{TOOL_CALL_BEGIN}{{"name": {json.dumps(name)}, "arguments": '
+
+
+_HEADER = re.compile(re.escape(_call_header("NAME")).replace("NAME", r"([A-Za-z0-9_-]+)"))
+
+
+class GrammarError(ValueError):
+    """A schema or tool definition the grammar engine cannot compile (the message names the problem)."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A callable function offered to the model: its name and the JSON schema of its arguments."""
+
+    name: str
+    parameters: dict[str, Any]
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call parsed from generated text; ``arguments`` is the JSON text of the arguments object."""
+
+    name: str
+    arguments: str
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer; thread-safe. ``vocab_size`` = the model's logit width."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+        self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self._compiler = xgrammar.GrammarCompiler(self.info)
+        self._lock = threading.Lock()
+
+    def json_object(self) -> xgrammar.CompiledGrammar:
+        """Any JSON object."""
+        return self.json_schema({"type": "object"})
+
+    def json_schema(self, schema: dict[str, Any]) -> xgrammar.CompiledGrammar:
+        """JSON valid against ``schema`` (raises GrammarError when the schema cannot be compiled)."""
+        return self._compile(lambda: self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False))
+
+    def tool_calls(self, tools: Sequence[Tool], *, required: bool, parallel: bool) -> xgrammar.CompiledGrammar:
+        """Calls of ``tools`` in the tag format; free text around them unless ``required``; at most one call
+        unless ``parallel``."""
+        if not tools:
+            raise GrammarError("no tools to call")
+        tags = [
+            {
+                "type": "tag",
+                "begin": _call_header(tool.name),
+                "content": {"type": "json_schema", "json_schema": tool.parameters},
+                "end": _ARGUMENTS_END,
+            }
+            for tool in tools
+        ]
+        if required:
+            layout = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True}
+        else:
+            layout = {"type": "triggered_tags", "triggers": [TOOL_CALL_BEGIN], "tags": tags}
+        structural = {"type": "structural_tag", "format": {**layout, "stop_after_first": not parallel}}
+        return self._compile(lambda: self._compiler.compile_structural_tag(json.dumps(structural)))
+
+    def processor(self, grammar: xgrammar.CompiledGrammar, prompt_length: int) -> GrammarProcessor:
+        """A fresh processor (own matcher state) for one row whose prompt has ``prompt_length`` tokens."""
+        return GrammarProcessor(grammar, prompt_length, self.info.vocab_size)
+
+    def _compile(self, compile_fn: Any) -> xgrammar.CompiledGrammar:
+        try:
+            with self._lock:
+                return compile_fn()
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise GrammarError(f"cannot compile the constraint: {exc}".strip()) from exc
+
+
+class GrammarProcessor(LogitsProcessor):
+    """Masks the tokens ``grammar`` forbids for one row (``input_ids`` ``[1, L]``, prompt first). The end tokens
+    stay masked until the grammar is complete, and once it is complete they are the only tokens allowed."""
+
+    def __init__(self, grammar: xgrammar.CompiledGrammar, prompt_length: int, vocab_size: int) -> None:
+        self.matcher = xgrammar.GrammarMatcher(grammar)
+        self.prompt_length = prompt_length
+        self.consumed = 0
+        self.bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[0, self.prompt_length :].tolist()
+        for token in generated[self.consumed :]:
+            if not self.matcher.accept_token(token):
+                raise RuntimeError(f"token {token} violates the grammar (the mask was bypassed)")
+        self.consumed = len(generated)
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        masked = scores.clone()
+        xgrammar.apply_token_bitmask_inplace(masked, self.bitmask.to(masked.device))
+        return masked
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """``(text outside the calls, calls)`` of generated text in the tag format. A call whose JSON does not parse
+    (cut by the token budget) stays in the text."""
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    position = 0
+    for match in _TOOL_CALL.finditer(text):
+        try:
+            payload = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+            continue
+        kept.append(text[position : match.start()])
+        position = match.end()
+        calls.append(ToolCall(payload["name"], json.dumps(payload.get("arguments", {}))))
+    kept.append(text[position:])
+    return "".join(kept).strip(), calls
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """New text of call ``index``: its ``name`` on the first delta of the call (else None), then argument text."""
+
+    index: int
+    name: str | None
+    arguments: str
+
+
+class ToolCallStream:
+    """Incremental reading of a growing generated text in the grammar's tag format: the content before the first
+    call (a possible start of a tag held back) and, per call, its name then its argument text as it grows (the
+    closing ``}</tool_call>`` held back). ``update`` is given the whole text so far each time."""
+
+    def __init__(self) -> None:
+        self.content_sent = 0
+        self.arguments_sent: list[int] = []
+
+    def update(self, text: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """``(new content, new call deltas)``; with ``final`` nothing is held back any more."""
+        first = text.find(TOOL_CALL_BEGIN)
+        content = text if first < 0 else text[:first]
+        if first < 0 and not final:
+            content = content[: len(content) - _held_back(content, TOOL_CALL_BEGIN)]
+        new_content = content[self.content_sent :]
+        self.content_sent = max(self.content_sent, len(content))
+        deltas: list[ToolCallDelta] = []
+        for index, match in enumerate(_HEADER.finditer(text)):
+            rest = text[match.end() :]
+            end = rest.find(_ARGUMENTS_END)
+            arguments = (
+                rest[:end] if end >= 0 else rest if final else rest[: len(rest) - _held_back(rest, _ARGUMENTS_END)]
+            )
+            if index == len(self.arguments_sent):
+                self.arguments_sent.append(0)
+                deltas.append(ToolCallDelta(index, match.group(1), ""))
+            if len(arguments) > self.arguments_sent[index]:
+                deltas.append(ToolCallDelta(index, None, arguments[self.arguments_sent[index] :]))
+                self.arguments_sent[index] = len(arguments)
+        return new_content, deltas
+
+
+def _held_back(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that is a proper prefix of ``marker`` (it may still become it)."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:size]):
+            return size
+    return 0

@@ -1,0 +1,123 @@
+"""Per-row token choice on transformers' logits processors.
+
+:func:`build_processors` turns one request's OpenAI-style sampling settings into a transformers
+``LogitsProcessorList`` (usable by ``generate(logits_processor=...)`` as well as by a decode loop of one's own), and
+:func:`choose_token` picks the next token of one row from the processed scores with that row's generator.
+
+Invariants: processors see ``input_ids`` = prompt + generated tokens of one row (``[1, L]``) and scores ``[1, V]``;
+penalties that OpenAI defines on the completion (presence, frequency) skip the prompt, ``repetition_penalty`` covers
+prompt and completion (as in transformers and vLLM); a greedy row (temperature below :data:`GREEDY_BELOW_TEMPERATURE`)
+takes the argmax and never divides by its temperature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding settings of one row.
+
+    ``temperature`` 0 = greedy; ``top_k`` 0 = off; ``min_p`` 0 = off; ``presence_penalty`` / ``frequency_penalty``
+    are subtracted from the logit of every token already generated (once / per occurrence, OpenAI semantics);
+    ``repetition_penalty`` > 1 divides positive (multiplies negative) logits of tokens seen in prompt or output;
+    ``logit_bias`` pairs ``(token id, bias)`` are added to the logits; ``min_tokens`` bans the end tokens (EOS and
+    ``stop_token_ids``) until that many tokens exist; ``stop_token_ids`` end the row like EOS; with ``ignore_eos``
+    EOS does not end it; ``seed`` seeds the row's generator (None = random).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    def end_token_ids(self, eos_token_ids: Iterable[int]) -> set[int]:
+        """Token ids that end this row: the stop ids, plus EOS unless ``ignore_eos``."""
+        return set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+
+
+class PresenceFrequencyPenalty(LogitsProcessor):
+    """OpenAI's additive penalties over the generated tokens only (``input_ids[:, prompt_length:]``):
+    ``logit -= frequency * count + presence * (count > 0)``."""
+
+    def __init__(self, presence: float, frequency: float, prompt_length: int) -> None:
+        self.presence, self.frequency, self.prompt_length = presence, frequency, prompt_length
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[:, self.prompt_length :]
+        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+def build_processors(
+    params: SamplingParams,
+    prompt_length: int,
+    eos_token_ids: Iterable[int],
+    constraints: Sequence[LogitsProcessor] = (),
+) -> LogitsProcessorList:
+    """The row's processors, in this order: logit bias, repetition / presence / frequency penalties, min_tokens,
+    ``constraints`` (e.g. a grammar mask), then (sampling rows only) temperature, top-k, top-p, min-p.
+
+    ``prompt_length`` is the number of prompt tokens at the start of the ``input_ids`` the processors will see.
+    """
+    processors = LogitsProcessorList()
+    if params.logit_bias:
+        processors.append(SequenceBiasLogitsProcessor([[[token], bias] for token, bias in params.logit_bias]))
+    if params.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+    if params.presence_penalty or params.frequency_penalty:
+        processors.append(PresenceFrequencyPenalty(params.presence_penalty, params.frequency_penalty, prompt_length))
+    if params.min_tokens > 0:
+        ends = sorted(set(params.stop_token_ids) | set(eos_token_ids))
+        processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, params.min_tokens, ends))
+    processors.extend(constraints)
+    if not params.greedy:
+        if params.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(params.temperature))
+        if params.top_k > 0:
+            processors.append(TopKLogitsWarper(params.top_k))
+        if params.top_p < 1.0:
+            processors.append(TopPLogitsWarper(params.top_p))
+        if params.min_p > 0.0:
+            processors.append(MinPLogitsWarper(params.min_p))
+    return processors
+
+
+def choose_token(scores: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """The next token of one row from its processed scores ``[1, V]``: argmax when greedy, else a draw from the
+    softmax with ``generator``. Raises ValueError when the processors left no token allowed."""
+    if not torch.isfinite(scores).any():
+        raise ValueError("every token is masked: the sampling settings and constraints exclude each other")
+    if params.greedy:
+        return int(scores.argmax(dim=-1))
+    probs = torch.softmax(scores.float(), dim=-1)
+    return int(torch.multinomial(probs[0], 1, generator=generator))

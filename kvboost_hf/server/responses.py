@@ -1,0 +1,247 @@
+"""From a running job's events to the HTTP answer: one JSON body, or SSE chunks sent as the tokens come.
+
+The worker reports through ``job.sink`` from its own thread; :class:`Exchange` moves each event onto the event
+loop with ``loop.call_soon_threadsafe`` (no second event loop) and builds the OpenAI bodies from them.
+
+Tool calls: when the request offered tools, the text of each choice is parsed for ``<tool_call>`` tags
+(:func:`~kvboost_hf.hf.grammar.parse_tool_calls`); the calls are answered as ``tool_calls`` with
+``finish_reason: "tool_calls"``. While streaming, the text before the first tag is sent as content as it comes
+(a partial tag is held back), then each call as tool-call deltas: its id and name first, then its argument text
+as the tokens come (:class:`~kvboost_hf.hf.grammar.ToolCallStream`).
+
+A choice ended by a shutdown (reason "cancelled") ends a stream with ``finish_reason: "length"`` (the answer is
+cut short), usage and ``[DONE]``; a non-streaming request gets a 503 error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from kvboost_hf.hf.grammar import ToolCall, ToolCallDelta, ToolCallStream, parse_tool_calls
+from kvboost_hf.server.admission import Prepared
+from kvboost_hf.server.batching import Delta, Done, Event, Failed, Finished, Job, TokenLogprob
+from kvboost_hf.server.errors import ApiError
+from kvboost_hf.server.schemas import ChatCompletion, Completion, Usage
+from kvboost_hf.server.worker import Overloaded, ShuttingDown, Worker
+
+logger = logging.getLogger(__name__)
+DISCONNECT_POLL_S = 0.25
+SHUTDOWN_REASON = "cancelled"
+
+
+class Exchange:
+    """One generation request from submission to its last event."""
+
+    def __init__(self, request: Request, prepared: Prepared, model_name: str, arrival: float) -> None:
+        self.request, self.prepared, self.model_name = request, prepared, model_name
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def sink(event: Event) -> None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+                loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+        self.job = Job(
+            prepared.prompt_ids, prepared.params, sink, n=prepared.n, cache_salt=prepared.cache_salt, arrival=arrival
+        )
+        self.chat = prepared.kind == "chat"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.want_logprobs = prepared.params.top_logprobs is not None
+
+    async def respond(self, worker: Worker) -> ChatCompletion | Completion | StreamingResponse:
+        try:
+            worker.submit(self.job)
+        except Overloaded as exc:
+            headers = {"Retry-After": str(exc.retry_after_s)}
+            raise ApiError(429, str(exc), code="rate_limit_exceeded", headers=headers) from exc
+        except ShuttingDown as exc:
+            raise ApiError(503, str(exc), code="shutting_down") from exc
+        if self.prepared.stream:
+            return StreamingResponse(self._sse(), media_type="text/event-stream")
+        return await self._collect()
+
+    async def _events(self, watch_disconnect: bool) -> AsyncIterator[Event]:
+        """The job's events until Done or Failed; cancels the job when the consumer stops early."""
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+                except TimeoutError:
+                    if watch_disconnect and await self.request.is_disconnected():
+                        logger.info("client of %s went away; cancelling", self.id)
+                        return
+                    continue
+                yield event
+                if isinstance(event, Done | Failed):
+                    return
+        finally:
+            self.job.cancel.set()
+
+    # ------------------------------------------------------------------ one body
+    async def _collect(self) -> ChatCompletion | Completion:
+        n = self.prepared.n
+        texts, reasons = [""] * n, ["stop"] * n
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        done: Done | None = None
+        async for event in self._events(watch_disconnect=True):
+            if isinstance(event, Delta):
+                texts[event.index] += event.text
+                logprobs[event.index] += event.logprobs
+            elif isinstance(event, Finished):
+                reasons[event.index] = event.reason
+            elif isinstance(event, Done):
+                done = event
+            else:
+                raise ApiError(event.status, event.message, code="generation_failed")
+        if done is None:
+            raise ApiError(499, "client disconnected")
+        if SHUTDOWN_REASON in reasons:
+            raise ApiError(503, "the server shut down before the answer was complete", code="shutting_down")
+        usage = _usage(done)
+        if self.chat:
+            choices = []
+            for i in range(n):
+                message, reason = self._message(texts[i], reasons[i])
+                lp = _chat_logprobs(logprobs[i]) if self.want_logprobs else None
+                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
+            return ChatCompletion(id=self.id, created=self.created, model=self.model_name, usage=usage, choices=choices)
+        return Completion(
+            id=self.id,
+            created=self.created,
+            model=self.model_name,
+            usage=usage,
+            choices=[
+                {
+                    "index": i,
+                    "text": texts[i],
+                    "logprobs": _completion_logprobs(logprobs[i]) if self.want_logprobs else None,
+                    "finish_reason": reasons[i],
+                }
+                for i in range(n)
+            ],
+        )
+
+    def _message(self, text: str, reason: str) -> tuple[dict[str, Any], str]:
+        """The assistant message of one choice and its finish reason (tool calls parsed when tools were offered)."""
+        if not self.prepared.tool_calls:
+            return {"role": "assistant", "content": text}, reason
+        content, calls = parse_tool_calls(text)
+        if not calls:
+            return {"role": "assistant", "content": text}, reason
+        message = {"role": "assistant", "content": content or None, "tool_calls": [_tool_call(c) for c in calls]}
+        return message, "tool_calls" if reason == "stop" else reason
+
+    # ------------------------------------------------------------------ SSE
+    async def _sse(self) -> AsyncIterator[str]:
+        """SSE ``data:`` lines: one chunk per event as soon as it arrives, then ``[DONE]``."""
+        n = self.prepared.n
+        texts = [""] * n
+        calls = [ToolCallStream() for _ in range(n)]
+        call_ids: list[list[str]] = [[] for _ in range(n)]
+        if self.chat:
+            for i in range(n):
+                delta = {"role": "assistant", "content": ""}
+                yield self._chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None})
+        async for event in self._events(watch_disconnect=False):
+            if isinstance(event, Delta | Finished):
+                i = event.index
+                if isinstance(event, Delta):
+                    texts[i] += event.text
+                if not self.prepared.tool_calls:
+                    if isinstance(event, Delta):
+                        yield self._chunk(self._delta_choice(i, event.text, event.logprobs))
+                else:  # tools offered: content before the first call, then the calls as they grow
+                    content, deltas = calls[i].update(texts[i], final=isinstance(event, Finished))
+                    if content:
+                        yield self._chunk(self._delta_choice(i, content, ()))
+                    for delta in deltas:
+                        yield self._chunk(self._tool_delta_choice(i, delta, call_ids[i]))
+                if isinstance(event, Finished):
+                    reason = "length" if event.reason == SHUTDOWN_REASON else event.reason
+                    if reason == "stop" and self.prepared.tool_calls and parse_tool_calls(texts[i])[1]:
+                        reason = "tool_calls"
+                    empty = {"delta": {}} if self.chat else {"text": ""}
+                    yield self._chunk({"index": i, **empty, "logprobs": None, "finish_reason": reason})
+            elif isinstance(event, Done):
+                if self.prepared.include_usage:
+                    yield self._chunk(None, _usage(event).model_dump())
+            else:
+                yield f"data: {json.dumps(ApiError(event.status, event.message, code='generation_failed').body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    def _tool_delta_choice(self, index: int, delta: ToolCallDelta, ids: list[str]) -> dict[str, Any]:
+        """A chunk choice carrying one tool-call delta (id, type and name on the call's first delta)."""
+        call: dict[str, Any] = {"index": delta.index, "function": {"arguments": delta.arguments}}
+        if delta.name is not None:
+            ids.append(_call_id())
+            call.update(id=ids[-1], type="function")
+            call["function"]["name"] = delta.name
+        return {"index": index, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}
+
+    def _delta_choice(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+        if self.chat:
+            lp = _chat_logprobs(list(logprobs)) if self.want_logprobs else None
+            return {"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
+        lp = _completion_logprobs(list(logprobs)) if self.want_logprobs else None
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": None}
+
+    def _chunk(self, choice: dict[str, Any] | None, usage: Any = None) -> str:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model_name,
+            "choices": [] if choice is None else [choice],
+        }
+        if self.prepared.include_usage:
+            chunk["usage"] = usage
+        return f"data: {json.dumps(chunk)}\n\n"
+
+
+def _call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": _call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _usage(done: Done) -> Usage:
+    return Usage(
+        prompt_tokens=done.prompt_tokens,
+        completion_tokens=done.completion_tokens,
+        total_tokens=done.prompt_tokens + done.completion_tokens,
+        prompt_tokens_details={"cached_tokens": done.cached_tokens},
+    )
+
+
+def _token_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def _chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    return {
+        "content": [
+            {**_token_entry(e.token, e.logprob), "top_logprobs": [_token_entry(t, lp) for t, lp in e.top]}
+            for e in entries
+        ]
+    }
+
+
+def _completion_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict(e.top) for e in entries],
+    }

@@ -1,0 +1,110 @@
+"""The HTTP routes: OpenAI endpoints (models, chat and text completions), tokenize/detokenize, warm, health and
+metrics. Authentication and the body limit are checked before a route runs (see :mod:`kvboost_hf.server.app`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+
+from kvboost_hf.engine import InferenceEngine, Prompt
+from kvboost_hf.server.admission import Admission, plain_messages
+from kvboost_hf.server.errors import ApiError
+from kvboost_hf.server.metrics import CONTENT_TYPE, Metrics
+from kvboost_hf.server.responses import Exchange
+from kvboost_hf.server.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    WarmRequest,
+    WarmResponse,
+)
+from kvboost_hf.server.settings import ServerSettings
+from kvboost_hf.server.worker import ShuttingDown, Worker
+
+ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
+
+
+def register_routes(
+    app: FastAPI,
+    engine: InferenceEngine,
+    settings: ServerSettings,
+    worker: Worker,
+    admission: Admission,
+    metrics: Metrics,
+) -> None:
+    """Add every route to ``app``."""
+    created = int(time.time())
+    card = ModelCard(id=settings.model_name, created=created)
+
+    @app.get("/health", responses=ERRORS)
+    async def health() -> dict[str, Any]:
+        """Liveness (no API key needed): queue depth and running rows."""
+        return {"status": "ok", "queue_depth": worker.queue_depth, "running_rows": worker.running_rows}
+
+    @app.get("/metrics", responses=ERRORS)
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", responses=ERRORS)
+    async def models() -> ModelList:
+        return ModelList(data=[card])
+
+    @app.get("/v1/models/{model_id}", responses=ERRORS)
+    async def model(model_id: str) -> ModelCard:
+        admission.check_model(model_id)
+        return card
+
+    @app.post("/tokenize", responses=ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        """Token ids of a prompt (as /v1/completions tokenises it) or of chat messages (as chat renders them)."""
+        admission.check_model(body.model)
+        tokens = await admission.tokenize(body.prompt, body.messages, body.add_generation_prompt)
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_context)
+
+    @app.post("/detokenize", responses=ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        admission.check_model(body.model)
+        return DetokenizeResponse(prompt=await admission.detokenize(body.tokens))
+
+    @app.post("/v1/warm", responses=ERRORS)
+    async def warm(body: WarmRequest) -> WarmResponse:
+        """Pre-load a text (or chat messages) so later prompts starting with it hit the cache."""
+        if (body.text is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of 'text' or 'messages'", param="text")
+        prompt: Prompt = body.text if body.text is not None else plain_messages(body.messages or [])
+        try:
+            result = await asyncio.wrap_future(worker.call(lambda: engine.warm(prompt, cache_salt=body.cache_salt)))
+        except ShuttingDown as exc:
+            raise ApiError(503, str(exc)) from exc
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="text") from exc
+        return WarmResponse(
+            chunks_stored=result.chunks_stored,
+            token_count=result.token_count,
+            chunk_size=result.chunk_size,
+            partial_tail_tokens=result.partial_tail_tokens,
+            alignment_warning=result.alignment_warning,
+        )
+
+    @app.post("/v1/chat/completions", responses=ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> ChatCompletion:
+        arrival = time.perf_counter()
+        prepared = await admission.chat(body)
+        return await Exchange(request, prepared, settings.model_name, arrival).respond(worker)  # type: ignore[return-value]
+
+    @app.post("/v1/completions", responses=ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Completion:
+        arrival = time.perf_counter()
+        prepared = await admission.completion(body)
+        return await Exchange(request, prepared, settings.model_name, arrival).respond(worker)  # type: ignore[return-value]

@@ -1,0 +1,37 @@
+"""Server settings and the reuse modes a server can run in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvboost_hf.core.config import GenerationMode
+
+REUSE_MODES = {
+    "off": GenerationMode.BASELINE,  # plain K/V per request
+    "prefix": GenerationMode.PREFIX_CACHE,  # exact prefix hits: outputs equal no reuse, batched or alone
+    "chunk": GenerationMode.CHUNK_KV_REUSE,  # also repaired non-prefix hits (approximate, single-row batches)
+}
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Server behaviour.
+
+    ``reuse_mode``: a key of ``REUSE_MODES``; ``batch_window_ms``: how long a request may wait for others sharing
+    its prefix; ``max_batch_size``: rows generated at once; ``max_queue``: requests waiting before 429;
+    ``default_max_tokens``: budget when a request names none; ``max_tokens_limit``: largest budget a request may
+    ask for (None: up to the context); ``shutdown_grace_s``: time in-flight requests get to finish at shutdown
+    before they are ended (streams with a final chunk, others with an error body); ``max_body_bytes``: largest
+    request body (413 beyond, checked before the body is parsed).
+    """
+
+    model_name: str = "SmolLM2-135M-Instruct"
+    api_key: str | None = None
+    reuse_mode: str = "prefix"
+    batch_window_ms: float = 10.0
+    max_batch_size: int = 8
+    max_queue: int = 64
+    default_max_tokens: int = 256
+    max_tokens_limit: int | None = None
+    shutdown_grace_s: float = 10.0
+    max_body_bytes: int = 4 << 20
