@@ -253,3 +253,28 @@ def test_bad_models_are_refused():
     enable_layer_streaming(model)
     with pytest.raises(ValueError, match="already enabled"):
         enable_layer_streaming(model)
+
+
+@pytest.mark.slow
+def test_embedded_engine_streamed_equals_resident(embedded_engine):
+    from kvboost_hf import KVBoost
+
+    engine = KVBoost.from_pretrained(chunk_size=64, streaming=LayerStreaming(keep_first_k=2, keep_last_k=3))
+    handle = layer_streamer(engine.model)
+    assert handle.streamed_indices == list(range(2, 27))
+    layers = decoder_layers(engine.model)
+    document = "The Eiffel Tower is in Paris. " * 12
+    question = "Where is the Eiffel Tower? Answer in one word."
+    for mode in ("baseline", "chunk_kv_reuse", "chunk_kv_reuse"):  # the second reuse call hits the stored chunks
+        expected = embedded_engine.generate([document, question], 12, mode=mode)
+        got = engine.generate([document, question], 12, mode=mode)
+        assert got.output_ids == expected.output_ids, mode
+        assert got.cached_tokens == expected.cached_tokens
+        per_forward = sum(tensor_bytes(layers[i]) for i in handle.streamed_indices)
+        assert got.streamed_bytes >= got.generated_tokens * per_forward
+        assert got.streamed_bytes_per_token == got.streamed_bytes / got.generated_tokens
+        assert expected.streamed_bytes is None
+    assert got.cached_tokens > 0
+    stats = engine.cache_stats()
+    assert stats["streaming_streamed_layers"] == 25 and stats["streaming_bytes_per_forward"] == per_forward
+    assert stats["streaming_bytes_streamed"] > 0 and "streaming_bytes_streamed" not in embedded_engine.cache_stats()
