@@ -148,6 +148,7 @@ class _StreamedLayer:
             self.host[start : start + flat.numel()].copy_(flat)
         self.host_views = self.views(self.host)
         self.slot_views: list[list[torch.Tensor]] = []
+        self.verified = False  # a forward ran and left the layer's tensors as bound
         self.bind(self.host_views)
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
@@ -161,6 +162,17 @@ class _StreamedLayer:
     def bind(self, views: list[torch.Tensor]) -> None:
         for ref, view in zip(self.refs, views, strict=True):
             ref.bind(view)
+
+    def changed(self, views: list[torch.Tensor]) -> bool:
+        """True when the module's tensors are no longer exactly ``views`` (a forward created or replaced some,
+        e.g. a quantized linear layer repacking its weights lazily)."""
+        current = owned_tensors(self.module)
+        if len(current) != len(views):
+            return True
+        return any(
+            t.data_ptr() != v.data_ptr() or t.shape != v.shape or t.dtype != v.dtype
+            for (*_, t), v in zip(current, views, strict=True)
+        )
 
 
 class _StreamHook(ModelHook):
@@ -325,7 +337,12 @@ class LayerStreamer:
 
     def _after_layer(self, order: int) -> None:
         slot = self._layer_slot[order]
-        if slot is not None:
+        if slot is None:
+            return
+        if not self.layers[order].verified:
+            self._adopt(order, slot)
+            self.layers[order].verified = True
+        else:
             self._release(slot)
 
     def _start_forward(self) -> None:
@@ -333,18 +350,51 @@ class LayerStreamer:
         for slot, state in enumerate(self._slot_state):
             if state.running:
                 logger.debug("streamed layer %d did not return (exception); releasing its slot", state.owner)
-                self._release(slot)
+                if self.layers[state.owner].verified:
+                    self._release(slot)
+                else:
+                    self._adopt(state.owner, slot)
         self._stats.forwards += 1
         self._forward_bytes = 0
         if self._cuda is not None:
             self._resolve_waits(block=False)
 
-    def _release(self, slot: int) -> None:
+    def _adopt(self, order: int, slot: int) -> None:
+        """After a layer's first forward: if it created or replaced tensors (lazy repacking), pack its current
+        tensors into a new host buffer (growing the slots if needed); then release its slot."""
+        layer = self.layers[order]
+        if not layer.changed(layer.slot_views[slot]):
+            self._release(slot)
+            return
+        logger.debug("streamed layer %d changed its tensors in its first forward; repacking it", layer.index)
+        self._release(slot, rebind=False)
+        fresh = _StreamedLayer(layer.index, layer.module, layer.host.is_pinned())
+        self.layers[order] = fresh
+        if fresh.nbytes > self.slots[0].numel():
+            self._grow_slots(fresh.nbytes)
+        else:
+            fresh.slot_views = [fresh.views(s) for s in self.slots]
+        self._stats.bytes_per_forward = sum(x.tensor_bytes for x in self.layers)
+
+    def _grow_slots(self, size: int) -> None:
+        """Reallocate every slot with ``size`` bytes (rare: after a lazy repack grew a layer); drops prefetches."""
+        if self._cuda is not None:
+            self._cuda.copy_stream.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
+        for slot in range(len(self.slots)):
+            self._release(slot)
+        self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in self.slots]
+        for layer in self.layers:
+            layer.slot_views = [layer.views(s) for s in self.slots]
+        self._stats.slot_bytes = size * len(self.slots)
+
+    def _release(self, slot: int, rebind: bool = True) -> None:
         state = self._slot_state[slot]
         if self._cuda is not None:
             self._cuda.free[slot].record(torch.cuda.current_stream(self.device))
         if state.owner is not None:
-            self.layers[state.owner].bind(self.layers[state.owner].host_views)
+            if rebind:
+                self.layers[state.owner].bind(self.layers[state.owner].host_views)
             self._layer_slot[state.owner] = None
         state.owner, state.running = None, False
 
