@@ -278,3 +278,42 @@ def test_embedded_engine_streamed_equals_resident(embedded_engine):
     stats = engine.cache_stats()
     assert stats["streaming_streamed_layers"] == 25 and stats["streaming_bytes_per_forward"] == per_forward
     assert stats["streaming_bytes_streamed"] > 0 and "streaming_bytes_streamed" not in embedded_engine.cache_stats()
+
+
+class LazyRepackLinear(torch.nn.Linear):
+    """Like quantized linear layers that repack on their first forward: the weight buffer is replaced by another
+    dtype and a plain tensor attribute appears."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "packed" not in vars(self):
+            self.packed = torch.cat([self.weight.detach().t(), self.weight.detach().t()], dim=1).double()
+            self.register_buffer("half_bias", self.weight.detach().sum(dim=1).half())
+        weight = self.packed[:, : self.out_features].t().to(x.dtype)
+        return x @ weight.t() + self.half_bias.to(x.dtype) * 0.0
+
+
+def with_lazy_layers(model):
+    for layer in decoder_layers(model):
+        lazy = LazyRepackLinear(layer.mlp.down_proj.in_features, layer.mlp.down_proj.out_features, bias=False)
+        lazy.load_state_dict(layer.mlp.down_proj.state_dict())
+        layer.mlp.down_proj = lazy
+    return model
+
+
+def test_tensors_created_in_a_first_forward_are_streamed_too():
+    resident = with_lazy_layers(make_tiny_model("llama", num_hidden_layers=LAYERS))
+    streamed = with_lazy_layers(make_tiny_model("llama", num_hidden_layers=LAYERS))
+    handle = enable_layer_streaming(streamed, LayerStreaming(keep_first_k=1, num_slots=2))
+    before = handle.stats()
+    ids = prompt()
+    expected, expected_logits = greedy(resident, ids)
+    got, logits = greedy(streamed, ids)
+    assert torch.equal(got, expected) and torch.equal(logits, expected_logits)
+    after = handle.stats()
+    down = decoder_layers(streamed)[3].mlp.down_proj
+    grown = down.packed.numel() * 8 + down.half_bias.numel() * 2
+    assert after.bytes_per_forward == before.bytes_per_forward + 5 * grown
+    assert after.last_forward_bytes == after.bytes_per_forward and after.slot_bytes > before.slot_bytes
+    slots = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in handle.slots]
+    assert not any(lo <= down.packed.data_ptr() < hi for lo, hi in slots)  # bound to its host copy again
+    assert torch.equal(greedy(streamed, ids)[0], expected)

@@ -77,7 +77,10 @@ def quantize_linear(weight: torch.Tensor, group_size: int) -> dict[str, torch.Te
     groups = weight.detach().float().t().reshape(in_features // group_size, group_size, out_features)
     low = groups.amin(dim=1).clamp(max=0.0)
     high = groups.amax(dim=1).clamp(min=0.0)
-    scales = ((high - low).clamp(min=1e-5) / MAX_CODE).half()
+    exact = (high - low).clamp(min=1e-5) / MAX_CODE
+    scales = exact.half()
+    # round the stored scale up, so that the group's range still fits in 16 steps (error <= half a step)
+    scales = torch.where(scales.float() < exact, torch.nextafter(scales, torch.full_like(scales, torch.inf)), scales)
     scale = scales.float()
     zeros = (-torch.round(low / scale)).clamp(0, MAX_CODE)
     codes = (torch.round(groups / scale[:, None]) + zeros[:, None]).clamp(0, MAX_CODE)
