@@ -30,7 +30,7 @@ from kvboost_hf.bench.common import machine_info, parser_for, save_results
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.offload import LayerStreaming, enable_layer_streaming, layer_streamer
 
-PROMPT = "Explain in a few sentences why the sky looks blue during the day and red at sunset."
+PROMPT = [{"role": "user", "content": "Explain in a few sentences why the sky looks blue and sunsets red."}]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
