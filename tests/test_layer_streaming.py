@@ -317,3 +317,19 @@ def test_tensors_created_in_a_first_forward_are_streamed_too():
     slots = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in handle.slots]
     assert not any(lo <= down.packed.data_ptr() < hi for lo, hi in slots)  # bound to its host copy again
     assert torch.equal(greedy(streamed, ids)[0], expected)
+
+
+def test_server_metrics_expose_the_streaming_counters():
+    from types import SimpleNamespace
+
+    from kvboost_hf.server.app import _register_scraped
+    from kvboost_hf.server.metrics import Metrics
+
+    _, streamed, handle = model_pair(keep_first_k=1)
+    greedy(streamed, prompt(), new=2)
+    metrics = Metrics()
+    worker = SimpleNamespace(queue_depth=0, running_rows=0)
+    _register_scraped(metrics, worker, SimpleNamespace(model=streamed, cache_stats=dict))
+    text = metrics.render()
+    assert f"kvboost_streamed_bytes_total {handle.stats().bytes_streamed:g}" in text
+    assert "kvboost_streamed_layer_reloads_total 1" in text and "kvboost_streamed_wait_seconds_total" in text

@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.engine import InferenceEngine, Prompt
+from kvboost_hf.offload import layer_streamer
 from kvboost_hf.server.batching import Delta, Done, Event, Failed, Finished, Job, SamplingParams, TokenLogprob
 from kvboost_hf.server.metrics import Metrics, Scraped
 from kvboost_hf.server.schemas import (
@@ -465,6 +466,13 @@ def _completion_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
+STREAMING_METRICS = (
+    ("kvboost_streamed_bytes_total", "bytes_streamed", "Bytes of streamed decoder layers copied to the device."),
+    ("kvboost_streamed_layer_reloads_total", "reloads", "Streamed layers copied when about to run (no prefetch)."),
+    ("kvboost_streamed_wait_seconds_total", "wait_seconds", "Seconds the compute waited on layer copies."),
+)
+
+
 def _register_scraped(metrics: Metrics, worker: Worker, engine: InferenceEngine) -> None:
     metrics.add_scraped(
         Scraped("kvboost_queue_depth", "Requests waiting for admission.", lambda: {(): worker.queue_depth})
@@ -486,6 +494,11 @@ def _register_scraped(metrics: Metrics, worker: Worker, engine: InferenceEngine)
             kind="counter",
         )
     )
+    streamer = layer_streamer(engine.model)
+    if streamer is not None:  # layer streaming: counters of the copies
+        for name, field, help_text in STREAMING_METRICS:
+            read = lambda f=field: {(): getattr(streamer.stats(), f)}  # noqa: E731
+            metrics.add_scraped(Scraped(name, help_text, read, kind="counter"))
 
 
 def _install_error_handlers(app: FastAPI) -> None:
