@@ -111,6 +111,12 @@ def owned_tensors(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, s
     return [entry for owner in module.modules() for entry in _direct_tensors(owner)]
 
 
+def _unique_bytes(entries: list[tuple[torch.nn.Module, str, str, torch.Tensor]], aligned: bool = False) -> int:
+    """Bytes of the distinct tensors in ``entries`` (each rounded up to :data:`ALIGNMENT` if ``aligned``)."""
+    unique = {id(entry[3]): entry[3] for entry in entries}.values()
+    return sum(_aligned(_tensor_bytes(t)) if aligned else _tensor_bytes(t) for t in unique)
+
+
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The model's list of decoder layers (a ``ModuleList`` named layers/h/blocks of ``num_hidden_layers``)."""
     config = model.config.get_text_config(decoder=True)
@@ -228,9 +234,9 @@ class LayerStreamer:
             raise ValueError(
                 f"keep_first_k + keep_last_k = {first + last} exceeds the model's {len(layers)} decoder layers"
             )
-        layer_bytes = [sum(_aligned(_tensor_bytes(t)) for *_, t in owned_tensors(layer)) for layer in layers]
+        layer_bytes = [_unique_bytes(owned_tensors(layer), aligned=True) for layer in layers]
         streamed_ids = {id(m) for layer in layers for m in layer.modules()}
-        other_bytes = sum(_tensor_bytes(t) for *_, t in self._tensors_outside(streamed_ids))
+        other_bytes = _unique_bytes(self._tensors_outside(streamed_ids))
         first = self._choose_keep_first(layer_bytes, other_bytes, first, len(layers) - last)
         streamed = list(range(first, len(layers) - last))
         pin = settings.pin_memory and self.device.type == "cuda"
@@ -276,17 +282,8 @@ class LayerStreamer:
 
     # ------------------------------------------------------------------ setup
     def _tensors_outside(self, streamed_ids: set[int]) -> list[tuple[torch.nn.Module, str, str, torch.Tensor]]:
-        """Tensors of modules that are not part of a streamed layer, each tensor once."""
-        seen: set[int] = set()
-        found = []
-        for module in self.model.modules():
-            if id(module) in streamed_ids:
-                continue
-            for entry in _direct_tensors(module):
-                if id(entry[3]) not in seen:
-                    seen.add(id(entry[3]))
-                    found.append(entry)
-        return found
+        """Every place a tensor is held by a module that is not part of a streamed layer (shared tensors repeat)."""
+        return [entry for m in self.model.modules() if id(m) not in streamed_ids for entry in _direct_tensors(m)]
 
     def _choose_keep_first(self, layer_bytes: list[int], other_bytes: int, first: int, stop: int) -> int:
         """``keep_first_k``, raised as far as the device budget allows (unchanged without a budget)."""
@@ -310,12 +307,12 @@ class LayerStreamer:
 
     def _move_resident(self, streamed_ids: set[int]) -> int:
         """Move every tensor outside the streamed layers to the device; returns their bytes."""
-        total = 0
+        moved: dict[int, torch.Tensor] = {}  # shared (e.g. tied) tensors move once and stay shared
         for owner, name, kind, tensor in self._tensors_outside(streamed_ids):
-            moved = tensor.data.to(self.device)
-            _TensorRef(owner, name, kind, 0, (), tensor.dtype).bind(moved)
-            total += _tensor_bytes(moved)
-        return total
+            if id(tensor) not in moved:
+                moved[id(tensor)] = tensor.data.to(self.device)
+            _TensorRef(owner, name, kind, 0, (), tensor.dtype).bind(moved[id(tensor)])
+        return sum(_tensor_bytes(t) for t in moved.values())
 
     # ------------------------------------------------------------------ hot path
     def _before_layer(self, order: int) -> None:
