@@ -333,3 +333,27 @@ def test_server_metrics_expose_the_streaming_counters():
     text = metrics.render()
     assert f"kvboost_streamed_bytes_total {handle.stats().bytes_streamed:g}" in text
     assert "kvboost_streamed_layer_reloads_total 1" in text and "kvboost_streamed_wait_seconds_total" in text
+
+
+def test_other_accelerate_hooks_survive_and_device_map_offload_is_refused():
+    from accelerate.hooks import AlignDevicesHook, ModelHook, add_hook_to_module
+
+    class Counting(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Counting.calls += 1
+            return args, kwargs
+
+    resident, streamed, _ = model_pair()
+    add_hook_to_module(decoder_layers(streamed)[2], Counting(), append=True)  # after the streamer's
+    ids = prompt()
+    disable_layer_streaming(streamed)
+    handle = enable_layer_streaming(streamed, LayerStreaming())  # now before the streamer's
+    assert torch.equal(greedy(streamed, ids)[0], greedy(resident, ids)[0])
+    handle.close()
+    greedy(streamed, ids, new=1)
+    assert Counting.calls == 8 + 1  # kept through both closes
+    add_hook_to_module(decoder_layers(resident)[0], AlignDevicesHook(execution_device="cpu"))
+    with pytest.raises(ValueError, match="device_map offload"):
+        enable_layer_streaming(resident)

@@ -220,7 +220,7 @@ class LayerStreamer:
     def __init__(self, model: torch.nn.Module, settings: LayerStreaming) -> None:
         if getattr(model, _STREAMER_ATTRIBUTE, None) is not None:
             raise ValueError("layer streaming is already enabled on this model; close() it first")
-        if any(isinstance(getattr(m, "_hf_hook", None), AlignDevicesHook) for m in model.modules()):
+        if any(isinstance(h, AlignDevicesHook) for m in model.modules() for h in _hooks_of(m)):
             raise ValueError(
                 "the model has accelerate device_map offload hooks; load it without device_map to stream its layers"
             )
@@ -478,11 +478,17 @@ class LayerStreamer:
         self.layers, self.slots, self._hooks = [], [], []
 
 
+def _hooks_of(module: torch.nn.Module) -> list[ModelHook]:
+    """The accelerate hooks attached to ``module``, in order."""
+    current = getattr(module, "_hf_hook", None)
+    if current is None:
+        return []
+    return list(current.hooks) if isinstance(current, SequentialHook) else [current]
+
+
 def _detach_hook(module: torch.nn.Module, hook: ModelHook) -> None:
     """Remove ``hook`` from ``module``, keeping any other accelerate hooks in their order."""
-    current = getattr(module, "_hf_hook", None)
-    chain = current.hooks if isinstance(current, SequentialHook) else [current]
-    others = [h for h in chain if h is not None and h is not hook]
+    others = [h for h in _hooks_of(module) if h is not hook]
     remove_hook_from_module(module)
     for other in others:
         add_hook_to_module(module, other, append=True)
