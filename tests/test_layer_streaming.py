@@ -40,6 +40,12 @@ def greedy(model, ids, cache=None, new=8):
     return out.sequences, torch.stack(out.logits, 1)
 
 
+def reuse_cache(store, model, starts=(), strategy=None, write_back=True):
+    """A ChunkReuseCache with chunks of CHUNK tokens (``strategy``: repair 30% of the reused tokens that way)."""
+    repair = {"recompute_strategy": strategy, "recompute_ratio": 0.3} if strategy else {}
+    return ChunkReuseCache(store, model, chunk_size=CHUNK, segment_starts=starts, write_back=write_back, **repair)
+
+
 def prompt(length: int = 40, seed: int = 0) -> torch.Tensor:
     return torch.randint(1, 128, (1, length), generator=torch.Generator().manual_seed(seed))
 
@@ -150,7 +156,7 @@ def test_exact_prefix_hits_with_chunk_reuse_cache():
     expected, expected_logits = greedy(resident, ids)
     store = ChunkStore(1 << 26)
     for attempt in range(2):  # the first call stores, the second reuses
-        cache = ChunkReuseCache(store, streamed, chunk_size=CHUNK)
+        cache = reuse_cache(store, streamed)
         got, logits = greedy(streamed, ids, cache)
         assert torch.equal(got, expected), f"attempt {attempt}"
         assert (logits - expected_logits).abs().max() < 1e-4
@@ -160,20 +166,12 @@ def test_exact_prefix_hits_with_chunk_reuse_cache():
 
 def warm_and_reuse(model, store, docs, question, strategy):
     for doc in docs:
-        cache = ChunkReuseCache(store, model, chunk_size=CHUNK, segment_starts=[0, len(doc)])
+        cache = reuse_cache(store, model, starts=[0, len(doc)])
         model(doc[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache.flush()
     parts = [docs[1], docs[0], question]
     starts = [0, len(parts[0]), len(parts[0]) + len(parts[1])]
-    cache = ChunkReuseCache(
-        store,
-        model,
-        chunk_size=CHUNK,
-        segment_starts=starts,
-        recompute_strategy=strategy,
-        recompute_ratio=0.3,
-        write_back=False,
-    )
+    cache = reuse_cache(store, model, starts, strategy, write_back=False)
     return (*greedy(model, torch.cat(parts)[None], cache), cache.last_reuse[0])
 
 
