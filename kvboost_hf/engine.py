@@ -115,10 +115,12 @@ class InferenceEngine:
 
         ``device`` defaults to CUDA when available; ``dtype`` to float32 on CPU and bfloat16 on GPU. The other
         arguments are those of the constructor. ``streaming``: load the weights into host memory and stream the
-        decoder layers it chooses to ``streaming.device`` (``device`` is then ignored; see :mod:`kvboost_hf.offload`).
+        decoder layers it chooses to ``streaming.device`` (default ``device``; see :mod:`kvboost_hf.offload`).
         """
         if streaming is not None:
-            model, tokenizer, _ = load_streamed_model(model_name_or_path, streaming, dtype=dtype, strict=strict)
+            model, tokenizer, _ = load_streamed_model(
+                model_name_or_path, streaming, device=device, dtype=dtype, strict=strict
+            )
         else:
             model, tokenizer = load_model_and_tokenizer(model_name_or_path, device=device, dtype=dtype, strict=strict)
         return cls(

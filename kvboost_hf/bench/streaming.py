@@ -122,9 +122,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         device_bytes(engine.model, device) if device.type == "cuda" else stats.resident_bytes + stats.slot_bytes
     )
     handle.close()
-    bound_gbps = bandwidth.get("h2d_pinned_gbps", bandwidth.get("memcpy_gbps"))
-    per_token = streamed["streamed_bytes_per_token"]
-    bound = bound_gbps * 1e9 / per_token
+    bound_gbps = float(bandwidth.get("h2d_pinned_gbps", bandwidth.get("memcpy_gbps", 0.0)))
+    bound = bound_gbps * 1e9 / streamed["streamed_bytes_per_token"]
     return {
         "machine": machine_info(device),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -16,12 +17,15 @@ def load_streamed_model(
     model_name_or_path: str | os.PathLike | None,
     streaming: LayerStreaming,
     *,
+    device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
     strict: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, LayerStreamer]:
     """Load on the CPU (no ``device_map``: no competing offload hooks), then stream the layers chosen by
-    ``streaming`` to ``streaming.device``. ``dtype`` defaults to bfloat16 for a CUDA target, else float32;
-    a quantized checkpoint keeps its packed weights and its own compute dtype for the rest."""
+    ``streaming`` to ``streaming.device`` (or ``device`` when that is unset). ``dtype`` defaults to bfloat16
+    for a CUDA target, else float32; a quantized checkpoint keeps its packed weights."""
+    if streaming.device is None and device is not None:
+        streaming = dataclasses.replace(streaming, device=device)
     target = streaming.target_device
     if dtype is None:
         dtype = torch.bfloat16 if target.type == "cuda" else torch.float32

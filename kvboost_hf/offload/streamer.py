@@ -78,7 +78,9 @@ class _TensorRef:
 
     def bind(self, tensor: torch.Tensor) -> None:
         if self.kind == "parameter":
-            self.module._parameters[self.name].data = tensor
+            parameter = self.module._parameters[self.name]
+            assert parameter is not None, "a bound parameter is never removed"
+            parameter.data = tensor
         elif self.kind == "buffer":
             self.module._buffers[self.name] = tensor
         else:
@@ -95,7 +97,9 @@ def _aligned(nbytes: int) -> int:
 
 def _direct_tensors(owner: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str, torch.Tensor]]:
     """``(owner, name, kind, tensor)`` for the tensors ``owner`` itself holds (kind: parameter, buffer, attribute)."""
-    found = [(owner, n, "parameter", p) for n, p in owner._parameters.items() if p is not None]
+    found: list[tuple[torch.nn.Module, str, str, torch.Tensor]] = [
+        (owner, n, "parameter", p) for n, p in owner._parameters.items() if p is not None
+    ]
     found += [(owner, n, "buffer", b) for n, b in owner._buffers.items() if b is not None]
     found += [
         (owner, n, "attribute", t)
@@ -119,7 +123,7 @@ def _unique_bytes(entries: list[tuple[torch.nn.Module, str, str, torch.Tensor]],
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The model's list of decoder layers (a ``ModuleList`` named layers/h/blocks of ``num_hidden_layers``)."""
-    config = model.config.get_text_config(decoder=True)
+    config = model.config.get_text_config(decoder=True)  # type: ignore[union-attr, operator]
     count = int(config.num_hidden_layers)
     for name, module in model.named_modules():
         is_list = isinstance(module, torch.nn.ModuleList) and len(module) == count
@@ -345,7 +349,7 @@ class LayerStreamer:
     def _start_forward(self) -> None:
         """A new forward: release slots of layers that raised, resolve finished wait timings."""
         for slot, state in enumerate(self._slot_state):
-            if state.running:
+            if state.running and state.owner is not None:
                 logger.debug("streamed layer %d did not return (exception); releasing its slot", state.owner)
                 if self.layers[state.owner].verified:
                     self._release(slot)
@@ -434,6 +438,7 @@ class LayerStreamer:
 
     def _resolve_waits(self, block: bool) -> None:
         """Add the measured waits of finished events to ``wait_seconds`` (``block``: synchronise first)."""
+        assert self._cuda is not None, "only CUDA copies are timed with events"
         pending = self._cuda.pending_waits
         if block and pending:
             pending[-1][1].synchronize()
