@@ -15,8 +15,9 @@ norms, ``lm_head`` and biases are kept in float16. The output uses the AWQ "GEMM
 * ``weight[o, i] = (q[i, o] - zeros[i // G, o]) * scales[i // G, o]``.
 
 There is no calibration (activation-aware scaling): this is plain round-to-nearest, a fast approximation
-(SmolLM2-135M: perplexity 14.5 in fp32, 20.4 after this packing). Tensors are processed one at a time, so memory
-stays near the size of the largest tensor plus one output shard.
+(SmolLM2-135M on 768 tokens of the bundled corpus: perplexity 14.1 in fp32, 18.1 after this packing). Each
+group's range is widened to include zero and its fp16 scale rounded up, so every weight is within half a step.
+Tensors are processed one at a time, so memory stays near the size of the largest tensor plus one output shard.
 """
 
 from __future__ import annotations
