@@ -22,6 +22,8 @@ from kvboost_hf.core.keys import model_digest
 from kvboost_hf.hf.cache import ChunkReuseCache, RowReuse
 from kvboost_hf.hf.generation import CancelCriteria, TokenTimer
 from kvboost_hf.hf.models import check_model_support, load_model_and_tokenizer
+from kvboost_hf.offload import LayerStreaming, layer_streamer
+from kvboost_hf.offload.loading import load_streamed_model
 from kvboost_hf.results import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
 from kvboost_hf.store.chunk_store import ChunkStore
 
@@ -99,14 +101,22 @@ class InferenceEngine:
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
         strict: bool = True,
+        streaming: LayerStreaming | None = None,
         **options: Any,
     ) -> InferenceEngine:
         """Load a model by hub name or local directory (``None``: the embedded SmolLM2-135M-Instruct) and wrap it.
 
-        ``device`` defaults to CUDA when available; ``dtype`` to float32 on CPU and bfloat16 on GPU. ``options``
-        are the constructor's keyword arguments (``chunk_size``, ``recompute_strategy``, ``max_cache_bytes``, ...).
+        ``device`` defaults to CUDA when available; ``dtype`` to float32 on CPU and bfloat16 on GPU. ``streaming``:
+        load the weights into host memory and stream the decoder layers it chooses to ``streaming.device``
+        (default ``device``; see :mod:`kvboost_hf.offload`). ``options`` are the constructor's keyword arguments
+        (``chunk_size``, ``recompute_strategy``, ``max_cache_bytes``, ...).
         """
-        model, tokenizer = load_model_and_tokenizer(model_name_or_path, device=device, dtype=dtype, strict=strict)
+        if streaming is not None:
+            model, tokenizer, _ = load_streamed_model(
+                model_name_or_path, streaming, device=device, dtype=dtype, strict=strict
+            )
+        else:
+            model, tokenizer = load_model_and_tokenizer(model_name_or_path, device=device, dtype=dtype, strict=strict)
         return cls(model, tokenizer, strict=strict, **options)
 
     # ------------------------------------------------------------------ prompts
@@ -324,10 +334,13 @@ class InferenceEngine:
             options.update(stop_strings=stops, tokenizer=self.tokenizer)
         if cancel is not None:
             options["stopping_criteria"] = [CancelCriteria(cancel)]
+        streamer = layer_streamer(self.model)
         with self.lock, torch.inference_mode():
+            streamed_before = streamer.stats().bytes_streamed if streamer is not None else 0
             if seed is not None:
                 torch.manual_seed(seed)
             output = self.model.generate(input_ids, **options)  # a ChunkReuseCache saves its chunks inside
+            streamed = streamer.stats().bytes_streamed - streamed_before if streamer is not None else None
             finished = time.perf_counter()
         first = timer.first_token_time or finished
         reuse = cache.last_reuse if isinstance(cache, ChunkReuseCache) else []
@@ -357,6 +370,8 @@ class InferenceEngine:
                     finish_reason=finish,
                     token_logprobs=None if row_logprobs is None else row_logprobs[0],
                     top_logprobs=None if row_logprobs is None else row_logprobs[1],
+                    streamed_bytes=streamed,
+                    streamed_bytes_per_token=None if streamed is None else streamed / max(len(generated), 1),
                 )
             )
         return results
@@ -381,9 +396,14 @@ class InferenceEngine:
         return [r for r in results if r is not None]
 
     # ------------------------------------------------------------------ checks and stats
-    def cache_stats(self) -> dict[str, int]:
-        """Store counters: hits, misses, chunks, evictions, and bytes per tier (``ram_bytes``, ...)."""
-        return self.store.stats()
+    def cache_stats(self) -> dict[str, int | float]:
+        """Store counters: hits, misses, chunks, evictions, and bytes per tier (``ram_bytes``, ...); with layer
+        streaming also its counters prefixed ``streaming_`` (see :class:`~kvboost_hf.offload.StreamingStats`)."""
+        stats: dict[str, int | float] = dict(self.store.stats())
+        streamer = layer_streamer(self.model)
+        if streamer is not None:
+            stats.update({f"streaming_{k}": v for k, v in streamer.stats().as_dict().items()})
+        return stats
 
     def verify_correctness(
         self, prompts: Sequence[Prompt] | None = None, max_new_tokens: int = 32

@@ -28,6 +28,8 @@ class GenerationResult:
     first_token_logits: Any = None  # torch.Tensor [vocab] (fp32, CPU) when logprobs were requested
     approx_tokens: int = 0  # cached tokens that came from content-key (non-prefix) hits, not recomputed
     recomputed_tokens: int = 0  # loaded tokens recomputed by the repair
+    streamed_bytes: int | None = None  # layer streaming only: bytes copied host to device by this call (batch's)
+    streamed_bytes_per_token: float | None = None  # streamed_bytes / this row's generated tokens
 
 
 @dataclass

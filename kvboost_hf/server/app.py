@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvboost_hf.engine import InferenceEngine
+from kvboost_hf.offload import layer_streamer
 from kvboost_hf.server.admission import Admission
 from kvboost_hf.server.errors import ApiError, install_error_handlers
 from kvboost_hf.server.metrics import Metrics
@@ -177,6 +178,13 @@ def create_app(engine: InferenceEngine, settings: ServerSettings | None = None) 
     return app
 
 
+STREAMING_METRICS = (
+    ("kvboost_streamed_bytes", "bytes_streamed", "Bytes of streamed decoder layers copied to the device."),
+    ("kvboost_streamed_layer_reloads", "reloads", "Streamed layers copied when about to run (no prefetch)."),
+    ("kvboost_streamed_wait_seconds", "wait_seconds", "Seconds the compute waited on layer copies."),
+)
+
+
 def _register_scraped(metrics: Metrics, worker: Worker, engine: InferenceEngine) -> None:
     metrics.gauge("kvboost_queue_depth", "Requests waiting for admission.", lambda: worker.queue_depth)
     metrics.gauge("kvboost_running_rows", "Rows generating now.", lambda: worker.running_rows)
@@ -187,3 +195,7 @@ def _register_scraped(metrics: Metrics, worker: Worker, engine: InferenceEngine)
 
     metrics.scraped_counter("kvboost_store_hits", "Chunk store hits by tier.", "tier", store_hits)
     metrics.gauge("kvboost_store_misses_total", "Chunk store misses.", lambda: engine.cache_stats().get("misses", 0))
+    streamer = layer_streamer(engine.model)
+    if streamer is not None:  # layer streaming: counters of the copies
+        for name, field, help_text in STREAMING_METRICS:
+            metrics.scraped_counter(name, help_text, None, lambda f=field: {"": getattr(streamer.stats(), f)})

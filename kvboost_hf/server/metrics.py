@@ -18,15 +18,17 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class _ScrapedCounters(Collector):
-    """A labelled counter whose cumulative values live elsewhere and are read at scrape time."""
+    """A counter (labelled, or not when ``label`` is None) whose cumulative values live elsewhere and are read at
+    scrape time; an unlabelled one reads ``{"": value}``."""
 
-    def __init__(self, name: str, help_text: str, label: str, read: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, name: str, help_text: str, label: str | None, read: Callable[[], dict[str, float]]) -> None:
         self.name, self.help, self.label, self.read = name, help_text, label, read
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily(self.name, self.help, labels=[self.label])
+        labels = [self.label] if self.label else []
+        family = CounterMetricFamily(self.name, self.help, labels=labels)
         for value_label, value in sorted(self.read().items()):
-            family.add_metric([value_label], value)
+            family.add_metric([value_label] if labels else [], value)
         yield family
 
 
@@ -57,8 +59,10 @@ class Metrics:
         """A gauge read at scrape time."""
         Gauge(name, help_text, registry=self.registry).set_function(read)
 
-    def scraped_counter(self, name: str, help_text: str, label: str, read: Callable[[], dict[str, float]]) -> None:
-        """A labelled counter kept elsewhere (e.g. store hits), read at scrape time; ``name`` without ``_total``."""
+    def scraped_counter(
+        self, name: str, help_text: str, label: str | None, read: Callable[[], dict[str, float]]
+    ) -> None:
+        """A counter kept elsewhere (e.g. store hits), read at scrape time; ``name`` without ``_total``."""
         self.registry.register(_ScrapedCounters(name, help_text, label, read))
 
     def observe_token(self, seconds: float, first: bool) -> None:
