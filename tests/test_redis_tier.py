@@ -187,7 +187,7 @@ def test_full_queue_drops_writes_without_waiting(redis_server: RedisServer):
         admin.execute_command("CLIENT", "PAUSE", "1500", "WRITE")  # the writer's first SET blocks
         tier.put(key(0), make_entry())
         deadline = time.monotonic() + 5
-        while tier._queue.qsize() and time.monotonic() < deadline:
+        while tier.waiting and time.monotonic() < deadline:
             time.sleep(0.01)
         started = time.monotonic()
         for i in range(1, 6):

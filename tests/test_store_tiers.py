@@ -3,7 +3,6 @@ budgets, and namespace isolation in every tier."""
 
 from __future__ import annotations
 
-import mmap
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.keys import chain_prefix_keys, make_namespace
 from kvboost_hf.store.chunk_store import ChunkStore
 
-SLOT = mmap.PAGESIZE
+DISK_BYTES = 1 << 20
 
 
 def key(i: int) -> str:
@@ -54,16 +53,17 @@ def test_ram_holds_the_quantized_form(bits: int, ratio: float):
 
 
 @pytest.mark.parametrize("bits", [16, 4])
-def test_ram_evictions_go_to_disk_and_disk_hits_come_back(tmp_path: Path, bits: int):
+def test_every_put_reaches_disk_and_disk_hits_come_back(tmp_path: Path, bits: int):
     probe = ChunkStore(1 << 20, kv_cache_bits=bits)
     probe.put(key(0), raw_entry())
     stored_size = probe.stats()["ram_bytes"]  # all entries have this size
-    store = ChunkStore(2 * stored_size, kv_cache_bits=bits, disk_cache_dir=tmp_path, disk_max_bytes=64 * SLOT)
+    store = ChunkStore(2 * stored_size, kv_cache_bits=bits, disk_cache_dir=tmp_path, disk_max_bytes=DISK_BYTES)
     try:
         for i in range(6):
             store.put(key(i), raw_entry(seed=i))
+        store.flush()
         stats = store.stats()
-        assert stats["evictions"] > 0 and stats["disk_chunks"] == stats["evictions"]
+        assert stats["evictions"] == 4 and stats["disk_chunks"] == 6 and stats["disk_queued"] == 0
         for i in range(6):
             assert store.get(key(i)) is not None
         stats = store.stats()
@@ -73,10 +73,10 @@ def test_ram_evictions_go_to_disk_and_disk_hits_come_back(tmp_path: Path, bits: 
         store.close()
 
 
-def test_restart_keeps_hits(tmp_path: Path):
+def test_restart_keeps_entries(tmp_path: Path):
     with ChunkStore(1 << 20, disk_cache_dir=tmp_path) as store:
         for i in range(3):
-            store.put(key(i), raw_entry(seed=i))  # all fit in RAM: close() writes them to disk
+            store.put(key(i), raw_entry(seed=i))  # all fit in RAM, and are written through to disk
     with ChunkStore(1 << 20, disk_cache_dir=tmp_path) as reopened:
         for i in range(3):
             got = reopened.get(key(i))
@@ -93,7 +93,7 @@ def test_restart_keeps_hits(tmp_path: Path):
 def test_budgets_hold(tmp_path_factory, ops, ram_entries: int, bits: int):
     ram_budget = ram_entries * raw_entry(tokens=32).nbytes
     store = ChunkStore(
-        ram_budget, kv_cache_bits=bits, disk_cache_dir=tmp_path_factory.mktemp("b"), disk_max_bytes=16 * SLOT
+        ram_budget, kv_cache_bits=bits, disk_cache_dir=tmp_path_factory.mktemp("b"), disk_max_bytes=16 << 12
     )
     try:
         for is_put, i, tokens in ops:
@@ -102,7 +102,9 @@ def test_budgets_hold(tmp_path_factory, ops, ram_entries: int, bits: int):
             else:
                 store.get(key(i))
             stats = store.stats()
-            assert stats["ram_bytes"] <= ram_budget and stats["disk_bytes"] <= 16 * SLOT
+            assert stats["ram_bytes"] <= ram_budget and stats["disk_bytes"] <= 16 << 12
+        store.flush()
+        assert store.stats()["disk_bytes"] <= 16 << 12
     finally:
         store.close()
 
