@@ -75,18 +75,9 @@ class DiskTier(StorageTier):
         self._data_fd = -1
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._env = lmdb.open(
-                str(self.directory),
-                map_size=int(max_bytes * _MAP_HEADROOM) + (16 << 20),
-                max_dbs=3,
-                max_readers=1024,
-                readahead=False,
-            )
-            self._records = self._env.open_db(b"records")
-            self._meta = self._env.open_db(b"meta")
-            self._tails = self._env.open_db(b"tails")
-            self._data_fd = os.open(self.directory / "data.mdb", os.O_RDONLY)
-            self._page = self._env.stat()["psize"]
+            self._open()
+        except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError, _Truncated) as exc:
+            self._set_aside(exc)
         except (OSError, lmdb.Error) as exc:
             self._disable(f"cannot open {self.directory} ({type(exc).__name__}: {exc})")
         self._writer = BackgroundWriter("disk", self._write_batch, queue_size=queue_size)
@@ -179,7 +170,7 @@ class DiskTier(StorageTier):
                 return out
             try:
                 with self._env.begin(db=self._tails) as txn:
-                    return out | _unpack_lengths(txn.get(parent_key.encode()))
+                    return out | _unpack_lengths(txn.get(_tail_name(parent_key)))
             except lmdb.Error as exc:
                 self._failed("read", exc)
                 return out
@@ -220,13 +211,10 @@ class DiskTier(StorageTier):
         with self._lock:
             if not self._usable():
                 return
-            path, map_size = str(self.directory), self._env.info()["map_size"]
             self._env.close()
+            self._env = None
             os.posix_fadvise(self._data_fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            self._env = lmdb.open(path, map_size=map_size, max_dbs=3, max_readers=1024, readahead=False)
-            self._records = self._env.open_db(b"records")
-            self._meta = self._env.open_db(b"meta")
-            self._tails = self._env.open_db(b"tails")
+            self._open()
 
     def indexed_keys(self) -> list[str]:
         """Keys stored (committed; verified only when read)."""
@@ -250,6 +238,39 @@ class DiskTier(StorageTier):
             return (meta[1] if meta is not None else 0) + self._hits.get(key, 0)
 
     # ------------------------------------------------------------------ internals
+    def _open(self) -> None:
+        """Open (creating if needed) the environment and its databases; :class:`_Truncated` if ``data.mdb`` is
+        shorter than its own metadata says (its pages must not be mapped)."""
+        self._close_env()
+        self._env = lmdb.open(
+            str(self.directory),
+            map_size=int(self.max_bytes * _MAP_HEADROOM) + (16 << 20),
+            max_dbs=3,
+            max_readers=1024,
+            readahead=False,
+        )
+        self._data_fd = os.open(self.directory / "data.mdb", os.O_RDONLY)
+        self._page = self._env.stat()["psize"]
+        if not self._covers_used_pages():
+            raise _Truncated(f"{self.directory}/data.mdb is shorter than its used pages")
+        self._records = self._env.open_db(b"records")
+        self._meta = self._env.open_db(b"meta")
+        self._tails = self._env.open_db(b"tails")
+
+    def _set_aside(self, exc: Exception) -> None:
+        """``data.mdb`` is not a usable LMDB file: keep it as ``data.mdb.damaged`` and start an empty one."""
+        logger.warning("disk tier: %s/data.mdb is damaged (%s); moved aside, starting empty", self.directory, exc)
+        self.corrupt += 1
+        self._close_env()
+        try:
+            os.replace(self.directory / "data.mdb", self.directory / "data.mdb.damaged")
+            self._open()
+        except (OSError, lmdb.Error, _Truncated) as again:
+            self._disable(f"cannot open {self.directory} ({type(again).__name__}: {again})")
+
+    def _covers_used_pages(self) -> bool:
+        return os.fstat(self._data_fd).st_size >= (self._env.info()["last_pgno"] + 1) * self._page
+
     def _meta_of(self, key: str) -> tuple[int, int, float] | None:
         with self._lock:
             if not self._usable():
@@ -268,15 +289,13 @@ class DiskTier(StorageTier):
         if self.disabled is not None or self._env is None:
             return False
         try:
-            needed = (self._env.info()["last_pgno"] + 1) * self._page
-            size = os.fstat(self._data_fd).st_size
+            intact = self._covers_used_pages()
         except (OSError, lmdb.Error) as exc:
             self._disable(f"cannot inspect {self.directory} ({exc})")
             return False
-        if size < needed:
-            self._disable(f"{self.directory}/data.mdb was truncated to {size} bytes under the store ({needed} needed)")
-            return False
-        return True
+        if not intact:
+            self._disable(f"{self.directory}/data.mdb was truncated under the store")
+        return intact
 
     def _write_batch(self, batch: list[tuple[str, Any]]) -> None:
         """One transaction: the batch's records, deletes and tail notes, hit counts, and the evictions needed to
@@ -306,7 +325,7 @@ class DiskTier(StorageTier):
             used = _used(txn, self._meta)
             for key, item in batch:
                 if key.startswith(_TAIL_PREFIX):
-                    name = key[len(_TAIL_PREFIX) :].encode()
+                    name = _tail_name(key[len(_TAIL_PREFIX) :])
                     merged = _unpack_lengths(txn.get(name, db=self._tails)) | set(item)
                     txn.put(name, _pack_lengths(merged), db=self._tails)
                 elif item is _DELETE:
@@ -372,8 +391,17 @@ class DiskTier(StorageTier):
             self._data_fd = -1
 
 
+class _Truncated(Exception):
+    """``data.mdb`` is shorter than the pages LMDB would map."""
+
+
 def _is_chunk(key: str, item: Any) -> bool:
     return item is not _DELETE and not key.startswith(_TAIL_PREFIX)
+
+
+def _tail_name(parent_key: str) -> bytes:
+    """LMDB key of a tail note (never empty: LMDB refuses empty keys; the start of a prompt has parent "")."""
+    return b"t:" + parent_key.encode()
 
 
 def _pages(length: int, page: int) -> int:
