@@ -330,18 +330,15 @@ class DiskTier(StorageTier):
                     txn.put(name, _pack_lengths(merged), db=self._tails)
                 elif item is _DELETE:
                     used -= self._remove(txn, key.encode())
-            fresh = [
-                (key, record)
-                for key, record in records
-                if txn.get(key.encode(), db=self._meta) is None and _pages(len(record), self._page) <= self.max_bytes
-            ]
-            incoming = sum(_pages(len(record), self._page) for _, record in fresh)
-            if used + incoming > self.max_bytes:
-                used -= self._evict(txn, used + incoming - self.max_bytes)
-            for key, record in fresh:
+            for key, record in records:
+                size = _pages(len(record), self._page)
+                if size > self.max_bytes or txn.get(key.encode(), db=self._meta) is not None:
+                    continue
+                if used + size > self.max_bytes:
+                    used -= self._evict(txn, used + size - self.max_bytes)
                 txn.put(key.encode(), record, db=self._records)
                 txn.put(key.encode(), _META.pack(len(record), 0, now), db=self._meta)
-                used += _pages(len(record), self._page)
+                used += size
             for key, count in hits.items():
                 raw = txn.get(key.encode(), db=self._meta)
                 if raw is not None:

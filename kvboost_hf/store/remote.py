@@ -11,10 +11,11 @@
 * Eviction is Redis's: run it with ``maxmemory <bytes>`` and ``maxmemory-policy allkeys-lru``.
 * Failures never reach the caller: a Redis error counts in ``errors`` and is a miss (or a dropped write). A lost
   connection or a timeout logs one warning per outage, and the tier answers misses (and drops writes) for
-  ``retry_after_s`` before trying again; when Redis answers again ``on_reconnect`` is called (the store
-  re-publishes its RAM entries: a restarted Redis comes back empty). An error reply (such as OOM) fails only
-  that operation. A record that fails verification, or a key holding another Redis type, is deleted, counted in
-  ``corrupt`` and served as a miss.
+  ``retry_after_s`` before trying again. When Redis answers again after an outage, or answers with another
+  ``run_id`` (restarted, maybe empty: checked every ``watch_interval_s`` by a watcher thread, since the client
+  reconnects silently), ``on_reconnect`` is called: the store re-publishes its RAM entries. An error reply
+  (such as OOM) fails only that operation. A record that fails verification, or a key holding another Redis
+  type, is deleted, counted in ``corrupt`` and served as a miss.
 * AUTH and TLS come from the URL: ``redis://user:password@host:6379/0``, ``rediss://...`` for TLS.
 * ``hmac_key``: records are sealed with HMAC-SHA256 under this secret and unsealed records are refused. Without
   it the SHA-256 inside a record only detects damage: anyone who can write to Redis can forge a record that is
@@ -69,6 +70,7 @@ class RemoteTier(StorageTier):
         ttl_s: float | None = None,
         hmac_key: bytes | str | None = None,
         on_reconnect: Callable[[], None] | None = None,
+        watch_interval_s: float = 5.0,
     ) -> None:
         try:
             import redis
@@ -105,6 +107,13 @@ class RemoteTier(StorageTier):
         self._down_until = 0.0
         self._state_lock = threading.Lock()
         self._writer = BackgroundWriter("remote", self._write_batch, queue_size=queue_size)
+        self._run_id: str | None = None
+        self._stop_watch = threading.Event()
+        self.check_restart()
+        self._watcher = threading.Thread(
+            target=self._watch, args=(watch_interval_s,), name="kvboost-remote-watch", daemon=True
+        )
+        self._watcher.start()
 
     # ------------------------------------------------------------------ StorageTier
     def get(self, key: str) -> StoredChunk | None:
@@ -220,12 +229,28 @@ class RemoteTier(StorageTier):
         thread.start()
         return thread
 
+    def check_restart(self) -> bool:
+        """Whether Redis answers with another ``run_id`` than last time (it restarted); then ``on_reconnect``
+        is called. The watcher thread runs this every ``watch_interval_s``."""
+        run_id = self._call(lambda: self._client.info("server").get("run_id"))
+        if run_id is None:
+            return False
+        with self._state_lock:
+            restarted = self._run_id is not None and run_id != self._run_id
+            self._run_id = run_id
+        if restarted:
+            logger.warning("remote tier: Redis restarted (new run_id); publishing local entries again")
+            if self.on_reconnect is not None:
+                self.on_reconnect()
+        return restarted
+
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued write is done (or dropped); False if ``timeout_s`` passed first."""
         return self._writer.flush(timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Finish queued writes (up to ``timeout_s``), stop the writer and close the connections. Idempotent."""
+        self._stop_watch.set()
         self._writer.close(timeout_s)
         self._client.close()
         self._reader.close()
@@ -274,6 +299,10 @@ class RemoteTier(StorageTier):
         if not hmac.compare_digest(expected, bytes(view[len(_SEAL) : head])):
             raise codec.CorruptEntryError("HMAC mismatch (record not written with this store's key)")
         return view[head:]
+
+    def _watch(self, interval_s: float) -> None:
+        while not self._stop_watch.wait(interval_s):
+            self.check_restart()
 
     def _write_batch(self, batch: list[tuple[str, Any]]) -> None:
         pipe = self._client.pipeline(transaction=False)
