@@ -342,3 +342,20 @@ def test_tail_notes_survive_a_restart(tmp_path: Path):
         assert reopened.tail_lengths("cd" * 32) == set()
     finally:
         reopened.close()
+
+
+def test_two_tiers_of_one_process_share_the_directory(tmp_path: Path):
+    first = DiskTier(tmp_path, max_bytes=1 << 20)
+    second = DiskTier(tmp_path, max_bytes=1 << 20)
+    try:
+        first.put(key(1), make_entry(seed=1))
+        first.flush()
+        got = second.get(key(1))
+        assert got is not None
+        assert_same(got, make_entry(seed=1))
+        first.close()
+        second.put(key(2), make_entry(seed=2))
+        assert second.flush() and second.get(key(2)) is not None and second.get(key(1)) is not None
+    finally:
+        first.close()
+        second.close()

@@ -53,8 +53,10 @@ class DiskTier(StorageTier):
     """Restart-surviving, multi-process tier under ``directory`` (see the module docstring).
 
     ``max_bytes`` bounds the bytes of records held (page-rounded); the LMDB file grows as needed, up to
-    ``1.25 * max_bytes`` plus a little, and is never reserved up front. ``queue_size`` bounds the writes waiting
-    for the disk. ``nbytes`` and ``len`` are the values every process sharing the directory sees.
+    ``1.25 * max_bytes`` plus a little, and is never reserved up front. Tiers of one process on one directory
+    share one LMDB environment (LMDB allows one per process; the first one's file size limit applies).
+    ``queue_size`` bounds the writes waiting for the disk. ``nbytes`` and ``len`` are the values every process
+    sharing the directory sees.
     """
 
     name = "disk"
@@ -206,14 +208,18 @@ class DiskTier(StorageTier):
 
     def drop_page_cache(self) -> None:
         """Make the next reads come from the device (benchmarks of a cold tier): unmap, drop the file's cached
-        pages, map again. Data is unaffected (every commit was synced)."""
+        pages, map again. Data is unaffected (every commit was synced). Pages stay cached while another tier of
+        this process maps the same directory."""
         self._writer.flush()
         with self._lock:
             if not self._usable():
                 return
-            self._env.close()
-            self._env = None
-            os.posix_fadvise(self._data_fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            self._close_env()
+            fd = os.open(self.directory / "data.mdb", os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
             self._open()
 
     def indexed_keys(self) -> list[str]:
@@ -242,13 +248,7 @@ class DiskTier(StorageTier):
         """Open (creating if needed) the environment and its databases; :class:`_Truncated` if ``data.mdb`` is
         shorter than its own metadata says (its pages must not be mapped)."""
         self._close_env()
-        self._env = lmdb.open(
-            str(self.directory),
-            map_size=int(self.max_bytes * _MAP_HEADROOM) + (16 << 20),
-            max_dbs=3,
-            max_readers=1024,
-            readahead=False,
-        )
+        self._env = _acquire_env(self.directory, int(self.max_bytes * _MAP_HEADROOM) + (16 << 20))
         self._data_fd = os.open(self.directory / "data.mdb", os.O_RDONLY)
         self._page = self._env.stat()["psize"]
         if not self._covers_used_pages():
@@ -381,11 +381,38 @@ class DiskTier(StorageTier):
 
     def _close_env(self) -> None:
         if self._env is not None:
-            self._env.close()
+            _release_env(self._env)
             self._env = None
         if self._data_fd >= 0:
             os.close(self._data_fd)
             self._data_fd = -1
+
+
+_open_envs: dict[str, list[Any]] = {}  # real path -> [environment, users]: LMDB allows one per process
+_open_envs_lock = threading.Lock()
+
+
+def _acquire_env(directory: Path, map_size: int) -> Any:
+    """The process's LMDB environment for ``directory``, opened on first use (tiers in one process share it)."""
+    path = os.path.realpath(directory)
+    with _open_envs_lock:
+        held = _open_envs.get(path)
+        if held is None:
+            env = lmdb.open(path, map_size=map_size, max_dbs=3, max_readers=1024, readahead=False)
+            held = _open_envs[path] = [env, 0]
+        held[1] += 1
+        return held[0]
+
+
+def _release_env(env: Any) -> None:
+    with _open_envs_lock:
+        for path, held in list(_open_envs.items()):
+            if held[0] is env:
+                held[1] -= 1
+                if not held[1]:
+                    del _open_envs[path]
+                    env.close()
+                return
 
 
 class _Truncated(Exception):
