@@ -195,6 +195,7 @@ def measure_ttft(engine: InferenceEngine, document: str, args: argparse.Namespac
                 if source.before_each is not None:
                     source.before_each()
                 result = source.engine.generate(document + question, max_new_tokens=1, mode=source.mode)
+                source.engine.store.flush()  # untimed: background writes must not overlap the next timed call
                 source.runs.append(result.ttft_ms)
                 source.cached.append(result.cached_tokens)
                 if source.keys:
@@ -269,7 +270,8 @@ def measure_digest(engine: InferenceEngine) -> dict:
 def measure_redis_batching(engine: InferenceEngine, url: str, args: argparse.Namespace) -> dict:
     """Fetch time (ms, median) of a prompt's ``--redis-chunks`` chunks from Redis: one GET each, then one batch."""
     keys = [f"{i:064x}" for i in range(args.redis_chunks)]
-    with ChunkStore(0, remote_url=url, remote_prefix=f"kvboost-bench-batch-{time.time_ns()}:") as store:
+    prefix = f"kvboost-bench-batch-{time.time_ns()}:"  # a long read timeout: measure, do not give up under load
+    with ChunkStore(0, remote_url=url, remote_prefix=prefix, remote_read_timeout_s=5.0) as store:
         remote = store.remote
         assert remote is not None
         for i, key in enumerate(keys):

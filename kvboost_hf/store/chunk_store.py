@@ -191,7 +191,7 @@ class ChunkStore:
         remote_url: str | None = None,
         remote_prefix: str = DEFAULT_PREFIX,
         remote_ttl_s: float | None = None,
-        remote_read_timeout_s: float = 0.1,
+        remote_read_timeout_s: float = 0.25,
         remote_hmac_key: bytes | str | None = None,
         device: torch.device | str = "cpu",
     ) -> None:

@@ -65,7 +65,7 @@ class RemoteTier(StorageTier):
         prefix: str = DEFAULT_PREFIX,
         queue_size: int = 256,
         timeout_s: float = 1.0,
-        read_timeout_s: float = 0.1,
+        read_timeout_s: float = 0.25,
         retry_after_s: float = 2.0,
         ttl_s: float | None = None,
         hmac_key: bytes | str | None = None,
