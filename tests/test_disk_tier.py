@@ -359,3 +359,19 @@ def test_two_tiers_of_one_process_share_the_directory(tmp_path: Path):
     finally:
         first.close()
         second.close()
+
+
+def test_malformed_metadata_never_reaches_the_caller(tier: DiskTier):
+    """Metadata this code never writes (wrong sizes) is treated as absent or as the first victim."""
+    for i in range(3):
+        tier.put(key(i), make_entry(seed=i))
+    tier.flush()
+    with tier._env.begin(write=True, db=tier._meta) as txn:  # damage the shared environment directly
+        txn.put(key(1).encode(), b"short")
+        txn.put(b"\0bytes", b"?")
+    assert not tier.contains(key(1)) and tier.get(key(0)) is not None
+    assert tier.eviction_order()[0] == key(1)  # the malformed entry is the first victim
+    for i in range(5, 8):
+        tier.put(key(i), make_entry(tokens=1500, seed=i))  # 576 KB records: each one forces evictions
+        assert tier.flush()
+    assert tier.errors == 0 and tier.contains(key(7)) and tier.nbytes <= tier.max_bytes

@@ -203,6 +203,11 @@ class BackgroundWriter:
         with self._cond:
             return len(self._queued)
 
+    @property
+    def running(self) -> bool:
+        """Whether the writer thread is alive (after :meth:`close`: still finishing a write)."""
+        return self._thread.is_alive()
+
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every submitted item is written (or failed); False if ``timeout_s`` passed first."""
         deadline = time.monotonic() + timeout_s

@@ -299,7 +299,7 @@ class ChunkStore:
         with self._lock:
             self._stats.puts += 1
         lower = not self._closed and not self.ram.contains(key)
-        if lower and self.disk is not None:
+        if lower and self.disk is not None and not self.disk.contains(key):
             self.disk.put(key, stored)
         self._demote(self.ram.put(key, stored))
         if not self.ram.contains(key) and (self.disk is None or self._closed or not self.disk.contains(key)):

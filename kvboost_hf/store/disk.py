@@ -198,6 +198,10 @@ class DiskTier(StorageTier):
         """Commit queued writes (up to ``timeout_s``), stop the writer and close LMDB. Idempotent; later calls
         to any method are misses."""
         self._writer.close(timeout_s)
+        if self._writer.running:  # a write outlived the timeout: its environment must stay open under it
+            logger.warning("disk tier: a write to %s is still running at close; leaving it open", self.directory)
+            self.disabled = "closed"
+            return
         self._write_batch([])
         with self._lock:
             if self._env is not None and self.disabled is None and not (self.directory / "data.mdb").exists():
@@ -281,7 +285,7 @@ class DiskTier(StorageTier):
             except lmdb.Error as exc:
                 self._failed("read", exc)
                 return None
-        return _META.unpack(raw) if raw is not None else None
+        return _META.unpack(raw) if raw is not None and len(raw) == _META.size else None
 
     def _usable(self) -> bool:
         """Whether the environment may be touched (call under ``_lock``): open, enabled, and ``data.mdb`` still
@@ -341,7 +345,7 @@ class DiskTier(StorageTier):
                 used += size
             for key, count in hits.items():
                 raw = txn.get(key.encode(), db=self._meta)
-                if raw is not None:
+                if raw is not None and len(raw) == _META.size:
                     length, old, _ = _META.unpack(raw)
                     txn.put(key.encode(), _META.pack(length, old + count, now), db=self._meta)
             txn.put(_BYTES, _U64.pack(max(used, 0)), db=self._meta)
@@ -350,7 +354,7 @@ class DiskTier(StorageTier):
         """Delete one entry inside ``txn``; the page-rounded bytes it held (0 if absent)."""
         raw = txn.pop(key, db=self._meta)
         txn.delete(key, db=self._records)
-        return _pages(_META.unpack(raw)[0], self._page) if raw is not None else 0
+        return _pages(_META.unpack(raw)[0], self._page) if raw is not None and len(raw) == _META.size else 0
 
     def _evict(self, txn: Any, needed: int) -> int:
         freed = 0
@@ -434,16 +438,16 @@ def _pages(length: int, page: int) -> int:
 
 def _used(txn: Any, meta_db: Any) -> int:
     raw = txn.get(_BYTES, db=meta_db)
-    return _U64.unpack(raw)[0] if raw is not None else 0
+    return _U64.unpack(raw)[0] if raw is not None and len(raw) == _U64.size else 0
 
 
 def _by_eviction_order(txn: Any, db: Any) -> list[tuple[int, float, str]]:
     """``(hits, last use, key)`` of every entry, fewest hits then least recent first."""
     items = []
     for key, raw in txn.cursor(db=db):
-        if key != _BYTES:
-            _, hits, last = _META.unpack(raw)
-            items.append((hits, last, bytes(key).decode()))
+        if key != _BYTES:  # a malformed value (never written by this code) goes first
+            _, hits, last = _META.unpack(raw) if len(raw) == _META.size else (0, -1, 0.0)
+            items.append((hits, last, bytes(key).decode(errors="replace")))
     items.sort()
     return items
 
