@@ -18,7 +18,7 @@ tokens, also as a ratio to float16 K/V.
 Store guarantees: ``model_digest`` cost on the model (and its estimate for 7B parameters in bfloat16, scaled by
 bytes); Redis fetch time of a ``--redis-chunks``-chunk prompt (chunks shaped like the model's, in its dtype) with
 one GET per chunk and with one pipelined batch (``ChunkStore.get_many``); entries that survive a SIGKILL of a
-process that stored ``--kill-entries`` chunks with a disk tier, killed right after its last ``put`` and 1 s later.
+process that stored ``--kill-entries`` chunks with a disk tier, killed right after its last ``put`` and 5 s later.
 
 Writes ``tiers.json`` and ``tiers.png`` under ``--out``.
 """
@@ -315,11 +315,11 @@ os.kill(os.getpid(), 9)
 
 def measure_kill9(engine: InferenceEngine, args: argparse.Namespace) -> dict:
     """Entries a new store finds on disk after a process stored ``--kill-entries`` chunks and was SIGKILLed
-    right after its last put, and 1 s later (verified: every one read back is the chunk that was stored)."""
+    right after its last put, and 5 s later (verified: every one read back is the chunk that was stored)."""
     config = engine.model.config.get_text_config(decoder=True)
     shape = _model_shaped_chunk(engine, args.chunk_size, 0).keys.shape
     out: dict[str, Any] = {"stored": args.kill_entries, "chunk_shape": list(shape), "layers": config.num_hidden_layers}
-    for wait_s in (0.0, 1.0):
+    for wait_s in (0.0, 5.0):
         with tempfile.TemporaryDirectory() as directory:
             subprocess.run(
                 [
@@ -428,7 +428,7 @@ def report_table(result: dict) -> str:
     if kill := guarantees.get("kill9"):
         lines.append(
             f"SIGKILL after {kill['stored']} puts: {kill['survived_after_0s']} survive when killed at once, "
-            f"{kill['survived_after_1s']} after 1 s"
+            f"{kill['survived_after_5s']} after 5 s"
         )
     lines.append(f"{'bits':<6}{'B/token':>9}{'x fp16':>8}{'identical':>11}{'prefix':>8}{'KL mean':>10}")
     for bits, row in result["fidelity"]["by_bits"].items():

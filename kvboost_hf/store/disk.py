@@ -402,7 +402,7 @@ def _acquire_env(directory: Path, map_size: int) -> Any:
     with _open_envs_lock:
         held = _open_envs.get(path)
         if held is None:
-            env = lmdb.open(path, map_size=map_size, max_dbs=3, max_readers=1024, readahead=False)
+            env = lmdb.open(path, map_size=map_size, max_dbs=3, max_readers=1024)
             held = _open_envs[path] = [env, 0]
         held[1] += 1
         return held[0]
