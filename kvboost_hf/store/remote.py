@@ -16,7 +16,9 @@
   reconnects silently), ``on_reconnect`` is called: the store re-publishes its RAM entries. An error reply
   (such as OOM) fails only that operation. A record that fails verification, or a key holding another Redis
   type, is deleted, counted in ``corrupt`` and served as a miss.
-* AUTH and TLS come from the URL: ``redis://user:password@host:6379/0``, ``rediss://...`` for TLS.
+* AUTH and TLS come from the URL: ``redis://user:password@host:6379/0``, ``rediss://...`` for TLS. A Redis
+  Cluster (or Valkey cluster) is named ``redis+cluster://host:port`` (any node; ``rediss+cluster://`` for TLS):
+  keys spread over its shards, batches are split by node.
 * ``hmac_key``: records are sealed with HMAC-SHA256 under this secret and unsealed records are refused. Without
   it the SHA-256 inside a record only detects damage: anyone who can write to Redis can forge a record that is
   served. With it, a writer without the secret can delete or evict records (misses) but not make this process
@@ -32,13 +34,10 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvboost_hf.store import codec
 from kvboost_hf.store.base import BackgroundWriter, StorageTier, StoredChunk
-
-if TYPE_CHECKING:
-    import redis
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +91,12 @@ class RemoteTier(StorageTier):
         self._outage_errors: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError)
         self._reply_error_logged = False
         no_retry = Retry(NoBackoff(), 0)
-        self._client: redis.Redis = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=no_retry
-        )
-        self._reader: redis.Redis = redis.Redis.from_url(
+        scheme, sep, rest = url.partition("://")
+        self.cluster = scheme.endswith("+cluster")
+        connect: Any = redis.RedisCluster.from_url if self.cluster else redis.Redis.from_url
+        url = scheme.removesuffix("+cluster") + sep + rest
+        self._client: Any = connect(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=no_retry)
+        self._reader: Any = connect(
             url, socket_timeout=read_timeout_s, socket_connect_timeout=timeout_s, retry=no_retry
         )
         self.errors = 0
@@ -168,14 +169,12 @@ class RemoteTier(StorageTier):
         """Delete every record under this tier's prefix (shared with every process using the prefix)."""
 
         def unlink_all() -> None:
-            batch: list[bytes] = []
-            for name in self._client.scan_iter(match=_glob_escape(self.prefix) + "*", count=1000):
-                batch.append(name)
-                if len(batch) >= 1000:
-                    self._client.unlink(*batch)
-                    batch.clear()
-            if batch:
-                self._client.unlink(*batch)
+            pipe = self._client.pipeline(transaction=False)  # one UNLINK per key: keys of a cluster span slots
+            for i, name in enumerate(self._client.scan_iter(match=_glob_escape(self.prefix) + "*", count=1000)):
+                pipe.unlink(name)
+                if i % 1000 == 999:
+                    pipe.execute()
+            pipe.execute()
 
         self._call(unlink_all)
 
@@ -232,8 +231,8 @@ class RemoteTier(StorageTier):
     def check_restart(self) -> bool:
         """Whether Redis answers with another ``run_id`` than last time (it restarted); then ``on_reconnect``
         is called. The watcher thread runs this every ``watch_interval_s``."""
-        run_id = self._call(lambda: self._client.info("server").get("run_id"))
-        if run_id is None:
+        run_id = self._call(self._run_ids)
+        if not run_id:
             return False
         with self._state_lock:
             restarted = self._run_id is not None and run_id != self._run_id
@@ -299,6 +298,13 @@ class RemoteTier(StorageTier):
         if not hmac.compare_digest(expected, bytes(view[len(_SEAL) : head])):
             raise codec.CorruptEntryError("HMAC mismatch (record not written with this store's key)")
         return view[head:]
+
+    def _run_ids(self) -> str:
+        """The server's ``run_id`` (a cluster: every primary's, joined)."""
+        if not self.cluster:
+            return str(self._client.info("server").get("run_id", ""))
+        per_node = self._client.info("server", target_nodes=self._client.PRIMARIES)
+        return ",".join(sorted(str(info.get("run_id", "")) for info in per_node.values()))
 
     def _watch(self, interval_s: float) -> None:
         while not self._stop_watch.wait(interval_s):
