@@ -112,7 +112,7 @@ def serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT after its graceful shutdown
         logger.info("server stopped")
     finally:
-        engine.store.close()  # RAM entries reach the disk tier, queued Redis writes finish
+        engine.store.close()  # queued disk and Redis writes finish
     return 0
 
 
