@@ -196,7 +196,8 @@ def test_unquantizable_chunk_does_not_fail_generation():
     with torch.no_grad():
         model.model.layers[0].self_attn.k_proj.weight.mul_(1e6)
     store = ChunkStore(1 << 24, kv_cache_bits=4)
-    out = model.generate(prompt(0), past_key_values=ChunkReuseCache(store, model, chunk_size=16, kv_cache_bits=4))
+    cache = ChunkReuseCache(store, model, chunk_size=16, kv_cache_bits=4)
+    out = model.generate(prompt(0), past_key_values=cache, **_GENERATE)
     assert out.shape[1] > prompt(0).shape[1] and store.stats()["skipped"] > 0
 
 
