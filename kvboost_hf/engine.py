@@ -48,6 +48,8 @@ class InferenceEngine:
         kv_cache_bits: precision of stored K/V (16 = the model's dtype) of a store created here.
         max_cache_bytes: RAM budget of the store (bytes).
         disk_cache_dir, remote_url: optional lower store tiers.
+        disk_max_bytes, remote_prefix, remote_ttl_s, remote_hmac_key: their options (see :class:`ChunkStore`;
+            None keeps the store's default).
         store: share an existing :class:`ChunkStore` instead of creating one.
         strict: refuse architectures that are not known to work.
     """
@@ -67,6 +69,10 @@ class InferenceEngine:
         max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES,
         disk_cache_dir: str | os.PathLike | None = None,
         remote_url: str | None = None,
+        disk_max_bytes: int | None = None,
+        remote_prefix: str | None = None,
+        remote_ttl_s: float | None = None,
+        remote_hmac_key: bytes | str | None = None,
         store: ChunkStore | None = None,
         strict: bool = True,
     ) -> None:
@@ -88,6 +94,8 @@ class InferenceEngine:
                 tier_options["disk_cache_dir"] = disk_cache_dir
             if remote_url is not None:
                 tier_options["remote_url"] = remote_url
+            named = dict(disk_max_bytes=disk_max_bytes, remote_prefix=remote_prefix, remote_ttl_s=remote_ttl_s)
+            tier_options |= {k: v for k, v in {**named, "remote_hmac_key": remote_hmac_key}.items() if v is not None}
             store = ChunkStore(max_cache_bytes, **tier_options)
         self.store = store
         self.lock = threading.RLock()  # held while the model runs: one forward at a time

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -187,7 +188,7 @@ def test_full_queue_drops_writes_without_waiting(redis_server: RedisServer):
         admin.execute_command("CLIENT", "PAUSE", "1500", "WRITE")  # the writer's first SET blocks
         tier.put(key(0), make_entry())
         deadline = time.monotonic() + 5
-        while tier._queue.qsize() and time.monotonic() < deadline:
+        while tier.waiting and time.monotonic() < deadline:
             time.sleep(0.01)
         started = time.monotonic()
         for i in range(1, 6):
@@ -289,3 +290,82 @@ def test_auth_comes_from_the_url(tmp_path: Path):
         intruder.close(timeout_s=1)
         tier.close(timeout_s=1)
         server.stop()
+
+
+def test_get_many_is_one_round_trip_and_keeps_order(remote: RemoteTier, redis_server: RedisServer):
+    entries = {i: make_entry(seed=i) for i in range(0, 10, 2)}
+    for i, entry in entries.items():
+        remote.put(key(i), entry)
+    assert remote.flush(5)
+    admin = redis_server.client()
+    admin.config_resetstat()
+    got = remote.get_many([key(i) for i in range(10)])
+    for i, stored in enumerate(got):
+        if i in entries:
+            assert stored is not None
+            assert_same(stored, entries[i])
+        else:
+            assert stored is None
+    assert int(admin.info("commandstats")["cmdstat_get"]["calls"]) == 10
+    assert remote.contains_many([key(0), key(1)]) == [True, False]
+
+
+def test_wrong_type_key_is_deleted_like_a_corrupt_record(remote: RemoteTier, redis_server: RedisServer):
+    admin = redis_server.client()
+    admin.rpush(remote.prefix + key(1), b"not", b"a", b"record")
+    assert remote.get(key(1)) is None and remote.corrupt == 1
+    assert not admin.exists(remote.prefix + key(1))
+    remote.put(key(1), make_entry())
+    assert remote.flush(5) and remote.get(key(1)) is not None
+
+
+def test_hung_redis_delays_a_lookup_by_the_read_timeout_only(redis_server: RedisServer):
+    tier = RemoteTier(redis_server.url, read_timeout_s=0.1, retry_after_s=0.5)
+    try:
+        tier.put(key(1), make_entry())
+        assert tier.flush(5)
+        assert redis_server.process is not None
+        redis_server.process.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        assert tier.get_many([key(1), key(2)]) == [None, None]
+        assert tier.get(key(1)) is None  # in the back-off: no network call at all
+        assert time.monotonic() - started < 1.0
+        redis_server.process.send_signal(signal.SIGCONT)
+        time.sleep(0.6)
+        assert tier.get(key(1)) is not None
+    finally:
+        if redis_server.process is not None:
+            redis_server.process.send_signal(signal.SIGCONT)
+        tier.close(timeout_s=2)
+
+
+def test_ttl_option_sets_an_expiry(redis_server: RedisServer):
+    tier = RemoteTier(redis_server.url, ttl_s=30)
+    try:
+        tier.put(key(1), make_entry())
+        tier.note_tail(key(2), frozenset({4}))
+        assert tier.flush(5)
+        admin = redis_server.client()
+        assert 0 < admin.pttl(tier.prefix + key(1)) <= 30_000
+        assert 0 < admin.pttl(tier.prefix + "tail:" + key(2)) <= 30_000
+        assert tier.tail_lengths(key(2)) == {4}
+    finally:
+        tier.close(timeout_s=2)
+
+
+def test_hmac_refuses_records_forged_without_the_secret(redis_server: RedisServer):
+    sealed = RemoteTier(redis_server.url, hmac_key="s3cret")
+    other_secret = RemoteTier(redis_server.url, hmac_key="other")
+    try:
+        sealed.put(key(1), make_entry(seed=1))
+        assert sealed.flush(5)
+        got = sealed.get(key(1))
+        assert got is not None
+        assert_same(got, make_entry(seed=1))
+        admin = redis_server.client()
+        admin.set(sealed.prefix + key(2), bytes(codec.encode(key(2), make_entry(seed=2))))  # valid, unsealed
+        assert sealed.get(key(2)) is None and sealed.corrupt == 1
+        assert other_secret.get(key(1)) is None and other_secret.corrupt == 1
+    finally:
+        sealed.close(timeout_s=2)
+        other_secret.close(timeout_s=2)

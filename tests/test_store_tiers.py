@@ -3,7 +3,7 @@ budgets, and namespace isolation in every tier."""
 
 from __future__ import annotations
 
-import mmap
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,7 @@ from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.keys import chain_prefix_keys, make_namespace
 from kvboost_hf.store.chunk_store import ChunkStore
 
-SLOT = mmap.PAGESIZE
+DISK_BYTES = 1 << 20
 
 
 def key(i: int) -> str:
@@ -54,16 +54,17 @@ def test_ram_holds_the_quantized_form(bits: int, ratio: float):
 
 
 @pytest.mark.parametrize("bits", [16, 4])
-def test_ram_evictions_go_to_disk_and_disk_hits_come_back(tmp_path: Path, bits: int):
+def test_every_put_reaches_disk_and_disk_hits_come_back(tmp_path: Path, bits: int):
     probe = ChunkStore(1 << 20, kv_cache_bits=bits)
     probe.put(key(0), raw_entry())
     stored_size = probe.stats()["ram_bytes"]  # all entries have this size
-    store = ChunkStore(2 * stored_size, kv_cache_bits=bits, disk_cache_dir=tmp_path, disk_max_bytes=64 * SLOT)
+    store = ChunkStore(2 * stored_size, kv_cache_bits=bits, disk_cache_dir=tmp_path, disk_max_bytes=DISK_BYTES)
     try:
         for i in range(6):
             store.put(key(i), raw_entry(seed=i))
+        store.flush()
         stats = store.stats()
-        assert stats["evictions"] > 0 and stats["disk_chunks"] == stats["evictions"]
+        assert stats["evictions"] == 4 and stats["disk_chunks"] == 6 and stats["disk_queued"] == 0
         for i in range(6):
             assert store.get(key(i)) is not None
         stats = store.stats()
@@ -73,10 +74,10 @@ def test_ram_evictions_go_to_disk_and_disk_hits_come_back(tmp_path: Path, bits: 
         store.close()
 
 
-def test_restart_keeps_hits(tmp_path: Path):
+def test_restart_keeps_entries(tmp_path: Path):
     with ChunkStore(1 << 20, disk_cache_dir=tmp_path) as store:
         for i in range(3):
-            store.put(key(i), raw_entry(seed=i))  # all fit in RAM: close() writes them to disk
+            store.put(key(i), raw_entry(seed=i))  # all fit in RAM, and are written through to disk
     with ChunkStore(1 << 20, disk_cache_dir=tmp_path) as reopened:
         for i in range(3):
             got = reopened.get(key(i))
@@ -93,7 +94,7 @@ def test_restart_keeps_hits(tmp_path: Path):
 def test_budgets_hold(tmp_path_factory, ops, ram_entries: int, bits: int):
     ram_budget = ram_entries * raw_entry(tokens=32).nbytes
     store = ChunkStore(
-        ram_budget, kv_cache_bits=bits, disk_cache_dir=tmp_path_factory.mktemp("b"), disk_max_bytes=16 * SLOT
+        ram_budget, kv_cache_bits=bits, disk_cache_dir=tmp_path_factory.mktemp("b"), disk_max_bytes=16 << 12
     )
     try:
         for is_put, i, tokens in ops:
@@ -102,7 +103,9 @@ def test_budgets_hold(tmp_path_factory, ops, ram_entries: int, bits: int):
             else:
                 store.get(key(i))
             stats = store.stats()
-            assert stats["ram_bytes"] <= ram_budget and stats["disk_bytes"] <= 16 * SLOT
+            assert stats["ram_bytes"] <= ram_budget and stats["disk_bytes"] <= 16 << 12
+        store.flush()
+        assert store.stats()["disk_bytes"] <= 16 << 12
     finally:
         store.close()
 
@@ -178,3 +181,69 @@ def test_quantized_store_serves_the_cache(bits: int):
     assert out.shape == expected.shape
     if bits == 8:
         assert torch.equal(out, expected)
+
+
+def test_redis_restarted_empty_is_repopulated_from_ram(redis_server: RedisServer):  # noqa: F811
+    holder = ChunkStore(1 << 24, remote_url=redis_server.url)
+    assert holder.remote is not None
+    holder.remote.retry_after_s = 0.2
+    try:
+        for i in range(5):
+            holder.put(key(i), raw_entry(seed=i))
+        holder.flush()
+        redis_server.stop()
+        redis_server.start()  # a fresh, empty Redis on the same port
+        assert holder.remote.check_restart()  # what the watcher thread does every few seconds
+        deadline = time.monotonic() + 10
+        newcomer = ChunkStore(1 << 24, remote_url=redis_server.url)
+        while newcomer.remote is not None and newcomer.remote.get_many([key(i) for i in range(5)]).count(None):
+            assert time.monotonic() < deadline, "RAM entries were not published again"
+            time.sleep(0.05)
+        assert holder.stats()["remote_republished"] >= 5
+        newcomer.close(timeout_s=1)
+    finally:
+        holder.close(timeout_s=1)
+
+
+def test_clear_is_local_unless_remote_is_asked(tmp_path: Path, redis_server: RedisServer):  # noqa: F811
+    with ChunkStore(1 << 20, disk_cache_dir=tmp_path, remote_url=redis_server.url) as store:
+        store.put(key(1), raw_entry())
+        store.flush()
+        store.clear()
+        assert not store.ram.contains(key(1)) and store.disk is not None and not store.disk.contains(key(1))
+        assert redis_server.client().exists("kvboost:" + key(1))
+        assert store.get(key(1)) is not None  # from Redis
+        store.clear(remote=True)
+        assert not redis_server.client().exists("kvboost:" + key(1)) and store.get(key(1)) is None
+
+
+def test_two_replicas_share_tail_notes_through_redis(redis_server: RedisServer):  # noqa: F811
+    first = ChunkStore(1 << 20, remote_url=redis_server.url)
+    second = ChunkStore(1 << 20, remote_url=redis_server.url)
+    try:
+        first.note_tail("ab" * 32, 9)
+        first.note_tail(None, 4)
+        first.flush()
+        second.note_tail("ab" * 32, 3)
+        second.flush()
+        assert second.tail_lengths("ab" * 32) == [9, 3] and second.tail_lengths(None) == [4]
+        assert first.tail_lengths("ab" * 32) == [9, 3]
+    finally:
+        first.close(timeout_s=1)
+        second.close(timeout_s=1)
+
+
+def test_get_many_reads_every_tier_once(tmp_path: Path, redis_server: RedisServer):  # noqa: F811
+    with ChunkStore(1 << 20, remote_url=redis_server.url) as writer:
+        for i in range(4):
+            writer.put(key(i), raw_entry(seed=i))
+    with ChunkStore(1 << 20, disk_cache_dir=tmp_path, remote_url=redis_server.url) as store:
+        store.put(key(0), raw_entry(seed=0))
+        got = store.get_many([key(i) for i in range(6)])
+        assert [g is not None for g in got] == [True] * 4 + [False] * 2
+        for i in range(4):
+            assert torch.equal(got[i].keys, raw_entry(seed=i).keys)
+        stats = store.stats()
+        assert (stats["ram_hits"], stats["remote_hits"], stats["misses"]) == (1, 3, 2)
+        store.flush()
+        assert store.stats()["disk_chunks"] == 4  # Redis hits are kept on disk too

@@ -15,6 +15,11 @@ the reference output that agrees before the first difference, and KL(unquantized
 generated token's distribution. Bytes per token are the stored bytes (codes, scales, zeros) over the stored
 tokens, also as a ratio to float16 K/V.
 
+Store guarantees: ``model_digest`` cost on the model (and its estimate for 7B parameters in bfloat16, scaled by
+bytes); Redis fetch time of a ``--redis-chunks``-chunk prompt (chunks shaped like the model's, in its dtype) with
+one GET per chunk and with one pipelined batch (``ChunkStore.get_many``); entries that survive a SIGKILL of a
+process that stored ``--kill-entries`` chunks with a disk tier, killed right after its last ``put`` and 5 s later.
+
 Writes ``tiers.json`` and ``tiers.png`` under ``--out``.
 """
 
@@ -28,6 +33,7 @@ import shutil
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -38,8 +44,9 @@ from typing import Any
 import torch
 
 from kvboost_hf.bench.common import machine_info, parser_for, save_results
+from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.chunking import chunk_spans
-from kvboost_hf.core.keys import chain_prefix_keys
+from kvboost_hf.core.keys import chain_prefix_keys, forget_model_digest, model_digest
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.store.chunk_store import ChunkStore
@@ -70,6 +77,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--fidelity-prompts", type=int, default=24, help="prompts for the fidelity comparison")
     parser.add_argument("--fidelity-tokens", type=int, default=400, help="text tokens per fidelity prompt")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens compared per prompt")
+    parser.add_argument("--redis-chunks", type=int, default=10, help="chunks of the batched Redis fetch")
+    parser.add_argument("--kill-entries", type=int, default=40, help="chunks stored before the SIGKILL")
     return parser.parse_args(argv)
 
 
@@ -186,6 +195,7 @@ def measure_ttft(engine: InferenceEngine, document: str, args: argparse.Namespac
                 if source.before_each is not None:
                     source.before_each()
                 result = source.engine.generate(document + question, max_new_tokens=1, mode=source.mode)
+                source.engine.store.flush()  # untimed: background writes must not overlap the next timed call
                 source.runs.append(result.ttft_ms)
                 source.cached.append(result.cached_tokens)
                 if source.keys:
@@ -209,8 +219,8 @@ def measure_ttft(engine: InferenceEngine, document: str, args: argparse.Namespac
             logger.info(
                 "%-12s TTFT median %8.1f ms, cached %s", source.name, statistics.median(source.runs), source.cached
             )
-        if "redis" in stores and stores["redis"].remote is not None:
-            stores["redis"].remote.clear()
+        if "redis" in stores:
+            stores["redis"].clear(remote=True)
     ram = results["ram"]["ttft_ms_median"]
     for entry in results.values():
         entry["vs_ram"] = entry["ttft_ms_median"] / ram
@@ -230,6 +240,107 @@ def _engine_with(engine: InferenceEngine, store: ChunkStore) -> InferenceEngine:
         chunk_size=engine.chunking.chunk_size,
         store=store,
     )
+
+
+def _model_shaped_chunk(engine: InferenceEngine, tokens: int, seed: int) -> ChunkKV:
+    """Random K/V shaped like ``engine``'s model's for ``tokens`` tokens, in its dtype."""
+    config = engine.model.config.get_text_config(decoder=True)
+    heads = config.num_key_value_heads or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shape = (config.num_hidden_layers, heads, tokens, head_dim)
+    gen = torch.Generator().manual_seed(seed)
+    dtype = next(engine.model.parameters()).dtype
+    return ChunkKV(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+
+
+def measure_digest(engine: InferenceEngine) -> dict:
+    """Time of :func:`model_digest` over every weight (uncached), and its estimate for 7B bfloat16 weights."""
+    weight_bytes = sum(t.numel() * t.element_size() for t in [*engine.model.parameters(), *engine.model.buffers()])
+    runs = []
+    for _ in range(3):
+        forget_model_digest(engine.model)
+        started = time.perf_counter()
+        model_digest(engine.model)
+        runs.append((time.perf_counter() - started) * 1e3)
+    ms = statistics.median(runs)
+    return {"ms": ms, "weight_bytes": weight_bytes, "estimate_7b_bf16_ms": ms * (7e9 * 2) / weight_bytes}
+
+
+def measure_redis_batching(engine: InferenceEngine, url: str, args: argparse.Namespace) -> dict:
+    """Fetch time (ms, median) of a prompt's ``--redis-chunks`` chunks from Redis: one GET each, then one batch."""
+    keys = [f"{i:064x}" for i in range(args.redis_chunks)]
+    prefix = f"kvboost-bench-batch-{time.time_ns()}:"  # a long read timeout: measure, do not give up under load
+    with ChunkStore(0, remote_url=url, remote_prefix=prefix, remote_read_timeout_s=5.0) as store:
+        remote = store.remote
+        assert remote is not None
+        for i, key in enumerate(keys):
+            store.put(key, _model_shaped_chunk(engine, args.chunk_size, i))
+        store.flush()
+        sequential, batched = [], []
+        for _ in range(max(3, args.repeats)):
+            started = time.perf_counter()
+            one_by_one = [remote.get(key) for key in keys]
+            sequential.append((time.perf_counter() - started) * 1e3)
+            started = time.perf_counter()
+            together = remote.get_many(keys)
+            batched.append((time.perf_counter() - started) * 1e3)
+            if None in one_by_one or None in together:
+                raise RuntimeError("a chunk is missing from Redis")
+        record_bytes = remote.written_bytes // max(1, remote.written)
+        store.clear(remote=True)
+    return {
+        "chunks": len(keys),
+        "record_bytes": record_bytes,
+        "sequential_ms_median": statistics.median(sequential),
+        "batched_ms_median": statistics.median(batched),
+    }
+
+
+_KILLED_STORE = """
+import os, sys, time, torch
+from kvboost_hf.core.chunk_kv import ChunkKV
+from kvboost_hf.store.chunk_store import ChunkStore
+
+directory, count, wait_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[4])
+shape = tuple(int(n) for n in sys.argv[3].split(","))
+store = ChunkStore(1 << 34, disk_cache_dir=directory)
+for i in range(count):
+    gen = torch.Generator().manual_seed(i)
+    store.put(f"{i:064x}", ChunkKV(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)))
+time.sleep(wait_s)
+os.kill(os.getpid(), 9)
+"""
+
+
+def measure_kill9(engine: InferenceEngine, args: argparse.Namespace) -> dict:
+    """Entries a new store finds on disk after a process stored ``--kill-entries`` chunks and was SIGKILLed
+    right after its last put, and 5 s later (verified: every one read back is the chunk that was stored)."""
+    config = engine.model.config.get_text_config(decoder=True)
+    shape = _model_shaped_chunk(engine, args.chunk_size, 0).keys.shape
+    out: dict[str, Any] = {"stored": args.kill_entries, "chunk_shape": list(shape), "layers": config.num_hidden_layers}
+    for wait_s in (0.0, 5.0):
+        with tempfile.TemporaryDirectory() as directory:
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    _KILLED_STORE,
+                    directory,
+                    str(args.kill_entries),
+                    ",".join(map(str, shape)),
+                    str(wait_s),
+                ],
+                check=False,
+                timeout=600,
+            )
+            with ChunkStore(0, disk_cache_dir=directory) as store:
+                found = [store.get(f"{i:064x}") for i in range(args.kill_entries)]
+            for i, entry in enumerate(found):
+                gen = torch.Generator().manual_seed(i)
+                if entry is not None and not torch.equal(entry.keys, torch.randn(tuple(shape), generator=gen)):
+                    raise RuntimeError(f"entry {i} read back after the kill differs from what was stored")
+            out[f"survived_after_{wait_s:g}s"] = sum(entry is not None for entry in found)
+    return out
 
 
 def measure_fidelity(engine: InferenceEngine, corpus: str, args: argparse.Namespace) -> dict:
@@ -301,6 +412,22 @@ def report_table(result: dict) -> str:
     for source, row in result["ttft"].items():
         lookup = f"{row['lookup_ms_median']:11.1f}" if "lookup_ms_median" in row else f"{'-':>11}"
         lines.append(f"{source:<13}{row['ttft_ms_median']:10.1f}{row['vs_ram']:8.2f}{lookup}")
+    guarantees = result.get("guarantees", {})
+    if digest := guarantees.get("digest"):
+        lines.append(
+            f"model_digest: {digest['ms']:.0f} ms over {digest['weight_bytes'] / 2**20:.0f} MiB of weights "
+            f"(7B bf16 estimate: {digest['estimate_7b_bf16_ms'] / 1e3:.1f} s)"
+        )
+    if batching := guarantees.get("redis_batching"):
+        lines.append(
+            f"Redis fetch of {batching['chunks']} chunks of {batching['record_bytes'] / 2**20:.2f} MiB: "
+            f"{batching['sequential_ms_median']:.1f} ms one GET each, {batching['batched_ms_median']:.1f} ms batched"
+        )
+    if kill := guarantees.get("kill9"):
+        lines.append(
+            f"SIGKILL after {kill['stored']} puts: {kill['survived_after_0s']} survive when killed at once, "
+            f"{kill['survived_after_5s']} after 5 s"
+        )
     lines.append(f"{'bits':<6}{'B/token':>9}{'x fp16':>8}{'identical':>11}{'prefix':>8}{'KL mean':>10}")
     for bits, row in result["fidelity"]["by_bits"].items():
         lines.append(
@@ -350,12 +477,15 @@ def main(argv: list[str]) -> int:
     document = _document(engine, corpus, args.prompt_tokens - 20)
     with redis_server(args.redis_url) as url:
         ttft = measure_ttft(engine, document, args, url)
+        batching = measure_redis_batching(engine, url, args) if url is not None else None
+    guarantees = {"digest": measure_digest(engine), "redis_batching": batching, "kill9": measure_kill9(engine, args)}
     fidelity = measure_fidelity(engine, corpus, args)
     report = {
         "machine": machine_info(engine.device) | {"model_dtype": str(next(engine.model.parameters()).dtype)},
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "targets": TARGETS,
         "ttft": ttft,
+        "guarantees": guarantees,
         "fidelity": fidelity,
     }
     save_results(args.out, "tiers", report, report_table, plot)

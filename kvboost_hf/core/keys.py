@@ -19,48 +19,87 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import xxhash
 
 from kvboost_hf.core.chunking import ChunkingConfig, Span
 
 STORAGE_FORMAT_VERSION = 1
-_WEIGHT_SAMPLES_PER_TENSOR = 4096
+DIGEST_VERSION = 2  # 1: sampled weights; 2: xxh3-128 over every byte
 _IGNORED_CONFIG_FIELDS = ("_name_or_path", "transformers_version", "_attn_implementation", "architectures")
 
-_model_digests: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+_weight_digests: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]] = weakref.WeakKeyDictionary()
 
 
-def model_digest(model: torch.nn.Module) -> str:
-    """Identity of a model: its config (minus paths and versions) and a sampled digest of every weight.
+def model_digest(model: torch.nn.Module, model_id: str | None = None) -> str:
+    """Identity of a model: its config (minus paths and versions), its active PEFT adapters, and either a hash
+    of every weight or the caller's ``model_id``.
 
-    Each parameter and buffer contributes its name, shape, dtype, sum and up to 4096 evenly strided values, so
-    two checkpoints of one architecture (or a fine-tune) get different digests without hashing every byte.
-    Cached per model object; call :func:`forget_model_digest` after changing weights in place.
+    Weights: xxh3-128 over the raw bytes of every parameter and buffer, with its name, shape and dtype (any
+    changed byte, such as two swapped embedding rows, changes the digest). Cached per model object and
+    recomputed when the set of tensors changes (an adapter loaded); call :func:`forget_model_digest` after
+    changing weights in place. Cost: one pass over the weights (GPU weights are copied to the host tensor by
+    tensor), measured by ``python -m kvboost_hf.bench tiers``.
+    ``model_id``: for models versioned by their owner (a checkpoint name and revision): no weight is read, and
+    two models given the same ``model_id`` and config share K/V, so it must change whenever the weights do.
+    Raises ValueError if a weight is on the meta device (offloaded) and no ``model_id`` is given.
     """
-    cached = _model_digests.get(model)
-    if cached is not None:
-        return cached
-    h = hashlib.sha256()
+    h = hashlib.sha256(f"digest-v{DIGEST_VERSION}".encode())
     config = getattr(model, "config", None)
     if config is not None:
         fields = {k: v for k, v in config.to_dict().items() if k not in _IGNORED_CONFIG_FIELDS}
         h.update(json.dumps(fields, sort_keys=True, default=str).encode())
+    h.update(json.dumps(_adapter_state(model), sort_keys=True, default=str).encode())
+    if model_id is not None:
+        h.update(b"model_id\0" + model_id.encode())
+    else:
+        h.update(b"weights\0" + _weight_digest(model).encode())
+    return h.hexdigest()
+
+
+def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
+def _weight_digest(model: torch.nn.Module) -> str:
+    tensors = _tensors(model)
+    signature = tuple((name, tuple(t.shape), t.dtype) for name, t in tensors)
+    cached = _weight_digests.get(model)
+    if cached is not None and cached[0] == signature:
+        return cached[1]
+    h = xxhash.xxh3_128()
     with torch.no_grad():
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            flat = tensor.detach().reshape(-1)
-            step = max(1, flat.numel() // _WEIGHT_SAMPLES_PER_TENSOR)
-            sample = flat[::step][:_WEIGHT_SAMPLES_PER_TENSOR].to("cpu", torch.float64)
-            h.update(
-                f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|{float(flat.sum(dtype=torch.float64)):.10e}".encode()
-            )
-            h.update(sample.numpy().tobytes())
+        for name, tensor in tensors:
+            if tensor.device.type == "meta":
+                raise ValueError(
+                    f"weight {name} is on the meta device (offloaded), so it cannot be fingerprinted: pass model_id"
+                )
+            h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}\0".encode())
+            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).to("cpu")
+            h.update(raw.numpy().data)
     digest = h.hexdigest()
-    _model_digests[model] = digest
+    _weight_digests[model] = (signature, digest)
     return digest
 
 
+def _adapter_state(model: torch.nn.Module) -> dict[str, object]:
+    """Active PEFT adapters and their configs (PEFT models and transformers' adapter integration); {} if none."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict) or not configs:
+        return {}
+    active = getattr(model, "active_adapters", None)
+    if callable(active):
+        active = active()
+    if isinstance(active, str):
+        active = [active]
+    return {
+        "active": sorted(active or ()),
+        "configs": {name: getattr(cfg, "to_dict", lambda c=cfg: repr(c))() for name, cfg in configs.items()},
+    }
+
+
 def forget_model_digest(model: torch.nn.Module) -> None:
-    """Drop the cached digest (after the weights were changed in place)."""
-    _model_digests.pop(model, None)
+    """Drop the cached weight digest (after the weights were changed in place)."""
+    _weight_digests.pop(model, None)
 
 
 def make_namespace(
@@ -71,15 +110,17 @@ def make_namespace(
     kv_cache_bits: int = 16,
     kv_group_size: int | None = None,
     cache_salt: str | None = None,
+    model_id: str | None = None,
 ) -> str:
-    """Namespace key (hex) for one model + settings + stored precision + tenant.
+    """Namespace key (hex) for one model + settings + stored precision + tenant (``model_id``: see
+    :func:`model_digest`).
 
     ``kv_cache_bits`` and ``kv_group_size`` are the store's (the precision K/V come back in); the group size only
     matters, and only enters the key, below 16 bits.
     """
     payload = {
         "format": STORAGE_FORMAT_VERSION,
-        "model": model_digest(model),
+        "model": model_digest(model, model_id),
         "dtype": str(dtype),
         "chunking": chunking.fingerprint(),
         "kv_cache_bits": kv_cache_bits,

@@ -28,6 +28,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max-cache-bytes", type=int, default=2 << 30, help="RAM budget of the chunk store (bytes)")
     model.add_argument("--disk-cache-dir", default=None, help="directory of the disk tier")
     model.add_argument("--remote-url", default=None, help="redis:// URL of the remote tier")
+    model.add_argument("--disk-max-bytes", type=int, default=None, help="bytes of records the disk tier may hold")
+    model.add_argument("--remote-prefix", default=None, help="prefix of every Redis key (default kvboost:)")
+    model.add_argument("--remote-ttl-s", type=float, default=None, help="expiry of Redis keys written (seconds)")
+    model.add_argument(
+        "--remote-hmac-key-env",
+        default=None,
+        metavar="VAR",
+        help="environment variable holding the secret that seals Redis records with HMAC-SHA256",
+    )
     model.add_argument(
         "--reuse-mode",
         choices=("prefix", "chunk", "off"),
@@ -74,6 +83,10 @@ def serve(args: argparse.Namespace) -> int:
         max_cache_bytes=args.max_cache_bytes,
         disk_cache_dir=args.disk_cache_dir,
         remote_url=args.remote_url,
+        disk_max_bytes=args.disk_max_bytes,
+        remote_prefix=args.remote_prefix,
+        remote_ttl_s=args.remote_ttl_s,
+        remote_hmac_key=_secret_from_env(args.remote_hmac_key_env),
     )
     if args.warm is not None:
         result = engine.warm(args.warm.read_text(encoding="utf-8"))
@@ -103,7 +116,7 @@ def serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT after its graceful shutdown
         logger.info("server stopped")
     finally:
-        engine.store.close()  # RAM entries reach the disk tier, queued Redis writes finish
+        engine.store.close()  # queued disk and Redis writes finish
     return 0
 
 
@@ -114,3 +127,13 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _secret_from_env(variable: str | None) -> str | None:
+    """The secret in environment ``variable`` (None when no variable is named); a clear error if it is unset."""
+    if variable is None:
+        return None
+    secret = os.environ.get(variable)
+    if not secret:
+        raise SystemExit(f"--remote-hmac-key-env names {variable}, which is unset or empty")
+    return secret

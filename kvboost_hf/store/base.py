@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import heapq
+import logging
+import threading
+import time
 from abc import ABC, abstractmethod
-from typing import TypeAlias
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, TypeAlias
 
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.store.quantization import QuantizedChunk
+
+logger = logging.getLogger(__name__)
 
 StoredChunk: TypeAlias = ChunkKV | QuantizedChunk
 """What tiers hold: the K/V as computed (``kv_cache_bits=16``) or KIVI-quantized (8 or 4 bits)."""
@@ -126,3 +133,121 @@ class FrequencyRecencyOrder:
         if len(self._heap) > 4 * len(self._state) + 64:
             self._heap = [(h, t, k) for k, (h, t) in self._state.items()]
             heapq.heapify(self._heap)
+
+
+class BackgroundWriter:
+    """Write-behind for a slow tier: a bounded set of pending items drained in batches by one daemon thread.
+
+    :meth:`submit` never waits on I/O: with ``queue_size`` items pending it drops the new one (counted in
+    ``dropped``) unless ``block_s`` allows waiting for room. A key submitted again while pending replaces its item
+    (one write). ``write(batch)`` runs on the writer thread with up to ``batch_size`` ``(key, item)`` pairs; an
+    exception it raises is logged and counted in ``errors`` (the items are lost, the thread survives).
+    Until ``write`` returns, :meth:`pending` serves the items, so a read never misses a write in flight.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        write: Callable[[list[tuple[str, Any]]], None],
+        *,
+        queue_size: int = 256,
+        batch_size: int = 16,
+    ) -> None:
+        if queue_size < 1 or batch_size < 1:
+            raise ValueError(f"queue_size and batch_size must be >= 1, got {queue_size}, {batch_size}")
+        self.name = name
+        self.queue_size = queue_size
+        self.batch_size = batch_size
+        self.dropped = 0
+        self.errors = 0
+        self.written = 0
+        self._write = write
+        self._queued: OrderedDict[str, Any] = OrderedDict()
+        self._in_flight: dict[str, Any] = {}
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name=f"kvboost-{name}-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: str, item: Any, block_s: float = 0.0) -> bool:
+        """Queue ``item`` under ``key``; False (counted in ``dropped``) if the queue stayed full or it is closed."""
+        deadline = time.monotonic() + block_s
+        with self._cond:
+            while not self._stopping and key not in self._queued and len(self._queued) >= self.queue_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.dropped += 1
+                    return False
+                self._cond.wait(remaining)
+            if self._stopping:
+                self.dropped += 1
+                return False
+            self._queued[key] = item
+            self._cond.notify_all()
+            return True
+
+    def pending(self, key: str) -> Any | None:
+        """The item queued or being written under ``key``, or None."""
+        with self._cond:
+            item = self._queued.get(key)
+            return item if item is not None else self._in_flight.get(key)
+
+    def __len__(self) -> int:
+        """Items submitted and not yet written: waiting plus in flight."""
+        with self._cond:
+            return len(self._queued) + len(self._in_flight)
+
+    @property
+    def waiting(self) -> int:
+        """Items submitted and not yet taken by the writer thread (what counts against ``queue_size``)."""
+        with self._cond:
+            return len(self._queued)
+
+    @property
+    def running(self) -> bool:
+        """Whether the writer thread is alive (after :meth:`close`: still finishing a write)."""
+        return self._thread.is_alive()
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every submitted item is written (or failed); False if ``timeout_s`` passed first."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queued or self._in_flight:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._thread.is_alive():
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Drain (up to ``timeout_s``), then stop the thread; later submits are dropped. True if all was written."""
+        drained = self.flush(timeout_s)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+        return drained
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queued and not self._stopping:
+                    self._cond.wait()
+                if not self._queued:
+                    return
+                batch = []
+                while self._queued and len(batch) < self.batch_size:
+                    batch.append(self._queued.popitem(last=False))
+                self._in_flight = dict(batch)
+                self._cond.notify_all()  # room in the queue
+            try:
+                self._write(batch)
+                written, failed = len(batch), 0
+            except Exception:  # the writer must survive anything a batch does
+                logger.exception("%s tier: a background write of %d items failed", self.name, len(batch))
+                written, failed = 0, 1
+            with self._cond:
+                self.written += written
+                self.errors += failed
+                self._in_flight = {}
+                self._cond.notify_all()

@@ -1,17 +1,21 @@
 """Stage 3: the chunk store, a stack of tiers behind one small interface.
 
-:class:`ChunkStore` is what the cache talks to: ``get``/``put``/``contains``/``pin``. It owns
+:class:`ChunkStore` is what the cache talks to: ``get``/``get_many``/``put``/``contains``/``pin``. It owns
 
 * a RAM tier (:class:`RamTier`, ``max_bytes``), always;
-* a disk tier (:class:`~kvboost_hf.store.disk.DiskTier`) with ``disk_cache_dir``: RAM evictions are demoted
-  into it, its hits are promoted back into RAM, and :meth:`ChunkStore.close` (also run at interpreter exit)
-  writes the RAM entries into it so that a restart keeps them;
+* a disk tier (:class:`~kvboost_hf.store.disk.DiskTier`) with ``disk_cache_dir``: every ``put`` is written
+  through to it in the background (a request never waits on the disk), so a restart, or another process on the
+  same directory, finds every entry whose write was not still queued; RAM evictions of entries already on disk
+  just drop them; disk hits are promoted back into RAM;
 * a remote tier (:class:`~kvboost_hf.store.remote.RemoteTier`) with ``remote_url``: every ``put`` is also
-  written there in the background (write-through, so other replicas see new chunks at once); its hits are
-  promoted into RAM.
+  written there in the background (other replicas see new chunks at once); its hits are promoted into RAM and
+  the disk; when Redis comes back after an outage, the RAM entries are published again.
 
-With ``kv_cache_bits`` 8 or 4 every tier holds the KIVI-quantized form (RAM included: that is the saving);
-``get`` dequantises to the dtype the entry was put with. The live cache never sees quantized tensors.
+No request fails or waits because of a lower tier: their failures are counted and logged, and lookups go on
+from the tiers that work. With ``kv_cache_bits`` 8 or 4 every tier holds the KIVI-quantized form (RAM included:
+that is the saving); ``get`` dequantises to the dtype the entry was put with. The live cache never sees
+quantized tensors; a chunk that cannot be quantized (inf/NaN, values beyond float16 statistics) is not stored
+(counted in ``skipped``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -149,6 +154,7 @@ class StoreStats:
     misses: int = 0
     puts: int = 0
     rejected: int = 0
+    skipped: int = 0
 
 
 MAX_TAIL_PARENTS = 65536
@@ -161,13 +167,17 @@ class ChunkStore:
         max_bytes: RAM budget in bytes (of the stored form: quantized bytes with ``kv_cache_bits`` < 16).
         kv_cache_bits: 16 keeps K/V as computed; 8 or 4 stores KIVI-quantized K/V in every tier.
         kv_group_size: quantization group in tokens (keys) and channels (values).
-        disk_cache_dir: enables the disk tier in that directory (one process at a time).
-        disk_max_bytes: size of the disk tier's slot file in bytes.
+        disk_cache_dir: enables the disk tier in that directory (shared safely by several processes).
+        disk_max_bytes: bytes of records the disk tier may hold (the file grows as needed, never reserved).
         remote_url: enables the Redis tier (``redis://`` or ``rediss://``, credentials in the URL).
         remote_prefix: prefix of every Redis key this store reads and writes.
+        remote_ttl_s: expiry of every Redis key written (None: Redis's eviction only).
+        remote_read_timeout_s: longest a Redis lookup may wait for a reply before it is a miss.
+        remote_hmac_key: secret sealing Redis records with HMAC-SHA256; records without a valid seal are refused.
         device: where RAM entries live and where ``get`` returns them.
 
     Thread-safe. Never returns K/V that failed verification: a damaged disk or Redis record is a miss.
+    After :meth:`close`, lookups see RAM only.
     """
 
     def __init__(
@@ -180,6 +190,9 @@ class ChunkStore:
         disk_max_bytes: int = DEFAULT_DISK_MAX_BYTES,
         remote_url: str | None = None,
         remote_prefix: str = DEFAULT_PREFIX,
+        remote_ttl_s: float | None = None,
+        remote_read_timeout_s: float = 0.25,
+        remote_hmac_key: bytes | str | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
         if kv_cache_bits != 16 and kv_cache_bits not in SUPPORTED_BITS:
@@ -191,71 +204,138 @@ class ChunkStore:
         self.device = torch.device(device)
         self.ram = RamTier(max_bytes)
         self.disk = DiskTier(disk_cache_dir, disk_max_bytes) if disk_cache_dir is not None else None
-        self.remote = RemoteTier(remote_url, prefix=remote_prefix) if remote_url else None
+        self.remote = (
+            RemoteTier(
+                remote_url,
+                prefix=remote_prefix,
+                ttl_s=remote_ttl_s,
+                read_timeout_s=remote_read_timeout_s,
+                hmac_key=remote_hmac_key,
+                on_reconnect=self._republish,
+            )
+            if remote_url
+            else None
+        )
         self._stats = StoreStats()
         self._tier_hits = {"ram": 0, "disk": 0, "remote": 0}
         self._tail_lengths: OrderedDict[str, set[int]] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
+        self._skip_logged = False
         if self.disk is not None or self.remote is not None:
             atexit.register(_close_at_exit, weakref.ref(self))
 
     @property
     def tiers(self) -> list[StorageTier]:
-        """Configured tiers, fastest first."""
+        """Tiers consulted now, fastest first (RAM only once closed)."""
+        if self._closed:
+            return [self.ram]
         return [tier for tier in (self.ram, self.disk, self.remote) if tier is not None]
 
     def get(self, key: str) -> ChunkKV | None:
         """The entry under ``key`` from the fastest tier holding it, dequantised, or None (counted as a miss)."""
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[str]) -> list[ChunkKV | None]:
+        """:meth:`get` for several keys: each tier is asked once for all keys it may hold (one Redis round
+        trip for the lot). Entries found below RAM are promoted into RAM (and into the disk from Redis)."""
+        found: list[StoredChunk | None] = [None] * len(keys)
         for tier in self.tiers:
-            stored = tier.get(key)
-            if stored is None:
-                continue
-            with self._lock:
-                self._stats.hits += 1
-                self._tier_hits[tier.name] += 1
-            if tier is not self.ram:
-                stored = stored.to(self.device)
-                self._demote(self.ram.put(key, stored))
-            return _materialize(stored)
+            missing = [i for i, stored in enumerate(found) if stored is None]
+            if not missing:
+                break
+            if isinstance(tier, RemoteTier):
+                answers = tier.get_many([keys[i] for i in missing])
+            else:
+                answers = [tier.get(keys[i]) for i in missing]
+            for i, stored in zip(missing, answers, strict=True):
+                if stored is None:
+                    continue
+                with self._lock:
+                    self._tier_hits[tier.name] += 1
+                if tier is not self.ram:
+                    stored = stored.to(self.device)
+                    if tier is self.remote and self.disk is not None:
+                        self.disk.put(keys[i], stored)
+                    self._demote(self.ram.put(keys[i], stored))
+                found[i] = stored
+        hits = sum(stored is not None for stored in found)
         with self._lock:
-            self._stats.misses += 1
-        return None
+            self._stats.hits += hits
+            self._stats.misses += len(keys) - hits
+        return [None if stored is None else _materialize(stored) for stored in found]
 
     def contains(self, key: str) -> bool:
-        return any(tier.contains(key) for tier in self.tiers)
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is in some tier (RAM and disk first; one Redis round trip for the rest)."""
+        out = [
+            self.ram.contains(key) or (self.disk is not None and not self._closed and self.disk.contains(key))
+            for key in keys
+        ]
+        missing = [i for i, present in enumerate(out) if not present]
+        if missing and self.remote is not None and not self._closed:
+            for i, present in zip(missing, self.remote.contains_many([keys[i] for i in missing]), strict=True):
+                out[i] = present
+        return out
 
     def put(self, key: str, entry: ChunkKV) -> None:
-        """Store ``entry`` under ``key`` (quantized if configured); a key already present is only touched."""
+        """Store ``entry`` under ``key`` (quantized if configured) in RAM, and queue it for the disk and Redis;
+        a key already in RAM is only touched. A chunk that cannot be quantized is skipped (counted)."""
         stored: StoredChunk
         if self.kv_cache_bits == 16:
             stored = entry.to(self.device)
         else:
-            stored = quantize_chunk(entry.keys, entry.values, self.kv_cache_bits, self.kv_group_size).to(self.device)
+            try:
+                stored = quantize_chunk(entry.keys, entry.values, self.kv_cache_bits, self.kv_group_size)
+            except ValueError as exc:  # inf/NaN or beyond float16 statistics: storing is optional, serving is not
+                with self._lock:
+                    self._stats.skipped += 1
+                    first, self._skip_logged = not self._skip_logged, True
+                logger.log(logging.WARNING if first else logging.DEBUG, "chunk %s not stored: %s", key[:12], exc)
+                return
+            stored = stored.to(self.device)
         with self._lock:
             self._stats.puts += 1
+        lower = not self._closed and not self.ram.contains(key)
+        if lower and self.disk is not None and not self.disk.contains(key):
+            self.disk.put(key, stored)
         self._demote(self.ram.put(key, stored))
-        if not self.ram.contains(key) and (self.disk is None or not self.disk.contains(key)):
+        if not self.ram.contains(key) and (self.disk is None or self._closed or not self.disk.contains(key)):
             with self._lock:
                 self._stats.rejected += 1
-        if self.remote is not None:
+        if lower and self.remote is not None:
             self.remote.put(key, stored)
 
     def note_tail(self, parent_key: str | None, num_tokens: int) -> None:
         """Remember that a partial chunk of ``num_tokens`` tokens was stored after ``parent_key`` (None: at the
-        start), so a later prompt can find it without knowing its length. An in-process index of at most
-        ``MAX_TAIL_PARENTS`` parents (least recently noted forgotten first); the entry itself lives in the tiers."""
+        start), so a later prompt can find it without knowing its length. Kept in process memory (at most
+        ``MAX_TAIL_PARENTS`` parents, least recently noted forgotten first) and written to the disk and Redis
+        tiers, so that a restart or another replica finds it too; the entry itself lives in the tiers."""
+        parent = parent_key or ""
         with self._lock:
-            lengths = self._tail_lengths.pop(parent_key or "", set())
+            lengths = self._tail_lengths.pop(parent, set())
             lengths.add(num_tokens)
-            self._tail_lengths[parent_key or ""] = lengths
+            self._tail_lengths[parent] = lengths
             while len(self._tail_lengths) > MAX_TAIL_PARENTS:
                 self._tail_lengths.popitem(last=False)
+            noted = frozenset(lengths)
+        if not self._closed:
+            for tier in (self.disk, self.remote):
+                if tier is not None:
+                    tier.note_tail(parent, noted)
 
     def tail_lengths(self, parent_key: str | None) -> list[int]:
-        """Lengths (tokens) of the partial chunks noted after ``parent_key``, longest first."""
+        """Lengths (tokens) of the partial chunks noted after ``parent_key`` in any tier, longest first."""
+        parent = parent_key or ""
         with self._lock:
-            return sorted(self._tail_lengths.get(parent_key or "", ()), reverse=True)
+            lengths = set(self._tail_lengths.get(parent, ()))
+        if not self._closed:
+            for tier in (self.disk, self.remote):
+                if tier is not None:
+                    lengths |= tier.tail_lengths(parent)
+        return sorted(lengths, reverse=True)
 
     def pin(self, key: str) -> bool:
         """Keep ``key`` resident in RAM (loading it from a lower tier if needed); False if unknown."""
@@ -266,31 +346,38 @@ class ChunkStore:
     def unpin(self, key: str) -> None:
         self.ram.unpin(key)
 
-    def clear(self) -> None:
-        """Drop every entry of every tier, including the Redis records under this store's prefix."""
+    def clear(self, remote: bool = False) -> None:
+        """Drop every entry of RAM and the disk tier (shared with other processes on that directory). Redis
+        records under this store's prefix, other replicas' included, are deleted only with ``remote=True``."""
         for tier in self.tiers:
-            tier.clear()
+            if tier is not self.remote or remote:
+                tier.clear()
         with self._lock:
             self._tail_lengths.clear()
 
     def flush(self, timeout_s: float = 10.0) -> None:
-        """Write RAM entries into the disk tier and its index, and wait (up to ``timeout_s``) for Redis writes."""
+        """Wait (up to ``timeout_s`` per tier) until queued disk and Redis writes are done; RAM entries missing
+        from the disk (their write was dropped from a full queue) are queued again first."""
+        if self._closed:
+            return
         if self.disk is not None:
             for key, stored in self.ram.items():
-                self.disk.put(key, stored)
-            self.disk.flush()
+                if not self.disk.contains(key):
+                    self.disk.put(key, stored)
+            self.disk.flush(timeout_s)
         if self.remote is not None:
             self.remote.flush(timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """:meth:`flush`, then release the disk tier's files and stop the Redis writer. Idempotent."""
+        """:meth:`flush`, then close the disk tier and stop the Redis writer. Idempotent; afterwards lookups see
+        RAM only and puts stay in RAM."""
+        self.flush(timeout_s)
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self.flush(timeout_s)
         if self.disk is not None:
-            self.disk.close()
+            self.disk.close(timeout_s)
         if self.remote is not None:
             self.remote.close(timeout_s)
 
@@ -301,15 +388,18 @@ class ChunkStore:
         self.close()
 
     def stats(self) -> dict[str, int]:
-        """Counters: hits, misses, puts, rejected, evictions (RAM), chunks (in RAM), ``{ram,disk,remote}_bytes``,
-        ``{ram,disk,remote}_hits``, ``disk_evictions``, ``corrupt`` (disk + Redis records refused),
-        ``remote_errors``, ``remote_dropped`` (writes not done). Tiers not configured report 0."""
+        """Counters: hits, misses, puts, rejected, skipped (not quantizable), evictions (RAM), chunks (in RAM),
+        ``{ram,disk,remote}_bytes``, ``{ram,disk,remote}_hits``, ``disk_chunks``, ``disk_evictions``, ``corrupt``
+        (disk + Redis records refused), ``disk_errors``, ``disk_dropped`` and ``remote_dropped`` (writes not
+        done), ``disk_queued`` (writes not yet on disk), ``disk_disabled`` (1 once the disk tier gave up),
+        ``remote_errors``, ``remote_republished``. Tiers not configured report 0."""
         with self._lock:
             out = {
                 "hits": self._stats.hits,
                 "misses": self._stats.misses,
                 "puts": self._stats.puts,
                 "rejected": self._stats.rejected,
+                "skipped": self._stats.skipped,
                 "evictions": self.ram.evictions,
                 "chunks": len(self.ram),
                 **{f"{name}_hits": hits for name, hits in self._tier_hits.items()},
@@ -321,19 +411,27 @@ class ChunkStore:
             "remote_bytes": remote.nbytes if remote is not None else 0,
             "disk_chunks": len(disk) if disk is not None else 0,
             "disk_evictions": disk.evictions if disk is not None else 0,
+            "disk_errors": disk.errors if disk is not None else 0,
+            "disk_dropped": disk.dropped if disk is not None else 0,
+            "disk_queued": disk.queued if disk is not None else 0,
+            "disk_disabled": int(disk is not None and disk.disabled not in (None, "closed")),
             "corrupt": (disk.corrupt if disk is not None else 0) + (remote.corrupt if remote is not None else 0),
             "remote_errors": remote.errors if remote is not None else 0,
             "remote_dropped": remote.dropped if remote is not None else 0,
+            "remote_republished": remote.republished if remote is not None else 0,
         }
         return out
 
     def _demote(self, evicted: list[tuple[str, StoredChunk]]) -> None:
-        """Entries leaving RAM go to the disk tier when there is one; otherwise they leave the store."""
+        """Entries leaving RAM: dropped when the disk tier holds them (or there is none), else queued for it."""
         for key, stored in evicted:
-            if self.disk is not None:
+            if self.disk is not None and not self._closed and not self.disk.contains(key):
                 self.disk.put(key, stored)
-            else:
-                logger.debug("chunk %s left the store", key[:12])
+
+    def _republish(self) -> None:
+        """Redis answers again after an outage (maybe restarted empty): write the RAM entries there again."""
+        if self.remote is not None and not self._closed:
+            self.remote.republish(self.ram.items())
 
 
 def _materialize(stored: StoredChunk) -> ChunkKV:

@@ -166,23 +166,6 @@ def decode(expected_key: str, record: bytes | bytearray | memoryview) -> StoredC
         raise CorruptEntryError(str(exc)) from exc
 
 
-def peek(record: bytes | bytearray | memoryview) -> tuple[str, int] | None:
-    """``(key, record length)`` from a header without verifying the digest; None if it is not a record.
-
-    A cheap plausibility check (the disk tier uses it when it reopens); only :func:`decode` proves a record.
-    """
-    view = memoryview(record)
-    if len(view) < _PREFIX.size + _KEY_LEN.size:
-        return None
-    magic, version, _, header_len, payload_len, _ = _PREFIX.unpack_from(view, 0)
-    if magic != MAGIC or version != FORMAT_VERSION or header_len > len(view):
-        return None
-    try:
-        return _read_key(view), header_len + payload_len
-    except CorruptEntryError:
-        return None
-
-
 def _read_key(view: memoryview) -> str:
     (key_len,) = _KEY_LEN.unpack_from(view, _PREFIX.size)
     start = _PREFIX.size + _KEY_LEN.size

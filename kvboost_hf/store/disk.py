@@ -1,346 +1,462 @@
-"""Disk tier: fixed-size slots in one pre-sized file read and written through mmap, and a JSON index.
+"""Disk tier: an LMDB environment shared by every process that opens the directory, written behind the requests.
 
-Files in ``directory``:
+Why LMDB rather than the earlier slot file + JSON index (measured in ``python -m kvboost_hf.bench tiers``):
+LMDB gives concurrent readers in many processes, one serialised writer, and copy-on-write transactions that a
+crash (SIGKILL, power loss after ``fsync``) cannot tear; a slot file shared between processes would need its own
+cross-process allocator, index and recovery. Fetch latency is one memcpy out of the page cache either way.
 
-* ``slots.bin``: ``num_slots * slot_bytes`` bytes (``num_slots = max_bytes // slot_bytes``), its blocks
-  reserved with ``posix_fallocate`` when it is opened. Each entry is one
-  :mod:`kvboost_hf.store.codec` record spread over as many slots as it needs (not necessarily consecutive ones);
-  an entry larger than the whole file is refused.
-* ``index.json``: geometry, and for every entry its slots, record length, hits and recency tick. Written
-  atomically (temporary file, fsync, ``os.replace``) after every change of membership, and on :meth:`flush`
-  and :meth:`close` (so hits counted since the last write are lost if the process is killed, never entries).
-* ``lock``: an exclusive ``flock`` so that one process at a time owns the directory.
+Layout of ``directory`` (LMDB's ``data.mdb`` and ``lock.mdb``), three named databases:
 
-Invariants: the file never grows past ``max_bytes``; an entry is returned only if its record's SHA-256 and key
-verify (a torn write, flipped bits, a truncated file or an index older than the slots are all detected: the
-entry is dropped, counted in ``corrupt``, logged, and the read is a miss). Data is written before the index
-that points at it, so a process killed at any moment leaves a directory that reopens consistently.
+* ``records``: key -> :mod:`kvboost_hf.store.codec` record (SHA-256 and the key it was stored under: a flipped
+  byte, a torn or foreign value is a miss, counted in ``corrupt``, and deleted);
+* ``meta``: key -> record length, hits and last use (eviction order: fewest hits, then least recent), plus the
+  bytes in use under ``_BYTES``, updated in the same transactions as ``records`` (so every process agrees);
+* ``tails``: parent key -> lengths of the unfinished chunks stored after it (see ``ChunkStore.note_tail``).
+
+Writes (:meth:`DiskTier.put`, deletes, tail notes, hit counts) go through a :class:`~.base.BackgroundWriter`:
+a request never waits on the disk; a full queue drops the write (counted); entries still queued are served from
+memory. Each batch is one transaction, durable when it commits, so a process killed at any moment loses at most
+the writes still queued. Failures never reach the caller: a full or read-only file system, a directory deleted
+or a data file truncated under the store are logged once, counted in ``errors``, and leave the tier degraded
+(failed writes) or disabled (every read a miss). Reads check that ``data.mdb`` still covers LMDB's used pages
+before mapping them, so a file truncated by another program is a miss, not SIGBUS (a truncation racing the
+check itself cannot be caught from Python).
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
-import heapq
-import json
 import logging
-import mmap
 import os
+import struct
 import threading
-import weakref
-from dataclasses import dataclass
+import time
 from pathlib import Path
+from typing import Any
+
+import lmdb
 
 from kvboost_hf.store import codec
-from kvboost_hf.store.base import FrequencyRecencyOrder, StorageTier, StoredChunk
+from kvboost_hf.store.base import BackgroundWriter, StorageTier, StoredChunk
 
 logger = logging.getLogger(__name__)
 
-INDEX_FORMAT = 1
-MAX_DEFAULT_SLOT_BYTES = 256 << 10
 DEFAULT_MAX_BYTES = 8 << 30
-
-
-@dataclass
-class _Placement:
-    slots: list[int]
-    length: int  # record bytes
+_META = struct.Struct("<QId")  # record bytes, hits, last use (Unix seconds)
+_BYTES = b"\0bytes"  # meta key of the bytes in use (never a chunk key: those are hex)
+_U64 = struct.Struct("<Q")
+_TAIL_PREFIX = "\0tail:"  # writer keys of tail notes (chunk keys are hex)
+_DELETE = object()
+_MAP_HEADROOM = 1.25  # LMDB map size over max_bytes: room for B-tree pages and freed pages awaiting reuse
 
 
 class DiskTier(StorageTier):
-    """Bounded, restart-surviving tier under ``directory`` (see the module docstring for the layout).
+    """Restart-surviving, multi-process tier under ``directory`` (see the module docstring).
 
-    ``max_bytes`` bounds the slot file; ``slot_bytes`` (a multiple of the page size, by default
-    :func:`default_slot_bytes`) is the allocation unit and
-    is fixed when the directory is created: reopening with other geometry starts an empty store. Eviction is
-    frequency-then-recency like the RAM tier; being the last local tier, it drops its victims (``put`` returns
-    only a refused entry). ``nbytes`` counts whole slots in use.
+    ``max_bytes`` bounds the bytes of records held (page-rounded); the LMDB file grows as needed, up to
+    ``1.25 * max_bytes`` plus a little, and is never reserved up front. Tiers of one process on one directory
+    share one LMDB environment (LMDB allows one per process; the first one's file size limit applies).
+    ``queue_size`` bounds the writes waiting for the disk. ``nbytes`` and ``len`` are the values every process
+    sharing the directory sees.
     """
 
     name = "disk"
 
-    def __init__(
-        self,
-        directory: str | os.PathLike[str],
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        slot_bytes: int | None = None,
-    ) -> None:
-        if slot_bytes is None:
-            slot_bytes = default_slot_bytes(max_bytes)
-        if slot_bytes <= 0 or slot_bytes % mmap.PAGESIZE:
-            raise ValueError(f"slot_bytes must be a positive multiple of {mmap.PAGESIZE}, got {slot_bytes}")
-        if max_bytes < slot_bytes:
-            raise ValueError(f"disk max_bytes ({max_bytes}) must hold at least one slot of {slot_bytes} bytes")
+    def __init__(self, directory: str | os.PathLike[str], max_bytes: int = DEFAULT_MAX_BYTES, *, queue_size: int = 256):
+        if max_bytes < 1:
+            raise ValueError(f"disk max_bytes must be >= 1, got {max_bytes}")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.slot_bytes = slot_bytes
-        self.num_slots = max_bytes // slot_bytes
-        self.max_bytes = self.num_slots * slot_bytes
+        self.max_bytes = max_bytes
         self.corrupt = 0
         self.evictions = 0
-        self._lock = threading.RLock()
-        self._index_path = self.directory / "index.json"
-        self._lock_file = open(self.directory / "lock", "a+b")  # noqa: SIM115 (held for the tier's lifetime)
+        self.errors = 0
+        self.disabled: str | None = None  # why every read is a miss and every write skipped, once that happened
+        self._lock = threading.Lock()  # the environment's lifetime: reads and close
+        self._hits: dict[str, int] = {}
+        self._error_logged = False
+        self._env: Any = None
+        self._data_fd = -1
         try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_file.close()
-            raise RuntimeError(f"disk cache directory {self.directory} is in use by another process") from None
-        self._file = open(self.directory / "slots.bin", "a+b")  # noqa: SIM115 (mapped for the tier's lifetime)
-        self._allocate()
-        self._mm = mmap.mmap(self._file.fileno(), self.max_bytes)
-        self._finalizer = weakref.finalize(self, _release, self._mm, self._file, self._lock_file)
-        self._entries: dict[str, _Placement] = {}
-        self._order = FrequencyRecencyOrder()
-        self._free: list[int] = []
-        self._dirty = False
-        self._load_index()
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._open()
+        except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError, _Truncated) as exc:
+            self._set_aside(exc)
+        except (OSError, lmdb.Error) as exc:
+            self._disable(f"cannot open {self.directory} ({type(exc).__name__}: {exc})")
+        self._writer = BackgroundWriter("disk", self._write_batch, queue_size=queue_size)
 
     # ------------------------------------------------------------------ StorageTier
     def get(self, key: str) -> StoredChunk | None:
+        pending = self._writer.pending(key)
+        if pending is not None:
+            return None if pending is _DELETE else pending
         with self._lock:
-            placement = self._entries.get(key)
-            if placement is None:
+            if not self._usable():
                 return None
-            record = self._read(placement)
+            try:
+                with self._env.begin(db=self._records, buffers=True) as txn:
+                    buffer = txn.get(key.encode())
+                    record = None if buffer is None else bytearray(buffer)
+            except lmdb.Error as exc:
+                self._failed("read", exc)
+                return None
+        if record is None:
+            return None
         try:
             entry = codec.decode(key, record)
         except codec.CorruptEntryError as exc:
             with self._lock:
-                if self._entries.get(key) is placement:
-                    self._drop_corrupt(key, str(exc))
+                self.corrupt += 1
+            logger.warning("disk tier: dropping corrupt entry %s... (%s)", key[:16], exc)
+            self.delete(key)
             return None
         with self._lock:
-            if key in self._order:
-                self._order.touch(key, hit=True)
-                self._dirty = True
+            self._hits[key] = self._hits.get(key, 0) + 1
         return entry
 
     def put(self, key: str, entry: StoredChunk) -> list[tuple[str, StoredChunk]]:
-        with self._lock:
-            if key in self._entries:
-                self._order.touch(key, hit=False)
-                self._dirty = True
-                return []
-        record = codec.encode(key, entry)  # outside the lock: hashing megabytes must not block readers
-        needed = -(-len(record) // self.slot_bytes)
-        with self._lock:
-            if key in self._entries:
-                return []
-            if needed > self.num_slots:
-                return [(key, entry)]
-            while len(self._free) < needed:
-                victim = self._order.pop_victim()
-                if victim is None:
-                    return [(key, entry)]
-                self._release_slots(self._entries.pop(victim))
-                self.evictions += 1
-            slots = [heapq.heappop(self._free) for _ in range(needed)]
-            self._write(slots, record)
-            self._entries[key] = _Placement(slots, len(record))
-            self._order.add(key)
-            self._save_index()
+        """Queue ``entry`` for the disk (dropped and counted if the queue is full); never waits on I/O."""
+        if self.disabled is None:
+            self._writer.submit(key, entry)
         return []
 
     def contains(self, key: str) -> bool:
-        with self._lock:
-            return key in self._entries
+        pending = self._writer.pending(key)
+        if pending is not None:
+            return pending is not _DELETE
+        return self._meta_of(key) is not None
 
     def delete(self, key: str) -> None:
-        with self._lock:
-            placement = self._entries.pop(key, None)
-            if placement is not None:
-                self._order.discard(key)
-                self._release_slots(placement)
-                self._save_index()
+        if self.disabled is None:
+            self._writer.submit(key, _DELETE, block_s=1.0)
 
     def clear(self) -> None:
+        """Drop every entry (and tail note) after the queued writes land; every process sharing it sees it."""
+        self._writer.flush()
         with self._lock:
-            self._entries.clear()
-            self._order.clear()
-            self._free = list(range(self.num_slots))
-            self._save_index()
+            if not self._usable():
+                return
+            self._hits.clear()
+            try:
+                with self._env.begin(write=True) as txn:
+                    for db in (self._records, self._meta, self._tails):
+                        txn.drop(db, delete=False)
+            except lmdb.Error as exc:
+                self._failed("clear", exc)
 
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return (self.num_slots - len(self._free)) * self.slot_bytes
+            if not self._usable():
+                return 0
+            with self._env.begin() as txn:
+                return _used(txn, self._meta)
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._entries)
+            if not self._usable():
+                return 0
+            with self._env.begin(db=self._records) as txn:
+                return txn.stat(self._records)["entries"]
+
+    # ------------------------------------------------------------------ tails
+    def note_tail(self, parent_key: str, lengths: frozenset[int]) -> None:
+        """Queue ``lengths`` to be merged into the tail note of ``parent_key``."""
+        if self.disabled is None:
+            self._writer.submit(_TAIL_PREFIX + parent_key, lengths)
+
+    def tail_lengths(self, parent_key: str) -> set[int]:
+        pending = self._writer.pending(_TAIL_PREFIX + parent_key)
+        out = set(pending) if pending is not None else set()
+        with self._lock:
+            if not self._usable():
+                return out
+            try:
+                with self._env.begin(db=self._tails) as txn:
+                    return out | _unpack_lengths(txn.get(_tail_name(parent_key)))
+            except lmdb.Error as exc:
+                self._failed("read", exc)
+                return out
 
     # ------------------------------------------------------------------ lifecycle
-    def flush(self) -> None:
-        """Persist hit counts and recency gathered since the last index write."""
-        with self._lock:
-            if self._dirty:
-                self._save_index()
+    @property
+    def dropped(self) -> int:
+        """Writes not done because the queue was full or the tier closed."""
+        return self._writer.dropped
 
-    def close(self) -> None:
-        """Flush the index and release the mapping, the files and the directory lock. Idempotent."""
+    @property
+    def queued(self) -> int:
+        """Writes submitted and not yet committed."""
+        return len(self._writer)
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait (up to ``timeout_s``) until queued writes are committed, then commit hit counts."""
+        drained = self._writer.flush(timeout_s)
+        self._write_batch([])
+        return drained
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Commit queued writes (up to ``timeout_s``), stop the writer and close LMDB. Idempotent; later calls
+        to any method are misses."""
+        self._writer.close(timeout_s)
+        if self._writer.running:  # a write outlived the timeout: its environment must stay open under it
+            logger.warning("disk tier: a write to %s is still running at close; leaving it open", self.directory)
+            self.disabled = "closed"
+            return
+        self._write_batch([])
         with self._lock:
-            if not self._finalizer.alive:
-                return
-            self.flush()
-            self._finalizer()
+            if self._env is not None and self.disabled is None and not (self.directory / "data.mdb").exists():
+                logger.warning("disk tier: %s vanished while open; its entries are gone", self.directory)
+            self._close_env()
+            if self.disabled is None:
+                self.disabled = "closed"
 
     def drop_page_cache(self) -> None:
-        """Ask the kernel to forget this file's cached pages, so that the next reads come from the device
-        (benchmarks of a cold disk tier; data is unaffected: every write was already flushed)."""
+        """Make the next reads come from the device (benchmarks of a cold tier): unmap, drop the file's cached
+        pages, map again. Data is unaffected (every commit was synced). Pages stay cached while another tier of
+        this process maps the same directory."""
+        self._writer.flush()
         with self._lock:
-            self._mm.madvise(mmap.MADV_DONTNEED)
-            os.posix_fadvise(self._file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            if not self._usable():
+                return
+            self._close_env()
+            fd = os.open(self.directory / "data.mdb", os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            self._open()
 
     def indexed_keys(self) -> list[str]:
-        """Keys currently indexed (verified only when read)."""
+        """Keys stored (committed; verified only when read)."""
         with self._lock:
-            return list(self._entries)
+            if not self._usable():
+                return []
+            with self._env.begin(db=self._records) as txn:
+                return [bytes(k).decode() for k in txn.cursor().iternext(keys=True, values=False)]
 
     def eviction_order(self) -> list[str]:
+        """Committed keys in the order they would be evicted (hit counts not yet committed are left out)."""
         with self._lock:
-            return self._order.order()
+            if not self._usable():
+                return []
+            with self._env.begin(db=self._meta) as txn:
+                return [key for _, _, key in _by_eviction_order(txn, self._meta)]
 
     def hits_of(self, key: str) -> int:
+        meta = self._meta_of(key)
         with self._lock:
-            return self._order.state(key)[0]
+            return (meta[1] if meta is not None else 0) + self._hits.get(key, 0)
 
     # ------------------------------------------------------------------ internals
-    def _allocate(self) -> None:
-        """Make ``slots.bin`` exactly ``max_bytes`` long with its blocks reserved: writing through the mapping
-        into a hole of a full file system would kill the process with SIGBUS."""
-        fd = self._file.fileno()
-        if os.fstat(fd).st_size > self.max_bytes:
-            os.ftruncate(fd, self.max_bytes)
-        try:
-            os.posix_fallocate(fd, 0, self.max_bytes)
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                self._file.close()
-                self._lock_file.close()
-                raise RuntimeError(f"no space for a {self.max_bytes}-byte disk cache in {self.directory}") from exc
-            logger.warning("disk tier: cannot reserve blocks in %s (%s); the file stays sparse", self.directory, exc)
-            os.ftruncate(fd, self.max_bytes)
+    def _open(self) -> None:
+        """Open (creating if needed) the environment and its databases; :class:`_Truncated` if ``data.mdb`` is
+        shorter than its own metadata says (its pages must not be mapped)."""
+        self._close_env()
+        self._env = _acquire_env(self.directory, int(self.max_bytes * _MAP_HEADROOM) + (16 << 20))
+        self._data_fd = os.open(self.directory / "data.mdb", os.O_RDONLY)
+        self._page = self._env.stat()["psize"]
+        if not self._covers_used_pages():
+            raise _Truncated(f"{self.directory}/data.mdb is shorter than its used pages")
+        self._records = self._env.open_db(b"records")
+        self._meta = self._env.open_db(b"meta")
+        self._tails = self._env.open_db(b"tails")
 
-    def _read(self, placement: _Placement) -> bytearray:
-        record = bytearray(placement.length)
-        out = memoryview(record)
-        with memoryview(self._mm) as mapped:
-            for i, slot in enumerate(placement.slots):
-                start = i * self.slot_bytes
-                size = min(self.slot_bytes, placement.length - start)
-                out[start : start + size] = mapped[slot * self.slot_bytes : slot * self.slot_bytes + size]
-        return record
-
-    def _write(self, slots: list[int], record: bytearray) -> None:
-        data = memoryview(record)
-        with memoryview(self._mm) as mapped:
-            for i, slot in enumerate(slots):
-                chunk = data[i * self.slot_bytes : (i + 1) * self.slot_bytes]
-                mapped[slot * self.slot_bytes : slot * self.slot_bytes + len(chunk)] = chunk
-        for slot in slots:  # durable before the index that points at it
-            self._mm.flush(slot * self.slot_bytes, self.slot_bytes)
-
-    def _release_slots(self, placement: _Placement) -> None:
-        for slot in placement.slots:
-            heapq.heappush(self._free, slot)
-
-    def _drop_corrupt(self, key: str, reason: str) -> None:
+    def _set_aside(self, exc: Exception) -> None:
+        """``data.mdb`` is not a usable LMDB file: keep it as ``data.mdb.damaged`` and start an empty one."""
+        logger.warning("disk tier: %s/data.mdb is damaged (%s); moved aside, starting empty", self.directory, exc)
         self.corrupt += 1
-        logger.warning("disk tier: dropping corrupt entry %s... (%s)", key[:16], reason)
-        self.delete(key)
-
-    def _save_index(self) -> None:
-        entries = {}
-        for key, placement in self._entries.items():
-            hits, tick = self._order.state(key)
-            entries[key] = {"slots": placement.slots, "length": placement.length, "hits": hits, "tick": tick}
-        document = {
-            "format": INDEX_FORMAT,
-            "record_version": codec.FORMAT_VERSION,
-            "slot_bytes": self.slot_bytes,
-            "num_slots": self.num_slots,
-            "entries": entries,
-        }
-        tmp = self._index_path.with_suffix(".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(document, f, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._index_path)
-        dir_fd = os.open(self.directory, os.O_RDONLY)
+        self._close_env()
         try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-        self._dirty = False
+            os.replace(self.directory / "data.mdb", self.directory / "data.mdb.damaged")
+            self._open()
+        except (OSError, lmdb.Error, _Truncated) as again:
+            self._disable(f"cannot open {self.directory} ({type(again).__name__}: {again})")
 
-    def _load_index(self) -> None:
-        """Adopt the saved index, keeping only entries whose placement and header look right."""
-        document = self._read_index_document()
-        used: dict[int, str] = {}
-        rejected: set[str] = set()
-        for key, item in document.items():
-            placement = self._plausible_placement(key, item)
-            if placement is None:
-                rejected.add(key)
-                continue
-            for slot in placement.slots:
-                if slot in used:  # two entries claim one slot: at most one of them is intact, trust neither
-                    rejected.update((key, used[slot]))
-                used[slot] = key
-            self._entries[key] = placement
-            self._order.add(key, int(item["hits"]), int(item["tick"]))
-        for key in rejected:
-            if self._entries.pop(key, None) is not None:
-                self._order.discard(key)
-        if rejected:
-            self.corrupt += len(rejected)
-            logger.warning("disk tier: dropped %d index entries that no longer match %s", len(rejected), self.directory)
-        in_use = {slot for placement in self._entries.values() for slot in placement.slots}
-        self._free = [slot for slot in range(self.num_slots) if slot not in in_use]
-        self._save_index()
+    def _covers_used_pages(self) -> bool:
+        return os.fstat(self._data_fd).st_size >= (self._env.info()["last_pgno"] + 1) * self._page
 
-    def _read_index_document(self) -> dict[str, dict]:
-        if not self._index_path.exists():
-            return {}
+    def _meta_of(self, key: str) -> tuple[int, int, float] | None:
+        with self._lock:
+            if not self._usable():
+                return None
+            try:
+                with self._env.begin(db=self._meta) as txn:
+                    raw = txn.get(key.encode())
+            except lmdb.Error as exc:
+                self._failed("read", exc)
+                return None
+        return _META.unpack(raw) if raw is not None and len(raw) == _META.size else None
+
+    def _usable(self) -> bool:
+        """Whether the environment may be touched (call under ``_lock``): open, enabled, and ``data.mdb`` still
+        as long as the pages LMDB will map (a shorter file would raise SIGBUS on access)."""
+        if self.disabled is not None or self._env is None:
+            return False
         try:
-            document = json.loads(self._index_path.read_text(encoding="utf-8"))
-            geometry = (document["format"], document["record_version"], document["slot_bytes"], document["num_slots"])
-            entries = document["entries"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("disk tier: unreadable index in %s (%s); starting empty", self.directory, exc)
-            return {}
-        if geometry != (INDEX_FORMAT, codec.FORMAT_VERSION, self.slot_bytes, self.num_slots):
-            logger.warning("disk tier: %s was created with other settings %s; starting empty", self.directory, geometry)
-            return {}
-        return entries if isinstance(entries, dict) else {}
+            intact = self._covers_used_pages()
+        except (OSError, lmdb.Error) as exc:
+            self._disable(f"cannot inspect {self.directory} ({exc})")
+            return False
+        if not intact:
+            self._disable(f"{self.directory}/data.mdb was truncated under the store")
+        return intact
 
-    def _plausible_placement(self, key: str, item: object) -> _Placement | None:
+    def _write_batch(self, batch: list[tuple[str, Any]]) -> None:
+        """One transaction: the batch's records, deletes and tail notes, hit counts, and the evictions needed to
+        stay within ``max_bytes``. Runs on the writer thread (and in flush/close with an empty batch)."""
+        records = [(key, codec.encode(key, item)) for key, item in batch if _is_chunk(key, item)]
+        with self._lock:  # held only for the checks: readers must not wait for the commit's fsync
+            hits, self._hits = self._hits, {}
+            if (not batch and not hits) or not self._usable():
+                return
+            if not (self.directory / "data.mdb").exists():
+                self._disable(f"{self.directory} was deleted while in use")
+                return
         try:
-            slots = [int(s) for s in item["slots"]]  # type: ignore[index]
-            length = int(item["length"])  # type: ignore[index]
-            int(item["hits"]), int(item["tick"])  # type: ignore[index]
-        except (KeyError, TypeError, ValueError):
-            return None
-        if not slots or len(set(slots)) != len(slots) or not all(0 <= s < self.num_slots for s in slots):
-            return None
-        if not (len(slots) - 1) * self.slot_bytes < length <= len(slots) * self.slot_bytes:
-            return None
-        start = slots[0] * self.slot_bytes
-        if codec.peek(self._mm[start : start + min(length, 4096)]) != (key, length):
-            return None
-        return _Placement(slots, length)
+            self._commit(batch, records, hits)
+        except lmdb.MapFullError:
+            try:
+                self._evict_fraction(0.25)  # fragmentation: free a quarter of the budget and try once more
+                self._commit(batch, records, hits)
+            except lmdb.Error as exc:
+                self._failed("write", exc)
+        except (OSError, lmdb.Error) as exc:
+            self._failed("write", exc)
+
+    def _commit(self, batch: list[tuple[str, Any]], records: list[tuple[str, bytearray]], hits: dict) -> None:
+        now = time.time()
+        with self._env.begin(write=True) as txn:
+            used = _used(txn, self._meta)
+            for key, item in batch:
+                if key.startswith(_TAIL_PREFIX):
+                    name = _tail_name(key[len(_TAIL_PREFIX) :])
+                    merged = _unpack_lengths(txn.get(name, db=self._tails)) | set(item)
+                    txn.put(name, _pack_lengths(merged), db=self._tails)
+                elif item is _DELETE:
+                    used -= self._remove(txn, key.encode())
+            for key, record in records:
+                size = _pages(len(record), self._page)
+                if size > self.max_bytes or txn.get(key.encode(), db=self._meta) is not None:
+                    continue
+                if used + size > self.max_bytes:
+                    used -= self._evict(txn, used + size - self.max_bytes)
+                txn.put(key.encode(), record, db=self._records)
+                txn.put(key.encode(), _META.pack(len(record), 0, now), db=self._meta)
+                used += size
+            for key, count in hits.items():
+                raw = txn.get(key.encode(), db=self._meta)
+                if raw is not None and len(raw) == _META.size:
+                    length, old, _ = _META.unpack(raw)
+                    txn.put(key.encode(), _META.pack(length, old + count, now), db=self._meta)
+            txn.put(_BYTES, _U64.pack(max(used, 0)), db=self._meta)
+
+    def _remove(self, txn: Any, key: bytes) -> int:
+        """Delete one entry inside ``txn``; the page-rounded bytes it held (0 if absent)."""
+        raw = txn.pop(key, db=self._meta)
+        txn.delete(key, db=self._records)
+        return _pages(_META.unpack(raw)[0], self._page) if raw is not None and len(raw) == _META.size else 0
+
+    def _evict(self, txn: Any, needed: int) -> int:
+        freed = 0
+        for _, _, key in _by_eviction_order(txn, self._meta):
+            if freed >= needed:
+                break
+            freed += self._remove(txn, key.encode())
+            self.evictions += 1
+        return freed
+
+    def _evict_fraction(self, fraction: float) -> None:
+        with self._env.begin(write=True) as txn:
+            used = _used(txn, self._meta)
+            used -= self._evict(txn, int(self.max_bytes * fraction))
+            txn.put(_BYTES, _U64.pack(max(used, 0)), db=self._meta)
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        """Count a failed operation; the first one is a warning, later ones debug lines."""
+        self.errors += 1
+        level = logging.DEBUG if self._error_logged else logging.WARNING
+        self._error_logged = True
+        logger.log(level, "disk tier: %s failed in %s (%s); serving from the other tiers", what, self.directory, exc)
+
+    def _disable(self, reason: str) -> None:
+        self.errors += 1
+        self.disabled = reason
+        logger.warning("disk tier disabled: %s; serving from the other tiers", reason)
+
+    def _close_env(self) -> None:
+        if self._env is not None:
+            _release_env(self._env)
+            self._env = None
+        if self._data_fd >= 0:
+            os.close(self._data_fd)
+            self._data_fd = -1
 
 
-def default_slot_bytes(max_bytes: int) -> int:
-    """About ``max_bytes / 1024``, a multiple of the page size, between one page and 256 KiB."""
-    return max(mmap.PAGESIZE, min(MAX_DEFAULT_SLOT_BYTES, max_bytes // 1024 // mmap.PAGESIZE * mmap.PAGESIZE))
+_open_envs: dict[str, list[Any]] = {}  # real path -> [environment, users]: LMDB allows one per process
+_open_envs_lock = threading.Lock()
 
 
-def _release(mm: mmap.mmap, *files: object) -> None:
-    mm.close()
-    for f in files:
-        with contextlib.suppress(OSError):
-            f.close()  # type: ignore[attr-defined]  # closing the lock file releases the flock
+def _acquire_env(directory: Path, map_size: int) -> Any:
+    """The process's LMDB environment for ``directory``, opened on first use (tiers in one process share it)."""
+    path = os.path.realpath(directory)
+    with _open_envs_lock:
+        held = _open_envs.get(path)
+        if held is None:
+            env = lmdb.open(path, map_size=map_size, max_dbs=3, max_readers=1024)
+            held = _open_envs[path] = [env, 0]
+        held[1] += 1
+        return held[0]
+
+
+def _release_env(env: Any) -> None:
+    with _open_envs_lock:
+        for path, held in list(_open_envs.items()):
+            if held[0] is env:
+                held[1] -= 1
+                if not held[1]:
+                    del _open_envs[path]
+                    env.close()
+                return
+
+
+class _Truncated(Exception):
+    """``data.mdb`` is shorter than the pages LMDB would map."""
+
+
+def _is_chunk(key: str, item: Any) -> bool:
+    return item is not _DELETE and not key.startswith(_TAIL_PREFIX)
+
+
+def _tail_name(parent_key: str) -> bytes:
+    """LMDB key of a tail note (never empty: LMDB refuses empty keys; the start of a prompt has parent "")."""
+    return b"t:" + parent_key.encode()
+
+
+def _pages(length: int, page: int) -> int:
+    return -(-length // page) * page
+
+
+def _used(txn: Any, meta_db: Any) -> int:
+    raw = txn.get(_BYTES, db=meta_db)
+    return _U64.unpack(raw)[0] if raw is not None and len(raw) == _U64.size else 0
+
+
+def _by_eviction_order(txn: Any, db: Any) -> list[tuple[int, float, str]]:
+    """``(hits, last use, key)`` of every entry, fewest hits then least recent first."""
+    items = []
+    for key, raw in txn.cursor(db=db):
+        if key != _BYTES:  # a malformed value (never written by this code) goes first
+            _, hits, last = _META.unpack(raw) if len(raw) == _META.size else (0, -1, 0.0)
+            items.append((hits, last, bytes(key).decode(errors="replace")))
+    items.sort()
+    return items
+
+
+def _pack_lengths(lengths: set[int]) -> bytes:
+    return struct.pack(f"<{len(lengths)}I", *sorted(lengths))
+
+
+def _unpack_lengths(raw: bytes | None) -> set[int]:
+    if not raw or len(raw) % 4:
+        return set()
+    return set(struct.unpack(f"<{len(raw) // 4}I", raw))

@@ -1,0 +1,68 @@
+"""Model digest: every weight byte counts, adapters count, an explicit model_id replaces the weight hash."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+from kvboost_hf.core.keys import forget_model_digest, model_digest
+
+
+def test_swapping_two_embedding_rows_changes_the_digest():
+    """The sampled digest this replaces missed exactly this edit (SmolLM2 rows 198 and 29)."""
+    model = make_tiny_model("llama")
+    before = model_digest(model)
+    assert model_digest(make_tiny_model("llama")) == before  # same weights, another object: same digest
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        embed[[29, 98]] = embed[[98, 29]].clone()
+    forget_model_digest(model)
+    assert model_digest(model) != before
+
+
+def test_one_changed_bit_changes_the_digest():
+    model = make_tiny_model("qwen2")
+    before = model_digest(model)
+    with torch.no_grad():
+        weight = model.model.layers[-1].mlp.down_proj.weight
+        flat = weight.view(-1).view(torch.int32)
+        flat[flat.numel() // 2] ^= 1
+    forget_model_digest(model)
+    assert model_digest(model) != before
+
+
+def test_digest_is_cached_until_the_tensors_change():
+    model = make_tiny_model("llama")
+    first = model_digest(model)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(1.0)
+    assert model_digest(model) == first  # in-place edits need forget_model_digest (documented)
+    model.register_buffer("extra", torch.zeros(3))  # a new tensor (as an adapter load adds): recomputed
+    assert model_digest(model) != first
+
+
+def test_active_adapters_change_the_digest():
+    model = make_tiny_model("llama")
+    plain = model_digest(model, model_id="m@1")
+    model.peft_config = {"a": {"r": 8}, "b": {"r": 16}}
+    model.active_adapters = lambda: ["a"]
+    with_a = model_digest(model, model_id="m@1")
+    model.active_adapters = lambda: ["b"]
+    assert len({plain, with_a, model_digest(model, model_id="m@1")}) == 3
+
+
+def test_model_id_replaces_the_weight_hash():
+    a, b = make_tiny_model("llama", seed=0), make_tiny_model("llama", seed=1)
+    assert model_digest(a) != model_digest(b)
+    assert model_digest(a, model_id="ckpt@rev1") == model_digest(b, model_id="ckpt@rev1")
+    assert model_digest(a, model_id="ckpt@rev1") != model_digest(a, model_id="ckpt@rev2")
+    assert model_digest(a, model_id="ckpt@rev1") != model_digest(a)
+
+
+def test_offloaded_weights_need_a_model_id():
+    with torch.device("meta"):
+        model = make_tiny_model("llama")
+    with pytest.raises(ValueError, match="model_id"):
+        model_digest(model)
+    assert model_digest(model, model_id="x")
