@@ -26,10 +26,14 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from kvboost_hf.corpus import documents
+
+if TYPE_CHECKING:  # openai is an optional dependency, imported where it is used
+    from openai.types.chat import ChatCompletionMessageParam
 
 logger = logging.getLogger(__name__)
 MODEL = "SmolLM2-135M-Instruct"
@@ -119,7 +123,7 @@ def run_user(url: str, user: int, args: argparse.Namespace, system: str, deadlin
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=args.request_timeout_s)
-    messages = [{"role": "system", "content": system}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": system}]
     records = []
     for turn in range(args.turns):
         if time.monotonic() > deadline:
@@ -144,7 +148,7 @@ def run_user(url: str, user: int, args: argparse.Namespace, system: str, deadlin
                     record.prompt_tokens = chunk.usage.prompt_tokens
                     record.completion_tokens = chunk.usage.completion_tokens
                     details = chunk.usage.prompt_tokens_details
-                    record.cached_tokens = details.cached_tokens if details else 0
+                    record.cached_tokens = (details.cached_tokens or 0) if details else 0
                 if chunk.choices and chunk.choices[0].delta.content:
                     answer += chunk.choices[0].delta.content
                     if record.ttft_ms is None:

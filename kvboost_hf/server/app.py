@@ -30,10 +30,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvboost_hf.engine import InferenceEngine
-from kvboost_hf.offload import layer_streamer
+from kvboost_hf.offload import LayerStreamer, layer_streamer
 from kvboost_hf.server.admission import Admission
 from kvboost_hf.server.errors import ApiError, install_error_handlers
 from kvboost_hf.server.metrics import Metrics
@@ -171,7 +172,7 @@ def create_app(engine: InferenceEngine, settings: ServerSettings | None = None) 
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.drain = lambda: worker.shutdown(settings.shutdown_grace_s)
-    app.add_middleware(_CountRequests, metrics=metrics, endpoints=lambda: {r.path for r in app.routes})
+    app.add_middleware(_CountRequests, metrics=metrics, endpoints=lambda: _route_paths(app))
     app.add_middleware(_Gate, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     install_error_handlers(app)
     register_routes(app, engine, settings, worker, Admission(engine, settings, worker), metrics)
@@ -198,4 +199,14 @@ def _register_scraped(metrics: Metrics, worker: Worker, engine: InferenceEngine)
     streamer = layer_streamer(engine.model)
     if streamer is not None:  # layer streaming: counters of the copies
         for name, field, help_text in STREAMING_METRICS:
-            metrics.scraped_counter(name, help_text, None, lambda f=field: {"": getattr(streamer.stats(), f)})
+            metrics.scraped_counter(name, help_text, None, _streaming_stat(streamer, field))
+
+
+def _streaming_stat(streamer: LayerStreamer, field: str) -> Callable[[], dict[str, float]]:
+    """A scrape-time reader of one :class:`~kvboost_hf.offload.StreamingStats` field (unlabelled)."""
+    return lambda: {"": getattr(streamer.stats(), field)}
+
+
+def _route_paths(app: FastAPI) -> set[str]:
+    """The paths of the app's routes (read at request time, so routes added later count)."""
+    return {r.path for r in app.routes if isinstance(r, Route | WebSocketRoute | Mount)}

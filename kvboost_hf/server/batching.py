@@ -231,10 +231,10 @@ class Batch:
         position_ids = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 1)
         logits = self._forward(input_ids, position_ids)
         self.positions = position_ids[:, -1]
-        reuse = self.cache.last_reuse if isinstance(self.cache, ChunkReuseCache) else []
+        row_reuse = self.cache.last_reuse if isinstance(self.cache, ChunkReuseCache) else []
         for job in self.jobs:
             first = next(i for i, row in enumerate(self.rows) if row.job is job)
-            cached = reuse[first].cached_tokens if first < len(reuse) else 0
+            cached = row_reuse[first].cached_tokens if first < len(row_reuse) else 0
             job.cached_tokens = max(0, cached - shared_computed[first])
         self.computed_tokens = sum(len(p) for p in prompts) - sum(j.cached_tokens * j.n for j in self.jobs)
         self._advance(logits)
@@ -391,6 +391,7 @@ class Batch:
         if not keep:
             self.close()
             return
+        assert self.cache is not None, "rows are selected only between prefill and close"
         index = torch.tensor(keep, device=self.device)
         self.cache.batch_select_indices(index)
         self.mask = self.mask[index]

@@ -31,7 +31,14 @@ from kvboost_hf.hf.grammar import ToolCall, ToolCallDelta, ToolCallStream, parse
 from kvboost_hf.server.admission import Prepared
 from kvboost_hf.server.batching import Delta, Done, Event, Failed, Finished, Job, TokenLogprob
 from kvboost_hf.server.errors import ApiError
-from kvboost_hf.server.schemas import ChatCompletion, Completion, Usage
+from kvboost_hf.server.schemas import (
+    ChatChoice,
+    ChatCompletion,
+    Completion,
+    CompletionChoice,
+    PromptTokensDetails,
+    Usage,
+)
 from kvboost_hf.server.worker import Overloaded, ShuttingDown, Worker
 
 logger = logging.getLogger(__name__)
@@ -114,7 +121,7 @@ class Exchange:
             for i in range(n):
                 message, reason = self._message(texts[i], reasons[i])
                 lp = _chat_logprobs(logprobs[i]) if self.want_logprobs else None
-                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
+                choices.append(ChatChoice(index=i, message=message, logprobs=lp, finish_reason=reason))
             return ChatCompletion(id=self.id, created=self.created, model=self.model_name, usage=usage, choices=choices)
         return Completion(
             id=self.id,
@@ -122,12 +129,12 @@ class Exchange:
             model=self.model_name,
             usage=usage,
             choices=[
-                {
-                    "index": i,
-                    "text": texts[i],
-                    "logprobs": _completion_logprobs(logprobs[i]) if self.want_logprobs else None,
-                    "finish_reason": reasons[i],
-                }
+                CompletionChoice(
+                    index=i,
+                    text=texts[i],
+                    logprobs=_completion_logprobs(logprobs[i]) if self.want_logprobs else None,
+                    finish_reason=reasons[i],
+                )
                 for i in range(n)
             ],
         )
@@ -151,8 +158,8 @@ class Exchange:
         call_ids: list[list[str]] = [[] for _ in range(n)]
         if self.chat:
             for i in range(n):
-                delta = {"role": "assistant", "content": ""}
-                yield self._chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None})
+                role = {"role": "assistant", "content": ""}
+                yield self._chunk({"index": i, "delta": role, "logprobs": None, "finish_reason": None})
         async for event in self._events(watch_disconnect=False):
             if isinstance(event, Delta | Finished):
                 i = event.index
@@ -171,7 +178,7 @@ class Exchange:
                     reason = "length" if event.reason == SHUTDOWN_REASON else event.reason
                     if reason == "stop" and self.prepared.tool_calls and parse_tool_calls(texts[i])[1]:
                         reason = "tool_calls"
-                    empty = {"delta": {}} if self.chat else {"text": ""}
+                    empty: dict[str, Any] = {"delta": {}} if self.chat else {"text": ""}
                     yield self._chunk({"index": i, **empty, "logprobs": None, "finish_reason": reason})
             elif isinstance(event, Done):
                 if self.prepared.include_usage:
@@ -222,7 +229,7 @@ def _usage(done: Done) -> Usage:
         prompt_tokens=done.prompt_tokens,
         completion_tokens=done.completion_tokens,
         total_tokens=done.prompt_tokens + done.completion_tokens,
-        prompt_tokens_details={"cached_tokens": done.cached_tokens},
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=done.cached_tokens),
     )
 
 

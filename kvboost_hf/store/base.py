@@ -235,7 +235,7 @@ class BackgroundWriter:
                     self._cond.wait()
                 if not self._queued:
                     return
-                batch = []
+                batch: list[tuple[str, Any]] = []
                 while self._queued and len(batch) < self.batch_size:
                     batch.append(self._queued.popitem(last=False))
                 self._in_flight = dict(batch)

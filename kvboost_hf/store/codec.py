@@ -142,7 +142,7 @@ def decode(expected_key: str, record: bytes | bytearray | memoryview) -> StoredC
     if k_code not in _CODE_DTYPES or v_code not in _CODE_DTYPES:
         raise CorruptEntryError(f"unknown dtype codes {k_code}, {v_code}")
     dtypes = (_CODE_DTYPES[k_code], _CODE_DTYPES[v_code])
-    shapes: tuple[Shape, Shape] = (tuple(dims[:4]), tuple(dims[4:]))  # type: ignore[assignment]
+    shapes: tuple[Shape, Shape] = (tuple(dims[:4]), tuple(dims[4:]))
     if form == _QUANTIZED and group < 1:
         raise CorruptEntryError("quantized record with group size 0")
     layout = _layout(form, dtypes, bits, group, shapes)
@@ -158,9 +158,10 @@ def decode(expected_key: str, record: bytes | bytearray | memoryview) -> StoredC
     try:
         if form == _RAW:
             return ChunkKV(tensors[0], tensors[1])
+        k_data, k_scale, k_zero, v_data, v_scale, v_zero = tensors
         return QuantizedChunk(
-            QuantizedTensor(*tensors[:3], shapes[0], dtypes[0], bits, group, True),
-            QuantizedTensor(*tensors[3:], shapes[1], dtypes[1], bits, group, False),
+            QuantizedTensor(k_data, k_scale, k_zero, shapes[0], dtypes[0], bits, group, True),
+            QuantizedTensor(v_data, v_scale, v_zero, shapes[1], dtypes[1], bits, group, False),
         )
     except ValueError as exc:
         raise CorruptEntryError(str(exc)) from exc
