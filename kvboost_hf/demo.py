@@ -25,15 +25,19 @@ def main(argv: list[str] | None = None) -> int:
     engine = InferenceEngine.from_pretrained(args.model, chunk_size=args.chunk_size)
     system, user_messages = chat_script(args.turns)
     messages = [{"role": "system", "content": system}]
-    print(f"{'turn':>4} {'prompt tok':>10} {'cold TTFT ms':>12} {'warm TTFT ms':>12} {'speed-up':>8} "
-          f"{'reused':>7} {'same output':>11}")
+    print(
+        f"{'turn':>4} {'prompt tok':>10} {'cold TTFT ms':>12} {'warm TTFT ms':>12} {'speed-up':>8} "
+        f"{'reused':>7} {'same output':>11}"
+    )
     for turn, text in enumerate(user_messages, start=1):
         messages.append({"role": "user", "content": text})
         cold = engine.generate(messages, max_new_tokens=args.max_new_tokens, mode="baseline")
         warm = engine.generate(messages, max_new_tokens=args.max_new_tokens)
-        print(f"{turn:>4} {warm.prompt_tokens:>10} {cold.ttft_ms:>12.0f} {warm.ttft_ms:>12.0f} "
-              f"{cold.ttft_ms / warm.ttft_ms:>7.1f}x {warm.kv_reuse_ratio:>6.0%} "
-              f"{cold.output_ids == warm.output_ids!s:>11}")
+        print(
+            f"{turn:>4} {warm.prompt_tokens:>10} {cold.ttft_ms:>12.0f} {warm.ttft_ms:>12.0f} "
+            f"{cold.ttft_ms / warm.ttft_ms:>7.1f}x {warm.kv_reuse_ratio:>6.0%} "
+            f"{cold.output_ids == warm.output_ids!s:>11}"
+        )
         messages.append({"role": "assistant", "content": warm.output_text})
     print(f"\nlast answer: {messages[-1]['content']!r}")
     print(f"store: {engine.cache_stats()}")

@@ -12,8 +12,13 @@ import torch
 import transformers
 
 _COMMON = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    vocab_size=128, max_position_embeddings=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=512,
 )
 
 # name -> (config class, model class, extra config); Mistral gets a sliding window shorter than the prompts.

@@ -13,8 +13,14 @@ CHUNK = 16
 
 def greedy(model, ids, cache=None, new=8, **kwargs):
     out = model.generate(
-        ids, past_key_values=cache, max_new_tokens=new, do_sample=False, pad_token_id=0,
-        return_dict_in_generate=True, output_logits=True, **kwargs,
+        ids,
+        past_key_values=cache,
+        max_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_logits=True,
+        **kwargs,
     )
     return out.sequences, torch.stack(out.logits, 1)
 
@@ -100,7 +106,11 @@ def test_assisted_decoding_crops_the_cache():
     for _ in range(2):
         cache = ChunkReuseCache(store, model, chunking=CHUNK)
         out = model.generate(
-            ids, past_key_values=cache, assistant_model=assistant, max_new_tokens=12, do_sample=False,
+            ids,
+            past_key_values=cache,
+            assistant_model=assistant,
+            max_new_tokens=12,
+            do_sample=False,
             pad_token_id=0,
         )
         assert torch.equal(out, expected)
@@ -114,9 +124,7 @@ def test_beam_search_reorders_rows():
     expected = model.generate(ids, num_beams=3, max_new_tokens=6, do_sample=False, pad_token_id=0)
     for _ in range(2):
         cache = ChunkReuseCache(store, model, chunking=CHUNK)
-        out = model.generate(
-            ids, past_key_values=cache, num_beams=3, max_new_tokens=6, do_sample=False, pad_token_id=0
-        )
+        out = model.generate(ids, past_key_values=cache, num_beams=3, max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert torch.equal(out, expected)
 
 

@@ -59,8 +59,9 @@ def test_sparse_prefill_runs_its_repair_forward_or_defers_it():
     ids = torch.cat([docs[1], docs[0], torch.tensor([3, 4, 5])])[None]
     expected = plain(model, ids)
     for defer in (False, True):  # ratio 1: every reused token recomputed, so the output equals plain generate
-        cache = ChunkReuseCache(store, model, CHUNK, RepairConfig("cacheblend", 1.0), segment_starts=[0, 40, 80],
-                                write_back=False)
+        cache = ChunkReuseCache(
+            store, model, CHUNK, RepairConfig("cacheblend", 1.0), segment_starts=[0, 40, 80], write_back=False
+        )
         assert torch.equal(manual_greedy(model, cache, ids, defer=defer), expected)
         assert cache.last_reuse[0].hit_chunks == 6 and cache.last_reuse[0].recomputed_tokens > 0
 
@@ -83,15 +84,27 @@ def test_write_back_processor_writes_during_generation_and_the_next_turn_hits_th
     history = torch.randint(1, 128, (1, 40), generator=gen)
     cache = ChunkReuseCache(store, model, CHUNK)
     watch = StoreWatch(store)
-    turn1 = model.generate(history, past_key_values=cache, max_new_tokens=12, do_sample=False, pad_token_id=0,
-                           logits_processor=[ChunkWriteBack(cache), watch])
+    turn1 = model.generate(
+        history,
+        past_key_values=cache,
+        max_new_tokens=12,
+        do_sample=False,
+        pad_token_id=0,
+        logits_processor=[ChunkWriteBack(cache), watch],
+    )
     assert watch.counts[0] == 0  # nothing written before the first token
     assert watch.counts[1] == 2  # the prompt's two full chunks, written at the next step
     assert store.stats()["chunks"] == 4  # 51 tokens with K/V: three full chunks and the unfinished one (3 tokens)
     history = torch.cat([turn1, torch.randint(1, 128, (1, 9), generator=gen)], dim=1)
     cache = ChunkReuseCache(store, model, CHUNK)
-    got = model.generate(history, past_key_values=cache, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
-                         logits_processor=[ChunkWriteBack(cache)])
+    got = model.generate(
+        history,
+        past_key_values=cache,
+        max_new_tokens=NEW,
+        do_sample=False,
+        pad_token_id=0,
+        logits_processor=[ChunkWriteBack(cache)],
+    )
     assert cache.last_reuse[0].cached_tokens == 51  # 48 in chunks + the previous turn's 3-token tail
     assert torch.equal(got, plain(model, history))
 
@@ -103,8 +116,7 @@ def test_crop_works_when_reuse_is_off_for_a_call():
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7, 8]])
     mask = torch.ones_like(ids)
     mask[0, 1] = 0
-    options = dict(attention_mask=mask, prompt_lookup_num_tokens=4, max_new_tokens=16, do_sample=False,
-                   pad_token_id=0)
+    options = dict(attention_mask=mask, prompt_lookup_num_tokens=4, max_new_tokens=16, do_sample=False, pad_token_id=0)
     expected = model.generate(ids, **options)
     cache = ChunkReuseCache(ChunkStore(1 << 26), model, 4)
     assert torch.equal(model.generate(ids, past_key_values=cache, **options), expected)

@@ -26,14 +26,20 @@ def warm_alone(model, store, doc: torch.Tensor, **kwargs) -> None:
     cache.save()
 
 
-def run(model, store, ids, starts=(), new=8, chunking=CHUNK, mode=GenerationMode.CHUNK_KV_REUSE, write_back=True,
-        **repair):
+def run(
+    model, store, ids, starts=(), new=8, chunking=CHUNK, mode=GenerationMode.CHUNK_KV_REUSE, write_back=True, **repair
+):
     cache = ChunkReuseCache(
         store, model, chunking, RepairConfig(**repair), mode=mode, segment_starts=starts, write_back=write_back
     )
     out = model.generate(
-        ids, past_key_values=cache, max_new_tokens=new, do_sample=False, pad_token_id=0,
-        return_dict_in_generate=True, output_logits=True,
+        ids,
+        past_key_values=cache,
+        max_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_logits=True,
     )
     return out, cache
 
@@ -72,8 +78,14 @@ def test_rerotation_equals_keys_computed_at_the_new_position(arch):
     "rope",
     [
         {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 128, "rope_theta": 10000.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "rope_theta": 10000.0,
+        },
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0},
     ],
     ids=lambda rope: rope["rope_type"],
@@ -112,8 +124,7 @@ def test_ratio_one_reproduces_the_full_prefill_in_any_order(arch, strategy):
     for order in ([2, 0, 1], [1, 2]):
         ids, starts = shuffled_prompt(docs, order, question)
         expected = plain(model, ids)
-        out, cache = run(model, store, ids, starts, strategy=strategy, ratio=1.0,
-                         write_back=False)
+        out, cache = run(model, store, ids, starts, strategy=strategy, ratio=1.0, write_back=False)
         reuse = cache.last_reuse[0]
         assert reuse.hit_chunks >= 3 * len(order) - 1 and reuse.approx_tokens == 0 and reuse.recomputed_tokens > 0
         assert torch.equal(out.sequences, expected.sequences)

@@ -163,8 +163,11 @@ def main(argv: list[str]) -> int:
     """Run the benchmark; returns 0 on success, 1 when CUDA or Triton is unavailable."""
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("attention benchmark needs a CUDA GPU (torch.cuda.is_available() is False); "
-              "CPU/interpreter timings are not meaningful and are not reported", file=sys.stderr)
+        print(
+            "attention benchmark needs a CUDA GPU (torch.cuda.is_available() is False); "
+            "CPU/interpreter timings are not meaningful and are not reported",
+            file=sys.stderr,
+        )
         return 1
     try:
         import triton

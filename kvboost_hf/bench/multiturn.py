@@ -52,9 +52,16 @@ class PromptCacheRecipe:
         input_ids = torch.tensor([ids], device=self.engine.device)
         with torch.inference_mode():
             out = self.engine.model.generate(
-                input_ids, attention_mask=torch.ones_like(input_ids), past_key_values=cache,
-                max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
-                streamer=timer, pad_token_id=self.engine.tokenizer.eos_token_id,
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                past_key_values=cache,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                streamer=timer,
+                pad_token_id=self.engine.tokenizer.eos_token_id,
             )
         ttft = ((timer.first_token_time or time.perf_counter()) - started) * 1e3
         generated = out[0, len(ids) :].tolist()
@@ -110,20 +117,24 @@ def play(engine: InferenceEngine, system: str, user_messages: list[str], max_new
                 answer, prompt_tokens = r.output_text, r.prompt_tokens
             else:
                 cached = r.cached_tokens
-        rows.append({
-            "turn": turn,
-            "prompt_tokens": prompt_tokens,
-            "kvboost_cached_tokens": cached,
-            **{f"{m}_ttft_ms": results[m][0] for m in METHODS},
-            "outputs_identical": len({tuple(results[m][1]) for m in METHODS}) == 1,
-        })
+        rows.append(
+            {
+                "turn": turn,
+                "prompt_tokens": prompt_tokens,
+                "kvboost_cached_tokens": cached,
+                **{f"{m}_ttft_ms": results[m][0] for m in METHODS},
+                "outputs_identical": len({tuple(results[m][1]) for m in METHODS}) == 1,
+            }
+        )
         messages.append({"role": "assistant", "content": answer})
     return rows
 
 
 def report(result: dict) -> str:
-    lines = [f"{'turn':>4} {'prompt':>6} {'cached':>6} {'baseline ms':>11} {'hf cache ms':>11} {'kvboost ms':>10} "
-             f"{'vs base':>7} {'vs hf':>6} {'same':>5}"]
+    lines = [
+        f"{'turn':>4} {'prompt':>6} {'cached':>6} {'baseline ms':>11} {'hf cache ms':>11} {'kvboost ms':>10} "
+        f"{'vs base':>7} {'vs hf':>6} {'same':>5}"
+    ]
     for row in result["turns"]:
         lines.append(
             f"{row['turn']:>4} {row['prompt_tokens']:>6} {row['kvboost_cached_tokens']:>6} "

@@ -62,7 +62,6 @@ class ChunkingConfig:
             "boundary_token_ids": sorted(self.boundary_token_ids) if self.boundary_window else [],
         }
 
-
     @property
     def min_chunk(self) -> int:
         """Content-defined chunks hold at least this many tokens (a quarter of ``chunk_size``)."""
