@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from kvboost_hf.bench.common import machine_info, parser_for, save_results
+from kvboost_hf.bench.rag import compare
 from kvboost_hf.core.config import RecomputeStrategy, RepairConfig
 from kvboost_hf.corpus import Fact, fact_documents
 from kvboost_hf.engine import InferenceEngine
@@ -169,13 +170,6 @@ class StoreSnapshot:
                 self.ram.delete(key)
 
 
-def first_token_kl(result: GenerationResult, reference: GenerationResult) -> float:
-    """KL(reference || result) of the first generated token's distribution (nats)."""
-    ref = torch.log_softmax(reference.first_token_logits, -1)
-    logp = torch.log_softmax(result.first_token_logits, -1)
-    return float((ref.exp() * (ref - logp)).sum())
-
-
 def evaluate(
     engine: InferenceEngine,
     documents: list[str],
@@ -184,8 +178,10 @@ def evaluate(
     new_tokens: int = 6,
 ) -> dict[str, dict[str, float]]:
     """Warm ``documents`` (and the header), answer every question under every configuration (in rotating order)
-    and return per configuration: accuracy, mean TTFT (ms), speed-up over full prefill, agreement with the full
-    prefill's answer, first-token KL, and the mean reused and recomputed tokens."""
+    and return the means per configuration: ``correct`` (accuracy), ``agrees_with_full`` (same answer as the full
+    prefill), ``speedup`` (mean full-prefill TTFT over mean TTFT) and :func:`kvboost_hf.bench.rag.compare`'s
+    ``ttft_ms``, ``top1_agree``, ``kl`` (first token, full || reuse), ``greedy_match`` (tokens), ``reused_tokens``
+    and ``recomputed_tokens``."""
     engine.warm(HEADER)
     for doc in documents:
         engine.warm(doc)
@@ -210,13 +206,10 @@ def evaluate(
         for name, result in results.items():
             answer = extract_answer(result.output_text)
             rows[name].append(
-                {
+                compare(result, reference)
+                | {
                     "correct": float(answer == question.answer),
                     "agrees_with_full": float(answer == extract_answer(reference.output_text)),
-                    "ttft_ms": result.ttft_ms,
-                    "kl": first_token_kl(result, reference),
-                    "reused_tokens": float(result.cached_tokens),
-                    "recomputed_tokens": float(result.recomputed_tokens),
                     "prompt_tokens": float(result.prompt_tokens),
                 }
             )
@@ -257,18 +250,27 @@ def run(args: argparse.Namespace, engine: InferenceEngine | None = None) -> dict
     }
 
 
+def table(configs: dict[str, dict[str, float]]) -> list[str]:
+    """One text line per configuration of an :func:`evaluate` summary, under a header line."""
+    lines = [
+        f"{'config':<24} {'accuracy':>8} {'agree':>6} {'TTFT ms':>8} {'speed-up':>8} {'KL':>8} {'greedy':>6} "
+        f"{'reused':>7} {'recomputed':>10}"
+    ]
+    for name, row in configs.items():
+        lines.append(
+            f"{name:<24} {row['correct']:>8.0%} {row['agrees_with_full']:>6.0%} {row['ttft_ms']:>8.0f} "
+            f"{row['speedup']:>7.2f}x {row['kl']:>8.4f} {row['greedy_match']:>6.1f} {row['reused_tokens']:>7.0f} "
+            f"{row['recomputed_tokens']:>10.0f}"
+        )
+    return lines
+
+
 def report(result: dict) -> str:
     lines = [
         f"{len(result['configs'])} configurations x {result['settings']['questions']} questions, "
         f"{result['configs'][FULL]['prompt_tokens']:.0f} prompt tokens on average",
-        f"{'config':<16} {'accuracy':>8} {'agree':>6} {'TTFT ms':>8} {'speed-up':>8} {'KL':>8} {'reused':>7} "
-        f"{'recomputed':>10}",
+        *table(result["configs"]),
     ]
-    for name, row in result["configs"].items():
-        lines.append(
-            f"{name:<16} {row['correct']:>8.0%} {row['agrees_with_full']:>6.0%} {row['ttft_ms']:>8.0f} "
-            f"{row['speedup']:>7.2f}x {row['kl']:>8.4f} {row['reused_tokens']:>7.0f} {row['recomputed_tokens']:>10.0f}"
-        )
     if result["target"] is not None:
         target = result["target"]
         lines.append(
