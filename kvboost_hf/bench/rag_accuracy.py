@@ -35,6 +35,7 @@ from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.results import GenerationResult
 from kvboost_hf.reuse.repair import heads_then_deviating
+from kvboost_hf.store.chunk_store import ChunkStore
 
 RATIOS = (0.05, 0.15, 0.3, 0.5, 1.0)
 STRATEGIES = ("selective", "cacheblend")
@@ -160,8 +161,8 @@ class StoreSnapshot:
     """The keys of the store's RAM tier at creation; :meth:`restore` deletes every key added since, so each
     configuration starts from the warmed documents only (write-back of one would otherwise help the next)."""
 
-    def __init__(self, engine: InferenceEngine) -> None:
-        self.ram = engine.store.ram
+    def __init__(self, store: ChunkStore) -> None:
+        self.ram = store.ram
         self.keys = {key for key, _ in self.ram.items()}
 
     def restore(self) -> None:
@@ -185,7 +186,7 @@ def evaluate(
     engine.warm(HEADER)
     for doc in documents:
         engine.warm(doc)
-    snapshot = StoreSnapshot(engine)
+    snapshot = StoreSnapshot(engine.store)
     engine.generate(HEADER + "warm-up", max_new_tokens=2, mode="baseline")
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     names = list(configs)
