@@ -9,8 +9,12 @@ scored by exact match of the first number generated (greedy, ``--new-tokens`` to
 
 Side by side in one run, for every question: full prefill (``mode="baseline"``), ``none``, and ``selective`` and
 ``cacheblend`` at each ``--ratios`` (per-call ``repair=RepairConfig(...)``), each from the same store (the warmed
-documents only). Per configuration: accuracy, TTFT and its speed-up over full prefill, agreement with the full
-prefill's answer and the first-token KL(full || reuse). Writes ``rag_accuracy.json`` and ``rag_accuracy.png``.
+documents only), in rotating order. Two CacheBlend variants at ``--variant-ratios`` try to do better: ``+headsN``
+recomputes the first N tokens of every reused chunk before spending the rest of the budget on deviation
+(EPIC-style attention-sink alignment, :func:`kvboost_hf.reuse.repair.heads_then_deviating`, prototyped here by
+:class:`HeadsBlendCache`), and ``-LN`` compares keys at layer N instead of layer 1. Per configuration: accuracy,
+agreement with the full prefill's answer, TTFT and its speed-up over full prefill, first-token KL(full || reuse),
+greedy tokens agreeing. Writes ``rag_accuracy.json`` and ``rag_accuracy.png`` under ``--out``.
 """
 
 from __future__ import annotations
