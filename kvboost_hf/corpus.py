@@ -169,7 +169,7 @@ def fact_documents(
             ends[len(ends) * j // facts_per_doc : len(ends) * (j + 1) // facts_per_doc] or ends[-1:]
             for j in range(facts_per_doc)
         ]
-        for at, fact in sorted(zip((rng.choice(b) for b in bins), facts, strict=True), reverse=True):
+        for at, fact in sorted(zip((rng.choice(b) for b in bins), facts, strict=True), key=lambda p: -p[0]):
             body = f"{body[:at]}{fact.sentence} {body[at:]}"
         result.append((f"{title}\n{body}", facts))
     return result

@@ -72,12 +72,12 @@ def question_segment(fact: Fact) -> str:
 
 
 def build_questions(
-    num_docs: int, docs_per_query: int, count: int, facts_per_doc: int = 3, seed: int = 0
+    num_docs: int, docs_per_query: int, count: int, facts_per_doc: int = 2, seed: int = 0, chars: int = 800
 ) -> tuple[list[str], list[Question]]:
     """The document segments to warm and ``count`` questions over shuffled subsets of them (deterministic)."""
     if not 1 <= docs_per_query <= num_docs:
         raise ValueError(f"docs_per_query must be in [1, num_docs={num_docs}], got {docs_per_query}")
-    docs = fact_documents(num_docs, facts_per_doc, seed=seed)
+    docs = fact_documents(num_docs, facts_per_doc, chars, seed)
     segments = [document_segment(text) for text, _ in docs]
     rng = random.Random(seed)
     questions = []
@@ -242,7 +242,9 @@ def run(args: argparse.Namespace, engine: InferenceEngine | None = None) -> dict
     if engine is None:
         engine = InferenceEngine.from_pretrained(chunk_size=args.chunk_size)
     engine.store.clear()
-    documents, questions = build_questions(args.docs, args.docs_per_query, args.questions, seed=args.seed)
+    documents, questions = build_questions(
+        args.docs, args.docs_per_query, args.questions, args.facts_per_doc, args.seed, args.doc_chars
+    )
     configs = configurations(tuple(args.ratios), tuple(args.variant_ratios), args.head_tokens, args.check_layer)
     summary = evaluate(engine, documents, questions, configs, args.new_tokens)
     return {
@@ -321,9 +323,11 @@ def plot(result: dict, path: Path) -> None:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = parser_for("rag_accuracy", __doc__)
-    parser.add_argument("--docs", type=int, default=8, help="documents in the store (3 facts each)")
+    parser.add_argument("--docs", type=int, default=6, help="documents in the store")
+    parser.add_argument("--facts-per-doc", type=int, default=2, help="facts planted in each document")
+    parser.add_argument("--doc-chars", type=int, default=800, help="characters of real text per document")
     parser.add_argument("--docs-per-query", type=int, default=3, help="documents in each prompt")
-    parser.add_argument("--questions", type=int, default=20)
+    parser.add_argument("--questions", type=int, default=12)
     parser.add_argument("--new-tokens", type=int, default=6, help="greedy tokens generated per answer")
     parser.add_argument("--chunk-size", type=int, default=128)
     parser.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
