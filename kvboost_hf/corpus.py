@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import random
+import re
+from dataclasses import dataclass
 
 _MODULES = (
     "argparse",
@@ -69,11 +72,104 @@ def chat_script(turns: int = 8, system_chars: int = 4000, message_chars: int = 2
     messages, each quoting a little more documentation (~70 tokens), so the context passes 1500 tokens by turn 8
     with 32-token answers."""
     docs = documents(min_chars=system_chars)
-    system = "You are a helpful assistant. Answer using this reference.\n\n" + "\n\n".join(
-        text for _, text in docs[:3]
-    )[:system_chars]
+    system = (
+        "You are a helpful assistant. Answer using this reference.\n\n"
+        + "\n\n".join(text for _, text in docs[:3])[:system_chars]
+    )
     messages = [
         f"About the {title} module: {text[:message_chars]}\nWhat is it for, in one sentence?"
         for title, text in documents()[3 : turns + 3]
     ]
     return system, messages
+
+
+_PLACES = (
+    "north archive",
+    "river gate",
+    "glass tower",
+    "old mill",
+    "east library",
+    "salt warehouse",
+    "copper bridge",
+    "west observatory",
+    "harbour office",
+    "stone chapel",
+    "signal station",
+    "winter garden",
+    "clock museum",
+    "south depot",
+    "paper factory",
+    "iron foundry",
+    "coral lab",
+    "mountain hut",
+    "silver vault",
+    "lantern hall",
+    "cedar school",
+    "marble court",
+    "canal lock",
+    "tea house",
+    "weather tower",
+    "amber mine",
+    "orchard barn",
+    "granite quarry",
+    "ferry dock",
+    "violet theatre",
+    "railway yard",
+    "pine lodge",
+    "brick kiln",
+    "tide station",
+    "velvet shop",
+    "crystal cave",
+    "mill pond",
+    "hill fort",
+    "citrus farm",
+    "echo tunnel",
+)
+
+
+@dataclass(frozen=True)
+class Fact:
+    """A planted fact: ``sentence`` states that the access code of ``place`` is ``answer`` (four digits)."""
+
+    place: str
+    answer: str
+
+    @property
+    def sentence(self) -> str:
+        return f"The access code of the {self.place} is {self.answer}."
+
+    @property
+    def question(self) -> str:
+        return f"What is the access code of the {self.place}?"
+
+
+def fact_documents(
+    count: int, facts_per_doc: int = 3, chars: int = 1200, seed: int = 0
+) -> list[tuple[str, list[Fact]]]:
+    """``count`` documents of real text (:func:`documents`, about ``chars`` characters each) with
+    ``facts_per_doc`` :class:`Fact` sentences planted between paragraphs or sentences, spread over the text.
+
+    Every place appears in one document only and every code is distinct, so each question has one answer.
+    Deterministic for a given ``seed`` and Python version.
+    """
+    sources = documents(min_chars=chars)
+    if count > len(sources) or count * facts_per_doc > len(_PLACES):
+        raise ValueError(
+            f"at most {len(sources)} documents and {len(_PLACES)} facts in all, asked for {count} x {facts_per_doc}"
+        )
+    rng = random.Random(seed)
+    places = rng.sample(_PLACES, count * facts_per_doc)
+    codes = rng.sample(range(1000, 10000), count * facts_per_doc)
+    result = []
+    for index, (title, text) in enumerate(sources[:count]):
+        body = text[: text.rfind(" ", 0, chars)] if len(text) > chars else text
+        facts = [Fact(p, str(c)) for p, c in zip(places[index::count], codes[index::count], strict=True)]
+        ends = [m.end() for m in re.finditer(r"[.:]\s", body)] or [len(body)]
+        bins = [
+            ends[len(ends) * j // facts_per_doc : len(ends) * (j + 1) // facts_per_doc] or ends[-1:]
+            for j in range(facts_per_doc)
+        ]
+        for at, fact in sorted(zip((rng.choice(b) for b in bins), facts, strict=True), key=lambda p: -p[0]):
+            body = f"{body[:at]}{fact.sentence} {body[at:]}"
+        result.append((f"{title}\n{body}", facts))
+    return result

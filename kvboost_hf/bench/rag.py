@@ -84,8 +84,11 @@ def run(args: argparse.Namespace) -> dict:
         baseline.append({"ttft_ms": reference.ttft_ms, "prompt_tokens": float(reference.prompt_tokens)})
         for strategy, ratio in configs:
             result = engine.generate(
-                prompt, max_new_tokens=args.new_tokens, logprobs=0,
-                repair=RepairConfig(strategy, ratio), cache_salt=None,
+                prompt,
+                max_new_tokens=args.new_tokens,
+                logprobs=0,
+                repair=RepairConfig(strategy, ratio),
+                cache_salt=None,
             )
             per_config[f"{strategy}@{ratio}"].append(compare(result, reference))
             engine.store.clear()  # every configuration starts from the warmed documents only
@@ -112,10 +115,14 @@ def run(args: argparse.Namespace) -> dict:
 def chunking_reuse(engine: InferenceEngine, docs: list[str], prompts: list[list[str]]) -> dict[str, float]:
     """Share of prompt tokens found in the store (before repair) by each chunking mode."""
     shares = {}
-    for name, chunking, as_segments in (("fixed", "fixed", False), ("segments", "fixed", True),
-                                        ("content", "content", False)):
-        probe = InferenceEngine(engine.model, engine.tokenizer, chunk_size=engine.chunking.chunk_size,
-                                chunking=chunking)
+    for name, chunking, as_segments in (
+        ("fixed", "fixed", False),
+        ("segments", "fixed", True),
+        ("content", "content", False),
+    ):
+        probe = InferenceEngine(
+            engine.model, engine.tokenizer, chunk_size=engine.chunking.chunk_size, chunking=chunking
+        )
         for doc in docs:
             probe.warm(doc)
         found = []
@@ -129,15 +136,20 @@ def chunking_reuse(engine: InferenceEngine, docs: list[str], prompts: list[list[
 
 def report(result: dict) -> str:
     full = result["full_prefill"]
-    lines = [f"full prefill: {full['ttft_ms']:.0f} ms TTFT over {full['prompt_tokens']:.0f} prompt tokens",
-             f"{'config':<16} {'TTFT ms':>8} {'speed-up':>8} {'top-1':>6} {'KL':>8} {'greedy match':>12} "
-             f"{'reused':>7} {'recomputed':>10}"]
+    lines = [
+        f"full prefill: {full['ttft_ms']:.0f} ms TTFT over {full['prompt_tokens']:.0f} prompt tokens",
+        f"{'config':<16} {'TTFT ms':>8} {'speed-up':>8} {'top-1':>6} {'KL':>8} {'greedy match':>12} "
+        f"{'reused':>7} {'recomputed':>10}",
+    ]
     for name, row in result["configs"].items():
-        lines.append(f"{name:<16} {row['ttft_ms']:>8.0f} {row['speedup_vs_full_prefill']:>7.2f}x "
-                     f"{row['top1_agree']:>6.0%} {row['kl']:>8.4f} {row['greedy_match']:>12.1f} "
-                     f"{row['reused_tokens']:>7.0f} {row['recomputed_tokens']:>10.0f}")
-    lines.append("prompt tokens found in the store: " + ", ".join(
-        f"{k} {v:.0%}" for k, v in result["chunking_reuse"].items()))
+        lines.append(
+            f"{name:<16} {row['ttft_ms']:>8.0f} {row['speedup_vs_full_prefill']:>7.2f}x "
+            f"{row['top1_agree']:>6.0%} {row['kl']:>8.4f} {row['greedy_match']:>12.1f} "
+            f"{row['reused_tokens']:>7.0f} {row['recomputed_tokens']:>10.0f}"
+        )
+    lines.append(
+        "prompt tokens found in the store: " + ", ".join(f"{k} {v:.0%}" for k, v in result["chunking_reuse"].items())
+    )
     return "\n".join(lines)
 
 

@@ -34,10 +34,11 @@ class RepairConfig:
     check_layer: int = 1
     overlap_k: int = 2
     sink_tokens: int = 0
+    head_tokens: int = 0  # CacheBlend: always recompute the first tokens of every reused chunk (EPIC-style)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", RecomputeStrategy(self.strategy))
         if not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"recompute_ratio must be in [0, 1], got {self.ratio!r}")
-        if self.check_layer < 0 or self.overlap_k < 0 or self.sink_tokens < 0:
-            raise ValueError("check_layer, overlap_k and sink_tokens must be >= 0")
+        if min(self.check_layer, self.overlap_k, self.sink_tokens, self.head_tokens) < 0:
+            raise ValueError("check_layer, overlap_k, sink_tokens and head_tokens must be >= 0")

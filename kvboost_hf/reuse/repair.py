@@ -39,8 +39,12 @@ def seam_positions(approx_spans: Sequence[Span], config: RepairConfig) -> list[i
 
 def most_deviating(positions: torch.Tensor, deviation: torch.Tensor, ratio: float) -> list[int]:
     """CacheBlend selection: the ``ceil(ratio * n)`` positions with the largest ``deviation`` (same order)."""
-    count = math.ceil(ratio * positions.numel())
-    if count == 0:
+    return top_deviating(positions, deviation, math.ceil(ratio * positions.numel()))
+
+
+def top_deviating(positions: torch.Tensor, deviation: torch.Tensor, count: int) -> list[int]:
+    """The ``count`` positions (at most all) with the largest ``deviation``, sorted."""
+    if count <= 0 or positions.numel() == 0:
         return []
     top = torch.topk(deviation.float(), min(count, positions.numel())).indices
     return sorted(positions[top].tolist())
@@ -52,6 +56,20 @@ def position_mask(query_positions: torch.Tensor, length: int, dtype: torch.dtype
     allowed = keys[None, :] <= query_positions[:, None]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=query_positions.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def heads_then_deviating(
+    approx_spans: Sequence[Span], positions: torch.Tensor, deviation: torch.Tensor, ratio: float, head_tokens: int
+) -> list[int]:
+    """CacheBlend with attention-sink alignment (EPIC-style): the first ``head_tokens`` of every reused chunk (they
+    were computed without their real preceding context; a chunk warmed alone has its attention sink there), then
+    the most deviating of the other ``positions`` until ``ceil(ratio * len(positions))`` are chosen in all
+    (never fewer than the heads). ``positions`` are the reused tokens, ``deviation`` their probe deviation."""
+    heads = {p for start, end in approx_spans for p in range(start, min(end, start + head_tokens))}
+    is_head = torch.tensor([p in heads for p in positions.tolist()], dtype=torch.bool)
+    budget = max(0, math.ceil(ratio * positions.numel()) - int(is_head.sum()))
+    chosen = top_deviating(positions[~is_head], deviation[~is_head], budget)
+    return sorted(heads.intersection(positions.tolist()) | set(chosen))
 
 
 KeyDeviation = Callable[[torch.Tensor], torch.Tensor]
@@ -115,4 +133,8 @@ def _chosen(
     probe_positions = (approx | fresh).nonzero().squeeze(1)
     deviation = key_deviation(probe_positions)
     candidates = approx[probe_positions]
+    if config.head_tokens:
+        return heads_then_deviating(
+            spans, probe_positions[candidates], deviation[candidates], config.ratio, config.head_tokens
+        )
     return most_deviating(probe_positions[candidates], deviation[candidates], config.ratio)

@@ -1,0 +1,289 @@
+"""``python -m kvboost_hf.bench rag_accuracy``: task accuracy of approximate (non-prefix) reuse on RAG questions.
+
+Documents of real text (:func:`kvboost_hf.corpus.fact_documents`: standard-library documentation with planted
+sentences such as "The access code of the north archive is 4821.", several per document) are warmed once each
+with ``engine.warm``. Each question is a prompt of segments: a system header, ``--docs-per-query`` documents in
+shuffled order (one holds the answer, the others are distractors with facts of the same form) and the question,
+which ends with the start of the answer ("... is") so that even a 135M model answers with the code. The answer is
+scored by exact match of the first number generated (greedy, ``--new-tokens`` tokens).
+
+Side by side in one run, for every question: full prefill (``mode="baseline"``), ``none``, and ``selective`` and
+``cacheblend`` at each ``--ratios`` (per-call ``repair=RepairConfig(...)``), each from the same store (the warmed
+documents only), in rotating order. Two CacheBlend variants at ``--variant-ratios`` try to do better: ``+headsN``
+recomputes the first N tokens of every reused chunk before spending the rest of the budget on deviation
+(EPIC-style attention-sink alignment, ``RepairConfig(head_tokens=N)``), and ``-LN`` compares keys at layer N instead of layer 1. Per configuration: accuracy,
+agreement with the full prefill's answer, TTFT and its speed-up over full prefill, first-token KL(full || reuse),
+greedy tokens agreeing. Writes ``rag_accuracy.json`` and ``rag_accuracy.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kvboost_hf.bench.common import machine_info, parser_for, save_results
+from kvboost_hf.bench.rag import compare
+from kvboost_hf.core.config import RepairConfig
+from kvboost_hf.corpus import Fact, fact_documents
+from kvboost_hf.engine import InferenceEngine
+from kvboost_hf.results import GenerationResult
+from kvboost_hf.store.chunk_store import ChunkStore
+
+RATIOS = (0.05, 0.15, 0.3, 0.5, 1.0)
+STRATEGIES = ("selective", "cacheblend")
+FULL = "full prefill"
+HEADER = (
+    "<|im_start|>system\nYou are a helpful assistant. Answer the question using the documents.<|im_end|>\n"
+    "<|im_start|>user\n"
+)
+TARGET = {"ratio": 0.15, "max_accuracy_drop": 0.02, "min_speedup": 3.0}
+
+
+@dataclass(frozen=True)
+class Question:
+    """A prompt as segments (header, shuffled documents, question) and the expected answer (a string)."""
+
+    segments: list[str]
+    answer: str
+
+
+def document_segment(text: str) -> str:
+    return f"Document: {text}\n\n"
+
+
+def question_segment(fact: Fact) -> str:
+    """The question, then the assistant turn already started with the fact's own words up to the answer."""
+    return (
+        f"Question: {fact.question} Answer with the number only.<|im_end|>\n<|im_start|>assistant\n"
+        f"The access code of the {fact.place} is"
+    )
+
+
+def build_questions(
+    num_docs: int, docs_per_query: int, count: int, facts_per_doc: int = 2, seed: int = 0, chars: int = 800
+) -> tuple[list[str], list[Question]]:
+    """The document segments to warm and ``count`` questions over shuffled subsets of them (deterministic)."""
+    if not 1 <= docs_per_query <= num_docs:
+        raise ValueError(f"docs_per_query must be in [1, num_docs={num_docs}], got {docs_per_query}")
+    docs = fact_documents(num_docs, facts_per_doc, chars, seed)
+    segments = [document_segment(text) for text, _ in docs]
+    rng = random.Random(seed)
+    questions = []
+    for index in range(count):
+        chosen = rng.sample(range(num_docs), docs_per_query)
+        holder = chosen[index % docs_per_query]  # the answer's document takes every place in turn
+        fact = docs[holder][1][rng.randrange(facts_per_doc)]
+        questions.append(Question([HEADER, *(segments[i] for i in chosen), question_segment(fact)], fact.answer))
+    return segments, questions
+
+
+def extract_answer(text: str) -> str:
+    """The first run of digits in ``text`` ('' if none): what is compared, exactly, with the expected answer."""
+    match = re.search(r"\d+", text)
+    return match.group() if match else ""
+
+
+def configurations(
+    ratios: tuple[float, ...] = RATIOS,
+    variant_ratios: tuple[float, ...] = (0.15,),
+    head_tokens: int = 4,
+    check_layer: int = 4,
+) -> dict[str, RepairConfig | None]:
+    """Full prefill (``None``), ``none``, both strategies at ``ratios``, and at ``variant_ratios`` two CacheBlend
+    variants: with ``head_tokens`` chunk heads recomputed first, and with keys compared at layer ``check_layer``."""
+    configs: dict[str, RepairConfig | None] = {FULL: None, "none": RepairConfig("none", 0.0)}
+    for strategy in STRATEGIES:
+        for ratio in ratios:
+            configs[f"{strategy}@{ratio:g}"] = RepairConfig(strategy, ratio)
+    for ratio in variant_ratios:
+        configs[f"cacheblend+heads{head_tokens}@{ratio:g}"] = RepairConfig("cacheblend", ratio, head_tokens=head_tokens)
+        configs[f"cacheblend-L{check_layer}@{ratio:g}"] = RepairConfig("cacheblend", ratio, check_layer)
+    return configs
+
+
+class StoreSnapshot:
+    """The keys of the store's RAM tier at creation; :meth:`restore` deletes every key added since, so each
+    configuration starts from the warmed documents only (write-back of one would otherwise help the next)."""
+
+    def __init__(self, store: ChunkStore) -> None:
+        self.ram = store.ram
+        self.keys = {key for key, _ in self.ram.items()}
+
+    def restore(self) -> None:
+        for key, _ in self.ram.items():
+            if key not in self.keys:
+                self.ram.delete(key)
+
+
+def evaluate(
+    engine: InferenceEngine,
+    documents: list[str],
+    questions: list[Question],
+    configs: dict[str, RepairConfig | None],
+    new_tokens: int = 6,
+) -> dict[str, dict[str, float]]:
+    """Warm ``documents`` (and the header), answer every question under every configuration (in rotating order)
+    and return the means per configuration: ``correct`` (accuracy), ``agrees_with_full`` (same answer as the full
+    prefill), ``speedup`` (mean full-prefill TTFT over mean TTFT) and :func:`kvboost_hf.bench.rag.compare`'s
+    ``ttft_ms``, ``top1_agree``, ``kl`` (first token, full || reuse), ``greedy_match`` (tokens), ``reused_tokens``
+    and ``recomputed_tokens``."""
+    engine.warm(HEADER)
+    for doc in documents:
+        engine.warm(doc)
+    snapshot = StoreSnapshot(engine.store)
+    engine.generate(HEADER + "warm-up", max_new_tokens=2, mode="baseline")
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
+    names = list(configs)
+    for index, question in enumerate(tqdm(questions, desc="questions")):
+        results: dict[str, GenerationResult] = {}
+        for name in names[index % len(names) :] + names[: index % len(names)]:
+            repair = configs[name]
+            results[name] = engine.generate(
+                question.segments,
+                max_new_tokens=new_tokens,
+                mode="baseline" if repair is None else "chunk_kv_reuse",
+                logprobs=0,
+                repair=repair,
+            )
+            snapshot.restore()
+        reference = results[FULL]
+        for name, result in results.items():
+            answer = extract_answer(result.output_text)
+            rows[name].append(
+                compare(result, reference)
+                | {
+                    "correct": float(answer == question.answer),
+                    "agrees_with_full": float(answer == extract_answer(reference.output_text)),
+                    "prompt_tokens": float(result.prompt_tokens),
+                }
+            )
+    summary = {
+        name: {key: statistics.fmean(r[key] for r in values) for key in values[0]} for name, values in rows.items()
+    }
+    for row in summary.values():
+        row["speedup"] = summary[FULL]["ttft_ms"] / row["ttft_ms"]
+    return summary
+
+
+def target_check(summary: dict[str, dict[str, float]]) -> dict[str, float | bool]:
+    """The issue's target: CacheBlend at ratio 0.15 within 2 accuracy points of full prefill at >= 3x TTFT."""
+    row = summary[f"cacheblend@{TARGET['ratio']:g}"]
+    drop = summary[FULL]["correct"] - row["correct"]
+    return {
+        "accuracy_drop": drop,
+        "speedup": row["speedup"],
+        "met": drop <= TARGET["max_accuracy_drop"] and row["speedup"] >= TARGET["min_speedup"],
+    }
+
+
+def run(args: argparse.Namespace, engine: InferenceEngine | None = None) -> dict:
+    """The whole benchmark; pass ``engine`` to reuse a loaded one (its store is cleared first)."""
+    if engine is None:
+        engine = InferenceEngine.from_pretrained(chunk_size=args.chunk_size)
+    engine.store.clear()
+    documents, questions = build_questions(
+        args.docs, args.docs_per_query, args.questions, args.facts_per_doc, args.seed, args.doc_chars
+    )
+    configs = configurations(tuple(args.ratios), tuple(args.variant_ratios), args.head_tokens, args.check_layer)
+    summary = evaluate(engine, documents, questions, configs, args.new_tokens)
+    return {
+        "benchmark": "rag_accuracy",
+        "machine": machine_info(engine.device),
+        "model": engine.model.config._name_or_path,
+        "settings": vars(args) | {"out": str(args.out), "chunk_size": engine.chunking.chunk_size},
+        "configs": summary,
+        "target": target_check(summary) if f"cacheblend@{TARGET['ratio']:g}" in summary else None,
+    }
+
+
+def table(configs: dict[str, dict[str, float]]) -> list[str]:
+    """One text line per configuration of an :func:`evaluate` summary, under a header line."""
+    lines = [
+        f"{'config':<24} {'accuracy':>8} {'agree':>6} {'TTFT ms':>8} {'speed-up':>8} {'KL':>8} {'greedy':>6} "
+        f"{'reused':>7} {'recomputed':>10}"
+    ]
+    for name, row in configs.items():
+        lines.append(
+            f"{name:<24} {row['correct']:>8.0%} {row['agrees_with_full']:>6.0%} {row['ttft_ms']:>8.0f} "
+            f"{row['speedup']:>7.2f}x {row['kl']:>8.4f} {row['greedy_match']:>6.1f} {row['reused_tokens']:>7.0f} "
+            f"{row['recomputed_tokens']:>10.0f}"
+        )
+    return lines
+
+
+def report(result: dict) -> str:
+    lines = [
+        f"{len(result['configs'])} configurations x {result['settings']['questions']} questions, "
+        f"{result['configs'][FULL]['prompt_tokens']:.0f} prompt tokens on average",
+        *table(result["configs"]),
+    ]
+    if result["target"] is not None:
+        target = result["target"]
+        lines.append(
+            f"target (cacheblend@{TARGET['ratio']:g} within {TARGET['max_accuracy_drop']:.0%} of full prefill at >= "
+            f"{TARGET['min_speedup']:g}x): drop {target['accuracy_drop']:+.1%}, {target['speedup']:.2f}x -> "
+            f"{'met' if target['met'] else 'NOT met'}"
+        )
+    return "\n".join(lines)
+
+
+def plot_curves(result: dict, axes: tuple) -> None:
+    """Accuracy and TTFT speed-up against the recompute ratio, one line per strategy (onto two given axes)."""
+    ax_acc, ax_speed = axes
+    configs = result["configs"]
+    for strategy in STRATEGIES:
+        points = sorted((float(n.split("@")[1]), row) for n, row in configs.items() if n.startswith(f"{strategy}@"))
+        ratios = [r for r, _ in points]
+        ax_acc.plot(ratios, [row["correct"] for _, row in points], marker="o", label=strategy)
+        ax_speed.plot(ratios, [row["speedup"] for _, row in points], marker="o", label=strategy)
+    for ax, key in ((ax_acc, "correct"), (ax_speed, "speedup")):
+        ax.axhline(configs[FULL][key], color="black", label=FULL)
+        ax.axhline(configs["none"][key], color="grey", linestyle="--", label="none")
+        ax.set_xscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    ax_acc.set(xlabel="recompute ratio", ylabel="exact-match accuracy", ylim=(-0.02, 1.02))
+    ax_speed.set(xlabel="recompute ratio", ylabel="TTFT speed-up over full prefill")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    plot_curves(result, axes)
+    fig.suptitle(f"RAG accuracy under reuse, {result['model'].split('/')[-1]} ({result['machine']['device']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = parser_for("rag_accuracy", __doc__)
+    parser.add_argument("--docs", type=int, default=6, help="documents in the store")
+    parser.add_argument("--facts-per-doc", type=int, default=2, help="facts planted in each document")
+    parser.add_argument("--doc-chars", type=int, default=800, help="characters of real text per document")
+    parser.add_argument("--docs-per-query", type=int, default=3, help="documents in each prompt")
+    parser.add_argument("--questions", type=int, default=12)
+    parser.add_argument("--new-tokens", type=int, default=6, help="greedy tokens generated per answer")
+    parser.add_argument("--chunk-size", type=int, default=128)
+    parser.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
+    parser.add_argument("--variant-ratios", type=float, nargs="*", default=[0.15], help="ratios of the variants")
+    parser.add_argument("--head-tokens", type=int, default=4, help="chunk-head tokens of the heads variant")
+    parser.add_argument("--check-layer", type=int, default=4, help="probe layer of the check-layer variant")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    save_results(args.out, "rag_accuracy", run(args), report, plot)
+    return 0

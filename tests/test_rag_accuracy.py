@@ -1,0 +1,103 @@
+"""The rag_accuracy workload (planted facts, shuffled prompts, exact-match scoring) and the chunk-heads repair."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+from kvboost_hf import ChunkKV, ChunkReuseCache, ChunkStore, RepairConfig
+from kvboost_hf.bench.rag_accuracy import (
+    FULL,
+    HEADER,
+    StoreSnapshot,
+    build_questions,
+    configurations,
+    extract_answer,
+)
+from kvboost_hf.corpus import fact_documents
+from kvboost_hf.reuse.repair import heads_then_deviating, top_deviating
+
+
+def test_fact_documents_plant_every_fact_once_with_distinct_answers():
+    docs = fact_documents(6, facts_per_doc=3, seed=1)
+    facts = [fact for _, doc_facts in docs for fact in doc_facts]
+    assert len(facts) == 18
+    assert len({f.place for f in facts}) == 18 and len({f.answer for f in facts}) == 18
+    for text, doc_facts in docs:
+        for fact in doc_facts:
+            assert len(fact.answer) == 4 and fact.answer.isdigit()
+            assert sum(fact.sentence in other for other, _ in docs) == 1 and fact.sentence in text
+    assert fact_documents(6, facts_per_doc=3, seed=1) == docs
+    with pytest.raises(ValueError, match="at most"):
+        fact_documents(50)
+
+
+def test_questions_hold_their_answer_in_exactly_one_shuffled_document():
+    documents, questions = build_questions(5, 3, 12, seed=0)
+    orders = set()
+    for question in questions:
+        header, *docs, asked = question.segments
+        assert header == HEADER and len(docs) == 3 and set(docs) <= set(documents)
+        place = asked.rsplit("The access code of the ", 1)[1].removesuffix(" is")
+        sentence = f"The access code of the {place} is {question.answer}."
+        assert sum(sentence in doc for doc in docs) == 1
+        orders.add(tuple(documents.index(d) for d in docs))
+    assert len(orders) > 1
+    with pytest.raises(ValueError, match="docs_per_query"):
+        build_questions(3, 4, 1)
+
+
+def test_extract_answer_takes_the_first_number_only():
+    assert extract_answer(" 4821.\nThe") == "4821"
+    assert extract_answer(" code 12 then 4821") == "12"
+    assert extract_answer(" none") == ""
+
+
+def test_configurations_cover_full_prefill_none_strategies_and_variants():
+    configs = configurations((0.15, 1.0), variant_ratios=(0.15,), head_tokens=2, check_layer=3)
+    assert configs[FULL] is None
+    assert configs["none"].strategy.value == "none"
+    assert configs["cacheblend@0.15"].ratio == 0.15 and configs["selective@1"].ratio == 1.0
+    assert configs["cacheblend+heads2@0.15"].head_tokens == 2
+    assert configs["cacheblend-L3@0.15"].check_layer == 3
+
+
+def test_heads_then_deviating_keeps_every_chunk_head_then_fills_the_budget():
+    positions = torch.tensor([*range(10, 20), *range(30, 40)])
+    deviation = torch.zeros(20)
+    deviation[5], deviation[17], deviation[3] = 3.0, 2.0, 1.0  # positions 15, 37, 13
+    assert heads_then_deviating([(10, 20), (30, 40)], positions, deviation, 0.25, 1) == [10, 13, 15, 30, 37]
+    # more heads than the budget: the heads are still all recomputed
+    assert heads_then_deviating([(10, 20), (30, 40)], positions, deviation, 0.1, 3) == [10, 11, 12, 30, 31, 32]
+    assert top_deviating(positions, deviation, 2) == [15, 37]
+    assert top_deviating(positions, deviation, 0) == []
+
+
+def test_store_snapshot_restore_drops_only_later_keys():
+    store = ChunkStore(1 << 20)
+    entry = ChunkKV(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4))
+    store.put("warmed", entry)
+    snapshot = StoreSnapshot(store)
+    store.put("written-back", entry)
+    snapshot.restore()
+    assert store.contains("warmed") and not store.contains("written-back")
+
+
+def test_head_tokens_recompute_every_reused_chunk_head():
+    model = make_tiny_model("llama")
+    store = ChunkStore(1 << 26)
+    gen = torch.Generator().manual_seed(0)
+    docs = [torch.randint(1, 128, (32,), generator=gen) for _ in range(2)]
+    for doc in docs:
+        cache = ChunkReuseCache(store, model, 16, segment_starts=[0, len(doc)])
+        model(doc[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache.save()
+    ids = torch.cat([docs[1], docs[0], torch.tensor([5, 6, 7])])[None]
+    repair = RepairConfig("cacheblend", 0.05, head_tokens=3)
+    cache = ChunkReuseCache(store, model, 16, repair, segment_starts=[0, 32, 64], write_back=False)
+    model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    reuse = cache.last_reuse[0]
+    # doc 1 at position 0 is an exact prefix hit; doc 0's two chunks are content hits whose 3-token heads are
+    # recomputed although 5% of 32 tokens would be 2
+    assert reuse.recomputed_tokens == 6 and reuse.approx_tokens == 26
