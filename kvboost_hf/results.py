@@ -28,6 +28,13 @@ class GenerationResult:
     first_token_logits: Any = None  # torch.Tensor [vocab] (fp32, CPU) when logprobs were requested
     approx_tokens: int = 0  # cached tokens that came from content-key (non-prefix) hits, not recomputed
     recomputed_tokens: int = 0  # loaded tokens recomputed by the repair
+    # Decoding work (speculative decoding: the draft proposes, one target forward verifies several tokens).
+    target_forwards: int = 0  # forwards of the target in this call, prefill included (a batch's rows share them)
+    tokens_per_target_forward: float = 0.0  # generated tokens / target_forwards (1.0 for plain single-row decoding)
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0  # proposed tokens the target kept
+    draft_acceptance_rate: float | None = None  # accepted / proposed; None when no draft was used
+    draft_cached_tokens: int | None = None  # prompt tokens the draft loaded from the store (None: no draft cache)
 
 
 @dataclass
