@@ -198,6 +198,10 @@ class Speculation:
         """Run one draft round (called by the assistant's wrapped ``generate``): give the draft its cache on the
         first round, and count the proposed tokens."""
         input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if kwargs.get("attention_mask") is None:
+            # The target's generate() drops an all-ones mask; without one the draft would infer a mask from pad
+            # token ids *inside* the prompt (chat prompts often hold the pad/EOS id) and attend to holes.
+            kwargs["attention_mask"] = torch.ones_like(input_ids)
         cache = None
         if self.draft_cache is not None and kwargs.get("past_key_values") is None:
             cache = kwargs["past_key_values"] = self.draft_cache()
