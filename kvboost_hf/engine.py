@@ -404,7 +404,7 @@ class InferenceEngine:
             finished = time.perf_counter()
             if isinstance(cache, ChunkReuseCache):
                 cache.flush(tail=True)
-        decode = self._count_decode(speculation.stats, output.sequences.shape[1] - input_ids.shape[1], len(prompts))
+        decode = self._count_decode(speculation.stats, input_ids.shape[1], output.sequences.shape[1], len(prompts))
         first = timer.first_token_time or finished
         reuse = cache.last_reuse if isinstance(cache, ChunkReuseCache) else []
         results = []
@@ -413,6 +413,7 @@ class InferenceEngine:
             text, finish = self._finish(generated, max_new_tokens, stops, cancel)
             row_reuse = reuse[row] if row < len(reuse) else RowReuse()
             decode_s = max(finished - first, 1e-9)
+            later = len(generated) - timer.first_step_tokens  # tokens after the first step (a verify yields several)
             row_logprobs = self._logprobs(output.logits, row, generated, logprobs) if logprobs is not None else None
             results.append(
                 GenerationResult(
@@ -423,7 +424,7 @@ class InferenceEngine:
                     generated_tokens=len(generated),
                     ttft_ms=(first - started) * 1e3,
                     total_ms=(finished - started) * 1e3,
-                    tokens_per_sec=(len(generated) - 1) / decode_s if len(generated) > 1 else 0.0,
+                    tokens_per_sec=later / decode_s if later > 0 else 0.0,
                     kv_reuse_ratio=row_reuse.cached_tokens / len(ids),
                     prompt_tokens=len(ids),
                     cached_tokens=row_reuse.cached_tokens,
@@ -456,8 +457,9 @@ class InferenceEngine:
             draft_cache = functools.partial(owner.new_cache, mode, cache_salt, segment_starts, repair, model=model)
         return Speculation(self.model, self.draft_model, self.draft_settings, draft_cache)
 
-    def _count_decode(self, stats: SpeculationStats, new_tokens: int, rows: int) -> dict[str, Any]:
+    def _count_decode(self, stats: SpeculationStats, prompt_width: int, final_width: int, rows: int) -> dict[str, Any]:
         """Per-call decode figures for :class:`GenerationResult`, also added to the engine's running totals."""
+        new_tokens = final_width - prompt_width
         accepted = stats.accepted(new_tokens)
         totals = self._decode_totals
         totals["generated_tokens"] += new_tokens * rows
@@ -471,6 +473,7 @@ class InferenceEngine:
             "draft_tokens_proposed": stats.draft_tokens_proposed,
             "draft_tokens_accepted": accepted,
             "draft_acceptance_rate": accepted / max(stats.draft_tokens_proposed, 1) if drafted else None,
+            "draft_position_acceptance": stats.position_acceptance(final_width),
             "draft_cached_tokens": stats.draft_cached_tokens,
         }
 

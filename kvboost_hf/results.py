@@ -18,7 +18,7 @@ class GenerationResult:
     generated_tokens: int
     ttft_ms: float
     total_ms: float
-    tokens_per_sec: float
+    tokens_per_sec: float  # decode rate: tokens after the first step / time from the first step to the end
     kv_reuse_ratio: float
     prompt_tokens: int
     cached_tokens: int
@@ -34,6 +34,8 @@ class GenerationResult:
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0  # proposed tokens the target kept
     draft_acceptance_rate: float | None = None  # accepted / proposed; None when no draft was used
+    # P(a draft token is accepted | the ones before it were): the a of (1 - a^(g+1)) / (1 - a) tokens per verify
+    draft_position_acceptance: float | None = None
     draft_cached_tokens: int | None = None  # prompt tokens the draft loaded from the store (None: no draft cache)
 
 

@@ -48,6 +48,12 @@ def greedy(model, ids, **kwargs):
     return model.generate(ids, **options, **kwargs)
 
 
+def sample(model, ids, **kwargs):
+    """Plain sampling from the softmax (no top-k/top-p truncation)."""
+    options = dict(do_sample=True, top_k=0, top_p=1.0, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    return model.generate(ids, **options, **kwargs)
+
+
 @pytest.mark.parametrize("draft_name", ["other", "copy"])
 @pytest.mark.parametrize("cache_state", ["dynamic", "reuse_cold", "reuse_warm"])
 def test_drop_in_greedy_with_draft_equals_plain_greedy(target, drafts, draft_name, cache_state):
@@ -68,9 +74,11 @@ def test_drop_in_greedy_with_draft_equals_plain_greedy(target, drafts, draft_nam
     assert stats.draft_tokens_proposed <= 4 * stats.draft_rounds
     if draft_name == "copy":  # an identical draft is always right: about g + 1 tokens per target forward
         assert stats.accepted(new_tokens) == stats.draft_tokens_proposed
+        assert stats.position_acceptance(out.shape[1]) == 1.0
         assert stats.target_forwards <= -(-new_tokens // 5) + 1
     else:
         assert stats.accepted(new_tokens) < stats.draft_tokens_proposed
+        assert stats.position_acceptance(out.shape[1]) < 1.0
     if cache_state == "reuse_warm":
         assert cache.last_reuse[0].cached_tokens == 64
 
@@ -130,10 +138,7 @@ def test_speculative_sampling_keeps_the_target_distribution():
     torch.manual_seed(0)
     for _ in range(draws):  # max_new_tokens=2: the draft proposes 1 token, the first token is verified
         with Speculation(target, draft, DraftSettings(num_draft_tokens=1)) as speculation:
-            out = target.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=True, top_k=0, top_p=1.0,
-                pad_token_id=0, **speculation.generate_kwargs(),
-            )  # fmt: skip
+            out = sample(target, ids, max_new_tokens=2, **speculation.generate_kwargs())
         counts[out[0, ids.shape[1]]] += 1
         accepted += speculation.stats.accepted(out.shape[1] - ids.shape[1])
     assert 0 < accepted < draws  # both the accept and the resample branch ran
@@ -149,12 +154,7 @@ def test_seeded_sampling_with_a_draft_is_reproducible(target, drafts):
     for _ in range(2):
         torch.manual_seed(11)
         with Speculation(target, drafts["other"], DraftSettings(num_draft_tokens=3)) as speculation:
-            outputs.append(
-                target.generate(
-                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=True, top_k=0,
-                    pad_token_id=0, **speculation.generate_kwargs(),
-                )  # fmt: skip
-            )
+            outputs.append(sample(target, ids, max_new_tokens=16, **speculation.generate_kwargs()))
         assert speculation.stats.draft_tokens_proposed > 0
     assert torch.equal(outputs[0], outputs[1])
 
@@ -182,6 +182,7 @@ def test_engine_greedy_with_draft_equals_without_cold_and_warm(engines):
         assert result.draft_tokens_accepted == result.generated_tokens - result.target_forwards
         assert result.draft_acceptance_rate == result.draft_tokens_accepted / result.draft_tokens_proposed
         assert result.tokens_per_target_forward == result.generated_tokens / result.target_forwards
+        assert result.draft_acceptance_rate <= result.draft_position_acceptance <= 1.0
     assert expected.target_forwards == expected.generated_tokens and expected.draft_acceptance_rate is None
 
 
@@ -215,3 +216,18 @@ def test_engine_refuses_a_draft_with_another_vocabulary(target):
         KVBoost(target, word_tokenizer(), draft_model=3)
     with pytest.raises(ValueError, match="below the target's"):
         KVBoost(target, word_tokenizer(), draft_early_exit=5)
+
+
+def test_server_metrics_expose_the_draft_counters(engines):
+    from fastapi.testclient import TestClient
+
+    from kvboost_hf.server.app import ServerSettings, create_app
+
+    _, speculative = engines
+    speculative.generate(words(10, 30), max_new_tokens=8)
+    stats = speculative.cache_stats()
+    with TestClient(create_app(speculative, ServerSettings(model_name="tiny"))) as client:
+        text = client.get("/metrics").text
+    for name in ("target_forwards", "draft_tokens_proposed", "draft_tokens_accepted"):
+        assert f"kvboost_{name}_total {stats[name]:g}" in text
+    assert f"kvboost_draft_acceptance_rate {stats['draft_acceptance_rate']:g}" in text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("multiturn", "rag", "tiers", "attention", "serve")
+BENCHMARKS = ("multiturn", "rag", "tiers", "attention", "serve", "speculative")
 
 
 def main(argv: list[str] | None = None) -> int:

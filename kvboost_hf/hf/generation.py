@@ -18,12 +18,13 @@ class TokenTimer(BaseStreamer):
     (speculative) decoding puts ``[1, n]``: the ``n`` tokens one verify step kept for its single row, which
     ``on_token`` receives one at a time. Moving a token to the CPU synchronises the device, so a timestamp is
     taken when the token really exists. ``first_token_time`` is a ``time.perf_counter()`` value, or None before
-    the first token.
+    the first token; ``first_step_tokens`` counts the tokens (per row) that arrived with it.
     """
 
     def __init__(self, on_token: Callable[[list[int]], None] | None = None) -> None:
         self.on_token = on_token
         self.first_token_time: float | None = None
+        self.first_step_tokens = 0
         self._prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
@@ -33,6 +34,7 @@ class TokenTimer(BaseStreamer):
         steps = value.reshape(-1, 1).tolist() if value.dim() == 2 else [value.reshape(-1).tolist()]
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
+            self.first_step_tokens = len(steps)
         if self.on_token is not None:
             for tokens in steps:
                 self.on_token(tokens)

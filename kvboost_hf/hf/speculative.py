@@ -29,7 +29,7 @@ import logging
 import os
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -91,10 +91,27 @@ class SpeculationStats:
     draft_rounds: int = 0
     draft_tokens_proposed: int = 0
     draft_cached_tokens: int | None = None
+    round_starts: list[int] = field(default_factory=list)  # sequence length when each draft round began
+    round_proposed: list[int] = field(default_factory=list)  # tokens proposed in each draft round
 
     def accepted(self, new_tokens: int) -> int:
         """Draft tokens kept among ``new_tokens`` generated: every verify forward adds exactly one target token."""
         return max(0, new_tokens - self.target_forwards) if self.draft_rounds else 0
+
+    def position_acceptance(self, final_length: int) -> float | None:
+        """Estimated probability that a draft token is accepted given that the ones before it were: accepted /
+        (accepted + rounds ended by a rejection), with ``final_length`` the sequence length after generation.
+
+        This is the ``a`` of the i.i.d. model in which a verify forward yields ``(1 - a^(g+1)) / (1 - a)`` tokens;
+        it is larger than accepted / proposed, which also counts the proposals after a rejection.
+        """
+        if not self.draft_rounds:
+            return None
+        # a verify forward without a draft round (one token left) may follow the last round
+        ends = [*self.round_starts[1:], final_length - (self.target_forwards - self.draft_rounds)]
+        kept = [end - start - 1 for start, end in zip(self.round_starts, ends, strict=True)]
+        rejected = sum(1 for k, g in zip(kept, self.round_proposed, strict=True) if k < g)
+        return sum(kept) / max(sum(kept) + rejected, 1)
 
 
 _ACTIVE: weakref.WeakKeyDictionary[torch.nn.Module, Speculation] = weakref.WeakKeyDictionary()
@@ -210,8 +227,11 @@ class Speculation:
             output = generate(*args, **kwargs)
         finally:
             self._drafting = False
+        proposed = output.sequences.shape[1] - input_ids.shape[1]
         self.stats.draft_rounds += 1
-        self.stats.draft_tokens_proposed += output.sequences.shape[1] - input_ids.shape[1]
+        self.stats.draft_tokens_proposed += proposed
+        self.stats.round_starts.append(input_ids.shape[1])
+        self.stats.round_proposed.append(proposed)
         reuse = getattr(cache, "last_reuse", None)
         if reuse:
             self.stats.draft_cached_tokens = reuse[0].cached_tokens

@@ -465,6 +465,13 @@ def _completion_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
+SPECULATIVE_COUNTERS = {
+    "target_forwards": "Forwards of the target model in engine.generate calls (a batch's rows share them).",
+    "draft_tokens_proposed": "Tokens proposed by the speculative draft.",
+    "draft_tokens_accepted": "Draft tokens the target kept.",
+}
+
+
 def _register_scraped(metrics: Metrics, worker: Worker, engine: InferenceEngine) -> None:
     metrics.add_scraped(
         Scraped("kvboost_queue_depth", "Requests waiting for admission.", lambda: {(): worker.queue_depth})
@@ -484,6 +491,17 @@ def _register_scraped(metrics: Metrics, worker: Worker, engine: InferenceEngine)
             "Chunk store misses.",
             lambda: {(): engine.cache_stats().get("misses", 0)},
             kind="counter",
+        )
+    )
+    for name, help_text in SPECULATIVE_COUNTERS.items():
+        metrics.add_scraped(
+            Scraped(f"kvboost_{name}_total", help_text, lambda n=name: {(): engine.cache_stats()[n]}, kind="counter")
+        )
+    metrics.add_scraped(
+        Scraped(
+            "kvboost_draft_acceptance_rate",
+            "Draft tokens accepted / proposed, over the engine's life.",
+            lambda: {(): engine.cache_stats()["draft_acceptance_rate"]},
         )
     )
 
