@@ -9,6 +9,9 @@ Public API::
 
     cache = ChunkReuseCache(ChunkStore(), model)  # drop-in for model.generate(past_key_values=...)
 
+    engine = KVBoost.from_pretrained(name, streaming=LayerStreaming(keep_first_k=4))  # larger than the GPU
+    handle = enable_layer_streaming(model, LayerStreaming())  # the same for a model you loaded yourself
+
 Importing the package registers ``attn_implementation="kvboost"`` with transformers.
 """
 
@@ -18,6 +21,13 @@ from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.attention import register_kvboost_attention
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.models import UnsupportedModelError
+from kvboost_hf.offload import (
+    LayerStreamer,
+    LayerStreaming,
+    StreamingStats,
+    disable_layer_streaming,
+    enable_layer_streaming,
+)
 from kvboost_hf.results import CorrectnessReport, GenerationResult, WarmResult
 from kvboost_hf.store.chunk_store import ChunkStore
 
@@ -33,8 +43,13 @@ __all__ = [
     "GenerationResult",
     "InferenceEngine",
     "KVBoost",
+    "LayerStreamer",
+    "LayerStreaming",
     "RecomputeStrategy",
+    "StreamingStats",
     "UnsupportedModelError",
     "WarmResult",
+    "disable_layer_streaming",
+    "enable_layer_streaming",
 ]
 __version__ = "0.1.0"

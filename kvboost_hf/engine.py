@@ -24,6 +24,8 @@ from kvboost_hf.hf.cache import ChunkReuseCache, RowReuse
 from kvboost_hf.hf.generation import CancelCriteria, TokenTimer
 from kvboost_hf.hf.models import check_model_support, load_model_and_tokenizer, model_dtype
 from kvboost_hf.hf.speculative import DraftSettings, DraftSource, Speculation, SpeculationStats, resolve_draft
+from kvboost_hf.offload import LayerStreaming, layer_streamer
+from kvboost_hf.offload.loading import load_streamed_model
 from kvboost_hf.results import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
 from kvboost_hf.store.chunk_store import ChunkStore
 
@@ -143,13 +145,20 @@ class InferenceEngine:
         draft_model: DraftSource | None = None,
         num_draft_tokens: int = 5,
         draft_early_exit: int | None = None,
+        streaming: LayerStreaming | None = None,
     ) -> InferenceEngine:
         """Load a model by hub name or local directory (``None``: the embedded SmolLM2-135M-Instruct) and wrap it.
 
         ``device`` defaults to CUDA when available; ``dtype`` to float32 on CPU and bfloat16 on GPU. The other
-        arguments are those of the constructor.
+        arguments are those of the constructor. ``streaming``: load the weights into host memory and stream the
+        decoder layers it chooses to ``streaming.device`` (default ``device``; see :mod:`kvboost_hf.offload`).
         """
-        model, tokenizer = load_model_and_tokenizer(model_name_or_path, device=device, dtype=dtype, strict=strict)
+        if streaming is not None:
+            model, tokenizer, _ = load_streamed_model(
+                model_name_or_path, streaming, device=device, dtype=dtype, strict=strict
+            )
+        else:
+            model, tokenizer = load_model_and_tokenizer(model_name_or_path, device=device, dtype=dtype, strict=strict)
         return cls(
             model,
             tokenizer,
@@ -397,10 +406,13 @@ class InferenceEngine:
         if cancel is not None:
             options["stopping_criteria"] = [CancelCriteria(cancel)]
         speculation = self._speculation(len(prompts) == 1, mode, cache_salt, segment_starts[0], repair)
+        streamer = layer_streamer(self.model)
         with self.lock, torch.inference_mode(), speculation:
+            streamed_before = streamer.stats().bytes_streamed if streamer is not None else 0
             if seed is not None:
                 torch.manual_seed(seed)
             output = self.model.generate(input_ids, **options, **speculation.generate_kwargs())
+            streamed = streamer.stats().bytes_streamed - streamed_before if streamer is not None else None
             finished = time.perf_counter()
             if isinstance(cache, ChunkReuseCache):
                 cache.flush(tail=True)
@@ -435,6 +447,8 @@ class InferenceEngine:
                     token_logprobs=None if row_logprobs is None else row_logprobs[0],
                     top_logprobs=None if row_logprobs is None else row_logprobs[1],
                     **decode,
+                    streamed_bytes=streamed,
+                    streamed_bytes_per_token=None if streamed is None else streamed / max(len(generated), 1),
                 )
             )
         return results
@@ -498,17 +512,22 @@ class InferenceEngine:
 
     # ------------------------------------------------------------------ checks and stats
     def cache_stats(self) -> dict[str, int | float]:
-        """Store counters (hits, misses, chunks, evictions, bytes per tier: ``ram_bytes``, ...) and decode counters
+        """Store counters (hits, misses, chunks, evictions, bytes per tier: ``ram_bytes``, ...); decode counters
         summed over this engine's calls: ``generated_tokens`` (all rows), ``target_forwards`` (a batch's rows share
         them), ``draft_tokens_proposed``/``draft_tokens_accepted``, ``tokens_per_target_forward`` and
-        ``draft_acceptance_rate`` (0.0 before any draft proposal)."""
+        ``draft_acceptance_rate`` (0.0 before any draft proposal); with layer streaming also its counters prefixed
+        ``streaming_`` (see :class:`~kvboost_hf.offload.StreamingStats`)."""
         totals = self._decode_totals
-        return {
+        stats: dict[str, int | float] = {
             **self.store.stats(),
             **totals,
             "tokens_per_target_forward": totals["generated_tokens"] / max(totals["target_forwards"], 1),
             "draft_acceptance_rate": totals["draft_tokens_accepted"] / max(totals["draft_tokens_proposed"], 1),
         }
+        streamer = layer_streamer(self.model)
+        if streamer is not None:
+            stats.update({f"streaming_{k}": v for k, v in streamer.stats().as_dict().items()})
+        return stats
 
     def verify_correctness(
         self, prompts: Sequence[Prompt] | None = None, max_new_tokens: int = 32

@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.engine import InferenceEngine, Prompt
+from kvboost_hf.offload import layer_streamer
 from kvboost_hf.server.batching import Delta, Done, Event, Failed, Finished, Job, SamplingParams, TokenLogprob
 from kvboost_hf.server.metrics import Metrics, Scraped
 from kvboost_hf.server.schemas import (
@@ -472,6 +473,13 @@ SPECULATIVE_COUNTERS = {
 }
 
 
+STREAMING_METRICS = (
+    ("kvboost_streamed_bytes_total", "bytes_streamed", "Bytes of streamed decoder layers copied to the device."),
+    ("kvboost_streamed_layer_reloads_total", "reloads", "Streamed layers copied when about to run (no prefetch)."),
+    ("kvboost_streamed_wait_seconds_total", "wait_seconds", "Seconds the compute waited on layer copies."),
+)
+
+
 def _register_scraped(metrics: Metrics, worker: Worker, engine: InferenceEngine) -> None:
     metrics.add_scraped(
         Scraped("kvboost_queue_depth", "Requests waiting for admission.", lambda: {(): worker.queue_depth})
@@ -504,6 +512,11 @@ def _register_scraped(metrics: Metrics, worker: Worker, engine: InferenceEngine)
             lambda: {(): engine.cache_stats()["draft_acceptance_rate"]},
         )
     )
+    streamer = layer_streamer(engine.model)
+    if streamer is not None:  # layer streaming: counters of the copies
+        for name, field, help_text in STREAMING_METRICS:
+            read = lambda f=field: {(): getattr(streamer.stats(), f)}  # noqa: E731
+            metrics.add_scraped(Scraped(name, help_text, read, kind="counter"))
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -1,0 +1,21 @@
+"""Models larger than the device: decoder layers streamed from host memory (see :mod:`.streamer`)."""
+
+from kvboost_hf.offload.settings import LayerStreaming
+from kvboost_hf.offload.streamer import (
+    LayerStreamer,
+    StreamingStats,
+    decoder_layers,
+    disable_layer_streaming,
+    enable_layer_streaming,
+    layer_streamer,
+)
+
+__all__ = [
+    "LayerStreamer",
+    "LayerStreaming",
+    "StreamingStats",
+    "decoder_layers",
+    "disable_layer_streaming",
+    "enable_layer_streaming",
+    "layer_streamer",
+]

@@ -1,0 +1,113 @@
+"""The round-to-nearest AWQ GEMM packer, checked against a literal reading of the format (no gptqmodel needed),
+and a packed checkpoint loaded through transformers + gptqmodel, streamed vs resident (slow, needs the awq extra)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from safetensors.torch import load_file
+
+from kvboost_hf.tools.awq_pack import AWQ_ORDER, dequantize_linear, main, pack_int4, quantize_linear, unpack_int4
+
+
+def reference_dequantize(qweight, qzeros, scales, group_size):
+    """The AWQ GEMM format read element by element: nibble j of word [i, c] is column 8c + AWQ_ORDER[j]."""
+    rows, words = qweight.shape
+    out = torch.empty(rows, words * 8, dtype=torch.float64)
+    for i in range(rows):
+        for c in range(words):
+            word, zero_word = int(qweight[i, c]) & 0xFFFFFFFF, int(qzeros[i // group_size, c]) & 0xFFFFFFFF
+            for j, column in enumerate(AWQ_ORDER):
+                code, zero = (word >> 4 * j) & 15, (zero_word >> 4 * j) & 15
+                out[i, 8 * c + column] = (code - zero) * float(scales[i // group_size, 8 * c + column])
+    return out.t()
+
+
+def test_nibble_order_and_sign_of_the_packed_word():
+    packed = pack_int4(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]))
+    expected = sum(v << 4 * j for j, v in enumerate([1, 3, 5, 7, 2, 4, 6, 8]))  # columns 0,2,4,6,1,3,5,7
+    assert packed.dtype == torch.int32 and int(packed) & 0xFFFFFFFF == expected and int(packed) < 0
+    codes = torch.randint(0, 16, (5, 24), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(unpack_int4(pack_int4(codes)), codes)
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_quantization_is_round_to_nearest_within_half_a_step(group_size):
+    weight = torch.randn(40, 128, generator=torch.Generator().manual_seed(1))
+    weight[:8, :group_size] = weight[:8, :group_size].abs()  # one-signed groups keep zero representable
+    packed = quantize_linear(weight, group_size)
+    assert packed["qweight"].shape == (128, 5) and packed["qzeros"].shape == (128 // group_size, 5)
+    assert packed["scales"].shape == (128 // group_size, 40) and packed["scales"].dtype == torch.float16
+    restored = dequantize_linear(packed["qweight"], packed["qzeros"], packed["scales"], group_size)
+    reference = reference_dequantize(packed["qweight"], packed["qzeros"], packed["scales"], group_size)
+    assert torch.allclose(restored.double(), reference, atol=1e-6)
+    step = packed["scales"].float().repeat_interleave(group_size, dim=0).t()
+    assert ((restored - weight).abs() <= step / 2 + 1e-6).all()
+    assert torch.equal(quantize_linear(restored, group_size)["qweight"], packed["qweight"])  # grid values are fixed
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="not divisible by group_size"):
+        quantize_linear(torch.randn(8, 100), 64)
+    with pytest.raises(ValueError, match="not divisible by 8"):
+        quantize_linear(torch.randn(12, 64), 64)
+
+
+def test_packed_tiny_checkpoint_dequantizes_to_its_weights(tmp_path):
+    model = make_tiny_model("llama")
+    model.save_pretrained(tmp_path / "src")
+    assert main([str(tmp_path / "src"), str(tmp_path / "dst"), "--group-size", "32"]) == 0
+    config = json.loads((tmp_path / "dst" / "config.json").read_text())
+    assert config["quantization_config"] == {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 32,
+        "zero_point": True,
+        "version": "gemm",
+    }
+    packed = load_file(tmp_path / "dst" / "model.safetensors")
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
+    assert len(linears) == 2 * 7
+    for name in linears:
+        weight = model.get_submodule(name).weight
+        triple = [packed.pop(f"{name}.{key}") for key in ("qweight", "qzeros", "scales")]
+        restored = reference_dequantize(*triple, 32).float()
+        step = triple[2].float().repeat_interleave(32, dim=0).t()
+        assert ((restored - weight).abs() <= step / 2 + 1e-6).all(), name
+    state = model.state_dict()
+    assert "lm_head.weight" in packed and "model.embed_tokens.weight" in packed  # kept, not quantized
+    for key, tensor in packed.items():
+        assert tensor.dtype == torch.float16 and torch.equal(tensor, state[key].half()), key
+    with pytest.raises(FileExistsError):
+        main([str(tmp_path / "src"), str(tmp_path / "dst")])
+    with pytest.raises(ValueError, match="already quantized"):
+        main([str(tmp_path / "dst"), str(tmp_path / "again")])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("gptqmodel") is None,
+    reason="loading AWQ checkpoints needs gptqmodel: pip install -e '.[awq]'",
+)
+def test_packed_embedded_model_streamed_equals_resident(tmp_path):
+    from kvboost_hf import KVBoost, LayerStreaming
+    from kvboost_hf.hf.models import embedded_model_dir
+    from kvboost_hf.offload import decoder_layers, layer_streamer
+
+    main([str(embedded_model_dir()), str(tmp_path / "awq")])
+    engine = KVBoost.from_pretrained(
+        tmp_path / "awq", dtype=torch.float16, chunk_size=64, streaming=LayerStreaming(keep_first_k=1, keep_last_k=2)
+    )
+    assert "Awq" in type(decoder_layers(engine.model)[5].self_attn.q_proj).__name__
+    prompt = "The capital of France is"
+    streamed = [engine.generate(prompt, 8, mode=mode).output_ids for mode in ("baseline", "chunk_kv_reuse")]
+    stats = layer_streamer(engine.model).stats()
+    assert stats.streamed_layers == 27 and stats.last_forward_bytes == stats.bytes_per_forward > 0
+    layer_streamer(engine.model).close()  # the same model, now resident
+    expected = engine.generate(prompt, 8, mode="baseline")
+    assert "Paris" in expected.output_text
+    assert streamed == [expected.output_ids] * 2
