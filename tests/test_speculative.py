@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, KVBoost
 from kvboost_hf.hf.speculative import DraftSettings, Speculation
+from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
 
 VOCAB = 128
 
@@ -231,3 +232,52 @@ def test_server_metrics_expose_the_draft_counters(engines):
     for name in ("target_forwards", "draft_tokens_proposed", "draft_tokens_accepted"):
         assert f"kvboost_{name}_total {stats[name]:g}" in text
     assert f"kvboost_draft_acceptance_rate {stats['draft_acceptance_rate']:g}" in text
+
+
+# ---------------------------------------------------------------------------------------------------- streaming
+@pytest.mark.parametrize("early_exit", [False, True])
+def test_streamed_target_with_draft_and_chunk_reuse_equals_resident_greedy(early_exit):
+    """A streamed target (3 layers, an odd number, all streamed over 2 slots) with a resident draft or an
+    early-exit draft and a ChunkReuseCache, cold then warm: the resident target's greedy output, and fewer bytes
+    streamed per generated token than streaming without a draft."""
+    resident = make_tiny_model("llama", num_hidden_layers=3)
+    streamed = make_tiny_model("llama", num_hidden_layers=3)
+    handle = enable_layer_streaming(streamed, LayerStreaming(num_slots=2))
+    draft = copy.deepcopy(resident)
+    settings = DraftSettings(num_draft_tokens=4, early_exit_layers=2 if early_exit else None)
+    ids = torch.randint(2, VOCAB, (1, 50), generator=torch.Generator().manual_seed(12))
+    expected = greedy(resident, ids)
+    new_tokens = expected.shape[1] - ids.shape[1]
+
+    def streamed_greedy(**kwargs) -> tuple[torch.Tensor, int]:
+        """Greedy output of the streamed target and the bytes streamed meanwhile."""
+        before = handle.stats().bytes_streamed
+        out = greedy(streamed, ids, **kwargs)
+        return out, handle.stats().bytes_streamed - before
+
+    _, plain_bytes = streamed_greedy()
+    store = ChunkStore()
+    for state in ("cold", "warm"):
+        cache = ChunkReuseCache(store, streamed, chunk_size=16)
+        with Speculation(streamed, None if early_exit else draft, settings) as speculation:
+            out, spent = streamed_greedy(past_key_values=cache, **speculation.generate_kwargs())
+        assert torch.equal(out, expected), state
+        assert cache.last_reuse[0].cached_tokens == (48 if state == "warm" else 0)
+        if not early_exit:  # an identical draft: about 5 tokens per target forward
+            assert spent / new_tokens <= 0.45 * plain_bytes / new_tokens
+        assert speculation.stats.target_forwards < new_tokens
+    handle.close()
+
+
+def test_engine_reports_streamed_bytes_per_token_with_a_draft(target):
+    streamed = copy.deepcopy(target)
+    handle = enable_layer_streaming(streamed, LayerStreaming())
+    plain_engine = KVBoost(streamed, word_tokenizer(), chunk_size=16)
+    engine = KVBoost(streamed, word_tokenizer(), chunk_size=16, draft_model=copy.deepcopy(target), num_draft_tokens=4)
+    prompt = words(13, 40)
+    plain = plain_engine.generate(prompt, max_new_tokens=12)
+    drafted = engine.generate(prompt, max_new_tokens=12)
+    assert drafted.output_ids == plain.output_ids
+    assert drafted.streamed_bytes_per_token <= 0.45 * plain.streamed_bytes_per_token
+    assert engine.cache_stats()["streaming_bytes_streamed"] == handle.stats().bytes_streamed
+    handle.close()
