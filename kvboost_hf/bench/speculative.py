@@ -7,8 +7,13 @@ The embedded SmolLM2-135M is the target (resident). Drafts that need no second c
 * ``bf16``: the same weights in bfloat16 (a cheaper, slightly different draft);
 * ``earlyN``: the target's own first N layers and head (transformers' ``assistant_early_exit``).
 
-Each prompt is generated greedily (``--max-new-tokens``) once without a draft and once per draft and draft length
-``g``, after an untimed warm-up call that stores the prompt's chunks (decode speed, not prefill, is measured).
+With ``--streaming`` the same runs repeat with the target's decoder layers streamed (all but the first and the
+last, :mod:`kvboost_hf.offload`), where each target forward pays for copying the weights and the streamed bytes
+per generated token are reported too.
+
+Each prompt is generated greedily (``--max-new-tokens``) ``--repeats`` times without a draft and per draft and draft
+length ``g``, after untimed warm-up calls (one per prompt and per draft) that also store the prompts' chunks: decode
+speed, not prefill, is measured; tok/s is the median over prompts and repeats.
 Reported per row: decode tok/s (tokens after the first step / time after it), target forwards per generated
 token, the draft acceptance rate r = accepted / proposed, the per-position acceptance a = P(accept | previous
 accepted), the i.i.d. model's tokens per verify (1 - a^(g+1)) / (1 - a) beside the measured tokens per target
@@ -30,6 +35,7 @@ from kvboost_hf.corpus import sample_prompts
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.models import load_model_and_tokenizer
 from kvboost_hf.hf.speculative import DraftSettings
+from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
 from kvboost_hf.results import GenerationResult
 
 
@@ -55,8 +61,10 @@ def summarise(results: list[GenerationResult], plain: list[GenerationResult], g:
     """One row: medians over prompts of speed and acceptance, sums of tokens and forwards."""
     tokens = sum(r.generated_tokens for r in results)
     forwards = sum(r.target_forwards for r in results)
+    streamed = [r.streamed_bytes_per_token for r in results if r.streamed_bytes_per_token is not None]
     row = {
         "draft_tokens": g,
+        "streamed_mb_per_token": statistics.mean(streamed) / 1e6 if streamed else None,
         "decode_tok_s": statistics.median(r.tokens_per_sec for r in results),
         "target_forwards_per_token": forwards / tokens,
         "tokens_per_target_forward": tokens / forwards,
@@ -74,50 +82,73 @@ def summarise(results: list[GenerationResult], plain: list[GenerationResult], g:
     return row
 
 
-def run(drafts: list[str], lengths: list[int], prompts: int, max_new_tokens: int, chunk_size: int) -> dict:
+def run(
+    drafts: list[str],
+    lengths: list[int],
+    prompts: int,
+    repeats: int,
+    max_new_tokens: int,
+    chunk_size: int,
+    streaming: bool,
+) -> dict:
+    """Rows per placement of the target (resident, streamed) and draft: ``plain`` first, then one per ``g``."""
     target = InferenceEngine.from_pretrained(chunk_size=chunk_size)
     texts = sample_prompts(prompts)
-    for text in texts:  # store the prompts' chunks; the first call also pays one-time allocator costs
-        target.generate(text, max_new_tokens=2)
-    plain = [target.generate(text, max_new_tokens=max_new_tokens) for text in texts]
-    rows = {"plain": [summarise(plain, plain, None)]}
-    for kind in drafts:
-        engine = draft_engine(target, kind)
-        exit_layers = engine.draft_settings.early_exit_layers
-        rows[kind] = []
-        for g in tqdm(lengths, desc=f"draft {kind}"):
-            engine.draft_settings = DraftSettings(g, early_exit_layers=exit_layers)
-            results = [engine.generate(text, max_new_tokens=max_new_tokens) for text in texts]
-            rows[kind].append(summarise(results, plain, g))
+    engines = {kind: draft_engine(target, kind) for kind in drafts}
+    for engine in (target, *engines.values()):  # untimed: stores the prompts' chunks, pays one-time costs
+        for text in texts:
+            engine.generate(text, max_new_tokens=max_new_tokens)
+    texts = texts * repeats
+    rows: dict[str, dict[str, list[dict]]] = {}
+    resident_plain: list[GenerationResult] = []
+    for placement in ("resident", "streamed") if streaming else ("resident",):
+        if placement == "streamed":
+            enable_layer_streaming(target.model, LayerStreaming(keep_first_k=1, keep_last_k=1))
+        plain = [target.generate(text, max_new_tokens=max_new_tokens) for text in texts]
+        resident_plain = resident_plain or plain
+        rows[placement] = {"plain": [summarise(plain, resident_plain, None)]}
+        for kind, engine in engines.items():
+            exit_layers = engine.draft_settings.early_exit_layers
+            rows[placement][kind] = []
+            for g in tqdm(lengths, desc=f"{placement} target, draft {kind}"):
+                engine.draft_settings = DraftSettings(g, early_exit_layers=exit_layers)
+                results = [engine.generate(text, max_new_tokens=max_new_tokens) for text in texts]
+                rows[placement][kind].append(summarise(results, resident_plain, g))
     return {
         "benchmark": "speculative",
         "machine": machine_info(target.device),
         "model": target.model.config._name_or_path,
         "dtype": str(target.model.dtype),
         "prompts": prompts,
+        "repeats": repeats,
         "max_new_tokens": max_new_tokens,
         "rows": rows,
     }
 
 
+def _mb(row: dict) -> str:
+    return "-" if row["streamed_mb_per_token"] is None else f"{row['streamed_mb_per_token']:.0f}"
+
+
 def report(result: dict) -> str:
-    plain = result["rows"]["plain"][0]
-    lines = [
-        f"plain: {plain['decode_tok_s']:.2f} tok/s, {plain['target_forwards_per_token']:.2f} target forwards/token",
-        f"{'draft':>7} {'g':>2} {'tok/s':>7} {'vs plain':>8} {'fwd/tok':>7} {'r':>5} {'a':>5} "
-        f"{'tok/verify':>10} {'expected':>8} {'same':>5}",
-    ]
-    for kind, rows in result["rows"].items():
-        if kind == "plain":
-            continue
-        for row in rows:
-            lines.append(
-                f"{kind:>7} {row['draft_tokens']:>2} {row['decode_tok_s']:>7.2f} "
-                f"{row['decode_tok_s'] / plain['decode_tok_s']:>7.2f}x {row['target_forwards_per_token']:>7.2f} "
-                f"{row['acceptance_rate']:>5.2f} {row['position_acceptance']:>5.2f} "
-                f"{row['tokens_per_target_forward']:>10.2f} {row['expected_tokens_per_verify']:>8.2f} "
-                f"{row['outputs_identical']!s:>5}"
-            )
+    lines = []
+    for placement, by_draft in result["rows"].items():
+        plain = by_draft["plain"][0]
+        lines += [
+            f"{placement} target, plain: {plain['decode_tok_s']:.2f} tok/s, {_mb(plain)} MB streamed/token, "
+            f"output = resident plain: {plain['outputs_identical']}",
+            f"{'draft':>7} {'g':>2} {'tok/s':>7} {'vs plain':>8} {'fwd/tok':>7} {'MB/tok':>6} {'r':>5} {'a':>5} "
+            f"{'tok/verify':>10} {'expected':>8} {'same':>5}",
+        ]
+        for kind, rows in by_draft.items():
+            for row in rows if kind != "plain" else []:
+                lines.append(
+                    f"{kind:>7} {row['draft_tokens']:>2} {row['decode_tok_s']:>7.2f} "
+                    f"{row['decode_tok_s'] / plain['decode_tok_s']:>7.2f}x {row['target_forwards_per_token']:>7.2f} "
+                    f"{_mb(row):>6} {row['acceptance_rate']:>5.2f} {row['position_acceptance']:>5.2f} "
+                    f"{row['tokens_per_target_forward']:>10.2f} {row['expected_tokens_per_verify']:>8.2f} "
+                    f"{row['outputs_identical']!s:>5}"
+                )
     return "\n".join(lines)
 
 
@@ -127,23 +158,27 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plain = result["rows"]["plain"][0]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for kind, rows in result["rows"].items():
+    for kind, rows in result["rows"]["resident"].items():
         if kind == "plain":
             continue
         g = [row["draft_tokens"] for row in rows]
         (line,) = left.plot(g, [row["tokens_per_target_forward"] for row in rows], marker="o", label=f"{kind} measured")
-        left.plot(g, [row["expected_tokens_per_verify"] for row in rows], ls="--", color=line.get_color(),
-                  label=f"{kind} (1-a^(g+1))/(1-a)")  # fmt: skip
-        right.plot(g, [row["decode_tok_s"] for row in rows], marker="o", label=kind)
-    right.axhline(plain["decode_tok_s"], color="black", ls=":", label="plain")
+        expected = [row["expected_tokens_per_verify"] for row in rows]
+        left.plot(g, expected, ls="--", color=line.get_color(), label=f"{kind} (1-a^(g+1))/(1-a)")
+    for placement, style in zip(result["rows"], ("-", "--"), strict=False):
+        for kind, rows in result["rows"][placement].items():
+            if kind == "plain":
+                right.axhline(rows[0]["decode_tok_s"], color="black", ls=style, label=f"{placement} plain")
+            else:
+                g = [row["draft_tokens"] for row in rows]
+                right.plot(g, [row["decode_tok_s"] for row in rows], ls=style, marker="o", label=f"{placement} {kind}")
     left.set_xlabel("draft tokens per round g")
     left.set_ylabel("tokens per target forward")
     right.set_xlabel("draft tokens per round g")
     right.set_ylabel("decode tok/s")
     title = f"{result['model'].split('/')[-1]} ({result['dtype']}), {result['machine']['device']}"
-    fig.suptitle(f"Speculative decoding, resident target: {title}")
+    fig.suptitle(f"Speculative decoding: {title}")
     for ax in (left, right):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
@@ -157,10 +192,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--drafts", default="copy,bf16,early20", help="comma list of copy, bf16, earlyN")
     parser.add_argument("--draft-lengths", default="1,2,3,4,5,6,7,8", help="comma list of draft tokens per round")
     parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="generations per prompt and row (median tok/s)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--streaming", action="store_true", help="also run with the target's layers streamed")
     args = parser.parse_args(argv)
     lengths = [int(g) for g in args.draft_lengths.split(",")]
-    result = run(args.drafts.split(","), lengths, args.prompts, args.max_new_tokens, args.chunk_size)
+    drafts = args.drafts.split(",")
+    result = run(drafts, lengths, args.prompts, args.repeats, args.max_new_tokens, args.chunk_size, args.streaming)
     save_results(args.out, "speculative", result, report, plot)
     return 0
