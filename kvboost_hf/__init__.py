@@ -12,6 +12,8 @@ Public API::
     engine = KVBoost.from_pretrained(name, streaming=LayerStreaming(keep_first_k=4))  # larger than the GPU
     handle = enable_layer_streaming(model, LayerStreaming())  # the same for a model you loaded yourself
 
+    engine = KVBoost.from_pretrained(name, draft_model=draft_path, num_draft_tokens=5)  # speculative decoding
+
 Importing the package registers ``attn_implementation="kvboost"`` with transformers.
 """
 
@@ -21,6 +23,7 @@ from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.attention import register_kvboost_attention
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.models import UnsupportedModelError
+from kvboost_hf.hf.speculative import DraftSettings, Speculation, SpeculationStats
 from kvboost_hf.offload import (
     LayerStreamer,
     LayerStreaming,
@@ -39,6 +42,7 @@ __all__ = [
     "ChunkReuseCache",
     "ChunkStore",
     "CorrectnessReport",
+    "DraftSettings",
     "GenerationMode",
     "GenerationResult",
     "InferenceEngine",
@@ -46,6 +50,8 @@ __all__ = [
     "LayerStreamer",
     "LayerStreaming",
     "RecomputeStrategy",
+    "Speculation",
+    "SpeculationStats",
     "StreamingStats",
     "UnsupportedModelError",
     "WarmResult",

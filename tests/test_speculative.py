@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, KVBoost
+from kvboost_hf.corpus import documents
 from kvboost_hf.hf.speculative import DraftSettings, Speculation
 from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
 
@@ -281,3 +282,23 @@ def test_engine_reports_streamed_bytes_per_token_with_a_draft(target):
     assert drafted.streamed_bytes_per_token <= 0.45 * plain.streamed_bytes_per_token
     assert engine.cache_stats()["streaming_bytes_streamed"] == handle.stats().bytes_streamed
     handle.close()
+
+
+# ---------------------------------------------------------------------------------------------------- embedded model
+@pytest.mark.slow
+def test_embedded_model_with_early_exit_and_engine_drafts_equals_greedy(embedded_engine):
+    """SmolLM2 chat prompt (it holds special tokens): an early-exit draft (20 of 30 layers) and the engine itself
+    as a draft (same weights: its prefill hits the target's chunks) leave the greedy output unchanged."""
+    system = {"role": "system", "content": documents()[1][1][:500]}
+    messages = [system, {"role": "user", "content": "Summarise this in one sentence."}]
+    expected = embedded_engine.generate(messages, max_new_tokens=16, mode="baseline")
+    shared = {"chunk_size": 64, "store": embedded_engine.store}
+    model, tokenizer = embedded_engine.model, embedded_engine.tokenizer
+    early = KVBoost(model, tokenizer, draft_early_exit=20, num_draft_tokens=3, **shared).generate(messages, 16)
+    itself = KVBoost(model, tokenizer, draft_model=embedded_engine, num_draft_tokens=3, **shared)
+    itself.generate(messages, max_new_tokens=16)
+    again = itself.generate(messages, max_new_tokens=16)
+    assert early.output_ids == again.output_ids == expected.output_ids
+    assert early.draft_tokens_proposed > 0 and early.draft_acceptance_rate < 1.0
+    assert again.draft_acceptance_rate == 1.0 and again.target_forwards <= -(-16 // 4) + 1
+    assert again.draft_cached_tokens == again.cached_tokens > 0
