@@ -47,14 +47,18 @@ def expected_tokens_per_verify(a: float, g: int) -> float:
 
 def draft_engine(target: InferenceEngine, kind: str) -> InferenceEngine:
     """An engine on the target's model and store with the draft named ``kind`` (copy, bf16 or earlyN)."""
-    shared = {"chunk_size": target.chunking.chunk_size, "store": target.store}
     if match := re.fullmatch(r"early(\d+)", kind):
-        return InferenceEngine(target.model, target.tokenizer, draft_early_exit=int(match.group(1)), **shared)
+        size, store, exit_layers = target.chunking.chunk_size, target.store, int(match.group(1))
+        return InferenceEngine(
+            target.model, target.tokenizer, chunk_size=size, store=store, draft_early_exit=exit_layers
+        )
     if kind not in ("copy", "bf16"):
         raise ValueError(f"unknown draft {kind!r}: use copy, bf16 or earlyN (N layers of the target)")
     dtype = torch.bfloat16 if kind == "bf16" else target.model.dtype
     draft, _ = load_model_and_tokenizer(None, device=target.device, dtype=dtype)
-    return InferenceEngine(target.model, target.tokenizer, draft_model=draft, **shared)
+    return InferenceEngine(
+        target.model, target.tokenizer, chunk_size=target.chunking.chunk_size, store=target.store, draft_model=draft
+    )
 
 
 def summarise(results: list[GenerationResult], plain: list[GenerationResult], g: int | None) -> dict:
@@ -73,7 +77,7 @@ def summarise(results: list[GenerationResult], plain: list[GenerationResult], g:
     if g is not None:
         proposed = sum(r.draft_tokens_proposed for r in results)
         accepted = sum(r.draft_tokens_accepted for r in results)
-        a = statistics.mean(r.draft_position_acceptance for r in results)
+        a = statistics.mean(r.draft_position_acceptance or 0.0 for r in results)
         row.update(
             acceptance_rate=accepted / max(proposed, 1),
             position_acceptance=a,

@@ -30,7 +30,7 @@ import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import torch
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
@@ -125,7 +125,7 @@ def _install_draft_wrapper(model: torch.nn.Module) -> None:
     """
     if getattr(model, _WRAPPED, False):
         return
-    original = model.generate
+    original: Callable[..., Any] = model.generate  # type: ignore[assignment]
 
     @functools.wraps(original)
     def generate(*args: Any, **kwargs: Any) -> Any:
@@ -134,7 +134,7 @@ def _install_draft_wrapper(model: torch.nn.Module) -> None:
             return original(*args, **kwargs)
         return session.run_draft(original, args, kwargs)
 
-    model.generate = generate
+    vars(model)["generate"] = generate  # an instance attribute shadowing the class's method
     setattr(model, _WRAPPED, True)
 
 
@@ -214,7 +214,7 @@ class Speculation:
     def run_draft(self, generate: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         """Run one draft round (called by the assistant's wrapped ``generate``): give the draft its cache on the
         first round, and count the proposed tokens."""
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        input_ids: torch.Tensor = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
         if kwargs.get("attention_mask") is None:
             # The target's generate() drops an all-ones mask; without one the draft would infer a mask from pad
             # token ids *inside* the prompt (chat prompts often hold the pad/EOS id) and attend to holes.
@@ -243,7 +243,7 @@ class _HasModel(Protocol):
     tokenizer: PreTrainedTokenizerBase
 
 
-DraftSource = str | os.PathLike | PreTrainedModel | _HasModel
+DraftSource: TypeAlias = str | os.PathLike | PreTrainedModel | _HasModel
 
 
 def resolve_draft(
