@@ -201,6 +201,13 @@ class Speculation:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self.stats.draft_rounds:
+            logger.debug(
+                "speculation: %d target forwards, %d draft rounds, %d tokens proposed",
+                self.stats.target_forwards,
+                self.stats.draft_rounds,
+                self.stats.draft_tokens_proposed,
+            )
         assistant = self.assistant
         if assistant is not None and _ACTIVE.get(assistant) is self:
             del _ACTIVE[assistant]
