@@ -235,6 +235,18 @@ def test_server_metrics_expose_the_draft_counters(engines):
     assert f"kvboost_draft_acceptance_rate {stats['draft_acceptance_rate']:g}" in text
 
 
+def test_server_flags_name_the_draft():
+    import argparse
+
+    from kvboost_hf.server.launch import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--draft-model", "drafts/small", "--num-draft-tokens", "3"])
+    assert (args.draft_model, args.num_draft_tokens) == ("drafts/small", 3)
+    assert parser.parse_args([]).draft_model is None
+
+
 # ---------------------------------------------------------------------------------------------------- streaming
 @pytest.mark.parametrize("early_exit", [False, True])
 def test_streamed_target_with_draft_and_chunk_reuse_equals_resident_greedy(early_exit):
