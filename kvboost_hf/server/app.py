@@ -502,14 +502,13 @@ def _register_scraped(metrics: Metrics, worker: Worker, engine: InferenceEngine)
         )
     )
     for name, help_text in SPECULATIVE_COUNTERS.items():
-        metrics.add_scraped(
-            Scraped(f"kvboost_{name}_total", help_text, lambda n=name: {(): engine.cache_stats()[n]}, kind="counter")
-        )
+        read = lambda n=name: {(): engine.cache_stats().get(n, 0)}  # noqa: E731
+        metrics.add_scraped(Scraped(f"kvboost_{name}_total", help_text, read, kind="counter"))
     metrics.add_scraped(
         Scraped(
             "kvboost_draft_acceptance_rate",
             "Draft tokens accepted / proposed, over the engine's life.",
-            lambda: {(): engine.cache_stats()["draft_acceptance_rate"]},
+            lambda: {(): engine.cache_stats().get("draft_acceptance_rate", 0.0)},
         )
     )
     streamer = layer_streamer(engine.model)
