@@ -12,6 +12,8 @@ Public API::
     engine = KVBoost.from_pretrained(name, streaming=LayerStreaming(keep_first_k=4))  # larger than the GPU
     handle = enable_layer_streaming(model, LayerStreaming())  # the same for a model you loaded yourself
 
+    engine = KVBoost.from_pretrained(name, draft_model=draft_path, num_draft_tokens=5)  # speculative decoding
+
 Importing the package registers ``attn_implementation="kvboost"`` with transformers.
 """
 
@@ -23,6 +25,7 @@ from kvboost_hf.hf.attention import register_kvboost_attention
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.generation import ChunkWriteBack
 from kvboost_hf.hf.models import UnsupportedModelError
+from kvboost_hf.hf.speculative import DraftSettings, Speculation, SpeculationStats
 from kvboost_hf.offload import (
     LayerStreamer,
     LayerStreaming,
@@ -44,6 +47,7 @@ __all__ = [
     "ChunkWriteBack",
     "ChunkingConfig",
     "CorrectnessReport",
+    "DraftSettings",
     "GenerationMode",
     "GenerationResult",
     "InferenceEngine",
@@ -53,6 +57,8 @@ __all__ = [
     "RecomputeStrategy",
     "RepairConfig",
     "ReusePlan",
+    "Speculation",
+    "SpeculationStats",
     "StreamingStats",
     "UnsupportedModelError",
     "WarmResult",

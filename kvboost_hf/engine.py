@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -21,7 +22,8 @@ from kvboost_hf.core.config import GenerationMode, RecomputeStrategy, RepairConf
 from kvboost_hf.core.keys import model_digest
 from kvboost_hf.hf.cache import ChunkReuseCache, RowReuse
 from kvboost_hf.hf.generation import CancelCriteria, TokenTimer
-from kvboost_hf.hf.models import check_model_support, load_model_and_tokenizer
+from kvboost_hf.hf.models import check_model_support, load_model_and_tokenizer, model_dtype
+from kvboost_hf.hf.speculative import DraftSettings, DraftSource, Speculation, SpeculationStats, resolve_draft
 from kvboost_hf.offload import LayerStreaming, layer_streamer
 from kvboost_hf.offload.loading import load_streamed_model
 from kvboost_hf.results import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
@@ -52,6 +54,12 @@ class InferenceEngine:
             None keeps the store's default).
         store: share an existing :class:`ChunkStore` instead of creating one.
         strict: refuse architectures that are not known to work.
+        draft_model: a resident draft for speculative decoding of single-prompt calls (a path or hub name, loaded
+            on the target's device and dtype; a model; or another engine, whose store and chunk settings its
+            cache then uses); it must share the target's tokenizer. Its prompt K/V are reused from the store
+            like the target's (under its own namespace). Batched calls decode without it.
+        num_draft_tokens: tokens the draft proposes per verify forward (fixed schedule, no confidence stop).
+        draft_early_exit: instead of a draft model, draft with the target's first ``draft_early_exit`` layers.
     """
 
     def __init__(
@@ -75,6 +83,9 @@ class InferenceEngine:
         remote_hmac_key: bytes | str | None = None,
         store: ChunkStore | None = None,
         strict: bool = True,
+        draft_model: DraftSource | None = None,
+        num_draft_tokens: int = 5,
+        draft_early_exit: int | None = None,
     ) -> None:
         check_model_support(model.config, strict=strict)
         boundary_ids = boundary_token_ids_from_tokenizer(tokenizer) if chunk_boundary_window else frozenset()
@@ -100,6 +111,28 @@ class InferenceEngine:
         self.store = store
         self.lock = threading.RLock()  # held while the model runs: one forward at a time
         model_digest(model)  # computed once here, not inside the first request's TTFT
+        self._init_draft(draft_model, num_draft_tokens, draft_early_exit, strict)
+
+    def _init_draft(
+        self, draft_model: DraftSource | None, num_draft_tokens: int, draft_early_exit: int | None, strict: bool
+    ) -> None:
+        """Speculative decoding state: the draft settings, the resident draft model (if any) and decode counters."""
+        self.draft_settings = DraftSettings(num_draft_tokens, early_exit_layers=draft_early_exit)
+        self.draft_model: PreTrainedModel | None = None
+        self._draft_engine: InferenceEngine | None = draft_model if isinstance(draft_model, InferenceEngine) else None
+        if draft_model is not None:
+
+            def load(path: str | os.PathLike) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+                return load_model_and_tokenizer(path, device=self.device, dtype=model_dtype(self.model), strict=strict)
+
+            self.draft_model = resolve_draft(draft_model, self.model, self.tokenizer, load)
+            check_model_support(self.draft_model.config, strict=strict)
+            model_digest(self.draft_model)
+        Speculation(self.model, self.draft_model, self.draft_settings)  # validates early exit against the target
+        self.speculative = draft_model is not None or draft_early_exit is not None
+        self._decode_totals = dict.fromkeys(
+            ("generated_tokens", "target_forwards", "draft_tokens_proposed", "draft_tokens_accepted"), 0
+        )
 
     @classmethod
     def from_pretrained(
@@ -191,11 +224,12 @@ class InferenceEngine:
         cache_salt: str | None = None,
         segment_starts: Sequence[int] = (),
         repair: RepairConfig | None = None,
+        model: PreTrainedModel | None = None,
     ) -> ChunkReuseCache:
-        """A fresh drop-in cache bound to this engine's store and settings."""
+        """A fresh drop-in cache bound to this engine's store and settings (for ``model``, default this engine's)."""
         return ChunkReuseCache(
             self.store,
-            self.model,
+            model if model is not None else self.model,
             self.chunking,
             repair or self.repair,
             mode=mode,
@@ -306,7 +340,9 @@ class InferenceEngine:
         repair: RepairConfig | None = None,
     ) -> list[GenerationResult]:
         """Generate for several prompts in one left-padded batch (best when they share a prefix: its K/V is
-        looked up once per chunk). Each row's greedy output equals what it gets alone. TTFT is the batch's."""
+        looked up once per chunk). Each row's greedy output equals what it gets alone. TTFT is the batch's.
+        A single prompt is decoded speculatively when the engine has a draft; a batch of several is not
+        (transformers' assisted generation takes one row)."""
         started = time.perf_counter()
         if not prompts:
             raise ValueError("prompts is empty")
@@ -342,14 +378,16 @@ class InferenceEngine:
             options.update(stop_strings=stops, tokenizer=self.tokenizer)
         if cancel is not None:
             options["stopping_criteria"] = [CancelCriteria(cancel)]
+        speculation = self._speculation(len(prompts) == 1, mode, cache_salt, segment_starts[0], repair)
         streamer = layer_streamer(self.model)
-        with self.lock, torch.inference_mode():
+        with self.lock, torch.inference_mode(), speculation:
             streamed_before = streamer.stats().bytes_streamed if streamer is not None else 0
             if seed is not None:
                 torch.manual_seed(seed)
-            output = self.model.generate(input_ids, **options)  # a ChunkReuseCache saves its chunks inside
+            output = self.model.generate(input_ids, **options, **speculation.generate_kwargs())
             streamed = streamer.stats().bytes_streamed - streamed_before if streamer is not None else None
             finished = time.perf_counter()
+        decode = self._count_decode(speculation.stats, input_ids.shape[1], output.sequences.shape[1], len(prompts))
         first = timer.first_token_time or finished
         reuse = cache.last_reuse if isinstance(cache, ChunkReuseCache) else []
         results = []
@@ -358,6 +396,7 @@ class InferenceEngine:
             text, finish = self._finish(generated, max_new_tokens, stops, cancel)
             row_reuse = reuse[row] if row < len(reuse) else RowReuse()
             decode_s = max(finished - first, 1e-9)
+            later = len(generated) - timer.first_step_tokens  # tokens after the first step (a verify yields several)
             row_logprobs = self._logprobs(output.logits, row, generated, logprobs) if logprobs is not None else None
             results.append(
                 GenerationResult(
@@ -368,7 +407,7 @@ class InferenceEngine:
                     generated_tokens=len(generated),
                     ttft_ms=(first - started) * 1e3,
                     total_ms=(finished - started) * 1e3,
-                    tokens_per_sec=(len(generated) - 1) / decode_s if len(generated) > 1 else 0.0,
+                    tokens_per_sec=later / decode_s if later > 0 else 0.0,
                     kv_reuse_ratio=row_reuse.cached_tokens / len(ids),
                     prompt_tokens=len(ids),
                     cached_tokens=row_reuse.cached_tokens,
@@ -378,11 +417,50 @@ class InferenceEngine:
                     finish_reason=finish,
                     token_logprobs=None if row_logprobs is None else row_logprobs[0],
                     top_logprobs=None if row_logprobs is None else row_logprobs[1],
+                    **decode,
                     streamed_bytes=streamed,
                     streamed_bytes_per_token=None if streamed is None else streamed / max(len(generated), 1),
                 )
             )
         return results
+
+    def _speculation(
+        self,
+        single: bool,
+        mode: GenerationMode,
+        cache_salt: str | None,
+        segment_starts: Sequence[int],
+        repair: RepairConfig | None,
+    ) -> Speculation:
+        """The draft (for a single prompt when the engine has one) and counters of one generate call. The draft
+        gets a chunk-reuse cache of its own (in its own engine's store when it is an engine) unless reuse is off."""
+        if not (single and self.speculative):
+            return Speculation(self.model)
+        draft_cache = None
+        if self.draft_model is not None and mode is not GenerationMode.BASELINE:
+            owner, model = (self._draft_engine, None) if self._draft_engine is not None else (self, self.draft_model)
+            draft_cache = functools.partial(owner.new_cache, mode, cache_salt, segment_starts, repair, model=model)
+        return Speculation(self.model, self.draft_model, self.draft_settings, draft_cache)
+
+    def _count_decode(self, stats: SpeculationStats, prompt_width: int, final_width: int, rows: int) -> dict[str, Any]:
+        """Per-call decode figures for :class:`GenerationResult`, also added to the engine's running totals."""
+        new_tokens = final_width - prompt_width
+        accepted = stats.accepted(new_tokens)
+        totals = self._decode_totals
+        totals["generated_tokens"] += new_tokens * rows
+        totals["target_forwards"] += stats.target_forwards
+        totals["draft_tokens_proposed"] += stats.draft_tokens_proposed
+        totals["draft_tokens_accepted"] += accepted
+        drafted = stats.draft_rounds > 0
+        return {
+            "target_forwards": stats.target_forwards,
+            "tokens_per_target_forward": new_tokens / stats.target_forwards if stats.target_forwards else 0.0,
+            "draft_tokens_proposed": stats.draft_tokens_proposed,
+            "draft_tokens_accepted": accepted,
+            "draft_acceptance_rate": accepted / max(stats.draft_tokens_proposed, 1) if drafted else None,
+            "draft_position_acceptance": stats.position_acceptance(final_width),
+            "draft_cached_tokens": stats.draft_cached_tokens,
+        }
 
     def generate_many(
         self, prompts: Sequence[Prompt], max_new_tokens: int = 64, *, max_batch_size: int = 8, **kwargs: Any
@@ -405,9 +483,18 @@ class InferenceEngine:
 
     # ------------------------------------------------------------------ checks and stats
     def cache_stats(self) -> dict[str, int | float]:
-        """Store counters: hits, misses, chunks, evictions, and bytes per tier (``ram_bytes``, ...); with layer
-        streaming also its counters prefixed ``streaming_`` (see :class:`~kvboost_hf.offload.StreamingStats`)."""
-        stats: dict[str, int | float] = dict(self.store.stats())
+        """Store counters (hits, misses, chunks, evictions, bytes per tier: ``ram_bytes``, ...); decode counters
+        summed over this engine's calls: ``generated_tokens`` (all rows), ``target_forwards`` (a batch's rows share
+        them), ``draft_tokens_proposed``/``draft_tokens_accepted``, ``tokens_per_target_forward`` and
+        ``draft_acceptance_rate`` (0.0 before any draft proposal); with layer streaming also its counters prefixed
+        ``streaming_`` (see :class:`~kvboost_hf.offload.StreamingStats`)."""
+        totals = self._decode_totals
+        stats: dict[str, int | float] = {
+            **self.store.stats(),
+            **totals,
+            "tokens_per_target_forward": totals["generated_tokens"] / max(totals["target_forwards"], 1),
+            "draft_acceptance_rate": totals["draft_tokens_accepted"] / max(totals["draft_tokens_proposed"], 1),
+        }
         streamer = layer_streamer(self.model)
         if streamer is not None:
             stats.update({f"streaming_{k}": v for k, v in streamer.stats().as_dict().items()})

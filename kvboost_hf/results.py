@@ -18,7 +18,7 @@ class GenerationResult:
     generated_tokens: int
     ttft_ms: float
     total_ms: float
-    tokens_per_sec: float
+    tokens_per_sec: float  # decode rate: tokens after the first step / time from the first step to the end
     kv_reuse_ratio: float
     prompt_tokens: int
     cached_tokens: int
@@ -28,6 +28,15 @@ class GenerationResult:
     first_token_logits: Any = None  # torch.Tensor [vocab] (fp32, CPU) when logprobs were requested
     approx_tokens: int = 0  # cached tokens that came from content-key (non-prefix) hits, not recomputed
     recomputed_tokens: int = 0  # loaded tokens recomputed by the repair
+    # Decoding work (speculative decoding: the draft proposes, one target forward verifies several tokens).
+    target_forwards: int = 0  # forwards of the target in this call, prefill included (a batch's rows share them)
+    tokens_per_target_forward: float = 0.0  # generated tokens / target_forwards (1.0 for plain single-row decoding)
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0  # proposed tokens the target kept
+    draft_acceptance_rate: float | None = None  # accepted / proposed; None when no draft was used
+    # P(a draft token is accepted | the ones before it were): the a of (1 - a^(g+1)) / (1 - a) tokens per verify
+    draft_position_acceptance: float | None = None
+    draft_cached_tokens: int | None = None  # prompt tokens the draft loaded from the store (None: no draft cache)
     streamed_bytes: int | None = None  # layer streaming only: bytes copied host to device by this call (batch's)
     streamed_bytes_per_token: float | None = None  # streamed_bytes / this row's generated tokens
 

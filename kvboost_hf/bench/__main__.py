@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("multiturn", "rag", "rag_accuracy", "tiers", "attention", "serve", "streaming")
+BENCHMARKS = ("multiturn", "rag", "rag_accuracy", "tiers", "attention", "serve", "streaming", "speculative")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,8 @@ Side by side in one run, for every question: full prefill (``mode="baseline"``),
 ``cacheblend`` at each ``--ratios`` (per-call ``repair=RepairConfig(...)``), each from the same store (the warmed
 documents only), in rotating order. Two CacheBlend variants at ``--variant-ratios`` try to do better: ``+headsN``
 recomputes the first N tokens of every reused chunk before spending the rest of the budget on deviation
-(EPIC-style attention-sink alignment, ``RepairConfig(head_tokens=N)``), and ``-LN`` compares keys at layer N instead of layer 1. Per configuration: accuracy,
+(EPIC-style attention-sink alignment, ``RepairConfig(head_tokens=N)``), and ``-LN`` compares keys at layer N
+instead of layer 1. Per configuration: accuracy,
 agreement with the full prefill's answer, TTFT and its speed-up over full prefill, first-token KL(full || reuse),
 greedy tokens agreeing. Writes ``rag_accuracy.json`` and ``rag_accuracy.png`` under ``--out``.
 """

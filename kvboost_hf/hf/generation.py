@@ -38,25 +38,30 @@ class ChunkWriteBack(LogitsProcessor):
 class TokenTimer(BaseStreamer):
     """Records when each generated token becomes available and forwards it to ``on_token``.
 
-    ``generate()`` first puts the prompt, then one tensor of new tokens (one per batch row) per step. Moving a
-    token to the CPU synchronises the device, so a timestamp is taken when the token really exists.
-    ``first_token_time`` is a ``time.perf_counter()`` value, or None before the first token.
+    ``generate()`` first puts the prompt, then one tensor of new tokens (one per batch row) per step; assisted
+    (speculative) decoding puts ``[1, n]``: the ``n`` tokens one verify step kept for its single row, which
+    ``on_token`` receives one at a time. Moving a token to the CPU synchronises the device, so a timestamp is
+    taken when the token really exists. ``first_token_time`` is a ``time.perf_counter()`` value, or None before
+    the first token; ``first_step_tokens`` counts the tokens (per row) that arrived with it.
     """
 
     def __init__(self, on_token: Callable[[list[int]], None] | None = None) -> None:
         self.on_token = on_token
         self.first_token_time: float | None = None
+        self.first_step_tokens = 0
         self._prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
         if not self._prompt_seen:
             self._prompt_seen = True
             return
-        tokens = value.reshape(-1).tolist()
+        steps = value.reshape(-1, 1).tolist() if value.dim() == 2 else [value.reshape(-1).tolist()]
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
+            self.first_step_tokens = len(steps)
         if self.on_token is not None:
-            self.on_token(tokens)
+            for tokens in steps:
+                self.on_token(tokens)
 
     def end(self) -> None:
         return None

@@ -81,7 +81,8 @@ def _wrap_generate(model: torch.nn.Module) -> None:
             processors.append(ChunkWriteBack(cache))
         kwargs["logits_processor"] = processors
         output = generate(*args, **kwargs)
-        cache.save(tail=True)
+        drafting = getattr(kwargs.get("generation_config"), "is_assistant", False)
+        cache.save(tail=not drafting)  # a draft round is not the end of a generation
         return output
 
     setattr(model, "generate", generate_with_write_back)  # noqa: B010  (an instance attribute)

@@ -179,6 +179,13 @@ def create_app(engine: InferenceEngine, settings: ServerSettings | None = None) 
     return app
 
 
+SPECULATIVE_COUNTERS = {
+    "target_forwards": "Forwards of the target model in engine.generate calls (a batch's rows share them).",
+    "draft_tokens_proposed": "Tokens proposed by the speculative draft.",
+    "draft_tokens_accepted": "Draft tokens the target kept.",
+}
+
+
 STREAMING_METRICS = (
     ("kvboost_streamed_bytes", "bytes_streamed", "Bytes of streamed decoder layers copied to the device."),
     ("kvboost_streamed_layer_reloads", "reloads", "Streamed layers copied when about to run (no prefetch)."),
@@ -196,10 +203,22 @@ def _register_scraped(metrics: Metrics, worker: Worker, engine: InferenceEngine)
 
     metrics.scraped_counter("kvboost_store_hits", "Chunk store hits by tier.", "tier", store_hits)
     metrics.gauge("kvboost_store_misses_total", "Chunk store misses.", lambda: engine.cache_stats().get("misses", 0))
+    for name, help_text in SPECULATIVE_COUNTERS.items():
+        metrics.scraped_counter(f"kvboost_{name}", help_text, None, _engine_stat(engine, name))
+    metrics.gauge(
+        "kvboost_draft_acceptance_rate",
+        "Draft tokens accepted / proposed, over the engine's life.",
+        lambda: engine.cache_stats().get("draft_acceptance_rate", 0.0),
+    )
     streamer = layer_streamer(engine.model)
     if streamer is not None:  # layer streaming: counters of the copies
         for name, field, help_text in STREAMING_METRICS:
             metrics.scraped_counter(name, help_text, None, _streaming_stat(streamer, field))
+
+
+def _engine_stat(engine: InferenceEngine, name: str) -> Callable[[], dict[str, float]]:
+    """A scrape-time reader of one counter of ``engine.cache_stats()`` (unlabelled)."""
+    return lambda: {"": engine.cache_stats().get(name, 0)}
 
 
 def _streaming_stat(streamer: LayerStreamer, field: str) -> Callable[[], dict[str, float]]:

@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefix: exact prefix hits (outputs equal no reuse); chunk: also repaired non-prefix hits; off: none",
     )
     model.add_argument("--warm", type=Path, default=None, metavar="FILE", help="pre-load this text file's K/V")
+    model.add_argument(
+        "--draft-model", default=None, help="resident draft model (directory or hub name, same tokenizer as --model)"
+    )
+    model.add_argument("--num-draft-tokens", type=int, default=5, help="tokens the draft proposes per verify forward")
     serving = parser.add_argument_group("serving")
     serving.add_argument("--host", default=None, help=f"bind address (default {LOOPBACK})")
     serving.add_argument("--port", type=int, default=8000)
@@ -87,6 +91,8 @@ def serve(args: argparse.Namespace) -> int:
         remote_prefix=args.remote_prefix,
         remote_ttl_s=args.remote_ttl_s,
         remote_hmac_key=_secret_from_env(args.remote_hmac_key_env),
+        draft_model=args.draft_model,
+        num_draft_tokens=args.num_draft_tokens,
     )
     if args.warm is not None:
         result = engine.warm(args.warm.read_text(encoding="utf-8"))

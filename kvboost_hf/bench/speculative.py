@@ -1,0 +1,208 @@
+"""``python -m kvboost_hf.bench speculative``: plain vs speculative decoding side by side, draft lengths 1..8.
+
+The embedded SmolLM2-135M is the target (resident). Drafts that need no second checkpoint:
+
+* ``copy``: a second resident copy of the target (same weights; only worth it when the target's forwards are
+  expensive, e.g. streamed: here it costs as much as the target per token);
+* ``bf16``: the same weights in bfloat16 (a cheaper, slightly different draft);
+* ``earlyN``: the target's own first N layers and head (transformers' ``assistant_early_exit``).
+
+With ``--streaming`` the same runs repeat with the target's decoder layers streamed (all but the first and the
+last, :mod:`kvboost_hf.offload`), where each target forward pays for copying the weights and the streamed bytes
+per generated token are reported too.
+
+Each prompt is generated greedily (``--max-new-tokens``) ``--repeats`` times without a draft and per draft and draft
+length ``g``, after untimed warm-up calls (one per prompt and per draft) that also store the prompts' chunks: decode
+speed, not prefill, is measured; tok/s is the median over prompts and repeats.
+Reported per row: decode tok/s (tokens after the first step / time after it), target forwards per generated
+token, the draft acceptance rate r = accepted / proposed, the per-position acceptance a = P(accept | previous
+accepted), the i.i.d. model's tokens per verify (1 - a^(g+1)) / (1 - a) beside the measured tokens per target
+forward, and whether the output equals the plain greedy output. Writes ``speculative.json`` and
+``speculative.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvboost_hf.bench.common import machine_info, parser_for, save_results
+from kvboost_hf.corpus import sample_prompts
+from kvboost_hf.engine import InferenceEngine
+from kvboost_hf.hf.models import load_model_and_tokenizer
+from kvboost_hf.hf.speculative import DraftSettings
+from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
+from kvboost_hf.results import GenerationResult
+
+
+def expected_tokens_per_verify(a: float, g: int) -> float:
+    """Tokens one verify forward yields when each of ``g`` draft tokens is accepted with probability ``a``
+    independently of position, until the first rejection: ``(1 - a^(g+1)) / (1 - a)`` (``g + 1`` at a = 1)."""
+    return float(g + 1) if a >= 1.0 else (1.0 - a ** (g + 1)) / (1.0 - a)
+
+
+def draft_engine(target: InferenceEngine, kind: str) -> InferenceEngine:
+    """An engine on the target's model and store with the draft named ``kind`` (copy, bf16 or earlyN)."""
+    if match := re.fullmatch(r"early(\d+)", kind):
+        size, store, exit_layers = target.chunking.chunk_size, target.store, int(match.group(1))
+        return InferenceEngine(
+            target.model, target.tokenizer, chunk_size=size, store=store, draft_early_exit=exit_layers
+        )
+    if kind not in ("copy", "bf16"):
+        raise ValueError(f"unknown draft {kind!r}: use copy, bf16 or earlyN (N layers of the target)")
+    dtype = torch.bfloat16 if kind == "bf16" else target.model.dtype
+    draft, _ = load_model_and_tokenizer(None, device=target.device, dtype=dtype)
+    return InferenceEngine(
+        target.model, target.tokenizer, chunk_size=target.chunking.chunk_size, store=target.store, draft_model=draft
+    )
+
+
+def summarise(results: list[GenerationResult], plain: list[GenerationResult], g: int | None) -> dict:
+    """One row: medians over prompts of speed and acceptance, sums of tokens and forwards."""
+    tokens = sum(r.generated_tokens for r in results)
+    forwards = sum(r.target_forwards for r in results)
+    streamed = [r.streamed_bytes_per_token for r in results if r.streamed_bytes_per_token is not None]
+    row = {
+        "draft_tokens": g,
+        "streamed_mb_per_token": statistics.mean(streamed) / 1e6 if streamed else None,
+        "decode_tok_s": statistics.median(r.tokens_per_sec for r in results),
+        "target_forwards_per_token": forwards / tokens,
+        "tokens_per_target_forward": tokens / forwards,
+        "outputs_identical": all(r.output_ids == p.output_ids for r, p in zip(results, plain, strict=True)),
+    }
+    if g is not None:
+        proposed = sum(r.draft_tokens_proposed for r in results)
+        accepted = sum(r.draft_tokens_accepted for r in results)
+        a = statistics.mean(r.draft_position_acceptance or 0.0 for r in results)
+        row.update(
+            acceptance_rate=accepted / max(proposed, 1),
+            position_acceptance=a,
+            expected_tokens_per_verify=expected_tokens_per_verify(a, g),
+        )
+    return row
+
+
+def run(
+    drafts: list[str],
+    lengths: list[int],
+    prompts: int,
+    repeats: int,
+    max_new_tokens: int,
+    chunk_size: int,
+    streaming: bool,
+) -> dict:
+    """Rows per placement of the target (resident, streamed) and draft: ``plain`` first, then one per ``g``."""
+    target = InferenceEngine.from_pretrained(chunk_size=chunk_size)
+    texts = sample_prompts(prompts)
+    engines = {kind: draft_engine(target, kind) for kind in drafts}
+    for engine in (target, *engines.values()):  # untimed: stores the prompts' chunks, pays one-time costs
+        for text in texts:
+            engine.generate(text, max_new_tokens=max_new_tokens)
+    texts = texts * repeats
+    rows: dict[str, dict[str, list[dict]]] = {}
+    resident_plain: list[GenerationResult] = []
+    for placement in ("resident", "streamed") if streaming else ("resident",):
+        if placement == "streamed":
+            enable_layer_streaming(target.model, LayerStreaming(keep_first_k=1, keep_last_k=1))
+        plain = [target.generate(text, max_new_tokens=max_new_tokens) for text in texts]
+        resident_plain = resident_plain or plain
+        rows[placement] = {"plain": [summarise(plain, resident_plain, None)]}
+        for kind, engine in engines.items():
+            exit_layers = engine.draft_settings.early_exit_layers
+            rows[placement][kind] = []
+            for g in tqdm(lengths, desc=f"{placement} target, draft {kind}"):
+                engine.draft_settings = DraftSettings(g, early_exit_layers=exit_layers)
+                results = [engine.generate(text, max_new_tokens=max_new_tokens) for text in texts]
+                rows[placement][kind].append(summarise(results, resident_plain, g))
+    return {
+        "benchmark": "speculative",
+        "machine": machine_info(target.device),
+        "model": target.model.config._name_or_path,
+        "dtype": str(target.model.dtype),
+        "prompts": prompts,
+        "repeats": repeats,
+        "max_new_tokens": max_new_tokens,
+        "rows": rows,
+    }
+
+
+def _mb(row: dict) -> str:
+    return "-" if row["streamed_mb_per_token"] is None else f"{row['streamed_mb_per_token']:.0f}"
+
+
+def report(result: dict) -> str:
+    lines = []
+    for placement, by_draft in result["rows"].items():
+        plain = by_draft["plain"][0]
+        lines += [
+            f"{placement} target, plain: {plain['decode_tok_s']:.2f} tok/s, {_mb(plain)} MB streamed/token, "
+            f"output = resident plain: {plain['outputs_identical']}",
+            f"{'draft':>7} {'g':>2} {'tok/s':>7} {'vs plain':>8} {'fwd/tok':>7} {'MB/tok':>6} {'r':>5} {'a':>5} "
+            f"{'tok/verify':>10} {'expected':>8} {'same':>5}",
+        ]
+        for kind, rows in by_draft.items():
+            for row in rows if kind != "plain" else []:
+                lines.append(
+                    f"{kind:>7} {row['draft_tokens']:>2} {row['decode_tok_s']:>7.2f} "
+                    f"{row['decode_tok_s'] / plain['decode_tok_s']:>7.2f}x {row['target_forwards_per_token']:>7.2f} "
+                    f"{_mb(row):>6} {row['acceptance_rate']:>5.2f} {row['position_acceptance']:>5.2f} "
+                    f"{row['tokens_per_target_forward']:>10.2f} {row['expected_tokens_per_verify']:>8.2f} "
+                    f"{row['outputs_identical']!s:>5}"
+                )
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for kind, rows in result["rows"]["resident"].items():
+        if kind == "plain":
+            continue
+        g = [row["draft_tokens"] for row in rows]
+        (line,) = left.plot(g, [row["tokens_per_target_forward"] for row in rows], marker="o", label=f"{kind} measured")
+        expected = [row["expected_tokens_per_verify"] for row in rows]
+        left.plot(g, expected, ls="--", color=line.get_color(), label=f"{kind} (1-a^(g+1))/(1-a)")
+    for placement, style in zip(result["rows"], ("-", "--"), strict=False):
+        for kind, rows in result["rows"][placement].items():
+            if kind == "plain":
+                right.axhline(rows[0]["decode_tok_s"], color="black", ls=style, label=f"{placement} plain")
+            else:
+                g = [row["draft_tokens"] for row in rows]
+                right.plot(g, [row["decode_tok_s"] for row in rows], ls=style, marker="o", label=f"{placement} {kind}")
+    left.set_xlabel("draft tokens per round g")
+    left.set_ylabel("tokens per target forward")
+    right.set_xlabel("draft tokens per round g")
+    right.set_ylabel("decode tok/s")
+    title = f"{result['model'].split('/')[-1]} ({result['dtype']}), {result['machine']['device']}"
+    fig.suptitle(f"Speculative decoding: {title}")
+    for ax in (left, right):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    parser = parser_for("speculative", __doc__)
+    parser.add_argument("--drafts", default="copy,bf16,early20", help="comma list of copy, bf16, earlyN")
+    parser.add_argument("--draft-lengths", default="1,2,3,4,5,6,7,8", help="comma list of draft tokens per round")
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="generations per prompt and row (median tok/s)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--streaming", action="store_true", help="also run with the target's layers streamed")
+    args = parser.parse_args(argv)
+    lengths = [int(g) for g in args.draft_lengths.split(",")]
+    drafts = args.drafts.split(",")
+    result = run(drafts, lengths, args.prompts, args.repeats, args.max_new_tokens, args.chunk_size, args.streaming)
+    save_results(args.out, "speculative", result, report, plot)
+    return 0

@@ -1,0 +1,316 @@
+"""Speculative decoding with a resident draft: exactness, the target distribution, counters, the engine."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from kvboost_hf import ChunkReuseCache, ChunkStore, KVBoost
+from kvboost_hf.corpus import documents
+from kvboost_hf.hf.speculative import DraftSettings, Speculation
+from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
+
+VOCAB = 128
+
+
+def word_tokenizer(size: int = VOCAB) -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer: ``<pad>`` = 0, ``<eos>`` = 1, ``w2 .. w{size-1}`` (the tiny models' vocab)."""
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<pad>", eos_token="<eos>", pad_token="<pad>")
+
+
+def words(seed: int, length: int) -> str:
+    """``length`` random words; the third is the pad token (chat prompts hold special tokens too)."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = [f"w{int(i)}" for i in torch.randint(2, VOCAB, (length,), generator=generator)]
+    tokens[2] = "<pad>"
+    return " ".join(tokens)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_model("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def drafts(target):
+    """A different model (low acceptance) and an exact copy of the target (every proposal accepted)."""
+    return {"other": make_tiny_model("llama", seed=1), "copy": copy.deepcopy(target)}
+
+
+def greedy(model, ids, **kwargs):
+    options = dict(max_new_tokens=16, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    return model.generate(ids, **options, **kwargs)
+
+
+def sample(model, ids, **kwargs):
+    """Plain sampling from the softmax (no top-k/top-p truncation)."""
+    options = dict(do_sample=True, top_k=0, top_p=1.0, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    return model.generate(ids, **options, **kwargs)
+
+
+@pytest.mark.parametrize("draft_name", ["other", "copy"])
+@pytest.mark.parametrize("cache_state", ["dynamic", "reuse_cold", "reuse_warm"])
+def test_drop_in_greedy_with_draft_equals_plain_greedy(target, drafts, draft_name, cache_state):
+    ids = torch.randint(2, VOCAB, (1, 70), generator=torch.Generator().manual_seed(3))
+    plain = greedy(target, ids)
+    store = ChunkStore()
+    if cache_state == "reuse_warm":
+        greedy(target, ids, past_key_values=ChunkReuseCache(store, target, chunking=16))
+    cache = None if cache_state == "dynamic" else ChunkReuseCache(store, target, chunking=16)
+    draft = drafts[draft_name]
+    with Speculation(target, draft, DraftSettings(num_draft_tokens=4)) as speculation:
+        out = greedy(target, ids, past_key_values=cache, **speculation.generate_kwargs())
+    assert torch.equal(out, plain)
+    stats = speculation.stats
+    new_tokens = out.shape[1] - ids.shape[1]
+    # one draft round before each verify forward, except the last one when a single token is left to generate
+    assert stats.target_forwards - 1 <= stats.draft_rounds <= stats.target_forwards
+    assert stats.draft_tokens_proposed <= 4 * stats.draft_rounds
+    if draft_name == "copy":  # an identical draft is always right: about g + 1 tokens per target forward
+        assert stats.accepted(new_tokens) == stats.draft_tokens_proposed
+        assert stats.position_acceptance(out.shape[1]) == 1.0
+        assert stats.target_forwards <= -(-new_tokens // 5) + 1
+    else:
+        assert stats.accepted(new_tokens) < stats.draft_tokens_proposed
+        assert stats.position_acceptance(out.shape[1]) < 1.0
+    if cache_state == "reuse_warm":
+        assert cache.last_reuse[0].cached_tokens == 64
+
+
+def test_early_exit_draft_is_exact_and_schedule_is_explicit_and_restored(target):
+    ids = torch.randint(2, VOCAB, (1, 40), generator=torch.Generator().manual_seed(4))
+    plain = greedy(target, ids)
+    target.generation_config.num_assistant_tokens = 20  # transformers' default, which must not be used
+    with Speculation(target, settings=DraftSettings(num_draft_tokens=3, early_exit_layers=1)) as speculation:
+        assert target.generation_config.num_assistant_tokens == 3
+        assert target.generation_config.assistant_confidence_threshold == 0.0
+        out = greedy(target, ids, **speculation.generate_kwargs())
+    assert torch.equal(out, plain)
+    assert target.generation_config.num_assistant_tokens == 20
+    stats = speculation.stats
+    assert stats.target_forwards - 1 <= stats.draft_rounds <= stats.target_forwards
+    assert stats.target_forwards > 1
+    assert 3 * (stats.draft_rounds - 2) < stats.draft_tokens_proposed <= 3 * stats.draft_rounds
+
+
+def test_settings_are_validated(target, drafts):
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        DraftSettings(num_draft_tokens=0)
+    with pytest.raises(ValueError, match="schedule"):
+        DraftSettings(schedule="adaptive")
+    with pytest.raises(ValueError, match="below the target's 2 layers"):
+        Speculation(target, settings=DraftSettings(early_exit_layers=2))
+    with pytest.raises(ValueError, match="not both"):
+        Speculation(target, drafts["other"], DraftSettings(early_exit_layers=1))
+    with Speculation(target, drafts["other"]), pytest.raises(RuntimeError, match="already drafting"):
+        Speculation(target, drafts["other"]).__enter__()
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
+    """Pearson's statistic and p-value of ``counts`` against ``probs``; bins expecting < 5 draws are pooled."""
+    expected = probs.double() * counts.sum()
+    small = expected < 5
+    observed = torch.cat([counts[~small].double(), counts[small].double().sum().reshape(1)])
+    expected = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    keep = expected > 0
+    statistic = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return statistic, float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(statistic / 2)))
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    """The first sampled token with a draft follows the target's softmax, not the draft's (16-token vocabulary,
+    sharpened heads so that the two distributions differ a lot: only ~40% of the draft's mass is accepted)."""
+    target, draft = (make_tiny_model("llama", seed=s, vocab_size=16, num_hidden_layers=1) for s in (0, 1))
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8)
+        draft.lm_head.weight.mul_(8)
+        ids = torch.tensor([[3, 5, 7, 2, 9]])
+        p = target(ids).logits[0, -1].softmax(-1)
+        q = draft(ids).logits[0, -1].softmax(-1)
+    draws, counts, accepted = 150, torch.zeros(16, dtype=torch.long), 0
+    torch.manual_seed(0)
+    for _ in range(draws):  # max_new_tokens=2: the draft proposes 1 token, the first token is verified
+        with Speculation(target, draft, DraftSettings(num_draft_tokens=1)) as speculation:
+            out = sample(target, ids, max_new_tokens=2, **speculation.generate_kwargs())
+        counts[out[0, ids.shape[1]]] += 1
+        accepted += speculation.stats.accepted(out.shape[1] - ids.shape[1])
+    assert 0 < accepted < draws  # both the accept and the resample branch ran
+    _, p_target = _chi_square(counts, p)
+    _, p_draft = _chi_square(counts, q)
+    assert p_target > 1e-3, (counts.tolist(), p.tolist())
+    assert p_draft < 1e-9  # the same test rejects the draft's distribution outright
+
+
+def test_seeded_sampling_with_a_draft_is_reproducible(target, drafts):
+    ids = torch.randint(2, VOCAB, (1, 30), generator=torch.Generator().manual_seed(5))
+    outputs = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        with Speculation(target, drafts["other"], DraftSettings(num_draft_tokens=3)) as speculation:
+            outputs.append(sample(target, ids, max_new_tokens=16, **speculation.generate_kwargs()))
+        assert speculation.stats.draft_tokens_proposed > 0
+    assert torch.equal(outputs[0], outputs[1])
+
+
+# ---------------------------------------------------------------------------------------------------- engine
+@pytest.fixture(scope="module")
+def engines(target, drafts):
+    tokenizer = word_tokenizer()
+    plain = KVBoost(target, tokenizer, chunk_size=16)
+    speculative = KVBoost(target, tokenizer, chunk_size=16, draft_model=drafts["other"], num_draft_tokens=4)
+    return plain, speculative
+
+
+def test_engine_greedy_with_draft_equals_without_cold_and_warm(engines):
+    plain, speculative = engines
+    prompt = words(6, 60)
+    expected = plain.generate(prompt, max_new_tokens=20, mode="baseline")
+    cold = speculative.generate(prompt, max_new_tokens=20)
+    warm = speculative.generate(prompt, max_new_tokens=20)
+    assert cold.output_ids == warm.output_ids == expected.output_ids
+    assert (cold.cached_tokens, warm.cached_tokens) == (0, 48)
+    assert (cold.draft_cached_tokens, warm.draft_cached_tokens) == (0, 48)  # the draft's prefill hits too
+    for result in (cold, warm):
+        assert result.draft_tokens_proposed > 0
+        assert result.draft_tokens_accepted == result.generated_tokens - result.target_forwards
+        assert result.draft_acceptance_rate == result.draft_tokens_accepted / result.draft_tokens_proposed
+        assert result.tokens_per_target_forward == result.generated_tokens / result.target_forwards
+        assert result.draft_acceptance_rate <= result.draft_position_acceptance <= 1.0
+    assert expected.target_forwards == expected.generated_tokens and expected.draft_acceptance_rate is None
+
+
+def test_engine_streams_every_token_and_counts_totals(engines):
+    _, speculative = engines
+    before = speculative.cache_stats()
+    streamed: list[int] = []
+    result = speculative.generate(words(7, 40), max_new_tokens=16, on_token=streamed.append, mode="baseline")
+    assert streamed == result.output_ids
+    assert result.draft_cached_tokens is None  # reuse off: the draft runs on a plain DynamicCache
+    after = speculative.cache_stats()
+    assert after["generated_tokens"] - before["generated_tokens"] == result.generated_tokens
+    assert after["target_forwards"] - before["target_forwards"] == result.target_forwards
+    assert after["draft_tokens_proposed"] - before["draft_tokens_proposed"] == result.draft_tokens_proposed
+    assert after["draft_tokens_accepted"] - before["draft_tokens_accepted"] == result.draft_tokens_accepted
+    assert 0.0 <= after["draft_acceptance_rate"] <= 1.0
+
+
+def test_engine_batches_decode_without_the_draft(engines):
+    plain, speculative = engines
+    prompts = [words(8, 30), words(9, 34)]
+    batched = speculative.generate_batch(prompts, max_new_tokens=8)
+    assert [r.output_ids for r in batched] == [r.output_ids for r in plain.generate_batch(prompts, max_new_tokens=8)]
+    assert all(r.draft_acceptance_rate is None and r.draft_tokens_proposed == 0 for r in batched)
+
+
+def test_engine_refuses_a_draft_with_another_vocabulary(target):
+    with pytest.raises(ValueError, match="vocabulary has 64 entries"):
+        KVBoost(target, word_tokenizer(), draft_model=make_tiny_model("llama", vocab_size=64))
+    with pytest.raises(TypeError, match="draft_model must be"):
+        KVBoost(target, word_tokenizer(), draft_model=3)
+    with pytest.raises(ValueError, match="below the target's"):
+        KVBoost(target, word_tokenizer(), draft_early_exit=5)
+
+
+def test_server_metrics_expose_the_draft_counters(engines):
+    from fastapi.testclient import TestClient
+
+    from kvboost_hf.server.app import ServerSettings, create_app
+
+    _, speculative = engines
+    speculative.generate(words(10, 30), max_new_tokens=8)
+    stats = speculative.cache_stats()
+    with TestClient(create_app(speculative, ServerSettings(model_name="tiny"))) as client:
+        text = client.get("/metrics").text
+    for name in ("target_forwards", "draft_tokens_proposed", "draft_tokens_accepted"):
+        assert f"kvboost_{name}_total {stats[name]:g}" in text
+    assert f"kvboost_draft_acceptance_rate {stats['draft_acceptance_rate']:g}" in text
+
+
+def test_server_flags_name_the_draft():
+    import argparse
+
+    from kvboost_hf.server.launch import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--draft-model", "drafts/small", "--num-draft-tokens", "3"])
+    assert (args.draft_model, args.num_draft_tokens) == ("drafts/small", 3)
+    assert parser.parse_args([]).draft_model is None
+
+
+# ---------------------------------------------------------------------------------------------------- streaming
+@pytest.mark.parametrize("early_exit", [False, True])
+def test_streamed_target_with_draft_and_chunk_reuse_equals_resident_greedy(early_exit):
+    """A streamed target (3 layers, an odd number, all streamed over 2 slots) with a resident draft or an
+    early-exit draft and a ChunkReuseCache, cold then warm: the resident target's greedy output, and fewer bytes
+    streamed per generated token than streaming without a draft."""
+    resident = make_tiny_model("llama", num_hidden_layers=3)
+    streamed = make_tiny_model("llama", num_hidden_layers=3)
+    handle = enable_layer_streaming(streamed, LayerStreaming(num_slots=2))
+    draft = copy.deepcopy(resident)
+    settings = DraftSettings(num_draft_tokens=4, early_exit_layers=2 if early_exit else None)
+    ids = torch.randint(2, VOCAB, (1, 50), generator=torch.Generator().manual_seed(12))
+    expected = greedy(resident, ids)
+    new_tokens = expected.shape[1] - ids.shape[1]
+
+    def streamed_greedy(**kwargs) -> tuple[torch.Tensor, int]:
+        """Greedy output of the streamed target and the bytes streamed meanwhile."""
+        before = handle.stats().bytes_streamed
+        out = greedy(streamed, ids, **kwargs)
+        return out, handle.stats().bytes_streamed - before
+
+    _, plain_bytes = streamed_greedy()
+    store = ChunkStore()
+    for state in ("cold", "warm"):
+        cache = ChunkReuseCache(store, streamed, chunking=16)
+        with Speculation(streamed, None if early_exit else draft, settings) as speculation:
+            out, spent = streamed_greedy(past_key_values=cache, **speculation.generate_kwargs())
+        assert torch.equal(out, expected), state
+        assert cache.last_reuse[0].cached_tokens == (48 if state == "warm" else 0)
+        if not early_exit:  # an identical draft: about 5 tokens per target forward
+            assert spent / new_tokens <= 0.45 * plain_bytes / new_tokens
+        assert speculation.stats.target_forwards < new_tokens
+    handle.close()
+
+
+def test_engine_reports_streamed_bytes_per_token_with_a_draft(target):
+    streamed = copy.deepcopy(target)
+    handle = enable_layer_streaming(streamed, LayerStreaming())
+    plain_engine = KVBoost(streamed, word_tokenizer(), chunk_size=16)
+    engine = KVBoost(streamed, word_tokenizer(), chunk_size=16, draft_model=copy.deepcopy(target), num_draft_tokens=4)
+    prompt = words(13, 40)
+    plain = plain_engine.generate(prompt, max_new_tokens=12)
+    drafted = engine.generate(prompt, max_new_tokens=12)
+    assert drafted.output_ids == plain.output_ids
+    assert drafted.streamed_bytes_per_token <= 0.45 * plain.streamed_bytes_per_token
+    assert engine.cache_stats()["streaming_bytes_streamed"] == handle.stats().bytes_streamed
+    handle.close()
+
+
+# ---------------------------------------------------------------------------------------------------- embedded model
+@pytest.mark.slow
+def test_embedded_model_with_early_exit_and_engine_drafts_equals_greedy(embedded_engine):
+    """SmolLM2 chat prompt (it holds special tokens): an early-exit draft (20 of 30 layers) and the engine itself
+    as a draft (same weights: its prefill hits the target's chunks) leave the greedy output unchanged."""
+    system = {"role": "system", "content": documents()[1][1][:500]}
+    messages = [system, {"role": "user", "content": "Summarise this in one sentence."}]
+    expected = embedded_engine.generate(messages, max_new_tokens=16, mode="baseline")
+    shared = {"chunk_size": 64, "store": embedded_engine.store}
+    model, tokenizer = embedded_engine.model, embedded_engine.tokenizer
+    early = KVBoost(model, tokenizer, draft_early_exit=20, num_draft_tokens=3, **shared).generate(messages, 16)
+    itself = KVBoost(model, tokenizer, draft_model=embedded_engine, num_draft_tokens=3, **shared)
+    itself.generate(messages, max_new_tokens=16)
+    again = itself.generate(messages, max_new_tokens=16)
+    assert early.output_ids == again.output_ids == expected.output_ids
+    assert early.draft_tokens_proposed > 0 and early.draft_acceptance_rate < 1.0
+    assert again.draft_acceptance_rate == 1.0 and again.target_forwards <= -(-16 // 4) + 1
+    assert again.draft_cached_tokens == again.cached_tokens > 0
