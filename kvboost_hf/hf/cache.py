@@ -180,6 +180,7 @@ class ChunkReuseCache(Cache):
         self.last_reuse: list[RowReuse] = []
         self.reuse_enabled = True
         self.forwards = 0  # forwards recorded since the cache was created
+        self.prompt_forward_next = True  # the next forward through the hooks starts a generation (set by generate())
         self._rotator = _rotator_for(model) if self.mode is GenerationMode.CHUNK_KV_REUSE else None
         self._content_rotator = (
             self._rotator if bool(self.segment_starts) or self.chunking.method == "content" else None
@@ -238,7 +239,13 @@ class ChunkReuseCache(Cache):
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
     def prefill(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, keep: int = 1, defer: bool = False
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        keep: int = 1,
+        defer: bool = False,
+        report: bool = True,
     ) -> PendingForward:
         """Load and repair what the store holds for the prompt ``input_ids`` (the full sequence, extending what the
         cache holds); return what is left to compute.
@@ -248,6 +255,8 @@ class ChunkReuseCache(Cache):
         ``generate()`` feeds on its own when given this cache). With ``defer`` a repair forward is returned
         instead, folded with the tail (one forward fewer): the caller must run it next with this cache.
         ``attention_mask`` (2D, batch x columns) marks left padding; any other layout disables reuse for the call.
+        ``report`` records the reuse in ``last_reuse`` (off for forwards after a generation's prompt, e.g. the
+        multi-token verify forwards of assisted decoding, which may also stitch stored chunks).
         """
         self.check_extends(input_ids)
         if self.num_columns == 0:
@@ -262,10 +271,11 @@ class ChunkReuseCache(Cache):
             pending = self._prepare_sparse(full, plan)
             return pending if defer else self._compute_sparse_head(pending, full, limit)
         target = plan.stitch_columns(self.pads, cached, limit)
-        self.last_reuse = [
-            RowReuse(full.shape[1] - pad, max(0, target - pad), len(row.hits))
-            for pad, row in zip(self.pads, plan.rows, strict=True)
-        ]
+        if report:
+            self.last_reuse = [
+                RowReuse(full.shape[1] - pad, max(0, target - pad), len(row.hits))
+                for pad, row in zip(self.pads, plan.rows, strict=True)
+            ]
         if target > cached:
             self._stitch(plan, full, cached, target)
         return PendingForward(input_ids[:, target:], target)
@@ -393,6 +403,7 @@ class ChunkReuseCache(Cache):
         if not self.reuse_enabled or fed_ids is None:
             return
         self.forwards += 1
+        self.prompt_forward_next = False
         columns_before = self.num_columns
         self.tokens = torch.cat([self.tokens, fed_ids.to(self.tokens.device)], dim=1)
         for ledger, pad in zip(self.ledgers, self.pads, strict=True):
@@ -404,6 +415,7 @@ class ChunkReuseCache(Cache):
         """The sparse forward (or its absence) is done: the cache holds the pending tokens' columns."""
         assert self._pending_tokens is not None
         self.forwards += 1
+        self.prompt_forward_next = False
         self.tokens, self._pending_tokens, self._scatter = self._pending_tokens, None, None
         for layer in self.layers:
             layer.keys, layer.values = layer.keys[:, :, : self.num_columns], layer.values[:, :, : self.num_columns]

@@ -47,7 +47,7 @@ def _pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
     if cached and fed.shape[1] <= keep:
         return args, kwargs  # a decode step: nothing to look up
     full = torch.cat([cache.tokens.to(fed.device), fed], dim=1) if cached else fed
-    pending = cache.prefill(full, kwargs.get("attention_mask"), keep=keep, defer=True)
+    pending = cache.prefill(full, kwargs.get("attention_mask"), keep=keep, defer=True, report=cache.prompt_forward_next)
     if pending.position_ids is not None:
         kwargs.update(pending.model_inputs())
     elif (skip := pending.cached_columns - cached) > 0:
@@ -80,6 +80,7 @@ def _wrap_generate(model: torch.nn.Module) -> None:
         if not any(isinstance(p, ChunkWriteBack) and p.cache is cache for p in processors):
             processors.append(ChunkWriteBack(cache))
         kwargs["logits_processor"] = processors
+        cache.prompt_forward_next = True
         output = generate(*args, **kwargs)
         drafting = getattr(kwargs.get("generation_config"), "is_assistant", False)
         cache.save(tail=not drafting)  # a draft round is not the end of a generation
