@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
+# Triton decides interpretation when it is first imported (its standard library is @jit-decorated then), and
+# transformers can import it early through torchao (pulled in by the awq extra): a per-test setting comes too late,
+# so the interpreter is on for the session, set before any import. Tests that need it off unset it at run time
+# (the attention function reads it per call); the real compile runs in a subprocess without it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import functools
 import importlib
 import sys
@@ -67,7 +75,8 @@ def _kernel_module_under_interpreter() -> ModuleType:
 
 @pytest.fixture
 def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """Run the Triton kernel on CPU under the interpreter for one test; TRITON_INTERPRET is unset afterwards."""
+    """The kernel module, run on CPU under the interpreter (the variable is also set for this test explicitly, so a
+    test that unsets it cannot leak into the next)."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     return _kernel_module_under_interpreter()
