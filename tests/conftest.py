@@ -80,3 +80,18 @@ def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     return _kernel_module_under_interpreter()
+
+
+def greedy(model, ids, cache=None, new=8, **kwargs):
+    """Greedy ``generate()`` on ``cache`` (None: plain): the sequences and the stacked logits ``[B, new, V]``."""
+    out = model.generate(
+        ids,
+        past_key_values=cache,
+        max_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_logits=True,
+        **kwargs,
+    )
+    return out.sequences, torch.stack(out.logits, 1)

@@ -4,25 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import greedy, make_tiny_model
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, GenerationMode
 
 CHUNK = 16
-
-
-def greedy(model, ids, cache=None, new=8, **kwargs):
-    out = model.generate(
-        ids,
-        past_key_values=cache,
-        max_new_tokens=new,
-        do_sample=False,
-        pad_token_id=0,
-        return_dict_in_generate=True,
-        output_logits=True,
-        **kwargs,
-    )
-    return out.sequences, torch.stack(out.logits, 1)
 
 
 @pytest.mark.parametrize("length", [5, CHUNK, 3 * CHUNK, 3 * CHUNK + 1, 60])

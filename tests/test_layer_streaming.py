@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import greedy, make_tiny_model
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, RepairConfig
 from kvboost_hf.core.keys import model_digest
@@ -25,19 +25,6 @@ def model_pair(arch: str = "llama", **settings):
     resident = make_tiny_model(arch, num_hidden_layers=LAYERS)
     streamed = make_tiny_model(arch, num_hidden_layers=LAYERS)
     return resident, streamed, enable_layer_streaming(streamed, LayerStreaming(**settings))
-
-
-def greedy(model, ids, cache=None, new=8):
-    out = model.generate(
-        ids,
-        past_key_values=cache,
-        max_new_tokens=new,
-        do_sample=False,
-        pad_token_id=0,
-        return_dict_in_generate=True,
-        output_logits=True,
-    )
-    return out.sequences, torch.stack(out.logits, 1)
 
 
 def reuse_cache(store, model, starts=(), strategy=None, write_back=True):
