@@ -94,6 +94,11 @@ def serve(args: argparse.Namespace) -> int:
         draft_model=args.draft_model,
         num_draft_tokens=args.num_draft_tokens,
     )
+    if args.draft_model is not None:
+        logger.warning(
+            "--draft-model is loaded, but the server's batched decode loop does not use it yet: only "
+            "engine.generate() speculates (the draft counters in /metrics stay 0)"
+        )
     if args.warm is not None:
         result = engine.warm(args.warm.read_text(encoding="utf-8"))
         logger.info("warmed %s: %d chunks of %d tokens", args.warm, result.chunks_stored, result.token_count)
