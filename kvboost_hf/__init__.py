@@ -6,6 +6,7 @@ Public API::
 
     engine = KVBoost.from_pretrained()            # embedded SmolLM2-135M-Instruct
     result = engine.generate("Hello", max_new_tokens=32)
+    result = engine.generate("Hello", sampling=SamplingParams(temperature=0.7, top_k=40, seed=1))  # = the server
 
     cache = ChunkReuseCache(ChunkStore(), model)  # drop-in for model.generate(past_key_values=...)
 
@@ -23,8 +24,10 @@ from kvboost_hf.core.config import GenerationMode, RecomputeStrategy, RepairConf
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.attention import register_kvboost_attention
 from kvboost_hf.hf.cache import ChunkReuseCache
+from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest
 from kvboost_hf.hf.generation import ChunkWriteBack
 from kvboost_hf.hf.models import UnsupportedModelError
+from kvboost_hf.hf.sampling import SamplingParams
 from kvboost_hf.hf.speculative import DraftSettings, Speculation, SpeculationStats
 from kvboost_hf.offload import (
     LayerStreamer,
@@ -47,6 +50,8 @@ __all__ = [
     "ChunkWriteBack",
     "ChunkingConfig",
     "CorrectnessReport",
+    "DecodeLoop",
+    "DecodeRequest",
     "DraftSettings",
     "GenerationMode",
     "GenerationResult",
@@ -57,6 +62,7 @@ __all__ = [
     "RecomputeStrategy",
     "RepairConfig",
     "ReusePlan",
+    "SamplingParams",
     "Speculation",
     "SpeculationStats",
     "StreamingStats",

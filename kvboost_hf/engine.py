@@ -6,13 +6,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import replace
+from typing import Any, NamedTuple
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -20,9 +22,11 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from kvboost_hf.core.chunking import ChunkingConfig, boundary_token_ids_from_tokenizer, chunk_spans
 from kvboost_hf.core.config import GenerationMode, RecomputeStrategy, RepairConfig
 from kvboost_hf.core.keys import model_digest
-from kvboost_hf.hf.cache import ChunkReuseCache, RowReuse
-from kvboost_hf.hf.generation import CancelCriteria, TokenTimer
+from kvboost_hf.hf.cache import ChunkReuseCache
+from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, left_pad
+from kvboost_hf.hf.generation import FinishedCriteria, TokenTimer
 from kvboost_hf.hf.models import check_model_support, load_model_and_tokenizer, model_dtype
+from kvboost_hf.hf.sampling import SamplingParams
 from kvboost_hf.hf.speculative import DraftSettings, DraftSource, Speculation, SpeculationStats, resolve_draft
 from kvboost_hf.offload import LayerStreaming, layer_streamer
 from kvboost_hf.offload.loading import load_streamed_model
@@ -35,6 +39,15 @@ Prompt = str | Sequence[str] | Sequence[dict[str, str]]
 """A string; a list of strings (segments: documents, a question, each starting a chunk, concatenated as is);
 or chat messages (``{"role": ..., "content": ...}``) rendered with the tokenizer's chat template."""
 DEFAULT_MAX_CACHE_BYTES = 2 << 30
+
+
+class Speculated(NamedTuple):
+    """One speculatively decoded row, its decode counters (:class:`GenerationResult` fields) and the tokens its
+    first step yielded."""
+
+    row: DecodeRow
+    counts: dict[str, Any]
+    first_step_tokens: int
 
 
 class InferenceEngine:
@@ -299,12 +312,16 @@ class InferenceEngine:
         cancel: threading.Event | None = None,
         logprobs: int | None = None,
         repair: RepairConfig | None = None,
+        sampling: SamplingParams | None = None,
     ) -> GenerationResult:
         """Generate a completion of ``prompt`` (string or chat messages). ``temperature=0`` means greedy.
 
         ``on_token`` receives each generated token id as soon as it exists; setting ``cancel`` stops generation
         (finish_reason ``"cancelled"``); ``logprobs=k`` returns each token's log-probability and the top ``k``
-        (and the first token's logits); ``repair`` overrides the engine's repair settings for this call.
+        (and the first token's logits); ``repair`` overrides the engine's repair settings for this call;
+        ``sampling`` gives every decoding option the server has (top-k, min-p, penalties, logit bias, ...) and then
+        replaces ``temperature``, ``do_sample`` and ``top_p``. The same seed and settings give the same tokens
+        here and from the server.
         """
         return self.generate_batch(
             [prompt],
@@ -319,7 +336,8 @@ class InferenceEngine:
             cancel=cancel,
             logprobs=logprobs,
             repair=repair,
-            on_token=None if on_token is None else (lambda tokens: on_token(tokens[0])),
+            sampling=sampling,
+            on_token=None if on_token is None else (lambda row, token: on_token(token)),
         )[0]
 
     def generate_batch(
@@ -334,15 +352,17 @@ class InferenceEngine:
         *,
         seed: int | None = None,
         cache_salt: str | None = None,
-        on_token: Callable[[list[int]], None] | None = None,
+        on_token: Callable[[int, int], None] | None = None,
         cancel: threading.Event | None = None,
         logprobs: int | None = None,
         repair: RepairConfig | None = None,
+        sampling: SamplingParams | None = None,
     ) -> list[GenerationResult]:
-        """Generate for several prompts in one left-padded batch (best when they share a prefix: its K/V is
-        looked up once per chunk). Each row's greedy output equals what it gets alone. TTFT is the batch's.
-        A single prompt is decoded speculatively when the engine has a draft; a batch of several is not
-        (transformers' assisted generation takes one row)."""
+        """Generate for several prompts (any prefixes) in one left-padded batch on the decode loop the server
+        runs (:class:`~kvboost_hf.hf.decode.DecodeLoop`). Each row's greedy output equals what it gets alone, and
+        every row is sampled with ``seed`` as if alone. ``on_token(row, token)`` is called as each token exists.
+        A single prompt is decoded speculatively when the engine has a draft (transformers' assisted generation,
+        which takes one row); a batch of several is not. TTFT is the batch's."""
         started = time.perf_counter()
         if not prompts:
             raise ValueError("prompts is empty")
@@ -352,77 +372,160 @@ class InferenceEngine:
             self._check_length(len(ids), max_new_tokens)
         if len(prompts) > 1 and any(segment_starts):
             raise ValueError("segment prompts (lists of strings) are generated one at a time: use generate()")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        input_ids, attention_mask = self.left_pad(list(encoded))
-        if mode is GenerationMode.BASELINE:
-            cache = DynamicCache()
-        else:
-            cache = self.new_cache(mode, cache_salt, segment_starts[0] if len(prompts) == 1 else (), repair)
-        timer = TokenTimer(on_token)
-        sampling = do_sample and temperature > 0
+        if sampling is None:
+            sampling = SamplingParams(temperature=float(temperature) if do_sample else 0.0, top_p=float(top_p))
+        if seed is not None:
+            sampling = replace(sampling, seed=seed)
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        new_cache = None
+        if mode is not GenerationMode.BASELINE:
+            starts = segment_starts[0] if len(prompts) == 1 else ()
+            new_cache = functools.partial(self.new_cache, mode, cache_salt, starts, repair)
+        streamer = layer_streamer(self.model)
+        with self.lock:
+            streamed_before = streamer.stats().bytes_streamed if streamer is not None else 0
+            if len(prompts) == 1 and self.speculative:
+                request = DecodeRequest(encoded[0], max_new_tokens, sampling, stops, logprobs, None, cancel)
+                report = None if on_token is None else (lambda row: on_token(0, row.tokens[-1]))
+                outcome = self.speculate(request, mode, cache_salt, segment_starts[0], repair, on_token=report)
+                rows, decode, first_step_tokens = [outcome.row], outcome.counts, outcome.first_step_tokens
+            else:
+                requests = [
+                    DecodeRequest(ids, max_new_tokens, sampling, stops, logprobs, None, cancel, logprobs is not None)
+                    for ids in encoded
+                ]
+                rows = DecodeLoop.rows_for(requests, self.eos_token_ids)
+                index = {id(row): i for i, row in enumerate(rows)}
+                loop = DecodeLoop(
+                    self.model,
+                    functools.partial(self.tokenizer.decode, skip_special_tokens=True),
+                    rows,
+                    new_cache=new_cache,
+                    chunking=self.chunking,
+                    pad_token_id=self.pad_token_id,
+                    on_token=(lambda row: None)
+                    if on_token is None
+                    else (lambda row: on_token(index[id(row)], row.tokens[-1])),
+                )
+                loop.run()
+                longest = max(len(row.tokens) for row in rows)
+                all_tokens = sum(len(row.tokens) for row in rows)
+                decode = self._count_decode(SpeculationStats(target_forwards=loop.forwards), longest, all_tokens, 0)
+                first_step_tokens = 1
+            streamed = streamer.stats().bytes_streamed - streamed_before if streamer is not None else None
+        finished = time.perf_counter()
+        first = min((row.first_token_time for row in rows if row.first_token_time is not None), default=finished)
+        return [
+            self._result(row, mode, (started, first, finished), first_step_tokens, decode, streamed) for row in rows
+        ]
+
+    def _result(
+        self,
+        row: DecodeRow,
+        mode: GenerationMode,
+        times: tuple[float, float, float],
+        first_step_tokens: int,
+        decode: dict[str, Any],
+        streamed: int | None,
+    ) -> GenerationResult:
+        """One row's :class:`GenerationResult`. ``times``: the batch's start, first token and end
+        (``time.perf_counter()`` values); ``first_step_tokens``: tokens the first step yielded (a verify, several)."""
+        started, first, finished = times
+        prompt_ids = list(row.request.prompt_ids)
+        tokens = row.tokens
+        decode_s = max((row.last_token_time or finished) - (row.first_token_time or first), 1e-9)
+        later = len(tokens) - first_step_tokens
+        logprobs = row.logprobs if row.request.top_logprobs is not None else None
+        return GenerationResult(
+            mode=mode.value,
+            prompt=self.tokenizer.decode(prompt_ids),
+            output_text=row.text,
+            output_ids=list(tokens),
+            generated_tokens=len(tokens),
+            ttft_ms=(first - started) * 1e3,
+            total_ms=(finished - started) * 1e3,
+            tokens_per_sec=later / decode_s if later > 0 else 0.0,
+            kv_reuse_ratio=row.reuse.cached_tokens / len(prompt_ids),
+            prompt_tokens=len(prompt_ids),
+            cached_tokens=row.reuse.cached_tokens,
+            approx_tokens=row.reuse.approx_tokens,
+            recomputed_tokens=row.reuse.recomputed_tokens,
+            first_token_logits=row.first_logits,
+            finish_reason=row.finish_reason or "length",
+            token_logprobs=None if logprobs is None else [entry.logprob for entry in logprobs],
+            top_logprobs=None if logprobs is None else [list(entry.top) for entry in logprobs],
+            **decode,
+            streamed_bytes=streamed,
+            streamed_bytes_per_token=None if streamed is None else streamed / max(len(tokens), 1),
+        )
+
+    def speculate(
+        self,
+        request: DecodeRequest,
+        mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
+        cache_salt: str | None = None,
+        segment_starts: Sequence[int] = (),
+        repair: RepairConfig | None = None,
+        *,
+        on_token: Callable[[DecodeRow], None] | None = None,
+        tokenizer_lock: contextlib.AbstractContextManager | None = None,
+    ) -> Speculated:
+        """Decode one row with the engine's draft on transformers' assisted generation (the engine needs a draft).
+
+        The row's processors are passed as ``logits_processor`` (speculative sampling keeps the target's processed
+        distribution); sampling draws from torch's global generator seeded with the row's seed, so the draws differ
+        from the decode loop's. ``on_token(row)`` is called after each token (a verify step yields several);
+        log-probabilities are filled in when generation ends. ``tokenizer_lock`` guards each decode of the text.
+        """
+        if not self.speculative:
+            raise ValueError("this engine has no draft: pass draft_model= or draft_early_exit= to speculate")
+        mode = GenerationMode(mode)
+        row = DecodeLoop.rows_for([request], self.eos_token_ids)[0]
+        cache: ChunkReuseCache | DynamicCache = DynamicCache()
+        if mode is not GenerationMode.BASELINE:
+            cache = self.new_cache(mode, cache_salt, segment_starts, repair)
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+        keep_logits = request.top_logprobs is not None
+
+        def on_step(tokens: list[int]) -> None:
+            if not row.finished:
+                with tokenizer_lock or contextlib.nullcontext():
+                    row.add(tokens[0], decode)
+                if on_token is not None:
+                    on_token(row)
+
+        timer = TokenTimer(on_step)
         options: dict[str, Any] = {
-            "max_new_tokens": max_new_tokens,
-            "do_sample": sampling,
+            "max_new_tokens": request.max_new_tokens,
+            "do_sample": not request.sampling.greedy,
             "streamer": timer,
             "past_key_values": cache,
-            "attention_mask": attention_mask,
+            "attention_mask": torch.ones(1, len(request.prompt_ids), dtype=torch.long, device=self.device),
             "pad_token_id": self.pad_token_id,
             "return_dict_in_generate": True,
-            "output_logits": logprobs is not None,
+            "output_logits": keep_logits,
+            "logits_processor": row.processors,
+            "stopping_criteria": [FinishedCriteria(lambda: row.finished)],
         }
-        if sampling:
-            options.update(temperature=float(temperature), top_p=float(top_p), top_k=0)
-        else:
+        if request.sampling.greedy:
             options.update(temperature=None, top_p=None, top_k=None)
-        if stops:
-            options.update(stop_strings=stops, tokenizer=self.tokenizer)
-        if cancel is not None:
-            options["stopping_criteria"] = [CancelCriteria(cancel)]
-        speculation = self._speculation(len(prompts) == 1, mode, cache_salt, segment_starts[0], repair)
-        streamer = layer_streamer(self.model)
+        else:  # the row's processors hold the warpers: keep transformers' own neutral
+            options.update(temperature=1.0, top_p=1.0, top_k=0)
+        speculation = self._speculation(True, mode, cache_salt, segment_starts, repair)
+        input_ids = torch.tensor([list(request.prompt_ids)], device=self.device)
         with self.lock, torch.inference_mode(), speculation:
-            streamed_before = streamer.stats().bytes_streamed if streamer is not None else 0
-            if seed is not None:
-                torch.manual_seed(seed)
+            torch.manual_seed(row.seed)
             output = self.model.generate(input_ids, **options, **speculation.generate_kwargs())
-            streamed = streamer.stats().bytes_streamed - streamed_before if streamer is not None else None
-            finished = time.perf_counter()
-        decode = self._count_decode(speculation.stats, input_ids.shape[1], output.sequences.shape[1], len(prompts))
-        first = timer.first_token_time or finished
-        reuse = cache.last_reuse if isinstance(cache, ChunkReuseCache) else []
-        results = []
-        for row, ids in enumerate(encoded):
-            generated = self._trim_generated(output.sequences[row, input_ids.shape[1] :].tolist())
-            text, finish = self._finish(generated, max_new_tokens, stops, cancel)
-            row_reuse = reuse[row] if row < len(reuse) else RowReuse()
-            decode_s = max(finished - first, 1e-9)
-            later = len(generated) - timer.first_step_tokens  # tokens after the first step (a verify yields several)
-            row_logprobs = self._logprobs(output.logits, row, generated, logprobs) if logprobs is not None else None
-            results.append(
-                GenerationResult(
-                    mode=mode.value,
-                    prompt=self.tokenizer.decode(ids),
-                    output_text=text,
-                    output_ids=generated,
-                    generated_tokens=len(generated),
-                    ttft_ms=(first - started) * 1e3,
-                    total_ms=(finished - started) * 1e3,
-                    tokens_per_sec=later / decode_s if later > 0 else 0.0,
-                    kv_reuse_ratio=row_reuse.cached_tokens / len(ids),
-                    prompt_tokens=len(ids),
-                    cached_tokens=row_reuse.cached_tokens,
-                    approx_tokens=row_reuse.approx_tokens,
-                    recomputed_tokens=row_reuse.recomputed_tokens,
-                    first_token_logits=output.logits[0][row].float().cpu() if logprobs is not None else None,
-                    finish_reason=finish,
-                    token_logprobs=None if row_logprobs is None else row_logprobs[0],
-                    top_logprobs=None if row_logprobs is None else row_logprobs[1],
-                    **decode,
-                    streamed_bytes=streamed,
-                    streamed_bytes_per_token=None if streamed is None else streamed / max(len(generated), 1),
-                )
-            )
-        return results
+        if isinstance(cache, ChunkReuseCache) and cache.last_reuse:
+            row.reuse = cache.last_reuse[0]
+        if keep_logits:
+            row.first_logits = output.logits[0][0].float().cpu()
+            for token, step in zip(row.tokens, output.logits, strict=False):
+                row.log(token, torch.log_softmax(step[0].float(), dim=-1))
+        row.finish_reason = row.finish_reason or "length"
+        width = output.sequences.shape[1]
+        counts = self._count_decode(speculation.stats, width - input_ids.shape[1], len(row.tokens), width)
+        return Speculated(row, counts, timer.first_step_tokens)
 
     def _speculation(
         self,
@@ -442,12 +545,15 @@ class InferenceEngine:
             draft_cache = functools.partial(owner.new_cache, mode, cache_salt, segment_starts, repair, model=model)
         return Speculation(self.model, self.draft_model, self.draft_settings, draft_cache)
 
-    def _count_decode(self, stats: SpeculationStats, prompt_width: int, final_width: int, rows: int) -> dict[str, Any]:
-        """Per-call decode figures for :class:`GenerationResult`, also added to the engine's running totals."""
-        new_tokens = final_width - prompt_width
+    def _count_decode(
+        self, stats: SpeculationStats, new_tokens: int, row_tokens: int, final_width: int
+    ) -> dict[str, Any]:
+        """Per-call decode figures for :class:`GenerationResult`, also added to the engine's running totals.
+        ``new_tokens``: the longest row's generated tokens (a batch's rows share forwards); ``row_tokens``: all
+        rows' generated tokens; ``final_width``: the sequence length after generation (speculative: one row)."""
         accepted = stats.accepted(new_tokens)
         totals = self._decode_totals
-        totals["generated_tokens"] += new_tokens * rows
+        totals["generated_tokens"] += row_tokens
         totals["target_forwards"] += stats.target_forwards
         totals["draft_tokens_proposed"] += stats.draft_tokens_proposed
         totals["draft_tokens_accepted"] += accepted
@@ -535,14 +641,7 @@ class InferenceEngine:
 
     def left_pad(self, encoded: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids, attention_mask)`` of a left-padded batch, on the model's device."""
-        width = max(len(ids) for ids in encoded)
-        pad = self.pad_token_id
-        input_ids = torch.full((len(encoded), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(encoded), width), dtype=torch.long)
-        for row, ids in enumerate(encoded):
-            input_ids[row, width - len(ids) :] = torch.tensor(ids)
-            mask[row, width - len(ids) :] = 1
-        return input_ids.to(self.device), mask.to(self.device)
+        return left_pad(encoded, self.pad_token_id, self.device)
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -551,37 +650,3 @@ class InferenceEngine:
         if eos is None:
             eos = self.tokenizer.eos_token_id
         return set(eos if isinstance(eos, list) else [eos]) - {None}
-
-    def _trim_generated(self, tokens: list[int]) -> list[int]:
-        """Drop the padding generate() appends to rows that finished before the others (keeps the EOS)."""
-        eos = self.eos_token_ids
-        for i, token in enumerate(tokens):
-            if token in eos:
-                return tokens[: i + 1]
-        return tokens
-
-    def _finish(
-        self, generated: list[int], max_new_tokens: int, stops: list[str], cancel: threading.Event | None
-    ) -> tuple[str, str]:
-        """Output text cut exactly before the first stop string, and the finish reason."""
-        text = self.tokenizer.decode(generated, skip_special_tokens=True)
-        cuts = [text.find(s) for s in stops if s and s in text]
-        if cuts:
-            return text[: min(cuts)], "stop"
-        if generated and generated[-1] in self.eos_token_ids:
-            return text, "stop"
-        if cancel is not None and cancel.is_set():
-            return text, "cancelled"
-        return text, "length" if len(generated) >= max_new_tokens else "stop"
-
-    @staticmethod
-    def _logprobs(
-        logits: tuple[torch.Tensor, ...], row: int, generated: list[int], top: int
-    ) -> tuple[list[float], list[list[tuple[int, float]]]]:
-        chosen, tops = [], []
-        for step, token in enumerate(generated):
-            logp = torch.log_softmax(logits[step][row].float(), dim=-1)
-            chosen.append(float(logp[token]))
-            values, indices = logp.topk(top) if top > 0 else (logp[:0], logp[:0].long())
-            tops.append([(int(i), float(v)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)])
-        return chosen, tops

@@ -9,7 +9,7 @@ import torch
 from conftest import make_tiny_model
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from kvboost_hf import KVBoost, UnsupportedModelError
+from kvboost_hf import KVBoost, SamplingParams, UnsupportedModelError
 from kvboost_hf.corpus import documents
 from kvboost_hf.hf.models import check_model_support, embedded_model_dir
 
@@ -75,10 +75,25 @@ def test_temperature_zero_is_greedy_and_stop_strings_cut_exactly(embedded_engine
     assert stopped.output_text == greedy.output_text[: greedy.output_text.find(stop_at)]
 
 
-def test_sampling_is_seeded(embedded_engine):
+def test_sampling_is_seeded_alone_and_in_a_batch(embedded_engine):
     a = embedded_engine.generate("Once upon a time", max_new_tokens=8, do_sample=True, temperature=0.9, seed=3)
     b = embedded_engine.generate("Once upon a time", max_new_tokens=8, do_sample=True, temperature=0.9, seed=3)
     assert a.output_ids == b.output_ids
+    batch = embedded_engine.generate_batch(
+        ["In a faraway land", "Once upon a time"], max_new_tokens=8, do_sample=True, temperature=0.9, seed=3
+    )
+    assert batch[1].output_ids == a.output_ids  # every row is sampled with the seed as if alone
+    full = SamplingParams(temperature=0.9, top_k=20, min_p=0.05, repetition_penalty=1.2, seed=3)
+    c = embedded_engine.generate("Once upon a time", max_new_tokens=8, sampling=full)
+    assert c.output_ids == embedded_engine.generate("Once upon a time", max_new_tokens=8, sampling=full).output_ids
+
+
+def test_on_token_gets_every_row_token_as_it_exists(embedded_engine):
+    seen: list[tuple[int, int]] = []
+    results = embedded_engine.generate_batch(
+        ["The sky is", "Two plus two is"], max_new_tokens=5, on_token=lambda row, token: seen.append((row, token))
+    )
+    assert [[t for r, t in seen if r == row] for row in (0, 1)] == [r.output_ids for r in results]
 
 
 def test_result_fields_and_stats(embedded_engine):

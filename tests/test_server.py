@@ -22,9 +22,10 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.core.config import GenerationMode  # noqa: E402
+from kvboost_hf.hf.decode import visible_text  # noqa: E402
 from kvboost_hf.hf.sampling import SamplingParams  # noqa: E402
 from kvboost_hf.server.app import GracefulServer, ServerSettings, create_app  # noqa: E402
-from kvboost_hf.server.batching import Batch, Delta, Done, Job, JobParams, visible_text  # noqa: E402
+from kvboost_hf.server.batching import Batch, Delta, Done, Job, JobParams  # noqa: E402
 from kvboost_hf.server.worker import Worker  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -282,6 +283,19 @@ def test_cache_salt_isolates_tenants(client):
     assert cached("tenant-a") > 0
     assert cached("tenant-b") == 0
     assert cached(None) == 0
+
+
+def test_same_seed_same_tokens_from_python_and_over_http(engine, client):
+    """One decode loop: a seeded sampled request gives the engine's tokens, and greedy logprobs agree."""
+    prompt = chat("Invent a name for a dog.")
+    sampling = SamplingParams(temperature=0.9, top_k=30, presence_penalty=0.5, seed=11)
+    local = engine.generate(prompt, max_new_tokens=8, sampling=sampling)
+    remote = client.chat.completions.create(
+        model=MODEL, messages=prompt, max_tokens=8, temperature=0.9, presence_penalty=0.5, seed=11,
+        extra_body={"top_k": 30},
+    )  # fmt: skip
+    assert remote.choices[0].message.content == local.output_text
+    assert remote.usage.completion_tokens == local.generated_tokens
 
 
 def test_sampling_with_seed_is_reproducible_and_logprobs(client):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 
 import pytest
@@ -316,3 +317,35 @@ def test_embedded_model_with_early_exit_and_engine_drafts_equals_greedy(embedded
     assert early.draft_tokens_proposed > 0 and early.draft_acceptance_rate < 1.0
     assert again.draft_acceptance_rate == 1.0 and again.target_forwards <= -(-16 // 4) + 1
     assert again.draft_cached_tokens == again.cached_tokens > 0
+
+
+# ---------------------------------------------------------------------------------------------------- server
+def test_server_decodes_a_lone_request_with_the_draft_and_batches_concurrent_ones(engines):
+    """Over loopback with the openai client: a request alone is verified by the target with draft tokens (the
+    draft counters in /metrics grow) and equals plain greedy; concurrent requests run batched, also exact."""
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("openai")
+    from test_server import KEY, LiveServer, metric
+
+    from kvboost_hf.server.app import ServerSettings, create_app
+
+    plain, speculative = engines
+    prompts = [words(20 + i, 30) for i in range(3)]
+    expected = [plain.generate(p, max_new_tokens=12, mode="baseline").output_text for p in prompts]
+    settings = ServerSettings(model_name="tiny", api_key=KEY, batch_window_ms=200, max_batch_size=4)
+    with LiveServer(create_app(speculative, settings)) as server:
+        client = server.client()
+        proposed = metric(server, "kvboost_draft_tokens_proposed_total")
+        alone = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=12, temperature=0)
+        assert alone.choices[0].text == expected[0]
+        assert metric(server, "kvboost_draft_tokens_proposed_total") > proposed
+        stream = client.completions.create(model="tiny", prompt=prompts[1], max_tokens=12, temperature=0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected[1]
+        proposed = metric(server, "kvboost_draft_tokens_proposed_total")
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:  # one batch window: decoded together, no draft
+            texts = list(pool.map(
+                lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0)
+                .choices[0].text, prompts,
+            ))  # fmt: skip
+        assert texts == expected
+        assert metric(server, "kvboost_draft_tokens_proposed_total") == proposed

@@ -3,7 +3,6 @@ cancellation criterion."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -67,12 +66,12 @@ class TokenTimer(BaseStreamer):
         return None
 
 
-class CancelCriteria(StoppingCriteria):
-    """Stops every row as soon as ``event`` is set (a client disconnected)."""
+class FinishedCriteria(StoppingCriteria):
+    """Stops every row as soon as ``finished()`` is true (checked after each step)."""
 
-    def __init__(self, event: threading.Event) -> None:
-        self.event = event
+    def __init__(self, finished: Callable[[], bool]) -> None:
+        self.finished = finished
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
-        stop = torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+        stop = torch.full((input_ids.shape[0],), self.finished(), dtype=torch.bool, device=input_ids.device)
         return stop  # type: ignore[return-value]  # transformers annotates BoolTensor, returns plain bool tensors

@@ -29,7 +29,7 @@ from fastapi.responses import StreamingResponse
 
 from kvboost_hf.hf.grammar import ToolCall, ToolCallDelta, ToolCallStream, parse_tool_calls
 from kvboost_hf.server.admission import Prepared
-from kvboost_hf.server.batching import Delta, Done, Event, Failed, Finished, Job, TokenLogprob
+from kvboost_hf.server.batching import Delta, Done, Event, Failed, Finished, Job, TextLogprob
 from kvboost_hf.server.errors import ApiError
 from kvboost_hf.server.schemas import (
     ChatChoice,
@@ -99,7 +99,7 @@ class Exchange:
     async def _collect(self) -> ChatCompletion | Completion:
         n = self.prepared.n
         texts, reasons = [""] * n, ["stop"] * n
-        logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        logprobs: list[list[TextLogprob]] = [[] for _ in range(n)]
         done: Done | None = None
         async for event in self._events(watch_disconnect=True):
             if isinstance(event, Delta):
@@ -196,7 +196,7 @@ class Exchange:
             call["function"]["name"] = delta.name
         return {"index": index, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}
 
-    def _delta_choice(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    def _delta_choice(self, index: int, text: str, logprobs: tuple[TextLogprob, ...]) -> dict[str, Any]:
         if self.chat:
             lp = _chat_logprobs(list(logprobs)) if self.want_logprobs else None
             return {"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
@@ -237,7 +237,7 @@ def _token_entry(token: str, logprob: float) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
-def _chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+def _chat_logprobs(entries: list[TextLogprob]) -> dict[str, Any]:
     return {
         "content": [
             {**_token_entry(e.token, e.logprob), "top_logprobs": [_token_entry(t, lp) for t, lp in e.top]}
@@ -246,7 +246,7 @@ def _chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
-def _completion_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+def _completion_logprobs(entries: list[TextLogprob]) -> dict[str, Any]:
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],

@@ -12,6 +12,9 @@ Scheduling, per loop iteration:
 
 Batches (admitted at different times, or of different tenants) run concurrently, step by step, and a new request
 gets its first token after at most one decode step of each running batch instead of after their whole generation.
+With a draft model (``engine.speculative``), a request admitted while nothing else runs or waits (one choice, no
+grammar, no logprobs) is decoded speculatively in one call: latency-bound traffic gets the draft's speed-up,
+concurrent traffic the batch's throughput; requests arriving meanwhile wait for it.
 
 Invariants: only this thread touches the model; at most ``max_queue`` jobs wait for admission (``submit``
 raises :class:`Overloaded` beyond); an exception while running a batch fails that batch's jobs and nothing else.
@@ -152,6 +155,9 @@ class Worker:
             self._thread.join(grace_s)
         with self._cond:
             self._abort = True
+            for batch in self._active:  # a speculative batch runs in one call: its rows end at their next token
+                for job in batch.jobs:
+                    job.cancel.set()
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(30.0)
@@ -216,7 +222,7 @@ class Worker:
         for key, job in self._pending:
             groups.setdefault(key, []).append(job)
         free = self.max_batch_size - self.running_rows
-        admitted: list[Batch] = []
+        admitted: list[list[Job]] = []
         taken: set[int] = set()
         for members in groups.values():  # insertion order = oldest job first
             rows = sum(job.n for job in members)
@@ -229,14 +235,24 @@ class Worker:
                 chosen.append(job)
                 free -= job.n
             if chosen:
-                admitted.append(self._new_batch(chosen))
+                admitted.append(chosen)
                 taken.update(id(job) for job in chosen)
         self._pending = [(key, job) for key, job in self._pending if id(job) not in taken]
-        return admitted
+        alone = len(admitted) == 1 and not self._active and not self._pending
+        return [self._new_batch(jobs, speculative=alone and self._speculates(jobs)) for jobs in admitted]
 
-    def _new_batch(self, jobs: Sequence[Job]) -> Batch:
+    def _speculates(self, jobs: Sequence[Job]) -> bool:
+        """Whether a batch that runs alone decodes with the engine's draft: one job, one choice, no grammar and no
+        log-probabilities (assisted generation takes one row and reports log-probabilities only at its end)."""
+        if not self.engine.speculative or len(jobs) != 1:
+            return False
+        job = jobs[0]
+        return job.n == 1 and job.params.constraint is None and job.params.top_logprobs is None
+
+    def _new_batch(self, jobs: Sequence[Job], *, speculative: bool) -> Batch:
         self.metrics.batch_size.observe(sum(job.n for job in jobs))
-        return Batch(self.engine, jobs, self.mode, self.tokenizer_lock, self.metrics.observe_token)
+        observe = self.metrics.observe_token
+        return Batch(self.engine, jobs, self.mode, self.tokenizer_lock, observe, speculative=speculative)
 
     def _group_key(self, job: Job) -> GroupKey:
         """Jobs with the same key may share a batch: the same ``cache_salt`` (one cache namespace per batch); with

@@ -1,0 +1,405 @@
+"""Stage 8: the decode loop shared by :class:`~kvboost_hf.engine.InferenceEngine` and the HTTP server.
+
+One :class:`DecodeLoop` runs a batch of rows (prompts of any lengths and prefixes, each with its own settings):
+
+* prefill: the prompts are left-padded into one forward on a fresh cache (a
+  :class:`~kvboost_hf.hf.cache.ChunkReuseCache` stitches stored chunks through its hooks and computes only the
+  rest). When several rows share a chunk-aligned prefix whose chunks are not stored yet, that prefix is computed
+  once (batch of one) and stored first, so the batch prefill loads it for every row instead of computing it per row;
+* decode: one forward per step for the rows still running. Each row's logits go through its own transformers
+  ``LogitsProcessorList`` (:func:`~kvboost_hf.hf.sampling.build_processors`: bias, penalties, min_tokens, a grammar
+  constraint, temperature, top-k/p, min-p), then the row picks its token with its own seeded generator
+  (:func:`~kvboost_hf.hf.sampling.choose_token`; temperature 0 = argmax) and checks its own end tokens, stop
+  strings, budget and cancel event. Finished rows leave the batch.
+
+Invariants: a row's positions and attention mask are exactly those ``generate()`` builds for a left-padded batch,
+so with temperature 0 each row yields the tokens it yields alone, and a row with a given seed draws the same tokens
+whatever else shares its batch; log-probabilities are under the model's unscaled distribution (natural log);
+completed chunks are written back from the second decode step on (never inside the time to first token), and each
+row's chunks (its unfinished last chunk included) are stored before it leaves the batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, PreTrainedModel
+
+from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
+from kvboost_hf.core.keys import chain_prefix_keys
+from kvboost_hf.hf.cache import ChunkReuseCache, RowReuse
+from kvboost_hf.hf.sampling import SamplingParams, build_processors, choose_token
+
+logger = logging.getLogger(__name__)
+
+TokenTop = tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """What one row asks for.
+
+    Args:
+        prompt_ids: the prompt's token ids (not empty).
+        max_new_tokens: the token budget (>= 1).
+        sampling: decoding settings; ``sampling.seed`` None = a seed drawn from torch's global generator.
+        stop: strings that end the row; the text is cut exactly before the first one.
+        top_logprobs: None = no log-probabilities; k >= 0 = the chosen token's and the top ``k``.
+        constraint: a fresh logits processor for this row only (e.g. a grammar mask), applied after the
+            penalties and before temperature.
+        cancel: when set, the row ends with finish reason ``"cancelled"`` after its current token.
+        keep_first_logits: keep the first step's raw logits (fp32, CPU) in :attr:`DecodeRow.first_logits`.
+    """
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    top_logprobs: int | None = None
+    constraint: LogitsProcessor | None = None
+    cancel: threading.Event | None = None
+    keep_first_logits: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("prompt_ids is empty: a row needs at least one prompt token")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's log-probability and the ``top`` (token id, log-probability) pairs, best first."""
+
+    token: int
+    logprob: float
+    top: TokenTop
+
+
+def visible_text(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """The part of ``text`` that may be shown, and whether a stop string ended it.
+
+    With a stop string present the text is cut exactly before its first occurrence. Otherwise a tail that could
+    still grow into a stop string, or an incomplete UTF-8 sequence (U+FFFD at the end), is held back.
+    """
+    cuts = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    if cuts:
+        return text[: min(cuts)], True
+    hold = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), hold, -1):
+            if text.endswith(stop[:size]):
+                hold = size
+                break
+    end = len(text) - hold
+    while end > 0 and text[end - 1] == "\ufffd":
+        end -= 1
+    return text[:end], False
+
+
+@dataclass(eq=False)
+class DecodeRow:
+    """Decoding state of one row: its tokens, text, log-probabilities and finish reason.
+
+    ``text`` is what may be shown so far: cut before a stop string, and while running without a tail that could
+    still become one (see :func:`visible_text`); once finished, the whole decoded text unless a stop string cut it.
+    ``reuse`` is what the prefill loaded for this row (``reuse.cached_tokens`` excludes a shared prefix this batch
+    computed and stored itself). Times are ``time.perf_counter()`` values.
+    """
+
+    request: DecodeRequest
+    seed: int
+    eos_token_ids: frozenset[int]
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_logits: torch.Tensor | None = None
+    reuse: RowReuse = field(default_factory=RowReuse)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        request = self.request
+        self.generator = torch.Generator().manual_seed(self.seed)
+        constraints = [request.constraint] if request.constraint is not None else []
+        self.processors: LogitsProcessorList = build_processors(
+            request.sampling, len(request.prompt_ids), self.eos_token_ids, constraints
+        )
+        self.end_ids = request.sampling.end_token_ids(self.eos_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """The next token from this row's raw logits ``[1, V]``: its processors, then its own choice."""
+        if self.processors:
+            input_ids = torch.tensor([[*self.request.prompt_ids, *self.tokens]], device=logits.device)
+            logits = self.processors(input_ids, logits)
+        return choose_token(logits, self.request.sampling, self.generator)
+
+    def add(self, token: int, decode: Callable[[list[int]], str], log_probs: torch.Tensor | None = None) -> None:
+        """Append ``token`` (``log_probs``: the step's unscaled log-softmax ``[V]`` when logprobs were asked),
+        update the text and decide whether the row is finished."""
+        now = time.perf_counter()
+        self.first_token_time = self.first_token_time or now
+        self.last_token_time = now
+        self.tokens.append(token)
+        if log_probs is not None:
+            self.log(token, log_probs)
+        text = decode(self.tokens)
+        visible, stopped = visible_text(text, self.request.stop)
+        if stopped or token in self.end_ids:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.request.max_new_tokens:
+            self.finish_reason = "length"
+        elif self.request.cancel is not None and self.request.cancel.is_set():
+            self.finish_reason = "cancelled"
+        self.text = text if self.finished and not stopped else visible
+
+    def log(self, token: int, log_probs: torch.Tensor) -> None:
+        """Record ``token``'s log-probability and the top ``request.top_logprobs`` from ``log_probs`` ``[V]``
+        (unscaled log-softmax); nothing when the request asked for none."""
+        top = self.request.top_logprobs
+        if top is None:
+            return
+        values, indices = log_probs.topk(top) if top > 0 else (log_probs[:0], log_probs[:0].long())
+        pairs = tuple((int(i), float(v)) for i, v in zip(indices.tolist(), values.tolist(), strict=True))
+        self.logprobs.append(TokenLogprob(token, float(log_probs[token]), pairs))
+
+    def cancel(self) -> None:
+        """End the row now (shutdown); its text so far is final."""
+        if not self.finished:
+            self.finish_reason = "cancelled"
+
+
+class DecodeLoop:
+    """Rows decoded together on one model and one cache, forward by forward.
+
+    Args:
+        model: the causal LM.
+        decode: token ids -> text (special tokens skipped), e.g. ``tokenizer.decode``; called under
+            ``tokenizer_lock``.
+        rows: the rows (see :meth:`rows_for`).
+        new_cache: builds a fresh chunk-reuse cache (each call the same settings), or None for plain K/V.
+        chunking: the chunking of the caches ``new_cache`` builds (to find shared prefixes).
+        pad_token_id: the id used for left padding.
+        on_token: called with a row after each token it gets (and once more never); must not block.
+        tokenizer_lock: serialises ``decode`` with other threads using the same tokenizer (None: no lock).
+
+    ``forwards`` counts model forwards (prefill included); ``computed_tokens`` the prompt tokens computed (not
+    loaded) for all rows. Call :meth:`prefill` once, then :meth:`step` until :attr:`done` (or :meth:`run`).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        decode: Callable[[list[int]], str],
+        rows: Sequence[DecodeRow],
+        *,
+        new_cache: Callable[[], ChunkReuseCache] | None,
+        chunking: ChunkingConfig,
+        pad_token_id: int,
+        on_token: Callable[[DecodeRow], None] = lambda row: None,
+        tokenizer_lock: contextlib.AbstractContextManager | None = None,
+    ) -> None:
+        if not rows:
+            raise ValueError("a decode loop needs at least one row")
+        self.model = model
+        self.decode = decode
+        self.rows = list(rows)
+        self.running = list(self.rows)
+        self.new_cache = new_cache
+        self.chunking = chunking
+        self.pad_token_id = pad_token_id
+        self.on_token = on_token
+        self.tokenizer_lock = tokenizer_lock or contextlib.nullcontext()
+        self.cache: ChunkReuseCache | DynamicCache | None = None
+        self.mask = torch.empty(0)
+        self.positions = torch.empty(0)
+        self.forwards = 0
+        self.computed_tokens = 0
+
+    @staticmethod
+    def rows_for(requests: Sequence[DecodeRequest], eos_token_ids: set[int] | frozenset[int]) -> list[DecodeRow]:
+        """One row per request; an unseeded request gets a seed from torch's global generator (so that
+        ``torch.manual_seed`` before the call makes it repeatable)."""
+        rows = []
+        for request in requests:
+            seed = request.sampling.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,)))
+            rows.append(DecodeRow(request, seed, frozenset(eos_token_ids)))
+        return rows
+
+    @property
+    def done(self) -> bool:
+        return not self.running
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    # ------------------------------------------------------------------ forwards
+    def prefill(self) -> None:
+        """Compute (or load) every row's prompt and give each row its first token."""
+        prompts = [list(row.request.prompt_ids) for row in self.rows]
+        shared_computed = self._store_shared_prefixes(prompts) if self.new_cache is not None else {}
+        self.cache = self.new_cache() if self.new_cache is not None else DynamicCache()
+        input_ids, self.mask = left_pad(prompts, self.pad_token_id, self.device)
+        position_ids = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 1)
+        logits = self._forward(input_ids, position_ids)
+        self.positions = position_ids[:, -1]
+        reuse = self.cache.last_reuse if isinstance(self.cache, ChunkReuseCache) else []
+        loaded = [reuse[index].cached_tokens if index < len(reuse) else 0 for index in range(len(self.rows))]
+        self.computed_tokens = sum(len(p) - n for p, n in zip(prompts, loaded, strict=True))
+        self.computed_tokens += sum(shared_computed.values())
+        for index, row in enumerate(self.rows):
+            if index < len(reuse):
+                row.reuse = reuse[index]
+                row.reuse.cached_tokens = max(0, loaded[index] - shared_computed.get(index, 0))
+        for index, row in enumerate(self.rows):
+            if row.request.keep_first_logits:
+                row.first_logits = logits[index].cpu()
+        self._advance(logits)
+
+    def step(self) -> None:
+        """One decode step for every running row."""
+        last = torch.tensor([[row.tokens[-1]] for row in self.running], device=self.device)
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.running), 1)], dim=1)
+        self.positions = self.positions + 1
+        logits = self._forward(last, self.positions[:, None])
+        if isinstance(self.cache, ChunkReuseCache):
+            self.cache.save(tail=False)  # chunks completed so far (background writes; never inside the TTFT)
+        self._advance(logits)
+
+    def run(self) -> list[DecodeRow]:
+        """Prefill, then step until every row is finished; returns the rows (input order)."""
+        try:
+            self.prefill()
+            while not self.done:
+                self.step()
+        except BaseException:
+            self.cache = None  # possibly inconsistent: nothing more is stored from it
+            raise
+        return self.rows
+
+    def cancel_all(self) -> None:
+        """Finish every running row now (shutdown); what was computed is stored."""
+        for row in self.running:
+            row.cancel()
+            self.on_token(row)
+        self.running = []
+        self.close()
+
+    def close(self) -> None:
+        """Store what the cache computed (each row's unfinished last chunk included) and drop it."""
+        if isinstance(self.cache, ChunkReuseCache):
+            self.cache.save(tail=True)
+        self.cache = None
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=self.mask,
+                position_ids=position_ids,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        self.forwards += 1
+        return out.logits[:, -1, :].float()
+
+    def _store_shared_prefixes(self, prompts: list[list[int]]) -> dict[int, int]:
+        """For each group of rows with the same first chunk, store the chunk-aligned prefix they share once.
+
+        Returns, for the first row of each group that computed one, the prompt tokens computed here (the batch
+        prefill then loads them for every row of the group).
+        """
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for row, prompt in enumerate(prompts):
+            spans = chunk_spans(prompt, self.chunking)
+            head = tuple(prompt[: spans[0][1]]) if spans else ()
+            groups.setdefault(head, []).append(row)
+        computed: dict[int, int] = {}
+        for head, members in groups.items():
+            if head and len(members) > 1:
+                shared = self._store_shared_prefix([prompts[row] for row in members])
+                if shared:
+                    computed[members[0]] = shared
+        return computed
+
+    def _store_shared_prefix(self, prompts: list[list[int]]) -> int:
+        """Compute and store, once, the chunk-aligned prefix every one of ``prompts`` shares when it is not
+        stored yet. Returns the prompt tokens computed here."""
+        assert self.new_cache is not None, "shared prefixes are stored only with reuse on"
+        first = prompts[0]
+        shared = 0
+        for _, end in chunk_spans(first, self.chunking):
+            if any(len(p) <= end or p[:end] != first[:end] for p in prompts[1:]):
+                break
+            shared = end
+        if shared == 0:
+            return 0
+        cache = self.new_cache()
+        keys = chain_prefix_keys(cache.namespace, first, chunk_spans(first[:shared], self.chunking))
+        if all(cache.store.contains(key) for key in keys):
+            return 0
+        with torch.inference_mode():
+            self.model(input_ids=torch.tensor([first[:shared]], device=self.device), past_key_values=cache,
+                       use_cache=True, logits_to_keep=1)  # fmt: skip
+        self.forwards += 1
+        cache.save(tail=False)
+        loaded = cache.last_reuse[0].cached_tokens if cache.last_reuse else 0
+        logger.debug("stored a shared prefix of %d tokens for %d rows", shared, len(prompts))
+        return shared - loaded
+
+    # ------------------------------------------------------------------ per-row bookkeeping
+    def _advance(self, logits: torch.Tensor) -> None:
+        """Give every running row its next token, report it, and drop the rows that finished."""
+        tokens = [row.choose(logits[i : i + 1]) for i, row in enumerate(self.running)]
+        wants_logprobs = any(row.request.top_logprobs is not None for row in self.running)
+        log_probs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+        keep: list[int] = []
+        for i, (row, token) in enumerate(zip(self.running, tokens, strict=True)):
+            with self.tokenizer_lock:
+                row.add(token, self.decode, None if log_probs is None else log_probs[i])
+            self.on_token(row)
+            if not row.finished:
+                keep.append(i)
+        if len(keep) < len(self.running):
+            self._select(keep)
+
+    def _select(self, keep: list[int]) -> None:
+        if isinstance(self.cache, ChunkReuseCache):
+            self.cache.save(tail=True)  # store the leaving rows' chunks (and unfinished last chunks) first
+        self.running = [self.running[i] for i in keep]
+        if not keep:
+            self.close()
+            return
+        assert self.cache is not None, "rows are selected only between prefill and close"
+        index = torch.tensor(keep, device=self.device)
+        self.cache.batch_select_indices(index)
+        self.mask = self.mask[index]
+        self.positions = self.positions[index]
+
+
+def left_pad(
+    prompts: Sequence[Sequence[int]], pad_token_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` of a left-padded batch on ``device``."""
+    width = max(len(ids) for ids in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids) :] = torch.tensor(list(ids), dtype=torch.long)
+        mask[row, width - len(ids) :] = 1
+    return input_ids.to(device), mask.to(device)

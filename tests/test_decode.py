@@ -1,0 +1,138 @@
+"""The decode loop shared by the engine and the server, on a tiny random model (no tokenizer: tokens as text)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from conftest import greedy, make_tiny_model
+
+from kvboost_hf import ChunkReuseCache, ChunkStore, DecodeLoop, DecodeRequest, SamplingParams
+from kvboost_hf.core.chunking import ChunkingConfig
+
+CHUNKING = ChunkingConfig(8)
+EOS = {127}
+
+
+def as_text(tokens: list[int]) -> str:
+    return "".join(f"<{t}>" for t in tokens)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model("llama")
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(1, 120, (n,), generator=generator).tolist() for n in (21, 9, 30)]
+
+
+def run(model, requests, store=None, **kwargs) -> DecodeLoop:
+    new_cache = (lambda: ChunkReuseCache(store, model, CHUNKING)) if store is not None else None
+    loop = DecodeLoop(
+        model, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=new_cache, chunking=CHUNKING, pad_token_id=0,
+        **kwargs,
+    )  # fmt: skip
+    loop.run()
+    return loop
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["plain", "chunk-reuse"])
+def test_greedy_rows_in_a_batch_equal_generate_alone(model, reuse):
+    store = ChunkStore() if reuse else None
+    budgets = [6, 3, 8]
+    greedy_params = SamplingParams(temperature=0)
+    for _ in range(2 if reuse else 1):  # with reuse: cold, then loading what the first pass stored
+        loop = run(model, [DecodeRequest(p, b, greedy_params) for p, b in zip(prompts(), budgets, strict=True)], store)
+        for row, prompt, budget in zip(loop.rows, prompts(), budgets, strict=True):
+            alone, _ = greedy(model, torch.tensor([prompt]), new=budget)
+            assert row.tokens == alone[0, len(prompt) :].tolist()
+            assert row.finish_reason == "length" and row.text == as_text(row.tokens)
+    if reuse:
+        cached = [row.reuse.cached_tokens for row in loop.rows]
+        assert cached == [15, 3, 24]  # a batch loads the same columns for every row: 3 chunks of the widest row
+        assert loop.computed_tokens == sum(len(p) for p in prompts()) - sum(cached)
+
+
+def test_a_seeded_row_draws_the_same_tokens_whatever_shares_its_batch(model):
+    sampled = SamplingParams(temperature=1.3, top_k=40, seed=11)
+    alone = run(model, [DecodeRequest(prompts()[0], 10, sampled)]).rows[0].tokens
+    others = [DecodeRequest(p, 4, SamplingParams(temperature=0.7, seed=3)) for p in prompts()[1:]]
+    in_batch = run(model, [*others, DecodeRequest(prompts()[0], 10, sampled)]).rows[-1].tokens
+    assert in_batch == alone
+    reseeded = run(model, [DecodeRequest(prompts()[0], 10, SamplingParams(temperature=1.3, top_k=40, seed=12))])
+    assert reseeded.rows[0].tokens != alone  # 10 draws at temperature 1.3 over 128 tokens: the seed matters
+
+
+def test_unseeded_rows_follow_torch_manual_seed(model):
+    request = DecodeRequest(prompts()[1], 8, SamplingParams(temperature=1.0))
+    torch.manual_seed(0)
+    first = run(model, [request]).rows[0].tokens
+    torch.manual_seed(0)
+    assert run(model, [request]).rows[0].tokens == first
+
+
+def test_stop_strings_end_rows_exactly_and_end_tokens_stop(model):
+    prompt = prompts()[2]
+    full = run(model, [DecodeRequest(prompt, 8, SamplingParams(temperature=0))]).rows[0].tokens
+    cut = next(i for i in range(1, len(full)) if full[i] not in full[:i])  # a token seen there for the first time
+    stopped = run(model, [DecodeRequest(prompt, 8, SamplingParams(temperature=0), stop=(f"<{full[cut]}>",))]).rows[0]
+    assert stopped.tokens == full[: cut + 1] and stopped.text == as_text(full[:cut])
+    assert stopped.finish_reason == "stop"
+    ended = run(model, [DecodeRequest(prompt, 8, SamplingParams(temperature=0, stop_token_ids=(full[cut],)))]).rows[0]
+    assert ended.tokens == full[: cut + 1] and ended.finish_reason == "stop"
+
+
+def test_cancel_ends_only_that_row_and_rows_report_every_token(model):
+    cancel = threading.Event()
+    seen: list[tuple[int, int]] = []
+
+    def on_token(row) -> None:
+        seen.append((id(row), row.tokens[-1]))
+        if row.request.cancel is cancel and len(row.tokens) == 2:
+            cancel.set()
+
+    requests = [
+        DecodeRequest(prompts()[0], 8, SamplingParams(temperature=0), cancel=cancel),
+        DecodeRequest(prompts()[1], 8, SamplingParams(temperature=0)),
+    ]
+    loop = run(model, requests, on_token=on_token)
+    cancelled, other = loop.rows
+    assert cancelled.finish_reason == "cancelled" and len(cancelled.tokens) == 3
+    assert other.finish_reason == "length" and len(other.tokens) == 8
+    assert [t for r, t in seen if r == id(other)] == other.tokens
+
+
+def test_logprobs_and_first_logits_are_the_models_unscaled_distribution(model):
+    prompt = prompts()[0]
+    request = DecodeRequest(prompt, 4, SamplingParams(temperature=0.5, seed=1), top_logprobs=3, keep_first_logits=True)
+    row = run(model, [request]).rows[0]
+    _, logits = greedy(model, torch.tensor([prompt]), new=1)
+    torch.testing.assert_close(row.first_logits, logits[0, 0])
+    first = torch.log_softmax(logits[0, 0], dim=-1)
+    assert row.logprobs[0].logprob == pytest.approx(float(first[row.tokens[0]]), abs=1e-5)
+    assert [t for t, _ in row.logprobs[0].top] == first.topk(3).indices.tolist()
+    assert [entry.token for entry in row.logprobs] == row.tokens
+
+
+def test_rows_sharing_a_new_prefix_compute_it_once(model):
+    store = ChunkStore()
+    head = prompts()[2][:24]  # three full chunks
+    rows = [[*head, 5, 6, 7], [*head, 9, 10, 12], [*head, 11, 13, 14]]  # same length: no padding
+    loop = run(model, [DecodeRequest(p, 2, SamplingParams(temperature=0)) for p in rows], store)
+    assert loop.computed_tokens == 24 + 3 * 3  # the head once, then each row's own tail
+    assert [row.reuse.cached_tokens for row in loop.rows] == [0, 24, 24]  # the first row computed it
+    for row, prompt in zip(loop.rows, rows, strict=True):
+        alone, _ = greedy(model, torch.tensor([prompt]), new=2)
+        assert row.tokens == alone[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"prompt_ids": []}, "prompt_ids is empty"), ({"max_new_tokens": 0}, "max_new_tokens must be >= 1")],
+)
+def test_bad_requests_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DecodeRequest(**{"prompt_ids": [1, 2], "max_new_tokens": 4, **kwargs})
