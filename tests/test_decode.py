@@ -136,3 +136,33 @@ def test_rows_sharing_a_new_prefix_compute_it_once(model):
 def test_bad_requests_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DecodeRequest(**{"prompt_ids": [1, 2], "max_new_tokens": 4, **kwargs})
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["plain", "chunk-reuse"])
+def test_rows_joining_a_running_batch_equal_generate_alone(model, reuse):
+    """Continuous batching: rows that join mid-generation (shorter and longer prompts than the running rows) get
+    the tokens they get alone, the running rows are undisturbed, and the next step is one forward for all."""
+    store = ChunkStore() if reuse else None
+    new_cache = (lambda: ChunkReuseCache(store, model, CHUNKING)) if store is not None else None
+    greedy_params = SamplingParams(temperature=0)
+    first, *later = prompts()
+    loop = DecodeLoop(
+        model, as_text, DecodeLoop.rows_for([DecodeRequest(first, 9, greedy_params)], EOS), new_cache=new_cache,
+        chunking=CHUNKING, pad_token_id=0,
+    )  # fmt: skip
+    loop.prefill()
+    loop.step()
+    loop.step()
+    loop.join(DecodeLoop.rows_for([DecodeRequest(p, 5, greedy_params) for p in later], EOS))
+    assert len(loop.running) == 3
+    forwards = loop.forwards
+    loop.step()
+    assert loop.forwards == forwards + 1  # one forward for the old row and the two new ones
+    while not loop.done:
+        loop.step()
+    for row, prompt in zip(loop.rows, [first, *later], strict=True):
+        alone, _ = greedy(model, torch.tensor([prompt]), new=row.request.max_new_tokens)
+        assert row.tokens == alone[0, len(prompt) :].tolist()
+    if reuse:  # the joined rows' chunks were written back from the merged cache
+        again = run(model, [DecodeRequest(p, 1, greedy_params) for p in later], store)
+        assert all(row.reuse.cached_tokens > 0 for row in again.rows)

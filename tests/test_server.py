@@ -174,6 +174,41 @@ def test_worker_batches_requests_with_different_prefixes(engine):
     assert ["".join(t) for t in texts] == [greedy(engine, p, 3) for p in prompts]
 
 
+def test_requests_arriving_during_generation_join_the_running_batch(engine):
+    """Continuous batching: jobs submitted while a batch decodes join it (no second batch is formed) and each
+    still equals its greedy answer alone."""
+    worker = Worker(engine, batch_window_s=0.0, max_batch_size=4)
+    prompts = [chat("Tell me about rivers."), chat("Name a fruit."), f"Unrelated {uuid.uuid4().hex}: the sky is"]
+    budgets = [16, 4, 3]
+    texts: list[list[str]] = [[] for _ in prompts]
+    finished = [threading.Event() for _ in prompts]
+    first_tokens = threading.Event()
+
+    def submit(i: int) -> None:
+        def sink(event) -> None:
+            if isinstance(event, Delta):
+                texts[i].append(event.text)
+                if i == 0 and len(texts[0]) == 2:
+                    first_tokens.set()
+            elif isinstance(event, Done):
+                finished[i].set()
+
+        worker.submit(Job(engine.encode(prompts[i]), JobParams(budgets[i], SamplingParams(temperature=0)), sink))
+
+    worker.start()
+    try:
+        submit(0)
+        assert first_tokens.wait(60)
+        submit(1)
+        submit(2)
+        assert all(event.wait(60) for event in finished)
+    finally:
+        worker.shutdown(5)
+    registry = worker.metrics.registry
+    assert registry.get_sample_value("kvboost_batch_size_count") == 1  # the later jobs joined the first batch
+    assert ["".join(t) for t in texts] == [greedy(engine, p, b) for p, b in zip(prompts, budgets, strict=True)]
+
+
 # ---------------------------------------------------------------------------------------------- API
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]

@@ -483,9 +483,57 @@ class ChunkReuseCache(Cache):
         super().batch_select_indices(indices)
         self._select_rows(torch.as_tensor(indices).tolist())
 
+    def join(self, other: ChunkReuseCache) -> None:
+        """Append ``other``'s rows below this cache's rows (continuous batching); ``other`` is then spent.
+
+        The narrower cache is left-padded with zero K/V columns, which the caller's attention mask must mask
+        (:func:`join_layers`); each row's ledger and its real tokens are unchanged, so write-back goes on per row.
+        Both caches must be dense (no sparse forward pending) and share one namespace.
+        """
+        if other.namespace != self.namespace:
+            raise ValueError("cannot join caches of different namespaces (model, dtype, chunking or cache_salt)")
+        if self.expects_sparse_forward or other.expects_sparse_forward:
+            raise RuntimeError("cannot join a cache while a sparse prefill forward is pending")
+        width = max(self.num_columns, other.num_columns)
+        if self.reuse_enabled and other.reuse_enabled:
+            left, right = width - self.num_columns, width - other.num_columns
+            self.tokens = torch.cat([prepend_zeros(self.tokens, left), prepend_zeros(other.tokens, right)], dim=0)
+            self.pads = [pad + left for pad in self.pads] + [pad + right for pad in other.pads]
+            self.ledgers = self.ledgers + other.ledgers
+            self.last_reuse = self.last_reuse + other.last_reuse
+        else:
+            self.reuse_enabled = False
+        join_layers(self, other)
+        self.prompt_forward_next = False
+
     def _select_rows(self, rows: list[int]) -> None:
         if self.tokens.shape[0] == 0:
             return
         self.tokens = self.tokens[rows]
         self.pads = [self.pads[r] for r in rows]
         self.ledgers = [self.ledgers[r].copy() for r in rows]
+
+
+def prepend_zeros(tensor: torch.Tensor, columns: int, dim: int = 1) -> torch.Tensor:
+    """``tensor`` with ``columns`` zero columns prepended along ``dim``."""
+    if columns == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = columns
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+def join_layers(cache: Cache, other: Cache) -> None:
+    """Append ``other``'s rows to ``cache``'s, layer by layer; the shorter side gets zero K/V columns on the left.
+
+    Invariant: every layer is a full (not sliding-window) dynamic layer holding ``[batch, heads, columns, dim]``;
+    afterwards every layer of ``cache`` holds ``max`` of the two lengths, and the padded columns carry no
+    information: the attention mask must exclude them (they are the new left padding of the narrower rows).
+    """
+    width = max(cache.get_seq_length(), other.get_seq_length())
+    for mine, theirs in zip(cache.layers, other.layers, strict=True):
+        if getattr(mine, "is_sliding", False) or getattr(theirs, "is_sliding", False):
+            raise ValueError("sliding-window cache layers cannot be joined")
+        keys = [prepend_zeros(layer.keys, width - layer.keys.shape[-2], dim=2) for layer in (mine, theirs)]
+        values = [prepend_zeros(layer.values, width - layer.values.shape[-2], dim=2) for layer in (mine, theirs)]
+        mine.keys, mine.values = torch.cat(keys, dim=0), torch.cat(values, dim=0)

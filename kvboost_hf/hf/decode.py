@@ -33,7 +33,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, Pre
 
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.keys import chain_prefix_keys
-from kvboost_hf.hf.cache import ChunkReuseCache, RowReuse
+from kvboost_hf.hf.cache import ChunkReuseCache, RowReuse, join_layers, prepend_zeros
 from kvboost_hf.hf.sampling import SamplingParams, build_processors, choose_token
 
 logger = logging.getLogger(__name__)
@@ -279,6 +279,44 @@ class DecodeLoop:
         if isinstance(self.cache, ChunkReuseCache):
             self.cache.save(tail=False)  # chunks completed so far (background writes; never inside the TTFT)
         self._advance(logits)
+
+    def join(self, rows: Sequence[DecodeRow]) -> None:
+        """Add ``rows`` to the running batch (continuous batching).
+
+        Their prompts are prefilled as a batch of their own (each gets its first token; shared prefixes are stored
+        once), then their K/V, attention masks and positions are appended below the running rows' (the narrower
+        side left-padded with masked columns), so the next :meth:`step` decodes old and new rows in one forward.
+        """
+        newcomers = DecodeLoop(
+            self.model,
+            self.decode,
+            rows,
+            new_cache=self.new_cache,
+            chunking=self.chunking,
+            pad_token_id=self.pad_token_id,
+            on_token=self.on_token,
+            tokenizer_lock=self.tokenizer_lock,
+        )
+        newcomers.prefill()
+        self.rows += newcomers.rows
+        self.forwards += newcomers.forwards
+        self.computed_tokens += newcomers.computed_tokens
+        if newcomers.done:
+            return
+        if self.done or self.cache is None:
+            self.cache, self.mask, self.positions = newcomers.cache, newcomers.mask, newcomers.positions
+            self.running = newcomers.running
+            return
+        assert newcomers.cache is not None, "a running loop has a cache"
+        if isinstance(self.cache, ChunkReuseCache) and isinstance(newcomers.cache, ChunkReuseCache):
+            self.cache.join(newcomers.cache)
+        else:
+            join_layers(self.cache, newcomers.cache)
+        width = max(self.mask.shape[1], newcomers.mask.shape[1])
+        masks = [prepend_zeros(mask, width - mask.shape[1]) for mask in (self.mask, newcomers.mask)]
+        self.mask = torch.cat(masks, dim=0)
+        self.positions = torch.cat([self.positions, newcomers.positions])
+        self.running += newcomers.running
 
     def run(self) -> list[DecodeRow]:
         """Prefill, then step until every row is finished; returns the rows (input order)."""

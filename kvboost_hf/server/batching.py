@@ -151,29 +151,10 @@ class Batch:
         self.speculative = speculative
         self.tokenizer_lock = tokenizer_lock
         self.observe_token = observe_token
-        self.jobs = list(jobs)
-        requests: list[DecodeRequest] = []
-        owners: list[_Choice] = []
-        for job in self.jobs:
-            job.rows_left = job.n
-            params = job.params
-            for index in range(job.n):
-                seed = params.sampling.seed + index if params.sampling.seed is not None else secrets.randbits(63)
-                requests.append(
-                    DecodeRequest(
-                        job.prompt_ids,
-                        params.max_tokens,
-                        replace(params.sampling, seed=seed),
-                        params.stop,
-                        params.top_logprobs,
-                        params.constraint(len(job.prompt_ids)) if params.constraint is not None else None,
-                        job.cancel,
-                    )
-                )
-                owners.append(_Choice(job, index))
-        rows = DecodeLoop.rows_for(requests, engine.eos_token_ids)  # (a speculative batch's row: engine.speculate)
-        self.choices = {id(request): owner for request, owner in zip(requests, owners, strict=True)}
-        self.requests = requests
+        self.jobs: list[Job] = []
+        self.choices: dict[int, _Choice] = {}
+        self.requests = self._requests_for(jobs)
+        rows = DecodeLoop.rows_for(self.requests, engine.eos_token_ids)  # (speculative: engine.speculate's row)
         salt = self.jobs[0].cache_salt
         reuse = mode is not GenerationMode.BASELINE
         self.loop = DecodeLoop(
@@ -187,6 +168,35 @@ class Batch:
             tokenizer_lock=tokenizer_lock,
         )
         self.started = time.perf_counter()
+
+    def _requests_for(self, jobs: Sequence[Job]) -> list[DecodeRequest]:
+        """One request per choice of ``jobs`` (added to this batch's jobs), each mapped to where it reports."""
+        requests: list[DecodeRequest] = []
+        for job in jobs:
+            self.jobs.append(job)
+            job.rows_left = job.n
+            params = job.params
+            for index in range(job.n):
+                seed = params.sampling.seed + index if params.sampling.seed is not None else secrets.randbits(63)
+                request = DecodeRequest(
+                    job.prompt_ids,
+                    params.max_tokens,
+                    replace(params.sampling, seed=seed),
+                    params.stop,
+                    params.top_logprobs,
+                    params.constraint(len(job.prompt_ids)) if params.constraint is not None else None,
+                    job.cancel,
+                )
+                self.choices[id(request)] = _Choice(job, index)
+                requests.append(request)
+        return requests
+
+    def join(self, jobs: Sequence[Job]) -> None:
+        """Add ``jobs`` to the running batch (continuous batching): their prompts are prefilled now and their rows
+        decode with the others from the next step (``computed_tokens`` grows by their computed prompt tokens)."""
+        if self.speculative:
+            raise ValueError("a speculative batch takes no other rows")
+        self.loop.join(DecodeLoop.rows_for(self._requests_for(jobs), self.engine.eos_token_ids))
 
     @property
     def rows(self) -> list[DecodeRow]:

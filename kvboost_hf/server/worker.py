@@ -1,17 +1,18 @@
-"""The single thread that owns the model: a bounded queue, prefix-grouped admission, interleaved batches.
+"""The single thread that owns the model: a bounded queue, continuous batching, interleaved tenants.
 
 Scheduling, per loop iteration:
 
-1. admission: pending jobs are grouped by ``cache_salt`` (and, in ``CHUNK_KV_REUSE`` mode, by the first chunk of
-   the prompt), so prompts with different text share a batch and a decode step costs one forward per group, not
-   one per user. A group is admitted as one :class:`~kvboost_hf.server.batching.Batch` once its oldest job has
-   waited ``batch_window_s`` (or it fills ``max_batch_size`` rows), while the rows of all running batches stay
-   within ``max_batch_size``;
+1. admission: a pending job whose ``cache_salt`` matches a running batch joins it at once (continuous batching:
+   its prompt is prefilled, then its rows decode in the same forward as the running rows). Other pending jobs are
+   grouped by ``cache_salt`` (and, in ``CHUNK_KV_REUSE`` mode, by the first chunk of the prompt) and a group is
+   admitted as a new :class:`~kvboost_hf.server.batching.Batch` once its oldest job has waited
+   ``batch_window_s`` (or it fills ``max_batch_size`` rows); the rows of all running batches stay within
+   ``max_batch_size``;
 2. exclusive calls (``warm``) run;
-3. new batches run their prefill, then every running batch makes one decode step.
+3. new batches run their prefill, joining jobs theirs, then every running batch makes one decode step.
 
-Batches (admitted at different times, or of different tenants) run concurrently, step by step, and a new request
-gets its first token after at most one decode step of each running batch instead of after their whole generation.
+A decode step therefore costs one forward per tenant (cache namespace), not one per user, and a new request gets
+its first token after at most one decode step of the running batches instead of after their whole generation.
 With a draft model (``engine.speculative``), a request admitted while nothing else runs or waits (one choice, no
 grammar, no logprobs) is decoded speculatively in one call: latency-bound traffic gets the draft's speed-up,
 concurrent traffic the batch's throughput; requests arriving meanwhile wait for it.
@@ -23,6 +24,7 @@ raises :class:`Overloaded` beyond); an exception while running a batch fails tha
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import math
 import threading
@@ -176,10 +178,14 @@ class Worker:
                         future.set_result(fn())
                     except Exception as exc:  # reported to the caller, the worker goes on
                         future.set_exception(exc)
-            for batch in admitted:
-                self._guarded(batch, batch.prefill)
-                self.metrics.prompt_tokens.labels("computed").inc(batch.computed_tokens)
-                self.metrics.prompt_tokens.labels("loaded").inc(sum(j.cached_tokens * j.n for j in batch.jobs))
+            for batch, joining in admitted:
+                if joining is None:
+                    self._guarded(batch, batch.prefill)
+                    self._count_prompt(batch.computed_tokens, batch.jobs)
+                else:
+                    before = batch.computed_tokens
+                    self._guarded(batch, functools.partial(batch.join, joining))
+                    self._count_prompt(batch.computed_tokens - before, joining)
             for batch in self._active:
                 if not batch.done:
                     self._guarded(batch, batch.step)
@@ -188,6 +194,10 @@ class Worker:
             with self._cond:
                 self._active = [batch for batch in self._active if not batch.done]
         logger.info("model worker stopped")
+
+    def _count_prompt(self, computed: int, jobs: Sequence[Job]) -> None:
+        self.metrics.prompt_tokens.labels("computed").inc(computed)
+        self.metrics.prompt_tokens.labels("loaded").inc(sum(job.cached_tokens * job.n for job in jobs))
 
     def _guarded(self, batch: Batch, action: Callable[[], None]) -> None:
         try:
@@ -198,7 +208,9 @@ class Worker:
             self.metrics.errors.labels("worker", "500").inc()
             batch.fail(f"generation failed: {type(exc).__name__}: {exc}")
 
-    def _next_work(self) -> tuple[list[Batch], list[tuple[Callable[[], Any], concurrent.futures.Future]]] | None:
+    def _next_work(
+        self,
+    ) -> tuple[list[tuple[Batch, list[Job] | None]], list[tuple[Callable[[], Any], concurrent.futures.Future]]] | None:
         """Wait for something to do; None once closing and idle."""
         with self._cond:
             while True:
@@ -207,7 +219,7 @@ class Worker:
                 calls, self._calls = self._calls, []
                 admitted = self._admit(time.perf_counter())
                 if admitted or calls or self._active:
-                    self._active += admitted
+                    self._active += [batch for batch, joining in admitted if joining is None]
                     return admitted, calls
                 if self._closing and not self._pending:
                     return None
@@ -215,18 +227,21 @@ class Worker:
                 timeout = max(0.0, min(deadlines) - time.perf_counter()) if deadlines else None
                 self._cond.wait(timeout)
 
-    def _admit(self, now: float) -> list[Batch]:
-        """Batches formed from the pending jobs that are ready and fit (called with the lock held)."""
+    def _admit(self, now: float) -> list[tuple[Batch, list[Job] | None]]:
+        """Pending jobs that are ready and fit, as ``(batch, None)`` for a new batch and ``(batch, jobs)`` for jobs
+        joining a running batch of the same ``cache_salt`` (at once: no batch window). Called with the lock held."""
         self._pending = [(key, job) for key, job in self._pending if not self._dropped_if_cancelled(job)]
         groups: dict[GroupKey, list[Job]] = {}
         for key, job in self._pending:
             groups.setdefault(key, []).append(job)
         free = self.max_batch_size - self.running_rows
-        admitted: list[list[Job]] = []
+        formed: list[tuple[Batch | None, list[Job]]] = []
         taken: set[int] = set()
         for members in groups.values():  # insertion order = oldest job first
+            running = self._joinable(members[0].cache_salt)
             rows = sum(job.n for job in members)
-            if not (rows >= self.max_batch_size or self._closing or now >= members[0].arrival + self.batch_window_s):
+            window_over = now >= members[0].arrival + self.batch_window_s
+            if not (running is not None or rows >= self.max_batch_size or self._closing or window_over):
                 continue
             chosen: list[Job] = []
             for job in members:
@@ -235,11 +250,23 @@ class Worker:
                 chosen.append(job)
                 free -= job.n
             if chosen:
-                admitted.append(chosen)
+                formed.append((running, chosen))
                 taken.update(id(job) for job in chosen)
         self._pending = [(key, job) for key, job in self._pending if id(job) not in taken]
-        alone = len(admitted) == 1 and not self._active and not self._pending
-        return [self._new_batch(jobs, speculative=alone and self._speculates(jobs)) for jobs in admitted]
+        alone = len(formed) == 1 and not self._active and not self._pending
+        return [
+            (batch, jobs)
+            if batch is not None
+            else (self._new_batch(jobs, speculative=alone and self._speculates(jobs)), None)
+            for batch, jobs in formed
+        ]
+
+    def _joinable(self, cache_salt: str | None) -> Batch | None:
+        """A running batch that new rows with ``cache_salt`` may join (decoding, same namespace, not speculative)."""
+        for batch in self._active:
+            if not batch.done and not batch.speculative and batch.jobs[0].cache_salt == cache_salt:
+                return batch
+        return None
 
     def _speculates(self, jobs: Sequence[Job]) -> bool:
         """Whether a batch that runs alone decodes with the engine's draft: one job, one choice, no grammar and no
