@@ -5,7 +5,9 @@ The embedded SmolLM2-135M is the target (resident). Drafts that need no second c
 * ``copy``: a second resident copy of the target (same weights; only worth it when the target's forwards are
   expensive, e.g. streamed: here it costs as much as the target per token);
 * ``bf16``: the same weights in bfloat16 (a cheaper, slightly different draft);
-* ``earlyN``: the target's own first N layers and head (transformers' ``assistant_early_exit``).
+* ``earlyN``: the target's own first N layers and head (transformers' ``assistant_early_exit``);
+* ``awq``: the target packed to AWQ int4 (group size 64, :mod:`kvboost_hf.tools.awq_pack`) and loaded in fp16
+  through gptqmodel (the ``awq`` extra): the resident draft of a full-precision streamed target.
 
 With ``--streaming`` the same runs repeat with the target's decoder layers streamed (all but the first and the
 last, :mod:`kvboost_hf.offload`), where each target forward pays for copying the weights and the streamed bytes
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import re
 import statistics
+import tempfile
 from pathlib import Path
 
 import torch
@@ -33,10 +36,11 @@ from tqdm import tqdm
 from kvboost_hf.bench.common import machine_info, parser_for, save_results
 from kvboost_hf.corpus import sample_prompts
 from kvboost_hf.engine import InferenceEngine
-from kvboost_hf.hf.models import load_model_and_tokenizer
+from kvboost_hf.hf.models import embedded_model_dir, load_model_and_tokenizer
 from kvboost_hf.hf.speculative import DraftSettings
 from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
 from kvboost_hf.results import GenerationResult
+from kvboost_hf.tools.awq_pack import pack_checkpoint
 
 
 def expected_tokens_per_verify(a: float, g: int) -> float:
@@ -46,16 +50,21 @@ def expected_tokens_per_verify(a: float, g: int) -> float:
 
 
 def draft_engine(target: InferenceEngine, kind: str) -> InferenceEngine:
-    """An engine on the target's model and store with the draft named ``kind`` (copy, bf16 or earlyN)."""
+    """An engine on the target's model and store with the draft named ``kind`` (copy, bf16, awq or earlyN)."""
     if match := re.fullmatch(r"early(\d+)", kind):
         size, store, exit_layers = target.chunking.chunk_size, target.store, int(match.group(1))
         return InferenceEngine(
             target.model, target.tokenizer, chunk_size=size, store=store, draft_early_exit=exit_layers
         )
-    if kind not in ("copy", "bf16"):
-        raise ValueError(f"unknown draft {kind!r}: use copy, bf16 or earlyN (N layers of the target)")
-    dtype = torch.bfloat16 if kind == "bf16" else target.model.dtype
-    draft, _ = load_model_and_tokenizer(None, device=target.device, dtype=dtype)
+    if kind not in ("copy", "bf16", "awq"):
+        raise ValueError(f"unknown draft {kind!r}: use copy, bf16, awq or earlyN (N layers of the target)")
+    if kind == "awq":
+        packed = Path(tempfile.mkdtemp(prefix="kvboost-awq-draft-"))
+        pack_checkpoint(embedded_model_dir(), packed, group_size=64)
+        draft, _ = load_model_and_tokenizer(str(packed), device=target.device, dtype=torch.float16)
+    else:
+        dtype = torch.bfloat16 if kind == "bf16" else target.model.dtype
+        draft, _ = load_model_and_tokenizer(None, device=target.device, dtype=dtype)
     return InferenceEngine(
         target.model, target.tokenizer, chunk_size=target.chunking.chunk_size, store=target.store, draft_model=draft
     )
@@ -193,7 +202,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str]) -> int:
     parser = parser_for("speculative", __doc__)
-    parser.add_argument("--drafts", default="copy,bf16,early20", help="comma list of copy, bf16, earlyN")
+    parser.add_argument("--drafts", default="copy,bf16,early20", help="comma list of copy, bf16, awq, earlyN")
     parser.add_argument("--draft-lengths", default="1,2,3,4,5,6,7,8", help="comma list of draft tokens per round")
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="generations per prompt and row (median tok/s)")
