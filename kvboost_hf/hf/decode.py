@@ -109,8 +109,8 @@ class DecodeRow:
 
     ``text`` is what may be shown so far: cut before a stop string, and while running without a tail that could
     still become one (see :func:`visible_text`); once finished, the whole decoded text unless a stop string cut it.
-    ``reuse`` is what the prefill loaded for this row (``reuse.cached_tokens`` excludes a shared prefix this batch
-    computed and stored itself). Times are ``time.perf_counter()`` values.
+    ``reuse`` is what the prefill loaded for this row (for the row that computed a shared prefix for its group,
+    ``reuse.cached_tokens`` excludes that prefix). Times are ``time.perf_counter()`` values.
     """
 
     request: DecodeRequest
@@ -175,7 +175,7 @@ class DecodeRow:
         self.logprobs.append(TokenLogprob(token, float(log_probs[token]), pairs))
 
     def cancel(self) -> None:
-        """End the row now (shutdown); its text so far is final."""
+        """End the row now (shutdown); its text so far (a held-back tail stays unshown) is final."""
         if not self.finished:
             self.finish_reason = "cancelled"
 
@@ -191,7 +191,8 @@ class DecodeLoop:
         new_cache: builds a fresh chunk-reuse cache (each call the same settings), or None for plain K/V.
         chunking: the chunking of the caches ``new_cache`` builds (to find shared prefixes).
         pad_token_id: the id used for left padding.
-        on_token: called with a row after each token it gets (and once more never); must not block.
+        on_token: called with a row after each token it gets, and once more when :meth:`cancel_all` ends it; must
+            not block.
         tokenizer_lock: serialises ``decode`` with other threads using the same tokenizer (None: no lock).
 
     ``forwards`` counts model forwards (prefill included); ``computed_tokens`` the prompt tokens computed (not
