@@ -22,16 +22,24 @@ CHUNK = 4
 
 
 class DictStore:
-    """The two reads the planner makes, over a dict; counts reads per key."""
+    """The reads the planner makes, over a dict; counts reads per key and keys per batched read."""
 
     def __init__(self) -> None:
         self.entries: dict[str, ChunkKV] = {}
         self.tails: dict[str | None, list[int]] = {}
         self.reads: dict[str, int] = {}
+        self.batches: list[int] = []  # keys per get_many call
 
     def get(self, key: str) -> ChunkKV | None:
         self.reads[key] = self.reads.get(key, 0) + 1
         return self.entries.get(key)
+
+    def get_many(self, keys) -> list[ChunkKV | None]:
+        self.batches.append(len(keys))
+        return [self.get(key) for key in keys]
+
+    def contains_many(self, keys) -> list[bool]:
+        return [key in self.entries for key in keys]
 
     def tail_lengths(self, parent_key: str | None) -> list[int]:
         return sorted(self.tails.get(parent_key, []), reverse=True)
@@ -86,6 +94,8 @@ def test_prefix_hits_stop_at_the_first_miss():
     result, _ = plan(store, [tokens])
     assert spans_of(result.rows[0]) == [((0, 4), True), ((4, 8), True)]
     assert result.rows[0].covered == 8 and result.rows[0].is_leading_run
+    assert store.batches == [2]  # the leading run is read in one call; chunks after the miss are never read
+    assert store.reads == {keys[0]: 1, keys[1]: 1, keys[2]: 1}  # the miss itself is still one counted read
 
 
 def test_hits_never_start_at_or_after_the_limit():

@@ -26,9 +26,14 @@ from kvboost_hf.core.keys import chain_prefix_keys, content_key, prefix_key
 
 
 class ChunkSource(Protocol):
-    """What the planner reads: a :class:`~kvboost_hf.store.ChunkStore`, or a dict-backed fake in tests."""
+    """What the planner reads: a :class:`~kvboost_hf.store.ChunkStore`, or a dict-backed fake in tests.
+    ``contains_many`` is not counted as a hit or a miss; ``get`` and ``get_many`` are."""
 
     def get(self, key: str) -> ChunkKV | None: ...
+
+    def get_many(self, keys: Sequence[str]) -> list[ChunkKV | None]: ...
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]: ...
 
     def tail_lengths(self, parent_key: str | None) -> list[int]: ...
 
@@ -161,7 +166,8 @@ def plan_reuse(
     Without ``approximate`` each row takes its run of exact prefix hits after ``present[i]`` (stopping at the first
     miss, where the longest stored unfinished chunk may still hit). With ``approximate`` (one row only), later
     chunks are also looked up by prefix key, then by content key, and misses become gaps. The ledgers are
-    extended to the rows' tokens. Store reads are memoised across rows, so a shared prefix is read once.
+    extended to the rows' tokens. Store reads are memoised across rows, so a shared prefix is read once, and a
+    row's prefix chunks are read in one ``get_many`` call (hits and misses are counted as chunk by chunk).
     """
     if approximate and len(rows) != 1:
         raise ValueError(f"approximate reuse plans one row at a time, got {len(rows)} rows")
@@ -182,9 +188,28 @@ def plan_reuse(
                     return Hit((start, start + length), entry, exact=True)
         return None
 
+    def prefetch(keys: list[str]) -> None:
+        """Read in one call the stored ones among ``keys`` that the row will use (one Redis round trip each for
+        the check and the read, instead of one per chunk): the leading run, or every one when approximate."""
+        keys = [key for key in dict.fromkeys(keys) if key not in loaded]
+        if not keys:
+            return
+        stored = store.contains_many(keys)
+        wanted = [key for key, found in zip(keys, stored, strict=True) if found]
+        if not approximate:
+            wanted = keys[: stored.index(False)] if False in stored else keys
+        loaded.update(zip(wanted, store.get_many(wanted), strict=True))
+
     plans = []
     for ledger, tokens, row_present, limit in zip(ledgers, rows, present, limits, strict=True):
         ledger.extend(tokens, namespace, chunking, segment_starts)
+        prefetch(
+            [
+                key
+                for span, key in zip(ledger.spans, ledger.keys, strict=True)
+                if row_present < span[1] and span[0] < limit
+            ]
+        )
         hits: list[Hit] = []
         missed = False
         for index, (span, key) in enumerate(zip(ledger.spans, ledger.keys, strict=True)):
