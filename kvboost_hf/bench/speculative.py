@@ -45,8 +45,9 @@ def expected_tokens_per_verify(a: float, g: int) -> float:
     return float(g + 1) if a >= 1.0 else (1.0 - a ** (g + 1)) / (1.0 - a)
 
 
-def draft_engine(target: InferenceEngine, kind: str) -> InferenceEngine:
-    """An engine on the target's model and store with the draft named ``kind`` (copy, bf16 or earlyN)."""
+def draft_engine(target: InferenceEngine, kind: str, model: str | None = None) -> InferenceEngine:
+    """An engine on the target's model and store with the draft named ``kind`` (copy, bf16 or earlyN); ``copy``
+    and ``bf16`` load ``model`` (the target's hub name or directory; ``None``: the embedded model) once more."""
     if match := re.fullmatch(r"early(\d+)", kind):
         size, store, exit_layers = target.chunking.chunk_size, target.store, int(match.group(1))
         return InferenceEngine(
@@ -55,7 +56,7 @@ def draft_engine(target: InferenceEngine, kind: str) -> InferenceEngine:
     if kind not in ("copy", "bf16"):
         raise ValueError(f"unknown draft {kind!r}: use copy, bf16 or earlyN (N layers of the target)")
     dtype = torch.bfloat16 if kind == "bf16" else target.model.dtype
-    draft, _ = load_model_and_tokenizer(None, device=target.device, dtype=dtype)
+    draft, _ = load_model_and_tokenizer(model, device=target.device, dtype=dtype)
     return InferenceEngine(
         target.model, target.tokenizer, chunk_size=target.chunking.chunk_size, store=target.store, draft_model=draft
     )
