@@ -44,6 +44,7 @@ def test_questions_hold_their_answer_in_exactly_one_shuffled_document():
         header, *docs, asked = question.segments
         assert header == HEADER and len(docs) == 3 and set(docs) <= set(documents)
         place = asked.rsplit("The access code of the ", 1)[1].removesuffix(" is")
+        assert asked.count(f" {place}") == 3  # the question, and twice in the started answer
         sentence = f"The access code of the {place} is {question.answer}."
         assert sum(sentence in doc for doc in docs) == 1
         orders.add(tuple(documents.index(d) for d in docs))

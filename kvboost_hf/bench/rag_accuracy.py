@@ -1,11 +1,12 @@
 """``python -m kvboost_hf.bench rag_accuracy``: task accuracy of approximate (non-prefix) reuse on RAG questions.
 
 Documents of real text (:func:`kvboost_hf.corpus.fact_documents`: standard-library documentation with planted
-sentences such as "The access code of the north archive is 4821.", several per document) are warmed once each
-with ``engine.warm``. Each question is a prompt of segments: a system header, ``--docs-per-query`` documents in
-shuffled order (one holds the answer, the others are distractors with facts of the same form) and the question,
-which ends with the start of the answer ("... is") so that even a 135M model answers with the code. The answer is
-scored by exact match of the first number generated (greedy, ``--new-tokens`` tokens).
+sentences such as "The access code of the north archive is 4821.", ``--facts-per-doc`` per document) are warmed
+once each with ``engine.warm``. Each question is a prompt of segments: a system header, ``--docs-per-query``
+documents in shuffled order (one holds the answer, the others are distractors with facts of the same form) and
+the question, whose answer is already started ("The document that mentions the north archive says: The access
+code of the north archive is") so that even a 135M model answers with a code. The answer is scored by exact match
+of the first number generated (greedy, ``--new-tokens`` tokens).
 
 Side by side in one run, for every question: full prefill (``mode="baseline"``), ``none``, and ``selective`` and
 ``cacheblend`` at each ``--ratios`` (per-call ``repair=RepairConfig(...)``), each from the same store (the warmed
@@ -60,15 +61,17 @@ def document_segment(text: str) -> str:
 
 
 def question_segment(fact: Fact) -> str:
-    """The question, then the assistant turn already started with the fact's own words up to the answer."""
+    """The question, then the assistant turn already started: it names the place once more and repeats the fact's
+    own words up to the answer (the 135M model picks the right document more often when the place is restated:
+    63-67% instead of 47-50% over 30 questions with 3 one-fact documents per prompt)."""
     return (
         f"Question: {fact.question} Answer with the number only.<|im_end|>\n<|im_start|>assistant\n"
-        f"The access code of the {fact.place} is"
+        f"The document that mentions the {fact.place} says: The access code of the {fact.place} is"
     )
 
 
 def build_questions(
-    num_docs: int, docs_per_query: int, count: int, facts_per_doc: int = 2, seed: int = 0, chars: int = 800
+    num_docs: int, docs_per_query: int, count: int, facts_per_doc: int = 1, seed: int = 0, chars: int = 800
 ) -> tuple[list[str], list[Question]]:
     """The document segments to warm and ``count`` questions over shuffled subsets of them (deterministic)."""
     if not 1 <= docs_per_query <= num_docs:
@@ -352,8 +355,8 @@ def plot(result: dict, path: Path) -> None:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = parser_for("rag_accuracy", __doc__)
-    parser.add_argument("--docs", type=int, default=6, help="documents in the store")
-    parser.add_argument("--facts-per-doc", type=int, default=2, help="facts planted in each document")
+    parser.add_argument("--docs", type=int, default=20, help="documents in the store (at most 20 of 800 chars)")
+    parser.add_argument("--facts-per-doc", type=int, default=1, help="facts planted in each document")
     parser.add_argument("--doc-chars", type=int, default=800, help="characters of real text per document")
     parser.add_argument("--docs-per-query", type=int, default=3, help="documents in each prompt")
     parser.add_argument("--questions", type=int, default=12)
