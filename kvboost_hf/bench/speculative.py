@@ -46,8 +46,9 @@ def expected_tokens_per_verify(a: float, g: int) -> float:
 
 
 def draft_engine(target: InferenceEngine, kind: str, model: str | None = None) -> InferenceEngine:
-    """An engine on the target's model and store with the draft named ``kind`` (copy, bf16 or earlyN); ``copy``
-    and ``bf16`` load ``model`` (the target's hub name or directory; ``None``: the embedded model) once more."""
+    """An engine on the target's model and store with the draft named ``kind`` (copy, bf16 or earlyN). ``copy`` and
+    ``bf16`` load ``model`` (hub name or directory; ``None``: the embedded model): the target's own for a copy of
+    it, or a smaller checkpoint with the target's tokenizer."""
     if match := re.fullmatch(r"early(\d+)", kind):
         size, store, exit_layers = target.chunking.chunk_size, target.store, int(match.group(1))
         return InferenceEngine(
