@@ -245,15 +245,15 @@ def target_check(summary: dict[str, dict[str, float]]) -> dict[str, float | bool
 
 def run(args: argparse.Namespace, engine: InferenceEngine | None = None) -> dict:
     """The whole benchmark; pass ``engine`` to reuse a loaded one (its store is cleared first)."""
-    if engine is None:
-        engine = InferenceEngine.from_pretrained(chunk_size=args.chunk_size)
-    engine.store.clear()
     documents, questions = build_questions(
         args.docs, args.docs_per_query, args.questions, args.facts_per_doc, args.seed, args.doc_chars
     )
     configs = configurations(tuple(args.ratios), tuple(args.variant_ratios), args.head_tokens, args.check_layer)
     if args.configs:
         configs = select_configurations(configs, args.configs)
+    if engine is None:
+        engine = InferenceEngine.from_pretrained(chunk_size=args.chunk_size)
+    engine.store.clear()
     summary = evaluate(engine, documents, questions, configs, args.new_tokens)
     return {
         "benchmark": "rag_accuracy",
