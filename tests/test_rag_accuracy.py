@@ -14,6 +14,10 @@ from kvboost_hf.bench.rag_accuracy import (
     build_questions,
     configurations,
     extract_answer,
+    paired_comparison,
+    plot,
+    report,
+    select_configurations,
 )
 from kvboost_hf.corpus import fact_documents
 from kvboost_hf.reuse.repair import heads_then_deviating, top_deviating
@@ -40,6 +44,7 @@ def test_questions_hold_their_answer_in_exactly_one_shuffled_document():
         header, *docs, asked = question.segments
         assert header == HEADER and len(docs) == 3 and set(docs) <= set(documents)
         place = asked.rsplit("The access code of the ", 1)[1].removesuffix(" is")
+        assert asked.count(f" {place}") == 3  # the question, and twice in the started answer
         sentence = f"The access code of the {place} is {question.answer}."
         assert sum(sentence in doc for doc in docs) == 1
         orders.add(tuple(documents.index(d) for d in docs))
@@ -101,3 +106,61 @@ def test_head_tokens_recompute_every_reused_chunk_head():
     # doc 1 at position 0 is an exact prefix hit; doc 0's two chunks are content hits whose 3-token heads are
     # recomputed although 5% of 32 tokens would be 2
     assert reuse.recomputed_tokens == 6 and reuse.approx_tokens == 26
+
+
+def test_select_configurations_keeps_full_prefill_and_compares_ratios_as_numbers():
+    configs = configurations((0.15, 0.3, 1.0), variant_ratios=())
+    chosen = select_configurations(configs, ["cacheblend@1.0", "none", "selective@0.150"])
+    assert list(chosen) == [FULL, "none", "selective@0.15", "cacheblend@1"]
+    assert chosen["cacheblend@1"] is configs["cacheblend@1"]
+    with pytest.raises(ValueError, match=r"unknown configurations \['cacheblend@0.2', 'bogus'\]"):
+        select_configurations(configs, ["cacheblend@0.2", "bogus", "none"])
+
+
+def test_paired_comparison_counts_discordant_pairs_and_brackets_the_difference():
+    reference = [1.0, 0.0, 1.0, 0.0, 0.0] * 4
+    correct = [1.0, 1.0, 0.0, 1.0, 0.0] * 4  # 8 gained, 4 lost of 20: difference +0.2
+    stats = paired_comparison(correct, reference, resamples=2000, seed=3)
+    assert (stats["gained"], stats["lost"]) == (8.0, 4.0)
+    # exact McNemar: 2 * P(Binomial(12, 1/2) <= 4) = 2 * (1 + 12 + 66 + 220 + 495) / 4096
+    assert stats["mcnemar_p"] == pytest.approx(2 * 794 / 4096)
+    # normal approximation: 0.2 +- 1.96 * sqrt((12 / 20 - 0.2**2) / 20) = [-0.13, 0.53]
+    assert stats["diff_low"] == pytest.approx(-0.13, abs=0.06) and stats["diff_high"] == pytest.approx(0.53, abs=0.06)
+    assert paired_comparison(correct, reference, resamples=2000, seed=3) == stats
+    same = paired_comparison(reference, reference, resamples=100)
+    assert same == {"gained": 0.0, "lost": 0.0, "mcnemar_p": 1.0, "diff_low": 0.0, "diff_high": 0.0}
+    # all discordant pairs one way: 10 gained, 0 lost -> p = 2 / 2**10, interval above 0
+    stats = paired_comparison([1.0] * 10 + [0.0] * 10, [0.0] * 20, resamples=1000)
+    assert stats["mcnemar_p"] == pytest.approx(2 / 1024) and stats["diff_low"] > 0.0
+    with pytest.raises(ValueError, match="equally many"):
+        paired_comparison([1.0], [1.0, 0.0])
+
+
+def test_report_and_plot_show_the_paired_statistics(tmp_path):
+    def row(correct, gained, lost, low, high, ttft):
+        return {
+            "correct": correct, "agrees_with_full": 1.0, "ttft_ms": ttft, "speedup": 1000.0 / ttft, "kl": 0.0,
+            "greedy_match": 6.0, "reused_tokens": 0.0, "recomputed_tokens": 0.0, "prompt_tokens": 400.0,
+            "gained": gained, "lost": lost, "mcnemar_p": 0.5, "diff_low": low, "diff_high": high,
+        }  # fmt: skip
+
+    configs = {
+        FULL: row(0.8, 0, 0, 0.0, 0.0, 1000.0),
+        "none": row(0.5, 1, 7, -0.5, -0.1, 100.0),
+        "cacheblend@0.15": row(0.75, 2, 3, -0.15, 0.05, 250.0),
+    }
+    from kvboost_hf.bench.rag_accuracy import target_check
+
+    result = {
+        "configs": configs, "settings": {"questions": 20}, "model": "m", "machine": {"device": "cpu"},
+        "target": target_check(configs),
+    }  # fmt: skip
+    assert result["target"]["accuracy_verdict"] == "unresolved" and result["target"]["speedup"] == 4.0
+    text = report(result)
+    assert "+2/-3" in text and "[-15, +5]" in text and "unresolved" in text
+    plot(result, tmp_path / "rag.png")
+    assert (tmp_path / "rag.png").stat().st_size > 0
+    configs["cacheblend@0.15"] |= {"diff_low": -0.01, "diff_high": 0.05}
+    assert target_check(configs)["accuracy_verdict"] == "within"
+    configs["cacheblend@0.15"] |= {"diff_low": -0.2, "diff_high": -0.03}
+    assert target_check(configs)["accuracy_verdict"] == "worse"

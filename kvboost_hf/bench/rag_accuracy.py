@@ -1,11 +1,12 @@
 """``python -m kvboost_hf.bench rag_accuracy``: task accuracy of approximate (non-prefix) reuse on RAG questions.
 
 Documents of real text (:func:`kvboost_hf.corpus.fact_documents`: standard-library documentation with planted
-sentences such as "The access code of the north archive is 4821.", several per document) are warmed once each
-with ``engine.warm``. Each question is a prompt of segments: a system header, ``--docs-per-query`` documents in
-shuffled order (one holds the answer, the others are distractors with facts of the same form) and the question,
-which ends with the start of the answer ("... is") so that even a 135M model answers with the code. The answer is
-scored by exact match of the first number generated (greedy, ``--new-tokens`` tokens).
+sentences such as "The access code of the north archive is 4821.", ``--facts-per-doc`` per document) are warmed
+once each with ``engine.warm``. Each question is a prompt of segments: a system header, ``--docs-per-query``
+documents in shuffled order (one holds the answer, the others are distractors with facts of the same form) and
+the question, whose answer is already started ("The document that mentions the north archive says: The access
+code of the north archive is") so that even a 135M model answers with a code. The answer is scored by exact match
+of the first number generated (greedy, ``--new-tokens`` tokens).
 
 Side by side in one run, for every question: full prefill (``mode="baseline"``), ``none``, and ``selective`` and
 ``cacheblend`` at each ``--ratios`` (per-call ``repair=RepairConfig(...)``), each from the same store (the warmed
@@ -20,6 +21,7 @@ greedy tokens agreeing. Writes ``rag_accuracy.json`` and ``rag_accuracy.png`` un
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import re
 import statistics
@@ -59,15 +61,17 @@ def document_segment(text: str) -> str:
 
 
 def question_segment(fact: Fact) -> str:
-    """The question, then the assistant turn already started with the fact's own words up to the answer."""
+    """The question, then the assistant turn already started: it names the place once more and repeats the fact's
+    own words up to the answer (the 135M model picks the right document more often when the place is restated:
+    63-67% instead of 47-50% over 30 questions with 3 one-fact documents per prompt)."""
     return (
         f"Question: {fact.question} Answer with the number only.<|im_end|>\n<|im_start|>assistant\n"
-        f"The access code of the {fact.place} is"
+        f"The document that mentions the {fact.place} says: The access code of the {fact.place} is"
     )
 
 
 def build_questions(
-    num_docs: int, docs_per_query: int, count: int, facts_per_doc: int = 2, seed: int = 0, chars: int = 800
+    num_docs: int, docs_per_query: int, count: int, facts_per_doc: int = 1, seed: int = 0, chars: int = 800
 ) -> tuple[list[str], list[Question]]:
     """The document segments to warm and ``count`` questions over shuffled subsets of them (deterministic)."""
     if not 1 <= docs_per_query <= num_docs:
@@ -108,6 +112,52 @@ def configurations(
     return configs
 
 
+def select_configurations(configs: dict[str, RepairConfig | None], names: list[str]) -> dict[str, RepairConfig | None]:
+    """The configurations named in ``names`` (``strategy@ratio``, ratios compared as numbers: ``cacheblend@1.0``
+    is ``cacheblend@1``), full prefill always included first (it is every comparison's reference)."""
+
+    def canonical(name: str) -> str:
+        strategy, at, ratio = name.partition("@")
+        try:
+            return f"{strategy}@{float(ratio):g}" if at else name
+        except ValueError:
+            return name
+
+    wanted = [canonical(name) for name in names]
+    unknown = [name for name, key in zip(names, wanted, strict=True) if key not in configs]
+    if unknown:
+        raise ValueError(f"unknown configurations {unknown}: choose from {list(configs)}")
+    return {name: configs[name] for name in configs if name == FULL or name in wanted}
+
+
+def paired_comparison(
+    correct: list[float], reference: list[float], resamples: int = 10_000, seed: int = 0
+) -> dict[str, float]:
+    """Paired statistics of per-question scores (1.0 right, 0.0 wrong) against a reference's on the same questions.
+
+    ``gained``: questions right here and wrong in the reference; ``lost``: the reverse (McNemar's discordant
+    pairs); ``mcnemar_p``: exact two-sided McNemar p-value (binomial(gained + lost, 1/2) on the discordant
+    pairs; 1.0 when there are none); ``diff_low``/``diff_high``: percentile bootstrap 95% interval of the accuracy
+    difference (this minus reference), questions resampled with replacement ``resamples`` times from
+    ``random.Random(seed)`` (deterministic)."""
+    if len(correct) != len(reference) or not correct:
+        raise ValueError(f"need equally many (> 0) scores, got {len(correct)} and {len(reference)}")
+    deltas = [a - b for a, b in zip(correct, reference, strict=True)]
+    gained, lost = deltas.count(1.0), deltas.count(-1.0)
+    discordant = gained + lost
+    tail = sum(math.comb(discordant, k) for k in range(min(gained, lost) + 1)) / 2**discordant
+    rng = random.Random(seed)
+    count = len(deltas)
+    means = sorted(sum(rng.choices(deltas, k=count)) / count for _ in range(resamples))
+    return {
+        "gained": float(gained),
+        "lost": float(lost),
+        "mcnemar_p": min(1.0, 2 * tail),
+        "diff_low": means[int(0.025 * (resamples - 1))],
+        "diff_high": means[int(0.975 * (resamples - 1))],
+    }
+
+
 class StoreSnapshot:
     """The keys of the store's RAM tier at creation; :meth:`restore` deletes every key added since, so each
     configuration starts from the warmed documents only (write-back of one would otherwise help the next)."""
@@ -133,7 +183,8 @@ def evaluate(
     and return the means per configuration: ``correct`` (accuracy), ``agrees_with_full`` (same answer as the full
     prefill), ``speedup`` (mean full-prefill TTFT over mean TTFT) and :func:`kvboost_hf.bench.rag.compare`'s
     ``ttft_ms``, ``top1_agree``, ``kl`` (first token, full || reuse), ``greedy_match`` (tokens), ``reused_tokens``
-    and ``recomputed_tokens``."""
+    and ``recomputed_tokens``; and :func:`paired_comparison` of each configuration's answers with the full
+    prefill's (``gained``, ``lost``, ``mcnemar_p``, ``diff_low``, ``diff_high``)."""
     engine.warm(HEADER)
     for doc in documents:
         engine.warm(doc)
@@ -167,31 +218,42 @@ def evaluate(
     summary = {
         name: {key: statistics.fmean(r[key] for r in values) for key in values[0]} for name, values in rows.items()
     }
-    for row in summary.values():
+    reference_scores = [r["correct"] for r in rows[FULL]]
+    for name, row in summary.items():
         row["speedup"] = summary[FULL]["ttft_ms"] / row["ttft_ms"]
+        row |= paired_comparison([r["correct"] for r in rows[name]], reference_scores)
     return summary
 
 
-def target_check(summary: dict[str, dict[str, float]]) -> dict[str, float | bool]:
-    """The issue's target: CacheBlend at ratio 0.15 within 2 accuracy points of full prefill at >= 3x TTFT."""
+def target_check(summary: dict[str, dict[str, float]]) -> dict[str, float | bool | str]:
+    """The issue's target: CacheBlend at ratio 0.15 within 2 accuracy points of full prefill at >= 3x TTFT.
+
+    ``met`` compares the point estimates; ``accuracy_verdict`` says what the bootstrap interval of the difference
+    resolves: ``within`` (its low end is above -2 points), ``worse`` (its high end is below -2 points) or
+    ``unresolved`` (the interval holds -2 points)."""
     row = summary[f"cacheblend@{TARGET['ratio']:g}"]
     drop = summary[FULL]["correct"] - row["correct"]
+    limit = -TARGET["max_accuracy_drop"]
+    verdict = "within" if row["diff_low"] >= limit else "worse" if row["diff_high"] < limit else "unresolved"
     return {
         "accuracy_drop": drop,
         "speedup": row["speedup"],
         "met": drop <= TARGET["max_accuracy_drop"] and row["speedup"] >= TARGET["min_speedup"],
+        "accuracy_verdict": verdict,
     }
 
 
 def run(args: argparse.Namespace, engine: InferenceEngine | None = None) -> dict:
     """The whole benchmark; pass ``engine`` to reuse a loaded one (its store is cleared first)."""
-    if engine is None:
-        engine = InferenceEngine.from_pretrained(chunk_size=args.chunk_size)
-    engine.store.clear()
     documents, questions = build_questions(
         args.docs, args.docs_per_query, args.questions, args.facts_per_doc, args.seed, args.doc_chars
     )
     configs = configurations(tuple(args.ratios), tuple(args.variant_ratios), args.head_tokens, args.check_layer)
+    if args.configs:
+        configs = select_configurations(configs, args.configs)
+    if engine is None:
+        engine = InferenceEngine.from_pretrained(chunk_size=args.chunk_size)
+    engine.store.clear()
     summary = evaluate(engine, documents, questions, configs, args.new_tokens)
     return {
         "benchmark": "rag_accuracy",
@@ -206,12 +268,15 @@ def run(args: argparse.Namespace, engine: InferenceEngine | None = None) -> dict
 def table(configs: dict[str, dict[str, float]]) -> list[str]:
     """One text line per configuration of an :func:`evaluate` summary, under a header line."""
     lines = [
-        f"{'config':<24} {'accuracy':>8} {'agree':>6} {'TTFT ms':>8} {'speed-up':>8} {'KL':>8} {'greedy':>6} "
-        f"{'reused':>7} {'recomputed':>10}"
+        f"{'config':<24} {'accuracy':>8} {'+/-':>7} {'diff 95% CI':>15} {'McNemar p':>9} {'agree':>6} {'TTFT ms':>8} "
+        f"{'speed-up':>8} {'KL':>8} {'greedy':>6} {'reused':>7} {'recomputed':>10}"
     ]
     for name, row in configs.items():
+        interval = f"[{100 * row['diff_low']:+.0f}, {100 * row['diff_high']:+.0f}]"
+        discordant = f"+{row['gained']:.0f}/-{row['lost']:.0f}"
         lines.append(
-            f"{name:<24} {row['correct']:>8.0%} {row['agrees_with_full']:>6.0%} {row['ttft_ms']:>8.0f} "
+            f"{name:<24} {row['correct']:>8.0%} {discordant:>7} {interval:>15} "
+            f"{row['mcnemar_p']:>9.3f} {row['agrees_with_full']:>6.0%} {row['ttft_ms']:>8.0f} "
             f"{row['speedup']:>7.2f}x {row['kl']:>8.4f} {row['greedy_match']:>6.1f} {row['reused_tokens']:>7.0f} "
             f"{row['recomputed_tokens']:>10.0f}"
         )
@@ -229,7 +294,8 @@ def report(result: dict) -> str:
         lines.append(
             f"target (cacheblend@{TARGET['ratio']:g} within {TARGET['max_accuracy_drop']:.0%} of full prefill at >= "
             f"{TARGET['min_speedup']:g}x): drop {target['accuracy_drop']:+.1%}, {target['speedup']:.2f}x -> "
-            f"{'met' if target['met'] else 'NOT met'}"
+            f"{'met' if target['met'] else 'NOT met'} on the point estimates; the 95% interval of the accuracy "
+            f"difference says: {target['accuracy_verdict']}"
         )
     return "\n".join(lines)
 
@@ -245,12 +311,31 @@ def plot_curves(result: dict, axes: tuple) -> None:
         ax_speed.plot(ratios, [row["speedup"] for _, row in points], marker="o", label=strategy)
     for ax, key in ((ax_acc, "correct"), (ax_speed, "speedup")):
         ax.axhline(configs[FULL][key], color="black", label=FULL)
-        ax.axhline(configs["none"][key], color="grey", linestyle="--", label="none")
+        if "none" in configs:
+            ax.axhline(configs["none"][key], color="grey", linestyle="--", label="none")
         ax.set_xscale("log")
         ax.grid(True, alpha=0.3)
         ax.legend()
     ax_acc.set(xlabel="recompute ratio", ylabel="exact-match accuracy", ylim=(-0.02, 1.02))
     ax_speed.set(xlabel="recompute ratio", ylabel="TTFT speed-up over full prefill")
+
+
+def plot_differences(result: dict, ax) -> None:
+    """Each configuration's accuracy minus full prefill's with its bootstrap 95% interval, and the target's limit."""
+    names = [name for name in result["configs"] if name != FULL]
+    rows = [result["configs"][name] for name in names]
+    diffs = [row["correct"] - result["configs"][FULL]["correct"] for row in rows]
+    errors = [
+        [max(0.0, d - row["diff_low"]) for d, row in zip(diffs, rows, strict=True)],
+        [max(0.0, row["diff_high"] - d) for d, row in zip(diffs, rows, strict=True)],
+    ]
+    ax.errorbar(diffs, range(len(names)), xerr=errors, fmt="o", capsize=3)
+    ax.axvline(0.0, color="black")
+    ax.axvline(-TARGET["max_accuracy_drop"], color="red", linestyle=":", label="target: -2 points")
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set(xlabel="accuracy - full prefill's (95% bootstrap)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
 
 
 def plot(result: dict, path: Path) -> None:
@@ -259,8 +344,9 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    plot_curves(result, axes)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    plot_curves(result, axes[:2])
+    plot_differences(result, axes[2])
     fig.suptitle(f"RAG accuracy under reuse, {result['model'].split('/')[-1]} ({result['machine']['device']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -269,8 +355,8 @@ def plot(result: dict, path: Path) -> None:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = parser_for("rag_accuracy", __doc__)
-    parser.add_argument("--docs", type=int, default=6, help="documents in the store")
-    parser.add_argument("--facts-per-doc", type=int, default=2, help="facts planted in each document")
+    parser.add_argument("--docs", type=int, default=20, help="documents in the store (at most 20 of 800 chars)")
+    parser.add_argument("--facts-per-doc", type=int, default=1, help="facts planted in each document")
     parser.add_argument("--doc-chars", type=int, default=800, help="characters of real text per document")
     parser.add_argument("--docs-per-query", type=int, default=3, help="documents in each prompt")
     parser.add_argument("--questions", type=int, default=12)
@@ -280,6 +366,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--variant-ratios", type=float, nargs="*", default=[0.15], help="ratios of the variants")
     parser.add_argument("--head-tokens", type=int, default=4, help="chunk-head tokens of the heads variant")
     parser.add_argument("--check-layer", type=int, default=4, help="probe layer of the check-layer variant")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=None,
+        help="only these configurations (names as in the table, e.g. none cacheblend@0.15; full prefill always runs)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 

@@ -49,8 +49,10 @@ def expected_tokens_per_verify(a: float, g: int) -> float:
     return float(g + 1) if a >= 1.0 else (1.0 - a ** (g + 1)) / (1.0 - a)
 
 
-def draft_engine(target: InferenceEngine, kind: str) -> InferenceEngine:
-    """An engine on the target's model and store with the draft named ``kind`` (copy, bf16, awq or earlyN)."""
+def draft_engine(target: InferenceEngine, kind: str, model: str | None = None) -> InferenceEngine:
+    """An engine on the target's model and store with the draft named ``kind`` (copy, bf16, awq or earlyN).
+    ``copy``, ``bf16`` and ``awq`` load ``model`` (hub name or directory, a local directory for ``awq``; ``None``:
+    the embedded model): the target's own for a copy of it, or a smaller checkpoint with the target's tokenizer."""
     if match := re.fullmatch(r"early(\d+)", kind):
         size, store, exit_layers = target.chunking.chunk_size, target.store, int(match.group(1))
         return InferenceEngine(
@@ -60,11 +62,11 @@ def draft_engine(target: InferenceEngine, kind: str) -> InferenceEngine:
         raise ValueError(f"unknown draft {kind!r}: use copy, bf16, awq or earlyN (N layers of the target)")
     if kind == "awq":
         packed = Path(tempfile.mkdtemp(prefix="kvboost-awq-draft-"))
-        pack_checkpoint(embedded_model_dir(), packed, group_size=64)
+        pack_checkpoint(model if model is not None else embedded_model_dir(), packed, group_size=64)
         draft, _ = load_model_and_tokenizer(str(packed), device=target.device, dtype=torch.float16)
     else:
         dtype = torch.bfloat16 if kind == "bf16" else target.model.dtype
-        draft, _ = load_model_and_tokenizer(None, device=target.device, dtype=dtype)
+        draft, _ = load_model_and_tokenizer(model, device=target.device, dtype=dtype)
     return InferenceEngine(
         target.model, target.tokenizer, chunk_size=target.chunking.chunk_size, store=target.store, draft_model=draft
     )
