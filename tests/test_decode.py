@@ -7,9 +7,12 @@ import threading
 import pytest
 import torch
 from conftest import greedy, make_tiny_model
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, DecodeLoop, DecodeRequest, SamplingParams
 from kvboost_hf.core.chunking import ChunkingConfig
+from kvboost_hf.hf.decode import visible_text
 
 CHUNKING = ChunkingConfig(8)
 EOS = {127}
@@ -166,3 +169,32 @@ def test_rows_joining_a_running_batch_equal_generate_alone(model, reuse):
     if reuse:  # the joined rows' chunks were written back from the merged cache
         again = run(model, [DecodeRequest(p, 1, greedy_params) for p in later], store)
         assert all(row.reuse.cached_tokens > 0 for row in again.rows)
+
+
+texts = st.text(alphabet="abc ", max_size=30)
+stop_lists = st.lists(st.text(alphabet="abc", min_size=1, max_size=4), max_size=3)
+
+
+@given(texts, stop_lists)
+def test_visible_text_never_shows_a_stop_and_cuts_at_the_first(text, stops):
+    visible, stopped = visible_text(text, stops)
+    assert text.startswith(visible)
+    assert not any(stop in visible for stop in stops)
+    rest = text[len(visible) :]
+    if stopped:
+        assert any(rest.startswith(stop) for stop in stops)
+    else:  # what is held back could still become a stop
+        assert not any(stop in text for stop in stops)
+        assert rest == "" or any(stop.startswith(rest) and stop != rest for stop in stops)
+
+
+@given(texts, stop_lists)
+def test_streamed_text_is_never_taken_back(text, stops):
+    """What a stream has sent stays a prefix of what it sends later, up to and including the stop."""
+    sent = ""
+    for end in range(len(text) + 1):
+        visible, stopped = visible_text(text[:end], stops)
+        assert visible.startswith(sent)
+        sent = visible
+        if stopped:
+            break
