@@ -571,20 +571,23 @@ class InferenceEngine:
     def generate_many(
         self, prompts: Sequence[Prompt], max_new_tokens: int = 64, *, max_batch_size: int = 8, **kwargs: Any
     ) -> list[GenerationResult]:
-        """Generate for many prompts: those sharing their first chunk run as one batch; input order is kept."""
-        groups: dict[tuple[object, ...], list[int]] = {}
+        """Generate for many prompts in batches of up to ``max_batch_size`` rows of similar length (less padding;
+        chunks stored by one batch are loaded by the next); segment prompts run alone. Input order is kept."""
+        lengths: dict[int, int] = {}
+        alone: list[list[int]] = []
         for index, prompt in enumerate(prompts):
             ids, starts = self.encode_segments(prompt)
-            spans = chunk_spans(ids, self.chunking)
-            head = tuple(ids[: spans[0][1]]) if spans and not starts else ("alone", index)
-            groups.setdefault(head, []).append(index)
+            if starts:
+                alone.append([index])
+            else:
+                lengths[index] = len(ids)
+        by_length = sorted(lengths, key=lengths.__getitem__)
+        batches = alone + [by_length[lo : lo + max_batch_size] for lo in range(0, len(by_length), max_batch_size)]
         results: list[GenerationResult | None] = [None] * len(prompts)
-        for members in groups.values():
-            for lo in range(0, len(members), max_batch_size):
-                batch = members[lo : lo + max_batch_size]
-                outputs = self.generate_batch([prompts[i] for i in batch], max_new_tokens, **kwargs)
-                for index, result in zip(batch, outputs, strict=True):
-                    results[index] = result
+        for batch in batches:
+            outputs = self.generate_batch([prompts[i] for i in batch], max_new_tokens, **kwargs)
+            for index, result in zip(batch, outputs, strict=True):
+                results[index] = result
         return [r for r in results if r is not None]
 
     # ------------------------------------------------------------------ checks and stats
