@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvboost_hf.bench.common import pyplot
+
 logger = logging.getLogger(__name__)
 
 TARGETS = {"prefill": 0.9, "decode": 1.0}  # minimum kvboost / SDPA-flash throughput ratio
@@ -136,10 +138,7 @@ def _print_table(cases: list[Case]) -> None:
 
 
 def _plot(cases: list[Case], device_name: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, kind in zip(axes, TARGETS, strict=True):

@@ -36,6 +36,16 @@ def parser_for(name: str, doc: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend (benchmarks write PNG files; no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def save_results(
     out: Path, name: str, result: dict[str, Any], report: Callable[[dict], str], plot: Callable[[dict, Path], None]
 ) -> None:

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from kvboost_hf.bench.common import machine_info, parser_for, save_results
+from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
 from kvboost_hf.corpus import chat_script
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.generation import TokenTimer
@@ -146,10 +146,7 @@ def report(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     turns = [row["turn"] for row in result["turns"]]
     fig, ax = plt.subplots(figsize=(7, 4))

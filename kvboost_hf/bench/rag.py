@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvboost_hf.bench.common import machine_info, parser_for, save_results
+from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
 from kvboost_hf.core.config import RepairConfig
 from kvboost_hf.corpus import documents
 from kvboost_hf.engine import InferenceEngine
@@ -154,10 +154,7 @@ def report(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_kl, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4))
     none = result["configs"]["none@0.0"]

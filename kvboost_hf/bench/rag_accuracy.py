@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvboost_hf.bench.common import machine_info, parser_for, save_results
+from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
 from kvboost_hf.bench.rag import compare
 from kvboost_hf.core.config import RepairConfig
 from kvboost_hf.corpus import Fact, fact_documents
@@ -339,10 +339,7 @@ def plot_differences(result: dict, ax) -> None:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     plot_curves(result, axes[:2])

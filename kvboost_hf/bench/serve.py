@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from kvboost_hf.bench.common import pyplot
 from kvboost_hf.corpus import documents
 
 if TYPE_CHECKING:  # openai is an optional dependency, imported where it is used
@@ -210,10 +211,7 @@ def run_mode(reuse: bool, args: argparse.Namespace, system: str) -> dict:
 
 
 def plot(off: dict, on: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
     panels = [

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvboost_hf.bench.common import machine_info, parser_for, save_results
+from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
 from kvboost_hf.corpus import sample_prompts
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.models import embedded_model_dir, load_model_and_tokenizer
@@ -168,10 +168,7 @@ def report(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for kind, rows in result["rows"]["resident"].items():

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvboost_hf.bench.common import machine_info, parser_for, save_results
+from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.offload import LayerStreaming, enable_layer_streaming, layer_streamer
 
@@ -168,10 +168,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     res, st = result["resident"], result["streamed"]
     fig, (speed, split) = plt.subplots(1, 2, figsize=(10, 4))

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from kvboost_hf.bench.common import machine_info, parser_for, save_results
+from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.chunking import chunk_spans
 from kvboost_hf.core.keys import chain_prefix_keys, forget_model_digest, model_digest
@@ -440,10 +440,7 @@ def report_table(result: dict) -> str:
 def plot(report: dict, path: Path) -> None:
     """Two panels: TTFT by source, bytes per token by bit width (skipped without matplotlib)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         logger.warning("matplotlib is not installed: no PNG")
         return
