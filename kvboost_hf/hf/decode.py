@@ -390,7 +390,7 @@ class DecodeLoop:
             return 0
         cache = self.new_cache()
         keys = chain_prefix_keys(cache.namespace, first, chunk_spans(first[:shared], self.chunking))
-        if all(cache.store.contains(key) for key in keys):
+        if all(cache.store.contains_many(keys)):  # one Redis round trip for all of them
             return 0
         with torch.inference_mode():
             self.model(input_ids=torch.tensor([first[:shared]], device=self.device), past_key_values=cache,
