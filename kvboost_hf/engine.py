@@ -1,7 +1,8 @@
 """The engine facade: one object that owns a model, its tokenizer and a chunk store.
 
-``KVBoost`` (this module's :class:`InferenceEngine`) renders prompts, runs ``model.generate`` with a fresh
-:class:`~kvboost_hf.hf.cache.ChunkReuseCache` per request, and reports time to first token and reuse.
+``KVBoost`` (this module's :class:`InferenceEngine`) renders prompts, runs the decode loop
+(:class:`~kvboost_hf.hf.decode.DecodeLoop`, speculative when the engine has a draft) with a fresh
+:class:`~kvboost_hf.hf.cache.ChunkReuseCache` per call, and reports time to first token and reuse.
 """
 
 from __future__ import annotations
@@ -14,20 +15,19 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvboost_hf.core.chunking import ChunkingConfig, boundary_token_ids_from_tokenizer, chunk_spans
 from kvboost_hf.core.config import GenerationMode, RecomputeStrategy, RepairConfig
 from kvboost_hf.core.keys import model_digest
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, left_pad
-from kvboost_hf.hf.generation import FinishedCriteria, TokenTimer
 from kvboost_hf.hf.models import check_model_support, load_model_and_tokenizer, model_dtype
 from kvboost_hf.hf.sampling import SamplingParams
-from kvboost_hf.hf.speculative import DraftSettings, DraftSource, Speculation, SpeculationStats, resolve_draft
+from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftSource, resolve_draft
 from kvboost_hf.offload import LayerStreaming, layer_streamer
 from kvboost_hf.offload.loading import load_streamed_model
 from kvboost_hf.results import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
@@ -39,15 +39,6 @@ Prompt = str | Sequence[str] | Sequence[dict[str, str]]
 """A string; a list of strings (segments: documents, a question, each starting a chunk, concatenated as is);
 or chat messages (``{"role": ..., "content": ...}``) rendered with the tokenizer's chat template."""
 DEFAULT_MAX_CACHE_BYTES = 2 << 30
-
-
-class Speculated(NamedTuple):
-    """One speculatively decoded row, its decode counters (:class:`GenerationResult` fields) and the tokens its
-    first step yielded."""
-
-    row: DecodeRow
-    counts: dict[str, Any]
-    first_step_tokens: int
 
 
 class InferenceEngine:
@@ -70,7 +61,8 @@ class InferenceEngine:
         draft_model: a resident draft for speculative decoding of single-prompt calls (a path or hub name, loaded
             on the target's device and dtype; a model; or another engine, whose store and chunk settings its
             cache then uses); it must share the target's tokenizer. Its prompt K/V are reused from the store
-            like the target's (under its own namespace). Batched calls decode without it.
+            like the target's (under its own namespace). Every call (batched too) decodes with it; it never changes
+            the tokens (see :mod:`kvboost_hf.hf.speculative`), only the number of target forwards.
         num_draft_tokens: tokens the draft proposes per verify forward (fixed schedule, no confidence stop).
         draft_early_exit: instead of a draft model, draft with the target's first ``draft_early_exit`` layers.
     """
@@ -141,7 +133,7 @@ class InferenceEngine:
             self.draft_model = resolve_draft(draft_model, self.model, self.tokenizer, load)
             check_model_support(self.draft_model.config, strict=strict)
             model_digest(self.draft_model)
-        Speculation(self.model, self.draft_model, self.draft_settings)  # validates early exit against the target
+        self.draft_settings.check(self.model, self.draft_model)
         self.speculative = draft_model is not None or draft_early_exit is not None
         self._decode_totals = dict.fromkeys(
             ("generated_tokens", "target_forwards", "draft_tokens_proposed", "draft_tokens_accepted"), 0
@@ -361,8 +353,8 @@ class InferenceEngine:
         """Generate for several prompts (any prefixes) in one left-padded batch on the decode loop the server
         runs (:class:`~kvboost_hf.hf.decode.DecodeLoop`). Each row's greedy output equals what it gets alone, and
         every row is sampled with ``seed`` as if alone. ``on_token(row, token)`` is called as each token exists.
-        A single prompt is decoded speculatively when the engine has a draft (transformers' assisted generation,
-        which takes one row); a batch of several is not. TTFT is the batch's."""
+        With a draft every row is decoded speculatively; its tokens are those it gets without one. TTFT is the
+        batch's."""
         started = time.perf_counter()
         if not prompts:
             raise ValueError("prompts is empty")
@@ -377,64 +369,91 @@ class InferenceEngine:
         if seed is not None:
             sampling = replace(sampling, seed=seed)
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        new_cache = None
-        if mode is not GenerationMode.BASELINE:
-            starts = segment_starts[0] if len(prompts) == 1 else ()
-            new_cache = functools.partial(self.new_cache, mode, cache_salt, starts, repair)
+        starts = segment_starts[0] if len(prompts) == 1 else ()
+        requests = [
+            DecodeRequest(ids, max_new_tokens, sampling, stops, logprobs, None, cancel, logprobs is not None)
+            for ids in encoded
+        ]
+        rows = DecodeLoop.rows_for(requests, self.eos_token_ids)
+        index = {id(row): i for i, row in enumerate(rows)}
+        loop = self.decode_loop(
+            rows,
+            mode,
+            cache_salt,
+            starts,
+            repair,
+            on_token=(lambda row: None) if on_token is None else (lambda row: on_token(index[id(row)], row.tokens[-1])),
+        )
         streamer = layer_streamer(self.model)
         with self.lock:
             streamed_before = streamer.stats().bytes_streamed if streamer is not None else 0
-            if len(prompts) == 1 and self.speculative:
-                request = DecodeRequest(encoded[0], max_new_tokens, sampling, stops, logprobs, None, cancel)
-                report = None if on_token is None else (lambda row: on_token(0, row.tokens[-1]))
-                outcome = self.speculate(request, mode, cache_salt, segment_starts[0], repair, on_token=report)
-                rows, decode, first_step_tokens = [outcome.row], outcome.counts, outcome.first_step_tokens
-            else:
-                requests = [
-                    DecodeRequest(ids, max_new_tokens, sampling, stops, logprobs, None, cancel, logprobs is not None)
-                    for ids in encoded
-                ]
-                rows = DecodeLoop.rows_for(requests, self.eos_token_ids)
-                index = {id(row): i for i, row in enumerate(rows)}
-                loop = DecodeLoop(
-                    self.model,
-                    functools.partial(self.tokenizer.decode, skip_special_tokens=True),
-                    rows,
-                    new_cache=new_cache,
-                    chunking=self.chunking,
-                    pad_token_id=self.pad_token_id,
-                    on_token=(lambda row: None)
-                    if on_token is None
-                    else (lambda row: on_token(index[id(row)], row.tokens[-1])),
-                )
-                loop.run()
-                longest = max(len(row.tokens) for row in rows)
-                all_tokens = sum(len(row.tokens) for row in rows)
-                decode = self._count_decode(SpeculationStats(target_forwards=loop.forwards), longest, all_tokens, 0)
-                first_step_tokens = 1
+            loop.run()
             streamed = streamer.stats().bytes_streamed - streamed_before if streamer is not None else None
+        decode = self.count_decode(loop)
         finished = time.perf_counter()
         first = min((row.first_token_time for row in rows if row.first_token_time is not None), default=finished)
-        return [
-            self._result(row, mode, (started, first, finished), first_step_tokens, decode, streamed) for row in rows
-        ]
+        return [self._result(row, mode, (started, first, finished), decode, streamed) for row in rows]
+
+    def decode_loop(
+        self,
+        rows: Sequence[DecodeRow],
+        mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
+        cache_salt: str | None = None,
+        segment_starts: Sequence[int] = (),
+        repair: RepairConfig | None = None,
+        *,
+        on_token: Callable[[DecodeRow], None] = lambda row: None,
+        tokenizer_lock: contextlib.AbstractContextManager | None = None,
+    ) -> DecodeLoop:
+        """A decode loop for ``rows`` on this engine's model with fresh caches of these settings (no store with
+        ``mode="baseline"``), speculative with the engine's draft when it has one. The caller runs it under
+        :attr:`lock`."""
+        mode = GenerationMode(mode)
+        reuse = mode is not GenerationMode.BASELINE
+        new_cache = functools.partial(self.new_cache, mode, cache_salt, segment_starts, repair) if reuse else None
+        return DecodeLoop(
+            self.model,
+            functools.partial(self.tokenizer.decode, skip_special_tokens=True),
+            rows,
+            new_cache=new_cache,
+            chunking=self.chunking,
+            pad_token_id=self.pad_token_id,
+            on_token=on_token,
+            tokenizer_lock=tokenizer_lock,
+            draft=self._drafter(mode, cache_salt, segment_starts, repair),
+        )
+
+    def _drafter(
+        self, mode: GenerationMode, cache_salt: str | None, segment_starts: Sequence[int], repair: RepairConfig | None
+    ) -> Drafter | None:
+        """The engine's drafter for one loop, or None without a draft. A draft model gets a chunk-reuse cache of
+        its own (in its own engine's store when it is an engine) unless reuse is off; an early-exit draft (the
+        target's first layers) a plain cache."""
+        if not self.speculative:
+            return None
+        if self.draft_model is None:
+            return Drafter(self.model, self.draft_settings)
+        draft_cache = None
+        if mode is not GenerationMode.BASELINE:
+            owner, model = (self._draft_engine, None) if self._draft_engine is not None else (self, self.draft_model)
+            draft_cache = functools.partial(owner.new_cache, mode, cache_salt, segment_starts, repair, model=model)
+        return Drafter(self.draft_model, self.draft_settings, draft_cache)
 
     def _result(
         self,
         row: DecodeRow,
         mode: GenerationMode,
         times: tuple[float, float, float],
-        first_step_tokens: int,
         decode: dict[str, Any],
         streamed: int | None,
     ) -> GenerationResult:
         """One row's :class:`GenerationResult`. ``times``: the batch's start, first token and end
-        (``time.perf_counter()`` values); ``first_step_tokens``: tokens the first step yielded (a verify, several)."""
+        (``time.perf_counter()`` values)."""
         started, first, finished = times
         prompt_ids = list(row.request.prompt_ids)
         tokens = row.tokens
         decode_s = max((row.last_token_time or finished) - (row.first_token_time or first), 1e-9)
-        later = len(tokens) - first_step_tokens
+        later = len(tokens) - 1
         logprobs = row.logprobs if row.request.top_logprobs is not None else None
         return GenerationResult(
             mode=mode.value,
@@ -459,113 +478,29 @@ class InferenceEngine:
             streamed_bytes_per_token=None if streamed is None else streamed / max(len(tokens), 1),
         )
 
-    def speculate(
-        self,
-        request: DecodeRequest,
-        mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
-        cache_salt: str | None = None,
-        segment_starts: Sequence[int] = (),
-        repair: RepairConfig | None = None,
-        *,
-        on_token: Callable[[DecodeRow], None] | None = None,
-        tokenizer_lock: contextlib.AbstractContextManager | None = None,
-    ) -> Speculated:
-        """Decode one row with the engine's draft on transformers' assisted generation (the engine needs a draft).
-
-        The row's processors are passed as ``logits_processor`` (speculative sampling keeps the target's processed
-        distribution); sampling draws from torch's global generator seeded with the row's seed, so the draws differ
-        from the decode loop's. ``on_token(row)`` is called after each token (a verify step yields several);
-        log-probabilities are filled in when generation ends. ``tokenizer_lock`` guards each decode of the text.
-        """
-        if not self.speculative:
-            raise ValueError("this engine has no draft: pass draft_model= or draft_early_exit= to speculate")
-        mode = GenerationMode(mode)
-        row = DecodeLoop.rows_for([request], self.eos_token_ids)[0]
-        cache: ChunkReuseCache | DynamicCache = DynamicCache()
-        if mode is not GenerationMode.BASELINE:
-            cache = self.new_cache(mode, cache_salt, segment_starts, repair)
-        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
-        keep_logits = request.top_logprobs is not None
-
-        def on_step(tokens: list[int]) -> None:
-            if not row.finished:
-                with tokenizer_lock or contextlib.nullcontext():
-                    row.add(tokens[0], decode)
-                if on_token is not None:
-                    on_token(row)
-
-        timer = TokenTimer(on_step)
-        options: dict[str, Any] = {
-            "max_new_tokens": request.max_new_tokens,
-            "do_sample": not request.sampling.greedy,
-            "streamer": timer,
-            "past_key_values": cache,
-            "attention_mask": torch.ones(1, len(request.prompt_ids), dtype=torch.long, device=self.device),
-            "pad_token_id": self.pad_token_id,
-            "return_dict_in_generate": True,
-            "output_logits": keep_logits,
-            "logits_processor": row.processors,
-            "stopping_criteria": [FinishedCriteria(lambda: row.finished)],
-        }
-        if request.sampling.greedy:
-            options.update(temperature=None, top_p=None, top_k=None)
-        else:  # the row's processors hold the warpers: keep transformers' own neutral
-            options.update(temperature=1.0, top_p=1.0, top_k=0)
-        speculation = self._speculation(True, mode, cache_salt, segment_starts, repair)
-        input_ids = torch.tensor([list(request.prompt_ids)], device=self.device)
-        with self.lock, torch.inference_mode(), speculation:
-            torch.manual_seed(row.seed)
-            output = self.model.generate(input_ids, **options, **speculation.generate_kwargs())
-        if isinstance(cache, ChunkReuseCache) and cache.last_reuse:
-            row.reuse = cache.last_reuse[0]
-        if keep_logits:
-            row.first_logits = output.logits[0][0].float().cpu()
-            for token, step in zip(row.tokens, output.logits, strict=False):
-                row.log(token, torch.log_softmax(step[0].float(), dim=-1))
-        row.finish_reason = row.finish_reason or "length"
-        width = output.sequences.shape[1]
-        counts = self._count_decode(speculation.stats, width - input_ids.shape[1], len(row.tokens), width)
-        return Speculated(row, counts, timer.first_step_tokens)
-
-    def _speculation(
-        self,
-        single: bool,
-        mode: GenerationMode,
-        cache_salt: str | None,
-        segment_starts: Sequence[int],
-        repair: RepairConfig | None,
-    ) -> Speculation:
-        """The draft (for a single prompt when the engine has one) and counters of one generate call. The draft
-        gets a chunk-reuse cache of its own (in its own engine's store when it is an engine) unless reuse is off."""
-        if not (single and self.speculative):
-            return Speculation(self.model)
-        draft_cache = None
-        if self.draft_model is not None and mode is not GenerationMode.BASELINE:
-            owner, model = (self._draft_engine, None) if self._draft_engine is not None else (self, self.draft_model)
-            draft_cache = functools.partial(owner.new_cache, mode, cache_salt, segment_starts, repair, model=model)
-        return Speculation(self.model, self.draft_model, self.draft_settings, draft_cache)
-
-    def _count_decode(
-        self, stats: SpeculationStats, new_tokens: int, row_tokens: int, final_width: int
-    ) -> dict[str, Any]:
-        """Per-call decode figures for :class:`GenerationResult`, also added to the engine's running totals.
-        ``new_tokens``: the longest row's generated tokens (a batch's rows share forwards); ``row_tokens``: all
-        rows' generated tokens; ``final_width``: the sequence length after generation (speculative: one row)."""
-        accepted = stats.accepted(new_tokens)
+    def count_decode(self, loop: DecodeLoop) -> dict[str, Any]:
+        """Decode figures of a finished loop (its rows share its target forwards) as :class:`GenerationResult`
+        fields; also added to the engine's running totals (:meth:`cache_stats`). Call once per loop."""
+        rows = loop.rows
+        proposed = sum(row.draft_proposed for row in rows)
+        accepted = sum(row.draft_accepted for row in rows)
+        rejected = sum(row.draft_rejected for row in rows)
+        longest = max(len(row.tokens) for row in rows)
         totals = self._decode_totals
-        totals["generated_tokens"] += row_tokens
-        totals["target_forwards"] += stats.target_forwards
-        totals["draft_tokens_proposed"] += stats.draft_tokens_proposed
+        totals["generated_tokens"] += sum(len(row.tokens) for row in rows)
+        totals["target_forwards"] += loop.forwards
+        totals["draft_tokens_proposed"] += proposed
         totals["draft_tokens_accepted"] += accepted
-        drafted = stats.draft_rounds > 0
+        drafted = loop.draft is not None and proposed > 0
+        draft_reuse = loop.draft.cached_tokens if loop.draft is not None else []
         return {
-            "target_forwards": stats.target_forwards,
-            "tokens_per_target_forward": new_tokens / stats.target_forwards if stats.target_forwards else 0.0,
-            "draft_tokens_proposed": stats.draft_tokens_proposed,
+            "target_forwards": loop.forwards,
+            "tokens_per_target_forward": longest / loop.forwards if loop.forwards else 0.0,
+            "draft_tokens_proposed": proposed,
             "draft_tokens_accepted": accepted,
-            "draft_acceptance_rate": accepted / max(stats.draft_tokens_proposed, 1) if drafted else None,
-            "draft_position_acceptance": stats.position_acceptance(final_width),
-            "draft_cached_tokens": stats.draft_cached_tokens,
+            "draft_acceptance_rate": accepted / proposed if drafted else None,
+            "draft_position_acceptance": accepted / max(accepted + rejected, 1) if drafted else None,
+            "draft_cached_tokens": draft_reuse[0] if draft_reuse else None,
         }
 
     def generate_many(

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
 import torch
 from conftest import greedy, make_tiny_model
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, DecodeLoop, DecodeRequest, SamplingParams
 from kvboost_hf.core.chunking import ChunkingConfig
+from kvboost_hf.hf.cache import drop_tails
 from kvboost_hf.hf.decode import visible_text
+from kvboost_hf.hf.speculative import Drafter, DraftSettings
 
 CHUNKING = ChunkingConfig(8)
 EOS = {127}
@@ -198,3 +201,100 @@ def test_streamed_text_is_never_taken_back(text, stops):
         sent = visible
         if stopped:
             break
+
+
+# ---------------------------------------------------------------------------------------------------- speculative
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_drop_tails_keeps_each_rows_head_right_aligned(data):
+    rows = data.draw(st.integers(1, 4))
+    width = data.draw(st.integers(1, 7))
+    drops = data.draw(st.lists(st.integers(0, width), min_size=rows, max_size=rows))
+    tensor = torch.arange(1, rows * width + 1).reshape(rows, width)
+    out = drop_tails(tensor, drops, dim=1)
+    assert out.shape == (rows, width - min(drops))
+    for row, drop in enumerate(drops):
+        kept = tensor[row, : width - drop].tolist()
+        assert out[row].tolist() == [0] * (out.shape[1] - len(kept)) + kept
+    layered = tensor[:, None, :, None].expand(rows, 2, width, 3)  # [B, H, columns, D] as cache layers hold
+    assert torch.equal(drop_tails(layered, drops, dim=2), out[:, None, :, None].expand(rows, 2, out.shape[1], 3))
+
+
+def test_drop_tails_refuses_bad_counts():
+    with pytest.raises(ValueError, match="one count >= 0 per row"):
+        drop_tails(torch.zeros(2, 3), [1], dim=1)
+    with pytest.raises(ValueError, match="cannot drop 4 of 3"):
+        drop_tails(torch.zeros(2, 3), [4, 0], dim=1)
+
+
+@pytest.fixture(scope="module")
+def noisy_draft(model):
+    """A copy of the model with noise on its weights: some of its proposals are accepted, others not."""
+    draft = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.25 * parameter.std().nan_to_num())
+    return draft
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["plain", "chunk-reuse"])
+def test_speculative_rows_join_and_equal_generate_alone(model, noisy_draft, reuse):
+    """With a draft, rows accept different counts per verify, rows join mid-generation, and every row still gets
+    transformers' greedy tokens; with reuse the chunks written back (target and draft) are exact: a longer prompt
+    that loads them gives the first logits of a full prefill."""
+    store = ChunkStore() if reuse else None
+    new_cache = (lambda: ChunkReuseCache(store, model, CHUNKING)) if store is not None else None
+    draft_cache = (lambda: ChunkReuseCache(store, noisy_draft, CHUNKING)) if store is not None else None
+    drafter = Drafter(noisy_draft, DraftSettings(num_draft_tokens=3), draft_cache)
+    greedy_params = SamplingParams(temperature=0)
+    first, *later = prompts()
+    loop = DecodeLoop(
+        model, as_text, DecodeLoop.rows_for([DecodeRequest(first, 14, greedy_params)], EOS), new_cache=new_cache,
+        chunking=CHUNKING, pad_token_id=0, draft=drafter,
+    )  # fmt: skip
+    loop.prefill()
+    loop.step()
+    loop.join(DecodeLoop.rows_for([DecodeRequest(p, 18, greedy_params) for p in later], EOS))
+    while not loop.done:
+        loop.step()
+    for row, prompt in zip(loop.rows, [first, *later], strict=True):
+        alone, _ = greedy(model, torch.tensor([prompt]), new=row.request.max_new_tokens)
+        assert row.tokens == alone[0, len(prompt) :].tolist()
+    assert 0 < sum(row.draft_accepted for row in loop.rows) < sum(row.draft_proposed for row in loop.rows)
+    assert len({row.draft_accepted for row in loop.rows}) > 1
+    assert loop.forwards < 2 + 17  # 2 prefills + fewer verifies than the joined rows' 17 later tokens
+    if reuse:
+        longer = [first + loop.rows[0].tokens + [5, 6, 7]]
+        plain = run(model, [DecodeRequest(longer[0], 1, greedy_params, keep_first_logits=True)])
+        loaded = run(model, [DecodeRequest(longer[0], 1, greedy_params, keep_first_logits=True)], store)
+        assert loaded.rows[0].reuse.cached_tokens >= len(first)
+        assert torch.allclose(loaded.rows[0].first_logits, plain.rows[0].first_logits, atol=1e-4)
+        drafted = Drafter(noisy_draft, DraftSettings(), draft_cache)
+        drafted.prefill(torch.tensor(longer), torch.ones(1, len(longer[0]), dtype=torch.long),
+                        torch.arange(len(longer[0]))[None])  # fmt: skip
+        assert drafted.cached_tokens[0] >= len(first)  # the draft's chunks were written back too
+
+
+def test_a_constrained_row_takes_one_token_per_step_beside_speculating_rows(model, noisy_draft):
+    """A row with a (stateful) constraint is never given draft tokens; it sees each of its tokens once."""
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        def __call__(self, input_ids, scores):
+            self.seen.append(input_ids.shape[1])
+            return scores
+
+    recorder = Recorder()
+    first, second, _ = prompts()
+    requests = [DecodeRequest(first, 10, SamplingParams(temperature=0), constraint=recorder),
+                DecodeRequest(second, 10, SamplingParams(temperature=0))]  # fmt: skip
+    loop = run(model, requests, draft=Drafter(noisy_draft, DraftSettings(num_draft_tokens=3)))
+    constrained, free = loop.rows
+    assert recorder.seen == list(range(len(first), len(first) + len(constrained.tokens)))  # once per token, in order
+    assert constrained.draft_proposed == 0 and free.draft_proposed > 0
+    for row, prompt in ((constrained, first), (free, second)):
+        alone, _ = greedy(model, torch.tensor([prompt]), new=10)
+        assert row.tokens == alone[0, len(prompt) :].tolist()

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerFast
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, KVBoost
 from kvboost_hf.corpus import documents
+from kvboost_hf.hf.sampling import SamplingParams
 from kvboost_hf.hf.speculative import DraftSettings, Speculation
 from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
 
@@ -42,13 +43,19 @@ def target():
 
 @pytest.fixture(scope="module")
 def drafts(target):
-    """A different model (low acceptance) and an exact copy of the target (every proposal accepted)."""
-    return {"other": make_tiny_model("llama", seed=1), "copy": copy.deepcopy(target)}
+    """A different model (low acceptance), an exact copy of the target (every proposal accepted) and a copy with
+    noise added to its weights (some proposals accepted)."""
+    noisy = copy.deepcopy(target)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for parameter in noisy.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.6 * parameter.std().nan_to_num())
+    return {"other": make_tiny_model("llama", seed=1), "copy": copy.deepcopy(target), "noisy": noisy}
 
 
 def greedy(model, ids, **kwargs):
     options = dict(max_new_tokens=16, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
-    return model.generate(ids, **options, **kwargs)
+    return model.generate(ids, **{**options, **kwargs})
 
 
 def sample(model, ids, **kwargs):
@@ -178,10 +185,9 @@ def test_engine_greedy_with_draft_equals_without_cold_and_warm(engines):
     cold = speculative.generate(prompt, max_new_tokens=20)
     warm = speculative.generate(prompt, max_new_tokens=20)
     assert cold.output_ids == warm.output_ids == expected.output_ids
-    # the target's first forward verifies prompt + draft tokens: the cold call stored the chunk [48, 64) that the
-    # same continuation completes, so every prompt token but the last (it gives logits) is loaded
-    assert (cold.cached_tokens, warm.cached_tokens) == (0, 59)
-    assert (cold.draft_cached_tokens, warm.draft_cached_tokens) == (0, 48)  # the draft's prefill hits too
+    # the prompt's three whole chunks; the draft's prefill hits them too (under its own namespace)
+    assert (cold.cached_tokens, warm.cached_tokens) == (0, 48)
+    assert (cold.draft_cached_tokens, warm.draft_cached_tokens) == (0, 48)
     for result in (cold, warm):
         assert result.draft_tokens_proposed > 0
         assert result.draft_tokens_accepted == result.generated_tokens - result.target_forwards
@@ -206,12 +212,45 @@ def test_engine_streams_every_token_and_counts_totals(engines):
     assert 0.0 <= after["draft_acceptance_rate"] <= 1.0
 
 
-def test_engine_batches_decode_without_the_draft(engines):
-    plain, speculative = engines
-    prompts = [words(8, 30), words(9, 34)]
-    batched = speculative.generate_batch(prompts, max_new_tokens=8)
-    assert [r.output_ids for r in batched] == [r.output_ids for r in plain.generate_batch(prompts, max_new_tokens=8)]
-    assert all(r.draft_acceptance_rate is None and r.draft_tokens_proposed == 0 for r in batched)
+def test_engine_batches_decode_with_the_draft(engines, drafts):
+    """Rows of one batch verify their own proposals in one forward and accept different counts; each row's greedy
+    tokens are transformers' own greedy tokens for it alone."""
+    plain, _ = engines
+    speculative = KVBoost(plain.model, plain.tokenizer, chunk_size=16, draft_model=drafts["noisy"], num_draft_tokens=4)
+    prompts = [words(8, 30), words(9, 34), words(10, 21), words(11, 26)]
+    batched = speculative.generate_batch(prompts, max_new_tokens=24)
+    assert [r.output_ids for r in batched] == [reference_greedy(plain, p, 24) for p in prompts]
+    assert all(r.draft_tokens_proposed > 0 for r in batched)
+    assert len({(r.draft_tokens_accepted, r.generated_tokens) for r in batched}) > 1  # rows accepted differently
+    assert 0 < sum(r.draft_tokens_accepted for r in batched) < sum(r.draft_tokens_proposed for r in batched)
+    assert batched[0].target_forwards < max(r.generated_tokens for r in batched)  # verifies took several tokens
+
+
+def reference_greedy(engine, prompt, max_new_tokens):
+    """transformers' own greedy ``generate()`` on the engine's model: the tokens after the prompt (EOS included)."""
+    ids = torch.tensor([engine.encode(prompt)])
+    return greedy(engine.model, ids, max_new_tokens=max_new_tokens)[0, ids.shape[1] :].tolist()
+
+
+SAMPLING = SamplingParams(temperature=0.9, top_k=30, presence_penalty=0.3, seed=1234)
+
+
+@pytest.mark.parametrize("draft", ["other", "copy", "early_exit"])
+def test_engine_seeded_sampling_is_the_same_with_a_draft_alone_and_in_a_batch(target, drafts, draft):
+    """A seeded sampled row draws the same tokens without a draft, with one, alone and in a batch of 4 (the draft
+    only decides how many positions one target forward verifies)."""
+    tokenizer = word_tokenizer()
+    plain = KVBoost(target, tokenizer, chunk_size=16)
+    options = {"draft_early_exit": 1} if draft == "early_exit" else {"draft_model": drafts[draft]}
+    speculative = KVBoost(target, tokenizer, chunk_size=16, num_draft_tokens=3, **options)
+    prompt, others = words(30, 40), [words(31 + i, 25 + 7 * i) for i in range(3)]
+    alone = plain.generate(prompt, max_new_tokens=16, sampling=SAMPLING)
+    drafted = speculative.generate(prompt, max_new_tokens=16, sampling=SAMPLING)
+    in_batch = speculative.generate_batch([*others, prompt], max_new_tokens=16, sampling=SAMPLING)[-1]
+    assert alone.output_ids == drafted.output_ids == in_batch.output_ids
+    assert drafted.draft_tokens_proposed > 0
+    if draft == "copy":  # the copy's greedy proposals meet the target's draws often enough to save forwards
+        assert drafted.draft_tokens_accepted > 0 and drafted.target_forwards < alone.target_forwards
 
 
 def test_engine_refuses_a_draft_with_another_vocabulary(target):
@@ -235,7 +274,8 @@ def test_server_metrics_expose_the_draft_counters(engines):
         text = client.get("/metrics").text
     for name in ("target_forwards", "draft_tokens_proposed", "draft_tokens_accepted"):
         assert f"kvboost_{name}_total {stats[name]:g}" in text
-    assert f"kvboost_draft_acceptance_rate {stats['draft_acceptance_rate']:g}" in text
+    gauge = next(line for line in text.splitlines() if line.startswith("kvboost_draft_acceptance_rate "))
+    assert float(gauge.split()[1]) == pytest.approx(stats["draft_acceptance_rate"])
 
 
 def test_server_flags_name_the_draft():
@@ -319,10 +359,10 @@ def test_embedded_model_with_early_exit_and_engine_drafts_equals_greedy(embedded
     assert again.draft_cached_tokens == again.cached_tokens > 0
 
 
-# ---------------------------------------------------------------------------------------------------- server
-def test_server_decodes_a_lone_request_with_the_draft_and_batches_concurrent_ones(engines):
-    """Over loopback with the openai client: a request alone is verified by the target with draft tokens (the
-    draft counters in /metrics grow) and equals plain greedy; concurrent requests run batched, also exact."""
+def test_server_seeded_request_gets_the_same_tokens_alone_batched_and_with_a_draft(engines):
+    """Over loopback with the openai client: a seeded sampled request returns the same text from a server without
+    a draft, and from a server with one both alone and inside a batch of 4 (greedy neighbours stay exact too);
+    the draft counters in /metrics grow in both cases."""
     pytest.importorskip("uvicorn")
     pytest.importorskip("openai")
     from test_server import KEY, LiveServer, metric
@@ -330,22 +370,26 @@ def test_server_decodes_a_lone_request_with_the_draft_and_batches_concurrent_one
     from kvboost_hf.server.app import ServerSettings, create_app
 
     plain, speculative = engines
-    prompts = [words(20 + i, 30) for i in range(3)]
-    expected = [plain.generate(p, max_new_tokens=12, mode="baseline").output_text for p in prompts]
-    settings = ServerSettings(model_name="tiny", api_key=KEY, batch_window_ms=200, max_batch_size=4)
+    seeded = {"prompt": words(40, 30), "max_tokens": 12, "temperature": 0.9, "presence_penalty": 0.3, "seed": 77}
+    others = [words(41 + i, 24 + 5 * i) for i in range(3)]
+    expected = [plain.generate(p, max_new_tokens=12, mode="baseline").output_text for p in others]
+    settings = ServerSettings(model_name="tiny", api_key=KEY, batch_window_ms=300, max_batch_size=4)
+
+    def complete(client, **body):
+        return client.completions.create(model="tiny", **body).choices[0].text
+
+    with LiveServer(create_app(plain, settings)) as server:
+        reference = complete(server.client(), **seeded)
     with LiveServer(create_app(speculative, settings)) as server:
         client = server.client()
         proposed = metric(server, "kvboost_draft_tokens_proposed_total")
-        alone = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=12, temperature=0)
-        assert alone.choices[0].text == expected[0]
+        assert complete(client, **seeded) == reference
         assert metric(server, "kvboost_draft_tokens_proposed_total") > proposed
-        stream = client.completions.create(model="tiny", prompt=prompts[1], max_tokens=12, temperature=0, stream=True)
-        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected[1]
         proposed = metric(server, "kvboost_draft_tokens_proposed_total")
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:  # one batch window: decoded together, no draft
-            texts = list(pool.map(
-                lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0)
-                .choices[0].text, prompts,
-            ))  # fmt: skip
-        assert texts == expected
-        assert metric(server, "kvboost_draft_tokens_proposed_total") == proposed
+        batches = metric(server, "kvboost_batch_size_count")
+        bodies = [seeded] + [{"prompt": p, "max_tokens": 12, "temperature": 0} for p in others]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # one batch window: decoded together
+            texts = list(pool.map(lambda body: complete(client, **body), bodies))
+        assert texts == [reference, *expected]
+        assert metric(server, "kvboost_draft_tokens_proposed_total") > proposed
+        assert metric(server, "kvboost_batch_size_count") == batches + 1  # one batch (later arrivals join it)

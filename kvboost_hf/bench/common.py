@@ -6,11 +6,13 @@ import argparse
 import json
 import platform
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 
 def machine_info(device: torch.device | str) -> dict[str, Any]:
@@ -55,3 +57,22 @@ def save_results(
     plot(result, out / f"{name}.png")
     print(report(result))
     print(f"saved {out / f'{name}.json'} and {out / f'{name}.png'}")
+
+
+class FirstTokenTimer(BaseStreamer):
+    """A ``generate(streamer=...)`` that notes when the first generated token exists (``first_token_time``, a
+    ``time.perf_counter()`` value; None before it). ``generate()`` puts the prompt first, then each step's tokens;
+    moving them to the CPU synchronises the device, so the time is when the token really exists."""
+
+    def __init__(self) -> None:
+        self.first_token_time: float | None = None
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self._prompt_seen and self.first_token_time is None:
+            value.cpu()
+            self.first_token_time = time.perf_counter()
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        return None

@@ -25,10 +25,9 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
+from kvboost_hf.bench.common import FirstTokenTimer, machine_info, parser_for, pyplot, save_results
 from kvboost_hf.corpus import chat_script
 from kvboost_hf.engine import InferenceEngine
-from kvboost_hf.hf.generation import TokenTimer
 
 METHODS = ("baseline", "hf_prompt_cache", "kvboost")
 TARGETS = {"turn8_vs_baseline_min": 8.0, "turn8_vs_hf_prompt_cache_max": 1.15, "turn1_vs_baseline_max": 1.05}
@@ -48,7 +47,7 @@ class PromptCacheRecipe:
         ids = self.engine.encode(messages)
         usable = self.prompt_cache is not None and ids[: len(self.prompt_ids)] == self.prompt_ids
         cache = copy.deepcopy(self.prompt_cache) if usable and self.prompt_cache is not None else DynamicCache()
-        timer = TokenTimer()
+        timer = FirstTokenTimer()
         input_ids = torch.tensor([ids], device=self.engine.device)
         with torch.inference_mode():
             out = self.engine.model.generate(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -506,6 +507,22 @@ class ChunkReuseCache(Cache):
         join_layers(self, other)
         self.prompt_forward_next = False
 
+    def drop_row_tails(self, drops: Sequence[int]) -> None:
+        """Drop the last ``drops[i]`` columns of row ``i`` (a speculative verify's rejected tokens), keeping the
+        left-padded layout: rows are right-aligned, the freed columns become left padding (zero K/V; the caller's
+        attention mask must exclude them), and each row's ledger forgets chunks past its remaining tokens."""
+        if self.expects_sparse_forward:
+            raise RuntimeError("cannot drop columns while a sparse prefill forward is pending")
+        drop_layer_tails(self, drops)
+        if not self.reuse_enabled or self.num_columns == 0:
+            return
+        self.tokens = drop_tails(self.tokens, drops, dim=1)
+        shift = min(drops)
+        self.pads = [pad + drop - shift for pad, drop in zip(self.pads, drops, strict=True)]
+        for ledger, pad in zip(self.ledgers, self.pads, strict=True):
+            ledger.truncate(self.num_columns - pad)
+        self._check_consistent()
+
     def _select_rows(self, rows: list[int]) -> None:
         if self.tokens.shape[0] == 0:
             return
@@ -537,3 +554,53 @@ def join_layers(cache: Cache, other: Cache) -> None:
         keys = [prepend_zeros(layer.keys, width - layer.keys.shape[-2], dim=2) for layer in (mine, theirs)]
         values = [prepend_zeros(layer.values, width - layer.values.shape[-2], dim=2) for layer in (mine, theirs)]
         mine.keys, mine.values = torch.cat(keys, dim=0), torch.cat(values, dim=0)
+
+
+def drop_tails(tensor: torch.Tensor, drops: Sequence[int], dim: int) -> torch.Tensor:
+    """``tensor`` (batch first) without the last ``drops[i]`` entries of row ``i`` along ``dim``, rows
+    right-aligned: the result is ``min(drops)`` shorter, and row ``i`` starts with ``drops[i] - min(drops)`` zeros.
+    """
+    if len(drops) != tensor.shape[0] or min(drops, default=0) < 0:
+        raise ValueError(f"drops must give one count >= 0 per row of {tensor.shape[0]}, got {list(drops)}")
+    least = min(drops)
+    width = tensor.shape[dim] - least
+    if width < 0 or max(drops) > tensor.shape[dim]:
+        raise ValueError(f"cannot drop {max(drops)} of {tensor.shape[dim]} columns")
+    if all(drop == least for drop in drops):
+        return tensor.narrow(dim, 0, width)
+    shift = torch.tensor([drop - least for drop in drops], device=tensor.device)
+    source = torch.arange(width, device=tensor.device)[None, :] - shift[:, None]  # [B, width]
+    view = [tensor.shape[0]] + [1] * (tensor.dim() - 1)
+    view[dim] = width
+    index = source.clamp(min=0).reshape(view).expand(*tensor.shape[:dim], width, *tensor.shape[dim + 1 :])
+    kept = tensor.gather(dim, index)
+    return kept.masked_fill((source < 0).reshape(view), 0)
+
+
+def drop_layer_tails(cache: Cache, drops: Sequence[int]) -> None:
+    """:func:`drop_tails` on every layer's keys and values (``[batch, heads, columns, dim]``) of ``cache``.
+
+    Invariant: every layer is a full (not sliding-window) dynamic layer; afterwards all hold the same length.
+    """
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False):
+            raise ValueError("sliding-window cache layers cannot drop per-row columns")
+        if layer.is_initialized and layer.keys.numel():
+            layer.keys, layer.values = drop_tails(layer.keys, drops, 2), drop_tails(layer.values, drops, 2)
+
+
+def join_caches(cache: Cache, other: Cache) -> None:
+    """Append ``other``'s rows below ``cache``'s (see :meth:`ChunkReuseCache.join` and :func:`join_layers`)."""
+    if isinstance(cache, ChunkReuseCache) and isinstance(other, ChunkReuseCache):
+        cache.join(other)
+    else:
+        join_layers(cache, other)
+
+
+def drop_cache_tails(cache: Cache, drops: Sequence[int]) -> None:
+    """Drop the last ``drops[i]`` columns of row ``i``, rows right-aligned (see :meth:`ChunkReuseCache.drop_row_tails`
+    and :func:`drop_layer_tails`)."""
+    if isinstance(cache, ChunkReuseCache):
+        cache.drop_row_tails(drops)
+    else:
+        drop_layer_tails(cache, drops)

@@ -11,12 +11,19 @@ One :class:`DecodeLoop` runs a batch of rows (prompts of any lengths and prefixe
   constraint, temperature, top-k/p, min-p), then the row picks its token with its own seeded generator
   (:func:`~kvboost_hf.hf.sampling.choose_token`; temperature 0 = argmax) and checks its own end tokens, stop
   strings, budget and cancel event. Finished rows leave the batch.
+* speculative decode (with a :class:`~kvboost_hf.hf.speculative.Drafter`): the draft proposes ``g`` tokens per
+  row, one target forward verifies all rows' proposals, and each row takes its own choices position by position
+  while they equal the proposals (then one more). Rows accept different counts; each row's rejected columns are
+  dropped and the rows right-aligned, so the layout stays left-padded. A row with a grammar constraint (whose state
+  advances with every token it sees) takes one token per step.
 
-Invariants: a row's positions and attention mask are exactly those ``generate()`` builds for a left-padded batch,
-so with temperature 0 each row yields the tokens it yields alone, and a row with a given seed draws the same tokens
-whatever else shares its batch; log-probabilities are under the model's unscaled distribution (natural log);
-completed chunks are written back from the second decode step on (never inside the time to first token), and each
-row's chunks (its unfinished last chunk included) are stored before it leaves the batch.
+Invariants: a row's positions and attention mask are exactly those ``generate()`` builds for a left-padded batch
+(a dropped column is left padding), so with temperature 0 each row yields the tokens it yields alone, and a row
+with a given seed draws the same tokens whatever else shares its batch, with or without a draft (the draft only
+saves target forwards: every position's choice is made from the same logits with the same draws);
+log-probabilities are under the model's unscaled distribution (natural log); completed chunks are written back
+from the second decode step on (never inside the time to first token), and each row's chunks (its unfinished last
+chunk included) are stored before it leaves the batch.
 """
 
 from __future__ import annotations
@@ -33,8 +40,16 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, Pre
 
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.keys import chain_prefix_keys
-from kvboost_hf.hf.cache import ChunkReuseCache, RowReuse, join_layers, prepend_zeros
+from kvboost_hf.hf.cache import (
+    ChunkReuseCache,
+    RowReuse,
+    drop_cache_tails,
+    drop_tails,
+    join_caches,
+    prepend_zeros,
+)
 from kvboost_hf.hf.sampling import SamplingParams, build_processors, choose_token
+from kvboost_hf.hf.speculative import Drafter
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +125,9 @@ class DecodeRow:
     ``text`` is what may be shown so far: cut before a stop string, and while running without a tail that could
     still become one (see :func:`visible_text`); once finished, the whole decoded text unless a stop string cut it.
     ``reuse`` is what the prefill loaded for this row (for the row that computed a shared prefix for its group,
-    ``reuse.cached_tokens`` excludes that prefix). Times are ``time.perf_counter()`` values.
+    ``reuse.cached_tokens`` excludes that prefix). Times are ``time.perf_counter()`` values. Speculative counters:
+    ``draft_proposed`` draft tokens proposed for this row, ``draft_accepted`` of them equal to the row's own choice
+    (and taken), ``draft_rejected`` verify rounds that ended on a differing proposal.
     """
 
     request: DecodeRequest
@@ -124,6 +141,9 @@ class DecodeRow:
     reuse: RowReuse = field(default_factory=RowReuse)
     first_token_time: float | None = None
     last_token_time: float | None = None
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+    draft_rejected: int = 0
 
     def __post_init__(self) -> None:
         request = self.request
@@ -138,12 +158,25 @@ class DecodeRow:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def speculates(self) -> bool:
+        """Whether draft proposals are verified for this row (not with a stateful grammar constraint)."""
+        return self.request.constraint is None
+
     def choose(self, logits: torch.Tensor) -> int:
         """The next token from this row's raw logits ``[1, V]``: its processors, then its own choice."""
         if self.processors:
             input_ids = torch.tensor([[*self.request.prompt_ids, *self.tokens]], device=logits.device)
             logits = self.processors(input_ids, logits)
         return choose_token(logits, self.request.sampling, self.generator)
+
+    def propose(self, logits: torch.Tensor, drafted: Sequence[int]) -> int:
+        """A draft token from draft logits ``[1, V]`` after this row's tokens and ``drafted``: the argmax after the
+        row's processors (the raw argmax for a row that does not speculate; its processors keep state)."""
+        if self.processors and self.speculates:
+            input_ids = torch.tensor([[*self.request.prompt_ids, *self.tokens, *drafted]], device=logits.device)
+            logits = self.processors(input_ids, logits)
+        return int(logits.argmax(dim=-1))
 
     def add(self, token: int, decode: Callable[[list[int]], str], log_probs: torch.Tensor | None = None) -> None:
         """Append ``token`` (``log_probs``: the step's unscaled log-softmax ``[V]`` when logprobs were asked),
@@ -194,9 +227,11 @@ class DecodeLoop:
         on_token: called with a row after each token it gets, and once more when :meth:`cancel_all` ends it; must
             not block.
         tokenizer_lock: serialises ``decode`` with other threads using the same tokenizer (None: no lock).
+        draft: speculative decoding with this drafter (fresh, unused: the loop runs its prefill), or None.
 
-    ``forwards`` counts model forwards (prefill included); ``computed_tokens`` the prompt tokens computed (not
-    loaded) for all rows. Call :meth:`prefill` once, then :meth:`step` until :attr:`done` (or :meth:`run`).
+    ``forwards`` counts target model forwards (prefill and shared prefixes included; the draft's are
+    ``draft.forwards``); ``computed_tokens`` the prompt tokens computed (not loaded) for all rows. Call
+    :meth:`prefill` once, then :meth:`step` until :attr:`done` (or :meth:`run`).
     """
 
     def __init__(
@@ -210,6 +245,7 @@ class DecodeLoop:
         pad_token_id: int,
         on_token: Callable[[DecodeRow], None] = lambda row: None,
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
+        draft: Drafter | None = None,
     ) -> None:
         if not rows:
             raise ValueError("a decode loop needs at least one row")
@@ -222,6 +258,7 @@ class DecodeLoop:
         self.pad_token_id = pad_token_id
         self.on_token = on_token
         self.tokenizer_lock = tokenizer_lock or contextlib.nullcontext()
+        self.draft = draft
         self.cache: ChunkReuseCache | DynamicCache | None = None
         self.mask = torch.empty(0)
         self.positions = torch.empty(0)
@@ -270,23 +307,71 @@ class DecodeLoop:
             if row.request.keep_first_logits:
                 row.first_logits = logits[index].cpu()
         self._advance(logits)
+        if self.draft is not None and self.running:  # after the first tokens: the draft's prefill is not in the TTFT
+            order = {id(row): i for i, row in enumerate(self.rows)}
+            running = torch.tensor([order[id(row)] for row in self.running], device=self.device)
+            self.draft.prefill(input_ids[running], self.mask, position_ids[running])
 
     def step(self) -> None:
-        """One decode step for every running row."""
+        """One decode step for every running row (speculative with a draft: one or more tokens per row)."""
+        if self.draft is not None:
+            self._speculative_step(self.draft)
+            return
         last = torch.tensor([[row.tokens[-1]] for row in self.running], device=self.device)
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.running), 1)], dim=1)
         self.positions = self.positions + 1
         logits = self._forward(last, self.positions[:, None])
-        if isinstance(self.cache, ChunkReuseCache):
-            self.cache.save(tail=False)  # chunks completed so far (background writes; never inside the TTFT)
+        self._save(tail=False)  # chunks completed so far (background writes; never inside the TTFT)
         self._advance(logits)
+
+    def _speculative_step(self, draft: Drafter) -> None:
+        """Draft ``g`` tokens per row, verify them in one target forward, keep each row's agreeing prefix plus
+        one token of its own, and drop every row's rejected columns from both caches."""
+        running = self.running
+        budget = max(row.request.max_new_tokens - len(row.tokens) for row in running)
+        count = max(1, min(draft.settings.num_draft_tokens, budget - 1))
+        last = torch.tensor([[row.tokens[-1]] for row in running], device=self.device)
+        proposals = draft.propose(last, self.mask, self.positions, count, lambda i, lg, d: running[i].propose(lg, d))
+        fed = torch.tensor([[row.tokens[-1], *drafted] for row, drafted in zip(running, proposals, strict=True)])
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(running), count + 1)], dim=1)
+        positions = self.positions[:, None] + torch.arange(1, count + 2, device=self.device)
+        logits = self._forward(fed.to(self.device), positions, keep=count + 1)
+        kept = [self._verify(row, logits[i], proposals[i]) for i, row in enumerate(running)]
+        drafted = count
+        if max(kept) == count + 1:  # a row kept every proposal: the draft has not seen the last one yet
+            draft.forward(fed[:, -1:].to(self.device), self.mask, positions[:, -1:])
+            drafted += 1
+        drop_cache_tails(self._cache(), [count + 1 - n for n in kept])
+        drop_cache_tails(draft.cache, [drafted - n for n in kept])
+        self.mask = drop_tails(self.mask, [count + 1 - n for n in kept], dim=1)
+        self.positions = self.positions + torch.tensor(kept, device=self.device)
+        self._save(tail=False)
+        self._keep_running()
+
+    def _verify(self, row: DecodeRow, logits: torch.Tensor, proposals: list[int]) -> int:
+        """Give ``row`` its tokens from the verify forward's logits ``[g + 1, V]``: its own choice at each
+        position while it equals the proposal there, then one more. Returns the tokens taken (>= 1)."""
+        taken = 0
+        if row.speculates:
+            row.draft_proposed += len(proposals)
+        for position, proposal in enumerate([*proposals, None] if row.speculates else [None]):
+            token = self._take(row, logits[position : position + 1])
+            taken += 1
+            if proposal is not None and token != proposal:
+                row.draft_rejected += 1
+                break
+            row.draft_accepted += proposal is not None
+            if row.finished:
+                break
+        return taken
 
     def join(self, rows: Sequence[DecodeRow]) -> None:
         """Add ``rows`` to the running batch (continuous batching).
 
         Their prompts are prefilled as a batch of their own (each gets its first token; shared prefixes are stored
-        once), then their K/V, attention masks and positions are appended below the running rows' (the narrower
-        side left-padded with masked columns), so the next :meth:`step` decodes old and new rows in one forward.
+        once), then their K/V (the draft's too), attention masks and positions are appended below the running
+        rows' (the narrower side left-padded with masked columns), so the next :meth:`step` decodes old and new
+        rows in one forward.
         """
         newcomers = DecodeLoop(
             self.model,
@@ -297,22 +382,26 @@ class DecodeLoop:
             pad_token_id=self.pad_token_id,
             on_token=self.on_token,
             tokenizer_lock=self.tokenizer_lock,
+            draft=self.draft.spawn() if self.draft is not None else None,
         )
         newcomers.prefill()
         self.rows += newcomers.rows
         self.forwards += newcomers.forwards
         self.computed_tokens += newcomers.computed_tokens
+        if self.draft is not None and newcomers.draft is not None:
+            self.draft.forwards += newcomers.draft.forwards
         if newcomers.done:
             return
         if self.done or self.cache is None:
             self.cache, self.mask, self.positions = newcomers.cache, newcomers.mask, newcomers.positions
             self.running = newcomers.running
+            if self.draft is not None and newcomers.draft is not None:
+                self.draft.cache = newcomers.draft.cache
             return
-        assert newcomers.cache is not None, "a running loop has a cache"
-        if isinstance(self.cache, ChunkReuseCache) and isinstance(newcomers.cache, ChunkReuseCache):
-            self.cache.join(newcomers.cache)
-        else:
-            join_layers(self.cache, newcomers.cache)
+        join_caches(self.cache, newcomers._cache())
+        if self.draft is not None and newcomers.draft is not None:
+            assert self.draft.cache is not None and newcomers.draft.cache is not None, "running rows have a draft"
+            join_caches(self.draft.cache, newcomers.draft.cache)
         width = max(self.mask.shape[1], newcomers.mask.shape[1])
         masks = [prepend_zeros(mask, width - mask.shape[1]) for mask in (self.mask, newcomers.mask)]
         self.mask = torch.cat(masks, dim=0)
@@ -326,7 +415,7 @@ class DecodeLoop:
             while not self.done:
                 self.step()
         except BaseException:
-            self.cache = None  # possibly inconsistent: nothing more is stored from it
+            self.close_without_saving()  # possibly inconsistent: nothing more is stored from them
             raise
         return self.rows
 
@@ -339,12 +428,30 @@ class DecodeLoop:
         self.close()
 
     def close(self) -> None:
-        """Store what the cache computed (each row's unfinished last chunk included) and drop it."""
-        if isinstance(self.cache, ChunkReuseCache):
-            self.cache.save(tail=True)
-        self.cache = None
+        """Store what the caches computed (each row's unfinished last chunk included) and drop them."""
+        self._save(tail=True)
+        self.close_without_saving()
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def close_without_saving(self) -> None:
+        """Drop the caches unsaved (after a failed forward they may be inconsistent)."""
+        self.cache = None
+        if self.draft is not None:
+            self.draft.cache = None
+
+    def _cache(self) -> ChunkReuseCache | DynamicCache:
+        assert self.cache is not None, "the loop has a cache between prefill and close"
+        return self.cache
+
+    def _save(self, tail: bool) -> None:
+        """Write back the chunks completed so far (target and draft caches; ``tail``: unfinished ones too)."""
+        if isinstance(self.cache, ChunkReuseCache):
+            self.cache.save(tail=tail)
+        if self.draft is not None:
+            self.draft.save(tail=tail)
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: int = 1) -> torch.Tensor:
+        """One target forward; the last ``keep`` positions' logits (fp32), ``[B, V]`` for ``keep == 1`` else
+        ``[B, keep, V]``."""
         with torch.inference_mode():
             out = self.model(
                 input_ids=input_ids,
@@ -352,10 +459,11 @@ class DecodeLoop:
                 position_ids=position_ids,
                 past_key_values=self.cache,
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=keep,
             )
         self.forwards += 1
-        return out.logits[:, -1, :].float()
+        logits = out.logits[:, -keep:, :].float()
+        return logits[:, -1, :] if keep == 1 else logits
 
     def _store_shared_prefixes(self, prompts: list[list[int]]) -> dict[int, int]:
         """For each group of rows with the same first chunk, store the chunk-aligned prefix they share once.
@@ -403,30 +511,34 @@ class DecodeLoop:
 
     # ------------------------------------------------------------------ per-row bookkeeping
     def _advance(self, logits: torch.Tensor) -> None:
-        """Give every running row its next token, report it, and drop the rows that finished."""
-        tokens = [row.choose(logits[i : i + 1]) for i, row in enumerate(self.running)]
-        wants_logprobs = any(row.request.top_logprobs is not None for row in self.running)
-        log_probs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
-        keep: list[int] = []
-        for i, (row, token) in enumerate(zip(self.running, tokens, strict=True)):
-            with self.tokenizer_lock:
-                row.add(token, self.decode, None if log_probs is None else log_probs[i])
-            self.on_token(row)
-            if not row.finished:
-                keep.append(i)
-        if len(keep) < len(self.running):
-            self._select(keep)
+        """Give every running row its next token from ``logits`` ``[B, V]`` and drop the rows that finished."""
+        for i, row in enumerate(self.running):
+            self._take(row, logits[i : i + 1])
+        self._keep_running()
 
-    def _select(self, keep: list[int]) -> None:
-        if isinstance(self.cache, ChunkReuseCache):
-            self.cache.save(tail=True)  # store the leaving rows' chunks (and unfinished last chunks) first
+    def _take(self, row: DecodeRow, logits: torch.Tensor) -> int:
+        """Choose ``row``'s next token from its raw logits ``[1, V]``, record and report it; returns it."""
+        token = row.choose(logits)
+        log_probs = torch.log_softmax(logits[0], dim=-1) if row.request.top_logprobs is not None else None
+        with self.tokenizer_lock:
+            row.add(token, self.decode, log_probs)
+        self.on_token(row)
+        return token
+
+    def _keep_running(self) -> None:
+        """Drop the finished rows from the batch (their chunks are stored first)."""
+        keep = [i for i, row in enumerate(self.running) if not row.finished]
+        if len(keep) == len(self.running):
+            return
+        self._save(tail=True)  # store the leaving rows' chunks (and unfinished last chunks) first
         self.running = [self.running[i] for i in keep]
         if not keep:
             self.close()
             return
-        assert self.cache is not None, "rows are selected only between prefill and close"
         index = torch.tensor(keep, device=self.device)
-        self.cache.batch_select_indices(index)
+        self._cache().batch_select_indices(index)
+        if self.draft is not None and self.draft.cache is not None:
+            self.draft.cache.batch_select_indices(index)
         self.mask = self.mask[index]
         self.positions = self.positions[index]
 

@@ -1,21 +1,17 @@
-"""Speculative decoding with a resident draft, on top of transformers' assisted generation.
+"""Speculative decoding with a resident draft: the loop's :class:`Drafter`, and :class:`Speculation` for
+transformers' own assisted generation.
 
-``model.generate(ids, assistant_model=draft)`` runs rounds: the draft proposes up to ``g`` tokens (one
-``draft.generate`` call with ``generation_config.is_assistant``), the target verifies them in one forward over
-``g + 1`` positions and keeps the agreeing prefix plus one token of its own; the caches of both models are then
-cropped to the kept tokens. Greedy output equals the target's greedy output; sampled output follows the target's
-distribution (speculative sampling). transformers requires batch size 1.
+Inside :class:`~kvboost_hf.hf.decode.DecodeLoop` (the engine's and the server's one loop), a :class:`Drafter` proposes
+``g`` tokens per running row with greedy draft forwards; the target verifies every row's proposals in one batched
+forward over ``g + 1`` positions; each row keeps its proposals up to the first one that differs from the token the
+row itself chooses at that position (its processors, then argmax or a draw from its own seeded generator), plus that
+chosen token. A draft therefore never changes a row's tokens: greedy and seeded sampled rows yield exactly what they
+yield without a draft (the draws are the same draws), only in fewer target forwards. Rejected columns are dropped
+from both caches row by row (:meth:`~kvboost_hf.hf.cache.ChunkReuseCache.drop_row_tails`).
 
-transformers reads the draft schedule from the *assistant's* ``generation_config`` (the target's for an early-exit
-draft) and defaults to 20 draft tokens with a confidence stop at 0.4; it also gives the draft a fresh
-``DynamicCache``. :class:`Speculation` wraps one target ``generate()`` call and
-
-* sets the schedule explicitly from :class:`DraftSettings` (restored afterwards);
-* gives the draft the cache built by ``draft_cache`` (e.g. a :class:`~kvboost_hf.hf.cache.ChunkReuseCache` on the
-  same chunk store: the draft's prefill of a long shared prompt is stitched too);
-* counts target forwards and draft proposals (:class:`SpeculationStats`).
-
-Drop-in use::
+For users of ``model.generate(assistant_model=draft)`` (transformers' assisted generation, batch size 1),
+:class:`Speculation` wraps one call: it sets the draft schedule explicitly from :class:`DraftSettings`, gives the
+draft a chunk-reuse cache, and counts target forwards and proposals::
 
     with Speculation(model, draft, DraftSettings(num_draft_tokens=5), lambda: ChunkReuseCache(store, draft)) as s:
         model.generate(ids, past_key_values=ChunkReuseCache(store, model), **s.generate_kwargs(), ...)
@@ -24,6 +20,7 @@ Drop-in use::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -33,7 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias
 
 import torch
-from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from kvboost_hf.hf.probe import truncated_depth
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +47,11 @@ class DraftSettings:
 
     Args:
         num_draft_tokens: tokens proposed per round (``g``; fixed under the ``"constant"`` schedule).
-        confidence_threshold: the draft stops a round early when its top probability falls below this (0: never).
-        schedule: transformers' ``num_assistant_tokens_schedule``; ``"heuristic"`` grows ``g`` by 2 after a fully
-            accepted round and shrinks it by 1 otherwise (and keeps it across calls).
+        confidence_threshold: (:class:`Speculation` only) the draft stops a round early when its top probability
+            falls below this (0: never).
+        schedule: (:class:`Speculation` only) transformers' ``num_assistant_tokens_schedule``; ``"heuristic"``
+            grows ``g`` by 2 after a fully accepted round and shrinks it by 1 otherwise (and keeps it across calls).
+            The decode loop's :class:`Drafter` proposes ``num_draft_tokens`` every round.
         early_exit_layers: when set, the draft is the target's own first ``early_exit_layers`` layers followed by
             its head (transformers' ``assistant_early_exit``) and no draft model is needed.
     """
@@ -71,6 +72,17 @@ class DraftSettings:
             not isinstance(self.early_exit_layers, int) or self.early_exit_layers < 1
         ):
             raise ValueError(f"early_exit_layers must be a positive integer, got {self.early_exit_layers!r}")
+
+    def check(self, target: PreTrainedModel, draft: PreTrainedModel | None) -> None:
+        """Raise ValueError when these settings cannot draft for ``target`` with ``draft`` (a model or None)."""
+        exit_layers = self.early_exit_layers
+        if exit_layers is None:
+            return
+        if draft is not None:
+            raise ValueError("give either a draft model or early_exit_layers, not both")
+        layers = target.config.get_text_config(decoder=True).num_hidden_layers
+        if exit_layers >= layers:
+            raise ValueError(f"early_exit_layers must be below the target's {layers} layers, got {exit_layers}")
 
     def generation_fields(self) -> dict[str, Any]:
         """The assistant ``generation_config`` fields that fix this schedule."""
@@ -161,14 +173,8 @@ class Speculation:
     ) -> None:
         self.target = target
         self.settings = settings or DraftSettings()
+        self.settings.check(target, draft)
         early_exit = self.settings.early_exit_layers is not None
-        if early_exit and draft is not None:
-            raise ValueError("give either a draft model or early_exit_layers, not both")
-        if early_exit:
-            layers = target.config.get_text_config(decoder=True).num_hidden_layers
-            if self.settings.early_exit_layers >= layers:
-                exit_layers = self.settings.early_exit_layers
-                raise ValueError(f"early_exit_layers must be below the target's {layers} layers, got {exit_layers}")
         self.draft = draft
         self.assistant = target if early_exit else draft
         self.draft_cache = None if early_exit else draft_cache
@@ -277,3 +283,84 @@ def resolve_draft(
     if draft_vocab != target_vocab:
         raise ValueError(f"the draft's vocabulary has {draft_vocab} entries, the target's {target_vocab}")
     return model.eval()
+
+
+class Drafter:
+    """The draft side of speculative decoding in :class:`~kvboost_hf.hf.decode.DecodeLoop`.
+
+    Args:
+        model: the resident draft (sharing the target's vocabulary), or the target itself when
+            ``settings.early_exit_layers`` is set (the draft is then its first layers and its head).
+        settings: ``num_draft_tokens`` proposed per round; ``early_exit_layers``.
+        new_cache: builds the draft's cache (e.g. a chunk-reuse cache on the target's store, under the draft's own
+            namespace); None = a ``DynamicCache``.
+
+    Invariant: between rounds, :attr:`cache` holds exactly the target cache's columns (the same left-padded layout,
+    one column per token fed to the target), so the loop's attention mask and positions serve both. ``forwards``
+    counts draft forwards; ``cached_tokens`` is what the draft's prefill loaded per row.
+    """
+
+    def __init__(
+        self, model: PreTrainedModel, settings: DraftSettings, new_cache: Callable[[], Cache] | None = None
+    ) -> None:
+        self.model = model
+        self.settings = settings
+        self.new_cache = new_cache
+        self.cache: Cache | None = None
+        self.forwards = 0
+        self.cached_tokens: list[int] = []
+
+    def spawn(self) -> Drafter:
+        """A drafter with the same model and settings and no state (for rows joining a running loop)."""
+        return Drafter(self.model, self.settings, self.new_cache)
+
+    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor) -> None:
+        """Run the draft over the left-padded prompts on a fresh cache."""
+        self.cache = self.new_cache() if self.new_cache is not None else DynamicCache()
+        self.forward(input_ids, mask, position_ids)
+        reuse = getattr(self.cache, "last_reuse", None) or []
+        self.cached_tokens = [entry.cached_tokens for entry in reuse]
+
+    def propose(
+        self,
+        last: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        count: int,
+        pick: Callable[[int, torch.Tensor, list[int]], int],
+    ) -> list[list[int]]:
+        """``count`` tokens per row after ``last`` ``[B, 1]`` (at ``positions + 1``), one draft forward each.
+
+        ``pick(row, logits [1, V], proposed so far)`` chooses each row's proposal. Afterwards the cache holds
+        ``count`` more columns (``last`` and all proposals but the last); ``mask`` is the mask before ``last``.
+        """
+        proposals: list[list[int]] = [[] for _ in range(last.shape[0])]
+        fed = last
+        for step in range(count):
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            logits = self.forward(fed, mask, (positions + 1 + step)[:, None])
+            for row, proposed in enumerate(proposals):
+                proposed.append(pick(row, logits[row : row + 1], proposed))
+            fed = torch.tensor([[proposed[-1]] for proposed in proposals], device=last.device)
+        return proposals
+
+    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """One draft forward through :attr:`cache`; the last position's logits ``[B, V]`` (fp32)."""
+        depth = self.settings.early_exit_layers
+        with torch.inference_mode(), truncated_depth(self.model, depth) if depth else contextlib.nullcontext():
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        self.forwards += 1
+        return out.logits[:, -1, :].float()
+
+    def save(self, tail: bool) -> None:
+        """Write the draft cache's completed chunks back (a chunk-reuse cache; a no-op otherwise)."""
+        save = getattr(self.cache, "save", None)
+        if save is not None:
+            save(tail=tail)

@@ -130,8 +130,9 @@ class Batch:
         mode: ``CHUNK_KV_REUSE`` / ``PREFIX_CACHE`` (reuse) or ``BASELINE`` (plain K/V, no store).
         tokenizer_lock: serialises tokenizer use with the HTTP threads.
         observe_token: ``(seconds_since_arrival_or_previous_token, is_first)`` callback for latency metrics.
-        speculative: decode the batch's single row with the engine's draft (``engine.speculate``: one blocking
-            call, tokens still reported as they come) instead of the decode loop.
+
+    With a draft model the engine's loop decodes every row speculatively (same tokens as without, fewer target
+    forwards), whatever else shares the batch.
     """
 
     def __init__(
@@ -141,33 +142,19 @@ class Batch:
         mode: GenerationMode,
         tokenizer_lock: threading.Lock,
         observe_token: Callable[[float, bool], None] = lambda seconds, first: None,
-        *,
-        speculative: bool = False,
     ) -> None:
-        if speculative and (len(jobs) != 1 or jobs[0].n != 1):
-            raise ValueError("a speculative batch has exactly one job with one choice")
         self.engine = engine
         self.mode = mode
-        self.speculative = speculative
         self.tokenizer_lock = tokenizer_lock
         self.observe_token = observe_token
         self.jobs: list[Job] = []
         self.choices: dict[int, _Choice] = {}
-        self.requests = self._requests_for(jobs)
-        rows = DecodeLoop.rows_for(self.requests, engine.eos_token_ids)  # (speculative: engine.speculate's row)
-        salt = self.jobs[0].cache_salt
-        reuse = mode is not GenerationMode.BASELINE
-        self.loop = DecodeLoop(
-            engine.model,
-            lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True),
-            rows,
-            new_cache=(lambda: engine.new_cache(mode, salt)) if reuse else None,
-            chunking=engine.chunking,
-            pad_token_id=engine.pad_token_id,
-            on_token=self._report,
-            tokenizer_lock=tokenizer_lock,
+        rows = DecodeLoop.rows_for(self._requests_for(jobs), engine.eos_token_ids)
+        self.loop = engine.decode_loop(
+            rows, mode, self.jobs[0].cache_salt, on_token=self._report, tokenizer_lock=tokenizer_lock
         )
         self.started = time.perf_counter()
+        self._counted = False
 
     def _requests_for(self, jobs: Sequence[Job]) -> list[DecodeRequest]:
         """One request per choice of ``jobs`` (added to this batch's jobs), each mapped to where it reports."""
@@ -194,8 +181,6 @@ class Batch:
     def join(self, jobs: Sequence[Job]) -> None:
         """Add ``jobs`` to the running batch (continuous batching): their prompts are prefilled now and their rows
         decode with the others from the next step (``computed_tokens`` grows by their computed prompt tokens)."""
-        if self.speculative:
-            raise ValueError("a speculative batch takes no other rows")
         self.loop.join(DecodeLoop.rows_for(self._requests_for(jobs), self.engine.eos_token_ids))
 
     @property
@@ -218,32 +203,32 @@ class Batch:
         return time.perf_counter() - self.started
 
     def prefill(self) -> None:
-        """Compute (or load) every row's prompt and report each row's first token (speculative: every token)."""
-        if not self.speculative:
-            self.loop.prefill()
-            return
-        job = self.jobs[0]
-        row = self.engine.speculate(
-            self.requests[0], self.mode, job.cache_salt, on_token=self._report, tokenizer_lock=self.tokenizer_lock
-        ).row
-        self.loop.running = []
-        self.loop.computed_tokens = len(job.prompt_ids) - row.reuse.cached_tokens
-        self._report(row)  # a generation that ended without a finished row (none in practice) still finishes
+        """Compute (or load) every row's prompt and report each row's first token."""
+        self.loop.prefill()
+        self._count_when_done()
 
     def step(self) -> None:
         """One decode step for every running row."""
         self.loop.step()
+        self._count_when_done()
+
+    def _count_when_done(self) -> None:
+        """Add the finished loop's forwards and draft counters to the engine's totals (once)."""
+        if self.loop.done and not self._counted:
+            self._counted = True
+            self.engine.count_decode(self.loop)
 
     def cancel_all(self) -> None:
         """Finish every running row now (shutdown)."""
         self.loop.cancel_all()
+        self._count_when_done()
 
     def fail(self, message: str) -> None:
         """Report ``message`` to every job still running and drop the batch (its cache may be inconsistent)."""
         for job in dict.fromkeys(self.choices[id(row.request)].job for row in self.loop.running):
             job.fail(message)
         self.loop.running = []
-        self.loop.cache = None
+        self.loop.close_without_saving()
 
     def _report(self, row: DecodeRow) -> None:
         """Send the row's newly visible text and log-probabilities; finish the choice (and the job) when done.

@@ -96,8 +96,8 @@ def serve(args: argparse.Namespace) -> int:
     )
     if args.draft_model is not None:
         logger.info(
-            "draft model loaded: a request that runs alone (one choice, no grammar, no logprobs) is decoded "
-            "speculatively with %d draft tokens per verify; concurrent requests are batched without it",
+            "draft model loaded: every batch is decoded speculatively with %d draft tokens per verify "
+            "(rows with a grammar take one token per step)",
             args.num_draft_tokens,
         )
     if args.warm is not None:

@@ -13,9 +13,8 @@ Scheduling, per loop iteration:
 
 A decode step therefore costs one forward per tenant (cache namespace), not one per user, and a new request gets
 its first token after at most one decode step of the running batches instead of after their whole generation.
-With a draft model (``engine.speculative``), a request admitted while nothing else runs or waits (one choice, no
-grammar, no logprobs) is decoded speculatively in one call: latency-bound traffic gets the draft's speed-up,
-concurrent traffic the batch's throughput; requests arriving meanwhile wait for it.
+With a draft model (``engine.speculative``) every batch decodes speculatively inside the same loop (rows with a
+grammar take one token per step): a request's tokens do not depend on the draft or on what else runs.
 
 Invariants: only this thread touches the model; at most ``max_queue`` jobs wait for admission (``submit``
 raises :class:`Overloaded` beyond); an exception while running a batch fails that batch's jobs and nothing else.
@@ -157,7 +156,7 @@ class Worker:
             self._thread.join(grace_s)
         with self._cond:
             self._abort = True
-            for batch in self._active:  # a speculative batch runs in one call: its rows end at their next token
+            for batch in self._active:  # their rows end at their next token
                 for job in batch.jobs:
                     job.cancel.set()
             self._cond.notify()
@@ -253,33 +252,19 @@ class Worker:
                 formed.append((running, chosen))
                 taken.update(id(job) for job in chosen)
         self._pending = [(key, job) for key, job in self._pending if id(job) not in taken]
-        alone = len(formed) == 1 and not self._active and not self._pending
-        return [
-            (batch, jobs)
-            if batch is not None
-            else (self._new_batch(jobs, speculative=alone and self._speculates(jobs)), None)
-            for batch, jobs in formed
-        ]
+        return [(batch, jobs) if batch is not None else (self._new_batch(jobs), None) for batch, jobs in formed]
 
     def _joinable(self, cache_salt: str | None) -> Batch | None:
-        """A running batch that new rows with ``cache_salt`` may join (decoding, same namespace, not speculative)."""
+        """A running batch that new rows with ``cache_salt`` may join (decoding, same namespace)."""
         for batch in self._active:
-            if not batch.done and not batch.speculative and batch.jobs[0].cache_salt == cache_salt:
+            if not batch.done and batch.jobs[0].cache_salt == cache_salt:
                 return batch
         return None
 
-    def _speculates(self, jobs: Sequence[Job]) -> bool:
-        """Whether a batch that runs alone decodes with the engine's draft: one job, one choice, no grammar and no
-        log-probabilities (assisted generation takes one row and reports log-probabilities only at its end)."""
-        if not self.engine.speculative or len(jobs) != 1:
-            return False
-        job = jobs[0]
-        return job.n == 1 and job.params.constraint is None and job.params.top_logprobs is None
-
-    def _new_batch(self, jobs: Sequence[Job], *, speculative: bool) -> Batch:
+    def _new_batch(self, jobs: Sequence[Job]) -> Batch:
         self.metrics.batch_size.observe(sum(job.n for job in jobs))
         observe = self.metrics.observe_token
-        return Batch(self.engine, jobs, self.mode, self.tokenizer_lock, observe, speculative=speculative)
+        return Batch(self.engine, jobs, self.mode, self.tokenizer_lock, observe)
 
     def _group_key(self, job: Job) -> GroupKey:
         """Jobs with the same key may share a batch: the same ``cache_salt`` (one cache namespace per batch); with
