@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -26,18 +26,20 @@ from kvboost_hf.core.keys import model_digest
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, left_pad
 from kvboost_hf.hf.models import check_model_support, load_model_and_tokenizer, model_dtype
+from kvboost_hf.hf.prefill import forward
 from kvboost_hf.hf.sampling import SamplingParams
 from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftSource, resolve_draft
 from kvboost_hf.offload import LayerStreaming, layer_streamer
 from kvboost_hf.offload.loading import load_streamed_model
 from kvboost_hf.results import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
+from kvboost_hf.scheduling import BatchPolicy
 from kvboost_hf.store.chunk_store import ChunkStore
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[str] | Sequence[dict[str, str]]
+Prompt = str | Sequence[str] | Sequence[dict[str, str]] | Sequence[int]
 """A string; a list of strings (segments: documents, a question, each starting a chunk, concatenated as is);
-or chat messages (``{"role": ..., "content": ...}``) rendered with the tokenizer's chat template."""
+chat messages (``{"role": ..., "content": ...}``) rendered with the tokenizer's chat template; or token ids."""
 DEFAULT_MAX_CACHE_BYTES = 2 << 30
 
 
@@ -171,10 +173,13 @@ class InferenceEngine:
         return next(self.model.parameters()).device
 
     def render(self, prompt: Prompt, *, add_generation_prompt: bool = True) -> str:
-        """The text the model sees: a string as is, segments concatenated, chat messages through the template."""
+        """The text the model sees: a string as is, segments concatenated, chat messages through the template,
+        token ids decoded."""
         if isinstance(prompt, str):
             return prompt
         items = list(prompt)
+        if _token_ids(items):
+            return self.tokenizer.decode(items)
         if items and all(isinstance(item, str) for item in items):
             return "".join(str(item) for item in items)
         if not items or not all(isinstance(m, dict) and "role" in m and "content" in m for m in items):
@@ -188,7 +193,14 @@ class InferenceEngine:
         """Token ids of the prompt and the token offsets where its segments start (empty for a single text).
 
         Segments are tokenized one by one (the first with the tokenizer's special tokens) so each starts a chunk.
+        Token ids are used as given (each must be in the model's vocabulary).
         """
+        if not isinstance(prompt, str) and _token_ids(items := list(prompt)):
+            token_ids = items
+            vocab = self.model.config.get_text_config(decoder=True).vocab_size
+            if bad := [token for token in token_ids if not 0 <= token < vocab]:
+                raise ValueError(f"token ids {bad[:5]} are outside the model's vocabulary of {vocab}")
+            return token_ids, []
         segments = list(prompt) if not isinstance(prompt, str) else []
         if not segments or not all(isinstance(item, str) for item in segments):
             text = self.render(prompt, add_generation_prompt=add_generation_prompt)
@@ -230,8 +242,11 @@ class InferenceEngine:
         segment_starts: Sequence[int] = (),
         repair: RepairConfig | None = None,
         model: PreTrainedModel | None = None,
+        *,
+        adapter: bool = True,
     ) -> ChunkReuseCache:
-        """A fresh drop-in cache bound to this engine's store and settings (for ``model``, default this engine's)."""
+        """A fresh drop-in cache bound to this engine's store and settings (for ``model``, default this engine's).
+        ``adapter=False`` for forwards driven explicitly (the engine's own): no hooks are installed on the model."""
         return ChunkReuseCache(
             self.store,
             model if model is not None else self.model,
@@ -240,6 +255,7 @@ class InferenceEngine:
             mode=mode,
             cache_salt=cache_salt,
             segment_starts=tuple(segment_starts),
+            adapter=adapter,
         )
 
     # ------------------------------------------------------------------ warm
@@ -258,10 +274,10 @@ class InferenceEngine:
             GenerationMode.CHUNK_KV_REUSE if as_segment or starts else GenerationMode.PREFIX_CACHE,
             cache_salt,
             segment_starts=[0, len(ids)] if as_segment else starts,
+            adapter=False,
         )
-        with self.lock, torch.inference_mode():
-            input_ids = torch.tensor([ids], device=self.device)
-            self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        with self.lock:
+            forward(self.model, cache, input_ids=torch.tensor([ids], device=self.device), logits_to_keep=1)
             cache.save(tail=True)
         spans = chunk_spans(ids, self.chunking, segment_starts=cache.segment_starts)
         covered = spans[-1][1] if spans else 0
@@ -362,14 +378,14 @@ class InferenceEngine:
         encoded, segment_starts = zip(*(self.encode_segments(p) for p in prompts), strict=True)
         for ids in encoded:
             self._check_length(len(ids), max_new_tokens)
-        if len(prompts) > 1 and any(segment_starts):
-            raise ValueError("segment prompts (lists of strings) are generated one at a time: use generate()")
+        if any(segment_starts) and any(ids != encoded[0] for ids in encoded[1:]):
+            raise ValueError("segment prompts (lists of strings) are batched only with copies of themselves")
         if sampling is None:
             sampling = SamplingParams(temperature=float(temperature) if do_sample else 0.0, top_p=float(top_p))
         if seed is not None:
             sampling = replace(sampling, seed=seed)
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        starts = segment_starts[0] if len(prompts) == 1 else ()
+        starts = segment_starts[0]  # all prompts are one when it has segments
         requests = [
             DecodeRequest(ids, max_new_tokens, sampling, stops, logprobs, None, cancel, logprobs is not None)
             for ids in encoded
@@ -410,7 +426,9 @@ class InferenceEngine:
         :attr:`lock`."""
         mode = GenerationMode(mode)
         reuse = mode is not GenerationMode.BASELINE
-        new_cache = functools.partial(self.new_cache, mode, cache_salt, segment_starts, repair) if reuse else None
+        new_cache = None
+        if reuse:
+            new_cache = functools.partial(self.new_cache, mode, cache_salt, segment_starts, repair, adapter=False)
         return DecodeLoop(
             self.model,
             functools.partial(self.tokenizer.decode, skip_special_tokens=True),
@@ -436,7 +454,9 @@ class InferenceEngine:
         draft_cache = None
         if mode is not GenerationMode.BASELINE:
             owner, model = (self._draft_engine, None) if self._draft_engine is not None else (self, self.draft_model)
-            draft_cache = functools.partial(owner.new_cache, mode, cache_salt, segment_starts, repair, model=model)
+            draft_cache = functools.partial(
+                owner.new_cache, mode, cache_salt, segment_starts, repair, model=model, adapter=False
+            )
         return Drafter(self.draft_model, self.draft_settings, draft_cache)
 
     def _result(
@@ -504,26 +524,37 @@ class InferenceEngine:
         }
 
     def generate_many(
-        self, prompts: Sequence[Prompt], max_new_tokens: int = 64, *, max_batch_size: int = 8, **kwargs: Any
+        self,
+        prompts: Sequence[Prompt],
+        max_new_tokens: int = 64,
+        *,
+        max_batch_size: int = 8,
+        mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
+        cache_salt: str | None = None,
+        **kwargs: Any,
     ) -> list[GenerationResult]:
-        """Generate for many prompts in batches of up to ``max_batch_size`` rows of similar length (less padding;
-        chunks stored by one batch are loaded by the next); segment prompts run alone. Input order is kept."""
-        lengths: dict[int, int] = {}
-        alone: list[list[int]] = []
-        for index, prompt in enumerate(prompts):
-            ids, starts = self.encode_segments(prompt)
-            if starts:
-                alone.append([index])
-            else:
-                lengths[index] = len(ids)
-        by_length = sorted(lengths, key=lengths.__getitem__)
-        batches = alone + [by_length[lo : lo + max_batch_size] for lo in range(0, len(by_length), max_batch_size)]
-        results: list[GenerationResult | None] = [None] * len(prompts)
+        """Generate for many prompts in batches formed by :meth:`batch_policy` (the server's rules: requests whose
+        reuse needs repair, and segment prompts, run alone; the others in batches of up to ``max_batch_size`` rows
+        of similar length; chunks stored by one batch are loaded by the next). Each prompt is tokenized once;
+        ``kwargs`` are :meth:`generate_batch`'s. Input order is kept."""
+        encoded = [self.encode_segments(prompt) for prompt in prompts]
+        policy = self.batch_policy(mode)
+        batches = policy.batches([ids for ids, _ in encoded], [starts for _, starts in encoded], cache_salt,
+                                 max_batch_size)  # fmt: skip
+        results: dict[int, GenerationResult] = {}
         for batch in batches:
-            outputs = self.generate_batch([prompts[i] for i in batch], max_new_tokens, **kwargs)
-            for index, result in zip(batch, outputs, strict=True):
-                results[index] = result
-        return [r for r in results if r is not None]
+            given = [prompts[i] if encoded[i][1] else encoded[i][0] for i in batch]  # segments keep their starts
+            outputs = self.generate_batch(given, max_new_tokens, mode, cache_salt=cache_salt, **kwargs)
+            results.update(zip(batch, outputs, strict=True))
+        return [results[index] for index in range(len(prompts))]
+
+    def batch_policy(self, mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE) -> BatchPolicy:
+        """Which requests may share a decode loop in ``mode`` (see :mod:`kvboost_hf.scheduling`)."""
+
+        def namespace(cache_salt: str | None) -> str:
+            return self.new_cache(mode, cache_salt, adapter=False).namespace
+
+        return BatchPolicy(self.store, namespace, self.chunking, mode)
 
     # ------------------------------------------------------------------ checks and stats
     def cache_stats(self) -> dict[str, int | float]:
@@ -588,3 +619,8 @@ class InferenceEngine:
         if eos is None:
             eos = self.tokenizer.eos_token_id
         return set(eos if isinstance(eos, list) else [eos]) - {None}
+
+
+def _token_ids(items: list[Any]) -> TypeGuard[list[int]]:
+    """Whether a prompt given as a list is token ids (every item an int, not a bool)."""
+    return bool(items) and all(isinstance(item, int) and not isinstance(item, bool) for item in items)

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.keys import chain_prefix_keys, content_key, prefix_key
-from kvboost_hf.reuse.plan import ChunkLedger, plan_reuse
+from kvboost_hf.reuse.plan import ChunkLedger, has_nonprefix_hits, plan_reuse
+from kvboost_hf.scheduling import BatchPolicy
 
 NS = "test-namespace"
 CHUNK = 4
@@ -230,3 +231,37 @@ def test_hits_are_sorted_disjoint_inside_the_budget_and_exact_hits_match_stored_
         assert row.is_leading_run and not result.sparse
     covered = sum(min(h.span[1], limit) - h.span[0] for h in row.hits) + sum(e - s for s, e in row.gaps)
     assert covered == len(prompt)  # hits (clipped to the budget) and gaps partition the prompt
+
+
+# ---------------------------------------------------------------------------------------------------- batching
+def test_nonprefix_hits_are_chunks_stored_after_the_first_miss():
+    config = ChunkingConfig(CHUNK)
+    store = DictStore()
+    tokens = list(range(1, 21))  # 5 chunks
+    assert not has_nonprefix_hits(store, tokens, namespace=NS, chunking=config)  # nothing stored
+    store.store_prefix(tokens[:8], config)
+    assert not has_nonprefix_hits(store, tokens, namespace=NS, chunking=config)  # a leading run only: batchable
+    assert not has_nonprefix_hits(store, tokens[:8], namespace=NS, chunking=config)  # every chunk stored
+    store.put(content_key(NS, tokens[12:16]), CHUNK)  # a document chunk stored by content, later in the prompt
+    assert has_nonprefix_hits(store, tokens, namespace=NS, chunking=config)
+    other = DictStore()
+    keys = chain_prefix_keys(NS, tokens, chunk_spans(tokens, config))
+    other.put(keys[3], CHUNK)  # a prefix hit after a miss (the planner stitches it and recomputes the gap)
+    assert has_nonprefix_hits(other, tokens, namespace=NS, chunking=config)
+    assert not has_nonprefix_hits(other, tokens, namespace="another tenant", chunking=config)
+
+
+def test_batch_policy_runs_repairs_and_segments_alone_and_orders_the_rest_by_length():
+    config = ChunkingConfig(CHUNK)
+    store = DictStore()
+    document = [90, 91, 92, 93]
+    store.put(content_key(NS, document), CHUNK)
+    prompts = [[1, 2, 3, 4, *document], list(range(30, 41)), [5, 6], list(range(50, 53)), [7, 8, 9, 10, 11]]
+    starts = [(), (), (), (0, 2), ()]
+    policy = BatchPolicy(store, lambda salt: NS if salt is None else f"{NS}/{salt}", config, "chunk_kv_reuse")
+    assert policy.batches(prompts, starts, None, max_batch_size=2) == [[0], [3], [2, 4], [1]]
+    assert not policy.key(prompts[0], "tenant-b").alone  # another tenant's namespace holds nothing
+    assert policy.key(prompts[0], None) != policy.key(prompts[0], None)  # a ticket each: never batched together
+    assert BatchPolicy(store, lambda salt: NS, config, "prefix_cache").key(prompts[0], None).shares
+    with pytest.raises(ValueError, match="max_batch_size"):
+        policy.batches(prompts, starts, None, max_batch_size=0)

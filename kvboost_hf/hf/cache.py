@@ -145,6 +145,9 @@ class ChunkReuseCache(Cache):
         segment_starts: token offsets where a new segment (document, question) starts: each starts a chunk, and
             segment chunks are also stored by content key so they hit at any position.
         write_back: store the chunks computed through this cache.
+        adapter: install the hooks that let ``model.generate(past_key_values=cache)`` and ``model(...)`` drive
+            this cache (:mod:`kvboost_hf.hf.hooks`; once per model). Not needed when forwards are driven explicitly
+            (:func:`kvboost_hf.hf.prefill.forward`, as the decode loop does).
     """
 
     def __init__(
@@ -158,6 +161,7 @@ class ChunkReuseCache(Cache):
         cache_salt: str | None = None,
         segment_starts: list[int] | tuple[int, ...] = (),
         write_back: bool = True,
+        adapter: bool = True,
     ) -> None:
         super().__init__(layers=[ChunkReuseLayer() for _ in range(num_cache_layers(model))])
         self.store = store
@@ -188,7 +192,8 @@ class ChunkReuseCache(Cache):
         )
         self._scatter: torch.Tensor | None = None  # positions the pending sparse forward writes
         self._pending_tokens: torch.Tensor | None = None  # the row's tokens once that forward ran
-        install_hooks(model)
+        if adapter:
+            install_hooks(model)
 
     # ------------------------------------------------------------------ state
     @property

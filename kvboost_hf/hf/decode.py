@@ -3,9 +3,10 @@
 One :class:`DecodeLoop` runs a batch of rows (prompts of any lengths and prefixes, each with its own settings):
 
 * prefill: the prompts are left-padded into one forward on a fresh cache (a
-  :class:`~kvboost_hf.hf.cache.ChunkReuseCache` stitches stored chunks through its hooks and computes only the
-  rest). When several rows share a chunk-aligned prefix whose chunks are not stored yet, that prefix is computed
-  once (batch of one) and stored first, so the batch prefill loads it for every row instead of computing it per row;
+  :class:`~kvboost_hf.hf.cache.ChunkReuseCache` stitches stored chunks, called explicitly through
+  :func:`~kvboost_hf.hf.prefill.forward`, and computes only the rest). When several rows share a chunk-aligned
+  prefix whose chunks are not stored yet, that prefix is computed once (batch of one) and stored first, so the
+  batch prefill loads it for every row instead of computing it per row;
 * decode: one forward per step for the rows still running. Each row's logits go through its own transformers
   ``LogitsProcessorList`` (:func:`~kvboost_hf.hf.sampling.build_processors`: bias, penalties, min_tokens, a grammar
   constraint, temperature, top-k/p, min-p), then the row picks its token with its own seeded generator
@@ -29,6 +30,7 @@ chunk included) are stored before it leaves the batch.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import threading
 import time
@@ -48,6 +50,7 @@ from kvboost_hf.hf.cache import (
     join_caches,
     prepend_zeros,
 )
+from kvboost_hf.hf.prefill import forward
 from kvboost_hf.hf.sampling import SamplingParams, build_processors, choose_token
 from kvboost_hf.hf.speculative import Drafter
 
@@ -287,23 +290,32 @@ class DecodeLoop:
 
     # ------------------------------------------------------------------ forwards
     def prefill(self) -> None:
-        """Compute (or load) every row's prompt and give each row its first token."""
+        """Compute (or load) every row's prompt and give each row its first token. Rows that all have one prompt
+        (the ``n`` choices of a request) are prefilled as one row and then repeated, so a repair of non-prefix
+        hits, which the cache makes for one row at a time, applies to all of them."""
         prompts = [list(row.request.prompt_ids) for row in self.rows]
+        repeats = len(prompts) if all(prompt == prompts[0] for prompt in prompts) else 1
+        prompts = prompts[:1] if repeats > 1 else prompts
         shared_computed = self._store_shared_prefixes(prompts) if self.new_cache is not None else {}
         self.cache = self.new_cache() if self.new_cache is not None else DynamicCache()
         input_ids, self.mask = left_pad(prompts, self.pad_token_id, self.device)
         position_ids = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 1)
         logits = self._forward(input_ids, position_ids)
-        self.positions = position_ids[:, -1]
         reuse = self.cache.last_reuse if isinstance(self.cache, ChunkReuseCache) else []
-        loaded = [reuse[index].cached_tokens if index < len(reuse) else 0 for index in range(len(self.rows))]
+        loaded = [reuse[index].cached_tokens if index < len(reuse) else 0 for index in range(len(prompts))]
         self.computed_tokens = sum(len(p) - n for p, n in zip(prompts, loaded, strict=True))
         self.computed_tokens += sum(shared_computed.values())
+        if repeats > 1:
+            self.cache.batch_repeat_interleave(repeats)
+            input_ids, self.mask, position_ids, logits = (
+                tensor.repeat_interleave(repeats, dim=0) for tensor in (input_ids, self.mask, position_ids, logits)
+            )
+            reuse, loaded = [copy.copy(entry) for entry in reuse * repeats], loaded * repeats
+        self.positions = position_ids[:, -1]
         for index, row in enumerate(self.rows):
             if index < len(reuse):
                 row.reuse = reuse[index]
                 row.reuse.cached_tokens = max(0, loaded[index] - shared_computed.get(index, 0))
-        for index, row in enumerate(self.rows):
             if row.request.keep_first_logits:
                 row.first_logits = logits[index].cpu()
         self._advance(logits)
@@ -452,15 +464,14 @@ class DecodeLoop:
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: int = 1) -> torch.Tensor:
         """One target forward; the last ``keep`` positions' logits (fp32), ``[B, V]`` for ``keep == 1`` else
         ``[B, keep, V]``."""
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=self.mask,
-                position_ids=position_ids,
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=keep,
-            )
+        out = forward(
+            self.model,
+            self.cache,
+            input_ids=input_ids,
+            attention_mask=self.mask,
+            position_ids=position_ids,
+            logits_to_keep=keep,
+        )
         self.forwards += 1
         logits = out.logits[:, -keep:, :].float()
         return logits[:, -1, :] if keep == 1 else logits
@@ -500,9 +511,7 @@ class DecodeLoop:
         keys = chain_prefix_keys(cache.namespace, first, chunk_spans(first[:shared], self.chunking))
         if all(cache.store.contains_many(keys)):  # one Redis round trip for all of them
             return 0
-        with torch.inference_mode():
-            self.model(input_ids=torch.tensor([first[:shared]], device=self.device), past_key_values=cache,
-                       use_cache=True, logits_to_keep=1)  # fmt: skip
+        forward(self.model, cache, input_ids=torch.tensor([first[:shared]], device=self.device), logits_to_keep=1)
         self.forwards += 1
         cache.save(tail=False)
         loaded = cache.last_reuse[0].cached_tokens if cache.last_reuse else 0

@@ -1,12 +1,13 @@
 """Stage 7: an optional adapter that lets ``generate()`` and ``forward()`` drive a reuse cache.
 
-:class:`~kvboost_hf.hf.cache.ChunkReuseCache` does its work in two explicit calls, ``prefill()`` and ``save()``,
-so it also works where these hooks cannot run (call them yourself). Installed once per model, the adapter is
-inert unless ``past_key_values`` is such a cache:
+:class:`~kvboost_hf.hf.cache.ChunkReuseCache` does its work in explicit calls (``prefill()``, ``record()``,
+``save()``; :func:`kvboost_hf.hf.prefill.forward` drives one forward with them), so nothing of the library needs
+these hooks. They exist for ``model.generate(ids, past_key_values=ChunkReuseCache(...))`` and ``model(...)``:
+installed once per model (a ``ChunkReuseCache`` installs them), removable with :func:`uninstall_hooks`, and inert
+for any forward that is not given such a cache:
 
-* a forward pre-hook calls ``prefill()`` on the forward's tokens and replaces the inputs with what is left to
-  compute (the uncached tail, or one sparse repair forward folded with the tail); a forward that asks for every
-  position's logits, hidden states or attentions is computed whole (and still recorded and written back);
+* a forward pre-hook calls :func:`~kvboost_hf.hf.prefill.prepare_forward` (load what the store holds, feed only
+  what is left);
 * a forward hook calls ``record()`` with the tokens the forward computed;
 * a wrapper of ``generate`` refuses a prompt that does not extend what the cache holds (instead of silently
   attending to stale K/V), adds :class:`~kvboost_hf.hf.generation.ChunkWriteBack` to the logits processors
@@ -15,58 +16,40 @@ inert unless ``past_key_values`` is such a cache:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import LogitsProcessorList
 
 from kvboost_hf.hf.generation import ChunkWriteBack
-
-_INSTALLED = "_kvboost_hooks_installed"
-
-
-def _reuse_cache(kwargs: dict[str, Any]) -> Any | None:
-    cache = kwargs.get("past_key_values")
-    return cache if hasattr(cache, "prefill") and hasattr(cache, "record") else None
+from kvboost_hf.hf.prefill import prepare_forward, reuse_cache
 
 
 def _pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
-    cache = _reuse_cache(kwargs)
+    cache = reuse_cache(kwargs.get("past_key_values"))
     if cache is None:
         return None
     if args and "input_ids" not in kwargs:
         kwargs["input_ids"], args = args[0], args[1:]
-    fed = kwargs.get("input_ids")
-    if fed is None or cache.expects_sparse_forward or not cache.reuse_enabled:
-        return args, kwargs
-    keep = kwargs.get("logits_to_keep", 0)
-    if not isinstance(keep, int) or keep < 1 or kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
-        keep = fed.shape[1]  # the caller wants outputs for every position: skipping tokens would drop them
-    cached = cache.num_columns
-    if cached and fed.shape[1] <= keep:
-        return args, kwargs  # a decode step: nothing to look up
-    full = torch.cat([cache.tokens.to(fed.device), fed], dim=1) if cached else fed
-    pending = cache.prefill(full, kwargs.get("attention_mask"), keep=keep, defer=True, report=cache.prompt_forward_next)
-    if pending.position_ids is not None:
-        kwargs.update(pending.model_inputs())
-    elif (skip := pending.cached_columns - cached) > 0:
-        kwargs["input_ids"] = fed[:, skip:]
-        if kwargs.get("position_ids") is not None:
-            kwargs["position_ids"] = kwargs["position_ids"][..., skip:]
-    return args, kwargs
+    return args, prepare_forward(cache, kwargs, report=cache.prompt_forward_next)
 
 
 def _post_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
-    cache = _reuse_cache(kwargs)
+    cache = reuse_cache(kwargs.get("past_key_values"))
     if cache is not None:
         cache.record(kwargs.get("input_ids"))
 
 
-def _wrap_generate(model: torch.nn.Module) -> None:
+def _wrap_generate(model: torch.nn.Module) -> Callable[..., Any] | None:
+    """Shadow ``model.generate`` with the write-back wrapper (an instance attribute); returns the wrapped method."""
     generate = getattr(model, "generate", None)
     if generate is None:
-        return
+        return None
 
     @functools.wraps(generate)
     def generate_with_write_back(*args: Any, **kwargs: Any) -> Any:
@@ -87,13 +70,56 @@ def _wrap_generate(model: torch.nn.Module) -> None:
         return output
 
     setattr(model, "generate", generate_with_write_back)  # noqa: B010  (an instance attribute)
+    return generate
+
+
+@dataclass
+class _Installed:
+    """What :func:`install_hooks` added to a model, to take it away again."""
+
+    handles: list[torch.utils.hooks.RemovableHandle]
+    wraps_generate: bool
+
+
+_ADAPTERS: weakref.WeakKeyDictionary[torch.nn.Module, _Installed] = weakref.WeakKeyDictionary()
 
 
 def install_hooks(model: torch.nn.Module) -> None:
-    """Attach the adapter to ``model`` (idempotent)."""
-    if getattr(model, _INSTALLED, False):
+    """Attach the adapter to ``model`` (once: a second call is a no-op)."""
+    if model in _ADAPTERS:
         return
-    model.register_forward_pre_hook(_pre_forward, with_kwargs=True)
-    model.register_forward_hook(_post_forward, with_kwargs=True)
-    _wrap_generate(model)
-    setattr(model, _INSTALLED, True)
+    handles = [
+        model.register_forward_pre_hook(_pre_forward, with_kwargs=True),
+        model.register_forward_hook(_post_forward, with_kwargs=True),
+    ]
+    _ADAPTERS[model] = _Installed(handles, _wrap_generate(model) is not None)
+
+
+def uninstall_hooks(model: torch.nn.Module) -> bool:
+    """Remove the adapter from ``model`` (its forward hooks and the ``generate`` wrapper); False when none was
+    installed. Afterwards ``model.generate(past_key_values=ChunkReuseCache(...))`` no longer loads or stores
+    chunks (a new ``ChunkReuseCache`` installs the adapter again); explicit driving still works."""
+    installed = _ADAPTERS.pop(model, None)
+    if installed is None:
+        return False
+    for handle in installed.handles:
+        handle.remove()
+    if installed.wraps_generate:
+        vars(model).pop("generate", None)  # the class's method shows again
+    return True
+
+
+def hooks_installed(model: torch.nn.Module) -> bool:
+    """Whether the adapter is attached to ``model``."""
+    return model in _ADAPTERS
+
+
+@contextlib.contextmanager
+def without_hooks(model: torch.nn.Module) -> Iterator[None]:
+    """Run the block with the adapter removed from ``model``, and put it back afterwards if it was there."""
+    removed = uninstall_hooks(model)
+    try:
+        yield
+    finally:
+        if removed:
+            install_hooks(model)

@@ -32,6 +32,7 @@ from typing import Any, Protocol, TypeAlias
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from kvboost_hf.hf.prefill import forward
 from kvboost_hf.hf.probe import truncated_depth
 
 logger = logging.getLogger(__name__)
@@ -347,13 +348,13 @@ class Drafter:
     def forward(self, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """One draft forward through :attr:`cache`; the last position's logits ``[B, V]`` (fp32)."""
         depth = self.settings.early_exit_layers
-        with torch.inference_mode(), truncated_depth(self.model, depth) if depth else contextlib.nullcontext():
-            out = self.model(
+        with truncated_depth(self.model, depth) if depth else contextlib.nullcontext():
+            out = forward(
+                self.model,
+                self.cache,
                 input_ids=input_ids,
                 attention_mask=mask,
                 position_ids=position_ids,
-                past_key_values=self.cache,
-                use_cache=True,
                 logits_to_keep=1,
             )
         self.forwards += 1

@@ -241,3 +241,25 @@ def plan_reuse(
 def _tail_window(span: Span) -> tuple[int, int]:
     """Where an unfinished chunk may stand in place of a missed chunk: its start, and up to one token short."""
     return span[0], span[1] - span[0] - 1
+
+
+def has_nonprefix_hits(
+    store: ChunkSource,
+    tokens: Sequence[int],
+    *,
+    namespace: str,
+    chunking: ChunkingConfig,
+    segment_starts: Sequence[int] = (),
+) -> bool:
+    """Whether an approximate plan of ``tokens`` (one row, nothing cached) could hit a chunk at or after its first
+    missed prefix chunk: one stored there under its prefix or content key. Such hits are stitched at scattered
+    positions and repaired, which the cache does for a batch of one row only. Reads ``contains_many`` only (two
+    calls at most); a stored unfinished chunk alone (the live tail of a conversation) does not count."""
+    spans = chunk_spans(tokens, chunking, 0, segment_starts)
+    stored = store.contains_many(chain_prefix_keys(namespace, tokens, spans))
+    if all(stored):
+        return False
+    first_miss = stored.index(False)
+    if any(stored[first_miss + 1 :]):
+        return True
+    return any(store.contains_many([content_key(namespace, tokens[start:end]) for start, end in spans[first_miss:]]))

@@ -2,12 +2,12 @@
 
 Scheduling, per loop iteration:
 
-1. admission: a pending job whose ``cache_salt`` matches a running batch joins it at once (continuous batching:
-   its prompt is prefilled, then its rows decode in the same forward as the running rows). Other pending jobs are
-   grouped by ``cache_salt`` (and, in ``CHUNK_KV_REUSE`` mode, by the first chunk of the prompt) and a group is
-   admitted as a new :class:`~kvboost_hf.server.batching.Batch` once its oldest job has waited
-   ``batch_window_s`` (or it fills ``max_batch_size`` rows); the rows of all running batches stay within
-   ``max_batch_size``;
+1. admission: jobs are keyed by the engine's batch policy (:mod:`kvboost_hf.scheduling`: the ``cache_salt``, and
+   a key of its own for a job whose reuse needs repair). A pending job whose key matches a running batch joins it
+   at once (continuous batching: its prompt is prefilled, then its rows decode in the same forward as the running
+   rows). Other pending jobs of one key are admitted as a new :class:`~kvboost_hf.server.batching.Batch` once the
+   oldest has waited ``batch_window_s`` (or they fill ``max_batch_size`` rows; a job that runs alone at once);
+   the rows of all running batches stay within ``max_batch_size``;
 2. exclusive calls (``warm``) run;
 3. new batches run their prefill, joining jobs theirs, then every running batch makes one decode step.
 
@@ -31,15 +31,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kvboost_hf.core.chunking import chunk_spans
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.engine import InferenceEngine, Prompt
+from kvboost_hf.scheduling import BatchKey
 from kvboost_hf.server.batching import Batch, Job
 from kvboost_hf.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-GroupKey = tuple[Any, ...]
 RETRY_AFTER_MAX_S = 600
 BATCH_SECONDS_WEIGHT = 0.2  # weight of the newest batch in the moving average behind Retry-After
 
@@ -61,9 +60,10 @@ class Worker:
 
     Args:
         engine: the engine (its model is used from this worker only).
-        mode: ``PREFIX_CACHE`` (exact prefix hits), ``CHUNK_KV_REUSE`` (also repaired non-prefix hits, which
-            the cache applies to batches of one row only) or ``BASELINE`` (plain K/V, no store).
-        batch_window_s: how long (seconds) a job may wait for others sharing its prefix.
+        mode: ``PREFIX_CACHE`` (exact prefix hits), ``CHUNK_KV_REUSE`` (also repaired non-prefix hits) or
+            ``BASELINE`` (plain K/V, no store). Jobs are batched by the engine's :meth:`~InferenceEngine.batch_policy`
+            (the rules of ``generate_many``: a job whose reuse needs repair runs alone).
+        batch_window_s: how long (seconds) a job may wait for others to batch with.
         max_batch_size: rows (choices) running at once, over all batches.
         max_queue: jobs waiting for admission before ``submit`` refuses.
         metrics: where batch sizes, latencies and token origins are recorded.
@@ -89,7 +89,9 @@ class Worker:
         self.metrics = metrics or Metrics()
         self.tokenizer_lock = threading.Lock()
         self._cond = threading.Condition()
-        self._pending: list[tuple[GroupKey, Job]] = []
+        self.policy = engine.batch_policy(self.mode)
+        self._pending: list[tuple[BatchKey, Job]] = []
+        self._keys: dict[Batch, BatchKey] = {}
         self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
         self._active: list[Batch] = []
         self._closing = False
@@ -123,12 +125,13 @@ class Worker:
         """
         if not 1 <= job.n <= self.max_batch_size:
             raise ValueError(f"a job needs 1 to max_batch_size={self.max_batch_size} rows, got n={job.n}")
+        key = self.policy.key(job.prompt_ids, job.cache_salt)  # reads the store: before taking the lock
         with self._cond:
             if self._closing:
                 raise ShuttingDown("server is shutting down")
             if len(self._pending) >= self.max_queue:
                 raise Overloaded(len(self._pending), self.retry_after_s())
-            self._pending.append((self._group_key(job), job))
+            self._pending.append((key, job))
             self._cond.notify()
 
     def retry_after_s(self) -> int:
@@ -192,6 +195,7 @@ class Worker:
                     self._batch_seconds += BATCH_SECONDS_WEIGHT * (batch.age_s - self._batch_seconds)
             with self._cond:
                 self._active = [batch for batch in self._active if not batch.done]
+                self._keys = {batch: key for batch, key in self._keys.items() if not batch.done}
         logger.info("model worker stopped")
 
     def _count_prompt(self, computed: int, jobs: Sequence[Job]) -> None:
@@ -228,19 +232,21 @@ class Worker:
 
     def _admit(self, now: float) -> list[tuple[Batch, list[Job] | None]]:
         """Pending jobs that are ready and fit, as ``(batch, None)`` for a new batch and ``(batch, jobs)`` for jobs
-        joining a running batch of the same ``cache_salt`` (at once: no batch window). Called with the lock held."""
+        joining a running batch of the same key (at once: no batch window). A job that runs alone does not wait for
+        the window. Called with the lock held."""
         self._pending = [(key, job) for key, job in self._pending if not self._dropped_if_cancelled(job)]
-        groups: dict[GroupKey, list[Job]] = {}
+        groups: dict[BatchKey, list[Job]] = {}
         for key, job in self._pending:
             groups.setdefault(key, []).append(job)
         free = self.max_batch_size - self.running_rows
-        formed: list[tuple[Batch | None, list[Job]]] = []
+        formed: list[tuple[BatchKey, Batch | None, list[Job]]] = []
         taken: set[int] = set()
-        for members in groups.values():  # insertion order = oldest job first
-            running = self._joinable(members[0].cache_salt)
+        for key, members in groups.items():  # insertion order = oldest job first
+            running = self._joinable(key)
             rows = sum(job.n for job in members)
             window_over = now >= members[0].arrival + self.batch_window_s
-            if not (running is not None or rows >= self.max_batch_size or self._closing or window_over):
+            ready = running is not None or rows >= self.max_batch_size or not key.shares or window_over
+            if not (ready or self._closing):
                 continue
             chosen: list[Job] = []
             for job in members:
@@ -249,32 +255,27 @@ class Worker:
                 chosen.append(job)
                 free -= job.n
             if chosen:
-                formed.append((running, chosen))
+                formed.append((key, running, chosen))
                 taken.update(id(job) for job in chosen)
         self._pending = [(key, job) for key, job in self._pending if id(job) not in taken]
-        return [(batch, jobs) if batch is not None else (self._new_batch(jobs), None) for batch, jobs in formed]
+        return [
+            (batch, jobs) if batch is not None else (self._new_batch(key, jobs), None) for key, batch, jobs in formed
+        ]
 
-    def _joinable(self, cache_salt: str | None) -> Batch | None:
-        """A running batch that new rows with ``cache_salt`` may join (decoding, same namespace)."""
+    def _joinable(self, key: BatchKey) -> Batch | None:
+        """A running batch that new jobs of ``key`` may join (decoding, same namespace, neither side alone)."""
+        if not key.shares:
+            return None
         for batch in self._active:
-            if not batch.done and batch.jobs[0].cache_salt == cache_salt:
+            if not batch.done and self._keys.get(batch) == key:
                 return batch
         return None
 
-    def _new_batch(self, jobs: Sequence[Job]) -> Batch:
+    def _new_batch(self, key: BatchKey, jobs: Sequence[Job]) -> Batch:
         self.metrics.batch_size.observe(sum(job.n for job in jobs))
-        observe = self.metrics.observe_token
-        return Batch(self.engine, jobs, self.mode, self.tokenizer_lock, observe)
-
-    def _group_key(self, job: Job) -> GroupKey:
-        """Jobs with the same key may share a batch: the same ``cache_salt`` (one cache namespace per batch); with
-        ``CHUNK_KV_REUSE`` also the same first chunk, since the cache repairs non-prefix hits of one-row batches
-        only and mixing prompts would lose those hits."""
-        if self.mode is not GenerationMode.CHUNK_KV_REUSE:
-            return (job.cache_salt,)
-        spans = chunk_spans(job.prompt_ids, self.engine.chunking)
-        head = tuple(job.prompt_ids[: spans[0][1]]) if spans else ("alone", id(job))
-        return (job.cache_salt, *head)
+        batch = Batch(self.engine, jobs, self.mode, self.tokenizer_lock, self.metrics.observe_token)
+        self._keys[batch] = key
+        return batch
 
     @staticmethod
     def _dropped_if_cancelled(job: Job) -> bool:
@@ -290,6 +291,7 @@ class Worker:
         for batch in self._active:
             batch.cancel_all()
         self._active = []
+        self._keys = {}
         for _, future in self._calls:
             future.cancel()
         self._calls = []

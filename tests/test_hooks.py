@@ -1,0 +1,50 @@
+"""The generate() adapter is optional: the library drives the cache explicitly, the hooks come and go."""
+
+from __future__ import annotations
+
+import torch
+from conftest import greedy, make_tiny_model
+from test_speculative import word_tokenizer, words
+
+from kvboost_hf import ChunkReuseCache, ChunkStore, KVBoost
+from kvboost_hf.hf.hooks import hooks_installed, install_hooks, uninstall_hooks, without_hooks
+
+
+def test_the_engine_reuses_chunks_without_installing_hooks():
+    """The engine's loop drives every forward explicitly: the user's model gets no hooks and no generate wrapper,
+    and the second call still loads the prompt's chunks with the same output as transformers' generate()."""
+    model = make_tiny_model("llama", seed=4)
+    engine = KVBoost(model, word_tokenizer(), chunk_size=8)
+    prompt = words(70, 30)
+    first = engine.generate(prompt, max_new_tokens=6)
+    second = engine.generate(prompt, max_new_tokens=6)
+    engine.warm(words(71, 20))
+    assert not hooks_installed(model) and "generate" not in vars(model)
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    ids = torch.tensor([engine.encode(prompt)])
+    expected, _ = greedy(model, ids, new=6, attention_mask=torch.ones_like(ids))
+    assert first.output_ids == second.output_ids == expected[0, ids.shape[1] :].tolist()
+    assert (first.cached_tokens, second.cached_tokens) == (0, 24)
+
+
+def test_hooks_are_installed_once_and_removable():
+    model = make_tiny_model("llama", seed=5)
+    store = ChunkStore()
+    ids = torch.randint(1, 120, (1, 21), generator=torch.Generator().manual_seed(1))
+    plain, _ = greedy(model, ids)
+    ChunkReuseCache(store, model, 8)
+    ChunkReuseCache(store, model, 8)
+    install_hooks(model)
+    assert hooks_installed(model) and len(model._forward_pre_hooks) == len(model._forward_hooks) == 1
+    cold, _ = greedy(model, ids, ChunkReuseCache(store, model, 8))
+    warm_cache = ChunkReuseCache(store, model, 8)
+    warm, _ = greedy(model, ids, warm_cache)
+    assert torch.equal(cold, plain) and torch.equal(warm, plain) and warm_cache.last_reuse[0].cached_tokens == 16
+    with without_hooks(model):
+        assert not hooks_installed(model) and not model._forward_pre_hooks and "generate" not in vars(model)
+        unhooked = ChunkReuseCache(store, model, 8, adapter=False)
+        out, _ = greedy(model, ids, unhooked)  # an ordinary cache then: nothing loaded, output unchanged
+        assert torch.equal(out, plain) and unhooked.last_reuse == []
+    assert hooks_installed(model)
+    assert uninstall_hooks(model) and not uninstall_hooks(model)
+    assert not model._forward_pre_hooks and not model._forward_hooks and "generate" not in vars(model)

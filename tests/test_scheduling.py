@@ -1,0 +1,50 @@
+"""One batching policy for ``generate_many`` and the server: requests whose reuse needs repair keep it."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_tiny_model
+from test_speculative import word_tokenizer, words
+
+from kvboost_hf import KVBoost
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return KVBoost(make_tiny_model("llama", seed=0), word_tokenizer(), chunk_size=8)
+
+
+def test_generate_many_runs_a_prompt_with_nonprefix_hits_alone_and_keeps_its_repair(engine):
+    """A warmed document placed after new text hits by content key and is repaired; generate_many gives that
+    prompt a batch of its own (a batch of several rows would stitch prefix hits only), so its result equals
+    generate() alone, reuse included, while the other prompts share a batch."""
+    document = words(50, 24)
+    engine.warm(document)
+    rag = [words(51, 5), document, words(52, 6)]  # segments: question prefix, document, question
+    others = [words(53 + i, 12 + i) for i in range(3)]
+    alone = engine.generate(rag, max_new_tokens=6)
+    assert alone.approx_tokens > 0
+    results = engine.generate_many([others[0], rag, others[1], others[2]], max_new_tokens=6)
+    assert (results[1].output_ids, results[1].approx_tokens) == (alone.output_ids, alone.approx_tokens)
+    for prompt, result in zip(others, [results[0], *results[2:]], strict=True):
+        assert result.output_ids == engine.generate(prompt, max_new_tokens=6, mode="baseline").output_ids
+
+
+def test_choices_of_one_prompt_are_prefilled_once_and_all_get_the_repair(engine):
+    """The n rows of one prompt (a request's choices) are prefilled as one row and repeated: each row keeps the
+    approximate hits that a batch of different prompts would lose."""
+    document = words(60, 24)
+    engine.warm(document)
+    prompt = [words(61, 7), document, words(62, 4)]
+    alone = engine.generate(prompt, max_new_tokens=5)
+    choices = engine.generate_batch([prompt, prompt, prompt], max_new_tokens=5)
+    assert alone.approx_tokens > 0
+    assert all(r.approx_tokens == alone.approx_tokens and r.output_ids == alone.output_ids for r in choices)
+    with pytest.raises(ValueError, match="batched only with copies"):
+        engine.generate_batch([prompt, [words(63, 7), document]], max_new_tokens=5)
+
+
+def test_token_id_prompts_are_checked_against_the_vocabulary(engine):
+    assert engine.encode([5, 6, 7]) == [5, 6, 7]
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        engine.encode([5, 100000])
