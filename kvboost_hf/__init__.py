@@ -26,9 +26,10 @@ from kvboost_hf.hf.attention import register_kvboost_attention
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest
 from kvboost_hf.hf.generation import ChunkWriteBack
+from kvboost_hf.hf.hooks import uninstall_hooks, without_hooks
 from kvboost_hf.hf.models import UnsupportedModelError
 from kvboost_hf.hf.sampling import SamplingParams
-from kvboost_hf.hf.speculative import DraftSettings, Speculation, SpeculationStats
+from kvboost_hf.hf.speculative import Drafter, DraftSettings, Speculation, SpeculationStats
 from kvboost_hf.offload import (
     LayerStreamer,
     LayerStreaming,
@@ -38,12 +39,14 @@ from kvboost_hf.offload import (
 )
 from kvboost_hf.results import CorrectnessReport, GenerationResult, WarmResult
 from kvboost_hf.reuse.plan import ReusePlan, plan_reuse
+from kvboost_hf.scheduling import BatchPolicy
 from kvboost_hf.store.chunk_store import ChunkStore
 
 KVBoost = InferenceEngine
 register_kvboost_attention()
 
 __all__ = [
+    "BatchPolicy",
     "ChunkKV",
     "ChunkReuseCache",
     "ChunkStore",
@@ -53,6 +56,7 @@ __all__ = [
     "DecodeLoop",
     "DecodeRequest",
     "DraftSettings",
+    "Drafter",
     "GenerationMode",
     "GenerationResult",
     "InferenceEngine",
@@ -71,5 +75,7 @@ __all__ = [
     "disable_layer_streaming",
     "enable_layer_streaming",
     "plan_reuse",
+    "uninstall_hooks",
+    "without_hooks",
 ]
 __version__ = "0.1.0"

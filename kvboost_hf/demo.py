@@ -1,6 +1,6 @@
 """``python -m kvboost_hf.demo``: a multi-turn chat on the embedded model, cold vs warm TTFT per turn.
 
-Each turn runs twice on the same conversation: plain ``generate()`` (cold: no reuse) and kvboost_hf (warm:
+Each turn runs twice on the same conversation: a full prefill (cold: no reuse) and kvboost_hf (warm:
 the system prompt and all previous turns come from the chunk store). Prints a table; the answers are equal.
 """
 

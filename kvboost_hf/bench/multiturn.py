@@ -41,11 +41,14 @@ class PromptCacheRecipe:
         self.prompt_cache: DynamicCache | None = None
         self.prompt_ids: list[int] = []
 
-    def generate(self, messages: list[dict[str, str]], max_new_tokens: int) -> tuple[float, list[int]]:
-        """Returns (TTFT ms, generated ids); afterwards holds this prompt's K/V for the next turn."""
+    def generate(
+        self, messages: list[dict[str, str]], max_new_tokens: int, reuse: bool = True
+    ) -> tuple[float, list[int]]:
+        """Returns (TTFT ms, generated ids); afterwards holds this prompt's K/V for the next turn. ``reuse=False``:
+        plain ``model.generate()`` from an empty ``DynamicCache`` (full prefill), the held K/V unchanged."""
         started = time.perf_counter()
         ids = self.engine.encode(messages)
-        usable = self.prompt_cache is not None and ids[: len(self.prompt_ids)] == self.prompt_ids
+        usable = reuse and self.prompt_cache is not None and ids[: len(self.prompt_ids)] == self.prompt_ids
         cache = copy.deepcopy(self.prompt_cache) if usable and self.prompt_cache is not None else DynamicCache()
         timer = FirstTokenTimer()
         input_ids = torch.tensor([ids], device=self.engine.device)
@@ -64,8 +67,9 @@ class PromptCacheRecipe:
             )
         ttft = ((timer.first_token_time or time.perf_counter()) - started) * 1e3
         generated = out[0, len(ids) :].tolist()
-        cache.crop(len(ids) - cache.get_seq_length())  # keep exactly this prompt's K/V (untimed bookkeeping)
-        self.prompt_cache, self.prompt_ids = cache, ids
+        if reuse:
+            cache.crop(len(ids) - cache.get_seq_length())  # keep exactly this prompt's K/V (untimed bookkeeping)
+            self.prompt_cache, self.prompt_ids = cache, ids
         return ttft, generated
 
 
@@ -106,16 +110,13 @@ def play(engine: InferenceEngine, system: str, user_messages: list[str], max_new
         messages.append({"role": "user", "content": text})
         results: dict[str, tuple[float, list[int]]] = {}
         for method in METHODS[turn % 3 :] + METHODS[: turn % 3]:
-            if method == "hf_prompt_cache":
-                results[method] = recipe.generate(messages, max_new_tokens)
+            if method != "kvboost":  # transformers' own generate(), from scratch or from the previous prompt
+                results[method] = recipe.generate(messages, max_new_tokens, reuse=method == "hf_prompt_cache")
                 continue
-            mode = "baseline" if method == "baseline" else "chunk_kv_reuse"
-            r = engine.generate(messages, max_new_tokens=max_new_tokens, mode=mode)
+            r = engine.generate(messages, max_new_tokens=max_new_tokens)
             results[method] = (r.ttft_ms, r.output_ids)
-            if method == "baseline":
-                answer, prompt_tokens = r.output_text, r.prompt_tokens
-            else:
-                cached = r.cached_tokens
+            cached, prompt_tokens = r.cached_tokens, r.prompt_tokens
+        answer = engine.tokenizer.decode(results["baseline"][1], skip_special_tokens=True)
         rows.append(
             {
                 "turn": turn,

@@ -171,71 +171,81 @@ def plan_reuse(
     """
     if approximate and len(rows) != 1:
         raise ValueError(f"approximate reuse plans one row at a time, got {len(rows)} rows")
-    loaded: dict[str, ChunkKV | None] = {}
+    reader = _Reader(store, namespace, approximate)
+    plans = []
+    for ledger, tokens, row_present, limit in zip(ledgers, rows, present, limits, strict=True):
+        ledger.extend(tokens, namespace, chunking, segment_starts)
+        plans.append(_plan_row(reader, ledger, tokens, row_present, limit))
+    sparse = approximate and bool(plans[0].hits) and not plans[0].is_leading_run
+    return ReusePlan(plans, sparse)
 
-    def read(key: str) -> ChunkKV | None:
-        if key not in loaded:
-            loaded[key] = store.get(key)
-        return loaded[key]
 
-    def tail_hit(parent: str | None, tokens: Sequence[int], start: int, max_tokens: int, present: int) -> Hit | None:
+class _Reader:
+    """The planner's memoised store reads for one plan (a shared prefix is read once for all rows)."""
+
+    def __init__(self, store: ChunkSource, namespace: str, approximate: bool) -> None:
+        self.store, self.namespace, self.approximate = store, namespace, approximate
+        self.loaded: dict[str, ChunkKV | None] = {}
+
+    def read(self, key: str) -> ChunkKV | None:
+        if key not in self.loaded:
+            self.loaded[key] = self.store.get(key)
+        return self.loaded[key]
+
+    def prefetch(self, keys: list[str]) -> None:
+        """Read in one call the stored ones among ``keys`` that the row will use (one Redis round trip each for
+        the check and the read, instead of one per chunk): the leading run, or every one when approximate."""
+        keys = [key for key in dict.fromkeys(keys) if key not in self.loaded]
+        if not keys:
+            return
+        stored = self.store.contains_many(keys)
+        wanted = [key for key, found in zip(keys, stored, strict=True) if found]
+        if not self.approximate:
+            wanted = keys[: stored.index(False)] if False in stored else keys
+        self.loaded.update(zip(wanted, self.store.get_many(wanted), strict=True))
+
+    def tail_hit(
+        self, parent: str | None, tokens: Sequence[int], start: int, max_tokens: int, present: int
+    ) -> Hit | None:
         """The longest stored unfinished chunk (<= ``max_tokens``) after chunk ``parent``, starting at ``start`` and
         reaching past the ``present`` tokens."""
-        for length in store.tail_lengths(parent):
+        for length in self.store.tail_lengths(parent):
             if present - start < length <= max_tokens:
-                entry = read(prefix_key(namespace, parent, tokens[start : start + length]))
+                entry = self.read(prefix_key(self.namespace, parent, tokens[start : start + length]))
                 if entry is not None:
                     return Hit((start, start + length), entry, exact=True)
         return None
 
-    def prefetch(keys: list[str]) -> None:
-        """Read in one call the stored ones among ``keys`` that the row will use (one Redis round trip each for
-        the check and the read, instead of one per chunk): the leading run, or every one when approximate."""
-        keys = [key for key in dict.fromkeys(keys) if key not in loaded]
-        if not keys:
-            return
-        stored = store.contains_many(keys)
-        wanted = [key for key, found in zip(keys, stored, strict=True) if found]
-        if not approximate:
-            wanted = keys[: stored.index(False)] if False in stored else keys
-        loaded.update(zip(wanted, store.get_many(wanted), strict=True))
 
-    plans = []
-    for ledger, tokens, row_present, limit in zip(ledgers, rows, present, limits, strict=True):
-        ledger.extend(tokens, namespace, chunking, segment_starts)
-        prefetch(
-            [
-                key
-                for span, key in zip(ledger.spans, ledger.keys, strict=True)
-                if row_present < span[1] and span[0] < limit
-            ]
-        )
-        hits: list[Hit] = []
-        missed = False
-        for index, (span, key) in enumerate(zip(ledger.spans, ledger.keys, strict=True)):
-            if span[1] <= row_present:
-                continue
-            if span[0] >= limit:
-                break
-            if (entry := read(key)) is not None:
-                hits.append(Hit(span, entry, exact=True))
-                continue
-            parent = ledger.keys[index - 1] if index else None
-            tail = None if missed else tail_hit(parent, tokens, *_tail_window(span), row_present)
-            missed = True
-            if tail is not None:
-                hits.append(tail)
-            if not approximate:
-                break
-            if tail is None and (entry := read(content_key(namespace, tokens[span[0] : span[1]]))) is not None:
-                hits.append(Hit(span, entry, exact=False))
-        start = ledger.end
-        if not missed and row_present <= start < limit:  # every full chunk hit: look for the stored live tail
-            tail = tail_hit(ledger.last_key, tokens, start, len(tokens) - start, row_present)
-            hits += [tail] if tail is not None else []
-        plans.append(RowPlan(len(tokens), row_present, limit, hits))
-    sparse = approximate and bool(plans[0].hits) and not plans[0].is_leading_run
-    return ReusePlan(plans, sparse)
+def _plan_row(reader: _Reader, ledger: ChunkLedger, tokens: Sequence[int], present: int, limit: int) -> RowPlan:
+    """One row's hits after its ``present`` tokens and starting before ``limit`` (its ledger already extended)."""
+    chunks = list(zip(ledger.spans, ledger.keys, strict=True))
+    reader.prefetch([key for span, key in chunks if present < span[1] and span[0] < limit])
+    hits: list[Hit] = []
+    missed = False
+    for index, (span, key) in enumerate(chunks):
+        if span[1] <= present:
+            continue
+        if span[0] >= limit:
+            break
+        if (entry := reader.read(key)) is not None:
+            hits.append(Hit(span, entry, exact=True))
+            continue
+        parent = ledger.keys[index - 1] if index else None
+        tail = None if missed else reader.tail_hit(parent, tokens, *_tail_window(span), present)
+        missed = True
+        if tail is not None:
+            hits.append(tail)
+        if not reader.approximate:
+            break
+        approximate = None if tail is not None else reader.read(content_key(reader.namespace, tokens[slice(*span)]))
+        if approximate is not None:
+            hits.append(Hit(span, approximate, exact=False))
+    start = ledger.end
+    if not missed and present <= start < limit:  # every full chunk hit: look for the stored live tail
+        tail = reader.tail_hit(ledger.last_key, tokens, start, len(tokens) - start, present)
+        hits += [tail] if tail is not None else []
+    return RowPlan(len(tokens), present, limit, hits)
 
 
 def _tail_window(span: Span) -> tuple[int, int]:
