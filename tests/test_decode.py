@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, DecodeLoop, DecodeRequest, SamplingParams
 from kvboost_hf.core.chunking import ChunkingConfig
-from kvboost_hf.hf.cache import drop_tails
+from kvboost_hf.hf.cache import select_columns
 from kvboost_hf.hf.decode import visible_text
 from kvboost_hf.hf.speculative import Drafter, DraftSettings
 
@@ -206,25 +206,28 @@ def test_streamed_text_is_never_taken_back(text, stops):
 # ---------------------------------------------------------------------------------------------------- speculative
 @settings(max_examples=60, deadline=None)
 @given(st.data())
-def test_drop_tails_keeps_each_rows_head_right_aligned(data):
+def test_select_columns_keeps_each_rows_columns_right_aligned(data):
     rows = data.draw(st.integers(1, 4))
     width = data.draw(st.integers(1, 7))
-    drops = data.draw(st.lists(st.integers(0, width), min_size=rows, max_size=rows))
+    columns = [sorted(data.draw(st.sets(st.integers(0, width - 1)))) for _ in range(rows)]
+    out_width = max(len(kept) for kept in columns) + data.draw(st.integers(0, 2))
     tensor = torch.arange(1, rows * width + 1).reshape(rows, width)
-    out = drop_tails(tensor, drops, dim=1)
-    assert out.shape == (rows, width - min(drops))
-    for row, drop in enumerate(drops):
-        kept = tensor[row, : width - drop].tolist()
-        assert out[row].tolist() == [0] * (out.shape[1] - len(kept)) + kept
+    out = select_columns(tensor, columns, dim=1, width=out_width)
+    assert out.shape == (rows, out_width)
+    for row, kept in enumerate(columns):
+        assert out[row].tolist() == [0] * (out_width - len(kept)) + tensor[row, kept].tolist()
     layered = tensor[:, None, :, None].expand(rows, 2, width, 3)  # [B, H, columns, D] as cache layers hold
-    assert torch.equal(drop_tails(layered, drops, dim=2), out[:, None, :, None].expand(rows, 2, out.shape[1], 3))
+    expected = out[:, None, :, None].expand(rows, 2, out_width, 3)
+    assert torch.equal(select_columns(layered, columns, dim=2, width=out_width), expected)
 
 
-def test_drop_tails_refuses_bad_counts():
-    with pytest.raises(ValueError, match="one count >= 0 per row"):
-        drop_tails(torch.zeros(2, 3), [1], dim=1)
-    with pytest.raises(ValueError, match="cannot drop 4 of 3"):
-        drop_tails(torch.zeros(2, 3), [4, 0], dim=1)
+def test_select_columns_refuses_bad_lists():
+    with pytest.raises(ValueError, match="one list per row"):
+        select_columns(torch.zeros(2, 3), [[0]], dim=1)
+    with pytest.raises(ValueError, match="cannot keep columns"):
+        select_columns(torch.zeros(2, 3), [[0, 3], [1]], dim=1)
+    with pytest.raises(ValueError, match="cannot keep columns"):
+        select_columns(torch.zeros(2, 3), [[0, 1], [1]], dim=1, width=1)
 
 
 @pytest.fixture(scope="module")

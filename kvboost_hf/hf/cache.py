@@ -512,18 +512,22 @@ class ChunkReuseCache(Cache):
         join_layers(self, other)
         self.prompt_forward_next = False
 
-    def drop_row_tails(self, drops: Sequence[int]) -> None:
-        """Drop the last ``drops[i]`` columns of row ``i`` (a speculative verify's rejected tokens), keeping the
-        left-padded layout: rows are right-aligned, the freed columns become left padding (zero K/V; the caller's
-        attention mask must exclude them), and each row's ledger forgets chunks past its remaining tokens."""
+    def keep_row_columns(self, columns: Sequence[Sequence[int]], width: int | None = None) -> None:
+        """Keep, for each row ``i``, only its columns ``columns[i]`` (ascending: its left padding and real tokens,
+        e.g. without a speculative verify's rejected tokens), rows right-aligned in ``width`` columns (default: the
+        longest list). Freed columns become left padding (zero K/V; the caller's attention mask must exclude them);
+        each row's ledger forgets chunks past its remaining tokens."""
         if self.expects_sparse_forward:
-            raise RuntimeError("cannot drop columns while a sparse prefill forward is pending")
-        drop_layer_tails(self, drops)
+            raise RuntimeError("cannot select columns while a sparse prefill forward is pending")
+        width = max(len(kept) for kept in columns) if width is None else width
+        keep_layer_columns(self, columns, width)
         if not self.reuse_enabled or self.num_columns == 0:
             return
-        self.tokens = drop_tails(self.tokens, drops, dim=1)
-        shift = min(drops)
-        self.pads = [pad + drop - shift for pad, drop in zip(self.pads, drops, strict=True)]
+        self.tokens = select_columns(self.tokens, columns, dim=1, width=width)
+        self.pads = [
+            width - len(kept) + sum(1 for column in kept if column < pad)
+            for pad, kept in zip(self.pads, columns, strict=True)
+        ]
         for ledger, pad in zip(self.ledgers, self.pads, strict=True):
             ledger.truncate(self.num_columns - pad)
         self._check_consistent()
@@ -561,37 +565,42 @@ def join_layers(cache: Cache, other: Cache) -> None:
         mine.keys, mine.values = torch.cat(keys, dim=0), torch.cat(values, dim=0)
 
 
-def drop_tails(tensor: torch.Tensor, drops: Sequence[int], dim: int) -> torch.Tensor:
-    """``tensor`` (batch first) without the last ``drops[i]`` entries of row ``i`` along ``dim``, rows
-    right-aligned: the result is ``min(drops)`` shorter, and row ``i`` starts with ``drops[i] - min(drops)`` zeros.
-    """
-    if len(drops) != tensor.shape[0] or min(drops, default=0) < 0:
-        raise ValueError(f"drops must give one count >= 0 per row of {tensor.shape[0]}, got {list(drops)}")
-    least = min(drops)
-    width = tensor.shape[dim] - least
-    if width < 0 or max(drops) > tensor.shape[dim]:
-        raise ValueError(f"cannot drop {max(drops)} of {tensor.shape[dim]} columns")
-    if all(drop == least for drop in drops):
-        return tensor.narrow(dim, 0, width)
-    shift = torch.tensor([drop - least for drop in drops], device=tensor.device)
-    source = torch.arange(width, device=tensor.device)[None, :] - shift[:, None]  # [B, width]
-    view = [tensor.shape[0]] + [1] * (tensor.dim() - 1)
+def select_columns(
+    tensor: torch.Tensor, columns: Sequence[Sequence[int]], dim: int, width: int | None = None
+) -> torch.Tensor:
+    """Row ``i`` of ``tensor`` (batch first) reduced to its entries ``columns[i]`` along ``dim``, right-aligned in
+    ``width`` (default: the longest list) entries: row ``i`` starts with ``width - len(columns[i])`` zeros."""
+    rows = tensor.shape[0]
+    if len(columns) != rows:
+        raise ValueError(f"columns must give one list per row of {rows}, got {len(columns)}")
+    width = max((len(kept) for kept in columns), default=0) if width is None else width
+    size = tensor.shape[dim]
+    for kept in columns:
+        if len(kept) > width or any(not 0 <= column < size for column in kept):
+            raise ValueError(f"cannot keep columns {list(kept)} of {size} in a width of {width}")
+    index = torch.zeros(rows, width, dtype=torch.long)
+    valid = torch.zeros(rows, width, dtype=torch.bool)
+    for row, kept in enumerate(columns):
+        index[row, width - len(kept) :] = torch.tensor(list(kept), dtype=torch.long)
+        valid[row, width - len(kept) :] = True
+    view = [rows] + [1] * (tensor.dim() - 1)
     view[dim] = width
-    index = source.clamp(min=0).reshape(view).expand(*tensor.shape[:dim], width, *tensor.shape[dim + 1 :])
-    kept = tensor.gather(dim, index)
-    return kept.masked_fill((source < 0).reshape(view), 0)
+    index, valid = index.to(tensor.device).reshape(view), valid.to(tensor.device).reshape(view)
+    kept_values = tensor.gather(dim, index.expand(*tensor.shape[:dim], width, *tensor.shape[dim + 1 :]))
+    return kept_values.masked_fill(~valid, 0)
 
 
-def drop_layer_tails(cache: Cache, drops: Sequence[int]) -> None:
-    """:func:`drop_tails` on every layer's keys and values (``[batch, heads, columns, dim]``) of ``cache``.
+def keep_layer_columns(cache: Cache, columns: Sequence[Sequence[int]], width: int) -> None:
+    """:func:`select_columns` on every layer's keys and values (``[batch, heads, columns, dim]``) of ``cache``.
 
-    Invariant: every layer is a full (not sliding-window) dynamic layer; afterwards all hold the same length.
+    Invariant: every layer is a full (not sliding-window) dynamic layer; afterwards all hold ``width`` columns.
     """
     for layer in cache.layers:
         if getattr(layer, "is_sliding", False):
-            raise ValueError("sliding-window cache layers cannot drop per-row columns")
+            raise ValueError("sliding-window cache layers cannot select per-row columns")
         if layer.is_initialized and layer.keys.numel():
-            layer.keys, layer.values = drop_tails(layer.keys, drops, 2), drop_tails(layer.values, drops, 2)
+            layer.keys = select_columns(layer.keys, columns, 2, width)
+            layer.values = select_columns(layer.values, columns, 2, width)
 
 
 def join_caches(cache: Cache, other: Cache) -> None:
@@ -602,10 +611,10 @@ def join_caches(cache: Cache, other: Cache) -> None:
         join_layers(cache, other)
 
 
-def drop_cache_tails(cache: Cache, drops: Sequence[int]) -> None:
-    """Drop the last ``drops[i]`` columns of row ``i``, rows right-aligned (see :meth:`ChunkReuseCache.drop_row_tails`
-    and :func:`drop_layer_tails`)."""
+def keep_cache_columns(cache: Cache, columns: Sequence[Sequence[int]], width: int | None = None) -> None:
+    """Keep, for each row, only its ``columns`` (rows right-aligned; see :meth:`ChunkReuseCache.keep_row_columns`
+    and :func:`keep_layer_columns`)."""
     if isinstance(cache, ChunkReuseCache):
-        cache.drop_row_tails(drops)
+        cache.keep_row_columns(columns, width)
     else:
-        drop_layer_tails(cache, drops)
+        keep_layer_columns(cache, columns, max(len(kept) for kept in columns) if width is None else width)

@@ -45,14 +45,15 @@ from kvboost_hf.core.keys import chain_prefix_keys
 from kvboost_hf.hf.cache import (
     ChunkReuseCache,
     RowReuse,
-    drop_cache_tails,
-    drop_tails,
     join_caches,
+    keep_cache_columns,
     prepend_zeros,
+    select_columns,
 )
+from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.prefill import forward
 from kvboost_hf.hf.sampling import SamplingParams, build_processors, choose_token
-from kvboost_hf.hf.speculative import Drafter
+from kvboost_hf.hf.speculative import Drafter, DraftTree, tree_attention_mask
 
 logger = logging.getLogger(__name__)
 
@@ -173,13 +174,14 @@ class DecodeRow:
             logits = self.processors(input_ids, logits)
         return choose_token(logits, self.request.sampling, self.generator)
 
-    def propose(self, logits: torch.Tensor, drafted: Sequence[int]) -> int:
-        """A draft token from draft logits ``[1, V]`` after this row's tokens and ``drafted``: the argmax after the
-        row's processors (the raw argmax for a row that does not speculate; its processors keep state)."""
+    def draft_scores(self, logits: torch.Tensor, drafted: Sequence[int]) -> torch.Tensor:
+        """Log-probabilities ``[V]`` of the next draft token from draft logits ``[1, V]`` after this row's tokens and
+        ``drafted``: through the row's processors (the raw ones for a row that does not speculate: its processors
+        keep state)."""
         if self.processors and self.speculates:
             input_ids = torch.tensor([[*self.request.prompt_ids, *self.tokens, *drafted]], device=logits.device)
             logits = self.processors(input_ids, logits)
-        return int(logits.argmax(dim=-1))
+        return torch.log_softmax(logits[0].float(), dim=-1)
 
     def add(self, token: int, decode: Callable[[list[int]], str], log_probs: torch.Tensor | None = None) -> None:
         """Append ``token`` (``log_probs``: the step's unscaled log-softmax ``[V]`` when logprobs were asked),
@@ -337,45 +339,83 @@ class DecodeLoop:
         self._advance(logits)
 
     def _speculative_step(self, draft: Drafter) -> None:
-        """Draft ``g`` tokens per row, verify them in one target forward, keep each row's agreeing prefix plus
-        one token of its own, and drop every row's rejected columns from both caches."""
+        """Draft a tree (a chain without a tree budget) per row, verify every row's tree in one target forward,
+        take each row's own choices down the tree while a child holds them (plus one more), and keep only the
+        accepted path's columns in both caches."""
         running = self.running
         budget = max(row.request.max_new_tokens - len(row.tokens) for row in running)
-        count = max(1, min(draft.settings.num_draft_tokens, budget - 1))
+        sizes = draft.settings.level_sizes(max(1, budget - 1))
         last = torch.tensor([[row.tokens[-1]] for row in running], device=self.device)
-        proposals = draft.propose(last, self.mask, self.positions, count, lambda i, lg, d: running[i].propose(lg, d))
-        fed = torch.tensor([[row.tokens[-1], *drafted] for row, drafted in zip(running, proposals, strict=True)])
-        self.mask = torch.cat([self.mask, self.mask.new_ones(len(running), count + 1)], dim=1)
-        positions = self.positions[:, None] + torch.arange(1, count + 2, device=self.device)
-        logits = self._forward(fed.to(self.device), positions, keep=count + 1)
-        kept = [self._verify(row, logits[i], proposals[i]) for i, row in enumerate(running)]
-        drafted = count
-        if max(kept) == count + 1:  # a row kept every proposal: the draft has not seen the last one yet
-            draft.forward(fed[:, -1:].to(self.device), self.mask, positions[:, -1:])
-            drafted += 1
-        drop_cache_tails(self._cache(), [count + 1 - n for n in kept])
-        drop_cache_tails(draft.cache, [drafted - n for n in kept])
-        self.mask = drop_tails(self.mask, [count + 1 - n for n in kept], dim=1)
-        self.positions = self.positions + torch.tensor(kept, device=self.device)
+        trees = draft.propose(last, self.mask, self.positions, sizes, lambda i, lg, d: running[i].draft_scores(lg, d))
+        nodes = sum(sizes)
+        fed = torch.tensor([[row.tokens[-1], *tree.tokens] for row, tree in zip(running, trees, strict=True)])
+        visible = torch.zeros(len(running), nodes + 1, nodes + 1, dtype=torch.bool)
+        visible[:, :, 0] = True  # every query sees the root
+        for row, tree in enumerate(trees):
+            visible[row, 1:, 1:] = tree.sees()
+        depths = torch.tensor([0, *trees[0].depths], device=self.device)
+        positions = self.positions[:, None] + 1 + depths
+        mask = tree_attention_mask(self.mask, visible, model_dtype(self.model))
+        logits = self._forward(fed.to(self.device), positions, keep=nodes + 1, attention_mask=mask)
+        kept = [self._verify(row, logits[i], trees[i]) for i, row in enumerate(running)]
+        context = self.mask.shape[1]
+        self._keep_path(draft, trees, kept, context, len(sizes))
+        target_columns = [[*range(context + 1), *(context + 1 + node for node in path)] for path in kept]
+        keep_cache_columns(self._cache(), target_columns)
+        self.mask = select_columns(torch.cat([self.mask, self.mask.new_ones(len(running), nodes + 1)], dim=1),
+                                   target_columns, dim=1)  # fmt: skip
+        self.positions = self.positions + 1 + torch.tensor([len(path) for path in kept], device=self.device)
         self._save(tail=False)
         self._keep_running()
 
-    def _verify(self, row: DecodeRow, logits: torch.Tensor, proposals: list[int]) -> int:
-        """Give ``row`` its tokens from the verify forward's logits ``[g + 1, V]``: its own choice at each
-        position while it equals the proposal there, then one more. Returns the tokens taken (>= 1)."""
-        taken = 0
+    def _keep_path(self, draft: Drafter, trees: list[DraftTree], kept: list[list[int]], context: int, depth: int):
+        """Reduce the draft's cache to each row's context, root and kept path, in the target cache's layout.
+
+        The draft fed the roots and the nodes above the deepest level; a kept path that ends on that level is fed
+        to it now (one forward; rows without one feed a placeholder that is dropped)."""
+        assert draft.cache is not None, "the draft's prefill ran"
+        rows = len(trees)
+        inner = len(trees[0].tokens) - sum(1 for d in trees[0].depths if d == depth)
+        fed_paths = [[node for node in path if trees[0].depths[node] < depth] for path in kept]
+        columns = [[*range(context + 1), *(context + 1 + node for node in path)] for path in fed_paths]
+        keep_cache_columns(draft.cache, columns)
+        width = max(len(c) for c in columns)
+        mask = select_columns(torch.cat([self.mask, self.mask.new_ones(rows, 1 + inner)], dim=1), columns, dim=1)
+        leaves = [path[-1] if path and trees[0].depths[path[-1]] == depth else None for path in kept]
+        if all(leaf is None for leaf in leaves):
+            return
+        tokens = [
+            [tree.tokens[leaf] if leaf is not None else self.pad_token_id]
+            for tree, leaf in zip(trees, leaves, strict=True)
+        ]
+        positions = self.positions[:, None] + 1 + depth
+        draft.forward(torch.tensor(tokens, device=self.device), torch.cat([mask, mask.new_ones(rows, 1)], dim=1),
+                      positions)  # fmt: skip
+        final = [[*range(width - len(c), width), *([width] if leaf is not None else [])]
+                 for c, leaf in zip(columns, leaves, strict=True)]  # fmt: skip
+        keep_cache_columns(draft.cache, final, context + 1 + max(len(path) for path in kept))
+
+    def _verify(self, row: DecodeRow, logits: torch.Tensor, tree: DraftTree) -> list[int]:
+        """Give ``row`` its tokens from the verify forward's logits ``[1 + nodes, V]`` (the root's, then each
+        node's): its own choice at the root, then at the child holding that choice, and so on until no child
+        holds it (a row that does not speculate takes the root's choice only). Returns the tree nodes whose
+        columns stay (every taken token's but the last)."""
         if row.speculates:
-            row.draft_proposed += len(proposals)
-        for position, proposal in enumerate([*proposals, None] if row.speculates else [None]):
-            token = self._take(row, logits[position : position + 1])
-            taken += 1
-            if proposal is not None and token != proposal:
-                row.draft_rejected += 1
+            row.draft_proposed += len(tree.tokens)
+        path: list[int] = []
+        node = -1
+        while True:
+            token = self._take(row, logits[node + 1 : node + 2])
+            child = tree.child(node, token) if row.speculates else None
+            if child is None:
+                row.draft_rejected += row.speculates and tree.has_children(node)
                 break
-            row.draft_accepted += proposal is not None
+            row.draft_accepted += 1
+            path.append(child)
+            node = child
             if row.finished:
                 break
-        return taken
+        return path if not row.finished or child is None else path[:-1]
 
     def join(self, rows: Sequence[DecodeRow]) -> None:
         """Add ``rows`` to the running batch (continuous batching).
@@ -461,14 +501,20 @@ class DecodeLoop:
         if self.draft is not None:
             self.draft.save(tail=tail)
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: int = 1) -> torch.Tensor:
-        """One target forward; the last ``keep`` positions' logits (fp32), ``[B, V]`` for ``keep == 1`` else
-        ``[B, keep, V]``."""
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        keep: int = 1,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One target forward (``attention_mask`` default: the loop's 2D mask); the last ``keep`` positions'
+        logits (fp32), ``[B, V]`` for ``keep == 1`` else ``[B, keep, V]``."""
         out = forward(
             self.model,
             self.cache,
             input_ids=input_ids,
-            attention_mask=self.mask,
+            attention_mask=self.mask if attention_mask is None else attention_mask,
             position_ids=position_ids,
             logits_to_keep=keep,
         )

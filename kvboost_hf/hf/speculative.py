@@ -25,13 +25,14 @@ import functools
 import logging
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.prefill import forward
 from kvboost_hf.hf.probe import truncated_depth
 
@@ -55,12 +56,17 @@ class DraftSettings:
             The decode loop's :class:`Drafter` proposes ``num_draft_tokens`` every round.
         early_exit_layers: when set, the draft is the target's own first ``early_exit_layers`` layers followed by
             its head (transformers' ``assistant_early_exit``) and no draft model is needed.
+        tree_budget: draft tokens per row and round of the decode loop's draft *tree* (0: a chain of
+            ``num_draft_tokens``); the tree is ``num_draft_tokens`` deep at most.
+        tree_branching: children per expanded tree node (the draft's most probable continuations).
     """
 
     num_draft_tokens: int = 5
     confidence_threshold: float = 0.0
     schedule: str = "constant"
     early_exit_layers: int | None = None
+    tree_budget: int = 0
+    tree_branching: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
@@ -73,6 +79,23 @@ class DraftSettings:
             not isinstance(self.early_exit_layers, int) or self.early_exit_layers < 1
         ):
             raise ValueError(f"early_exit_layers must be a positive integer, got {self.early_exit_layers!r}")
+        if not isinstance(self.tree_budget, int) or self.tree_budget < 0:
+            raise ValueError(f"tree_budget must be an integer >= 0, got {self.tree_budget!r}")
+        if not isinstance(self.tree_branching, int) or self.tree_branching < 1:
+            raise ValueError(f"tree_branching must be a positive integer, got {self.tree_branching!r}")
+
+    def level_sizes(self, depth: int) -> list[int]:
+        """Draft nodes per tree level (level 1 = the root's children) for a tree at most ``depth`` deep: a chain
+        of ones without a tree budget; else each level holds up to ``tree_branching`` times the previous one, until
+        ``tree_budget`` nodes are spent."""
+        depth = min(depth, self.num_draft_tokens)
+        if not self.tree_budget:
+            return [1] * depth
+        sizes: list[int] = []
+        while len(sizes) < depth and sum(sizes) < self.tree_budget:
+            wanted = self.tree_branching * (sizes[-1] if sizes else 1)
+            sizes.append(min(wanted, self.tree_budget - sum(sizes)))
+        return sizes
 
     def check(self, target: PreTrainedModel, draft: PreTrainedModel | None) -> None:
         """Raise ValueError when these settings cannot draft for ``target`` with ``draft`` (a model or None)."""
@@ -286,6 +309,55 @@ def resolve_draft(
     return model.eval()
 
 
+@dataclass
+class DraftTree:
+    """One row's draft tokens for one round, breadth first: node ``j`` holds ``tokens[j]``, its parent
+    ``parents[j]`` (-1: the root, the row's last token, already chosen) and its ``depths[j]`` (>= 1). A parent
+    precedes its children; the rows of a round have the same level sizes."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+
+    def add(self, token: int, parent: int) -> None:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+
+    def child(self, node: int, token: int) -> int | None:
+        """The child of ``node`` (-1: the root) holding ``token``, or None."""
+        return next((j for j, (t, p) in enumerate(zip(self.tokens, self.parents, strict=True))
+                     if p == node and t == token), None)  # fmt: skip
+
+    def has_children(self, node: int) -> bool:
+        return node in self.parents
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from the root's child down to ``node`` (empty for the root)."""
+        nodes: list[int] = []
+        while node >= 0:
+            nodes.append(node)
+            node = self.parents[node]
+        return nodes[::-1]
+
+    def sees(self) -> torch.Tensor:
+        """``[N, N]`` bool: node ``q`` attends to node ``k`` (``k`` is ``q`` or one of its ancestors)."""
+        sees = torch.eye(len(self.tokens), dtype=torch.bool)
+        for node, parent in enumerate(self.parents):
+            if parent >= 0:
+                sees[node] |= sees[parent]
+        return sees
+
+
+def tree_attention_mask(context: torch.Tensor, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive 4D mask ``[B, 1, Q, C + K]`` of ``Q`` tree queries: each sees the context columns where
+    ``context`` ``[B, C]`` is 1 and the tree columns where ``visible`` ``[B, Q, K]`` is true."""
+    queries = visible.shape[1]
+    allowed = torch.cat([context.bool()[:, None, :].expand(-1, queries, -1), visible.to(context.device)], dim=2)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=context.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+
 class Drafter:
     """The draft side of speculative decoding in :class:`~kvboost_hf.hf.decode.DecodeLoop`.
 
@@ -327,26 +399,62 @@ class Drafter:
         last: torch.Tensor,
         mask: torch.Tensor,
         positions: torch.Tensor,
-        count: int,
-        pick: Callable[[int, torch.Tensor, list[int]], int],
-    ) -> list[list[int]]:
-        """``count`` tokens per row after ``last`` ``[B, 1]`` (at ``positions + 1``), one draft forward each.
+        sizes: Sequence[int],
+        scores: Callable[[int, torch.Tensor, list[int]], torch.Tensor],
+    ) -> list[DraftTree]:
+        """A draft tree per row after ``last`` ``[B, 1]`` (the roots, at ``positions + 1``) with ``sizes[d]`` nodes
+        at depth ``d + 1``: each level keeps, per row, the children of the previous level's nodes with the highest
+        cumulative draft log-probability (``scores(row, logits [1, V], path tokens)`` gives a node's log-probs).
 
-        ``pick(row, logits [1, V], proposed so far)`` chooses each row's proposal. Afterwards the cache holds
-        ``count`` more columns (``last`` and all proposals but the last); ``mask`` is the mask before ``last``.
+        One draft forward per level but the last; afterwards the cache holds the roots and every node of the
+        levels before the last (``mask`` is the 2D mask before ``last``), breadth first.
         """
-        proposals: list[list[int]] = [[] for _ in range(last.shape[0])]
-        fed = last
-        for step in range(count):
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            logits = self.forward(fed, mask, (positions + 1 + step)[:, None])
-            for row, proposed in enumerate(proposals):
-                proposed.append(pick(row, logits[row : row + 1], proposed))
-            fed = torch.tensor([[proposed[-1]] for proposed in proposals], device=last.device)
-        return proposals
+        rows = last.shape[0]
+        trees = [DraftTree() for _ in range(rows)]
+        context = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)  # the roots' column joins the context
+        logits = self.forward(last, context, (positions + 1)[:, None])[:, None]  # [B, 1 frontier node, V]
+        frontier = [[(0.0, -1)] for _ in range(rows)]  # (cumulative log-prob, node) per row
+        for depth, size in enumerate(sizes, start=1):
+            for row, tree in enumerate(trees):
+                frontier[row] = self._grow(tree, frontier[row], logits[row], size, functools.partial(scores, row))
+            if depth == len(sizes):
+                break
+            start = len(trees[0].tokens) - size
+            fed = torch.tensor([tree.tokens[start:] for tree in trees], device=last.device)
+            visible = torch.stack([tree.sees()[start:] for tree in trees])  # [B, size, nodes so far]
+            tree_mask = tree_attention_mask(context, visible, model_dtype(self.model))
+            node_positions = positions[:, None] + 1 + torch.tensor(trees[0].depths[start:], device=last.device)
+            logits = self.forward(fed, tree_mask, node_positions, keep=size).reshape(rows, size, -1)
+        return trees
 
-    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """One draft forward through :attr:`cache`; the last position's logits ``[B, V]`` (fp32)."""
+    def _grow(
+        self,
+        tree: DraftTree,
+        frontier: list[tuple[float, int]],
+        logits: torch.Tensor,
+        size: int,
+        scores: Callable[[torch.Tensor, list[int]], torch.Tensor],
+    ) -> list[tuple[float, int]]:
+        """Add to ``tree`` the ``size`` children of the ``frontier`` nodes (``(cumulative log-prob, node)``, their
+        draft logits ``[len(frontier), V]``) with the highest cumulative log-probability; returns them as the next
+        frontier."""
+        candidates = []
+        for slot, (score, node) in enumerate(frontier):
+            log_probs = scores(logits[slot : slot + 1], [tree.tokens[n] for n in tree.path(node)])
+            top = log_probs.topk(min(self.settings.tree_branching, log_probs.shape[-1]))
+            candidates += [(score + float(v), node, int(t)) for v, t in zip(top.values, top.indices, strict=True)]
+        candidates.sort(key=lambda candidate: -candidate[0])
+        grown = []
+        for score, parent, token in candidates[:size]:
+            grown.append((score, len(tree.tokens)))
+            tree.add(token, parent)
+        return grown
+
+    def forward(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, keep: int = 1
+    ) -> torch.Tensor:
+        """One draft forward through :attr:`cache` (``mask``: 2D, or a 4D additive tree mask); the last ``keep``
+        positions' logits (fp32), ``[B, V]`` for ``keep == 1`` else ``[B, keep, V]``."""
         depth = self.settings.early_exit_layers
         with truncated_depth(self.model, depth) if depth else contextlib.nullcontext():
             out = forward(
@@ -355,10 +463,11 @@ class Drafter:
                 input_ids=input_ids,
                 attention_mask=mask,
                 position_ids=position_ids,
-                logits_to_keep=1,
+                logits_to_keep=keep,
             )
         self.forwards += 1
-        return out.logits[:, -1, :].float()
+        logits = out.logits[:, -keep:, :].float()
+        return logits[:, -1, :] if keep == 1 else logits
 
     def save(self, tail: bool) -> None:
         """Write the draft cache's completed chunks back (a chunk-reuse cache; a no-op otherwise)."""

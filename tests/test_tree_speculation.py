@@ -1,0 +1,145 @@
+"""Tree speculation in the decode loop: a draft tree per row, verified in one target forward, exact output."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvboost_hf import ChunkReuseCache, ChunkStore, DecodeLoop, DecodeRequest, SamplingParams
+from kvboost_hf.core.chunking import ChunkingConfig
+from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftTree
+from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
+
+CHUNKING = ChunkingConfig(8)
+EOS = {127}
+
+
+def as_text(tokens: list[int]) -> str:
+    return "".join(f"<{t}>" for t in tokens)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_model("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    """The target with noise on its weights: its top continuations are often, not always, the target's."""
+    noisy = copy.deepcopy(target)
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for parameter in noisy.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.35 * parameter.std().nan_to_num())
+    return noisy
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(9)
+    return [torch.randint(1, 120, (n,), generator=generator).tolist() for n in (19, 7, 26)]
+
+
+def decode(model, requests, settings=None, draft=None, store=None) -> DecodeLoop:
+    drafter = None
+    if settings is not None:
+        draft_cache = (lambda: ChunkReuseCache(store, draft, CHUNKING, adapter=False)) if store is not None else None
+        drafter = Drafter(draft, settings, draft_cache)
+    new_cache = (lambda: ChunkReuseCache(store, model, CHUNKING, adapter=False)) if store is not None else None
+    loop = DecodeLoop(model, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=new_cache, chunking=CHUNKING,
+                      pad_token_id=0, draft=drafter)  # fmt: skip
+    loop.run()
+    return loop
+
+
+def test_draft_tree_structure():
+    tree = DraftTree()
+    for token, parent in [(5, -1), (6, -1), (7, 0), (8, 0), (9, 1), (10, 2)]:
+        tree.add(token, parent)
+    assert tree.depths == [1, 1, 2, 2, 2, 3]
+    assert tree.child(-1, 6) == 1 and tree.child(0, 8) == 3 and tree.child(1, 7) is None
+    assert tree.path(5) == [0, 2, 5] and tree.path(-1) == []
+    sees = tree.sees()
+    assert sees[5].nonzero().flatten().tolist() == [0, 2, 5]
+    assert sees[4].nonzero().flatten().tolist() == [1, 4]
+    assert tree.has_children(0) and not tree.has_children(5)
+
+
+@given(st.integers(1, 300), st.integers(1, 6), st.integers(1, 12), st.integers(1, 12))
+def test_level_sizes_spend_the_budget_within_depth_and_branching(budget, branching, depth, limit):
+    settings = DraftSettings(num_draft_tokens=depth, tree_budget=budget, tree_branching=branching)
+    sizes = settings.level_sizes(limit)
+    assert 1 <= len(sizes) <= min(depth, limit) and sum(sizes) <= budget
+    assert sizes[0] == min(branching, budget)
+    assert all(size <= branching * previous for previous, size in itertools.pairwise(sizes))
+    if len(sizes) < min(depth, limit):
+        assert sum(sizes) == budget
+    assert DraftSettings(num_draft_tokens=depth).level_sizes(limit) == [1] * min(depth, limit)
+
+
+@pytest.mark.parametrize("budget", [1, 3, 8, 24, 64])
+@pytest.mark.parametrize("reuse", [False, True], ids=["plain", "chunk-reuse"])
+def test_greedy_rows_with_a_tree_equal_decoding_without_a_draft(target, draft, budget, reuse):
+    store = ChunkStore() if reuse else None
+    requests = [DecodeRequest(p, 14, SamplingParams(temperature=0)) for p in prompts()]
+    plain = decode(target, requests)
+    settings = DraftSettings(num_draft_tokens=6, tree_budget=budget, tree_branching=3)
+    tree = decode(target, requests, settings, draft, store)
+    assert [row.tokens for row in tree.rows] == [row.tokens for row in plain.rows]
+    assert sum(row.draft_proposed for row in tree.rows) > 0
+    if reuse:  # the chunks written back from the compacted cache are exact: a rerun loads them, same tokens
+        again = decode(target, requests, settings, draft, store)
+        assert again.rows[2].reuse.cached_tokens == 19  # the batch's common stitched columns (a left-padded batch)
+        assert [row.tokens for row in again.rows] == [row.tokens for row in plain.rows]
+
+
+def test_a_wider_tree_takes_more_tokens_per_target_forward(target, draft):
+    requests = [DecodeRequest(p, 24, SamplingParams(temperature=0)) for p in prompts()]
+    chain = decode(target, requests, DraftSettings(num_draft_tokens=6), draft)
+    tree = decode(target, requests, DraftSettings(num_draft_tokens=6, tree_budget=48, tree_branching=4), draft)
+    assert [row.tokens for row in tree.rows] == [row.tokens for row in chain.rows]
+    accepted = [sum(row.draft_accepted for row in loop.rows) for loop in (chain, tree)]
+    assert accepted[1] > accepted[0] and tree.forwards < chain.forwards
+
+
+def test_seeded_sampling_with_a_tree_draws_what_it_draws_without_a_draft(target, draft):
+    sampling = SamplingParams(temperature=0.8, top_k=40, repetition_penalty=1.1, seed=5)
+    requests = [DecodeRequest(p, 16, sampling) for p in prompts()]
+    plain = decode(target, requests)
+    tree = decode(target, requests, DraftSettings(num_draft_tokens=4, tree_budget=16, tree_branching=4), draft)
+    assert [row.tokens for row in tree.rows] == [row.tokens for row in plain.rows]
+    assert sum(row.draft_accepted for row in tree.rows) > 0
+
+
+def test_rows_joining_a_tree_decoding_batch_and_an_early_exit_draft(target):
+    """Continuous batching with trees, and the target's own first layer as the draft."""
+    settings = DraftSettings(num_draft_tokens=3, early_exit_layers=1, tree_budget=6, tree_branching=2)
+    first, *later = prompts()
+    greedy = SamplingParams(temperature=0)
+    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for([DecodeRequest(first, 12, greedy)], EOS), new_cache=None,
+                      chunking=CHUNKING, pad_token_id=0, draft=Drafter(target, settings))  # fmt: skip
+    loop.prefill()
+    loop.step()
+    loop.join(DecodeLoop.rows_for([DecodeRequest(p, 10, greedy) for p in later], EOS))
+    while not loop.done:
+        loop.step()
+    plain = decode(target, [DecodeRequest(p, row.request.max_new_tokens, greedy)
+                            for p, row in zip([first, *later], loop.rows, strict=True)])  # fmt: skip
+    assert [row.tokens for row in loop.rows] == [row.tokens for row in plain.rows]
+
+
+def test_streamed_target_with_a_tree_equals_the_resident_target(draft):
+    resident = make_tiny_model("llama", seed=0)
+    streamed = make_tiny_model("llama", seed=0)
+    enable_layer_streaming(streamed, LayerStreaming(num_slots=2, pin_memory=False, device="cpu"))
+    requests = [DecodeRequest(p, 10, SamplingParams(temperature=0)) for p in prompts()]
+    expected = decode(resident, requests)
+    settings = DraftSettings(num_draft_tokens=4, tree_budget=12, tree_branching=3)
+    got = decode(streamed, requests, settings, draft)
+    assert [row.tokens for row in got.rows] == [row.tokens for row in expected.rows]
+    assert got.forwards < expected.forwards
