@@ -27,6 +27,14 @@ def model():
     return make_tiny_model("llama")
 
 
+@pytest.fixture(scope="module", params=["llama", "mistral", "gemma2"])
+def any_window_model(request):
+    """Full attention (llama), sliding windows on every layer (mistral) and alternating (gemma2); windows of 8 tokens,
+    shorter than the prompts, so rows attend through the window while their chunks are written back."""
+    window = {} if request.param == "llama" else {"sliding_window": 8}
+    return make_tiny_model(request.param, **window)
+
+
 def prompts() -> list[list[int]]:
     generator = torch.Generator().manual_seed(5)
     return [torch.randint(1, 120, (n,), generator=generator).tolist() for n in (21, 9, 30)]
@@ -43,7 +51,8 @@ def run(model, requests, store=None, **kwargs) -> DecodeLoop:
 
 
 @pytest.mark.parametrize("reuse", [False, True], ids=["plain", "chunk-reuse"])
-def test_greedy_rows_in_a_batch_equal_generate_alone(model, reuse):
+def test_greedy_rows_in_a_batch_equal_generate_alone(any_window_model, reuse):
+    model = any_window_model
     store = ChunkStore() if reuse else None
     budgets = [6, 3, 8]
     greedy_params = SamplingParams(temperature=0)
@@ -142,9 +151,10 @@ def test_bad_requests_are_refused(kwargs, message):
 
 
 @pytest.mark.parametrize("reuse", [False, True], ids=["plain", "chunk-reuse"])
-def test_rows_joining_a_running_batch_equal_generate_alone(model, reuse):
+def test_rows_joining_a_running_batch_equal_generate_alone(any_window_model, reuse):
     """Continuous batching: rows that join mid-generation (shorter and longer prompts than the running rows) get
     the tokens they get alone, the running rows are undisturbed, and the next step is one forward for all."""
+    model = any_window_model
     store = ChunkStore() if reuse else None
     new_cache = (lambda: ChunkReuseCache(store, model, CHUNKING)) if store is not None else None
     greedy_params = SamplingParams(temperature=0)
