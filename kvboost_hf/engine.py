@@ -578,22 +578,36 @@ class InferenceEngine:
     def verify_correctness(
         self, prompts: Sequence[Prompt] | None = None, max_new_tokens: int = 32
     ) -> CorrectnessReport:
-        """Greedy output with reuse (after a first call stored the prompt's chunks) against plain generation:
-        tokens identical, first differing step, and the largest difference of the first token's logits."""
+        """Greedy output with reuse (after a first call stored the prompt's chunks) against transformers' own
+        ``model.generate()`` (greedy, a ``DynamicCache`` from the model's config, the same rendered prompt, EOS and
+        pad ids), not against this engine's decode loop: tokens identical, first differing step, and the largest
+        difference of the first token's raw logits."""
         if prompts is None:
             from kvboost_hf.corpus import sample_prompts
 
             prompts = sample_prompts()
         report = CorrectnessReport()
         for prompt in prompts:
-            plain = self.generate(prompt, max_new_tokens, GenerationMode.BASELINE, logprobs=0)
+            ids = torch.tensor([self.encode(prompt)], device=self.device)
+            plain = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                past_key_values=DynamicCache(config=self.model.config),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=sorted(self.eos_token_ids) or None,
+                pad_token_id=self.pad_token_id,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+            expected = plain.sequences[0, ids.shape[1] :].tolist()
             self.generate(prompt, max_new_tokens)  # stores the prompt's chunks
             reused = self.generate(prompt, max_new_tokens, logprobs=0)
-            pairs = zip(plain.output_ids, reused.output_ids, strict=False)
+            pairs = zip(expected, reused.output_ids, strict=False)
             first_diff = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
-            if first_diff is None and len(plain.output_ids) != len(reused.output_ids):
-                first_diff = min(len(plain.output_ids), len(reused.output_ids))
-            diff = float((plain.first_token_logits - reused.first_token_logits).abs().max())
+            if first_diff is None and len(expected) != len(reused.output_ids):
+                first_diff = min(len(expected), len(reused.output_ids))
+            diff = float((plain.logits[0][0].float().cpu() - reused.first_token_logits).abs().max())
             report.checks.append(
                 PromptCheck(self.render(prompt), first_diff is None, first_diff, diff, reused.cached_tokens)
             )

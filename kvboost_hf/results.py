@@ -59,7 +59,7 @@ class WarmResult:
 
 @dataclass
 class PromptCheck:
-    """Reuse vs no reuse for one prompt (greedy)."""
+    """Greedy output with reuse vs transformers' own ``generate()`` for one prompt (logit difference: first step)."""
 
     prompt: str
     tokens_identical: bool
@@ -70,7 +70,7 @@ class PromptCheck:
 
 @dataclass
 class CorrectnessReport:
-    """Truthy when every prompt produced identical greedy tokens with and without reuse."""
+    """Truthy when every prompt produced, with reuse, the greedy tokens transformers' ``generate()`` produces."""
 
     checks: list[PromptCheck] = field(default_factory=list)
 

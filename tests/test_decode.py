@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import copy
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 from conftest import greedy, make_tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracle import reference
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, DecodeLoop, DecodeRequest, SamplingParams
 from kvboost_hf.core.chunking import ChunkingConfig
@@ -30,6 +32,14 @@ def model():
     return make_tiny_model("llama")
 
 
+@pytest.fixture(scope="module", params=["llama", "mistral", "gemma2"])
+def any_window_model(request):
+    """Full attention (llama), sliding windows on every layer (mistral) and alternating (gemma2); windows of 8 tokens,
+    shorter than the prompts, so rows attend through the window while their chunks are written back."""
+    window = {} if request.param == "llama" else {"sliding_window": 8}
+    return make_tiny_model(request.param, **window)
+
+
 def prompts() -> list[list[int]]:
     generator = torch.Generator().manual_seed(5)
     return [torch.randint(1, 120, (n,), generator=generator).tolist() for n in (21, 9, 30)]
@@ -46,7 +56,8 @@ def run(model, requests, store=None, **kwargs) -> DecodeLoop:
 
 
 @pytest.mark.parametrize("reuse", [False, True], ids=["plain", "chunk-reuse"])
-def test_greedy_rows_in_a_batch_equal_generate_alone(model, reuse):
+def test_greedy_rows_in_a_batch_equal_generate_alone(any_window_model, reuse):
+    model = any_window_model
     store = ChunkStore() if reuse else None
     budgets = [6, 3, 8]
     greedy_params = SamplingParams(temperature=0)
@@ -62,14 +73,24 @@ def test_greedy_rows_in_a_batch_equal_generate_alone(model, reuse):
         assert loop.computed_tokens == sum(len(p) for p in prompts()) - sum(cached)
 
 
-def test_a_seeded_row_draws_the_same_tokens_whatever_shares_its_batch(model):
-    sampled = SamplingParams(temperature=1.3, top_k=40, seed=11)
-    alone = run(model, [DecodeRequest(prompts()[0], 10, sampled)]).rows[0].tokens
-    others = [DecodeRequest(p, 4, SamplingParams(temperature=0.7, seed=3)) for p in prompts()[1:]]
-    in_batch = run(model, [*others, DecodeRequest(prompts()[0], 10, sampled)]).rows[-1].tokens
-    assert in_batch == alone
-    reseeded = run(model, [DecodeRequest(prompts()[0], 10, SamplingParams(temperature=1.3, top_k=40, seed=12))])
-    assert reseeded.rows[0].tokens != alone  # 10 draws at temperature 1.3 over 128 tokens: the seed matters
+SAMPLED = [  # every processor the loop builds, over the rows
+    SamplingParams(temperature=1.3, top_k=40, seed=11),
+    SamplingParams(temperature=0.8, top_p=0.9, min_p=0.02, repetition_penalty=1.3, logit_bias=((7, 3.0),), seed=3),
+    SamplingParams(presence_penalty=0.6, frequency_penalty=0.4, min_tokens=5, stop_token_ids=(9,), seed=5),
+]
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["plain", "chunk-reuse"])
+def test_seeded_rows_in_a_batch_draw_what_transformers_generate_draws_alone(model, reuse):
+    """Each seeded row of a mixed batch equals transformers' ``generate()`` of its prompt alone under
+    ``torch.manual_seed(seed)`` with the row's processors (the oracle module says why the draws can match)."""
+    store = ChunkStore() if reuse else None
+    for _ in range(2 if reuse else 1):
+        loop = run(model, [DecodeRequest(p, 10, s) for p, s in zip(prompts(), SAMPLED, strict=True)], store)
+        for row, prompt, sampling in zip(loop.rows, prompts(), SAMPLED, strict=True):
+            assert row.tokens == reference(model, prompt, 10, sampling, EOS).tokens
+    reseeded = replace(SAMPLED[0], seed=12)
+    assert run(model, [DecodeRequest(prompts()[0], 10, reseeded)]).rows[0].tokens != loop.rows[0].tokens
 
 
 def test_unseeded_rows_follow_torch_manual_seed(model):
@@ -145,9 +166,10 @@ def test_bad_requests_are_refused(kwargs, message):
 
 
 @pytest.mark.parametrize("reuse", [False, True], ids=["plain", "chunk-reuse"])
-def test_rows_joining_a_running_batch_equal_generate_alone(model, reuse):
+def test_rows_joining_a_running_batch_equal_generate_alone(any_window_model, reuse):
     """Continuous batching: rows that join mid-generation (shorter and longer prompts than the running rows) get
     the tokens they get alone, the running rows are undisturbed, and the next step is one forward for all."""
+    model = any_window_model
     store = ChunkStore() if reuse else None
     new_cache = (lambda: ChunkReuseCache(store, model, CHUNKING)) if store is not None else None
     greedy_params = SamplingParams(temperature=0)

@@ -7,10 +7,12 @@ import uuid
 import pytest
 import torch
 from conftest import make_tiny_model
+from oracle import engine_reference
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from kvboost_hf import KVBoost, SamplingParams, UnsupportedModelError
 from kvboost_hf.corpus import documents
+from kvboost_hf.hf import decode as decode_module
 from kvboost_hf.hf.models import check_model_support, embedded_model_dir
 
 SYSTEM = {"role": "system", "content": documents()[0][1][:1200]}
@@ -23,13 +25,24 @@ def test_greedy_output_and_first_logits_match_plain_generate(embedded_engine):
     assert all(check.cached_tokens >= 64 for check in report.checks)
 
 
+def test_verify_correctness_catches_a_loop_defect_every_mode_shares(embedded_engine, monkeypatch):
+    """The oracle is transformers' ``generate()``, not the decode loop in baseline mode: a token choice broken for
+    every mode (the runner-up instead of the argmax) is reported at the first step."""
+
+    def runner_up(scores, params, generator):
+        return int(scores.topk(2).indices[0, 1])
+
+    monkeypatch.setattr(decode_module, "choose_token", runner_up)
+    report = embedded_engine.verify_correctness(["The capital of France is"], max_new_tokens=3)
+    assert not report and report.checks[0].first_differing_step == 0
+
+
 def test_multi_turn_chat_reuses_previous_turns(embedded_engine):
     messages = [SYSTEM, {"role": "user", "content": "What does this module do?"}]
     previous_tokens = 0
     for turn in range(2):
-        plain = embedded_engine.generate(messages, max_new_tokens=12, mode="baseline")
         reused = embedded_engine.generate(messages, max_new_tokens=12)
-        assert reused.output_ids == plain.output_ids
+        assert reused.output_ids == engine_reference(embedded_engine, messages, 12).tokens
         if turn:
             assert reused.cached_tokens >= previous_tokens - 64
             assert reused.kv_reuse_ratio > 0.5
@@ -57,7 +70,7 @@ def test_warm_reports_alignment(embedded_engine):
 def test_batch_equals_each_prompt_alone(embedded_engine):
     shared = documents()[3][1][:700]
     prompts = [shared + "\nQ: name one class.\nA:", shared + "\nQ: what is this module for? Be brief.\nA:"]
-    alone = [embedded_engine.generate(p, max_new_tokens=10, mode="baseline").output_ids for p in prompts]
+    alone = [engine_reference(embedded_engine, p, 10).tokens for p in prompts]
     batched = embedded_engine.generate_batch(prompts, max_new_tokens=10)
     assert [r.output_ids for r in batched] == alone
     many = embedded_engine.generate_many([prompts[1], "Hello there", prompts[0]], max_new_tokens=10)
@@ -68,7 +81,7 @@ def test_batch_equals_each_prompt_alone(embedded_engine):
 def test_temperature_zero_is_greedy_and_stop_strings_cut_exactly(embedded_engine):
     prompt = "List the numbers: 1, 2, 3,"
     greedy = embedded_engine.generate(prompt, max_new_tokens=12, temperature=0.0, do_sample=True)
-    assert greedy.output_ids == embedded_engine.generate(prompt, max_new_tokens=12, mode="baseline").output_ids
+    assert greedy.output_ids == engine_reference(embedded_engine, prompt, 12).tokens
     stop_at = greedy.output_text[3:6]
     stopped = embedded_engine.generate(prompt, max_new_tokens=12, stop=[stop_at])
     assert stopped.finish_reason == "stop"
@@ -76,16 +89,18 @@ def test_temperature_zero_is_greedy_and_stop_strings_cut_exactly(embedded_engine
 
 
 def test_sampling_is_seeded_alone_and_in_a_batch(embedded_engine):
+    """Seeded rows draw what transformers' ``generate()`` draws for the prompt alone under ``torch.manual_seed``
+    with the same processors (see tests/oracle.py), alone and in a batch."""
     a = embedded_engine.generate("Once upon a time", max_new_tokens=8, do_sample=True, temperature=0.9, seed=3)
-    b = embedded_engine.generate("Once upon a time", max_new_tokens=8, do_sample=True, temperature=0.9, seed=3)
-    assert a.output_ids == b.output_ids
+    sampled = SamplingParams(temperature=0.9, seed=3)
+    assert a.output_ids == engine_reference(embedded_engine, "Once upon a time", 8, sampled).tokens
     batch = embedded_engine.generate_batch(
         ["In a faraway land", "Once upon a time"], max_new_tokens=8, do_sample=True, temperature=0.9, seed=3
     )
     assert batch[1].output_ids == a.output_ids  # every row is sampled with the seed as if alone
     full = SamplingParams(temperature=0.9, top_k=20, min_p=0.05, repetition_penalty=1.2, seed=3)
     c = embedded_engine.generate("Once upon a time", max_new_tokens=8, sampling=full)
-    assert c.output_ids == embedded_engine.generate("Once upon a time", max_new_tokens=8, sampling=full).output_ids
+    assert c.output_ids == engine_reference(embedded_engine, "Once upon a time", 8, full).tokens
 
 
 def test_on_token_gets_every_row_token_as_it_exists(embedded_engine):
@@ -167,12 +182,12 @@ def test_warmed_documents_hit_in_any_order_as_segments(embedded_engine):
         warm = embedded_engine.warm(doc)
         assert warm.chunks_stored >= 1
     prompt = [docs[1], docs[0], "Question: which module is described first?\nAnswer:"]
-    plain = embedded_engine.generate(prompt, max_new_tokens=6, mode="baseline")
+    plain = engine_reference(embedded_engine, prompt, 6)
     approx = embedded_engine.generate(prompt, max_new_tokens=6, repair=RepairConfig("cacheblend", 0.15))
     assert approx.approx_tokens > 0 and approx.recomputed_tokens > 0
     exact = embedded_engine.generate(prompt, max_new_tokens=6, repair=RepairConfig("cacheblend", 1.0))
-    assert exact.output_ids == plain.output_ids and exact.approx_tokens == 0
+    assert exact.output_ids == plain.tokens and exact.approx_tokens == 0
     assert approx.cached_tokens > exact.cached_tokens
     # ratio 1.0 made the whole prompt exact, so it was written back by prefix key: now a plain exact hit
     again = embedded_engine.generate(prompt, max_new_tokens=6, repair=RepairConfig("none"))
-    assert again.output_ids == plain.output_ids and again.recomputed_tokens == 0
+    assert again.output_ids == plain.tokens and again.recomputed_tokens == 0

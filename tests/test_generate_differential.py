@@ -6,14 +6,12 @@ or a ``DynamicCache`` where the case continues a cache), then twice with a fresh
 scores, logits, hidden states and attentions equal within ``ATOL``, and the cache must end up as long as plain
 transformers' (assisted decoding crops it). transformers' own ``GenerationTesterMixin`` is not shipped in its sdist
 or wheel, so this suite drives the same paths through the public ``generate()`` API instead.
-
-Known discrepancies are ``xfail(strict=True)`` with the defect in the reason, so a fix shows up as XPASS.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -22,21 +20,13 @@ from conftest import TINY_ARCHITECTURES, make_tiny_model
 from transformers import DynamicCache, PreTrainedModel
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, RepairConfig
+from kvboost_hf.hf.cache import join_layers
 
 CHUNK = 4
 SLIDING_WINDOW = {"mistral", "gemma2"}  # no non-prefix reuse for these (the repair mask has no window)
 NEW_TOKENS = 6
 PROMPT_LEN = 26  # longer than the sliding window (24) of the Mistral and Gemma2 testers
 ATOL = 1e-4
-
-FULL_WINDOW = (
-    "finding C: ChunkReuseCache keeps full-length layers where DynamicCache keeps sliding-window layers, so "
-    "sliding layers' attention weights have more key columns (all of them masked beyond the window)"
-)
-FULL_WINDOW_NUMERICS = (
-    f"{FULL_WINDOW}; in bf16, SDPA over the longer masked keys rounds differently (plain generate with a "
-    "full-layer DynamicCache() reproduces the cache's output bit for bit)"
-)
 
 
 def make_cache(store: ChunkStore, model: PreTrainedModel, segment_starts: tuple[int, ...] = ()) -> ChunkReuseCache:
@@ -78,7 +68,6 @@ class Case:
     reuses: bool | None = True  # the warm pass must read chunks from the store (None: a fix decides)
     cold_reuses: bool = False  # ... and so must the cold one (a later call hits what an earlier one stored)
     every_row_reuses: bool = False  # ... in every batch row of the prompt forward of its last call
-    xfail: dict[str, str] = field(default_factory=dict)  # architecture ("*" = all) -> reason
 
 
 def generate(model: PreTrainedModel, cache: Any, seed: int | None = None, **kwargs: Any) -> Any:
@@ -219,7 +208,6 @@ CASES: dict[str, Case] = {
     "output_hidden_states_attentions": Case(
         single(output_hidden_states=True, output_attentions=True, do_sample=False),
         reuses=None,  # prompt states exist only for computed tokens
-        xfail={"gemma2": FULL_WINDOW},
     ),
     "mask_hole_greedy": Case(single(attention_mask=hole_mask(PROMPT_LEN), do_sample=False), reuses=False),
     "mask_hole_beam_search": Case(
@@ -297,11 +285,8 @@ def models() -> dict[str, tuple[PreTrainedModel, PreTrainedModel]]:
 
 @pytest.mark.parametrize("case_name", list(CASES))
 @pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
-def test_generate_path_matches_plain(models, arch: str, case_name: str, request: pytest.FixtureRequest) -> None:
+def test_generate_path_matches_plain(models, arch: str, case_name: str) -> None:
     case = CASES[case_name]
-    reason = case.xfail.get(arch) or case.xfail.get("*")
-    if reason:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
     model, assistant = models[arch]
     expected = case.run(model, assistant, lambda: None)
     store = ChunkStore(1 << 26)
@@ -391,11 +376,10 @@ def test_moved_segments_fully_repaired_match_plain(models, arch: str, path: str)
 
 @pytest.mark.parametrize("path", ["greedy", "beam_search"])
 @pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
-def test_bf16_matches_plain_bit_for_bit(arch: str, path: str, request: pytest.FixtureRequest) -> None:
+def test_bf16_matches_plain_bit_for_bit(arch: str, path: str) -> None:
     """In bf16, stitched K/V are the very values plain transformers computes, so even rounding must agree (``ATOL``
-    is far below one bf16 step of these logits)."""
-    if arch == "mistral":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=FULL_WINDOW_NUMERICS))
+    is far below one bf16 step of these logits); sliding-window layers must show attention the same key columns as
+    transformers' sliding layers for that."""
     model = tiny(arch, dtype=torch.bfloat16)
     kwargs = {"do_sample": False, "input_ids": tokens(PROMPT_LEN, 0)}
     if path == "beam_search":
@@ -405,3 +389,40 @@ def test_bf16_matches_plain_bit_for_bit(arch: str, path: str, request: pytest.Fi
     for attempt in ("cold", "warm"):
         assert_same_output(generate(model, make_cache(store, model), **kwargs), expected, attempt)
     assert store.stats()["hits"] > 0
+
+
+@pytest.mark.parametrize("arch", sorted(SLIDING_WINDOW))
+def test_sliding_layers_show_the_window_and_keep_every_column(models, arch: str) -> None:
+    """Layers follow ``layer_types`` like ``DynamicCache(config=...)``: each sliding layer hands attention the same
+    key columns and mask sizes as transformers' sliding layer, yet keeps every column for write-back."""
+    model = models[arch][0]
+    ids = tokens(PROMPT_LEN + 3, 0)
+    reference, cache = DynamicCache(config=model.config), make_cache(ChunkStore(1 << 26), model)
+    assert cache.is_sliding == reference.is_sliding and any(cache.is_sliding)
+    for step in (ids[:, :PROMPT_LEN], ids[:, PROMPT_LEN : PROMPT_LEN + 1], ids[:, PROMPT_LEN + 1 :]):
+        for layer_idx in range(len(cache.layers)):
+            sizes = cache.get_mask_sizes(step.shape[1], layer_idx)
+            assert sizes == reference.get_mask_sizes(step.shape[1], layer_idx)
+        with torch.no_grad():
+            model(step, past_key_values=reference, use_cache=True)
+            model(step, past_key_values=cache, use_cache=True)
+    for layer, ref_layer in zip(cache.layers, reference.layers, strict=True):
+        assert layer.keys.shape[-2] == ids.shape[1]  # every column kept
+        torch.testing.assert_close(layer.keys[:, :, -ref_layer.keys.shape[-2] :], ref_layer.keys, atol=0, rtol=0)
+
+
+def test_join_refuses_layers_that_keep_only_the_window(models) -> None:
+    model = models["mistral"][0]
+    caches = [DynamicCache(config=model.config), DynamicCache(config=model.config)]
+    with torch.no_grad():
+        for cache in caches:
+            model(tokens(PROMPT_LEN, 0), past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="DynamicSlidingWindowLayer: it keeps only its window"):
+        join_layers(*caches)
+
+
+def test_unsupported_layer_types_are_refused() -> None:
+    model = tiny("llama")
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ValueError, match="layer 1 of LlamaForCausalLM is 'linear_attention'"):
+        make_cache(ChunkStore(1 << 20), model)

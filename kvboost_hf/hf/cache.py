@@ -19,6 +19,10 @@ Invariants:
 * ``self.tokens`` holds one token id per cached column (left padding included) and, while reuse is enabled,
   every layer holds exactly ``self.num_columns`` columns of K/V; with reuse disabled for a call (a mask that is
   not left padding, ``inputs_embeds``) the cache records nothing and behaves like a ``DynamicCache``;
+* layers follow the model's ``layer_types``: a sliding-window layer (:class:`ChunkReuseSlidingLayer`) also holds
+  every column (so write-back, stitching, joins, crops and batch ops see whole chunks), but hands attention and
+  the mask builder exactly the columns a ``DynamicSlidingWindowLayer`` would (the last ``sliding_window - 1``
+  past columns plus the new ones), so outputs equal a ``DynamicCache``'s bit for bit;
 * a row's ledger says how far its K/V are exact; only exact chunks are stored under prefix keys;
 * a prompt that does not extend the tokens already cached raises instead of attending to stale K/V.
 """
@@ -32,14 +36,14 @@ from dataclasses import dataclass
 
 import torch
 from transformers import Cache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.keys import make_namespace
 from kvboost_hf.hf.hooks import install_hooks
-from kvboost_hf.hf.models import model_dtype, num_cache_layers
+from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.probe import key_deviation, scatter_into
 from kvboost_hf.reuse.plan import ChunkLedger, ReusePlan, plan_reuse
 from kvboost_hf.reuse.repair import position_mask, select_repairs
@@ -132,6 +136,55 @@ class ChunkReuseLayer(DynamicLayer):
         self.keys, self.values = keys, values
 
 
+class ChunkReuseSlidingLayer(ChunkReuseLayer):
+    """A sliding-window layer that keeps every column but shows attention only the window.
+
+    ``keys``/``values`` hold all ``[B, H, columns, D]`` columns, like :class:`ChunkReuseLayer`, so chunks can be
+    written back after they slid out of the window. :meth:`update` returns, and :meth:`get_mask_sizes` announces,
+    what ``DynamicSlidingWindowLayer`` does: the last ``min(past, sliding_window - 1)`` past columns followed by
+    the new ones, the mask's ``kv_offset`` being the index of the first of them.
+    """
+
+    is_sliding = True
+
+    def __init__(self, sliding_window: int) -> None:
+        super().__init__()
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
+        self.sliding_window = sliding_window
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        past = self.get_seq_length()
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        visible = min(past, self.sliding_window - 1) + key_states.shape[-2]
+        return keys[:, :, -visible:], values[:, :, -visible:]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        past = self.get_seq_length()
+        return min(past, self.sliding_window - 1) + query_length, max(past - self.sliding_window + 1, 0)
+
+
+def cache_layers(model: PreTrainedModel) -> list[ChunkReuseLayer]:
+    """One layer per decoder layer of ``model``, following its ``layer_types`` as ``DynamicCache(config=...)`` does.
+
+    Raises ``ValueError`` for layer kinds chunk reuse does not handle (chunked attention, linear attention, shared
+    or attention-free layers), naming them.
+    """
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    layers: list[ChunkReuseLayer] = []
+    for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
+        if kind == "full_attention":
+            layers.append(ChunkReuseLayer())
+        elif kind == "sliding_attention":
+            layers.append(ChunkReuseSlidingLayer(int(kwargs["sliding_window"])))
+        else:
+            raise ValueError(
+                f"ChunkReuseCache supports full and sliding-window attention layers; layer {index} of "
+                f"{type(model).__name__} is {kind!r}"
+            )
+    return layers
+
+
 class ChunkReuseCache(Cache):
     """A ``transformers.Cache`` that loads chunk hits from a :class:`ChunkStore` and writes new chunks back.
 
@@ -163,7 +216,7 @@ class ChunkReuseCache(Cache):
         write_back: bool = True,
         adapter: bool = True,
     ) -> None:
-        super().__init__(layers=[ChunkReuseLayer() for _ in range(num_cache_layers(model))])
+        super().__init__(layers=cache_layers(model))
         self.store = store
         self.model = model
         self.mode = GenerationMode(mode)
@@ -552,14 +605,21 @@ def prepend_zeros(tensor: torch.Tensor, columns: int, dim: int = 1) -> torch.Ten
 def join_layers(cache: Cache, other: Cache) -> None:
     """Append ``other``'s rows to ``cache``'s, layer by layer; the shorter side gets zero K/V columns on the left.
 
-    Invariant: every layer is a full (not sliding-window) dynamic layer holding ``[batch, heads, columns, dim]``;
-    afterwards every layer of ``cache`` holds ``max`` of the two lengths, and the padded columns carry no
-    information: the attention mask must exclude them (they are the new left padding of the narrower rows).
+    Invariant: every layer holds all its ``[batch, heads, columns, dim]`` columns (a ``DynamicLayer``, or a
+    :class:`ChunkReuseSlidingLayer`, which keeps them all); afterwards every layer of ``cache`` holds ``max`` of the
+    two lengths, and the padded columns carry no information: the attention mask must exclude them (they are the new
+    left padding of the narrower rows). Left padding keeps each row's real tokens in adjacent columns, so a sliding
+    window (counted in columns) still covers the same tokens. A ``DynamicSlidingWindowLayer`` (which drops columns)
+    is refused: its rows' columns could not be aligned.
     """
     width = max(cache.get_seq_length(), other.get_seq_length())
     for mine, theirs in zip(cache.layers, other.layers, strict=True):
-        if getattr(mine, "is_sliding", False) or getattr(theirs, "is_sliding", False):
-            raise ValueError("sliding-window cache layers cannot be joined")
+        for layer in (mine, theirs):
+            if getattr(layer, "is_sliding", False) and not isinstance(layer, ChunkReuseSlidingLayer):
+                raise ValueError(
+                    f"cannot join a {type(layer).__name__}: it keeps only its window of columns; use a "
+                    "ChunkReuseCache, or a DynamicCache built without the model config (full-length layers)"
+                )
         keys = [prepend_zeros(layer.keys, width - layer.keys.shape[-2], dim=2) for layer in (mine, theirs)]
         values = [prepend_zeros(layer.values, width - layer.values.shape[-2], dim=2) for layer in (mine, theirs)]
         mine.keys, mine.values = torch.cat(keys, dim=0), torch.cat(values, dim=0)

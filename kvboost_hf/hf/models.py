@@ -87,11 +87,6 @@ def check_model_support(config: object, strict: bool = True) -> None:
         logger.warning("%s; continuing because strict=False", message)
 
 
-def num_cache_layers(model: PreTrainedModel) -> int:
-    """Decoder layers that hold K/V."""
-    return int(model.config.get_text_config(decoder=True).num_hidden_layers)
-
-
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
     """The floating dtype K/V are computed in."""
     dtype = getattr(model, "dtype", None)
