@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any, TypeGuard
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvboost_hf.core.chunking import ChunkingConfig, boundary_token_ids_from_tokenizer, chunk_spans
 from kvboost_hf.core.config import GenerationMode, RecomputeStrategy, RepairConfig

@@ -653,11 +653,13 @@ def select_columns(
 def keep_layer_columns(cache: Cache, columns: Sequence[Sequence[int]], width: int) -> None:
     """:func:`select_columns` on every layer's keys and values (``[batch, heads, columns, dim]``) of ``cache``.
 
-    Invariant: every layer is a full (not sliding-window) dynamic layer; afterwards all hold ``width`` columns.
+    Invariant: every layer holds all its columns (a ``DynamicLayer``, or a :class:`ChunkReuseSlidingLayer`, whose
+    window follows the column count); afterwards all hold ``width`` columns. A layer that keeps only its window
+    (``DynamicSlidingWindowLayer``) is refused: its rows' columns cannot be realigned.
     """
     for layer in cache.layers:
-        if getattr(layer, "is_sliding", False):
-            raise ValueError("sliding-window cache layers cannot select per-row columns")
+        if getattr(layer, "is_sliding", False) and not isinstance(layer, ChunkReuseSlidingLayer):
+            raise ValueError(f"cannot select per-row columns of a {type(layer).__name__}: it keeps only its window")
         if layer.is_initialized and layer.keys.numel():
             layer.keys = select_columns(layer.keys, columns, 2, width)
             layer.values = select_columns(layer.values, columns, 2, width)

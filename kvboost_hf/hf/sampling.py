@@ -114,10 +114,12 @@ def build_processors(
 
 def choose_token(scores: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """The next token of one row from its processed scores ``[1, V]``: argmax when greedy, else a draw from the
-    softmax with ``generator``. Raises ValueError when the processors left no token allowed."""
+    softmax with ``generator``, a CPU generator whatever the scores' device (the probabilities are moved to the
+    CPU for the draw, so a seed gives the same draws on every device). Raises ValueError when the processors left
+    no token allowed."""
     if not torch.isfinite(scores).any():
         raise ValueError("every token is masked: the sampling settings and constraints exclude each other")
     if params.greedy:
         return int(scores.argmax(dim=-1))
     probs = torch.softmax(scores.float(), dim=-1)
-    return int(torch.multinomial(probs[0], 1, generator=generator))
+    return int(torch.multinomial(probs[0].cpu(), 1, generator=generator))
