@@ -71,15 +71,18 @@ def test_draft_tree_structure():
 
 
 @given(st.integers(1, 300), st.integers(1, 6), st.integers(1, 12), st.integers(1, 12))
-def test_level_sizes_spend_the_budget_within_depth_and_branching(budget, branching, depth, limit):
+def test_level_sizes_spread_the_budget_over_the_depth(budget, branching, depth, limit):
     settings = DraftSettings(num_draft_tokens=depth, tree_budget=budget, tree_branching=branching)
     sizes = settings.level_sizes(limit)
-    assert 1 <= len(sizes) <= min(depth, limit) and sum(sizes) <= budget
-    assert sizes[0] == min(branching, budget)
+    deepest = min(depth, limit)
+    width = max(1, budget // deepest)
+    assert 1 <= len(sizes) <= deepest and sum(sizes) <= budget
+    assert sizes[0] == min(branching, width, budget) and max(sizes) <= width
     assert all(size <= branching * previous for previous, size in itertools.pairwise(sizes))
-    if len(sizes) < min(depth, limit):
+    if len(sizes) < deepest:
         assert sum(sizes) == budget
-    assert DraftSettings(num_draft_tokens=depth).level_sizes(limit) == [1] * min(depth, limit)
+    assert DraftSettings(num_draft_tokens=depth).level_sizes(limit) == [1] * deepest
+    assert DraftSettings(num_draft_tokens=8, tree_budget=16, tree_branching=2).level_sizes(20) == [2] * 8
 
 
 @pytest.mark.parametrize("budget", [1, 3, 8, 24, 64])

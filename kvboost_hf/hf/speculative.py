@@ -85,15 +85,17 @@ class DraftSettings:
             raise ValueError(f"tree_branching must be a positive integer, got {self.tree_branching!r}")
 
     def level_sizes(self, depth: int) -> list[int]:
-        """Draft nodes per tree level (level 1 = the root's children) for a tree at most ``depth`` deep: a chain
-        of ones without a tree budget; else each level holds up to ``tree_branching`` times the previous one, until
-        ``tree_budget`` nodes are spent."""
+        """Draft nodes per tree level (level 1 = the root's children) for a tree at most ``depth`` deep (and at most
+        ``num_draft_tokens``): a chain of ones without a tree budget; else the budget is spread over the depth, each
+        level holding up to ``tree_budget // depth`` nodes (at least 1) and up to ``tree_branching`` times the
+        previous level, until ``tree_budget`` nodes are spent."""
         depth = min(depth, self.num_draft_tokens)
         if not self.tree_budget:
             return [1] * depth
+        width = max(1, self.tree_budget // depth)
         sizes: list[int] = []
         while len(sizes) < depth and sum(sizes) < self.tree_budget:
-            wanted = self.tree_branching * (sizes[-1] if sizes else 1)
+            wanted = min(width, self.tree_branching * (sizes[-1] if sizes else 1))
             sizes.append(min(wanted, self.tree_budget - sum(sizes)))
         return sizes
 
