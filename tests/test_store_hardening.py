@@ -4,11 +4,17 @@ K/V computed from other weights."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import greedy, make_tiny_model
+from test_disk_tier import ENV
+from test_store_tiers import key
 
 from kvboost_hf import ChunkReuseCache
 from kvboost_hf.core.keys import model_digest
@@ -74,3 +80,107 @@ def test_generation_after_an_in_place_change_reuses_nothing_stale(edit: str):
     _, reused = greedy(model, ids, ChunkReuseCache(store, model, chunking=4), new=2)
     assert store.stats()["hits"] == hits_before
     torch.testing.assert_close(reused, plain, rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- LMDB files
+
+_DISK_SCENARIO = textwrap.dedent(
+    """
+    import os, sys
+    from test_store_tiers import key, raw_entry
+    from kvboost_hf.store.disk import DiskTier
+
+    directory, damage = sys.argv[1], sys.argv[2]
+    tier = DiskTier(directory, 1 << 22)
+    tier.put(key(1), raw_entry())
+    tier.flush()
+    if damage.startswith("truncate:"):
+        os.truncate(os.path.join(directory, "data.mdb"), int(damage.split(":")[1]))
+    print("get", tier.get(key(1)) is not None, "disabled", tier.disabled is not None, flush=True)
+    tier.put(key(2), raw_entry(seed=2))
+    tier.flush()
+    print("held", tier.get(key(2)) is not None, flush=True)
+    """
+)
+
+
+def _run(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run ``code`` in a new interpreter: a crash (SIGBUS, SIGABRT) shows as a negative return code."""
+    return subprocess.run([sys.executable, "-c", code, *args], env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("size", [100, 4096, 8192 + 100])
+def test_data_file_truncated_under_an_open_tier_is_a_miss_not_sigbus(tmp_path: Path, size: int):
+    """Truncated below its meta pages (100, 4096 bytes) or below its used pages: a warning and misses; a tier
+    opened afterwards sets the file aside and starts empty. Before: SIGBUS reading ``env.info()``."""
+    result = _run(_DISK_SCENARIO, str(tmp_path / "d"), f"truncate:{size}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "get False disabled True" in result.stdout
+    result = _run(_DISK_SCENARIO, str(tmp_path / "d"), "none")  # a new process: the file is set aside
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "get True disabled False\nheld True" in result.stdout
+    assert (tmp_path / "d" / "data.mdb.damaged").exists()
+
+
+_HOLD_OPEN = textwrap.dedent(
+    """
+    import sys, time
+    import lmdb
+    env = lmdb.open(sys.argv[1], map_size=1 << 22, max_dbs=3, max_readers=1024)
+    print("open", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.parametrize("offset", [0, 8])
+def test_garbage_in_the_lock_file_disables_the_tier(tmp_path: Path, offset: int):
+    """Garbage over the lock file's header while another process holds it (so LMDB does not rebuild it): the
+    tier is disabled with a warning. Before: MDB_INVALID (offset 0) or a process hung in a garbage mutex."""
+    directory = tmp_path / "d"
+    assert _run(_DISK_SCENARIO, str(directory), "none").returncode == 0
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_OPEN, str(directory)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        garbage = bytes(range(256)) * 32
+        _run(f"f = open({str(directory / 'lock.mdb')!r}, 'r+b'); f.seek({offset}); f.write({garbage!r})")
+        result = _run(_DISK_SCENARIO, str(directory), "none", timeout=30)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "get False disabled True" in result.stdout
+    assert "lock.mdb" in result.stderr  # the warning names the file
+
+
+def test_no_room_for_the_lock_file_disables_the_tier(tmp_path: Path, monkeypatch, caplog):
+    """What a full file system does to the lock file's allocation (simulated): the tier is disabled."""
+    import errno
+
+    from kvboost_hf.store import disk
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk.os, "posix_fallocate", full)
+    with caplog.at_level("WARNING", logger="kvboost_hf.store.disk"):
+        tier = disk.DiskTier(tmp_path / "d", 1 << 22)
+    assert tier.disabled is not None and "file system full" in tier.disabled
+    assert tier.get(key(1)) is None
+    tier.close()
+
+
+def test_full_file_system_is_a_warning_not_sigbus(tmp_path: Path):
+    """A real full file system: a 256 KiB tmpfs filled up (needs root to mount; skipped otherwise). Before:
+    SIGBUS when LMDB first wrote to its lock file's map."""
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        subprocess.run(["dd", "if=/dev/zero", f"of={mount / 'fill'}", "bs=4k", "count=100"], capture_output=True)
+        result = _run(_DISK_SCENARIO, str(mount / "d"), "none")
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "get False disabled True" in result.stdout
