@@ -5,21 +5,26 @@ K/V computed from other weights."""
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import greedy, make_tiny_model
+from test_codec import make_entry
 from test_disk_tier import ENV
+from test_redis_tier import RedisServer, redis_server, remote  # noqa: F401 (fixtures)
 from test_store_tiers import key, raw_entry
 
 from kvboost_hf import ChunkReuseCache
 from kvboost_hf.core.keys import model_digest
 from kvboost_hf.store.chunk_store import ChunkStore
+from kvboost_hf.store.remote import RemoteTier
 
 # ---------------------------------------------------------------------------------------------- model digest
 
@@ -204,3 +209,80 @@ def test_directory_recreated_by_another_process_is_noticed(tmp_path: Path, caplo
     assert stats["disk_disabled"] == 1 and stats["disk_errors"] >= 1
     assert "deleted or replaced" in caplog.text
     store.close()
+
+
+# ---------------------------------------------------------------------------------------------- Redis
+
+
+@pytest.fixture
+def unaccepting_port() -> Iterator[int]:
+    """A loopback port whose accept queue is full: a new connection hangs in connect (SYNs are dropped)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    port = int(server.getsockname()[1])
+    fillers = []
+    for _ in range(4):  # the queue holds backlog + 1 connections; the rest stay unanswered
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+        fillers.append(filler)
+    time.sleep(0.1)
+    yield port
+    for s in [*fillers, server]:
+        s.close()
+
+
+def test_hung_connect_is_bounded_by_the_read_timeout(unaccepting_port: int):
+    """Before: a lookup waited for the writer's connect timeout (here 2 s) instead of ``read_timeout_s``."""
+    tier = RemoteTier(f"redis://127.0.0.1:{unaccepting_port}/0", timeout_s=2.0, read_timeout_s=0.1, retry_after_s=0)
+    try:
+        started = time.monotonic()
+        assert tier.get_many([key(1), key(2)]) == [None, None]
+        assert time.monotonic() - started < 1.0
+        assert tier.errors >= 1
+    finally:
+        tier.close(timeout_s=1)
+
+
+def test_tail_notes_are_published_again_after_a_redis_restart(redis_server: RedisServer):  # noqa: F811
+    store = ChunkStore(1 << 24, remote_url=redis_server.url)
+    assert store.remote is not None
+    try:
+        for i in range(18):
+            store.note_tail(key(i), 5 + i)
+        store.flush()
+        admin = redis_server.client()
+        assert len(admin.keys(store.remote.prefix + "tail:*")) == 18
+        redis_server.stop()
+        redis_server.start()  # empty
+        assert store.remote.check_restart()
+        store.flush()
+        assert len(redis_server.client().keys(store.remote.prefix + "tail:*")) == 18
+        assert store.remote.tail_lengths(key(3)) == {8}
+    finally:
+        store.close(timeout_s=2)
+
+
+def test_a_replica_with_another_secret_refuses_without_deleting(redis_server: RedisServer):  # noqa: F811
+    mine = RemoteTier(redis_server.url, hmac_key="mine")
+    theirs = RemoteTier(redis_server.url, hmac_key="theirs")
+    try:
+        for i in range(5):
+            mine.put(key(i), make_entry(seed=i))
+        assert mine.flush(5)
+        assert theirs.get_many([key(i) for i in range(5)]) == [None] * 5 and theirs.corrupt == 5
+        assert all(mine.get_many([key(i) for i in range(5)]))
+        assert redis_server.client().exists(*[mine.prefix + key(i) for i in range(5)]) == 5
+    finally:
+        mine.close(timeout_s=2)
+        theirs.close(timeout_s=2)
+
+
+def test_wrong_type_tail_key_is_removed(remote: RemoteTier, redis_server: RedisServer):  # noqa: F811
+    admin = redis_server.client()
+    admin.set(remote.prefix + "tail:" + key(1), b"not a set")
+    assert remote.tail_lengths(key(1)) == set() and remote.corrupt == 1
+    assert not admin.exists(remote.prefix + "tail:" + key(1))
+    remote.note_tail(key(1), frozenset({7}))
+    assert remote.flush(5) and remote.tail_lengths(key(1)) == {7}

@@ -429,8 +429,13 @@ class ChunkStore:
                 self.disk.put(key, stored)
 
     def _republish(self) -> None:
-        """Redis answers again after an outage (maybe restarted empty): write the RAM entries there again."""
+        """Redis answers again after an outage (maybe restarted empty): write the tail notes this process knows
+        and the RAM entries there again."""
         if self.remote is not None and not self._closed:
+            with self._lock:
+                tails = [(parent, frozenset(lengths)) for parent, lengths in self._tail_lengths.items()]
+            for parent, lengths in tails:
+                self.remote.note_tail(parent, lengths)
             self.remote.republish(self.ram.items())
 
 

@@ -25,6 +25,7 @@ check itself cannot be caught from Python).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import struct
@@ -496,17 +497,9 @@ def _check_files(directory: Path) -> None:
         if problem is not None:
             raise _Truncated(f"{data}: {problem}")
     lock = directory / "lock.mdb"
-    size = lock.stat().st_size if lock.exists() else 0
-    if size:
-        with open(lock, "rb") as f:  # closing this descriptor releases no LMDB lock: none is held here yet
-            header = f.read(_LOCK_HEADER)
-        if len(header) < _LOCK_HEADER or header[:8] != _expected_lock_signature():
-            raise _Unusable(
-                f"{lock} is not a lock file of this LMDB build (remove it when no process uses {directory})"
-            )
-        readers = struct.unpack_from("<I", header, 56)[0]
-        if readers > (size - _LOCK_HEADER) // _LOCK_SLOT:
-            raise _Unusable(f"{lock} counts {readers} readers, more than it has slots")
+    problem = _shared_lock_problem(lock)
+    if problem is not None:
+        raise _Unusable(f"{lock} {problem} (remove it when no process uses {directory})")
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:  # LMDB maps the lock file and writes to it: unallocated pages on a full file system would be SIGBUS
         os.posix_fallocate(fd, 0, _LOCK_HEADER + _MAX_READERS * _LOCK_SLOT)
@@ -514,6 +507,27 @@ def _check_files(directory: Path) -> None:
         raise _Unusable(f"cannot allocate {lock} ({exc.strerror}): is the file system full?") from exc
     finally:
         os.close(fd)
+
+
+def _shared_lock_problem(lock: Path) -> str | None:
+    """What is wrong with a lock file that another process holds, or None. A lock file nobody holds is not
+    checked: LMDB rebuilds it on open whatever it contains. Call only while this process has no environment on
+    it (closing any descriptor of the file drops the process's locks on it)."""
+    if not lock.exists() or lock.stat().st_size == 0:
+        return None
+    size = lock.stat().st_size
+    with open(lock, "r+b") as f:
+        header = f.read(_LOCK_HEADER)
+        try:  # the byte LMDB locks exclusively when it is alone on the file
+            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+            return None
+        except OSError:
+            pass
+    if len(header) < _LOCK_HEADER or header[:8] != _expected_lock_signature():
+        return "is not a lock file of this LMDB build"
+    if struct.unpack_from("<I", header, 56)[0] > (size - _LOCK_HEADER) // _LOCK_SLOT:
+        return "counts more readers than it has slots"
+    return None
 
 
 def _expected_lock_signature() -> bytes:

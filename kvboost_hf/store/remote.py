@@ -15,7 +15,9 @@
   ``run_id`` (restarted, maybe empty: checked every ``watch_interval_s`` by a watcher thread, since the client
   reconnects silently), ``on_reconnect`` is called: the store re-publishes its RAM entries. An error reply
   (such as OOM) fails only that operation. A record that fails verification, or a key holding another Redis
-  type, is deleted, counted in ``corrupt`` and served as a miss.
+  type (a record or a tail note), is deleted, counted in ``corrupt`` and served as a miss; a record whose HMAC
+  seal does not verify is counted and refused but left in place (it may be another replica's, sealed with its
+  own secret). Reads connect with ``read_timeout_s`` too, so a connect that hangs is bounded the same way.
 * AUTH and TLS come from the URL: ``redis://user:password@host:6379/0``, ``rediss://...`` for TLS. A Redis
   Cluster (or Valkey cluster) is named ``redis+cluster://host:port`` (any node; ``rediss+cluster://`` for TLS):
   keys spread over its shards, batches are split by node.
@@ -96,8 +98,8 @@ class RemoteTier(StorageTier):
         connect: Any = redis.RedisCluster.from_url if self.cluster else redis.Redis.from_url
         url = scheme.removesuffix("+cluster") + sep + rest
         self._client: Any = connect(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=no_retry)
-        self._reader: Any = connect(
-            url, socket_timeout=read_timeout_s, socket_connect_timeout=timeout_s, retry=no_retry
+        self._reader: Any = connect(  # connecting counts against the read bound too (a hung connect)
+            url, socket_timeout=read_timeout_s, socket_connect_timeout=read_timeout_s, retry=no_retry
         )
         self.errors = 0
         self.corrupt = 0
@@ -192,7 +194,23 @@ class RemoteTier(StorageTier):
             self._writer.submit(_TAIL + parent_key, lengths)
 
     def tail_lengths(self, parent_key: str) -> set[int]:
-        members = self._call(lambda: self._reader.smembers(self.prefix + _TAIL + parent_key))
+        """Lengths noted after ``parent_key``; a key of another Redis type there (not written by this library) is
+        deleted and counted in ``corrupt``, so that later notes can be added."""
+        name = self.prefix + _TAIL + parent_key
+
+        def read() -> Any:
+            try:
+                return self._reader.smembers(name)
+            except self._response_error as exc:
+                if "WRONGTYPE" not in str(exc):
+                    raise
+            with self._state_lock:
+                self.corrupt += 1
+            logger.warning("remote tier: deleting %s, which is not a set of tail lengths", name)
+            self._client.delete(name)
+            return set()
+
+        members = self._call(read)
         out: set[int] = set()
         for member in members or ():
             try:
@@ -274,6 +292,11 @@ class RemoteTier(StorageTier):
             if isinstance(reply, Exception):  # a key holding a list, set...: not written by this library
                 raise codec.CorruptEntryError(str(reply))
             return codec.decode(key, self._unseal(reply))
+        except _Unverifiable as exc:  # maybe a replica with another secret: refused, left for its owner
+            with self._state_lock:
+                self.corrupt += 1
+            logger.debug("remote tier: refusing record %s%s... (%s)", self.prefix, key[:16], exc)
+            return None
         except codec.CorruptEntryError as exc:
             with self._state_lock:
                 self.corrupt += 1
@@ -293,10 +316,10 @@ class RemoteTier(StorageTier):
         head = len(_SEAL) + _TAG_BYTES
         view = memoryview(raw)
         if len(raw) < head or view[: len(_SEAL)] != _SEAL:
-            raise codec.CorruptEntryError("record is not sealed with the HMAC key")
+            raise _Unverifiable("record is not sealed with the HMAC key")
         expected = hmac.new(self._hmac_key, view[head:], hashlib.sha256).digest()
         if not hmac.compare_digest(expected, bytes(view[len(_SEAL) : head])):
-            raise codec.CorruptEntryError("HMAC mismatch (record not written with this store's key)")
+            raise _Unverifiable("HMAC mismatch (record not written with this store's key)")
         return view[head:]
 
     def _run_ids(self) -> str:
@@ -370,6 +393,11 @@ class RemoteTier(StorageTier):
     def _down(self) -> bool:
         with self._state_lock:
             return time.monotonic() < self._down_until
+
+
+class _Unverifiable(codec.CorruptEntryError):
+    """A record whose HMAC seal is missing or made with another secret: refused but not deleted (a replica
+    configured with another secret shares the prefix)."""
 
 
 def _glob_escape(text: str) -> str:
