@@ -160,6 +160,21 @@ class DiskTier(StorageTier):
             with self._env.begin(db=self._records) as txn:
                 return txn.stat(self._records)["entries"]
 
+    def stats(self) -> dict[str, int]:
+        """``bytes`` and ``chunks`` (what every process sharing the directory sees), ``evictions``, ``errors``,
+        ``dropped`` (writes not done), ``queued`` (writes not yet on disk), ``corrupt`` (records refused),
+        ``disabled`` (1 once the tier gave up; not after a plain close)."""
+        return {
+            "bytes": self.nbytes,
+            "chunks": len(self),
+            "evictions": self.evictions,
+            "errors": self.errors,
+            "dropped": self.dropped,
+            "queued": self.queued,
+            "corrupt": self.corrupt,
+            "disabled": int(self.disabled not in (None, "closed")),
+        }
+
     # ------------------------------------------------------------------ tails
     def note_tail(self, parent_key: str, lengths: frozenset[int]) -> None:
         """Queue ``lengths`` to be merged into the tail note of ``parent_key``."""

@@ -58,6 +58,8 @@ class RemoteTier(StorageTier):
     """
 
     name = "remote"
+    local = False
+    shared = True
 
     def __init__(
         self,
@@ -187,6 +189,13 @@ class RemoteTier(StorageTier):
     def __len__(self) -> int:
         return self.written
 
+    def stats(self) -> dict[str, int]:
+        """``bytes`` (written by this process), ``errors``, ``dropped`` (writes not done), ``republished``,
+        ``corrupt`` (records refused)."""
+        with self._state_lock:
+            counters = {"errors": self.errors, "republished": self.republished, "corrupt": self.corrupt}
+        return {"bytes": self.written_bytes, "dropped": self.dropped, **counters}
+
     # ------------------------------------------------------------------ tails
     def note_tail(self, parent_key: str, lengths: frozenset[int]) -> None:
         """Queue adding ``lengths`` to the shared set of tail lengths after ``parent_key``."""
@@ -231,9 +240,9 @@ class RemoteTier(StorageTier):
         """Writes queued and not yet taken by the writer thread."""
         return self._writer.waiting
 
-    def republish(self, entries: Iterable[tuple[str, StoredChunk]], wait_s: float = 1.0) -> threading.Thread:
+    def republish(self, entries: Iterable[tuple[str, StoredChunk]], wait_s: float = 1.0) -> None:
         """Write ``entries`` again from a background thread (waiting up to ``wait_s`` for queue room each):
-        Redis lost them (restart, eviction). Returns the thread."""
+        Redis lost them (restart, eviction)."""
 
         def submit_all() -> None:
             for key, entry in entries:
@@ -242,9 +251,7 @@ class RemoteTier(StorageTier):
                 with self._state_lock:
                     self.republished += 1
 
-        thread = threading.Thread(target=submit_all, name="kvboost-remote-republish", daemon=True)
-        thread.start()
-        return thread
+        threading.Thread(target=submit_all, name="kvboost-remote-republish", daemon=True).start()
 
     def check_restart(self) -> bool:
         """Whether Redis answers with another ``run_id`` than last time (it restarted); then ``on_reconnect``
