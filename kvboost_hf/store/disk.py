@@ -515,6 +515,8 @@ def _check_files(directory: Path) -> None:
     problem = _shared_lock_problem(lock)
     if problem is not None:
         raise _Unusable(f"{lock} {problem} (remove it when no process uses {directory})")
+    if not hasattr(os, "posix_fallocate"):  # not on macOS: the check is skipped there
+        return
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:  # LMDB maps the lock file and writes to it: unallocated pages on a full file system would be SIGBUS
         os.posix_fallocate(fd, 0, _LOCK_HEADER + _MAX_READERS * _LOCK_SLOT)
