@@ -21,7 +21,7 @@ from test_disk_tier import ENV
 from test_redis_tier import RedisServer, redis_server, remote  # noqa: F401 (fixtures)
 from test_store_tiers import key, raw_entry
 
-from kvboost_hf import ChunkReuseCache
+from kvboost_hf import ChunkKV, ChunkReuseCache
 from kvboost_hf.core.keys import model_digest
 from kvboost_hf.store.chunk_store import ChunkStore
 from kvboost_hf.store.remote import RemoteTier
@@ -286,3 +286,30 @@ def test_wrong_type_tail_key_is_removed(remote: RemoteTier, redis_server: RedisS
     assert not admin.exists(remote.prefix + "tail:" + key(1))
     remote.note_tail(key(1), frozenset({7}))
     assert remote.flush(5) and remote.tail_lengths(key(1)) == {7}
+
+
+@pytest.mark.parametrize("wrong", ["tokens", "layers", "heads", "head_dim"])
+def test_a_stored_record_of_the_wrong_shape_is_a_miss_not_a_failed_request(wrong: str, caplog):
+    """A record under a prompt's real prefix key whose K/V do not fit the model (another replica's bug, a
+    hand-written record) is skipped with a warning; the generation equals plain generate()."""
+    model = make_tiny_model("llama", seed=3)
+    store = ChunkStore()
+    ids = torch.randint(1, 120, (1, 20), generator=torch.Generator().manual_seed(4))
+    cold = ChunkReuseCache(store, model, 8)
+    greedy(model, ids, cold)  # stores the prompt's chunks: take the first one's key and shape
+    first_key = cold.ledgers[0].keys[0]
+    layers, heads, tokens, dim = store.get(first_key).keys.shape
+    shape = {
+        "tokens": (layers, heads, tokens - 1, dim),
+        "layers": (layers + 1, heads, tokens, dim),
+        "heads": (layers, heads + 1, tokens, dim),
+        "head_dim": (layers, heads, tokens, dim * 2),
+    }[wrong]
+    store.clear()
+    store.put(first_key, ChunkKV(torch.zeros(shape), torch.zeros(shape)))
+    warm = ChunkReuseCache(store, model, 8)
+    with caplog.at_level("WARNING"):
+        out, _ = greedy(model, ids, warm)
+    plain, _ = greedy(model, ids)
+    assert torch.equal(out, plain) and warm.last_reuse[0].cached_tokens == 0
+    assert "treated as a miss" in caplog.text

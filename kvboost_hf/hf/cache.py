@@ -43,7 +43,7 @@ from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.keys import make_namespace
 from kvboost_hf.hf.hooks import install_hooks
-from kvboost_hf.hf.models import model_dtype
+from kvboost_hf.hf.models import kv_entry_shape, model_dtype
 from kvboost_hf.hf.probe import key_deviation, scatter_into
 from kvboost_hf.reuse.plan import ChunkLedger, ReusePlan, plan_reuse
 from kvboost_hf.reuse.repair import position_mask, select_repairs
@@ -243,6 +243,7 @@ class ChunkReuseCache(Cache):
         self._content_rotator = (
             self._rotator if bool(self.segment_starts) or self.chunking.method == "content" else None
         )
+        self._entry_shape = kv_entry_shape(model)
         self._scatter: torch.Tensor | None = None  # positions the pending sparse forward writes
         self._pending_tokens: torch.Tensor | None = None  # the row's tokens once that forward ran
         if adapter:
@@ -371,6 +372,7 @@ class ChunkReuseCache(Cache):
             chunking=self.chunking,
             segment_starts=self.segment_starts,
             approximate=sparse_possible,
+            entry_shape=self._entry_shape,
         )
 
     def _stitch(self, plan: ReusePlan, full: torch.Tensor, start: int, stop: int) -> None:

@@ -87,6 +87,14 @@ def check_model_support(config: object, strict: bool = True) -> None:
         logger.warning("%s; continuing because strict=False", message)
 
 
+def kv_entry_shape(model: PreTrainedModel) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of the K/V one token of ``model`` caches (what a stored chunk must hold)."""
+    config = model.config.get_text_config(decoder=True)
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return int(config.num_hidden_layers), int(getattr(config, "num_key_value_heads", None) or heads), int(head_dim)
+
+
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
     """The floating dtype K/V are computed in."""
     dtype = getattr(model, "dtype", None)

@@ -16,6 +16,7 @@ Terms (all counts in tokens, all offsets relative to a row's first real token, p
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -36,6 +37,9 @@ class ChunkSource(Protocol):
     def contains_many(self, keys: Sequence[str]) -> list[bool]: ...
 
     def tail_lengths(self, parent_key: str | None) -> list[int]: ...
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -160,6 +164,7 @@ def plan_reuse(
     chunking: ChunkingConfig,
     segment_starts: Sequence[int] = (),
     approximate: bool = False,
+    entry_shape: tuple[int, int, int] | None = None,
 ) -> ReusePlan:
     """Plan the reuse of ``rows`` (each row's real tokens) given what each row already holds.
 
@@ -168,10 +173,12 @@ def plan_reuse(
     chunks are also looked up by prefix key, then by content key, and misses become gaps. The ledgers are
     extended to the rows' tokens. Store reads are memoised across rows, so a shared prefix is read once, and a
     row's prefix chunks are read in one ``get_many`` call (hits and misses are counted as chunk by chunk).
+    ``entry_shape`` ``(layers, kv_heads, head_dim)``: an entry of another shape, or whose token count is not its
+    span's, is a miss (logged): K/V of the wrong shape are never stitched, and a request never fails on them.
     """
     if approximate and len(rows) != 1:
         raise ValueError(f"approximate reuse plans one row at a time, got {len(rows)} rows")
-    reader = _Reader(store, namespace, approximate)
+    reader = _Reader(store, namespace, approximate, entry_shape)
     plans = []
     for ledger, tokens, row_present, limit in zip(ledgers, rows, present, limits, strict=True):
         ledger.extend(tokens, namespace, chunking, segment_starts)
@@ -183,14 +190,31 @@ def plan_reuse(
 class _Reader:
     """The planner's memoised store reads for one plan (a shared prefix is read once for all rows)."""
 
-    def __init__(self, store: ChunkSource, namespace: str, approximate: bool) -> None:
-        self.store, self.namespace, self.approximate = store, namespace, approximate
+    def __init__(
+        self, store: ChunkSource, namespace: str, approximate: bool, shape: tuple[int, int, int] | None
+    ) -> None:
+        self.store, self.namespace, self.approximate, self.shape = store, namespace, approximate, shape
         self.loaded: dict[str, ChunkKV | None] = {}
 
-    def read(self, key: str) -> ChunkKV | None:
+    def read(self, key: str, num_tokens: int) -> ChunkKV | None:
+        """The entry stored under ``key`` when it holds ``num_tokens`` tokens of the expected shape, else None."""
         if key not in self.loaded:
             self.loaded[key] = self.store.get(key)
-        return self.loaded[key]
+        entry = self.loaded[key]
+        if entry is None:
+            return None
+        layers, heads, dim = self.shape or (entry.keys.shape[0], entry.keys.shape[1], entry.keys.shape[3])
+        expected = (layers, heads, num_tokens, dim)
+        if tuple(entry.keys.shape) != expected or tuple(entry.values.shape) != expected:
+            logger.warning(
+                "stored chunk %s... has K/V of shape %s, expected %s: treated as a miss",
+                key[:12],
+                tuple(entry.keys.shape),
+                expected,
+            )
+            self.loaded[key] = None
+            return None
+        return entry
 
     def prefetch(self, keys: list[str]) -> None:
         """Read in one call the stored ones among ``keys`` that the row will use (one Redis round trip each for
@@ -211,7 +235,7 @@ class _Reader:
         reaching past the ``present`` tokens."""
         for length in self.store.tail_lengths(parent):
             if present - start < length <= max_tokens:
-                entry = self.read(prefix_key(self.namespace, parent, tokens[start : start + length]))
+                entry = self.read(prefix_key(self.namespace, parent, tokens[start : start + length]), length)
                 if entry is not None:
                     return Hit((start, start + length), entry, exact=True)
         return None
@@ -228,7 +252,7 @@ def _plan_row(reader: _Reader, ledger: ChunkLedger, tokens: Sequence[int], prese
             continue
         if span[0] >= limit:
             break
-        if (entry := reader.read(key)) is not None:
+        if (entry := reader.read(key, span[1] - span[0])) is not None:
             hits.append(Hit(span, entry, exact=True))
             continue
         parent = ledger.keys[index - 1] if index else None
@@ -238,7 +262,8 @@ def _plan_row(reader: _Reader, ledger: ChunkLedger, tokens: Sequence[int], prese
             hits.append(tail)
         if not reader.approximate:
             break
-        approximate = None if tail is not None else reader.read(content_key(reader.namespace, tokens[slice(*span)]))
+        content = content_key(reader.namespace, tokens[slice(*span)])
+        approximate = None if tail is not None else reader.read(content, span[1] - span[0])
         if approximate is not None:
             hits.append(Hit(span, approximate, exact=False))
     start = ledger.end
