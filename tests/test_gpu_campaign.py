@@ -66,3 +66,13 @@ def test_cli_refuses_unknown_steps(capsys):
     with pytest.raises(SystemExit):
         gpu.main(["--dry-run", "--steps", "tests,nonsense"])
     assert "nonsense" in capsys.readouterr().err
+
+
+def test_random_shapes_are_the_published_ones_and_unknown_names_are_refused():
+    from kvboost_hf.bench.shapes import random_config
+
+    config = random_config("qwen2.5-7b")
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (3584, 28, 28)
+    assert (config.num_key_value_heads, config.intermediate_size, config.vocab_size) == (4, 18944, 152064)
+    with pytest.raises(ValueError, match="unknown random shape 'qwen9'"):
+        random_config("qwen9")
