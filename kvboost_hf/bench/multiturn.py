@@ -26,6 +26,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from kvboost_hf.bench.common import FirstTokenTimer, machine_info, parser_for, pyplot, save_results
+from kvboost_hf.bench.shapes import SHAPES, random_engine
 from kvboost_hf.corpus import chat_script
 from kvboost_hf.engine import InferenceEngine
 
@@ -73,9 +74,15 @@ class PromptCacheRecipe:
         return ttft, generated
 
 
-def run(turns: int, max_new_tokens: int, chunk_size: int, repeats: int) -> dict:
-    """Play the conversation ``repeats`` times (each from an empty store) and keep each turn's median TTFT."""
-    engine = InferenceEngine.from_pretrained(chunk_size=chunk_size)
+def run(turns: int, max_new_tokens: int, chunk_size: int, repeats: int, random_shape: str | None = None) -> dict:
+    """Play the conversation ``repeats`` times (each from an empty store) and keep each turn's median TTFT.
+
+    ``random_shape``: a random-weight model of that shape (:mod:`kvboost_hf.bench.shapes`) instead of the embedded
+    model; its answers are noise but its timings are those of the real shape."""
+    if random_shape is None:
+        engine = InferenceEngine.from_pretrained(chunk_size=chunk_size)
+    else:
+        engine = random_engine(random_shape, chunk_size=chunk_size)
     system, user_messages = chat_script(turns)
     engine.generate("warm-up", max_new_tokens=2, mode="baseline")  # first-call allocator effects, no reuse
     samples: list[list[dict]] = []
@@ -169,7 +176,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--chunk-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="conversations played; each turn keeps the median")
+    parser.add_argument("--random-shape", choices=sorted(SHAPES), help="random-weight model of this shape")
     args = parser.parse_args(argv)
-    result = run(args.turns, args.max_new_tokens, args.chunk_size, args.repeats)
+    result = run(args.turns, args.max_new_tokens, args.chunk_size, args.repeats, args.random_shape)
     save_results(args.out, "multiturn", result, report, plot)
     return 0

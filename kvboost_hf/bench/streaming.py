@@ -1,8 +1,8 @@
 """``python -m kvboost_hf.bench streaming``: decode speed and memory of layer streaming against a resident model.
 
-One model (default: the embedded SmolLM2-135M) is loaded once and measured twice with greedy ``baseline``
-generation (no chunk reuse, so only the weights' path differs): resident, then with
-``enable_layer_streaming(model, LayerStreaming(...))``. Reported:
+One model (default: the embedded SmolLM2-135M; ``--random-shape``: random weights of a real shape) is loaded
+once and measured twice with greedy ``baseline`` generation (no chunk reuse, so only the weights' path differs):
+resident, then with ``enable_layer_streaming(model, LayerStreaming(...))``. Reported:
 
 * copy bandwidth: on CUDA host-to-device GB/s from pinned and from pageable memory (256 MB copies, events);
   on CPU the host memcpy GB/s that the CPU streamer's synchronous copies run at (no H2D to measure);
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
+from kvboost_hf.bench.shapes import SHAPES, random_engine
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.offload import LayerStreaming, enable_layer_streaming, layer_streamer
 
@@ -35,7 +36,9 @@ PROMPT = [{"role": "user", "content": "Explain in a few sentences why the sky lo
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = parser_for("streaming", __doc__)
-    parser.add_argument("--model", default=None, help="hub name or local directory (default: the embedded model)")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model", default=None, help="hub name or local directory (default: the embedded model)")
+    model.add_argument("--random-shape", choices=sorted(SHAPES), help="random-weight model of this shape (timing)")
     parser.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
     parser.add_argument("--device", default=None, help="compute device (default: cuda when available)")
     parser.add_argument("--keep-first-k", type=int, default=1, help="first decoder layers kept resident")
@@ -107,7 +110,10 @@ def decode(engine: InferenceEngine, new_tokens: int, repeats: int) -> dict[str, 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    engine = InferenceEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, chunk_size=64)
+    if args.random_shape is None:
+        engine = InferenceEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, chunk_size=64)
+    else:
+        engine = random_engine(args.random_shape, device=args.device, dtype=args.dtype, chunk_size=64)
     device = engine.device
     bandwidth = copy_bandwidth(device, args.copy_mb)
     resident = decode(engine, args.new_tokens, args.repeats)

