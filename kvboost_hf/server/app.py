@@ -239,7 +239,7 @@ def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
 TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
-def uvicorn_config(app: FastAPI, settings: ServerSettings, **kwargs: Any) -> uvicorn.Config:
+def uvicorn_config(app: ASGIApp, settings: ServerSettings, **kwargs: Any) -> uvicorn.Config:
     """uvicorn's configuration for ``app`` (h11 with ``settings.header_timeout_s``; ``kwargs``: host, port, ...)."""
     return uvicorn.Config(app, http=header_timeout_protocol(settings.header_timeout_s), **kwargs)
 
