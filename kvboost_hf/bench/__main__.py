@@ -5,7 +5,17 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("multiturn", "rag", "rag_accuracy", "tiers", "attention", "serve", "streaming", "speculative")
+BENCHMARKS = (
+    "multiturn",
+    "rag",
+    "rag_accuracy",
+    "tiers",
+    "attention",
+    "serve",
+    "streaming",
+    "speculative",
+    "hardening",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
