@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import socket
 import statistics
@@ -31,6 +32,8 @@ import httpx
 
 from kvboost_hf.bench.serve import MODEL, ServerProcess
 
+logger = logging.getLogger(__name__)
+
 MESSAGES = [{"role": "user", "content": "Say hi."}]
 
 
@@ -39,10 +42,13 @@ def timed_post(url: str, body: dict[str, Any] | bytes, timeout: float = 120.0) -
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     start = time.perf_counter()
     try:
-        status = httpx.post(url, content=content, headers={"Content-Type": "application/json"}, timeout=timeout)
-        code = status.status_code
+        response = httpx.post(url, content=content, headers={"Content-Type": "application/json"}, timeout=timeout)
+        code = response.status_code
     except httpx.HTTPError:
         code = 0
+    else:
+        if code != 200:
+            logger.warning("%s: %d %s", url, code, response.text[:200])
     return time.perf_counter() - start, code
 
 
@@ -126,7 +132,7 @@ def loris_load(url: str, port: int, connections: int, hold_s: float) -> dict[str
         for sock in sockets:
             sock.setblocking(False)
             try:
-                held += (sock.recv(1) == b"" and 0) or 0  # data (a 408) or EOF: the server let go
+                sock.recv(1)  # data (a 408) or end of stream: the server let go
             except BlockingIOError:
                 held += 1  # nothing: the server still holds it
             except OSError:
@@ -146,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hold-s", type=float, default=15.0)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     results: dict[str, Any] = {}
     for source in args.source:
         env = {**os.environ, "PYTHONPATH": str(source.resolve())}
