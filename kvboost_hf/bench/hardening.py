@@ -1,8 +1,8 @@
 """``python -m kvboost_hf.bench hardening``: abusive loads against two server builds, side by side in one run.
 
 Each ``--source`` is a directory holding a ``kvboost_hf`` package (e.g. this checkout, and ``git archive`` of an
-older commit unpacked elsewhere); its server runs as ``python -m kvboost_hf.server`` on a free 127.0.0.1 port with
-that directory first on ``PYTHONPATH``, default flags. Per build, three loads, each bounded:
+older commit unpacked elsewhere); its server runs as ``python -m kvboost_hf.server`` from that directory on a free
+127.0.0.1 port, default flags, after one plain chat to warm it. Per build, three loads, each bounded:
 
 * ``schemas`` (issue #22 item 6): ``--schema-requests`` chat requests at once, each with its own tenant
   (``cache_salt``) and a ~150 KiB enum schema; measured: the worst latency of a plain one-token chat sent
@@ -156,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     for source in args.source:
         env = {**os.environ, "PYTHONPATH": str(source.resolve())}
-        server = ServerProcess([], startup_timeout_s=300, env=env)
+        server = ServerProcess([], startup_timeout_s=300, env=env, cwd=source.resolve())
         try:
+            timed_post(f"{server.url}/v1/chat/completions", chat_body(None, "plain"))
             results[str(source)] = {
                 "schemas": schemas_load(server.url, args.schema_requests),
                 "parts": parts_load(server.url),
