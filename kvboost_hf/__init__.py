@@ -18,29 +18,54 @@ Public API::
 Importing the package registers ``attn_implementation="kvboost"`` with transformers.
 """
 
-from kvboost_hf.core.chunk_kv import ChunkKV
-from kvboost_hf.core.chunking import ChunkingConfig
-from kvboost_hf.core.config import GenerationMode, RecomputeStrategy, RepairConfig
-from kvboost_hf.engine import InferenceEngine
-from kvboost_hf.hf.attention import register_kvboost_attention
-from kvboost_hf.hf.cache import ChunkReuseCache
-from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest
-from kvboost_hf.hf.generation import ChunkWriteBack
-from kvboost_hf.hf.hooks import uninstall_hooks, without_hooks
-from kvboost_hf.hf.models import UnsupportedModelError
-from kvboost_hf.hf.sampling import SamplingParams
-from kvboost_hf.hf.speculative import Drafter, DraftSettings, Speculation, SpeculationStats
-from kvboost_hf.offload import (
-    LayerStreamer,
-    LayerStreaming,
-    StreamingStats,
-    disable_layer_streaming,
-    enable_layer_streaming,
-)
-from kvboost_hf.results import CorrectnessReport, GenerationResult, WarmResult
-from kvboost_hf.reuse.plan import ReusePlan, plan_reuse
-from kvboost_hf.scheduling import BatchPolicy
-from kvboost_hf.store.chunk_store import ChunkStore
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+# loggers of optional dependencies that transformers imports with us and that log at import time: torchao (with the
+# ``awq`` extra) logs each compiled extension it cannot load, torch logs the deprecation of torchao's enum
+# registrations. Neither concerns this package, so ``import kvboost_hf`` prints nothing.
+_NOISY_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+@contextmanager
+def _quiet_imports() -> Iterator[None]:
+    """Raise :data:`_NOISY_IMPORT_LOGGERS` to ERROR while the block runs, then restore their levels."""
+    loggers = [logging.getLogger(name) for name in _NOISY_IMPORT_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+with _quiet_imports():
+    from kvboost_hf.core.chunk_kv import ChunkKV
+    from kvboost_hf.core.chunking import ChunkingConfig
+    from kvboost_hf.core.config import GenerationMode, RecomputeStrategy, RepairConfig
+    from kvboost_hf.engine import InferenceEngine
+    from kvboost_hf.hf.attention import register_kvboost_attention
+    from kvboost_hf.hf.cache import ChunkReuseCache
+    from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest
+    from kvboost_hf.hf.generation import ChunkWriteBack
+    from kvboost_hf.hf.hooks import uninstall_hooks, without_hooks
+    from kvboost_hf.hf.models import UnsupportedModelError
+    from kvboost_hf.hf.sampling import SamplingParams
+    from kvboost_hf.hf.speculative import Drafter, DraftSettings, Speculation, SpeculationStats
+    from kvboost_hf.offload import (
+        LayerStreamer,
+        LayerStreaming,
+        StreamingStats,
+        disable_layer_streaming,
+        enable_layer_streaming,
+    )
+    from kvboost_hf.results import CorrectnessReport, GenerationResult, WarmResult
+    from kvboost_hf.reuse.plan import ReusePlan, plan_reuse
+    from kvboost_hf.scheduling import BatchPolicy
+    from kvboost_hf.store.chunk_store import ChunkStore
 
 KVBoost = InferenceEngine
 register_kvboost_attention()

@@ -557,12 +557,13 @@ class InferenceEngine:
         return BatchPolicy(self.store, namespace, self.chunking, mode)
 
     # ------------------------------------------------------------------ checks and stats
-    def cache_stats(self) -> dict[str, int | float]:
+    def cache_stats(self, *, settle: bool = True) -> dict[str, int | float]:
         """Store counters (hits, misses, chunks, evictions, bytes per tier: ``ram_bytes``, ...); decode counters
         summed over this engine's calls: ``generated_tokens`` (all rows), ``target_forwards`` (a batch's rows share
         them), ``draft_tokens_proposed``/``draft_tokens_accepted``, ``tokens_per_target_forward`` and
         ``draft_acceptance_rate`` (0.0 before any draft proposal); with layer streaming also its counters prefixed
-        ``streaming_`` (see :class:`~kvboost_hf.offload.StreamingStats`)."""
+        ``streaming_`` (see :class:`~kvboost_hf.offload.StreamingStats`; ``settle=False`` reads its host-side
+        counters only, never synchronising the device, as a thread other than the model's must)."""
         totals = self._decode_totals
         stats: dict[str, int | float] = {
             **self.store.stats(),
@@ -572,7 +573,7 @@ class InferenceEngine:
         }
         streamer = layer_streamer(self.model)
         if streamer is not None:
-            stats.update({f"streaming_{k}": v for k, v in streamer.stats().as_dict().items()})
+            stats.update({f"streaming_{k}": v for k, v in streamer.stats(settle=settle).as_dict().items()})
         return stats
 
     def verify_correctness(

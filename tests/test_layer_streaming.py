@@ -314,7 +314,11 @@ def test_server_metrics_expose_the_streaming_counters():
     greedy(streamed, prompt(), new=2)
     metrics = Metrics()
     worker = SimpleNamespace(queue_depth=0, running_rows=0)
-    _register_scraped(metrics, worker, SimpleNamespace(model=streamed, cache_stats=dict))
+
+    def cache_stats(settle: bool = True) -> dict[str, float]:  # the streaming part of engine.cache_stats
+        return {f"streaming_{k}": v for k, v in handle.stats(settle=settle).as_dict().items()}
+
+    _register_scraped(metrics, worker, SimpleNamespace(model=streamed, cache_stats=cache_stats))
     samples = dict(line.rsplit(" ", 1) for line in metrics.render().decode().splitlines() if not line.startswith("#"))
     assert float(samples["kvboost_streamed_bytes_total"]) == handle.stats().bytes_streamed
     assert float(samples["kvboost_streamed_layer_reloads_total"]) == 1

@@ -5,7 +5,18 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("multiturn", "rag", "rag_accuracy", "tiers", "attention", "serve", "streaming", "speculative", "gpu")
+BENCHMARKS = (
+    "multiturn",
+    "rag",
+    "rag_accuracy",
+    "tiers",
+    "attention",
+    "serve",
+    "streaming",
+    "speculative",
+    "hardening",
+    "gpu",
+)
 
 
 def main(argv: list[str] | None = None) -> int:

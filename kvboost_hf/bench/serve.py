@@ -90,11 +90,13 @@ def free_port() -> int:
 class ServerProcess:
     """``python -m kvboost_hf.server`` on a free loopback port; stopped with SIGINT (graceful)."""
 
-    def __init__(self, extra: list[str], startup_timeout_s: float) -> None:
+    def __init__(
+        self, extra: list[str], startup_timeout_s: float, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "kvboost_hf.server", "--host", "127.0.0.1", "--port", str(self.port)]
-        self.process = subprocess.Popen([*command, *extra, "--log-level", "warning"])
+        self.process = subprocess.Popen([*command, *extra, "--log-level", "warning"], env=env, cwd=cwd)
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if self.process.poll() is not None:

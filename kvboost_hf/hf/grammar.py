@@ -1,6 +1,6 @@
 """Constrained decoding with xgrammar: JSON (any object or a schema) and tool calls, as a logits processor.
 
-:class:`GrammarCompiler` compiles, once per constraint (xgrammar caches compiled grammars), the grammar of
+:class:`GrammarCompiler` compiles, once per constraint and tenant, the grammar of
 
 * ``json_object``: any JSON object; ``json_schema``: JSON valid against a schema (compact, no free whitespace);
 * tool calls in the Hermes tag format ``<tool_call>{"name": "NAME", "arguments": {...}}</tool_call>``, where the
@@ -11,6 +11,11 @@
 row's newly generated tokens to its matcher and masks every token the grammar forbids (the end tokens included
 until the grammar is complete). :func:`parse_tool_calls` reads the calls back out of the generated text.
 
+Compiles run on the compiler's own bounded pool (``GrammarLimits``): a constraint source larger than
+``max_schema_bytes`` is refused before compiling, at most ``max_waiting`` compiles are queued or running
+(:class:`GrammarBusy` beyond), and compiled grammars are cached per ``tenant`` (xgrammar's process-wide cache is
+off), so whether and when one tenant compiled a schema never changes another tenant's compile time.
+
 Invariant: a row constrained by a processor can only produce text the grammar accepts (or a prefix of it when its
 token budget runs out first).
 """
@@ -20,7 +25,9 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +50,30 @@ _HEADER = re.compile(re.escape(_call_header("NAME")).replace("NAME", r"([A-Za-z0
 
 
 class GrammarError(ValueError):
-    """A schema or tool definition the grammar engine cannot compile (the message names the problem)."""
+    """A schema or tool definition the grammar engine cannot compile, or one over the limits (the message names
+    the problem): a client error."""
+
+
+class GrammarBusy(RuntimeError):
+    """The compiler already has ``max_waiting`` compiles queued or running: retry later."""
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """Bounds of a :class:`GrammarCompiler`.
+
+    ``max_schema_bytes``: largest constraint source in UTF-8 bytes (a schema's JSON text, or the tool-call
+    structure with every tool's parameters); ``compile_timeout_s``: how long a caller should wait for a compile
+    (applied by the caller, e.g. the server's admission; the compile itself cannot be interrupted and finishes
+    in the background, its result cached); ``workers``: compiles running at once; ``max_waiting``: compiles
+    queued or running; ``cache_entries``: compiled grammars kept, least recently used dropped first.
+    """
+
+    max_schema_bytes: int = 32 << 10
+    compile_timeout_s: float = 10.0
+    workers: int = 1
+    max_waiting: int = 4
+    cache_entries: int = 128
 
 
 @dataclass(frozen=True)
@@ -63,23 +93,40 @@ class ToolCall:
     arguments: str
 
 
+Compiled = Future[xgrammar.CompiledGrammar]
+
+
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer; thread-safe. ``vocab_size`` = the model's logit width."""
+    """Compiles constraints for one tokenizer on a bounded pool; thread-safe. ``vocab_size`` = the model's logit
+    width. Each constraint method returns a future of the compiled grammar (done at once on a cache hit; its
+    ``result()`` raises GrammarError when the constraint cannot be compiled) or raises GrammarError (over the
+    limits) or GrammarBusy (too many compiles waiting) without compiling. ``tenant`` keys the cache."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, limits: GrammarLimits | None = None
+    ) -> None:
+        self.limits = limits or GrammarLimits()
         self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgrammar.GrammarCompiler(self.info)
+        self._compiler = xgrammar.GrammarCompiler(self.info, cache_enabled=False)
+        self._pool = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="kvboost-grammar")
         self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str | None, str], xgrammar.CompiledGrammar] = OrderedDict()
+        self._waiting: dict[tuple[str | None, str], Compiled] = {}
 
-    def json_object(self) -> xgrammar.CompiledGrammar:
+    def json_object(self, *, tenant: str | None = None) -> Compiled:
         """Any JSON object."""
-        return self.json_schema({"type": "object"})
+        return self.json_schema({"type": "object"}, tenant=tenant)
 
-    def json_schema(self, schema: dict[str, Any]) -> xgrammar.CompiledGrammar:
-        """JSON valid against ``schema`` (raises GrammarError when the schema cannot be compiled)."""
-        return self._compile(lambda: self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False))
+    def json_schema(self, schema: dict[str, Any], *, tenant: str | None = None) -> Compiled:
+        """JSON valid against ``schema``."""
+        source = json.dumps(schema)
+        return self._compile(
+            tenant, f"json {source}", lambda: self._compiler.compile_json_schema(source, any_whitespace=False)
+        )
 
-    def tool_calls(self, tools: Sequence[Tool], *, required: bool, parallel: bool) -> xgrammar.CompiledGrammar:
+    def tool_calls(
+        self, tools: Sequence[Tool], *, required: bool, parallel: bool, tenant: str | None = None
+    ) -> Compiled:
         """Calls of ``tools`` in the tag format; free text around them unless ``required``; at most one call
         unless ``parallel``."""
         if not tools:
@@ -98,18 +145,53 @@ class GrammarCompiler:
         else:
             layout = {"type": "triggered_tags", "triggers": [TOOL_CALL_BEGIN], "tags": tags}
         structural = {"type": "structural_tag", "format": {**layout, "stop_after_first": not parallel}}
-        return self._compile(lambda: self._compiler.compile_structural_tag(json.dumps(structural)))
+        source = json.dumps(structural)
+        return self._compile(tenant, f"tags {source}", lambda: self._compiler.compile_structural_tag(source))
 
     def processor(self, grammar: xgrammar.CompiledGrammar, prompt_length: int) -> GrammarProcessor:
         """A fresh processor (own matcher state) for one row whose prompt has ``prompt_length`` tokens."""
         return GrammarProcessor(grammar, prompt_length, self.info.vocab_size)
 
-    def _compile(self, compile_fn: Any) -> xgrammar.CompiledGrammar:
+    def _compile(self, tenant: str | None, source: str, compile_fn: Callable[[], xgrammar.CompiledGrammar]) -> Compiled:
+        """The future of ``compile_fn()``'s grammar, cached under ``(tenant, source)``; one compile per key even
+        when several callers ask at once."""
+        size = len(source.encode("utf-8", "surrogatepass"))
+        if size > self.limits.max_schema_bytes:
+            raise GrammarError(
+                f"the constraint is {size} bytes of JSON, over this server's limit of {self.limits.max_schema_bytes}"
+            )
+        key = (tenant, source)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                done: Compiled = Future()
+                done.set_result(self._cache[key])
+                return done
+            if key in self._waiting:
+                return self._waiting[key]
+            if len(self._waiting) >= self.limits.max_waiting:
+                raise GrammarBusy(f"{len(self._waiting)} grammar compiles are already waiting; retry later")
+            future = self._pool.submit(self._run, key, compile_fn)
+            self._waiting[key] = future
+            return future
+
+    def _run(
+        self, key: tuple[str | None, str], compile_fn: Callable[[], xgrammar.CompiledGrammar]
+    ) -> xgrammar.CompiledGrammar:
+        """One compile on the pool: cached on success; GrammarError on failure; never left waiting."""
         try:
-            with self._lock:
-                return compile_fn()
+            grammar = compile_fn()
         except (RuntimeError, ValueError, TypeError) as exc:
             raise GrammarError(f"cannot compile the constraint: {exc}".strip()) from exc
+        else:
+            with self._lock:
+                self._cache[key] = grammar
+                while len(self._cache) > self.limits.cache_entries:
+                    self._cache.popitem(last=False)
+            return grammar
+        finally:
+            with self._lock:
+                self._waiting.pop(key, None)
 
 
 class GrammarProcessor(LogitsProcessor):

@@ -450,9 +450,12 @@ class LayerStreamer:
         del pending[:done]
 
     # ------------------------------------------------------------------ public
-    def stats(self) -> StreamingStats:
-        """A snapshot of the counters (on CUDA this waits for the copies' timings to be known)."""
-        if self._cuda is not None:
+    def stats(self, *, settle: bool = True) -> StreamingStats:
+        """A snapshot of the counters. ``settle`` (from the thread running the model only): on CUDA, first wait for
+        the pending copy timings and add them to ``wait_seconds``. ``settle=False`` reads the host-side counters
+        only and touches no CUDA event, so any thread may call it while the model runs (``wait_seconds`` then
+        lags by the waits of forwards whose events were still pending when the last forward began)."""
+        if settle and self._cuda is not None:
             self._resolve_waits(block=True)
         return StreamingStats(**asdict(self._stats))
 

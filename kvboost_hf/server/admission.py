@@ -1,8 +1,10 @@
 """From a validated request body to what the worker runs: prompt tokens and per-request settings.
 
-Everything here that costs more than a field check (chat template rendering, tokenisation, grammar compilation)
-runs in a thread (``asyncio.to_thread``), never on the event loop. A prompt whose character count alone proves it
-longer than the context is refused before it is tokenised.
+Everything here that costs more than a field check (chat template rendering, tokenisation) runs in a thread
+(``asyncio.to_thread``), never on the event loop. Grammars compile on the compiler's own bounded pool, cached per
+``cache_salt`` (:class:`~kvboost_hf.hf.grammar.GrammarCompiler`); the event loop awaits them for at most
+``compile_timeout_s``, so compiles never hold the threads that admit plain requests. A prompt whose character
+count alone proves it longer than the context is refused before it is tokenised.
 
 Tools: when the tokenizer's chat template renders ``tools`` (detected once by rendering a probe with and without
 them) the tools, the assistant ``tool_calls`` and the ``tool`` messages of the history go through the template.
@@ -25,7 +27,15 @@ from typing import Any
 from transformers import LogitsProcessor
 
 from kvboost_hf.engine import InferenceEngine
-from kvboost_hf.hf.grammar import TOOL_CALL_BEGIN, TOOL_CALL_END, GrammarCompiler, GrammarError, Tool
+from kvboost_hf.hf.grammar import (
+    TOOL_CALL_BEGIN,
+    TOOL_CALL_END,
+    Compiled,
+    GrammarBusy,
+    GrammarCompiler,
+    GrammarError,
+    Tool,
+)
 from kvboost_hf.hf.sampling import SamplingParams
 from kvboost_hf.server.batching import JobParams
 from kvboost_hf.server.errors import ApiError
@@ -42,11 +52,13 @@ TOOL_PROMPT = (
     "</tool_call>."
 )
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+GRAMMAR_PARAM = "response_format.json_schema.schema"
 
 
 @dataclass(frozen=True)
 class Prepared:
-    """A request ready to run. ``tool_calls``: the answer's text is parsed for tool calls."""
+    """A request ready to run once ``grammar`` (its constraint's compile, if any) is done. ``tool_calls``: the
+    answer's text is parsed for tool calls."""
 
     kind: str  # "chat" or "completion"
     prompt_ids: list[int]
@@ -56,6 +68,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     tool_calls: bool
+    grammar: Compiled | None = None
 
 
 class Admission:
@@ -76,7 +89,10 @@ class Admission:
     # ------------------------------------------------------------------ entry points (event loop)
     async def chat(self, body: ChatCompletionRequest) -> Prepared:
         self._check_model(body.model)
-        return await asyncio.to_thread(self._chat, body)
+        prepared = await asyncio.to_thread(self._chat, body)
+        if prepared.grammar is not None:
+            await self._compiled(prepared.grammar, "tools" if prepared.tool_calls else GRAMMAR_PARAM)
+        return prepared
 
     async def completion(self, body: CompletionRequest) -> Prepared:
         self._check_model(body.model)
@@ -111,19 +127,21 @@ class Admission:
         if tools and fmt is not None and fmt.type != "text":
             raise ApiError(400, "response_format cannot be combined with tools", param="response_format")
         prompt_ids = self._encode_chat(body.messages, tools, True)
-        grammar: Any = None
+        grammar: Compiled | None = None
+        salt = body.cache_salt
         try:
             if tools:
-                grammar = self._compiler().tool_calls(tools, required=required, parallel=parallel)
+                grammar = self._compiler().tool_calls(tools, required=required, parallel=parallel, tenant=salt)
             elif fmt is not None and fmt.type == "json_object":
-                grammar = self._compiler().json_object()
+                grammar = self._compiler().json_object(tenant=salt)
             elif fmt is not None and fmt.json_schema is not None:
                 if fmt.json_schema.schema_ is None:
-                    raise ApiError(400, "json_schema needs a 'schema'", param="response_format.json_schema.schema")
-                grammar = self._compiler().json_schema(fmt.json_schema.schema_)
+                    raise ApiError(400, "json_schema needs a 'schema'", param=GRAMMAR_PARAM)
+                grammar = self._compiler().json_schema(fmt.json_schema.schema_, tenant=salt)
         except GrammarError as exc:
-            param = "tools" if tools else "response_format.json_schema.schema"
-            raise ApiError(400, str(exc), param=param, code="invalid_schema") from exc
+            raise ApiError(400, str(exc), param="tools" if tools else GRAMMAR_PARAM, code="invalid_schema") from exc
+        except GrammarBusy as exc:
+            raise ApiError(503, str(exc), code="grammar_busy", headers={"Retry-After": "1"}) from exc
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, prompt_ids, body.max_completion_tokens or body.max_tokens, top, grammar)
         return Prepared(
@@ -135,7 +153,20 @@ class Admission:
             body.stream,
             bool(body.stream_options and body.stream_options.include_usage),
             bool(tools),
+            grammar,
         )
+
+    async def _compiled(self, grammar: Compiled, param: str) -> None:
+        """Wait (on the event loop) for ``grammar`` to compile: 400 when it cannot, 503 past the timeout (the
+        compile goes on in the background and is cached for this tenant)."""
+        timeout = self._compiler().limits.compile_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(grammar)), timeout)
+        except GrammarError as exc:
+            raise ApiError(400, str(exc), param=param, code="invalid_schema") from exc
+        except TimeoutError as exc:
+            message = f"the constraint did not compile within {timeout:g} s"
+            raise ApiError(503, message, param=param, code="grammar_timeout") from exc
 
     def _completion(self, body: CompletionRequest) -> Prepared:
         if body.echo:
@@ -162,7 +193,7 @@ class Admission:
         prompt_ids: list[int],
         max_tokens: int | None,
         top_logprobs: int | None,
-        grammar: Any,
+        grammar: Compiled | None,
     ) -> JobParams:
         settings = self.settings
         if body.n > settings.max_batch_size:
@@ -208,8 +239,8 @@ class Admission:
         if grammar is not None:
             compiler = self._compiler()
 
-            def constraint(prompt_length: int) -> LogitsProcessor:
-                return compiler.processor(grammar, prompt_length)
+            def constraint(prompt_length: int) -> LogitsProcessor:  # called once the grammar compiled
+                return compiler.processor(grammar.result(), prompt_length)
 
         return JobParams(max_tokens, sampling, body.stop_strings(), top_logprobs, constraint)
 
@@ -289,7 +320,9 @@ class Admission:
         with self._setup_lock:
             if self._grammar is None:
                 with self.worker.tokenizer_lock:
-                    self._grammar = GrammarCompiler(self.engine.tokenizer, self.vocab_size)
+                    self._grammar = GrammarCompiler(
+                        self.engine.tokenizer, self.vocab_size, self.settings.grammar_limits
+                    )
             return self._grammar
 
     # ------------------------------------------------------------------ checks

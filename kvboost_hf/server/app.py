@@ -7,7 +7,7 @@ Layers, outermost first:
   ``/health`` is public; ``/docs``, ``/redoc`` and ``/openapi.json`` need the key when one is set), and a body
   larger than ``max_body_bytes`` is refused with 413 (by its Content-Length, or while it streams in);
 * request counting for ``/metrics``;
-* routes (:mod:`~kvboost_hf.server.routes`): JSON bodies are parsed in a thread (:class:`_OffLoopRoute`);
+* routes (:mod:`~kvboost_hf.server.routes`): JSON bodies are parsed and bounded in a thread (``max_json_values``);
   rendering, tokenisation and grammar compilation run in threads too (:mod:`~kvboost_hf.server.admission`);
   answers are built by :mod:`~kvboost_hf.server.responses`.
 
@@ -26,15 +26,17 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvboost_hf.engine import InferenceEngine
-from kvboost_hf.offload import LayerStreamer, layer_streamer
+from kvboost_hf.offload import layer_streamer
 from kvboost_hf.server.admission import Admission
 from kvboost_hf.server.errors import ApiError, install_error_handlers
 from kvboost_hf.server.metrics import Metrics
@@ -42,7 +44,7 @@ from kvboost_hf.server.routes import register_routes
 from kvboost_hf.server.settings import REUSE_MODES, ServerSettings
 from kvboost_hf.server.worker import Worker
 
-__all__ = ["GracefulServer", "ServerSettings", "create_app"]
+__all__ = ["GracefulServer", "ServerSettings", "create_app", "uvicorn_config"]
 logger = logging.getLogger(__name__)
 PUBLIC_PATHS = frozenset({"/health"})
 
@@ -52,11 +54,16 @@ class _BodyTooLarge(StarletteHTTPException):
         super().__init__(413, f"request body exceeds this server's limit of {limit} bytes")
 
 
+class _BodyTimeout(StarletteHTTPException):
+    def __init__(self, seconds: float) -> None:
+        super().__init__(408, f"the request body did not arrive in time ({seconds:g} s between its parts)")
+
+
 class _Gate:
     """ASGI middleware: API key from the headers first, then the body size limit, then the app."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
-        self.app, self.max_body_bytes = app, max_body_bytes
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, body_timeout_s: float) -> None:
+        self.app, self.max_body_bytes, self.body_timeout_s = app, max_body_bytes, body_timeout_s
         self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -75,11 +82,17 @@ class _Gate:
             exc = _BodyTooLarge(self.max_body_bytes)
             await ApiError(413, str(exc.detail), code="body_too_large").response()(scope, receive, send)
             return
-        received = 0
+        received, complete = 0, False
 
         async def counted() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, complete
+            if complete:  # after the body: waits for a disconnect (streaming responses) are not bounded
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except TimeoutError:
+                raise _BodyTimeout(self.body_timeout_s) from None
+            complete = not message.get("more_body", False)
             received += len(message.get("body", b""))
             if received > self.max_body_bytes:
                 raise _BodyTooLarge(self.max_body_bytes)  # FastAPI passes HTTP errors through: a 413 body
@@ -115,23 +128,59 @@ class _CountRequests:
                 self.metrics.errors.labels(endpoint, str(status)).inc()
 
 
+class _BadBody(StarletteHTTPException):
+    def __init__(self, message: str) -> None:
+        super().__init__(400, message)
+
+
+def decode_body(body: bytes, max_values: int) -> Any:
+    """The JSON value of a request ``body``, refused (400) when it holds more than ``max_values`` JSON values
+    (validating each costs time on the event loop) or a string with a lone UTF-16 surrogate (no text encoding
+    can carry it). Runs in a thread."""
+    value = json.loads(body)
+    count, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        count += 1
+        if count > max_values:
+            raise _BadBody(f"request body holds more than {max_values} JSON values (this server's limit)")
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _BadBody("request body holds a lone UTF-16 surrogate (\\ud800-\\udfff) in a string") from exc
+    return value
+
+
 class _OffLoopJSONRequest(Request):
-    """A request whose JSON body is decoded in a thread (a large body must not stall other clients)."""
+    """A request whose JSON body is decoded and bounded in a thread (a large body must not stall other clients)."""
+
+    max_values = 0  # set by the app's route class (ServerSettings.max_json_values)
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = await asyncio.to_thread(json.loads, await self.body())
+            self._json = await asyncio.to_thread(decode_body, await self.body(), self.max_values)
         return self._json
 
 
-class _OffLoopRoute(APIRoute):
-    def get_route_handler(self) -> Callable[[Request], Any]:
-        handler = super().get_route_handler()
+def _off_loop_route(max_values: int) -> type[APIRoute]:
+    """The app's route class: bodies decoded by :class:`_OffLoopJSONRequest` with ``max_values``."""
 
-        async def route(request: Request) -> Any:
-            return await handler(_OffLoopJSONRequest(request.scope, request.receive))
+    class OffLoopRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Any]:
+            handler = super().get_route_handler()
 
-        return route
+            async def route(request: Request) -> Any:
+                off_loop = _OffLoopJSONRequest(request.scope, request.receive)
+                off_loop.max_values = max_values
+                return await handler(off_loop)
+
+            return route
+
+    return OffLoopRoute
 
 
 class GracefulServer(uvicorn.Server):
@@ -145,6 +194,54 @@ class GracefulServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         await asyncio.to_thread(self.drain)
         await super().shutdown(sockets)
+
+
+def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, answering 408 and closing a connection whose request headers are not complete
+    ``seconds`` after it opened or after its previous response ended (uvicorn bounds only idle keep-alive)."""
+
+    class HeaderTimeoutProtocol(H11Protocol):
+        header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)  # type: ignore[arg-type]
+            self._arm()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.header_timer is not None and self.conn.their_state in (h11.SEND_BODY, h11.DONE):
+                self.header_timer.cancel()  # the headers are in
+                self.header_timer = None
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+            self.header_timer = self.loop.call_later(seconds, self._expire)
+
+        def _expire(self) -> None:
+            self.header_timer = None
+            if not self.transport.is_closing() and self.conn.their_state not in (h11.SEND_BODY, h11.DONE):
+                self.transport.write(TIMEOUT_RESPONSE)
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
+
+
+TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+def uvicorn_config(app: ASGIApp, settings: ServerSettings, **kwargs: Any) -> uvicorn.Config:
+    """uvicorn's configuration for ``app`` (h11 with ``settings.header_timeout_s``; ``kwargs``: host, port, ...)."""
+    return uvicorn.Config(app, http=header_timeout_protocol(settings.header_timeout_s), **kwargs)
 
 
 def create_app(engine: InferenceEngine, settings: ServerSettings | None = None) -> FastAPI:
@@ -168,12 +265,17 @@ def create_app(engine: InferenceEngine, settings: ServerSettings | None = None) 
         await asyncio.to_thread(worker.shutdown, settings.shutdown_grace_s)
 
     app = FastAPI(title="kvboost_hf OpenAI-compatible server", version="0.1.0", lifespan=lifespan)
-    app.router.route_class = _OffLoopRoute
+    app.router.route_class = _off_loop_route(settings.max_json_values)
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.drain = lambda: worker.shutdown(settings.shutdown_grace_s)
     app.add_middleware(_CountRequests, metrics=metrics, endpoints=lambda: _route_paths(app))
-    app.add_middleware(_Gate, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        _Gate,
+        api_key=settings.api_key,
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
+    )
     install_error_handlers(app)
     register_routes(app, engine, settings, worker, Admission(engine, settings, worker), metrics)
     return app
@@ -194,36 +296,32 @@ STREAMING_METRICS = (
 
 
 def _register_scraped(metrics: Metrics, worker: Worker, engine: InferenceEngine) -> None:
+    """Scraped metrics; those of the engine read the one ``engine.cache_stats`` snapshot of the scrape, taken with
+    host-side counters only (a scrape never synchronises the device nor waits for the model)."""
+    metrics.read_state_with(lambda: engine.cache_stats(settle=False))
     metrics.gauge("kvboost_queue_depth", "Requests waiting for admission.", lambda: worker.queue_depth)
     metrics.gauge("kvboost_running_rows", "Rows generating now.", lambda: worker.running_rows)
 
     def store_hits() -> dict[str, float]:
-        stats = engine.cache_stats()
-        return {tier: stats.get(f"{tier}_hits", 0) for tier in ("ram", "disk", "remote")}
+        return {tier: metrics.state.get(f"{tier}_hits", 0) for tier in ("ram", "disk", "remote")}
 
     metrics.scraped_counter("kvboost_store_hits", "Chunk store hits by tier.", "tier", store_hits)
-    metrics.gauge("kvboost_store_misses_total", "Chunk store misses.", lambda: engine.cache_stats().get("misses", 0))
+    metrics.gauge("kvboost_store_misses_total", "Chunk store misses.", lambda: metrics.state.get("misses", 0))
     for name, help_text in SPECULATIVE_COUNTERS.items():
-        metrics.scraped_counter(f"kvboost_{name}", help_text, None, _engine_stat(engine, name))
+        metrics.scraped_counter(f"kvboost_{name}", help_text, None, _state_counter(metrics, name))
     metrics.gauge(
         "kvboost_draft_acceptance_rate",
         "Draft tokens accepted / proposed, over the engine's life.",
-        lambda: engine.cache_stats().get("draft_acceptance_rate", 0.0),
+        lambda: metrics.state.get("draft_acceptance_rate", 0.0),
     )
-    streamer = layer_streamer(engine.model)
-    if streamer is not None:  # layer streaming: counters of the copies
+    if layer_streamer(engine.model) is not None:  # layer streaming: counters of the copies
         for name, field, help_text in STREAMING_METRICS:
-            metrics.scraped_counter(name, help_text, None, _streaming_stat(streamer, field))
+            metrics.scraped_counter(name, help_text, None, _state_counter(metrics, f"streaming_{field}"))
 
 
-def _engine_stat(engine: InferenceEngine, name: str) -> Callable[[], dict[str, float]]:
-    """A scrape-time reader of one counter of ``engine.cache_stats()`` (unlabelled)."""
-    return lambda: {"": engine.cache_stats().get(name, 0)}
-
-
-def _streaming_stat(streamer: LayerStreamer, field: str) -> Callable[[], dict[str, float]]:
-    """A scrape-time reader of one :class:`~kvboost_hf.offload.StreamingStats` field (unlabelled)."""
-    return lambda: {"": getattr(streamer.stats(), field)}
+def _state_counter(metrics: Metrics, key: str) -> Callable[[], dict[str, float]]:
+    """A scrape-time reader of one (unlabelled) counter of the scrape's snapshot."""
+    return lambda: {"": metrics.state.get(key, 0)}
 
 
 def _route_paths(app: FastAPI) -> set[str]:

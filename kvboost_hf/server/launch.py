@@ -57,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serving.add_argument("--default-max-tokens", type=int, default=256, help="budget when a request names none")
     serving.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens a request may ask")
     serving.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (413 beyond)")
+    serving.add_argument(
+        "--max-json-values", type=int, default=20_000, help="most JSON values in a request body (400 beyond)"
+    )
+    serving.add_argument("--header-timeout-s", type=float, default=10.0, help="time to send request headers (408)")
+    serving.add_argument("--body-timeout-s", type=float, default=30.0, help="longest pause inside a body (408)")
     serving.add_argument("--shutdown-grace-s", type=float, default=10.0, help="time running requests get at shutdown")
     serving.add_argument(
         "--api-key", default=os.environ.get("KVBOOST_API_KEY"), help="required Bearer key (env KVBOOST_API_KEY)"
@@ -68,10 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Load the model, build the app and run uvicorn until interrupted (graceful shutdown on SIGINT/SIGTERM)."""
     import torch
-    import uvicorn
 
     from kvboost_hf import KVBoost
-    from kvboost_hf.server.app import GracefulServer, ServerSettings, create_app
+    from kvboost_hf.server.app import GracefulServer, ServerSettings, create_app, uvicorn_config
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads is not None:
@@ -114,10 +118,14 @@ def serve(args: argparse.Namespace) -> int:
         max_tokens_limit=args.max_tokens_limit,
         max_body_bytes=args.max_body_bytes,
         shutdown_grace_s=args.shutdown_grace_s,
+        max_json_values=args.max_json_values,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
     )
     app = create_app(engine, settings)
-    config = uvicorn.Config(
+    config = uvicorn_config(
         app,
+        settings,
         host=host,
         port=args.port,
         log_level=args.log_level,

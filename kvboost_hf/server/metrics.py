@@ -1,12 +1,14 @@
 """The server's Prometheus metrics on ``prometheus_client`` (one registry per app, exposed under ``/metrics``).
 
-All metric objects are thread-safe; the worker thread and the HTTP layer update them concurrently.
-Latencies are in seconds, sizes in rows, token counts in tokens.
+All metric objects are thread-safe; the worker thread and the HTTP layer update them concurrently. A scrape
+(:meth:`Metrics.render`, run in a thread) reads the engine's state once into :attr:`Metrics.state`, and every
+scraped metric reads that snapshot. Latencies are in seconds, sizes in rows, token counts in tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
@@ -54,6 +56,13 @@ class Metrics:
             "kvboost_prompt_tokens", "Prompt tokens by origin: loaded or computed.", ("origin",), registry=r
         )
         self.completion_tokens = Counter("kvboost_completion_tokens", "Generated tokens.", registry=r)
+        self.state: Mapping[str, float] = {}
+        self._read_state: Callable[[], Mapping[str, float]] = dict
+        self._scrape_lock = threading.Lock()
+
+    def read_state_with(self, read: Callable[[], Mapping[str, float]]) -> None:
+        """``read()`` is called once per scrape; its result is :attr:`state` while the metrics are rendered."""
+        self._read_state = read
 
     def gauge(self, name: str, help_text: str, read: Callable[[], float]) -> None:
         """A gauge read at scrape time."""
@@ -70,4 +79,8 @@ class Metrics:
         self.completion_tokens.inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition text: the state is read once, then every metric is rendered (blocking: call it from a
+        thread, not the event loop)."""
+        with self._scrape_lock:
+            self.state = self._read_state()
+            return generate_latest(self.registry)

@@ -54,7 +54,7 @@ def register_routes(
 
     @app.get("/metrics", responses=ERRORS)
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models", responses=ERRORS)
     async def models() -> ModelList:

@@ -159,7 +159,7 @@ class _GenerationRequest(_Strict):
     @classmethod
     def _check_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for token, bias in (value or {}).items():
-            if not token.isdigit():
+            if not (token.isascii() and token.isdigit()):  # "²".isdigit() is True, int("²") fails
                 raise ValueError(f"logit_bias keys are token ids, got {token!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvboost_hf.core.config import GenerationMode
+from kvboost_hf.hf.grammar import GrammarLimits
 
 REUSE_MODES = {
     "off": GenerationMode.BASELINE,  # plain K/V per request
@@ -22,7 +23,12 @@ class ServerSettings:
     ``default_max_tokens``: budget when a request names none; ``max_tokens_limit``: largest budget a request may
     ask for (None: up to the context); ``shutdown_grace_s``: time in-flight requests get to finish at shutdown
     before they are ended (streams with a final chunk, others with an error body); ``max_body_bytes``: largest
-    request body (413 beyond, checked before the body is parsed).
+    request body (413 beyond, checked before the body is parsed); ``max_json_values``: most JSON values (objects,
+    arrays, strings, numbers...) a body may hold (400 beyond, counted in a thread before validation, which runs on
+    the event loop); ``header_timeout_s``: time a client gets to send a request's headers, from connecting or from
+    the end of its previous response (the connection is answered 408 and closed after); ``body_timeout_s``: longest
+    wait for the next piece of a request body (408 after); ``grammar_limits``: bounds of structured output and
+    tool-call constraints (schema size: 400 beyond; compiles waiting: 503 beyond; compile wait: 503 after).
     """
 
     model_name: str = "SmolLM2-135M-Instruct"
@@ -35,3 +41,7 @@ class ServerSettings:
     max_tokens_limit: int | None = None
     shutdown_grace_s: float = 10.0
     max_body_bytes: int = 4 << 20
+    max_json_values: int = 20_000
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)

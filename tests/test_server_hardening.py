@@ -1,0 +1,218 @@
+"""Server hardening (issue #22 server items 6-9 and 11, issue #18 item 7): client errors are 400s, request
+bodies, headers and grammar compiles are bounded, /metrics reads one snapshot off the event loop, and importing
+the package prints nothing. Servers run on 127.0.0.1 with the embedded model (see tests/test_server.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from test_server import KEY, MODEL, LiveServer, chat  # noqa: E402
+
+from kvboost_hf import KVBoost  # noqa: E402
+from kvboost_hf.hf.grammar import GrammarBusy, GrammarCompiler, GrammarError, GrammarLimits  # noqa: E402
+from kvboost_hf.server.app import GracefulServer, ServerSettings, create_app, decode_body, uvicorn_config  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class HardenedServer(LiveServer):
+    """A live server configured as ``kvboost-hf serve`` configures uvicorn (:func:`uvicorn_config`)."""
+
+    def __init__(self, app, settings: ServerSettings) -> None:
+        super().__init__(app)
+        config = uvicorn_config(
+            app, settings, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=30
+        )
+        self.server = GracefulServer(config, app.state.drain)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+
+SETTINGS = ServerSettings(
+    model_name=MODEL,
+    api_key=KEY,
+    max_json_values=1000,
+    header_timeout_s=0.5,
+    body_timeout_s=0.5,
+    grammar_limits=GrammarLimits(max_schema_bytes=2048),
+)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return KVBoost.from_pretrained(chunk_size=16)
+
+
+@pytest.fixture(scope="module")
+def server(engine) -> Iterator[HardenedServer]:
+    with HardenedServer(create_app(engine, SETTINGS), SETTINGS) as live:
+        yield live
+
+
+def post(server: HardenedServer, body: dict | bytes, path: str = "/v1/chat/completions") -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{server.url}{path}", content=content, headers=HEADERS, timeout=60)
+
+
+# ---------------------------------------------------------------------------------------------- item 11
+def test_import_prints_nothing():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", "import kvboost_hf"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+    )
+    assert done.returncode == 0 and (done.stdout, done.stderr) == ("", "")
+
+
+# ---------------------------------------------------------------------------------------------- item 8
+def test_client_errors_are_400_not_500(server):
+    superscript = {"model": MODEL, "messages": chat("hi"), "logit_bias": {"²": 1}, "max_tokens": 1}
+    response = post(server, superscript)
+    assert response.status_code == 400 and "logit_bias" in response.json()["error"]["message"], response.text
+    surrogate = b'{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800"}], "max_tokens": 1}' % (
+        MODEL.encode()
+    )
+    for path in ("/v1/chat/completions", "/tokenize"):
+        response = post(server, surrogate, path)
+        assert response.status_code == 400 and "surrogate" in response.json()["error"]["message"], response.text
+    paired = b'{"model": "%s", "prompt": "a\\ud83d\\ude00", "max_tokens": 1}' % MODEL.encode()  # an emoji: fine
+    assert post(server, paired, "/v1/completions").status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------- item 7
+def test_decode_body_counts_values_and_refuses_lone_surrogates():
+    assert decode_body(b'{"a": [1, 2, {"b": "c"}]}', 6) == {"a": [1, 2, {"b": "c"}]}
+    with pytest.raises(Exception, match="more than 5 JSON values"):
+        decode_body(b'{"a": [1, 2, {"b": "c"}]}', 5)
+    with pytest.raises(Exception, match="surrogate"):
+        decode_body(b'["\\udc00"]', 10)
+
+
+def test_body_with_too_many_content_parts_is_refused(server):
+    parts = [{"type": "text", "text": "x"}] * 600  # 1801 JSON values in these parts, over the limit of 1000
+    response = post(server, {"model": MODEL, "messages": [{"role": "user", "content": parts}], "max_tokens": 1})
+    assert response.status_code == 400 and "JSON values" in response.json()["error"]["message"], response.text
+    parts = parts[:100]
+    response = post(server, {"model": MODEL, "messages": [{"role": "user", "content": parts}], "max_tokens": 1})
+    assert response.status_code == 200, response.text
+
+
+# ---------------------------------------------------------------------------------------------- item 9
+def _read_until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(4096):
+        data += chunk
+    return data
+
+
+def test_slow_headers_and_bodies_are_cut_off(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:  # headers never finished
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        assert _read_until_closed(sock).startswith(b"HTTP/1.1 408")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:  # nothing sent at all
+        assert _read_until_closed(sock).startswith(b"HTTP/1.1 408")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:  # a body that stops coming
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        sock.sendall(f"{head}Content-Type: application/json\r\nContent-Length: 100\r\n\r\n".encode() + b'{"model"')
+        reply = _read_until_closed(sock)
+        assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive in time" in reply
+    with httpx.Client(base_url=server.url, timeout=10) as client:  # keep-alive: a second request is served
+        assert client.get("/health").status_code == 200
+        time.sleep(0.2)
+        assert client.get("/health").status_code == 200
+
+
+def test_streamed_response_is_not_cut_by_the_body_timeout(server):
+    body = {"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 12, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=HEADERS, timeout=60) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert response.status_code == 200 and lines[-1] == "data: [DONE]"
+
+
+# ---------------------------------------------------------------------------------------------- item 6
+def test_schema_over_the_size_limit_is_400(server):
+    schema = {"type": "string", "enum": [f"value-{i}" for i in range(400)]}  # ~5 KiB, over the 2 KiB limit
+    response_format = {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}
+    response = post(server, {"model": MODEL, "messages": chat("hi"), "response_format": response_format})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_schema" and "limit of 2048" in error["message"]
+
+
+class _CountingCompiler:
+    """Stands in for xgrammar's compiler: counts compiles, optionally blocking each until ``release`` is set."""
+
+    def __init__(self, inner, release: threading.Event | None = None) -> None:
+        self.inner, self.release, self.calls = inner, release, []
+
+    def compile_json_schema(self, source: str, **kwargs):
+        self.calls.append(source)
+        if self.release is not None:
+            assert self.release.wait(30)
+        return self.inner.compile_json_schema(source, **kwargs)
+
+
+def test_grammar_cache_is_per_tenant(engine):
+    compiler = GrammarCompiler(engine.tokenizer, len(engine.tokenizer))
+    counting = compiler._compiler = _CountingCompiler(compiler._compiler)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    compiler.json_schema(schema, tenant="a").result(30)
+    assert compiler.json_schema(schema, tenant="a").done()  # a cache hit of the same tenant
+    compiler.json_schema(schema, tenant="b").result(30)  # another tenant compiles its own
+    compiler.json_schema(schema).result(30)
+    assert len(counting.calls) == 3
+    with pytest.raises(GrammarError, match="cannot compile"):
+        compiler.json_schema({"$ref": "#/nope"}, tenant="a").result(30)
+
+
+def test_grammar_compiles_are_bounded(engine):
+    release = threading.Event()
+    limits = GrammarLimits(workers=1, max_waiting=2)
+    compiler = GrammarCompiler(engine.tokenizer, len(engine.tokenizer), limits)
+    compiler._compiler = _CountingCompiler(compiler._compiler, release)
+    try:
+        first = compiler.json_schema({"type": "integer"}, tenant="a")
+        again = compiler.json_schema({"type": "integer"}, tenant="a")  # the same compile, not a new one
+        second = compiler.json_schema({"type": "string"}, tenant="a")
+        with pytest.raises(GrammarBusy):
+            compiler.json_schema({"type": "boolean"}, tenant="b")
+    finally:
+        release.set()
+    assert again is first and first.result(30) is not None and second.result(30) is not None
+    assert compiler.json_schema({"type": "boolean"}, tenant="b").result(30) is not None  # room again
+
+
+# ---------------------------------------------------------------------------------------------- #18 item 7
+def test_metrics_read_one_snapshot_off_the_event_loop(server, engine, monkeypatch):
+    calls: list[tuple[dict, bool]] = []
+    original = engine.cache_stats
+
+    def recorded(**kwargs):
+        try:
+            asyncio.get_running_loop()
+            on_loop = True
+        except RuntimeError:
+            on_loop = False
+        calls.append((kwargs, on_loop))
+        return original(**kwargs)
+
+    monkeypatch.setattr(engine, "cache_stats", recorded)
+    response = httpx.get(f"{server.url}/metrics", headers=HEADERS, timeout=10)
+    assert response.status_code == 200 and 'kvboost_store_hits_total{tier="ram"}' in response.text
+    assert "kvboost_store_misses_total" in response.text and "kvboost_target_forwards_total" in response.text
+    assert calls == [({"settle": False}, False)]  # once, in a thread, host-side counters only
