@@ -68,3 +68,16 @@ def test_offloaded_weights_need_a_model_id():
     with pytest.raises(ValueError, match="model_id"):
         model_digest(model)
     assert model_digest(model, model_id="x")
+
+
+def test_inference_tensors_have_a_digest():
+    """A buffer created under inference_mode (as quantized layers pack theirs on a first forward) has no version
+    counter; the digest is still computed, cached, and changes when the buffer is replaced."""
+    model = make_tiny_model("llama", seed=2)
+    with torch.inference_mode():
+        model.register_buffer("packed", torch.arange(6.0))
+    first = model_digest(model)
+    assert model_digest(model) == first
+    with torch.inference_mode():
+        model.packed = torch.arange(6.0) + 1
+    assert model_digest(model) != first

@@ -65,8 +65,14 @@ def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def _signature(tensors: list[tuple[str, torch.Tensor]]) -> tuple:
-    """What invalidates a cached digest: names, shapes, dtypes, storage addresses and in-place version counters."""
-    return tuple((name, tuple(t.shape), t.dtype, t.data_ptr(), t._version) for name, t in tensors)
+    """What invalidates a cached digest: names, shapes, dtypes, storage addresses and in-place version counters.
+
+    Inference tensors (created under ``torch.inference_mode``, e.g. buffers a quantized layer packs on its first
+    forward) have no version counter: for them only the address counts, so an in-place change to one inside
+    inference mode is not noticed (call :func:`forget_model_digest` after such a change)."""
+    return tuple(
+        (name, tuple(t.shape), t.dtype, t.data_ptr(), -1 if t.is_inference() else t._version) for name, t in tensors
+    )
 
 
 def _weight_digest(model: torch.nn.Module) -> str:
