@@ -36,9 +36,13 @@ def model_digest(model: torch.nn.Module, model_id: str | None = None) -> str:
 
     Weights: xxh3-128 over the raw bytes of every parameter and buffer, with its name, shape and dtype (any
     changed byte, such as two swapped embedding rows, changes the digest). Cached per model object and
-    recomputed when the set of tensors changes (an adapter loaded); call :func:`forget_model_digest` after
-    changing weights in place. Cost: one pass over the weights (GPU weights are copied to the host tensor by
-    tensor), measured by ``python -m kvboost_hf.bench tiers``.
+    recomputed when a tensor is added or removed (an adapter loaded), replaced (``param.data = ...``: its storage
+    address changes) or changed in place through autograd's version counter (an optimizer step,
+    ``load_state_dict``, a merged adapter, any in-place op on the parameter or a view of it). Writes that bypass
+    the counter are not seen: through ``param.data`` (a detached alias with its own counter), NumPy/DLPack views
+    or raw pointers; call :func:`forget_model_digest` after those. Cost: one pass over the weights (GPU weights
+    are copied to the host tensor by tensor), measured by ``python -m kvboost_hf.bench tiers``; the cache check
+    reads each tensor's version and address only.
     ``model_id``: for models versioned by their owner (a checkpoint name and revision): no weight is read, and
     two models given the same ``model_id`` and config share K/V, so it must change whenever the weights do.
     Raises ValueError if a weight is on the meta device (offloaded) and no ``model_id`` is given.
@@ -60,9 +64,14 @@ def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*model.named_parameters(), *model.named_buffers()]
 
 
+def _signature(tensors: list[tuple[str, torch.Tensor]]) -> tuple:
+    """What invalidates a cached digest: names, shapes, dtypes, storage addresses and in-place version counters."""
+    return tuple((name, tuple(t.shape), t.dtype, t.data_ptr(), t._version) for name, t in tensors)
+
+
 def _weight_digest(model: torch.nn.Module) -> str:
     tensors = _tensors(model)
-    signature = tuple((name, tuple(t.shape), t.dtype) for name, t in tensors)
+    signature = _signature(tensors)
     cached = _weight_digests.get(model)
     if cached is not None and cached[0] == signature:
         return cached[1]
@@ -98,7 +107,8 @@ def _adapter_state(model: torch.nn.Module) -> dict[str, object]:
 
 
 def forget_model_digest(model: torch.nn.Module) -> None:
-    """Drop the cached weight digest (after the weights were changed in place)."""
+    """Drop the cached weight digest (after weights were written in a way the version counters miss, such as
+    through ``param.data``; see :func:`model_digest`)."""
     _weight_digests.pop(model, None)
 
 

@@ -1,8 +1,11 @@
-"""Stage 3: where chunk K/V live. :class:`ChunkStore` (RAM, bounded in bytes) over optional lower tiers: disk
-(:mod:`.disk`) and Redis (:mod:`.remote`), one :class:`~.base.StorageTier` interface; records are encoded with
+"""Stage 3: where chunk K/V live. :class:`ChunkStore` (RAM, bounded in bytes: :mod:`.ram`) over optional lower
+tiers: disk (:mod:`.disk`), Redis (:mod:`.remote`) or any :class:`~.base.StorageTier`, set up by a
+:class:`~.config.StoreConfig`; records are encoded with
 checksums (:mod:`.codec`) and optionally KIVI-quantized (:mod:`.quantization`)."""
 
 from kvboost_hf.core.chunk_kv import ChunkKV
+from kvboost_hf.store.base import StorageTier
 from kvboost_hf.store.chunk_store import ChunkStore
+from kvboost_hf.store.config import StoreConfig
 
-__all__ = ["ChunkKV", "ChunkStore"]
+__all__ = ["ChunkKV", "ChunkStore", "StorageTier", "StoreConfig"]

@@ -8,7 +8,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeAlias
 
 from kvboost_hf.core.chunk_kv import ChunkKV
@@ -24,10 +24,21 @@ class StorageTier(ABC):
     """One level of the store. Implementations are thread-safe and never exceed their byte budget.
 
     Tiers hold :data:`StoredChunk` values and never convert between forms; the store quantizes on ``put`` and
-    dequantises on ``get``.
+    dequantises on ``get``. The abstract members are the minimum; the others have defaults that a tier overrides
+    when it can do better (one round trip for a batch, a persistent tail index, background writes to finish).
+    Class attributes tell the store how to treat the tier:
+
+    * ``local``: ``contains`` is cheap (no network): the store checks it before writing an entry again, gives
+      the tier RAM's evictions and re-queues RAM entries it misses on :meth:`flush`. Remote tiers set False.
+    * ``shared``: other processes see its entries, so :meth:`ChunkStore.clear` leaves it alone unless asked.
+    * ``on_reconnect``: set by the store; a tier that may have lost its entries (a restarted server) calls it,
+      and the store writes its RAM entries and tail notes there again.
     """
 
     name: str
+    local: bool = True
+    shared: bool = False
+    on_reconnect: Callable[[], None] | None = None
 
     @abstractmethod
     def get(self, key: str) -> StoredChunk | None:
@@ -55,6 +66,52 @@ class StorageTier(ABC):
 
     @abstractmethod
     def __len__(self) -> int: ...
+
+    def get_many(self, keys: Sequence[str]) -> list[StoredChunk | None]:
+        """:meth:`get` for each key, in order (override to batch)."""
+        return [self.get(key) for key in keys]
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """:meth:`contains` for each key, in order (override to batch)."""
+        return [self.contains(key) for key in keys]
+
+    def note_tail(self, parent_key: str, lengths: frozenset[int]) -> None:
+        """Remember that unfinished chunks of ``lengths`` tokens follow ``parent_key`` (default: not kept)."""
+        return None  # a tier without this feature has nothing to do
+
+    def tail_lengths(self, parent_key: str) -> set[int]:
+        """Lengths noted after ``parent_key`` (default: none)."""
+        return set()
+
+    def items(self) -> list[tuple[str, StoredChunk]]:
+        """A snapshot of the entries, for tiers that can list them cheaply (default: none)."""
+        return []
+
+    def pin(self, key: str) -> bool:
+        """Keep ``key`` from eviction; False if the tier does not hold it or cannot pin (the default)."""
+        return False
+
+    def unpin(self, key: str) -> None:
+        """Undo :meth:`pin` (default: nothing to undo)."""
+        return None  # a tier without this feature has nothing to do
+
+    def republish(self, entries: Iterable[tuple[str, StoredChunk]]) -> None:
+        """Write ``entries`` again after the tier lost its contents (default: :meth:`put` each)."""
+        for key, entry in entries:
+            self.put(key, entry)
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait up to ``timeout_s`` for background writes; False if some are still pending (default: none)."""
+        return True
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Finish background writes (up to ``timeout_s``) and release resources; idempotent (default: nothing)."""
+        return None  # a tier without this feature has nothing to do
+
+    def stats(self) -> dict[str, int]:
+        """Counters of this tier; the store reports them as ``<name>_<counter>``. Default: ``bytes`` and
+        ``chunks``. May raise (damaged storage): the store then reports the tier degraded."""
+        return {"bytes": self.nbytes, "chunks": len(self)}
 
 
 class FrequencyRecencyOrder:

@@ -25,9 +25,11 @@ check itself cannot be caught from Python).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import struct
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -80,7 +82,7 @@ class DiskTier(StorageTier):
             self._open()
         except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError, _Truncated) as exc:
             self._set_aside(exc)
-        except (OSError, lmdb.Error) as exc:
+        except (OSError, lmdb.Error, _Unusable) as exc:
             self._disable(f"cannot open {self.directory} ({type(exc).__name__}: {exc})")
         self._writer = BackgroundWriter("disk", self._write_batch, queue_size=queue_size)
 
@@ -157,6 +159,21 @@ class DiskTier(StorageTier):
                 return 0
             with self._env.begin(db=self._records) as txn:
                 return txn.stat(self._records)["entries"]
+
+    def stats(self) -> dict[str, int]:
+        """``bytes`` and ``chunks`` (what every process sharing the directory sees), ``evictions``, ``errors``,
+        ``dropped`` (writes not done), ``queued`` (writes not yet on disk), ``corrupt`` (records refused),
+        ``disabled`` (1 once the tier gave up; not after a plain close)."""
+        return {
+            "bytes": self.nbytes,
+            "chunks": len(self),
+            "evictions": self.evictions,
+            "errors": self.errors,
+            "dropped": self.dropped,
+            "queued": self.queued,
+            "corrupt": self.corrupt,
+            "disabled": int(self.disabled not in (None, "closed")),
+        }
 
     # ------------------------------------------------------------------ tails
     def note_tail(self, parent_key: str, lengths: frozenset[int]) -> None:
@@ -249,14 +266,15 @@ class DiskTier(StorageTier):
 
     # ------------------------------------------------------------------ internals
     def _open(self) -> None:
-        """Open (creating if needed) the environment and its databases; :class:`_Truncated` if ``data.mdb`` is
-        shorter than its own metadata says (its pages must not be mapped)."""
+        """Open (creating if needed) the environment and its databases. The files are checked before LMDB maps
+        them (see :func:`_check_files`): :class:`_Truncated` for a ``data.mdb`` that must be set aside,
+        :class:`_Unusable` for a directory that cannot be used as it is."""
         self._close_env()
         self._env = _acquire_env(self.directory, int(self.max_bytes * _MAP_HEADROOM) + (16 << 20))
         self._data_fd = os.open(self.directory / "data.mdb", os.O_RDONLY)
-        self._page = self._env.stat()["psize"]
-        if not self._covers_used_pages():
+        if not self._covers_used_pages():  # the environment may be another tier's, opened before a truncation
             raise _Truncated(f"{self.directory}/data.mdb is shorter than its used pages")
+        self._page = self._env.stat()["psize"]
         self._records = self._env.open_db(b"records")
         self._meta = self._env.open_db(b"meta")
         self._tails = self._env.open_db(b"tails")
@@ -269,11 +287,23 @@ class DiskTier(StorageTier):
         try:
             os.replace(self.directory / "data.mdb", self.directory / "data.mdb.damaged")
             self._open()
-        except (OSError, lmdb.Error, _Truncated) as again:
+        except (OSError, lmdb.Error, _Truncated, _Unusable) as again:
             self._disable(f"cannot open {self.directory} ({type(again).__name__}: {again})")
 
     def _covers_used_pages(self) -> bool:
-        return os.fstat(self._data_fd).st_size >= (self._env.info()["last_pgno"] + 1) * self._page
+        """Whether the open ``data.mdb`` still holds every page its newest meta page counts, read with
+        ``pread`` (reading it through LMDB's map would itself fault on a truncated file)."""
+        return _data_file_problem(self._data_fd) is None
+
+    def _same_file(self) -> bool:
+        """Whether ``data.mdb`` under the directory is still the file this tier opened (not deleted, or deleted
+        and created again by another process)."""
+        try:
+            now = os.stat(self.directory / "data.mdb")
+        except OSError:
+            return False
+        held = os.fstat(self._data_fd)
+        return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
     def _meta_of(self, key: str) -> tuple[int, int, float] | None:
         with self._lock:
@@ -301,16 +331,21 @@ class DiskTier(StorageTier):
             self._disable(f"{self.directory}/data.mdb was truncated under the store")
         return intact
 
+    def _replaced(self) -> bool:
+        """Whether the directory's ``data.mdb`` was deleted or replaced under the tier; disables it if so (its
+        writes would go to an unlinked file). Call under ``_lock``."""
+        if self._same_file():
+            return False
+        self._disable(f"{self.directory}/data.mdb was deleted or replaced by another file while in use")
+        return True
+
     def _write_batch(self, batch: list[tuple[str, Any]]) -> None:
         """One transaction: the batch's records, deletes and tail notes, hit counts, and the evictions needed to
         stay within ``max_bytes``. Runs on the writer thread (and in flush/close with an empty batch)."""
         records = [(key, codec.encode(key, item)) for key, item in batch if _is_chunk(key, item)]
         with self._lock:  # held only for the checks: readers must not wait for the commit's fsync
             hits, self._hits = self._hits, {}
-            if (not batch and not hits) or not self._usable():
-                return
-            if not (self.directory / "data.mdb").exists():
-                self._disable(f"{self.directory} was deleted while in use")
+            if (not batch and not hits) or not self._usable() or self._replaced():
                 return
         try:
             self._commit(batch, records, hits)
@@ -402,7 +437,8 @@ def _acquire_env(directory: Path, map_size: int) -> Any:
     with _open_envs_lock:
         held = _open_envs.get(path)
         if held is None:
-            env = lmdb.open(path, map_size=map_size, max_dbs=3, max_readers=1024)
+            _check_files(directory)  # only here: closing a descriptor of a mapped lock file drops LMDB's locks
+            env = lmdb.open(path, map_size=map_size, max_dbs=3, max_readers=_MAX_READERS)
             held = _open_envs[path] = [env, 0]
         held[1] += 1
         return held[0]
@@ -420,7 +456,106 @@ def _release_env(env: Any) -> None:
 
 
 class _Truncated(Exception):
-    """``data.mdb`` is shorter than the pages LMDB would map."""
+    """``data.mdb`` is shorter than the pages LMDB would map, or is not an LMDB file: set it aside."""
+
+
+class _Unusable(Exception):
+    """The directory cannot be opened safely as it is (damaged lock file, no room for it): disable the tier."""
+
+
+_MAX_READERS = 1024
+_META_OFFSET = 16  # page header (64-bit LMDB)
+_META_HEAD = struct.Struct("<II")  # magic, version
+_META_PAGE_SIZE = struct.Struct("<I")  # the free DB's md_pad: the page size, at meta offset 24
+_META_TAIL = struct.Struct("<QQ")  # last page number, transaction id, at meta offset 120
+_DATA_MAGIC = 0xBEEFC0DE
+_DATA_VERSION = 1
+_LOCK_HEADER = 128  # the lock file's header; reader slots of 64 bytes follow
+_LOCK_SLOT = 64
+_lock_signature: bytes | None = None
+
+
+def _data_file_problem(fd: int) -> str | None:
+    """Why the data file open as ``fd`` must not be mapped, or None: not both meta pages present, a meta page
+    without LMDB's magic and version, or fewer bytes than the pages the newest meta page counts. Read with
+    ``pread``, never through a map."""
+    size = os.fstat(fd).st_size
+    first = os.pread(fd, _META_OFFSET + 136, 0)
+    if len(first) < _META_OFFSET + 136:
+        return f"{size} bytes, shorter than a meta page"
+    page = _META_PAGE_SIZE.unpack_from(first, _META_OFFSET + 24)[0]
+    if page < 512 or page & (page - 1) or size < 2 * page:
+        return f"{size} bytes with page size {page}: the two meta pages are not there"
+    metas = [first, os.pread(fd, _META_OFFSET + 136, page)]
+    newest = (-1, 0)
+    for meta in metas:
+        if _META_HEAD.unpack_from(meta, _META_OFFSET) != (_DATA_MAGIC, _DATA_VERSION):
+            return "a meta page without LMDB's magic number and version"
+        last_page, txn = _META_TAIL.unpack_from(meta, _META_OFFSET + 120)
+        newest = max(newest, (txn, last_page))
+    if size < (newest[1] + 1) * page:
+        return f"{size} bytes, shorter than its {newest[1] + 1} used pages of {page} bytes"
+    return None
+
+
+def _check_files(directory: Path) -> None:
+    """Refuse what would kill the process once LMDB maps it (SIGBUS, SIGABRT, a hang): a ``data.mdb`` shorter
+    than its pages or not LMDB's (:class:`_Truncated`), a ``lock.mdb`` whose header is not what this LMDB
+    writes, and a lock file whose pages cannot be allocated (a full file system: :class:`_Unusable`)."""
+    data = directory / "data.mdb"
+    if data.exists() and data.stat().st_size > 0:
+        fd = os.open(data, os.O_RDONLY)
+        try:
+            problem = _data_file_problem(fd)
+        finally:
+            os.close(fd)
+        if problem is not None:
+            raise _Truncated(f"{data}: {problem}")
+    lock = directory / "lock.mdb"
+    problem = _shared_lock_problem(lock)
+    if problem is not None:
+        raise _Unusable(f"{lock} {problem} (remove it when no process uses {directory})")
+    if not hasattr(os, "posix_fallocate"):  # not on macOS: the check is skipped there
+        return
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # LMDB maps the lock file and writes to it: unallocated pages on a full file system would be SIGBUS
+        os.posix_fallocate(fd, 0, _LOCK_HEADER + _MAX_READERS * _LOCK_SLOT)
+    except OSError as exc:
+        raise _Unusable(f"cannot allocate {lock} ({exc.strerror}): is the file system full?") from exc
+    finally:
+        os.close(fd)
+
+
+def _shared_lock_problem(lock: Path) -> str | None:
+    """What is wrong with a lock file that another process holds, or None. A lock file nobody holds is not
+    checked: LMDB rebuilds it on open whatever it contains. Call only while this process has no environment on
+    it (closing any descriptor of the file drops the process's locks on it)."""
+    if not lock.exists() or lock.stat().st_size == 0:
+        return None
+    size = lock.stat().st_size
+    with open(lock, "r+b") as f:
+        header = f.read(_LOCK_HEADER)
+        try:  # the byte LMDB locks exclusively when it is alone on the file
+            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+            return None
+        except OSError:
+            pass
+    if len(header) < _LOCK_HEADER or header[:8] != _expected_lock_signature():
+        return "is not a lock file of this LMDB build"
+    if struct.unpack_from("<I", header, 56)[0] > (size - _LOCK_HEADER) // _LOCK_SLOT:
+        return "counts more readers than it has slots"
+    return None
+
+
+def _expected_lock_signature() -> bytes:
+    """Magic and format words that this process's LMDB writes at the start of a lock file (read once from a
+    scratch environment)."""
+    global _lock_signature
+    if _lock_signature is None:
+        with tempfile.TemporaryDirectory(prefix="kvboost-lmdb-") as scratch:
+            lmdb.open(scratch, map_size=1 << 20, max_readers=_MAX_READERS).close()
+            _lock_signature = (Path(scratch) / "lock.mdb").read_bytes()[:8]
+    return _lock_signature
 
 
 def _is_chunk(key: str, item: Any) -> bool:

@@ -15,7 +15,9 @@
   ``run_id`` (restarted, maybe empty: checked every ``watch_interval_s`` by a watcher thread, since the client
   reconnects silently), ``on_reconnect`` is called: the store re-publishes its RAM entries. An error reply
   (such as OOM) fails only that operation. A record that fails verification, or a key holding another Redis
-  type, is deleted, counted in ``corrupt`` and served as a miss.
+  type (a record or a tail note), is deleted, counted in ``corrupt`` and served as a miss; a record whose HMAC
+  seal does not verify is counted and refused but left in place (it may be another replica's, sealed with its
+  own secret). Reads connect with ``read_timeout_s`` too, so a connect that hangs is bounded the same way.
 * AUTH and TLS come from the URL: ``redis://user:password@host:6379/0``, ``rediss://...`` for TLS. A Redis
   Cluster (or Valkey cluster) is named ``redis+cluster://host:port`` (any node; ``rediss+cluster://`` for TLS):
   keys spread over its shards, batches are split by node.
@@ -56,6 +58,8 @@ class RemoteTier(StorageTier):
     """
 
     name = "remote"
+    local = False
+    shared = True
 
     def __init__(
         self,
@@ -96,8 +100,8 @@ class RemoteTier(StorageTier):
         connect: Any = redis.RedisCluster.from_url if self.cluster else redis.Redis.from_url
         url = scheme.removesuffix("+cluster") + sep + rest
         self._client: Any = connect(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=no_retry)
-        self._reader: Any = connect(
-            url, socket_timeout=read_timeout_s, socket_connect_timeout=timeout_s, retry=no_retry
+        self._reader: Any = connect(  # connecting counts against the read bound too (a hung connect)
+            url, socket_timeout=read_timeout_s, socket_connect_timeout=read_timeout_s, retry=no_retry
         )
         self.errors = 0
         self.corrupt = 0
@@ -185,6 +189,13 @@ class RemoteTier(StorageTier):
     def __len__(self) -> int:
         return self.written
 
+    def stats(self) -> dict[str, int]:
+        """``bytes`` (written by this process), ``errors``, ``dropped`` (writes not done), ``republished``,
+        ``corrupt`` (records refused)."""
+        with self._state_lock:
+            counters = {"errors": self.errors, "republished": self.republished, "corrupt": self.corrupt}
+        return {"bytes": self.written_bytes, "dropped": self.dropped, **counters}
+
     # ------------------------------------------------------------------ tails
     def note_tail(self, parent_key: str, lengths: frozenset[int]) -> None:
         """Queue adding ``lengths`` to the shared set of tail lengths after ``parent_key``."""
@@ -192,7 +203,23 @@ class RemoteTier(StorageTier):
             self._writer.submit(_TAIL + parent_key, lengths)
 
     def tail_lengths(self, parent_key: str) -> set[int]:
-        members = self._call(lambda: self._reader.smembers(self.prefix + _TAIL + parent_key))
+        """Lengths noted after ``parent_key``; a key of another Redis type there (not written by this library) is
+        deleted and counted in ``corrupt``, so that later notes can be added."""
+        name = self.prefix + _TAIL + parent_key
+
+        def read() -> Any:
+            try:
+                return self._reader.smembers(name)
+            except self._response_error as exc:
+                if "WRONGTYPE" not in str(exc):
+                    raise
+            with self._state_lock:
+                self.corrupt += 1
+            logger.warning("remote tier: deleting %s, which is not a set of tail lengths", name)
+            self._client.delete(name)
+            return set()
+
+        members = self._call(read)
         out: set[int] = set()
         for member in members or ():
             try:
@@ -213,9 +240,9 @@ class RemoteTier(StorageTier):
         """Writes queued and not yet taken by the writer thread."""
         return self._writer.waiting
 
-    def republish(self, entries: Iterable[tuple[str, StoredChunk]], wait_s: float = 1.0) -> threading.Thread:
+    def republish(self, entries: Iterable[tuple[str, StoredChunk]], wait_s: float = 1.0) -> None:
         """Write ``entries`` again from a background thread (waiting up to ``wait_s`` for queue room each):
-        Redis lost them (restart, eviction). Returns the thread."""
+        Redis lost them (restart, eviction)."""
 
         def submit_all() -> None:
             for key, entry in entries:
@@ -224,9 +251,7 @@ class RemoteTier(StorageTier):
                 with self._state_lock:
                     self.republished += 1
 
-        thread = threading.Thread(target=submit_all, name="kvboost-remote-republish", daemon=True)
-        thread.start()
-        return thread
+        threading.Thread(target=submit_all, name="kvboost-remote-republish", daemon=True).start()
 
     def check_restart(self) -> bool:
         """Whether Redis answers with another ``run_id`` than last time (it restarted); then ``on_reconnect``
@@ -274,6 +299,11 @@ class RemoteTier(StorageTier):
             if isinstance(reply, Exception):  # a key holding a list, set...: not written by this library
                 raise codec.CorruptEntryError(str(reply))
             return codec.decode(key, self._unseal(reply))
+        except _Unverifiable as exc:  # maybe a replica with another secret: refused, left for its owner
+            with self._state_lock:
+                self.corrupt += 1
+            logger.debug("remote tier: refusing record %s%s... (%s)", self.prefix, key[:16], exc)
+            return None
         except codec.CorruptEntryError as exc:
             with self._state_lock:
                 self.corrupt += 1
@@ -293,10 +323,10 @@ class RemoteTier(StorageTier):
         head = len(_SEAL) + _TAG_BYTES
         view = memoryview(raw)
         if len(raw) < head or view[: len(_SEAL)] != _SEAL:
-            raise codec.CorruptEntryError("record is not sealed with the HMAC key")
+            raise _Unverifiable("record is not sealed with the HMAC key")
         expected = hmac.new(self._hmac_key, view[head:], hashlib.sha256).digest()
         if not hmac.compare_digest(expected, bytes(view[len(_SEAL) : head])):
-            raise codec.CorruptEntryError("HMAC mismatch (record not written with this store's key)")
+            raise _Unverifiable("HMAC mismatch (record not written with this store's key)")
         return view[head:]
 
     def _run_ids(self) -> str:
@@ -370,6 +400,11 @@ class RemoteTier(StorageTier):
     def _down(self) -> bool:
         with self._state_lock:
             return time.monotonic() < self._down_until
+
+
+class _Unverifiable(codec.CorruptEntryError):
+    """A record whose HMAC seal is missing or made with another secret: refused but not deleted (a replica
+    configured with another secret shares the prefix)."""
 
 
 def _glob_escape(text: str) -> str:
