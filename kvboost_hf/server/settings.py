@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvboost_hf.core.config import GenerationMode
+from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
 
 REUSE_MODES = {
     "off": GenerationMode.BASELINE,  # plain K/V per request
@@ -15,17 +16,23 @@ REUSE_MODES = {
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """Server behaviour.
+    """Server behaviour (every field is a ``kvboost-hf serve`` flag, see :mod:`kvboost_hf.server.launch`).
 
-    ``reuse_mode``: a key of ``REUSE_MODES``; ``batch_window_ms``: how long a request may wait for others sharing
-    its prefix; ``max_batch_size``: rows generated at once; ``max_queue``: requests waiting before 429;
-    ``default_max_tokens``: budget when a request names none; ``max_tokens_limit``: largest budget a request may
-    ask for (None: up to the context); ``shutdown_grace_s``: time in-flight requests get to finish at shutdown
-    before they are ended (streams with a final chunk, others with an error body); ``max_body_bytes``: largest
-    request body (413 beyond, checked before the body is parsed).
+    Attributes:
+        model_name: the model id clients send and responses carry.
+        api_key: required Bearer key (None: no authentication).
+        reuse_mode: a key of ``REUSE_MODES`` (off, prefix, chunk).
+        batch_window_ms: how long a request may wait for others sharing its prefix (ms).
+        max_batch_size: rows generated at once.
+        max_queue: requests waiting before 429.
+        default_max_tokens: budget when a request names none.
+        max_tokens_limit: largest budget a request may ask for (None: up to the context).
+        shutdown_grace_s: time in-flight requests get to finish at shutdown before they are ended (streams with
+            a final chunk, others with an error body).
+        max_body_bytes: largest request body (413 beyond, checked before the body is parsed).
     """
 
-    model_name: str = "SmolLM2-135M-Instruct"
+    model_name: str = EMBEDDED_MODEL_NAME
     api_key: str | None = None
     reuse_mode: str = "prefix"
     batch_window_ms: float = 10.0
