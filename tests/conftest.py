@@ -10,6 +10,7 @@ import os
 # (the attention function reads it per call); the real compile runs in a subprocess without it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import copy
 import functools
 import importlib
 import sys
@@ -47,6 +48,29 @@ def make_tiny_model(name: str, seed: int = 0, **overrides: object) -> transforme
     config = getattr(transformers, config_name)(**{**_COMMON, **extra, **overrides})
     config._attn_implementation = "eager" if name in EAGER_ONLY else "sdpa"
     return getattr(transformers, model_name)(config).eval()
+
+
+def noisy_copy(model: transformers.PreTrainedModel, scale: float, seed: int) -> transformers.PreTrainedModel:
+    """A copy of ``model`` with Gaussian noise of ``scale`` times each tensor's spread added to its weights: as a
+    draft its proposals are the model's often, not always."""
+    noisy = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in noisy.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale * parameter.std().nan_to_num())
+    return noisy
+
+
+def explode_once(module: torch.nn.Module, message: str) -> None:
+    """Make ``module``'s next forward raise ``RuntimeError(message)`` (only the next one)."""
+    armed = [True]
+
+    def explode(module: torch.nn.Module, args: tuple) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise RuntimeError(message)
+
+    module.register_forward_pre_hook(explode)
 
 
 @pytest.fixture(params=sorted(TINY_ARCHITECTURES))

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 import threading
 from dataclasses import replace
 
 import pytest
 import torch
-from conftest import greedy, make_tiny_model
+from conftest import greedy, make_tiny_model, noisy_copy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import reference
@@ -255,12 +254,7 @@ def test_select_columns_refuses_bad_lists():
 @pytest.fixture(scope="module")
 def noisy_draft(model):
     """A copy of the model with noise on its weights: some of its proposals are accepted, others not."""
-    draft = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for parameter in draft.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.25 * parameter.std().nan_to_num())
-    return draft
+    return noisy_copy(model, 0.25, seed=3)
 
 
 @pytest.mark.parametrize("reuse", [False, True], ids=["plain", "chunk-reuse"])

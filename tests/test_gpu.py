@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import greedy, make_tiny_model
+from conftest import explode_once, greedy, make_tiny_model
 
 from kvboost_hf import ChunkReuseCache, ChunkStore
 from kvboost_hf.offload import LayerStreaming, decoder_layers, enable_layer_streaming
@@ -146,14 +146,7 @@ def test_streamed_on_cuda_equals_resident(first, last, slots):
 
 def test_exception_mid_forward_on_cuda_then_identical_generation():
     resident, streamed, handle = _streamed_pair(keep_first_k=0, keep_last_k=1, num_slots=2)
-    armed = [True]
-
-    def explode(module, args):
-        if armed[0]:
-            armed[0] = False
-            raise RuntimeError("stop inside layer 3")
-
-    decoder_layers(streamed)[3].self_attn.register_forward_pre_hook(explode)
+    explode_once(decoder_layers(streamed)[3].self_attn, "stop inside layer 3")
     with pytest.raises(RuntimeError, match="stop inside layer 3"):
         streamed(_prompt())
     expected, expected_logits = greedy(resident, _prompt())

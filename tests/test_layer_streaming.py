@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import greedy, make_tiny_model
+from conftest import explode_once, greedy, make_tiny_model
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, RepairConfig
 from kvboost_hf.core.keys import model_digest
@@ -119,14 +119,7 @@ def test_bytes_per_forward_are_the_streamed_layers_and_resident_parts_never_stre
 
 def test_exception_inside_a_layer_then_identical_generation_with_a_reload():
     resident, streamed, handle = model_pair(keep_first_k=0, keep_last_k=1, num_slots=2)
-    armed = [True]
-
-    def explode(module, args):
-        if armed[0]:
-            armed[0] = False
-            raise RuntimeError("stop inside layer 3")
-
-    decoder_layers(streamed)[3].self_attn.register_forward_pre_hook(explode)
+    explode_once(decoder_layers(streamed)[3].self_attn, "stop inside layer 3")
     ids = prompt()
     with pytest.raises(RuntimeError, match="stop inside layer 3"):
         streamed(ids)

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import make_tiny_model, noisy_copy
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -45,11 +45,7 @@ def target():
 def drafts(target):
     """A different model (low acceptance), an exact copy of the target (every proposal accepted) and a copy with
     noise added to its weights (some proposals accepted)."""
-    noisy = copy.deepcopy(target)
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for parameter in noisy.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.6 * parameter.std().nan_to_num())
+    noisy = noisy_copy(target, 0.6, seed=7)
     return {"other": make_tiny_model("llama", seed=1), "copy": copy.deepcopy(target), "noisy": noisy}
 
 

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import copy
 import itertools
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import make_tiny_model, noisy_copy
 from hypothesis import given
 from hypothesis import strategies as st
+from test_decode import CHUNKING, EOS, as_text
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, DecodeLoop, DecodeRequest, SamplingParams
-from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftTree
 from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
-
-CHUNKING = ChunkingConfig(8)
-EOS = {127}
-
-
-def as_text(tokens: list[int]) -> str:
-    return "".join(f"<{t}>" for t in tokens)
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +24,7 @@ def target():
 @pytest.fixture(scope="module")
 def draft(target):
     """The target with noise on its weights: its top continuations are often, not always, the target's."""
-    noisy = copy.deepcopy(target)
-    generator = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for parameter in noisy.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.35 * parameter.std().nan_to_num())
-    return noisy
+    return noisy_copy(target, 0.35, seed=11)
 
 
 def prompts() -> list[list[int]]:
