@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from conftest import explode_once, greedy, make_tiny_model
 
 from kvboost_hf import ChunkReuseCache, ChunkStore
+from kvboost_hf.hf.speculative import DraftSettings
 from kvboost_hf.offload import LayerStreaming, decoder_layers, enable_layer_streaming
 
 pytestmark = [
@@ -174,9 +175,10 @@ def test_chunk_reuse_on_cuda_exact_and_through_the_disk(tmp_path, tier):
     torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
 
 
-def test_speculative_with_streamed_target_equals_greedy():
-    """Early-exit drafts on a target whose layers stream from pinned host memory: the output is the target's
-    greedy output."""
+@pytest.mark.parametrize("tree_budget", [0, 8], ids=["chain", "tree"])
+def test_speculative_with_streamed_target_equals_greedy(tree_budget):
+    """Early-exit drafts (a chain, and a tree verified in one forward with a 4D mask) on a target whose layers
+    stream from pinned host memory: the output is the target's greedy output."""
     from kvboost_hf.bench.shapes import random_engine, tokenizer_dir
 
     try:
@@ -186,6 +188,7 @@ def test_speculative_with_streamed_target_equals_greedy():
     plain = random_engine("tiny", device=CUDA, chunk_size=CHUNK)
     expected = plain.generate("The quick brown fox jumps over the lazy dog.", 16, mode="baseline").output_ids
     target = random_engine("tiny", device="cpu", chunk_size=CHUNK, draft_early_exit=1, num_draft_tokens=3)
+    target.draft_settings = DraftSettings(num_draft_tokens=3, early_exit_layers=1, tree_budget=tree_budget)
     enable_layer_streaming(target.model, LayerStreaming(keep_first_k=1, device=CUDA))
     got = target.generate("The quick brown fox jumps over the lazy dog.", 16, mode="baseline")
     assert got.output_ids == expected

@@ -155,3 +155,22 @@ def test_from_pretrained_passes_settings_objects(monkeypatch, embedded_engine):
     assert (engine.repair, engine.store.config.max_bytes, engine.chunking.chunk_size) == (repair, 1 << 20, 32)
     with pytest.raises(TypeError, match="recompute_ratio"):
         KVBoost.from_pretrained(None, recompute_ratio=0.5)
+
+
+def test_draft_tree_flags_reach_the_engine(tmp_path):
+    """Every generated draft flag reaches the engine's draft settings (the tree budget included)."""
+    from conftest import make_tiny_model
+    from test_speculative import word_tokenizer
+
+    from kvboost_hf.hf.speculative import DraftSettings
+    from kvboost_hf.server.launch import add_arguments, build_engine
+
+    make_tiny_model("llama").save_pretrained(tmp_path / "target")
+    word_tokenizer().save_pretrained(tmp_path / "target")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = ["--model", str(tmp_path / "target"), "--draft-early-exit", "1", "--num-draft-tokens", "4",
+             "--tree-budget", "12", "--tree-branching", "3"]  # fmt: skip
+    engine = build_engine(parser.parse_args(flags))
+    expected = DraftSettings(num_draft_tokens=4, early_exit_layers=1, tree_budget=12, tree_branching=3)
+    assert engine.draft_settings == expected and engine.speculative

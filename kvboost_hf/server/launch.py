@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import RepairConfig
@@ -17,6 +18,9 @@ from kvboost_hf.hf.speculative import DraftSettings
 from kvboost_hf.offload.settings import LayerStreaming
 from kvboost_hf.server.settings import REUSE_MODES, ServerSettings
 from kvboost_hf.store.config import StoreConfig
+
+if TYPE_CHECKING:
+    from kvboost_hf.engine import InferenceEngine
 
 logger = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
@@ -124,19 +128,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_settings_arguments(parser.add_argument_group(title), cls, **options)
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Load the model, build the app and run uvicorn until interrupted (graceful shutdown on SIGINT/SIGTERM)."""
-    import torch
-
+def build_engine(args: argparse.Namespace) -> InferenceEngine:
+    """The engine the flags describe (model, chunking, repair, store, draft and streaming settings)."""
     from kvboost_hf import KVBoost
-    from kvboost_hf.server.app import GracefulServer, create_app, uvicorn_config
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    host = args.host or LOOPBACK
-    if args.api_key is None and not _is_loopback(host):
-        logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
     chunking = settings_values(ChunkingConfig, args)
     draft = settings_from_args(DraftSettings, args)
     engine = KVBoost.from_pretrained(
@@ -151,6 +146,24 @@ def serve(args: argparse.Namespace) -> int:
         draft_early_exit=draft.early_exit_layers,
         streaming=settings_from_args(LayerStreaming, args) if args.stream_layers else None,
     )
+    engine.draft_settings = draft  # the tree fields too (the constructor takes the two fields above only)
+    return engine
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Load the model, build the app and run uvicorn until interrupted (graceful shutdown on SIGINT/SIGTERM)."""
+    import torch
+
+    from kvboost_hf.server.app import GracefulServer, create_app, uvicorn_config
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    host = args.host or LOOPBACK
+    if args.api_key is None and not _is_loopback(host):
+        logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
+    engine = build_engine(args)
+    draft = engine.draft_settings
     if args.draft_model is not None:
         logger.info(
             "draft model loaded: every batch is decoded speculatively with %d draft tokens per verify "
