@@ -13,7 +13,7 @@ Public API::
     engine = KVBoost.from_pretrained(name, streaming=LayerStreaming(keep_first_k=4))  # larger than the GPU
     handle = enable_layer_streaming(model, LayerStreaming())  # the same for a model you loaded yourself
 
-    engine = KVBoost.from_pretrained(name, draft_model=draft_path, num_draft_tokens=5)  # speculative decoding
+    engine = KVBoost.from_pretrained(name, draft_model=draft_path, draft=DraftSettings(5))  # speculative decoding
 
 Importing the package registers ``attn_implementation="kvboost"`` with transformers.
 """
@@ -65,7 +65,7 @@ with _quiet_imports():
     from kvboost_hf.results import CorrectnessReport, GenerationResult, WarmResult
     from kvboost_hf.reuse.plan import ReusePlan, plan_reuse
     from kvboost_hf.scheduling import BatchPolicy
-    from kvboost_hf.store.chunk_store import ChunkStore
+    from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
 KVBoost = InferenceEngine
 register_kvboost_attention()
@@ -94,6 +94,7 @@ __all__ = [
     "SamplingParams",
     "Speculation",
     "SpeculationStats",
+    "StoreConfig",
     "StreamingStats",
     "UnsupportedModelError",
     "WarmResult",

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
-    engine = InferenceEngine.from_pretrained(args.model, chunk_size=args.chunk_size)
+    engine = InferenceEngine.from_pretrained(args.model, chunking=args.chunk_size)
     system, user_messages = chat_script(args.turns)
     messages = [{"role": "system", "content": system}]
     print(

@@ -19,7 +19,7 @@ from typing import Any, TypeGuard
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvboost_hf.core.chunking import ChunkingConfig, boundary_token_ids_from_tokenizer, chunk_spans
+from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.keys import model_digest
 from kvboost_hf.hf.cache import ChunkReuseCache
@@ -39,7 +39,6 @@ logger = logging.getLogger(__name__)
 Prompt = str | Sequence[str] | Sequence[dict[str, str]] | Sequence[int]
 """A string; a list of strings (segments: documents, a question, each starting a chunk, concatenated as is);
 chat messages (``{"role": ..., "content": ...}``) rendered with the tokenizer's chat template; or token ids."""
-DEFAULT_MAX_CACHE_BYTES = 2 << 30
 
 
 def sampling_params(
@@ -66,31 +65,41 @@ def sampling_params(
     return SamplingParams(temperature=temperature if do_sample else 0.0, top_p=top_p, seed=seed)
 
 
+def load_model(
+    model_name_or_path: str | os.PathLike | None = None,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    strict: bool = True,
+    streaming: LayerStreaming | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model and tokenizer :meth:`InferenceEngine.from_pretrained` wraps (same arguments), layer-streamed when
+    ``streaming`` is given."""
+    if streaming is None:
+        return load_model_and_tokenizer(model_name_or_path, device=device, dtype=dtype, strict=strict)
+    model, tokenizer, _ = load_streamed_model(model_name_or_path, streaming, device=device, dtype=dtype, strict=strict)
+    return model, tokenizer
+
+
 class InferenceEngine:
     """Chunk K/V reuse around a Hugging Face causal LM.
 
     Args:
         model, tokenizer: a loaded causal LM and its tokenizer.
-        chunk_size: nominal chunk length (tokens).
-        chunk_boundary_window: tokens a cut may slide back to end at a sentence or line boundary.
-        chunking: ``"fixed"`` cut points or ``"content"``-defined ones (same text, same chunks, at any offset).
+        chunking: how prompts are cut (:class:`ChunkingConfig`; an int is a fixed chunk size in tokens;
+            :meth:`ChunkingConfig.from_tokenizer` builds one whose cuts may slide back to sentence ends).
         repair: repair of non-prefix hits (default ``RepairConfig()``; see :class:`RepairConfig` and
             :mod:`kvboost_hf.reuse.repair`).
-        kv_cache_bits: precision of stored K/V (16 = the model's dtype) of a store created here.
-        max_cache_bytes: RAM budget of the store (bytes).
-        disk_cache_dir, remote_url: optional lower store tiers.
-        disk_max_bytes, remote_prefix, remote_ttl_s, remote_hmac_key: their options (see :class:`ChunkStore`;
-            None keeps the store's default).
-        store: share an existing :class:`ChunkStore`, or a :class:`StoreConfig` to build one from (then the
-            ``kv_cache_bits`` ... ``remote_hmac_key`` arguments must be left at their defaults).
+        store: the chunk store: a :class:`StoreConfig` to build one from (default ``StoreConfig()``: 2 GiB of
+            RAM, no lower tier), or an existing :class:`ChunkStore` to share (with another engine, a draft...).
         strict: refuse architectures that are not known to work.
-        draft_model: a resident draft for speculative decoding of single-prompt calls (a path or hub name, loaded
-            on the target's device and dtype; a model; or another engine, whose store and chunk settings its
-            cache then uses); it must share the target's tokenizer. Its prompt K/V are reused from the store
-            like the target's (under its own namespace). Every call (batched too) decodes with it; it never changes
-            the tokens (see :mod:`kvboost_hf.hf.speculative`), only the number of target forwards.
-        num_draft_tokens: tokens the draft proposes per verify forward (fixed schedule, no confidence stop).
-        draft_early_exit: instead of a draft model, draft with the target's first ``draft_early_exit`` layers.
+        draft_model: a resident draft for speculative decoding (a path or hub name, loaded on the target's device
+            and dtype; a model; or another engine, whose store and chunk settings its cache then uses); it must
+            share the target's tokenizer. Its prompt K/V are reused from the store like the target's (under its
+            own namespace). Every call (batched too) decodes with it; it never changes the tokens (see
+            :mod:`kvboost_hf.hf.speculative`), only the number of target forwards.
+        draft: how the draft proposes (:class:`DraftSettings`: tokens per round, tree budget and branching; with
+            ``early_exit_layers`` the target's own first layers draft and no ``draft_model`` is needed).
     """
 
     def __init__(
@@ -98,57 +107,29 @@ class InferenceEngine:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         *,
-        chunk_size: int = 128,
-        chunk_boundary_window: int = 0,
-        chunking: str = "fixed",
+        chunking: ChunkingConfig | int = 128,
         repair: RepairConfig | None = None,
-        kv_cache_bits: int = 16,
-        max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES,
-        disk_cache_dir: str | os.PathLike | None = None,
-        remote_url: str | None = None,
-        disk_max_bytes: int | None = None,
-        remote_prefix: str | None = None,
-        remote_ttl_s: float | None = None,
-        remote_hmac_key: bytes | str | None = None,
         store: ChunkStore | StoreConfig | None = None,
         strict: bool = True,
         draft_model: DraftSource | None = None,
-        num_draft_tokens: int = 5,
-        draft_early_exit: int | None = None,
+        draft: DraftSettings | None = None,
     ) -> None:
         check_model_support(model.config, strict=strict)
-        boundary_ids = boundary_token_ids_from_tokenizer(tokenizer) if chunk_boundary_window else frozenset()
-        self.chunking = ChunkingConfig(chunk_size, chunk_boundary_window, boundary_ids, method=chunking)
+        self.chunking = ChunkingConfig(chunking) if isinstance(chunking, int) else chunking
+        if not isinstance(self.chunking, ChunkingConfig):
+            raise TypeError(f"chunking must be a ChunkingConfig or a chunk size in tokens, got {chunking!r}")
         self.repair = repair if repair is not None else RepairConfig()
-        if store is not None and kv_cache_bits not in (16, store.kv_cache_bits):
-            raise ValueError(
-                f"kv_cache_bits={kv_cache_bits} conflicts with the given store's kv_cache_bits={store.kv_cache_bits}: "
-                "the store decides the stored precision"
-            )
         self.model = model
         self.tokenizer = tokenizer
         self.max_context = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 0))
-        if isinstance(store, StoreConfig):
-            store = ChunkStore.from_config(store)
-        if store is None:
-            tier_options: dict[str, Any] = {"kv_cache_bits": kv_cache_bits} if kv_cache_bits != 16 else {}
-            if disk_cache_dir is not None:
-                tier_options["disk_cache_dir"] = disk_cache_dir
-            if remote_url is not None:
-                tier_options["remote_url"] = remote_url
-            named = dict(disk_max_bytes=disk_max_bytes, remote_prefix=remote_prefix, remote_ttl_s=remote_ttl_s)
-            tier_options |= {k: v for k, v in {**named, "remote_hmac_key": remote_hmac_key}.items() if v is not None}
-            store = ChunkStore(max_cache_bytes, **tier_options)
-        self.store = store
+        self.store = store if isinstance(store, ChunkStore) else ChunkStore.from_config(store or StoreConfig())
         self.lock = threading.RLock()  # held while the model runs: one forward at a time
         model_digest(model)  # computed once here, not inside the first request's TTFT
-        self._init_draft(draft_model, num_draft_tokens, draft_early_exit, strict)
+        self._init_draft(draft_model, draft, strict)
 
-    def _init_draft(
-        self, draft_model: DraftSource | None, num_draft_tokens: int, draft_early_exit: int | None, strict: bool
-    ) -> None:
+    def _init_draft(self, draft_model: DraftSource | None, draft: DraftSettings | None, strict: bool) -> None:
         """Speculative decoding state: the draft settings, the resident draft model (if any) and decode counters."""
-        self.draft_settings = DraftSettings(num_draft_tokens, early_exit_layers=draft_early_exit)
+        self.draft_settings = draft if draft is not None else DraftSettings()
         self.draft_model: PreTrainedModel | None = None
         self._draft_engine: InferenceEngine | None = draft_model if isinstance(draft_model, InferenceEngine) else None
         if draft_model is not None:
@@ -160,7 +141,7 @@ class InferenceEngine:
             check_model_support(self.draft_model.config, strict=strict)
             model_digest(self.draft_model)
         self.draft_settings.check(self.model, self.draft_model)
-        self.speculative = draft_model is not None or draft_early_exit is not None
+        self.speculative = draft_model is not None or self.draft_settings.early_exit_layers is not None
         self._decode_totals = dict.fromkeys(
             ("generated_tokens", "target_forwards", "draft_tokens_proposed", "draft_tokens_accepted"), 0
         )
@@ -181,14 +162,11 @@ class InferenceEngine:
         ``device`` defaults to CUDA when available; ``dtype`` to float32 on CPU and bfloat16 on GPU. ``streaming``:
         load the weights into host memory and stream the decoder layers it chooses to ``streaming.device``
         (default ``device``; see :mod:`kvboost_hf.offload`). ``options`` are the constructor's keyword arguments
-        (``chunk_size``, ``repair``, ``store``, ...).
+        (``chunking``, ``repair``, ``store``, ``draft_model``, ``draft``).
         """
-        if streaming is not None:
-            model, tokenizer, _ = load_streamed_model(
-                model_name_or_path, streaming, device=device, dtype=dtype, strict=strict
-            )
-        else:
-            model, tokenizer = load_model_and_tokenizer(model_name_or_path, device=device, dtype=dtype, strict=strict)
+        model, tokenizer = load_model(
+            model_name_or_path, device=device, dtype=dtype, strict=strict, streaming=streaming
+        )
         return cls(model, tokenizer, strict=strict, **options)
 
     # ------------------------------------------------------------------ prompts

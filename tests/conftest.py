@@ -83,7 +83,7 @@ def embedded_engine():
     """The embedded SmolLM2-135M-Instruct engine, loaded once per test session."""
     from kvboost_hf import KVBoost
 
-    return KVBoost.from_pretrained(chunk_size=64)
+    return KVBoost.from_pretrained(chunking=64)
 
 
 _KERNEL_MODULE = "kvboost_hf.kernels.flash_attention"

@@ -100,7 +100,7 @@ def test_packed_embedded_model_streamed_equals_resident(tmp_path):
 
     main([str(embedded_model_dir()), str(tmp_path / "awq")])
     engine = KVBoost.from_pretrained(
-        tmp_path / "awq", dtype=torch.float16, chunk_size=64, streaming=LayerStreaming(keep_first_k=1, keep_last_k=2)
+        tmp_path / "awq", dtype=torch.float16, chunking=64, streaming=LayerStreaming(keep_first_k=1, keep_last_k=2)
     )
     assert "Awq" in type(decoder_layers(engine.model)[5].self_attn.q_proj).__name__
     prompt = "The capital of France is"

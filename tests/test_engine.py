@@ -10,7 +10,7 @@ from conftest import make_tiny_model
 from oracle import engine_reference
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from kvboost_hf import KVBoost, SamplingParams, UnsupportedModelError
+from kvboost_hf import KVBoost, SamplingParams, StoreConfig, UnsupportedModelError
 from kvboost_hf.corpus import documents
 from kvboost_hf.hf import decode as decode_module
 from kvboost_hf.hf.models import check_model_support, embedded_model_dir
@@ -139,9 +139,9 @@ def test_bad_input_is_refused_and_store_unchanged(embedded_engine, prompt, kwarg
 
 def test_bad_settings_are_refused(embedded_engine):
     with pytest.raises(ValueError, match="chunk_size"):
-        KVBoost(embedded_engine.model, embedded_engine.tokenizer, chunk_size=0)
+        KVBoost(embedded_engine.model, embedded_engine.tokenizer, chunking=0)
     with pytest.raises(ValueError, match="kv_cache_bits"):
-        KVBoost(embedded_engine.model, embedded_engine.tokenizer, kv_cache_bits=3)
+        KVBoost(embedded_engine.model, embedded_engine.tokenizer, store=StoreConfig(kv_cache_bits=3))
 
 
 def test_unsupported_architectures_are_named():
@@ -166,7 +166,7 @@ def test_loads_a_local_model_directory(tmp_path):
     model = make_tiny_model("qwen2", vocab_size=len(tokenizer))
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    engine = KVBoost.from_pretrained(tmp_path, chunk_size=8, device="cpu")
+    engine = KVBoost.from_pretrained(tmp_path, chunking=8, device="cpu")
     assert engine.model.config.model_type == "qwen2"
     ids = torch.tensor([engine.encode("a b c d e f g h i j k l m n o p")])
     expected = model.generate(ids, max_new_tokens=5, do_sample=False)[0, ids.shape[1] :].tolist()

@@ -185,9 +185,9 @@ def test_speculative_with_streamed_target_equals_greedy(tree_budget):
         tokenizer_dir()
     except FileNotFoundError as exc:
         pytest.skip(f"no tokenizer for the random-shape engine: {exc}")
-    plain = random_engine("tiny", device=CUDA, chunk_size=CHUNK)
+    plain = random_engine("tiny", device=CUDA, chunking=CHUNK)
     expected = plain.generate("The quick brown fox jumps over the lazy dog.", 16, mode="baseline").output_ids
-    target = random_engine("tiny", device="cpu", chunk_size=CHUNK, draft_early_exit=1, num_draft_tokens=3)
+    target = random_engine("tiny", device="cpu", chunking=CHUNK, draft=DraftSettings(3, early_exit_layers=1))
     target.draft_settings = DraftSettings(num_draft_tokens=3, early_exit_layers=1, tree_budget=tree_budget)
     enable_layer_streaming(target.model, LayerStreaming(keep_first_k=1, device=CUDA))
     got = target.generate("The quick brown fox jumps over the lazy dog.", 16, mode="baseline")

@@ -14,7 +14,7 @@ def test_the_engine_reuses_chunks_without_installing_hooks():
     """The engine's loop drives every forward explicitly: the user's model gets no hooks and no generate wrapper,
     and the second call still loads the prompt's chunks with the same output as transformers' generate()."""
     model = make_tiny_model("llama", seed=4)
-    engine = KVBoost(model, word_tokenizer(), chunk_size=8)
+    engine = KVBoost(model, word_tokenizer(), chunking=8)
     prompt = words(70, 30)
     first = engine.generate(prompt, max_new_tokens=6)
     second = engine.generate(prompt, max_new_tokens=6)

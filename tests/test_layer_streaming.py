@@ -237,7 +237,7 @@ def test_bad_models_are_refused():
 def test_embedded_engine_streamed_equals_resident(embedded_engine):
     from kvboost_hf import KVBoost
 
-    engine = KVBoost.from_pretrained(chunk_size=64, streaming=LayerStreaming(keep_first_k=2, keep_last_k=3))
+    engine = KVBoost.from_pretrained(chunking=64, streaming=LayerStreaming(keep_first_k=2, keep_last_k=3))
     handle = layer_streamer(engine.model)
     assert handle.streamed_indices == list(range(2, 27))
     layers = decoder_layers(engine.model)

@@ -11,7 +11,7 @@ from kvboost_hf import KVBoost
 
 @pytest.fixture(scope="module")
 def engine():
-    return KVBoost(make_tiny_model("llama", seed=0), word_tokenizer(), chunk_size=8)
+    return KVBoost(make_tiny_model("llama", seed=0), word_tokenizer(), chunking=8)
 
 
 def test_generate_many_runs_a_prompt_with_nonprefix_hits_alone_and_keeps_its_repair(engine):

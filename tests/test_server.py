@@ -69,7 +69,7 @@ class LiveServer:
 
 @pytest.fixture(scope="module")
 def engine():
-    return KVBoost.from_pretrained(chunk_size=16)
+    return KVBoost.from_pretrained(chunking=16)
 
 
 @pytest.fixture(scope="module")

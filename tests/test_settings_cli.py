@@ -151,7 +151,7 @@ def test_from_pretrained_passes_settings_objects(monkeypatch, embedded_engine):
         engine_module, "load_model_and_tokenizer", lambda *a, **k: (embedded_engine.model, embedded_engine.tokenizer)
     )
     repair = RepairConfig(ratio=0.5)
-    engine = KVBoost.from_pretrained(None, repair=repair, store=StoreConfig(max_bytes=1 << 20), chunk_size=32)
+    engine = KVBoost.from_pretrained(None, repair=repair, store=StoreConfig(max_bytes=1 << 20), chunking=32)
     assert (engine.repair, engine.store.config.max_bytes, engine.chunking.chunk_size) == (repair, 1 << 20, 32)
     with pytest.raises(TypeError, match="recompute_ratio"):
         KVBoost.from_pretrained(None, recompute_ratio=0.5)

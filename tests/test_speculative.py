@@ -169,8 +169,8 @@ def test_seeded_sampling_with_a_draft_is_reproducible(target, drafts):
 @pytest.fixture(scope="module")
 def engines(target, drafts):
     tokenizer = word_tokenizer()
-    plain = KVBoost(target, tokenizer, chunk_size=16)
-    speculative = KVBoost(target, tokenizer, chunk_size=16, draft_model=drafts["other"], num_draft_tokens=4)
+    plain = KVBoost(target, tokenizer, chunking=16)
+    speculative = KVBoost(target, tokenizer, chunking=16, draft_model=drafts["other"], draft=DraftSettings(4))
     return plain, speculative
 
 
@@ -212,7 +212,9 @@ def test_engine_batches_decode_with_the_draft(engines, drafts):
     """Rows of one batch verify their own proposals in one forward and accept different counts; each row's greedy
     tokens are transformers' own greedy tokens for it alone."""
     plain, _ = engines
-    speculative = KVBoost(plain.model, plain.tokenizer, chunk_size=16, draft_model=drafts["noisy"], num_draft_tokens=4)
+    speculative = KVBoost(
+        plain.model, plain.tokenizer, chunking=16, draft_model=drafts["noisy"], draft=DraftSettings(4)
+    )
     prompts = [words(8, 30), words(9, 34), words(10, 21), words(11, 26)]
     batched = speculative.generate_batch(prompts, max_new_tokens=24)
     assert [r.output_ids for r in batched] == [reference_greedy(plain, p, 24) for p in prompts]
@@ -236,9 +238,11 @@ def test_engine_seeded_sampling_is_the_same_with_a_draft_alone_and_in_a_batch(ta
     """A seeded sampled row draws the same tokens without a draft, with one, alone and in a batch of 4 (the draft
     only decides how many positions one target forward verifies)."""
     tokenizer = word_tokenizer()
-    plain = KVBoost(target, tokenizer, chunk_size=16)
-    options = {"draft_early_exit": 1} if draft == "early_exit" else {"draft_model": drafts[draft]}
-    speculative = KVBoost(target, tokenizer, chunk_size=16, num_draft_tokens=3, **options)
+    plain = KVBoost(target, tokenizer, chunking=16)
+    if draft == "early_exit":
+        speculative = KVBoost(target, tokenizer, chunking=16, draft=DraftSettings(3, early_exit_layers=1))
+    else:
+        speculative = KVBoost(target, tokenizer, chunking=16, draft_model=drafts[draft], draft=DraftSettings(3))
     prompt, others = words(30, 40), [words(31 + i, 25 + 7 * i) for i in range(3)]
     alone = plain.generate(prompt, max_new_tokens=16, sampling=SAMPLING)
     drafted = speculative.generate(prompt, max_new_tokens=16, sampling=SAMPLING)
@@ -255,7 +259,7 @@ def test_engine_refuses_a_draft_with_another_vocabulary(target):
     with pytest.raises(TypeError, match="draft_model must be"):
         KVBoost(target, word_tokenizer(), draft_model=3)
     with pytest.raises(ValueError, match="below the target's"):
-        KVBoost(target, word_tokenizer(), draft_early_exit=5)
+        KVBoost(target, word_tokenizer(), draft=DraftSettings(early_exit_layers=5))
 
 
 def test_server_metrics_expose_the_draft_counters(engines):
@@ -325,8 +329,8 @@ def test_streamed_target_with_draft_and_chunk_reuse_equals_resident_greedy(early
 def test_engine_reports_streamed_bytes_per_token_with_a_draft(target):
     streamed = copy.deepcopy(target)
     handle = enable_layer_streaming(streamed, LayerStreaming())
-    plain_engine = KVBoost(streamed, word_tokenizer(), chunk_size=16)
-    engine = KVBoost(streamed, word_tokenizer(), chunk_size=16, draft_model=copy.deepcopy(target), num_draft_tokens=4)
+    plain_engine = KVBoost(streamed, word_tokenizer(), chunking=16)
+    engine = KVBoost(streamed, word_tokenizer(), chunking=16, draft_model=copy.deepcopy(target), draft=DraftSettings(4))
     prompt = words(13, 40)
     plain = plain_engine.generate(prompt, max_new_tokens=12)
     drafted = engine.generate(prompt, max_new_tokens=12)
@@ -344,10 +348,10 @@ def test_embedded_model_with_early_exit_and_engine_drafts_equals_greedy(embedded
     system = {"role": "system", "content": documents()[1][1][:500]}
     messages = [system, {"role": "user", "content": "Summarise this in one sentence."}]
     expected = embedded_engine.generate(messages, max_new_tokens=16, mode="baseline")
-    shared = {"chunk_size": 64, "store": embedded_engine.store}
+    shared = {"chunking": 64, "store": embedded_engine.store}
     model, tokenizer = embedded_engine.model, embedded_engine.tokenizer
-    early = KVBoost(model, tokenizer, draft_early_exit=20, num_draft_tokens=3, **shared).generate(messages, 16)
-    itself = KVBoost(model, tokenizer, draft_model=embedded_engine, num_draft_tokens=3, **shared)
+    early = KVBoost(model, tokenizer, **shared, draft=DraftSettings(3, early_exit_layers=20)).generate(messages, 16)
+    itself = KVBoost(model, tokenizer, draft_model=embedded_engine, **shared, draft=DraftSettings(3))
     itself.generate(messages, max_new_tokens=16)
     again = itself.generate(messages, max_new_tokens=16)
     assert early.output_ids == again.output_ids == expected.output_ids

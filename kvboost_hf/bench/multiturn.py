@@ -80,9 +80,9 @@ def run(turns: int, max_new_tokens: int, chunk_size: int, repeats: int, random_s
     ``random_shape``: a random-weight model of that shape (:mod:`kvboost_hf.bench.shapes`) instead of the embedded
     model; its answers are noise but its timings are those of the real shape."""
     if random_shape is None:
-        engine = InferenceEngine.from_pretrained(chunk_size=chunk_size)
+        engine = InferenceEngine.from_pretrained(chunking=chunk_size)
     else:
-        engine = random_engine(random_shape, chunk_size=chunk_size)
+        engine = random_engine(random_shape, chunking=chunk_size)
     system, user_messages = chat_script(turns)
     engine.generate("warm-up", max_new_tokens=2, mode="baseline")  # first-call allocator effects, no reuse
     samples: list[list[dict]] = []

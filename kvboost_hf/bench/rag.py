@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
+from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import RepairConfig
 from kvboost_hf.corpus import documents
 from kvboost_hf.engine import InferenceEngine
@@ -71,7 +72,7 @@ def compare(result: GenerationResult, reference: GenerationResult) -> dict[str, 
 
 
 def run(args: argparse.Namespace) -> dict:
-    engine = InferenceEngine.from_pretrained(chunk_size=args.chunk_size)
+    engine = InferenceEngine.from_pretrained(chunking=args.chunk_size)
     docs, prompts = build_workload(args.docs, args.docs_per_query, args.queries, args.seed)
     for doc in docs:
         engine.warm(doc)
@@ -120,9 +121,8 @@ def chunking_reuse(engine: InferenceEngine, docs: list[str], prompts: list[list[
         ("segments", "fixed", True),
         ("content", "content", False),
     ):
-        probe = InferenceEngine(
-            engine.model, engine.tokenizer, chunk_size=engine.chunking.chunk_size, chunking=chunking
-        )
+        config = ChunkingConfig(engine.chunking.chunk_size, method=chunking)
+        probe = InferenceEngine(engine.model, engine.tokenizer, chunking=config)
         for doc in docs:
             probe.warm(doc)
         found = []

@@ -252,7 +252,7 @@ def run(args: argparse.Namespace, engine: InferenceEngine | None = None) -> dict
     if args.configs:
         configs = select_configurations(configs, args.configs)
     if engine is None:
-        engine = InferenceEngine.from_pretrained(chunk_size=args.chunk_size)
+        engine = InferenceEngine.from_pretrained(chunking=args.chunk_size)
     engine.store.clear()
     summary = evaluate(engine, documents, questions, configs, args.new_tokens)
     return {

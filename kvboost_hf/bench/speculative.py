@@ -55,9 +55,8 @@ def draft_engine(target: InferenceEngine, kind: str, model: str | None = None) -
     the embedded model): the target's own for a copy of it, or a smaller checkpoint with the target's tokenizer."""
     if match := re.fullmatch(r"early(\d+)", kind):
         size, store, exit_layers = target.chunking.chunk_size, target.store, int(match.group(1))
-        return InferenceEngine(
-            target.model, target.tokenizer, chunk_size=size, store=store, draft_early_exit=exit_layers
-        )
+        draft_settings = DraftSettings(early_exit_layers=exit_layers)
+        return InferenceEngine(target.model, target.tokenizer, chunking=size, store=store, draft=draft_settings)
     if kind not in ("copy", "bf16", "awq"):
         raise ValueError(f"unknown draft {kind!r}: use copy, bf16, awq or earlyN (N layers of the target)")
     if kind == "awq":
@@ -68,7 +67,7 @@ def draft_engine(target: InferenceEngine, kind: str, model: str | None = None) -
         dtype = torch.bfloat16 if kind == "bf16" else target.model.dtype
         draft, _ = load_model_and_tokenizer(model, device=target.device, dtype=dtype)
     return InferenceEngine(
-        target.model, target.tokenizer, chunk_size=target.chunking.chunk_size, store=target.store, draft_model=draft
+        target.model, target.tokenizer, chunking=target.chunking, store=target.store, draft_model=draft
     )
 
 
@@ -107,7 +106,7 @@ def run(
     streaming: bool,
 ) -> dict:
     """Rows per placement of the target (resident, streamed) and draft: ``plain`` first, then one per ``g``."""
-    target = InferenceEngine.from_pretrained(chunk_size=chunk_size)
+    target = InferenceEngine.from_pretrained(chunking=chunk_size)
     texts = sample_prompts(prompts)
     engines = {kind: draft_engine(target, kind) for kind in drafts}
     for engine in (target, *engines.values()):  # untimed: stores the prompts' chunks, pays one-time costs

@@ -111,9 +111,9 @@ def decode(engine: InferenceEngine, new_tokens: int, repeats: int) -> dict[str, 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.random_shape is None:
-        engine = InferenceEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, chunk_size=64)
+        engine = InferenceEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, chunking=64)
     else:
-        engine = random_engine(args.random_shape, device=args.device, dtype=args.dtype, chunk_size=64)
+        engine = random_engine(args.random_shape, device=args.device, dtype=args.dtype, chunking=64)
     device = engine.device
     bandwidth = copy_bandwidth(device, args.copy_mb)
     resident = decode(engine, args.new_tokens, args.repeats)

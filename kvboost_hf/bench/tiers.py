@@ -234,12 +234,7 @@ def _document_keys(engine: InferenceEngine, document: str) -> list[str]:
 
 
 def _engine_with(engine: InferenceEngine, store: ChunkStore) -> InferenceEngine:
-    return InferenceEngine(
-        engine.model,
-        engine.tokenizer,
-        chunk_size=engine.chunking.chunk_size,
-        store=store,
-    )
+    return InferenceEngine(engine.model, engine.tokenizer, chunking=engine.chunking, store=store)
 
 
 def _model_shaped_chunk(engine: InferenceEngine, tokens: int, seed: int) -> ChunkKV:
@@ -468,7 +463,7 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
-    engine = InferenceEngine.from_pretrained(None, chunk_size=args.chunk_size, dtype=args.dtype)
+    engine = InferenceEngine.from_pretrained(None, chunking=args.chunk_size, dtype=args.dtype)
     corpus = corpus_text()
     document = _document(engine, corpus, args.prompt_tokens - 20)
     with redis_server(args.redis_url) as url:

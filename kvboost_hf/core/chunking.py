@@ -62,6 +62,15 @@ class ChunkingConfig:
             "boundary_token_ids": sorted(self.boundary_token_ids) if self.boundary_window else [],
         }
 
+    @classmethod
+    def from_tokenizer(
+        cls, tokenizer: object, chunk_size: int = 128, boundary_window: int = 0, method: str = "fixed"
+    ) -> ChunkingConfig:
+        """A config whose cuts may slide back up to ``boundary_window`` tokens to end after one of ``tokenizer``'s
+        sentence- or line-ending tokens (none are looked up when the window is 0)."""
+        boundary_ids = boundary_token_ids_from_tokenizer(tokenizer) if boundary_window else frozenset()
+        return cls(chunk_size, boundary_window, boundary_ids, method)
+
     @property
     def min_chunk(self) -> int:
         """Content-defined chunks hold at least this many tokens (a quarter of ``chunk_size``)."""

@@ -130,24 +130,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_engine(args: argparse.Namespace) -> InferenceEngine:
     """The engine the flags describe (model, chunking, repair, store, draft and streaming settings)."""
-    from kvboost_hf import KVBoost
+    from kvboost_hf.engine import InferenceEngine, load_model
 
+    streaming = settings_from_args(LayerStreaming, args) if args.stream_layers else None
+    model, tokenizer = load_model(args.model, streaming=streaming)
     chunking = settings_values(ChunkingConfig, args)
-    draft = settings_from_args(DraftSettings, args)
-    engine = KVBoost.from_pretrained(
-        args.model,
-        chunk_size=chunking["chunk_size"],
-        chunk_boundary_window=chunking["boundary_window"],
-        chunking=chunking["method"],
+    return InferenceEngine(
+        model,
+        tokenizer,
+        chunking=ChunkingConfig.from_tokenizer(
+            tokenizer, chunking["chunk_size"], chunking["boundary_window"], chunking["method"]
+        ),
         repair=settings_from_args(RepairConfig, args),
         store=settings_from_args(StoreConfig, args, remote_hmac_key=_secret_from_env(args.remote_hmac_key_env)),
         draft_model=args.draft_model,
-        num_draft_tokens=draft.num_draft_tokens,
-        draft_early_exit=draft.early_exit_layers,
-        streaming=settings_from_args(LayerStreaming, args) if args.stream_layers else None,
+        draft=settings_from_args(DraftSettings, args),
     )
-    engine.draft_settings = draft  # the tree fields too (the constructor takes the two fields above only)
-    return engine
 
 
 def serve(args: argparse.Namespace) -> int:
