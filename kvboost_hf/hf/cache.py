@@ -5,11 +5,12 @@ Use it like any cache::
     cache = ChunkReuseCache(store, model)
     model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
 
-Two explicit entry points do the work; :mod:`kvboost_hf.hf.hooks` only calls them from ``generate()``:
+The cache is the container (per-layer K/V, the token ids of every column, one ledger per row); the work is done
+in explicit calls, which :mod:`kvboost_hf.hf.hooks` only makes from ``generate()``:
 
-* :meth:`ChunkReuseCache.prefill` plans the prompt's reuse (:func:`~kvboost_hf.reuse.plan.plan_reuse`), stitches
-  the hits (:mod:`~kvboost_hf.reuse.stitch`), repairs approximate hits (:mod:`~kvboost_hf.reuse.repair`, the
-  CacheBlend probe in :mod:`~kvboost_hf.hf.probe`) and returns the inputs still to compute;
+* ``cache.prefiller.prefill`` (:class:`~kvboost_hf.hf.prefill.ChunkPrefiller`) plans, stitches and repairs the
+  prompt's stored K/V into the cache and returns the inputs still to compute;
+* :meth:`ChunkReuseCache.record` notes each finished forward;
 * :meth:`ChunkReuseCache.save` writes completed chunks back (:mod:`~kvboost_hf.reuse.write_back`), the
   unfinished last chunk included. During ``generate()``, :class:`~kvboost_hf.hf.generation.ChunkWriteBack`
   calls it every step after the first token, and once more with the tail when generation ends.
@@ -30,9 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from transformers import Cache, PreTrainedModel
@@ -43,74 +42,14 @@ from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.keys import make_namespace
 from kvboost_hf.hf.hooks import install_hooks
-from kvboost_hf.hf.models import kv_entry_shape, model_dtype
-from kvboost_hf.hf.probe import key_deviation, scatter_into
-from kvboost_hf.reuse.plan import ChunkLedger, ReusePlan, plan_reuse
-from kvboost_hf.reuse.repair import position_mask, select_repairs
-from kvboost_hf.reuse.rope import KeyRotator, UnsupportedRopeError
-from kvboost_hf.reuse.stitch import assemble_columns, place_hits
+from kvboost_hf.hf.models import model_dtype
+from kvboost_hf.hf.prefill import ChunkPrefiller, RowReuse
+from kvboost_hf.hf.probe import scatter_into
+from kvboost_hf.reuse.plan import ChunkLedger
 from kvboost_hf.reuse.write_back import write_chunks, write_tail
 from kvboost_hf.store.chunk_store import ChunkStore
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RowReuse:
-    """Reuse achieved for one batch row in the last prompt forward (tokens).
-
-    ``cached_tokens`` were loaded and not recomputed; of them, ``approx_tokens`` came from content-key hits.
-    ``recomputed_tokens`` is the repair work spent on loaded chunks.
-    """
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    hit_chunks: int = 0
-    approx_tokens: int = 0
-    recomputed_tokens: int = 0
-
-
-@dataclass
-class PendingForward:
-    """What is left to compute after :meth:`ChunkReuseCache.prefill`.
-
-    Dense (``position_ids is None``): feed ``input_ids`` as an ordinary continuation of the cache (it holds
-    ``cached_columns`` columns). Sparse: one forward over ``input_ids`` at ``position_ids`` with the 4D
-    ``attention_mask``, passing the same cache, which scatters their K/V into place.
-    """
-
-    input_ids: torch.Tensor
-    cached_columns: int
-    position_ids: torch.Tensor | None = None
-    attention_mask: torch.Tensor | None = None
-
-    def model_inputs(self) -> dict[str, torch.Tensor]:
-        """Keyword arguments for ``model(...)`` (add ``past_key_values=cache``)."""
-        inputs = {"input_ids": self.input_ids}
-        if self.position_ids is not None and self.attention_mask is not None:
-            inputs.update(position_ids=self.position_ids, attention_mask=self.attention_mask)
-        return inputs
-
-
-_ROTATORS: weakref.WeakKeyDictionary[torch.nn.Module, KeyRotator | None] = weakref.WeakKeyDictionary()
-
-
-def _rotator_for(model: PreTrainedModel) -> KeyRotator | None:
-    """A key rotator for ``model`` (one per model), or None (logged once) when non-prefix reuse cannot be exact."""
-    if model in _ROTATORS:
-        return _ROTATORS[model]
-    config = model.config.get_text_config(decoder=True)
-    layer_types = getattr(config, "layer_types", None) or ["sliding_attention"]
-    rotator = None
-    if getattr(config, "sliding_window", None) and "sliding_attention" in layer_types:
-        logger.info("non-prefix reuse is off for sliding-window models (its repair mask has no window)")
-    else:
-        try:
-            rotator = KeyRotator(model)
-        except UnsupportedRopeError as exc:
-            logger.warning("%s", exc)
-    _ROTATORS[model] = rotator
-    return rotator
 
 
 class ChunkReuseLayer(DynamicLayer):
@@ -239,13 +178,11 @@ class ChunkReuseCache(Cache):
         self.reuse_enabled = True
         self.forwards = 0  # forwards recorded since the cache was created
         self.prompt_forward_next = True  # the next forward through the hooks starts a generation (set by generate())
-        self._rotator = _rotator_for(model) if self.mode is GenerationMode.CHUNK_KV_REUSE else None
-        self._content_rotator = (
-            self._rotator if bool(self.segment_starts) or self.chunking.method == "content" else None
-        )
-        self._entry_shape = kv_entry_shape(model)
         self._scatter: torch.Tensor | None = None  # positions the pending sparse forward writes
         self._pending_tokens: torch.Tensor | None = None  # the row's tokens once that forward ran
+        self.prefiller = ChunkPrefiller(self)
+        by_content = bool(self.segment_starts) or self.chunking.method == "content"
+        self._content_rotator = self.prefiller.rotator if by_content else None
         if adapter:
             install_hooks(model)
 
@@ -296,52 +233,8 @@ class ChunkReuseCache(Cache):
                 "cached conversation. Use a fresh ChunkReuseCache (or the same one only to continue a conversation)."
             )
 
-    # ------------------------------------------------------------------ prefill
-    @torch.no_grad()
-    def prefill(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        *,
-        keep: int = 1,
-        defer: bool = False,
-        report: bool = True,
-    ) -> PendingForward:
-        """Load and repair what the store holds for the prompt ``input_ids`` (the full sequence, extending what the
-        cache holds); return what is left to compute.
-
-        The last ``keep`` tokens are always left to compute (they give logits). Without ``defer`` the cache ends
-        dense: any repair forward runs here, and the result is a plain suffix of ``input_ids`` to feed (what
-        ``generate()`` feeds on its own when given this cache). With ``defer`` a repair forward is returned
-        instead, folded with the tail (one forward fewer): the caller must run it next with this cache.
-        ``attention_mask`` (2D, batch x columns) marks left padding; any other layout disables reuse for the call.
-        ``report`` records the reuse in ``last_reuse`` (off for forwards after a generation's prompt, e.g. the
-        multi-token verify forwards of assisted decoding, which may also stitch stored chunks).
-        """
-        self.check_extends(input_ids)
-        if self.num_columns == 0:
-            self._start(input_ids, attention_mask)
-        cached = self.num_columns
-        if not self.reuse_enabled or self.mode is GenerationMode.BASELINE or input_ids.shape[1] - cached <= keep:
-            return PendingForward(input_ids[:, cached:], cached)
-        full = input_ids.to(self.tokens.device)
-        limit = full.shape[1] - keep
-        plan = self._plan(full, limit)
-        if plan.sparse:
-            pending = self._prepare_sparse(full, plan)
-            return pending if defer else self._compute_sparse_head(pending, full, limit)
-        target = plan.stitch_columns(self.pads, cached, limit)
-        if report:
-            self.last_reuse = [
-                RowReuse(full.shape[1] - pad, max(0, target - pad), len(row.hits))
-                for pad, row in zip(self.pads, plan.rows, strict=True)
-            ]
-        if target > cached:
-            self._stitch(plan, full, cached, target)
-        return PendingForward(input_ids[:, target:], target)
-
-    def _start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-        """First forward of this cache: learn the batch layout (left padding)."""
+    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """First forward of this cache: learn the batch layout (left padding) from ``attention_mask``."""
         batch = input_ids.shape[0]
         self.tokens = torch.empty(batch, 0, dtype=torch.long, device="cpu")
         self.ledgers = [ChunkLedger() for _ in range(batch)]
@@ -359,89 +252,10 @@ class ChunkReuseCache(Cache):
             self.reuse_enabled = False
         self.pads = [int(p) for p in pads]
 
-    def _plan(self, full: torch.Tensor, limit: int) -> ReusePlan:
-        cached = self.num_columns
-        sparse_possible = cached == 0 and full.shape[0] == 1 and self._rotator is not None
-        return plan_reuse(
-            self.store,
-            self.ledgers,
-            [full[row, pad:].tolist() for row, pad in enumerate(self.pads)],
-            [max(cached - pad, 0) for pad in self.pads],
-            [limit - pad for pad in self.pads],
-            namespace=self.namespace,
-            chunking=self.chunking,
-            segment_starts=self.segment_starts,
-            approximate=sparse_possible,
-            entry_shape=self._entry_shape,
-        )
-
-    def _stitch(self, plan: ReusePlan, full: torch.Tensor, start: int, stop: int) -> None:
-        """Append every row's leading exact hits for columns ``[start, stop)``."""
-        device, dtype = self._device_and_dtype()
-        per_layer = assemble_columns([row.hits for row in plan.rows], self.pads, start, stop, device, dtype)
-        for layer, (keys, values) in zip(self.layers, per_layer, strict=True):
-            layer.update(keys, values)
-        self.tokens = full[:, :stop].clone()
-        for ledger, pad in zip(self.ledgers, self.pads, strict=True):
-            ledger.stored = max(ledger.stored, sum(1 for _, end in ledger.spans if end <= stop - pad))
-            ledger.exact_tokens = max(ledger.exact_tokens, stop - pad)
-
-    def _prepare_sparse(self, full: torch.Tensor, plan: ReusePlan) -> PendingForward:
-        """Stitch row 0's hits at their positions, choose repairs, and arm the forward over what is left."""
-        assert self._rotator is not None  # sparse plans need one
-        row = plan.rows[0]
-        device, dtype = self._device_and_dtype()
-        keys, values = place_hits(row, self._rotator, device, dtype)
-        for layer, layer_keys, layer_values in zip(self.layers, keys, values, strict=True):
-            layer.adopt(layer_keys, layer_values)
-
-        def probe(positions: torch.Tensor) -> torch.Tensor:
-            return key_deviation(self.model, self.layers, full, positions, self.repair.check_layer)
-
-        selection = select_repairs(row, self.repair, probe)
-        ledger = self.ledgers[0]
-        ledger.stale = frozenset(selection.stale)
-        ledger.exact_tokens = selection.exact_tokens
-        self.last_reuse = [
-            RowReuse(
-                prompt_tokens=row.num_tokens,
-                cached_tokens=selection.cached_tokens,
-                hit_chunks=selection.hit_chunks,
-                approx_tokens=len(selection.stale),
-                recomputed_tokens=selection.recomputed_tokens,
-            )
-        ]
-        positions = selection.compute.nonzero().squeeze(1).to(device)
-        self._scatter = positions
-        self._pending_tokens = full.clone()
-        return PendingForward(
-            full[:, positions.cpu()].to(device),
-            0,
-            position_ids=positions[None],
-            attention_mask=position_mask(positions, full.shape[1], dtype),
-        )
-
-    def _compute_sparse_head(self, pending: PendingForward, full: torch.Tensor, limit: int) -> PendingForward:
-        """Run the armed sparse forward for its positions before ``limit``; leave the cache dense up to there."""
-        assert pending.position_ids is not None and pending.attention_mask is not None and self._scatter is not None
-        head = pending.position_ids[0] < limit
-        self._scatter = self._scatter[head]
-        self._pending_tokens = full[:, :limit].clone()
-        if bool(head.any()):  # forward(), not __call__: works whether or not the adapter's hooks can run
-            self.model.forward(
-                input_ids=pending.input_ids[:, head],
-                position_ids=pending.position_ids[:, head],
-                attention_mask=pending.attention_mask[:, :, head],
-                past_key_values=self,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        self._adopt_pending()
-        return PendingForward(full[:, limit:].to(pending.input_ids.device), limit)
-
-    def _device_and_dtype(self) -> tuple[torch.device, torch.dtype]:
-        param = next(self.model.parameters())
-        return param.device, model_dtype(self.model)
+    def arm_scatter(self, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The next forward writes its K/V at ``positions`` (sorted columns) instead of appending; once it is
+        recorded the cache holds ``tokens`` (batch x columns) and every layer is cut to that many columns."""
+        self._scatter, self._pending_tokens = positions, tokens
 
     # ------------------------------------------------------------------ forwards
     def update(

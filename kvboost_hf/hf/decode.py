@@ -44,14 +44,13 @@ from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.keys import chain_prefix_keys
 from kvboost_hf.hf.cache import (
     ChunkReuseCache,
-    RowReuse,
     join_caches,
     keep_cache_columns,
     prepend_zeros,
     select_columns,
 )
 from kvboost_hf.hf.models import model_dtype
-from kvboost_hf.hf.prefill import forward
+from kvboost_hf.hf.prefill import RowReuse, forward
 from kvboost_hf.hf.sampling import SamplingParams, build_processors, choose_token
 from kvboost_hf.hf.speculative import Drafter, DraftTree, tree_attention_mask
 

@@ -1,10 +1,11 @@
 """Stage 7: an optional adapter that lets ``generate()`` and ``forward()`` drive a reuse cache.
 
-:class:`~kvboost_hf.hf.cache.ChunkReuseCache` does its work in explicit calls (``prefill()``, ``record()``,
-``save()``; :func:`kvboost_hf.hf.prefill.forward` drives one forward with them), so nothing of the library needs
-these hooks. They exist for ``model.generate(ids, past_key_values=ChunkReuseCache(...))`` and ``model(...)``:
-installed once per model (a ``ChunkReuseCache`` installs them), removable with :func:`uninstall_hooks`, and inert
-for any forward that is not given such a cache:
+:class:`~kvboost_hf.hf.cache.ChunkReuseCache` and its prefiller do their work in explicit calls
+(``cache.prefiller.prefill()``, ``record()``, ``save()``; :func:`kvboost_hf.hf.prefill.forward` drives one forward
+with them), so nothing of the library needs these hooks. They exist for
+``model.generate(ids, past_key_values=ChunkReuseCache(...))`` and ``model(...)``: installed once per model (a
+``ChunkReuseCache`` installs them), removable with :func:`uninstall_hooks`, and inert for any forward that is not
+given such a cache:
 
 * a forward pre-hook calls :func:`~kvboost_hf.hf.prefill.prepare_forward` (load what the store holds, feed only
   what is left);

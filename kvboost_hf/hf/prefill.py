@@ -1,25 +1,250 @@
-"""Stage 7: forwards through a reuse cache, driven explicitly.
+"""Stage 6-7: the prefiller, and forwards through a reuse cache driven explicitly.
 
-:func:`prepare_forward` turns one forward's keyword arguments into what is left to compute after the cache loaded
-what the store holds (:meth:`~kvboost_hf.hf.cache.ChunkReuseCache.prefill`: plan, stitch, repair): the uncached tail,
-or one sparse repair forward folded with the tail. :func:`forward` runs ``prepare_forward``, the model's
-``forward`` and :meth:`~kvboost_hf.hf.cache.ChunkReuseCache.record`, in that order: the decode loop, the draft, the
-engine's ``warm`` and shared prefixes call it, so none of them depends on hooks. The adapter in
-:mod:`kvboost_hf.hf.hooks` calls the same two cache steps around a forward that ``generate()`` makes.
+:class:`ChunkPrefiller` fills a :class:`~kvboost_hf.hf.cache.ChunkReuseCache` (the container: layers, tokens,
+ledgers) for a prompt: it plans the prompt's reuse (:func:`~kvboost_hf.reuse.plan.plan_reuse`), stitches the hits
+(:mod:`~kvboost_hf.reuse.stitch`), chooses repairs of approximate hits (:mod:`~kvboost_hf.reuse.repair`, the
+CacheBlend probe in :mod:`~kvboost_hf.hf.probe`) and returns what is left to compute (:class:`PendingForward`), or
+runs the repair forward itself. Every cache has one (``cache.prefiller``).
 
-A cache without ``prefill``/``record`` (a ``DynamicCache``) is used as is.
+:func:`prepare_forward` turns one forward's keyword arguments into that remainder: the uncached tail, or one
+sparse repair forward folded with the tail. :func:`forward` runs ``prepare_forward``, the model's ``forward`` and
+the cache's ``record``, in that order: the decode loop, the draft, the engine's ``warm`` and shared prefixes call
+it, so none of them depends on hooks. The adapter in :mod:`kvboost_hf.hf.hooks` calls the same two steps around a
+forward that ``generate()`` makes.
+
+A cache without a prefiller (a ``DynamicCache``) is used as is.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import PreTrainedModel
+
+from kvboost_hf.core.config import GenerationMode
+from kvboost_hf.hf.models import kv_entry_shape, model_dtype
+from kvboost_hf.hf.probe import key_deviation
+from kvboost_hf.reuse.plan import ReusePlan, plan_reuse
+from kvboost_hf.reuse.repair import position_mask, select_repairs
+from kvboost_hf.reuse.rope import KeyRotator, UnsupportedRopeError
+from kvboost_hf.reuse.stitch import assemble_columns, place_hits
+
+if TYPE_CHECKING:
+    from kvboost_hf.hf.cache import ChunkReuseCache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RowReuse:
+    """Reuse achieved for one batch row in the last prompt forward (tokens).
+
+    ``cached_tokens`` were loaded and not recomputed; of them, ``approx_tokens`` came from content-key hits.
+    ``recomputed_tokens`` is the repair work spent on loaded chunks.
+    """
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    hit_chunks: int = 0
+    approx_tokens: int = 0
+    recomputed_tokens: int = 0
+
+
+@dataclass
+class PendingForward:
+    """What is left to compute after :meth:`ChunkPrefiller.prefill`.
+
+    Dense (``position_ids is None``): feed ``input_ids`` as an ordinary continuation of the cache (it holds
+    ``cached_columns`` columns). Sparse: one forward over ``input_ids`` at ``position_ids`` with the 4D
+    ``attention_mask``, passing the same cache, which scatters their K/V into place.
+    """
+
+    input_ids: torch.Tensor
+    cached_columns: int
+    position_ids: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """Keyword arguments for ``model(...)`` (add ``past_key_values=cache``)."""
+        inputs = {"input_ids": self.input_ids}
+        if self.position_ids is not None and self.attention_mask is not None:
+            inputs.update(position_ids=self.position_ids, attention_mask=self.attention_mask)
+        return inputs
+
+
+_ROTATORS: weakref.WeakKeyDictionary[torch.nn.Module, KeyRotator | None] = weakref.WeakKeyDictionary()
+
+
+def rotator_for(model: PreTrainedModel) -> KeyRotator | None:
+    """A key rotator for ``model`` (one per model), or None (logged once) when non-prefix reuse cannot be exact."""
+    if model in _ROTATORS:
+        return _ROTATORS[model]
+    config = model.config.get_text_config(decoder=True)
+    layer_types = getattr(config, "layer_types", None) or ["sliding_attention"]
+    rotator = None
+    if getattr(config, "sliding_window", None) and "sliding_attention" in layer_types:
+        logger.info("non-prefix reuse is off for sliding-window models (its repair mask has no window)")
+    else:
+        try:
+            rotator = KeyRotator(model)
+        except UnsupportedRopeError as exc:
+            logger.warning("%s", exc)
+    _ROTATORS[model] = rotator
+    return rotator
+
+
+class ChunkPrefiller:
+    """Loads and repairs what the store holds for a prompt into ``cache`` (one prefiller per cache).
+
+    It reads the cache's settings (store, namespace, chunking, repair, segments) and writes only through the
+    container's state: stitched columns go into its layers, ``tokens`` and ledgers; a sparse forward is armed with
+    :meth:`~kvboost_hf.hf.cache.ChunkReuseCache.arm_scatter` and completed by ``record()``. Reuse results go to
+    ``cache.last_reuse``.
+    """
+
+    def __init__(self, cache: ChunkReuseCache) -> None:
+        self.cache = cache
+        self.rotator = rotator_for(cache.model) if cache.mode is GenerationMode.CHUNK_KV_REUSE else None
+        self._entry_shape = kv_entry_shape(cache.model)
+
+    @torch.no_grad()
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        keep: int = 1,
+        defer: bool = False,
+        report: bool = True,
+    ) -> PendingForward:
+        """Load and repair what the store holds for the prompt ``input_ids`` (the full sequence, extending what the
+        cache holds); return what is left to compute.
+
+        The last ``keep`` tokens are always left to compute (they give logits). Without ``defer`` the cache ends
+        dense: any repair forward runs here, and the result is a plain suffix of ``input_ids`` to feed (what
+        ``generate()`` feeds on its own when given this cache). With ``defer`` a repair forward is returned
+        instead, folded with the tail (one forward fewer): the caller must run it next with this cache.
+        ``attention_mask`` (2D, batch x columns) marks left padding; any other layout disables reuse for the call.
+        ``report`` records the reuse in ``cache.last_reuse`` (off for forwards after a generation's prompt, e.g.
+        the multi-token verify forwards of assisted decoding, which may also stitch stored chunks).
+        """
+        cache = self.cache
+        cache.check_extends(input_ids)
+        if cache.num_columns == 0:
+            cache.begin(input_ids, attention_mask)
+        cached = cache.num_columns
+        if not cache.reuse_enabled or cache.mode is GenerationMode.BASELINE or input_ids.shape[1] - cached <= keep:
+            return PendingForward(input_ids[:, cached:], cached)
+        full = input_ids.to(cache.tokens.device)
+        limit = full.shape[1] - keep
+        plan = self._plan(full, limit)
+        if plan.sparse:
+            pending = self._prepare_sparse(full, plan)
+            return pending if defer else self._compute_sparse_head(pending, full, limit)
+        target = plan.stitch_columns(cache.pads, cached, limit)
+        if report:
+            cache.last_reuse = [
+                RowReuse(full.shape[1] - pad, max(0, target - pad), len(row.hits))
+                for pad, row in zip(cache.pads, plan.rows, strict=True)
+            ]
+        if target > cached:
+            self._stitch(plan, full, cached, target)
+        return PendingForward(input_ids[:, target:], target)
+
+    def _plan(self, full: torch.Tensor, limit: int) -> ReusePlan:
+        cache = self.cache
+        cached = cache.num_columns
+        sparse_possible = cached == 0 and full.shape[0] == 1 and self.rotator is not None
+        return plan_reuse(
+            cache.store,
+            cache.ledgers,
+            [full[row, pad:].tolist() for row, pad in enumerate(cache.pads)],
+            [max(cached - pad, 0) for pad in cache.pads],
+            [limit - pad for pad in cache.pads],
+            namespace=cache.namespace,
+            chunking=cache.chunking,
+            segment_starts=cache.segment_starts,
+            approximate=sparse_possible,
+            entry_shape=self._entry_shape,
+        )
+
+    def _stitch(self, plan: ReusePlan, full: torch.Tensor, start: int, stop: int) -> None:
+        """Append every row's leading exact hits for columns ``[start, stop)``."""
+        cache = self.cache
+        device, dtype = self._device_and_dtype()
+        per_layer = assemble_columns([row.hits for row in plan.rows], cache.pads, start, stop, device, dtype)
+        for layer, (keys, values) in zip(cache.layers, per_layer, strict=True):
+            layer.update(keys, values)
+        cache.tokens = full[:, :stop].clone()
+        for ledger, pad in zip(cache.ledgers, cache.pads, strict=True):
+            ledger.stored = max(ledger.stored, sum(1 for _, end in ledger.spans if end <= stop - pad))
+            ledger.exact_tokens = max(ledger.exact_tokens, stop - pad)
+
+    def _prepare_sparse(self, full: torch.Tensor, plan: ReusePlan) -> PendingForward:
+        """Stitch row 0's hits at their positions, choose repairs, and arm the forward over what is left."""
+        assert self.rotator is not None  # sparse plans need one
+        cache = self.cache
+        row = plan.rows[0]
+        device, dtype = self._device_and_dtype()
+        keys, values = place_hits(row, self.rotator, device, dtype)
+        for layer, layer_keys, layer_values in zip(cache.layers, keys, values, strict=True):
+            layer.adopt(layer_keys, layer_values)
+
+        def probe(positions: torch.Tensor) -> torch.Tensor:
+            return key_deviation(cache.model, cache.layers, full, positions, cache.repair.check_layer)
+
+        selection = select_repairs(row, cache.repair, probe)
+        ledger = cache.ledgers[0]
+        ledger.stale = frozenset(selection.stale)
+        ledger.exact_tokens = selection.exact_tokens
+        cache.last_reuse = [
+            RowReuse(
+                prompt_tokens=row.num_tokens,
+                cached_tokens=selection.cached_tokens,
+                hit_chunks=selection.hit_chunks,
+                approx_tokens=len(selection.stale),
+                recomputed_tokens=selection.recomputed_tokens,
+            )
+        ]
+        positions = selection.compute.nonzero().squeeze(1).to(device)
+        cache.arm_scatter(positions, full.clone())
+        return PendingForward(
+            full[:, positions.cpu()].to(device),
+            0,
+            position_ids=positions[None],
+            attention_mask=position_mask(positions, full.shape[1], dtype),
+        )
+
+    def _compute_sparse_head(self, pending: PendingForward, full: torch.Tensor, limit: int) -> PendingForward:
+        """Run the armed sparse forward for its positions before ``limit``; leave the cache dense up to there."""
+        assert pending.position_ids is not None and pending.attention_mask is not None
+        cache = self.cache
+        head = pending.position_ids[0] < limit
+        cache.arm_scatter(pending.position_ids[0, head], full[:, :limit].clone())
+        if bool(head.any()):  # forward(), not __call__: works whether or not the adapter's hooks can run
+            cache.model.forward(
+                input_ids=pending.input_ids[:, head],
+                position_ids=pending.position_ids[:, head],
+                attention_mask=pending.attention_mask[:, :, head],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        cache.record(None)
+        return PendingForward(full[:, limit:].to(pending.input_ids.device), limit)
+
+    def _device_and_dtype(self) -> tuple[torch.device, torch.dtype]:
+        param = next(self.cache.model.parameters())
+        return param.device, model_dtype(self.cache.model)
 
 
 def reuse_cache(cache: Any) -> Any | None:
-    """``cache`` when it is a reuse cache (has ``prefill`` and ``record``), else None."""
-    return cache if hasattr(cache, "prefill") and hasattr(cache, "record") else None
+    """``cache`` when it is a reuse cache (has a ``prefiller`` and ``record``), else None."""
+    return cache if hasattr(cache, "prefiller") and hasattr(cache, "record") else None
 
 
 def prepare_forward(cache: Any, kwargs: dict[str, Any], *, report: bool = True) -> dict[str, Any]:
@@ -39,7 +264,7 @@ def prepare_forward(cache: Any, kwargs: dict[str, Any], *, report: bool = True) 
     if cached and fed.shape[1] <= keep:
         return kwargs
     full = torch.cat([cache.tokens.to(fed.device), fed], dim=1) if cached else fed
-    pending = cache.prefill(full, kwargs.get("attention_mask"), keep=keep, defer=True, report=report)
+    pending = cache.prefiller.prefill(full, kwargs.get("attention_mask"), keep=keep, defer=True, report=report)
     if pending.position_ids is not None:
         kwargs.update(pending.model_inputs())
     elif (skip := pending.cached_columns - cached) > 0:
