@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import explode_once, greedy, make_tiny_model
+from oracle import engine_reference
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, RepairConfig
 from kvboost_hf.core.keys import model_digest
@@ -243,10 +244,11 @@ def test_embedded_engine_streamed_equals_resident(embedded_engine):
     layers = decoder_layers(engine.model)
     document = "The Eiffel Tower is in Paris. " * 12
     question = "Where is the Eiffel Tower? Answer in one word."
+    reference = engine_reference(embedded_engine, [document, question], 12).tokens  # transformers, resident
     for mode in ("baseline", "chunk_kv_reuse", "chunk_kv_reuse"):  # the second reuse call hits the stored chunks
         expected = embedded_engine.generate([document, question], 12, mode=mode)
         got = engine.generate([document, question], 12, mode=mode)
-        assert got.output_ids == expected.output_ids, mode
+        assert got.output_ids == expected.output_ids == reference, mode
         assert got.cached_tokens == expected.cached_tokens
         per_forward = sum(tensor_bytes(layers[i]) for i in handle.streamed_indices)
         assert got.streamed_bytes >= got.generated_tokens * per_forward

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 from conftest import make_tiny_model, noisy_copy
+from oracle import engine_reference
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -180,7 +181,7 @@ def test_engine_greedy_with_draft_equals_without_cold_and_warm(engines):
     expected = plain.generate(prompt, max_new_tokens=20, mode="baseline")
     cold = speculative.generate(prompt, max_new_tokens=20)
     warm = speculative.generate(prompt, max_new_tokens=20)
-    assert cold.output_ids == warm.output_ids == expected.output_ids
+    assert cold.output_ids == warm.output_ids == engine_reference(plain, prompt, 20).tokens
     # the prompt's three whole chunks; the draft's prefill hits them too (under its own namespace)
     assert (cold.cached_tokens, warm.cached_tokens) == (0, 48)
     assert (cold.draft_cached_tokens, warm.draft_cached_tokens) == (0, 48)
@@ -347,14 +348,14 @@ def test_embedded_model_with_early_exit_and_engine_drafts_equals_greedy(embedded
     as a draft (same weights: its prefill hits the target's chunks) leave the greedy output unchanged."""
     system = {"role": "system", "content": documents()[1][1][:500]}
     messages = [system, {"role": "user", "content": "Summarise this in one sentence."}]
-    expected = embedded_engine.generate(messages, max_new_tokens=16, mode="baseline")
+    expected = engine_reference(embedded_engine, messages, 16)
     shared = {"chunking": 64, "store": embedded_engine.store}
     model, tokenizer = embedded_engine.model, embedded_engine.tokenizer
     early = KVBoost(model, tokenizer, **shared, draft=DraftSettings(3, early_exit_layers=20)).generate(messages, 16)
     itself = KVBoost(model, tokenizer, draft_model=embedded_engine, **shared, draft=DraftSettings(3))
     itself.generate(messages, max_new_tokens=16)
     again = itself.generate(messages, max_new_tokens=16)
-    assert early.output_ids == again.output_ids == expected.output_ids
+    assert early.output_ids == again.output_ids == expected.tokens
     assert early.draft_tokens_proposed > 0 and early.draft_acceptance_rate < 1.0
     assert again.draft_acceptance_rate == 1.0 and again.target_forwards <= -(-16 // 4) + 1
     assert again.draft_cached_tokens == again.cached_tokens > 0
