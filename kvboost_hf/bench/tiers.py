@@ -338,6 +338,33 @@ def measure_kill9(engine: InferenceEngine, args: argparse.Namespace) -> dict:
     return out
 
 
+def _stored_generation(
+    engine: InferenceEngine, ids: torch.Tensor, bits: int, args: argparse.Namespace, acc: dict[str, Any]
+) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and first-step logits of ``ids`` continued from K/V stored at ``bits`` (a fresh store that the
+    prompt's first pass filled); the stored bytes and tokens are added to ``acc``."""
+    model, tokenizer = engine.model, engine.tokenizer
+    options = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=tokenizer.eos_token_id)
+    store = ChunkStore(1 << 30, kv_cache_bits=bits)
+    with torch.inference_mode():
+        first = ChunkReuseCache(store, model, args.chunk_size)
+        model.generate(ids, past_key_values=first, max_new_tokens=1, **options)  # saves its chunks
+        cache = ChunkReuseCache(store, model, args.chunk_size, write_back=False)
+        out = model.generate(
+            ids,
+            past_key_values=cache,
+            max_new_tokens=args.new_tokens,
+            return_dict_in_generate=True,
+            output_logits=True,
+            **options,
+        )
+    if cache.last_reuse[0].cached_tokens == 0:
+        raise RuntimeError("fidelity prompt got no stored chunks; is the prompt shorter than a chunk?")
+    acc["bytes"] += store.stats()["ram_bytes"]
+    acc["tokens"] += sum(entry.num_tokens for _, entry in store.ram.items())
+    return out.sequences[0, ids.shape[1] :].tolist(), out.logits[0][0].double()
+
+
 def measure_fidelity(engine: InferenceEngine, corpus: str, args: argparse.Namespace) -> dict:
     """Bytes per token and agreement with the unquantized store, per bit width."""
     model, tokenizer = engine.model, engine.tokenizer
@@ -349,31 +376,11 @@ def measure_fidelity(engine: InferenceEngine, corpus: str, args: argparse.Namesp
     per_bits: dict[int, dict[str, Any]] = {
         b: {"bytes": 0, "tokens": 0, "identical": 0, "prefix": [], "kl": []} for b in BITS
     }
-    options = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=tokenizer.eos_token_id)
     for i in range(args.fidelity_prompts):
         window = corpus_ids[i * stride : i * stride + args.fidelity_tokens]
         question = tokenizer(f"\nQuestion: {_QUESTIONS[i % len(_QUESTIONS)]}\nAnswer:", add_special_tokens=False)
         ids = torch.tensor([window + question["input_ids"]], device=engine.device)
-        outputs = {}
-        for bits in BITS:
-            store = ChunkStore(1 << 30, kv_cache_bits=bits)
-            with torch.inference_mode():
-                first = ChunkReuseCache(store, model, args.chunk_size)
-                model.generate(ids, past_key_values=first, max_new_tokens=1, **options)  # saves its chunks
-                cache = ChunkReuseCache(store, model, args.chunk_size, write_back=False)
-                out = model.generate(
-                    ids,
-                    past_key_values=cache,
-                    max_new_tokens=args.new_tokens,
-                    return_dict_in_generate=True,
-                    output_logits=True,
-                    **options,
-                )
-            if cache.last_reuse[0].cached_tokens == 0:
-                raise RuntimeError("fidelity prompt got no stored chunks; is the prompt shorter than a chunk?")
-            per_bits[bits]["bytes"] += store.stats()["ram_bytes"]
-            per_bits[bits]["tokens"] += sum(entry.num_tokens for _, entry in store.ram.items())
-            outputs[bits] = (out.sequences[0, ids.shape[1] :].tolist(), out.logits[0][0].double())
+        outputs = {bits: _stored_generation(engine, ids, bits, args, per_bits[bits]) for bits in BITS}
         reference, reference_logits = outputs[16]
         for bits in BITS:
             tokens, logits = outputs[bits]

@@ -247,22 +247,10 @@ class LayerStreamer:
         self.layers = [_StreamedLayer(i, layers[i], pin) for i in streamed]
         streamed_ids = {id(m) for layer in self.layers for m in layer.module.modules()}
         resident_bytes = self._move_resident(streamed_ids)
-        num_slots = settings.num_slots if self.layers else 0
-        slot_size = max((layer.nbytes for layer in self.layers), default=0)
-        self.slots = [torch.empty(slot_size, dtype=torch.uint8, device=self.device) for _ in range(num_slots)]
-        for layer in self.layers:
-            layer.slot_views = [layer.views(slot) for slot in self.slots]
-        self._slot_state = [_SlotState() for _ in self.slots]
+        num_slots, slot_size = self._allocate_slots()
         self._layer_slot: list[int | None] = [None] * len(self.layers)
         self._cursor = 0
         self._forward_bytes = 0
-        self._cuda = None
-        if self.device.type == "cuda" and self.layers:
-            self._cuda = _CudaSync(
-                torch.cuda.Stream(self.device),
-                [torch.cuda.Event() for _ in self.slots],
-                [torch.cuda.Event() for _ in self.slots],
-            )
         self._stats = StreamingStats(
             streamed_layers=len(self.layers),
             resident_layers=len(layers) - len(self.layers),
@@ -285,6 +273,24 @@ class LayerStreamer:
         )
 
     # ------------------------------------------------------------------ setup
+    def _allocate_slots(self) -> tuple[int, int]:
+        """Device slots (each as large as the largest streamed layer), every layer's views into each, their state
+        and, on CUDA, the side stream and per-slot events; returns (slots, bytes per slot)."""
+        num_slots = self.settings.num_slots if self.layers else 0
+        slot_size = max((layer.nbytes for layer in self.layers), default=0)
+        self.slots = [torch.empty(slot_size, dtype=torch.uint8, device=self.device) for _ in range(num_slots)]
+        for layer in self.layers:
+            layer.slot_views = [layer.views(slot) for slot in self.slots]
+        self._slot_state = [_SlotState() for _ in self.slots]
+        self._cuda: _CudaSync | None = None
+        if self.device.type == "cuda" and self.layers:
+            self._cuda = _CudaSync(
+                torch.cuda.Stream(self.device),
+                [torch.cuda.Event() for _ in self.slots],
+                [torch.cuda.Event() for _ in self.slots],
+            )
+        return num_slots, slot_size
+
     def _tensors_outside(self, streamed_ids: set[int]) -> list[tuple[torch.nn.Module, str, str, torch.Tensor]]:
         """Every place a tensor is held by a module that is not part of a streamed layer (shared tensors repeat)."""
         return [entry for m in self.model.modules() if id(m) not in streamed_ids for entry in _direct_tensors(m)]
