@@ -92,7 +92,17 @@ InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-    Discriminator(_item_type),
+    Discriminator(
+        _item_type,
+        custom_error_type="invalid_item",
+        custom_error_message="input items are 'message', 'function_call' or 'function_call_output' items",
+    ),
+]
+# ``input``: a string (one user message) or items. Tagged, so a bad item is reported alone (not beside "input should
+# be a string"); the tags are the type names the error handler leaves out of ``param``.
+Input = Annotated[
+    Annotated[str, Tag("str")] | Annotated[list[InputItem], Field(min_length=1), Tag("list[InputItem]")],
+    Discriminator(lambda value: "str" if isinstance(value, str) else "list[InputItem]"),
 ]
 
 
@@ -141,7 +151,7 @@ class ResponsesRequest(_Strict):
     )
 
     model: str
-    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    input: Input
     instructions: str | None = Field(default=None, description="rendered as the first system message")
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)

@@ -1,0 +1,209 @@
+"""``POST /v1/responses`` (issue #22 item 10), driven by the official ``openai`` client over loopback against the
+embedded model (servers as in tests/test_server.py): text, streaming, structured output, function tools and
+errors, each compared with what the chat endpoint gives for the same conversation."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from test_server import KEY, MODEL, PERSON, SYSTEM, WEATHER_TOOL, LiveServer, chat  # noqa: E402
+
+from kvboost_hf import KVBoost  # noqa: E402
+from kvboost_hf.server.app import ServerSettings, create_app  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+# the chat tool of test_server in the Responses API's flat form
+WEATHER = {"type": "function", **WEATHER_TOOL["function"]}
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    engine = KVBoost.from_pretrained(chunk_size=16)
+    settings = ServerSettings(model_name=MODEL, api_key=KEY, batch_window_ms=30, max_batch_size=4, max_queue=16)
+    with LiveServer(create_app(engine, settings)) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def stream_events(client, **request) -> list:
+    with client.responses.create(stream=True, **request) as stream:
+        return list(stream)
+
+
+def prompt_tokens(server: LiveServer, messages: list[dict]) -> int:
+    """Tokens of ``messages`` as the chat endpoint renders them (``/tokenize``: nothing is generated)."""
+    body = {"model": MODEL, "messages": messages}
+    response = httpx.post(f"{server.url}/tokenize", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    return response.json()["count"]
+
+
+def test_text_equals_chat_greedy_and_stream_concatenates_to_it(client):
+    request = dict(model=MODEL, instructions=SYSTEM, input=QUESTION, max_output_tokens=8, temperature=0)
+    response = client.responses.create(**request, metadata={"run": "a"}, store=True)
+    chat_text = (
+        client.chat.completions.create(model=MODEL, messages=chat(QUESTION), max_tokens=8, temperature=0)
+        .choices[0]
+        .message.content
+    )
+    assert response.output_text == chat_text and chat_text
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.metadata == {"run": "a"} and response.model_dump()["store"] is False  # nothing is stored
+    usage = response.usage
+    assert usage.output_tokens > 0 and usage.total_tokens == usage.input_tokens + usage.output_tokens
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant" and message.content[0].type == "output_text"
+
+    with client.responses.stream(**request) as stream:  # the SDK's accumulating helper parses the stream
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]  # fmt: skip
+    last = "response.completed" if response.status == "completed" else "response.incomplete"
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done", last]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == chat_text  # token by token, the same text
+    if response.status == "completed":  # the helper's final response needs response.completed
+        assert final.output_text == chat_text and final.usage.output_tokens == usage.output_tokens
+
+
+def test_items_render_as_the_chat_messages(server, client):
+    """A conversation given as items (parts, developer role, an earlier assistant turn) is chat's prompt."""
+    history = [
+        {"role": "developer", "content": [{"type": "input_text", "text": SYSTEM}]},
+        {"role": "user", "content": "Name a fruit."},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Apple.",
+                                                               "annotations": []}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "Another one?"}]},
+    ]  # fmt: skip
+    response = client.responses.create(model=MODEL, input=history, max_output_tokens=1, temperature=0)
+    messages = [*chat("Name a fruit."), {"role": "assistant", "content": "Apple."},
+                {"role": "user", "content": "Another one?"}]  # fmt: skip
+    assert response.usage.input_tokens == prompt_tokens(server, messages)
+
+
+def test_max_output_tokens_ends_incomplete(client):
+    request = dict(model=MODEL, input="Tell me a long story about a dragon.", max_output_tokens=3, temperature=0)
+    response = client.responses.create(**request)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 3 and response.output[0].status == "incomplete"
+    events = stream_events(client, **request)
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == response.output_text
+
+
+def test_json_schema_and_json_object_outputs_parse(client):
+    pydantic = pytest.importorskip("pydantic")
+
+    class Person(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        name: str = pydantic.Field(max_length=12)
+        age: int
+
+    parsed = client.responses.parse(  # the SDK's pydantic helper sends a strict json_schema format
+        model=MODEL, input="Give me a person as JSON.", max_output_tokens=40, temperature=0, text_format=Person
+    )
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, Person)
+    assert parsed.text.format.type == "json_schema" and parsed.text.format.name == "Person"
+    response = client.responses.create(
+        model=MODEL, input="Describe a cat as a JSON object.", max_output_tokens=4, temperature=0,
+        text={"format": {"type": "json_object"}},
+    )  # fmt: skip
+    assert response.output_text.startswith("{")  # constrained (cut by the budget: a prefix of a JSON object)
+
+
+def test_function_call_round_trip(server, client):
+    request = dict(model=MODEL, input=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER])
+    response = client.responses.create(
+        **request, max_output_tokens=64, temperature=0, tool_choice={"type": "function", "name": "get_weather"}
+    )
+    [call] = response.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    assert response.status == "completed" and isinstance(json.loads(call.arguments)["city"], str)
+
+    events = stream_events(
+        client, **request, max_output_tokens=64, temperature=0, tool_choice="required", parallel_tool_calls=False
+    )
+    streamed = [event.delta for event in events if event.type == "response.function_call_arguments.delta"]
+    [done] = [event for event in events if event.type == "response.function_call_arguments.done"]
+    assert done.name == "get_weather" and "".join(streamed) == done.arguments
+    assert json.loads(done.arguments) == json.loads(call.arguments)
+    assert events[-1].type == "response.completed" and events[-1].response.output[0].type == "function_call"
+
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
+    history = [*request["input"], *response.output, result]  # the call passed back as the SDK returned it
+    answer = client.responses.create(
+        model=MODEL, input=history, tools=[WEATHER], tool_choice="none", max_output_tokens=2, temperature=0
+    )
+    assert answer.output[0].type == "message" and answer.output_text
+    chat_history = [
+        request["input"][0],
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+        ]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"},
+    ]  # fmt: skip
+    assert answer.usage.input_tokens == prompt_tokens(server, chat_history)  # rendered as chat renders the turn
+
+
+def test_cache_salt_isolates_tenants(client):
+    prompt = f"Tenant test {uuid.uuid4().hex}. {SYSTEM} Which planet is largest?"
+
+    def cached(salt: str) -> int:
+        response = client.responses.create(
+            model=MODEL, input=prompt, max_output_tokens=1, temperature=0, extra_body={"cache_salt": salt}
+        )
+        return response.usage.input_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 0
+    assert cached("tenant-b") == 0
+
+
+BASE = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
+BAD_REQUESTS = {
+    "previous_response_id": ({"previous_response_id": "resp_1"}, 400, "previous_response_id"),
+    "unknown model": ({"model": "gpt-9"}, 404, "model"),
+    "unsupported field": ({"reasoning": {"effort": "low"}}, 400, "reasoning"),
+    "empty input": ({"input": []}, 400, "input"),
+    "image part": ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
+                   "input.0.message.content.0"),
+    "built-in tool": ({"tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
+    "unknown item": ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input.0"),
+    "schema without name": ({"text": {"format": {"type": "json_schema", "schema": PERSON}}}, 400, "text.format"),
+    "bad schema": ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"$ref": "#/x"}}}}, 400,
+                   "text.format.schema"),
+    "named tool not offered": ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, 400,
+                               "tool_choice"),
+    "budget beyond the context": ({"max_output_tokens": 10**9}, 400, "max_output_tokens"),
+    "temperature too high": ({"temperature": 7}, 400, "temperature"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_requests_get_openai_style_errors_naming_the_field(server, case):
+    fields, status, param = BAD_REQUESTS[case]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    response = httpx.post(f"{server.url}/v1/responses", json={**BASE, **fields}, headers=headers, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+
+
+def test_api_key_required(server):
+    with pytest.raises(openai.AuthenticationError):
+        server.client("wrong").responses.create(**BASE)
