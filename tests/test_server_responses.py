@@ -1,6 +1,7 @@
-"""``POST /v1/responses`` (issue #22 item 10), driven by the official ``openai`` client over loopback against the
-embedded model (servers as in tests/test_server.py): text, streaming, structured output, function tools and
-errors, each compared with what the chat endpoint gives for the same conversation."""
+"""``POST /v1/responses`` (issue #22 item 10): the request translation and the event builder alone (checked
+against the ``openai`` SDK's own types), then the official ``openai`` client over loopback against the embedded
+model (servers as in tests/test_server.py): text, streaming, structured output, function tools and errors, each
+compared with what the chat endpoint gives for the same conversation."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import uuid
 from collections.abc import Iterator
 
 import httpx
+import pydantic
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -18,12 +20,121 @@ from test_server import KEY, MODEL, PERSON, SYSTEM, WEATHER_TOOL, LiveServer, ch
 
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.server.app import ServerSettings, create_app  # noqa: E402
+from kvboost_hf.server.batching import Done  # noqa: E402
+from kvboost_hf.server.errors import ApiError  # noqa: E402
+from kvboost_hf.server.responses_api import ResponseBuilder, chat_request  # noqa: E402
+from kvboost_hf.server.responses_schemas import ResponsesRequest  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
 # the chat tool of test_server in the Responses API's flat form
 WEATHER = {"type": "function", **WEATHER_TOOL["function"]}
 QUESTION = "What is the capital of France?"
+
+
+def request(**fields) -> ResponsesRequest:
+    return ResponsesRequest.model_validate({"model": MODEL, "input": "hi", **fields})
+
+
+def sdk_events(events: list[str]) -> list:
+    """The SSE events parsed with the openai SDK's stream event types (validated, not just constructed)."""
+    adapter = pydantic.TypeAdapter(openai.types.responses.ResponseStreamEvent)
+    parsed = []
+    for event in events:
+        name, data = event.removesuffix("\n\n").split("\n")
+        payload = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {payload['type']}"
+        if payload.get("response", {}).get("usage"):  # cache_write_tokens is not counted per request: left out
+            payload["response"]["usage"]["input_tokens_details"]["cache_write_tokens"] = 0
+        parsed.append(adapter.validate_python(payload))
+    return parsed
+
+
+def test_items_translate_to_the_chat_request():
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    body = request(
+        instructions="Be brief.",
+        input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Weather "},
+                                         {"type": "input_text", "text": "in Oslo and Rome?"}]},
+            {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+             "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
+            {**call, "id": "fc_1", "status": "completed"},
+            {**call, "call_id": "call_2", "arguments": '{"city": "Rome"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "Rain"},
+            {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "Sun"}]},
+        ],
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}},
+        max_output_tokens=7,
+        parallel_tool_calls=False,
+    )  # fmt: skip
+    chat = chat_request(body)
+    roles = [(m.role, m.text()) for m in chat.messages]
+    assert roles == [("system", "Be brief."), ("user", "Weather in Oslo and Rome?"), ("assistant", "Checking."),
+                     ("tool", "Rain"), ("tool", "Sun")]  # fmt: skip
+    calls = chat.messages[2].tool_calls  # both calls of the turn join the assistant's message
+    assert [(c.id, c.function.name, c.function.arguments) for c in calls] == [
+        ("call_1", "get_weather", '{"city": "Oslo"}'), ("call_2", "get_weather", '{"city": "Rome"}')]  # fmt: skip
+    assert [m.tool_call_id for m in chat.messages[3:]] == ["call_1", "call_2"]
+    assert chat.tools[0].function.name == "get_weather" and chat.tool_choice.function.name == "get_weather"
+    assert chat.response_format.json_schema.schema_ == PERSON and chat.response_format.json_schema.strict
+    assert chat.max_tokens == 7 and chat.parallel_tool_calls is False
+    with pytest.raises(ApiError, match="previous_response_id"):
+        chat_request(request(previous_response_id="resp_1"))
+
+
+def test_builder_streams_text_then_a_call_as_the_sdk_types_say():
+    builder = ResponseBuilder(request(tools=[WEATHER]), MODEL, tools_offered=True)
+    pieces = ["Let me check. ", "<tool", '_call>{"name": "get_weather", "arguments": ', '{"city": ', '"Oslo"}',
+              "}</tool_call>"]  # fmt: skip
+    events = builder.start()
+    for piece in pieces:
+        events += builder.add(piece)
+    events += builder.finish("stop") + builder.done(Done(prompt_tokens=20, cached_tokens=16, completion_tokens=6))
+    parsed = sdk_events(events)
+    assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
+    assert [e.type.removeprefix("response.") for e in parsed] == [
+        "created", "in_progress",
+        "output_item.added", "content_part.added", "output_text.delta",  # the text before the tag
+        "output_text.done", "content_part.done", "output_item.done",
+        "output_item.added", "function_call_arguments.delta", "function_call_arguments.delta",
+        "function_call_arguments.delta", "function_call_arguments.done", "output_item.done",
+        "completed",
+    ]  # fmt: skip
+    final = parsed[-1].response
+    message, call = final.output
+    assert final.status == "completed" and message.content[0].text == "Let me check. "
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Oslo"} and call.status == "completed"
+    assert final.usage.input_tokens_details.cached_tokens == 16 and final.usage.total_tokens == 26
+    streamed = json.loads(events[-1].split("data: ", 1)[1])["response"]
+    assert builder.result().model_dump(mode="json") == streamed  # a non-streaming request answers the same body
+
+
+def test_builder_ends_cut_failed_and_empty_answers():
+    cut = ResponseBuilder(request(), MODEL, tools_offered=False)
+    events = sdk_events(cut.start() + cut.add("Once") + cut.finish("length") + cut.done(Done(3, 0, 1)))
+    assert (
+        events[-1].type == "response.incomplete"
+        and events[-1].response.incomplete_details.reason == "max_output_tokens"
+    )
+    assert cut.result().output[0]["status"] == "incomplete"
+    for reason, status in (("cancelled", 503), (None, 500)):  # a shutdown, a failed forward
+        failed = ResponseBuilder(request(), MODEL, tools_offered=False)
+        steps = failed.start() + failed.add("Once")
+        if reason is None:
+            steps += failed.fail(ApiError(500, "boom", code="generation_failed"))
+        else:
+            steps += failed.finish(reason) + failed.done(Done(3, 0, 1))
+        last = sdk_events(steps)[-1]
+        assert last.type == "response.failed" and last.response.status == "failed" and last.response.error.message
+        with pytest.raises(ApiError) as raised:
+            failed.result()
+        assert raised.value.status == status
+    empty = ResponseBuilder(request(), MODEL, tools_offered=False)
+    events = sdk_events(empty.start() + empty.finish("stop") + empty.done(Done(3, 0, 1)))
+    assert events[-1].response.output_text == "" and events[-1].response.output[0].type == "message"
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +162,7 @@ def prompt_tokens(server: LiveServer, messages: list[dict]) -> int:
     return response.json()["count"]
 
 
+@pytest.mark.slow
 def test_text_equals_chat_greedy_and_stream_concatenates_to_it(client):
     request = dict(model=MODEL, instructions=SYSTEM, input=QUESTION, max_output_tokens=8, temperature=0)
     response = client.responses.create(**request, metadata={"run": "a"}, store=True)
@@ -82,6 +194,7 @@ def test_text_equals_chat_greedy_and_stream_concatenates_to_it(client):
         assert final.output_text == chat_text and final.usage.output_tokens == usage.output_tokens
 
 
+@pytest.mark.slow
 def test_items_render_as_the_chat_messages(server, client):
     """A conversation given as items (parts, developer role, an earlier assistant turn) is chat's prompt."""
     history = [
@@ -97,6 +210,7 @@ def test_items_render_as_the_chat_messages(server, client):
     assert response.usage.input_tokens == prompt_tokens(server, messages)
 
 
+@pytest.mark.slow
 def test_max_output_tokens_ends_incomplete(client):
     request = dict(model=MODEL, input="Tell me a long story about a dragon.", max_output_tokens=3, temperature=0)
     response = client.responses.create(**request)
@@ -106,6 +220,7 @@ def test_max_output_tokens_ends_incomplete(client):
     assert events[-1].type == "response.incomplete" and events[-1].response.output_text == response.output_text
 
 
+@pytest.mark.slow
 def test_json_schema_and_json_object_outputs_parse(client):
     pydantic = pytest.importorskip("pydantic")
 
@@ -126,6 +241,7 @@ def test_json_schema_and_json_object_outputs_parse(client):
     assert response.output_text.startswith("{")  # constrained (cut by the budget: a prefix of a JSON object)
 
 
+@pytest.mark.slow
 def test_function_call_round_trip(server, client):
     request = dict(model=MODEL, input=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER])
     response = client.responses.create(
@@ -160,6 +276,7 @@ def test_function_call_round_trip(server, client):
     assert answer.usage.input_tokens == prompt_tokens(server, chat_history)  # rendered as chat renders the turn
 
 
+@pytest.mark.slow
 def test_cache_salt_isolates_tenants(client):
     prompt = f"Tenant test {uuid.uuid4().hex}. {SYSTEM} Which planet is largest?"
 
@@ -194,6 +311,7 @@ BAD_REQUESTS = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
 def test_bad_requests_get_openai_style_errors_naming_the_field(server, case):
     fields, status, param = BAD_REQUESTS[case]
@@ -204,6 +322,7 @@ def test_bad_requests_get_openai_style_errors_naming_the_field(server, case):
     assert error["param"] == param and error["message"] and error["type"]
 
 
+@pytest.mark.slow
 def test_api_key_required(server):
     with pytest.raises(openai.AuthenticationError):
         server.client("wrong").responses.create(**BASE)

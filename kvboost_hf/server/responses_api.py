@@ -214,12 +214,12 @@ class ResponseBuilder:
         return events
 
     def finish(self, reason: str) -> list[str]:
-        """The job's text is complete: the last item is closed (incomplete when cut by the token budget)."""
+        """The job's text is complete: the last item is closed (incomplete when cut by the budget or a shutdown)."""
         self.reason = reason
         events = self.add("", final=True)
         if not self.output:  # an empty answer is an empty message
             events += self._open_message()
-        return events + self._close("incomplete" if reason == "length" else "completed")
+        return events + self._close("completed" if reason == "stop" else "incomplete")
 
     def done(self, done: Done) -> list[str]:
         """The job ended: the final event, with the whole response."""
