@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pydantic
@@ -147,7 +148,7 @@ def server() -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def client(server):
-    return server.client()
+    return server.client().with_options(timeout=150)  # a bound for a loaded machine: a tool call takes ~35 tokens
 
 
 def stream_events(client, **request) -> list:
@@ -243,17 +244,21 @@ def test_json_schema_and_json_object_outputs_parse(client):
 
 @pytest.mark.slow
 def test_function_call_round_trip(server, client):
-    request = dict(model=MODEL, input=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER])
-    response = client.responses.create(
-        **request, max_output_tokens=64, temperature=0, tool_choice={"type": "function", "name": "get_weather"}
+    request = dict(
+        model=MODEL,
+        input=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER],
+        max_output_tokens=64,
+        temperature=0,
     )
+    with ThreadPoolExecutor(2) as pool:  # sent together: one batch, one generation's time
+        named = pool.submit(client.responses.create, **request, tool_choice={"type": "function", "name": "get_weather"})
+        streaming = pool.submit(stream_events, client, **request, tool_choice="required", parallel_tool_calls=False)
+        response, events = named.result(), streaming.result()
     [call] = response.output
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
     assert response.status == "completed" and isinstance(json.loads(call.arguments)["city"], str)
 
-    events = stream_events(
-        client, **request, max_output_tokens=64, temperature=0, tool_choice="required", parallel_tool_calls=False
-    )
     streamed = [event.delta for event in events if event.type == "response.function_call_arguments.delta"]
     [done] = [event for event in events if event.type == "response.function_call_arguments.done"]
     assert done.name == "get_weather" and "".join(streamed) == done.arguments
