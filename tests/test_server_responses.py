@@ -6,6 +6,7 @@ compared with what the chat endpoint gives for the same conversation."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from test_server import KEY, MODEL, PERSON, SYSTEM, WEATHER_TOOL, LiveServer, chat  # noqa: E402
+from test_server import KEY, MODEL, PERSON, SYSTEM, WEATHER_TOOL, LiveServer, chat, metric  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.server.app import ServerSettings, create_app  # noqa: E402
@@ -279,6 +280,21 @@ def test_function_call_round_trip(server, client):
         {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"},
     ]  # fmt: skip
     assert answer.usage.input_tokens == prompt_tokens(server, chat_history)  # rendered as chat renders the turn
+
+
+@pytest.mark.slow
+def test_disconnect_mid_stream_cancels_generation(server, client):
+    before = metric(server, "kvboost_completion_tokens_total")
+    request = dict(model=MODEL, input="Count from 1 to 500.", max_output_tokens=200, temperature=0)
+    with client.responses.create(stream=True, **request) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                break  # the client leaves after its first token
+    deadline = time.monotonic() + 30
+    while server.app.state.worker.running_rows and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.app.state.worker.running_rows == 0
+    assert metric(server, "kvboost_completion_tokens_total") - before < 100
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -82,7 +82,7 @@ class Exchange:
         except ShuttingDown as exc:
             raise ApiError(503, str(exc), code="shutting_down") from exc
 
-    async def events(self, watch_disconnect: bool) -> AsyncIterator[Event]:
+    async def events(self, watch_disconnect: bool) -> AsyncGenerator[Event, None]:
         """The job's events until Done or Failed; cancels the job when the consumer stops early."""
         try:
             while True:

@@ -19,6 +19,7 @@ Nothing is stored: ``store`` is accepted and echoed as false; ``previous_respons
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -162,20 +163,22 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
 
 
 async def _stream(exchange: Exchange, builder: ResponseBuilder, watch_disconnect: bool) -> AsyncIterator[str]:
-    """The SSE events of ``exchange``'s job, from ``response.created`` to its final event."""
+    """The SSE events of ``exchange``'s job, from ``response.created`` to its final event; a consumer that stops
+    early (a client gone) cancels the job."""
     for event in builder.start():
         yield event
-    async for job_event in exchange.events(watch_disconnect):
-        if isinstance(job_event, Delta):
-            events = builder.add(job_event.text)
-        elif isinstance(job_event, Finished):
-            events = builder.finish(job_event.reason)
-        elif isinstance(job_event, Done):
-            events = builder.done(job_event)
-        else:
-            events = builder.fail(ApiError(job_event.status, job_event.message, code="generation_failed"))
-        for event in events:
-            yield event
+    async with contextlib.aclosing(exchange.events(watch_disconnect)) as job_events:  # closed: the job is cancelled
+        async for job_event in job_events:
+            if isinstance(job_event, Delta):
+                events = builder.add(job_event.text)
+            elif isinstance(job_event, Finished):
+                events = builder.finish(job_event.reason)
+            elif isinstance(job_event, Done):
+                events = builder.done(job_event)
+            else:
+                events = builder.fail(ApiError(job_event.status, job_event.message, code="generation_failed"))
+            for event in events:
+                yield event
 
 
 class ResponseBuilder:
