@@ -34,7 +34,8 @@ WEATHER = {"type": "function", **WEATHER_TOOL["function"]}
 QUESTION = "What is the capital of France?"
 
 
-def request(**fields) -> ResponsesRequest:
+def validated(**fields) -> ResponsesRequest:
+    """A validated request body asking ``hi`` with ``fields``."""
     return ResponsesRequest.model_validate({"model": MODEL, "input": "hi", **fields})
 
 
@@ -54,7 +55,7 @@ def sdk_events(events: list[str]) -> list:
 
 def test_items_translate_to_the_chat_request():
     call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'}
-    body = request(
+    body = validated(
         instructions="Be brief.",
         input=[
             {"role": "user", "content": [{"type": "input_text", "text": "Weather "},
@@ -84,11 +85,11 @@ def test_items_translate_to_the_chat_request():
     assert chat.response_format.json_schema.schema_ == PERSON and chat.response_format.json_schema.strict
     assert chat.max_tokens == 7 and chat.parallel_tool_calls is False
     with pytest.raises(ApiError, match="previous_response_id"):
-        chat_request(request(previous_response_id="resp_1"))
+        chat_request(validated(previous_response_id="resp_1"))
 
 
 def test_builder_streams_text_then_a_call_as_the_sdk_types_say():
-    builder = ResponseBuilder(request(tools=[WEATHER]), MODEL, tools_offered=True)
+    builder = ResponseBuilder(validated(tools=[WEATHER]), MODEL, tools_offered=True)
     pieces = ["Let me check. ", "<tool", '_call>{"name": "get_weather", "arguments": ', '{"city": ', '"Oslo"}',
               "}</tool_call>"]  # fmt: skip
     events = builder.start()
@@ -115,7 +116,7 @@ def test_builder_streams_text_then_a_call_as_the_sdk_types_say():
 
 
 def test_builder_ends_cut_failed_and_empty_answers():
-    cut = ResponseBuilder(request(), MODEL, tools_offered=False)
+    cut = ResponseBuilder(validated(), MODEL, tools_offered=False)
     events = sdk_events(cut.start() + cut.add("Once") + cut.finish("length") + cut.done(Done(3, 0, 1)))
     assert (
         events[-1].type == "response.incomplete"
@@ -123,7 +124,7 @@ def test_builder_ends_cut_failed_and_empty_answers():
     )
     assert cut.result().output[0]["status"] == "incomplete"
     for reason, status in (("cancelled", 503), (None, 500)):  # a shutdown, a failed forward
-        failed = ResponseBuilder(request(), MODEL, tools_offered=False)
+        failed = ResponseBuilder(validated(), MODEL, tools_offered=False)
         steps = failed.start() + failed.add("Once")
         if reason is None:
             steps += failed.fail(ApiError(500, "boom", code="generation_failed"))
@@ -134,7 +135,7 @@ def test_builder_ends_cut_failed_and_empty_answers():
         with pytest.raises(ApiError) as raised:
             failed.result()
         assert raised.value.status == status
-    empty = ResponseBuilder(request(), MODEL, tools_offered=False)
+    empty = ResponseBuilder(validated(), MODEL, tools_offered=False)
     events = sdk_events(empty.start() + empty.finish("stop") + empty.done(Done(3, 0, 1)))
     assert events[-1].response.output_text == "" and events[-1].response.output[0].type == "message"
 
