@@ -192,7 +192,7 @@ class ResponseBuilder:
         self.calls = ToolCallStream() if tools_offered else None  # tool calls parsed from the text when offered
         self.text = ""  # everything generated so far
         self.output: list[dict[str, Any]] = []
-        self.open_item: dict[str, Any] | None = None  # the item being written: always output[-1]
+        self.open_item: dict[str, Any] | None = None  # the item being written (then output[-1]); None between items
         self.reason: str | None = None  # the job's finish reason once it finished
         self.usage: ResponseUsage | None = None
         self.failure: ApiError | None = None
@@ -200,6 +200,7 @@ class ResponseBuilder:
 
     # ------------------------------------------------------------------ steps
     def start(self) -> list[str]:
+        """The first events: the response created and in progress, with no output yet."""
         return [
             self._event("response.created", response=self._snapshot()),
             self._event("response.in_progress", response=self._snapshot()),
@@ -238,6 +239,7 @@ class ResponseBuilder:
         return [self._event(kind, response=self._snapshot())]
 
     def fail(self, error: ApiError) -> list[str]:
+        """The job failed: ``response.failed``, the response carrying ``error``'s message."""
         self.failure = error
         return [self._event("response.failed", response=self._snapshot())]
 
