@@ -21,7 +21,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -67,6 +67,13 @@ class Exchange:
         self.want_logprobs = prepared.params.top_logprobs is not None
 
     async def respond(self, worker: Worker) -> ChatCompletion | Completion | StreamingResponse:
+        self.submit(worker)
+        if self.prepared.stream:
+            return StreamingResponse(self._sse(), media_type="text/event-stream")
+        return await self._collect()
+
+    def submit(self, worker: Worker) -> None:
+        """Queue the job on ``worker``: 429 (with ``Retry-After``) when its queue is full, 503 while it shuts down."""
         try:
             worker.submit(self.job)
         except Overloaded as exc:
@@ -74,11 +81,8 @@ class Exchange:
             raise ApiError(429, str(exc), code="rate_limit_exceeded", headers=headers) from exc
         except ShuttingDown as exc:
             raise ApiError(503, str(exc), code="shutting_down") from exc
-        if self.prepared.stream:
-            return StreamingResponse(self._sse(), media_type="text/event-stream")
-        return await self._collect()
 
-    async def _events(self, watch_disconnect: bool) -> AsyncIterator[Event]:
+    async def events(self, watch_disconnect: bool) -> AsyncGenerator[Event, None]:
         """The job's events until Done or Failed; cancels the job when the consumer stops early."""
         try:
             while True:
@@ -101,7 +105,7 @@ class Exchange:
         texts, reasons = [""] * n, ["stop"] * n
         logprobs: list[list[TextLogprob]] = [[] for _ in range(n)]
         done: Done | None = None
-        async for event in self._events(watch_disconnect=True):
+        async for event in self.events(watch_disconnect=True):
             if isinstance(event, Delta):
                 texts[event.index] += event.text
                 logprobs[event.index] += event.logprobs
@@ -160,7 +164,7 @@ class Exchange:
             for i in range(n):
                 role = {"role": "assistant", "content": ""}
                 yield self._chunk({"index": i, "delta": role, "logprobs": None, "finish_reason": None})
-        async for event in self._events(watch_disconnect=False):
+        async for event in self.events(watch_disconnect=False):
             if isinstance(event, Delta | Finished):
                 i = event.index
                 if isinstance(event, Delta):

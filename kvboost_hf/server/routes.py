@@ -1,5 +1,6 @@
-"""The HTTP routes: OpenAI endpoints (models, chat and text completions), tokenize/detokenize, warm, health and
-metrics. Authentication and the body limit are checked before a route runs (see :mod:`kvboost_hf.server.app`)."""
+"""The HTTP routes: OpenAI endpoints (models, chat and text completions, responses), tokenize/detokenize, warm,
+health and metrics. Authentication and the body limit are checked before a route runs (see
+:mod:`kvboost_hf.server.app`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from kvboost_hf.server.admission import Admission, plain_messages
 from kvboost_hf.server.errors import ApiError
 from kvboost_hf.server.metrics import CONTENT_TYPE, Metrics
 from kvboost_hf.server.responses import Exchange
+from kvboost_hf.server.responses_api import register_responses_route
 from kvboost_hf.server.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -108,3 +110,5 @@ def register_routes(
         arrival = time.perf_counter()
         prepared = await admission.completion(body)
         return await Exchange(request, prepared, settings.model_name, arrival).respond(worker)  # type: ignore[return-value]
+
+    register_responses_route(app, settings.model_name, worker, admission, ERRORS)
