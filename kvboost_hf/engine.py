@@ -24,7 +24,7 @@ from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.keys import model_digest
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, left_pad
-from kvboost_hf.hf.models import check_model_support, load_model_and_tokenizer, model_dtype
+from kvboost_hf.hf.models import CACHE_ARGUMENT, check_model_support, load_model_and_tokenizer, model_dtype
 from kvboost_hf.hf.prefill import forward
 from kvboost_hf.hf.sampling import SamplingParams
 from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftSource, resolve_draft
@@ -593,7 +593,7 @@ class InferenceEngine:
             plain = self.model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
-                past_key_values=DynamicCache(config=self.model.config),
+                **{CACHE_ARGUMENT: DynamicCache(config=self.model.config)},
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 eos_token_id=sorted(self.eos_token_ids) or None,

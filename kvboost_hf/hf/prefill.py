@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvboost_hf.core.config import GenerationMode
-from kvboost_hf.hf.models import kv_entry_shape, model_dtype
+from kvboost_hf.hf.models import CACHE_ARGUMENT, kv_entry_shape, model_dtype
 from kvboost_hf.hf.probe import key_deviation
 from kvboost_hf.reuse.plan import ReusePlan, plan_reuse
 from kvboost_hf.reuse.repair import position_mask, select_repairs
@@ -69,7 +69,7 @@ class PendingForward:
     attention_mask: torch.Tensor | None = None
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
-        """Keyword arguments for ``model(...)`` (add ``past_key_values=cache``)."""
+        """Keyword arguments for ``model(...)`` (add the cache under :data:`~kvboost_hf.hf.models.CACHE_ARGUMENT`)."""
         inputs = {"input_ids": self.input_ids}
         if self.position_ids is not None and self.attention_mask is not None:
             inputs.update(position_ids=self.position_ids, attention_mask=self.attention_mask)
@@ -230,9 +230,9 @@ class ChunkPrefiller:
                 input_ids=pending.input_ids[:, head],
                 position_ids=pending.position_ids[:, head],
                 attention_mask=pending.attention_mask[:, :, head],
-                past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **{CACHE_ARGUMENT: cache},
             )
         cache.record(None)
         return PendingForward(full[:, limit:].to(pending.input_ids.device), limit)
@@ -275,9 +275,9 @@ def prepare_forward(cache: Any, kwargs: dict[str, Any], *, report: bool = True) 
 
 
 def forward(model: torch.nn.Module, cache: Any, **kwargs: Any) -> Any:
-    """One forward of ``model`` through ``cache`` (``past_key_values``), the reuse steps called explicitly: the
+    """One forward of ``model`` through ``cache``, the reuse steps called explicitly: the
     model's ``forward`` is called directly, so the adapter's hooks (if installed) do not run. Returns the output."""
-    kwargs = {**kwargs, "past_key_values": cache, "use_cache": True}
+    kwargs = {**kwargs, CACHE_ARGUMENT: cache, "use_cache": True}
     reusing = reuse_cache(cache)
     if reusing is not None:
         kwargs = prepare_forward(reusing, kwargs)

@@ -16,6 +16,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 from transformers.cache_utils import CacheLayerMixin
 
+from kvboost_hf.hf.models import CACHE_ARGUMENT
 from kvboost_hf.reuse.repair import position_mask
 
 
@@ -73,9 +74,9 @@ def key_deviation(
             input_ids=input_ids[:, positions.cpu()].to(device),
             position_ids=positions[None],
             attention_mask=position_mask(positions, input_ids.shape[1], layers[0].keys.dtype),
-            past_key_values=probe,
             use_cache=True,
             logits_to_keep=1,
+            **{CACHE_ARGUMENT: probe},
         )
     if probe.deviation is None:
         raise RuntimeError(f"the CacheBlend probe never reached layer {depth - 1} of {type(model).__name__}")

@@ -32,7 +32,7 @@ from typing import Any, Protocol, TypeAlias
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvboost_hf.hf.models import model_dtype
+from kvboost_hf.hf.models import CACHE_ARGUMENT, given_cache, model_dtype
 from kvboost_hf.hf.prefill import forward
 from kvboost_hf.hf.probe import truncated_depth
 
@@ -259,8 +259,8 @@ class Speculation:
             # token ids *inside* the prompt (chat prompts often hold the pad/EOS id) and attend to holes.
             kwargs["attention_mask"] = torch.ones_like(input_ids)
         cache = None
-        if self.draft_cache is not None and kwargs.get("past_key_values") is None:
-            cache = kwargs["past_key_values"] = self.draft_cache()
+        if self.draft_cache is not None and given_cache(kwargs) is None:
+            cache = kwargs[CACHE_ARGUMENT] = self.draft_cache()
         self._drafting = True
         try:
             output = generate(*args, **kwargs)
