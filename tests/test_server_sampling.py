@@ -86,3 +86,38 @@ def test_tool_call_stream_sends_content_then_growing_arguments():
     assert content == "Let me check." and names == ["get_weather"]
     assert json.loads(arguments) == {"city": "Paris"}
     assert stream.update(full, final=True) == ("", [])
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    xgrammar = pytest.importorskip("xgrammar")
+    from transformers import AutoTokenizer
+
+    from kvboost_hf.hf.grammar import GrammarCompiler
+    from kvboost_hf.hf.models import embedded_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    return xgrammar, GrammarCompiler(tokenizer, len(tokenizer))
+
+
+def test_tool_arguments_and_json_schema_share_the_compact_grammar(compiler):
+    """No free whitespace in either: a no-argument call is exactly ``{}``, arguments cannot be padded."""
+    xgrammar, grammars = compiler
+    from kvboost_hf.hf.grammar import Tool
+
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [Tool("get_time", {"type": "object"}), Tool("get_weather", city)]
+    calls = grammars.tool_calls(tools, required=True, parallel=True).result()
+    answer = grammars.json_schema(city).result()
+
+    def accepts(grammar, text: str) -> bool:
+        return xgrammar.GrammarMatcher(grammar).accept_string(text)
+
+    def call(name: str, arguments: str) -> str:
+        return f'<tool_call>{{"name": "{name}", "arguments": {arguments}}}</tool_call>'
+
+    assert accepts(calls, call("get_time", "{}")) and accepts(calls, call("get_weather", '{"city": "Paris"}'))
+    assert accepts(answer, '{"city": "Paris"}')
+    for padded in ['{ "city": "Paris"}', '{"city":"Paris"}', '{"city": "Paris"\n}']:
+        assert not accepts(calls, call("get_weather", padded)) and not accepts(answer, padded)
+    assert not accepts(calls, call("get_time", "{ }")) and not accepts(calls, call("get_time", "{\n"))

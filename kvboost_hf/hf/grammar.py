@@ -4,8 +4,9 @@
 
 * ``json_object``: any JSON object; ``json_schema``: JSON valid against a schema (compact, no free whitespace);
 * tool calls in the Hermes tag format ``<tool_call>{"name": "NAME", "arguments": {...}}</tool_call>``, where the
-  arguments follow the tool's parameter schema: ``auto`` allows free text and dispatches into a call when the model
-  writes ``<tool_call>``; ``required`` (and a named tool) allows nothing but calls.
+  arguments follow the tool's parameter schema in the same compact JSON (:func:`compact_json_grammar`): ``auto``
+  allows free text and dispatches into a call when the model writes ``<tool_call>``; ``required`` (and a named
+  tool) allows nothing but calls.
 
 :class:`GrammarProcessor` is a transformers ``LogitsProcessor`` for ONE row: before each step it feeds the
 row's newly generated tokens to its matcher and masks every token the grammar forbids (the end tokens included
@@ -121,10 +122,10 @@ class GrammarCompiler:
         return self.json_schema({"type": "object"}, tenant=tenant)
 
     def json_schema(self, schema: dict[str, Any], *, tenant: str | None = None) -> Compiled:
-        """JSON valid against ``schema``."""
+        """JSON valid against ``schema``, compact (:func:`compact_json_grammar`)."""
         source = json.dumps(schema)
         return self._compile(
-            tenant, f"json {source}", lambda: self._compiler.compile_json_schema(source, any_whitespace=False)
+            tenant, f"json {source}", lambda: self._compiler.compile_grammar(compact_json_grammar(schema))
         )
 
     def tool_calls(
@@ -134,22 +135,12 @@ class GrammarCompiler:
         unless ``parallel``."""
         if not tools:
             raise GrammarError("no tools to call")
-        tags = [
-            {
-                "type": "tag",
-                "begin": _call_header(tool.name),
-                "content": {"type": "json_schema", "json_schema": tool.parameters},
-                "end": _ARGUMENTS_END,
-            }
-            for tool in tools
-        ]
-        if required:
-            layout = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True}
-        else:
-            layout = {"type": "triggered_tags", "triggers": [TOOL_CALL_BEGIN], "tags": tags}
-        structural = {"type": "structural_tag", "format": {**layout, "stop_after_first": not parallel}}
-        source = json.dumps(structural)
-        return self._compile(tenant, f"tags {source}", lambda: self._compiler.compile_structural_tag(source))
+        source = json.dumps([[tool.name, tool.parameters] for tool in tools] + [required, parallel])
+        return self._compile(
+            tenant,
+            f"tags {source}",
+            lambda: self._compiler.compile_structural_tag(_tool_call_structure(tools, required, parallel)),
+        )
 
     def processor(self, grammar: xgrammar.CompiledGrammar, prompt_length: int) -> GrammarProcessor:
         """A fresh processor (own matcher state) for one row whose prompt has ``prompt_length`` tokens."""
@@ -195,6 +186,33 @@ class GrammarCompiler:
         finally:
             with self._lock:
                 self._waiting.pop(key, None)
+
+
+def compact_json_grammar(schema: dict[str, Any]) -> xgrammar.Grammar:
+    """The grammar of JSON valid against ``schema`` written compactly: no whitespace but the single spaces of the
+    separators ``", "`` and ``": "`` (as ``json.dumps`` writes them), so a model cannot pad or loop in whitespace.
+    Used for ``json_schema`` answers and for tool-call arguments alike. Raises what xgrammar raises for a schema
+    it cannot convert."""
+    return xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+
+
+def _tool_call_structure(tools: Sequence[Tool], required: bool, parallel: bool) -> str:
+    """The xgrammar structural tag (JSON text) of calls of ``tools`` in the tag format, each call's arguments in
+    the compact grammar of its parameter schema."""
+    tags = [
+        {
+            "type": "tag",
+            "begin": _call_header(tool.name),
+            "content": {"type": "grammar", "grammar": str(compact_json_grammar(tool.parameters))},
+            "end": _ARGUMENTS_END,
+        }
+        for tool in tools
+    ]
+    if required:
+        layout = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True}
+    else:
+        layout = {"type": "triggered_tags", "triggers": [TOOL_CALL_BEGIN], "tags": tags}
+    return json.dumps({"type": "structural_tag", "format": {**layout, "stop_after_first": not parallel}})
 
 
 class GrammarProcessor(LogitsProcessor):
