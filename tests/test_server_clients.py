@@ -22,7 +22,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]  # a tool call is 40-5
 
 NO_ARGUMENTS_TOOL = {
     "type": "function",
-    "function": {"name": "get_time", "description": "The current time", "parameters": {"type": "object"}},
+    "function": {
+        "name": "get_time",
+        "description": "The current time",
+        "parameters": {"type": "object", "properties": {}},  # as LangChain sends a tool without arguments
+    },
 }
 WEATHER_TOOL = {
     "type": "function",
@@ -60,15 +64,77 @@ def named(tool: dict) -> dict:
     return {"type": "function", "function": {"name": tool["function"]["name"]}}
 
 
+def streamed(client, **request) -> tuple[str, list[tuple[str, str]], str | None]:
+    """``(content, [(name, arguments)], finish_reason)`` added up from a streamed chat completion."""
+    content, calls, finish = "", [], None
+    for chunk in client.chat.completions.create(stream=True, **request):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                if delta.function.name:
+                    calls.append((delta.function.name, ""))
+                name, arguments = calls[delta.index]
+                calls[delta.index] = (name, arguments + (delta.function.arguments or ""))
+            finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def whole(client, **request) -> tuple[str, list[tuple[str, str]], str | None]:
+    """The same triple from a whole (non-streamed) chat completion."""
+    choice = client.chat.completions.create(**request).choices[0]
+    calls = [(call.function.name, call.function.arguments) for call in choice.message.tool_calls or []]
+    return choice.message.content or "", calls, choice.finish_reason
+
+
 # ---------------------------------------------------------------------------------------------- item 10.1
-def test_tool_arguments_are_compact_json_and_a_no_argument_tool_finishes(client):
-    """The tool-argument grammar is the json_schema path's compact one: no free whitespace to pad with."""
-    for tool, question in [(NO_ARGUMENTS_TOOL, chat("What time is it?")), (WEATHER_TOOL, WEATHER_QUESTION)]:
-        response = client.chat.completions.create(
-            model=MODEL, messages=question, max_tokens=80, temperature=0, tools=[tool], tool_choice=named(tool)
-        )
-        choice = response.choices[0]
-        assert choice.finish_reason == "tool_calls", choice
-        arguments = choice.message.tool_calls[0].function.arguments
-        assert arguments == json.dumps(json.loads(arguments))  # compact: ", " and ": " only
-    assert arguments != "{}" and json.loads(arguments)["city"]
+def test_a_no_argument_tool_call_finishes_with_empty_arguments(client):
+    """The tool-argument grammar is the json_schema path's compact one: no whitespace to pad ``{}`` with."""
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=chat("What time is it?"),
+        max_tokens=64,
+        temperature=0,
+        tools=[NO_ARGUMENTS_TOOL],
+        tool_choice=named(NO_ARGUMENTS_TOOL),
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.tool_calls[0].function.arguments == "{}"
+
+
+# ---------------------------------------------------------------------------------------------- item 10.2
+def test_a_call_cut_by_max_tokens_leaks_no_markup_and_streams_as_whole(client):
+    """Cut one token before the end (inside ``}</tool_call>``): the call is answered with its arguments, no tag
+    text anywhere, ``finish_reason`` "length", and the stream adds up to the whole answer."""
+    request = dict(
+        model=MODEL, messages=WEATHER_QUESTION, temperature=0, tools=[WEATHER_TOOL], tool_choice=named(WEATHER_TOOL)
+    )
+    full = client.chat.completions.create(max_tokens=80, **request)
+    assert full.choices[0].finish_reason == "tool_calls"
+    arguments = full.choices[0].message.tool_calls[0].function.arguments
+    assert arguments == json.dumps(json.loads(arguments)) and json.loads(arguments)["city"]  # compact JSON
+    cut = {**request, "max_tokens": full.usage.completion_tokens - 1}
+    answer = whole(client, **cut)
+    assert answer == streamed(client, **cut)
+    content, calls, finish = answer
+    assert (content, finish) == ("", "length")
+    assert calls == [("get_weather", arguments)]  # the object was complete: only the closing tag was cut
+
+
+# ---------------------------------------------------------------------------------------------- item 10.3
+def test_required_tool_choice_with_parallel_calls_ends_the_turn(client):
+    """``tool_choice="required"`` with the default ``parallel_tool_calls``: the embedded model repeats its call;
+    the repeat ends the turn ("tool_calls", as OpenAI answers) instead of running to the token budget."""
+    budget = 160
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=WEATHER_QUESTION,
+        max_tokens=budget,
+        temperature=0,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = [(call.function.name, call.function.arguments) for call in choice.message.tool_calls]
+    assert calls and len(set(calls)) == len(calls) and response.usage.completion_tokens < budget
