@@ -138,3 +138,37 @@ def test_required_tool_choice_with_parallel_calls_ends_the_turn(client):
     assert choice.finish_reason == "tool_calls", choice
     calls = [(call.function.name, call.function.arguments) for call in choice.message.tool_calls]
     assert calls and len(set(calls)) == len(calls) and response.usage.completion_tokens < budget
+
+
+# ---------------------------------------------------------------------------------------------- item 10.4
+def test_message_extras_and_explicit_nulls_are_accepted(client):
+    """litellm's documented tool round trip sends the assistant message back with ``provider_specific_fields``;
+    SDKs send ``null`` for options set to None (the default then), and a message may carry a ``name``."""
+    history = [
+        {"role": "system", "content": "You are a helpful assistant.", "name": "setup"},
+        {"role": "user", "content": "What is the weather in Paris?", "name": "alice", "provider_specific_fields": {}},
+        {
+            "role": "assistant",
+            "content": None,
+            "function_call": None,
+            "provider_specific_fields": {"refusal": None},
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "index": 0,
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C", "name": "get_weather"},
+    ]
+    nulls = dict(n=None, presence_penalty=None, frequency_penalty=None, stream=None, logprobs=None)
+    answer = client.chat.completions.create(
+        model=MODEL, messages=history, max_tokens=2, tools=[WEATHER_TOOL], parallel_tool_calls=None, **nulls
+    )
+    assert len(answer.choices) == 1 and answer.usage.completion_tokens <= 2
+    text = client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, **nulls)
+    assert len(text.choices) == 1 and text.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="functions"):  # unknown request fields are still refused
+        client.chat.completions.create(model=MODEL, messages=history, max_tokens=1, extra_body={"functions": None})
