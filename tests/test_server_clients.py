@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -172,3 +173,30 @@ def test_message_extras_and_explicit_nulls_are_accepted(client):
     assert len(text.choices) == 1 and text.choices[0].logprobs is None
     with pytest.raises(openai.BadRequestError, match="functions"):  # unknown request fields are still refused
         client.chat.completions.create(model=MODEL, messages=history, max_tokens=1, extra_body={"functions": None})
+
+
+# ---------------------------------------------------------------------------------------------- item 10.5
+def test_completion_logprobs_carry_text_offsets(client):
+    """``text_offset[i]`` is where token i starts in the returned text, whole and streamed (offsets into the
+    whole text); the prompt makes the model write accented characters."""
+    request = dict(model=MODEL, prompt="Le café de la crème brûlée est", max_tokens=10, temperature=0, logprobs=1)
+    choice = client.completions.create(**request).choices[0]
+    text, logprobs = choice.text, choice.logprobs
+    offsets = logprobs.text_offset
+    assert len(offsets) == len(logprobs.tokens) == 10 and offsets[0] == 0
+    assert not text.isascii()  # character offsets, not byte offsets, are checked
+    for token, start, end in zip(logprobs.tokens, offsets, [*offsets[1:], len(text)], strict=True):
+        if "\ufffd" not in token:  # a whole-character token: exactly its text at its offset
+            assert text[start:end] == token, (text, logprobs.tokens, offsets)
+    stream = client.completions.create(stream=True, **request)
+    streamed_offsets = [
+        offset for chunk in stream for part in chunk.choices if part.logprobs for offset in part.logprobs.text_offset
+    ]
+    assert streamed_offsets == offsets
+
+
+def test_bearer_scheme_is_case_insensitive(server):
+    for scheme, status in [("bearer", 200), ("BEARER", 200), ("Bearer", 200), ("Basic", 401)]:
+        headers = {"Authorization": f"{scheme} {KEY}"}
+        assert httpx.get(f"{server.url}/v1/models", headers=headers, timeout=10).status_code == status, scheme
+    assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": "bearer wrong"}).status_code == 401

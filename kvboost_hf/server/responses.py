@@ -257,4 +257,5 @@ def _completion_logprobs(entries: list[TextLogprob]) -> dict[str, Any]:
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
         "top_logprobs": [dict(e.top) for e in entries],
+        "text_offset": [e.offset for e in entries],
     }
