@@ -160,11 +160,11 @@ class _CountingCompiler:
     def __init__(self, inner, release: threading.Event | None = None) -> None:
         self.inner, self.release, self.calls = inner, release, []
 
-    def compile_json_schema(self, source: str, **kwargs):
-        self.calls.append(source)
+    def compile_grammar(self, grammar):
+        self.calls.append(grammar)
         if self.release is not None:
             assert self.release.wait(30)
-        return self.inner.compile_json_schema(source, **kwargs)
+        return self.inner.compile_grammar(grammar)
 
 
 def test_grammar_cache_is_per_tenant(engine):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -64,25 +64,101 @@ def test_a_fully_masked_row_is_an_error_not_a_nan_draw():
         choose_token(torch.full((1, 3), -float("inf")), SamplingParams(), torch.Generator())
 
 
-def test_parse_tool_calls_keeps_text_and_skips_cut_calls():
-    grammar = pytest.importorskip("kvboost_hf.hf.grammar")
-    text = 'Sure. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call><tool_call>{"name": "g", "argu'
-    content, calls = grammar.parse_tool_calls(text)
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1})]
-    assert content.startswith("Sure.") and "argu" in content
+CALLS = [
+    ("get_weather", '{"city": "Paris"}'),
+    ("get_weather", '{"city": "a \\"}</tool_call>", "days": [1, {"b": "}"}]}'),  # markup inside a string value
+]
 
 
-def test_tool_call_stream_sends_content_then_growing_arguments():
+def tag(name: str, arguments: str) -> str:
+    return f'<tool_call>{{"name": "{name}", "arguments": {arguments}}}</tool_call>'
+
+
+ANSWER = "Let me check. " + "\n".join(tag(*call) for call in [*CALLS, CALLS[0]])  # ... and a repeat of the first
+
+
+def test_tool_calls_read_the_same_whole_and_streamed_at_every_cut():
+    """Cut the answer anywhere (as max_tokens does): no markup in content or arguments, every call's arguments are
+    a prefix of the real ones, a repeat is dropped, and a stream adds up to the whole answer."""
     grammar = pytest.importorskip("kvboost_hf.hf.grammar")
-    full = 'Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-    stream = grammar.ToolCallStream()
-    content, names, arguments = "", [], ""
-    for end in range(1, len(full) + 1):  # one character at a time, as tokens might come
-        new, deltas = stream.update(full[:end])
-        assert "<" not in new  # a possible start of a tag is held back
-        content += new
-        names += [d.name for d in deltas if d.name]
-        arguments += "".join(d.arguments for d in deltas)
-    assert content == "Let me check." and names == ["get_weather"]
-    assert json.loads(arguments) == {"city": "Paris"}
-    assert stream.update(full, final=True) == ("", [])
+    assert grammar.parse_tool_calls(ANSWER) == ("Let me check.", [grammar.ToolCall(*call) for call in CALLS])
+    assert grammar.parse_tool_calls(tag(*CALLS[0])) == ("", [grammar.ToolCall(*CALLS[0])])
+    for cut in range(len(ANSWER) + 1):
+        text = ANSWER[:cut]
+        content, calls = grammar.parse_tool_calls(text)
+        assert "Let me check. ".startswith(content) and len(calls) <= len(CALLS), text
+        for call, (name, arguments) in zip(calls, CALLS, strict=False):
+            assert call.name == name and arguments.startswith(call.arguments), text
+            assert call.complete == (call.arguments == arguments), text
+        stream = grammar.ToolCallStream()
+        streamed, names, arguments_sent = "", [], []
+        for end in [*range(1, cut + 1), cut]:  # one character at a time, as tokens might come, then the end
+            new, deltas = stream.update(text[:end], final=end == cut)
+            streamed += new
+            for delta in deltas:
+                if delta.name is not None:
+                    names.append(delta.name)
+                    arguments_sent.append("")
+                arguments_sent[delta.index] += delta.arguments
+        assert (streamed, names, arguments_sent) == (content, [c.name for c in calls], [c.arguments for c in calls])
+
+
+def test_tool_call_reading_drops_a_trailing_partial_tag_and_waits_on_whitespace():
+    grammar = pytest.importorskip("kvboost_hf.hf.grammar")
+    assert grammar.parse_tool_calls("Sure <tool_c") == ("Sure ", [])
+    assert grammar.parse_tool_calls("Sure \n") == ("Sure \n", [])  # no call follows: the text is the content
+    assert grammar.ToolCallStream().update("Sure \n") == ("Sure", [])  # a call may still follow
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    """xgrammar, the embedded model's tokenizer and a grammar compiler for it."""
+    xgrammar = pytest.importorskip("xgrammar")
+    from transformers import AutoTokenizer
+
+    from kvboost_hf.hf.grammar import GrammarCompiler
+    from kvboost_hf.hf.models import embedded_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    return SimpleNamespace(xgrammar=xgrammar, tokenizer=tokenizer, compiler=GrammarCompiler(tokenizer, len(tokenizer)))
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def test_tool_arguments_and_json_schema_share_the_compact_grammar(grammars):
+    """No free whitespace in either: a no-argument call is exactly ``{}``, arguments cannot be padded."""
+    from kvboost_hf.hf.grammar import Tool
+
+    tools = [Tool("get_time", {"type": "object"}), Tool("get_weather", CITY)]
+    calls = grammars.compiler.tool_calls(tools, required=True, parallel=True).result()
+    answer = grammars.compiler.json_schema(CITY).result()
+
+    def accepts(grammar, text: str) -> bool:
+        return grammars.xgrammar.GrammarMatcher(grammar).accept_string(text)
+
+    assert accepts(calls, tag("get_time", "{}")) and accepts(calls, tag("get_weather", '{"city": "Paris"}'))
+    assert accepts(answer, '{"city": "Paris"}')
+    for padded in ['{ "city": "Paris"}', '{"city":"Paris"}', '{"city": "Paris"\n}']:
+        assert not accepts(calls, tag("get_weather", padded)) and not accepts(answer, padded)
+    assert not accepts(calls, tag("get_time", "{ }")) and not accepts(calls, tag("get_time", "{\n"))
+
+
+def test_tool_call_processor_ends_the_turn_at_a_repeated_call(grammars):
+    """Under ``required`` with parallel calls the grammar allows calls without end; a repeat ends the turn."""
+    from kvboost_hf.hf.grammar import Tool
+
+    grammar = grammars.compiler.tool_calls([Tool("get_weather", CITY)], required=True, parallel=True).result()
+    tokenizer = grammars.tokenizer
+    prompt = tokenizer.encode("Weather?")
+    ends = set(grammar.tokenizer_info.stop_token_ids)
+
+    def allowed_after(text: str) -> set[int]:
+        processor = grammars.compiler.tool_call_processor(grammar, len(prompt), tokenizer.decode)
+        ids = prompt + tokenizer.encode(text, add_special_tokens=False)
+        scores = processor(torch.tensor([ids]), torch.zeros(1, len(tokenizer)))
+        return set(torch.isfinite(scores[0]).nonzero().flatten().tolist())
+
+    paris, rome = tag("get_weather", '{"city": "Paris"}'), tag("get_weather", '{"city": "Rome"}')
+    assert allowed_after(paris) > ends and allowed_after(f"{paris}\n{rome}") > ends  # another call may follow
+    assert allowed_after(f"{paris}\n{rome}\n{paris}") == ends

@@ -4,12 +4,15 @@
 
 * ``json_object``: any JSON object; ``json_schema``: JSON valid against a schema (compact, no free whitespace);
 * tool calls in the Hermes tag format ``<tool_call>{"name": "NAME", "arguments": {...}}</tool_call>``, where the
-  arguments follow the tool's parameter schema: ``auto`` allows free text and dispatches into a call when the model
-  writes ``<tool_call>``; ``required`` (and a named tool) allows nothing but calls.
+  arguments follow the tool's parameter schema in the same compact JSON (:func:`compact_json_grammar`): ``auto``
+  allows free text and dispatches into a call when the model writes ``<tool_call>``; ``required`` (and a named
+  tool) allows nothing but calls.
 
 :class:`GrammarProcessor` is a transformers ``LogitsProcessor`` for ONE row: before each step it feeds the
 row's newly generated tokens to its matcher and masks every token the grammar forbids (the end tokens included
-until the grammar is complete). :func:`parse_tool_calls` reads the calls back out of the generated text.
+until the grammar is complete); :class:`ToolCallProcessor` also ends a turn whose model repeats a call.
+:func:`parse_tool_calls` (a whole answer) and :class:`ToolCallStream` (a stream) read the calls back out of the
+generated text by the same rules, so streamed and whole answers agree and markup never leaks.
 
 Compiles run on the compiler's own bounded pool (``GrammarLimits``): a constraint source larger than
 ``max_schema_bytes`` is refused before compiling, at most ``max_waiting`` compiles are queued or running
@@ -37,7 +40,6 @@ from transformers import LogitsProcessor, PreTrainedTokenizerBase
 
 TOOL_CALL_BEGIN = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
-_TOOL_CALL = re.compile(re.escape(TOOL_CALL_BEGIN) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
 _ARGUMENTS_END = "}" + TOOL_CALL_END
 
 
@@ -90,10 +92,13 @@ class Tool:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One call parsed from generated text; ``arguments`` is the JSON text of the arguments object."""
+    """One call read from generated text. ``arguments`` is the arguments' JSON text as generated; a call cut by
+    the token budget has ``complete`` False and the arguments text generated before the cut (not valid JSON: the
+    OpenAI API answers a call cut by ``max_tokens`` the same way)."""
 
     name: str
     arguments: str
+    complete: bool = True
 
 
 Compiled = Future[xgrammar.CompiledGrammar]
@@ -121,10 +126,10 @@ class GrammarCompiler:
         return self.json_schema({"type": "object"}, tenant=tenant)
 
     def json_schema(self, schema: dict[str, Any], *, tenant: str | None = None) -> Compiled:
-        """JSON valid against ``schema``."""
+        """JSON valid against ``schema``, compact (:func:`compact_json_grammar`)."""
         source = json.dumps(schema)
         return self._compile(
-            tenant, f"json {source}", lambda: self._compiler.compile_json_schema(source, any_whitespace=False)
+            tenant, f"json {source}", lambda: self._compiler.compile_grammar(compact_json_grammar(schema))
         )
 
     def tool_calls(
@@ -134,26 +139,22 @@ class GrammarCompiler:
         unless ``parallel``."""
         if not tools:
             raise GrammarError("no tools to call")
-        tags = [
-            {
-                "type": "tag",
-                "begin": _call_header(tool.name),
-                "content": {"type": "json_schema", "json_schema": tool.parameters},
-                "end": _ARGUMENTS_END,
-            }
-            for tool in tools
-        ]
-        if required:
-            layout = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True}
-        else:
-            layout = {"type": "triggered_tags", "triggers": [TOOL_CALL_BEGIN], "tags": tags}
-        structural = {"type": "structural_tag", "format": {**layout, "stop_after_first": not parallel}}
-        source = json.dumps(structural)
-        return self._compile(tenant, f"tags {source}", lambda: self._compiler.compile_structural_tag(source))
+        source = json.dumps([[tool.name, tool.parameters] for tool in tools] + [required, parallel])
+        return self._compile(
+            tenant,
+            f"tags {source}",
+            lambda: self._compiler.compile_structural_tag(_tool_call_structure(tools, required, parallel)),
+        )
 
     def processor(self, grammar: xgrammar.CompiledGrammar, prompt_length: int) -> GrammarProcessor:
         """A fresh processor (own matcher state) for one row whose prompt has ``prompt_length`` tokens."""
         return GrammarProcessor(grammar, prompt_length, self.info.vocab_size)
+
+    def tool_call_processor(
+        self, grammar: xgrammar.CompiledGrammar, prompt_length: int, decode: Callable[[list[int]], str]
+    ) -> ToolCallProcessor:
+        """A fresh :class:`ToolCallProcessor` for one row of a :meth:`tool_calls` grammar."""
+        return ToolCallProcessor(grammar, prompt_length, self.info.vocab_size, decode)
 
     def _compile(self, tenant: str | None, source: str, compile_fn: Callable[[], xgrammar.CompiledGrammar]) -> Compiled:
         """The future of ``compile_fn()``'s grammar, cached under ``(tenant, source)``; one compile per key even
@@ -197,6 +198,33 @@ class GrammarCompiler:
                 self._waiting.pop(key, None)
 
 
+def compact_json_grammar(schema: dict[str, Any]) -> xgrammar.Grammar:
+    """The grammar of JSON valid against ``schema`` written compactly: no whitespace but the single spaces of the
+    separators ``", "`` and ``": "`` (as ``json.dumps`` writes them), so a model cannot pad or loop in whitespace.
+    Used for ``json_schema`` answers and for tool-call arguments alike. Raises what xgrammar raises for a schema
+    it cannot convert."""
+    return xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+
+
+def _tool_call_structure(tools: Sequence[Tool], required: bool, parallel: bool) -> str:
+    """The xgrammar structural tag (JSON text) of calls of ``tools`` in the tag format, each call's arguments in
+    the compact grammar of its parameter schema."""
+    tags = [
+        {
+            "type": "tag",
+            "begin": _call_header(tool.name),
+            "content": {"type": "grammar", "grammar": str(compact_json_grammar(tool.parameters))},
+            "end": _ARGUMENTS_END,
+        }
+        for tool in tools
+    ]
+    if required:
+        layout = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True}
+    else:
+        layout = {"type": "triggered_tags", "triggers": [TOOL_CALL_BEGIN], "tags": tags}
+    return json.dumps({"type": "structural_tag", "format": {**layout, "stop_after_first": not parallel}})
+
+
 class GrammarProcessor(LogitsProcessor):
     """Masks the tokens ``grammar`` forbids for one row (``input_ids`` ``[1, L]``, prompt first). The end tokens
     stay masked until the grammar is complete, and once it is complete they are the only tokens allowed."""
@@ -219,24 +247,116 @@ class GrammarProcessor(LogitsProcessor):
         return masked
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """``(text outside the calls, calls)`` of generated text in the tag format. A call whose JSON does not parse
-    (cut by the token budget) stays in the text."""
+class ToolCallProcessor(GrammarProcessor):
+    """A :class:`GrammarProcessor` for tool calls that also ends the turn when the model starts looping: once the
+    generated text holds a complete call equal to an earlier call of the turn, only end tokens are allowed (when
+    the grammar allows ending there), and that repeat is dropped when the calls are read (:func:`_read`). A
+    model that keeps repeating its call under ``tool_choice="required"`` thus ends with ``finish_reason
+    "tool_calls"``, as OpenAI models do, instead of running out of tokens. ``decode``: generated token ids ->
+    text, safe to call from the decoding thread."""
+
+    def __init__(
+        self,
+        grammar: xgrammar.CompiledGrammar,
+        prompt_length: int,
+        vocab_size: int,
+        decode: Callable[[list[int]], str],
+    ) -> None:
+        super().__init__(grammar, prompt_length, vocab_size)
+        self.decode = decode
+        self.end_token_ids = list(grammar.tokenizer_info.stop_token_ids)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        masked = super().__call__(input_ids, scores)
+        ends = torch.full_like(masked, -float("inf"))
+        ends[:, self.end_token_ids] = masked[:, self.end_token_ids]
+        if not torch.isfinite(ends).any():  # the grammar does not allow ending here: nothing to decide
+            return masked
+        generated = input_ids[0, self.prompt_length :].tolist()
+        return ends if _read(self.decode(generated), final=False).repeated else masked
+
+
+@dataclass(frozen=True)
+class _Reading:
+    """What generated text in the tag format holds so far (see :func:`_read`)."""
+
+    content: str
+    calls: list[ToolCall]
+    repeated: bool  # a complete call equal to an earlier one was dropped
+
+
+def _read(text: str, final: bool) -> _Reading:
+    """Read generated text in the tag format; ``final``: the text is complete (finished or cut), else more may come.
+
+    The one reading behind whole answers and streams, so both always agree:
+
+    * content is the text before the first call, without trailing whitespace when a call follows. A trailing start
+      of ``<tool_call>`` is never content, and while not final trailing whitespace waits (a call may follow);
+    * text after the first call that is not a call (separators, free text in ``auto`` mode) is dropped;
+    * a call is reported once its name is complete. Its arguments are the JSON value after the name, found by a
+      string-aware scan: markup never enters them (a cut ``}</tool`` included), and ``</tool_call>`` inside a
+      string value stays part of it;
+    * a complete call equal (name and argument text) to an earlier one of the turn is dropped (``repeated``), and
+      so is an incomplete call whose arguments so far are a prefix of an earlier call's of the same name: it may
+      still become a repeat (reported once it differs; dropped if the text ends there).
+    """
+    first = text.find(TOOL_CALL_BEGIN)
+    if first < 0:
+        content = text[: len(text) - _held_back(text, TOOL_CALL_BEGIN)]
+        return _Reading(content if final else content.rstrip(), [], False)
     calls: list[ToolCall] = []
-    kept: list[str] = []
-    position = 0
-    for match in _TOOL_CALL.finditer(text):
-        try:
-            payload = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
-            continue
-        kept.append(text[position : match.start()])
-        position = match.end()
-        calls.append(ToolCall(payload["name"], json.dumps(payload.get("arguments", {}))))
-    kept.append(text[position:])
-    return "".join(kept).strip(), calls
+    repeated = False
+    start = first
+    while start >= 0 and (header := _HEADER.match(text, start)) is not None:
+        end = _json_value_end(text, header.end())
+        call = ToolCall(header.group(1), text[header.end() : end], end is not None)
+        if call.complete and call in calls:
+            repeated = True
+        elif call.complete or not any(_may_become(call, earlier) for earlier in calls):
+            calls.append(call)
+        if end is None:
+            break
+        start = text.find(TOOL_CALL_BEGIN, end)
+    return _Reading(text[:first].rstrip(), calls, repeated)
+
+
+def _may_become(call: ToolCall, earlier: ToolCall) -> bool:
+    """Whether the incomplete ``call`` may still end up equal to the complete ``earlier`` one."""
+    return earlier.complete and earlier.name == call.name and earlier.arguments.startswith(call.arguments)
+
+
+def _json_value_end(text: str, start: int) -> int | None:
+    """End index of the JSON value starting at ``text[start]``, None while it is incomplete. Characters inside
+    strings (escapes included) never count as structure; a scalar value ends at the call's closing ``}``."""
+    depth, in_string, escaped = 0, False, False
+    for index in range(start, len(text)):
+        char = text[index]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+                if depth == 0:
+                    return index + 1
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            if depth == 0:
+                return index
+            depth -= 1
+            if depth == 0:
+                return index + 1
+    return None
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """``(content, calls)`` of a complete generated text in the tag format (the rules of :func:`_read`)."""
+    reading = _read(text, final=True)
+    return reading.content, reading.calls
 
 
 @dataclass(frozen=True)
@@ -249,9 +369,9 @@ class ToolCallDelta:
 
 
 class ToolCallStream:
-    """Incremental reading of a growing generated text in the grammar's tag format: the content before the first
-    call (a possible start of a tag held back) and, per call, its name then its argument text as it grows (the
-    closing ``}</tool_call>`` held back). ``update`` is given the whole text so far each time."""
+    """Incremental reading of a growing generated text in the tag format: the new content and call deltas since
+    the last update, by the same rules as :func:`parse_tool_calls` (once ``final``, everything sent adds up to
+    its answer). ``update`` is given the whole text so far each time."""
 
     def __init__(self) -> None:
         self.content_sent = 0
@@ -259,25 +379,17 @@ class ToolCallStream:
 
     def update(self, text: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
         """``(new content, new call deltas)``; with ``final`` nothing is held back any more."""
-        first = text.find(TOOL_CALL_BEGIN)
-        content = text if first < 0 else text[:first]
-        if first < 0 and not final:
-            content = content[: len(content) - _held_back(content, TOOL_CALL_BEGIN)]
-        new_content = content[self.content_sent :]
-        self.content_sent = max(self.content_sent, len(content))
+        reading = _read(text, final)
+        new_content = reading.content[self.content_sent :]
+        self.content_sent = max(self.content_sent, len(reading.content))
         deltas: list[ToolCallDelta] = []
-        for index, match in enumerate(_HEADER.finditer(text)):
-            rest = text[match.end() :]
-            end = rest.find(_ARGUMENTS_END)
-            arguments = (
-                rest[:end] if end >= 0 else rest if final else rest[: len(rest) - _held_back(rest, _ARGUMENTS_END)]
-            )
+        for index, call in enumerate(reading.calls):
             if index == len(self.arguments_sent):
                 self.arguments_sent.append(0)
-                deltas.append(ToolCallDelta(index, match.group(1), ""))
-            if len(arguments) > self.arguments_sent[index]:
-                deltas.append(ToolCallDelta(index, None, arguments[self.arguments_sent[index] :]))
-                self.arguments_sent[index] = len(arguments)
+                deltas.append(ToolCallDelta(index, call.name, ""))
+            if len(call.arguments) > self.arguments_sent[index]:
+                deltas.append(ToolCallDelta(index, None, call.arguments[self.arguments_sent[index] :]))
+                self.arguments_sent[index] = len(call.arguments)
         return new_content, deltas
 
 

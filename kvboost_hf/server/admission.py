@@ -143,7 +143,8 @@ class Admission:
         except GrammarBusy as exc:
             raise ApiError(503, str(exc), code="grammar_busy", headers={"Retry-After": "1"}) from exc
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._params(body, prompt_ids, body.max_completion_tokens or body.max_tokens, top, grammar)
+        budget = body.max_completion_tokens or body.max_tokens
+        params = self._params(body, prompt_ids, budget, top, grammar, tool_calls=bool(tools))
         return Prepared(
             "chat",
             prompt_ids,
@@ -194,7 +195,10 @@ class Admission:
         max_tokens: int | None,
         top_logprobs: int | None,
         grammar: Compiled | None,
+        tool_calls: bool = False,
     ) -> JobParams:
+        """The job's settings; ``grammar`` constrains each row (a tool-call grammar when ``tool_calls``, whose rows
+        also end a turn that repeats a call: :class:`~kvboost_hf.hf.grammar.ToolCallProcessor`)."""
         settings = self.settings
         if body.n > settings.max_batch_size:
             raise ApiError(400, f"n={body.n} exceeds the server's max batch size {settings.max_batch_size}", param="n")
@@ -240,6 +244,8 @@ class Admission:
             compiler = self._compiler()
 
             def constraint(prompt_length: int) -> LogitsProcessor:  # called once the grammar compiled
+                if tool_calls:
+                    return compiler.tool_call_processor(grammar.result(), prompt_length, self._decode)
                 return compiler.processor(grammar.result(), prompt_length)
 
         return JobParams(max_tokens, sampling, body.stop_strings(), top_logprobs, constraint)

@@ -64,16 +64,15 @@ class _Gate:
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, body_timeout_s: float) -> None:
         self.app, self.max_body_bytes, self.body_timeout_s = app, max_body_bytes, body_timeout_s
-        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.api_key = api_key.encode() if api_key is not None else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"")
-        public = self.expected is None or scope["path"] in PUBLIC_PATHS
-        if not (public or secrets.compare_digest(given, self.expected or b"")):
+        public = self.api_key is None or scope["path"] in PUBLIC_PATHS
+        if not (public or self._authorized(headers.get(b"authorization", b""))):
             message = "missing or invalid API key (send 'Authorization: Bearer <key>')"
             await ApiError(401, message, code="invalid_api_key").response()(scope, receive, send)
             return
@@ -99,6 +98,12 @@ class _Gate:
             return message
 
         await self.app(scope, counted, send)
+
+    def _authorized(self, header: bytes) -> bool:
+        """Whether an ``Authorization`` header carries the key as a bearer token (the scheme in any case, as
+        RFC 9110 reads it: some clients send ``bearer``)."""
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(b" "), self.api_key or b"")
 
 
 class _CountRequests:

@@ -42,11 +42,14 @@ class JobParams:
 
 @dataclass(frozen=True)
 class TextLogprob:
-    """Log-probability (natural log, under the model's unscaled distribution) of one generated token, as text."""
+    """Log-probability (natural log, under the model's unscaled distribution) of one generated token, as text.
+    ``offset``: where the token starts in the choice's text, in characters (a token that ends inside a character
+    points at that character's start)."""
 
     token: str
     logprob: float
     top: tuple[tuple[str, float], ...]
+    offset: int
 
 
 @dataclass(frozen=True)
@@ -248,7 +251,11 @@ class Batch:
         new_text = row.text[choice.shown :]
         new_logprobs = row.logprobs[choice.logprobs :]
         if new_text or new_logprobs:
-            job.sink(Delta(choice.index, new_text, tuple(self._as_text(entry) for entry in new_logprobs)))
+            first_index = choice.logprobs
+            logprobs = tuple(
+                self._as_text(entry, row.tokens[: first_index + k]) for k, entry in enumerate(new_logprobs)
+            )
+            job.sink(Delta(choice.index, new_text, logprobs))
             choice.shown, choice.logprobs = len(row.text), len(row.logprobs)
         if row.finished:
             choice.finished = True
@@ -257,7 +264,10 @@ class Batch:
             if job.rows_left == 0:
                 job.sink(Done(len(job.prompt_ids), job.cached_tokens, job.completion_tokens))
 
-    def _as_text(self, entry: TokenLogprob) -> TextLogprob:
+    def _as_text(self, entry: TokenLogprob, before: list[int]) -> TextLogprob:
+        """``entry`` as text; ``before``: the row's tokens before it (its offset is the length of their text)."""
         with self.tokenizer_lock:
             decode = self.engine.tokenizer.decode
-            return TextLogprob(decode([entry.token]), entry.logprob, tuple((decode([t]), v) for t, v in entry.top))
+            top = tuple((decode([t]), v) for t, v in entry.top)
+            offset = len(decode(before).rstrip("\ufffd"))  # an incomplete character is not text yet
+            return TextLogprob(decode([entry.token]), entry.logprob, top, offset)

@@ -3,11 +3,13 @@
 The worker reports through ``job.sink`` from its own thread; :class:`Exchange` moves each event onto the event
 loop with ``loop.call_soon_threadsafe`` (no second event loop) and builds the OpenAI bodies from them.
 
-Tool calls: when the request offered tools, the text of each choice is parsed for ``<tool_call>`` tags
+Tool calls: when the request offered tools, the text of each choice is read for ``<tool_call>`` tags
 (:func:`~kvboost_hf.hf.grammar.parse_tool_calls`); the calls are answered as ``tool_calls`` with
 ``finish_reason: "tool_calls"``. While streaming, the text before the first tag is sent as content as it comes
 (a partial tag is held back), then each call as tool-call deltas: its id and name first, then its argument text
-as the tokens come (:class:`~kvboost_hf.hf.grammar.ToolCallStream`).
+as the tokens come (:class:`~kvboost_hf.hf.grammar.ToolCallStream`). Both read by the same rules, so a stream adds
+up to the whole answer, and no markup reaches content or arguments. A call cut by ``max_tokens`` is answered with
+the arguments text generated before the cut (not valid JSON) and ``finish_reason: "length"``, as OpenAI does.
 
 A choice ended by a shutdown (reason "cancelled") ends a stream with ``finish_reason: "length"`` (the answer is
 cut short), usage and ``[DONE]``; a non-streaming request gets a 503 error body.
@@ -149,9 +151,9 @@ class Exchange:
             return {"role": "assistant", "content": text}, reason
         content, calls = parse_tool_calls(text)
         if not calls:
-            return {"role": "assistant", "content": text}, reason
+            return {"role": "assistant", "content": content}, reason
         message = {"role": "assistant", "content": content or None, "tool_calls": [_tool_call(c) for c in calls]}
-        return message, "tool_calls" if reason == "stop" else reason
+        return message, _finish_reason(reason, bool(calls))
 
     # ------------------------------------------------------------------ SSE
     async def _sse(self) -> AsyncIterator[str]:
@@ -180,8 +182,7 @@ class Exchange:
                         yield self._chunk(self._tool_delta_choice(i, delta, call_ids[i]))
                 if isinstance(event, Finished):
                     reason = "length" if event.reason == SHUTDOWN_REASON else event.reason
-                    if reason == "stop" and self.prepared.tool_calls and parse_tool_calls(texts[i])[1]:
-                        reason = "tool_calls"
+                    reason = _finish_reason(reason, bool(calls[i].arguments_sent))
                     empty: dict[str, Any] = {"delta": {}} if self.chat else {"text": ""}
                     yield self._chunk({"index": i, **empty, "logprobs": None, "finish_reason": reason})
             elif isinstance(event, Done):
@@ -220,6 +221,11 @@ class Exchange:
         return f"data: {json.dumps(chunk)}\n\n"
 
 
+def _finish_reason(reason: str, has_calls: bool) -> str:
+    """A choice's finish reason: "tool_calls" for one that ended by itself with calls; a cut one stays "length"."""
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
 def _call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
@@ -255,4 +261,5 @@ def _completion_logprobs(entries: list[TextLogprob]) -> dict[str, Any]:
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
         "top_logprobs": [dict(e.top) for e in entries],
+        "text_offset": [e.offset for e in entries],
     }

@@ -1,9 +1,12 @@
 """Request and response bodies of the OpenAI-compatible API.
 
 Requests are validated strictly: types are not coerced (``max_tokens: "10"`` or ``true`` and ``stream: "yes"``
-are 400s), and a field the server does not implement is a 400 naming it, never accepted and ignored. The
-extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos`` (as in
-vLLM) and ``cache_salt`` are accepted in the body (``extra_body`` in the openai SDK).
+are 400s), and a request field the server does not implement is a 400 naming it, never accepted and ignored. An
+explicit ``null`` for a known field means its default (as the OpenAI API reads it; SDKs send ``null`` for options
+set to None). Inside messages unknown keys are ignored: clients send back the assistant messages they received
+with their own additions (litellm's ``provider_specific_fields``), and the message ``name`` has no place in a
+chat template. The extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
+``ignore_eos`` (as in vLLM) and ``cache_salt`` are accepted in the body (``extra_body`` in the openai SDK).
 """
 
 from __future__ import annotations
@@ -18,7 +21,23 @@ FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 class _Strict(BaseModel):
+    """No type coercion, unknown keys refused; an explicit ``null`` for a known field means the field's default."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = {field.alias or name for name, field in cls.model_fields.items()}
+        return {key: value for key, value in data.items() if value is not None or key not in known}
+
+
+class _Message(_Strict):
+    """A part of a chat message: unknown keys are ignored (clients echo messages back with their own fields)."""
+
+    model_config = ConfigDict(extra="ignore")
 
 
 class ContentPart(BaseModel):
@@ -40,12 +59,12 @@ class ContentPart(BaseModel):
         return self
 
 
-class FunctionCall(_Strict):
+class FunctionCall(_Message):
     name: str
     arguments: str = Field(description="JSON text of the arguments object")
 
 
-class ToolCallIn(_Strict):
+class ToolCallIn(_Message):
     """A tool call of an earlier assistant turn, as the API returned it."""
 
     id: str
@@ -53,7 +72,9 @@ class ToolCallIn(_Strict):
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Message):
+    """One chat message; ``name`` is accepted and not rendered (chat templates have no place for it)."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -62,8 +83,6 @@ class ChatMessage(_Strict):
 
     @model_validator(mode="after")
     def _roles(self) -> ChatMessage:
-        if self.name is not None:
-            raise ValueError("message 'name' is unsupported (the chat template has no place for it)")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
