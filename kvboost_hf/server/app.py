@@ -266,6 +266,7 @@ def create_app(engine: InferenceEngine, settings: ServerSettings | None = None) 
 
     app = FastAPI(title="kvboost_hf OpenAI-compatible server", version="0.1.0", lifespan=lifespan)
     app.router.route_class = _off_loop_route(settings.max_json_values)
+    app.state.settings = settings
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.drain = lambda: worker.shutdown(settings.shutdown_grace_s)
