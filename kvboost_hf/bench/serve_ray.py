@@ -8,8 +8,8 @@ and its own Redis key prefix; nothing is warmed.
 
 Measured with the official ``openai`` client (streaming, greedy, no client retries): TTFT p50/p99 (ms), reuse ratio
 (cached / prompt tokens), failed requests (errors) and wrong answers (greedy text different from one engine's
-``generate`` on the same conversation, computed before Ray starts, see :func:`reference_answers`). Output: a table, ``serve_ray.json`` and
-``serve_ray.png`` under ``--out``.
+``generate`` on the same conversation, computed before Ray starts: :func:`reference_answers`). Output: a table,
+``serve_ray.json`` and ``serve_ray.png`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def reference_answers(args: argparse.Namespace, system: str) -> dict[tuple[int, 
         messages = [{"role": "system", "content": system}]
         for turn in range(args.turns):
             messages.append({"role": "user", "content": user_message(user, turn)})
-            answers[user, turn] = engine.generate(messages, args.max_tokens, mode="prefix_cache", temperature=0).output_text
+            result = engine.generate(messages, args.max_tokens, mode="prefix_cache", temperature=0)
+            answers[user, turn] = result.output_text
             messages.append({"role": "assistant", "content": answers[user, turn]})
     return answers
 
