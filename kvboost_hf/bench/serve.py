@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -75,10 +75,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-def system_prompt(min_chars: int) -> str:
-    """A shared system prompt of at least ``min_chars`` characters of real documentation text."""
+def system_prompt(min_chars: int, first_document: int = 0) -> str:
+    """A system prompt of at least ``min_chars`` characters of real documentation text, from the corpus's
+    ``first_document`` on (different values give different prompts)."""
     text = "You are a documentation assistant. Answer briefly, using only this reference:\n\n"
-    for title, body in documents():
+    corpus = documents()
+    for title, body in corpus[first_document:] + corpus[:first_document]:
         if len(text) >= min_chars:
             break
         text += f"## {title}\n{body}\n\n"
@@ -191,7 +193,7 @@ def run_mode(reuse: bool, args: argparse.Namespace, system: str) -> dict:
     flags = [*server_flags(args), "--reuse-mode", "prefix" if reuse else "off"]
     server = ServerProcess(flags, args.startup_timeout_s)
     try:
-        records, wall_s = run_users(server.url, args, system)
+        records, wall_s = run_users(server.url, args, [system] * args.users)
     finally:
         server.stop()
     return {"summary": {"reuse": reuse, **summarize(records, wall_s)}, "records": [asdict(r) for r in records]}
@@ -207,15 +209,19 @@ def server_flags(args: argparse.Namespace) -> list[str]:
 
 
 def run_users(
-    url: str, args: argparse.Namespace, system: str, on_record: Callable[[RequestRecord], None] | None = None
+    url: str,
+    args: argparse.Namespace,
+    systems: Sequence[str],
+    on_record: Callable[[RequestRecord], None] | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """Every user's conversation at once against ``url``; returns the records and the wall time (s)."""
+    """Every user's conversation at once against ``url`` (user ``i`` after ``systems[i]``); returns the records
+    and the wall time (s)."""
     results: list[list[RequestRecord]] = [[] for _ in range(args.users)]
     started = time.perf_counter()
     deadline = time.monotonic() + args.time_limit_s
 
     def user(index: int) -> None:
-        results[index] = run_user(url, index, args, system, deadline, on_record)
+        results[index] = run_user(url, index, args, systems[index], deadline, on_record)
 
     threads = [threading.Thread(target=user, args=(i,), daemon=True) for i in range(args.users)]
     for thread in threads:

@@ -4,7 +4,10 @@ One run, one local Ray instance, ``--replicas`` replicas of the embedded model (
 flags in every scenario: round-robin vs prefix-aware (chunk-key) routing, each without and with the shared Redis tier,
 then prefix routing with Redis while one replica is killed after ``--kill-after`` completed turns (Ray Serve starts a
 replacement; the ingress sends the lost requests again). Each scenario is a fresh application with empty RAM tiers
-and its own Redis key prefix; nothing is warmed.
+and its own Redis key prefix; nothing is warmed. By default each user's conversation starts with its own reference
+text (``--system-prompts per_user``: tenants or sessions with their own documents), so a turn that reaches a replica
+that never saw its conversation recomputes it; ``shared`` gives every user the serve benchmark's one system prompt,
+which every replica soon holds whatever the routing.
 
 Measured with the official ``openai`` client (streaming, greedy, no client retries): TTFT p50/p99 (ms), reuse ratio
 (cached / prompt tokens), failed requests (errors) and wrong answers (greedy text different from one engine's
@@ -38,6 +41,7 @@ from kvboost_hf.bench.serve import (
 )
 
 logger = logging.getLogger(__name__)
+DOCUMENTS_APART = 5  # per-user system prompts start this many corpus documents apart
 # (name, routing, Redis tier, kill a replica)
 SCENARIOS = (
     ("round_robin", "round_robin", False, False),
@@ -48,7 +52,14 @@ SCENARIOS = (
 )
 
 
-def reference_answers(args: argparse.Namespace, system: str) -> dict[tuple[int, int], str]:
+def system_prompts(args: argparse.Namespace) -> list[str]:
+    """Each user's system prompt (``--system-prompts``): one shared text, or texts starting at other documents, each
+    cut to ``--system-chars`` characters (so every user's prompt is as long)."""
+    firsts = [DOCUMENTS_APART * user if args.system_prompts == "per_user" else 0 for user in range(args.users)]
+    return [system_prompt(args.system_chars, first)[: args.system_chars] for first in firsts]
+
+
+def reference_answers(args: argparse.Namespace, systems: list[str]) -> dict[tuple[int, int], str]:
     """(user, turn) -> the greedy answer of one engine to that turn of that user's conversation, with exact prefix
     reuse (what one server answers with its default ``--reuse-mode prefix``, equal to no reuse; and cheaper)."""
     from kvboost_hf import KVBoost
@@ -56,7 +67,7 @@ def reference_answers(args: argparse.Namespace, system: str) -> dict[tuple[int, 
     engine = KVBoost.from_pretrained(chunk_size=args.chunk_size, device="cpu")
     answers = {}
     for user in range(args.users):
-        messages = [{"role": "system", "content": system}]
+        messages = [{"role": "system", "content": systems[user]}]
         for turn in range(args.turns):
             messages.append({"role": "user", "content": user_message(user, turn)})
             result = engine.generate(messages, args.max_tokens, mode="prefix_cache", temperature=0)
@@ -66,7 +77,7 @@ def reference_answers(args: argparse.Namespace, system: str) -> dict[tuple[int, 
 
 
 def run_scenario(
-    routing: str, redis: bool, kill: bool, args: argparse.Namespace, port: int, system: str
+    routing: str, redis: bool, kill: bool, args: argparse.Namespace, port: int, systems: list[str]
 ) -> tuple[list[RequestRecord], float, str | None]:
     """Deploy, run the users, delete the application; returns the records, the wall time and the killed replica."""
     from ray import serve
@@ -92,7 +103,7 @@ def run_scenario(
                 logger.info("killed replica %s after %d turns", killed[0], done)
 
     try:
-        records, wall_s = run_users(url, args, system, on_record)
+        records, wall_s = run_users(url, args, systems, on_record)
     finally:
         serve.delete(APP_NAME)
     return records, wall_s, killed[0] if killed else None
@@ -123,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--replica-cpus", type=float, default=0.5, help="CPUs Ray reserves per replica")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the shared tier (.ci/start-redis.sh)")
+    parser.add_argument("--system-prompts", choices=("per_user", "shared"), default="per_user")
     parser.add_argument("--kill-after", type=int, default=None, help="completed turns before the kill (default: users)")
     args = parser.parse_args(argv)
     check_load(parser, args)
@@ -131,16 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     logger.setLevel(logging.INFO)
     import ray
 
-    system = system_prompt(args.system_chars)
+    systems = system_prompts(args)
     logger.info("reference answers: one engine, greedy, %d users x %d turns", args.users, args.turns)
-    reference = reference_answers(args, system)
+    reference = reference_answers(args, systems)
     ray.init(include_dashboard=False, log_to_driver=False)
     runs: dict[str, dict[str, Any]] = {}
     port = free_port()
     try:
         for name, routing, redis, kill in SCENARIOS:
             logger.info("scenario %s: %d users x %d turns, %d replicas", name, args.users, args.turns, args.replicas)
-            records, wall_s, killed = run_scenario(routing, redis, kill, args, port, system)
+            records, wall_s, killed = run_scenario(routing, redis, kill, args, port, systems)
             wrong = [r for r in records if r.error is None and r.answer != reference[r.user, r.turn]]
             summary: dict[str, Any] = {"routing": routing, "redis": redis, "killed": killed}
             summary |= summarize(records, wall_s)
