@@ -62,8 +62,12 @@ def system_prompts(args: argparse.Namespace) -> list[str]:
 def reference_answers(args: argparse.Namespace, systems: list[str]) -> dict[tuple[int, int], str]:
     """(user, turn) -> the greedy answer of one engine to that turn of that user's conversation, with exact prefix
     reuse (what one server answers with its default ``--reuse-mode prefix``, equal to no reuse; and cheaper)."""
+    import torch
+
     from kvboost_hf import KVBoost
 
+    if args.threads:  # as many as each replica: more threads than free cores spin on a contended CPU
+        torch.set_num_threads(args.threads)
     engine = KVBoost.from_pretrained(chunk_size=args.chunk_size, device="cpu")
     answers = {}
     for user in range(args.users):
@@ -136,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the shared tier (.ci/start-redis.sh)")
     parser.add_argument("--system-prompts", choices=("per_user", "shared"), default="per_user")
     parser.add_argument("--kill-after", type=int, default=None, help="completed turns before the kill (default: users)")
+    parser.set_defaults(system_chars=1500)  # three distinct prompts: shorter than the serve benchmark's shared one
     args = parser.parse_args(argv)
     check_load(parser, args)
     args.kill_after = args.kill_after or args.users
