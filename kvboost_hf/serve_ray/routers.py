@@ -75,10 +75,12 @@ class ChunkAffinityRouter(RequestRouter):
 
 
 class RoundRobinRouter(RequestRouter):
-    """Each request to the next replica in a fixed order (the baseline that ignores chunk keys)."""
+    """Each request to the next replica in a fixed order (the baseline that ignores chunk keys). A request keeps its
+    turn while Ray Serve routes it again (a full replica, backoff), so every request takes exactly one turn."""
 
     def initialize_state(self, **kwargs: Any) -> None:
-        self.turns = itertools.count()
+        self.counter = itertools.count()
+        self.turns: dict[str, int] = {}  # request id -> its turn, until routed or completed
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -86,4 +88,15 @@ class RoundRobinRouter(RequestRouter):
         if not candidate_replicas:
             return []
         ordered = sorted(candidate_replicas, key=lambda replica: replica.replica_id.unique_id)
-        return [[ordered[next(self.turns) % len(ordered)]]]
+        if pending_request is None:
+            return [[ordered[next(self.counter) % len(ordered)]]]
+        request_id = pending_request.metadata.internal_request_id
+        if request_id not in self.turns:
+            self.turns[request_id] = next(self.counter)
+        return [[ordered[self.turns[request_id] % len(ordered)]]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self.turns.pop(pending_request.metadata.internal_request_id, None)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.turns.pop(internal_request_id, None)
