@@ -113,6 +113,20 @@ def run_scenario(
     return records, wall_s, killed[0] if killed else None
 
 
+def follow_ups(records: list[RequestRecord]) -> dict[str, Any]:
+    """What routing changes: the reuse ratio of turns after the first (the first has nothing to reuse) and how many
+    of them a replica other than the previous turn's served (x-kvboost-replica: where the answer started)."""
+    by_turn = {(r.user, r.turn): r for r in records}
+    later = [r for r in records if r.turn > 0 and r.error is None]
+    prompt = sum(r.prompt_tokens for r in later)
+    moved = [r for r in later if (previous := by_turn.get((r.user, r.turn - 1))) and previous.replica != r.replica]
+    return {
+        "follow_up_turns": len(later),
+        "follow_up_reuse_ratio": sum(r.cached_tokens for r in later) / prompt if prompt else 0.0,
+        "moved_turns": len(moved),
+    }
+
+
 def plot(runs: dict, path: Path) -> None:
     plt = pyplot()
     names = list(runs)
@@ -160,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             records, wall_s, killed = run_scenario(routing, redis, kill, args, port, systems)
             wrong = [r for r in records if r.error is None and r.answer != reference[r.user, r.turn]]
             summary: dict[str, Any] = {"routing": routing, "redis": redis, "killed": killed}
-            summary |= summarize(records, wall_s)
+            summary |= summarize(records, wall_s) | follow_ups(records)
             summary["wrong"] = len(wrong)
             summary["replicas_used"] = sorted({r.replica for r in records if r.replica})
             runs[name] = {"summary": summary, "records": [asdict(r) for r in records]}
@@ -175,12 +189,14 @@ def main(argv: list[str] | None = None) -> int:
         comparison[f"reuse_gain{tier}"] = prefix["reuse_ratio"] / rr["reuse_ratio"] if rr["reuse_ratio"] else None
         comparison[f"ttft_p50_speedup{tier}"] = rr["ttft_p50_ms"] / prefix["ttft_p50_ms"]
     comparison["targets_met"] = (comparison["reuse_gain"] or 0) >= 1.5 and comparison["ttft_p50_speedup"] > 1
-    print(f"{'scenario':<20}{'reqs':>5}{'failed':>7}{'wrong':>6}{'TTFT p50':>10}{'p99':>8}{'reuse':>7}  replicas")
+    header = f"{'scenario':<20}{'reqs':>5}{'failed':>7}{'wrong':>6}{'TTFT p50':>10}{'p99':>8}{'reuse':>7}"
+    print(f"{header}{'later turns':>13}{'moved':>7}  replicas")
     for name, run in runs.items():
         s = run["summary"]
         print(
             f"{name:<20}{s['requests']:>5}{s['errors']:>7}{s['wrong']:>6}{s['ttft_p50_ms']:>10.0f}"
-            f"{s['ttft_p99_ms']:>8.0f}{s['reuse_ratio']:>7.2f}  {len(s['replicas_used'])}"
+            f"{s['ttft_p99_ms']:>8.0f}{s['reuse_ratio']:>7.2f}{s['follow_up_reuse_ratio']:>13.2f}"
+            f"{s['moved_turns']:>7}  {len(s['replicas_used'])}"
         )
     for tier in ("", "+redis"):
         gain = comparison[f"reuse_gain{tier}"]
