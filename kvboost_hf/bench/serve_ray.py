@@ -2,17 +2,18 @@
 
 One run, one local Ray instance, ``--replicas`` replicas of the embedded model (CPU processes), the same users and
 flags in every scenario: round-robin vs prefix-aware (chunk-key) routing, each without and with the shared Redis tier,
-then prefix routing with Redis while one replica is killed after ``--kill-after`` completed turns (Ray Serve starts a
-replacement; the ingress sends the lost requests again). Each scenario is a fresh application with empty RAM tiers
-and its own Redis key prefix; nothing is warmed. By default each user's conversation starts with its own reference
-text (``--system-prompts per_user``: tenants or sessions with their own documents), so a turn that reaches a replica
-that never saw its conversation recomputes it; ``shared`` gives every user the serve benchmark's one system prompt,
-which every replica soon holds whatever the routing.
+then prefix routing with Redis while one replica is killed after ``--kill-after`` completed turns (the ingress sends
+the lost requests again; Ray Serve replaces the replica after a failed health check). Each scenario is a fresh
+application with empty RAM tiers and its own Redis key prefix; nothing is warmed. By default each user's
+conversation starts with its own reference text (``--system-prompts per_user``: tenants or sessions with their own
+documents), so a turn that reaches a replica that never saw its conversation recomputes it; ``shared`` gives every
+user the serve benchmark's one system prompt, which every replica soon holds whatever the routing.
 
 Measured with the official ``openai`` client (streaming, greedy, no client retries): TTFT p50/p99 (ms), reuse ratio
-(cached / prompt tokens), failed requests (errors) and wrong answers (greedy text different from one engine's
-``generate`` on the same conversation, computed before Ray starts: :func:`reference_answers`). Output: a table,
-``serve_ray.json`` and ``serve_ray.png`` under ``--out``.
+(cached / prompt tokens; also over the turns after the first, and how many of those another replica served), failed
+requests (errors) and wrong answers (greedy text different from one engine's ``generate`` on the same conversation,
+computed before Ray starts: :func:`reference_answers`). Output: a table, ``serve_ray.json`` and ``serve_ray.png``
+under ``--out``.
 """
 
 from __future__ import annotations
