@@ -35,6 +35,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 CHUNK = 8
 MODEL = "tiny"
+KEY = "ray-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_BODY = 1 << 16
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +74,8 @@ def url(model_dir: Path, redis_url: str) -> Iterator[str]:
         flags = ["--model", str(model_dir), "--served-model-name", MODEL, "--chunk-size", str(CHUNK)]
         flags += ["--remote-url", redis_url, "--remote-prefix", f"t{uuid.uuid4().hex[:8]}:", "--threads", "1"]
         flags += ["--replicas", "2", "--routing", "prefix", "--replica-cpus", "0.5", "--port", str(_free_port())]
-        flags += ["--batch-window-ms", "5", "--log-level", "warning"]
+        flags += ["--batch-window-ms", "5", "--log-level", "warning", "--api-key", KEY]
+        flags += ["--max-body-bytes", str(MAX_BODY)]
         yield start(parse_args(flags))
     finally:
         serve.shutdown()
@@ -80,7 +84,7 @@ def url(model_dir: Path, redis_url: str) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def client(url: str):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
 def conversation(tag: str) -> list[dict[str, str]]:
@@ -130,6 +134,17 @@ def test_next_turn_goes_to_the_replica_holding_the_prefix(client, engine):
         assert len(set(replicas)) == 1, replicas
 
 
+def test_ingress_checks_the_key_and_body_size_before_reading_a_body(url):
+    """The replicas' API key and body limit hold at the ingress (which reads and tokenises bodies to route them)."""
+    chat_url = f"{url}/v1/chat/completions"
+    refused = httpx.post(chat_url, json={"model": MODEL, "messages": conversation("keys")}, timeout=30)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    huge = httpx.post(chat_url, content=b" " * (MAX_BODY + 1), headers=AUTH, timeout=30)
+    assert huge.status_code == 413
+    assert REPLICA_HEADER not in refused.headers and REPLICA_HEADER not in huge.headers  # no replica was asked
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # public, as on one server
+
+
 def test_ingress_keys_are_the_keys_the_replicas_store(client, engine, url):
     """The keys the ingress routes by name the chunks the replica stored (same namespace, chunks and chaining)."""
     messages = conversation("lighthouses")
@@ -162,7 +177,7 @@ def test_killed_replica_loses_no_request(client, engine, url):
 
     def plain() -> None:
         results["plain"] = (
-            openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+            openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
             .chat.completions.create(
                 model=MODEL, messages=messages, max_tokens=tokens, temperature=0, extra_body={"ignore_eos": True}
             )
@@ -170,7 +185,8 @@ def test_killed_replica_loses_no_request(client, engine, url):
             .message.content
         )
 
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as response:
+    chat_url = f"{url}/v1/chat/completions"
+    with httpx.stream("POST", chat_url, json={**body, "stream": True}, headers=AUTH, timeout=60) as response:
         victim = response.headers[REPLICA_HEADER]
         lines = response.iter_lines()
         text, events = "", 0

@@ -30,8 +30,10 @@ from transformers import PreTrainedTokenizerBase
 
 from kvboost_hf.serve_ray.routing import DEFAULT_MAX_CHUNKS, ForwardedRequest, KeySpace, routing_keys
 from kvboost_hf.server.admission import plain_messages
+from kvboost_hf.server.app import RequestGate
 from kvboost_hf.server.errors import ApiError
 from kvboost_hf.server.schemas import ChatCompletionRequest, CompletionRequest
+from kvboost_hf.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 REPLICA_HEADER = "x-kvboost-replica"
@@ -205,8 +207,19 @@ class Ingress:
     """The HTTP entry: keys each request, lets the replicas' router place it, relays the answer (see the module)."""
 
     def __init__(
-        self, replicas: DeploymentHandle, max_attempts: int = 3, max_routing_chunks: int = DEFAULT_MAX_CHUNKS
+        self,
+        replicas: DeploymentHandle,
+        settings: ServerSettings,
+        max_attempts: int = 3,
+        max_routing_chunks: int = DEFAULT_MAX_CHUNKS,
     ) -> None:
+        # the replicas' API key and body limits, checked here too: before this ingress reads or tokenises a body
+        web.add_middleware(
+            RequestGate,
+            api_key=settings.api_key,
+            max_body_bytes=settings.max_body_bytes,
+            body_timeout_s=settings.body_timeout_s,
+        )
         self.replicas = replicas
         self.max_attempts = max_attempts
         self.max_routing_chunks = max_routing_chunks
@@ -238,7 +251,10 @@ class Ingress:
     async def keys(self, path: str, body: bytes) -> tuple[str, ...]:
         """The request's routing keys (() when the ingress cannot render its prompt)."""
         if self._context is None:
-            self._context = await self.replicas.routing_context.remote()
+            try:
+                self._context = await self.replicas.routing_context.remote()
+            except REPLICA_LOST:
+                return ()  # routed by load; the next request asks again
         space, tokenizer = self._context
         ids = await asyncio.to_thread(prompt_ids, tokenizer, path, body)
         return routing_keys(space, ids, cache_salt(body), self.max_routing_chunks) if ids else ()
@@ -293,7 +309,7 @@ def replica_actor_names(app_name: str) -> list[str]:
 
 def kill_replica(app_name: str, replica: str | None = None) -> str:
     """Kill one replica process of ``app_name`` without warning (the one whose id is ``replica``, else the first);
-    Ray Serve starts a replacement. Returns the killed replica's id. For tests and benchmarks."""
+    Ray Serve replaces it after a failed health check. Returns the killed replica's id. For tests and benchmarks."""
     names = [n for n in replica_actor_names(app_name) if replica is None or n.endswith(f"#{replica}")]
     if not names:
         raise LookupError(f"no live replica {replica or ''} in application {app_name!r}")

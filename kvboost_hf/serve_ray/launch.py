@@ -10,7 +10,7 @@ import threading
 from typing import TYPE_CHECKING, Any, cast
 
 from kvboost_hf.serve_ray.routing import FALLBACKS
-from kvboost_hf.server.launch import LOOPBACK, add_arguments, configure_process, warn_if_open
+from kvboost_hf.server.launch import LOOPBACK, add_arguments, configure_process, server_settings, warn_if_open
 
 if TYPE_CHECKING:
     from ray.serve import Deployment
@@ -79,7 +79,7 @@ def build_application(args: argparse.Namespace) -> Any:
         )
     replicas = as_deployment(KVBoostReplica).options(**options).bind(args)
     ingress = as_deployment(Ingress).options(ray_actor_options={"num_cpus": 0})
-    return ingress.bind(replicas, max_attempts=args.max_attempts)
+    return ingress.bind(replicas, server_settings(args), max_attempts=args.max_attempts)
 
 
 def as_deployment(cls: type) -> Deployment:
