@@ -1,10 +1,12 @@
-"""Routing by chunk identity without Ray running: keys equal the store's, the prefix table, the ranking rules, and
-the ingress's pure helpers (prompt rendering, SSE cutting, reproducibility)."""
+"""Routing by chunk identity without Ray running: keys equal the store's, the prefix table, the ranking rules, the
+routers' hooks on fake replicas, and the ingress's pure helpers (prompt rendering, SSE cutting, reproducibility)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
@@ -18,6 +20,7 @@ from test_speculative import word_tokenizer
 from kvboost_hf import KVBoost
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.serve_ray.app import SseEvents, is_reproducible, prompt_ids
+from kvboost_hf.serve_ray.routers import ChunkAffinityRouter, RoundRobinRouter
 from kvboost_hf.serve_ray.routing import (
     ForwardedRequest,
     InFlight,
@@ -165,3 +168,45 @@ def test_only_greedy_or_seeded_streams_are_replayed():
     assert is_reproducible(b'{"temperature": 0}') and is_reproducible(b'{"temperature": 0.7, "seed": 3}')
     assert not is_reproducible(b'{"temperature": 0.7}') and not is_reproducible(b"{}")
     assert not is_reproducible(b"[1]") and not is_reproducible(b"oops")
+
+
+def fake_replica(name: str) -> SimpleNamespace:
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name))
+
+
+def fake_request(request_id: str, keys: tuple[str, ...] = ()) -> SimpleNamespace:
+    forwarded = ForwardedRequest("POST", "/v1/chat/completions", b"", (), b"{}", keys)
+    return SimpleNamespace(args=[forwarded], metadata=SimpleNamespace(internal_request_id=request_id))
+
+
+def bare_router(cls: type, **state: object):
+    """A router without Ray Serve's handle state (only the hooks under test touch it)."""
+    router = cls.__new__(cls)
+    router.initialize_state(**state)
+    return router
+
+
+def test_affinity_router_learns_from_routed_requests_and_counts_load():
+    router = bare_router(ChunkAffinityRouter, imbalance_threshold=1)
+    a, b = fake_replica("a"), fake_replica("b")
+    first = fake_request("r1", ("k1", "k2"))
+    assert asyncio.run(router.choose_replicas([a, b], first)) == [[a, b]]  # nothing known, equal loads
+    router.on_request_routed(first, b.replica_id, None)
+    follow_up = fake_request("r2", ("k1", "k2", "k3"))
+    assert asyncio.run(router.choose_replicas([a, b], follow_up)) == [[b], [a]]
+    router.on_request_routed(follow_up, b.replica_id, None)  # b: 2 in flight, a: 0: imbalanced
+    assert asyncio.run(router.choose_replicas([a, b], fake_request("r3", ("k1",)))) == [[a], [b]]
+    router.on_request_completed(b.replica_id, "r1")
+    assert router.in_flight.loads() == {"b": 1}
+
+
+def test_round_robin_gives_each_request_one_turn_however_often_it_is_routed():
+    router = bare_router(RoundRobinRouter)
+    replicas = [fake_replica("b"), fake_replica("a")]
+    first, second = fake_request("r1"), fake_request("r2")
+    picks = [asyncio.run(router.choose_replicas(replicas, r))[0][0].replica_id.unique_id for r in (first, first)]
+    assert picks == ["a", "a"]  # routed again (a full replica): same turn
+    assert asyncio.run(router.choose_replicas(replicas, second))[0][0].replica_id.unique_id == "b"
+    router.on_request_routed(first, replicas[1].replica_id, None)
+    router.on_request_completed(replicas[0].replica_id, "r2")
+    assert router.turns == {}
