@@ -12,6 +12,7 @@ BENCHMARKS = (
     "tiers",
     "attention",
     "serve",
+    "serve_ray",
     "streaming",
     "speculative",
     "hardening",

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,6 +63,8 @@ class RequestRecord:
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    answer: str = ""
+    replica: str | None = None  # the x-kvboost-replica header (replicas on Ray Serve), None from one server
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -72,10 +75,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-def system_prompt(min_chars: int) -> str:
-    """A shared system prompt of at least ``min_chars`` characters of real documentation text."""
+def system_prompt(min_chars: int, first_document: int = 0) -> str:
+    """A system prompt of at least ``min_chars`` characters of real documentation text, from the corpus's
+    ``first_document`` on (different values give different prompts)."""
     text = "You are a documentation assistant. Answer briefly, using only this reference:\n\n"
-    for title, body in documents():
+    corpus = documents()
+    for title, body in corpus[first_document:] + corpus[:first_document]:
         if len(text) >= min_chars:
             break
         text += f"## {title}\n{body}\n\n"
@@ -122,8 +127,20 @@ class ServerProcess:
                 self.process.wait(10)
 
 
-def run_user(url: str, user: int, args: argparse.Namespace, system: str, deadline: float) -> list[RequestRecord]:
-    """One user's conversation; returns a record per turn sent."""
+def user_message(user: int, turn: int) -> str:
+    """What user ``user`` sends at turn ``turn``."""
+    return f"(user {user}) {QUESTIONS[(user + turn) % len(QUESTIONS)]}"
+
+
+def run_user(
+    url: str,
+    user: int,
+    args: argparse.Namespace,
+    system: str,
+    deadline: float,
+    on_record: Callable[[RequestRecord], None] | None = None,
+) -> list[RequestRecord]:
+    """One user's conversation; returns a record per turn sent (each also given to ``on_record`` when complete)."""
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=args.request_timeout_s)
@@ -132,13 +149,12 @@ def run_user(url: str, user: int, args: argparse.Namespace, system: str, deadlin
     for turn in range(args.turns):
         if time.monotonic() > deadline:
             break
-        question = QUESTIONS[(user + turn) % len(QUESTIONS)]
-        messages.append({"role": "user", "content": f"(user {user}) {question}"})
+        messages.append({"role": "user", "content": user_message(user, turn)})
         record = RequestRecord(user, turn)
         answer = ""
         started = last = time.perf_counter()
         try:
-            stream = client.chat.completions.create(
+            raw = client.chat.completions.with_raw_response.create(
                 model=MODEL,
                 messages=messages,
                 max_tokens=args.max_tokens,
@@ -146,7 +162,8 @@ def run_user(url: str, user: int, args: argparse.Namespace, system: str, deadlin
                 stream=True,
                 stream_options={"include_usage": True},
             )
-            for chunk in stream:
+            record.replica = raw.headers.get("x-kvboost-replica")
+            for chunk in raw.parse():
                 now = time.perf_counter()
                 if chunk.usage is not None:
                     record.prompt_tokens = chunk.usage.prompt_tokens
@@ -163,42 +180,64 @@ def run_user(url: str, user: int, args: argparse.Namespace, system: str, deadlin
         except Exception as exc:  # counted as an error of the run, the user goes on
             record.error = f"{type(exc).__name__}: {exc}"
         record.total_ms = (time.perf_counter() - started) * 1e3
+        record.answer = answer
         records.append(record)
+        if on_record is not None:
+            on_record(record)
         messages.append({"role": "assistant", "content": answer})
     return records
 
 
 def run_mode(reuse: bool, args: argparse.Namespace, system: str) -> dict:
     """Start a server, run every user concurrently, stop the server; returns the summary and the records."""
+    flags = [*server_flags(args), "--reuse-mode", "prefix" if reuse else "off"]
+    server = ServerProcess(flags, args.startup_timeout_s)
+    try:
+        records, wall_s = run_users(server.url, args, [system] * args.users)
+    finally:
+        server.stop()
+    return {"summary": {"reuse": reuse, **summarize(records, wall_s)}, "records": [asdict(r) for r in records]}
+
+
+def server_flags(args: argparse.Namespace) -> list[str]:
+    """The server flags every benchmarked server gets (chunking, batching, queue, threads)."""
     flags = ["--chunk-size", str(args.chunk_size), "--batch-window-ms", str(args.batch_window_ms)]
     flags += ["--max-batch-size", str(args.max_batch_size), "--max-queue", str(4 * args.users)]
     if args.threads:  # 0: torch's default
         flags += ["--threads", str(args.threads)]
-    flags += ["--reuse-mode", "prefix" if reuse else "off"]
-    server = ServerProcess(flags, args.startup_timeout_s)
+    return flags
+
+
+def run_users(
+    url: str,
+    args: argparse.Namespace,
+    systems: Sequence[str],
+    on_record: Callable[[RequestRecord], None] | None = None,
+) -> tuple[list[RequestRecord], float]:
+    """Every user's conversation at once against ``url`` (user ``i`` after ``systems[i]``); returns the records
+    and the wall time (s)."""
     results: list[list[RequestRecord]] = [[] for _ in range(args.users)]
-    try:
-        started = time.perf_counter()
-        deadline = time.monotonic() + args.time_limit_s
+    started = time.perf_counter()
+    deadline = time.monotonic() + args.time_limit_s
 
-        def user(index: int) -> None:
-            results[index] = run_user(server.url, index, args, system, deadline)
+    def user(index: int) -> None:
+        results[index] = run_user(url, index, args, systems[index], deadline, on_record)
 
-        threads = [threading.Thread(target=user, args=(i,), daemon=True) for i in range(args.users)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(args.time_limit_s + 2 * args.request_timeout_s)
-        wall_s = time.perf_counter() - started
-    finally:
-        server.stop()
-    records = [r for rs in results for r in rs]
+    threads = [threading.Thread(target=user, args=(i,), daemon=True) for i in range(args.users)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(args.time_limit_s + 2 * args.request_timeout_s)
+    return [r for rs in results for r in rs], time.perf_counter() - started
+
+
+def summarize(records: list[RequestRecord], wall_s: float) -> dict:
+    """Counts, TTFT and inter-token latency percentiles (ms), throughput and the share of prompt tokens reused."""
     ok = [r for r in records if r.error is None and r.ttft_ms is not None]
     ttfts = [r.ttft_ms for r in ok if r.ttft_ms is not None]
     gaps = [g for r in ok for g in r.gaps_ms]
     prompt = sum(r.prompt_tokens for r in ok)
-    summary = {
-        "reuse": reuse,
+    return {
         "requests": len(records),
         "errors": len(records) - len(ok),
         "wall_s": wall_s,
@@ -210,7 +249,6 @@ def run_mode(reuse: bool, args: argparse.Namespace, system: str) -> dict:
         "reuse_ratio": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
         "mean_prompt_tokens": prompt / len(ok) if ok else 0.0,
     }
-    return {"summary": summary, "records": [asdict(r) for r in records]}
 
 
 def plot(off: dict, on: dict, path: Path) -> None:
@@ -235,10 +273,10 @@ def plot(off: dict, on: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvboost_hf.bench serve", description=__doc__.splitlines()[0])
-    parser.add_argument("--users", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=4)
+def add_load_arguments(parser: argparse.ArgumentParser, users: int, turns: int) -> None:
+    """The simulated users' flags (``users`` and ``turns``: their defaults) and the servers' shared flags."""
+    parser.add_argument("--users", type=int, default=users)
+    parser.add_argument("--turns", type=int, default=turns)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--system-chars", type=int, default=2500, help="length of the shared system prompt")
     parser.add_argument("--chunk-size", type=int, default=32, help="short chat turns suit small chunks")
@@ -251,9 +289,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
     parser.add_argument("--startup-timeout-s", type=float, default=180.0)
     parser.add_argument("--out", type=Path, default=Path("bench_results"))
-    args = parser.parse_args(argv)
+
+
+def check_load(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not (1 <= args.users <= 32 and 1 <= args.turns <= 16 and 1 <= args.max_tokens <= 256):
         parser.error("keep the load bounded: users <= 32, turns <= 16, max-tokens <= 256")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvboost_hf.bench serve", description=__doc__.splitlines()[0])
+    add_load_arguments(parser, users=4, turns=4)
+    args = parser.parse_args(argv)
+    check_load(parser, args)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # no per-request lines from httpx
     logger.setLevel(logging.INFO)
     system = system_prompt(args.system_chars)

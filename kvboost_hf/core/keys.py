@@ -134,10 +134,31 @@ def make_namespace(
     ``kv_cache_bits`` and ``kv_group_size`` are the store's (the precision K/V come back in); the group size only
     matters, and only enters the key, below 16 bits.
     """
+    return namespace_key(
+        model_digest(model, model_id),
+        str(dtype),
+        chunking,
+        kv_cache_bits=kv_cache_bits,
+        kv_group_size=kv_group_size,
+        cache_salt=cache_salt,
+    )
+
+
+def namespace_key(
+    digest: str,
+    dtype: str,
+    chunking: ChunkingConfig,
+    *,
+    kv_cache_bits: int = 16,
+    kv_group_size: int | None = None,
+    cache_salt: str | None = None,
+) -> str:
+    """:func:`make_namespace` from a model's :func:`model_digest` and ``str(dtype)``: for processes that name
+    chunks without holding the model (a request router)."""
     payload = {
         "format": STORAGE_FORMAT_VERSION,
-        "model": model_digest(model, model_id),
-        "dtype": str(dtype),
+        "model": digest,
+        "dtype": dtype,
         "chunking": chunking.fingerprint(),
         "kv_cache_bits": kv_cache_bits,
         "salt": cache_salt,

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from kvboost_hf.server.launch import add_arguments, serve
+from kvboost_hf.server.launch import parse_server_args, serve
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvboost_hf.server", description="OpenAI-compatible server")
-    add_arguments(parser)
-    return serve(parser.parse_args(argv))
+    return serve(parse_server_args(argv, "python -m kvboost_hf.server", "OpenAI-compatible server"))
 
 
 if __name__ == "__main__":

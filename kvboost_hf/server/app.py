@@ -3,7 +3,7 @@
 ``create_app(engine, settings)`` builds the app; the worker thread starts and stops with the app's lifespan.
 Layers, outermost first:
 
-* :class:`_Gate` (ASGI): the API key is checked from the headers before any byte of the body is read (only
+* :class:`RequestGate` (ASGI): the API key is checked from the headers before any byte of the body is read (only
   ``/health`` is public; ``/docs``, ``/redoc`` and ``/openapi.json`` need the key when one is set), and a body
   larger than ``max_body_bytes`` is refused with 413 (by its Content-Length, or while it streams in);
 * request counting for ``/metrics``;
@@ -44,7 +44,7 @@ from kvboost_hf.server.routes import register_routes
 from kvboost_hf.server.settings import REUSE_MODES, ServerSettings
 from kvboost_hf.server.worker import Worker
 
-__all__ = ["GracefulServer", "ServerSettings", "create_app", "uvicorn_config"]
+__all__ = ["GracefulServer", "RequestGate", "ServerSettings", "create_app", "uvicorn_config"]
 logger = logging.getLogger(__name__)
 PUBLIC_PATHS = frozenset({"/health"})
 
@@ -59,7 +59,7 @@ class _BodyTimeout(StarletteHTTPException):
         super().__init__(408, f"the request body did not arrive in time ({seconds:g} s between its parts)")
 
 
-class _Gate:
+class RequestGate:
     """ASGI middleware: API key from the headers first, then the body size limit, then the app."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, body_timeout_s: float) -> None:
@@ -271,12 +271,13 @@ def create_app(engine: InferenceEngine, settings: ServerSettings | None = None) 
 
     app = FastAPI(title="kvboost_hf OpenAI-compatible server", version="0.1.0", lifespan=lifespan)
     app.router.route_class = _off_loop_route(settings.max_json_values)
+    app.state.settings = settings
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.drain = lambda: worker.shutdown(settings.shutdown_grace_s)
     app.add_middleware(_CountRequests, metrics=metrics, endpoints=lambda: _route_paths(app))
     app.add_middleware(
-        _Gate,
+        RequestGate,
         api_key=settings.api_key,
         max_body_bytes=settings.max_body_bytes,
         body_timeout_s=settings.body_timeout_s,

@@ -20,6 +20,8 @@ from kvboost_hf.server.settings import REUSE_MODES, ServerSettings
 from kvboost_hf.store.config import StoreConfig
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from kvboost_hf.engine import InferenceEngine
 
 logger = logging.getLogger(__name__)
@@ -148,37 +150,60 @@ def build_engine(args: argparse.Namespace) -> InferenceEngine:
     )
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Load the model, build the app and run uvicorn until interrupted (graceful shutdown on SIGINT/SIGTERM)."""
-    import torch
+def parse_server_args(argv: list[str] | None, prog: str, description: str) -> argparse.Namespace:
+    """The server's flags parsed from ``argv`` (None: ``sys.argv``) by a parser named ``prog``."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser)
+    return parser.parse_args(argv)
 
-    from kvboost_hf.server.app import GracefulServer, create_app, uvicorn_config
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    host = args.host or LOOPBACK
-    if args.api_key is None and not _is_loopback(host):
-        logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
-    engine = build_engine(args)
-    draft = engine.draft_settings
-    if args.draft_model is not None:
-        logger.info(
-            "draft model loaded: every batch is decoded speculatively with %d draft tokens per verify "
-            "(rows with a grammar take one token per step)",
-            draft.num_draft_tokens,
-        )
-    if args.warm is not None:
-        result = engine.warm(args.warm.read_text(encoding="utf-8"))
-        logger.info("warmed %s: %d chunks of %d tokens", args.warm, result.chunks_stored, result.token_count)
-    settings = settings_from_args(
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """The :class:`ServerSettings` the flags describe (model name defaults to the model's directory name)."""
+    return settings_from_args(
         ServerSettings,
         args,
         model_name=args.served_model_name or (Path(args.model).name if args.model else EMBEDDED_MODEL_NAME),
         api_key=args.api_key,
         grammar_limits=settings_from_args(GrammarLimits, args),
     )
-    app = create_app(engine, settings)
+
+
+def build_app(args: argparse.Namespace) -> tuple[FastAPI, InferenceEngine]:
+    """Load the engine the flags describe (warmed with ``--warm``) and build the app serving it; the caller runs
+    the app and closes ``engine.store`` when done. Logs what the draft and the warm file did."""
+    from kvboost_hf.server.app import create_app
+
+    engine = build_engine(args)
+    if args.draft_model is not None:
+        logger.info(
+            "draft model loaded: every batch is decoded speculatively with %d draft tokens per verify "
+            "(rows with a grammar take one token per step)",
+            engine.draft_settings.num_draft_tokens,
+        )
+    if args.warm is not None:
+        result = engine.warm(args.warm.read_text(encoding="utf-8"))
+        logger.info("warmed %s: %d chunks of %d tokens", args.warm, result.chunks_stored, result.token_count)
+    return create_app(engine, server_settings(args)), engine
+
+
+def configure_process(args: argparse.Namespace) -> None:
+    """Logging format and level, and torch's thread count, from the flags (once per serving process)."""
+    import torch
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Load the model, build the app and run uvicorn until interrupted (graceful shutdown on SIGINT/SIGTERM)."""
+    from kvboost_hf.server.app import GracefulServer, uvicorn_config
+
+    configure_process(args)
+    host = args.host or LOOPBACK
+    warn_if_open(host, args.api_key)
+    app, engine = build_app(args)
+    settings: ServerSettings = app.state.settings
     config = uvicorn_config(
         app,
         settings,
@@ -194,6 +219,12 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         engine.store.close()  # queued disk and Redis writes finish
     return 0
+
+
+def warn_if_open(host: str, api_key: str | None) -> None:
+    """Warn when ``host`` is reachable from other machines and no API key is required."""
+    if api_key is None and not _is_loopback(host):
+        logger.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
 
 
 def _is_loopback(host: str) -> bool:

@@ -1,0 +1,212 @@
+"""Routing by chunk identity without Ray running: keys equal the store's, the prefix table, the ranking rules, the
+routers' hooks on fake replicas, and the ingress's pure helpers (prompt rendering, SSE cutting, reproducibility)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+pytest.importorskip("ray.serve")
+
+from conftest import make_tiny_model
+from test_speculative import word_tokenizer
+
+from kvboost_hf import KVBoost
+from kvboost_hf.core.chunking import ChunkingConfig
+from kvboost_hf.serve_ray.app import SseEvents, is_reproducible, prompt_ids
+from kvboost_hf.serve_ray.routers import ChunkAffinityRouter, RoundRobinRouter
+from kvboost_hf.serve_ray.routing import (
+    ForwardedRequest,
+    InFlight,
+    KeySpace,
+    PrefixTable,
+    choose_ranked,
+    request_keys,
+    routing_keys,
+)
+
+SPACE = KeySpace("digest", "torch.float32", ChunkingConfig(4))
+token_lists = st.lists(st.integers(0, 99), max_size=40)
+replica_names = st.sampled_from(["a", "b", "c", "d"])
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return KVBoost(make_tiny_model("llama"), word_tokenizer(), chunk_size=4)
+
+
+def test_keys_are_the_stored_keys_per_tenant(engine):
+    """After a generation, every routing key of its prompt is in the store, in its tenant's namespace only."""
+    space = KeySpace.of_engine(engine)
+    prompt = list(range(2, 23))  # 5 full chunks and a tail
+    for salt in (None, "tenant-a"):
+        assert space.namespace(salt) == engine.new_cache(cache_salt=salt, adapter=False).namespace
+        engine.generate(prompt, 2, cache_salt=salt)
+        keys = routing_keys(space, prompt, salt)
+        assert len(keys) == 5 and all(engine.store.contains_many(list(keys)))
+    assert not any(engine.store.contains_many(list(routing_keys(space, prompt, "tenant-b"))))
+
+
+@given(token_lists, st.integers(0, 40), st.text(max_size=5))
+def test_keys_of_a_prefix_are_a_prefix_and_tenants_never_share_one(ids, cut, salt):
+    keys = routing_keys(SPACE, ids, None)
+    assert len(keys) == len(ids) // 4
+    assert routing_keys(SPACE, ids[:cut], None) == keys[: min(cut, len(ids)) // 4]
+    assert routing_keys(SPACE, ids, None, max_chunks=2) == keys[:2]
+    assert not set(routing_keys(SPACE, ids, salt)) & set(keys)  # the salt enters the namespace ("" included)
+
+
+def test_request_keys_come_from_a_forwarded_request_only():
+    forwarded = ForwardedRequest("POST", "/v1/completions", b"", (), b"{}", ("k1", "k2"))
+    assert request_keys([forwarded]) == ("k1", "k2")
+    assert request_keys([]) == () and request_keys(["other"]) == ()
+
+
+def test_prefix_table_finds_the_deepest_key_held_by_a_candidate():
+    table = PrefixTable()
+    table.record(["k1", "k2", "k3"], "a")
+    table.record(["k1"], "b")
+    assert table.longest_match(["k1", "k2", "k3", "k4"], {"a", "b"}) == (3, ["a"])
+    assert table.longest_match(["k1", "k2", "k3"], {"b"}) == (1, ["b"])  # a is not a candidate
+    assert table.longest_match(["k1"], {"a", "b"}) == (1, ["b", "a"])  # most recent first
+    assert table.longest_match(["x"], {"a", "b"}) == (0, [])
+    table.forget(["a"])
+    assert table.longest_match(["k1", "k2", "k3"], {"a", "b"}) == (1, ["b"]) and len(table) == 1
+
+
+def test_prefix_table_drops_least_recently_used_keys_beyond_capacity():
+    table = PrefixTable(capacity=3)
+    table.record(["k1", "k2", "k3"], "a")
+    assert table.longest_match(["k1"], {"a"}) == (1, ["a"])  # k1 is now the most recently used
+    table.record(["k4"], "b")
+    assert len(table) == 3 and table.longest_match(["k1", "k2"], {"a"}) == (1, ["a"])  # k2 went
+    with pytest.raises(ValueError, match="capacity"):
+        PrefixTable(0)
+
+
+def test_in_flight_counts_started_requests_per_replica():
+    flight = InFlight()
+    flight.start("r1", "a")
+    flight.start("r2", "a")
+    flight.start("r3", "b")
+    flight.finish("r1")
+    flight.finish("never-started")
+    assert flight.loads() == {"a": 1, "b": 1}
+
+
+def test_ranking_prefers_the_holder_until_loads_differ_too_much():
+    table = PrefixTable()
+    table.record(["k1", "k2"], "b")
+    keys = ["k1", "k2", "k3"]
+    assert choose_ranked(keys, ["a", "b"], {"b": 1}, table) == [["b"], ["a"]]
+    assert choose_ranked(keys, ["a", "b"], {"b": 2}, table) == [["a"], ["b"]]  # imbalanced: least loaded
+    assert choose_ranked(keys, ["a", "b"], {"b": 2}, table, imbalance_threshold=2) == [["b"], ["a"]]
+    assert choose_ranked(["x"], ["a", "b", "c"], {"a": 1}, table) == [["b", "c"], ["a"]]  # no match
+    assert choose_ranked(keys, [], {}, table) == []
+    two = choose_ranked(["x"], ["a", "b", "c"], {"a": 3}, table, fallback="power_of_two", rng=random.Random(0))
+    assert len(two) == 1 and len(two[0]) == 2 and set(two[0]) <= {"a", "b", "c"}
+    with pytest.raises(ValueError, match="fallback"):
+        choose_ranked(keys, ["a"], {}, table, fallback="random")
+
+
+@given(
+    st.lists(replica_names, min_size=1, max_size=4, unique=True),
+    st.dictionaries(replica_names, st.integers(0, 5)),
+    st.lists(st.tuples(st.lists(st.sampled_from(["k1", "k2", "k3"]), max_size=3), replica_names), max_size=6),
+    st.lists(st.sampled_from(["k1", "k2", "k3"]), max_size=3),
+    st.sampled_from(["least_loaded", "power_of_two"]),
+)
+def test_ranks_are_disjoint_candidates_and_a_balanced_match_goes_first(candidates, loads, seen, keys, fallback):
+    table = PrefixTable()
+    for recorded, replica in seen:
+        table.record(recorded, replica)
+    ranks = choose_ranked(keys, candidates, loads, table, fallback=fallback, rng=random.Random(0))
+    flat = [r for rank in ranks for r in rank]
+    assert ranks[0] and len(flat) == len(set(flat)) and set(flat) <= set(candidates)
+    depth, holders = table.longest_match(keys, candidates)
+    spread = max(loads.get(c, 0) for c in candidates) - min(loads.get(c, 0) for c in candidates)
+    if depth and spread <= 1:
+        assert set(ranks[0]) == set(holders)
+    elif fallback == "least_loaded":
+        assert {loads.get(r, 0) for r in ranks[0]} == {min(loads.get(c, 0) for c in candidates)}
+
+
+@given(st.lists(st.text(alphabet="ab:{} ", max_size=12), max_size=6), st.data())  # JSON: no raw newline
+def test_sse_events_come_out_whole_however_the_bytes_are_cut(texts, data):
+    events = [f"data: {text}\n\n".encode() for text in texts]
+    stream = b"".join(events)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=5)))
+    cutter = SseEvents()
+    out = [
+        e for start, end in zip([0, *cuts], [*cuts, len(stream)], strict=True) for e in cutter.feed(stream[start:end])
+    ]
+    assert out == events and cutter.pending == b""
+
+
+def test_prompt_ids_render_as_the_engine_or_give_up(engine):
+    """Completions tokenise as the engine (chats: tests/test_serve_ray.py, with a chat template); tools and bad
+    bodies give no ids."""
+    chat = {"model": "m", "messages": [{"role": "developer", "content": "w5 w6"}, {"role": "user", "content": "w7"}]}
+    path = "/v1/chat/completions"
+    assert prompt_ids(engine.tokenizer, "/v1/completions", b'{"model": "m", "prompt": "w3 w4"}') == engine.encode(
+        "w3 w4"
+    )
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    assert prompt_ids(engine.tokenizer, path, json.dumps({**chat, "tools": [tool]}).encode()) is None
+    assert prompt_ids(engine.tokenizer, path, b"not json") is None
+    assert prompt_ids(engine.tokenizer, path, b'{"messages": 3}') is None
+    assert prompt_ids(engine.tokenizer, "/v1/models", b"") is None
+
+
+def test_only_greedy_or_seeded_streams_are_replayed():
+    assert is_reproducible(b'{"temperature": 0}') and is_reproducible(b'{"temperature": 0.7, "seed": 3}')
+    assert not is_reproducible(b'{"temperature": 0.7}') and not is_reproducible(b"{}")
+    assert not is_reproducible(b"[1]") and not is_reproducible(b"oops")
+
+
+def fake_replica(name: str) -> SimpleNamespace:
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name))
+
+
+def fake_request(request_id: str, keys: tuple[str, ...] = ()) -> SimpleNamespace:
+    forwarded = ForwardedRequest("POST", "/v1/chat/completions", b"", (), b"{}", keys)
+    return SimpleNamespace(args=[forwarded], metadata=SimpleNamespace(internal_request_id=request_id))
+
+
+def bare_router(cls: type, **state: object):
+    """A router without Ray Serve's handle state (only the hooks under test touch it)."""
+    router = cls.__new__(cls)
+    router.initialize_state(**state)
+    return router
+
+
+def test_affinity_router_learns_from_routed_requests_and_counts_load():
+    router = bare_router(ChunkAffinityRouter, imbalance_threshold=1)
+    a, b = fake_replica("a"), fake_replica("b")
+    first = fake_request("r1", ("k1", "k2"))
+    assert asyncio.run(router.choose_replicas([a, b], first)) == [[a, b]]  # nothing known, equal loads
+    router.on_request_routed(first, b.replica_id, None)
+    follow_up = fake_request("r2", ("k1", "k2", "k3"))
+    assert asyncio.run(router.choose_replicas([a, b], follow_up)) == [[b], [a]]
+    router.on_request_routed(follow_up, b.replica_id, None)  # b: 2 in flight, a: 0: imbalanced
+    assert asyncio.run(router.choose_replicas([a, b], fake_request("r3", ("k1",)))) == [[a], [b]]
+    router.on_request_completed(b.replica_id, "r1")
+    assert router.in_flight.loads() == {"b": 1}
+
+
+def test_round_robin_gives_each_request_one_turn_however_often_it_is_routed():
+    router = bare_router(RoundRobinRouter)
+    replicas = [fake_replica("b"), fake_replica("a")]
+    first, second = fake_request("r1"), fake_request("r2")
+    picks = [asyncio.run(router.choose_replicas(replicas, r))[0][0].replica_id.unique_id for r in (first, first)]
+    assert picks == ["a", "a"]  # routed again (a full replica): same turn
+    assert asyncio.run(router.choose_replicas(replicas, second))[0][0].replica_id.unique_id == "b"
+    router.on_request_routed(first, replicas[1].replica_id, None)
+    router.on_request_completed(replicas[0].replica_id, "r2")
+    assert router.turns == {}
