@@ -53,7 +53,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def engine(model_dir: Path):
     """The single-engine reference (what one server answers, greedy)."""
-    return KVBoost.from_pretrained(model_dir, chunk_size=CHUNK, device="cpu")
+    return KVBoost.from_pretrained(model_dir, chunking=CHUNK, device="cpu")
 
 
 @pytest.fixture(scope="module")

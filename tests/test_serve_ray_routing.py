@@ -38,7 +38,7 @@ replica_names = st.sampled_from(["a", "b", "c", "d"])
 
 @pytest.fixture(scope="module")
 def engine():
-    return KVBoost(make_tiny_model("llama"), word_tokenizer(), chunk_size=4)
+    return KVBoost(make_tiny_model("llama"), word_tokenizer(), chunking=4)
 
 
 def test_keys_are_the_stored_keys_per_tenant(engine):

@@ -69,7 +69,7 @@ def reference_answers(args: argparse.Namespace, systems: list[str]) -> dict[tupl
 
     if args.threads:  # as many as each replica: more threads than free cores spin on a contended CPU
         torch.set_num_threads(args.threads)
-    engine = KVBoost.from_pretrained(chunk_size=args.chunk_size, device="cpu")
+    engine = KVBoost.from_pretrained(chunking=args.chunk_size, device="cpu")
     answers = {}
     for user in range(args.users):
         messages = [{"role": "system", "content": systems[user]}]
