@@ -218,6 +218,45 @@ class StoreSnapshot:
                 self.ram.delete(key)
 
 
+def answer_question(
+    engine: InferenceEngine,
+    question: Question,
+    configs: dict[str, RepairConfig | None],
+    order: list[str],
+    snapshot: StoreSnapshot,
+    new_tokens: int,
+) -> dict[str, dict[str, float]]:
+    """One question under every configuration (in ``order``, the store restored after each): the per-question
+    measures that :func:`evaluate` averages."""
+    results: dict[str, GenerationResult] = {}
+    for name in order:
+        repair = configs[name]
+        results[name] = engine.generate(
+            question.segments,
+            max_new_tokens=new_tokens,
+            mode="baseline" if repair is None else "chunk_kv_reuse",
+            logprobs=0,
+            repair=repair,
+        )
+        snapshot.restore()
+    reference = results[FULL]
+    measures = {name: continuous_measures(engine, question, reference.output_ids, configs[name]) for name in order}
+    full_gold, full_answer = measures[FULL]
+    rows = {}
+    for name, result in results.items():
+        answer = extract_answer(result.output_text)
+        gold_logprob, answer_logprobs = measures[name]
+        rows[name] = compare(result, reference) | {
+            "correct": float(answer == question.answer),
+            "agrees_with_full": float(answer == extract_answer(reference.output_text)),
+            "prompt_tokens": float(result.prompt_tokens),
+            "gold_logprob": gold_logprob,
+            "gold_logprob_delta": gold_logprob - full_gold,
+            "kl_answer": mean_kl(full_answer, answer_logprobs),
+        }
+    return rows
+
+
 def evaluate(
     engine: InferenceEngine,
     documents: list[str],
@@ -242,34 +281,9 @@ def evaluate(
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     names = list(configs)
     for index, question in enumerate(tqdm(questions, desc="questions")):
-        results: dict[str, GenerationResult] = {}
-        for name in names[index % len(names) :] + names[: index % len(names)]:
-            repair = configs[name]
-            results[name] = engine.generate(
-                question.segments,
-                max_new_tokens=new_tokens,
-                mode="baseline" if repair is None else "chunk_kv_reuse",
-                logprobs=0,
-                repair=repair,
-            )
-            snapshot.restore()
-        reference = results[FULL]
-        measures = {name: continuous_measures(engine, question, reference.output_ids, configs[name]) for name in names}
-        full_gold, full_answer = measures[FULL]
-        for name, result in results.items():
-            answer = extract_answer(result.output_text)
-            gold_logprob, answer_logprobs = measures[name]
-            rows[name].append(
-                compare(result, reference)
-                | {
-                    "correct": float(answer == question.answer),
-                    "agrees_with_full": float(answer == extract_answer(reference.output_text)),
-                    "prompt_tokens": float(result.prompt_tokens),
-                    "gold_logprob": gold_logprob,
-                    "gold_logprob_delta": gold_logprob - full_gold,
-                    "kl_answer": mean_kl(full_answer, answer_logprobs),
-                }
-            )
+        order = names[index % len(names) :] + names[: index % len(names)]
+        for name, row in answer_question(engine, question, configs, order, snapshot, new_tokens).items():
+            rows[name].append(row)
     summary = {
         name: {key: statistics.fmean(r[key] for r in values) for key in values[0]} for name, values in rows.items()
     }

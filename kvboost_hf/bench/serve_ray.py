@@ -147,6 +147,39 @@ def plot(runs: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def compare_routings(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Prefix vs round-robin routing, without and with Redis: reuse-ratio gain and TTFT p50 speed-up, and whether
+    the issue's targets (>= 1.5x reuse, lower TTFT p50, RAM only) are met."""
+    comparison: dict[str, Any] = {}
+    for tier in ("", "+redis"):
+        rr, prefix = runs[f"round_robin{tier}"]["summary"], runs[f"prefix{tier}"]["summary"]
+        comparison[f"reuse_gain{tier}"] = prefix["reuse_ratio"] / rr["reuse_ratio"] if rr["reuse_ratio"] else None
+        comparison[f"ttft_p50_speedup{tier}"] = rr["ttft_p50_ms"] / prefix["ttft_p50_ms"]
+    comparison["targets_met"] = (comparison["reuse_gain"] or 0) >= 1.5 and comparison["ttft_p50_speedup"] > 1
+    return comparison
+
+
+def print_report(runs: dict[str, dict[str, Any]], comparison: dict[str, Any]) -> None:
+    """One line per scenario, then the routing comparison."""
+    header = f"{'scenario':<20}{'reqs':>5}{'failed':>7}{'wrong':>6}{'TTFT p50':>10}{'p99':>8}{'reuse':>7}"
+    print(f"{header}{'later turns':>13}{'moved':>7}  replicas")
+    for name, run in runs.items():
+        s = run["summary"]
+        print(
+            f"{name:<20}{s['requests']:>5}{s['errors']:>7}{s['wrong']:>6}{s['ttft_p50_ms']:>10.0f}"
+            f"{s['ttft_p99_ms']:>8.0f}{s['reuse_ratio']:>7.2f}{s['follow_up_reuse_ratio']:>13.2f}"
+            f"{s['moved_turns']:>7}  {len(s['replicas_used'])}"
+        )
+    for tier in ("", "+redis"):
+        gain = comparison[f"reuse_gain{tier}"]
+        print(
+            f"prefix vs round-robin{tier or ' (RAM only)'}: reuse ratio {gain:.2f}x, "
+            f"TTFT p50 {comparison[f'ttft_p50_speedup{tier}']:.2f}x lower"
+            if gain is not None
+            else f"prefix vs round-robin{tier}: round-robin reused nothing"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvboost_hf.bench serve_ray", description=__doc__.splitlines()[0])
     add_load_arguments(parser, users=3, turns=3)
@@ -184,29 +217,8 @@ def main(argv: list[str] | None = None) -> int:
 
         serve.shutdown()
         ray.shutdown()
-    comparison: dict[str, Any] = {}
-    for tier in ("", "+redis"):
-        rr, prefix = runs[f"round_robin{tier}"]["summary"], runs[f"prefix{tier}"]["summary"]
-        comparison[f"reuse_gain{tier}"] = prefix["reuse_ratio"] / rr["reuse_ratio"] if rr["reuse_ratio"] else None
-        comparison[f"ttft_p50_speedup{tier}"] = rr["ttft_p50_ms"] / prefix["ttft_p50_ms"]
-    comparison["targets_met"] = (comparison["reuse_gain"] or 0) >= 1.5 and comparison["ttft_p50_speedup"] > 1
-    header = f"{'scenario':<20}{'reqs':>5}{'failed':>7}{'wrong':>6}{'TTFT p50':>10}{'p99':>8}{'reuse':>7}"
-    print(f"{header}{'later turns':>13}{'moved':>7}  replicas")
-    for name, run in runs.items():
-        s = run["summary"]
-        print(
-            f"{name:<20}{s['requests']:>5}{s['errors']:>7}{s['wrong']:>6}{s['ttft_p50_ms']:>10.0f}"
-            f"{s['ttft_p99_ms']:>8.0f}{s['reuse_ratio']:>7.2f}{s['follow_up_reuse_ratio']:>13.2f}"
-            f"{s['moved_turns']:>7}  {len(s['replicas_used'])}"
-        )
-    for tier in ("", "+redis"):
-        gain = comparison[f"reuse_gain{tier}"]
-        print(
-            f"prefix vs round-robin{tier or ' (RAM only)'}: reuse ratio {gain:.2f}x, "
-            f"TTFT p50 {comparison[f'ttft_p50_speedup{tier}']:.2f}x lower"
-            if gain is not None
-            else f"prefix vs round-robin{tier}: round-robin reused nothing"
-        )
+    comparison = compare_routings(runs)
+    print_report(runs, comparison)
     args.out.mkdir(parents=True, exist_ok=True)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     payload = {"config": config, "cpu_count": os.cpu_count(), "comparison": comparison, **runs}

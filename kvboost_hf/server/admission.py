@@ -188,6 +188,31 @@ class Admission:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Prepared("completion", prompt_ids, params, body.n, body.cache_salt, body.stream, include_usage, False)
 
+    def _token_budget(
+        self, body: ChatCompletionRequest | CompletionRequest, prompt_tokens: int, max_tokens: int | None
+    ) -> int:
+        """``max_tokens`` checked against the batch size, the server's limit and the context left after the
+        prompt (400s naming the field), or the server's default that fits."""
+        settings = self.settings
+        if body.n > settings.max_batch_size:
+            raise ApiError(400, f"n={body.n} exceeds the server's max batch size {settings.max_batch_size}", param="n")
+        room = self.engine.max_context - prompt_tokens if self.engine.max_context else None
+        limit = settings.max_tokens_limit
+        if max_tokens is not None and limit is not None and max_tokens > limit:
+            raise ApiError(400, f"max_tokens={max_tokens} exceeds this server's limit of {limit}", param="max_tokens")
+        if max_tokens is None:
+            max_tokens = min(settings.default_max_tokens, limit or settings.default_max_tokens, room or 2**31)
+            max_tokens = max(max_tokens, 1)
+        if room is not None and max_tokens > room:
+            raise ApiError(
+                400,
+                f"prompt of {prompt_tokens} tokens + max_tokens={max_tokens} exceeds the context of "
+                f"{self.engine.max_context} tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return max_tokens
+
     def _params(
         self,
         body: ChatCompletionRequest | CompletionRequest,
@@ -199,24 +224,7 @@ class Admission:
     ) -> JobParams:
         """The job's settings; ``grammar`` constrains each row (a tool-call grammar when ``tool_calls``, whose rows
         also end a turn that repeats a call: :class:`~kvboost_hf.hf.grammar.ToolCallProcessor`)."""
-        settings = self.settings
-        if body.n > settings.max_batch_size:
-            raise ApiError(400, f"n={body.n} exceeds the server's max batch size {settings.max_batch_size}", param="n")
-        room = self.engine.max_context - len(prompt_ids) if self.engine.max_context else None
-        limit = settings.max_tokens_limit
-        if max_tokens is not None and limit is not None and max_tokens > limit:
-            raise ApiError(400, f"max_tokens={max_tokens} exceeds this server's limit of {limit}", param="max_tokens")
-        if max_tokens is None:
-            max_tokens = min(settings.default_max_tokens, limit or settings.default_max_tokens, room or 2**31)
-            max_tokens = max(max_tokens, 1)
-        if room is not None and max_tokens > room:
-            raise ApiError(
-                400,
-                f"prompt of {len(prompt_ids)} tokens + max_tokens={max_tokens} exceeds the context of "
-                f"{self.engine.max_context} tokens",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
+        max_tokens = self._token_budget(body, len(prompt_ids), max_tokens)
         if body.min_tokens > max_tokens:
             raise ApiError(400, f"min_tokens={body.min_tokens} exceeds max_tokens={max_tokens}", param="min_tokens")
         if grammar is not None and (body.min_tokens or body.ignore_eos):

@@ -46,8 +46,20 @@ def register_routes(
     metrics: Metrics,
 ) -> None:
     """Add every route to ``app``."""
-    created = int(time.time())
-    card = ModelCard(id=settings.model_name, created=created)
+    _register_service_routes(app, engine, settings, worker, admission, metrics)
+    _register_generation_routes(app, engine, settings, worker, admission)
+
+
+def _register_service_routes(
+    app: FastAPI,
+    engine: InferenceEngine,
+    settings: ServerSettings,
+    worker: Worker,
+    admission: Admission,
+    metrics: Metrics,
+) -> None:
+    """Health, metrics, the model list and (de)tokenization."""
+    card = ModelCard(id=settings.model_name, created=int(time.time()))
 
     @app.get("/health", responses=ERRORS)
     async def health() -> dict[str, Any]:
@@ -78,6 +90,12 @@ def register_routes(
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         admission.check_model(body.model)
         return DetokenizeResponse(prompt=await admission.detokenize(body.tokens))
+
+
+def _register_generation_routes(
+    app: FastAPI, engine: InferenceEngine, settings: ServerSettings, worker: Worker, admission: Admission
+) -> None:
+    """Warming, chat completions, completions and responses: the routes that run the model."""
 
     @app.post("/v1/warm", responses=ERRORS)
     async def warm(body: WarmRequest) -> WarmResponse:
