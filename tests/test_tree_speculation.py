@@ -133,3 +133,77 @@ def test_streamed_target_with_a_tree_equals_the_resident_target(draft):
     got = decode(streamed, requests, settings, draft)
     assert [row.tokens for row in got.rows] == [row.tokens for row in expected.rows]
     assert got.forwards < expected.forwards
+
+
+# ---------------------------------------------------------------------------------------------------- counters
+TREE = DraftSettings(num_draft_tokens=4, tree_budget=12, tree_branching=3)
+
+
+@pytest.fixture(scope="module")
+def streamed_engines(draft):
+    """A streamed target (every layer over 2 slots) with no draft and with a tree draft, one store each."""
+    from test_speculative import word_tokenizer
+
+    from kvboost_hf import KVBoost
+
+    streamed = make_tiny_model("llama", seed=0)
+    enable_layer_streaming(streamed, LayerStreaming(num_slots=2, pin_memory=False, device="cpu"))
+    plain = KVBoost(streamed, word_tokenizer(), chunk_size=16)
+    drafted = KVBoost(streamed, word_tokenizer(), chunk_size=16, draft_model=draft)
+    drafted.draft_settings = TREE
+    return plain, drafted
+
+
+def test_tree_generation_counters_add_up(streamed_engines):
+    """Greedy, one row: each target forward yields one token of its own plus the draft tokens it accepted; every
+    forward but the prefill verified at most ``tree_budget`` nodes; the engine's totals and bytes follow."""
+    from test_speculative import words
+
+    plain_engine, engine = streamed_engines
+    prompt = words(21, 30)
+    plain = plain_engine.generate(prompt, max_new_tokens=20)
+    before = engine.cache_stats()
+    result = engine.generate(prompt, max_new_tokens=20)
+    after = engine.cache_stats()
+    assert result.output_ids == plain.output_ids
+    assert result.generated_tokens == result.target_forwards + result.draft_tokens_accepted
+    assert result.verify_forwards == result.target_forwards - 1 > 0
+    assert 0 < result.draft_tokens_proposed <= TREE.tree_budget * result.verify_forwards
+    assert result.draft_tokens_accepted_per_verify == result.draft_tokens_accepted / result.verify_forwards > 0
+    assert result.streamed_bytes_per_token == result.streamed_bytes / result.generated_tokens
+    assert result.streamed_bytes < plain.streamed_bytes  # fewer target forwards stream fewer layers
+    for name in ("generated_tokens", "target_forwards", "verify_forwards", "draft_tokens_proposed",
+                 "draft_tokens_accepted", "streamed_bytes"):  # fmt: skip
+        assert after[name] - before[name] == getattr(result, name), name
+    assert after["streamed_bytes_per_token"] == after["streamed_bytes"] / after["generated_tokens"]
+    assert after["draft_tokens_accepted_per_verify"] == after["draft_tokens_accepted"] / after["verify_forwards"]
+    assert plain.target_forwards == plain.generated_tokens and plain.verify_forwards == 0
+    assert plain.draft_tokens_proposed == 0 and plain.draft_tokens_accepted_per_verify is None
+    assert plain_engine.cache_stats()["verify_forwards"] == 0
+
+
+def test_batch_counters_bound_the_verified_nodes(target, draft):
+    """A batch: each verify forward checks at most ``tree_budget`` nodes per running row; streamed bytes are
+    None on a resident target."""
+    requests = [DecodeRequest(p, 12, SamplingParams(temperature=0)) for p in prompts()]
+    loop = decode(target, requests, TREE, draft)
+    proposed = sum(row.draft_proposed for row in loop.rows)
+    assert 0 < proposed <= len(requests) * TREE.tree_budget * loop.verify_forwards
+    assert loop.verify_forwards == loop.forwards - 1 and loop.streamed_bytes is None
+
+
+def test_server_metrics_expose_the_tree_counters(streamed_engines):
+    from fastapi.testclient import TestClient
+    from test_speculative import words
+
+    from kvboost_hf.server.app import ServerSettings, create_app
+
+    _, engine = streamed_engines
+    engine.generate(words(22, 30), max_new_tokens=8)
+    stats = engine.cache_stats()
+    with TestClient(create_app(engine, ServerSettings(model_name="tiny"))) as client:
+        text = client.get("/metrics").text
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert float(samples["kvboost_verify_forwards_total"]) == stats["verify_forwards"] > 0
+    for gauge in ("draft_tokens_accepted_per_verify", "streamed_bytes_per_token"):
+        assert float(samples[f"kvboost_{gauge}"]) == pytest.approx(stats[gauge]) and stats[gauge] > 0

@@ -34,7 +34,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +54,7 @@ from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.prefill import forward
 from kvboost_hf.hf.sampling import SamplingParams, build_processors, choose_token
 from kvboost_hf.hf.speculative import Drafter, DraftTree, tree_attention_mask
+from kvboost_hf.offload.streamer import layer_streamer
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +236,10 @@ class DecodeLoop:
         draft: speculative decoding with this drafter (fresh, unused: the loop runs its prefill), or None.
 
     ``forwards`` counts target model forwards (prefill and shared prefixes included; the draft's are
-    ``draft.forwards``); ``computed_tokens`` the prompt tokens computed (not loaded) for all rows. Call
+    ``draft.forwards``), ``verify_forwards`` those of them that verified draft tokens (one per speculative step);
+    ``streamed_bytes`` the bytes the target's layer streamer copied during this loop's prefills and steps (an
+    early-exit draft's forwards on the target included; None when the target is not streamed);
+    ``computed_tokens`` the prompt tokens computed (not loaded) for all rows. Call
     :meth:`prefill` once, then :meth:`step` until :attr:`done` (or :meth:`run`).
     """
 
@@ -268,6 +272,8 @@ class DecodeLoop:
         self.mask = torch.empty(0)
         self.positions = torch.empty(0)
         self.forwards = 0
+        self.verify_forwards = 0
+        self.streamed_bytes: int | None = None if layer_streamer(model) is None else 0
         self.computed_tokens = 0
 
     @staticmethod
@@ -291,10 +297,28 @@ class DecodeLoop:
         return self.model.device
 
     # ------------------------------------------------------------------ forwards
+    @contextlib.contextmanager
+    def _counting_streamed_bytes(self) -> Iterator[None]:
+        """Add to :attr:`streamed_bytes` what the target's layer streamer copies inside the block."""
+        streamer = layer_streamer(self.model)
+        if streamer is None:
+            yield
+            return
+        before = streamer.stats(settle=False).bytes_streamed
+        try:
+            yield
+        finally:
+            copied = streamer.stats(settle=False).bytes_streamed - before
+            self.streamed_bytes = (self.streamed_bytes or 0) + copied
+
     def prefill(self) -> None:
         """Compute (or load) every row's prompt and give each row its first token. Rows that all have one prompt
         (the ``n`` choices of a request) are prefilled as one row and then repeated, so a repair of non-prefix
         hits, which the cache makes for one row at a time, applies to all of them."""
+        with self._counting_streamed_bytes():
+            self._prefill()
+
+    def _prefill(self) -> None:
         prompts = [list(row.request.prompt_ids) for row in self.rows]
         repeats = len(prompts) if all(prompt == prompts[0] for prompt in prompts) else 1
         prompts = prompts[:1] if repeats > 1 else prompts
@@ -328,6 +352,10 @@ class DecodeLoop:
 
     def step(self) -> None:
         """One decode step for every running row (speculative with a draft: one or more tokens per row)."""
+        with self._counting_streamed_bytes():
+            self._step()
+
+    def _step(self) -> None:
         if self.draft is not None:
             self._speculative_step(self.draft)
             return
@@ -357,6 +385,7 @@ class DecodeLoop:
         positions = self.positions[:, None] + 1 + depths
         mask = tree_attention_mask(self.mask, visible, model_dtype(self.model))
         logits = self._forward(fed.to(self.device), positions, keep=nodes + 1, attention_mask=mask)
+        self.verify_forwards += 1
         kept = [self._verify(row, logits[i], trees[i]) for i, row in enumerate(running)]
         context = self.mask.shape[1]
         self._keep_path(draft, trees, kept, context, len(sizes))
@@ -440,6 +469,8 @@ class DecodeLoop:
         self.rows += newcomers.rows
         self.forwards += newcomers.forwards
         self.computed_tokens += newcomers.computed_tokens
+        if newcomers.streamed_bytes is not None:
+            self.streamed_bytes = (self.streamed_bytes or 0) + newcomers.streamed_bytes
         if self.draft is not None and newcomers.draft is not None:
             self.draft.forwards += newcomers.draft.forwards
         if newcomers.done:
