@@ -10,9 +10,10 @@ from conftest import make_tiny_model, noisy_copy
 from hypothesis import given
 from hypothesis import strategies as st
 from test_decode import CHUNKING, EOS, as_text
+from test_speculative import _chi_square
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, DecodeLoop, DecodeRequest, SamplingParams
-from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftTree
+from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftTree, acceptance_by_depth
 from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
 
 
@@ -207,3 +208,128 @@ def test_server_metrics_expose_the_tree_counters(streamed_engines):
     assert float(samples["kvboost_verify_forwards_total"]) == stats["verify_forwards"] > 0
     for gauge in ("draft_tokens_accepted_per_verify", "streamed_bytes_per_token"):
         assert float(samples[f"kvboost_{gauge}"]) == pytest.approx(stats[gauge]) and stats[gauge] > 0
+
+
+def test_acceptance_by_depth_counts_the_rounds_that_reached_each_depth():
+    rounds = [(2, True), (0, True), (3, False), (1, False)]
+    assert acceptance_by_depth(rounds) == [3 / 4, 2 / 2, 1 / 2]
+    assert acceptance_by_depth([]) == []
+
+
+@pytest.mark.parametrize("budget", [0, 12], ids=["chain", "tree"])
+def test_each_round_starts_from_the_drafts_own_choice_after_compaction(target, draft, budget):
+    """The draft's cache after a round's compaction holds exactly the accepted tokens: the next round's best first
+    proposal is the draft's argmax over the whole sequence computed from scratch. The rows' round records add up."""
+    requests = [DecodeRequest(p, 20, SamplingParams(temperature=0)) for p in prompts()]
+    drafter = Drafter(draft, DraftSettings(num_draft_tokens=5, tree_budget=budget))
+    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=None, chunking=CHUNKING,
+                      pad_token_id=0, draft=drafter)  # fmt: skip
+    assert loop.draft is not None
+    propose, seen = loop.draft.propose, []
+
+    def recording(*args, **kwargs):
+        trees = propose(*args, **kwargs)
+        rows = zip(loop.running, trees, strict=True)
+        seen.extend((row.request.prompt_ids, list(row.tokens), tree.tokens[0]) for row, tree in rows)
+        return trees
+
+    loop.draft.propose = recording  # type: ignore[method-assign]
+    loop.run()
+    assert len(seen) > 10
+    for prompt, tokens, first in seen:
+        with torch.no_grad():
+            logits = draft(torch.tensor([[*prompt, *tokens]])).logits[0, -1]
+        assert first == int(logits.argmax())
+    for row in loop.rows:
+        assert sum(kept for kept, _ in row.draft_rounds) == row.draft_accepted
+        assert sum(refused for _, refused in row.draft_rounds) == row.draft_rejected
+    assert max(len(row.draft_rounds) for row in loop.rows) == loop.verify_forwards  # the longest row: every round
+
+
+# ---------------------------------------------------------------------------------------------------- distribution
+# The multi-draft rule implemented (DecodeLoop._verify): at each tree node the row draws its token from the
+# target's distribution there (its processors, its seeded generator) and descends into the child holding that
+# token; the first node with no such child ends the round. Not recursive rejection sampling (SpecInfer/SpecTr): a
+# node is kept with the target's probability of its token, and the output distribution is the target's whatever
+# the tree. These tests check that on the distributions, not on the code's reasoning.
+
+
+def sampled_loop(target, draft, prompt, max_new_tokens, settings, seed, temperature=1.0) -> DecodeLoop:
+    request = DecodeRequest(prompt, max_new_tokens, SamplingParams(temperature=temperature, seed=seed))
+    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for([request], set()), new_cache=None, chunking=CHUNKING,
+                      pad_token_id=0, draft=Drafter(draft, settings))  # fmt: skip
+    loop.run()
+    return loop
+
+
+def next_token_probs(model, sequences: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``[N, V]``: the model's next-token distribution after each of ``sequences`` ``[N, L]``."""
+    with torch.no_grad():
+        return (model(sequences).logits[:, -1] / temperature).softmax(-1)
+
+
+def test_a_tree_keeps_the_targets_distribution_chi_square():
+    """The third sampled token (after the prefill's and the first verify's root draw: accepted from the tree or
+    drawn after a miss) follows the target's marginal, not the draft's (16 tokens, sharpened heads)."""
+    vocab, prompt = 16, [3, 5, 7, 2, 9]
+    target, draft = (make_tiny_model("llama", seed=s, vocab_size=vocab, num_hidden_layers=1) for s in (0, 3))
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8)
+        draft.lm_head.weight.mul_(8)
+
+    def third_token_marginal(model) -> torch.Tensor:
+        first = next_token_probs(model, torch.tensor([prompt]))[0]
+        pairs = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))  # (t1, t2)
+        second = next_token_probs(model, torch.tensor([[*prompt, token] for token in range(vocab)]))  # [t1, t2]
+        third = next_token_probs(model, torch.cat([torch.tensor([prompt]).expand(len(pairs), -1), pairs], dim=1))
+        weights = first[pairs[:, 0]] * second[pairs[:, 0], pairs[:, 1]]
+        return (weights[:, None] * third).sum(0)
+
+    settings = DraftSettings(num_draft_tokens=2, tree_budget=3, tree_branching=3)
+    counts, accepted = torch.zeros(vocab, dtype=torch.long), 0
+    draws = 150
+    for seed in range(draws):
+        loop = sampled_loop(target, draft, prompt, 3, settings, seed)
+        counts[loop.rows[0].tokens[2]] += 1
+        accepted += loop.rows[0].draft_accepted > 0
+    assert 0 < accepted < draws  # both the accepted and the missed branch ran
+    _, p_target = _chi_square(counts, third_token_marginal(target))
+    _, p_draft = _chi_square(counts, third_token_marginal(draft))
+    assert p_target > 1e-3 and p_draft < 1e-6, counts.tolist()
+
+
+@pytest.mark.parametrize("branching", [2, 4], ids=["partial-tree", "every-continuation"])
+def test_the_sampled_output_distribution_is_the_targets_exactly(monkeypatch, branching):
+    """Enumerable: vocabulary 4, the first token fixed, the next 3 scripted over all 64 sequences in place of the
+    row's draws, each weighted by the probability the loop drew it with (the softmax at the verify forward's node).
+    The weights are the exact distribution the loop samples from; each must equal the target's own probability of
+    that continuation (a full forward per prefix), through trees with misses (branching 2) and without (4)."""
+    import kvboost_hf.hf.decode as decode_module
+
+    vocab, prompt, temperature = 4, [1, 3, 2, 0, 0, 2], 0.7
+    target = make_tiny_model("llama", seed=3, vocab_size=vocab, num_hidden_layers=1)
+    draft = noisy_copy(target, 0.5, seed=4)
+    script: list[int] = []
+    weight = [1.0]
+
+    def scripted(scores, params, generator):
+        token = script.pop(0)
+        weight[0] *= float(torch.softmax(scores.float(), dim=-1)[0, token])
+        return token
+
+    monkeypatch.setattr(decode_module, "choose_token", scripted)
+    settings = DraftSettings(num_draft_tokens=2, tree_budget=50, tree_branching=branching)
+    first = 2
+    total = 0.0
+    for continuation in itertools.product(range(vocab), repeat=3):
+        script[:], weight[0] = [first, *continuation], 1.0
+        loop = sampled_loop(target, draft, prompt, 4, settings, seed=0, temperature=temperature)
+        assert loop.rows[0].tokens == [first, *continuation] and not script
+        sequence = torch.tensor([prompt + loop.rows[0].tokens])
+        with torch.no_grad():  # causal: position i's logits are the next-token distribution after sequence[:i + 1]
+            probs = (target(sequence).logits[0, len(prompt) - 1 : -1] / temperature).softmax(-1)
+        expected = float(probs[torch.arange(4), sequence[0, len(prompt) :]].prod())
+        assert weight[0] == pytest.approx(expected, rel=1e-4), continuation
+        total += weight[0]
+    first_prob = float(next_token_probs(target, torch.tensor([prompt]), temperature)[0, first])
+    assert total == pytest.approx(first_prob, rel=1e-4)

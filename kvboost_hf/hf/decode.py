@@ -132,7 +132,9 @@ class DecodeRow:
     ``reuse`` is what the prefill loaded for this row (for the row that computed a shared prefix for its group,
     ``reuse.cached_tokens`` excludes that prefix). Times are ``time.perf_counter()`` values. Speculative counters:
     ``draft_proposed`` draft tokens proposed for this row, ``draft_accepted`` of them equal to the row's own choice
-    (and taken), ``draft_rejected`` verify rounds that ended on a differing proposal.
+    (and taken), ``draft_rejected`` verify rounds that ended on a differing proposal; ``draft_rounds`` holds, per
+    verify round of this row, ``(draft tokens accepted, whether a differing proposal ended it)`` (see
+    :func:`~kvboost_hf.hf.speculative.acceptance_by_depth`).
     """
 
     request: DecodeRequest
@@ -149,6 +151,7 @@ class DecodeRow:
     draft_proposed: int = 0
     draft_accepted: int = 0
     draft_rejected: int = 0
+    draft_rounds: list[tuple[int, bool]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         request = self.request
@@ -429,21 +432,23 @@ class DecodeLoop:
         node's): its own choice at the root, then at the child holding that choice, and so on until no child
         holds it (a row that does not speculate takes the root's choice only). Returns the tree nodes whose
         columns stay (every taken token's but the last)."""
-        if row.speculates:
-            row.draft_proposed += len(tree.tokens)
         path: list[int] = []
         node = -1
         while True:
             token = self._take(row, logits[node + 1 : node + 2])
             child = tree.child(node, token) if row.speculates else None
             if child is None:
-                row.draft_rejected += row.speculates and tree.has_children(node)
                 break
-            row.draft_accepted += 1
             path.append(child)
             node = child
             if row.finished:
                 break
+        if row.speculates:
+            rejected = child is None and tree.has_children(node)
+            row.draft_proposed += len(tree.tokens)
+            row.draft_accepted += len(path)
+            row.draft_rejected += rejected
+            row.draft_rounds.append((len(path), rejected))
         return path if not row.finished or child is None else path[:-1]
 
     def join(self, rows: Sequence[DecodeRow]) -> None:
