@@ -217,9 +217,10 @@ def test_acceptance_by_depth_counts_the_rounds_that_reached_each_depth():
 
 
 @pytest.mark.parametrize("budget", [0, 12], ids=["chain", "tree"])
-def test_each_round_starts_from_the_drafts_own_choice_after_compaction(target, draft, budget):
-    """The draft's cache after a round's compaction holds exactly the accepted tokens: the next round's best first
-    proposal is the draft's argmax over the whole sequence computed from scratch. The rows' round records add up."""
+def test_every_expanded_node_starts_with_the_drafts_own_choice(target, draft, budget):
+    """Within a round (the draft's tree-masked forwards) and across rounds (its cache after each compaction), the
+    draft sees exactly the node's sequence: the first child of every expanded node (the best of its siblings) is the
+    draft's argmax after the row's tokens and the node's path, computed from scratch. Round records add up."""
     requests = [DecodeRequest(p, 20, SamplingParams(temperature=0)) for p in prompts()]
     drafter = Drafter(draft, DraftSettings(num_draft_tokens=5, tree_budget=budget))
     loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=None, chunking=CHUNKING,
@@ -229,17 +230,24 @@ def test_each_round_starts_from_the_drafts_own_choice_after_compaction(target, d
 
     def recording(*args, **kwargs):
         trees = propose(*args, **kwargs)
-        rows = zip(loop.running, trees, strict=True)
-        seen.extend((row.request.prompt_ids, list(row.tokens), tree.tokens[0]) for row, tree in rows)
+        for row, tree in zip(loop.running, trees, strict=True):
+            for node in [-1, *range(len(tree.tokens))]:
+                first_child = next((j for j, parent in enumerate(tree.parents) if parent == node), None)
+                if first_child is not None:
+                    path = [tree.tokens[j] for j in tree.path(node)]
+                    seen.append(([*row.request.prompt_ids, *row.tokens, *path], tree.tokens[first_child]))
         return trees
 
     loop.draft.propose = recording  # type: ignore[method-assign]
     loop.run()
-    assert len(seen) > 10
-    for prompt, tokens, first in seen:
-        with torch.no_grad():
-            logits = draft(torch.tensor([[*prompt, *tokens]])).logits[0, -1]
-        assert first == int(logits.argmax())
+    assert len(seen) > 30
+    lengths = torch.tensor([len(sequence) for sequence, _ in seen])
+    padded = torch.zeros(len(seen), int(lengths.max()), dtype=torch.long)  # right padding: causal, so harmless
+    for index, (sequence, _) in enumerate(seen):
+        padded[index, : len(sequence)] = torch.tensor(sequence)
+    with torch.no_grad():
+        logits = draft(padded).logits[torch.arange(len(seen)), lengths - 1]
+    assert logits.argmax(-1).tolist() == [proposed for _, proposed in seen]
     for row in loop.rows:
         assert sum(kept for kept, _ in row.draft_rounds) == row.draft_accepted
         assert sum(refused for _, refused in row.draft_rounds) == row.draft_rejected
