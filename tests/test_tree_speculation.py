@@ -341,3 +341,29 @@ def test_the_sampled_output_distribution_is_the_targets_exactly(monkeypatch, bra
         total += weight[0]
     first_prob = float(next_token_probs(target, torch.tensor([prompt]), temperature)[0, first])
     assert total == pytest.approx(first_prob, rel=1e-4)
+
+
+def test_tree_benchmark_rows_follow_from_the_counts(tmp_path):
+    """``bench speculative --tree-budgets``: the row of one prompt's counts, its report and plot."""
+    from kvboost_hf.bench import speculative_tree
+
+    def run(forwards, verifies, streamed, proposed, rounds, tokens=(5, 6, 7, 8, 9, 10, 11, 12)):
+        accepted = sum(kept for kept, _ in rounds)
+        return {"tokens": list(tokens), "target_forwards": forwards, "verify_forwards": verifies, "draft_forwards": 6,
+                "streamed_bytes": streamed, "proposed": proposed, "accepted": accepted, "rounds": rounds,
+                "seconds": 0.5}  # fmt: skip
+
+    plain = [run(8, 0, 800, 0, [])]
+    row = speculative_tree.summarise([run(3, 2, 300, 10, [(4, True), (1, False)])], plain, 5)
+    assert row["tokens_per_target_forward"] == 8 / 3 and row["tokens_per_verify"] == 1 + 5 / 2
+    assert row["nodes_per_verify"] == 5 and row["streamed_vs_plain"] == 0.375
+    assert row["acceptance_by_depth"] == [1, 1, 1, 1, 0] and row["position_acceptance"] == 5 / 6
+    assert row["estimated_gpu_tok_s"]["pcie4_x16"] == pytest.approx(25e9 * 8 / 300)
+    assert row["outputs_identical"]
+    assert not speculative_tree.summarise([run(8, 0, 800, 0, [], tokens=range(8))], plain, 0)["outputs_identical"]
+    result = {"streamed_layers": 2, "streamed_mb_per_forward": 1e-4, "draft": "bf16", "tree_depth": 4,
+              "tree_branching": 2, "prompts": 1, "max_new_tokens": 8, "model": "tiny", "verify_seconds": {"1": 0.1},
+              "verify_ms_per_node": 0.0, "rows": [speculative_tree.summarise(plain, plain, None), row]}  # fmt: skip
+    assert speculative_tree.report(result).split("\n")[3].split()[:4] == ["5", "2.67", "3.50", "5.0"]
+    speculative_tree.plot(result, tmp_path / "tree.png")
+    assert (tmp_path / "tree.png").stat().st_size > 0
