@@ -168,7 +168,7 @@ def test_tree_generation_counters_add_up(streamed_engines):
     after = engine.cache_stats()
     assert result.output_ids == plain.output_ids
     assert result.generated_tokens == result.target_forwards + result.draft_tokens_accepted
-    assert result.verify_forwards == result.target_forwards - 1 > 0
+    assert 0 < result.verify_forwards <= result.target_forwards - 1
     assert 0 < result.draft_tokens_proposed <= TREE.tree_budget * result.verify_forwards
     assert result.draft_tokens_accepted_per_verify == result.draft_tokens_accepted / result.verify_forwards > 0
     assert result.streamed_bytes_per_token == result.streamed_bytes / result.generated_tokens
@@ -190,7 +190,28 @@ def test_batch_counters_bound_the_verified_nodes(target, draft):
     loop = decode(target, requests, TREE, draft)
     proposed = sum(row.draft_proposed for row in loop.rows)
     assert 0 < proposed <= len(requests) * TREE.tree_budget * loop.verify_forwards
-    assert loop.verify_forwards == loop.forwards - 1 and loop.streamed_bytes is None
+    assert 0 < loop.verify_forwards <= loop.forwards - 1 and loop.streamed_bytes is None
+
+
+@pytest.mark.parametrize("ending", ["length", "end-token"])
+def test_a_row_ending_on_a_proposed_token_counts_it_as_the_forwards_own(target, ending):
+    """An identical draft (every proposal accepted): a row that finishes on a proposed token (its budget, or an end
+    token) does not count that token as accepted, and no draft is made for a row's last token; so generated
+    tokens = target forwards + accepted draft tokens exactly."""
+    prompt = prompts()[0]
+    plain = decode(target, [DecodeRequest(prompt, 12, SamplingParams(temperature=0))]).rows[0].tokens
+    end = plain[4] if ending == "end-token" else None
+    assert end is None or end not in plain[:4]
+    request = DecodeRequest(prompt, 7, SamplingParams(temperature=0))
+    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for([request], {end} if end is not None else set()),
+                      new_cache=None, chunking=CHUNKING, pad_token_id=0,
+                      draft=Drafter(target, DraftSettings(num_draft_tokens=4)))  # fmt: skip
+    loop.run()
+    (row,) = loop.rows
+    assert row.tokens == plain[: len(row.tokens)] and len(row.tokens) == (5 if end is not None else 7)
+    assert len(row.tokens) == loop.forwards + row.draft_accepted
+    assert row.draft_rounds[-1][1] is False  # no round ended on a miss: the identical draft proposes the target's
+    assert loop.verify_forwards == len(row.draft_rounds)
 
 
 def test_server_metrics_expose_the_tree_counters(streamed_engines):

@@ -359,7 +359,8 @@ class DecodeLoop:
             self._step()
 
     def _step(self) -> None:
-        if self.draft is not None:
+        # a draft only pays when a row can still take two tokens: with one left, its proposals could not be used
+        if self.draft is not None and any(row.request.max_new_tokens - len(row.tokens) > 1 for row in self.running):
             self._speculative_step(self.draft)
             return
         last = torch.tensor([[row.tokens[-1]] for row in self.running], device=self.device)
@@ -375,7 +376,7 @@ class DecodeLoop:
         accepted path's columns in both caches."""
         running = self.running
         budget = max(row.request.max_new_tokens - len(row.tokens) for row in running)
-        sizes = draft.settings.level_sizes(max(1, budget - 1))
+        sizes = draft.settings.level_sizes(budget - 1)
         last = torch.tensor([[row.tokens[-1]] for row in running], device=self.device)
         trees = draft.propose(last, self.mask, self.positions, sizes, lambda i, lg, d: running[i].draft_scores(lg, d))
         nodes = sum(sizes)
@@ -430,26 +431,25 @@ class DecodeLoop:
     def _verify(self, row: DecodeRow, logits: torch.Tensor, tree: DraftTree) -> list[int]:
         """Give ``row`` its tokens from the verify forward's logits ``[1 + nodes, V]`` (the root's, then each
         node's): its own choice at the root, then at the child holding that choice, and so on until no child
-        holds it (a row that does not speculate takes the root's choice only). Returns the tree nodes whose
-        columns stay (every taken token's but the last)."""
+        holds it, and the row is not finished (a row that does not speculate takes the root's choice only). Returns
+        the tree nodes whose columns stay (every taken token's but the last): the accepted nodes, so each verify
+        yields one token of the target's own plus the accepted ones."""
         path: list[int] = []
         node = -1
         while True:
             token = self._take(row, logits[node + 1 : node + 2])
-            child = tree.child(node, token) if row.speculates else None
+            child = tree.child(node, token) if row.speculates and not row.finished else None
             if child is None:
                 break
             path.append(child)
             node = child
-            if row.finished:
-                break
         if row.speculates:
-            rejected = child is None and tree.has_children(node)
+            rejected = not row.finished and tree.has_children(node)
             row.draft_proposed += len(tree.tokens)
             row.draft_accepted += len(path)
             row.draft_rejected += rejected
             row.draft_rounds.append((len(path), rejected))
-        return path if not row.finished or child is None else path[:-1]
+        return path
 
     def join(self, rows: Sequence[DecodeRow]) -> None:
         """Add ``rows`` to the running batch (continuous batching).
