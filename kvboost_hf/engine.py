@@ -40,6 +40,18 @@ Prompt = str | Sequence[str] | Sequence[dict[str, str]] | Sequence[int]
 """A string; a list of strings (segments: documents, a question, each starting a chunk, concatenated as is);
 chat messages (``{"role": ..., "content": ...}``) rendered with the tokenizer's chat template; or token ids."""
 
+# Decode counters summed over an engine's calls (:meth:`InferenceEngine.cache_stats`): tokens of all rows; target
+# forwards (a batch's rows share them) and those that verified draft tokens; draft tokens (tree nodes) the target
+# verified and those it kept; bytes the target's layer streamer copied during decode calls (0 when not streamed).
+DECODE_TOTALS = (
+    "generated_tokens",
+    "target_forwards",
+    "verify_forwards",
+    "draft_tokens_proposed",
+    "draft_tokens_accepted",
+    "streamed_bytes",
+)
+
 
 def sampling_params(
     sampling: SamplingParams | None,
@@ -142,9 +154,7 @@ class InferenceEngine:
             model_digest(self.draft_model)
         self.draft_settings.check(self.model, self.draft_model)
         self.speculative = draft_model is not None or self.draft_settings.early_exit_layers is not None
-        self._decode_totals = dict.fromkeys(
-            ("generated_tokens", "target_forwards", "draft_tokens_proposed", "draft_tokens_accepted"), 0
-        )
+        self._decode_totals = dict.fromkeys(DECODE_TOTALS, 0)
 
     @classmethod
     def from_pretrained(
@@ -400,15 +410,12 @@ class InferenceEngine:
             repair,
             on_token=(lambda row: None) if on_token is None else (lambda row: on_token(index[id(row)], row.tokens[-1])),
         )
-        streamer = layer_streamer(self.model)
         with self.lock:
-            streamed_before = streamer.stats().bytes_streamed if streamer is not None else 0
             loop.run()
-            streamed = streamer.stats().bytes_streamed - streamed_before if streamer is not None else None
         decode = self.count_decode(loop)
         finished = time.perf_counter()
         first = min((row.first_token_time for row in rows if row.first_token_time is not None), default=finished)
-        return [self._result(row, mode, (started, first, finished), decode, streamed) for row in rows]
+        return [self._result(row, mode, (started, first, finished), decode, loop.streamed_bytes) for row in rows]
 
     def decode_loop(
         self,
@@ -509,15 +516,19 @@ class InferenceEngine:
         totals = self._decode_totals
         totals["generated_tokens"] += sum(len(row.tokens) for row in rows)
         totals["target_forwards"] += loop.forwards
+        totals["verify_forwards"] += loop.verify_forwards
         totals["draft_tokens_proposed"] += proposed
         totals["draft_tokens_accepted"] += accepted
+        totals["streamed_bytes"] += loop.streamed_bytes or 0
         drafted = loop.draft is not None and proposed > 0
         draft_reuse = loop.draft.cached_tokens if loop.draft is not None else []
         return {
             "target_forwards": loop.forwards,
             "tokens_per_target_forward": longest / loop.forwards if loop.forwards else 0.0,
+            "verify_forwards": loop.verify_forwards,
             "draft_tokens_proposed": proposed,
             "draft_tokens_accepted": accepted,
+            "draft_tokens_accepted_per_verify": accepted / loop.verify_forwards if drafted else None,
             "draft_acceptance_rate": accepted / proposed if drafted else None,
             "draft_position_acceptance": accepted / max(accepted + rejected, 1) if drafted else None,
             "draft_cached_tokens": draft_reuse[0] if draft_reuse else None,
@@ -559,20 +570,23 @@ class InferenceEngine:
     # ------------------------------------------------------------------ checks and stats
     def cache_stats(self, *, settle: bool = True) -> dict[str, int | float]:
         """Store counters (hits, misses, chunks, evictions, bytes per tier: ``ram_bytes``, ...); decode counters
-        summed over this engine's calls: ``generated_tokens`` (all rows), ``target_forwards`` (a batch's rows share
-        them), ``draft_tokens_proposed``/``draft_tokens_accepted``, ``tokens_per_target_forward`` and
-        ``draft_acceptance_rate`` (0.0 before any draft proposal); with layer streaming also its counters prefixed
-        ``streaming_`` (see :class:`~kvboost_hf.offload.StreamingStats`; ``settle=False`` reads its host-side
-        counters only, never synchronising the device, as a thread other than the model's must)."""
+        summed over this engine's calls (see :data:`DECODE_TOTALS`), with ``tokens_per_target_forward``,
+        ``draft_tokens_accepted_per_verify`` and ``draft_acceptance_rate`` (0.0 before any draft proposal); with
+        layer streaming also ``streamed_bytes_per_token`` (bytes streamed by decode calls / generated tokens) and the
+        streamer's counters prefixed ``streaming_`` (see :class:`~kvboost_hf.offload.StreamingStats`, all copies
+        included; ``settle=False`` reads its host-side counters only, never synchronising the device, as a thread
+        other than the model's must)."""
         totals = self._decode_totals
         stats: dict[str, int | float] = {
             **self.store.stats(),
             **totals,
             "tokens_per_target_forward": totals["generated_tokens"] / max(totals["target_forwards"], 1),
+            "draft_tokens_accepted_per_verify": totals["draft_tokens_accepted"] / max(totals["verify_forwards"], 1),
             "draft_acceptance_rate": totals["draft_tokens_accepted"] / max(totals["draft_tokens_proposed"], 1),
         }
         streamer = layer_streamer(self.model)
         if streamer is not None:
+            stats["streamed_bytes_per_token"] = totals["streamed_bytes"] / max(totals["generated_tokens"], 1)
             stats.update({f"streaming_{k}": v for k, v in streamer.stats(settle=settle).as_dict().items()})
         return stats
 

@@ -46,7 +46,7 @@ WEATHER_QUESTION = chat("What is the weather in Paris?", "You are a helpful assi
 
 @pytest.fixture(scope="module")
 def engine():
-    return KVBoost.from_pretrained(chunk_size=16)
+    return KVBoost.from_pretrained(chunking=16)
 
 
 @pytest.fixture(scope="module")

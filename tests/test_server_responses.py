@@ -142,7 +142,7 @@ def test_builder_ends_cut_failed_and_empty_answers():
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    engine = KVBoost.from_pretrained(chunk_size=16)
+    engine = KVBoost.from_pretrained(chunking=16)
     settings = ServerSettings(model_name=MODEL, api_key=KEY, batch_window_ms=30, max_batch_size=4, max_queue=16)
     with LiveServer(create_app(engine, settings)) as live:
         yield live

@@ -10,9 +10,10 @@ from conftest import make_tiny_model, noisy_copy
 from hypothesis import given
 from hypothesis import strategies as st
 from test_decode import CHUNKING, EOS, as_text
+from test_speculative import _chi_square
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, DecodeLoop, DecodeRequest, SamplingParams
-from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftTree
+from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftTree, acceptance_by_depth
 from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
 
 
@@ -133,3 +134,257 @@ def test_streamed_target_with_a_tree_equals_the_resident_target(draft):
     got = decode(streamed, requests, settings, draft)
     assert [row.tokens for row in got.rows] == [row.tokens for row in expected.rows]
     assert got.forwards < expected.forwards
+
+
+# ---------------------------------------------------------------------------------------------------- counters
+TREE = DraftSettings(num_draft_tokens=4, tree_budget=12, tree_branching=3)
+
+
+@pytest.fixture(scope="module")
+def streamed_engines(draft):
+    """A streamed target (every layer over 2 slots) with no draft and with a tree draft, one store each."""
+    from test_speculative import word_tokenizer
+
+    from kvboost_hf import KVBoost
+
+    streamed = make_tiny_model("llama", seed=0)
+    enable_layer_streaming(streamed, LayerStreaming(num_slots=2, pin_memory=False, device="cpu"))
+    plain = KVBoost(streamed, word_tokenizer(), chunking=16)
+    drafted = KVBoost(streamed, word_tokenizer(), chunking=16, draft_model=draft)
+    drafted.draft_settings = TREE
+    return plain, drafted
+
+
+def test_tree_generation_counters_add_up(streamed_engines):
+    """Greedy, one row: each target forward yields one token of its own plus the draft tokens it accepted; every
+    forward but the prefill verified at most ``tree_budget`` nodes; the engine's totals and bytes follow."""
+    from test_speculative import words
+
+    plain_engine, engine = streamed_engines
+    prompt = words(21, 30)
+    plain = plain_engine.generate(prompt, max_new_tokens=20)
+    before = engine.cache_stats()
+    result = engine.generate(prompt, max_new_tokens=20)
+    after = engine.cache_stats()
+    assert result.output_ids == plain.output_ids
+    assert result.generated_tokens == result.target_forwards + result.draft_tokens_accepted
+    assert 0 < result.verify_forwards <= result.target_forwards - 1
+    assert 0 < result.draft_tokens_proposed <= TREE.tree_budget * result.verify_forwards
+    assert result.draft_tokens_accepted_per_verify == result.draft_tokens_accepted / result.verify_forwards > 0
+    assert result.streamed_bytes_per_token == result.streamed_bytes / result.generated_tokens
+    assert result.streamed_bytes < plain.streamed_bytes  # fewer target forwards stream fewer layers
+    for name in ("generated_tokens", "target_forwards", "verify_forwards", "draft_tokens_proposed",
+                 "draft_tokens_accepted", "streamed_bytes"):  # fmt: skip
+        assert after[name] - before[name] == getattr(result, name), name
+    assert after["streamed_bytes_per_token"] == after["streamed_bytes"] / after["generated_tokens"]
+    assert after["draft_tokens_accepted_per_verify"] == after["draft_tokens_accepted"] / after["verify_forwards"]
+    assert plain.target_forwards == plain.generated_tokens and plain.verify_forwards == 0
+    assert plain.draft_tokens_proposed == 0 and plain.draft_tokens_accepted_per_verify is None
+    assert plain_engine.cache_stats()["verify_forwards"] == 0
+
+
+def test_batch_counters_bound_the_verified_nodes(target, draft):
+    """A batch: each verify forward checks at most ``tree_budget`` nodes per running row; streamed bytes are
+    None on a resident target."""
+    requests = [DecodeRequest(p, 12, SamplingParams(temperature=0)) for p in prompts()]
+    loop = decode(target, requests, TREE, draft)
+    proposed = sum(row.draft_proposed for row in loop.rows)
+    assert 0 < proposed <= len(requests) * TREE.tree_budget * loop.verify_forwards
+    assert 0 < loop.verify_forwards <= loop.forwards - 1 and loop.streamed_bytes is None
+
+
+@pytest.mark.parametrize("ending", ["length", "end-token"])
+def test_a_row_ending_on_a_proposed_token_counts_it_as_the_forwards_own(target, ending):
+    """An identical draft (every proposal accepted): a row that finishes on a proposed token (its budget, or an end
+    token) does not count that token as accepted, and no draft is made for a row's last token; so generated
+    tokens = target forwards + accepted draft tokens exactly."""
+    prompt = prompts()[0]
+    plain = decode(target, [DecodeRequest(prompt, 12, SamplingParams(temperature=0))]).rows[0].tokens
+    end = plain[4] if ending == "end-token" else None
+    assert end is None or end not in plain[:4]
+    request = DecodeRequest(prompt, 7, SamplingParams(temperature=0))
+    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for([request], {end} if end is not None else set()),
+                      new_cache=None, chunking=CHUNKING, pad_token_id=0,
+                      draft=Drafter(target, DraftSettings(num_draft_tokens=4)))  # fmt: skip
+    loop.run()
+    (row,) = loop.rows
+    assert row.tokens == plain[: len(row.tokens)] and len(row.tokens) == (5 if end is not None else 7)
+    assert len(row.tokens) == loop.forwards + row.draft_accepted
+    assert row.draft_rounds[-1][1] is False  # no round ended on a miss: the identical draft proposes the target's
+    assert loop.verify_forwards == len(row.draft_rounds)
+
+
+def test_server_metrics_expose_the_tree_counters(streamed_engines):
+    from fastapi.testclient import TestClient
+    from test_speculative import words
+
+    from kvboost_hf.server.app import ServerSettings, create_app
+
+    _, engine = streamed_engines
+    engine.generate(words(22, 30), max_new_tokens=8)
+    stats = engine.cache_stats()
+    with TestClient(create_app(engine, ServerSettings(model_name="tiny"))) as client:
+        text = client.get("/metrics").text
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert float(samples["kvboost_verify_forwards_total"]) == stats["verify_forwards"] > 0
+    for gauge in ("draft_tokens_accepted_per_verify", "streamed_bytes_per_token"):
+        assert float(samples[f"kvboost_{gauge}"]) == pytest.approx(stats[gauge]) and stats[gauge] > 0
+
+
+def test_acceptance_by_depth_counts_the_rounds_that_reached_each_depth():
+    rounds = [(2, True), (0, True), (3, False), (1, False)]
+    assert acceptance_by_depth(rounds) == [3 / 4, 2 / 2, 1 / 2]
+    assert acceptance_by_depth([]) == []
+
+
+@pytest.mark.parametrize("budget", [0, 12], ids=["chain", "tree"])
+def test_every_expanded_node_starts_with_the_drafts_own_choice(target, draft, budget):
+    """Within a round (the draft's tree-masked forwards) and across rounds (its cache after each compaction), the
+    draft sees exactly the node's sequence: the first child of every expanded node (the best of its siblings) is the
+    draft's argmax after the row's tokens and the node's path, computed from scratch. Round records add up."""
+    requests = [DecodeRequest(p, 20, SamplingParams(temperature=0)) for p in prompts()]
+    drafter = Drafter(draft, DraftSettings(num_draft_tokens=5, tree_budget=budget))
+    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=None, chunking=CHUNKING,
+                      pad_token_id=0, draft=drafter)  # fmt: skip
+    assert loop.draft is not None
+    propose, seen = loop.draft.propose, []
+
+    def recording(*args, **kwargs):
+        trees = propose(*args, **kwargs)
+        for row, tree in zip(loop.running, trees, strict=True):
+            for node in [-1, *range(len(tree.tokens))]:
+                first_child = next((j for j, parent in enumerate(tree.parents) if parent == node), None)
+                if first_child is not None:
+                    path = [tree.tokens[j] for j in tree.path(node)]
+                    seen.append(([*row.request.prompt_ids, *row.tokens, *path], tree.tokens[first_child]))
+        return trees
+
+    loop.draft.propose = recording  # type: ignore[method-assign]
+    loop.run()
+    assert len(seen) > 30
+    lengths = torch.tensor([len(sequence) for sequence, _ in seen])
+    padded = torch.zeros(len(seen), int(lengths.max()), dtype=torch.long)  # right padding: causal, so harmless
+    for index, (sequence, _) in enumerate(seen):
+        padded[index, : len(sequence)] = torch.tensor(sequence)
+    with torch.no_grad():
+        logits = draft(padded).logits[torch.arange(len(seen)), lengths - 1]
+    assert logits.argmax(-1).tolist() == [proposed for _, proposed in seen]
+    for row in loop.rows:
+        assert sum(kept for kept, _ in row.draft_rounds) == row.draft_accepted
+        assert sum(refused for _, refused in row.draft_rounds) == row.draft_rejected
+    assert max(len(row.draft_rounds) for row in loop.rows) == loop.verify_forwards  # the longest row: every round
+
+
+# ---------------------------------------------------------------------------------------------------- distribution
+# The multi-draft rule implemented (DecodeLoop._verify): at each tree node the row draws its token from the
+# target's distribution there (its processors, its seeded generator) and descends into the child holding that
+# token; the first node with no such child ends the round. Not recursive rejection sampling (SpecInfer/SpecTr): a
+# node is kept with the target's probability of its token, and the output distribution is the target's whatever
+# the tree. These tests check that on the distributions, not on the code's reasoning.
+
+
+def sampled_loop(target, draft, prompt, max_new_tokens, settings, seed, temperature=1.0) -> DecodeLoop:
+    request = DecodeRequest(prompt, max_new_tokens, SamplingParams(temperature=temperature, seed=seed))
+    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for([request], set()), new_cache=None, chunking=CHUNKING,
+                      pad_token_id=0, draft=Drafter(draft, settings))  # fmt: skip
+    loop.run()
+    return loop
+
+
+def next_token_probs(model, sequences: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``[N, V]``: the model's next-token distribution after each of ``sequences`` ``[N, L]``."""
+    with torch.no_grad():
+        return (model(sequences).logits[:, -1] / temperature).softmax(-1)
+
+
+def test_a_tree_keeps_the_targets_distribution_chi_square():
+    """The third sampled token (after the prefill's and the first verify's root draw: accepted from the tree or
+    drawn after a miss) follows the target's marginal, not the draft's (16 tokens, sharpened heads)."""
+    vocab, prompt = 16, [3, 5, 7, 2, 9]
+    target, draft = (make_tiny_model("llama", seed=s, vocab_size=vocab, num_hidden_layers=1) for s in (0, 3))
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8)
+        draft.lm_head.weight.mul_(8)
+
+    def third_token_marginal(model) -> torch.Tensor:
+        first = next_token_probs(model, torch.tensor([prompt]))[0]
+        pairs = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))  # (t1, t2)
+        second = next_token_probs(model, torch.tensor([[*prompt, token] for token in range(vocab)]))  # [t1, t2]
+        third = next_token_probs(model, torch.cat([torch.tensor([prompt]).expand(len(pairs), -1), pairs], dim=1))
+        weights = first[pairs[:, 0]] * second[pairs[:, 0], pairs[:, 1]]
+        return (weights[:, None] * third).sum(0)
+
+    settings = DraftSettings(num_draft_tokens=2, tree_budget=3, tree_branching=3)
+    counts, accepted = torch.zeros(vocab, dtype=torch.long), 0
+    draws = 150
+    for seed in range(draws):
+        loop = sampled_loop(target, draft, prompt, 3, settings, seed)
+        counts[loop.rows[0].tokens[2]] += 1
+        accepted += loop.rows[0].draft_accepted > 0
+    assert 0 < accepted < draws  # both the accepted and the missed branch ran
+    _, p_target = _chi_square(counts, third_token_marginal(target))
+    _, p_draft = _chi_square(counts, third_token_marginal(draft))
+    assert p_target > 1e-3 and p_draft < 1e-6, counts.tolist()
+
+
+@pytest.mark.parametrize("branching", [2, 4], ids=["partial-tree", "every-continuation"])
+def test_the_sampled_output_distribution_is_the_targets_exactly(monkeypatch, branching):
+    """Enumerable: vocabulary 4, the first token fixed, the next 3 scripted over all 64 sequences in place of the
+    row's draws, each weighted by the probability the loop drew it with (the softmax at the verify forward's node).
+    The weights are the exact distribution the loop samples from; each must equal the target's own probability of
+    that continuation (a full forward per prefix), through trees with misses (branching 2) and without (4)."""
+    import kvboost_hf.hf.decode as decode_module
+
+    vocab, prompt, temperature = 4, [1, 3, 2, 0, 0, 2], 0.7
+    target = make_tiny_model("llama", seed=3, vocab_size=vocab, num_hidden_layers=1)
+    draft = noisy_copy(target, 0.5, seed=4)
+    script: list[int] = []
+    weight = [1.0]
+
+    def scripted(scores, params, generator):
+        token = script.pop(0)
+        weight[0] *= float(torch.softmax(scores.float(), dim=-1)[0, token])
+        return token
+
+    monkeypatch.setattr(decode_module, "choose_token", scripted)
+    settings = DraftSettings(num_draft_tokens=2, tree_budget=50, tree_branching=branching)
+    first = 2
+    total = 0.0
+    for continuation in itertools.product(range(vocab), repeat=3):
+        script[:], weight[0] = [first, *continuation], 1.0
+        loop = sampled_loop(target, draft, prompt, 4, settings, seed=0, temperature=temperature)
+        assert loop.rows[0].tokens == [first, *continuation] and not script
+        sequence = torch.tensor([prompt + loop.rows[0].tokens])
+        with torch.no_grad():  # causal: position i's logits are the next-token distribution after sequence[:i + 1]
+            probs = (target(sequence).logits[0, len(prompt) - 1 : -1] / temperature).softmax(-1)
+        expected = float(probs[torch.arange(4), sequence[0, len(prompt) :]].prod())
+        assert weight[0] == pytest.approx(expected, rel=1e-4), continuation
+        total += weight[0]
+    first_prob = float(next_token_probs(target, torch.tensor([prompt]), temperature)[0, first])
+    assert total == pytest.approx(first_prob, rel=1e-4)
+
+
+def test_tree_benchmark_rows_follow_from_the_counts(tmp_path):
+    """``bench speculative --tree-budgets``: the row of one prompt's counts, its report and plot."""
+    from kvboost_hf.bench import speculative_tree
+
+    def run(forwards, verifies, streamed, proposed, rounds, tokens=(5, 6, 7, 8, 9, 10, 11, 12)):
+        accepted = sum(kept for kept, _ in rounds)
+        return {"tokens": list(tokens), "target_forwards": forwards, "verify_forwards": verifies, "draft_forwards": 6,
+                "streamed_bytes": streamed, "proposed": proposed, "accepted": accepted, "rounds": rounds,
+                "seconds": 0.5}  # fmt: skip
+
+    plain = [run(8, 0, 800, 0, [])]
+    row = speculative_tree.summarise([run(3, 2, 300, 10, [(4, True), (1, False)])], plain, 5)
+    assert row["tokens_per_target_forward"] == 8 / 3 and row["tokens_per_verify"] == 1 + 5 / 2
+    assert row["nodes_per_verify"] == 5 and row["streamed_vs_plain"] == 0.375
+    assert row["acceptance_by_depth"] == [1, 1, 1, 1, 0] and row["position_acceptance"] == 5 / 6
+    assert row["estimated_gpu_tok_s"]["pcie4_x16"] == pytest.approx(25e9 * 8 / 300)
+    assert row["outputs_identical"]
+    assert not speculative_tree.summarise([run(8, 0, 800, 0, [], tokens=range(8))], plain, 0)["outputs_identical"]
+    result = {"streamed_layers": 2, "streamed_mb_per_forward": 1e-4, "draft": "bf16", "tree_depth": 4,
+              "tree_branching": 2, "prompts": 1, "max_new_tokens": 8, "model": "tiny", "verify_seconds": {"1": 0.1},
+              "verify_ms_per_node": 0.0, "rows": [speculative_tree.summarise(plain, plain, None), row]}  # fmt: skip
+    assert speculative_tree.report(result).split("\n")[3].split()[:4] == ["5", "2.67", "3.50", "5.0"]
+    speculative_tree.plot(result, tmp_path / "tree.png")
+    assert (tmp_path / "tree.png").stat().st_size > 0

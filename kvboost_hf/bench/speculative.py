@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvboost_hf.bench import speculative_tree
 from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
 from kvboost_hf.corpus import sample_prompts
 from kvboost_hf.engine import InferenceEngine
@@ -199,17 +200,38 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = parser_for("speculative", __doc__)
-    parser.add_argument("--drafts", default="copy,bf16,early20", help="comma list of copy, bf16, awq, earlyN")
+    parser = parser_for("speculative", f"{__doc__}\n{speculative_tree.__doc__}")
+    parser.add_argument(
+        "--drafts",
+        default=None,
+        help="comma list of copy, bf16, awq, earlyN (default copy,bf16,early20; with --tree-budgets the first one, "
+        "default awq when gptqmodel is installed, else bf16)",
+    )
     parser.add_argument("--draft-lengths", default="1,2,3,4,5,6,7,8", help="comma list of draft tokens per round")
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="generations per prompt and row (median tok/s)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--streaming", action="store_true", help="also run with the target's layers streamed")
+    parser.add_argument(
+        "--tree-budgets",
+        default=None,
+        help="comma list of draft tree budgets (0: a chain): run the tree benchmark on a streamed target instead",
+    )
+    parser.add_argument("--tree-depth", type=int, default=16, help="levels of the draft tree (the chain's length)")
+    parser.add_argument("--tree-branching", type=int, default=2, help="children per expanded tree node")
     args = parser.parse_args(argv)
+    if args.tree_budgets is not None:
+        budgets = [int(n) for n in args.tree_budgets.split(",")]
+        draft = args.drafts.split(",")[0] if args.drafts else speculative_tree.default_draft()
+        target = InferenceEngine.from_pretrained(chunking=args.chunk_size)
+        result = speculative_tree.run(target, draft_engine(target, draft), draft, budgets, args.tree_depth,
+                                      args.tree_branching, args.prompts, args.max_new_tokens,
+                                      max(args.repeats, 3))  # fmt: skip
+        save_results(args.out, "speculative_tree", result, speculative_tree.report, speculative_tree.plot)
+        return 0
     lengths = [int(g) for g in args.draft_lengths.split(",")]
-    drafts = args.drafts.split(",")
+    drafts = (args.drafts or "copy,bf16,early20").split(",")
     result = run(drafts, lengths, args.prompts, args.repeats, args.max_new_tokens, args.chunk_size, args.streaming)
     save_results(args.out, "speculative", result, report, plot)
     return 0

@@ -34,7 +34,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +53,7 @@ from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.prefill import RowReuse, forward
 from kvboost_hf.hf.sampling import SamplingParams, build_processors, choose_token
 from kvboost_hf.hf.speculative import Drafter, DraftTree, tree_attention_mask
+from kvboost_hf.offload.streamer import layer_streamer
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,9 @@ class DecodeRow:
     ``reuse`` is what the prefill loaded for this row (for the row that computed a shared prefix for its group,
     ``reuse.cached_tokens`` excludes that prefix). Times are ``time.perf_counter()`` values. Speculative counters:
     ``draft_proposed`` draft tokens proposed for this row, ``draft_accepted`` of them equal to the row's own choice
-    (and taken), ``draft_rejected`` verify rounds that ended on a differing proposal.
+    (and taken), ``draft_rejected`` verify rounds that ended on a differing proposal; ``draft_rounds`` holds, per
+    verify round of this row, ``(draft tokens accepted, whether a differing proposal ended it)`` (see
+    :func:`~kvboost_hf.hf.speculative.acceptance_by_depth`).
     """
 
     request: DecodeRequest
@@ -147,6 +150,7 @@ class DecodeRow:
     draft_proposed: int = 0
     draft_accepted: int = 0
     draft_rejected: int = 0
+    draft_rounds: list[tuple[int, bool]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         request = self.request
@@ -234,7 +238,10 @@ class DecodeLoop:
         draft: speculative decoding with this drafter (fresh, unused: the loop runs its prefill), or None.
 
     ``forwards`` counts target model forwards (prefill and shared prefixes included; the draft's are
-    ``draft.forwards``); ``computed_tokens`` the prompt tokens computed (not loaded) for all rows. Call
+    ``draft.forwards``), ``verify_forwards`` those of them that verified draft tokens (one per speculative step);
+    ``streamed_bytes`` the bytes the target's layer streamer copied during this loop's prefills and steps (an
+    early-exit draft's forwards on the target included; None when the target is not streamed);
+    ``computed_tokens`` the prompt tokens computed (not loaded) for all rows. Call
     :meth:`prefill` once, then :meth:`step` until :attr:`done` (or :meth:`run`).
     """
 
@@ -267,6 +274,8 @@ class DecodeLoop:
         self.mask = torch.empty(0)
         self.positions = torch.empty(0)
         self.forwards = 0
+        self.verify_forwards = 0
+        self.streamed_bytes: int | None = None if layer_streamer(model) is None else 0
         self.computed_tokens = 0
 
     @staticmethod
@@ -290,10 +299,28 @@ class DecodeLoop:
         return self.model.device
 
     # ------------------------------------------------------------------ forwards
+    @contextlib.contextmanager
+    def _counting_streamed_bytes(self) -> Iterator[None]:
+        """Add to :attr:`streamed_bytes` what the target's layer streamer copies inside the block."""
+        streamer = layer_streamer(self.model)
+        if streamer is None:
+            yield
+            return
+        before = streamer.stats(settle=False).bytes_streamed
+        try:
+            yield
+        finally:
+            copied = streamer.stats(settle=False).bytes_streamed - before
+            self.streamed_bytes = (self.streamed_bytes or 0) + copied
+
     def prefill(self) -> None:
         """Compute (or load) every row's prompt and give each row its first token. Rows that all have one prompt
         (the ``n`` choices of a request) are prefilled as one row and then repeated, so a repair of non-prefix
         hits, which the cache makes for one row at a time, applies to all of them."""
+        with self._counting_streamed_bytes():
+            self._prefill()
+
+    def _prefill(self) -> None:
         prompts = [list(row.request.prompt_ids) for row in self.rows]
         repeats = len(prompts) if all(prompt == prompts[0] for prompt in prompts) else 1
         prompts = prompts[:1] if repeats > 1 else prompts
@@ -327,7 +354,12 @@ class DecodeLoop:
 
     def step(self) -> None:
         """One decode step for every running row (speculative with a draft: one or more tokens per row)."""
-        if self.draft is not None:
+        with self._counting_streamed_bytes():
+            self._step()
+
+    def _step(self) -> None:
+        # a draft only pays when a row can still take two tokens: with one left, its proposals could not be used
+        if self.draft is not None and any(row.request.max_new_tokens - len(row.tokens) > 1 for row in self.running):
             self._speculative_step(self.draft)
             return
         last = torch.tensor([[row.tokens[-1]] for row in self.running], device=self.device)
@@ -343,7 +375,7 @@ class DecodeLoop:
         accepted path's columns in both caches."""
         running = self.running
         budget = max(row.request.max_new_tokens - len(row.tokens) for row in running)
-        sizes = draft.settings.level_sizes(max(1, budget - 1))
+        sizes = draft.settings.level_sizes(budget - 1)
         last = torch.tensor([[row.tokens[-1]] for row in running], device=self.device)
         trees = draft.propose(last, self.mask, self.positions, sizes, lambda i, lg, d: running[i].draft_scores(lg, d))
         nodes = sum(sizes)
@@ -356,6 +388,7 @@ class DecodeLoop:
         positions = self.positions[:, None] + 1 + depths
         mask = tree_attention_mask(self.mask, visible, model_dtype(self.model))
         logits = self._forward(fed.to(self.device), positions, keep=nodes + 1, attention_mask=mask)
+        self.verify_forwards += 1
         kept = [self._verify(row, logits[i], trees[i]) for i, row in enumerate(running)]
         context = self.mask.shape[1]
         self._keep_path(draft, trees, kept, context, len(sizes))
@@ -397,24 +430,25 @@ class DecodeLoop:
     def _verify(self, row: DecodeRow, logits: torch.Tensor, tree: DraftTree) -> list[int]:
         """Give ``row`` its tokens from the verify forward's logits ``[1 + nodes, V]`` (the root's, then each
         node's): its own choice at the root, then at the child holding that choice, and so on until no child
-        holds it (a row that does not speculate takes the root's choice only). Returns the tree nodes whose
-        columns stay (every taken token's but the last)."""
-        if row.speculates:
-            row.draft_proposed += len(tree.tokens)
+        holds it, and the row is not finished (a row that does not speculate takes the root's choice only). Returns
+        the tree nodes whose columns stay (every taken token's but the last): the accepted nodes, so each verify
+        yields one token of the target's own plus the accepted ones."""
         path: list[int] = []
         node = -1
         while True:
             token = self._take(row, logits[node + 1 : node + 2])
-            child = tree.child(node, token) if row.speculates else None
+            child = tree.child(node, token) if row.speculates and not row.finished else None
             if child is None:
-                row.draft_rejected += row.speculates and tree.has_children(node)
                 break
-            row.draft_accepted += 1
             path.append(child)
             node = child
-            if row.finished:
-                break
-        return path if not row.finished or child is None else path[:-1]
+        if row.speculates:
+            rejected = not row.finished and tree.has_children(node)
+            row.draft_proposed += len(tree.tokens)
+            row.draft_accepted += len(path)
+            row.draft_rejected += rejected
+            row.draft_rounds.append((len(path), rejected))
+        return path
 
     def join(self, rows: Sequence[DecodeRow]) -> None:
         """Add ``rows`` to the running batch (continuous batching).
@@ -439,6 +473,8 @@ class DecodeLoop:
         self.rows += newcomers.rows
         self.forwards += newcomers.forwards
         self.computed_tokens += newcomers.computed_tokens
+        if newcomers.streamed_bytes is not None:
+            self.streamed_bytes = (self.streamed_bytes or 0) + newcomers.streamed_bytes
         if self.draft is not None and newcomers.draft is not None:
             self.draft.forwards += newcomers.draft.forwards
         if newcomers.done:

@@ -25,7 +25,7 @@ import functools
 import logging
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias
 
@@ -349,6 +349,22 @@ class DraftTree:
             if parent >= 0:
                 sees[node] |= sees[parent]
         return sees
+
+
+def acceptance_by_depth(rounds: Iterable[tuple[int, bool]]) -> list[float]:
+    """Per depth ``d = 1, 2, ...``: the fraction of verify rounds that reached depth ``d - 1`` of the draft and had
+    a proposal there in which the row's own choice was proposed (accepted), from ``(draft tokens accepted, whether a
+    differing proposal ended the round)`` per round (:attr:`~kvboost_hf.hf.decode.DecodeRow.draft_rounds`). A round
+    that ended on a finished row or on the tree's last level offers nothing deeper. Ratio of sums over the depths:
+    the row's per-position acceptance (accepted / (accepted + rejected))."""
+    rounds = list(rounds)
+    deepest = max((accepted + rejected for accepted, rejected in rounds), default=0)
+    rates = []
+    for depth in range(1, deepest + 1):
+        kept = sum(1 for accepted, _ in rounds if accepted >= depth)
+        refused = sum(1 for accepted, rejected in rounds if rejected and accepted == depth - 1)
+        rates.append(kept / (kept + refused))
+    return rates
 
 
 def tree_attention_mask(context: torch.Tensor, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

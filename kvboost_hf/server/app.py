@@ -289,7 +289,8 @@ def create_app(engine: InferenceEngine, settings: ServerSettings | None = None) 
 
 SPECULATIVE_COUNTERS = {
     "target_forwards": "Forwards of the target model in engine.generate calls (a batch's rows share them).",
-    "draft_tokens_proposed": "Tokens proposed by the speculative draft.",
+    "verify_forwards": "Target forwards that verified draft tokens (one per speculative step).",
+    "draft_tokens_proposed": "Draft tokens (tree nodes) the target verified.",
     "draft_tokens_accepted": "Draft tokens the target kept.",
 }
 
@@ -320,9 +321,19 @@ def _register_scraped(metrics: Metrics, worker: Worker, engine: InferenceEngine)
         "Draft tokens accepted / proposed, over the engine's life.",
         lambda: metrics.state.get("draft_acceptance_rate", 0.0),
     )
+    metrics.gauge(
+        "kvboost_draft_tokens_accepted_per_verify",
+        "Draft tokens accepted per verify forward, over the engine's life.",
+        lambda: metrics.state.get("draft_tokens_accepted_per_verify", 0.0),
+    )
     if layer_streamer(engine.model) is not None:  # layer streaming: counters of the copies
         for name, field, help_text in STREAMING_METRICS:
             metrics.scraped_counter(name, help_text, None, _state_counter(metrics, f"streaming_{field}"))
+        metrics.gauge(
+            "kvboost_streamed_bytes_per_token",
+            "Bytes streamed by decoding / generated tokens, over the engine's life.",
+            lambda: metrics.state.get("streamed_bytes_per_token", 0.0),
+        )
 
 
 def _state_counter(metrics: Metrics, key: str) -> Callable[[], dict[str, float]]:

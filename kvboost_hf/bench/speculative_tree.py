@@ -1,0 +1,229 @@
+"""``python -m kvboost_hf.bench speculative --tree-budgets 0,4,16,64``: draft trees on a streamed target.
+
+The embedded SmolLM2-135M is the target with all its decoder layers but the first and the last streamed
+(:mod:`kvboost_hf.offload`): every target forward copies 28 of 30 layers. The draft is its int4 copy (``awq``, when
+gptqmodel is installed) or its bfloat16 copy, resident. Each prompt is decoded greedily without a draft (plain
+streaming), then once per tree budget ``N`` (``N = 0``: a chain of ``--tree-depth`` tokens, the chain draft; else a
+tree of ``N`` nodes, ``--tree-depth`` levels deep, ``--tree-branching`` children per node), all in one run after an
+untimed warm-up call per prompt and model. Reported per row: tokens per target forward (prefill included) and per
+verify forward, streamed bytes per generated token and their ratio to plain streaming, draft forwards per token,
+the acceptance per draft depth (:func:`~kvboost_hf.hf.speculative.acceptance_by_depth`), CPU decode tok/s (one run
+on a shared machine: indicative only), and whether the output equals plain greedy.
+
+Also measured: the cost of one streamed verify forward over ``n`` tree nodes on this machine (median of
+``--repeats`` forwards at the first prompt's length, ``n`` = 1 and each budget + 1), and its cost per node.
+
+The GPU figure is an ESTIMATE, not a measurement: ``H2D bandwidth / streamed bytes per generated token`` for PCIe
+4.0 and 5.0 x16 (about 25 and 50 GB/s in practice), i.e. the copy bound alone; it ignores the verify's compute and
+the draft's forwards (see their count per token), so a GPU would reach less.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache, PreTrainedModel
+
+from kvboost_hf.bench.common import machine_info, pyplot
+from kvboost_hf.corpus import sample_prompts
+from kvboost_hf.engine import InferenceEngine
+from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest
+from kvboost_hf.hf.models import model_dtype
+from kvboost_hf.hf.prefill import forward
+from kvboost_hf.hf.sampling import SamplingParams
+from kvboost_hf.hf.speculative import DraftSettings, acceptance_by_depth, tree_attention_mask
+from kvboost_hf.offload import LayerStreaming, enable_layer_streaming, layer_streamer
+
+PCIE_GB_S = {"pcie4_x16": 25.0, "pcie5_x16": 50.0}  # practical host-to-device bandwidths (estimate inputs)
+
+
+def default_draft() -> str:
+    """``awq`` (the int4 copy) when gptqmodel can load it, else ``bf16``."""
+    return "awq" if importlib.util.find_spec("gptqmodel") is not None else "bf16"
+
+
+def decode_once(engine: InferenceEngine, text: str, max_new_tokens: int) -> dict[str, Any]:
+    """Decode ``text`` greedily on ``engine``'s loop (its draft settings as they are) and return its counts."""
+    request = DecodeRequest(engine.encode(text), max_new_tokens, SamplingParams(temperature=0))
+    loop = engine.decode_loop(DecodeLoop.rows_for([request], engine.eos_token_ids))
+    with engine.lock:
+        started = time.perf_counter()
+        loop.run()
+        seconds = time.perf_counter() - started
+    engine.count_decode(loop)
+    (row,) = loop.rows
+    return {
+        "tokens": row.tokens,
+        "target_forwards": loop.forwards,
+        "verify_forwards": loop.verify_forwards,
+        "draft_forwards": loop.draft.forwards if loop.draft is not None else 0,
+        "streamed_bytes": loop.streamed_bytes or 0,
+        "proposed": row.draft_proposed,
+        "accepted": row.draft_accepted,
+        "rounds": row.draft_rounds,
+        "seconds": seconds,
+    }
+
+
+def summarise(runs: list[dict[str, Any]], plain: list[dict[str, Any]], budget: int | None) -> dict[str, Any]:
+    """One row from the runs of every prompt: sums of tokens, forwards and bytes, acceptance per depth."""
+    tokens = sum(len(run["tokens"]) for run in runs)
+    forwards = sum(run["target_forwards"] for run in runs)
+    verifies = sum(run["verify_forwards"] for run in runs)
+    streamed = sum(run["streamed_bytes"] for run in runs)
+    plain_bytes_per_token = sum(run["streamed_bytes"] for run in plain) / sum(len(run["tokens"]) for run in plain)
+    rounds = [entry for run in runs for entry in run["rounds"]]
+    accepted, rejected = sum(kept for kept, _ in rounds), sum(refused for _, refused in rounds)
+    by_depth = acceptance_by_depth(rounds)
+    return {
+        "tree_budget": budget,
+        "generated_tokens": tokens,
+        "target_forwards": forwards,
+        "tokens_per_target_forward": tokens / forwards,
+        "tokens_per_verify": (tokens - len(runs)) / verifies if verifies else None,
+        "nodes_per_verify": sum(run["proposed"] for run in runs) / verifies if verifies else None,
+        "draft_forwards_per_token": sum(run["draft_forwards"] for run in runs) / tokens,
+        "streamed_mb_per_token": streamed / tokens / 1e6,
+        "streamed_vs_plain": streamed / tokens / plain_bytes_per_token,
+        "acceptance_by_depth": by_depth,
+        "position_acceptance": accepted / max(accepted + rejected, 1) if budget is not None else None,
+        "cpu_tok_s": tokens / sum(run["seconds"] for run in runs),
+        "estimated_gpu_tok_s": {link: gb_s * 1e9 * tokens / streamed for link, gb_s in PCIE_GB_S.items()},
+        "outputs_identical": all(run["tokens"] == base["tokens"] for run, base in zip(runs, plain, strict=True)),
+    }
+
+
+def time_verify_forwards(model: PreTrainedModel, prompt_ids: list[int], sizes: list[int], repeats: int) -> dict:
+    """Median seconds of one target forward over ``n`` new positions after the prompt (a chain-shaped 4D mask: the
+    cost of a tree of ``n`` nodes), per ``n`` in ``sizes``; the cache is cropped back after each forward."""
+    device = next(model.parameters()).device
+    cache = DynamicCache()
+    ids = torch.tensor([prompt_ids], device=device)
+    forward(model, cache, input_ids=ids, logits_to_keep=1)
+    context = torch.ones(1, len(prompt_ids), dtype=torch.long, device=device)
+    seconds = {}
+    for size in sizes:
+        visible = torch.ones(size, size, dtype=torch.bool).tril()[None]
+        mask = tree_attention_mask(context, visible, model_dtype(model))
+        positions = torch.arange(len(prompt_ids), len(prompt_ids) + size, device=device)[None]
+        fed = torch.randint(0, model.config.get_text_config(decoder=True).vocab_size, (1, size), device=device)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            forward(model, cache, input_ids=fed, attention_mask=mask, position_ids=positions, logits_to_keep=size)
+            times.append(time.perf_counter() - started)
+            cache.crop(-size)
+        seconds[size] = statistics.median(times)
+    return seconds
+
+
+def run(
+    target: InferenceEngine,
+    drafted: InferenceEngine,
+    draft: str,
+    budgets: list[int],
+    depth: int,
+    branching: int,
+    prompts: int,
+    max_new_tokens: int,
+    repeats: int,
+) -> dict[str, Any]:
+    """Plain streaming, then one row per budget, on ``target`` (resident until here; streamed from now on) and
+    ``drafted`` (an engine on the same model with the draft named ``draft``); ``repeats`` timed verify forwards."""
+    texts = sample_prompts(prompts)
+    for engine in (target, drafted):  # untimed, resident: stores the prompts' chunks, pays one-time costs
+        for text in texts:
+            engine.generate(text, max_new_tokens=4)
+    enable_layer_streaming(target.model, LayerStreaming(keep_first_k=1, keep_last_k=1))
+    streamer = layer_streamer(target.model)
+    assert streamer is not None, "streaming was just enabled"
+    plain = [decode_once(target, text, max_new_tokens) for text in texts]
+    rows = [summarise(plain, plain, None)]
+    for budget in tqdm(budgets, desc=f"tree budgets, draft {draft}"):
+        drafted.draft_settings = DraftSettings(depth, tree_budget=budget, tree_branching=branching)
+        runs = [decode_once(drafted, text, max_new_tokens) for text in texts]
+        rows.append(summarise(runs, plain, budget))
+    sizes = sorted({1, *(budget + 1 for budget in budgets if budget), depth + 1})
+    seconds = time_verify_forwards(target.model, target.encode(texts[0]), sizes, repeats)
+    stats = streamer.stats()
+    return {
+        "benchmark": "speculative_tree",
+        "machine": machine_info(target.device),
+        "model": target.model.config._name_or_path,
+        "dtype": str(target.model.dtype),
+        "draft": draft,
+        "tree_depth": depth,
+        "tree_branching": branching,
+        "prompts": prompts,
+        "max_new_tokens": max_new_tokens,
+        "streamed_layers": stats.streamed_layers,
+        "streamed_mb_per_forward": stats.bytes_per_forward / 1e6,
+        "pcie_gb_s": PCIE_GB_S,
+        "rows": rows,
+        "verify_seconds": {str(size): value for size, value in seconds.items()},
+        "verify_ms_per_node": 1e3 * (seconds[sizes[-1]] - seconds[1]) / max(sizes[-1] - 1, 1),
+    }
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = [
+        f"streamed target: {result['streamed_layers']} layers, {result['streamed_mb_per_forward']:.0f} MB per forward;"
+        f" draft {result['draft']}, depth {result['tree_depth']}, branching {result['tree_branching']};"
+        f" {result['prompts']} prompts x {result['max_new_tokens']} new tokens, greedy",
+        f"{'budget':>7} {'tok/fwd':>7} {'tok/verify':>10} {'nodes/verify':>12} {'MB/tok':>6} {'vs plain':>8} "
+        f"{'draft fwd/tok':>13} {'a':>5} {'CPU tok/s':>9} {'GPU est. tok/s (PCIe4/5)':>24} {'same':>5}",
+    ]
+    for row in result["rows"]:
+        budget = "plain" if row["tree_budget"] is None else ("chain" if row["tree_budget"] == 0 else row["tree_budget"])
+        estimate = row["estimated_gpu_tok_s"]
+        lines.append(
+            f"{budget!s:>7} {row['tokens_per_target_forward']:>7.2f} {_fmt(row['tokens_per_verify'], '.2f'):>10} "
+            f"{_fmt(row['nodes_per_verify'], '.1f'):>12} {row['streamed_mb_per_token']:>6.0f} "
+            f"{row['streamed_vs_plain']:>7.2f}x {row['draft_forwards_per_token']:>13.2f} "
+            f"{_fmt(row['position_acceptance'], '.2f'):>5} {row['cpu_tok_s']:>9.2f} "
+            f"{estimate['pcie4_x16']:>11.0f} / {estimate['pcie5_x16']:<10.0f} {row['outputs_identical']!s:>5}"
+        )
+    lines.append("acceptance per draft depth (1, 2, ...):")
+    for row in result["rows"][1:]:
+        rates = " ".join(f"{rate:.2f}" for rate in row["acceptance_by_depth"])
+        lines.append(f"  budget {row['tree_budget']:>3}: {rates}")
+    verify = ", ".join(f"{size} nodes {1e3 * s:.0f} ms" for size, s in result["verify_seconds"].items())
+    lines.append(f"streamed verify forward on this machine: {verify}; {result['verify_ms_per_node']:.2f} ms per node")
+    lines.append("GPU tok/s: ESTIMATE = PCIe bandwidth / streamed bytes per token (copy bound; no compute, no draft)")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4))
+    trees = [row for row in result["rows"] if row["tree_budget"] is not None]
+    labels = [str(row["tree_budget"]) if row["tree_budget"] else "chain" for row in trees]
+    left.bar(labels, [row["tokens_per_target_forward"] for row in trees])
+    left.axhline(result["rows"][0]["tokens_per_target_forward"], color="black", ls="--", label="plain streaming")
+    left.set_ylabel("tokens per target forward")
+    middle.bar(labels, [row["streamed_vs_plain"] for row in trees])
+    middle.set_ylabel("streamed bytes per token / plain streaming")
+    for row, label in zip(trees, labels, strict=True):
+        right.plot(range(1, len(row["acceptance_by_depth"]) + 1), row["acceptance_by_depth"], marker=".", label=label)
+    right.set_xlabel("draft depth")
+    right.set_ylabel("acceptance at depth | reached")
+    for ax in (left, middle):
+        ax.set_xlabel(f"tree budget (depth {result['tree_depth']}, branching {result['tree_branching']})")
+    for ax in (left, middle, right):
+        ax.grid(True, alpha=0.3)
+    left.legend(fontsize=7)
+    right.legend(fontsize=7)
+    fig.suptitle(f"Tree speculation, streamed {result['model'].split('/')[-1]}, draft {result['draft']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
