@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 pytest.importorskip("xgrammar")
 
-from test_server import KEY, MODEL, LiveServer, chat  # noqa: E402
+from test_server import KEY, MODEL, WEATHER_TOOL, LiveServer, chat  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.server.app import ServerSettings, create_app  # noqa: E402
@@ -27,18 +27,6 @@ NO_ARGUMENTS_TOOL = {
         "name": "get_time",
         "description": "The current time",
         "parameters": {"type": "object", "properties": {}},  # as LangChain sends a tool without arguments
-    },
-}
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 12}},
-            "required": ["city"],
-        },
     },
 }
 WEATHER_QUESTION = chat("What is the weather in Paris?", "You are a helpful assistant.")

@@ -263,20 +263,27 @@ def test_engine_refuses_a_draft_with_another_vocabulary(target):
         KVBoost(target, word_tokenizer(), draft=DraftSettings(early_exit_layers=5))
 
 
-def test_server_metrics_expose_the_draft_counters(engines):
+def scrape_metrics(engine: KVBoost, prompt: str) -> tuple[dict, dict[str, float]]:
+    """Generate 8 tokens of ``prompt``, then the engine's ``cache_stats()`` and its server's ``/metrics`` samples
+    (metric name -> value)."""
     from fastapi.testclient import TestClient
 
     from kvboost_hf.server.app import ServerSettings, create_app
 
-    _, speculative = engines
-    speculative.generate(words(10, 30), max_new_tokens=8)
-    stats = speculative.cache_stats()
-    with TestClient(create_app(speculative, ServerSettings(model_name="tiny"))) as client:
+    engine.generate(prompt, max_new_tokens=8)
+    stats = engine.cache_stats()
+    with TestClient(create_app(engine, ServerSettings(model_name="tiny"))) as client:
         text = client.get("/metrics").text
+    samples = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return stats, {name: float(value) for name, value in samples}
+
+
+def test_server_metrics_expose_the_draft_counters(engines):
+    _, speculative = engines
+    stats, samples = scrape_metrics(speculative, words(10, 30))
     for name in ("target_forwards", "draft_tokens_proposed", "draft_tokens_accepted"):
-        assert f"kvboost_{name}_total {stats[name]:g}" in text
-    gauge = next(line for line in text.splitlines() if line.startswith("kvboost_draft_acceptance_rate "))
-    assert float(gauge.split()[1]) == pytest.approx(stats["draft_acceptance_rate"])
+        assert samples[f"kvboost_{name}_total"] == stats[name]
+    assert samples["kvboost_draft_acceptance_rate"] == pytest.approx(stats["draft_acceptance_rate"])
 
 
 def test_server_flags_name_the_draft():

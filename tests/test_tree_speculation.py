@@ -215,20 +215,13 @@ def test_a_row_ending_on_a_proposed_token_counts_it_as_the_forwards_own(target, 
 
 
 def test_server_metrics_expose_the_tree_counters(streamed_engines):
-    from fastapi.testclient import TestClient
-    from test_speculative import words
-
-    from kvboost_hf.server.app import ServerSettings, create_app
+    from test_speculative import scrape_metrics, words
 
     _, engine = streamed_engines
-    engine.generate(words(22, 30), max_new_tokens=8)
-    stats = engine.cache_stats()
-    with TestClient(create_app(engine, ServerSettings(model_name="tiny"))) as client:
-        text = client.get("/metrics").text
-    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
-    assert float(samples["kvboost_verify_forwards_total"]) == stats["verify_forwards"] > 0
+    stats, samples = scrape_metrics(engine, words(22, 30))
+    assert samples["kvboost_verify_forwards_total"] == stats["verify_forwards"] > 0
     for gauge in ("draft_tokens_accepted_per_verify", "streamed_bytes_per_token"):
-        assert float(samples[f"kvboost_{gauge}"]) == pytest.approx(stats[gauge]) and stats[gauge] > 0
+        assert samples[f"kvboost_{gauge}"] == pytest.approx(stats[gauge]) and stats[gauge] > 0
 
 
 def test_acceptance_by_depth_counts_the_rounds_that_reached_each_depth():
