@@ -185,15 +185,16 @@ def test_teacher_forced_log_probabilities_follow_the_loaded_kv(embedded_engine):
         engine.warm(doc)
     question = questions[0]
     continuation = engine.tokenizer(" " + question.answer + ".", add_special_tokens=False)["input_ids"]
-    full = teacher_forced(engine, question.segments, continuation, None)
+    full, shorter = teacher_forced(engine, question.segments, [continuation, continuation[:2]], None)
+    torch.testing.assert_close(shorter, full[:2], atol=1e-4, rtol=0)  # the prompt cache was cropped back
     ids = torch.tensor([engine.encode(question.segments) + continuation])
     with torch.no_grad():
         own = engine.model(ids).logits[0, -len(continuation) - 1 : -1].float().log_softmax(-1)
     assert full.shape == (len(continuation), engine.model.config.vocab_size)
     torch.testing.assert_close(full, own, atol=1e-4, rtol=0)
-    recomputed = teacher_forced(engine, question.segments, continuation, RepairConfig("cacheblend", 1.0))
+    (recomputed,) = teacher_forced(engine, question.segments, [continuation], RepairConfig("cacheblend", 1.0))
     assert mean_kl(full, recomputed) < 1e-6 and mean_kl(full, full) == 0.0
-    stale = teacher_forced(engine, question.segments, continuation, RepairConfig("none", 0.0))
+    (stale,) = teacher_forced(engine, question.segments, [continuation], RepairConfig("none", 0.0))
     assert mean_kl(full, stale) > 1e-4
     gold, along_answer = continuous_measures(engine, question, continuation, None)
     gold_ids = engine.tokenizer(" " + question.answer, add_special_tokens=False)["input_ids"]

@@ -199,29 +199,37 @@ def paired_comparison(
 
 
 def teacher_forced(
-    engine: InferenceEngine, segments: list[str], continuation: list[int], repair: RepairConfig | None
-) -> torch.Tensor:
-    """Log-probabilities ``[len(continuation), V]`` (fp32, CPU) of each next token while ``continuation`` is fed
-    after the prompt ``segments``, whose K/V are loaded and repaired from the store as ``repair`` says (None: full
-    prefill). The continuation itself is always computed; nothing is written back."""
+    engine: InferenceEngine, segments: list[str], continuations: list[list[int]], repair: RepairConfig | None
+) -> list[torch.Tensor]:
+    """For each continuation, the log-probabilities ``[len(continuation), V]`` (fp32, CPU) of each next token
+    while it is fed after the prompt ``segments``, whose K/V are loaded and repaired from the store once, as
+    ``repair`` says (None: full prefill). Continuations are always computed, one after the other from the same
+    prompt cache (cropped back after each); nothing is written back."""
     prompt, starts = engine.encode_segments(segments)
-    ids = torch.tensor([prompt + continuation], device=engine.device)
     mode = "baseline" if repair is None else "chunk_kv_reuse"
     cache = engine.new_cache(mode, None, starts, repair, adapter=False)
+    logprobs = []
     with engine.lock:
-        logits = forward(engine.model, cache, input_ids=ids, logits_to_keep=len(continuation) + 1).logits
-    return logits[0, :-1].float().log_softmax(-1).cpu()
+        model = engine.model
+        last = forward(model, cache, input_ids=torch.tensor([prompt], device=engine.device), logits_to_keep=1).logits
+        for continuation in continuations:
+            fed = torch.tensor([continuation], device=engine.device)
+            logits = forward(model, cache, input_ids=fed, logits_to_keep=len(continuation)).logits
+            cache.crop(-len(continuation))
+            logprobs.append(torch.cat([last[0], logits[0, :-1]]).float().log_softmax(-1).cpu())
+    return logprobs
 
 
 def continuous_measures(
     engine: InferenceEngine, question: Question, full_answer: list[int], repair: RepairConfig | None
 ) -> tuple[float, torch.Tensor]:
     """The gold answer's teacher-forced log-probability (sum over its tokens) and the log-probabilities along the
-    first ``KL_POSITIONS`` tokens of full prefill's answer, for one configuration."""
+    first ``KL_POSITIONS`` tokens of full prefill's answer, for one configuration (one prompt prefill)."""
     gold = engine.tokenizer(" " + question.answer, add_special_tokens=False)["input_ids"]
-    gold_logprobs = teacher_forced(engine, question.segments, gold, repair)
-    gold_logprob = float(gold_logprobs.gather(1, torch.tensor(gold)[:, None]).sum())
-    return gold_logprob, teacher_forced(engine, question.segments, full_answer[:KL_POSITIONS], repair)
+    gold_logprobs, answer_logprobs = teacher_forced(
+        engine, question.segments, [gold, full_answer[:KL_POSITIONS]], repair
+    )
+    return float(gold_logprobs.gather(1, torch.tensor(gold)[:, None]).sum()), answer_logprobs
 
 
 def mean_kl(reference: torch.Tensor, logprobs: torch.Tensor) -> float:
