@@ -2,8 +2,8 @@
 
 Scheduling, per loop iteration:
 
-1. admission: jobs are keyed by the engine's batch policy (:mod:`kvboost_hf.scheduling`: the ``cache_salt``, and
-   a key of its own for a job whose reuse needs repair). A pending job whose key matches a running batch joins it
+1. admission: jobs are keyed by the engine's batch policy (:mod:`kvboost_hf.scheduling`: the ``cache_salt``; a
+   job whose reuse needs repair is prefilled alone, then decodes with its batch). A pending job whose key matches a running batch joins it
    at once (continuous batching: its prompt is prefilled, then its rows decode in the same forward as the running
    rows). Other pending jobs of one key are admitted as a new :class:`~kvboost_hf.server.batching.Batch` once the
    oldest has waited ``batch_window_s`` (or they fill ``max_batch_size`` rows; a job that runs alone at once);
@@ -62,7 +62,7 @@ class Worker:
         engine: the engine (its model is used from this worker only).
         mode: ``PREFIX_CACHE`` (exact prefix hits), ``CHUNK_KV_REUSE`` (also repaired non-prefix hits) or
             ``BASELINE`` (plain K/V, no store). Jobs are batched by the engine's :meth:`~InferenceEngine.batch_policy`
-            (the rules of ``generate_many``: a job whose reuse needs repair runs alone).
+            (the rules of ``generate_many``: a job whose reuse needs repair is prefilled alone, then joins).
         batch_window_s: how long (seconds) a job may wait for others to batch with.
         max_batch_size: rows (choices) running at once, over all batches.
         max_queue: jobs waiting for admission before ``submit`` refuses.
