@@ -3,11 +3,12 @@
 Scheduling, per loop iteration:
 
 1. admission: jobs are keyed by the engine's batch policy (:mod:`kvboost_hf.scheduling`: the ``cache_salt``; a
-   job whose reuse needs repair is prefilled alone, then decodes with its batch). A pending job whose key matches a running batch joins it
-   at once (continuous batching: its prompt is prefilled, then its rows decode in the same forward as the running
-   rows). Other pending jobs of one key are admitted as a new :class:`~kvboost_hf.server.batching.Batch` once the
-   oldest has waited ``batch_window_s`` (or they fill ``max_batch_size`` rows; a job that runs alone at once);
-   the rows of all running batches stay within ``max_batch_size``;
+   job whose reuse needs repair is prefilled alone, then decodes with its batch). A pending job whose key matches
+   a running batch joins it at once (continuous batching: its prompt is prefilled, then its rows decode in the
+   same forward as the running rows). Other pending jobs of one key are admitted as a new
+   :class:`~kvboost_hf.server.batching.Batch` once the oldest has waited ``batch_window_s`` (or they fill
+   ``max_batch_size`` rows; a job that runs alone at once); the rows of all running batches stay within
+   ``max_batch_size``;
 2. exclusive calls (``warm``) run;
 3. new batches run their prefill, joining jobs theirs, then every running batch makes one decode step.
 
