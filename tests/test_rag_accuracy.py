@@ -10,6 +10,7 @@ from kvboost_hf import ChunkKV, ChunkReuseCache, ChunkStore, RepairConfig
 from kvboost_hf.bench.rag_accuracy import (
     FULL,
     HEADER,
+    NOISE,
     StoreSnapshot,
     build_questions,
     configurations,
@@ -149,6 +150,8 @@ def test_report_and_plot_show_the_paired_statistics_and_the_target(tmp_path):
         "cacheblend@0.15": row(0.96, 4.0),
         "cacheblend@0.3": row(1.0, 3.2),
         "cacheblend@1": row(1.0, 0.9),
+        "cacheblend@0.2": row(0.9, 3.5, (0.001, -0.01, 0.02)),
+        NOISE: row(1.0, 0.5, (0.0, -0.01, 0.01)) | {"max_abs_delta": 0.03},
     }
     from kvboost_hf.bench.rag_accuracy import target_check
 
@@ -156,6 +159,8 @@ def test_report_and_plot_show_the_paired_statistics_and_the_target(tmp_path):
     assert target == {
         "met": ["cacheblend@0.15", "cacheblend@0.3"],
         "resolved": ["cacheblend@0.3"],
+        "noise_band": 0.03,
+        "within_noise": ["cacheblend@0.2"],  # its interval [-0.01, 0.02] lies inside +-0.03; the others reach -0.2
         "best": "cacheblend@0.3",
     }
     result = {
@@ -167,9 +172,11 @@ def test_report_and_plot_show_the_paired_statistics_and_the_target(tmp_path):
     }
     text = report(result)
     assert "+2/-3" in text and "[-0.200, +0.000]" in text and "[92, 99]" in text and "resolved" in text
+    assert "noise band" in text and "+-0.03" in text and "['cacheblend@0.2']" in text
     plot(result, tmp_path / "rag.png")
     assert (tmp_path / "rag.png").stat().st_size > 0
-    assert target_check({FULL: configs[FULL], "slow": row(1.0, 2.0)}) == {"met": [], "resolved": [], "best": None}
+    slow = target_check({FULL: configs[FULL], "slow": row(1.0, 2.0)})
+    assert slow == {"met": [], "resolved": [], "noise_band": None, "within_noise": [], "best": None}
 
 
 @pytest.mark.slow
@@ -177,7 +184,7 @@ def test_teacher_forced_log_probabilities_follow_the_loaded_kv(embedded_engine):
     """Full prefill gives the model's own next-token log-probabilities along the continuation; reuse at ratio 1
     recomputes everything and gives the same; reuse without repair loads the shuffled documents' stored K/V as they
     were, so the distribution moves (KL > 0) while the gold answer is still scored on the same tokens."""
-    from kvboost_hf.bench.rag_accuracy import continuous_measures, mean_kl, teacher_forced
+    from kvboost_hf.bench.rag_accuracy import continuous_measures, mean_kl, teacher_forced, teacher_forced_batched
 
     engine = embedded_engine
     documents, questions = build_questions(3, 2, 1, seed=2, chars=300)
@@ -196,8 +203,14 @@ def test_teacher_forced_log_probabilities_follow_the_loaded_kv(embedded_engine):
     assert mean_kl(full, recomputed) < 1e-6 and mean_kl(full, full) == 0.0
     (stale,) = teacher_forced(engine, question.segments, [continuation], RepairConfig("none", 0.0))
     assert mean_kl(full, stale) > 1e-4
-    gold, along_answer = continuous_measures(engine, question, continuation, None)
+    gold, along_answer = continuous_measures(
+        engine, question, continuation, lambda texts: teacher_forced(engine, question.segments, texts, None)
+    )
     gold_ids = engine.tokenizer(" " + question.answer, add_special_tokens=False)["input_ids"]
     assert gold == pytest.approx(float(sum(full[i, t] for i, t in enumerate(gold_ids))), abs=1e-4)
     torch.testing.assert_close(along_answer, full, atol=1e-4, rtol=0)
+    # the noise reference: the same prompt as row 0 of a left-padded batch gives the same distribution up to
+    # floating-point summation order
+    (batched,) = teacher_forced_batched(engine, question.segments, [continuation])
+    torch.testing.assert_close(batched, full, atol=1e-3, rtol=0)
     engine.store.clear()
