@@ -1,0 +1,112 @@
+"""Segment starts of chat messages (kvboost_hf.hf.chat_segments): the token ids are today's rendering whatever the
+boundaries, and each start is the first token at or after a marked content offset. Embedded tokenizer only (no
+model): fast."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+from kvboost_hf.hf.chat_segments import encode_chat_segments, joined
+from kvboost_hf.hf.models import embedded_model_dir
+
+TRIMMING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n"
+)
+
+
+@functools.cache
+def tokenizer():
+    return AutoTokenizer.from_pretrained(embedded_model_dir())
+
+
+def todays_ids(messages, add_generation_prompt: bool = True, **kwargs) -> list[int]:
+    """What the engine tokenised before segments existed: the rendered template, no special tokens added."""
+    text = tokenizer().apply_chat_template(
+        joined(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+    )
+    return list(tokenizer()(text, add_special_tokens=False)["input_ids"])
+
+
+def marked_offsets(messages, boundaries: str) -> list[int]:
+    """Character offsets the test expects marked, from the embedded template's own layout (checked against its
+    rendering): an optional default system turn, then ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message."""
+    text = tokenizer().apply_chat_template(joined(messages), tokenize=False, add_generation_prompt=True)
+    position = 0 if messages[0]["role"] == "system" else text.index("<|im_end|>\n") + len("<|im_end|>\n")
+    rebuilt, offsets = text[:position], []
+    for message in messages:
+        content = message["content"]
+        parts = [content] if isinstance(content, str) else content
+        head = f"<|im_start|>{message['role']}\n"
+        start = position + len(head)
+        if boundaries == "messages" or (boundaries == "parts" and len(parts) >= 2):
+            offsets += [start + sum(map(len, parts[:k])) for k in range(len(parts) + 1)]
+        rebuilt += head + "".join(parts) + "<|im_end|>\n"
+        position = len(rebuilt)
+    assert rebuilt + "<|im_start|>assistant\n" == text
+    return sorted(set(offsets))
+
+
+def first_token_at_or_after(ids: list[int], char: int) -> int:
+    """The first token whose text begins at or after ``char``, found by decoding prefixes (not offsets)."""
+    decode = functools.partial(tokenizer().decode, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return next(k for k in range(len(ids) + 1) if len(decode(ids[:k])) >= char)
+
+
+TEXT = st.text(alphabet="ab cd.\n,é?-XY1", max_size=24)
+CONTENT = st.one_of(TEXT, st.lists(TEXT, min_size=1, max_size=4))
+MESSAGES = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": CONTENT}),
+    min_size=1,
+    max_size=4,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(messages=MESSAGES, boundaries=st.sampled_from(["none", "parts", "messages"]))
+def test_ids_are_todays_and_starts_begin_the_marked_contents(messages, boundaries):
+    ids, starts = encode_chat_segments(tokenizer(), messages, boundaries=boundaries)
+    assert ids == todays_ids(messages)
+    assert starts == sorted(set(starts)) and all(0 < s < len(ids) for s in starts)
+    expected = [first_token_at_or_after(ids, char) for char in marked_offsets(messages, boundaries)]
+    assert starts == sorted({s for s in expected if 0 < s < len(ids)})
+
+
+def test_a_document_after_a_newline_starts_exactly_on_its_first_token():
+    documents = ["Owls hunt at night.\n", "Cats sleep all day.\n", "Which animal sleeps?"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": documents}]
+    ids, starts = encode_chat_segments(tokenizer(), messages)
+    decode = tokenizer().decode
+    assert [decode(ids[s:]).startswith(doc) for s, doc in zip(starts, documents, strict=False)] == [True] * 3
+    assert decode(ids[starts[3] :]).startswith("<|im_end|>")  # the content's end starts the template's text
+    alone = [tokenizer()(doc, add_special_tokens=False)["input_ids"] for doc in documents[:2]]
+    assert [ids[a:b] for a, b in zip(starts[:2], starts[1:3], strict=True)] == alone  # as a warmed document
+
+
+def test_a_part_that_merges_with_the_next_starts_after_the_merged_token():
+    messages = [{"role": "user", "content": ["There are many cat", "s in the house.", " Why?"]}]
+    ids, starts = encode_chat_segments(tokenizer(), messages)
+    assert ids == todays_ids(messages)
+    merged = tokenizer().decode(ids[starts[1] - 1 : starts[1]])
+    assert merged == " cats" and tokenizer().decode(ids[starts[1] :]).startswith(" in the house.")
+
+
+def test_which_contents_are_marked():
+    one_part = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ["Hello there."]}]
+    assert encode_chat_segments(tokenizer(), one_part, boundaries="parts")[1] == []
+    assert encode_chat_segments(tokenizer(), one_part, boundaries="none")[1] == []
+    assert len(encode_chat_segments(tokenizer(), one_part, boundaries="messages")[1]) == 4
+    with pytest.raises(ValueError, match="'everything' is not a valid DocumentBoundaries"):
+        encode_chat_segments(tokenizer(), one_part, boundaries="everything")
+
+
+def test_a_template_that_changes_contents_gets_no_segments(caplog):
+    messages = [{"role": "user", "content": ["  padded document. ", "Question?"]}]
+    ids, starts = encode_chat_segments(tokenizer(), messages, chat_template=TRIMMING_TEMPLATE)
+    assert ids == todays_ids(messages, chat_template=TRIMMING_TEMPLATE) and starts == []
+    assert "changes message contents" in caplog.text
