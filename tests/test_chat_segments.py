@@ -1,16 +1,19 @@
 """Segment starts of chat messages (kvboost_hf.hf.chat_segments): the token ids are today's rendering whatever the
-boundaries, and each start is the first token at or after a marked content offset. Embedded tokenizer only (no
-model): fast."""
+boundaries, and each start is the first token at or after a marked content offset; through the engine, reordered
+and warmed documents hit. The embedded tokenizer with a tiny random model: fast."""
 
 from __future__ import annotations
 
 import functools
 
 import pytest
+from conftest import make_tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from kvboost_hf.core.config import RepairConfig
+from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.chat_segments import encode_chat_segments, joined
 from kvboost_hf.hf.models import embedded_model_dir
 
@@ -110,3 +113,49 @@ def test_a_template_that_changes_contents_gets_no_segments(caplog):
     ids, starts = encode_chat_segments(tokenizer(), messages, chat_template=TRIMMING_TEMPLATE)
     assert ids == todays_ids(messages, chat_template=TRIMMING_TEMPLATE) and starts == []
     assert "changes message contents" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------- through the engine
+DOCUMENTS = [
+    "The north archive keeps the harbour maps; its access code is 4821.\n",
+    "The south archive holds the tax records; its access code is 7310.\n",
+    "The east archive stores the founders' letters; its access code is 5594.\n",
+]
+
+
+def rag_chat(order: list[int]) -> list[dict]:
+    parts = [DOCUMENTS[i] for i in order] + ["What is the code of the south archive?"]
+    return [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": parts}]
+
+
+def tiny_engine(repair: RepairConfig) -> InferenceEngine:
+    """A 2-layer random Llama over the embedded tokenizer: the chat template and token ids are the real ones."""
+    model = make_tiny_model("llama", vocab_size=len(tokenizer()), max_position_embeddings=1024)
+    return InferenceEngine(model, tokenizer(), chunking=8, repair=repair)
+
+
+def test_engine_chat_parts_are_segments_with_todays_ids():
+    engine = tiny_engine(RepairConfig())
+    ids, starts = engine.encode_segments(rag_chat([0, 1, 2]))
+    assert ids == todays_ids(rag_chat([0, 1, 2])) == engine.encode(joined(rag_chat([0, 1, 2])))
+    assert len(starts) == 5  # four parts and the content's end
+    assert engine.encode_segments(rag_chat([0, 1, 2]), document_boundaries="none") == (ids, [])
+    assert engine.render(rag_chat([0, 1, 2])) == tokenizer().decode(ids)
+
+
+def test_engine_reordered_parts_equal_a_full_prefill_with_full_repair():
+    engine = tiny_engine(RepairConfig("cacheblend", ratio=1.0))
+    engine.generate(rag_chat([0, 1, 2]), 6)
+    reordered = engine.generate(rag_chat([2, 0, 1]), 6)
+    full = engine.generate(rag_chat([2, 0, 1]), 6, mode="baseline")
+    assert reordered.recomputed_tokens > 0  # content hits, found at new positions, all recomputed
+    assert reordered.output_ids == full.output_ids
+
+
+def test_warmed_documents_hit_whole_in_any_order():
+    engine = tiny_engine(RepairConfig("none"))
+    results = engine.warm_documents(DOCUMENTS)
+    lengths = [len(tokenizer()(doc, add_special_tokens=False)["input_ids"]) for doc in DOCUMENTS]
+    assert [result.token_count for result in results] == lengths
+    reordered = engine.generate(rag_chat([1, 2, 0]), 2)
+    assert reordered.cached_tokens >= sum(lengths)  # every token of every document, last partial chunks included
