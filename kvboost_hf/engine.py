@@ -465,10 +465,10 @@ class InferenceEngine:
         ``mode="baseline"``), speculative with the engine's draft when it has one. The caller runs it under
         :attr:`lock`."""
         mode = GenerationMode(mode)
-        reuse = mode is not GenerationMode.BASELINE
-        new_cache = None
-        if reuse:
+        new_cache = prefill_alone = None
+        if mode is not GenerationMode.BASELINE:
             new_cache = functools.partial(self.new_cache, mode, cache_salt, segment_starts, repair, adapter=False)
+            prefill_alone = functools.partial(self.batch_policy(mode).prefill_alone, cache_salt=cache_salt)
         return DecodeLoop(
             self.model,
             functools.partial(self.tokenizer.decode, skip_special_tokens=True),
@@ -479,6 +479,7 @@ class InferenceEngine:
             on_token=on_token,
             tokenizer_lock=tokenizer_lock,
             draft=self._drafter(mode, cache_salt, segment_starts, repair),
+            prefill_alone=prefill_alone,
         )
 
     def _drafter(
@@ -577,9 +578,10 @@ class InferenceEngine:
         cache_salt: str | None = None,
         **kwargs: Any,
     ) -> list[GenerationResult]:
-        """Generate for many prompts in batches formed by :meth:`batch_policy` (the server's rules: requests whose
-        reuse needs repair, and segment prompts, run alone; the others in batches of up to ``max_batch_size`` rows
-        of similar length; chunks stored by one batch are loaded by the next). Each prompt is tokenized once;
+        """Generate for many prompts in batches formed by :meth:`batch_policy` (the server's rules: segment prompts
+        run alone; the others in batches of up to ``max_batch_size`` rows of similar length, a prompt whose reuse
+        needs a repair prefilled alone and then decoded with its batch; chunks stored by one batch are loaded by
+        the next). Each prompt is tokenized once;
         ``kwargs`` are :meth:`generate_batch`'s. Input order is kept."""
         encoded = [self.encode_segments(prompt) for prompt in prompts]
         policy = self.batch_policy(mode)

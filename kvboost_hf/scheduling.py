@@ -3,15 +3,17 @@
 A batch is one :class:`~kvboost_hf.hf.decode.DecodeLoop` on one cache. The rules, in order:
 
 1. rows of one batch share one cache namespace: the same ``cache_salt``;
-2. a request runs in a batch of its own when batching would lose reuse: a segment prompt (its segment starts belong
-   to one cache), and with ``mode="chunk_kv_reuse"`` a prompt for which the store holds non-prefix hits (chunks at
-   or after its first missed chunk, stored under prefix or content key; see
-   :func:`~kvboost_hf.reuse.plan.has_nonprefix_hits`): the cache stitches and repairs those for one row at a time
-   (the ``n`` choices of one prompt count as one row: the loop prefills them once);
+2. a segment prompt runs in a batch of its own (its segment starts belong to one cache);
 3. any other requests of one namespace may share a batch (``generate_many`` orders them by prompt length, so a
-   batch pads little); prefix hits and shared prefixes work for every row of a batch.
+   batch pads little); prefix hits and shared prefixes work for every row of a batch. With
+   ``mode="chunk_kv_reuse"`` a prompt for which the store holds non-prefix hits (chunks at or after its first
+   missed chunk, stored under prefix or content key; see :func:`~kvboost_hf.reuse.plan.has_nonprefix_hits`) is
+   *prefilled* alone (:meth:`BatchPolicy.prefill_alone`): the cache stitches and repairs those for one row at a
+   time, so the decode loop prefills it in a batch of its own and joins it to the others for decoding (the ``n``
+   choices of one prompt count as one row: the loop prefills them once).
 
-A request is classified once, when it arrives (two ``contains_many`` store calls at most).
+A request is classified when it arrives and again when its batch is prefilled (two ``contains_many`` store calls
+at most each time).
 """
 
 from __future__ import annotations
@@ -63,10 +65,15 @@ class BatchPolicy:
         self.mode = GenerationMode(mode)
 
     def key(self, prompt_ids: Sequence[int], cache_salt: str | None, segment_starts: Sequence[int] = ()) -> BatchKey:
-        """The batch key of a request (reads the store once for a ``chunk_kv_reuse`` request)."""
-        if segment_starts or self._repairs(prompt_ids, cache_salt):
-            return BatchKey(cache_salt, next(_TICKETS))
-        return BatchKey(cache_salt)
+        """The batch key of a request: one of its own for a segment prompt."""
+        return BatchKey(cache_salt, next(_TICKETS)) if segment_starts else BatchKey(cache_salt)
+
+    def prefill_alone(self, prompt_ids: Sequence[int], cache_salt: str | None) -> bool:
+        """Whether the prompt's reuse needs a repair, made for one row at a time: with ``mode="chunk_kv_reuse"``,
+        the store holds non-prefix hits for it (reads the store)."""
+        if self.mode is not GenerationMode.CHUNK_KV_REUSE:
+            return False
+        return has_nonprefix_hits(self.store, prompt_ids, namespace=self.namespace(cache_salt), chunking=self.chunking)
 
     def batches(
         self,
@@ -88,8 +95,3 @@ class BatchPolicy:
                 alone.append([index])
         shared.sort(key=lambda index: len(prompts[index]))
         return alone + [shared[lo : lo + max_batch_size] for lo in range(0, len(shared), max_batch_size)]
-
-    def _repairs(self, prompt_ids: Sequence[int], cache_salt: str | None) -> bool:
-        if self.mode is not GenerationMode.CHUNK_KV_REUSE:
-            return False
-        return has_nonprefix_hits(self.store, prompt_ids, namespace=self.namespace(cache_salt), chunking=self.chunking)

@@ -14,13 +14,13 @@ from kvboost_hf.bench.rag_accuracy import (
     build_questions,
     configurations,
     extract_answer,
+    methods,
     paired_comparison,
     plot,
     report,
     select_configurations,
 )
 from kvboost_hf.corpus import fact_documents
-from kvboost_hf.reuse.repair import heads_then_deviating, top_deviating
 
 
 def test_fact_documents_plant_every_fact_once_with_distinct_answers():
@@ -59,24 +59,21 @@ def test_extract_answer_takes_the_first_number_only():
     assert extract_answer(" none") == ""
 
 
-def test_configurations_cover_full_prefill_none_strategies_and_variants():
-    configs = configurations((0.15, 1.0), variant_ratios=(0.15,), head_tokens=2, check_layer=3)
+def test_configurations_cover_full_prefill_none_every_method_and_realignment():
+    names = tuple(methods(head_tokens=2, filter_layers=3))
+    configs = configurations((0.15, 1.0), names, realign_tokens=(8,), head_tokens=2, filter_layers=3)
     assert configs[FULL] is None
     assert configs["none"].strategy.value == "none"
     assert configs["cacheblend@0.15"].ratio == 0.15 and configs["selective@1"].ratio == 1.0
+    assert configs["cacheblend-V@0.15"].deviation == "value"
+    assert configs["cacheblend-gradual3@0.15"].filter_layers == 3
     assert configs["cacheblend+heads2@0.15"].head_tokens == 2
-    assert configs["cacheblend-L3@0.15"].check_layer == 3
-
-
-def test_heads_then_deviating_keeps_every_chunk_head_then_fills_the_budget():
-    positions = torch.tensor([*range(10, 20), *range(30, 40)])
-    deviation = torch.zeros(20)
-    deviation[5], deviation[17], deviation[3] = 3.0, 2.0, 1.0  # positions 15, 37, 13
-    assert heads_then_deviating([(10, 20), (30, 40)], positions, deviation, 0.25, 1) == [10, 13, 15, 30, 37]
-    # more heads than the budget: the heads are still all recomputed
-    assert heads_then_deviating([(10, 20), (30, 40)], positions, deviation, 0.1, 3) == [10, 11, 12, 30, 31, 32]
-    assert top_deviating(positions, deviation, 2) == [15, 37]
-    assert top_deviating(positions, deviation, 0) == []
+    both = configs["cacheblend-gradual3+heads2@0.15"]
+    assert (both.filter_layers, both.head_tokens, both.deviation) == (3, 2, "key")
+    assert configs["realign8"] == RepairConfig("selective", 0.0, overlap_k=0, head_tokens=8)
+    assert len(configs) == 2 + 2 * len(names) + 1
+    with pytest.raises(ValueError, match=r"unknown methods \['bogus'\]"):
+        configurations((0.15,), ("bogus",))
 
 
 def test_store_snapshot_restore_drops_only_later_keys():
@@ -99,7 +96,7 @@ def test_head_tokens_recompute_every_reused_chunk_head():
         model(doc[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache.save()
     ids = torch.cat([docs[1], docs[0], torch.tensor([5, 6, 7])])[None]
-    repair = RepairConfig("cacheblend", 0.05, head_tokens=3)
+    repair = RepairConfig("cacheblend", 0.05, check_layer=0, head_tokens=3)  # 2 layers: filter after layer 0
     cache = ChunkReuseCache(store, model, 16, repair, segment_starts=[0, 32, 64], write_back=False)
     model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
     reuse = cache.last_reuse[0]
@@ -109,7 +106,7 @@ def test_head_tokens_recompute_every_reused_chunk_head():
 
 
 def test_select_configurations_keeps_full_prefill_and_compares_ratios_as_numbers():
-    configs = configurations((0.15, 0.3, 1.0), variant_ratios=())
+    configs = configurations((0.15, 0.3, 1.0))
     chosen = select_configurations(configs, ["cacheblend@1.0", "none", "selective@0.150"])
     assert list(chosen) == [FULL, "none", "selective@0.15", "cacheblend@1"]
     assert chosen["cacheblend@1"] is configs["cacheblend@1"]
@@ -188,15 +185,16 @@ def test_teacher_forced_log_probabilities_follow_the_loaded_kv(embedded_engine):
         engine.warm(doc)
     question = questions[0]
     continuation = engine.tokenizer(" " + question.answer + ".", add_special_tokens=False)["input_ids"]
-    full = teacher_forced(engine, question.segments, continuation, None)
+    full, shorter = teacher_forced(engine, question.segments, [continuation, continuation[:2]], None)
+    torch.testing.assert_close(shorter, full[:2], atol=1e-4, rtol=0)  # the prompt cache was cropped back
     ids = torch.tensor([engine.encode(question.segments) + continuation])
     with torch.no_grad():
         own = engine.model(ids).logits[0, -len(continuation) - 1 : -1].float().log_softmax(-1)
     assert full.shape == (len(continuation), engine.model.config.vocab_size)
     torch.testing.assert_close(full, own, atol=1e-4, rtol=0)
-    recomputed = teacher_forced(engine, question.segments, continuation, RepairConfig("cacheblend", 1.0))
+    (recomputed,) = teacher_forced(engine, question.segments, [continuation], RepairConfig("cacheblend", 1.0))
     assert mean_kl(full, recomputed) < 1e-6 and mean_kl(full, full) == 0.0
-    stale = teacher_forced(engine, question.segments, continuation, RepairConfig("none", 0.0))
+    (stale,) = teacher_forced(engine, question.segments, [continuation], RepairConfig("none", 0.0))
     assert mean_kl(full, stale) > 1e-4
     gold, along_answer = continuous_measures(engine, question, continuation, None)
     gold_ids = engine.tokenizer(" " + question.answer, add_special_tokens=False)["input_ids"]

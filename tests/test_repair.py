@@ -129,7 +129,8 @@ def test_every_strategy_runs_on_every_architecture(arch, strategy):
     for doc in docs:
         warm_alone(model, store, doc)
     ids, starts = shuffled_prompt(docs, [1, 0], torch.tensor([5, 6, 7]))
-    out, cache = run(model, store, ids, starts, strategy=strategy, ratio=0.3, write_back=False)
+    # 2 layers: CacheBlend filters after the check layer, so it checks layer 0 here
+    out, cache = run(model, store, ids, starts, strategy=strategy, ratio=0.3, check_layer=0, write_back=False)
     assert out[0].shape == (1, ids.shape[1] + 8)
     reuse = cache.last_reuse[0]
     if arch in ROTATING:
@@ -190,3 +191,16 @@ def test_content_defined_chunks_hit_a_document_inside_a_plain_prompt():
     fixed = ChunkReuseCache(store, model, chunking=CHUNK)  # fixed cuts at a shifted offset find nothing
     model.generate(ids, past_key_values=fixed, max_new_tokens=1, do_sample=False, pad_token_id=0)
     assert fixed.last_reuse[0].hit_chunks == 0
+
+
+def test_selective_with_head_tokens_recomputes_that_many_tokens_of_every_reused_chunk():
+    model = make_tiny_model("llama")
+    store = ChunkStore(1 << 26)
+    docs = documents(2)
+    for doc in docs:
+        warm_alone(model, store, doc)
+    ids, starts = shuffled_prompt(docs, [1, 0], torch.tensor([5, 6, 7]))
+    _, cache = run(model, store, ids, starts, strategy="selective", ratio=0.0, overlap_k=0, head_tokens=5)
+    # doc 1 is an exact prefix hit; doc 0's three content chunks (16, 16, 8 tokens) each get 5 head tokens
+    assert cache.last_reuse[0].recomputed_tokens == 15 and cache.last_reuse[0].approx_tokens == 25
+    assert sorted(cache.ledgers[0].stale)[:6] == [45, 46, 47, 48, 49, 50]

@@ -1,4 +1,4 @@
-"""One batching policy for ``generate_many`` and the server: requests whose reuse needs repair keep it."""
+"""One batching policy for ``generate_many`` and the server: requests whose reuse needs repair keep it, in batches."""
 
 from __future__ import annotations
 
@@ -28,6 +28,27 @@ def test_generate_many_runs_a_prompt_with_nonprefix_hits_alone_and_keeps_its_rep
     assert (results[1].output_ids, results[1].approx_tokens) == (alone.output_ids, alone.approx_tokens)
     for prompt, result in zip(others, [results[0], *results[2:]], strict=True):
         assert result.output_ids == engine.generate(prompt, max_new_tokens=6, mode="baseline").output_ids
+
+
+def test_prompts_needing_repair_are_prefilled_alone_and_decode_in_the_batch(engine):
+    """Plain prompts holding a warmed document after new text (content-key hits at chunk boundaries) share a
+    batch with other prompts: each is prefilled alone (the repair is made for one row at a time), joined, and
+    decoded with the others; every row's tokens and reuse equal what it gets alone."""
+    documents = [words(80 + i, 24) for i in range(2)]
+    for document in documents:
+        engine.warm(document)
+    repaired = [f"{words(90 + i, 8)} {document}" for i, document in enumerate(documents)]
+    prompts = [repaired[0], words(95, 10), repaired[1], words(96, 13)]
+    policy = engine.batch_policy()
+    assert [policy.prefill_alone(engine.encode(p), None) for p in prompts] == [True, False, True, False]
+    assert len(policy.batches([engine.encode(p) for p in prompts], [[]] * 4, None, 8)) == 1  # one batch
+    alone = [engine.generate(prompt, max_new_tokens=6) for prompt in prompts]
+    assert alone[0].approx_tokens > 0 and alone[2].approx_tokens > 0
+    batch = engine.generate_batch(prompts, max_new_tokens=6)  # the store now holds more (written back): equal
+    # outputs and repairs, not equal loaded-token counts
+    for got, expected in zip(batch, alone, strict=True):
+        assert (got.output_ids, got.approx_tokens) == (expected.output_ids, expected.approx_tokens)
+    assert engine.generate_many(prompts, max_new_tokens=6)[2].output_ids == alone[2].output_ids
 
 
 def test_choices_of_one_prompt_are_prefilled_once_and_all_get_the_repair(engine):

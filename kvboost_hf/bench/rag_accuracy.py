@@ -8,12 +8,11 @@ the question, whose answer is already started ("The document that mentions the n
 code of the north archive is") so that even a 135M model answers with a code. The answer is scored by exact match
 of the first number generated (greedy, ``--new-tokens`` tokens).
 
-Side by side in one run, for every question: full prefill (``mode="baseline"``), ``none``, and ``selective`` and
-``cacheblend`` at each ``--ratios`` (per-call ``repair=RepairConfig(...)``), each from the same store (the warmed
-documents only), in rotating order. Two CacheBlend variants at ``--variant-ratios`` try to do better: ``+headsN``
-recomputes the first N tokens of every reused chunk before spending the rest of the budget on deviation
-(EPIC-style attention-sink alignment, ``RepairConfig(head_tokens=N)``), and ``-LN`` compares keys at layer N
-instead of layer 1. Per configuration: accuracy,
+Side by side in one run, for every question: full prefill (``mode="baseline"``), ``none``, each of ``--methods``
+at each ``--ratios`` (per-call ``repair=RepairConfig(...)``; :func:`methods`: selective, one-shot CacheBlend on
+keys or values, the paper's gradual filtering, each with chunk heads recomputed too) and chunk-start realignment
+alone for each ``--realign-tokens`` K, each from the same store (the warmed documents only), in rotating order.
+Per configuration: accuracy,
 agreement with the full prefill's answer, TTFT and its speed-up over full prefill, first-token KL(full || reuse),
 greedy tokens agreeing, and two continuous measures, paired per question against full prefill on the same prompt,
 that resolve differences exact match cannot: the teacher-forced log-probability of the gold answer (its tokens
@@ -30,6 +29,7 @@ import math
 import random
 import re
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +54,7 @@ HEADER = (
 )
 TARGET = {"min_agreement": 0.95, "min_speedup": 3.0}
 KL_POSITIONS = 8
+METHOD_HELP = "selective, cacheblend, cacheblend-V, cacheblend-gradualN, cacheblend+headsK, cacheblend-gradualN+headsK"
 
 
 @dataclass(frozen=True)
@@ -102,21 +103,45 @@ def extract_answer(text: str) -> str:
     return match.group() if match else ""
 
 
+def methods(head_tokens: int = 16, filter_layers: int = 4) -> dict[str, Callable[[float], RepairConfig]]:
+    """Every repair method by name, as its configuration at a ratio (issue 19's list): the baselines
+    ``selective`` and one-shot ``cacheblend`` (keys at layer 1, as LMCache), ``cacheblend-V`` (values, as the
+    public CacheBlend code), ``cacheblend-gradual`` (the paper's gradual filtering over ``filter_layers``
+    layers), ``+heads`` (the first ``head_tokens`` of every reused chunk recomputed at every layer, counted in
+    the ratio: chunk-start realignment combined with CacheBlend)."""
+    gradual = f"cacheblend-gradual{filter_layers}"
+    heads = f"+heads{head_tokens}"
+    return {
+        "selective": lambda r: RepairConfig("selective", r),
+        "cacheblend": lambda r: RepairConfig("cacheblend", r),
+        "cacheblend-V": lambda r: RepairConfig("cacheblend", r, deviation="value"),
+        gradual: lambda r: RepairConfig("cacheblend", r, filter_layers=filter_layers),
+        f"cacheblend{heads}": lambda r: RepairConfig("cacheblend", r, head_tokens=head_tokens),
+        f"{gradual}{heads}": lambda r: RepairConfig(
+            "cacheblend", r, filter_layers=filter_layers, head_tokens=head_tokens
+        ),
+    }
+
+
 def configurations(
     ratios: tuple[float, ...] = RATIOS,
-    variant_ratios: tuple[float, ...] = (0.15,),
-    head_tokens: int = 4,
-    check_layer: int = 4,
+    method_names: tuple[str, ...] = ("selective", "cacheblend"),
+    realign_tokens: tuple[int, ...] = (),
+    head_tokens: int = 16,
+    filter_layers: int = 4,
 ) -> dict[str, RepairConfig | None]:
-    """Full prefill (``None``), ``none``, both strategies at ``ratios``, and at ``variant_ratios`` two CacheBlend
-    variants: with ``head_tokens`` chunk heads recomputed first, and with keys compared at layer ``check_layer``."""
+    """Full prefill (``None``), ``none``, each of ``method_names`` (:func:`methods`) at ``ratios``, and
+    chunk-start realignment alone (``realignK``: the first K tokens of every reused chunk, nothing else) for each
+    K of ``realign_tokens``."""
+    known = methods(head_tokens, filter_layers)
+    if unknown := [name for name in method_names if name not in known]:
+        raise ValueError(f"unknown methods {unknown}: choose from {list(known)}")
     configs: dict[str, RepairConfig | None] = {FULL: None, "none": RepairConfig("none", 0.0)}
-    for strategy in STRATEGIES:
+    for name in method_names:
         for ratio in ratios:
-            configs[f"{strategy}@{ratio:g}"] = RepairConfig(strategy, ratio)
-    for ratio in variant_ratios:
-        configs[f"cacheblend+heads{head_tokens}@{ratio:g}"] = RepairConfig("cacheblend", ratio, head_tokens=head_tokens)
-        configs[f"cacheblend-L{check_layer}@{ratio:g}"] = RepairConfig("cacheblend", ratio, check_layer)
+            configs[f"{name}@{ratio:g}"] = known[name](ratio)
+    for tokens in realign_tokens:
+        configs[f"realign{tokens}"] = RepairConfig("selective", 0.0, overlap_k=0, head_tokens=tokens)
     return configs
 
 
@@ -174,29 +199,37 @@ def paired_comparison(
 
 
 def teacher_forced(
-    engine: InferenceEngine, segments: list[str], continuation: list[int], repair: RepairConfig | None
-) -> torch.Tensor:
-    """Log-probabilities ``[len(continuation), V]`` (fp32, CPU) of each next token while ``continuation`` is fed
-    after the prompt ``segments``, whose K/V are loaded and repaired from the store as ``repair`` says (None: full
-    prefill). The continuation itself is always computed; nothing is written back."""
+    engine: InferenceEngine, segments: list[str], continuations: list[list[int]], repair: RepairConfig | None
+) -> list[torch.Tensor]:
+    """For each continuation, the log-probabilities ``[len(continuation), V]`` (fp32, CPU) of each next token
+    while it is fed after the prompt ``segments``, whose K/V are loaded and repaired from the store once, as
+    ``repair`` says (None: full prefill). Continuations are always computed, one after the other from the same
+    prompt cache (cropped back after each); nothing is written back."""
     prompt, starts = engine.encode_segments(segments)
-    ids = torch.tensor([prompt + continuation], device=engine.device)
     mode = "baseline" if repair is None else "chunk_kv_reuse"
     cache = engine.new_cache(mode, None, starts, repair, adapter=False)
+    logprobs = []
     with engine.lock:
-        logits = forward(engine.model, cache, input_ids=ids, logits_to_keep=len(continuation) + 1).logits
-    return logits[0, :-1].float().log_softmax(-1).cpu()
+        model = engine.model
+        last = forward(model, cache, input_ids=torch.tensor([prompt], device=engine.device), logits_to_keep=1).logits
+        for continuation in continuations:
+            fed = torch.tensor([continuation], device=engine.device)
+            logits = forward(model, cache, input_ids=fed, logits_to_keep=len(continuation)).logits
+            cache.crop(-len(continuation))
+            logprobs.append(torch.cat([last[0], logits[0, :-1]]).float().log_softmax(-1).cpu())
+    return logprobs
 
 
 def continuous_measures(
     engine: InferenceEngine, question: Question, full_answer: list[int], repair: RepairConfig | None
 ) -> tuple[float, torch.Tensor]:
     """The gold answer's teacher-forced log-probability (sum over its tokens) and the log-probabilities along the
-    first ``KL_POSITIONS`` tokens of full prefill's answer, for one configuration."""
+    first ``KL_POSITIONS`` tokens of full prefill's answer, for one configuration (one prompt prefill)."""
     gold = engine.tokenizer(" " + question.answer, add_special_tokens=False)["input_ids"]
-    gold_logprobs = teacher_forced(engine, question.segments, gold, repair)
-    gold_logprob = float(gold_logprobs.gather(1, torch.tensor(gold)[:, None]).sum())
-    return gold_logprob, teacher_forced(engine, question.segments, full_answer[:KL_POSITIONS], repair)
+    gold_logprobs, answer_logprobs = teacher_forced(
+        engine, question.segments, [gold, full_answer[:KL_POSITIONS]], repair
+    )
+    return float(gold_logprobs.gather(1, torch.tensor(gold)[:, None]).sum()), answer_logprobs
 
 
 def mean_kl(reference: torch.Tensor, logprobs: torch.Tensor) -> float:
@@ -316,7 +349,9 @@ def run(args: argparse.Namespace, engine: InferenceEngine | None = None) -> dict
     documents, questions = build_questions(
         args.docs, args.docs_per_query, args.questions, args.facts_per_doc, args.seed, args.doc_chars
     )
-    configs = configurations(tuple(args.ratios), tuple(args.variant_ratios), args.head_tokens, args.check_layer)
+    configs = configurations(
+        tuple(args.ratios), tuple(args.methods), tuple(args.realign_tokens), args.head_tokens, args.filter_layers
+    )
     if args.configs:
         configs = select_configurations(configs, args.configs)
     if engine is None:
@@ -370,11 +405,10 @@ def report(result: dict) -> str:
 
 def plot_pareto(result: dict, axes: tuple) -> None:
     """Agreement with full prefill, and the gold answer's log-probability change (95% interval), against the TTFT
-    speed-up: one line per method over its ratios, the variants as points (onto two given axes)."""
+    speed-up: one line per method over its ratios, no repair and realignment alone as points (onto two axes)."""
     ax_agree, ax_delta = axes
     configs = result["configs"]
-    methods = sorted({name.split("@")[0] for name in configs if "@" in name})
-    for method in methods:
+    for method in sorted({name.split("@")[0] for name in configs if "@" in name}):
         points = sorted((float(n.split("@")[1]), row) for n, row in configs.items() if n.split("@")[0] == method)
         speed = [row["speedup"] for _, row in points]
         ax_agree.plot(speed, [row["agrees_with_full"] for _, row in points], marker="o", label=method)
@@ -386,9 +420,10 @@ def plot_pareto(result: dict, axes: tuple) -> None:
         ax_delta.errorbar(speed, deltas, yerr=errors, marker="o", capsize=3, label=method)
         for ratio, row in points:
             ax_agree.annotate(f"{ratio:g}", (row["speedup"], row["agrees_with_full"]), fontsize=7)
-    if "none" in configs:
+    singles = {name: row for name, row in configs.items() if name == "none" or name.startswith("realign")}
+    for name, row in singles.items():
         for ax, key in ((ax_agree, "agrees_with_full"), (ax_delta, "gold_logprob_delta")):
-            ax.plot([configs["none"]["speedup"]], [configs["none"][key]], "k*", markersize=10, label="no repair")
+            ax.plot([row["speedup"]], [row[key]], "k*" if name == "none" else "s", markersize=9, label=name)
     ax_agree.axhline(TARGET["min_agreement"], color="red", linestyle=":", label="target agreement")
     ax_agree.axvline(TARGET["min_speedup"], color="red", linestyle=":")
     ax_delta.axhline(0.0, color="black")
@@ -422,9 +457,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=6, help="greedy tokens generated per answer")
     parser.add_argument("--chunk-size", type=int, default=128)
     parser.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
-    parser.add_argument("--variant-ratios", type=float, nargs="*", default=[0.15], help="ratios of the variants")
-    parser.add_argument("--head-tokens", type=int, default=4, help="chunk-head tokens of the heads variant")
-    parser.add_argument("--check-layer", type=int, default=4, help="probe layer of the check-layer variant")
+    parser.add_argument(
+        "--methods", nargs="+", default=["selective", "cacheblend"], help=f"methods at every ratio: {METHOD_HELP}"
+    )
+    parser.add_argument("--realign-tokens", type=int, nargs="*", default=[], help="chunk-start realignment alone, K")
+    parser.add_argument("--head-tokens", type=int, default=16, help="chunk-head tokens of the +heads methods")
+    parser.add_argument("--filter-layers", type=int, default=4, help="layers of gradual filtering")
     parser.add_argument(
         "--configs",
         nargs="+",

@@ -34,11 +34,15 @@ class RepairConfig:
     check_layer: int = 1
     overlap_k: int = 2
     sink_tokens: int = 0
-    head_tokens: int = 0  # CacheBlend: always recompute the first tokens of every reused chunk (EPIC-style)
+    head_tokens: int = 0  # recompute the first tokens of every reused chunk at every layer (EPIC-style)
+    filter_layers: int = 0  # CacheBlend: layers after check_layer over which the recomputed share shrinks
+    deviation: str = "key"  # CacheBlend: which fresh-vs-stored deviation ranks tokens: "key" or "value"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", RecomputeStrategy(self.strategy))
         if not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"recompute_ratio must be in [0, 1], got {self.ratio!r}")
-        if min(self.check_layer, self.overlap_k, self.sink_tokens, self.head_tokens) < 0:
-            raise ValueError("check_layer, overlap_k, sink_tokens and head_tokens must be >= 0")
+        if min(self.check_layer, self.overlap_k, self.sink_tokens, self.head_tokens, self.filter_layers) < 0:
+            raise ValueError("check_layer, overlap_k, sink_tokens, head_tokens and filter_layers must be >= 0")
+        if self.deviation not in ("key", "value"):
+            raise ValueError(f"deviation must be 'key' or 'value', got {self.deviation!r}")

@@ -41,10 +41,10 @@ from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.keys import make_namespace
+from kvboost_hf.hf.blend import LayerFilter, scatter_into
 from kvboost_hf.hf.hooks import install_hooks
 from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.prefill import ChunkPrefiller, RowReuse
-from kvboost_hf.hf.probe import scatter_into
 from kvboost_hf.reuse.plan import ChunkLedger
 from kvboost_hf.reuse.write_back import write_chunks, write_tail
 from kvboost_hf.store.chunk_store import ChunkStore
@@ -180,6 +180,7 @@ class ChunkReuseCache(Cache):
         self.prompt_forward_next = True  # the next forward through the hooks starts a generation (set by generate())
         self._scatter: torch.Tensor | None = None  # positions the pending sparse forward writes
         self._pending_tokens: torch.Tensor | None = None  # the row's tokens once that forward ran
+        self.layer_filter: LayerFilter | None = None  # CacheBlend: the positions of _scatter each layer computes
         self.prefiller = ChunkPrefiller(self)
         by_content = bool(self.segment_starts) or self.chunking.method == "content"
         self._content_rotator = self.prefiller.rotator if by_content else None
@@ -252,10 +253,13 @@ class ChunkReuseCache(Cache):
             self.reuse_enabled = False
         self.pads = [int(p) for p in pads]
 
-    def arm_scatter(self, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+    def arm_scatter(
+        self, positions: torch.Tensor, tokens: torch.Tensor, layer_filter: LayerFilter | None = None
+    ) -> None:
         """The next forward writes its K/V at ``positions`` (sorted columns) instead of appending; once it is
-        recorded the cache holds ``tokens`` (batch x columns) and every layer is cut to that many columns."""
-        self._scatter, self._pending_tokens = positions, tokens
+        recorded the cache holds ``tokens`` (batch x columns) and every layer is cut to that many columns. With a
+        ``layer_filter`` (over the same positions) each layer writes only the positions it still computes."""
+        self._scatter, self._pending_tokens, self.layer_filter = positions, tokens, layer_filter
 
     # ------------------------------------------------------------------ forwards
     def update(
@@ -265,7 +269,11 @@ class ChunkReuseCache(Cache):
         if self._scatter is None:
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = self.layers[layer_idx]
-        scatter_into(layer, self._scatter, key_states, value_states)
+        positions = self._scatter
+        if self.layer_filter is not None:
+            positions = self.layer_filter.positions
+            self.layer_filter.observe(layer_idx, layer, key_states, value_states)
+        scatter_into(layer, positions, key_states, value_states)
         return layer.keys, layer.values
 
     def record(self, fed_ids: torch.Tensor | None) -> None:
@@ -292,6 +300,9 @@ class ChunkReuseCache(Cache):
         self.forwards += 1
         self.prompt_forward_next = False
         self.tokens, self._pending_tokens, self._scatter = self._pending_tokens, None, None
+        if self.layer_filter is not None:
+            self.layer_filter.finish()
+            self.layer_filter = None
         for layer in self.layers:
             layer.keys, layer.values = layer.keys[:, :, : self.num_columns], layer.values[:, :, : self.num_columns]
         self._check_consistent()

@@ -236,6 +236,8 @@ class DecodeLoop:
             not block.
         tokenizer_lock: serialises ``decode`` with other threads using the same tokenizer (None: no lock).
         draft: speculative decoding with this drafter (fresh, unused: the loop runs its prefill), or None.
+        prefill_alone: prompt ids -> whether that prompt is prefilled in a batch of its own (its reuse needs a
+            repair of non-prefix hits, which a cache makes for one row at a time); None: never.
 
     ``forwards`` counts target model forwards (prefill and shared prefixes included; the draft's are
     ``draft.forwards``), ``verify_forwards`` those of them that verified draft tokens (one per speculative step);
@@ -257,9 +259,11 @@ class DecodeLoop:
         on_token: Callable[[DecodeRow], None] = lambda row: None,
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
         draft: Drafter | None = None,
+        prefill_alone: Callable[[Sequence[int]], bool] | None = None,
     ) -> None:
         if not rows:
             raise ValueError("a decode loop needs at least one row")
+        self.prefill_alone = prefill_alone
         self.model = model
         self.decode = decode
         self.rows = list(rows)
@@ -316,9 +320,32 @@ class DecodeLoop:
     def prefill(self) -> None:
         """Compute (or load) every row's prompt and give each row its first token. Rows that all have one prompt
         (the ``n`` choices of a request) are prefilled as one row and then repeated, so a repair of non-prefix
-        hits, which the cache makes for one row at a time, applies to all of them."""
+        hits, which the cache makes for one row at a time, applies to all of them. Rows whose prompt
+        ``prefill_alone`` names are prefilled that way, one prompt at a time after the others, and joined
+        (:meth:`join`): they decode in the batch from the first step."""
+        first, *later = self._prefill_groups()
+        self.rows, self.running = first, list(first)
         with self._counting_streamed_bytes():
             self._prefill()
+        for group in later:
+            self.join(group)
+
+    def _prefill_groups(self) -> list[list[DecodeRow]]:
+        """The rows by prefill batch: the rows that share one, then the rows of each prompt to prefill alone."""
+        if self.prefill_alone is None or len({tuple(row.request.prompt_ids) for row in self.rows}) == 1:
+            return [self.rows]
+        shared: list[DecodeRow] = []
+        alone: dict[tuple[int, ...], list[DecodeRow]] = {}
+        verdicts: dict[tuple[int, ...], bool] = {}
+        for row in self.rows:
+            prompt = tuple(row.request.prompt_ids)
+            if prompt not in verdicts:
+                verdicts[prompt] = self.prefill_alone(prompt)
+            if verdicts[prompt]:
+                alone.setdefault(prompt, []).append(row)
+            else:
+                shared.append(row)
+        return ([shared] if shared else []) + list(alone.values())
 
     def _prefill(self) -> None:
         prompts = [list(row.request.prompt_ids) for row in self.rows]
@@ -468,6 +495,7 @@ class DecodeLoop:
             on_token=self.on_token,
             tokenizer_lock=self.tokenizer_lock,
             draft=self.draft.spawn() if self.draft is not None else None,
+            prefill_alone=self.prefill_alone,
         )
         newcomers.prefill()
         self.rows += newcomers.rows

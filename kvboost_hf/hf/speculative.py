@@ -32,9 +32,8 @@ from typing import Any, Protocol, TypeAlias
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvboost_hf.hf.models import CACHE_ARGUMENT, given_cache, model_dtype
+from kvboost_hf.hf.models import CACHE_ARGUMENT, given_cache, model_dtype, truncated_depth
 from kvboost_hf.hf.prefill import forward
-from kvboost_hf.hf.probe import truncated_depth
 
 logger = logging.getLogger(__name__)
 

@@ -6,10 +6,14 @@ strategies choose which of its tokens to recompute (every layer, in one forward 
 tail, each at its absolute position):
 
 * ``none``: nothing (a baseline for benchmarks);
-* ``selective``: at each seam, the first ``ceil(ratio * chunk length)`` tokens of the reused chunk (those that
-  most lack their real context) plus ``overlap_k`` tokens before the seam;
-* ``cacheblend``: a probe forward that stops after ``check_layer`` compares fresh and stored keys there; the
-  ``ratio`` share of tokens with the largest deviation is recomputed (CacheBlend, EuroSys'25).
+* ``selective``: at each seam, the first ``head_tokens`` (or ``ceil(ratio * chunk length)``) tokens of the reused
+  chunk (those that most lack their real context: chunk-start realignment) plus ``overlap_k`` tokens before it;
+* ``cacheblend`` (CacheBlend, EuroSys'25): the repair forward's layers through ``check_layer`` recompute every
+  reused token; then only the tokens whose fresh key (``deviation="value"``: value) deviated most from the stored
+  one go on, at once down to the ``ratio`` share (one-shot, as the public CacheBlend and LMCache code) or over
+  ``filter_layers`` layers (the paper's gradual filtering), each layer choosing among the previous layer's
+  survivors (:mod:`kvboost_hf.hf.blend`). ``head_tokens`` > 0 also recomputes every chunk's first tokens at every
+  layer, counted in the share.
 
 ``sink_tokens`` keeps the first tokens of the prompt fresh under every strategy. With ``ratio = 1`` every reused
 token is recomputed and the result equals a full prefill.
@@ -18,7 +22,7 @@ token is recomputed and the result equals a full prefill.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,25 +33,35 @@ from kvboost_hf.reuse.plan import RowPlan
 
 
 def seam_positions(approx_spans: Sequence[Span], config: RepairConfig) -> list[int]:
-    """Selective repair: the head of every reused chunk and ``overlap_k`` tokens before it."""
+    """Selective repair: the head of every reused chunk (``head_tokens``, or ``ceil(ratio * chunk length)`` when
+    that is 0) and ``overlap_k`` tokens before it."""
     chosen: set[int] = set()
     for start, end in approx_spans:
-        head = math.ceil(config.ratio * (end - start))
+        head = config.head_tokens or math.ceil(config.ratio * (end - start))
         chosen.update(range(max(0, start - config.overlap_k), min(end, start + head)))
     return sorted(chosen)
 
 
-def most_deviating(positions: torch.Tensor, deviation: torch.Tensor, ratio: float) -> list[int]:
-    """CacheBlend selection: the ``ceil(ratio * n)`` positions with the largest ``deviation`` (same order)."""
-    return top_deviating(positions, deviation, math.ceil(ratio * positions.numel()))
+def chunk_heads(approx_spans: Sequence[Span], head_tokens: int) -> list[int]:
+    """The first ``head_tokens`` positions of every reused chunk (computed without their real preceding context,
+    a chunk warmed alone has its attention sink there: EPIC-style realignment)."""
+    return [p for start, end in approx_spans for p in range(start, min(end, start + head_tokens))]
 
 
-def top_deviating(positions: torch.Tensor, deviation: torch.Tensor, count: int) -> list[int]:
-    """The ``count`` positions (at most all) with the largest ``deviation``, sorted."""
-    if count <= 0 or positions.numel() == 0:
-        return []
-    top = torch.topk(deviation.float(), min(count, positions.numel())).indices
-    return sorted(positions[top].tolist())
+def candidates_per_layer(config: RepairConfig, candidates: int, budget: int, num_layers: int) -> list[int]:
+    """CacheBlend: how many of ``candidates`` loaded tokens layer ``l`` computes (index ``l``), non-increasing.
+
+    Every layer through ``check_layer`` computes all of them; after it the count falls linearly to ``budget``
+    over ``filter_layers`` layers (gradual filtering), or at once when ``filter_layers`` is 0 (one-shot), and
+    stays there.
+    """
+    budget = min(budget, candidates)
+    span = max(config.filter_layers, 1)
+    kept = []
+    for layer in range(num_layers):
+        remaining = min(max(span - (layer - config.check_layer), 0), span)  # span at the check layer, then down
+        kept.append(budget + math.ceil((candidates - budget) * remaining / span))
+    return kept
 
 
 def position_mask(query_positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
@@ -58,40 +72,31 @@ def position_mask(query_positions: torch.Tensor, length: int, dtype: torch.dtype
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
-def heads_then_deviating(
-    approx_spans: Sequence[Span], positions: torch.Tensor, deviation: torch.Tensor, ratio: float, head_tokens: int
-) -> list[int]:
-    """CacheBlend with attention-sink alignment (EPIC-style): the first ``head_tokens`` of every reused chunk (they
-    were computed without their real preceding context; a chunk warmed alone has its attention sink there), then
-    the most deviating of the other ``positions`` until ``ceil(ratio * len(positions))`` are chosen in all
-    (never fewer than the heads). ``positions`` are the reused tokens, ``deviation`` their probe deviation."""
-    heads = {p for start, end in approx_spans for p in range(start, min(end, start + head_tokens))}
-    is_head = torch.tensor([p in heads for p in positions.tolist()], dtype=torch.bool)
-    budget = max(0, math.ceil(ratio * positions.numel()) - int(is_head.sum()))
-    chosen = top_deviating(positions[~is_head], deviation[~is_head], budget)
-    return sorted(heads.intersection(positions.tolist()) | set(chosen))
-
-
-KeyDeviation = Callable[[torch.Tensor], torch.Tensor]
-"""CacheBlend probe: given positions ``[n]`` (long), the squared key deviation of each at the check layer ``[n]``."""
-
-
 @dataclass(frozen=True)
 class RepairSelection:
     """Which positions of a sparse row are computed, as ``[num_tokens]`` bool masks.
 
-    ``compute`` = gaps, sink tokens, the live tail and the chosen repairs: one forward runs over exactly these.
-    ``stale`` = approximate positions left as loaded; K/V stay exact up to the first of them (``exact_tokens``).
+    ``compute`` = gaps, sink tokens, the live tail and the chosen repairs: computed by every layer of the one
+    repair forward. ``candidates`` (CacheBlend only, disjoint from ``compute``) = loaded approximate tokens the
+    forward's first layers compute and filter by deviation; :meth:`settled` turns the survivors of the last layer
+    into ``compute``. ``stale`` = approximate positions not in ``compute``; K/V stay exact up to the first of them.
     """
 
     reused: torch.Tensor
+    approx: torch.Tensor
     compute: torch.Tensor
-    stale: list[int]
+    candidates: torch.Tensor
     hit_chunks: int
+    budget: int = 0  # candidates the last layers compute
+
+    @property
+    def stale(self) -> list[int]:
+        return (self.approx & ~self.compute).nonzero().squeeze(1).tolist()
 
     @property
     def exact_tokens(self) -> int:
-        return self.stale[0] if self.stale else int(self.compute.numel())
+        stale = self.stale
+        return stale[0] if stale else int(self.compute.numel())
 
     @property
     def cached_tokens(self) -> int:
@@ -101,40 +106,34 @@ class RepairSelection:
     def recomputed_tokens(self) -> int:
         return int((self.reused & self.compute).sum())
 
+    def settled(self, computed: torch.Tensor) -> RepairSelection:
+        """The selection once the last layer of the repair forward computed the positions ``computed``."""
+        compute = self.compute.clone()
+        compute[computed.cpu()] = True
+        return RepairSelection(self.reused, self.approx, compute, torch.zeros_like(compute), self.hit_chunks)
 
-def select_repairs(row: RowPlan, config: RepairConfig, key_deviation: KeyDeviation) -> RepairSelection:
-    """Choose what a sparse row recomputes under ``config`` (``key_deviation`` is only called for CacheBlend)."""
+
+def select_repairs(row: RowPlan, config: RepairConfig) -> RepairSelection:
+    """Choose what a sparse row recomputes under ``config``; CacheBlend leaves its choice to the forward."""
     reused = torch.zeros(row.num_tokens, dtype=torch.bool)
     approx = torch.zeros_like(reused)
     for hit in row.hits:
         start, end = hit.span[0], min(hit.span[1], row.limit)
         reused[start:end] = True
         approx[start:end] |= not hit.exact
-    fresh = ~reused
+    compute = ~reused
     sinks = slice(0, config.sink_tokens)
-    fresh[sinks] |= approx[sinks]
-    compute = fresh.clone()
-    compute[_chosen(row, config, approx, fresh, key_deviation)] = True
-    stale = (approx & ~compute).nonzero().squeeze(1).tolist()
-    return RepairSelection(reused, compute, stale, len(row.hits))
-
-
-def _chosen(
-    row: RowPlan, config: RepairConfig, approx: torch.Tensor, fresh: torch.Tensor, key_deviation: KeyDeviation
-) -> list[int]:
-    """Positions of loaded approximate tokens to recompute."""
+    compute[sinks] |= approx[sinks]
     spans = row.approximate_spans
-    if not spans or config.strategy is RecomputeStrategy.NONE:
-        return []
-    if config.ratio >= 1.0:
-        return approx.nonzero().squeeze(1).tolist()
-    if config.strategy is RecomputeStrategy.SELECTIVE:
-        return seam_positions(spans, config)
-    probe_positions = (approx | fresh).nonzero().squeeze(1)
-    deviation = key_deviation(probe_positions)
-    candidates = approx[probe_positions]
-    if config.head_tokens:
-        return heads_then_deviating(
-            spans, probe_positions[candidates], deviation[candidates], config.ratio, config.head_tokens
-        )
-    return most_deviating(probe_positions[candidates], deviation[candidates], config.ratio)
+    candidates = torch.zeros_like(reused)
+    budget = 0
+    if spans and config.strategy is not RecomputeStrategy.NONE:
+        if config.ratio >= 1.0:
+            compute |= approx
+        elif config.strategy is RecomputeStrategy.SELECTIVE:
+            compute[seam_positions(spans, config)] = True
+        else:
+            compute[chunk_heads(spans, config.head_tokens)] = True
+            candidates = approx & ~compute
+            budget = max(0, math.ceil(config.ratio * int(approx.sum())) - int((approx & compute).sum()))
+    return RepairSelection(reused, approx, compute, candidates, len(row.hits), budget)

@@ -50,7 +50,10 @@ SETTINGS_FLAGS: tuple[tuple[type, str, dict], ...] = (
                 "check_layer": "recompute-check-layer",
                 "overlap_k": "recompute-overlap-k",
                 "head_tokens": "recompute-head-tokens",
-            }
+                "filter_layers": "recompute-filter-layers",
+                "deviation": "recompute-deviation",
+            },
+            "choices": {"deviation": ("key", "value")},
         },
     ),
     (

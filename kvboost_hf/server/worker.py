@@ -3,12 +3,12 @@
 Scheduling, per loop iteration:
 
 1. admission: jobs are keyed by the engine's batch policy (:mod:`kvboost_hf.scheduling`: the ``cache_salt``, and a
-   key of its own for a job whose reuse needs repair or whose prompt has document segments). A pending job whose key
-   matches a running batch joins it at once (continuous batching: its prompt is prefilled, then its rows decode in
-   the same forward as the running rows). Other pending jobs of one key are admitted as a new
-   :class:`~kvboost_hf.server.batching.Batch` once the oldest has waited ``batch_window_s`` (or they fill
-   ``max_batch_size`` rows; a job that runs alone at once); the rows of all running batches stay within
-   ``max_batch_size``;
+   key of its own for a job whose prompt has document segments; a job whose reuse needs repair is prefilled alone,
+   then decodes with its batch). A pending job whose key matches a running batch joins it at once (continuous
+   batching: its prompt is prefilled, then its rows decode in the same forward as the running rows). Other pending
+   jobs of one key are admitted as a new :class:`~kvboost_hf.server.batching.Batch` once the oldest has waited
+   ``batch_window_s`` (or they fill ``max_batch_size`` rows; a job that runs alone at once); the rows of all running
+   batches stay within ``max_batch_size``;
 2. exclusive calls (``warm``) run;
 3. new batches run their prefill, joining jobs theirs, then every running batch makes one decode step.
 
@@ -64,7 +64,7 @@ class Worker:
         engine: the engine (its model is used from this worker only).
         mode: ``PREFIX_CACHE`` (exact prefix hits), ``CHUNK_KV_REUSE`` (also repaired non-prefix hits) or
             ``BASELINE`` (plain K/V, no store). Jobs are batched by the engine's :meth:`~InferenceEngine.batch_policy`
-            (the rules of ``generate_many``: a job whose reuse needs repair runs alone).
+            (the rules of ``generate_many``: a job whose reuse needs repair is prefilled alone, then joins).
         batch_window_s: how long (seconds) a job may wait for others to batch with.
         max_batch_size: rows (choices) running at once, over all batches.
         max_queue: jobs waiting for admission before ``submit`` refuses.
@@ -140,7 +140,7 @@ class Worker:
         """
         if not 1 <= job.n <= self.max_batch_size:
             raise ValueError(f"a job needs 1 to max_batch_size={self.max_batch_size} rows, got n={job.n}")
-        key = self.policy.key(job.prompt_ids, job.cache_salt, job.segment_starts)  # reads the store: before the lock
+        key = self.policy.key(job.prompt_ids, job.cache_salt, job.segment_starts)
         with self._cond:
             if self._closing:
                 raise ShuttingDown("server is shutting down")
