@@ -19,7 +19,7 @@ from kvboost_hf.hf.models import embedded_model_dir
 
 TRIMMING_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
-    "<|im_start|>assistant\n"
+    "{{ '<|im_start|>assistant\n' }}"
 )
 
 
@@ -36,20 +36,28 @@ def todays_ids(messages, add_generation_prompt: bool = True, **kwargs) -> list[i
     return list(tokenizer()(text, add_special_tokens=False)["input_ids"])
 
 
-def marked_offsets(messages, boundaries: str) -> list[int]:
-    """Character offsets the test expects marked, from the embedded template's own layout (checked against its
-    rendering): an optional default system turn, then ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message."""
-    text = tokenizer().apply_chat_template(joined(messages), tokenize=False, add_generation_prompt=True)
-    position = 0 if messages[0]["role"] == "system" else text.index("<|im_end|>\n") + len("<|im_end|>\n")
+def marked_offsets(messages, boundaries: str, trim: bool = False) -> list[int]:
+    """Character offsets the test expects marked, from the template's own layout (checked against its rendering):
+    the embedded template's optional default system turn (not with ``trim``: :data:`TRIMMING_TEMPLATE`), then
+    ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, the content stripped with ``trim`` (a part's offset
+    then moves back by the stripped lead, clamped to the stripped content)."""
+    template = {"chat_template": TRIMMING_TEMPLATE} if trim else {}
+    text = tokenizer().apply_chat_template(joined(messages), tokenize=False, add_generation_prompt=True, **template)
+    system_first = trim or messages[0]["role"] == "system"
+    position = 0 if system_first else text.index("<|im_end|>\n") + len("<|im_end|>\n")
     rebuilt, offsets = text[:position], []
     for message in messages:
         content = message["content"]
         parts = [content] if isinstance(content, str) else content
+        whole = "".join(parts)
+        shown = whole.strip() if trim else whole
+        lead = len(whole) - len(whole.lstrip()) if trim else 0
         head = f"<|im_start|>{message['role']}\n"
         start = position + len(head)
         if boundaries == "messages" or (boundaries == "parts" and len(parts) >= 2):
-            offsets += [start + sum(map(len, parts[:k])) for k in range(len(parts) + 1)]
-        rebuilt += head + "".join(parts) + "<|im_end|>\n"
+            inside = [sum(map(len, parts[:k])) - lead for k in range(len(parts) + 1)]
+            offsets += [start + min(max(offset, 0), len(shown)) for offset in inside]
+        rebuilt += head + shown + "<|im_end|>\n"
         position = len(rebuilt)
     assert rebuilt + "<|im_start|>assistant\n" == text
     return sorted(set(offsets))
@@ -71,12 +79,13 @@ MESSAGES = st.lists(
 
 
 @settings(max_examples=80, deadline=None)
-@given(messages=MESSAGES, boundaries=st.sampled_from(["none", "parts", "messages"]))
-def test_ids_are_todays_and_starts_begin_the_marked_contents(messages, boundaries):
-    ids, starts = encode_chat_segments(tokenizer(), messages, boundaries=boundaries)
-    assert ids == todays_ids(messages)
+@given(messages=MESSAGES, boundaries=st.sampled_from(["none", "parts", "messages"]), trim=st.booleans())
+def test_ids_are_todays_and_starts_begin_the_marked_contents(messages, boundaries, trim):
+    template = {"chat_template": TRIMMING_TEMPLATE} if trim else {}
+    ids, starts = encode_chat_segments(tokenizer(), messages, boundaries=boundaries, **template)
+    assert ids == todays_ids(messages, **template)
     assert starts == sorted(set(starts)) and all(0 < s < len(ids) for s in starts)
-    expected = [first_token_at_or_after(ids, char) for char in marked_offsets(messages, boundaries)]
+    expected = [first_token_at_or_after(ids, char) for char in marked_offsets(messages, boundaries, trim)]
     assert starts == sorted({s for s in expected if 0 < s < len(ids)})
 
 
@@ -108,11 +117,20 @@ def test_which_contents_are_marked():
         encode_chat_segments(tokenizer(), one_part, boundaries="everything")
 
 
-def test_a_template_that_changes_contents_gets_no_segments(caplog):
-    messages = [{"role": "user", "content": ["  padded document. ", "Question?"]}]
+def test_a_trimming_template_gets_segments_at_the_trimmed_contents():
+    messages = [{"role": "user", "content": ["  A padded document.\n", "Question?  "]}]
     ids, starts = encode_chat_segments(tokenizer(), messages, chat_template=TRIMMING_TEMPLATE)
-    assert ids == todays_ids(messages, chat_template=TRIMMING_TEMPLATE) and starts == []
-    assert "changes message contents" in caplog.text
+    assert ids == todays_ids(messages, chat_template=TRIMMING_TEMPLATE)
+    decode = tokenizer().decode
+    firsts = [decode(ids[s:]).split("\n")[0] for s in starts]
+    assert firsts == ["A padded document.", "Question?<|im_end|>", "<|im_end|>"]
+
+
+def test_a_template_that_changes_contents_gets_no_segments():
+    messages = [{"role": "user", "content": ["A document. ", "Question?"]}]
+    upper = TRIMMING_TEMPLATE.replace("| trim", "| upper")
+    ids, starts = encode_chat_segments(tokenizer(), messages, chat_template=upper)
+    assert ids == todays_ids(messages, chat_template=upper) and starts == []
 
 
 # ---------------------------------------------------------------------------------------------- through the engine

@@ -6,8 +6,9 @@ contents (or their content parts) begin and end, without changing a single token
 
 1. the prompt is rendered and tokenised exactly as before (``tokenizer(text, add_special_tokens=False)``);
 2. it is rendered again with every content replaced by a unique sentinel, which locates each content in the text;
-   the contents put back between the template's pieces must give the first text again, else (a template that
-   trims, escapes or repeats contents) the prompt gets no segments;
+   the contents put back between the template's pieces, as they are or trimmed (templates that ``| trim``
+   contents), must give the first text again, else (a template that escapes or repeats contents) the prompt gets
+   no segments (logged once);
 3. each marked character offset becomes the first token that begins at or after it (the fast tokenizer's
    offset mapping). Where the template's text and the content merge into one token (a content starting with a
    newline right after the template's newline, a part ending inside a word that the next part continues), the
@@ -23,9 +24,11 @@ from __future__ import annotations
 
 import bisect
 import enum
+import functools
 import logging
 import secrets
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -70,17 +73,16 @@ def encode_chat_segments(
         plain, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
     )
     marked = {i: pieces for i, m in enumerate(messages) if (pieces := _marked_pieces(m, boundaries))}
-    if not marked:
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"]), []
-    if not tokenizer.is_fast:
-        logger.warning("a slow tokenizer has no offset mapping: chat prompts get no document boundaries")
+    if marked and not tokenizer.is_fast:
+        _warn_once("a slow tokenizer has no offset mapping: chat prompts get no document boundaries")
+    if not marked or not tokenizer.is_fast:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"]), []
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoded["input_ids"])
-    content_starts = _content_offsets(tokenizer, plain, text, add_generation_prompt, template_kwargs)
-    if content_starts is None:
+    placed = _place_contents(tokenizer, plain, text, add_generation_prompt, template_kwargs)
+    if placed is None:
         return ids, []
-    chars = {content_starts[i] + offset for i, pieces in marked.items() for offset in pieces}
+    chars = {placed[i].char(offset) for i, pieces in marked.items() for offset in pieces}
     return ids, _token_offsets(sorted(chars), [start for start, _ in encoded["offset_mapping"]], len(ids))
 
 
@@ -113,15 +115,29 @@ def _marked_pieces(message: Mapping[str, Any], boundaries: DocumentBoundaries) -
     return [*offsets, position]
 
 
-def _content_offsets(
+@dataclass(frozen=True)
+class _Placed:
+    """Where a message's content lies in the rendered text: from ``start``, ``length`` characters, after the
+    template trimmed ``lead`` whitespace characters from its start (0 when it renders contents as they are)."""
+
+    start: int
+    length: int
+    lead: int
+
+    def char(self, offset: int) -> int:
+        """The text offset of the content's character ``offset`` (trimmed characters map to the nearest end)."""
+        return self.start + min(max(offset - self.lead, 0), self.length)
+
+
+def _place_contents(
     tokenizer: PreTrainedTokenizerBase,
     plain: list[dict[str, Any]],
     text: str,
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any],
-) -> dict[int, int] | None:
-    """Character offset in ``text`` of each string content of ``plain`` (by message index), or None when the
-    template does not render each content once and unchanged."""
+) -> dict[int, _Placed] | None:
+    """Where each string content of ``plain`` (by message index) lies in ``text``, or None when the template does
+    not render each content once, as it is or trimmed (``| trim``, as Llama 3's template does)."""
     sentinel = f"\ue000{secrets.token_hex(8)}"
     if any(sentinel in str(m.get("content")) for m in plain):
         return None  # a 64-bit nonce a client guessed
@@ -130,29 +146,33 @@ def _content_offsets(
     probed = tokenizer.apply_chat_template(
         probes, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
     )
-    offsets: dict[int, int] = {}
-    rebuilt: list[str] = []
-    cursor = position = 0  # in the probed text; in the rebuilt text
+    placed: dict[int, _Placed] = {}
+    cursor = position = 0  # in the probed text; in the real text
     for i in with_content:
         marker = f"{sentinel}{i}\ue001"
         found = probed.find(marker, cursor)
         if found < 0 or probed.count(marker) != 1:
-            _unmappable("drops or repeats a message's content")
-            return None
-        content = plain[i]["content"]
-        rebuilt += [probed[cursor:found], content]
-        offsets[i] = position + found - cursor
-        position = offsets[i] + len(content)
-        cursor = found + len(marker)
-    rebuilt.append(probed[cursor:])
-    if "".join(rebuilt) != text:
-        _unmappable("changes message contents (trims or escapes them)")
-        return None
-    return offsets
+            break
+        glue, content = probed[cursor:found], plain[i]["content"]
+        start = position + len(glue)
+        if not text.startswith(glue, position):
+            break
+        rendered = next((form for form in (content, content.strip()) if text.startswith(form, start)), None)
+        if rendered is None:
+            break
+        lead = 0 if rendered == content else len(content) - len(content.lstrip())
+        placed[i] = _Placed(start, len(rendered), lead)
+        position, cursor = start + len(rendered), found + len(marker)
+    else:
+        if text[position:] == probed[cursor:]:
+            return placed
+    _warn_once("the chat template does not render each content once, as it is or trimmed: no document boundaries")
+    return None
 
 
-def _unmappable(reason: str) -> None:
-    logger.warning("the chat template %s: this prompt gets no document boundaries", reason)
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
 
 
 def _token_offsets(chars: list[int], token_starts: list[int], length: int) -> list[int]:
