@@ -425,7 +425,10 @@ class InferenceEngine:
         for ids in encoded:
             self._check_length(len(ids), max_new_tokens)
         if any(segment_starts) and any(ids != encoded[0] for ids in encoded[1:]):
-            raise ValueError("segment prompts (lists of strings) are batched only with copies of themselves")
+            raise ValueError(
+                "prompts with segments (lists of strings, chat contents of several parts) are batched only with "
+                "copies of themselves"
+            )
         sampling = sampling_params(sampling, temperature=temperature, do_sample=do_sample, top_p=top_p, seed=seed)
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         starts = segment_starts[0]  # all prompts are one when it has segments
