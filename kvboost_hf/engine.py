@@ -23,6 +23,7 @@ from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.keys import model_digest
 from kvboost_hf.hf.cache import ChunkReuseCache
+from kvboost_hf.hf.chat_segments import DocumentBoundaries, encode_chat_segments, joined
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, left_pad
 from kvboost_hf.hf.models import CACHE_ARGUMENT, check_model_support, load_model_and_tokenizer, model_dtype
 from kvboost_hf.hf.prefill import forward
@@ -36,9 +37,11 @@ from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[str] | Sequence[dict[str, str]] | Sequence[int]
+Prompt = str | Sequence[str] | Sequence[dict[str, Any]] | Sequence[int]
 """A string; a list of strings (segments: documents, a question, each starting a chunk, concatenated as is);
-chat messages (``{"role": ..., "content": ...}``) rendered with the tokenizer's chat template; or token ids."""
+chat messages (``{"role": ..., "content": ...}``) rendered with the tokenizer's chat template, where a content
+given as a list of strings is a list of text parts (joined; each part of a two-or-more-part content starts a
+segment, see :mod:`kvboost_hf.hf.chat_segments`); or token ids."""
 
 # Decode counters summed over an engine's calls (:meth:`InferenceEngine.cache_stats`): tokens of all rows; target
 # forwards (a batch's rows share them) and those that verified draft tokens; draft tokens (tree nodes) the target
@@ -185,8 +188,8 @@ class InferenceEngine:
         return next(self.model.parameters()).device
 
     def render(self, prompt: Prompt, *, add_generation_prompt: bool = True) -> str:
-        """The text the model sees: a string as is, segments concatenated, chat messages through the template,
-        token ids decoded."""
+        """The text the model sees: a string as is, segments concatenated, chat messages (content parts joined)
+        through the template, token ids decoded."""
         if isinstance(prompt, str):
             return prompt
         items = list(prompt)
@@ -194,17 +197,23 @@ class InferenceEngine:
             return self.tokenizer.decode(items)
         if items and all(isinstance(item, str) for item in items):
             return "".join(str(item) for item in items)
-        if not items or not all(isinstance(m, dict) and "role" in m and "content" in m for m in items):
-            raise ValueError(
-                "a prompt must be a string, a non-empty list of segment strings, or a non-empty list of "
-                "{'role': ..., 'content': ...} messages"
-            )
-        return self.tokenizer.apply_chat_template(items, tokenize=False, add_generation_prompt=add_generation_prompt)
+        messages = _chat_messages(items)
+        return self.tokenizer.apply_chat_template(
+            joined(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
 
-    def encode_segments(self, prompt: Prompt, *, add_generation_prompt: bool = True) -> tuple[list[int], list[int]]:
+    def encode_segments(
+        self,
+        prompt: Prompt,
+        *,
+        add_generation_prompt: bool = True,
+        document_boundaries: DocumentBoundaries | str = DocumentBoundaries.PARTS,
+    ) -> tuple[list[int], list[int]]:
         """Token ids of the prompt and the token offsets where its segments start (empty for a single text).
 
         Segments are tokenized one by one (the first with the tokenizer's special tokens) so each starts a chunk.
+        Chat messages are tokenized as one rendered text; ``document_boundaries`` says which contents start
+        segments (:func:`~kvboost_hf.hf.chat_segments.encode_chat_segments`: the ids never depend on it).
         Token ids are used as given (each must be in the model's vocabulary).
         """
         if not isinstance(prompt, str) and _token_ids(items := list(prompt)):
@@ -213,10 +222,19 @@ class InferenceEngine:
             if bad := [token for token in token_ids if not 0 <= token < vocab]:
                 raise ValueError(f"token ids {bad[:5]} are outside the model's vocabulary of {vocab}")
             return token_ids, []
-        segments = list(prompt) if not isinstance(prompt, str) else []
+        if isinstance(prompt, str):
+            return self._tokenize(prompt, add_special_tokens=True), []
+        segments = list(prompt)
         if not segments or not all(isinstance(item, str) for item in segments):
-            text = self.render(prompt, add_generation_prompt=add_generation_prompt)
-            return self._tokenize(text, add_special_tokens=isinstance(prompt, str)), []
+            chat_ids, chat_starts = encode_chat_segments(
+                self.tokenizer,
+                _chat_messages(segments),
+                boundaries=document_boundaries,
+                add_generation_prompt=add_generation_prompt,
+            )
+            if not chat_ids:
+                raise ValueError("prompt tokenizes to zero tokens")
+            return chat_ids, chat_starts
         ids: list[int] = []
         starts: list[int] = []
         for index, segment in enumerate(segments):
@@ -276,16 +294,31 @@ class InferenceEngine:
 
         A string is stored as one segment: by prefix key (prompts starting with it hit exactly) and by content
         key, its last partial chunk included (prompts holding it at any offset, given as a segment, hit it and
-        repair it). Chat messages are rendered without a generation prompt and stored by prefix key only.
+        repair it). Chat messages are rendered without a generation prompt and stored by prefix key, and their
+        marked content parts (see :meth:`encode_segments`) by content key too.
         """
         ids, starts = self.encode_segments(text, add_generation_prompt=False)
+        as_segment = not starts and isinstance(text, str)
+        return self._store_prompt(ids, [0, len(ids)] if as_segment else starts, cache_salt)
+
+    def warm_documents(self, documents: Sequence[str], *, cache_salt: str | None = None) -> list[WarmResult]:
+        """Store each document alone, as it appears inside a chat prompt (tokenized without special tokens), by
+        prefix and content key, its last partial chunk included: a chat prompt that marks it as a document (a
+        content part, see :mod:`kvboost_hf.hf.chat_segments`) hits it at any position, in any order."""
+        results = []
+        for document in documents:
+            ids = self._tokenize(document, add_special_tokens=False)
+            results.append(self._store_prompt(ids, [0, len(ids)], cache_salt))
+        return results
+
+    def _store_prompt(self, ids: list[int], segment_starts: list[int], cache_salt: str | None) -> WarmResult:
+        """Compute the K/V of ``ids`` and store them (by content key too when there are segments)."""
         self._check_length(len(ids), 1)
         puts_before = self.store.stats()["puts"]
-        as_segment = not starts and isinstance(text, str)
         cache = self.new_cache(
-            GenerationMode.CHUNK_KV_REUSE if as_segment or starts else GenerationMode.PREFIX_CACHE,
+            GenerationMode.CHUNK_KV_REUSE if segment_starts else GenerationMode.PREFIX_CACHE,
             cache_salt,
-            segment_starts=[0, len(ids)] if as_segment else starts,
+            segment_starts=segment_starts,
             adapter=False,
         )
         with self.lock:
@@ -392,7 +425,10 @@ class InferenceEngine:
         for ids in encoded:
             self._check_length(len(ids), max_new_tokens)
         if any(segment_starts) and any(ids != encoded[0] for ids in encoded[1:]):
-            raise ValueError("segment prompts (lists of strings) are batched only with copies of themselves")
+            raise ValueError(
+                "prompts with segments (lists of strings, chat contents of several parts) are batched only with "
+                "copies of themselves"
+            )
         sampling = sampling_params(sampling, temperature=temperature, do_sample=do_sample, top_p=top_p, seed=seed)
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         starts = segment_starts[0]  # all prompts are one when it has segments
@@ -650,6 +686,16 @@ class InferenceEngine:
         if eos is None:
             eos = self.tokenizer.eos_token_id
         return set(eos if isinstance(eos, list) else [eos]) - {None}
+
+
+def _chat_messages(items: list[Any]) -> list[dict[str, Any]]:
+    """``items`` checked as chat messages (a dict with a role and a content each); raises ValueError otherwise."""
+    if not items or not all(isinstance(m, dict) and "role" in m and "content" in m for m in items):
+        raise ValueError(
+            "a prompt must be a string, a non-empty list of segment strings, or a non-empty list of "
+            "{'role': ..., 'content': ...} messages"
+        )
+    return items
 
 
 def _token_ids(items: list[Any]) -> TypeGuard[list[int]]:

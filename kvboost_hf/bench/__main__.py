@@ -9,6 +9,7 @@ BENCHMARKS = (
     "multiturn",
     "rag",
     "rag_accuracy",
+    "rag_server",
     "tiers",
     "attention",
     "serve",

@@ -12,6 +12,11 @@ Otherwise this documented rendering is used: the tool list is appended to the (f
 :data:`TOOL_PROMPT`, earlier calls appear in the assistant's text as ``<tool_call>{"name", "arguments"}</tool_call>``
 and tool results as user messages ``<tool_response>...</tool_response>``. Either way the output is constrained to
 the same tag format (:mod:`kvboost_hf.hf.grammar`).
+
+Documents: with ``reuse_mode`` chunk, a chat request without tools gets segment starts where its documents begin
+and end (:func:`~kvboost_hf.hf.chat_segments.encode_chat_segments`: the token ids are unchanged), chosen by its
+``document_boundaries`` or the server's; the job then runs alone and its documents hit by content key at any
+position. In the other modes (no non-prefix reuse) prompts get no segments.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from typing import Any
 
 from transformers import LogitsProcessor
 
+from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.engine import InferenceEngine
+from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.grammar import (
     TOOL_CALL_BEGIN,
     TOOL_CALL_END,
@@ -69,6 +76,7 @@ class Prepared:
     include_usage: bool
     tool_calls: bool
     grammar: Compiled | None = None
+    segment_starts: tuple[int, ...] = ()  # token offsets where documents start and end (chat, chunk mode)
 
 
 class Admission:
@@ -85,6 +93,7 @@ class Admission:
         self._grammar: GrammarCompiler | None = None
         self._setup_lock = threading.Lock()
         self._template_renders_tools: bool | None = None
+        self.document_boundaries = DocumentBoundaries(settings.document_boundaries)
 
     # ------------------------------------------------------------------ entry points (event loop)
     async def chat(self, body: ChatCompletionRequest) -> Prepared:
@@ -105,7 +114,8 @@ class Admission:
             raise ApiError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         if prompt is not None:
             return await asyncio.to_thread(self._encode, prompt, "prompt")
-        return await asyncio.to_thread(self._encode_chat, messages or [], None, generation_prompt)
+        encoded = await asyncio.to_thread(self._encode_chat, messages or [], None, generation_prompt)
+        return encoded[0]
 
     async def detokenize(self, tokens: list[int]) -> str:
         self._check_token_ids(tokens, "tokens")
@@ -126,7 +136,7 @@ class Admission:
         fmt = body.response_format
         if tools and fmt is not None and fmt.type != "text":
             raise ApiError(400, "response_format cannot be combined with tools", param="response_format")
-        prompt_ids = self._encode_chat(body.messages, tools, True)
+        prompt_ids, segment_starts = self._encode_chat(body.messages, tools, True, self._boundaries(body))
         grammar: Compiled | None = None
         salt = body.cache_salt
         try:
@@ -155,7 +165,16 @@ class Admission:
             bool(body.stream_options and body.stream_options.include_usage),
             bool(tools),
             grammar,
+            tuple(segment_starts),
         )
+
+    def _boundaries(self, body: ChatCompletionRequest) -> DocumentBoundaries:
+        """Which contents of ``body`` start documents: none unless the worker reuses non-prefix hits."""
+        if self.worker.mode is not GenerationMode.CHUNK_KV_REUSE:
+            return DocumentBoundaries.NONE
+        if body.document_boundaries is not None:
+            return DocumentBoundaries(body.document_boundaries)
+        return self.document_boundaries
 
     async def _compiled(self, grammar: Compiled, param: str) -> None:
         """Wait (on the event loop) for ``grammar`` to compile: 400 when it cannot, 503 past the timeout (the
@@ -290,13 +309,20 @@ class Admission:
             raise ApiError(400, f"invalid prompt: {exc}", param=param) from exc
 
     def _encode_chat(
-        self, messages: Sequence[ChatMessage], tools: list[Tool] | None, generation_prompt: bool
-    ) -> list[int]:
+        self,
+        messages: Sequence[ChatMessage],
+        tools: list[Tool] | None,
+        generation_prompt: bool,
+        boundaries: DocumentBoundaries = DocumentBoundaries.NONE,
+    ) -> tuple[list[int], list[int]]:
+        """Token ids of the rendered messages and the segment starts ``boundaries`` marks (none with tools)."""
         self._check_chars(sum(len(m.text()) for m in messages), "messages")
         plain = not tools and not any(m.tool_calls or m.role == "tool" for m in messages)
         try:
             if plain:  # exactly the engine's rendering (greedy answers equal engine.generate)
-                return self.worker.encode(plain_messages(messages), add_generation_prompt=generation_prompt)
+                return self.worker.encode_segments(
+                    plain_messages(messages), add_generation_prompt=generation_prompt, document_boundaries=boundaries
+                )
             native = self._renders_tools()
             dicts = [_template_message(m, native) for m in messages]
             kwargs: dict[str, Any] = {}
@@ -314,7 +340,7 @@ class Admission:
             raise ApiError(400, f"invalid prompt: {exc}", param="messages") from exc
         if not ids:
             raise ApiError(400, "invalid prompt: it renders to zero tokens", param="messages")
-        return ids
+        return ids, []
 
     def _renders_tools(self) -> bool:
         """Whether the chat template renders a ``tools`` argument (checked once)."""
@@ -364,9 +390,10 @@ class Admission:
             raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param=param)
 
 
-def plain_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """Text-only messages as the engine renders them ("developer" is a system message)."""
-    return [{"role": _role(m.role), "content": m.text()} for m in messages]
+def plain_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Text-only messages as the engine renders them ("developer" is a system message; a list content is the list
+    of its parts' texts, which the engine joins)."""
+    return [{"role": _role(m.role), "content": m.parts()} for m in messages]
 
 
 def _role(role: str) -> str:

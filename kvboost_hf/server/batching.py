@@ -92,13 +92,15 @@ Event = Delta | Finished | Done | Failed
 @dataclass(eq=False)
 class Job:
     """One HTTP request: ``n`` choices for one tokenised prompt. ``sink`` is called from the worker thread and
-    must not block. ``arrival`` is a ``time.perf_counter()`` value (TTFT is measured from it)."""
+    must not block. ``arrival`` is a ``time.perf_counter()`` value (TTFT is measured from it).
+    ``segment_starts``: token offsets where the prompt's documents start (a job with some runs in a batch alone)."""
 
     prompt_ids: list[int]
     params: JobParams
     sink: Callable[[Event], None]
     n: int = 1
     cache_salt: str | None = None
+    segment_starts: tuple[int, ...] = ()
     cancel: threading.Event = field(default_factory=threading.Event)
     arrival: float = field(default_factory=time.perf_counter)
     rows_left: int = 0
@@ -153,8 +155,9 @@ class Batch:
         self.jobs: list[Job] = []
         self.choices: dict[int, _Choice] = {}
         rows = DecodeLoop.rows_for(self._requests_for(jobs), engine.eos_token_ids)
+        first = self.jobs[0]  # a job with segment starts is alone in its batch (its batch key is its own)
         self.loop = engine.decode_loop(
-            rows, mode, self.jobs[0].cache_salt, on_token=self._report, tokenizer_lock=tokenizer_lock
+            rows, mode, first.cache_salt, first.segment_starts, on_token=self._report, tokenizer_lock=tokenizer_lock
         )
         self.started = time.perf_counter()
         self._counted = False

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import RepairConfig
 from kvboost_hf.core.settings import add_settings_arguments, settings_from_args, settings_values
+from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.grammar import GrammarLimits
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
 from kvboost_hf.hf.speculative import DraftSettings
@@ -92,7 +93,10 @@ SETTINGS_FLAGS: tuple[tuple[type, str, dict], ...] = (
         ServerSettings,
         "serving",
         {
-            "choices": {"reuse_mode": tuple(REUSE_MODES)},
+            "choices": {
+                "reuse_mode": tuple(REUSE_MODES),
+                "document_boundaries": tuple(b.value for b in DocumentBoundaries),
+            },
             # --served-model-name (default from --model), --api-key (env); grammar_limits: the group below
             "exclude": ("model_name", "api_key", "grammar_limits"),
         },

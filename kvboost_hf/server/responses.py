@@ -61,7 +61,13 @@ class Exchange:
                 loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
         self.job = Job(
-            prepared.prompt_ids, prepared.params, sink, n=prepared.n, cache_salt=prepared.cache_salt, arrival=arrival
+            prepared.prompt_ids,
+            prepared.params,
+            sink,
+            n=prepared.n,
+            cache_salt=prepared.cache_salt,
+            segment_starts=prepared.segment_starts,
+            arrival=arrival,
         )
         self.chat = prepared.kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex

@@ -2,11 +2,11 @@
 API, served by the chat-completions machinery.
 
 A request becomes a :class:`~kvboost_hf.server.schemas.ChatCompletionRequest` (:func:`chat_request`):
-``instructions`` is the first system message; ``message`` items are chat messages; ``function_call`` items are
-the assistant's ``tool_calls`` (consecutive calls join one assistant message) and ``function_call_output`` items
-are ``tool`` messages; ``text.format`` is ``response_format``; flat function tools are chat tools. So prompt
-rendering, grammars, limits and tenant isolation (``cache_salt``) are the chat endpoint's
-(:class:`~kvboost_hf.server.admission.Admission`), and the job runs in the same decode loop
+``instructions`` is the first system message; ``message`` items are chat messages (their parts stay parts, which may
+mark documents); ``function_call`` items are the assistant's ``tool_calls`` (consecutive calls join one assistant
+message) and ``function_call_output`` items are ``tool`` messages; ``text.format`` is ``response_format``; flat
+function tools are chat tools. So prompt rendering, grammars, limits and tenant isolation (``cache_salt``) are the
+chat endpoint's (:class:`~kvboost_hf.server.admission.Admission`), and the job runs in the same decode loop
 (:class:`~kvboost_hf.server.responses.Exchange`).
 
 :class:`ResponseBuilder` turns the job's events into output items and the Responses stream events, each numbered
@@ -43,11 +43,13 @@ from kvboost_hf.server.responses_schemas import (
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
+    TextPart,
     text_of,
 )
 from kvboost_hf.server.schemas import (
     ChatCompletionRequest,
     ChatMessage,
+    ContentPart,
     FunctionCall,
     FunctionDefinition,
     JsonSchemaSpec,
@@ -135,6 +137,7 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         stream=bool(body.stream),
         user=body.user,
         cache_salt=body.cache_salt,
+        document_boundaries=body.document_boundaries,
         response_format=response_format,
         tools=tools or None,
         tool_choice=NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
@@ -149,7 +152,7 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
     items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     for item in items:
         if isinstance(item, MessageItem):
-            messages.append(ChatMessage(role=item.role, content=text_of(item.content)))
+            messages.append(ChatMessage(role=item.role, content=_chat_content(item.content)))
         elif isinstance(item, FunctionCallItem):
             call = ToolCallIn(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
             if messages and messages[-1].role == "assistant":  # the calls of one turn join its message
@@ -160,6 +163,13 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
         else:
             messages.append(ChatMessage(role="tool", content=text_of(item.output), tool_call_id=item.call_id))
     return messages
+
+
+def _chat_content(content: str | list[TextPart]) -> str | list[ContentPart]:
+    """A message item's content as a chat message's: its parts stay parts (they may mark documents)."""
+    if isinstance(content, str):
+        return content
+    return [ContentPart(type="text", text=part.text) for part in content]
 
 
 async def _stream(exchange: Exchange, builder: ResponseBuilder, watch_disconnect: bool) -> AsyncIterator[str]:

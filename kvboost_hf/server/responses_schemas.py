@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from kvboost_hf.server.schemas import FUNCTION_NAME_PATTERN, _Strict
+from kvboost_hf.server.schemas import FUNCTION_NAME_PATTERN, DocumentBoundaryName, _Strict
 
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on ``metadata``
 MAX_METADATA_KEY_CHARS = 64
@@ -172,6 +172,9 @@ class ResponsesRequest(_Strict):
         default=None,
         max_length=256,
         description="Extension: requests with different salts never share cached chunks (tenant isolation).",
+    )
+    document_boundaries: DocumentBoundaryName | None = Field(
+        default=None, description="Extension: as in chat completions (input_text parts of a message are its parts)."
     )
 
     @field_validator("metadata")

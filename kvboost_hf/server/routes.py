@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 
 from kvboost_hf.engine import InferenceEngine, Prompt
+from kvboost_hf.results import WarmResult
 from kvboost_hf.server.admission import Admission, plain_messages
 from kvboost_hf.server.errors import ApiError
 from kvboost_hf.server.metrics import CONTENT_TYPE, Metrics
@@ -99,22 +100,32 @@ def _register_generation_routes(
 
     @app.post("/v1/warm", responses=ERRORS)
     async def warm(body: WarmRequest) -> WarmResponse:
-        """Pre-load a text (or chat messages) so later prompts starting with it hit the cache."""
-        if (body.text is None) == (body.messages is None):
-            raise ApiError(400, "give exactly one of 'text' or 'messages'", param="text")
-        prompt: Prompt = body.text if body.text is not None else plain_messages(body.messages or [])
+        """Pre-load a text (or chat messages) so later prompts starting with it hit the cache, or documents so
+        that chat prompts marking them as documents hit them anywhere (figures summed over the documents)."""
+        given = [name for name in ("text", "messages", "documents") if getattr(body, name) is not None]
+        if len(given) != 1:
+            raise ApiError(400, "give exactly one of 'text', 'messages' or 'documents'", param="text")
+        if body.documents is not None and not all(body.documents):
+            raise ApiError(400, "documents must be non-empty strings", param="documents")
+
+        def store() -> list[WarmResult]:  # on the worker thread
+            if body.documents is not None:
+                return engine.warm_documents(body.documents, cache_salt=body.cache_salt)
+            prompt: Prompt = body.text if body.text is not None else plain_messages(body.messages or [])
+            return [engine.warm(prompt, cache_salt=body.cache_salt)]
+
         try:
-            result = await asyncio.wrap_future(worker.call(lambda: engine.warm(prompt, cache_salt=body.cache_salt)))
+            results = await asyncio.wrap_future(worker.call(store))
         except ShuttingDown as exc:
             raise ApiError(503, str(exc)) from exc
         except ValueError as exc:
-            raise ApiError(400, str(exc), param="text") from exc
+            raise ApiError(400, str(exc), param=given[0]) from exc
         return WarmResponse(
-            chunks_stored=result.chunks_stored,
-            token_count=result.token_count,
-            chunk_size=result.chunk_size,
-            partial_tail_tokens=result.partial_tail_tokens,
-            alignment_warning=result.alignment_warning,
+            chunks_stored=sum(result.chunks_stored for result in results),
+            token_count=sum(result.token_count for result in results),
+            chunk_size=results[0].chunk_size,
+            partial_tail_tokens=sum(result.partial_tail_tokens for result in results),
+            alignment_warning=results[0].alignment_warning if body.documents is None else None,
         )
 
     @app.post("/v1/chat/completions", responses=ERRORS)

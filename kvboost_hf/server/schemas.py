@@ -6,7 +6,9 @@ explicit ``null`` for a known field means its default (as the OpenAI API reads i
 set to None). Inside messages unknown keys are ignored: clients send back the assistant messages they received
 with their own additions (litellm's ``provider_specific_fields``), and the message ``name`` has no place in a
 chat template. The extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
-``ignore_eos`` (as in vLLM) and ``cache_salt`` are accepted in the body (``extra_body`` in the openai SDK).
+``ignore_eos`` (as in vLLM), ``cache_salt`` and ``document_boundaries`` (chat; which message contents are documents
+for non-prefix reuse, see :mod:`kvboost_hf.hf.chat_segments`) are accepted in the body (``extra_body`` in the
+openai SDK).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 4
+DocumentBoundaryName = Literal["none", "parts", "messages"]
 MAX_TOP_LOGPROBS = 20
 FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
@@ -92,6 +95,12 @@ class ChatMessage(_Message):
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text or "" for part in self.content)
+        return self.content or ""
+
+    def parts(self) -> str | list[str]:
+        """The content as the engine takes it: a string, or the texts of its parts (a list content)."""
+        if isinstance(self.content, list):
+            return [part.text or "" for part in self.content]
         return self.content or ""
 
 
@@ -203,6 +212,11 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    document_boundaries: DocumentBoundaryName | None = Field(
+        default=None,
+        description="Extension: which contents start documents for non-prefix reuse (--reuse-mode chunk): 'parts' "
+        "(each text part of a message with several), 'messages' (also each message), 'none'; default: the server's.",
+    )
 
 
 class CompletionRequest(_GenerationRequest):
@@ -217,10 +231,12 @@ class CompletionRequest(_GenerationRequest):
 
 
 class WarmRequest(_Strict):
-    """Text to pre-load: a string, or chat messages (rendered without a generation prompt)."""
+    """What to pre-load (exactly one): a string, chat messages (rendered without a generation prompt), or
+    documents (each stored alone, as a content part or message holding it is tokenized, by content key)."""
 
     text: str | None = None
     messages: list[ChatMessage] | None = None
+    documents: list[str] | None = Field(default=None, min_length=1)
     cache_salt: str | None = Field(default=None, max_length=256)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvboost_hf.core.config import GenerationMode
+from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.grammar import GrammarLimits
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
 
@@ -36,6 +37,9 @@ class ServerSettings:
         header_timeout_s: time a client gets to send a request's headers, from connecting or from the end of its
             previous response (the connection is answered 408 and closed after), in seconds.
         body_timeout_s: longest wait for the next piece of a request body (408 after), in seconds.
+        document_boundaries: which chat contents start documents for non-prefix reuse with reuse_mode chunk
+            (parts: each text part of a message with several; messages: also each message's content; none), unless
+            a request names its own (see :mod:`kvboost_hf.hf.chat_segments`).
         grammar_limits: bounds of structured output and tool-call constraints (schema size: 400 beyond; compiles
             waiting: 503 beyond; compile wait: 503 after).
     """
@@ -53,4 +57,5 @@ class ServerSettings:
     max_json_values: int = 20_000
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    document_boundaries: str = DocumentBoundaries.PARTS.value
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)

@@ -2,13 +2,13 @@
 
 Scheduling, per loop iteration:
 
-1. admission: jobs are keyed by the engine's batch policy (:mod:`kvboost_hf.scheduling`: the ``cache_salt``; a
-   job whose reuse needs repair is prefilled alone, then decodes with its batch). A pending job whose key matches
-   a running batch joins it at once (continuous batching: its prompt is prefilled, then its rows decode in the
-   same forward as the running rows). Other pending jobs of one key are admitted as a new
-   :class:`~kvboost_hf.server.batching.Batch` once the oldest has waited ``batch_window_s`` (or they fill
-   ``max_batch_size`` rows; a job that runs alone at once); the rows of all running batches stay within
-   ``max_batch_size``;
+1. admission: jobs are keyed by the engine's batch policy (:mod:`kvboost_hf.scheduling`: the ``cache_salt``, and a
+   key of its own for a job whose prompt has document segments; a job whose reuse needs repair is prefilled alone,
+   then decodes with its batch). A pending job whose key matches a running batch joins it at once (continuous
+   batching: its prompt is prefilled, then its rows decode in the same forward as the running rows). Other pending
+   jobs of one key are admitted as a new :class:`~kvboost_hf.server.batching.Batch` once the oldest has waited
+   ``batch_window_s`` (or they fill ``max_batch_size`` rows; a job that runs alone at once); the rows of all running
+   batches stay within ``max_batch_size``;
 2. exclusive calls (``warm``) run;
 3. new batches run their prefill, joining jobs theirs, then every running batch makes one decode step.
 
@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.engine import InferenceEngine, Prompt
+from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.scheduling import BatchKey
 from kvboost_hf.server.batching import Batch, Job
 from kvboost_hf.server.metrics import Metrics
@@ -119,6 +120,19 @@ class Worker:
         with self.tokenizer_lock:
             return self.engine.encode(prompt, add_generation_prompt=add_generation_prompt)
 
+    def encode_segments(
+        self,
+        prompt: Prompt,
+        *,
+        add_generation_prompt: bool = True,
+        document_boundaries: DocumentBoundaries = DocumentBoundaries.NONE,
+    ) -> tuple[list[int], list[int]]:
+        """Token ids and segment starts of a rendered prompt (:meth:`InferenceEngine.encode_segments`)."""
+        with self.tokenizer_lock:
+            return self.engine.encode_segments(
+                prompt, add_generation_prompt=add_generation_prompt, document_boundaries=document_boundaries
+            )
+
     def submit(self, job: Job) -> None:
         """Queue ``job``; its events reach ``job.sink`` from the worker thread.
 
@@ -126,7 +140,7 @@ class Worker:
         """
         if not 1 <= job.n <= self.max_batch_size:
             raise ValueError(f"a job needs 1 to max_batch_size={self.max_batch_size} rows, got n={job.n}")
-        key = self.policy.key(job.prompt_ids, job.cache_salt)  # reads the store: before taking the lock
+        key = self.policy.key(job.prompt_ids, job.cache_salt, job.segment_starts)
         with self._cond:
             if self._closing:
                 raise ShuttingDown("server is shutting down")

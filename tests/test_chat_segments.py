@@ -1,0 +1,179 @@
+"""Segment starts of chat messages (kvboost_hf.hf.chat_segments): the token ids are today's rendering whatever the
+boundaries, and each start is the first token at or after a marked content offset; through the engine, reordered
+and warmed documents hit. The embedded tokenizer with a tiny random model: fast."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from conftest import make_tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+from kvboost_hf.core.config import RepairConfig
+from kvboost_hf.engine import InferenceEngine
+from kvboost_hf.hf.chat_segments import encode_chat_segments, joined
+from kvboost_hf.hf.models import embedded_model_dir
+
+TRIMMING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+    "{{ '<|im_start|>assistant\n' }}"
+)
+
+
+@functools.cache
+def tokenizer():
+    return AutoTokenizer.from_pretrained(embedded_model_dir())
+
+
+def todays_ids(messages, add_generation_prompt: bool = True, **kwargs) -> list[int]:
+    """What the engine tokenised before segments existed: the rendered template, no special tokens added."""
+    text = tokenizer().apply_chat_template(
+        joined(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+    )
+    return list(tokenizer()(text, add_special_tokens=False)["input_ids"])
+
+
+def marked_offsets(messages, boundaries: str, trim: bool = False) -> list[int]:
+    """Character offsets the test expects marked, from the template's own layout (checked against its rendering):
+    the embedded template's optional default system turn (not with ``trim``: :data:`TRIMMING_TEMPLATE`), then
+    ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, the content stripped with ``trim`` (a part's offset
+    then moves back by the stripped lead, clamped to the stripped content)."""
+    template = {"chat_template": TRIMMING_TEMPLATE} if trim else {}
+    text = tokenizer().apply_chat_template(joined(messages), tokenize=False, add_generation_prompt=True, **template)
+    system_first = trim or messages[0]["role"] == "system"
+    position = 0 if system_first else text.index("<|im_end|>\n") + len("<|im_end|>\n")
+    rebuilt, offsets = text[:position], []
+    for message in messages:
+        content = message["content"]
+        parts = [content] if isinstance(content, str) else content
+        whole = "".join(parts)
+        shown = whole.strip() if trim else whole
+        lead = len(whole) - len(whole.lstrip()) if trim else 0
+        head = f"<|im_start|>{message['role']}\n"
+        start = position + len(head)
+        if boundaries == "messages" or (boundaries == "parts" and len(parts) >= 2):
+            inside = [sum(map(len, parts[:k])) - lead for k in range(len(parts) + 1)]
+            offsets += [start + min(max(offset, 0), len(shown)) for offset in inside]
+        rebuilt += head + shown + "<|im_end|>\n"
+        position = len(rebuilt)
+    assert rebuilt + "<|im_start|>assistant\n" == text
+    return sorted(set(offsets))
+
+
+def first_token_at_or_after(ids: list[int], char: int) -> int:
+    """The first token whose text begins at or after ``char``, found by decoding prefixes (not offsets)."""
+    decode = functools.partial(tokenizer().decode, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return next(k for k in range(len(ids) + 1) if len(decode(ids[:k])) >= char)
+
+
+TEXT = st.text(alphabet="ab cd.\n,é?-XY1", max_size=24)
+CONTENT = st.one_of(TEXT, st.lists(TEXT, min_size=1, max_size=4))
+MESSAGES = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": CONTENT}),
+    min_size=1,
+    max_size=4,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(messages=MESSAGES, boundaries=st.sampled_from(["none", "parts", "messages"]), trim=st.booleans())
+def test_ids_are_todays_and_starts_begin_the_marked_contents(messages, boundaries, trim):
+    template = {"chat_template": TRIMMING_TEMPLATE} if trim else {}
+    ids, starts = encode_chat_segments(tokenizer(), messages, boundaries=boundaries, **template)
+    assert ids == todays_ids(messages, **template)
+    assert starts == sorted(set(starts)) and all(0 < s < len(ids) for s in starts)
+    expected = [first_token_at_or_after(ids, char) for char in marked_offsets(messages, boundaries, trim)]
+    assert starts == sorted({s for s in expected if 0 < s < len(ids)})
+
+
+def test_a_document_after_a_newline_starts_exactly_on_its_first_token():
+    documents = ["Owls hunt at night.\n", "Cats sleep all day.\n", "Which animal sleeps?"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": documents}]
+    ids, starts = encode_chat_segments(tokenizer(), messages)
+    decode = tokenizer().decode
+    assert [decode(ids[s:]).startswith(doc) for s, doc in zip(starts, documents, strict=False)] == [True] * 3
+    assert decode(ids[starts[3] :]).startswith("<|im_end|>")  # the content's end starts the template's text
+    alone = [tokenizer()(doc, add_special_tokens=False)["input_ids"] for doc in documents[:2]]
+    assert [ids[starts[0] : starts[1]], ids[starts[1] : starts[2]]] == alone  # as a warmed document
+
+
+def test_a_part_that_merges_with_the_next_starts_after_the_merged_token():
+    messages = [{"role": "user", "content": ["There are many cat", "s in the house.", " Why?"]}]
+    ids, starts = encode_chat_segments(tokenizer(), messages)
+    assert ids == todays_ids(messages)
+    merged = tokenizer().decode(ids[starts[1] - 1 : starts[1]])
+    assert merged == " cats" and tokenizer().decode(ids[starts[1] :]).startswith(" in the house.")
+
+
+def test_which_contents_are_marked():
+    one_part = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ["Hello there."]}]
+    assert encode_chat_segments(tokenizer(), one_part, boundaries="parts")[1] == []
+    assert encode_chat_segments(tokenizer(), one_part, boundaries="none")[1] == []
+    assert len(encode_chat_segments(tokenizer(), one_part, boundaries="messages")[1]) == 4
+    with pytest.raises(ValueError, match="'everything' is not a valid DocumentBoundaries"):
+        encode_chat_segments(tokenizer(), one_part, boundaries="everything")
+
+
+def test_a_trimming_template_gets_segments_at_the_trimmed_contents():
+    messages = [{"role": "user", "content": ["  A padded document.\n", "Question?  "]}]
+    ids, starts = encode_chat_segments(tokenizer(), messages, chat_template=TRIMMING_TEMPLATE)
+    assert ids == todays_ids(messages, chat_template=TRIMMING_TEMPLATE)
+    decode = tokenizer().decode
+    firsts = [decode(ids[s:]).split("\n")[0] for s in starts]
+    assert firsts == ["A padded document.", "Question?<|im_end|>", "<|im_end|>"]
+
+
+def test_a_template_that_changes_contents_gets_no_segments():
+    messages = [{"role": "user", "content": ["A document. ", "Question?"]}]
+    upper = TRIMMING_TEMPLATE.replace("| trim", "| upper")
+    ids, starts = encode_chat_segments(tokenizer(), messages, chat_template=upper)
+    assert ids == todays_ids(messages, chat_template=upper) and starts == []
+
+
+# ---------------------------------------------------------------------------------------------- through the engine
+DOCUMENTS = [
+    "The north archive keeps the harbour maps; its access code is 4821.\n",
+    "The south archive holds the tax records; its access code is 7310.\n",
+    "The east archive stores the founders' letters; its access code is 5594.\n",
+]
+
+
+def rag_chat(order: list[int]) -> list[dict]:
+    parts = [DOCUMENTS[i] for i in order] + ["What is the code of the south archive?"]
+    return [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": parts}]
+
+
+def tiny_engine(repair: RepairConfig) -> InferenceEngine:
+    """A 2-layer random Llama over the embedded tokenizer: the chat template and token ids are the real ones."""
+    model = make_tiny_model("llama", vocab_size=len(tokenizer()), max_position_embeddings=1024)
+    return InferenceEngine(model, tokenizer(), chunking=8, repair=repair)
+
+
+def test_engine_chat_parts_are_segments_with_todays_ids():
+    engine = tiny_engine(RepairConfig())
+    ids, starts = engine.encode_segments(rag_chat([0, 1, 2]))
+    assert ids == todays_ids(rag_chat([0, 1, 2])) == engine.encode(joined(rag_chat([0, 1, 2])))
+    assert len(starts) == 5  # four parts and the content's end
+    assert engine.encode_segments(rag_chat([0, 1, 2]), document_boundaries="none") == (ids, [])
+    assert engine.render(rag_chat([0, 1, 2])) == tokenizer().decode(ids)
+
+
+def test_engine_reordered_parts_equal_a_full_prefill_with_full_repair():
+    engine = tiny_engine(RepairConfig("cacheblend", ratio=1.0))
+    engine.generate(rag_chat([0, 1, 2]), 6)
+    reordered = engine.generate(rag_chat([2, 0, 1]), 6)
+    full = engine.generate(rag_chat([2, 0, 1]), 6, mode="baseline")
+    assert reordered.recomputed_tokens > 0  # content hits, found at new positions, all recomputed
+    assert reordered.output_ids == full.output_ids
+
+
+def test_warmed_documents_hit_whole_in_any_order():
+    engine = tiny_engine(RepairConfig("none"))
+    results = engine.warm_documents(DOCUMENTS)
+    lengths = [len(tokenizer()(doc, add_special_tokens=False)["input_ids"]) for doc in DOCUMENTS]
+    assert [result.token_count for result in results] == lengths
+    reordered = engine.generate(rag_chat([1, 2, 0]), 2)
+    assert reordered.cached_tokens >= sum(lengths)  # every token of every document, last partial chunks included
