@@ -49,6 +49,7 @@ with _quiet_imports():
     from kvboost_hf.engine import InferenceEngine
     from kvboost_hf.hf.attention import register_kvboost_attention
     from kvboost_hf.hf.cache import ChunkReuseCache
+    from kvboost_hf.hf.chat_segments import DocumentBoundaries
     from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest
     from kvboost_hf.hf.generation import ChunkWriteBack
     from kvboost_hf.hf.hooks import uninstall_hooks, without_hooks
@@ -80,6 +81,7 @@ __all__ = [
     "CorrectnessReport",
     "DecodeLoop",
     "DecodeRequest",
+    "DocumentBoundaries",
     "DraftSettings",
     "Drafter",
     "GenerationMode",
