@@ -339,21 +339,23 @@ def evaluate(
     configs: dict[str, RepairConfig | None],
     new_tokens: int = 6,
     noise: bool = True,
+    warm_after_header: bool = False,
 ) -> dict[str, dict[str, float]]:
-    """Warm ``documents`` (and the header), answer every question under every configuration (in rotating order;
-    with ``noise`` also as :data:`NOISE`, whose ``max_abs_delta`` is the largest gold log-probability change an
-    equivalent computation made on any question) and return the means per configuration: ``correct``
-    (accuracy), ``agrees_with_full`` (same answer as the full prefill), ``speedup`` (mean full-prefill TTFT over
-    mean TTFT) and :func:`kvboost_hf.bench.rag.compare`'s ``ttft_ms``, ``top1_agree``, ``kl`` (first token, full
-    || reuse), ``greedy_match`` (tokens), ``reused_tokens`` and ``recomputed_tokens``; ``gold_logprob`` and
-    ``gold_logprob_delta`` (minus full prefill's, per question; with its bootstrap interval
-    ``delta_low``/``delta_high``), ``kl_answer`` (mean KL over the first ``KL_POSITIONS`` positions of full
-    prefill's answer), the agreement's interval ``agree_low``/``agree_high``; and :func:`paired_comparison` of
-    each configuration's answers with the full prefill's (``gained``, ``lost``, ``mcnemar_p``, ``diff_low``,
-    ``diff_high``)."""
+    """Warm ``documents`` (and the header; with ``warm_after_header`` each document after the header, APE's shared
+    prefix: its K/V then saw the text every prompt starts with instead of a start of its own), answer every
+    question under every configuration (in rotating order; with ``noise`` also as :data:`NOISE`, whose
+    ``max_abs_delta`` is the largest gold log-probability change an equivalent computation made on any question)
+    and return the means per configuration: ``correct`` (accuracy), ``agrees_with_full`` (same answer as the full
+    prefill), ``speedup`` (mean full-prefill TTFT over mean TTFT) and :func:`kvboost_hf.bench.rag.compare`'s
+    ``ttft_ms``, ``top1_agree``, ``kl`` (first token, full || reuse), ``greedy_match`` (tokens),
+    ``reused_tokens`` and ``recomputed_tokens``; ``gold_logprob`` and ``gold_logprob_delta`` (minus full
+    prefill's, per question; with its bootstrap interval ``delta_low``/``delta_high``), ``kl_answer`` (mean KL
+    over the first ``KL_POSITIONS`` positions of full prefill's answer), the agreement's interval
+    ``agree_low``/``agree_high``; and :func:`paired_comparison` of each configuration's answers with the full
+    prefill's (``gained``, ``lost``, ``mcnemar_p``, ``diff_low``, ``diff_high``)."""
     engine.warm(HEADER)
     for doc in documents:
-        engine.warm(doc)
+        engine.warm([HEADER, doc] if warm_after_header else doc)
     snapshot = StoreSnapshot(engine.store)
     engine.generate(HEADER + "warm-up", max_new_tokens=2, mode="baseline")
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in [*configs, *([NOISE] if noise else [])]}
@@ -418,7 +420,15 @@ def run(args: argparse.Namespace, engine: InferenceEngine | None = None) -> dict
     if engine is None:
         engine = InferenceEngine.from_pretrained(chunking=args.chunk_size)
     engine.store.clear()
-    summary = evaluate(engine, documents, questions, configs, args.new_tokens, noise=args.noise)
+    summary = evaluate(
+        engine,
+        documents,
+        questions,
+        configs,
+        args.new_tokens,
+        noise=args.noise,
+        warm_after_header=args.warm_after_header,
+    )
     return {
         "benchmark": "rag_accuracy",
         "machine": machine_info(engine.device),
@@ -541,6 +551,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         nargs="+",
         default=None,
         help="only these configurations (names as in the table, e.g. none cacheblend@0.15; full prefill always runs)",
+    )
+    parser.add_argument(
+        "--warm-after-header",
+        action="store_true",
+        help="warm each document after the system header (APE's shared prefix), not alone",
     )
     parser.add_argument(
         "--noise",
