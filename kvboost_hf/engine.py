@@ -294,12 +294,14 @@ class InferenceEngine:
 
         A string is stored as one segment: by prefix key (prompts starting with it hit exactly) and by content
         key, its last partial chunk included (prompts holding it at any offset, given as a segment, hit it and
-        repair it). Chat messages are rendered without a generation prompt and stored by prefix key, and their
+        repair it). A list of segments is stored the same way, segment by segment (``[header, document]`` stores
+        the document as computed after the header). Chat messages are rendered without a generation prompt and stored by prefix key, and their
         marked content parts (see :meth:`encode_segments`) by content key too.
         """
         ids, starts = self.encode_segments(text, add_generation_prompt=False)
-        as_segment = not starts and isinstance(text, str)
-        return self._store_prompt(ids, [0, len(ids)] if as_segment else starts, cache_salt)
+        if starts or isinstance(text, str):  # the last segment ends here: its partial last chunk is stored too
+            starts = sorted({*starts, 0, len(ids)})
+        return self._store_prompt(ids, starts, cache_salt)
 
     def warm_documents(self, documents: Sequence[str], *, cache_salt: str | None = None) -> list[WarmResult]:
         """Store each document alone, as it appears inside a chat prompt (tokenized without special tokens), by
