@@ -177,3 +177,15 @@ def test_warmed_documents_hit_whole_in_any_order():
     assert [result.token_count for result in results] == lengths
     reordered = engine.generate(rag_chat([1, 2, 0]), 2)
     assert reordered.cached_tokens >= sum(lengths)  # every token of every document, last partial chunks included
+
+
+def test_a_warmed_segment_list_stores_its_last_partial_chunk_as_a_string_does():
+    """``warm([header, document])`` stores the document as computed after the header, whole: a prompt holding it
+    as a segment elsewhere hits every one of its tokens, as after ``warm(document)``."""
+    header, document, question = "You answer from the documents.\n", DOCUMENTS[0], "Which one?"
+    length = len(tokenizer()(document, add_special_tokens=False)["input_ids"])
+    for warmed in (document, [header, document]):
+        engine = tiny_engine(RepairConfig("none"))
+        engine.warm(warmed)
+        result = engine.generate(["Another header first.\n", document, question], 2)
+        assert result.approx_tokens == length
