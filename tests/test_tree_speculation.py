@@ -157,7 +157,8 @@ def streamed_engines(draft):
 
 def test_tree_generation_counters_add_up(streamed_engines):
     """Greedy, one row: each target forward yields one token of its own plus the draft tokens it accepted; every
-    forward but the prefill verified at most ``tree_budget`` nodes; the engine's totals and bytes follow."""
+    forward, the prompt's included (it verifies the first tree), verified at most ``tree_budget`` nodes; the
+    engine's totals and bytes follow."""
     from test_speculative import words
 
     plain_engine, engine = streamed_engines
@@ -168,7 +169,7 @@ def test_tree_generation_counters_add_up(streamed_engines):
     after = engine.cache_stats()
     assert result.output_ids == plain.output_ids
     assert result.generated_tokens == result.target_forwards + result.draft_tokens_accepted
-    assert 0 < result.verify_forwards <= result.target_forwards - 1
+    assert result.verify_forwards == result.target_forwards
     assert 0 < result.draft_tokens_proposed <= TREE.tree_budget * result.verify_forwards
     assert result.draft_tokens_accepted_per_verify == result.draft_tokens_accepted / result.verify_forwards > 0
     assert result.streamed_bytes_per_token == result.streamed_bytes / result.generated_tokens
@@ -190,7 +191,7 @@ def test_batch_counters_bound_the_verified_nodes(target, draft):
     loop = decode(target, requests, TREE, draft)
     proposed = sum(row.draft_proposed for row in loop.rows)
     assert 0 < proposed <= len(requests) * TREE.tree_budget * loop.verify_forwards
-    assert 0 < loop.verify_forwards <= loop.forwards - 1 and loop.streamed_bytes is None
+    assert loop.verify_forwards == loop.forwards and loop.streamed_bytes is None
 
 
 @pytest.mark.parametrize("ending", ["length", "end-token"])
@@ -212,6 +213,40 @@ def test_a_row_ending_on_a_proposed_token_counts_it_as_the_forwards_own(target, 
     assert len(row.tokens) == loop.forwards + row.draft_accepted
     assert row.draft_rounds[-1][1] is False  # no round ended on a miss: the identical draft proposes the target's
     assert loop.verify_forwards == len(row.draft_rounds)
+
+
+@pytest.mark.parametrize("max_new_tokens", [10, 12])
+def test_the_prompt_forward_verifies_the_first_draft(target, max_new_tokens):
+    """An identical draft, a chain of 4: every forward, the prompt's included, yields 5 tokens, so ``N`` tokens take
+    ceil(N / 5) target forwards (without the fold the prompt forward yielded one: 1 + ceil((N - 1) / 5), one
+    more), with the tokens of decoding without a draft."""
+    prompt = prompts()[0]
+    request = DecodeRequest(prompt, max_new_tokens, SamplingParams(temperature=0))
+    plain = decode(target, [request])
+    loop = decode(target, [request], DraftSettings(num_draft_tokens=4), target)
+    assert loop.rows[0].tokens == plain.rows[0].tokens
+    assert loop.forwards == -(-max_new_tokens // 5) == 1 + -(-(max_new_tokens - 1) // 5) - 1
+    assert loop.verify_forwards == loop.forwards and loop.rows[0].draft_rounds[0] == (4, False)
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["plain", "chunk-reuse"])
+def test_rows_of_one_prompt_share_the_folded_first_tree(target, draft, reuse):
+    """Rows with one prompt (prefilled as one row, then repeated) each verify the first tree with their own
+    choices: greedy and two seeded rows draw what they draw without a draft."""
+    prompt = prompts()[2]
+    samplings = [SamplingParams(temperature=0), *(SamplingParams(temperature=0.9, seed=seed) for seed in (1, 2))]
+    requests = [DecodeRequest(prompt, 12, sampling) for sampling in samplings]
+    plain = decode(target, requests)
+    store = ChunkStore() if reuse else None
+    new_cache = (lambda: ChunkReuseCache(store, target, CHUNKING, adapter=False)) if store is not None else None
+    drafter = Drafter(draft, DraftSettings(num_draft_tokens=4, tree_budget=12, tree_branching=3))
+    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=new_cache, chunking=CHUNKING,
+                      pad_token_id=0, draft=drafter)  # fmt: skip
+    loop.prefill()
+    assert loop.forwards == loop.verify_forwards == 1 and all(len(row.draft_rounds) == 1 for row in loop.rows)
+    while not loop.done:
+        loop.step()
+    assert [row.tokens for row in loop.rows] == [row.tokens for row in plain.rows]
 
 
 def test_server_metrics_expose_the_tree_counters(streamed_engines):

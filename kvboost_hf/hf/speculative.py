@@ -405,12 +405,14 @@ class Drafter:
         """A drafter with the same model and settings and no state (for rows joining a running loop)."""
         return Drafter(self.model, self.settings, self.new_cache)
 
-    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor) -> None:
-        """Run the draft over the left-padded prompts on a fresh cache."""
+    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Run the draft over the left-padded prompts on a fresh cache; returns the last position's logits ``[B, V]``
+        (fp32): the draft's view of each row's first token."""
         self.cache = self.new_cache() if self.new_cache is not None else DynamicCache()
-        self.forward(input_ids, mask, position_ids)
+        logits = self.forward(input_ids, mask, position_ids)
         reuse = getattr(self.cache, "last_reuse", None) or []
         self.cached_tokens = [entry.cached_tokens for entry in reuse]
+        return logits
 
     def propose(
         self,
@@ -420,29 +422,45 @@ class Drafter:
         sizes: Sequence[int],
         scores: Callable[[int, torch.Tensor, list[int]], torch.Tensor],
     ) -> list[DraftTree]:
-        """A draft tree per row after ``last`` ``[B, 1]`` (the roots, at ``positions + 1``) with ``sizes[d]`` nodes
-        at depth ``d + 1``: each level keeps, per row, the children of the previous level's nodes with the highest
-        cumulative draft log-probability (``scores(row, logits [1, V], path tokens)`` gives a node's log-probs).
+        """A draft tree per row after ``last`` ``[B, 1]`` (the roots, fed now at ``positions + 1``; ``mask`` is the
+        2D mask before them); see :meth:`expand`."""
+        context = torch.cat([mask, mask.new_ones(last.shape[0], 1)], dim=1)  # the roots' column joins the context
+        logits = self.forward(last, context, (positions + 1)[:, None])
+        return self.expand(logits, context, positions + 1, sizes, scores)
 
-        One draft forward per level but the last; afterwards the cache holds the roots and every node of the
-        levels before the last (``mask`` is the 2D mask before ``last``), breadth first.
+    def expand(
+        self,
+        logits: torch.Tensor,
+        context: torch.Tensor,
+        root_positions: torch.Tensor,
+        sizes: Sequence[int],
+        scores: Callable[[int, torch.Tensor, list[int]], torch.Tensor],
+    ) -> list[DraftTree]:
+        """A draft tree per row below its root, the last column of the draft's cache (``context`` ``[B, C]``: its 2D
+        mask, the roots' column last; ``root_positions`` ``[B]``; ``logits`` ``[B, V]``: the draft's after each
+        root), with ``sizes[d]`` nodes at depth ``d + 1``: each level keeps, per row, the children of the previous
+        level's nodes with the highest cumulative draft log-probability (``scores(row, logits [1, V], path tokens)``
+        gives a node's log-probs).
+
+        One draft forward per level but the last; afterwards the cache also holds every node of the levels before
+        the last, breadth first.
         """
-        rows = last.shape[0]
+        rows = logits.shape[0]
         trees = [DraftTree() for _ in range(rows)]
-        context = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)  # the roots' column joins the context
-        logits = self.forward(last, context, (positions + 1)[:, None])[:, None]  # [B, 1 frontier node, V]
+        level_logits = logits[:, None]  # [B, 1 frontier node, V]
         frontier = [[(0.0, -1)] for _ in range(rows)]  # (cumulative log-prob, node) per row
         for depth, size in enumerate(sizes, start=1):
             for row, tree in enumerate(trees):
-                frontier[row] = self._grow(tree, frontier[row], logits[row], size, functools.partial(scores, row))
+                grown = self._grow(tree, frontier[row], level_logits[row], size, functools.partial(scores, row))
+                frontier[row] = grown
             if depth == len(sizes):
                 break
             start = len(trees[0].tokens) - size
-            fed = torch.tensor([tree.tokens[start:] for tree in trees], device=last.device)
+            fed = torch.tensor([tree.tokens[start:] for tree in trees], device=logits.device)
             visible = torch.stack([tree.sees()[start:] for tree in trees])  # [B, size, nodes so far]
             tree_mask = tree_attention_mask(context, visible, model_dtype(self.model))
-            node_positions = positions[:, None] + 1 + torch.tensor(trees[0].depths[start:], device=last.device)
-            logits = self.forward(fed, tree_mask, node_positions, keep=size).reshape(rows, size, -1)
+            node_positions = root_positions[:, None] + torch.tensor(trees[0].depths[start:], device=logits.device)
+            level_logits = self.forward(fed, tree_mask, node_positions, keep=size).reshape(rows, size, -1)
         return trees
 
     def _grow(
