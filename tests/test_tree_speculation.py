@@ -13,7 +13,7 @@ from test_decode import CHUNKING, EOS, as_text
 from test_speculative import _chi_square
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, DecodeLoop, DecodeRequest, SamplingParams
-from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftTree, acceptance_by_depth
+from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftTree, VerifyCosts, acceptance_by_depth
 from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
 
 
@@ -416,3 +416,86 @@ def test_tree_benchmark_rows_follow_from_the_counts(tmp_path):
     assert speculative_tree.report(result).split("\n")[3].split()[:4] == ["5", "2.67", "3.50", "5.0"]
     speculative_tree.plot(result, tmp_path / "tree.png")
     assert (tmp_path / "tree.png").stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------------------------------- adaptive budget
+def timed(fixed: float, per_node: float, nodes=(13, 13, 2, 40)) -> VerifyCosts:
+    """Verify forwards timed on an exact line ``fixed + per_node * nodes``."""
+    costs = VerifyCosts()
+    for count in nodes:
+        costs.add(count, fixed + per_node * count)
+    return costs
+
+
+def test_verify_costs_fit_the_fixed_and_the_per_node_cost():
+    fixed, per_node = timed(2.0, 1e-3).fit() or (0.0, 0.0)
+    assert fixed == pytest.approx(2.0) and per_node == pytest.approx(1e-3)
+    assert timed(2.0, 1e-3, nodes=(5, 5, 5)).fit() is None  # one node count: no slope yet
+    window = VerifyCosts(window=3)
+    for count in (2, 9, 9, 9):
+        window.add(count, 1.0)
+    assert window.fit() is None  # the 2-node sample left the window: explore again
+
+
+def test_the_adaptive_budget_follows_the_measured_cost_ratio():
+    """Streamed (a 2 s fixed cost, 0.1 ms a node): the largest budget; resident (20 ms fixed, 2 ms a node): a
+    quarter of the fixed cost buys 2 nodes a row (1 for 2 rows); explores the cap, then one node, before a fit."""
+    settings = DraftSettings(num_draft_tokens=16, tree_budget=256, adaptive_tree_budget=True)
+    assert settings.adaptive_budget(timed(2.0, 1e-4), rows=1) == 256
+    assert settings.adaptive_budget(timed(0.02, 2e-3), rows=1) == 2
+    assert settings.adaptive_budget(timed(0.02, 2e-3), rows=2) == 1
+    assert (
+        DraftSettings(tree_budget=256, adaptive_tree_budget=True, tree_overhead=2.0).adaptive_budget(
+            timed(0.02, 2e-3), rows=1
+        )
+        == 20
+    )
+    assert settings.adaptive_budget(timed(0.5, 1e-2), rows=1) == 12
+    assert settings.adaptive_budget(timed(1.0, -1e-4), rows=1) == 256  # no measurable per-node cost
+    assert settings.adaptive_budget(VerifyCosts(), rows=1) == 256
+    assert settings.adaptive_budget(timed(1.0, 0.0, nodes=(257,)), rows=1) == 1
+    with pytest.raises(ValueError, match="tree_budget"):
+        DraftSettings(adaptive_tree_budget=True)
+    with pytest.raises(ValueError, match="tree_overhead"):
+        DraftSettings(tree_budget=8, adaptive_tree_budget=True, tree_overhead=0.0)
+
+
+class FrozenCosts(VerifyCosts):
+    """Fixed timings; the loop's own timed forwards are kept aside in ``added``."""
+
+    def __init__(self, costs: VerifyCosts) -> None:
+        super().__init__()
+        self.samples, self.added = costs.samples, []
+
+    def add(self, nodes: int, seconds: float) -> None:
+        self.added.append((nodes, seconds))
+
+
+def test_the_loop_uses_and_feeds_the_adaptive_budget(target, draft):
+    """Timings that allow 3 nodes a row: every tree holds 3 nodes (the prompt's included), the tokens are plain
+    greedy's, and each speculative step hands its timed verify forward (nodes with the root) to the costs."""
+    settings = DraftSettings(num_draft_tokens=4, tree_budget=64, tree_branching=3, adaptive_tree_budget=True)
+    costs = FrozenCosts(timed(0.03, 2.5e-3))  # 0.25 * 0.03 / 0.0025 = 3 nodes a row
+    requests = [DecodeRequest(prompts()[0], 12, SamplingParams(temperature=0))]
+    plain = decode(target, requests)
+    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=None, chunking=CHUNKING,
+                      pad_token_id=0, draft=Drafter(draft, settings, costs=costs))  # fmt: skip
+    loop.run()
+    (row,) = loop.rows
+    assert row.tokens == plain.rows[0].tokens
+    assert row.draft_proposed == 3 * loop.verify_forwards  # 12 tokens: every round had room for 3 levels
+    assert len(costs.added) == loop.verify_forwards - 1  # the prompt forward is not timed
+    assert all(nodes == 4 and seconds > 0 for nodes, seconds in costs.added)
+
+
+def test_server_flags_set_the_adaptive_budget():
+    import argparse
+
+    from kvboost_hf.core.settings import settings_from_args
+    from kvboost_hf.server.launch import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--tree-budget", "128", "--adaptive-tree-budget", "--tree-overhead", "0.5"])
+    settings = settings_from_args(DraftSettings, args)
+    assert (settings.tree_budget, settings.adaptive_tree_budget, settings.tree_overhead) == (128, True, 0.5)

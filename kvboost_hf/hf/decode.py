@@ -376,7 +376,7 @@ class DecodeLoop:
         sparse = isinstance(self.cache, ChunkReuseCache) and self.cache.expects_sparse_forward
         trees = None
         if draft is not None and budget > 1 and not sparse:
-            sizes = draft.settings.level_sizes(budget - 1)
+            sizes = draft.level_sizes(budget - 1, len(self.rows))
             first, roots = draft.prefill(input_ids, self.mask, position_ids), position_ids[:, -1]
             rows = self.rows  # the prompts' rows (the first of each repeated prompt drafts for all)
             trees = draft.expand(first, self.mask, roots, sizes, lambda i, lg, d: rows[i].draft_scores(lg, d))
@@ -437,7 +437,7 @@ class DecodeLoop:
         accepted path's columns in both caches."""
         running = self.running
         budget = max(row.request.max_new_tokens - len(row.tokens) for row in running)
-        sizes = draft.settings.level_sizes(budget - 1)
+        sizes = draft.level_sizes(budget - 1, len(running))
         last = torch.tensor([[row.tokens[-1]] for row in running], device=self.device)
         trees = draft.propose(last, self.mask, self.positions, sizes, lambda i, lg, d: running[i].draft_scores(lg, d))
         nodes = sum(sizes)
@@ -449,7 +449,11 @@ class DecodeLoop:
         depths = torch.tensor([0, *trees[0].depths], device=self.device)
         positions = self.positions[:, None] + 1 + depths
         mask = tree_attention_mask(self.mask, visible, model_dtype(self.model))
+        started = time.perf_counter()
         logits = self._forward(fed.to(self.device), positions, keep=nodes + 1, attention_mask=mask)
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)  # the forward's whole time, for the adaptive tree budget
+        draft.costs.add(len(running) * (nodes + 1), time.perf_counter() - started)
         root_mask = torch.cat([self.mask, self.mask.new_ones(len(running), 1)], dim=1)
         self._verify_trees(draft, trees, logits, root_mask, self.positions + 1)
         self._save(tail=False)

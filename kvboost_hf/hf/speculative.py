@@ -20,6 +20,7 @@ draft a chunk-reuse cache, and counts target forwards and proposals::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -59,6 +60,12 @@ class DraftSettings:
         tree_budget: draft tokens per row and round of the decode loop's draft *tree* (0: a chain of
             ``num_draft_tokens``); the tree is ``num_draft_tokens`` deep at most.
         tree_branching: children per expanded tree node (the draft's most probable continuations).
+        adaptive_tree_budget: pick each round's tree budget (at most ``tree_budget``) from the measured cost of
+            the target's verify forwards (:class:`VerifyCosts`): the largest budget whose extra nodes cost at most
+            ``tree_overhead`` times a forward's fixed cost. A streamed target (the weight copy dominates) gets
+            large trees, a resident one small trees.
+        tree_overhead: with ``adaptive_tree_budget``: the share of a verify forward's fixed cost its tree nodes
+            may add (0.25: at most 25% slower than a forward of the root alone).
     """
 
     num_draft_tokens: int = 5
@@ -67,6 +74,8 @@ class DraftSettings:
     early_exit_layers: int | None = None
     tree_budget: int = 0
     tree_branching: int = 2
+    adaptive_tree_budget: bool = False
+    tree_overhead: float = 0.25
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
@@ -83,21 +92,40 @@ class DraftSettings:
             raise ValueError(f"tree_budget must be an integer >= 0, got {self.tree_budget!r}")
         if not isinstance(self.tree_branching, int) or self.tree_branching < 1:
             raise ValueError(f"tree_branching must be a positive integer, got {self.tree_branching!r}")
+        if self.adaptive_tree_budget and self.tree_budget < 1:
+            raise ValueError("adaptive_tree_budget needs tree_budget >= 1: the largest budget it may choose")
+        if not 0.0 < self.tree_overhead <= 100.0:
+            raise ValueError(f"tree_overhead must be in (0, 100], got {self.tree_overhead!r}")
 
-    def level_sizes(self, depth: int) -> list[int]:
+    def level_sizes(self, depth: int, budget: int | None = None) -> list[int]:
         """Draft nodes per tree level (level 1 = the root's children) for a tree at most ``depth`` deep (and at most
-        ``num_draft_tokens``): a chain of ones without a tree budget; else the budget is spread over the depth, each
-        level holding up to ``tree_budget // depth`` nodes (at least 1) and up to ``tree_branching`` times the
-        previous level, until ``tree_budget`` nodes are spent."""
+        ``num_draft_tokens``): a chain of ones without a tree budget; else the budget (``budget``, default
+        ``tree_budget``) is spread over the depth, each level holding up to ``budget // depth`` nodes (at least 1)
+        and up to ``tree_branching`` times the previous level, until ``budget`` nodes are spent."""
         depth = min(depth, self.num_draft_tokens)
-        if not self.tree_budget:
+        budget = self.tree_budget if budget is None else budget
+        if not budget:
             return [1] * depth
-        width = max(1, self.tree_budget // depth)
+        width = max(1, budget // depth)
         sizes: list[int] = []
-        while len(sizes) < depth and sum(sizes) < self.tree_budget:
+        while len(sizes) < depth and sum(sizes) < budget:
             wanted = min(width, self.tree_branching * (sizes[-1] if sizes else 1))
-            sizes.append(min(wanted, self.tree_budget - sum(sizes)))
+            sizes.append(min(wanted, budget - sum(sizes)))
         return sizes
+
+    def adaptive_budget(self, costs: VerifyCosts, rows: int) -> int:
+        """The tree budget per row for a verify forward of ``rows`` rows, from the verify forwards timed so far:
+        ``tree_overhead * fixed / (per_node * rows)`` nodes (the extra nodes cost at most that share of the
+        forward's fixed cost), between 1 and ``tree_budget``; ``tree_budget`` when nodes cost nothing measurable.
+        Until two different node counts were timed it explores: ``tree_budget`` first, then a single node."""
+        fit = costs.fit()
+        if fit is None:
+            return 1 if costs.samples else self.tree_budget
+        fixed, per_node = fit
+        if per_node <= 0.0:
+            return self.tree_budget
+        affordable = self.tree_overhead * fixed / (per_node * rows) + 1e-6  # not 19.999... for 20
+        return max(1, min(self.tree_budget, int(affordable)))
 
     def check(self, target: PreTrainedModel, draft: PreTrainedModel | None) -> None:
         """Raise ValueError when these settings cannot draft for ``target`` with ``draft`` (a model or None)."""
@@ -376,6 +404,31 @@ def tree_attention_mask(context: torch.Tensor, visible: torch.Tensor, dtype: tor
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
+class VerifyCosts:
+    """Timed verify forwards of one target: ``samples`` holds the last ``window`` ``(nodes, seconds)`` pairs (tree
+    nodes of all rows, roots included, and the forward's wall time); :meth:`fit` is the least-squares line
+    ``seconds = fixed + per_node * nodes``. Old samples leave the window, so a budget that stays constant
+    eventually leaves a single node count and :meth:`DraftSettings.adaptive_budget` explores again."""
+
+    def __init__(self, window: int = 64) -> None:
+        self.samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+
+    def add(self, nodes: int, seconds: float) -> None:
+        self.samples.append((nodes, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """``(fixed seconds, seconds per node)``, or None until two different node counts were timed."""
+        if len({nodes for nodes, _ in self.samples}) < 2:
+            return None
+        count = len(self.samples)
+        mean_nodes = sum(nodes for nodes, _ in self.samples) / count
+        mean_seconds = sum(seconds for _, seconds in self.samples) / count
+        spread = sum((nodes - mean_nodes) ** 2 for nodes, _ in self.samples)
+        covariance = sum((nodes - mean_nodes) * (seconds - mean_seconds) for nodes, seconds in self.samples)
+        per_node = covariance / spread
+        return mean_seconds - per_node * mean_nodes, per_node
+
+
 class Drafter:
     """The draft side of speculative decoding in :class:`~kvboost_hf.hf.decode.DecodeLoop`.
 
@@ -385,6 +438,8 @@ class Drafter:
         settings: ``num_draft_tokens`` proposed per round; ``early_exit_layers``.
         new_cache: builds the draft's cache (e.g. a chunk-reuse cache on the target's store, under the draft's own
             namespace); None = a ``DynamicCache``.
+        costs: the target's timed verify forwards, shared by the drafters of one engine (with
+            ``settings.adaptive_tree_budget``; None: a fresh record).
 
     Invariant: between rounds, :attr:`cache` holds exactly the target cache's columns (the same left-padded layout,
     one column per token fed to the target), so the loop's attention mask and positions serve both. ``forwards``
@@ -392,18 +447,31 @@ class Drafter:
     """
 
     def __init__(
-        self, model: PreTrainedModel, settings: DraftSettings, new_cache: Callable[[], Cache] | None = None
+        self,
+        model: PreTrainedModel,
+        settings: DraftSettings,
+        new_cache: Callable[[], Cache] | None = None,
+        costs: VerifyCosts | None = None,
     ) -> None:
         self.model = model
         self.settings = settings
         self.new_cache = new_cache
+        self.costs = costs if costs is not None else VerifyCosts()
         self.cache: Cache | None = None
         self.forwards = 0
         self.cached_tokens: list[int] = []
 
     def spawn(self) -> Drafter:
-        """A drafter with the same model and settings and no state (for rows joining a running loop)."""
-        return Drafter(self.model, self.settings, self.new_cache)
+        """A drafter with the same model, settings and verify costs and no state (for rows joining a running
+        loop)."""
+        return Drafter(self.model, self.settings, self.new_cache, self.costs)
+
+    def level_sizes(self, depth: int, rows: int) -> list[int]:
+        """Nodes per level of the next round's trees (at most ``depth`` deep) for ``rows`` rows: the settings'
+        budget, or with ``adaptive_tree_budget`` the one the timed verify forwards suggest."""
+        settings = self.settings
+        budget = settings.adaptive_budget(self.costs, rows) if settings.adaptive_tree_budget else None
+        return settings.level_sizes(depth, budget)
 
     def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Run the draft over the left-padded prompts on a fresh cache; returns the last position's logits ``[B, V]``
