@@ -5,10 +5,13 @@ The embedded SmolLM2-135M is the target with all its decoder layers but the firs
 gptqmodel is installed) or its bfloat16 copy, resident. Each prompt is decoded greedily without a draft (plain
 streaming), then once per tree budget ``N`` (``N = 0``: a chain of ``--tree-depth`` tokens, the chain draft; else a
 tree of ``N`` nodes, ``--tree-depth`` levels deep, ``--tree-branching`` children per node), all in one run after an
-untimed warm-up call per prompt and model. Reported per row: tokens per target forward (prefill included) and per
-verify forward, streamed bytes per generated token and their ratio to plain streaming, draft forwards per token,
-the acceptance per draft depth (:func:`~kvboost_hf.hf.speculative.acceptance_by_depth`), CPU decode tok/s (one run
-on a shared machine: indicative only), and whether the output equals plain greedy.
+untimed warm-up call per prompt and model; ``auto`` in the list is the adaptive budget
+(``DraftSettings.adaptive_tree_budget``, at most the largest budget given, else 256). Reported per row: tokens per
+target forward (prefill included; with a draft the prompt forward verifies the first tree) and per verify forward,
+streamed bytes per generated token and their ratio to plain streaming, draft forwards per token, the acceptance per
+draft depth (:func:`~kvboost_hf.hf.speculative.acceptance_by_depth`), CPU decode tok/s (one run on a shared
+machine: indicative only), and whether the output equals plain greedy; for ``auto``, the fitted verify cost and the
+budget it chose.
 
 Also measured: the cost of one streamed verify forward over ``n`` tree nodes on this machine (median of
 ``--repeats`` forwards at the first prompt's length, ``n`` = 1 and each budget + 1), and its cost per node.
@@ -41,6 +44,7 @@ from kvboost_hf.hf.speculative import DraftSettings, acceptance_by_depth, tree_a
 from kvboost_hf.offload import LayerStreaming, enable_layer_streaming, layer_streamer
 
 PCIE_GB_S = {"pcie4_x16": 25.0, "pcie5_x16": 50.0}  # practical host-to-device bandwidths (estimate inputs)
+AUTO_CAP = 256  # the adaptive row's largest budget when no fixed budget is given
 
 
 def default_draft() -> str:
@@ -71,7 +75,7 @@ def decode_once(engine: InferenceEngine, text: str, max_new_tokens: int) -> dict
     }
 
 
-def summarise(runs: list[dict[str, Any]], plain: list[dict[str, Any]], budget: int | None) -> dict[str, Any]:
+def summarise(runs: list[dict[str, Any]], plain: list[dict[str, Any]], budget: int | str | None) -> dict[str, Any]:
     """One row from the runs of every prompt: sums of tokens, forwards and bytes, acceptance per depth."""
     tokens = sum(len(run["tokens"]) for run in runs)
     forwards = sum(run["target_forwards"] for run in runs)
@@ -86,7 +90,7 @@ def summarise(runs: list[dict[str, Any]], plain: list[dict[str, Any]], budget: i
         "generated_tokens": tokens,
         "target_forwards": forwards,
         "tokens_per_target_forward": tokens / forwards,
-        "tokens_per_verify": (tokens - len(runs)) / verifies if verifies else None,
+        "tokens_per_verify": 1 + accepted / verifies if verifies else None,  # its own token + accepted ones
         "nodes_per_verify": sum(run["proposed"] for run in runs) / verifies if verifies else None,
         "draft_forwards_per_token": sum(run["draft_forwards"] for run in runs) / tokens,
         "streamed_mb_per_token": streamed / tokens / 1e6,
@@ -96,6 +100,18 @@ def summarise(runs: list[dict[str, Any]], plain: list[dict[str, Any]], budget: i
         "cpu_tok_s": tokens / sum(run["seconds"] for run in runs),
         "estimated_gpu_tok_s": {link: gb_s * 1e9 * tokens / streamed for link, gb_s in PCIE_GB_S.items()},
         "outputs_identical": all(run["tokens"] == base["tokens"] for run, base in zip(runs, plain, strict=True)),
+    }
+
+
+def adaptive_choice(engine: InferenceEngine) -> dict[str, Any]:
+    """What the adaptive budget saw on ``engine``: its fit of the timed verify forwards and the budget it would
+    choose next for one row."""
+    fit = engine.verify_costs.fit()
+    return {
+        "timed_verifies": len(engine.verify_costs.samples),
+        "fixed_seconds": None if fit is None else fit[0],
+        "seconds_per_node": None if fit is None else fit[1],
+        "next_budget": engine.draft_settings.adaptive_budget(engine.verify_costs, rows=1),
     }
 
 
@@ -127,29 +143,41 @@ def run(
     target: InferenceEngine,
     drafted: InferenceEngine,
     draft: str,
-    budgets: list[int],
+    budgets: list[int | str],
     depth: int,
     branching: int,
     prompts: int,
     max_new_tokens: int,
     repeats: int,
+    plain_resident: bool = False,
 ) -> dict[str, Any]:
     """Plain streaming, then one row per budget, on ``target`` (resident until here; streamed from now on) and
-    ``drafted`` (an engine on the same model with the draft named ``draft``); ``repeats`` timed verify forwards."""
+    ``drafted`` (an engine on the same model with the draft named ``draft``); ``repeats`` timed verify forwards.
+    ``plain_resident``: decode the plain row before streaming starts (the same tokens, much faster on a CPU) and
+    count for it the bytes its forwards would have streamed (its CPU tok/s is then the resident target's)."""
     texts = sample_prompts(prompts)
     for engine in (target, drafted):  # untimed, resident: stores the prompts' chunks, pays one-time costs
         for text in texts:
             engine.generate(text, max_new_tokens=4)
+    plain = [decode_once(target, text, max_new_tokens) for text in texts] if plain_resident else []
     enable_layer_streaming(target.model, LayerStreaming(keep_first_k=1, keep_last_k=1))
     streamer = layer_streamer(target.model)
     assert streamer is not None, "streaming was just enabled"
-    plain = [decode_once(target, text, max_new_tokens) for text in texts]
+    for run_ in plain:  # one streamed forward per token: what plain streaming would have copied
+        run_["streamed_bytes"] = run_["target_forwards"] * streamer.stats(settle=False).bytes_per_forward
+    plain = plain or [decode_once(target, text, max_new_tokens) for text in texts]
     rows = [summarise(plain, plain, None)]
+    fixed_budgets = [budget for budget in budgets if isinstance(budget, int)]
+    largest = max(fixed_budgets, default=0) or AUTO_CAP
     for budget in tqdm(budgets, desc=f"tree budgets, draft {draft}"):
-        drafted.draft_settings = DraftSettings(depth, tree_budget=budget, tree_branching=branching)
+        adaptive = budget == "auto"
+        drafted.draft_settings = DraftSettings(depth, tree_budget=largest if adaptive else int(budget),
+                                               tree_branching=branching, adaptive_tree_budget=adaptive)  # fmt: skip
         runs = [decode_once(drafted, text, max_new_tokens) for text in texts]
         rows.append(summarise(runs, plain, budget))
-    sizes = sorted({1, *(budget + 1 for budget in budgets if budget), depth + 1})
+        if adaptive:
+            rows[-1]["adaptive"] = adaptive_choice(drafted)
+    sizes = sorted({1, *(budget + 1 for budget in fixed_budgets if budget), depth + 1})
     seconds = time_verify_forwards(target.model, target.encode(texts[0]), sizes, repeats)
     stats = streamer.stats()
     return {
@@ -162,6 +190,7 @@ def run(
         "tree_branching": branching,
         "prompts": prompts,
         "max_new_tokens": max_new_tokens,
+        "plain_resident": plain_resident,
         "streamed_layers": stats.streamed_layers,
         "streamed_mb_per_forward": stats.bytes_per_forward / 1e6,
         "pcie_gb_s": PCIE_GB_S,
@@ -197,6 +226,13 @@ def report(result: dict[str, Any]) -> str:
     for row in result["rows"][1:]:
         rates = " ".join(f"{rate:.2f}" for rate in row["acceptance_by_depth"])
         lines.append(f"  budget {row['tree_budget']:>3}: {rates}")
+    for row in result["rows"]:
+        if "adaptive" in row:
+            choice = row["adaptive"]
+            lines.append(
+                f"  auto: {choice['timed_verifies']} timed verifies, fixed {_fmt(choice['fixed_seconds'], '.3f')}"
+                f" s + {_fmt(choice['seconds_per_node'], '.2e')} s per node -> budget {choice['next_budget']}"
+            )
     verify = ", ".join(f"{size} nodes {1e3 * s:.0f} ms" for size, s in result["verify_seconds"].items())
     lines.append(f"streamed verify forward on this machine: {verify}; {result['verify_ms_per_node']:.2f} ms per node")
     lines.append("GPU tok/s: ESTIMATE = PCIe bandwidth / streamed bytes per token (copy bound; no compute, no draft)")
