@@ -227,9 +227,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tree-depth", type=int, default=16, help="levels of the draft tree (the chain's length)")
     parser.add_argument("--tree-branching", type=int, default=2, help="children per expanded tree node")
     parser.add_argument(
-        "--plain-resident",
+        "--resident-rows",
         action="store_true",
-        help="tree benchmark: decode the plain row on the resident target, counting the bytes it would stream",
+        help="tree benchmark: decode the plain and fixed-budget rows on the resident target (the same tokens and "
+        "forwards), counting the bytes streaming copies per forward; only auto and the verify timing stream",
     )
     args = parser.parse_args(argv)
     if args.tree_budgets is not None:
@@ -238,7 +239,7 @@ def main(argv: list[str]) -> int:
         target = InferenceEngine.from_pretrained(chunking=args.chunk_size)
         result = speculative_tree.run(target, draft_engine(target, draft), draft, budgets, args.tree_depth,
                                       args.tree_branching, args.prompts, args.max_new_tokens,
-                                      max(args.repeats, 3), args.plain_resident)  # fmt: skip
+                                      max(args.repeats, 3), args.resident_rows)  # fmt: skip
         save_results(args.out, "speculative_tree", result, speculative_tree.report, speculative_tree.plot)
         return 0
     lengths = [int(g) for g in args.draft_lengths.split(",")]

@@ -149,33 +149,43 @@ def run(
     prompts: int,
     max_new_tokens: int,
     repeats: int,
-    plain_resident: bool = False,
+    resident: bool = False,
 ) -> dict[str, Any]:
     """Plain streaming, then one row per budget, on ``target`` (resident until here; streamed from now on) and
     ``drafted`` (an engine on the same model with the draft named ``draft``); ``repeats`` timed verify forwards.
-    ``plain_resident``: decode the plain row before streaming starts (the same tokens, much faster on a CPU) and
-    count for it the bytes its forwards would have streamed (its CPU tok/s is then the resident target's)."""
+    ``resident``: decode the plain and fixed-budget rows before streaming starts (the same tokens and forwards:
+    streaming is exact; much faster on a CPU) and count for each of their target forwards the bytes streaming
+    copies per forward (their CPU tok/s is then the resident target's); the ``auto`` row always runs streamed,
+    since it times the verify forwards it adapts to."""
     texts = sample_prompts(prompts)
     for engine in (target, drafted):  # untimed, resident: stores the prompts' chunks, pays one-time costs
         for text in texts:
             engine.generate(text, max_new_tokens=4)
-    plain = [decode_once(target, text, max_new_tokens) for text in texts] if plain_resident else []
+    fixed_budgets = [budget for budget in budgets if isinstance(budget, int)]
+    largest = max(fixed_budgets, default=0) or AUTO_CAP
+
+    def decode_row(budget: int | str | None) -> list[dict[str, Any]]:
+        engine, adaptive = (target, False) if budget is None else (drafted, budget == "auto")
+        if budget is not None:
+            drafted.draft_settings = DraftSettings(depth, tree_budget=largest if adaptive else int(budget),
+                                                   tree_branching=branching, adaptive_tree_budget=adaptive)  # fmt: skip
+        return [decode_once(engine, text, max_new_tokens) for text in texts]
+
+    early = [None, *fixed_budgets] if resident else []
+    runs = {budget: decode_row(budget) for budget in tqdm(early, desc=f"resident rows, draft {draft}")}
     enable_layer_streaming(target.model, LayerStreaming(keep_first_k=1, keep_last_k=1))
     streamer = layer_streamer(target.model)
     assert streamer is not None, "streaming was just enabled"
-    for run_ in plain:  # one streamed forward per token: what plain streaming would have copied
-        run_["streamed_bytes"] = run_["target_forwards"] * streamer.stats(settle=False).bytes_per_forward
-    plain = plain or [decode_once(target, text, max_new_tokens) for text in texts]
+    for row_runs in runs.values():  # what streaming copies for each of their target forwards
+        for run_ in row_runs:
+            run_["streamed_bytes"] = run_["target_forwards"] * streamer.stats(settle=False).bytes_per_forward
+    for budget in tqdm([b for b in [None, *budgets] if b not in runs], desc=f"streamed rows, draft {draft}"):
+        runs[budget] = decode_row(budget)
+    plain = runs[None]
     rows = [summarise(plain, plain, None)]
-    fixed_budgets = [budget for budget in budgets if isinstance(budget, int)]
-    largest = max(fixed_budgets, default=0) or AUTO_CAP
-    for budget in tqdm(budgets, desc=f"tree budgets, draft {draft}"):
-        adaptive = budget == "auto"
-        drafted.draft_settings = DraftSettings(depth, tree_budget=largest if adaptive else int(budget),
-                                               tree_branching=branching, adaptive_tree_budget=adaptive)  # fmt: skip
-        runs = [decode_once(drafted, text, max_new_tokens) for text in texts]
-        rows.append(summarise(runs, plain, budget))
-        if adaptive:
+    for budget in budgets:
+        rows.append(summarise(runs[budget], plain, budget))
+        if budget == "auto":
             rows[-1]["adaptive"] = adaptive_choice(drafted)
     sizes = sorted({1, *(budget + 1 for budget in fixed_budgets if budget), depth + 1})
     seconds = time_verify_forwards(target.model, target.encode(texts[0]), sizes, repeats)
@@ -190,7 +200,7 @@ def run(
         "tree_branching": branching,
         "prompts": prompts,
         "max_new_tokens": max_new_tokens,
-        "plain_resident": plain_resident,
+        "resident_rows": resident,
         "streamed_layers": stats.streamed_layers,
         "streamed_mb_per_forward": stats.bytes_per_forward / 1e6,
         "pcie_gb_s": PCIE_GB_S,
