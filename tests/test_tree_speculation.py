@@ -499,3 +499,18 @@ def test_server_flags_set_the_adaptive_budget():
     args = parser.parse_args(["--tree-budget", "128", "--adaptive-tree-budget", "--tree-overhead", "0.5"])
     settings = settings_from_args(DraftSettings, args)
     assert (settings.tree_budget, settings.adaptive_tree_budget, settings.tree_overhead) == (128, True, 0.5)
+
+
+def test_draft_ranks_place_the_targets_greedy_tokens_among_the_drafts_predictions(target, draft):
+    from kvboost_hf.bench import speculative_tree
+
+    prompt = prompts()[0]
+    tokens = decode(target, [DecodeRequest(prompt, 10, SamplingParams(temperature=0))]).rows[0].tokens
+    own = speculative_tree.draft_ranks(target, target, prompt, tokens)
+    assert own["ranks"] == [1] * 10 and all(own["target_agrees"])
+    other = speculative_tree.draft_ranks(target, draft, prompt, tokens)
+    with torch.no_grad():
+        logits = draft(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    order = logits.argsort(-1, descending=True)
+    assert other["ranks"] == [int((order[i] == t).nonzero()) + 1 for i, t in enumerate(tokens)]
+    assert any(rank > 1 for rank in other["ranks"])

@@ -115,6 +115,25 @@ def adaptive_choice(engine: InferenceEngine) -> dict[str, Any]:
     }
 
 
+@torch.no_grad()
+def draft_ranks(target: PreTrainedModel, draft: PreTrainedModel, prompt_ids: list[int], tokens: list[int]) -> dict:
+    """Teacher-forced over the prompt and the target's greedy ``tokens``: at each generated position, the rank
+    (1 = the draft's argmax) of the target's token among the draft's predictions, and the draft's top probability
+    there. Two forwards, no cache: what the draft misses, independent of how rounds fall."""
+    sequence = torch.tensor([[*prompt_ids, *tokens]], device=next(target.parameters()).device)
+    start = len(prompt_ids) - 1  # the logits at position i predict token i + 1
+    logits = draft(sequence).logits[0, start:-1].float()
+    chosen = torch.tensor(tokens, device=logits.device)
+    ranks = (logits > logits.gather(1, chosen[:, None])).sum(1) + 1
+    confident = logits.softmax(-1).amax(-1)
+    target_logits = target(sequence).logits[0, start:-1]
+    return {
+        "ranks": ranks.tolist(),
+        "draft_top_probability": confident.tolist(),
+        "target_agrees": (target_logits.argmax(-1) == chosen).tolist(),  # greedy replayed (numerics check)
+    }
+
+
 def time_verify_forwards(model: PreTrainedModel, prompt_ids: list[int], sizes: list[int], repeats: int) -> dict:
     """Median seconds of one target forward over ``n`` new positions after the prompt (a chain-shaped 4D mask: the
     cost of a tree of ``n`` nodes), per ``n`` in ``sizes``; the cache is cropped back after each forward."""
@@ -187,6 +206,9 @@ def run(
         rows.append(summarise(runs[budget], plain, budget))
         if budget == "auto":
             rows[-1]["adaptive"] = adaptive_choice(drafted)
+    draft_model = drafted.draft_model
+    ranks = None if draft_model is None else draft_ranks(target.model, draft_model, target.encode(texts[0]),
+                                                         plain[0]["tokens"])  # fmt: skip
     sizes = sorted({1, *(budget + 1 for budget in fixed_budgets if budget), depth + 1})
     seconds = time_verify_forwards(target.model, target.encode(texts[0]), sizes, repeats)
     stats = streamer.stats()
@@ -205,6 +227,7 @@ def run(
         "streamed_mb_per_forward": stats.bytes_per_forward / 1e6,
         "pcie_gb_s": PCIE_GB_S,
         "rows": rows,
+        "draft_ranks_first_prompt": ranks,
         "verify_seconds": {str(size): value for size, value in seconds.items()},
         "verify_ms_per_node": 1e3 * (seconds[sizes[-1]] - seconds[1]) / max(sizes[-1] - 1, 1),
     }
@@ -243,6 +266,10 @@ def report(result: dict[str, Any]) -> str:
                 f"  auto: {choice['timed_verifies']} timed verifies, fixed {_fmt(choice['fixed_seconds'], '.3f')}"
                 f" s + {_fmt(choice['seconds_per_node'], '.2e')} s per node -> budget {choice['next_budget']}"
             )
+    ranks = result.get("draft_ranks_first_prompt")
+    if ranks:
+        pattern = "".join(str(rank) if rank < 10 else "+" for rank in ranks["ranks"])
+        lines.append(f"draft rank of the target's greedy token, teacher-forced, prompt 1 (+: >= 10): {pattern}")
     verify = ", ".join(f"{size} nodes {1e3 * s:.0f} ms" for size, s in result["verify_seconds"].items())
     lines.append(f"streamed verify forward on this machine: {verify}; {result['verify_ms_per_node']:.2f} ms per node")
     lines.append("GPU tok/s: ESTIMATE = PCIe bandwidth / streamed bytes per token (copy bound; no compute, no draft)")
