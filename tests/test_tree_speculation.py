@@ -89,6 +89,38 @@ def test_greedy_rows_with_a_tree_equal_decoding_without_a_draft(target, draft, b
         assert [row.tokens for row in again.rows] == [row.tokens for row in plain.rows]
 
 
+@pytest.mark.parametrize(("budget", "reuse"), [(3, False), (24, True), (64, False)])
+def test_global_expansion_gives_rows_their_own_shapes_and_the_same_tokens(budget, reuse):
+    """``tree_expansion="global"``: a step may add nodes at any depth it reached (here a sharpened head, so the
+    draft is sure at some positions and not at others), so the rows' trees differ in shape (per-row positions and
+    fed nodes); greedy rows still equal decoding without a draft."""
+    target = make_tiny_model("llama", seed=0)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(6)
+    draft = noisy_copy(target, 0.35, seed=11)
+    requests = [DecodeRequest(p, 14, SamplingParams(temperature=0)) for p in prompts()]
+    plain = decode(target, requests)
+    settings = DraftSettings(num_draft_tokens=6, tree_budget=budget, tree_branching=3, tree_expansion="global")
+    drafter = Drafter(draft, settings)
+    shapes: list[list[list[int]]] = []
+    propose = drafter.propose
+
+    def recording(*args):
+        trees = propose(*args)
+        shapes.append([tree.depths for tree in trees])
+        return trees
+
+    drafter.propose = recording  # type: ignore[method-assign]
+    store = ChunkStore() if reuse else None
+    new_cache = (lambda: ChunkReuseCache(store, target, CHUNKING, adapter=False)) if store is not None else None
+    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=new_cache, chunking=CHUNKING,
+                      pad_token_id=0, draft=drafter)  # fmt: skip
+    loop.run()
+    assert [row.tokens for row in loop.rows] == [row.tokens for row in plain.rows]
+    if budget > 6:  # wide enough for a step to reach back: some round's rows were shaped differently
+        assert any(len({tuple(depths) for depths in round_}) > 1 for round_ in shapes)
+
+
 def test_a_wider_tree_takes_more_tokens_per_target_forward(target, draft):
     requests = [DecodeRequest(p, 24, SamplingParams(temperature=0)) for p in prompts()]
     chain = decode(target, requests, DraftSettings(num_draft_tokens=6), draft)
@@ -265,13 +297,14 @@ def test_acceptance_by_depth_counts_the_rounds_that_reached_each_depth():
     assert acceptance_by_depth([]) == []
 
 
-@pytest.mark.parametrize("budget", [0, 12], ids=["chain", "tree"])
-def test_every_expanded_node_starts_with_the_drafts_own_choice(target, draft, budget):
+@pytest.mark.parametrize(("budget", "expansion"), [(0, "level"), (12, "level"), (12, "global")],
+                         ids=["chain", "tree", "global-tree"])  # fmt: skip
+def test_every_expanded_node_starts_with_the_drafts_own_choice(target, draft, budget, expansion):
     """Within a round (the draft's tree-masked forwards) and across rounds (its cache after each compaction), the
     draft sees exactly the node's sequence: the first child of every expanded node (the best of its siblings) is the
     draft's argmax after the row's tokens and the node's path, computed from scratch. Round records add up."""
     requests = [DecodeRequest(p, 20, SamplingParams(temperature=0)) for p in prompts()]
-    drafter = Drafter(draft, DraftSettings(num_draft_tokens=5, tree_budget=budget))
+    drafter = Drafter(draft, DraftSettings(num_draft_tokens=5, tree_budget=budget, tree_expansion=expansion))
     loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=None, chunking=CHUNKING,
                       pad_token_id=0, draft=drafter)  # fmt: skip
     assert loop.draft is not None

@@ -41,7 +41,7 @@ from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_resul
 from kvboost_hf.corpus import sample_prompts
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.models import embedded_model_dir, load_model_and_tokenizer
-from kvboost_hf.hf.speculative import DraftSettings
+from kvboost_hf.hf.speculative import TREE_EXPANSIONS, DraftSettings
 from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
 from kvboost_hf.results import GenerationResult
 from kvboost_hf.tools.awq_pack import pack_checkpoint, round_trip_int4
@@ -227,6 +227,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tree-depth", type=int, default=16, help="levels of the draft tree (the chain's length)")
     parser.add_argument("--tree-branching", type=int, default=2, help="children per expanded tree node")
     parser.add_argument(
+        "--tree-expansion", choices=TREE_EXPANSIONS, default="level", help="how trees grow (level, global)"
+    )
+    parser.add_argument(
         "--resident-rows",
         action="store_true",
         help="tree benchmark: decode the plain and fixed-budget rows on the resident target (the same tokens and "
@@ -239,7 +242,7 @@ def main(argv: list[str]) -> int:
         target = InferenceEngine.from_pretrained(chunking=args.chunk_size)
         result = speculative_tree.run(target, draft_engine(target, draft), draft, budgets, args.tree_depth,
                                       args.tree_branching, args.prompts, args.max_new_tokens,
-                                      max(args.repeats, 3), args.resident_rows)  # fmt: skip
+                                      max(args.repeats, 3), args.resident_rows, args.tree_expansion)  # fmt: skip
         save_results(args.out, "speculative_tree", result, speculative_tree.report, speculative_tree.plot)
         return 0
     lengths = [int(g) for g in args.draft_lengths.split(",")]

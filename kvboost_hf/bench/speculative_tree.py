@@ -169,6 +169,7 @@ def run(
     max_new_tokens: int,
     repeats: int,
     resident: bool = False,
+    expansion: str = "level",
 ) -> dict[str, Any]:
     """Plain streaming, then one row per budget, on ``target`` (resident until here; streamed from now on) and
     ``drafted`` (an engine on the same model with the draft named ``draft``); ``repeats`` timed verify forwards.
@@ -187,7 +188,8 @@ def run(
         engine, adaptive = (target, False) if budget is None else (drafted, budget == "auto")
         if budget is not None:
             drafted.draft_settings = DraftSettings(depth, tree_budget=largest if adaptive else int(budget),
-                                                   tree_branching=branching, adaptive_tree_budget=adaptive)  # fmt: skip
+                                                   tree_branching=branching, tree_expansion=expansion,
+                                                   adaptive_tree_budget=adaptive)  # fmt: skip
         return [decode_once(engine, text, max_new_tokens) for text in texts]
 
     early = [None, *fixed_budgets] if resident else []
@@ -220,6 +222,7 @@ def run(
         "draft": draft,
         "tree_depth": depth,
         "tree_branching": branching,
+        "tree_expansion": expansion,
         "prompts": prompts,
         "max_new_tokens": max_new_tokens,
         "resident_rows": resident,
@@ -240,7 +243,8 @@ def _fmt(value: float | None, spec: str) -> str:
 def report(result: dict[str, Any]) -> str:
     lines = [
         f"streamed target: {result['streamed_layers']} layers, {result['streamed_mb_per_forward']:.0f} MB per forward;"
-        f" draft {result['draft']}, depth {result['tree_depth']}, branching {result['tree_branching']};"
+        f" draft {result['draft']}, depth {result['tree_depth']}, branching {result['tree_branching']},"
+        f" expansion {result.get('tree_expansion', 'level')};"
         f" {result['prompts']} prompts x {result['max_new_tokens']} new tokens, greedy",
         f"{'budget':>7} {'tok/fwd':>7} {'tok/verify':>10} {'nodes/verify':>12} {'MB/tok':>6} {'vs plain':>8} "
         f"{'draft fwd/tok':>13} {'a':>5} {'CPU tok/s':>9} {'GPU est. tok/s (PCIe4/5)':>24} {'same':>5}",

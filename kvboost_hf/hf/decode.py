@@ -403,7 +403,7 @@ class DecodeLoop:
         visible[:, :length, :length] = causal & (valid[:, None, :] | torch.eye(length, dtype=torch.bool))
         visible[:, length:, :length] = valid[:, None, :]
         visible[:, length:, length:] = torch.stack([tree.sees() for tree in trees])
-        depths = torch.tensor(trees[0].depths, device=self.device)
+        depths = torch.tensor([tree.depths for tree in trees], device=self.device)
         positions = inputs["position_ids"]  # the suffix's (the prefill always passes positions)
         tokens = torch.tensor([tree.tokens for tree in trees], device=self.device)
         return {
@@ -446,7 +446,7 @@ class DecodeLoop:
         visible[:, :, 0] = True  # every query sees the root
         for row, tree in enumerate(trees):
             visible[row, 1:, 1:] = tree.sees()
-        depths = torch.tensor([0, *trees[0].depths], device=self.device)
+        depths = torch.tensor([[0, *tree.depths] for tree in trees], device=self.device)
         positions = self.positions[:, None] + 1 + depths
         mask = tree_attention_mask(self.mask, visible, model_dtype(self.model))
         started = time.perf_counter()
@@ -470,7 +470,7 @@ class DecodeLoop:
         """Give each running row its tokens from a verify forward's logits ``[B, 1 + nodes, V]`` (its root's, then
         each node's) and keep only the accepted paths' columns in both caches. Layout before: ``root_mask``
         ``[B, C]`` covers the columns up to each row's root (the last; at ``root_positions`` ``[B]``), then the
-        tree's nodes in both caches (the draft's: those above the deepest level)."""
+        tree's nodes in both caches (the draft's: each tree's first ``fed`` nodes)."""
         kept = [self._verify(row, logits[i], trees[i]) for i, row in enumerate(self.running)]
         self.verify_forwards += 1
         base = root_mask.shape[1]
@@ -493,24 +493,24 @@ class DecodeLoop:
         """Reduce the draft's cache to each row's columns up to its root and its kept path, in the target cache's
         layout (see :meth:`_verify_trees`).
 
-        The draft fed the nodes above the deepest level; a kept path that ends on that level is fed to it now (one
+        The draft fed each tree's first ``fed`` nodes; a kept path that ends on a later node is fed to it now (one
         forward; rows without one feed a placeholder that is dropped)."""
         assert draft.cache is not None, "the draft's prefill ran"
-        rows, base, depth = len(trees), root_mask.shape[1], max(trees[0].depths)
-        inner = sum(1 for d in trees[0].depths if d < depth)
-        fed_paths = [[node for node in path if trees[0].depths[node] < depth] for path in kept]
+        rows, base, inner = len(trees), root_mask.shape[1], trees[0].fed
+        fed_paths = [[node for node in path if node < inner] for path in kept]
         columns = [[*range(base), *(base + node for node in path)] for path in fed_paths]
         keep_cache_columns(draft.cache, columns)
         width = max(len(c) for c in columns)
         mask = select_columns(torch.cat([root_mask, root_mask.new_ones(rows, inner)], dim=1), columns, dim=1)
-        leaves = [path[-1] if path and trees[0].depths[path[-1]] == depth else None for path in kept]
+        leaves = [path[-1] if path and path[-1] >= inner else None for path in kept]
         if all(leaf is None for leaf in leaves):
             return
         tokens = [
             [tree.tokens[leaf] if leaf is not None else self.pad_token_id]
             for tree, leaf in zip(trees, leaves, strict=True)
         ]
-        positions = root_positions[:, None] + depth
+        depths = [[tree.depths[leaf] if leaf is not None else 1] for tree, leaf in zip(trees, leaves, strict=True)]
+        positions = root_positions[:, None] + torch.tensor(depths, device=self.device)
         draft.forward(torch.tensor(tokens, device=self.device), torch.cat([mask, mask.new_ones(rows, 1)], dim=1),
                       positions)  # fmt: skip
         final = [[*range(width - len(c), width), *([width] if leaf is not None else [])]

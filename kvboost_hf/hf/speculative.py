@@ -40,6 +40,7 @@ from kvboost_hf.hf.probe import truncated_depth
 logger = logging.getLogger(__name__)
 
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
+TREE_EXPANSIONS = ("level", "global")
 _SCHEDULE_FIELDS = ("num_assistant_tokens", "assistant_confidence_threshold", "num_assistant_tokens_schedule")
 _WRAPPED = "_kvboost_draft_wrapped"
 
@@ -60,6 +61,10 @@ class DraftSettings:
         tree_budget: draft tokens per row and round of the decode loop's draft *tree* (0: a chain of
             ``num_draft_tokens``); the tree is ``num_draft_tokens`` deep at most.
         tree_branching: children per expanded tree node (the draft's most probable continuations).
+        tree_expansion: how each draft forward's nodes are chosen: ``"level"`` keeps the children of the nodes the
+            previous forward added with the highest cumulative draft log-probability (one tree level per forward);
+            ``"global"`` chooses among every candidate not taken yet, siblings left at shallower depths included
+            (SpecExec-style: the budget goes where the draft is unsure, and rows get their own shapes).
         adaptive_tree_budget: pick each round's tree budget (at most ``tree_budget``) from the measured cost of
             the target's verify forwards (:class:`VerifyCosts`): the largest budget whose extra nodes cost at most
             ``tree_overhead`` times a forward's fixed cost. A streamed target (the weight copy dominates) gets
@@ -74,6 +79,7 @@ class DraftSettings:
     early_exit_layers: int | None = None
     tree_budget: int = 0
     tree_branching: int = 2
+    tree_expansion: str = "level"
     adaptive_tree_budget: bool = False
     tree_overhead: float = 0.25
 
@@ -92,6 +98,8 @@ class DraftSettings:
             raise ValueError(f"tree_budget must be an integer >= 0, got {self.tree_budget!r}")
         if not isinstance(self.tree_branching, int) or self.tree_branching < 1:
             raise ValueError(f"tree_branching must be a positive integer, got {self.tree_branching!r}")
+        if self.tree_expansion not in TREE_EXPANSIONS:
+            raise ValueError(f"tree_expansion must be one of {TREE_EXPANSIONS}, got {self.tree_expansion!r}")
         if self.adaptive_tree_budget and self.tree_budget < 1:
             raise ValueError("adaptive_tree_budget needs tree_budget >= 1: the largest budget it may choose")
         if not 0.0 < self.tree_overhead <= 100.0:
@@ -341,13 +349,15 @@ def resolve_draft(
 
 @dataclass
 class DraftTree:
-    """One row's draft tokens for one round, breadth first: node ``j`` holds ``tokens[j]``, its parent
-    ``parents[j]`` (-1: the root, the row's last token, already chosen) and its ``depths[j]`` (>= 1). A parent
-    precedes its children; the rows of a round have the same level sizes."""
+    """One row's draft tokens for one round, in the order the draft chose them: node ``j`` holds ``tokens[j]``, its
+    parent ``parents[j]`` (-1: the root, the row's last token, already chosen) and its ``depths[j]`` (>= 1). A parent
+    precedes its children. The first ``fed`` nodes were fed to the draft (its cache holds them; the others, chosen
+    by the last expansion step, have no children). The rows of a round have as many nodes and fed nodes."""
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
+    fed: int = 0
 
     def add(self, token: int, parent: int) -> None:
         self.tokens.append(token)
@@ -506,53 +516,58 @@ class Drafter:
     ) -> list[DraftTree]:
         """A draft tree per row below its root, the last column of the draft's cache (``context`` ``[B, C]``: its 2D
         mask, the roots' column last; ``root_positions`` ``[B]``; ``logits`` ``[B, V]``: the draft's after each
-        root), with ``sizes[d]`` nodes at depth ``d + 1``: each level keeps, per row, the children of the previous
-        level's nodes with the highest cumulative draft log-probability (``scores(row, logits [1, V], path tokens)``
-        gives a node's log-probs).
+        root), grown in ``len(sizes)`` steps, step ``d`` adding ``sizes[d]`` nodes per row: the candidates with the
+        highest cumulative draft log-probability (``scores(row, logits [1, V], path tokens)`` gives a node's
+        log-probs; each fed node offers its top ``tree_branching``). Candidates are the children of the nodes the
+        previous step added (``tree_expansion="level"``: step ``d`` adds depth ``d + 1``), or every candidate not
+        taken yet (``"global"``).
 
-        One draft forward per level but the last; afterwards the cache also holds every node of the levels before
-        the last, breadth first.
+        One draft forward per step but the last (it feeds that step's nodes); afterwards the cache also holds the
+        fed nodes, in tree order.
         """
         rows = logits.shape[0]
         trees = [DraftTree() for _ in range(rows)]
-        level_logits = logits[:, None]  # [B, 1 frontier node, V]
-        frontier = [[(0.0, -1)] for _ in range(rows)]  # (cumulative log-prob, node) per row
-        for depth, size in enumerate(sizes, start=1):
+        keep_pool = self.settings.tree_expansion == "global"
+        pools: list[list[tuple[float, int, int]]] = [[] for _ in range(rows)]  # (score, parent, token) untaken
+        newest = [[(0.0, -1)] for _ in range(rows)]  # the last fed nodes: (cumulative log-prob, node) per row
+        node_logits = logits[:, None]  # [B, newest nodes, V]
+        for step, size in enumerate(sizes, start=1):
             for row, tree in enumerate(trees):
-                grown = self._grow(tree, frontier[row], level_logits[row], size, functools.partial(scores, row))
-                frontier[row] = grown
-            if depth == len(sizes):
+                offered = self._children(tree, newest[row], node_logits[row], functools.partial(scores, row))
+                pool = sorted(offered + pools[row], key=lambda candidate: -candidate[0])
+                pools[row] = pool[size:] if keep_pool else []
+                newest[row] = []
+                for score, parent, token in pool[:size]:
+                    newest[row].append((score, len(tree.tokens)))
+                    tree.add(token, parent)
+            if step == len(sizes):
                 break
             start = len(trees[0].tokens) - size
             fed = torch.tensor([tree.tokens[start:] for tree in trees], device=logits.device)
             visible = torch.stack([tree.sees()[start:] for tree in trees])  # [B, size, nodes so far]
             tree_mask = tree_attention_mask(context, visible, model_dtype(self.model))
-            node_positions = root_positions[:, None] + torch.tensor(trees[0].depths[start:], device=logits.device)
-            level_logits = self.forward(fed, tree_mask, node_positions, keep=size).reshape(rows, size, -1)
+            depths = torch.tensor([tree.depths[start:] for tree in trees], device=logits.device)
+            node_logits = self.forward(fed, tree_mask, root_positions[:, None] + depths, keep=size)
+            node_logits = node_logits.reshape(rows, size, -1)
+            for tree in trees:
+                tree.fed = len(tree.tokens)
         return trees
 
-    def _grow(
+    def _children(
         self,
         tree: DraftTree,
-        frontier: list[tuple[float, int]],
+        nodes: list[tuple[float, int]],
         logits: torch.Tensor,
-        size: int,
         scores: Callable[[torch.Tensor, list[int]], torch.Tensor],
-    ) -> list[tuple[float, int]]:
-        """Add to ``tree`` the ``size`` children of the ``frontier`` nodes (``(cumulative log-prob, node)``, their
-        draft logits ``[len(frontier), V]``) with the highest cumulative log-probability; returns them as the next
-        frontier."""
+    ) -> list[tuple[float, int, int]]:
+        """The candidates ``(cumulative log-prob, parent, token)`` that ``nodes`` (``(cumulative log-prob, node)``,
+        their draft logits ``[len(nodes), V]``) offer: each node's top ``tree_branching`` continuations."""
         candidates = []
-        for slot, (score, node) in enumerate(frontier):
+        for slot, (score, node) in enumerate(nodes):
             log_probs = scores(logits[slot : slot + 1], [tree.tokens[n] for n in tree.path(node)])
             top = log_probs.topk(min(self.settings.tree_branching, log_probs.shape[-1]))
             candidates += [(score + float(v), node, int(t)) for v, t in zip(top.values, top.indices, strict=True)]
-        candidates.sort(key=lambda candidate: -candidate[0])
-        grown = []
-        for score, parent, token in candidates[:size]:
-            grown.append((score, len(tree.tokens)))
-            tree.add(token, parent)
-        return grown
+        return candidates
 
     def forward(
         self, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, keep: int = 1

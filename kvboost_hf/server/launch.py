@@ -14,7 +14,7 @@ from kvboost_hf.core.config import RepairConfig
 from kvboost_hf.core.settings import add_settings_arguments, settings_from_args, settings_values
 from kvboost_hf.hf.grammar import GrammarLimits
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
-from kvboost_hf.hf.speculative import DraftSettings
+from kvboost_hf.hf.speculative import TREE_EXPANSIONS, DraftSettings
 from kvboost_hf.offload.settings import LayerStreaming
 from kvboost_hf.server.settings import REUSE_MODES, ServerSettings
 from kvboost_hf.store.config import StoreConfig
@@ -65,6 +65,7 @@ SETTINGS_FLAGS: tuple[tuple[type, str, dict], ...] = (
         "speculative decoding",
         {
             "names": {"early_exit_layers": "draft-early-exit"},
+            "choices": {"tree_expansion": TREE_EXPANSIONS},
             "exclude": ("confidence_threshold", "schedule"),  # transformers' assisted generation only
         },
     ),
