@@ -487,6 +487,7 @@ def test_the_adaptive_budget_follows_the_measured_cost_ratio():
     assert settings.adaptive_budget(timed(1.0, -1e-4), rows=1) == 256  # no measurable per-node cost
     assert settings.adaptive_budget(VerifyCosts(), rows=1) == 256
     assert settings.adaptive_budget(timed(1.0, 0.0, nodes=(257,)), rows=1) == 1
+    assert settings.adaptive_budget(timed(1.0, 0.0, nodes=(2, 2)), rows=1) == 256  # one-node rounds only: up again
     with pytest.raises(ValueError, match="tree_budget"):
         DraftSettings(adaptive_tree_budget=True)
     with pytest.raises(ValueError, match="tree_overhead"):

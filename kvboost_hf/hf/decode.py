@@ -240,7 +240,8 @@ class DecodeLoop:
         draft: speculative decoding with this drafter (fresh, unused: the loop runs its prefill), or None.
 
     ``forwards`` counts target model forwards (prefill and shared prefixes included; the draft's are
-    ``draft.forwards``), ``verify_forwards`` those of them that verified draft tokens (one per speculative step);
+    ``draft.forwards``), ``verify_forwards`` those of them that verified draft tokens (one per speculative step,
+    and the prompt forward when it verified the first tree);
     ``streamed_bytes`` the bytes the target's layer streamer copied during this loop's prefills and steps (an
     early-exit draft's forwards on the target included; None when the target is not streamed);
     ``computed_tokens`` the prompt tokens computed (not loaded) for all rows. Call

@@ -125,10 +125,12 @@ class DraftSettings:
         """The tree budget per row for a verify forward of ``rows`` rows, from the verify forwards timed so far:
         ``tree_overhead * fixed / (per_node * rows)`` nodes (the extra nodes cost at most that share of the
         forward's fixed cost), between 1 and ``tree_budget``; ``tree_budget`` when nodes cost nothing measurable.
-        Until two different node counts were timed it explores: ``tree_budget`` first, then a single node."""
+        Until two different node counts were timed it explores: ``tree_budget`` first, then a single node (or
+        ``tree_budget`` again when the timed count is already one node a row)."""
         fit = costs.fit()
         if fit is None:
-            return 1 if costs.samples else self.tree_budget
+            one_node_rounds = bool(costs.samples) and costs.samples[-1][0] <= 2 * rows  # a node and its root a row
+            return self.tree_budget if not costs.samples or one_node_rounds else 1
         fixed, per_node = fit
         if per_node <= 0.0:
             return self.tree_budget
