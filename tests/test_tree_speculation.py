@@ -548,3 +548,23 @@ def test_draft_ranks_place_the_targets_greedy_tokens_among_the_drafts_prediction
     order = logits.argsort(-1, descending=True)
     assert other["ranks"] == [int((order[i] == t).nonzero()) + 1 for i, t in enumerate(tokens)]
     assert any(rank > 1 for rank in other["ranks"])
+
+
+def test_the_engine_keeps_one_verify_record_across_calls(draft):
+    """An engine's adaptive drafters share its ``verify_costs``: timed forwards accumulate over calls, and the
+    output is the engine's without a draft."""
+    from test_speculative import word_tokenizer, words
+
+    from kvboost_hf import KVBoost
+
+    model = make_tiny_model("llama", seed=0)
+    settings = DraftSettings(num_draft_tokens=4, tree_budget=16, tree_branching=3, adaptive_tree_budget=True)
+    engine = KVBoost(model, word_tokenizer(), chunking=16, draft_model=draft, draft=settings)
+    plain = KVBoost(model, word_tokenizer(), chunking=16)
+    first = engine.generate(words(31, 20), max_new_tokens=12)
+    timed_once = len(engine.verify_costs.samples)
+    second = engine.generate(words(32, 20), max_new_tokens=12)
+    assert 0 < timed_once < len(engine.verify_costs.samples)
+    assert first.verify_forwards > 1 and second.verify_forwards > 1
+    for result, seed in ((first, 31), (second, 32)):
+        assert result.output_ids == plain.generate(words(seed, 20), max_new_tokens=12).output_ids
