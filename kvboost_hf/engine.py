@@ -28,7 +28,7 @@ from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, left_pad
 from kvboost_hf.hf.models import CACHE_ARGUMENT, check_model_support, load_model_and_tokenizer, model_dtype
 from kvboost_hf.hf.prefill import forward
 from kvboost_hf.hf.sampling import SamplingParams
-from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftSource, resolve_draft
+from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftSource, VerifyCosts, resolve_draft
 from kvboost_hf.offload import LayerStreaming, layer_streamer
 from kvboost_hf.offload.loading import load_streamed_model
 from kvboost_hf.results import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
@@ -158,6 +158,7 @@ class InferenceEngine:
         self.draft_settings.check(self.model, self.draft_model)
         self.speculative = draft_model is not None or self.draft_settings.early_exit_layers is not None
         self._decode_totals = dict.fromkeys(DECODE_TOTALS, 0)
+        self.verify_costs = VerifyCosts()  # the target's timed verify forwards (adaptive tree budget)
 
     @classmethod
     def from_pretrained(
@@ -496,14 +497,14 @@ class InferenceEngine:
         if not self.speculative:
             return None
         if self.draft_model is None:
-            return Drafter(self.model, self.draft_settings)
+            return Drafter(self.model, self.draft_settings, costs=self.verify_costs)
         draft_cache = None
         if mode is not GenerationMode.BASELINE:
             owner, model = (self._draft_engine, None) if self._draft_engine is not None else (self, self.draft_model)
             draft_cache = functools.partial(
                 owner.new_cache, mode, cache_salt, segment_starts, repair, model=model, adapter=False
             )
-        return Drafter(self.draft_model, self.draft_settings, draft_cache)
+        return Drafter(self.draft_model, self.draft_settings, draft_cache, self.verify_costs)
 
     def _result(
         self,

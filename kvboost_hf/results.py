@@ -31,7 +31,8 @@ class GenerationResult:
     # Decoding work (speculative decoding: the draft proposes, one target forward verifies several tokens).
     target_forwards: int = 0  # forwards of the target in this call, prefill included (a batch's rows share them)
     tokens_per_target_forward: float = 0.0  # generated tokens / target_forwards (1.0 for plain single-row decoding)
-    verify_forwards: int = 0  # target forwards that verified draft tokens (one per speculative step; 0 without)
+    verify_forwards: int = 0  # target forwards that verified draft tokens (each speculative step, the prompt's
+    # forward when it verified the first tree; 0 without a draft)
     draft_tokens_proposed: int = 0  # draft tokens (tree nodes) the target verified, all rows of the batch
     draft_tokens_accepted: int = 0  # proposed tokens the target kept
     # draft_tokens_accepted / verify_forwards: each verify also yields one token of the target's own (None: no draft)

@@ -112,3 +112,20 @@ def test_packed_embedded_model_streamed_equals_resident(tmp_path):
     expected = engine_reference(engine, prompt, 8).tokens  # transformers' generate() on the resident int4 model
     assert "Paris" in engine.tokenizer.decode(expected)
     assert streamed == [expected] * 2
+
+
+def test_round_trip_gives_a_model_the_packed_int4_weights():
+    """``round_trip_int4`` (the bench's ``rtn4`` draft): every decoder-layer linear weight becomes exactly what the
+    packer stores for it, dequantized; embeddings, norms and the head stay as they were."""
+    from kvboost_hf.tools.awq_pack import round_trip_int4
+
+    original = make_tiny_model("llama", seed=2)
+    model = make_tiny_model("llama", seed=2)
+    assert round_trip_int4(model, group_size=32) == 7 * original.config.num_hidden_layers  # q k v o gate up down
+    for (name, before), after in zip(original.named_parameters(), model.parameters(), strict=True):
+        if ".layers." in name and before.dim() == 2:
+            packed = quantize_linear(before.detach(), 32)
+            assert torch.equal(after, dequantize_linear(packed["qweight"], packed["qzeros"], packed["scales"], 32))
+            assert not torch.equal(after, before), name
+        else:
+            assert torch.equal(after, before), name

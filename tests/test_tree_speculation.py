@@ -13,7 +13,7 @@ from test_decode import CHUNKING, EOS, as_text
 from test_speculative import _chi_square
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, DecodeLoop, DecodeRequest, SamplingParams
-from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftTree, acceptance_by_depth
+from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftTree, VerifyCosts, acceptance_by_depth
 from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
 
 
@@ -89,6 +89,38 @@ def test_greedy_rows_with_a_tree_equal_decoding_without_a_draft(target, draft, b
         assert [row.tokens for row in again.rows] == [row.tokens for row in plain.rows]
 
 
+@pytest.mark.parametrize(("budget", "reuse"), [(3, False), (24, True), (64, False)])
+def test_global_expansion_gives_rows_their_own_shapes_and_the_same_tokens(budget, reuse):
+    """``tree_expansion="global"``: a step may add nodes at any depth it reached (here a sharpened head, so the
+    draft is sure at some positions and not at others), so the rows' trees differ in shape (per-row positions and
+    fed nodes); greedy rows still equal decoding without a draft."""
+    target = make_tiny_model("llama", seed=0)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(6)
+    draft = noisy_copy(target, 0.35, seed=11)
+    requests = [DecodeRequest(p, 14, SamplingParams(temperature=0)) for p in prompts()]
+    plain = decode(target, requests)
+    settings = DraftSettings(num_draft_tokens=6, tree_budget=budget, tree_branching=3, tree_expansion="global")
+    drafter = Drafter(draft, settings)
+    shapes: list[list[list[int]]] = []
+    propose = drafter.propose
+
+    def recording(*args):
+        trees = propose(*args)
+        shapes.append([tree.depths for tree in trees])
+        return trees
+
+    drafter.propose = recording  # type: ignore[method-assign]
+    store = ChunkStore() if reuse else None
+    new_cache = (lambda: ChunkReuseCache(store, target, CHUNKING, adapter=False)) if store is not None else None
+    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=new_cache, chunking=CHUNKING,
+                      pad_token_id=0, draft=drafter)  # fmt: skip
+    loop.run()
+    assert [row.tokens for row in loop.rows] == [row.tokens for row in plain.rows]
+    if budget > 6:  # wide enough for a step to reach back: some round's rows were shaped differently
+        assert any(len({tuple(depths) for depths in round_}) > 1 for round_ in shapes)
+
+
 def test_a_wider_tree_takes_more_tokens_per_target_forward(target, draft):
     requests = [DecodeRequest(p, 24, SamplingParams(temperature=0)) for p in prompts()]
     chain = decode(target, requests, DraftSettings(num_draft_tokens=6), draft)
@@ -157,7 +189,8 @@ def streamed_engines(draft):
 
 def test_tree_generation_counters_add_up(streamed_engines):
     """Greedy, one row: each target forward yields one token of its own plus the draft tokens it accepted; every
-    forward but the prefill verified at most ``tree_budget`` nodes; the engine's totals and bytes follow."""
+    forward, the prompt's included (it verifies the first tree), verified at most ``tree_budget`` nodes; the
+    engine's totals and bytes follow."""
     from test_speculative import words
 
     plain_engine, engine = streamed_engines
@@ -168,7 +201,7 @@ def test_tree_generation_counters_add_up(streamed_engines):
     after = engine.cache_stats()
     assert result.output_ids == plain.output_ids
     assert result.generated_tokens == result.target_forwards + result.draft_tokens_accepted
-    assert 0 < result.verify_forwards <= result.target_forwards - 1
+    assert result.verify_forwards == result.target_forwards
     assert 0 < result.draft_tokens_proposed <= TREE.tree_budget * result.verify_forwards
     assert result.draft_tokens_accepted_per_verify == result.draft_tokens_accepted / result.verify_forwards > 0
     assert result.streamed_bytes_per_token == result.streamed_bytes / result.generated_tokens
@@ -190,7 +223,7 @@ def test_batch_counters_bound_the_verified_nodes(target, draft):
     loop = decode(target, requests, TREE, draft)
     proposed = sum(row.draft_proposed for row in loop.rows)
     assert 0 < proposed <= len(requests) * TREE.tree_budget * loop.verify_forwards
-    assert 0 < loop.verify_forwards <= loop.forwards - 1 and loop.streamed_bytes is None
+    assert loop.verify_forwards == loop.forwards and loop.streamed_bytes is None
 
 
 @pytest.mark.parametrize("ending", ["length", "end-token"])
@@ -214,6 +247,40 @@ def test_a_row_ending_on_a_proposed_token_counts_it_as_the_forwards_own(target, 
     assert loop.verify_forwards == len(row.draft_rounds)
 
 
+@pytest.mark.parametrize("max_new_tokens", [10, 12])
+def test_the_prompt_forward_verifies_the_first_draft(target, max_new_tokens):
+    """An identical draft, a chain of 4: every forward, the prompt's included, yields 5 tokens, so ``N`` tokens take
+    ceil(N / 5) target forwards (without the fold the prompt forward yielded one: 1 + ceil((N - 1) / 5), one
+    more), with the tokens of decoding without a draft."""
+    prompt = prompts()[0]
+    request = DecodeRequest(prompt, max_new_tokens, SamplingParams(temperature=0))
+    plain = decode(target, [request])
+    loop = decode(target, [request], DraftSettings(num_draft_tokens=4), target)
+    assert loop.rows[0].tokens == plain.rows[0].tokens
+    assert loop.forwards == -(-max_new_tokens // 5) == 1 + -(-(max_new_tokens - 1) // 5) - 1
+    assert loop.verify_forwards == loop.forwards and loop.rows[0].draft_rounds[0] == (4, False)
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["plain", "chunk-reuse"])
+def test_rows_of_one_prompt_share_the_folded_first_tree(target, draft, reuse):
+    """Rows with one prompt (prefilled as one row, then repeated) each verify the first tree with their own
+    choices: greedy and two seeded rows draw what they draw without a draft."""
+    prompt = prompts()[2]
+    samplings = [SamplingParams(temperature=0), *(SamplingParams(temperature=0.9, seed=seed) for seed in (1, 2))]
+    requests = [DecodeRequest(prompt, 12, sampling) for sampling in samplings]
+    plain = decode(target, requests)
+    store = ChunkStore() if reuse else None
+    new_cache = (lambda: ChunkReuseCache(store, target, CHUNKING, adapter=False)) if store is not None else None
+    drafter = Drafter(draft, DraftSettings(num_draft_tokens=4, tree_budget=12, tree_branching=3))
+    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=new_cache, chunking=CHUNKING,
+                      pad_token_id=0, draft=drafter)  # fmt: skip
+    loop.prefill()
+    assert loop.forwards == loop.verify_forwards == 1 and all(len(row.draft_rounds) == 1 for row in loop.rows)
+    while not loop.done:
+        loop.step()
+    assert [row.tokens for row in loop.rows] == [row.tokens for row in plain.rows]
+
+
 def test_server_metrics_expose_the_tree_counters(streamed_engines):
     from test_speculative import scrape_metrics, words
 
@@ -230,13 +297,14 @@ def test_acceptance_by_depth_counts_the_rounds_that_reached_each_depth():
     assert acceptance_by_depth([]) == []
 
 
-@pytest.mark.parametrize("budget", [0, 12], ids=["chain", "tree"])
-def test_every_expanded_node_starts_with_the_drafts_own_choice(target, draft, budget):
+@pytest.mark.parametrize(("budget", "expansion"), [(0, "level"), (12, "level"), (12, "global")],
+                         ids=["chain", "tree", "global-tree"])  # fmt: skip
+def test_every_expanded_node_starts_with_the_drafts_own_choice(target, draft, budget, expansion):
     """Within a round (the draft's tree-masked forwards) and across rounds (its cache after each compaction), the
     draft sees exactly the node's sequence: the first child of every expanded node (the best of its siblings) is the
     draft's argmax after the row's tokens and the node's path, computed from scratch. Round records add up."""
     requests = [DecodeRequest(p, 20, SamplingParams(temperature=0)) for p in prompts()]
-    drafter = Drafter(draft, DraftSettings(num_draft_tokens=5, tree_budget=budget))
+    drafter = Drafter(draft, DraftSettings(num_draft_tokens=5, tree_budget=budget, tree_expansion=expansion))
     loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=None, chunking=CHUNKING,
                       pad_token_id=0, draft=drafter)  # fmt: skip
     assert loop.draft is not None
@@ -381,3 +449,122 @@ def test_tree_benchmark_rows_follow_from_the_counts(tmp_path):
     assert speculative_tree.report(result).split("\n")[3].split()[:4] == ["5", "2.67", "3.50", "5.0"]
     speculative_tree.plot(result, tmp_path / "tree.png")
     assert (tmp_path / "tree.png").stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------------------------------- adaptive budget
+def timed(fixed: float, per_node: float, nodes=(13, 13, 2, 40)) -> VerifyCosts:
+    """Verify forwards timed on an exact line ``fixed + per_node * nodes``."""
+    costs = VerifyCosts()
+    for count in nodes:
+        costs.add(count, fixed + per_node * count)
+    return costs
+
+
+def test_verify_costs_fit_the_fixed_and_the_per_node_cost():
+    fixed, per_node = timed(2.0, 1e-3).fit() or (0.0, 0.0)
+    assert fixed == pytest.approx(2.0) and per_node == pytest.approx(1e-3)
+    assert timed(2.0, 1e-3, nodes=(5, 5, 5)).fit() is None  # one node count: no slope yet
+    window = VerifyCosts(window=3)
+    for count in (2, 9, 9, 9):
+        window.add(count, 1.0)
+    assert window.fit() is None  # the 2-node sample left the window: explore again
+
+
+def test_the_adaptive_budget_follows_the_measured_cost_ratio():
+    """Streamed (a 2 s fixed cost, 0.1 ms a node): the largest budget; resident (20 ms fixed, 2 ms a node): a
+    quarter of the fixed cost buys 2 nodes a row (1 for 2 rows); explores the cap, then one node, before a fit."""
+    settings = DraftSettings(num_draft_tokens=16, tree_budget=256, adaptive_tree_budget=True)
+    assert settings.adaptive_budget(timed(2.0, 1e-4), rows=1) == 256
+    assert settings.adaptive_budget(timed(0.02, 2e-3), rows=1) == 2
+    assert settings.adaptive_budget(timed(0.02, 2e-3), rows=2) == 1
+    assert (
+        DraftSettings(tree_budget=256, adaptive_tree_budget=True, tree_overhead=2.0).adaptive_budget(
+            timed(0.02, 2e-3), rows=1
+        )
+        == 20
+    )
+    assert settings.adaptive_budget(timed(0.5, 1e-2), rows=1) == 12
+    assert settings.adaptive_budget(timed(1.0, -1e-4), rows=1) == 256  # no measurable per-node cost
+    assert settings.adaptive_budget(VerifyCosts(), rows=1) == 256
+    assert settings.adaptive_budget(timed(1.0, 0.0, nodes=(257,)), rows=1) == 1
+    assert settings.adaptive_budget(timed(1.0, 0.0, nodes=(2, 2)), rows=1) == 256  # one-node rounds only: up again
+    with pytest.raises(ValueError, match="tree_budget"):
+        DraftSettings(adaptive_tree_budget=True)
+    with pytest.raises(ValueError, match="tree_overhead"):
+        DraftSettings(tree_budget=8, adaptive_tree_budget=True, tree_overhead=0.0)
+
+
+class FrozenCosts(VerifyCosts):
+    """Fixed timings; the loop's own timed forwards are kept aside in ``added``."""
+
+    def __init__(self, costs: VerifyCosts) -> None:
+        super().__init__()
+        self.samples, self.added = costs.samples, []
+
+    def add(self, nodes: int, seconds: float) -> None:
+        self.added.append((nodes, seconds))
+
+
+def test_the_loop_uses_and_feeds_the_adaptive_budget(target, draft):
+    """Timings that allow 3 nodes a row: every tree holds 3 nodes (the prompt's included), the tokens are plain
+    greedy's, and each speculative step hands its timed verify forward (nodes with the root) to the costs."""
+    settings = DraftSettings(num_draft_tokens=4, tree_budget=64, tree_branching=3, adaptive_tree_budget=True)
+    costs = FrozenCosts(timed(0.03, 2.5e-3))  # 0.25 * 0.03 / 0.0025 = 3 nodes a row
+    requests = [DecodeRequest(prompts()[0], 12, SamplingParams(temperature=0))]
+    plain = decode(target, requests)
+    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=None, chunking=CHUNKING,
+                      pad_token_id=0, draft=Drafter(draft, settings, costs=costs))  # fmt: skip
+    loop.run()
+    (row,) = loop.rows
+    assert row.tokens == plain.rows[0].tokens
+    assert row.draft_proposed == 3 * loop.verify_forwards  # 12 tokens: every round had room for 3 levels
+    assert len(costs.added) == loop.verify_forwards - 1  # the prompt forward is not timed
+    assert all(nodes == 4 and seconds > 0 for nodes, seconds in costs.added)
+
+
+def test_server_flags_set_the_adaptive_budget():
+    import argparse
+
+    from kvboost_hf.core.settings import settings_from_args
+    from kvboost_hf.server.launch import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--tree-budget", "128", "--adaptive-tree-budget", "--tree-overhead", "0.5"])
+    settings = settings_from_args(DraftSettings, args)
+    assert (settings.tree_budget, settings.adaptive_tree_budget, settings.tree_overhead) == (128, True, 0.5)
+
+
+def test_draft_ranks_place_the_targets_greedy_tokens_among_the_drafts_predictions(target, draft):
+    from kvboost_hf.bench import speculative_tree
+
+    prompt = prompts()[0]
+    tokens = decode(target, [DecodeRequest(prompt, 10, SamplingParams(temperature=0))]).rows[0].tokens
+    own = speculative_tree.draft_ranks(target, target, prompt, tokens)
+    assert own["ranks"] == [1] * 10 and all(own["target_agrees"])
+    other = speculative_tree.draft_ranks(target, draft, prompt, tokens)
+    with torch.no_grad():
+        logits = draft(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    order = logits.argsort(-1, descending=True)
+    assert other["ranks"] == [int((order[i] == t).nonzero()) + 1 for i, t in enumerate(tokens)]
+    assert any(rank > 1 for rank in other["ranks"])
+
+
+def test_the_engine_keeps_one_verify_record_across_calls(draft):
+    """An engine's adaptive drafters share its ``verify_costs``: timed forwards accumulate over calls, and the
+    output is the engine's without a draft."""
+    from test_speculative import word_tokenizer, words
+
+    from kvboost_hf import KVBoost
+
+    model = make_tiny_model("llama", seed=0)
+    settings = DraftSettings(num_draft_tokens=4, tree_budget=16, tree_branching=3, adaptive_tree_budget=True)
+    engine = KVBoost(model, word_tokenizer(), chunking=16, draft_model=draft, draft=settings)
+    plain = KVBoost(model, word_tokenizer(), chunking=16)
+    first = engine.generate(words(31, 20), max_new_tokens=12)
+    timed_once = len(engine.verify_costs.samples)
+    second = engine.generate(words(32, 20), max_new_tokens=12)
+    assert 0 < timed_once < len(engine.verify_costs.samples)
+    assert first.verify_forwards > 1 and second.verify_forwards > 1
+    for result, seed in ((first, 31), (second, 32)):
+        assert result.output_ids == plain.generate(words(seed, 20), max_new_tokens=12).output_ids

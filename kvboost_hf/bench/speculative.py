@@ -8,6 +8,9 @@ The embedded SmolLM2-135M is the target (resident). Drafts that need no second c
 * ``earlyN``: the target's own first N layers and head (transformers' ``assistant_early_exit``);
 * ``awq``: the target packed to AWQ int4 (group size 64, :mod:`kvboost_hf.tools.awq_pack`) and loaded in fp16
   through gptqmodel (the ``awq`` extra): the resident draft of a full-precision streamed target.
+* ``rtn4``: the same int4 weights as ``awq``, dequantized into a copy in the target's dtype
+  (:func:`~kvboost_hf.tools.awq_pack.round_trip_int4`): the int4 copy's function without gptqmodel's slow CPU kernel
+  (its logits differ from ``awq``'s by fp16 rounding only).
 
 With ``--streaming`` the same runs repeat with the target's decoder layers streamed (all but the first and the
 last, :mod:`kvboost_hf.offload`), where each target forward pays for copying the weights and the streamed bytes
@@ -38,10 +41,10 @@ from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_resul
 from kvboost_hf.corpus import sample_prompts
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.models import embedded_model_dir, load_model_and_tokenizer
-from kvboost_hf.hf.speculative import DraftSettings
+from kvboost_hf.hf.speculative import TREE_EXPANSIONS, DraftSettings
 from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
 from kvboost_hf.results import GenerationResult
-from kvboost_hf.tools.awq_pack import pack_checkpoint
+from kvboost_hf.tools.awq_pack import pack_checkpoint, round_trip_int4
 
 
 def expected_tokens_per_verify(a: float, g: int) -> float:
@@ -51,15 +54,15 @@ def expected_tokens_per_verify(a: float, g: int) -> float:
 
 
 def draft_engine(target: InferenceEngine, kind: str, model: str | None = None) -> InferenceEngine:
-    """An engine on the target's model and store with the draft named ``kind`` (copy, bf16, awq or earlyN).
+    """An engine on the target's model and store with the draft named ``kind`` (copy, bf16, awq, rtn4 or earlyN).
     ``copy``, ``bf16`` and ``awq`` load ``model`` (hub name or directory, a local directory for ``awq``; ``None``:
     the embedded model): the target's own for a copy of it, or a smaller checkpoint with the target's tokenizer."""
     if match := re.fullmatch(r"early(\d+)", kind):
         size, store, exit_layers = target.chunking.chunk_size, target.store, int(match.group(1))
         draft_settings = DraftSettings(early_exit_layers=exit_layers)
         return InferenceEngine(target.model, target.tokenizer, chunking=size, store=store, draft=draft_settings)
-    if kind not in ("copy", "bf16", "awq"):
-        raise ValueError(f"unknown draft {kind!r}: use copy, bf16, awq or earlyN (N layers of the target)")
+    if kind not in ("copy", "bf16", "awq", "rtn4"):
+        raise ValueError(f"unknown draft {kind!r}: use copy, bf16, awq, rtn4 or earlyN (N layers of the target)")
     if kind == "awq":
         packed = Path(tempfile.mkdtemp(prefix="kvboost-awq-draft-"))
         pack_checkpoint(model if model is not None else embedded_model_dir(), packed, group_size=64)
@@ -67,6 +70,8 @@ def draft_engine(target: InferenceEngine, kind: str, model: str | None = None) -
     else:
         dtype = torch.bfloat16 if kind == "bf16" else target.model.dtype
         draft, _ = load_model_and_tokenizer(model, device=target.device, dtype=dtype)
+        if kind == "rtn4":
+            round_trip_int4(draft, group_size=64)
     return InferenceEngine(
         target.model, target.tokenizer, chunking=target.chunking, store=target.store, draft_model=draft
     )
@@ -204,8 +209,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--drafts",
         default=None,
-        help="comma list of copy, bf16, awq, earlyN (default copy,bf16,early20; with --tree-budgets the first one, "
-        "default awq when gptqmodel is installed, else bf16)",
+        help="comma list of copy, bf16, awq, rtn4, earlyN (default copy,bf16,early20; with --tree-budgets the first "
+        "one, default awq when gptqmodel is installed, else bf16)",
     )
     parser.add_argument("--draft-lengths", default="1,2,3,4,5,6,7,8", help="comma list of draft tokens per round")
     parser.add_argument("--prompts", type=int, default=2)
@@ -216,18 +221,28 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--tree-budgets",
         default=None,
-        help="comma list of draft tree budgets (0: a chain): run the tree benchmark on a streamed target instead",
+        help="comma list of draft tree budgets (0: a chain; auto: the adaptive budget): run the tree benchmark on a "
+        "streamed target instead",
     )
     parser.add_argument("--tree-depth", type=int, default=16, help="levels of the draft tree (the chain's length)")
     parser.add_argument("--tree-branching", type=int, default=2, help="children per expanded tree node")
+    parser.add_argument(
+        "--tree-expansion", choices=TREE_EXPANSIONS, default="level", help="how trees grow (level, global)"
+    )
+    parser.add_argument(
+        "--resident-rows",
+        action="store_true",
+        help="tree benchmark: decode the plain and fixed-budget rows on the resident target (the same tokens and "
+        "forwards), counting the bytes streaming copies per forward; only auto and the verify timing stream",
+    )
     args = parser.parse_args(argv)
     if args.tree_budgets is not None:
-        budgets = [int(n) for n in args.tree_budgets.split(",")]
+        budgets: list[int | str] = [n if n == "auto" else int(n) for n in args.tree_budgets.split(",")]
         draft = args.drafts.split(",")[0] if args.drafts else speculative_tree.default_draft()
         target = InferenceEngine.from_pretrained(chunking=args.chunk_size)
         result = speculative_tree.run(target, draft_engine(target, draft), draft, budgets, args.tree_depth,
                                       args.tree_branching, args.prompts, args.max_new_tokens,
-                                      max(args.repeats, 3))  # fmt: skip
+                                      max(args.repeats, 3), args.resident_rows, args.tree_expansion)  # fmt: skip
         save_results(args.out, "speculative_tree", result, speculative_tree.report, speculative_tree.plot)
         return 0
     lengths = [int(g) for g in args.draft_lengths.split(",")]

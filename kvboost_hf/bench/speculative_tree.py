@@ -5,10 +5,13 @@ The embedded SmolLM2-135M is the target with all its decoder layers but the firs
 gptqmodel is installed) or its bfloat16 copy, resident. Each prompt is decoded greedily without a draft (plain
 streaming), then once per tree budget ``N`` (``N = 0``: a chain of ``--tree-depth`` tokens, the chain draft; else a
 tree of ``N`` nodes, ``--tree-depth`` levels deep, ``--tree-branching`` children per node), all in one run after an
-untimed warm-up call per prompt and model. Reported per row: tokens per target forward (prefill included) and per
-verify forward, streamed bytes per generated token and their ratio to plain streaming, draft forwards per token,
-the acceptance per draft depth (:func:`~kvboost_hf.hf.speculative.acceptance_by_depth`), CPU decode tok/s (one run
-on a shared machine: indicative only), and whether the output equals plain greedy.
+untimed warm-up call per prompt and model; ``auto`` in the list is the adaptive budget
+(``DraftSettings.adaptive_tree_budget``, at most the largest budget given, else 256). Reported per row: tokens per
+target forward (prefill included; with a draft the prompt forward verifies the first tree) and per verify forward,
+streamed bytes per generated token and their ratio to plain streaming, draft forwards per token, the acceptance per
+draft depth (:func:`~kvboost_hf.hf.speculative.acceptance_by_depth`), CPU decode tok/s (one run on a shared
+machine: indicative only), and whether the output equals plain greedy; for ``auto``, the fitted verify cost and the
+budget it chose.
 
 Also measured: the cost of one streamed verify forward over ``n`` tree nodes on this machine (median of
 ``--repeats`` forwards at the first prompt's length, ``n`` = 1 and each budget + 1), and its cost per node.
@@ -41,6 +44,7 @@ from kvboost_hf.hf.speculative import DraftSettings, acceptance_by_depth, tree_a
 from kvboost_hf.offload import LayerStreaming, enable_layer_streaming, layer_streamer
 
 PCIE_GB_S = {"pcie4_x16": 25.0, "pcie5_x16": 50.0}  # practical host-to-device bandwidths (estimate inputs)
+AUTO_CAP = 256  # the adaptive row's largest budget when no fixed budget is given
 
 
 def default_draft() -> str:
@@ -71,7 +75,7 @@ def decode_once(engine: InferenceEngine, text: str, max_new_tokens: int) -> dict
     }
 
 
-def summarise(runs: list[dict[str, Any]], plain: list[dict[str, Any]], budget: int | None) -> dict[str, Any]:
+def summarise(runs: list[dict[str, Any]], plain: list[dict[str, Any]], budget: int | str | None) -> dict[str, Any]:
     """One row from the runs of every prompt: sums of tokens, forwards and bytes, acceptance per depth."""
     tokens = sum(len(run["tokens"]) for run in runs)
     forwards = sum(run["target_forwards"] for run in runs)
@@ -86,7 +90,7 @@ def summarise(runs: list[dict[str, Any]], plain: list[dict[str, Any]], budget: i
         "generated_tokens": tokens,
         "target_forwards": forwards,
         "tokens_per_target_forward": tokens / forwards,
-        "tokens_per_verify": (tokens - len(runs)) / verifies if verifies else None,
+        "tokens_per_verify": 1 + accepted / verifies if verifies else None,  # its own token + accepted ones
         "nodes_per_verify": sum(run["proposed"] for run in runs) / verifies if verifies else None,
         "draft_forwards_per_token": sum(run["draft_forwards"] for run in runs) / tokens,
         "streamed_mb_per_token": streamed / tokens / 1e6,
@@ -96,6 +100,37 @@ def summarise(runs: list[dict[str, Any]], plain: list[dict[str, Any]], budget: i
         "cpu_tok_s": tokens / sum(run["seconds"] for run in runs),
         "estimated_gpu_tok_s": {link: gb_s * 1e9 * tokens / streamed for link, gb_s in PCIE_GB_S.items()},
         "outputs_identical": all(run["tokens"] == base["tokens"] for run, base in zip(runs, plain, strict=True)),
+    }
+
+
+def adaptive_choice(engine: InferenceEngine) -> dict[str, Any]:
+    """What the adaptive budget saw on ``engine``: its fit of the timed verify forwards and the budget it would
+    choose next for one row."""
+    fit = engine.verify_costs.fit()
+    return {
+        "timed_verifies": len(engine.verify_costs.samples),
+        "fixed_seconds": None if fit is None else fit[0],
+        "seconds_per_node": None if fit is None else fit[1],
+        "next_budget": engine.draft_settings.adaptive_budget(engine.verify_costs, rows=1),
+    }
+
+
+@torch.no_grad()
+def draft_ranks(target: PreTrainedModel, draft: PreTrainedModel, prompt_ids: list[int], tokens: list[int]) -> dict:
+    """Teacher-forced over the prompt and the target's greedy ``tokens``: at each generated position, the rank
+    (1 = the draft's argmax) of the target's token among the draft's predictions, and the draft's top probability
+    there. Two forwards, no cache: what the draft misses, independent of how rounds fall."""
+    sequence = torch.tensor([[*prompt_ids, *tokens]], device=next(target.parameters()).device)
+    start = len(prompt_ids) - 1  # the logits at position i predict token i + 1
+    logits = draft(sequence).logits[0, start:-1].float()
+    chosen = torch.tensor(tokens, device=logits.device)
+    ranks = (logits > logits.gather(1, chosen[:, None])).sum(1) + 1
+    confident = logits.softmax(-1).amax(-1)
+    target_logits = target(sequence).logits[0, start:-1]
+    return {
+        "ranks": ranks.tolist(),
+        "draft_top_probability": confident.tolist(),
+        "target_agrees": (target_logits.argmax(-1) == chosen).tolist(),  # greedy replayed (numerics check)
     }
 
 
@@ -127,29 +162,56 @@ def run(
     target: InferenceEngine,
     drafted: InferenceEngine,
     draft: str,
-    budgets: list[int],
+    budgets: list[int | str],
     depth: int,
     branching: int,
     prompts: int,
     max_new_tokens: int,
     repeats: int,
+    resident: bool = False,
+    expansion: str = "level",
 ) -> dict[str, Any]:
     """Plain streaming, then one row per budget, on ``target`` (resident until here; streamed from now on) and
-    ``drafted`` (an engine on the same model with the draft named ``draft``); ``repeats`` timed verify forwards."""
+    ``drafted`` (an engine on the same model with the draft named ``draft``); ``repeats`` timed verify forwards.
+    ``resident``: decode the plain and fixed-budget rows before streaming starts (the same tokens and forwards:
+    streaming is exact; much faster on a CPU) and count for each of their target forwards the bytes streaming
+    copies per forward (their CPU tok/s is then the resident target's); the ``auto`` row always runs streamed,
+    since it times the verify forwards it adapts to."""
     texts = sample_prompts(prompts)
     for engine in (target, drafted):  # untimed, resident: stores the prompts' chunks, pays one-time costs
         for text in texts:
             engine.generate(text, max_new_tokens=4)
+    fixed_budgets = [budget for budget in budgets if isinstance(budget, int)]
+    largest = max(fixed_budgets, default=0) or AUTO_CAP
+
+    def decode_row(budget: int | str | None) -> list[dict[str, Any]]:
+        engine, adaptive = (target, False) if budget is None else (drafted, budget == "auto")
+        if budget is not None:
+            drafted.draft_settings = DraftSettings(depth, tree_budget=largest if adaptive else int(budget),
+                                                   tree_branching=branching, tree_expansion=expansion,
+                                                   adaptive_tree_budget=adaptive)  # fmt: skip
+        return [decode_once(engine, text, max_new_tokens) for text in texts]
+
+    early = [None, *fixed_budgets] if resident else []
+    runs = {budget: decode_row(budget) for budget in tqdm(early, desc=f"resident rows, draft {draft}")}
     enable_layer_streaming(target.model, LayerStreaming(keep_first_k=1, keep_last_k=1))
     streamer = layer_streamer(target.model)
     assert streamer is not None, "streaming was just enabled"
-    plain = [decode_once(target, text, max_new_tokens) for text in texts]
+    for row_runs in runs.values():  # what streaming copies for each of their target forwards
+        for run_ in row_runs:
+            run_["streamed_bytes"] = run_["target_forwards"] * streamer.stats(settle=False).bytes_per_forward
+    for budget in tqdm([b for b in [None, *budgets] if b not in runs], desc=f"streamed rows, draft {draft}"):
+        runs[budget] = decode_row(budget)
+    plain = runs[None]
     rows = [summarise(plain, plain, None)]
-    for budget in tqdm(budgets, desc=f"tree budgets, draft {draft}"):
-        drafted.draft_settings = DraftSettings(depth, tree_budget=budget, tree_branching=branching)
-        runs = [decode_once(drafted, text, max_new_tokens) for text in texts]
-        rows.append(summarise(runs, plain, budget))
-    sizes = sorted({1, *(budget + 1 for budget in budgets if budget), depth + 1})
+    for budget in budgets:
+        rows.append(summarise(runs[budget], plain, budget))
+        if budget == "auto":
+            rows[-1]["adaptive"] = adaptive_choice(drafted)
+    draft_model = drafted.draft_model
+    ranks = None if draft_model is None else draft_ranks(target.model, draft_model, target.encode(texts[0]),
+                                                         plain[0]["tokens"])  # fmt: skip
+    sizes = sorted({1, *(budget + 1 for budget in fixed_budgets if budget), depth + 1})
     seconds = time_verify_forwards(target.model, target.encode(texts[0]), sizes, repeats)
     stats = streamer.stats()
     return {
@@ -160,12 +222,15 @@ def run(
         "draft": draft,
         "tree_depth": depth,
         "tree_branching": branching,
+        "tree_expansion": expansion,
         "prompts": prompts,
         "max_new_tokens": max_new_tokens,
+        "resident_rows": resident,
         "streamed_layers": stats.streamed_layers,
         "streamed_mb_per_forward": stats.bytes_per_forward / 1e6,
         "pcie_gb_s": PCIE_GB_S,
         "rows": rows,
+        "draft_ranks_first_prompt": ranks,
         "verify_seconds": {str(size): value for size, value in seconds.items()},
         "verify_ms_per_node": 1e3 * (seconds[sizes[-1]] - seconds[1]) / max(sizes[-1] - 1, 1),
     }
@@ -178,7 +243,8 @@ def _fmt(value: float | None, spec: str) -> str:
 def report(result: dict[str, Any]) -> str:
     lines = [
         f"streamed target: {result['streamed_layers']} layers, {result['streamed_mb_per_forward']:.0f} MB per forward;"
-        f" draft {result['draft']}, depth {result['tree_depth']}, branching {result['tree_branching']};"
+        f" draft {result['draft']}, depth {result['tree_depth']}, branching {result['tree_branching']},"
+        f" expansion {result.get('tree_expansion', 'level')};"
         f" {result['prompts']} prompts x {result['max_new_tokens']} new tokens, greedy",
         f"{'budget':>7} {'tok/fwd':>7} {'tok/verify':>10} {'nodes/verify':>12} {'MB/tok':>6} {'vs plain':>8} "
         f"{'draft fwd/tok':>13} {'a':>5} {'CPU tok/s':>9} {'GPU est. tok/s (PCIe4/5)':>24} {'same':>5}",
@@ -197,6 +263,17 @@ def report(result: dict[str, Any]) -> str:
     for row in result["rows"][1:]:
         rates = " ".join(f"{rate:.2f}" for rate in row["acceptance_by_depth"])
         lines.append(f"  budget {row['tree_budget']:>3}: {rates}")
+    for row in result["rows"]:
+        if "adaptive" in row:
+            choice = row["adaptive"]
+            lines.append(
+                f"  auto: {choice['timed_verifies']} timed verifies, fixed {_fmt(choice['fixed_seconds'], '.3f')}"
+                f" s + {_fmt(choice['seconds_per_node'], '.2e')} s per node -> budget {choice['next_budget']}"
+            )
+    ranks = result.get("draft_ranks_first_prompt")
+    if ranks:
+        pattern = "".join(str(rank) if rank < 10 else "+" for rank in ranks["ranks"])
+        lines.append(f"draft rank of the target's greedy token, teacher-forced, prompt 1 (+: >= 10): {pattern}")
     verify = ", ".join(f"{size} nodes {1e3 * s:.0f} ms" for size, s in result["verify_seconds"].items())
     lines.append(f"streamed verify forward on this machine: {verify}; {result['verify_ms_per_node']:.2f} ms per node")
     lines.append("GPU tok/s: ESTIMATE = PCIe bandwidth / streamed bytes per token (copy bound; no compute, no draft)")

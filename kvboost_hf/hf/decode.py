@@ -16,7 +16,8 @@ One :class:`DecodeLoop` runs a batch of rows (prompts of any lengths and prefixe
   row, one target forward verifies all rows' proposals, and each row takes its own choices position by position
   while they equal the proposals (then one more). Rows accept different counts; each row's rejected columns are
   dropped and the rows right-aligned, so the layout stays left-padded. A row with a grammar constraint (whose state
-  advances with every token it sees) takes one token per step.
+  advances with every token it sees) takes one token per step. The prompt forward verifies the first tree too (the
+  draft prefills the prompts and drafts before it), unless it is a sparse repair forward.
 
 Invariants: a row's positions and attention mask are exactly those ``generate()`` builds for a left-padded batch
 (a dropped column is left padding), so with temperature 0 each row yields the tokens it yields alone, and a row
@@ -36,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, PreTrainedModel
@@ -50,7 +52,7 @@ from kvboost_hf.hf.cache import (
     select_columns,
 )
 from kvboost_hf.hf.models import model_dtype
-from kvboost_hf.hf.prefill import RowReuse, forward
+from kvboost_hf.hf.prefill import RowReuse, forward, forward_inputs, run_forward
 from kvboost_hf.hf.sampling import SamplingParams, build_processors, choose_token
 from kvboost_hf.hf.speculative import Drafter, DraftTree, tree_attention_mask
 from kvboost_hf.offload.streamer import layer_streamer
@@ -240,7 +242,8 @@ class DecodeLoop:
             repair of non-prefix hits, which a cache makes for one row at a time); None: never.
 
     ``forwards`` counts target model forwards (prefill and shared prefixes included; the draft's are
-    ``draft.forwards``), ``verify_forwards`` those of them that verified draft tokens (one per speculative step);
+    ``draft.forwards``), ``verify_forwards`` those of them that verified draft tokens (one per speculative step,
+    and the prompt forward when it verified the first tree);
     ``streamed_bytes`` the bytes the target's layer streamer copied during this loop's prefills and steps (an
     early-exit draft's forwards on the target included; None when the target is not streamed);
     ``computed_tokens`` the prompt tokens computed (not loaded) for all rows. Call
@@ -355,13 +358,16 @@ class DecodeLoop:
         self.cache = self.new_cache() if self.new_cache is not None else DynamicCache()
         input_ids, self.mask = left_pad(prompts, self.pad_token_id, self.device)
         position_ids = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 1)
-        logits = self._forward(input_ids, position_ids)
+        logits, trees = self._prompt_forward(input_ids, position_ids)
         reuse = self.cache.last_reuse if isinstance(self.cache, ChunkReuseCache) else []
         loaded = [reuse[index].cached_tokens if index < len(reuse) else 0 for index in range(len(prompts))]
         self.computed_tokens = sum(len(p) - n for p, n in zip(prompts, loaded, strict=True))
         self.computed_tokens += sum(shared_computed.values())
         if repeats > 1:
             self.cache.batch_repeat_interleave(repeats)
+            if trees is not None and self.draft is not None and self.draft.cache is not None:
+                self.draft.cache.batch_repeat_interleave(repeats)
+                trees = [tree for tree in trees for _ in range(repeats)]
             input_ids, self.mask, position_ids, logits = (
                 tensor.repeat_interleave(repeats, dim=0) for tensor in (input_ids, self.mask, position_ids, logits)
             )
@@ -372,12 +378,69 @@ class DecodeLoop:
                 row.reuse = reuse[index]
                 row.reuse.cached_tokens = max(0, loaded[index] - shared_computed.get(index, 0))
             if row.request.keep_first_logits:
-                row.first_logits = logits[index].cpu()
-        self._advance(logits)
+                row.first_logits = logits[index, 0].cpu()
+        if trees is not None and self.draft is not None:
+            self._verify_trees(self.draft, trees, logits, self.mask, self.positions)
+            self._keep_running()
+            return
+        self._advance(logits[:, 0])
         if self.draft is not None and self.running:  # after the first tokens: the draft's prefill is not in the TTFT
             order = {id(row): i for i, row in enumerate(self.rows)}
             running = torch.tensor([order[id(row)] for row in self.running], device=self.device)
             self.draft.prefill(input_ids[running], self.mask, position_ids[running])
+
+    def _prompt_forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, list[DraftTree] | None]:
+        """The target's prompt forward (stored chunks loaded first). With a draft, a row that may take two tokens,
+        and a dense forward (not a sparse repair forward, whose K/V are scattered to the prompt's own columns), the
+        draft prefills the prompts first and proposes each row's first tree below its last prompt token, and this
+        forward verifies it too: one target forward fewer per generation (the draft's prefill then counts in the
+        time to first token). Returns the logits ``[B, 1 + nodes, V]`` (the last prompt token's, then each
+        node's) and the trees (None when nothing was drafted: ``[B, 1, V]``)."""
+        inputs = forward_inputs(self.cache, input_ids=input_ids, attention_mask=self.mask,
+                                position_ids=position_ids, logits_to_keep=1)  # fmt: skip
+        draft, budget = self.draft, max(row.request.max_new_tokens for row in self.rows)
+        sparse = isinstance(self.cache, ChunkReuseCache) and self.cache.expects_sparse_forward
+        trees = None
+        if draft is not None and budget > 1 and not sparse:
+            sizes = draft.level_sizes(budget - 1, len(self.rows))
+            first, roots = draft.prefill(input_ids, self.mask, position_ids), position_ids[:, -1]
+            rows = self.rows  # the prompts' rows (the first of each repeated prompt drafts for all)
+            trees = draft.expand(first, self.mask, roots, sizes, lambda i, lg, d: rows[i].draft_scores(lg, d))
+            inputs = self._with_tree_queries(inputs, trees, roots)
+        out = run_forward(self.model, inputs)
+        self.forwards += 1
+        keep = inputs["logits_to_keep"]
+        return out.logits[:, -keep:, :].float(), trees
+
+    def _with_tree_queries(
+        self, inputs: dict[str, Any], trees: list[DraftTree], root_positions: torch.Tensor
+    ) -> dict[str, Any]:
+        """Dense prompt forward inputs (a suffix of the prompt after the cached columns) with every row's tree
+        nodes appended as queries: the suffix stays causal over the prompt's columns, each node sees the whole
+        prompt and its ancestors, at position ``root_positions + depth``; logits are kept for the last prompt
+        token and every node."""
+        suffix = inputs["input_ids"]
+        rows, length = suffix.shape
+        nodes = len(trees[0].tokens)
+        cached = self.mask.shape[1] - length
+        valid = self.mask[:, cached:].bool().cpu()
+        visible = torch.zeros(rows, length + nodes, length + nodes, dtype=torch.bool)
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        visible[:, :length, :length] = causal & (valid[:, None, :] | torch.eye(length, dtype=torch.bool))
+        visible[:, length:, :length] = valid[:, None, :]
+        visible[:, length:, length:] = torch.stack([tree.sees() for tree in trees])
+        depths = torch.tensor([tree.depths for tree in trees], device=self.device)
+        positions = inputs["position_ids"]  # the suffix's (the prefill always passes positions)
+        tokens = torch.tensor([tree.tokens for tree in trees], device=self.device)
+        return {
+            **inputs,
+            "input_ids": torch.cat([suffix, tokens], dim=1),
+            "position_ids": torch.cat([positions, root_positions[:, None] + depths], dim=1),
+            "attention_mask": tree_attention_mask(self.mask[:, :cached], visible, model_dtype(self.model)),
+            "logits_to_keep": 1 + nodes,
+        }
 
     def step(self) -> None:
         """One decode step for every running row (speculative with a draft: one or more tokens per row)."""
@@ -402,7 +465,7 @@ class DecodeLoop:
         accepted path's columns in both caches."""
         running = self.running
         budget = max(row.request.max_new_tokens - len(row.tokens) for row in running)
-        sizes = draft.settings.level_sizes(budget - 1)
+        sizes = draft.level_sizes(budget - 1, len(running))
         last = torch.tensor([[row.tokens[-1]] for row in running], device=self.device)
         trees = draft.propose(last, self.mask, self.positions, sizes, lambda i, lg, d: running[i].draft_scores(lg, d))
         nodes = sum(sizes)
@@ -411,48 +474,76 @@ class DecodeLoop:
         visible[:, :, 0] = True  # every query sees the root
         for row, tree in enumerate(trees):
             visible[row, 1:, 1:] = tree.sees()
-        depths = torch.tensor([0, *trees[0].depths], device=self.device)
+        depths = torch.tensor([[0, *tree.depths] for tree in trees], device=self.device)
         positions = self.positions[:, None] + 1 + depths
         mask = tree_attention_mask(self.mask, visible, model_dtype(self.model))
+        started = time.perf_counter()
         logits = self._forward(fed.to(self.device), positions, keep=nodes + 1, attention_mask=mask)
-        self.verify_forwards += 1
-        kept = [self._verify(row, logits[i], trees[i]) for i, row in enumerate(running)]
-        context = self.mask.shape[1]
-        self._keep_path(draft, trees, kept, context, len(sizes))
-        target_columns = [[*range(context + 1), *(context + 1 + node for node in path)] for path in kept]
-        keep_cache_columns(self._cache(), target_columns)
-        self.mask = select_columns(torch.cat([self.mask, self.mask.new_ones(len(running), nodes + 1)], dim=1),
-                                   target_columns, dim=1)  # fmt: skip
-        self.positions = self.positions + 1 + torch.tensor([len(path) for path in kept], device=self.device)
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)  # the forward's whole time, for the adaptive tree budget
+        draft.costs.add(len(running) * (nodes + 1), time.perf_counter() - started)
+        root_mask = torch.cat([self.mask, self.mask.new_ones(len(running), 1)], dim=1)
+        self._verify_trees(draft, trees, logits, root_mask, self.positions + 1)
         self._save(tail=False)
         self._keep_running()
 
-    def _keep_path(self, draft: Drafter, trees: list[DraftTree], kept: list[list[int]], context: int, depth: int):
-        """Reduce the draft's cache to each row's context, root and kept path, in the target cache's layout.
+    def _verify_trees(
+        self,
+        draft: Drafter,
+        trees: list[DraftTree],
+        logits: torch.Tensor,
+        root_mask: torch.Tensor,
+        root_positions: torch.Tensor,
+    ) -> None:
+        """Give each running row its tokens from a verify forward's logits ``[B, 1 + nodes, V]`` (its root's, then
+        each node's) and keep only the accepted paths' columns in both caches. Layout before: ``root_mask``
+        ``[B, C]`` covers the columns up to each row's root (the last; at ``root_positions`` ``[B]``), then the
+        tree's nodes in both caches (the draft's: each tree's first ``fed`` nodes)."""
+        kept = [self._verify(row, logits[i], trees[i]) for i, row in enumerate(self.running)]
+        self.verify_forwards += 1
+        base = root_mask.shape[1]
+        self._keep_path(draft, trees, kept, root_mask, root_positions)
+        target_columns = [[*range(base), *(base + node for node in path)] for path in kept]
+        keep_cache_columns(self._cache(), target_columns)
+        nodes = len(trees[0].tokens)
+        self.mask = select_columns(torch.cat([root_mask, root_mask.new_ones(len(trees), nodes)], dim=1),
+                                   target_columns, dim=1)  # fmt: skip
+        self.positions = root_positions + torch.tensor([len(path) for path in kept], device=self.device)
 
-        The draft fed the roots and the nodes above the deepest level; a kept path that ends on that level is fed
-        to it now (one forward; rows without one feed a placeholder that is dropped)."""
+    def _keep_path(
+        self,
+        draft: Drafter,
+        trees: list[DraftTree],
+        kept: list[list[int]],
+        root_mask: torch.Tensor,
+        root_positions: torch.Tensor,
+    ) -> None:
+        """Reduce the draft's cache to each row's columns up to its root and its kept path, in the target cache's
+        layout (see :meth:`_verify_trees`).
+
+        The draft fed each tree's first ``fed`` nodes; a kept path that ends on a later node is fed to it now (one
+        forward; rows without one feed a placeholder that is dropped)."""
         assert draft.cache is not None, "the draft's prefill ran"
-        rows = len(trees)
-        inner = len(trees[0].tokens) - sum(1 for d in trees[0].depths if d == depth)
-        fed_paths = [[node for node in path if trees[0].depths[node] < depth] for path in kept]
-        columns = [[*range(context + 1), *(context + 1 + node for node in path)] for path in fed_paths]
+        rows, base, inner = len(trees), root_mask.shape[1], trees[0].fed
+        fed_paths = [[node for node in path if node < inner] for path in kept]
+        columns = [[*range(base), *(base + node for node in path)] for path in fed_paths]
         keep_cache_columns(draft.cache, columns)
         width = max(len(c) for c in columns)
-        mask = select_columns(torch.cat([self.mask, self.mask.new_ones(rows, 1 + inner)], dim=1), columns, dim=1)
-        leaves = [path[-1] if path and trees[0].depths[path[-1]] == depth else None for path in kept]
+        mask = select_columns(torch.cat([root_mask, root_mask.new_ones(rows, inner)], dim=1), columns, dim=1)
+        leaves = [path[-1] if path and path[-1] >= inner else None for path in kept]
         if all(leaf is None for leaf in leaves):
             return
         tokens = [
             [tree.tokens[leaf] if leaf is not None else self.pad_token_id]
             for tree, leaf in zip(trees, leaves, strict=True)
         ]
-        positions = self.positions[:, None] + 1 + depth
+        depths = [[tree.depths[leaf] if leaf is not None else 1] for tree, leaf in zip(trees, leaves, strict=True)]
+        positions = root_positions[:, None] + torch.tensor(depths, device=self.device)
         draft.forward(torch.tensor(tokens, device=self.device), torch.cat([mask, mask.new_ones(rows, 1)], dim=1),
                       positions)  # fmt: skip
         final = [[*range(width - len(c), width), *([width] if leaf is not None else [])]
                  for c, leaf in zip(columns, leaves, strict=True)]  # fmt: skip
-        keep_cache_columns(draft.cache, final, context + 1 + max(len(path) for path in kept))
+        keep_cache_columns(draft.cache, final, base + max(len(path) for path in kept))
 
     def _verify(self, row: DecodeRow, logits: torch.Tensor, tree: DraftTree) -> list[int]:
         """Give ``row`` its tokens from the verify forward's logits ``[1 + nodes, V]`` (the root's, then each
@@ -500,6 +591,7 @@ class DecodeLoop:
         newcomers.prefill()
         self.rows += newcomers.rows
         self.forwards += newcomers.forwards
+        self.verify_forwards += newcomers.verify_forwards
         self.computed_tokens += newcomers.computed_tokens
         if newcomers.streamed_bytes is not None:
             self.streamed_bytes = (self.streamed_bytes or 0) + newcomers.streamed_bytes

@@ -288,15 +288,27 @@ def prepare_forward(cache: Any, kwargs: dict[str, Any], *, report: bool = True) 
     return kwargs
 
 
+def forward_inputs(cache: Any, **kwargs: Any) -> dict[str, Any]:
+    """The keyword arguments of one forward through ``cache`` once it loaded what it holds for them (the cache and
+    ``use_cache`` included): a dense suffix to feed, or an armed sparse repair forward
+    (``cache.expects_sparse_forward``). Run them with :func:`run_forward`."""
+    kwargs = {**kwargs, CACHE_ARGUMENT: cache, "use_cache": True}
+    reusing = reuse_cache(cache)
+    return prepare_forward(reusing, kwargs) if reusing is not None else kwargs
+
+
+def run_forward(model: torch.nn.Module, inputs: dict[str, Any]) -> Any:
+    """Call ``model.forward`` on :func:`forward_inputs`' result (possibly with queries appended to a dense one) and
+    record the fed tokens in the reuse cache. Returns the output."""
+    with torch.inference_mode():
+        output = model.forward(**inputs)
+    reusing = reuse_cache(inputs[CACHE_ARGUMENT])
+    if reusing is not None:
+        reusing.record(inputs.get("input_ids"))
+    return output
+
+
 def forward(model: torch.nn.Module, cache: Any, **kwargs: Any) -> Any:
     """One forward of ``model`` through ``cache``, the reuse steps called explicitly: the
     model's ``forward`` is called directly, so the adapter's hooks (if installed) do not run. Returns the output."""
-    kwargs = {**kwargs, CACHE_ARGUMENT: cache, "use_cache": True}
-    reusing = reuse_cache(cache)
-    if reusing is not None:
-        kwargs = prepare_forward(reusing, kwargs)
-    with torch.inference_mode():
-        output = model.forward(**kwargs)
-    if reusing is not None:
-        reusing.record(kwargs.get("input_ids"))
-    return output
+    return run_forward(model, forward_inputs(cache, **kwargs))

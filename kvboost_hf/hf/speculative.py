@@ -20,6 +20,7 @@ draft a chunk-reuse cache, and counts target forwards and proposals::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -38,6 +39,7 @@ from kvboost_hf.hf.prefill import forward
 logger = logging.getLogger(__name__)
 
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
+TREE_EXPANSIONS = ("level", "global")
 _SCHEDULE_FIELDS = ("num_assistant_tokens", "assistant_confidence_threshold", "num_assistant_tokens_schedule")
 _WRAPPED = "_kvboost_draft_wrapped"
 
@@ -58,6 +60,16 @@ class DraftSettings:
         tree_budget: draft tokens per row and round of the decode loop's draft *tree* (0: a chain of
             ``num_draft_tokens``); the tree is ``num_draft_tokens`` deep at most.
         tree_branching: children per expanded tree node (the draft's most probable continuations).
+        tree_expansion: how each draft forward's nodes are chosen: ``"level"`` keeps the children of the nodes the
+            previous forward added with the highest cumulative draft log-probability (one tree level per forward);
+            ``"global"`` chooses among every candidate not taken yet, siblings left at shallower depths included
+            (SpecExec-style: the budget goes where the draft is unsure, and rows get their own shapes).
+        adaptive_tree_budget: pick each round's tree budget (at most ``tree_budget``) from the measured cost of
+            the target's verify forwards (:class:`VerifyCosts`): the largest budget whose extra nodes cost at most
+            ``tree_overhead`` times a forward's fixed cost. A streamed target (the weight copy dominates) gets
+            large trees, a resident one small trees.
+        tree_overhead: with ``adaptive_tree_budget``: the share of a verify forward's fixed cost its tree nodes
+            may add (0.25: at most 25% slower than a forward of the root alone).
     """
 
     num_draft_tokens: int = 5
@@ -66,6 +78,9 @@ class DraftSettings:
     early_exit_layers: int | None = None
     tree_budget: int = 0
     tree_branching: int = 2
+    tree_expansion: str = "level"
+    adaptive_tree_budget: bool = False
+    tree_overhead: float = 0.25
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
@@ -82,21 +97,44 @@ class DraftSettings:
             raise ValueError(f"tree_budget must be an integer >= 0, got {self.tree_budget!r}")
         if not isinstance(self.tree_branching, int) or self.tree_branching < 1:
             raise ValueError(f"tree_branching must be a positive integer, got {self.tree_branching!r}")
+        if self.tree_expansion not in TREE_EXPANSIONS:
+            raise ValueError(f"tree_expansion must be one of {TREE_EXPANSIONS}, got {self.tree_expansion!r}")
+        if self.adaptive_tree_budget and self.tree_budget < 1:
+            raise ValueError("adaptive_tree_budget needs tree_budget >= 1: the largest budget it may choose")
+        if not 0.0 < self.tree_overhead <= 100.0:
+            raise ValueError(f"tree_overhead must be in (0, 100], got {self.tree_overhead!r}")
 
-    def level_sizes(self, depth: int) -> list[int]:
+    def level_sizes(self, depth: int, budget: int | None = None) -> list[int]:
         """Draft nodes per tree level (level 1 = the root's children) for a tree at most ``depth`` deep (and at most
-        ``num_draft_tokens``): a chain of ones without a tree budget; else the budget is spread over the depth, each
-        level holding up to ``tree_budget // depth`` nodes (at least 1) and up to ``tree_branching`` times the
-        previous level, until ``tree_budget`` nodes are spent."""
+        ``num_draft_tokens``): a chain of ones without a tree budget; else the budget (``budget``, default
+        ``tree_budget``) is spread over the depth, each level holding up to ``budget // depth`` nodes (at least 1)
+        and up to ``tree_branching`` times the previous level, until ``budget`` nodes are spent."""
         depth = min(depth, self.num_draft_tokens)
-        if not self.tree_budget:
+        budget = self.tree_budget if budget is None else budget
+        if not budget:
             return [1] * depth
-        width = max(1, self.tree_budget // depth)
+        width = max(1, budget // depth)
         sizes: list[int] = []
-        while len(sizes) < depth and sum(sizes) < self.tree_budget:
+        while len(sizes) < depth and sum(sizes) < budget:
             wanted = min(width, self.tree_branching * (sizes[-1] if sizes else 1))
-            sizes.append(min(wanted, self.tree_budget - sum(sizes)))
+            sizes.append(min(wanted, budget - sum(sizes)))
         return sizes
+
+    def adaptive_budget(self, costs: VerifyCosts, rows: int) -> int:
+        """The tree budget per row for a verify forward of ``rows`` rows, from the verify forwards timed so far:
+        ``tree_overhead * fixed / (per_node * rows)`` nodes (the extra nodes cost at most that share of the
+        forward's fixed cost), between 1 and ``tree_budget``; ``tree_budget`` when nodes cost nothing measurable.
+        Until two different node counts were timed it explores: ``tree_budget`` first, then a single node (or
+        ``tree_budget`` again when the timed count is already one node a row)."""
+        fit = costs.fit()
+        if fit is None:
+            one_node_rounds = bool(costs.samples) and costs.samples[-1][0] <= 2 * rows  # a node and its root a row
+            return self.tree_budget if not costs.samples or one_node_rounds else 1
+        fixed, per_node = fit
+        if per_node <= 0.0:
+            return self.tree_budget
+        affordable = self.tree_overhead * fixed / (per_node * rows) + 1e-6  # not 19.999... for 20
+        return max(1, min(self.tree_budget, int(affordable)))
 
     def check(self, target: PreTrainedModel, draft: PreTrainedModel | None) -> None:
         """Raise ValueError when these settings cannot draft for ``target`` with ``draft`` (a model or None)."""
@@ -312,13 +350,15 @@ def resolve_draft(
 
 @dataclass
 class DraftTree:
-    """One row's draft tokens for one round, breadth first: node ``j`` holds ``tokens[j]``, its parent
-    ``parents[j]`` (-1: the root, the row's last token, already chosen) and its ``depths[j]`` (>= 1). A parent
-    precedes its children; the rows of a round have the same level sizes."""
+    """One row's draft tokens for one round, in the order the draft chose them: node ``j`` holds ``tokens[j]``, its
+    parent ``parents[j]`` (-1: the root, the row's last token, already chosen) and its ``depths[j]`` (>= 1). A parent
+    precedes its children. The first ``fed`` nodes were fed to the draft (its cache holds them; the others, chosen
+    by the last expansion step, have no children). The rows of a round have as many nodes and fed nodes."""
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
+    fed: int = 0
 
     def add(self, token: int, parent: int) -> None:
         self.tokens.append(token)
@@ -375,6 +415,31 @@ def tree_attention_mask(context: torch.Tensor, visible: torch.Tensor, dtype: tor
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
+class VerifyCosts:
+    """Timed verify forwards of one target: ``samples`` holds the last ``window`` ``(nodes, seconds)`` pairs (tree
+    nodes of all rows, roots included, and the forward's wall time); :meth:`fit` is the least-squares line
+    ``seconds = fixed + per_node * nodes``. Old samples leave the window, so a budget that stays constant
+    eventually leaves a single node count and :meth:`DraftSettings.adaptive_budget` explores again."""
+
+    def __init__(self, window: int = 64) -> None:
+        self.samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+
+    def add(self, nodes: int, seconds: float) -> None:
+        self.samples.append((nodes, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """``(fixed seconds, seconds per node)``, or None until two different node counts were timed."""
+        if len({nodes for nodes, _ in self.samples}) < 2:
+            return None
+        count = len(self.samples)
+        mean_nodes = sum(nodes for nodes, _ in self.samples) / count
+        mean_seconds = sum(seconds for _, seconds in self.samples) / count
+        spread = sum((nodes - mean_nodes) ** 2 for nodes, _ in self.samples)
+        covariance = sum((nodes - mean_nodes) * (seconds - mean_seconds) for nodes, seconds in self.samples)
+        per_node = covariance / spread
+        return mean_seconds - per_node * mean_nodes, per_node
+
+
 class Drafter:
     """The draft side of speculative decoding in :class:`~kvboost_hf.hf.decode.DecodeLoop`.
 
@@ -384,6 +449,8 @@ class Drafter:
         settings: ``num_draft_tokens`` proposed per round; ``early_exit_layers``.
         new_cache: builds the draft's cache (e.g. a chunk-reuse cache on the target's store, under the draft's own
             namespace); None = a ``DynamicCache``.
+        costs: the target's timed verify forwards, shared by the drafters of one engine (with
+            ``settings.adaptive_tree_budget``; None: a fresh record).
 
     Invariant: between rounds, :attr:`cache` holds exactly the target cache's columns (the same left-padded layout,
     one column per token fed to the target), so the loop's attention mask and positions serve both. ``forwards``
@@ -391,25 +458,40 @@ class Drafter:
     """
 
     def __init__(
-        self, model: PreTrainedModel, settings: DraftSettings, new_cache: Callable[[], Cache] | None = None
+        self,
+        model: PreTrainedModel,
+        settings: DraftSettings,
+        new_cache: Callable[[], Cache] | None = None,
+        costs: VerifyCosts | None = None,
     ) -> None:
         self.model = model
         self.settings = settings
         self.new_cache = new_cache
+        self.costs = costs if costs is not None else VerifyCosts()
         self.cache: Cache | None = None
         self.forwards = 0
         self.cached_tokens: list[int] = []
 
     def spawn(self) -> Drafter:
-        """A drafter with the same model and settings and no state (for rows joining a running loop)."""
-        return Drafter(self.model, self.settings, self.new_cache)
+        """A drafter with the same model, settings and verify costs and no state (for rows joining a running
+        loop)."""
+        return Drafter(self.model, self.settings, self.new_cache, self.costs)
 
-    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor) -> None:
-        """Run the draft over the left-padded prompts on a fresh cache."""
+    def level_sizes(self, depth: int, rows: int) -> list[int]:
+        """Nodes per level of the next round's trees (at most ``depth`` deep) for ``rows`` rows: the settings'
+        budget, or with ``adaptive_tree_budget`` the one the timed verify forwards suggest."""
+        settings = self.settings
+        budget = settings.adaptive_budget(self.costs, rows) if settings.adaptive_tree_budget else None
+        return settings.level_sizes(depth, budget)
+
+    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Run the draft over the left-padded prompts on a fresh cache; returns the last position's logits ``[B, V]``
+        (fp32): the draft's view of each row's first token."""
         self.cache = self.new_cache() if self.new_cache is not None else DynamicCache()
-        self.forward(input_ids, mask, position_ids)
+        logits = self.forward(input_ids, mask, position_ids)
         reuse = getattr(self.cache, "last_reuse", None) or []
         self.cached_tokens = [entry.cached_tokens for entry in reuse]
+        return logits
 
     def propose(
         self,
@@ -419,53 +501,74 @@ class Drafter:
         sizes: Sequence[int],
         scores: Callable[[int, torch.Tensor, list[int]], torch.Tensor],
     ) -> list[DraftTree]:
-        """A draft tree per row after ``last`` ``[B, 1]`` (the roots, at ``positions + 1``) with ``sizes[d]`` nodes
-        at depth ``d + 1``: each level keeps, per row, the children of the previous level's nodes with the highest
-        cumulative draft log-probability (``scores(row, logits [1, V], path tokens)`` gives a node's log-probs).
+        """A draft tree per row after ``last`` ``[B, 1]`` (the roots, fed now at ``positions + 1``; ``mask`` is the
+        2D mask before them); see :meth:`expand`."""
+        context = torch.cat([mask, mask.new_ones(last.shape[0], 1)], dim=1)  # the roots' column joins the context
+        logits = self.forward(last, context, (positions + 1)[:, None])
+        return self.expand(logits, context, positions + 1, sizes, scores)
 
-        One draft forward per level but the last; afterwards the cache holds the roots and every node of the
-        levels before the last (``mask`` is the 2D mask before ``last``), breadth first.
+    def expand(
+        self,
+        logits: torch.Tensor,
+        context: torch.Tensor,
+        root_positions: torch.Tensor,
+        sizes: Sequence[int],
+        scores: Callable[[int, torch.Tensor, list[int]], torch.Tensor],
+    ) -> list[DraftTree]:
+        """A draft tree per row below its root, the last column of the draft's cache (``context`` ``[B, C]``: its 2D
+        mask, the roots' column last; ``root_positions`` ``[B]``; ``logits`` ``[B, V]``: the draft's after each
+        root), grown in ``len(sizes)`` steps, step ``d`` adding ``sizes[d]`` nodes per row: the candidates with the
+        highest cumulative draft log-probability (``scores(row, logits [1, V], path tokens)`` gives a node's
+        log-probs; each fed node offers its top ``tree_branching``). Candidates are the children of the nodes the
+        previous step added (``tree_expansion="level"``: step ``d`` adds depth ``d + 1``), or every candidate not
+        taken yet (``"global"``).
+
+        One draft forward per step but the last (it feeds that step's nodes); afterwards the cache also holds the
+        fed nodes, in tree order.
         """
-        rows = last.shape[0]
+        rows = logits.shape[0]
         trees = [DraftTree() for _ in range(rows)]
-        context = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)  # the roots' column joins the context
-        logits = self.forward(last, context, (positions + 1)[:, None])[:, None]  # [B, 1 frontier node, V]
-        frontier = [[(0.0, -1)] for _ in range(rows)]  # (cumulative log-prob, node) per row
-        for depth, size in enumerate(sizes, start=1):
+        keep_pool = self.settings.tree_expansion == "global"
+        pools: list[list[tuple[float, int, int]]] = [[] for _ in range(rows)]  # (score, parent, token) untaken
+        newest = [[(0.0, -1)] for _ in range(rows)]  # the last fed nodes: (cumulative log-prob, node) per row
+        node_logits = logits[:, None]  # [B, newest nodes, V]
+        for step, size in enumerate(sizes, start=1):
             for row, tree in enumerate(trees):
-                frontier[row] = self._grow(tree, frontier[row], logits[row], size, functools.partial(scores, row))
-            if depth == len(sizes):
+                offered = self._children(tree, newest[row], node_logits[row], functools.partial(scores, row))
+                pool = sorted(offered + pools[row], key=lambda candidate: -candidate[0])
+                pools[row] = pool[size:] if keep_pool else []
+                newest[row] = []
+                for score, parent, token in pool[:size]:
+                    newest[row].append((score, len(tree.tokens)))
+                    tree.add(token, parent)
+            if step == len(sizes):
                 break
             start = len(trees[0].tokens) - size
-            fed = torch.tensor([tree.tokens[start:] for tree in trees], device=last.device)
+            fed = torch.tensor([tree.tokens[start:] for tree in trees], device=logits.device)
             visible = torch.stack([tree.sees()[start:] for tree in trees])  # [B, size, nodes so far]
             tree_mask = tree_attention_mask(context, visible, model_dtype(self.model))
-            node_positions = positions[:, None] + 1 + torch.tensor(trees[0].depths[start:], device=last.device)
-            logits = self.forward(fed, tree_mask, node_positions, keep=size).reshape(rows, size, -1)
+            depths = torch.tensor([tree.depths[start:] for tree in trees], device=logits.device)
+            node_logits = self.forward(fed, tree_mask, root_positions[:, None] + depths, keep=size)
+            node_logits = node_logits.reshape(rows, size, -1)
+            for tree in trees:
+                tree.fed = len(tree.tokens)
         return trees
 
-    def _grow(
+    def _children(
         self,
         tree: DraftTree,
-        frontier: list[tuple[float, int]],
+        nodes: list[tuple[float, int]],
         logits: torch.Tensor,
-        size: int,
         scores: Callable[[torch.Tensor, list[int]], torch.Tensor],
-    ) -> list[tuple[float, int]]:
-        """Add to ``tree`` the ``size`` children of the ``frontier`` nodes (``(cumulative log-prob, node)``, their
-        draft logits ``[len(frontier), V]``) with the highest cumulative log-probability; returns them as the next
-        frontier."""
+    ) -> list[tuple[float, int, int]]:
+        """The candidates ``(cumulative log-prob, parent, token)`` that ``nodes`` (``(cumulative log-prob, node)``,
+        their draft logits ``[len(nodes), V]``) offer: each node's top ``tree_branching`` continuations."""
         candidates = []
-        for slot, (score, node) in enumerate(frontier):
+        for slot, (score, node) in enumerate(nodes):
             log_probs = scores(logits[slot : slot + 1], [tree.tokens[n] for n in tree.path(node)])
             top = log_probs.topk(min(self.settings.tree_branching, log_probs.shape[-1]))
             candidates += [(score + float(v), node, int(t)) for v, t in zip(top.values, top.indices, strict=True)]
-        candidates.sort(key=lambda candidate: -candidate[0])
-        grown = []
-        for score, parent, token in candidates[:size]:
-            grown.append((score, len(tree.tokens)))
-            tree.add(token, parent)
-        return grown
+        return candidates
 
     def forward(
         self, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, keep: int = 1

@@ -289,7 +289,8 @@ def create_app(engine: InferenceEngine, settings: ServerSettings | None = None) 
 
 SPECULATIVE_COUNTERS = {
     "target_forwards": "Forwards of the target model in engine.generate calls (a batch's rows share them).",
-    "verify_forwards": "Target forwards that verified draft tokens (one per speculative step).",
+    "verify_forwards": "Target forwards that verified draft tokens (each speculative step; the prompt forward too "
+    "when it verified the first tree).",
     "draft_tokens_proposed": "Draft tokens (tree nodes) the target verified.",
     "draft_tokens_accepted": "Draft tokens the target kept.",
 }

@@ -15,7 +15,7 @@ from kvboost_hf.core.settings import add_settings_arguments, settings_from_args,
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.grammar import GrammarLimits
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
-from kvboost_hf.hf.speculative import DraftSettings
+from kvboost_hf.hf.speculative import TREE_EXPANSIONS, DraftSettings
 from kvboost_hf.offload.settings import LayerStreaming
 from kvboost_hf.server.settings import REUSE_MODES, ServerSettings
 from kvboost_hf.store.config import StoreConfig
@@ -69,6 +69,7 @@ SETTINGS_FLAGS: tuple[tuple[type, str, dict], ...] = (
         "speculative decoding",
         {
             "names": {"early_exit_layers": "draft-early-exit"},
+            "choices": {"tree_expansion": TREE_EXPANSIONS},
             "exclude": ("confidence_threshold", "schedule"),  # transformers' assisted generation only
         },
     ),

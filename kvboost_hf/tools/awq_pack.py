@@ -99,6 +99,20 @@ def dequantize_linear(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch
     return ((codes - zeros) * scales.float().repeat_interleave(group_size, dim=0)).t()
 
 
+@torch.no_grad()
+def round_trip_int4(model: torch.nn.Module, group_size: int = 64) -> int:
+    """Replace, in place, every decoder-layer linear weight of ``model`` by its int4 value (what
+    :func:`pack_checkpoint` stores, dequantized into the weight's dtype): the int4 copy's function without an int4
+    kernel. Returns how many weights were rounded."""
+    rounded = 0
+    for name, parameter in model.named_parameters():
+        if _LAYER_WEIGHT.search(name) and parameter.dim() == 2:
+            packed = quantize_linear(parameter, group_size)
+            parameter.copy_(dequantize_linear(packed["qweight"], packed["qzeros"], packed["scales"], group_size))
+            rounded += 1
+    return rounded
+
+
 def _weight_files(src: Path) -> list[str]:
     index = src / "model.safetensors.index.json"
     if index.exists():
