@@ -296,8 +296,8 @@ class InferenceEngine:
         A string is stored as one segment: by prefix key (prompts starting with it hit exactly) and by content
         key, its last partial chunk included (prompts holding it at any offset, given as a segment, hit it and
         repair it). A list of segments is stored the same way, segment by segment (``[header, document]`` stores
-        the document as computed after the header). Chat messages are rendered without a generation prompt and stored by prefix key, and their
-        marked content parts (see :meth:`encode_segments`) by content key too.
+        the document as computed after the header). Chat messages are rendered without a generation prompt and
+        stored by prefix key, and their marked content parts (see :meth:`encode_segments`) by content key too.
         """
         ids, starts = self.encode_segments(text, add_generation_prompt=False)
         if starts or isinstance(text, str):  # the last segment ends here: its partial last chunk is stored too
