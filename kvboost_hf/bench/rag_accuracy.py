@@ -48,7 +48,6 @@ from kvboost_hf.results import GenerationResult
 from kvboost_hf.store.chunk_store import ChunkStore
 
 RATIOS = (0.05, 0.15, 0.3, 0.5, 1.0)
-STRATEGIES = ("selective", "cacheblend")
 FULL = "full prefill"
 HEADER = (
     "<|im_start|>system\nYou are a helpful assistant. Answer the question using the documents.<|im_end|>\n"
