@@ -251,7 +251,7 @@ def test_nonprefix_hits_are_chunks_stored_after_the_first_miss():
     assert not has_nonprefix_hits(other, tokens, namespace="another tenant", chunking=config)
 
 
-def test_batch_policy_runs_repairs_and_segments_alone_and_orders_the_rest_by_length():
+def test_batch_policy_runs_segments_alone_prefills_repairs_alone_and_orders_the_rest_by_length():
     config = ChunkingConfig(CHUNK)
     store = DictStore()
     document = [90, 91, 92, 93]
@@ -259,9 +259,12 @@ def test_batch_policy_runs_repairs_and_segments_alone_and_orders_the_rest_by_len
     prompts = [[1, 2, 3, 4, *document], list(range(30, 41)), [5, 6], list(range(50, 53)), [7, 8, 9, 10, 11]]
     starts = [(), (), (), (0, 2), ()]
     policy = BatchPolicy(store, lambda salt: NS if salt is None else f"{NS}/{salt}", config, "chunk_kv_reuse")
-    assert policy.batches(prompts, starts, None, max_batch_size=2) == [[0], [3], [2, 4], [1]]
-    assert not policy.key(prompts[0], "tenant-b").alone  # another tenant's namespace holds nothing
-    assert policy.key(prompts[0], None) != policy.key(prompts[0], None)  # a ticket each: never batched together
-    assert BatchPolicy(store, lambda salt: NS, config, "prefix_cache").key(prompts[0], None).shares
+    # the segment prompt alone; the prompt with a content hit shares a batch (its decode loop prefills it alone)
+    assert policy.batches(prompts, starts, None, max_batch_size=2) == [[3], [2, 4], [0, 1]]
+    assert policy.prefill_alone(prompts[0], None) and not policy.prefill_alone(prompts[1], None)
+    assert not policy.prefill_alone(prompts[0], "tenant-b")  # another tenant's namespace holds nothing
+    assert policy.key(prompts[3], None, starts[3]) != policy.key(prompts[3], None, starts[3])  # a ticket each
+    assert policy.key(prompts[0], None) == policy.key(prompts[1], None)
+    assert not BatchPolicy(store, lambda salt: NS, config, "prefix_cache").prefill_alone(prompts[0], None)
     with pytest.raises(ValueError, match="max_batch_size"):
         policy.batches(prompts, starts, None, max_batch_size=0)
