@@ -68,8 +68,8 @@ class LayerFilter:
     def observe(self, layer_idx: int, layer: CacheLayerMixin, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Layer ``layer_idx`` computed ``keys``/``values`` for ``positions`` (``layer`` still holds the stored
         ones): choose what the next layer computes."""
-        if layer_idx + 1 >= len(self.kept) or self.kept[layer_idx + 1] >= int(self.candidate.sum()):
-            return
+        if layer_idx + 1 >= len(self.kept) or self.kept[layer_idx + 1] >= self.kept[layer_idx]:
+            return  # the next layer keeps every candidate this one computed (no device sync to find out)
         fresh, stored = (keys, layer.keys) if self.compare == "key" else (values, layer.values)
         deviation = (fresh.float() - stored.index_select(2, self.positions).float()).pow(2).sum(dim=(0, 1, 3))
         candidates = self.candidate.nonzero().squeeze(1)
