@@ -8,6 +8,7 @@ from conftest import make_tiny_model
 
 from kvboost_hf import ChunkKV, ChunkReuseCache, ChunkStore, RepairConfig
 from kvboost_hf.bench.rag_accuracy import (
+    DEFAULT_REPAIR,
     FULL,
     HEADER,
     NOISE,
@@ -16,7 +17,9 @@ from kvboost_hf.bench.rag_accuracy import (
     configurations,
     extract_answer,
     methods,
+    paired_against,
     paired_comparison,
+    paired_table,
     plot,
     report,
     select_configurations,
@@ -132,6 +135,34 @@ def test_paired_comparison_counts_discordant_pairs_and_brackets_the_difference()
     assert stats["mcnemar_p"] == pytest.approx(2 / 1024) and stats["diff_low"] > 0.0
     with pytest.raises(ValueError, match="equally many"):
         paired_comparison([1.0], [1.0, 0.0])
+
+
+def test_paired_against_removes_the_questions_own_spread():
+    """Two configurations whose gold log-probabilities differ by exactly 0.1 on every question, while the
+    questions themselves spread over 10 units: the paired interval is the point +0.1; unpaired means could not
+    resolve it."""
+    spread = [float(10 * (i % 3)) for i in range(30)]
+    rows = {
+        FULL: [{"gold_logprob": s, "agrees_with_full": 1.0} for s in spread],
+        DEFAULT_REPAIR: [{"gold_logprob": s - 1.0, "agrees_with_full": float(i % 2)} for i, s in enumerate(spread)],
+        "other": [{"gold_logprob": s - 0.9, "agrees_with_full": 1.0} for s in spread],
+    }
+    paired = paired_against(rows, DEFAULT_REPAIR)
+    assert set(paired) == {FULL, "other"}
+    other = paired["other"]
+    assert other["logprob_diff"] == pytest.approx(0.1)
+    assert other["logprob_low"] == pytest.approx(0.1) and other["logprob_high"] == pytest.approx(0.1)
+    assert other["agree_diff"] == pytest.approx(0.5) and 0.2 < other["agree_diff_low"] < 0.5 < other["agree_diff_high"]
+    assert paired[FULL]["logprob_diff"] == pytest.approx(1.0)
+    text = "\n".join(paired_table(DEFAULT_REPAIR, paired))
+    assert f"paired with {DEFAULT_REPAIR}" in text and "[+0.100, +0.100]" in text
+    assert paired_table(None, {}) == []
+    with pytest.raises(ValueError, match="unknown reference"):
+        paired_against(rows, "missing")
+
+
+def test_default_repair_is_the_library_default():
+    assert configurations(ratios=(0.15,), method_names=("selective",))[DEFAULT_REPAIR] == RepairConfig()
 
 
 def test_report_and_plot_show_the_paired_statistics_and_the_target(tmp_path):

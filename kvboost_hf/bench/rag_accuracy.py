@@ -55,6 +55,8 @@ HEADER = (
 )
 TARGET = {"min_agreement": 0.95, "min_speedup": 3.0}
 KL_POSITIONS = 8
+DEFAULT_REPAIR = "selective@0.15"
+"""The library's default approximate configuration (``RepairConfig()``), the usual reference of paired tables."""
 NOISE = "full prefill, batched"
 """Full prefill again, as the first row of a left-padded batch of two beside a longer companion prompt: the same
 computation in exact arithmetic, other shapes and summation orders in floating point. Its differences from full
@@ -331,6 +333,10 @@ def answer_question(
     return rows
 
 
+Rows = dict[str, list[dict[str, float]]]
+"""Per configuration, one row of :func:`answer_question`'s measures per question (questions in the same order)."""
+
+
 def evaluate(
     engine: InferenceEngine,
     documents: list[str],
@@ -340,29 +346,46 @@ def evaluate(
     noise: bool = True,
     warm_after_header: bool = False,
 ) -> dict[str, dict[str, float]]:
+    """:func:`summarize` of :func:`answer_all`."""
+    return summarize(answer_all(engine, documents, questions, configs, new_tokens, noise, warm_after_header))
+
+
+def answer_all(
+    engine: InferenceEngine,
+    documents: list[str],
+    questions: list[Question],
+    configs: dict[str, RepairConfig | None],
+    new_tokens: int = 6,
+    noise: bool = True,
+    warm_after_header: bool = False,
+) -> Rows:
     """Warm ``documents`` (and the header; with ``warm_after_header`` each document after the header, APE's shared
-    prefix: its K/V then saw the text every prompt starts with instead of a start of its own), answer every
-    question under every configuration (in rotating order; with ``noise`` also as :data:`NOISE`, whose
-    ``max_abs_delta`` is the largest gold log-probability change an equivalent computation made on any question)
-    and return the means per configuration: ``correct`` (accuracy), ``agrees_with_full`` (same answer as the full
-    prefill), ``speedup`` (mean full-prefill TTFT over mean TTFT) and :func:`kvboost_hf.bench.rag.compare`'s
-    ``ttft_ms``, ``top1_agree``, ``kl`` (first token, full || reuse), ``greedy_match`` (tokens),
-    ``reused_tokens`` and ``recomputed_tokens``; ``gold_logprob`` and ``gold_logprob_delta`` (minus full
-    prefill's, per question; with its bootstrap interval ``delta_low``/``delta_high``), ``kl_answer`` (mean KL
-    over the first ``KL_POSITIONS`` positions of full prefill's answer), the agreement's interval
-    ``agree_low``/``agree_high``; and :func:`paired_comparison` of each configuration's answers with the full
-    prefill's (``gained``, ``lost``, ``mcnemar_p``, ``diff_low``, ``diff_high``)."""
+    prefix: its K/V then saw the text every prompt starts with instead of a start of its own), then answer every
+    question under every configuration (in rotating order; with ``noise`` also as :data:`NOISE`)."""
     engine.warm(HEADER)
     for doc in documents:
         engine.warm([HEADER, doc] if warm_after_header else doc)
     snapshot = StoreSnapshot(engine.store)
     engine.generate(HEADER + "warm-up", max_new_tokens=2, mode="baseline")
-    rows: dict[str, list[dict[str, float]]] = {name: [] for name in [*configs, *([NOISE] if noise else [])]}
+    rows: Rows = {name: [] for name in [*configs, *([NOISE] if noise else [])]}
     names = list(configs)
     for index, question in enumerate(tqdm(questions, desc="questions")):
         order = names[index % len(names) :] + names[: index % len(names)]
         for name, row in answer_question(engine, question, configs, order, snapshot, new_tokens, noise).items():
             rows[name].append(row)
+    return rows
+
+
+def summarize(rows: Rows) -> dict[str, dict[str, float]]:
+    """The means per configuration: ``correct`` (accuracy), ``agrees_with_full`` (same answer as the full
+    prefill), ``speedup`` (mean full-prefill TTFT over mean TTFT) and :func:`kvboost_hf.bench.rag.compare`'s
+    ``ttft_ms``, ``top1_agree``, ``kl`` (first token, full || reuse), ``greedy_match`` (tokens),
+    ``reused_tokens`` and ``recomputed_tokens``; ``gold_logprob`` and ``gold_logprob_delta`` (minus full
+    prefill's, per question; with its bootstrap interval ``delta_low``/``delta_high``), ``kl_answer`` (mean KL
+    over the first ``KL_POSITIONS`` positions of full prefill's answer), the agreement's interval
+    ``agree_low``/``agree_high``; :func:`paired_comparison` of each configuration's answers with the full
+    prefill's (``gained``, ``lost``, ``mcnemar_p``, ``diff_low``, ``diff_high``); and for :data:`NOISE`
+    ``max_abs_delta``, the largest gold log-probability change an equivalent computation made on any question."""
     summary = {
         name: {key: statistics.fmean(r[key] for r in values) for key in values[0]} for name, values in rows.items()
     }
@@ -372,9 +395,35 @@ def evaluate(
         row |= paired_comparison([r["correct"] for r in rows[name]], reference_scores)
         row["delta_low"], row["delta_high"] = bootstrap_interval([r["gold_logprob_delta"] for r in rows[name]])
         row["agree_low"], row["agree_high"] = bootstrap_interval([r["agrees_with_full"] for r in rows[name]])
-    if noise:
+    if NOISE in rows:
         summary[NOISE]["max_abs_delta"] = max(abs(r["gold_logprob_delta"]) for r in rows[NOISE])
     return summary
+
+
+def paired_against(rows: Rows, reference: str) -> dict[str, dict[str, float]]:
+    """Every configuration against ``reference`` on the same questions: the mean and bootstrap 95% interval of
+    the per-question differences (this minus reference) of the gold answer's log-probability
+    (``logprob_diff``, ``logprob_low``, ``logprob_high``) and of agreement with full prefill (``agree_diff``,
+    ``agree_diff_low``, ``agree_diff_high``). Pairing removes the questions' own spread, which dominates the
+    unpaired intervals of two methods' means."""
+    if reference not in rows:
+        raise ValueError(f"unknown reference configuration {reference!r}: choose from {list(rows)}")
+    paired = {}
+    for name, values in rows.items():
+        if name == reference:
+            continue
+        logprob = [a["gold_logprob"] - b["gold_logprob"] for a, b in zip(values, rows[reference], strict=True)]
+        agree = [a["agrees_with_full"] - b["agrees_with_full"] for a, b in zip(values, rows[reference], strict=True)]
+        (logprob_low, logprob_high), (agree_low, agree_high) = bootstrap_interval(logprob), bootstrap_interval(agree)
+        paired[name] = {
+            "logprob_diff": statistics.fmean(logprob),
+            "logprob_low": logprob_low,
+            "logprob_high": logprob_high,
+            "agree_diff": statistics.fmean(agree),
+            "agree_diff_low": agree_low,
+            "agree_diff_high": agree_high,
+        }
+    return paired
 
 
 def target_check(summary: dict[str, dict[str, float]]) -> dict[str, object]:
@@ -419,7 +468,7 @@ def run(args: argparse.Namespace, engine: InferenceEngine | None = None) -> dict
     if engine is None:
         engine = InferenceEngine.from_pretrained(chunking=args.chunk_size)
     engine.store.clear()
-    summary = evaluate(
+    rows = answer_all(
         engine,
         documents,
         questions,
@@ -428,6 +477,8 @@ def run(args: argparse.Namespace, engine: InferenceEngine | None = None) -> dict
         noise=args.noise,
         warm_after_header=args.warm_after_header,
     )
+    summary = summarize(rows)
+    reference = args.pair_with if args.pair_with in rows else None
     return {
         "benchmark": "rag_accuracy",
         "machine": machine_info(engine.device),
@@ -435,6 +486,12 @@ def run(args: argparse.Namespace, engine: InferenceEngine | None = None) -> dict
         "settings": vars(args) | {"out": str(args.out), "chunk_size": engine.chunking.chunk_size},
         "configs": summary,
         "target": target_check(summary),
+        "paired_with": reference,
+        "paired": paired_against(rows, reference) if reference else {},
+        "per_question": {
+            "answers": [question.answer for question in questions],
+            "rows": rows,
+        },
     }
 
 
@@ -470,8 +527,24 @@ def report(result: dict) -> str:
             f"(interval above the target) for {target['resolved'] or 'none'}; most agreeing at >= "
             f"{TARGET['min_speedup']:g}x: {target['best']}",
             noise_line(target),
+            *paired_table(result.get("paired_with"), result.get("paired", {})),
         ]
     )
+
+
+def paired_table(reference: str | None, paired: dict[str, dict[str, float]]) -> list[str]:
+    """Text lines of :func:`paired_against`'s result (none without a reference)."""
+    if reference is None:
+        return []
+    lines = [f"paired with {reference} (this minus it, per question; 95% intervals):",
+             f"{'config':<24} {'gold lp diff':>12} {'95% CI':>17} {'agree diff':>10} {'95% CI':>12}"]  # fmt: skip
+    for name, row in paired.items():
+        logprob = f"[{row['logprob_low']:+.3f}, {row['logprob_high']:+.3f}]"
+        agree = f"[{100 * row['agree_diff_low']:+.0f}, {100 * row['agree_diff_high']:+.0f}]"
+        lines.append(
+            f"{name:<24} {row['logprob_diff']:>+12.3f} {logprob:>17} {100 * row['agree_diff']:>+9.0f}% {agree:>12}"
+        )
+    return lines
 
 
 def noise_line(target: dict) -> str:
@@ -561,6 +634,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=True,
         help=f"also measure '{NOISE}' (the noise band of every measure)",
+    )
+    parser.add_argument(
+        "--pair-with",
+        default=DEFAULT_REPAIR,
+        help="configuration every other is compared with per question (paired intervals; skipped if not run)",
     )
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
