@@ -31,7 +31,7 @@ import random
 import re
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ from kvboost_hf.bench.rag import compare
 from kvboost_hf.core.config import RepairConfig
 from kvboost_hf.corpus import Fact, fact_documents
 from kvboost_hf.engine import InferenceEngine
+from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.decode import left_pad
 from kvboost_hf.hf.prefill import forward
 from kvboost_hf.results import GenerationResult
@@ -151,6 +152,24 @@ def configurations(
     for tokens in realign_tokens:
         configs[f"realign{tokens}"] = RepairConfig("selective", 0.0, overlap_k=0, head_tokens=tokens)
     return configs
+
+
+def with_context_adjustment(
+    configs: dict[str, RepairConfig | None], pairs: tuple[tuple[float, float], ...], bases: tuple[str, ...] = ("none",)
+) -> dict[str, RepairConfig | None]:
+    """``configs`` plus, for each base configuration and each ``(T, S)`` of ``pairs``, the base with APE's
+    attention temperature ``T`` and scaling factor ``S`` on the reused documents (``base+apeT/S``)."""
+    if unknown := [base for base in bases if configs.get(base) is None]:
+        raise ValueError(f"unknown base configurations {unknown}: choose from {[n for n, c in configs.items() if c]}")
+    adjusted = dict(configs)
+    for base in bases:
+        config = configs[base]
+        assert config is not None
+        for temperature, scale in pairs:
+            adjusted[f"{base}+ape{temperature:g}/{scale:g}"] = replace(
+                config, context_temperature=temperature, context_scale=scale
+            )
+    return adjusted
 
 
 def select_configurations(configs: dict[str, RepairConfig | None], names: list[str]) -> dict[str, RepairConfig | None]:
@@ -463,10 +482,13 @@ def run(args: argparse.Namespace, engine: InferenceEngine | None = None) -> dict
     configs = configurations(
         tuple(args.ratios), tuple(args.methods), tuple(args.realign_tokens), args.head_tokens, args.filter_layers
     )
+    configs = with_context_adjustment(configs, tuple(args.ape), tuple(args.ape_on))
     if args.configs:
         configs = select_configurations(configs, args.configs)
     if engine is None:
         engine = InferenceEngine.from_pretrained(chunking=args.chunk_size)
+    if any(config is not None and config.adjusts_attention for config in configs.values()):
+        engine.model.set_attn_implementation(ATTN_IMPLEMENTATION)  # the adjustment's attention path
     engine.store.clear()
     rows = answer_all(
         engine,
@@ -559,11 +581,13 @@ def noise_line(target: dict) -> str:
 
 def plot_pareto(result: dict, axes: tuple) -> None:
     """Agreement with full prefill, and the gold answer's log-probability change (95% interval), against the TTFT
-    speed-up: one line per method over its ratios, no repair and realignment alone as points (onto two axes)."""
+    speed-up: one line per method over its ratios; no repair, realignment alone and APE's adjustments as points
+    (onto two axes)."""
     ax_agree, ax_delta = axes
     configs = result["configs"]
-    for method in sorted({name.split("@")[0] for name in configs if "@" in name}):
-        points = sorted((float(n.split("@")[1]), row) for n, row in configs.items() if n.split("@")[0] == method)
+    curves = {name for name in configs if "@" in name and "+ape" not in name}
+    for method in sorted({name.split("@")[0] for name in curves}):
+        points = sorted((float(n.split("@")[1]), configs[n]) for n in curves if n.split("@")[0] == method)
         speed = [row["speedup"] for _, row in points]
         ax_agree.plot(speed, [row["agrees_with_full"] for _, row in points], marker="o", label=method)
         deltas = [row["gold_logprob_delta"] for _, row in points]
@@ -574,7 +598,11 @@ def plot_pareto(result: dict, axes: tuple) -> None:
         ax_delta.errorbar(speed, deltas, yerr=errors, marker="o", capsize=3, label=method)
         for ratio, row in points:
             ax_agree.annotate(f"{ratio:g}", (row["speedup"], row["agrees_with_full"]), fontsize=7)
-    singles = {name: row for name, row in configs.items() if name in ("none", NOISE) or name.startswith("realign")}
+    singles = {
+        name: row
+        for name, row in configs.items()
+        if name in ("none", NOISE) or name.startswith("realign") or "+ape" in name
+    }
     for name, row in singles.items():
         for ax, key in ((ax_agree, "agrees_with_full"), (ax_delta, "gold_logprob_delta")):
             marker = {"none": "k*", NOISE: "kx"}.get(name, "s")
@@ -600,6 +628,17 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def temperature_and_scale(text: str) -> tuple[float, float]:
+    """``"T/S"`` -> ``(T, S)``, both positive numbers."""
+    try:
+        temperature, scale = (float(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected T/S (two numbers, e.g. 0.9/1.0), got {text!r}") from None
+    if not (temperature > 0 and scale > 0):
+        raise argparse.ArgumentTypeError(f"T and S must be > 0, got {text!r}")
+    return temperature, scale
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -628,6 +667,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--warm-after-header",
         action="store_true",
         help="warm each document after the system header (APE's shared prefix), not alone",
+    )
+    parser.add_argument(
+        "--ape",
+        type=temperature_and_scale,
+        nargs="*",
+        default=[],
+        metavar="T/S",
+        help="APE's attention temperature T and scaling factor S on the reused documents, e.g. 0.9/1.0",
+    )
+    parser.add_argument(
+        "--ape-on", nargs="+", default=["none"], help="configurations the --ape pairs are added to (default: none)"
     )
     parser.add_argument(
         "--noise",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -37,6 +38,11 @@ class RepairConfig:
     head_tokens: int = 0  # recompute the first tokens of every reused chunk at every layer (EPIC-style)
     filter_layers: int = 0  # CacheBlend: layers after check_layer over which the recomputed share shrinks
     deviation: str = "key"  # CacheBlend: which fresh-vs-stored deviation ranks tokens: "key" or "value"
+    # APE-style attention adjustment of every later query over the approximate (content-key) columns:
+    # temperature T divides their logits, scale S raises their softmax mass to exp(S * T * logsumexp(logits / T)).
+    # Both 1.0: plain attention. Needs attn_implementation="kvboost" (kvboost_hf.hf.context_attention).
+    context_temperature: float = 1.0
+    context_scale: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", RecomputeStrategy(self.strategy))
@@ -46,3 +52,13 @@ class RepairConfig:
             raise ValueError("check_layer, overlap_k, sink_tokens, head_tokens and filter_layers must be >= 0")
         if self.deviation not in ("key", "value"):
             raise ValueError(f"deviation must be 'key' or 'value', got {self.deviation!r}")
+        if not all(math.isfinite(v) and v > 0.0 for v in (self.context_temperature, self.context_scale)):
+            raise ValueError(
+                f"context_temperature and context_scale must be finite and > 0, got {self.context_temperature!r} and "
+                f"{self.context_scale!r}"
+            )
+
+    @property
+    def adjusts_attention(self) -> bool:
+        """Whether later queries attend to approximate columns with the APE-style adjustment."""
+        return (self.context_temperature, self.context_scale) != (1.0, 1.0)

@@ -10,6 +10,10 @@ Mask contract between :func:`kvboost_mask` (registered in ``AttentionMaskInterfa
   mask for padding, sliding windows, static caches, packed sequences, or a caller's explicit 4D mask (e.g. the
   repair forward over scattered query positions). The kernel loads it tile by tile and applies nothing else.
 
+A forward that passes :data:`~kvboost_hf.hf.context_attention.ADJUSTMENT_KWARG` (the reuse cache does, for a
+repair config with an APE-style context temperature or scale) is computed by
+:func:`~kvboost_hf.hf.context_attention.adjusted_attention` instead, on any device.
+
 Where the kernel cannot run (no Triton, tensors not on CUDA without ``TRITON_INTERPRET=1``, training, unsupported
 dtype/head dim/features) the call goes to transformers' sdpa implementation, with one log line per reason.
 """
@@ -32,6 +36,8 @@ from transformers.masking_utils import (
     prepare_padding_mask,
     sdpa_mask,
 )
+
+from kvboost_hf.hf.context_attention import ADJUSTMENT_KWARG, adjusted_attention
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +105,15 @@ def kvboost_attention_forward(
     """Attention for transformers: q ``[B, H, Lq, D]``, k/v ``[B, H_kv, Lk, D]`` -> (``[B, Lq, H, D]``, None)."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     num_q, num_k = query.shape[2], key.shape[2]
+    adjustment = kwargs.pop(ADJUSTMENT_KWARG, None)
+    if adjustment is not None:
+        if attention_mask is None and not causal:
+            attention_mask = torch.ones(1, 1, num_q, num_k, dtype=torch.bool, device=query.device)
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            raise ValueError("the context adjustment needs the queries' position_ids")
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return adjusted_attention(query, key, value, attention_mask, scale, adjustment, position_ids), None
     reason = _fallback_reason(query, key, value, dropout, kwargs)
     if reason is not None:
         _log_fallback(reason)

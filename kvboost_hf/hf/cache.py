@@ -41,7 +41,9 @@ from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.keys import make_namespace
+from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.blend import LayerFilter, scatter_into
+from kvboost_hf.hf.context_attention import ADJUSTMENT_KWARG, ContextAdjustment
 from kvboost_hf.hf.hooks import install_hooks
 from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.prefill import ChunkPrefiller, RowReuse
@@ -161,6 +163,13 @@ class ChunkReuseCache(Cache):
         self.mode = GenerationMode(mode)
         self.chunking = chunking if isinstance(chunking, ChunkingConfig) else ChunkingConfig(chunking)
         self.repair = repair or RepairConfig()
+        implementation = model.config._attn_implementation
+        if self.repair.adjusts_attention and implementation != ATTN_IMPLEMENTATION:
+            raise ValueError(
+                "RepairConfig(context_temperature=..., context_scale=...) needs the model's attention to be "
+                f"attn_implementation={ATTN_IMPLEMENTATION!r} (it is {implementation!r}): load it with that "
+                f"argument or call model.set_attn_implementation({ATTN_IMPLEMENTATION!r})"
+            )
         self.segment_starts = tuple(sorted(set(segment_starts)))
         self.namespace = make_namespace(
             model,
@@ -192,6 +201,25 @@ class ChunkReuseCache(Cache):
     def num_columns(self) -> int:
         """Columns (token positions, padding included) recorded; equals every layer's length while reuse is on."""
         return int(self.tokens.shape[1])
+
+    def attention_kwargs(self) -> dict[str, ContextAdjustment]:
+        """Extra keyword arguments of a forward through this cache: the APE-style context adjustment
+        (:mod:`kvboost_hf.hf.context_attention`) over each row's approximate columns, for the queries after the
+        last of them, when the repair config sets one and a row loaded approximate hits; else none."""
+        if not self.repair.adjusts_attention or not any(ledger.approximate for ledger in self.ledgers):
+            return {}
+        device = self.prefiller._device_and_dtype()[0]
+        starts = [max(ledger.approximate, default=-1) + 1 for ledger in self.ledgers]  # no columns: no effect
+        columns = torch.zeros(len(self.ledgers), max(map(sum, zip(self.pads, starts, strict=True))), dtype=torch.bool)
+        for row, (pad, ledger) in enumerate(zip(self.pads, self.ledgers, strict=True)):
+            columns[row, [pad + position for position in ledger.approximate]] = True
+        adjustment = ContextAdjustment(
+            columns.to(device),
+            torch.tensor(starts, device=device),
+            self.repair.context_temperature,
+            self.repair.context_scale,
+        )
+        return {ADJUSTMENT_KWARG: adjustment}
 
     @property
     def expects_sparse_forward(self) -> bool:

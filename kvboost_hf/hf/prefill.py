@@ -195,6 +195,7 @@ class ChunkPrefiller:
             layer.adopt(layer_keys, layer_values)
 
         selection = select_repairs(row, cache.repair)
+        cache.ledgers[0].approximate = frozenset(selection.approx.nonzero().squeeze(1).tolist())
         positions = (selection.compute | selection.candidates).nonzero().squeeze(1).to(device)
         layer_filter = None
         if candidates := int(selection.candidates.sum()):
@@ -247,6 +248,7 @@ class ChunkPrefiller:
                 use_cache=True,
                 logits_to_keep=1,
                 **{CACHE_ARGUMENT: cache},
+                **cache.attention_kwargs(),
             )
         cache.record(None)
         return PendingForward(full[:, limit:].to(pending.input_ids.device), limit)
@@ -262,12 +264,20 @@ def reuse_cache(cache: Any) -> Any | None:
 
 
 def prepare_forward(cache: Any, kwargs: dict[str, Any], *, report: bool = True) -> dict[str, Any]:
-    """The forward's keyword arguments once ``cache`` loaded what it holds for them (``kwargs`` is updated).
+    """The forward's keyword arguments once ``cache`` loaded what it holds for them (``kwargs`` is updated), with
+    the cache's :meth:`~kvboost_hf.hf.cache.ChunkReuseCache.attention_kwargs` (an APE-style context adjustment).
 
     A forward that asks for every position's logits, hidden states or attentions is computed whole (and still
     recorded and written back); a decode step (no more new tokens than ``logits_to_keep``) has nothing to look up.
     ``report`` records the loaded tokens in ``cache.last_reuse`` (a generation's prompt forward).
     """
+    kwargs = _load_for_forward(cache, kwargs, report)
+    kwargs.update(cache.attention_kwargs())
+    return kwargs
+
+
+def _load_for_forward(cache: Any, kwargs: dict[str, Any], report: bool) -> dict[str, Any]:
+    """:func:`prepare_forward` without the attention arguments."""
     fed = kwargs.get("input_ids")
     if fed is None or cache.expects_sparse_forward or not cache.reuse_enabled:
         return kwargs

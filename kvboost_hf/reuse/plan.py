@@ -49,7 +49,9 @@ class ChunkLedger:
     Invariants: ``spans`` are consecutive ``(start, end)`` token offsets from 0 and ``keys[i]`` is the prefix key
     of ``spans[i]``; the first ``stored`` chunks are in the store (or were found there); the row's K/V are exact
     (computed or loaded with all preceding tokens as their real past) for its first ``exact_tokens`` tokens;
-    ``stale`` holds positions of loaded, unrepaired approximate K/V (never stored under any key).
+    ``stale`` holds positions of loaded, unrepaired approximate K/V (never stored under any key); ``approximate``
+    the positions loaded from approximate hits, repaired or not (the context columns of an APE-style attention
+    adjustment), all below the row's length.
     """
 
     spans: list[Span] = field(default_factory=list)
@@ -57,6 +59,7 @@ class ChunkLedger:
     stored: int = 0
     exact_tokens: int = 0
     stale: frozenset[int] = frozenset()
+    approximate: frozenset[int] = frozenset()
 
     @property
     def end(self) -> int:
@@ -81,9 +84,12 @@ class ChunkLedger:
         del self.spans[keep:], self.keys[keep:]
         self.stored = min(self.stored, keep)
         self.exact_tokens = min(self.exact_tokens, num_tokens)
+        self.approximate = frozenset(p for p in self.approximate if p < num_tokens)
 
     def copy(self) -> ChunkLedger:
-        return ChunkLedger(list(self.spans), list(self.keys), self.stored, self.exact_tokens, self.stale)
+        return ChunkLedger(
+            list(self.spans), list(self.keys), self.stored, self.exact_tokens, self.stale, self.approximate
+        )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,88 @@
+"""Attention over parallel contexts (APE-style, training-free): temperature and scaling on reused columns.
+
+Documents stitched from the store by content key were each encoded without the others (in parallel). APE (Yang et
+al., ICLR 2025) keeps their K/V as they are and changes how every *later* query attends to them: with ``T`` the
+attention temperature and ``S`` the scaling factor, a query at or after :attr:`ContextAdjustment.query_start`
+
+* divides its logits over the context columns ``C`` by ``T`` (``T < 1`` sharpens the spread-out attention of
+  parallel encoding), and
+* gives ``C`` the joint softmax mass ``exp(S * T * logsumexp_C(logits / T))`` beside the other columns' ordinary
+  ``exp(logsumexp(logits))``.
+
+Written as one softmax, that is the logits ``l_j / T + (S * T - 1) * logsumexp_C(l / T)`` on ``C`` and ``l_j``
+elsewhere: with ``T = S = 1`` it is plain attention. Queries before ``query_start`` (the documents' own tokens in a
+repair forward) attend plainly. This module is the math (eager PyTorch, any device); the ``"kvboost"`` attention
+(:mod:`kvboost_hf.hf.attention`) runs it when a forward passes :data:`ADJUSTMENT_KWARG`, and the reuse cache
+(:meth:`~kvboost_hf.hf.cache.ChunkReuseCache.attention_kwargs`) passes it for every forward after a prompt whose
+approximate hits were loaded under a :class:`~kvboost_hf.core.config.RepairConfig` with ``context_temperature``
+or ``context_scale`` set.
+
+Differences from the APE paper, on purpose: the documents keep the positions they have in the prompt (the cache
+rotates their keys there) instead of all starting at the same position, and the adjustment applies to the
+columns loaded by content key, whether a repair recomputed some of their tokens or not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ADJUSTMENT_KWARG = "context_adjustment"
+"""The forward keyword argument (reaching the attention function through transformers' ``**kwargs``)."""
+
+
+@dataclass(frozen=True)
+class ContextAdjustment:
+    """One forward's adjustment: ``columns`` ``[B, W]`` bool marks the context key columns (cache columns, left
+    padding included; columns at or past ``W`` are not context), ``query_start`` ``[B]`` the first position
+    (RoPE position, padding excluded) whose queries are adjusted, ``temperature`` and ``scale`` > 0."""
+
+    columns: torch.Tensor
+    query_start: torch.Tensor
+    temperature: float
+    scale: float
+
+
+def _additive_mask(mask: torch.Tensor | None, num_q: int, num_k: int, device: torch.device) -> torch.Tensor:
+    """``mask`` (None: bottom-right causal; boolean True = attend; or additive) as an additive fp32 mask."""
+    if mask is None:
+        allowed = torch.ones(num_q, num_k, dtype=torch.bool, device=device).tril(num_k - num_q)[None, None]
+    elif mask.dtype == torch.bool:
+        allowed = mask[..., :num_k]
+    else:
+        return mask[..., :num_k].float()
+    return torch.zeros(allowed.shape, device=device).masked_fill(~allowed, float("-inf"))
+
+
+def adjusted_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    adjustment: ContextAdjustment,
+    position_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Attention of q ``[B, H, Lq, D]`` over k/v ``[B, H_kv, Lk, D]`` (grouped heads repeated) with the context
+    adjustment; ``position_ids`` ``[B|1, Lq]`` are the queries' positions. Returns ``[B, Lq, H, D]`` in the
+    query's dtype (computed in fp32); a query row that the mask hides from every key gets zeros."""
+    batch, heads, num_q, _ = query.shape
+    num_k = key.shape[2]
+    groups = heads // key.shape[1]
+    keys = key.float().repeat_interleave(groups, dim=1)
+    values = value.float().repeat_interleave(groups, dim=1)
+    logits = (query.float() @ keys.transpose(-1, -2)) * scaling
+    logits = logits + _additive_mask(mask, num_q, num_k, query.device)
+    columns = torch.zeros(batch, num_k, dtype=torch.bool, device=query.device)
+    width = min(num_k, adjustment.columns.shape[1])
+    columns[:, :width] = adjustment.columns[:, :width].to(query.device)
+    late = position_ids.to(query.device).expand(batch, num_q) >= adjustment.query_start.to(query.device)[:, None]
+    adjusted = columns[:, None, None, :] & late[:, None, :, None]  # [B, 1, Lq, Lk]
+    tempered = logits / adjustment.temperature
+    context_lse = torch.where(adjusted, tempered, float("-inf")).logsumexp(-1, keepdim=True)
+    context_lse = torch.where(context_lse.isfinite(), context_lse, 0.0)
+    shift = (adjustment.scale * adjustment.temperature - 1.0) * context_lse
+    logits = torch.where(adjusted, tempered + shift, logits)
+    out = logits.softmax(-1).nan_to_num(0.0) @ values  # a fully masked (padding) query row attends to nothing
+    return out.transpose(1, 2).to(query.dtype)
