@@ -482,9 +482,9 @@ def run(args: argparse.Namespace, engine: InferenceEngine | None = None) -> dict
     configs = configurations(
         tuple(args.ratios), tuple(args.methods), tuple(args.realign_tokens), args.head_tokens, args.filter_layers
     )
-    configs = with_context_adjustment(configs, tuple(args.ape), tuple(args.ape_on))
     if args.configs:
         configs = select_configurations(configs, args.configs)
+    configs = with_context_adjustment(configs, tuple(args.ape), tuple(args.ape_on) if args.ape else ())
     if engine is None:
         engine = InferenceEngine.from_pretrained(chunking=args.chunk_size)
     if any(config is not None and config.adjusts_attention for config in configs.values()):
@@ -677,7 +677,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="APE's attention temperature T and scaling factor S on the reused documents, e.g. 0.9/1.0",
     )
     parser.add_argument(
-        "--ape-on", nargs="+", default=["none"], help="configurations the --ape pairs are added to (default: none)"
+        "--ape-on",
+        nargs="+",
+        default=["none"],
+        help="configurations (after --configs) the --ape pairs are added to (default: none)",
     )
     parser.add_argument(
         "--noise",
