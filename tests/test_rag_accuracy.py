@@ -161,6 +161,25 @@ def test_paired_against_removes_the_questions_own_spread():
         paired_against(rows, "missing")
 
 
+def test_ape_variants_are_added_to_their_bases():
+    import argparse
+
+    from kvboost_hf.bench.rag_accuracy import temperature_and_scale, with_context_adjustment
+
+    configs = configurations(ratios=(0.15,), method_names=("selective",))
+    adjusted = with_context_adjustment(configs, ((0.8, 1.0), (1.0, 1.2)), ("none", DEFAULT_REPAIR))
+    assert list(adjusted)[: len(configs)] == list(configs)
+    assert adjusted["none+ape0.8/1"] == RepairConfig("none", 0.0, context_temperature=0.8)
+    assert adjusted[f"{DEFAULT_REPAIR}+ape1/1.2"] == RepairConfig(context_scale=1.2)
+    assert with_context_adjustment(configs, (), ()) == configs
+    with pytest.raises(ValueError, match="unknown base"):
+        with_context_adjustment(configs, ((0.8, 1.0),), (FULL,))
+    assert temperature_and_scale("0.9/1.1") == (0.9, 1.1)
+    for bad in ("0.9", "a/b", "0/1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            temperature_and_scale(bad)
+
+
 def test_default_repair_is_the_library_default():
     assert configurations(ratios=(0.15,), method_names=("selective",))[DEFAULT_REPAIR] == RepairConfig()
 
@@ -182,6 +201,7 @@ def test_report_and_plot_show_the_paired_statistics_and_the_target(tmp_path):
         "cacheblend@0.3": row(1.0, 3.2),
         "cacheblend@1": row(1.0, 0.9),
         "cacheblend@0.2": row(0.9, 3.5, (0.001, -0.01, 0.02)),
+        "cacheblend@0.2+ape0.9/1": row(0.9, 3.4),
         NOISE: row(1.0, 0.5, (0.0, -0.01, 0.01)) | {"max_abs_delta": 0.03},
     }
     from kvboost_hf.bench.rag_accuracy import target_check
