@@ -22,6 +22,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.keys import model_digest
+from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.chat_segments import DocumentBoundaries, encode_chat_segments, joined
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, left_pad
@@ -134,6 +135,9 @@ class InferenceEngine:
         if not isinstance(self.chunking, ChunkingConfig):
             raise TypeError(f"chunking must be a ChunkingConfig or a chunk size in tokens, got {chunking!r}")
         self.repair = repair if repair is not None else RepairConfig()
+        if self.repair.adjusts_attention and model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            logger.info("attn_implementation=%r for the repair's context temperature/scale", ATTN_IMPLEMENTATION)
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model
         self.tokenizer = tokenizer
         self.max_context = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 0))

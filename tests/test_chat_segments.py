@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from kvboost_hf.core.config import RepairConfig
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.chat_segments import encode_chat_segments, joined
+from kvboost_hf.hf.context_attention import adjusted_attention
 from kvboost_hf.hf.models import embedded_model_dir
 
 TRIMMING_TEMPLATE = (
@@ -168,6 +169,23 @@ def test_engine_reordered_parts_equal_a_full_prefill_with_full_repair():
     full = engine.generate(rag_chat([2, 0, 1]), 6, mode="baseline")
     assert reordered.recomputed_tokens > 0  # content hits, found at new positions, all recomputed
     assert reordered.output_ids == full.output_ids
+
+
+def test_an_engine_with_a_context_temperature_attends_to_warmed_documents_adjusted(monkeypatch):
+    """The engine switches its model to the kvboost attention for a repair with APE's temperature; reordered
+    warmed documents are then attended with the adjustment by the prompt forward and by every decode step."""
+    engine = tiny_engine(RepairConfig("none", context_temperature=0.5))
+    assert engine.model.config._attn_implementation == "kvboost"
+    engine.warm_documents(DOCUMENTS)
+    calls = []
+
+    def spy(*args):
+        calls.append(args[5])
+        return adjusted_attention(*args)
+
+    monkeypatch.setattr("kvboost_hf.hf.attention.adjusted_attention", spy)
+    adjusted = engine.generate(rag_chat([2, 0, 1]), 3)
+    assert adjusted.cached_tokens > 0 and len(calls) == 3 * engine.model.config.num_hidden_layers  # 3 forwards
 
 
 def test_warmed_documents_hit_whole_in_any_order():

@@ -28,7 +28,12 @@ class RecomputeStrategy(str, Enum):
 
 @dataclass(frozen=True)
 class RepairConfig:
-    """Knobs of the repair of approximate (content-key) hits. ``ratio`` is a share of the reused tokens."""
+    """Knobs of the repair of approximate (content-key) hits. ``ratio`` is a share of the reused tokens.
+
+    Attributes:
+        context_temperature: APE attention temperature T on the reused documents for every later query (1: off)
+        context_scale: APE scaling factor S of the reused documents' attention mass for every later query (1: off)
+    """
 
     strategy: RecomputeStrategy | str = RecomputeStrategy.SELECTIVE  # a name is turned into the enum
     ratio: float = 0.15
@@ -38,9 +43,9 @@ class RepairConfig:
     head_tokens: int = 0  # recompute the first tokens of every reused chunk at every layer (EPIC-style)
     filter_layers: int = 0  # CacheBlend: layers after check_layer over which the recomputed share shrinks
     deviation: str = "key"  # CacheBlend: which fresh-vs-stored deviation ranks tokens: "key" or "value"
-    # APE-style attention adjustment of every later query over the approximate (content-key) columns:
-    # temperature T divides their logits, scale S raises their softmax mass to exp(S * T * logsumexp(logits / T)).
-    # Both 1.0: plain attention. Needs attn_implementation="kvboost" (kvboost_hf.hf.context_attention).
+    # APE-style attention adjustment of every later query over the approximate (content-key) columns: T divides
+    # their logits, S sets their softmax mass to exp(S * T * logsumexp(logits / T)). Both 1.0: plain attention.
+    # Needs attn_implementation="kvboost" (an engine whose default repair sets them switches its model to it).
     context_temperature: float = 1.0
     context_scale: float = 1.0
 
