@@ -144,15 +144,17 @@ class Fact:
 
 
 def fact_documents(
-    count: int, facts_per_doc: int = 3, chars: int = 1200, seed: int = 0
+    count: int, facts_per_doc: int = 3, chars: int = 1200, seed: int = 0, source_chars: int | None = None
 ) -> list[tuple[str, list[Fact]]]:
     """``count`` documents of real text (:func:`documents`, about ``chars`` characters each) with
     ``facts_per_doc`` :class:`Fact` sentences planted between paragraphs or sentences, spread over the text.
+    The texts are the first of those holding at least ``source_chars`` characters (default ``chars``): the same
+    ``source_chars`` gives the same sources cut to every ``chars`` up to it (a document-length sweep).
 
     Every place appears in one document only and every code is distinct, so each question has one answer.
     Deterministic for a given ``seed`` and Python version.
     """
-    sources = documents(min_chars=chars)
+    sources = documents(min_chars=max(chars, source_chars or chars))
     if count > len(sources) or count * facts_per_doc > len(_PLACES):
         raise ValueError(
             f"at most {len(sources)} documents and {len(_PLACES)} facts in all, asked for {count} x {facts_per_doc}"

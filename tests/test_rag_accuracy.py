@@ -41,6 +41,16 @@ def test_fact_documents_plant_every_fact_once_with_distinct_answers():
         fact_documents(50)
 
 
+def test_fixed_sources_give_the_same_documents_at_every_length():
+    short, long = (fact_documents(8, 1, chars, seed=2, source_chars=3200) for chars in (800, 3200))
+    for (short_text, short_facts), (long_text, long_facts) in zip(short, long, strict=True):
+        assert short_text.split("\n")[0] == long_text.split("\n")[0] and short_facts == long_facts
+        assert len(short_text) < 1000 < 3200 <= len(long_text)
+    assert [t.split("\n")[0] for t, _ in fact_documents(8, 1, 800, seed=2)] != [
+        t.split("\n")[0] for t, _ in short
+    ]  # without fixed sources, short documents come from other texts
+
+
 def test_questions_hold_their_answer_in_exactly_one_shuffled_document():
     documents, questions = build_questions(5, 3, 12, seed=0)
     orders = set()

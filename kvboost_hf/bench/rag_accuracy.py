@@ -89,12 +89,19 @@ def question_segment(fact: Fact) -> str:
 
 
 def build_questions(
-    num_docs: int, docs_per_query: int, count: int, facts_per_doc: int = 1, seed: int = 0, chars: int = 800
+    num_docs: int,
+    docs_per_query: int,
+    count: int,
+    facts_per_doc: int = 1,
+    seed: int = 0,
+    chars: int = 800,
+    source_chars: int | None = None,
 ) -> tuple[list[str], list[Question]]:
-    """The document segments to warm and ``count`` questions over shuffled subsets of them (deterministic)."""
+    """The document segments to warm and ``count`` questions over shuffled subsets of them (deterministic; see
+    :func:`~kvboost_hf.corpus.fact_documents` for ``chars`` and ``source_chars``)."""
     if not 1 <= docs_per_query <= num_docs:
         raise ValueError(f"docs_per_query must be in [1, num_docs={num_docs}], got {docs_per_query}")
-    docs = fact_documents(num_docs, facts_per_doc, chars, seed)
+    docs = fact_documents(num_docs, facts_per_doc, chars, seed, source_chars)
     segments = [document_segment(text) for text, _ in docs]
     rng = random.Random(seed)
     questions = []
@@ -477,7 +484,7 @@ def target_check(summary: dict[str, dict[str, float]]) -> dict[str, object]:
 def run(args: argparse.Namespace, engine: InferenceEngine | None = None) -> dict:
     """The whole benchmark; pass ``engine`` to reuse a loaded one (its store is cleared first)."""
     documents, questions = build_questions(
-        args.docs, args.docs_per_query, args.questions, args.facts_per_doc, args.seed, args.doc_chars
+        args.docs, args.docs_per_query, args.questions, args.facts_per_doc, args.seed, args.doc_chars, args.source_chars
     )
     configs = configurations(
         tuple(args.ratios), tuple(args.methods), tuple(args.realign_tokens), args.head_tokens, args.filter_layers
@@ -646,6 +653,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--docs", type=int, default=20, help="documents in the store (at most 20 of 800 chars)")
     parser.add_argument("--facts-per-doc", type=int, default=1, help="facts planted in each document")
     parser.add_argument("--doc-chars", type=int, default=800, help="characters of real text per document")
+    parser.add_argument(
+        "--source-chars",
+        type=int,
+        default=None,
+        help="take the texts that hold at least this many characters (default --doc-chars): fixed sources, so a "
+        "sweep of --doc-chars changes only the length (8 texts hold 3200)",
+    )
     parser.add_argument("--docs-per-query", type=int, default=3, help="documents in each prompt")
     parser.add_argument("--questions", type=int, default=12)
     parser.add_argument("--new-tokens", type=int, default=6, help="greedy tokens generated per answer")
