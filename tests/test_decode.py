@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -44,8 +45,15 @@ def prompts() -> list[list[int]]:
     return [torch.randint(1, 120, (n,), generator=generator).tolist() for n in (21, 9, 30)]
 
 
+def reuse_caches(store: ChunkStore | None, model, **options) -> Callable[[tuple[int, ...]], ChunkReuseCache] | None:
+    """A loop's cache factory: chunk-reuse caches on ``store`` built for the rows' segment starts (None: plain K/V)."""
+    if store is None:
+        return None
+    return lambda starts: ChunkReuseCache(store, model, CHUNKING, segment_starts=starts, **options)
+
+
 def run(model, requests, store=None, **kwargs) -> DecodeLoop:
-    new_cache = (lambda: ChunkReuseCache(store, model, CHUNKING)) if store is not None else None
+    new_cache = reuse_caches(store, model)
     loop = DecodeLoop(
         model, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=new_cache, chunking=CHUNKING, pad_token_id=0,
         **kwargs,
@@ -170,7 +178,7 @@ def test_rows_joining_a_running_batch_equal_generate_alone(any_window_model, reu
     the tokens they get alone, the running rows are undisturbed, and the next step is one forward for all."""
     model = any_window_model
     store = ChunkStore() if reuse else None
-    new_cache = (lambda: ChunkReuseCache(store, model, CHUNKING)) if store is not None else None
+    new_cache = reuse_caches(store, model)
     greedy_params = SamplingParams(temperature=0)
     first, *later = prompts()
     loop = DecodeLoop(
@@ -263,8 +271,8 @@ def test_speculative_rows_join_and_equal_generate_alone(model, noisy_draft, reus
     transformers' greedy tokens; with reuse the chunks written back (target and draft) are exact: a longer prompt
     that loads them gives the first logits of a full prefill."""
     store = ChunkStore() if reuse else None
-    new_cache = (lambda: ChunkReuseCache(store, model, CHUNKING)) if store is not None else None
-    draft_cache = (lambda: ChunkReuseCache(store, noisy_draft, CHUNKING)) if store is not None else None
+    new_cache = reuse_caches(store, model)
+    draft_cache = reuse_caches(store, noisy_draft)
     drafter = Drafter(noisy_draft, DraftSettings(num_draft_tokens=3), draft_cache)
     greedy_params = SamplingParams(temperature=0)
     first, *later = prompts()

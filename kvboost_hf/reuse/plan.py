@@ -50,6 +50,9 @@ class ChunkLedger:
     of ``spans[i]``; the first ``stored`` chunks are in the store (or were found there); the row's K/V are exact
     (computed or loaded with all preceding tokens as their real past) for its first ``exact_tokens`` tokens;
     ``stale`` holds positions of loaded, unrepaired approximate K/V (never stored under any key).
+    ``segment_starts`` (sorted token offsets) are the row's own: each starts a chunk (so they shape its spans and
+    prefix keys), and a row with some stores its chunks by content key too. They travel with the ledger when rows
+    are joined, selected or repeated, so every row of a batch keeps its own.
     """
 
     spans: list[Span] = field(default_factory=list)
@@ -57,6 +60,7 @@ class ChunkLedger:
     stored: int = 0
     exact_tokens: int = 0
     stale: frozenset[int] = frozenset()
+    segment_starts: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -67,11 +71,9 @@ class ChunkLedger:
     def last_key(self) -> str | None:
         return self.keys[-1] if self.keys else None
 
-    def extend(
-        self, tokens: Sequence[int], namespace: str, chunking: ChunkingConfig, segment_starts: Sequence[int] = ()
-    ) -> None:
+    def extend(self, tokens: Sequence[int], namespace: str, chunking: ChunkingConfig) -> None:
         """Add the chunks that ``tokens`` (the row's real tokens so far, a continuation of what was seen) complete."""
-        new_spans = chunk_spans(tokens, chunking, self.end, segment_starts)
+        new_spans = chunk_spans(tokens, chunking, self.end, self.segment_starts)
         self.keys += chain_prefix_keys(namespace, tokens, new_spans, self.last_key)
         self.spans += new_spans
 
@@ -83,7 +85,9 @@ class ChunkLedger:
         self.exact_tokens = min(self.exact_tokens, num_tokens)
 
     def copy(self) -> ChunkLedger:
-        return ChunkLedger(list(self.spans), list(self.keys), self.stored, self.exact_tokens, self.stale)
+        return ChunkLedger(
+            list(self.spans), list(self.keys), self.stored, self.exact_tokens, self.stale, self.segment_starts
+        )
 
 
 @dataclass(frozen=True)
@@ -162,7 +166,6 @@ def plan_reuse(
     *,
     namespace: str,
     chunking: ChunkingConfig,
-    segment_starts: Sequence[int] = (),
     approximate: bool = False,
     entry_shape: tuple[int, int, int] | None = None,
 ) -> ReusePlan:
@@ -171,8 +174,9 @@ def plan_reuse(
     Without ``approximate`` each row takes its run of exact prefix hits after ``present[i]`` (stopping at the first
     miss, where the longest stored unfinished chunk may still hit). With ``approximate`` (one row only), later
     chunks are also looked up by prefix key, then by content key, and misses become gaps. The ledgers are
-    extended to the rows' tokens. Store reads are memoised across rows, so a shared prefix is read once, and a
-    row's prefix chunks are read in one ``get_many`` call (hits and misses are counted as chunk by chunk).
+    extended to the rows' tokens (each row chunked at its own ledger's segment starts). Store reads are memoised
+    across rows, so a shared prefix is read once, and a row's prefix chunks are read in one ``get_many`` call
+    (hits and misses are counted as chunk by chunk).
     ``entry_shape`` ``(layers, kv_heads, head_dim)``: an entry of another shape, or whose token count is not its
     span's, is a miss (logged): K/V of the wrong shape are never stitched, and a request never fails on them.
     """
@@ -181,7 +185,7 @@ def plan_reuse(
     reader = _Reader(store, namespace, approximate, entry_shape)
     plans = []
     for ledger, tokens, row_present, limit in zip(ledgers, rows, present, limits, strict=True):
-        ledger.extend(tokens, namespace, chunking, segment_starts)
+        ledger.extend(tokens, namespace, chunking)
         plans.append(_plan_row(reader, ledger, tokens, row_present, limit))
     sparse = approximate and bool(plans[0].hits) and not plans[0].is_leading_run
     return ReusePlan(plans, sparse)
