@@ -228,12 +228,12 @@ def segment_prompt(first: list[int], second: list[int]) -> tuple[list[int], tupl
     return [*header, *first, *second, *question], (0, 5, 5 + len(first), 5 + len(first) + len(second))
 
 
-def segment_loop(model, store: ChunkStore, requests: list[DecodeRequest]) -> DecodeLoop:
+def segment_loop(model, store: ChunkStore, requests: list[DecodeRequest], draft: Drafter | None = None) -> DecodeLoop:
     """A loop that prefills segment prompts alone (each in a cache built with its segment starts), as the engine's
     batch policy does."""
     return DecodeLoop(
         model, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=reuse_caches(store, model), chunking=CHUNKING,
-        pad_token_id=0, prefill_alone=lambda prompt_ids, segment_starts: bool(segment_starts),
+        pad_token_id=0, prefill_alone=lambda prompt_ids, segment_starts: bool(segment_starts), draft=draft,
     )  # fmt: skip
 
 
@@ -275,9 +275,12 @@ def test_a_segment_row_decodes_with_plain_rows_and_writes_back_what_it_writes_al
         torch.testing.assert_close(joined.values, expected.values, atol=1e-5, rtol=1e-4)
 
 
-def test_reordered_documents_hit_by_content_key_in_a_batch_as_alone(model, documents):
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "draft"])
+def test_reordered_documents_hit_by_content_key_in_a_batch_as_alone(model, noisy_draft, documents, speculative):
     """Documents stored by a segment prompt are hit by content key in another order by a segment row that shares
-    its batch with plain rows: its reuse figures and tokens equal those it gets alone (same store contents)."""
+    its batch with plain rows: its reuse figures and tokens equal those it gets alone (same store contents). With a
+    draft, the draft's cache for that row is built with its segment starts too (its chunks stored by content key in
+    the draft's namespace)."""
     greedy_params = SamplingParams(temperature=0)
     stores = [ChunkStore(), ChunkStore()]
     first, first_starts = segment_prompt(*documents)
@@ -287,10 +290,16 @@ def test_reordered_documents_hit_by_content_key_in_a_batch_as_alone(model, docum
     segment = DecodeRequest(reordered, 6, greedy_params, segment_starts=starts)
     alone = run(model, [segment], stores[0]).rows[0]
     assert alone.reuse.approx_tokens > 0
-    loop = segment_loop(model, stores[1], [DecodeRequest(p, 6, greedy_params) for p in prompts()[:2]] + [segment])
+    requests = [DecodeRequest(p, 6, greedy_params) for p in prompts()[:2]] + [segment]
+    draft = Drafter(noisy_draft, DraftSettings(num_draft_tokens=3), reuse_caches(stores[1], noisy_draft))
+    loop = segment_loop(model, stores[1], requests, draft if speculative else None)
     loop.run()
     assert loop.rows[2].reuse == alone.reuse and loop.rows[2].tokens == alone.tokens
-    assert loop.forwards == 2 + 5  # two prefills, then five decode steps shared by the three rows
+    if not speculative:
+        assert loop.forwards == 2 + 5  # two prefills, then five decode steps shared by the three rows
+        return
+    draft_namespace = ChunkReuseCache(stores[1], noisy_draft, CHUNKING, adapter=False).namespace
+    assert stores[1].contains(content_key(draft_namespace, documents[1][:8]))  # the first document's first chunk
 
 
 def test_rows_with_different_segment_starts_are_not_prefilled_in_one_cache(model, documents):
