@@ -419,11 +419,12 @@ class InferenceEngine:
         repair: RepairConfig | None = None,
         sampling: SamplingParams | None = None,
     ) -> list[GenerationResult]:
-        """Generate for several prompts (any prefixes) in one left-padded batch on the decode loop the server
-        runs (:class:`~kvboost_hf.hf.decode.DecodeLoop`). Each row's greedy output equals what it gets alone, and
-        every row is sampled with ``seed`` as if alone. ``on_token(row, token)`` is called as each token exists.
-        With a draft every row is decoded speculatively; its tokens are those it gets without one. TTFT is the
-        batch's."""
+        """Generate for several prompts (any prefixes, segment prompts included) in one left-padded batch on the
+        decode loop the server runs (:class:`~kvboost_hf.hf.decode.DecodeLoop`; prompts that :meth:`batch_policy`
+        prefills alone join the batch before its first decode step). Each row's greedy output equals what it gets
+        alone, and every row is sampled with ``seed`` as if alone. ``on_token(row, token)`` is called as each token
+        exists. With a draft every row is decoded speculatively; its tokens are those it gets without one. TTFT is
+        the batch's."""
         started = time.perf_counter()
         if not prompts:
             raise ValueError("prompts is empty")
@@ -431,17 +432,12 @@ class InferenceEngine:
         encoded, segment_starts = zip(*(self.encode_segments(p) for p in prompts), strict=True)
         for ids in encoded:
             self._check_length(len(ids), max_new_tokens)
-        if any(segment_starts) and any(ids != encoded[0] for ids in encoded[1:]):
-            raise ValueError(
-                "prompts with segments (lists of strings, chat contents of several parts) are batched only with "
-                "copies of themselves"
-            )
         sampling = sampling_params(sampling, temperature=temperature, do_sample=do_sample, top_p=top_p, seed=seed)
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        starts = segment_starts[0]  # all prompts are one when it has segments
+        first_logits = logprobs is not None
         requests = [
-            DecodeRequest(ids, max_new_tokens, sampling, stops, logprobs, None, cancel, logprobs is not None)
-            for ids in encoded
+            DecodeRequest(ids, max_new_tokens, sampling, stops, logprobs, None, cancel, first_logits, tuple(starts))
+            for ids, starts in zip(encoded, segment_starts, strict=True)
         ]
         rows = DecodeLoop.rows_for(requests, self.eos_token_ids)
         index = {id(row): i for i, row in enumerate(rows)}
@@ -449,7 +445,6 @@ class InferenceEngine:
             rows,
             mode,
             cache_salt,
-            starts,
             repair,
             on_token=(lambda row: None) if on_token is None else (lambda row: on_token(index[id(row)], row.tokens[-1])),
         )
@@ -465,20 +460,25 @@ class InferenceEngine:
         rows: Sequence[DecodeRow],
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
         cache_salt: str | None = None,
-        segment_starts: Sequence[int] = (),
         repair: RepairConfig | None = None,
         *,
         on_token: Callable[[DecodeRow], None] = lambda row: None,
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
     ) -> DecodeLoop:
         """A decode loop for ``rows`` on this engine's model with fresh caches of these settings (no store with
-        ``mode="baseline"``), speculative with the engine's draft when it has one. The caller runs it under
-        :attr:`lock`."""
+        ``mode="baseline"``), each built for its rows' segment starts (a request's ``segment_starts``), speculative
+        with the engine's draft when it has one; :meth:`batch_policy` says which prompts are prefilled alone. The
+        caller runs it under :attr:`lock`."""
         mode = GenerationMode(mode)
-        new_cache = prefill_alone = None
+        new_cache: Callable[[tuple[int, ...]], ChunkReuseCache] | None = None
+        prefill_alone: Callable[[Sequence[int], Sequence[int]], bool] | None = None
         if mode is not GenerationMode.BASELINE:
-            new_cache = functools.partial(self.new_cache, mode, cache_salt, segment_starts, repair, adapter=False)
-            prefill_alone = functools.partial(self.batch_policy(mode).prefill_alone, cache_salt=cache_salt)
+            new_cache = functools.partial(self.new_cache, mode, cache_salt, repair=repair, adapter=False)
+            policy = self.batch_policy(mode)
+
+            def prefill_alone(prompt_ids: Sequence[int], segment_starts: Sequence[int]) -> bool:
+                return policy.prefill_alone(prompt_ids, cache_salt, segment_starts)
+
         return DecodeLoop(
             self.model,
             functools.partial(self.tokenizer.decode, skip_special_tokens=True),
@@ -488,13 +488,11 @@ class InferenceEngine:
             pad_token_id=self.pad_token_id,
             on_token=on_token,
             tokenizer_lock=tokenizer_lock,
-            draft=self._drafter(mode, cache_salt, segment_starts, repair),
+            draft=self._drafter(mode, cache_salt, repair),
             prefill_alone=prefill_alone,
         )
 
-    def _drafter(
-        self, mode: GenerationMode, cache_salt: str | None, segment_starts: Sequence[int], repair: RepairConfig | None
-    ) -> Drafter | None:
+    def _drafter(self, mode: GenerationMode, cache_salt: str | None, repair: RepairConfig | None) -> Drafter | None:
         """The engine's drafter for one loop, or None without a draft. A draft model gets a chunk-reuse cache of
         its own (in its own engine's store when it is an engine) unless reuse is off; an early-exit draft (the
         target's first layers) a plain cache."""
@@ -506,7 +504,7 @@ class InferenceEngine:
         if mode is not GenerationMode.BASELINE:
             owner, model = (self._draft_engine, None) if self._draft_engine is not None else (self, self.draft_model)
             draft_cache = functools.partial(
-                owner.new_cache, mode, cache_salt, segment_starts, repair, model=model, adapter=False
+                owner.new_cache, mode, cache_salt, repair=repair, model=model, adapter=False
             )
         return Drafter(self.draft_model, self.draft_settings, draft_cache, self.verify_costs)
 
@@ -588,15 +586,13 @@ class InferenceEngine:
         cache_salt: str | None = None,
         **kwargs: Any,
     ) -> list[GenerationResult]:
-        """Generate for many prompts in batches formed by :meth:`batch_policy` (the server's rules: segment prompts
-        run alone; the others in batches of up to ``max_batch_size`` rows of similar length, a prompt whose reuse
-        needs a repair prefilled alone and then decoded with its batch; chunks stored by one batch are loaded by
-        the next). Each prompt is tokenized once;
-        ``kwargs`` are :meth:`generate_batch`'s. Input order is kept."""
+        """Generate for many prompts in batches formed by :meth:`batch_policy` (the server's rules: batches of up to
+        ``max_batch_size`` rows of similar length; a segment prompt, or one whose reuse needs a repair, is prefilled
+        alone and then decoded with its batch; chunks stored by one batch are loaded by the next). Each prompt is
+        tokenized once (a segment prompt twice: :meth:`generate_batch` takes it as given, to find its segment
+        starts); ``kwargs`` are :meth:`generate_batch`'s. Input order is kept."""
         encoded = [self.encode_segments(prompt) for prompt in prompts]
-        policy = self.batch_policy(mode)
-        batches = policy.batches([ids for ids, _ in encoded], [starts for _, starts in encoded], cache_salt,
-                                 max_batch_size)  # fmt: skip
+        batches = self.batch_policy(mode).batches([ids for ids, _ in encoded], max_batch_size)
         results: dict[int, GenerationResult] = {}
         for batch in batches:
             given = [prompts[i] if encoded[i][1] else encoded[i][0] for i in batch]  # segments keep their starts

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -13,7 +14,9 @@ from hypothesis import strategies as st
 from oracle import reference
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, DecodeLoop, DecodeRequest, SamplingParams
+from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.chunking import ChunkingConfig
+from kvboost_hf.core.keys import content_key
 from kvboost_hf.hf.cache import select_columns
 from kvboost_hf.hf.decode import visible_text
 from kvboost_hf.hf.speculative import Drafter, DraftSettings
@@ -44,8 +47,15 @@ def prompts() -> list[list[int]]:
     return [torch.randint(1, 120, (n,), generator=generator).tolist() for n in (21, 9, 30)]
 
 
+def reuse_caches(store: ChunkStore | None, model, **options) -> Callable[[tuple[int, ...]], ChunkReuseCache] | None:
+    """A loop's cache factory: chunk-reuse caches on ``store`` built for the rows' segment starts (None: plain K/V)."""
+    if store is None:
+        return None
+    return lambda starts: ChunkReuseCache(store, model, CHUNKING, segment_starts=starts, **options)
+
+
 def run(model, requests, store=None, **kwargs) -> DecodeLoop:
-    new_cache = (lambda: ChunkReuseCache(store, model, CHUNKING)) if store is not None else None
+    new_cache = reuse_caches(store, model)
     loop = DecodeLoop(
         model, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=new_cache, chunking=CHUNKING, pad_token_id=0,
         **kwargs,
@@ -157,7 +167,11 @@ def test_rows_sharing_a_new_prefix_compute_it_once(model):
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"prompt_ids": []}, "prompt_ids is empty"), ({"max_new_tokens": 0}, "max_new_tokens must be >= 1")],
+    [
+        ({"prompt_ids": []}, "prompt_ids is empty"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+        ({"segment_starts": (0, 3)}, r"segment starts \[3\] lie outside the prompt's 2 tokens"),
+    ],
 )
 def test_bad_requests_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -170,7 +184,7 @@ def test_rows_joining_a_running_batch_equal_generate_alone(any_window_model, reu
     the tokens they get alone, the running rows are undisturbed, and the next step is one forward for all."""
     model = any_window_model
     store = ChunkStore() if reuse else None
-    new_cache = (lambda: ChunkReuseCache(store, model, CHUNKING)) if store is not None else None
+    new_cache = reuse_caches(store, model)
     greedy_params = SamplingParams(temperature=0)
     first, *later = prompts()
     loop = DecodeLoop(
@@ -193,6 +207,107 @@ def test_rows_joining_a_running_batch_equal_generate_alone(any_window_model, reu
     if reuse:  # the joined rows' chunks were written back from the merged cache
         again = run(model, [DecodeRequest(p, 1, greedy_params) for p in later], store)
         assert all(row.reuse.cached_tokens > 0 for row in again.rows)
+
+
+class RecordingStore(ChunkStore):
+    """A RAM store that remembers the keys put into it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: list[str] = []
+
+    def put(self, key: str, entry: ChunkKV) -> None:
+        self.keys.append(key)
+        super().put(key, entry)
+
+
+def segment_prompt(first: list[int], second: list[int]) -> tuple[list[int], tuple[int, ...]]:
+    """A header, two documents and a question as one prompt (tokens 1..119), and its segment starts."""
+    generator = torch.Generator().manual_seed(len(first) * 131 + first[0])
+    header, question = (torch.randint(1, 120, (n,), generator=generator).tolist() for n in (5, 6))
+    return [*header, *first, *second, *question], (0, 5, 5 + len(first), 5 + len(first) + len(second))
+
+
+def segment_loop(model, store: ChunkStore, requests: list[DecodeRequest], draft: Drafter | None = None) -> DecodeLoop:
+    """A loop that prefills segment prompts alone (each in a cache built with its segment starts), as the engine's
+    batch policy does."""
+    return DecodeLoop(
+        model, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=reuse_caches(store, model), chunking=CHUNKING,
+        pad_token_id=0, prefill_alone=lambda prompt_ids, segment_starts: bool(segment_starts), draft=draft,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def documents() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(11)
+    return [torch.randint(1, 120, (n,), generator=generator).tolist() for n in (20, 13)]
+
+
+def test_a_segment_row_decodes_with_plain_rows_and_writes_back_what_it_writes_alone(model, documents):
+    """A row with segment starts is prefilled in a cache built with them and joined to plain rows: after the prefill
+    every step is one forward for all rows, each row gets its greedy tokens alone, and the segment row's chunks are
+    stored under the keys (prefix and content, chunked at its segment starts) and with the K/V it stores alone,
+    though the cache it was joined into has no segment starts."""
+    prompt, starts = segment_prompt(*documents)
+    greedy_params = SamplingParams(temperature=0)
+    segment = DecodeRequest(prompt, 6, greedy_params, segment_starts=starts)
+    plain = [DecodeRequest(p, 6, greedy_params) for p in prompts()[:2]]
+    alone_store = RecordingStore()
+    run(model, [segment], alone_store)
+    namespace = ChunkReuseCache(alone_store, model, CHUNKING, adapter=False).namespace
+    assert content_key(namespace, documents[0][:8]) in alone_store.keys  # a document chunk, by content key
+    store = ChunkStore()
+    loop = segment_loop(model, store, [plain[0], segment, plain[1]])
+    loop.prefill()
+    assert len(loop.running) == 3 and loop.forwards == 2  # the plain rows' prefill, then the segment row's
+    loop.step()
+    assert loop.forwards == 3  # one decode forward for the three rows
+    while not loop.done:
+        loop.step()
+    for row in loop.rows:
+        prompt_ids = list(row.request.prompt_ids)
+        alone, _ = greedy(model, torch.tensor([prompt_ids]), new=6)
+        assert row.tokens == alone[0, len(prompt_ids) :].tolist()
+    for key in alone_store.keys:
+        joined, expected = store.get(key), alone_store.get(key)
+        assert joined is not None and expected is not None, "the joined row stored what it stores alone"
+        torch.testing.assert_close(joined.keys, expected.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(joined.values, expected.values, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "draft"])
+def test_reordered_documents_hit_by_content_key_in_a_batch_as_alone(model, noisy_draft, documents, speculative):
+    """Documents stored by a segment prompt are hit by content key in another order by a segment row that shares
+    its batch with plain rows: its reuse figures and tokens equal those it gets alone (same store contents). With a
+    draft, the draft's cache for that row is built with its segment starts too (its chunks stored by content key in
+    the draft's namespace)."""
+    greedy_params = SamplingParams(temperature=0)
+    stores = [ChunkStore(), ChunkStore()]
+    first, first_starts = segment_prompt(*documents)
+    for store in stores:
+        run(model, [DecodeRequest(first, 1, greedy_params, segment_starts=first_starts)], store)
+    reordered, starts = segment_prompt(*documents[::-1])
+    segment = DecodeRequest(reordered, 6, greedy_params, segment_starts=starts)
+    alone = run(model, [segment], stores[0]).rows[0]
+    assert alone.reuse.approx_tokens > 0
+    requests = [DecodeRequest(p, 6, greedy_params) for p in prompts()[:2]] + [segment]
+    draft = Drafter(noisy_draft, DraftSettings(num_draft_tokens=3), reuse_caches(stores[1], noisy_draft))
+    loop = segment_loop(model, stores[1], requests, draft if speculative else None)
+    loop.run()
+    assert loop.rows[2].reuse == alone.reuse and loop.rows[2].tokens == alone.tokens
+    if not speculative:
+        assert loop.forwards == 2 + 5  # two prefills, then five decode steps shared by the three rows
+        return
+    draft_namespace = ChunkReuseCache(stores[1], noisy_draft, CHUNKING, adapter=False).namespace
+    assert stores[1].contains(content_key(draft_namespace, documents[1][:8]))  # the first document's first chunk
+
+
+def test_rows_with_different_segment_starts_are_not_prefilled_in_one_cache(model, documents):
+    prompt, starts = segment_prompt(*documents)
+    rows = [DecodeRequest(prompt, 2, segment_starts=starts), DecodeRequest(prompts()[0], 2)]
+    with pytest.raises(ValueError, match="different segment starts"):
+        run(model, rows, ChunkStore())
+    assert len(run(model, rows).rows) == 2  # without reuse there is no cache to build: segment starts do not matter
 
 
 texts = st.text(alphabet="abc ", max_size=30)
@@ -263,8 +378,8 @@ def test_speculative_rows_join_and_equal_generate_alone(model, noisy_draft, reus
     transformers' greedy tokens; with reuse the chunks written back (target and draft) are exact: a longer prompt
     that loads them gives the first logits of a full prefill."""
     store = ChunkStore() if reuse else None
-    new_cache = (lambda: ChunkReuseCache(store, model, CHUNKING)) if store is not None else None
-    draft_cache = (lambda: ChunkReuseCache(store, noisy_draft, CHUNKING)) if store is not None else None
+    new_cache = reuse_caches(store, model)
+    draft_cache = reuse_caches(store, noisy_draft)
     drafter = Drafter(noisy_draft, DraftSettings(num_draft_tokens=3), draft_cache)
     greedy_params = SamplingParams(temperature=0)
     first, *later = prompts()

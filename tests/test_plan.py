@@ -66,12 +66,11 @@ class DictStore:
 
 def plan(store, rows, present=None, limits=None, config=None, approximate=False, starts=()):
     config = config or ChunkingConfig(CHUNK)
-    ledgers = [ChunkLedger() for _ in rows]
+    ledgers = [ChunkLedger(segment_starts=tuple(starts)) for _ in rows]
     present = present or [0] * len(rows)
     limits = limits or [len(r) - 1 for r in rows]
     result = plan_reuse(
-        store, ledgers, rows, present, limits,
-        namespace=NS, chunking=config, segment_starts=starts, approximate=approximate,
+        store, ledgers, rows, present, limits, namespace=NS, chunking=config, approximate=approximate
     )  # fmt: skip
     return result, ledgers
 
@@ -251,20 +250,22 @@ def test_nonprefix_hits_are_chunks_stored_after_the_first_miss():
     assert not has_nonprefix_hits(other, tokens, namespace="another tenant", chunking=config)
 
 
-def test_batch_policy_runs_segments_alone_prefills_repairs_alone_and_orders_the_rest_by_length():
+def test_batch_policy_batches_every_prompt_by_length_and_prefills_segments_and_repairs_alone():
     config = ChunkingConfig(CHUNK)
     store = DictStore()
     document = [90, 91, 92, 93]
     store.put(content_key(NS, document), CHUNK)
     prompts = [[1, 2, 3, 4, *document], list(range(30, 41)), [5, 6], list(range(50, 53)), [7, 8, 9, 10, 11]]
-    starts = [(), (), (), (0, 2), ()]
+    segments = (0, 2)  # prompts[3] as a segment prompt
     policy = BatchPolicy(store, lambda salt: NS if salt is None else f"{NS}/{salt}", config, "chunk_kv_reuse")
-    # the segment prompt alone; the prompt with a content hit shares a batch (its decode loop prefills it alone)
-    assert policy.batches(prompts, starts, None, max_batch_size=2) == [[3], [2, 4], [0, 1]]
-    assert policy.prefill_alone(prompts[0], None) and not policy.prefill_alone(prompts[1], None)
+    # every prompt shares a batch (by length); the decode loop prefills some alone and joins them
+    assert policy.batches(prompts, max_batch_size=2) == [[2, 3], [4, 0], [1]]
+    assert policy.prefill_alone(prompts[0], None) and not policy.prefill_alone(prompts[1], None)  # a content hit
+    assert policy.prefill_alone(prompts[3], None, segments) and not policy.prefill_alone(prompts[3], None)
     assert not policy.prefill_alone(prompts[0], "tenant-b")  # another tenant's namespace holds nothing
-    assert policy.key(prompts[3], None, starts[3]) != policy.key(prompts[3], None, starts[3])  # a ticket each
-    assert policy.key(prompts[0], None) == policy.key(prompts[1], None)
-    assert not BatchPolicy(store, lambda salt: NS, config, "prefix_cache").prefill_alone(prompts[0], None)
+    assert policy.key(None) == policy.key(None) != policy.key("tenant-b")
+    prefix = BatchPolicy(store, lambda salt: NS, config, "prefix_cache")  # no repairs; segments still shape keys
+    assert not prefix.prefill_alone(prompts[0], None) and prefix.prefill_alone(prompts[3], None, segments)
+    assert not BatchPolicy(store, lambda salt: NS, config, "baseline").prefill_alone(prompts[3], None, segments)
     with pytest.raises(ValueError, match="max_batch_size"):
-        policy.batches(prompts, starts, None, max_batch_size=0)
+        policy.batches(prompts, max_batch_size=0)

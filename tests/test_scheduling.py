@@ -1,4 +1,5 @@
-"""One batching policy for ``generate_many`` and the server: requests whose reuse needs repair keep it, in batches."""
+"""One batching policy for ``generate_many`` and the server: segment prompts and requests whose reuse needs repair
+keep it, in batches."""
 
 from __future__ import annotations
 
@@ -14,20 +15,42 @@ def engine():
     return KVBoost(make_tiny_model("llama", seed=0), word_tokenizer(), chunking=8)
 
 
-def test_generate_many_runs_a_prompt_with_nonprefix_hits_alone_and_keeps_its_repair(engine):
-    """A warmed document placed after new text hits by content key and is repaired; generate_many gives that
-    prompt a batch of its own (a batch of several rows would stitch prefix hits only), so its result equals
-    generate() alone, reuse included, while the other prompts share a batch."""
-    document = words(50, 24)
-    engine.warm(document)
-    rag = [words(51, 5), document, words(52, 6)]  # segments: question prefix, document, question
-    others = [words(53 + i, 12 + i) for i in range(3)]
-    alone = engine.generate(rag, max_new_tokens=6)
-    assert alone.approx_tokens > 0
-    results = engine.generate_many([others[0], rag, others[1], others[2]], max_new_tokens=6)
-    assert (results[1].output_ids, results[1].approx_tokens) == (alone.output_ids, alone.approx_tokens)
-    for prompt, result in zip(others, [results[0], *results[2:]], strict=True):
-        assert result.output_ids == engine.generate(prompt, max_new_tokens=6, mode="baseline").output_ids
+def test_generate_many_batches_segment_prompts_with_plain_prompts_and_keeps_their_repair(engine, monkeypatch):
+    """Two RAG prompts (segments: a question prefix, warmed documents in another order, a question) and three plain
+    prompts run in one decode loop: each RAG prompt is prefilled alone in a cache built with its own segment starts
+    and joined, so its content-key hits, repair, reuse figures and tokens equal what it gets alone (from the same
+    store contents), and every plain row equals its greedy tokens."""
+    documents = [words(50, 24), words(54, 17)]
+    rag = [[words(51, 5), documents[1], documents[0], words(52, 6)], [words(55, 3), documents[0], words(56, 4)]]
+    others = [words(57 + i, 12 + i) for i in range(3)]
+
+    def warm_documents_only() -> None:
+        engine.store.clear()
+        for document in documents:
+            engine.warm(document)
+
+    alone = []
+    for prompt in rag:
+        warm_documents_only()
+        alone.append(engine.generate(prompt, max_new_tokens=6))
+    assert all(result.approx_tokens > 0 for result in alone)
+    plain = [engine.generate(prompt, max_new_tokens=6, mode="baseline") for prompt in others]
+    warm_documents_only()
+    loops = []
+    decode_loop = engine.decode_loop
+
+    def counted_loop(*args, **kwargs):
+        loops.append(decode_loop(*args, **kwargs))
+        return loops[-1]
+
+    monkeypatch.setattr(engine, "decode_loop", counted_loop)
+    results = engine.generate_many([others[0], rag[0], others[1], rag[1], others[2]], max_new_tokens=6)
+    assert len(loops) == 1  # one batch, one decode loop for the five rows
+    for got, expected in zip([results[1], results[3]], alone, strict=True):
+        figures = ("output_ids", "cached_tokens", "approx_tokens", "recomputed_tokens", "prompt_tokens")
+        assert [getattr(got, name) for name in figures] == [getattr(expected, name) for name in figures]
+    for got, expected in zip([results[0], results[2], results[4]], plain, strict=True):
+        assert got.output_ids == expected.output_ids
 
 
 def test_prompts_needing_repair_are_prefilled_alone_and_decode_in_the_batch(engine):
@@ -41,7 +64,7 @@ def test_prompts_needing_repair_are_prefilled_alone_and_decode_in_the_batch(engi
     prompts = [repaired[0], words(95, 10), repaired[1], words(96, 13)]
     policy = engine.batch_policy()
     assert [policy.prefill_alone(engine.encode(p), None) for p in prompts] == [True, False, True, False]
-    assert len(policy.batches([engine.encode(p) for p in prompts], [[]] * 4, None, 8)) == 1  # one batch
+    assert len(policy.batches([engine.encode(p) for p in prompts], 8)) == 1  # one batch
     alone = [engine.generate(prompt, max_new_tokens=6) for prompt in prompts]
     assert alone[0].approx_tokens > 0 and alone[2].approx_tokens > 0
     batch = engine.generate_batch(prompts, max_new_tokens=6)  # the store now holds more (written back): equal
@@ -61,8 +84,6 @@ def test_choices_of_one_prompt_are_prefilled_once_and_all_get_the_repair(engine)
     choices = engine.generate_batch([prompt, prompt, prompt], max_new_tokens=5)
     assert alone.approx_tokens > 0
     assert all(r.approx_tokens == alone.approx_tokens and r.output_ids == alone.output_ids for r in choices)
-    with pytest.raises(ValueError, match="batched only with copies"):
-        engine.generate_batch([prompt, [words(63, 7), document]], max_new_tokens=5)
 
 
 def test_token_id_prompts_are_checked_against_the_vocabulary(engine):

@@ -9,6 +9,7 @@ with repair ratio 1.0 the answer equals a cold server's; with the default repair
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 import uuid
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from test_server import KEY, MODEL, LiveServer  # noqa: E402
+from test_server import KEY, MODEL, LiveServer, metric  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.core.config import RepairConfig  # noqa: E402
@@ -171,6 +172,34 @@ def test_responses_api_input_text_parts_are_documents(client, exact_engine):
     respond([0, 1, 2])
     reordered = respond([1, 2, 0])
     assert reordered.usage.input_tokens_details.cached_tokens > document_tokens(exact_engine.tokenizer, docs) // 2
+
+
+def test_a_rag_request_and_a_plain_request_share_one_batch(exact_engine):
+    """A request whose warmed documents come as content parts in another order and a plain request of the same
+    tenant, arriving together, are served in one batch (the RAG prompt is prefilled alone in a cache built with its
+    segment starts, then decodes with the other): the RAG answer and its cached tokens equal those it gets alone
+    (same store contents, under another tenant), and the plain answer is the model's greedy answer."""
+    engine = InferenceEngine(exact_engine.model, exact_engine.tokenizer, chunking=16)  # default repair, own store
+    settings = ServerSettings(model_name=MODEL, api_key=KEY, reuse_mode="chunk", batch_window_ms=1500, max_batch_size=2)
+    salt = uuid.uuid4().hex
+    docs = documents(salt)
+    rag = as_parts(docs[::-1])
+    plain = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a large river."}]
+    alone_tenant, shared_tenant = f"alone-{salt}", f"shared-{salt}"
+    with LiveServer(create_app(engine, settings)) as live:
+        client = live.client().with_options(timeout=120)
+        for tenant in (alone_tenant, shared_tenant):
+            client.post("/warm", body={"documents": docs, "cache_salt": tenant}, cast_to=object)
+        alone = ask(client, rag, alone_tenant)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(ask, client, messages, shared_tenant) for messages in (rag, plain)]
+            batched, answered = (future.result() for future in futures)
+        batches = metric(live, "kvboost_batch_size_count"), metric(live, "kvboost_batch_size_sum")
+    assert batches == (2, 3)  # the lone request's batch, then one batch of both
+    assert cached(alone) > document_tokens(engine.tokenizer, docs) // 2
+    assert (batched.choices[0].message.content, cached(batched)) == (alone.choices[0].message.content, cached(alone))
+    expected = engine.generate(plain, 8, mode="baseline", temperature=0).output_text
+    assert answered.choices[0].message.content == expected
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,10 @@ import torch
 from conftest import make_tiny_model, noisy_copy
 from hypothesis import given
 from hypothesis import strategies as st
-from test_decode import CHUNKING, EOS, as_text
+from test_decode import CHUNKING, EOS, as_text, reuse_caches
 from test_speculative import _chi_square
 
-from kvboost_hf import ChunkReuseCache, ChunkStore, DecodeLoop, DecodeRequest, SamplingParams
+from kvboost_hf import ChunkStore, DecodeLoop, DecodeRequest, SamplingParams
 from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftTree, VerifyCosts, acceptance_by_depth
 from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
 
@@ -36,9 +36,9 @@ def prompts() -> list[list[int]]:
 def decode(model, requests, settings=None, draft=None, store=None) -> DecodeLoop:
     drafter = None
     if settings is not None:
-        draft_cache = (lambda: ChunkReuseCache(store, draft, CHUNKING, adapter=False)) if store is not None else None
+        draft_cache = reuse_caches(store, draft, adapter=False)
         drafter = Drafter(draft, settings, draft_cache)
-    new_cache = (lambda: ChunkReuseCache(store, model, CHUNKING, adapter=False)) if store is not None else None
+    new_cache = reuse_caches(store, model, adapter=False)
     loop = DecodeLoop(model, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=new_cache, chunking=CHUNKING,
                       pad_token_id=0, draft=drafter)  # fmt: skip
     loop.run()
@@ -112,7 +112,7 @@ def test_global_expansion_gives_rows_their_own_shapes_and_the_same_tokens(budget
 
     drafter.propose = recording  # type: ignore[method-assign]
     store = ChunkStore() if reuse else None
-    new_cache = (lambda: ChunkReuseCache(store, target, CHUNKING, adapter=False)) if store is not None else None
+    new_cache = reuse_caches(store, target, adapter=False)
     loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=new_cache, chunking=CHUNKING,
                       pad_token_id=0, draft=drafter)  # fmt: skip
     loop.run()
@@ -270,7 +270,7 @@ def test_rows_of_one_prompt_share_the_folded_first_tree(target, draft, reuse):
     requests = [DecodeRequest(prompt, 12, sampling) for sampling in samplings]
     plain = decode(target, requests)
     store = ChunkStore() if reuse else None
-    new_cache = (lambda: ChunkReuseCache(store, target, CHUNKING, adapter=False)) if store is not None else None
+    new_cache = reuse_caches(store, target, adapter=False)
     drafter = Drafter(draft, DraftSettings(num_draft_tokens=4, tree_budget=12, tree_branching=3))
     loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=new_cache, chunking=CHUNKING,
                       pad_token_id=0, draft=drafter)  # fmt: skip

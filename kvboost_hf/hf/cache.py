@@ -24,7 +24,8 @@ Invariants:
   every column (so write-back, stitching, joins, crops and batch ops see whole chunks), but hands attention and
   the mask builder exactly the columns a ``DynamicSlidingWindowLayer`` would (the last ``sliding_window - 1``
   past columns plus the new ones), so outputs equal a ``DynamicCache``'s bit for bit;
-* a row's ledger says how far its K/V are exact; only exact chunks are stored under prefix keys;
+* a row's ledger says how far its K/V are exact (only exact chunks are stored under prefix keys) and holds the
+  row's own segment starts, so the rows of one cache may come from caches built for different segments;
 * a prompt that does not extend the tokens already cached raises instead of attending to stale K/V.
 """
 
@@ -48,6 +49,7 @@ from kvboost_hf.hf.hooks import install_hooks
 from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.prefill import ChunkPrefiller, RowReuse
 from kvboost_hf.reuse.plan import ChunkLedger
+from kvboost_hf.reuse.rope import KeyRotator
 from kvboost_hf.reuse.write_back import write_chunks, write_tail
 from kvboost_hf.store.chunk_store import ChunkStore
 
@@ -136,8 +138,10 @@ class ChunkReuseCache(Cache):
         repair: how approximate (content-key) hits are repaired (:class:`RepairConfig`).
         mode: a :class:`GenerationMode`.
         cache_salt: tenant isolation; caches with different salts never see each other's chunks.
-        segment_starts: token offsets where a new segment (document, question) starts: each starts a chunk, and
-            segment chunks are also stored by content key so they hit at any position.
+        segment_starts: token offsets where a new segment (document, question) starts in the prompt of the rows of
+            this cache's first forward: each starts a chunk, and those rows' chunks are also stored by content key
+            so they hit at any position. Each row keeps its segment starts in its ledger, so rows joined from another
+            cache (:meth:`join`) keep theirs and are written back under their own keys.
         write_back: store the chunks computed through this cache.
         adapter: install the hooks that let ``model.generate(past_key_values=cache)`` and ``model(...)`` drive
             this cache (:mod:`kvboost_hf.hf.hooks`; once per model). Not needed when forwards are driven explicitly
@@ -191,8 +195,6 @@ class ChunkReuseCache(Cache):
         self._pending_tokens: torch.Tensor | None = None  # the row's tokens once that forward ran
         self.layer_filter: LayerFilter | None = None  # CacheBlend: the positions of _scatter each layer computes
         self.prefiller = ChunkPrefiller(self)
-        by_content = bool(self.segment_starts) or self.chunking.method == "content"
-        self._content_rotator = self.prefiller.rotator if by_content else None
         if adapter:
             install_hooks(model)
 
@@ -266,7 +268,7 @@ class ChunkReuseCache(Cache):
         """First forward of this cache: learn the batch layout (left padding) from ``attention_mask``."""
         batch = input_ids.shape[0]
         self.tokens = torch.empty(batch, 0, dtype=torch.long, device="cpu")
-        self.ledgers = [ChunkLedger() for _ in range(batch)]
+        self.ledgers = [ChunkLedger(segment_starts=self.segment_starts) for _ in range(batch)]
         self.pads = [0] * batch
         if attention_mask is None:
             return
@@ -355,11 +357,17 @@ class ChunkReuseCache(Cache):
             return
         for row, ledger in enumerate(self.ledgers):
             tokens = self.row_tokens(row)
-            ledger.extend(tokens, self.namespace, self.chunking, self.segment_starts)
+            ledger.extend(tokens, self.namespace, self.chunking)
             row_slice = self._row_slicer(row)
-            write_chunks(self.store, ledger, tokens, row_slice, self.namespace, self._content_rotator)
+            write_chunks(self.store, ledger, tokens, row_slice, self.namespace, self._content_rotator(ledger))
             if tail:
                 write_tail(self.store, ledger, tokens, row_slice, self.namespace)
+
+    def _content_rotator(self, ledger: ChunkLedger) -> KeyRotator | None:
+        """The rotator that also stores a row's chunks by content key (rotated to position 0): for a row with segment
+        starts, or with content-defined chunking; None otherwise, or when non-prefix reuse is off (no rotator)."""
+        by_content = bool(ledger.segment_starts) or self.chunking.method == "content"
+        return self.prefiller.rotator if by_content else None
 
     def _row_slicer(self, row: int):
         pad = self.pads[row]
@@ -401,7 +409,8 @@ class ChunkReuseCache(Cache):
         """Append ``other``'s rows below this cache's rows (continuous batching); ``other`` is then spent.
 
         The narrower cache is left-padded with zero K/V columns, which the caller's attention mask must mask
-        (:func:`join_layers`); each row's ledger and its real tokens are unchanged, so write-back goes on per row.
+        (:func:`join_layers`); each row's ledger (its segment starts included) and its real tokens are unchanged, so
+        write-back goes on per row, under the keys the row's own cache would use.
         Both caches must be dense (no sparse forward pending) and share one namespace.
         """
         if other.namespace != self.namespace:

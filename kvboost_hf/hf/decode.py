@@ -6,7 +6,9 @@ One :class:`DecodeLoop` runs a batch of rows (prompts of any lengths and prefixe
   :class:`~kvboost_hf.hf.cache.ChunkReuseCache` stitches stored chunks, called explicitly through
   :func:`~kvboost_hf.hf.prefill.forward`, and computes only the rest). When several rows share a chunk-aligned
   prefix whose chunks are not stored yet, that prefix is computed once (batch of one) and stored first, so the
-  batch prefill loads it for every row instead of computing it per row;
+  batch prefill loads it for every row instead of computing it per row. A prompt that ``prefill_alone`` names (the
+  engine's policy: its reuse needs a repair, or it has segment starts) is prefilled in a cache of its own (built
+  with its segment starts) and joined to the batch before its first decode step;
 * decode: one forward per step for the rows still running. Each row's logits go through its own transformers
   ``LogitsProcessorList`` (:func:`~kvboost_hf.hf.sampling.build_processors`: bias, penalties, min_tokens, a grammar
   constraint, temperature, top-k/p, min-p), then the row picks its token with its own seeded generator
@@ -76,6 +78,10 @@ class DecodeRequest:
             penalties and before temperature.
         cancel: when set, the row ends with finish reason ``"cancelled"`` after its current token.
         keep_first_logits: keep the first step's raw logits (fp32, CPU) in :attr:`DecodeRow.first_logits`.
+        segment_starts: token offsets in ``prompt_ids`` where its segments (documents, a question) start: the row's
+            cache is built with them (each starts a chunk; stored documents hit by content key at any position).
+            A row with segment starts is prefilled in a cache of its own prompt (see ``DecodeLoop``'s
+            ``prefill_alone``), then decodes with the other rows.
     """
 
     prompt_ids: Sequence[int]
@@ -86,12 +92,21 @@ class DecodeRequest:
     constraint: LogitsProcessor | None = None
     cancel: threading.Event | None = None
     keep_first_logits: bool = False
+    segment_starts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError("prompt_ids is empty: a row needs at least one prompt token")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if outside := [start for start in self.segment_starts if not 0 <= start <= len(self.prompt_ids)]:
+            raise ValueError(f"segment starts {outside} lie outside the prompt's {len(self.prompt_ids)} tokens")
+
+    @property
+    def prefill_setting(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(prompt ids, segment starts)``: rows with equal settings are prefilled once (the ``n`` choices of a
+        request) in one cache."""
+        return tuple(self.prompt_ids), tuple(self.segment_starts)
 
 
 @dataclass(frozen=True)
@@ -231,15 +246,18 @@ class DecodeLoop:
         decode: token ids -> text (special tokens skipped), e.g. ``tokenizer.decode``; called under
             ``tokenizer_lock``.
         rows: the rows (see :meth:`rows_for`).
-        new_cache: builds a fresh chunk-reuse cache (each call the same settings), or None for plain K/V.
+        new_cache: builds a fresh chunk-reuse cache (each call the same settings) for rows whose prompts have the
+            given segment starts (``()``: none), or None for plain K/V.
         chunking: the chunking of the caches ``new_cache`` builds (to find shared prefixes).
         pad_token_id: the id used for left padding.
         on_token: called with a row after each token it gets, and once more when :meth:`cancel_all` ends it; must
             not block.
         tokenizer_lock: serialises ``decode`` with other threads using the same tokenizer (None: no lock).
         draft: speculative decoding with this drafter (fresh, unused: the loop runs its prefill), or None.
-        prefill_alone: prompt ids -> whether that prompt is prefilled in a batch of its own (its reuse needs a
-            repair of non-prefix hits, which a cache makes for one row at a time); None: never.
+        prefill_alone: ``(prompt ids, segment starts)`` -> whether that prompt is prefilled in a batch of its own
+            (its reuse needs a repair of non-prefix hits, which a cache makes for one row at a time, or it has
+            segment starts, which a cache is built with); None: never. With reuse on, the rows prefilled together
+            must have one segment setting (a ValueError otherwise).
 
     ``forwards`` counts target model forwards (prefill and shared prefixes included; the draft's are
     ``draft.forwards``), ``verify_forwards`` those of them that verified draft tokens (one per speculative step,
@@ -256,13 +274,13 @@ class DecodeLoop:
         decode: Callable[[list[int]], str],
         rows: Sequence[DecodeRow],
         *,
-        new_cache: Callable[[], ChunkReuseCache] | None,
+        new_cache: Callable[[tuple[int, ...]], ChunkReuseCache] | None,
         chunking: ChunkingConfig,
         pad_token_id: int,
         on_token: Callable[[DecodeRow], None] = lambda row: None,
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
         draft: Drafter | None = None,
-        prefill_alone: Callable[[Sequence[int]], bool] | None = None,
+        prefill_alone: Callable[[Sequence[int], Sequence[int]], bool] | None = None,
     ) -> None:
         if not rows:
             raise ValueError("a decode loop needs at least one row")
@@ -324,8 +342,10 @@ class DecodeLoop:
         """Compute (or load) every row's prompt and give each row its first token. Rows that all have one prompt
         (the ``n`` choices of a request) are prefilled as one row and then repeated, so a repair of non-prefix
         hits, which the cache makes for one row at a time, applies to all of them. Rows whose prompt
-        ``prefill_alone`` names are prefilled that way, one prompt at a time after the others, and joined
-        (:meth:`join`): they decode in the batch from the first step."""
+        ``prefill_alone`` names (repairs, segment prompts) are prefilled that way, one prompt at a time after the
+        others, each in a cache built with its own segment starts, and joined (:meth:`join`): they decode in the
+        batch from the first step, and each row's chunks are written back under its own keys (its ledger keeps its
+        segment starts)."""
         first, *later = self._prefill_groups()
         self.rows, self.running = first, list(first)
         with self._counting_streamed_bytes():
@@ -334,31 +354,48 @@ class DecodeLoop:
             self.join(group)
 
     def _prefill_groups(self) -> list[list[DecodeRow]]:
-        """The rows by prefill batch: the rows that share one, then the rows of each prompt to prefill alone."""
-        if self.prefill_alone is None or len({tuple(row.request.prompt_ids) for row in self.rows}) == 1:
+        """The rows by prefill batch: the rows that share one, then the rows of each prompt (and segment starts) to
+        prefill alone."""
+        if self.prefill_alone is None or len({row.request.prefill_setting for row in self.rows}) == 1:
             return [self.rows]
         shared: list[DecodeRow] = []
-        alone: dict[tuple[int, ...], list[DecodeRow]] = {}
-        verdicts: dict[tuple[int, ...], bool] = {}
+        alone: dict[tuple[tuple[int, ...], tuple[int, ...]], list[DecodeRow]] = {}
+        verdicts: dict[tuple[tuple[int, ...], tuple[int, ...]], bool] = {}
         for row in self.rows:
-            prompt = tuple(row.request.prompt_ids)
-            if prompt not in verdicts:
-                verdicts[prompt] = self.prefill_alone(prompt)
-            if verdicts[prompt]:
-                alone.setdefault(prompt, []).append(row)
+            setting = row.request.prefill_setting
+            if setting not in verdicts:
+                verdicts[setting] = self.prefill_alone(*setting)
+            if verdicts[setting]:
+                alone.setdefault(setting, []).append(row)
             else:
                 shared.append(row)
         return ([shared] if shared else []) + list(alone.values())
 
+    def _segment_starts(self) -> tuple[int, ...]:
+        """The segment starts this loop's cache is built with: those of every row it prefills (raises when they
+        differ: with reuse on, a row with segment starts must be prefilled alone, see ``prefill_alone``)."""
+        if self.new_cache is None:
+            return ()
+        settings = {tuple(row.request.segment_starts) for row in self.rows}
+        if len(settings) > 1:
+            raise ValueError(
+                "rows with different segment starts cannot be prefilled in one cache: prefill_alone must name the "
+                "prompts with segment starts"
+            )
+        return settings.pop()
+
     def _prefill(self) -> None:
         prompts = [list(row.request.prompt_ids) for row in self.rows]
+        starts = self._segment_starts()
         repeats = len(prompts) if all(prompt == prompts[0] for prompt in prompts) else 1
         prompts = prompts[:1] if repeats > 1 else prompts
-        shared_computed = self._store_shared_prefixes(prompts) if self.new_cache is not None else {}
-        self.cache = self.new_cache() if self.new_cache is not None else DynamicCache()
+        shared_computed: dict[int, int] = {}
+        if self.new_cache is not None and not starts:  # shared prefixes are chunked without segment starts
+            shared_computed = self._store_shared_prefixes(prompts)
+        self.cache = self.new_cache(starts) if self.new_cache is not None else DynamicCache()
         input_ids, self.mask = left_pad(prompts, self.pad_token_id, self.device)
         position_ids = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 1)
-        logits, trees = self._prompt_forward(input_ids, position_ids)
+        logits, trees = self._prompt_forward(input_ids, position_ids, starts)
         reuse = self.cache.last_reuse if isinstance(self.cache, ChunkReuseCache) else []
         loaded = [reuse[index].cached_tokens if index < len(reuse) else 0 for index in range(len(prompts))]
         self.computed_tokens = sum(len(p) - n for p, n in zip(prompts, loaded, strict=True))
@@ -387,17 +424,18 @@ class DecodeLoop:
         if self.draft is not None and self.running:  # after the first tokens: the draft's prefill is not in the TTFT
             order = {id(row): i for i, row in enumerate(self.rows)}
             running = torch.tensor([order[id(row)] for row in self.running], device=self.device)
-            self.draft.prefill(input_ids[running], self.mask, position_ids[running])
+            self.draft.prefill(input_ids[running], self.mask, position_ids[running], starts)
 
     def _prompt_forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, segment_starts: tuple[int, ...]
     ) -> tuple[torch.Tensor, list[DraftTree] | None]:
         """The target's prompt forward (stored chunks loaded first). With a draft, a row that may take two tokens,
         and a dense forward (not a sparse repair forward, whose K/V are scattered to the prompt's own columns), the
         draft prefills the prompts first and proposes each row's first tree below its last prompt token, and this
         forward verifies it too: one target forward fewer per generation (the draft's prefill then counts in the
         time to first token). Returns the logits ``[B, 1 + nodes, V]`` (the last prompt token's, then each
-        node's) and the trees (None when nothing was drafted: ``[B, 1, V]``)."""
+        node's) and the trees (None when nothing was drafted: ``[B, 1, V]``). ``segment_starts``: the rows'
+        (the draft's cache is built with them too)."""
         inputs = forward_inputs(self.cache, input_ids=input_ids, attention_mask=self.mask,
                                 position_ids=position_ids, logits_to_keep=1)  # fmt: skip
         draft, budget = self.draft, max(row.request.max_new_tokens for row in self.rows)
@@ -405,7 +443,7 @@ class DecodeLoop:
         trees = None
         if draft is not None and budget > 1 and not sparse:
             sizes = draft.level_sizes(budget - 1, len(self.rows))
-            first, roots = draft.prefill(input_ids, self.mask, position_ids), position_ids[:, -1]
+            first, roots = draft.prefill(input_ids, self.mask, position_ids, segment_starts), position_ids[:, -1]
             rows = self.rows  # the prompts' rows (the first of each repeated prompt drafts for all)
             trees = draft.expand(first, self.mask, roots, sizes, lambda i, lg, d: rows[i].draft_scores(lg, d))
             inputs = self._with_tree_queries(inputs, trees, roots)
@@ -708,7 +746,7 @@ class DecodeLoop:
             shared = end
         if shared == 0:
             return 0
-        cache = self.new_cache()
+        cache = self.new_cache(())
         keys = chain_prefix_keys(cache.namespace, first, chunk_spans(first[:shared], self.chunking))
         if all(cache.store.contains_many(keys)):  # one Redis round trip for all of them
             return 0

@@ -100,10 +100,10 @@ def rotator_for(model: PreTrainedModel) -> KeyRotator | None:
 class ChunkPrefiller:
     """Loads and repairs what the store holds for a prompt into ``cache`` (one prefiller per cache).
 
-    It reads the cache's settings (store, namespace, chunking, repair, segments) and writes only through the
-    container's state: stitched columns go into its layers, ``tokens`` and ledgers; a sparse forward is armed with
-    :meth:`~kvboost_hf.hf.cache.ChunkReuseCache.arm_scatter` and completed by ``record()``. Reuse results go to
-    ``cache.last_reuse``.
+    It reads the cache's settings (store, namespace, chunking, repair) and each row's segment starts (its ledger's)
+    and writes only through the container's state: stitched columns go into its layers, ``tokens`` and ledgers; a
+    sparse forward is armed with :meth:`~kvboost_hf.hf.cache.ChunkReuseCache.arm_scatter` and completed by
+    ``record()``. Reuse results go to ``cache.last_reuse``.
     """
 
     def __init__(self, cache: ChunkReuseCache) -> None:
@@ -167,7 +167,6 @@ class ChunkPrefiller:
             [limit - pad for pad in cache.pads],
             namespace=cache.namespace,
             chunking=cache.chunking,
-            segment_starts=cache.segment_starts,
             approximate=sparse_possible,
             entry_shape=self._entry_shape,
         )

@@ -447,8 +447,8 @@ class Drafter:
         model: the resident draft (sharing the target's vocabulary), or the target itself when
             ``settings.early_exit_layers`` is set (the draft is then its first layers and its head).
         settings: ``num_draft_tokens`` proposed per round; ``early_exit_layers``.
-        new_cache: builds the draft's cache (e.g. a chunk-reuse cache on the target's store, under the draft's own
-            namespace); None = a ``DynamicCache``.
+        new_cache: builds the draft's cache for rows with the given segment starts (e.g. a chunk-reuse cache on the
+            target's store, under the draft's own namespace); None = a ``DynamicCache``.
         costs: the target's timed verify forwards, shared by the drafters of one engine (with
             ``settings.adaptive_tree_budget``; None: a fresh record).
 
@@ -461,7 +461,7 @@ class Drafter:
         self,
         model: PreTrainedModel,
         settings: DraftSettings,
-        new_cache: Callable[[], Cache] | None = None,
+        new_cache: Callable[[tuple[int, ...]], Cache] | None = None,
         costs: VerifyCosts | None = None,
     ) -> None:
         self.model = model
@@ -484,10 +484,16 @@ class Drafter:
         budget = settings.adaptive_budget(self.costs, rows) if settings.adaptive_tree_budget else None
         return settings.level_sizes(depth, budget)
 
-    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Run the draft over the left-padded prompts on a fresh cache; returns the last position's logits ``[B, V]``
-        (fp32): the draft's view of each row's first token."""
-        self.cache = self.new_cache() if self.new_cache is not None else DynamicCache()
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        segment_starts: tuple[int, ...] = (),
+    ) -> torch.Tensor:
+        """Run the draft over the left-padded prompts on a fresh cache (built for the rows' ``segment_starts``);
+        returns the last position's logits ``[B, V]`` (fp32): the draft's view of each row's first token."""
+        self.cache = self.new_cache(segment_starts) if self.new_cache is not None else DynamicCache()
         logits = self.forward(input_ids, mask, position_ids)
         reuse = getattr(self.cache, "last_reuse", None) or []
         self.cached_tokens = [entry.cached_tokens for entry in reuse]

@@ -52,6 +52,9 @@ class ChunkLedger:
     ``stale`` holds positions of loaded, unrepaired approximate K/V (never stored under any key); ``approximate``
     the positions loaded from approximate hits, repaired or not (the context columns of an APE-style attention
     adjustment), all below the row's length.
+    ``segment_starts`` (sorted token offsets) are the row's own: each starts a chunk (so they shape its spans and
+    prefix keys), and a row with some stores its chunks by content key too. They travel with the ledger when rows
+    are joined, selected or repeated, so every row of a batch keeps its own.
     """
 
     spans: list[Span] = field(default_factory=list)
@@ -60,6 +63,7 @@ class ChunkLedger:
     exact_tokens: int = 0
     stale: frozenset[int] = frozenset()
     approximate: frozenset[int] = frozenset()
+    segment_starts: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -70,11 +74,9 @@ class ChunkLedger:
     def last_key(self) -> str | None:
         return self.keys[-1] if self.keys else None
 
-    def extend(
-        self, tokens: Sequence[int], namespace: str, chunking: ChunkingConfig, segment_starts: Sequence[int] = ()
-    ) -> None:
+    def extend(self, tokens: Sequence[int], namespace: str, chunking: ChunkingConfig) -> None:
         """Add the chunks that ``tokens`` (the row's real tokens so far, a continuation of what was seen) complete."""
-        new_spans = chunk_spans(tokens, chunking, self.end, segment_starts)
+        new_spans = chunk_spans(tokens, chunking, self.end, self.segment_starts)
         self.keys += chain_prefix_keys(namespace, tokens, new_spans, self.last_key)
         self.spans += new_spans
 
@@ -88,7 +90,13 @@ class ChunkLedger:
 
     def copy(self) -> ChunkLedger:
         return ChunkLedger(
-            list(self.spans), list(self.keys), self.stored, self.exact_tokens, self.stale, self.approximate
+            list(self.spans),
+            list(self.keys),
+            self.stored,
+            self.exact_tokens,
+            self.stale,
+            self.approximate,
+            self.segment_starts,
         )
 
 
@@ -168,7 +176,6 @@ def plan_reuse(
     *,
     namespace: str,
     chunking: ChunkingConfig,
-    segment_starts: Sequence[int] = (),
     approximate: bool = False,
     entry_shape: tuple[int, int, int] | None = None,
 ) -> ReusePlan:
@@ -177,8 +184,9 @@ def plan_reuse(
     Without ``approximate`` each row takes its run of exact prefix hits after ``present[i]`` (stopping at the first
     miss, where the longest stored unfinished chunk may still hit). With ``approximate`` (one row only), later
     chunks are also looked up by prefix key, then by content key, and misses become gaps. The ledgers are
-    extended to the rows' tokens. Store reads are memoised across rows, so a shared prefix is read once, and a
-    row's prefix chunks are read in one ``get_many`` call (hits and misses are counted as chunk by chunk).
+    extended to the rows' tokens (each row chunked at its own ledger's segment starts). Store reads are memoised
+    across rows, so a shared prefix is read once, and a row's prefix chunks are read in one ``get_many`` call
+    (hits and misses are counted as chunk by chunk).
     ``entry_shape`` ``(layers, kv_heads, head_dim)``: an entry of another shape, or whose token count is not its
     span's, is a miss (logged): K/V of the wrong shape are never stitched, and a request never fails on them.
     """
@@ -187,7 +195,7 @@ def plan_reuse(
     reader = _Reader(store, namespace, approximate, entry_shape)
     plans = []
     for ledger, tokens, row_present, limit in zip(ledgers, rows, present, limits, strict=True):
-        ledger.extend(tokens, namespace, chunking, segment_starts)
+        ledger.extend(tokens, namespace, chunking)
         plans.append(_plan_row(reader, ledger, tokens, row_present, limit))
     sparse = approximate and bool(plans[0].hits) and not plans[0].is_leading_run
     return ReusePlan(plans, sparse)

@@ -93,7 +93,8 @@ Event = Delta | Finished | Done | Failed
 class Job:
     """One HTTP request: ``n`` choices for one tokenised prompt. ``sink`` is called from the worker thread and
     must not block. ``arrival`` is a ``time.perf_counter()`` value (TTFT is measured from it).
-    ``segment_starts``: token offsets where the prompt's documents start (a job with some runs in a batch alone)."""
+    ``segment_starts``: token offsets where the prompt's documents start (its rows are prefilled in a cache built
+    with them, then decode in their batch)."""
 
     prompt_ids: list[int]
     params: JobParams
@@ -155,9 +156,8 @@ class Batch:
         self.jobs: list[Job] = []
         self.choices: dict[int, _Choice] = {}
         rows = DecodeLoop.rows_for(self._requests_for(jobs), engine.eos_token_ids)
-        first = self.jobs[0]  # a job with segment starts is alone in its batch (its batch key is its own)
         self.loop = engine.decode_loop(
-            rows, mode, first.cache_salt, first.segment_starts, on_token=self._report, tokenizer_lock=tokenizer_lock
+            rows, mode, self.jobs[0].cache_salt, on_token=self._report, tokenizer_lock=tokenizer_lock
         )
         self.started = time.perf_counter()
         self._counted = False
@@ -179,6 +179,7 @@ class Batch:
                     params.top_logprobs,
                     params.constraint(len(job.prompt_ids)) if params.constraint is not None else None,
                     job.cancel,
+                    segment_starts=job.segment_starts,
                 )
                 self.choices[id(request)] = _Choice(job, index)
                 requests.append(request)

@@ -2,13 +2,12 @@
 
 Scheduling, per loop iteration:
 
-1. admission: jobs are keyed by the engine's batch policy (:mod:`kvboost_hf.scheduling`: the ``cache_salt``, and a
-   key of its own for a job whose prompt has document segments; a job whose reuse needs repair is prefilled alone,
-   then decodes with its batch). A pending job whose key matches a running batch joins it at once (continuous
-   batching: its prompt is prefilled, then its rows decode in the same forward as the running rows). Other pending
-   jobs of one key are admitted as a new :class:`~kvboost_hf.server.batching.Batch` once the oldest has waited
-   ``batch_window_s`` (or they fill ``max_batch_size`` rows; a job that runs alone at once); the rows of all running
-   batches stay within ``max_batch_size``;
+1. admission: jobs are keyed by the engine's batch policy (:mod:`kvboost_hf.scheduling`: the ``cache_salt``; a job
+   whose prompt has document segments, or whose reuse needs repair, is prefilled alone, then decodes with its
+   batch). A pending job whose key matches a running batch joins it at once (continuous batching: its prompt is
+   prefilled, then its rows decode in the same forward as the running rows). Other pending jobs of one key are
+   admitted as a new :class:`~kvboost_hf.server.batching.Batch` once the oldest has waited ``batch_window_s`` (or
+   they fill ``max_batch_size`` rows); the rows of all running batches stay within ``max_batch_size``;
 2. exclusive calls (``warm``) run;
 3. new batches run their prefill, joining jobs theirs, then every running batch makes one decode step.
 
@@ -64,7 +63,8 @@ class Worker:
         engine: the engine (its model is used from this worker only).
         mode: ``PREFIX_CACHE`` (exact prefix hits), ``CHUNK_KV_REUSE`` (also repaired non-prefix hits) or
             ``BASELINE`` (plain K/V, no store). Jobs are batched by the engine's :meth:`~InferenceEngine.batch_policy`
-            (the rules of ``generate_many``: a job whose reuse needs repair is prefilled alone, then joins).
+            (the rules of ``generate_many``: a job with document segments, or whose reuse needs repair, is prefilled
+            alone, then joins).
         batch_window_s: how long (seconds) a job may wait for others to batch with.
         max_batch_size: rows (choices) running at once, over all batches.
         max_queue: jobs waiting for admission before ``submit`` refuses.
@@ -140,7 +140,7 @@ class Worker:
         """
         if not 1 <= job.n <= self.max_batch_size:
             raise ValueError(f"a job needs 1 to max_batch_size={self.max_batch_size} rows, got n={job.n}")
-        key = self.policy.key(job.prompt_ids, job.cache_salt, job.segment_starts)
+        key = self.policy.key(job.cache_salt)
         with self._cond:
             if self._closing:
                 raise ShuttingDown("server is shutting down")
@@ -247,8 +247,7 @@ class Worker:
 
     def _admit(self, now: float) -> list[tuple[Batch, list[Job] | None]]:
         """Pending jobs that are ready and fit, as ``(batch, None)`` for a new batch and ``(batch, jobs)`` for jobs
-        joining a running batch of the same key (at once: no batch window). A job that runs alone does not wait for
-        the window. Called with the lock held."""
+        joining a running batch of the same key (at once: no batch window). Called with the lock held."""
         self._pending = [(key, job) for key, job in self._pending if not self._dropped_if_cancelled(job)]
         groups: dict[BatchKey, list[Job]] = {}
         for key, job in self._pending:
@@ -260,7 +259,7 @@ class Worker:
             running = self._joinable(key)
             rows = sum(job.n for job in members)
             window_over = now >= members[0].arrival + self.batch_window_s
-            ready = running is not None or rows >= self.max_batch_size or not key.shares or window_over
+            ready = running is not None or rows >= self.max_batch_size or window_over
             if not (ready or self._closing):
                 continue
             chosen: list[Job] = []
@@ -278,9 +277,7 @@ class Worker:
         ]
 
     def _joinable(self, key: BatchKey) -> Batch | None:
-        """A running batch that new jobs of ``key`` may join (decoding, same namespace, neither side alone)."""
-        if not key.shares:
-            return None
+        """A running batch that new jobs of ``key`` may join (decoding, same namespace)."""
         for batch in self._active:
             if not batch.done and self._keys.get(batch) == key:
                 return batch
