@@ -79,6 +79,17 @@ def test_context_columns_get_the_tempered_and_scaled_mass():
     assert not torch.allclose(out[0, 1], (plain.softmax(-1) @ value).transpose(1, 2)[0, 1], atol=1e-3)
 
 
+@pytest.mark.parametrize("mask_kind", ["none", "bool"])
+def test_queries_in_blocks_give_the_same_attention(monkeypatch, mask_kind):
+    query, key, value = _qkv(num_q=7, num_k=11)
+    mask = None if mask_kind == "none" else torch.rand(2, 1, 7, 11, generator=torch.Generator().manual_seed(3)) > 0.3
+    adjustment = _adjustment([[1, 2, 3], [4, 5]], 11, 6, 0.6, 1.3)
+    positions = torch.arange(4, 11)[None]
+    whole = adjusted_attention(query, key, value, mask, 0.3, adjustment, positions)
+    monkeypatch.setattr(context_attention, "QUERY_BLOCK", 3)
+    torch.testing.assert_close(adjusted_attention(query, key, value, mask, 0.3, adjustment, positions), whole)
+
+
 def test_a_fully_masked_query_row_gets_zeros_not_nan():
     query, key, value = _qkv(batch=1)
     hidden = torch.zeros(1, 1, 3, 7, dtype=torch.bool)

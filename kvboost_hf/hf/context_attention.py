@@ -44,14 +44,21 @@ class ContextAdjustment:
     scale: float
 
 
-def _additive_mask(mask: torch.Tensor | None, num_q: int, num_k: int, device: torch.device) -> torch.Tensor:
-    """``mask`` (None: bottom-right causal; boolean True = attend; or additive) as an additive fp32 mask."""
+QUERY_BLOCK = 256
+"""Queries computed at once: bounds the fp32 logits held at a time to ``B * H * QUERY_BLOCK * Lk * 4`` bytes."""
+
+
+def _block_mask(mask: torch.Tensor | None, rows: slice, num_q: int, num_k: int, device: torch.device) -> torch.Tensor:
+    """Rows ``rows`` of ``mask`` (None: bottom-right causal; boolean True = attend; or additive) as an additive fp32
+    mask ``[B|1, 1|H, len(rows), Lk]``."""
     if mask is None:
-        allowed = torch.ones(num_q, num_k, dtype=torch.bool, device=device).tril(num_k - num_q)[None, None]
-    elif mask.dtype == torch.bool:
-        allowed = mask[..., :num_k]
+        queries = torch.arange(rows.start, rows.stop, device=device)[:, None]
+        allowed = (torch.arange(num_k, device=device)[None, :] <= queries + num_k - num_q)[None, None]
     else:
-        return mask[..., :num_k].float()
+        block = mask[..., rows, :num_k] if mask.shape[-2] > 1 else mask[..., :num_k]
+        if block.dtype != torch.bool:
+            return block.float()
+        allowed = block
     return torch.zeros(allowed.shape, device=device).masked_fill(~allowed, float("-inf"))
 
 
@@ -66,23 +73,27 @@ def adjusted_attention(
 ) -> torch.Tensor:
     """Attention of q ``[B, H, Lq, D]`` over k/v ``[B, H_kv, Lk, D]`` (grouped heads repeated) with the context
     adjustment; ``position_ids`` ``[B|1, Lq]`` are the queries' positions. Returns ``[B, Lq, H, D]`` in the
-    query's dtype (computed in fp32); a query row that the mask hides from every key gets zeros."""
+    query's dtype (computed in fp32, :data:`QUERY_BLOCK` queries at a time); a query row that the mask hides from
+    every key gets zeros."""
     batch, heads, num_q, _ = query.shape
     num_k = key.shape[2]
     groups = heads // key.shape[1]
-    keys = key.float().repeat_interleave(groups, dim=1)
+    keys = key.float().repeat_interleave(groups, dim=1).transpose(-1, -2)
     values = value.float().repeat_interleave(groups, dim=1)
-    logits = (query.float() @ keys.transpose(-1, -2)) * scaling
-    logits = logits + _additive_mask(mask, num_q, num_k, query.device)
     columns = torch.zeros(batch, num_k, dtype=torch.bool, device=query.device)
     width = min(num_k, adjustment.columns.shape[1])
     columns[:, :width] = adjustment.columns[:, :width].to(query.device)
     late = position_ids.to(query.device).expand(batch, num_q) >= adjustment.query_start.to(query.device)[:, None]
-    adjusted = columns[:, None, None, :] & late[:, None, :, None]  # [B, 1, Lq, Lk]
-    tempered = logits / adjustment.temperature
-    context_lse = torch.where(adjusted, tempered, float("-inf")).logsumexp(-1, keepdim=True)
-    context_lse = torch.where(context_lse.isfinite(), context_lse, 0.0)
-    shift = (adjustment.scale * adjustment.temperature - 1.0) * context_lse
-    logits = torch.where(adjusted, tempered + shift, logits)
-    out = logits.softmax(-1).nan_to_num(0.0) @ values  # a fully masked (padding) query row attends to nothing
-    return out.transpose(1, 2).to(query.dtype)
+    blocks = []
+    for start in range(0, num_q, QUERY_BLOCK):
+        rows = slice(start, min(start + QUERY_BLOCK, num_q))
+        logits = (query[:, :, rows].float() @ keys) * scaling
+        logits = logits + _block_mask(mask, rows, num_q, num_k, query.device)
+        adjusted = columns[:, None, None, :] & late[:, None, rows, None]  # [B, 1, rows, Lk]
+        tempered = logits / adjustment.temperature
+        context_lse = torch.where(adjusted, tempered, float("-inf")).logsumexp(-1, keepdim=True)
+        context_lse = torch.where(context_lse.isfinite(), context_lse, 0.0)
+        shift = (adjustment.scale * adjustment.temperature - 1.0) * context_lse
+        logits = torch.where(adjusted, tempered + shift, logits)
+        blocks.append(logits.softmax(-1).nan_to_num(0.0) @ values)  # a fully masked (padding) row: zeros
+    return torch.cat(blocks, dim=2).transpose(1, 2).to(query.dtype)
