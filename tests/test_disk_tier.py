@@ -267,6 +267,45 @@ _KILLED_WRITER = textwrap.dedent(
 )
 
 
+def test_opening_waits_while_another_process_creates_the_files(tmp_path: Path):
+    """A process opening the directory holds its opening lock until data.mdb has its meta pages; a tier opened
+    meanwhile (here: the lock held by another process with a half-written, 100-byte data.mdb, as during creation)
+    waits for it instead of setting the file aside, then opens what that process finished."""
+    from kvboost_hf.store.disk import OPENING_LOCK
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import fcntl, os, sys, time
+            from pathlib import Path
+            from kvboost_hf.store.disk import DiskTier
+            directory = Path({str(tmp_path)!r})
+            fd = os.open(directory / {OPENING_LOCK!r}, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            (directory / "data.mdb").write_bytes(b"x" * 100)  # as LMDB creating the file, before its meta pages
+            print("locked", flush=True)
+            time.sleep(1.0)
+            (directory / "data.mdb").unlink()
+            os.close(fd)
+            tier = DiskTier(directory, max_bytes=1 << 20)  # creates the real file
+            tier.close()
+            print("done", flush=True)
+        """)],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    disk = DiskTier(tmp_path, max_bytes=1 << 20)
+    try:
+        assert disk.disabled is None and disk.corrupt == 0  # nothing set aside: it waited for the lock
+        assert not (tmp_path / "data.mdb.damaged").exists()
+        disk.put(key(1), make_entry())
+        assert disk.flush() and disk.get(key(1)) is not None
+    finally:
+        disk.close()
+        holder.communicate(timeout=60)
+
+
 def test_writer_killed_at_any_moment_leaves_a_consistent_store(tmp_path: Path):
     delay_s = random.uniform(0.05, 1.0)  # any moment: the outcome must not depend on it
     proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(tmp_path)], stdout=subprocess.PIPE, env=ENV)

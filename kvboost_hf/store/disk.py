@@ -25,6 +25,7 @@ check itself cannot be caught from Python).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -32,6 +33,7 @@ import struct
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +81,11 @@ class DiskTier(StorageTier):
         self._data_fd = -1
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._open()
-        except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError, _Truncated) as exc:
-            self._set_aside(exc)
+            with _opening(self.directory):
+                try:
+                    self._open()
+                except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError, _Truncated) as exc:
+                    self._set_aside(exc)
         except (OSError, lmdb.Error, _Unusable) as exc:
             self._disable(f"cannot open {self.directory} ({type(exc).__name__}: {exc})")
         self._writer = BackgroundWriter("disk", self._write_batch, queue_size=queue_size)
@@ -425,6 +429,23 @@ class DiskTier(StorageTier):
         if self._data_fd >= 0:
             os.close(self._data_fd)
             self._data_fd = -1
+
+
+OPENING_LOCK = "open.lock"
+
+
+@contextlib.contextmanager
+def _opening(directory: Path) -> Iterator[None]:
+    """Hold the directory's :data:`OPENING_LOCK` (``flock``, exclusive) while the files are checked, opened or set
+    aside: a ``data.mdb`` that another process is creating has no meta pages yet, and would otherwise look
+    truncated here and be set aside under that process (each then writing a file the other never reads). A file
+    of its own, so LMDB's record locks on ``lock.mdb`` are never touched."""
+    fd = os.open(directory / OPENING_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 _open_envs: dict[str, list[Any]] = {}  # real path -> [environment, users]: LMDB allows one per process
