@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, TypeGuard
 
 import torch
@@ -503,6 +504,8 @@ class InferenceEngine:
         draft_cache = None
         if mode is not GenerationMode.BASELINE:
             owner, model = (self._draft_engine, None) if self._draft_engine is not None else (self, self.draft_model)
+            if repair is not None or owner is self:  # the draft only proposes: no APE attention adjustment there
+                repair = replace(repair or self.repair, context_temperature=1.0, context_scale=1.0)
             draft_cache = functools.partial(
                 owner.new_cache, mode, cache_salt, repair=repair, model=model, adapter=False
             )

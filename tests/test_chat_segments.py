@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from conftest import make_tiny_model
+from conftest import make_tiny_model, noisy_copy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
@@ -186,6 +186,23 @@ def test_an_engine_with_a_context_temperature_attends_to_warmed_documents_adjust
     monkeypatch.setattr("kvboost_hf.hf.attention.adjusted_attention", spy)
     adjusted = engine.generate(rag_chat([2, 0, 1]), 3)
     assert adjusted.cached_tokens > 0 and len(calls) == 3 * engine.model.config.num_hidden_layers  # 3 forwards
+
+
+def test_a_draft_model_proposes_without_the_context_adjustment():
+    """The draft only proposes (the target decides every token), so its cache gets the repair without APE's
+    temperature: its model keeps its own attention, and speculative decoding runs beside an adjusted target."""
+    model = make_tiny_model("llama", vocab_size=len(tokenizer()), max_position_embeddings=1024)
+    draft = noisy_copy(model, 0.05, seed=1)
+    engine = InferenceEngine(
+        model, tokenizer(), chunking=8, repair=RepairConfig("none", context_temperature=0.5), draft_model=draft
+    )
+    assert draft.config._attn_implementation == "sdpa"
+    engine.warm_documents(DOCUMENTS)
+    result = engine.generate(rag_chat([2, 0, 1]), 4)
+    assert result.cached_tokens > 0 and len(result.output_ids) == 4
+    plain = InferenceEngine(model, tokenizer(), chunking=8, repair=RepairConfig("none", context_temperature=0.5))
+    plain.warm_documents(DOCUMENTS)
+    assert plain.generate(rag_chat([2, 0, 1]), 4).output_ids == result.output_ids  # the draft changes no token
 
 
 def test_warmed_documents_hit_whole_in_any_order():

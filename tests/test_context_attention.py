@@ -147,6 +147,7 @@ def test_every_forward_after_reordered_documents_passes_the_adjustment(monkeypat
     layers = model.config.num_hidden_layers
     assert len(calls) == 2 * layers  # the prompt forward's layers, then the decode step's
     adjustment = calls[0]
+    assert calls[layers] is adjustment  # built once for the layout, not again for the decode step
     assert sorted(cache.ledgers[0].approximate) == list(range(32, 64))  # doc 0 moved; doc 1 is a prefix hit
     assert adjustment.columns[0].nonzero().squeeze(1).tolist() == list(range(32, 64))
     assert int(adjustment.query_start[0]) == 64

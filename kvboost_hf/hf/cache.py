@@ -194,6 +194,7 @@ class ChunkReuseCache(Cache):
         self._scatter: torch.Tensor | None = None  # positions the pending sparse forward writes
         self._pending_tokens: torch.Tensor | None = None  # the row's tokens once that forward ran
         self.layer_filter: LayerFilter | None = None  # CacheBlend: the positions of _scatter each layer computes
+        self._adjustment: tuple[tuple, ContextAdjustment] | None = None  # (layout, its adjustment): attention_kwargs
         self.prefiller = ChunkPrefiller(self)
         if adapter:
             install_hooks(model)
@@ -207,21 +208,27 @@ class ChunkReuseCache(Cache):
     def attention_kwargs(self) -> dict[str, ContextAdjustment]:
         """Extra keyword arguments of a forward through this cache: the APE-style context adjustment
         (:mod:`kvboost_hf.hf.context_attention`) over each row's approximate columns, for the queries after the
-        last of them, when the repair config sets one and a row loaded approximate hits; else none."""
+        last of them, when the repair config sets one and a row loaded approximate hits; else none. Built once
+        per layout (rows' padding and approximate positions), not per decode step."""
         if not self.repair.adjusts_attention or not any(ledger.approximate for ledger in self.ledgers):
             return {}
+        layout = (tuple(self.pads), tuple(ledger.approximate for ledger in self.ledgers))
+        if self._adjustment is None or self._adjustment[0] != layout:
+            self._adjustment = layout, self._context_adjustment()
+        return {ADJUSTMENT_KWARG: self._adjustment[1]}
+
+    def _context_adjustment(self) -> ContextAdjustment:
         device = self.prefiller._device_and_dtype()[0]
         starts = [max(ledger.approximate, default=-1) + 1 for ledger in self.ledgers]  # no columns: no effect
         columns = torch.zeros(len(self.ledgers), max(map(sum, zip(self.pads, starts, strict=True))), dtype=torch.bool)
         for row, (pad, ledger) in enumerate(zip(self.pads, self.ledgers, strict=True)):
             columns[row, [pad + position for position in ledger.approximate]] = True
-        adjustment = ContextAdjustment(
+        return ContextAdjustment(
             columns.to(device),
             torch.tensor(starts, device=device),
             self.repair.context_temperature,
             self.repair.context_scale,
         )
-        return {ADJUSTMENT_KWARG: adjustment}
 
     @property
     def expects_sparse_forward(self) -> bool:
