@@ -36,7 +36,6 @@ from collections.abc import Sequence
 
 import torch
 from transformers import Cache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.chunking import ChunkingConfig
@@ -46,6 +45,7 @@ from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.blend import LayerFilter, scatter_into
 from kvboost_hf.hf.context_attention import ADJUSTMENT_KWARG, ContextAdjustment
 from kvboost_hf.hf.hooks import install_hooks
+from kvboost_hf.hf.layers import ChunkReuseLayer, ChunkReuseSlidingLayer, cache_layers
 from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.prefill import ChunkPrefiller, RowReuse
 from kvboost_hf.reuse.plan import ChunkLedger
@@ -54,78 +54,6 @@ from kvboost_hf.reuse.write_back import write_chunks, write_tail
 from kvboost_hf.store.chunk_store import ChunkStore
 
 logger = logging.getLogger(__name__)
-
-
-class ChunkReuseLayer(DynamicLayer):
-    """A full-attention dynamic layer; stitched K/V are appended exactly like computed K/V.
-
-    The first update of an empty layer adopts the given tensors instead of concatenating them to an empty one
-    (one copy fewer for a stitched prefix).
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized or self.keys.numel() == 0:
-            self.lazy_initialization(key_states, value_states)
-            self.keys, self.values = key_states, value_states
-            return self.keys, self.values
-        return super().update(key_states, value_states, *args, **kwargs)
-
-    def adopt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Hold exactly ``keys``/``values`` (a full-length stitched buffer)."""
-        self.lazy_initialization(keys, values)
-        self.keys, self.values = keys, values
-
-
-class ChunkReuseSlidingLayer(ChunkReuseLayer):
-    """A sliding-window layer that keeps every column but shows attention only the window.
-
-    ``keys``/``values`` hold all ``[B, H, columns, D]`` columns, like :class:`ChunkReuseLayer`, so chunks can be
-    written back after they slid out of the window. :meth:`update` returns, and :meth:`get_mask_sizes` announces,
-    what ``DynamicSlidingWindowLayer`` does: the last ``min(past, sliding_window - 1)`` past columns followed by
-    the new ones, the mask's ``kv_offset`` being the index of the first of them.
-    """
-
-    is_sliding = True
-
-    def __init__(self, sliding_window: int) -> None:
-        super().__init__()
-        if sliding_window < 1:
-            raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
-        self.sliding_window = sliding_window
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        past = self.get_seq_length()
-        keys, values = super().update(key_states, value_states, *args, **kwargs)
-        visible = min(past, self.sliding_window - 1) + key_states.shape[-2]
-        return keys[:, :, -visible:], values[:, :, -visible:]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        past = self.get_seq_length()
-        return min(past, self.sliding_window - 1) + query_length, max(past - self.sliding_window + 1, 0)
-
-
-def cache_layers(model: PreTrainedModel) -> list[ChunkReuseLayer]:
-    """One layer per decoder layer of ``model``, following its ``layer_types`` as ``DynamicCache(config=...)`` does.
-
-    Raises ``ValueError`` for layer kinds chunk reuse does not handle (chunked attention, linear attention, shared
-    or attention-free layers), naming them.
-    """
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
-    layers: list[ChunkReuseLayer] = []
-    for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
-        if kind == "full_attention":
-            layers.append(ChunkReuseLayer())
-        elif kind == "sliding_attention":
-            layers.append(ChunkReuseSlidingLayer(int(kwargs["sliding_window"])))
-        else:
-            raise ValueError(
-                f"ChunkReuseCache supports full and sliding-window attention layers; layer {index} of "
-                f"{type(model).__name__} is {kind!r}"
-            )
-    return layers
 
 
 class ChunkReuseCache(Cache):
@@ -147,6 +75,8 @@ class ChunkReuseCache(Cache):
             this cache (:mod:`kvboost_hf.hf.hooks`; once per model). Not needed when forwards are driven explicitly
             (:func:`kvboost_hf.hf.prefill.forward`, as the decode loop does).
     """
+
+    layers: list[ChunkReuseLayer]  # built by cache_layers()
 
     def __init__(
         self,
@@ -190,6 +120,7 @@ class ChunkReuseCache(Cache):
         self.last_reuse: list[RowReuse] = []
         self.reuse_enabled = True
         self.forwards = 0  # forwards recorded since the cache was created
+        self.stitched_bytes = 0  # bytes of stored K/V copied into the layers (each reused byte once)
         self.prompt_forward_next = True  # the next forward through the hooks starts a generation (set by generate())
         self._scatter: torch.Tensor | None = None  # positions the pending sparse forward writes
         self._pending_tokens: torch.Tensor | None = None  # the row's tokens once that forward ran

@@ -27,11 +27,12 @@ from transformers import PreTrainedModel
 
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.hf.blend import LayerFilter, install_layer_narrowing
+from kvboost_hf.hf.layers import grown_capacity
 from kvboost_hf.hf.models import CACHE_ARGUMENT, kv_entry_shape, model_dtype
 from kvboost_hf.reuse.plan import ReusePlan, plan_reuse
 from kvboost_hf.reuse.repair import RepairSelection, candidates_per_layer, position_mask, select_repairs
 from kvboost_hf.reuse.rope import KeyRotator, UnsupportedRopeError
-from kvboost_hf.reuse.stitch import assemble_columns, place_hits
+from kvboost_hf.reuse.stitch import place_hits, write_leading_runs
 
 if TYPE_CHECKING:
     from kvboost_hf.hf.cache import ChunkReuseCache
@@ -172,12 +173,24 @@ class ChunkPrefiller:
         )
 
     def _stitch(self, plan: ReusePlan, full: torch.Tensor, start: int, stop: int) -> None:
-        """Append every row's leading exact hits for columns ``[start, stop)``."""
+        """Append every row's leading exact hits for columns ``[start, stop)``, copied once from their tier into
+        layer buffers sized for the whole prompt (:func:`~kvboost_hf.hf.cache.grown_capacity`): the prompt's
+        remaining tokens and the decode steps then write in place."""
         cache = self.cache
         device, dtype = self._device_and_dtype()
-        per_layer = assemble_columns([row.hits for row in plan.rows], cache.pads, start, stop, device, dtype)
-        for layer, (keys, values) in zip(cache.layers, per_layer, strict=True):
-            layer.update(keys, values)
+        layers, heads, head_dim = self._entry_shape
+        shape = (layers, full.shape[0], heads, grown_capacity(full.shape[1]), head_dim)
+        keys = torch.empty(shape, dtype=dtype, device=device)
+        values = torch.empty(shape, dtype=dtype, device=device)
+        for layer, layer_keys, layer_values in zip(cache.layers, keys, values, strict=True):
+            if start:
+                layer_keys[:, :, :start].copy_(layer.keys)
+                layer_values[:, :, :start].copy_(layer.values)
+            layer.take_buffers(layer_keys, layer_values, start)
+        hits = [row.hits for row in plan.rows]
+        cache.stitched_bytes += write_leading_runs(keys, values, hits, cache.pads, start, stop)
+        for layer in cache.layers:
+            layer.set_length(stop)
         cache.tokens = full[:, :stop].clone()
         for ledger, pad in zip(cache.ledgers, cache.pads, strict=True):
             ledger.stored = max(ledger.stored, sum(1 for _, end in ledger.spans if end <= stop - pad))

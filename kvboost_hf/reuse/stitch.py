@@ -2,17 +2,18 @@
 
 Two layouts:
 
-* leading runs (:func:`assemble_columns`): a batch of left-padded rows, each appending its exact hits after the
-  columns the cache holds; zeros stand left of a row's padding (the attention mask hides them);
+* leading runs (:func:`write_leading_runs`): a batch of left-padded rows, each appending its exact hits after the
+  columns the cache holds, written in place into the cache's layer buffers; zeros stand left of a row's padding
+  (the attention mask hides them);
 * scattered (:func:`place_hits`): one row at full prompt length, every hit at its absolute position (approximate
   hits re-rotated there), zeros at the positions a repair forward is about to compute.
 
-Both return new tensors on the model's device and dtype; stored entries are never modified.
+Stored entries are never modified.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -20,46 +21,46 @@ from kvboost_hf.reuse.plan import Hit, RowPlan
 from kvboost_hf.reuse.rope import KeyRotator
 
 
-def _cat_or_only(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
-
-
-def _stack_or_unsqueeze(rows: list[torch.Tensor]) -> torch.Tensor:
-    """``[L, H, T, D]`` per row -> ``[L, B, H, T, D]`` without a copy for a single row."""
-    return rows[0].unsqueeze(1) if len(rows) == 1 else torch.stack(rows, dim=1)
-
-
-def assemble_columns(
+def write_leading_runs(
+    keys: torch.Tensor,
+    values: torch.Tensor,
     row_hits: Sequence[Sequence[Hit]],
     pads: Sequence[int],
     start: int,
     stop: int,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer ``(keys, values)`` shaped ``[B, H_kv, stop - start, D]`` for columns ``[start, stop)``.
+) -> int:
+    """Write columns ``[start, stop)`` of every row into ``keys``/``values`` (``[L, B, H_kv, capacity, D]``, the
+    cache's layer buffers) in place: row ``i``'s hits at column ``pads[i] + token``, zeros left of its padding's
+    end. Each reused byte is copied once, straight from where its tier holds it (``non_blocking``: pinned host
+    memory overlaps the copy with what follows on the stream).
 
-    Row ``i``'s hits must cover its tokens ``[first hit start, stop - pads[i])``; columns left of its padding are
-    zeros.
+    Row ``i``'s hits must cover its tokens ``[max(0, start - pads[i]), stop - pads[i])`` (ValueError otherwise).
+    Returns the number of bytes copied from the hits.
     """
-    reference = next(hit.entry for hits in row_hits for hit in hits)
-    layers, heads, _, head_dim = reference.keys.shape
-    per_row: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for pad, hits in zip(pads, row_hits, strict=True):
-        lo, hi = start - pad, stop - pad  # token indices wanted for this row
-        num_pad = min(max(0, -lo), stop - start)
-        parts_k = [reference.keys.new_zeros(layers, heads, num_pad, head_dim)] if num_pad else []
-        parts_v = [reference.values.new_zeros(layers, heads, num_pad, head_dim)] if num_pad else []
-        if hi > max(lo, 0):
-            offset = hits[0].span[0]
-            keys = _cat_or_only([hit.entry.keys for hit in hits], dim=2)
-            values = _cat_or_only([hit.entry.values for hit in hits], dim=2)
-            parts_k.append(keys[:, :, max(lo, 0) - offset : hi - offset])
-            parts_v.append(values[:, :, max(lo, 0) - offset : hi - offset])
-        per_row.append((_cat_or_only(parts_k, dim=2), _cat_or_only(parts_v, dim=2)))
-    all_k = _stack_or_unsqueeze([k for k, _ in per_row]).to(device=device, dtype=dtype, non_blocking=True)
-    all_v = _stack_or_unsqueeze([v for _, v in per_row]).to(device=device, dtype=dtype, non_blocking=True)
-    return zip(all_k.unbind(0), all_v.unbind(0), strict=True)
+    copied = 0
+    for row, (pad, hits) in enumerate(zip(pads, row_hits, strict=True)):
+        lo, hi = max(start - pad, 0), stop - pad  # token offsets wanted for this row
+        num_pad = min(max(0, pad - start), stop - start)
+        if num_pad:
+            keys[:, row, :, start : start + num_pad].zero_()
+            values[:, row, :, start : start + num_pad].zero_()
+        covered = lo
+        for hit in hits:
+            first, last = max(hit.span[0], lo), min(hit.span[1], hi)
+            if first >= last:
+                continue
+            if first != covered:
+                break
+            offset = hit.span[0]
+            source_keys = hit.entry.keys[:, :, first - offset : last - offset]
+            source_values = hit.entry.values[:, :, first - offset : last - offset]
+            keys[:, row, :, pad + first : pad + last].copy_(source_keys, non_blocking=True)
+            values[:, row, :, pad + first : pad + last].copy_(source_values, non_blocking=True)
+            copied += source_keys.nbytes + source_values.nbytes
+            covered = last
+        if covered < hi:
+            raise ValueError(f"row {row}'s hits cover its tokens [{lo}, {covered}) but columns up to {stop} were asked")
+    return copied
 
 
 def place_hits(
