@@ -108,7 +108,9 @@ class InferenceEngine:
         repair: repair of non-prefix hits (default ``RepairConfig()``; see :class:`RepairConfig` and
             :mod:`kvboost_hf.reuse.repair`).
         store: the chunk store: a :class:`StoreConfig` to build one from (default ``StoreConfig()``: 2 GiB of
-            RAM, no lower tier), or an existing :class:`ChunkStore` to share (with another engine, a draft...).
+            RAM, no lower tier; with the model on CUDA, RAM entries pinned and a GPU tier in front of RAM sized
+            from the free GPU memory, see :meth:`StoreConfig.for_model_device`), or an existing
+            :class:`ChunkStore` to share (with another engine, a draft...).
         strict: refuse architectures that are not known to work.
         draft_model: a resident draft for speculative decoding (a path or hub name, loaded on the target's device
             and dtype; a model; or another engine, whose store and chunk settings its cache then uses); it must
@@ -142,7 +144,9 @@ class InferenceEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.max_context = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 0))
-        self.store = store if isinstance(store, ChunkStore) else ChunkStore.from_config(store or StoreConfig())
+        if not isinstance(store, ChunkStore):  # on CUDA, a GPU tier sized from the memory the model left free
+            store = ChunkStore.from_config((store or StoreConfig()).for_model_device(self.device))
+        self.store = store
         self.lock = threading.RLock()  # held while the model runs: one forward at a time
         model_digest(model)  # computed once here, not inside the first request's TTFT
         self._init_draft(draft_model, draft, strict)

@@ -34,5 +34,20 @@ class ChunkKV:
         """Bytes held by the tensors."""
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
-    def to(self, device: torch.device) -> ChunkKV:
-        return ChunkKV(self.keys.to(device), self.values.to(device))
+    def to(self, device: torch.device, non_blocking: bool = False) -> ChunkKV:
+        keys = self.keys.to(device, non_blocking=non_blocking)
+        return ChunkKV(keys, self.values.to(device, non_blocking=non_blocking))
+
+    def pinned(self) -> ChunkKV:
+        """This entry in page-locked host memory (itself when it is there already): copies from it to a GPU run
+        asynchronously at full bandwidth. Pinned blocks come from torch's caching host allocator (pooled)."""
+        return ChunkKV(pinned_copy(self.keys), pinned_copy(self.values))
+
+
+def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in page-locked host memory (``tensor`` itself when it is pinned already)."""
+    if tensor.device.type == "cpu" and tensor.is_pinned():
+        return tensor
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    out.copy_(tensor)
+    return out

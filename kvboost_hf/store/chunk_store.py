@@ -38,7 +38,7 @@ from kvboost_hf.store.base import StorageTier, StoredChunk
 from kvboost_hf.store.config import StoreConfig
 from kvboost_hf.store.disk import DEFAULT_MAX_BYTES as DEFAULT_DISK_MAX_BYTES
 from kvboost_hf.store.quantization import DEFAULT_GROUP_SIZE, QuantizedChunk, quantize_chunk
-from kvboost_hf.store.ram import RamTier
+from kvboost_hf.store.ram import GpuTier, RamTier
 from kvboost_hf.store.remote import DEFAULT_PREFIX
 
 if TYPE_CHECKING:  # the typed accessors below; the store itself never tests a tier's class
@@ -64,6 +64,7 @@ class StoreStats:
 
 MAX_TAIL_PARENTS = 65536
 _REPORTED = {  # counters reported (0 when the tier is absent) so that dashboards see a fixed set of keys
+    "gpu": ("bytes", "hits"),
     "ram": ("bytes", "hits"),
     "disk": ("bytes", "hits", "chunks", "evictions", "errors", "dropped", "queued", "disabled"),
     "remote": ("bytes", "hits", "errors", "dropped", "republished"),
@@ -94,6 +95,9 @@ class ChunkStore:
         remote_read_timeout_s: float = 0.25,
         remote_hmac_key: bytes | str | None = None,
         device: torch.device | str = "cpu",
+        pin_memory: bool | None = None,
+        gpu_max_bytes: int | None = None,
+        gpu_device: torch.device | str | None = None,
         tiers: Sequence[StorageTier] = (),
     ) -> None:
         config = StoreConfig(
@@ -108,12 +112,19 @@ class ChunkStore:
             remote_read_timeout_s=remote_read_timeout_s,
             remote_hmac_key=remote_hmac_key,
             device=device,
+            pin_memory=pin_memory,
+            gpu_max_bytes=gpu_max_bytes,
+            gpu_device=gpu_device,
         )
         self.config = config
         self.kv_cache_bits = config.kv_cache_bits
         self.kv_group_size = config.kv_group_size
         self.device = torch.device(config.device)
+        self.pin_memory = config.pins_memory
         self.ram = RamTier(config.max_bytes)
+        self.gpu: GpuTier | None = None
+        if config.gpu_max_bytes and config.gpu_device is not None:
+            self.gpu = GpuTier(config.gpu_max_bytes, config.gpu_device)
         self._lower: list[StorageTier] = [*config.build_tiers(), *tiers]
         self._stats = StoreStats()
         self._tier_hits = {tier.name: 0 for tier in self.all_tiers}
@@ -136,12 +147,21 @@ class ChunkStore:
     @property
     def all_tiers(self) -> list[StorageTier]:
         """Every tier, fastest first, open or not."""
-        return [self.ram, *self._lower]
+        return [*self._in_process, *self._lower]
 
     @property
     def tiers(self) -> list[StorageTier]:
-        """Tiers consulted now, fastest first (RAM only once closed)."""
-        return [self.ram] if self._closed else self.all_tiers
+        """Tiers consulted now, fastest first (the GPU tier and RAM only once closed)."""
+        return self._in_process if self._closed else self.all_tiers
+
+    @property
+    def _in_process(self) -> list[StorageTier]:
+        """The tiers in this process's memory: the GPU tier (if any), then RAM."""
+        return [self.ram] if self.gpu is None else [self.gpu, self.ram]
+
+    def _below_ram(self) -> list[StorageTier]:
+        """The open tiers below RAM (disk, Redis, given tiers), fastest first."""
+        return [] if self._closed else self._lower
 
     def tier(self, name: str) -> StorageTier | None:
         """The tier called ``name`` (``"ram"``, ``"disk"``, ``"remote"``...), or None."""
@@ -175,12 +195,7 @@ class ChunkStore:
                     continue
                 with self._lock:
                     self._tier_hits[tier.name] += 1
-                if level:
-                    stored = stored.to(self.device)
-                    for faster in reversed(tiers[1:level]):
-                        faster.put(keys[i], stored)
-                    self._demote(self.ram.put(keys[i], stored))
-                found[i] = stored
+                found[i] = self._promote(keys[i], stored, tiers[:level]) if level else stored
         hits = sum(stored is not None for stored in found)
         with self._lock:
             self._stats.hits += hits
@@ -206,7 +221,7 @@ class ChunkStore:
         a key already in RAM is only touched. A chunk that cannot be quantized is skipped (counted)."""
         stored: StoredChunk
         if self.kv_cache_bits == 16:
-            stored = entry.to(self.device)
+            stored = self._place(entry)
         else:
             try:
                 stored = quantize_chunk(entry.keys, entry.values, self.kv_cache_bits, self.kv_group_size)
@@ -216,13 +231,16 @@ class ChunkStore:
                     first, self._skip_logged = not self._skip_logged, True
                 logger.log(logging.WARNING if first else logging.DEBUG, "chunk %s not stored: %s", key[:12], exc)
                 return
-            stored = stored.to(self.device)
+            stored = self._place(stored)
         with self._lock:
             self._stats.puts += 1
-        lower = self.tiers[1:] if not self.ram.contains(key) else []
+        lower = self._below_ram() if not self.ram.contains(key) else []
         for tier in lower:
             if tier.local:
                 _write_unless_held(tier, key, stored)
+        if self.gpu is not None:
+            gpu_form = entry if self.kv_cache_bits == 16 else stored
+            self._put_gpu(key, gpu_form.to(self.gpu.device))
         self._demote(self.ram.put(key, stored))
         if not self.ram.contains(key) and not any(tier.contains(key) for tier in self._local_lower()):
             with self._lock:
@@ -244,7 +262,7 @@ class ChunkStore:
             while len(self._tail_lengths) > MAX_TAIL_PARENTS:
                 self._tail_lengths.popitem(last=False)
             noted = frozenset(lengths)
-        for tier in self.tiers[1:]:
+        for tier in self._below_ram():
             tier.note_tail(parent, noted)
 
     def tail_lengths(self, parent_key: str | None) -> list[int]:
@@ -252,7 +270,7 @@ class ChunkStore:
         parent = parent_key or ""
         with self._lock:
             lengths = set(self._tail_lengths.get(parent, ()))
-        for tier in self.tiers[1:]:
+        for tier in self._below_ram():
             lengths |= tier.tail_lengths(parent)
         return sorted(lengths, reverse=True)
 
@@ -337,7 +355,35 @@ class ChunkStore:
         )
 
     def _local_lower(self) -> list[StorageTier]:
-        return [tier for tier in self.tiers[1:] if tier.local]
+        return [tier for tier in self._below_ram() if tier.local]
+
+    def _place(self, stored: StoredChunk) -> StoredChunk:
+        """``stored`` in the form RAM keeps: on ``device``, page-locked when ``pin_memory`` (16-bit entries)."""
+        if self.pin_memory and isinstance(stored, ChunkKV):
+            return stored.pinned()
+        return stored.to(self.device)
+
+    def _promote(self, key: str, stored: StoredChunk, faster: list[StorageTier]) -> StoredChunk:
+        """Put a hit of a lower tier into every tier of ``faster`` (fastest first); returns the form the fastest
+        holds. A RAM hit goes to the GPU tier by an asynchronous copy (ordered before any use on the stream)."""
+        if self.ram in faster:  # a hit below RAM: into RAM's form first
+            stored = self._place(stored)
+        for tier in reversed(faster):
+            if tier is self.ram:
+                self._demote(self.ram.put(key, stored))
+            elif self.gpu is not None and tier is self.gpu:
+                stored = stored.to(self.gpu.device, non_blocking=True)
+                self._put_gpu(key, stored)
+            else:
+                tier.put(key, stored)
+        return stored
+
+    def _put_gpu(self, key: str, stored: StoredChunk) -> None:
+        """Into the GPU tier; what it evicts or refuses goes to RAM when RAM does not hold it already."""
+        assert self.gpu is not None
+        for evicted_key, evicted in self.gpu.put(key, stored):
+            if not self.ram.contains(evicted_key):
+                self._demote(self.ram.put(evicted_key, self._place(evicted)))
 
     def _demote(self, evicted: list[tuple[str, StoredChunk]]) -> None:
         """Entries leaving RAM: queued for the local lower tiers that do not hold them (else just dropped)."""

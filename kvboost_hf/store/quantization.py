@@ -82,11 +82,11 @@ class QuantizedTensor:
         """Bytes of codes, scales and zeros."""
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.zero))
 
-    def to(self, device: torch.device) -> QuantizedTensor:
+    def to(self, device: torch.device, non_blocking: bool = False) -> QuantizedTensor:
         return QuantizedTensor(
-            self.data.to(device),
-            self.scale.to(device),
-            self.zero.to(device),
+            self.data.to(device, non_blocking=non_blocking),
+            self.scale.to(device, non_blocking=non_blocking),
+            self.zero.to(device, non_blocking=non_blocking),
             self.shape,
             self.dtype,
             self.bits,
@@ -126,8 +126,8 @@ class QuantizedChunk:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
-    def to(self, device: torch.device) -> QuantizedChunk:
-        return QuantizedChunk(self.keys.to(device), self.values.to(device))
+    def to(self, device: torch.device, non_blocking: bool = False) -> QuantizedChunk:
+        return QuantizedChunk(self.keys.to(device, non_blocking), self.values.to(device, non_blocking))
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` in the dtype they were quantized from."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import torch
+
 from kvboost_hf.store.base import FrequencyRecencyOrder, StorageTier, StoredChunk
 
 
@@ -111,3 +113,15 @@ class RamTier(StorageTier):
         entry = self._entries.pop(key)
         self._nbytes -= entry.nbytes
         return entry
+
+
+class GpuTier(RamTier):
+    """The RAM tier's policy over GPU memory: entries live on ``device``, where the cache copies them from at
+    device bandwidth. It sits in front of RAM (every entry it holds is also written to RAM, so an eviction drops
+    nothing the store does not hold below)."""
+
+    name = "gpu"
+
+    def __init__(self, max_bytes: int, device: torch.device | str) -> None:
+        super().__init__(max_bytes)
+        self.device = torch.device(device)

@@ -1,0 +1,164 @@
+"""Where a request spends its time and bytes: a copy counter and a phase timer for the benchmarks.
+
+* :class:`CopyCounter` (a ``TorchDispatchMode``, so it works on CPU and GPU alike) counts the bytes written by
+  tensor operations that only move data (copies, concatenations, gathers, clones), split by direction
+  (host-to-device, device-to-host, within a device). Compute operations (matmuls, attention) are not counted.
+* :class:`PhaseTimer` attributes a request's time to named phases by wrapping the functions that implement them
+  (tokenize, plan, stitch, forward, write-back): CUDA events on a GPU (one synchronisation at the end), the wall
+  clock on a CPU. Nested phases count only in the innermost one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_ATEN = torch.ops.aten
+MOVING_OPS = frozenset(
+    {
+        _ATEN.copy_.default,
+        _ATEN._to_copy.default,
+        _ATEN.clone.default,
+        _ATEN.cat.default,
+        _ATEN.stack.default,
+        _ATEN.index_copy_.default,
+        _ATEN.index_copy.default,
+        _ATEN.index_select.default,
+        _ATEN.index.Tensor,
+        _ATEN.index_put_.default,
+        _ATEN.gather.default,
+        _ATEN.repeat_interleave.self_int,
+        _ATEN.repeat.default,
+        _ATEN.constant_pad_nd.default,
+        _ATEN.slice_scatter.default,
+        _ATEN.expand_copy.default,
+    }
+)
+"""ATen operations that only move data: their outputs' bytes are what :class:`CopyCounter` counts."""
+
+
+def _direction(op: Any, args: tuple, out: torch.Tensor) -> str:
+    source = args[1] if op is _ATEN.copy_.default and len(args) > 1 else args[0]
+    if isinstance(source, (list, tuple)):
+        source = source[0] if source else out
+    if not isinstance(source, torch.Tensor) or source.device == out.device:
+        return "within_device"
+    return "host_to_device" if source.device.type == "cpu" else "device_to_host"
+
+
+class CopyCounter(TorchDispatchMode):
+    """Counts bytes written by data-moving operations (:data:`MOVING_OPS`) while active.
+
+    ``bytes`` maps a direction (``host_to_device``, ``device_to_host``, ``within_device``) to bytes; ``total`` sums
+    them. A ``copy_`` into a slice counts the slice's bytes (what was written), not the whole tensor's.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: dict[str, int] = defaultdict(int)
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in MOVING_OPS:
+            outputs = out if isinstance(out, (list, tuple)) else [out]
+            for tensor in outputs:
+                if isinstance(tensor, torch.Tensor):
+                    self.bytes[_direction(func, args, tensor)] += tensor.numel() * tensor.element_size()
+        return out
+
+
+class PhaseTimer:
+    """Time per named phase of a request, in ms. Use :meth:`wrap` to time every call of a function (patched
+    for the timer's lifetime, restored by :meth:`close`), or :meth:`phase` around a block.
+
+    On CUDA each phase is bracketed by events on the current stream and read once at :meth:`totals` (no
+    synchronisation inside the request); on a CPU by ``time.perf_counter``. A phase entered inside another is
+    subtracted from the outer one, so the totals add up to the time spent in phases.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self._spans: list[tuple[str, Any, Any, list[int]]] = []  # (name, start, end, direct sub-phase indices)
+        self._open: list[list[int]] = []  # per open phase, the indices of its finished direct sub-phases
+        self._patches: list[tuple[Any, str, Any]] = []
+
+    def _mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = self._mark()
+        self._open.append([])
+        try:
+            yield
+        finally:
+            children = self._open.pop()
+            self._spans.append((name, start, self._mark(), children))
+            if self._open:
+                self._open[-1].append(len(self._spans) - 1)
+
+    def wrap(self, owner: Any, attribute: str, name: str) -> None:
+        """Time every call of ``owner.attribute`` (a function of a module or class, or a bound method of an
+        object) as phase ``name`` until :meth:`close`."""
+        original = getattr(owner, attribute)
+        timer = self
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with timer.phase(name):
+                return original(*args, **kwargs)
+
+        self._patches.append((owner, attribute, owner.__dict__.get(attribute, original)))
+        setattr(owner, attribute, timed)
+
+    def close(self) -> None:
+        """Restore every wrapped function."""
+        for owner, attribute, original in reversed(self._patches):
+            setattr(owner, attribute, original)
+        self._patches.clear()
+
+    def __enter__(self) -> PhaseTimer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def totals(self) -> dict[str, float]:
+        """ms per phase name, each phase's sub-phases excluded (synchronises the device once on CUDA)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        durations = [self._elapsed(start, end) for _, start, end, _ in self._spans]
+        out: dict[str, float] = defaultdict(float)
+        for (name, _, _, children), duration in zip(self._spans, durations, strict=True):
+            out[name] += duration - sum(durations[child] for child in children)
+        return dict(out)
+
+    def _elapsed(self, start: Any, end: Any) -> float:
+        return float(start.elapsed_time(end)) if self.cuda else (end - start) * 1e3
+
+
+def timed_call(function: Callable[[], Any], device: torch.device | str) -> tuple[float, Any]:
+    """``(ms, result)`` of one call of ``function``, the device synchronised before and after."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    result = function()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - started) * 1e3, result
