@@ -148,7 +148,7 @@ def test_warm_prompt_copies_reused_bytes_once_and_decode_steps_copy_their_own(ti
     assert counter.total <= 1.2 * warm.stitched_bytes, dict(counter.bytes)
     copied = []
     token = torch.tensor([[5]])
-    for step in range(400):  # past the reserved room: at least one growth inside the window
+    for _ in range(400):  # past the reserved room: at least one growth inside the window
         with CopyCounter() as counter:
             out = forward(tiny, warm, input_ids=token, logits_to_keep=1)
         token = out.logits[:, -1].argmax(-1, keepdim=True)

@@ -7,6 +7,7 @@ import sys
 
 BENCHMARKS = (
     "multiturn",
+    "long_context",
     "rag",
     "rag_accuracy",
     "rag_server",

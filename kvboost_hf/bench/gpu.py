@@ -2,8 +2,11 @@
 
 Steps, in order (``--steps`` picks a subset, in this order):
 
+0. ``long_context``: a 4k / 16k / 32k-token document on a random-weight Qwen2.5-7B shape (bf16): TTFT of full
+   prefill, cold and warm from each tier, against the limit measured in the same run (``bench long_context``);
 1. ``tests``: ``pytest -m gpu`` (compiled Triton kernel, layer streaming, chunk reuse and speculative decoding
-   on CUDA, each against SDPA / a resident model / plain greedy), with ``TRITON_INTERPRET=0``;
+   on CUDA, each against SDPA / a resident model / plain greedy; the warm path from pinned RAM and the GPU tier
+   against the CPU path), with ``TRITON_INTERPRET=0``;
 2. ``attention``: kernel vs SDPA-flash TFLOP/s, prefill and decode shapes (``bench attention``);
 3. ``multiturn``: multi-turn TTFT on the embedded model, and ``multiturn_7b`` on a random-weight Qwen2.5-7B shape;
 4. ``streaming``: layer streaming of a random-weight Qwen2.5-14B shape (bf16): tok/s, bytes/token, pinned H2D
@@ -67,7 +70,8 @@ def campaign(dry_run: bool) -> list[Step]:
     tests = ("-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", "--junitxml", "{out}/junit.xml")
     if dry_run:
         return [
-            Step("tests", (*tests, "tests/test_gpu.py"), 120),
+            Step("long_context", _bench("long_context", *_LONG_CONTEXT_TINY), 120),
+            Step("tests", (*tests, *GPU_TEST_FILES), 120),
             Step("attention", _bench("attention", *_ATTENTION_TINY), 60, needs_cuda=True),
             Step("multiturn", _bench("multiturn", "--turns", "2", "--max-new-tokens", "2", "--repeats", "1"), 120),
             Step("multiturn_7b", _bench("multiturn", *_MULTITURN_TINY, "--random-shape", "tiny"), 60),
@@ -76,7 +80,8 @@ def campaign(dry_run: bool) -> list[Step]:
             Step("serve", _bench("serve", "--users", "1", "--turns", "1", "--max-tokens", "2"), 240),
         ]
     return [
-        Step("tests", (*tests, "tests/test_gpu.py"), 240),
+        Step("long_context", _bench("long_context", "--random-shape", "qwen2.5-7b", "--dtype", "bfloat16"), 300, True),
+        Step("tests", (*tests, *GPU_TEST_FILES), 240),
         Step("attention", _bench("attention", "--dtype", "bfloat16", *_ATTENTION_GRID), 150, needs_cuda=True),
         Step("multiturn", _bench("multiturn"), 120, needs_cuda=True, needs_embedded=True),
         Step("multiturn_7b", _bench("multiturn", "--random-shape", "qwen2.5-7b", "--repeats", "2"), 180, True),
@@ -88,6 +93,8 @@ def campaign(dry_run: bool) -> list[Step]:
     ]
 
 
+GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_reuse_path.py")
+_LONG_CONTEXT_TINY = ("--random-shape", "tiny", "--sizes", "256,512", "--repeats", "1", "--chunk-size", "32")
 _ATTENTION_GRID = (
     *("--prefill-batches", "1,4", "--prefill-lens", "1024,4096,16384"),
     *("--decode-batches", "1,8", "--decode-lens", "1024,8192,32768"),

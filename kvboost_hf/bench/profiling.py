@@ -123,13 +123,16 @@ class PhaseTimer:
             with timer.phase(name):
                 return original(*args, **kwargs)
 
-        self._patches.append((owner, attribute, owner.__dict__.get(attribute, original)))
+        self._patches.append((owner, attribute, vars(owner).get(attribute)))
         setattr(owner, attribute, timed)
 
     def close(self) -> None:
-        """Restore every wrapped function."""
+        """Restore every wrapped function (an attribute that was only inherited is removed again)."""
         for owner, attribute, original in reversed(self._patches):
-            setattr(owner, attribute, original)
+            if original is None:
+                delattr(owner, attribute)
+            else:
+                setattr(owner, attribute, original)
         self._patches.clear()
 
     def __enter__(self) -> PhaseTimer:
