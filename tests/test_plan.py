@@ -31,11 +31,11 @@ class DictStore:
         self.reads: dict[str, int] = {}
         self.batches: list[int] = []  # keys per get_many call
 
-    def get(self, key: str) -> ChunkKV | None:
+    def get(self, key: str, device=None) -> ChunkKV | None:
         self.reads[key] = self.reads.get(key, 0) + 1
         return self.entries.get(key)
 
-    def get_many(self, keys) -> list[ChunkKV | None]:
+    def get_many(self, keys, device=None) -> list[ChunkKV | None]:
         self.batches.append(len(keys))
         return [self.get(key) for key in keys]
 

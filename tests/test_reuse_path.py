@@ -189,6 +189,15 @@ def test_gpu_tier_policy_on_the_cpu_device():
     assert store.get("k0") is not None and store.stats()["gpu_hits"] == 1
 
 
+def test_quantized_store_dequantizes_where_asked():
+    store = ChunkStore(kv_cache_bits=8)
+    entry = _entry(3, 64, 5)
+    store.put("k", entry)
+    here, asked = store.get("k"), store.get("k", torch.device("cpu"))
+    assert here is not None and asked is not None and torch.equal(here.keys, asked.keys)
+    torch.testing.assert_close(asked.keys, entry.keys, rtol=0, atol=0.05)
+
+
 def test_gpu_tier_is_sized_only_for_a_cuda_model():
     config = StoreConfig()
     assert config.for_model_device(torch.device("cpu")) is config
@@ -231,3 +240,17 @@ def test_warm_from_each_cuda_tier_equals_the_cpu_path(tiny, tier):
     cpu_entry = cpu_store.get(key)
     assert cpu_entry is not None
     torch.testing.assert_close(stored.keys, cpu_entry.keys, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@CUDA_ONLY
+def test_quantized_entries_are_dequantized_on_the_device_they_are_needed():
+    """An int8 store keeps compressed bytes (pinned); a lookup for CUDA copies those and dequantizes there, equal
+    to the CPU dequantization."""
+    store = ChunkStore.from_config(StoreConfig(kv_cache_bits=8).for_model_device(torch.device("cuda")))
+    entry = _entry(3, 64, 5)
+    store.put("k", entry)
+    on_cpu, on_gpu = store.get("k"), store.get("k", torch.device("cuda"))
+    assert on_cpu is not None and on_gpu is not None and on_gpu.keys.device.type == "cuda"
+    torch.testing.assert_close(on_gpu.keys.cpu(), on_cpu.keys, rtol=0, atol=1e-6)
+    torch.testing.assert_close(on_gpu.values.cpu(), on_cpu.values, rtol=0, atol=1e-6)

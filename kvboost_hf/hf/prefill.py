@@ -170,6 +170,7 @@ class ChunkPrefiller:
             chunking=cache.chunking,
             approximate=sparse_possible,
             entry_shape=self._entry_shape,
+            device=self._device_and_dtype()[0],
         )
 
     def _stitch(self, plan: ReusePlan, full: torch.Tensor, start: int, stop: int) -> None:

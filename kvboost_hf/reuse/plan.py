@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.chunking import ChunkingConfig, Span, chunk_spans
 from kvboost_hf.core.keys import chain_prefix_keys, content_key, prefix_key
@@ -28,11 +30,12 @@ from kvboost_hf.core.keys import chain_prefix_keys, content_key, prefix_key
 
 class ChunkSource(Protocol):
     """What the planner reads: a :class:`~kvboost_hf.store.ChunkStore`, or a dict-backed fake in tests.
-    ``contains_many`` is not counted as a hit or a miss; ``get`` and ``get_many`` are."""
+    ``contains_many`` is not counted as a hit or a miss; ``get`` and ``get_many`` are. ``device``: where the
+    entries are needed (a quantizing store dequantizes there, after copying the compressed bytes)."""
 
-    def get(self, key: str) -> ChunkKV | None: ...
+    def get(self, key: str, device: torch.device | None = None) -> ChunkKV | None: ...
 
-    def get_many(self, keys: Sequence[str]) -> list[ChunkKV | None]: ...
+    def get_many(self, keys: Sequence[str], device: torch.device | None = None) -> list[ChunkKV | None]: ...
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]: ...
 
@@ -178,6 +181,7 @@ def plan_reuse(
     chunking: ChunkingConfig,
     approximate: bool = False,
     entry_shape: tuple[int, int, int] | None = None,
+    device: torch.device | None = None,
 ) -> ReusePlan:
     """Plan the reuse of ``rows`` (each row's real tokens) given what each row already holds.
 
@@ -189,10 +193,11 @@ def plan_reuse(
     (hits and misses are counted as chunk by chunk).
     ``entry_shape`` ``(layers, kv_heads, head_dim)``: an entry of another shape, or whose token count is not its
     span's, is a miss (logged): K/V of the wrong shape are never stitched, and a request never fails on them.
+    ``device``: where the hits will be stitched (the store dequantizes quantized entries there).
     """
     if approximate and len(rows) != 1:
         raise ValueError(f"approximate reuse plans one row at a time, got {len(rows)} rows")
-    reader = _Reader(store, namespace, approximate, entry_shape)
+    reader = _Reader(store, namespace, approximate, entry_shape, device)
     plans = []
     for ledger, tokens, row_present, limit in zip(ledgers, rows, present, limits, strict=True):
         ledger.extend(tokens, namespace, chunking)
@@ -205,15 +210,21 @@ class _Reader:
     """The planner's memoised store reads for one plan (a shared prefix is read once for all rows)."""
 
     def __init__(
-        self, store: ChunkSource, namespace: str, approximate: bool, shape: tuple[int, int, int] | None
+        self,
+        store: ChunkSource,
+        namespace: str,
+        approximate: bool,
+        shape: tuple[int, int, int] | None,
+        device: torch.device | None,
     ) -> None:
         self.store, self.namespace, self.approximate, self.shape = store, namespace, approximate, shape
+        self.device = device
         self.loaded: dict[str, ChunkKV | None] = {}
 
     def read(self, key: str, num_tokens: int) -> ChunkKV | None:
         """The entry stored under ``key`` when it holds ``num_tokens`` tokens of the expected shape, else None."""
         if key not in self.loaded:
-            self.loaded[key] = self.store.get(key)
+            self.loaded[key] = self.store.get(key, self.device)
         entry = self.loaded[key]
         if entry is None:
             return None
@@ -240,7 +251,7 @@ class _Reader:
         wanted = [key for key, found in zip(keys, stored, strict=True) if found]
         if not self.approximate:
             wanted = keys[: stored.index(False)] if False in stored else keys
-        self.loaded.update(zip(wanted, self.store.get_many(wanted), strict=True))
+        self.loaded.update(zip(wanted, self.store.get_many(wanted, self.device), strict=True))
 
     def tail_hit(
         self, parent: str | None, tokens: Sequence[int], start: int, max_tokens: int, present: int

@@ -177,11 +177,13 @@ class ChunkStore:
         """The tier named ``"remote"`` (a typed accessor for callers and tests)."""
         return self.tier("remote")  # type: ignore[return-value]
 
-    def get(self, key: str) -> ChunkKV | None:
-        """The entry under ``key`` from the fastest tier holding it, dequantised, or None (counted as a miss)."""
-        return self.get_many([key])[0]
+    def get(self, key: str, device: torch.device | None = None) -> ChunkKV | None:
+        """The entry under ``key`` from the fastest tier holding it, dequantised, or None (counted as a miss).
+        ``device``: where a quantized entry is dequantized (its compressed bytes copied there first); None: where
+        its tier holds it. Unquantized entries are returned where they are held (the caller copies them once)."""
+        return self.get_many([key], device)[0]
 
-    def get_many(self, keys: Sequence[str]) -> list[ChunkKV | None]:
+    def get_many(self, keys: Sequence[str], device: torch.device | None = None) -> list[ChunkKV | None]:
         """:meth:`get` for several keys: each tier is asked once for the keys still missing (one Redis round
         trip for the lot). An entry found in a lower tier is promoted into every faster one."""
         found: list[StoredChunk | None] = [None] * len(keys)
@@ -200,7 +202,7 @@ class ChunkStore:
         with self._lock:
             self._stats.hits += hits
             self._stats.misses += len(keys) - hits
-        return [None if stored is None else _materialize(stored) for stored in found]
+        return [None if stored is None else _materialize(stored, device) for stored in found]
 
     def contains(self, key: str) -> bool:
         return self.contains_many([key])[0]
@@ -358,8 +360,8 @@ class ChunkStore:
         return [tier for tier in self._below_ram() if tier.local]
 
     def _place(self, stored: StoredChunk) -> StoredChunk:
-        """``stored`` in the form RAM keeps: on ``device``, page-locked when ``pin_memory`` (16-bit entries)."""
-        if self.pin_memory and isinstance(stored, ChunkKV):
+        """``stored`` in the form RAM keeps: on ``device``, page-locked when ``pin_memory``."""
+        if self.pin_memory:
             return stored.pinned()
         return stored.to(self.device)
 
@@ -408,9 +410,10 @@ def _write_unless_held(tier: StorageTier, key: str, stored: StoredChunk) -> None
         tier.put(key, stored)
 
 
-def _materialize(stored: StoredChunk) -> ChunkKV:
+def _materialize(stored: StoredChunk, device: torch.device | None) -> ChunkKV:
     if isinstance(stored, QuantizedChunk):
-        return ChunkKV(*stored.dequantize())
+        on_device = stored if device is None else stored.to(device, non_blocking=True)
+        return ChunkKV(*on_device.dequantize())
     return stored
 
 

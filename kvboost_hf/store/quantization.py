@@ -16,10 +16,13 @@ With ``group_size=64`` that is 0.53x (8 bits) and 0.28x (4 bits) of float16 stor
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
+
+from kvboost_hf.core.chunk_kv import pinned_copy
 
 SUPPORTED_BITS = (4, 8)
 DEFAULT_GROUP_SIZE = 64
@@ -94,6 +97,12 @@ class QuantizedTensor:
             self.per_channel,
         )
 
+    def pinned(self) -> QuantizedTensor:
+        """This tensor with its codes and statistics in page-locked host memory."""
+        return dataclasses.replace(
+            self, data=pinned_copy(self.data), scale=pinned_copy(self.scale), zero=pinned_copy(self.zero)
+        )
+
     def dequantize(self) -> torch.Tensor:
         """The ``[layers, heads, tokens, head_dim]`` tensor in ``dtype``."""
         axis = _group_axis(self.per_channel)
@@ -125,6 +134,10 @@ class QuantizedChunk:
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
+
+    def pinned(self) -> QuantizedChunk:
+        """This entry in page-locked host memory (see :meth:`ChunkKV.pinned`)."""
+        return QuantizedChunk(self.keys.pinned(), self.values.pinned())
 
     def to(self, device: torch.device, non_blocking: bool = False) -> QuantizedChunk:
         return QuantizedChunk(self.keys.to(device, non_blocking), self.values.to(device, non_blocking))
