@@ -37,6 +37,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-32b": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
                         intermediate_size=27648, vocab_size=152064),
 }  # fmt: skip
+DTYPES = ("float32", "bfloat16", "float16")  # the benchmarks' --dtype choices
 
 
 def random_config(name: str, **overrides: Any) -> Qwen2Config:
