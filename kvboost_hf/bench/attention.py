@@ -22,6 +22,7 @@ record says ``device: cpu``. Writes ``attention.json`` and ``attention.png`` und
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -48,7 +49,7 @@ FORCED_BACKENDS = {
 IMPLEMENTATIONS = ("kvboost", BASELINE, *FORCED_BACKENDS)
 TARGETS = {"prefill": 1.0, "decode": 1.0}  # minimum kvboost / default-SDPA throughput ratio (issue 31)
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Attention = Callable[..., torch.Tensor]  # (q, k, v, **options) -> [B, Lq, H, D]
 
 
 @dataclass
@@ -166,7 +167,7 @@ def _measure(case: Case, args: argparse.Namespace, kernel: Attention | None, ker
     if kernel is None:
         case.unavailable["kvboost"] = kernel_missing
     else:
-        calls["kvboost"] = (lambda q, k, v: kernel(q, k, v, causal=causal), (q, k, v))  # type: ignore[call-arg]
+        calls["kvboost"] = (functools.partial(kernel, causal=causal), (q, k, v))
     for name, backend in ((BASELINE, None), *FORCED_BACKENDS.items()):
         try:
             sdpa(backend, causal, gqa)(q, k, v)
@@ -193,7 +194,7 @@ def _measure(case: Case, args: argparse.Namespace, kernel: Attention | None, ker
     flops = 4 * case.batch * args.heads * args.head_dim * _visible_pairs(case.q_len, case.k_len)
     nbytes = (2 * q.numel() + k.numel() + v.numel()) * q.element_size()
     for name, (fn, inputs) in calls.items():
-        case.ms[name] = _time_ms(lambda fn=fn, inputs=inputs: fn(*inputs), args.warmup, args.iters, device)
+        case.ms[name] = _time_ms(functools.partial(fn, *inputs), args.warmup, args.iters, device)
         case.tflops[name] = flops / case.ms[name] / 1e9
         case.gbps[name] = nbytes / case.ms[name] / 1e6
     if "kvboost" in case.tflops and BASELINE in case.tflops:

@@ -38,7 +38,7 @@ Runner = Callable[[Sequence[str]], object]
 
 def _marker_environment() -> dict[str, str]:
     """Environment markers of the device image's interpreter (CPython 3.12 on x86-64 Linux)."""
-    env = dict(default_environment())
+    env = {key: str(value) for key, value in default_environment().items()}
     env.update(python_version=PYTHON, python_full_version=f"{PYTHON}.0", implementation_name="cpython",
                platform_python_implementation="CPython", sys_platform="linux", platform_system="Linux",
                platform_machine="x86_64", os_name="posix")  # fmt: skip

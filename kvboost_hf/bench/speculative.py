@@ -284,9 +284,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--streaming", action="store_true", help="also run with the target's layers streamed")
-    target = parser.add_mutually_exclusive_group()
-    target.add_argument("--model", help="target: hub name or local model directory (default: the embedded model)")
-    target.add_argument("--random-shape", choices=sorted(SHAPES), help="target: random weights of this shape")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--model", help="target: hub name or local model directory (default: the embedded model)")
+    which.add_argument("--random-shape", choices=sorted(SHAPES), help="target: random weights of this shape")
     parser.add_argument("--dtype", choices=DTYPES, help="target's dtype (default: float32 on CPU, bfloat16 on GPU)")
     parser.add_argument("--copy-mb", type=int, default=256, help="size of the bandwidth test copies (MB)")
     parser.add_argument(
