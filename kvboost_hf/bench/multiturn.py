@@ -47,6 +47,7 @@ from kvboost_hf.bench.common import (
 from kvboost_hf.bench.shapes import DTYPES, SHAPES, random_engine
 from kvboost_hf.corpus import chat_script
 from kvboost_hf.engine import InferenceEngine
+from kvboost_hf.hf.models import CACHE_ARGUMENT
 
 METHODS = ("baseline", "hf_prompt_cache", "kvboost")
 # Output pairs compared per turn: plain generate() run twice (the noise floor), then each reuse method against it.
@@ -82,7 +83,7 @@ class PromptCacheRecipe:
             out = self.engine.model.generate(
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
-                past_key_values=cache,
+                **{CACHE_ARGUMENT: cache},  # past_key_values before transformers 5.24
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 temperature=None,
