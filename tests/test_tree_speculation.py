@@ -441,8 +441,8 @@ def test_tree_benchmark_rows_follow_from_the_counts(tmp_path):
     assert row["nodes_per_verify"] == 5 and row["streamed_vs_plain"] == 0.375
     assert row["acceptance_by_depth"] == [1, 1, 1, 1, 0] and row["position_acceptance"] == 5 / 6
     assert row["estimated_gpu_tok_s"]["pcie4_x16"] == pytest.approx(25e9 * 8 / 300)
-    assert row["outputs_identical"]
-    assert not speculative_tree.summarise([run(8, 0, 800, 0, [], tokens=range(8))], plain, 0)["outputs_identical"]
+    assert row["first_difference"] is None
+    assert speculative_tree.summarise([run(8, 0, 800, 0, [], tokens=(5, 6, 0, 8))], plain, 0)["first_difference"] == 2
     result = {"streamed_layers": 2, "streamed_mb_per_forward": 1e-4, "draft": "bf16", "tree_depth": 4,
               "tree_branching": 2, "prompts": 1, "max_new_tokens": 8, "model": "tiny", "verify_seconds": {"1": 0.1},
               "verify_ms_per_node": 0.0, "rows": [speculative_tree.summarise(plain, plain, None), row]}  # fmt: skip

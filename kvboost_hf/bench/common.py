@@ -7,7 +7,7 @@ import json
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,26 @@ def machine_info(device: torch.device | str) -> dict[str, Any]:
     if torch.device(device).type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return info
+
+
+def first_difference(first: Sequence[int], second: Sequence[int]) -> int | None:
+    """Index of the first generated token where two greedy outputs differ (the shorter one's length when it is a
+    prefix of the other), None when they are identical."""
+    for index, (a, b) in enumerate(zip(first, second, strict=False)):
+        if a != b:
+            return index
+    return None if len(first) == len(second) else min(len(first), len(second))
+
+
+def earliest_difference(indices: Sequence[int | None]) -> int | None:
+    """The earliest of several :func:`first_difference` results (None when every pair was identical)."""
+    found = [index for index in indices if index is not None]
+    return min(found) if found else None
+
+
+def agreement_label(index: int | None) -> str:
+    """``=`` for identical outputs, ``@k`` for outputs that first differ at generated token ``k``."""
+    return "=" if index is None else f"@{index}"
 
 
 def parser_for(name: str, doc: str | None) -> argparse.ArgumentParser:

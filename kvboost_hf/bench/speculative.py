@@ -1,9 +1,11 @@
 """``python -m kvboost_hf.bench speculative``: plain vs speculative decoding side by side, draft lengths 1..8.
 
-The embedded SmolLM2-135M is the target (resident). Drafts that need no second checkpoint:
+The embedded SmolLM2-135M is the target (resident); ``--model DIR`` takes a local model instead, ``--random-shape
+NAME`` a random-weight model of a real shape (:mod:`kvboost_hf.bench.shapes`; ``--dtype`` for either). Drafts
+that need no second checkpoint:
 
-* ``copy``: a second resident copy of the target (same weights; only worth it when the target's forwards are
-  expensive, e.g. streamed: here it costs as much as the target per token);
+* ``copy``: a second resident copy of the target (the same weights, copied before the target streams; only worth it
+  when the target's forwards are expensive, e.g. streamed: here it costs as much as the target per token);
 * ``bf16``: the same weights in bfloat16 (a cheaper, slightly different draft);
 * ``earlyN``: the target's own first N layers and head (transformers' ``assistant_early_exit``);
 * ``awq``: the target packed to AWQ int4 (group size 64, :mod:`kvboost_hf.tools.awq_pack`) and loaded in fp16
@@ -14,7 +16,12 @@ The embedded SmolLM2-135M is the target (resident). Drafts that need no second c
 
 With ``--streaming`` the same runs repeat with the target's decoder layers streamed (all but the first and the
 last, :mod:`kvboost_hf.offload`), where each target forward pays for copying the weights and the streamed bytes
-per generated token are reported too.
+per generated token are reported too, with the copy bandwidth (pinned host-to-device on CUDA, memcpy on CPU) and
+the bound it sets, ``bandwidth / streamed bytes per generated token``, beside each streamed row's tok/s.
+
+On a random-weight target only the mechanics are figures (tok/s, target forwards and streamed bytes per token
+against the bound): a copy draft's acceptance is trivially about 1, and acceptance, like output fidelity, needs
+real weights (``--model``).
 
 Each prompt is generated greedily (``--max-new-tokens``) ``--repeats`` times without a draft and per draft and draft
 length ``g``, after untimed warm-up calls (one per prompt and per draft) that also store the prompts' chunks: decode
@@ -22,8 +29,9 @@ speed, not prefill, is measured; tok/s is the median over prompts and repeats.
 Reported per row: decode tok/s (tokens after the first step / time after it), target forwards per generated
 token, the draft acceptance rate r = accepted / proposed, the per-position acceptance a = P(accept | previous
 accepted), the i.i.d. model's tokens per verify (1 - a^(g+1)) / (1 - a) beside the measured tokens per target
-forward, and whether the output equals the plain greedy output. Writes ``speculative.json`` and
-``speculative.png`` under ``--out``.
+forward, and where the output first differs from the resident plain greedy output (``=``: identical, over all
+prompts; the resident ``plain`` row compares a second plain run with the first: the noise floor). Writes
+``speculative.json`` and ``speculative.png`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -37,12 +45,22 @@ import torch
 from tqdm import tqdm
 
 from kvboost_hf.bench import speculative_tree
-from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
+from kvboost_hf.bench.common import (
+    agreement_label,
+    earliest_difference,
+    first_difference,
+    machine_info,
+    parser_for,
+    pyplot,
+    save_results,
+)
+from kvboost_hf.bench.shapes import DTYPES, SHAPES, copy_model, random_engine
+from kvboost_hf.bench.streaming import copy_bandwidth
 from kvboost_hf.corpus import sample_prompts
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.models import embedded_model_dir, load_model_and_tokenizer
 from kvboost_hf.hf.speculative import TREE_EXPANSIONS, DraftSettings
-from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
+from kvboost_hf.offload import LayerStreaming, enable_layer_streaming, layer_streamer
 from kvboost_hf.results import GenerationResult
 from kvboost_hf.tools.awq_pack import pack_checkpoint, round_trip_int4
 
@@ -55,8 +73,10 @@ def expected_tokens_per_verify(a: float, g: int) -> float:
 
 def draft_engine(target: InferenceEngine, kind: str, model: str | None = None) -> InferenceEngine:
     """An engine on the target's model and store with the draft named ``kind`` (copy, bf16, awq, rtn4 or earlyN).
-    ``copy``, ``bf16`` and ``awq`` load ``model`` (hub name or directory, a local directory for ``awq``; ``None``:
-    the embedded model): the target's own for a copy of it, or a smaller checkpoint with the target's tokenizer."""
+    ``copy``, ``bf16`` and ``rtn4`` start from a copy of the target's own weights (a streamed target's checkpoint
+    is loaded again instead: a random-weight target must be copied before it streams), or load ``model`` (hub name
+    or directory: a smaller checkpoint with the target's tokenizer) when given;
+    ``awq`` packs ``model`` (a local directory; ``None``: the embedded model)."""
     if match := re.fullmatch(r"early(\d+)", kind):
         size, store, exit_layers = target.chunking.chunk_size, target.store, int(match.group(1))
         draft_settings = DraftSettings(early_exit_layers=exit_layers)
@@ -69,7 +89,10 @@ def draft_engine(target: InferenceEngine, kind: str, model: str | None = None) -
         draft, _ = load_model_and_tokenizer(str(packed), device=target.device, dtype=torch.float16)
     else:
         dtype = torch.bfloat16 if kind == "bf16" else target.model.dtype
-        draft, _ = load_model_and_tokenizer(model, device=target.device, dtype=dtype)
+        if model is None and layer_streamer(target.model) is None:
+            draft = copy_model(target.model, dtype=dtype)
+        else:  # a checkpoint: the one named, or a streamed target's own loaded again
+            draft, _ = load_model_and_tokenizer(model or target.model.name_or_path, device=target.device, dtype=dtype)
         if kind == "rtn4":
             round_trip_int4(draft, group_size=64)
     return InferenceEngine(
@@ -78,7 +101,8 @@ def draft_engine(target: InferenceEngine, kind: str, model: str | None = None) -
 
 
 def summarise(results: list[GenerationResult], plain: list[GenerationResult], g: int | None) -> dict:
-    """One row: medians over prompts of speed and acceptance, sums of tokens and forwards."""
+    """One row: medians over prompts of speed and acceptance, sums of tokens and forwards, and the earliest token
+    at which an output differs from ``plain``'s output for the same prompt."""
     tokens = sum(r.generated_tokens for r in results)
     forwards = sum(r.target_forwards for r in results)
     streamed = [r.streamed_bytes_per_token for r in results if r.streamed_bytes_per_token is not None]
@@ -88,8 +112,11 @@ def summarise(results: list[GenerationResult], plain: list[GenerationResult], g:
         "decode_tok_s": statistics.median(r.tokens_per_sec for r in results),
         "target_forwards_per_token": forwards / tokens,
         "tokens_per_target_forward": tokens / forwards,
-        "outputs_identical": all(r.output_ids == p.output_ids for r, p in zip(results, plain, strict=True)),
+        "first_difference": earliest_difference(
+            [first_difference(r.output_ids, p.output_ids) for r, p in zip(results, plain, strict=True)]
+        ),
     }
+    row["outputs_identical"] = row["first_difference"] is None
     if g is not None:
         proposed = sum(r.draft_tokens_proposed for r in results)
         accepted = sum(r.draft_tokens_accepted for r in results)
@@ -102,6 +129,14 @@ def summarise(results: list[GenerationResult], plain: list[GenerationResult], g:
     return row
 
 
+def target_engine(model: str | None, random_shape: str | None, dtype: str | None, chunk_size: int) -> InferenceEngine:
+    """The target: random weights of shape ``random_shape``, else ``model`` (None: the embedded model), in ``dtype``
+    (None: float32 on CPU, bfloat16 on GPU)."""
+    if random_shape is not None:
+        return random_engine(random_shape, dtype=dtype, chunking=chunk_size)
+    return InferenceEngine.from_pretrained(model, dtype=dtype, chunking=chunk_size)
+
+
 def run(
     drafts: list[str],
     lengths: list[int],
@@ -110,9 +145,15 @@ def run(
     max_new_tokens: int,
     chunk_size: int,
     streaming: bool,
+    *,
+    model: str | None = None,
+    random_shape: str | None = None,
+    dtype: str | None = None,
+    copy_mb: int = 256,
 ) -> dict:
-    """Rows per placement of the target (resident, streamed) and draft: ``plain`` first, then one per ``g``."""
-    target = InferenceEngine.from_pretrained(chunking=chunk_size)
+    """Rows per placement of the target (resident, streamed) and draft: ``plain`` first, then one per ``g``.
+    The target: :func:`target_engine` ``(model, random_shape, dtype, chunk_size)``."""
+    target = target_engine(model, random_shape, dtype, chunk_size)
     texts = sample_prompts(prompts)
     engines = {kind: draft_engine(target, kind) for kind in drafts}
     for engine in (target, *engines.values()):  # untimed: stores the prompts' chunks, pays one-time costs
@@ -121,11 +162,14 @@ def run(
     texts = texts * repeats
     rows: dict[str, dict[str, list[dict]]] = {}
     resident_plain: list[GenerationResult] = []
+    bandwidth: dict = {}
     for placement in ("resident", "streamed") if streaming else ("resident",):
         if placement == "streamed":
+            bandwidth = copy_bandwidth(target.device, copy_mb)
             enable_layer_streaming(target.model, LayerStreaming(keep_first_k=1, keep_last_k=1))
         plain = [target.generate(text, max_new_tokens=max_new_tokens) for text in texts]
-        resident_plain = resident_plain or plain
+        if not resident_plain:  # the noise floor: plain generation run a second time
+            resident_plain = [target.generate(text, max_new_tokens=max_new_tokens) for text in texts]
         rows[placement] = {"plain": [summarise(plain, resident_plain, None)]}
         for kind, engine in engines.items():
             exit_layers = engine.draft_settings.early_exit_layers
@@ -134,14 +178,21 @@ def run(
                 engine.draft_settings = DraftSettings(g, early_exit_layers=exit_layers)
                 results = [engine.generate(text, max_new_tokens=max_new_tokens) for text in texts]
                 rows[placement][kind].append(summarise(results, resident_plain, g))
+    bound_gbps = bandwidth.get("h2d_pinned_gbps", bandwidth.get("memcpy_gbps"))
+    for row in (r for by_draft in rows.get("streamed", {}).values() for r in by_draft):
+        if bound_gbps and row["streamed_mb_per_token"]:
+            row["bound_tok_s"] = bound_gbps * 1e3 / row["streamed_mb_per_token"]
+            row["share_of_bound"] = row["decode_tok_s"] / row["bound_tok_s"]
     return {
         "benchmark": "speculative",
         "machine": machine_info(target.device),
         "model": target.model.config._name_or_path,
+        "weights": "random" if random_shape is not None else "trained",
         "dtype": str(target.model.dtype),
         "prompts": prompts,
         "repeats": repeats,
         "max_new_tokens": max_new_tokens,
+        "bandwidth": bandwidth,
         "rows": rows,
     }
 
@@ -150,24 +201,39 @@ def _mb(row: dict) -> str:
     return "-" if row["streamed_mb_per_token"] is None else f"{row['streamed_mb_per_token']:.0f}"
 
 
+def _bound(row: dict) -> str:
+    return f"{row['bound_tok_s']:.1f} ({100 * row['share_of_bound']:.0f}%)" if "bound_tok_s" in row else "-"
+
+
 def report(result: dict) -> str:
     lines = []
+    if result.get("weights") == "random":
+        lines.append(
+            "random weights: only the mechanics are figures (tok/s, forwards and streamed bytes per token, bound); "
+            "acceptance and output agreement need real weights (--model)"
+        )
+    if result.get("bandwidth"):
+        gbps = ", ".join(f"{k} {v:.1f}" for k, v in result["bandwidth"].items() if k.endswith("_gbps"))
+        lines.append(f"copy bandwidth GB/s: {gbps}; bound = bandwidth / streamed bytes per generated token")
     for placement, by_draft in result["rows"].items():
         plain = by_draft["plain"][0]
+        versus = "a second plain run (noise floor)" if placement == "resident" else "resident plain"
+        difference = agreement_label(plain["first_difference"])
         lines += [
             f"{placement} target, plain: {plain['decode_tok_s']:.2f} tok/s, {_mb(plain)} MB streamed/token, "
-            f"output = resident plain: {plain['outputs_identical']}",
-            f"{'draft':>7} {'g':>2} {'tok/s':>7} {'vs plain':>8} {'fwd/tok':>7} {'MB/tok':>6} {'r':>5} {'a':>5} "
-            f"{'tok/verify':>10} {'expected':>8} {'same':>5}",
+            f"bound tok/s {_bound(plain)}, first difference from {versus}: {difference}",
+            f"{'draft':>7} {'g':>2} {'tok/s':>7} {'vs plain':>8} {'fwd/tok':>7} {'MB/tok':>6} {'bound tok/s':>12} "
+            f"{'r':>5} {'a':>5} {'tok/verify':>10} {'expected':>8} {'same':>5}",
         ]
         for kind, rows in by_draft.items():
             for row in rows if kind != "plain" else []:
                 lines.append(
                     f"{kind:>7} {row['draft_tokens']:>2} {row['decode_tok_s']:>7.2f} "
                     f"{row['decode_tok_s'] / plain['decode_tok_s']:>7.2f}x {row['target_forwards_per_token']:>7.2f} "
-                    f"{_mb(row):>6} {row['acceptance_rate']:>5.2f} {row['position_acceptance']:>5.2f} "
+                    f"{_mb(row):>6} {_bound(row):>12} {row['acceptance_rate']:>5.2f} "
+                    f"{row['position_acceptance']:>5.2f} "
                     f"{row['tokens_per_target_forward']:>10.2f} {row['expected_tokens_per_verify']:>8.2f} "
-                    f"{row['outputs_identical']!s:>5}"
+                    f"{agreement_label(row['first_difference']):>5}"
                 )
     return "\n".join(lines)
 
@@ -218,6 +284,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--streaming", action="store_true", help="also run with the target's layers streamed")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--model", help="target: hub name or local model directory (default: the embedded model)")
+    which.add_argument("--random-shape", choices=sorted(SHAPES), help="target: random weights of this shape")
+    parser.add_argument("--dtype", choices=DTYPES, help="target's dtype (default: float32 on CPU, bfloat16 on GPU)")
+    parser.add_argument("--copy-mb", type=int, default=256, help="size of the bandwidth test copies (MB)")
     parser.add_argument(
         "--tree-budgets",
         default=None,
@@ -239,7 +310,7 @@ def main(argv: list[str]) -> int:
     if args.tree_budgets is not None:
         budgets: list[int | str] = [n if n == "auto" else int(n) for n in args.tree_budgets.split(",")]
         draft = args.drafts.split(",")[0] if args.drafts else speculative_tree.default_draft()
-        target = InferenceEngine.from_pretrained(chunking=args.chunk_size)
+        target = target_engine(args.model, args.random_shape, args.dtype, args.chunk_size)
         result = speculative_tree.run(target, draft_engine(target, draft), draft, budgets, args.tree_depth,
                                       args.tree_branching, args.prompts, args.max_new_tokens,
                                       max(args.repeats, 3), args.resident_rows, args.tree_expansion)  # fmt: skip
@@ -247,6 +318,7 @@ def main(argv: list[str]) -> int:
         return 0
     lengths = [int(g) for g in args.draft_lengths.split(",")]
     drafts = (args.drafts or "copy,bf16,early20").split(",")
-    result = run(drafts, lengths, args.prompts, args.repeats, args.max_new_tokens, args.chunk_size, args.streaming)
+    result = run(drafts, lengths, args.prompts, args.repeats, args.max_new_tokens, args.chunk_size, args.streaming,
+                 model=args.model, random_shape=args.random_shape, dtype=args.dtype, copy_mb=args.copy_mb)  # fmt: skip
     save_results(args.out, "speculative", result, report, plot)
     return 0

@@ -10,8 +10,9 @@ untimed warm-up call per prompt and model; ``auto`` in the list is the adaptive 
 target forward (prefill included; with a draft the prompt forward verifies the first tree) and per verify forward,
 streamed bytes per generated token and their ratio to plain streaming, draft forwards per token, the acceptance per
 draft depth (:func:`~kvboost_hf.hf.speculative.acceptance_by_depth`), CPU decode tok/s (one run on a shared
-machine: indicative only), and whether the output equals plain greedy; for ``auto``, the fitted verify cost and the
-budget it chose.
+machine: indicative only), and where the output first differs from plain greedy (``same``: ``=`` when every output
+equals plain greedy's, else ``@k``, the earliest generated token at which one differs); for ``auto``, the fitted
+verify cost and the budget it chose.
 
 Also measured: the cost of one streamed verify forward over ``n`` tree nodes on this machine (median of
 ``--repeats`` forwards at the first prompt's length, ``n`` = 1 and each budget + 1), and its cost per node.
@@ -33,7 +34,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from kvboost_hf.bench.common import machine_info, pyplot
+from kvboost_hf.bench.common import agreement_label, earliest_difference, first_difference, machine_info, pyplot
 from kvboost_hf.corpus import sample_prompts
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest
@@ -99,7 +100,9 @@ def summarise(runs: list[dict[str, Any]], plain: list[dict[str, Any]], budget: i
         "position_acceptance": accepted / max(accepted + rejected, 1) if budget is not None else None,
         "cpu_tok_s": tokens / sum(run["seconds"] for run in runs),
         "estimated_gpu_tok_s": {link: gb_s * 1e9 * tokens / streamed for link, gb_s in PCIE_GB_S.items()},
-        "outputs_identical": all(run["tokens"] == base["tokens"] for run, base in zip(runs, plain, strict=True)),
+        "first_difference": earliest_difference(
+            [first_difference(run["tokens"], base["tokens"]) for run, base in zip(runs, plain, strict=True)]
+        ),
     }
 
 
@@ -257,7 +260,8 @@ def report(result: dict[str, Any]) -> str:
             f"{_fmt(row['nodes_per_verify'], '.1f'):>12} {row['streamed_mb_per_token']:>6.0f} "
             f"{row['streamed_vs_plain']:>7.2f}x {row['draft_forwards_per_token']:>13.2f} "
             f"{_fmt(row['position_acceptance'], '.2f'):>5} {row['cpu_tok_s']:>9.2f} "
-            f"{estimate['pcie4_x16']:>11.0f} / {estimate['pcie5_x16']:<10.0f} {row['outputs_identical']!s:>5}"
+            f"{estimate['pcie4_x16']:>11.0f} / {estimate['pcie5_x16']:<10.0f} "
+            f"{agreement_label(row['first_difference']):>5}"
         )
     lines.append("acceptance per draft depth (1, 2, ...):")
     for row in result["rows"][1:]:

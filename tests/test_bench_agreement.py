@@ -1,0 +1,52 @@
+"""Exactness in the benchmarks as pairwise agreement: where two greedy outputs first differ, with plain
+``generate()`` run twice as the noise floor (issue 31: one ``same`` flag hid which method differed)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvboost_hf.bench import multiturn
+from kvboost_hf.bench.common import agreement_label, earliest_difference, first_difference
+from kvboost_hf.engine import InferenceEngine
+
+
+def test_first_difference_and_its_label():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 9, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2  # one ended early: they differ where it stopped
+    assert first_difference([], []) is None
+    assert earliest_difference([None, 4, 2]) == 2 and earliest_difference([None, None]) is None
+    assert agreement_label(None) == "=" and agreement_label(3) == "@3"
+
+
+def test_multiturn_names_the_pair_that_differs_and_where(monkeypatch):
+    """kvboost's output altered at token 2 of turn 2 only: the kvboost pairs say @2 on that turn, plain generate
+    against itself and against the recipe stay identical, and the report prints it."""
+    original = InferenceEngine.generate
+    calls = {"kvboost": 0}
+
+    def altered(self, prompt, *args, **kwargs):
+        result = original(self, prompt, *args, **kwargs)
+        if kwargs.get("mode") is None and isinstance(prompt, list):  # the kvboost method of a turn
+            calls["kvboost"] += 1
+            if calls["kvboost"] == 2:
+                ids = list(result.output_ids)
+                ids[2] = ids[2] + 1
+                return dataclasses.replace(result, output_ids=ids)
+        return result
+
+    monkeypatch.setattr(InferenceEngine, "generate", altered)
+    result = multiturn.run(turns=3, max_new_tokens=4, chunk_size=16, repeats=1, random_shape="tiny", dtype="float32")
+    first, second, third = (row["first_difference"] for row in result["turns"])
+    assert all(index is None for index in first.values()) and all(index is None for index in third.values())
+    assert second == {
+        "baseline_vs_baseline_repeat": None,
+        "baseline_vs_hf_prompt_cache": None,
+        "baseline_vs_kvboost": 2,
+        "hf_prompt_cache_vs_kvboost": 2,
+    }
+    assert result["identical_turns"]["baseline_vs_kvboost"] == 2
+    assert result["identical_turns"]["baseline_vs_baseline_repeat"] == 3
+    assert result["dtype"] == "float32" and result["weights"] == "random"
+    line = multiturn.report(result).splitlines()[3]  # title, header, turn 1, turn 2
+    assert line.split()[-4:] == ["=", "=", "@2", "@2"]
