@@ -111,7 +111,9 @@ def copy_bandwidth(device: torch.device, tier: str, nbytes: int = 1 << 30) -> fl
 
 def bare_forward_ms(engine: InferenceEngine, document_ids: list[int], new_ids: list[int], repeats: int) -> float:
     """Best time of a forward of only ``new_ids`` over a prebuilt cache holding ``document_ids``' K/V (buffers
-    with room for them: the forward writes in place and is cropped back after each timing)."""
+    with room for them: the forward writes in place and is cropped back after each timing). The warm request's
+    limit uses the tokens it reused as ``document_ids`` and the rest of its prompt (the document's unfinished last
+    chunk and the question) as ``new_ids``."""
     model, device = engine.model, engine.device
     layers = [ChunkReuseLayer() for _ in range(kv_entry_shape(model)[0])]
     cache = Cache(layers=layers)
@@ -130,8 +132,8 @@ def bare_forward_ms(engine: InferenceEngine, document_ids: list[int], new_ids: l
 
 
 def warm_breakdown(engine: InferenceEngine, prompt: str) -> dict[str, float]:
-    """ms per phase of one warm request, plus ``ttft`` and ``other`` (TTFT not inside any phase before the first
-    token; write-back runs after it)."""
+    """ms per phase of one request (warm, or cold on an empty store), plus ``ttft`` and ``other`` (TTFT not inside
+    any phase before the first token; write-back runs after it)."""
     with PhaseTimer(engine.device) as timer:
         for name, owner, attribute in PHASES:
             timer.wrap(owner if owner is not None else engine.model, attribute, name)
@@ -178,13 +180,10 @@ def measure_size(engine: InferenceEngine, tokens: int, repeats: int) -> dict[str
     """Every figure of one document length (see the module docstring)."""
     document = document_text(engine, tokens)
     prompts = [document + question(index) for index in range(repeats + 2)]
-    prompt_ids = engine.encode(prompts[0])
-    document_ids = engine.encode(document)
-    new_ids = prompt_ids[len(document_ids) :]
-    row: dict[str, Any] = {"tokens": len(prompt_ids), "new_tokens": len(new_ids)}
+    prompt_ids = engine.encode(prompts[1])
+    row: dict[str, Any] = {"tokens": len(prompt_ids)}
     row["full_ms"] = min(full_prefill_ms(engine, prompt) for prompt in prompts[:repeats])
-    row["tokenize_ms"] = statistics.median(timed_call(lambda: engine.encode(prompts[0]), "cpu")[0] for _ in range(3))
-    row["bare_forward_ms"] = bare_forward_ms(engine, document_ids, new_ids, repeats)
+    row["tokenize_ms"] = statistics.median(timed_call(lambda: engine.encode(prompts[1]), "cpu")[0] for _ in range(3))
     layers, heads, head_dim = kv_entry_shape(engine.model)
     row["kv_bytes_per_token"] = (
         2 * layers * heads * head_dim * torch.empty(0, dtype=model_dtype(engine.model)).element_size()
@@ -192,11 +191,17 @@ def measure_size(engine: InferenceEngine, tokens: int, repeats: int) -> dict[str
     for tier in tiers_for(engine.device):
         engine.store = store_for(tier, engine.device)
         cold_ms, _ = ttft_ms(engine, prompts[0])
-        row.setdefault("cold_ms", cold_ms)
+        if "cold_ms" not in row:  # once: the cold request's own breakdown (its write-back stores the document)
+            row["cold_ms"] = cold_ms
+            engine.store.clear()
+            row["breakdown_cold"] = warm_breakdown(engine, prompts[0])
         engine.store.flush()
         warm = [ttft_ms(engine, prompt) for prompt in prompts[1 : repeats + 1]]
         row[f"warm_{tier}_ms"] = min(ms for ms, _ in warm)
-        row[f"warm_{tier}_cached_tokens"] = warm[0][1].cached_tokens
+        row[f"warm_{tier}_cached_tokens"] = cached = warm[0][1].cached_tokens
+        if "bare_forward_ms" not in row:  # the tokens the warm request computes, over a cache of those it reuses
+            row["new_tokens"] = len(prompt_ids) - cached
+            row["bare_forward_ms"] = bare_forward_ms(engine, prompt_ids[:cached], prompt_ids[cached:], repeats)
         reused_bytes = warm[0][1].cached_tokens * row["kv_bytes_per_token"]
         bandwidth = copy_bandwidth(engine.device, tier)
         row[f"{tier}_copy_gb_s"] = round(bandwidth / 1e9, 2)
@@ -235,6 +240,8 @@ def report(result: dict) -> str:
             line += f" {warm:>9.1f} {limit:>7.1f} {warm / limit:>6.2f}x {row['full_ms'] / warm:>6.1f}x"
         lines.append(line)
     for row in result["sizes"]:
+        cold = ", ".join(f"{name} {ms:.1f}" for name, ms in row["breakdown_cold"].items())
+        lines.append(f"{row['tokens']} tokens, cold (ms): {cold}")
         for tier in tiers:
             parts = ", ".join(f"{name} {ms:.1f}" for name, ms in row[f"breakdown_{tier}"].items())
             copies = row[f"copies_{tier}"]["copied_over_reused"]
