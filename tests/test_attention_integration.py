@@ -49,7 +49,8 @@ def model(request: pytest.FixtureRequest) -> PreTrainedModel:
 
 @pytest.fixture
 def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """Counts launches of the Triton kernel made through the attention function."""
+    """Counts launches of the Triton kernel made through the attention function (every supported call goes to the
+    kernel: plain prefill and decode too, which are routed to SDPA otherwise)."""
     calls: list[int] = []
     launcher = attention._kernel()
     assert launcher is not None
@@ -59,6 +60,7 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
         return launcher(*args, **kwargs)
 
     monkeypatch.setattr(attention, "_kernel", lambda: spy)
+    monkeypatch.setattr(attention, "ROUTE_PLAIN_TO_SDPA", False)
     yield calls
 
 
@@ -177,3 +179,26 @@ def test_fallback_without_interpreter_matches_sdpa(
         out = _prefill_on_cache(model, "kvboost")
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
     assert len([r for r in caplog.records if r.name == attention.__name__]) == 1
+
+
+def test_plain_prefill_and_decode_go_to_sdpa_and_prefill_on_a_cache_to_the_kernel(
+    model: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the default routing, the kernel runs only where SDPA would need a materialised mask."""
+    shapes: list[tuple[int, int]] = []
+    launcher = attention._kernel()
+    assert launcher is not None
+
+    def spy(query: torch.Tensor, key: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        shapes.append((query.shape[2], key.shape[2]))
+        return launcher(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "_kernel", lambda: spy)
+    ids = torch.randint(1, 100, (1, 12))
+    with torch.no_grad():
+        out = model(ids, use_cache=True)  # plain prefill: SDPA
+        assert shapes == []
+        model(ids[:, :1], past_key_values=out.past_key_values, use_cache=True)  # one query: SDPA
+        assert shapes == []
+        model(ids[:, :5], past_key_values=out.past_key_values, use_cache=True)  # 5 queries over 18 keys: kernel
+    assert shapes and all(shape == (5, 18) for shape in shapes)

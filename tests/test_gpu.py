@@ -51,6 +51,7 @@ def kernel_calls(monkeypatch, compiled_kernel):
         return compiled_kernel(*args, **kwargs)
 
     monkeypatch.setattr(attention, "_kernel", lambda: counting)
+    monkeypatch.setattr(attention, "ROUTE_PLAIN_TO_SDPA", False)  # every call through the kernel
     return calls
 
 

@@ -220,6 +220,7 @@ def run(engine: InferenceEngine, sizes: list[int], repeats: int) -> dict[str, An
         "machine": machine_info(engine.device),
         "model": engine.model.config._name_or_path,
         "dtype": str(model_dtype(engine.model)).removeprefix("torch."),
+        "attn_implementation": engine.model.config._attn_implementation,
         "chunk_size": engine.chunking.chunk_size,
         "repeats": repeats,
         "targets": TARGETS,
@@ -264,7 +265,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (ms)")
     ax.set_yscale("log")
-    ax.set_title(f"Long context, {result['model'].split('/')[-1]} {result['dtype']}, {result['machine']['device']}")
+    model = f"{result['model'].split('/')[-1]} {result['dtype']} {result['attn_implementation']}"
+    ax.set_title(f"Long context, {model}, {result['machine']['device']}")
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", which="both", alpha=0.3)
     fig.tight_layout()
@@ -284,11 +286,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="questions per figure (best of)")
     parser.add_argument("--chunk-size", type=int, default=128)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: bf16 on GPU, fp32 CPU")
+    parser.add_argument("--attn", help="attn_implementation to run the model with (default: as loaded, sdpa)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--random-shape", choices=sorted(SHAPES), help="random-weight model of this shape")
     source.add_argument("--model", help="a local model directory or hub name (default: the embedded model)")
     args = parser.parse_args(argv)
     engine = build_engine(args.model, args.random_shape, args.dtype, args.chunk_size)
+    if args.attn:  # "kvboost" is registered when kvboost_hf is imported
+        engine.model.set_attn_implementation(args.attn)
     result = run(engine, [int(size) for size in args.sizes.split(",")], args.repeats)
     save_results(args.out, "long_context", result, report, plot)
     return 0

@@ -14,7 +14,10 @@ A forward that passes :data:`~kvboost_hf.hf.context_attention.ADJUSTMENT_KWARG` 
 repair config with an APE-style context temperature or scale) is computed by
 :func:`~kvboost_hf.hf.context_attention.adjusted_attention` instead, on any device.
 
-Where the kernel cannot run (no Triton, tensors not on CUDA without ``TRITON_INTERPRET=1``, training, unsupported
+Unmasked plain causal prefill (``Lq == Lk``) and single-query calls go to torch's SDPA, whose default backend is
+faster there and needs no mask (:data:`ROUTE_PLAIN_TO_SDPA`); the kernel serves queries over a longer cache (a
+prompt on top of reused chunks: SDPA would need a materialised mask and expanded K/V for those) and explicit
+masks. Where the kernel cannot run (no Triton, tensors not on CUDA without ``TRITON_INTERPRET=1``, training, unsupported
 dtype/head dim/features) the call goes to transformers' sdpa implementation, with one log line per reason.
 """
 
@@ -45,6 +48,9 @@ ATTN_IMPLEMENTATION = "kvboost"
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _KERNEL_MAX_HEAD_DIM = 128
 _UNSUPPORTED_KWARGS = ("softcap", "position_bias", "s_aux", "sinks", "cache")
+ROUTE_PLAIN_TO_SDPA = True
+"""Send unmasked calls with ``Lq == Lk`` (plain causal prefill) or ``Lq == 1`` (decode without padding) to torch's
+SDPA, which needs no mask for them; False sends every supported call to the Triton kernel (the kernel's tests)."""
 
 
 def _interpret_mode() -> bool:
@@ -114,6 +120,13 @@ def kvboost_attention_forward(
             raise ValueError("the context adjustment needs the queries' position_ids")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return adjusted_attention(query, key, value, attention_mask, scale, adjustment, position_ids), None
+    if attention_mask is None and (num_q == num_k or num_q == 1) and ROUTE_PLAIN_TO_SDPA:
+        # plain causal prefill, or one query seeing every key: torch's default SDPA needs no mask there and runs
+        # a fused GQA kernel (1.5x the Triton kernel's prefill on an H200); the kernel serves the shapes only it
+        # handles without a materialised mask (queries over a longer cache, explicit masks)
+        return sdpa_attention_forward(
+            module, query, key, value, None, dropout=dropout, scaling=scaling, is_causal=causal, **kwargs
+        )
     reason = _fallback_reason(query, key, value, dropout, kwargs)
     if reason is not None:
         _log_fallback(reason)
