@@ -34,6 +34,7 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 MIN_BIAS: tl.constexpr = tl.constexpr(-1e37)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128
+PREFILL_SPLIT_RATIO = 8  # several row blocks are split only when the keys outnumber the queries this many times
 SHARED_MEMORY_BUDGET = 99 * 1024  # bytes per program: the smallest opt-in limit among sm_80+ GPUs (sm_86/89)
 
 
@@ -201,14 +202,16 @@ def _num_programs_target(device: torch.device) -> int:
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _auto_splits(row_blocks: int, base_programs: int, num_k: int, block_n: int, device: torch.device) -> int:
-    """Split the key range of single-row-block (decode-like) launches when the grid cannot fill the device.
-
-    Keeps at least 4 key tiles per split; prefill (several row blocks) is never split: causal row blocks would
-    leave many slices empty and pay for fp32 partials.
+def _auto_splits(
+    row_blocks: int, base_programs: int, num_q: int, num_k: int, block_n: int, device: torch.device
+) -> int:
+    """Split the key range when the grid cannot fill the device and the queries are a short suffix of the keys
+    (decode, or a prompt's new tokens over a long reused cache: 23 queries over 32k keys on 4 K/V heads are 8
+    programs for 132 SMs unsplit). Keeps at least 4 key tiles per split. A prefill whose queries are about as many
+    as its keys is never split: its causal row blocks would leave many slices empty and pay for fp32 partials.
     """
     target = _num_programs_target(device)
-    if row_blocks > 1 or base_programs >= target:
+    if base_programs >= target or (row_blocks > 1 and num_q * PREFILL_SPLIT_RATIO > num_k):
         return 1
     return max(1, min(math.ceil(target / base_programs), num_k // (4 * block_n), 64))
 
@@ -273,7 +276,7 @@ def flash_attention(
     cfg = _launch_config(q.device, q.dtype, group * num_q, block_d, mask_kind != 0)
     row_blocks = triton.cdiv(group * num_q, cfg.block_m)
     if num_splits is None:
-        num_splits = _auto_splits(row_blocks, row_blocks * batch * heads_kv, num_k, cfg.block_n, q.device)
+        num_splits = _auto_splits(row_blocks, row_blocks * batch * heads_kv, num_q, num_k, cfg.block_n, q.device)
     num_splits = max(1, min(num_splits, triton.cdiv(max(num_k, 1), cfg.block_n)))
     split_len = triton.cdiv(triton.cdiv(max(num_k, 1), num_splits), cfg.block_n) * cfg.block_n
 

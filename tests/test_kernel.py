@@ -64,6 +64,24 @@ def test_decode_split_k(flash_attention, dtype: torch.dtype, num_splits: int) ->
     _assert_matches(flash_attention(q, k, v, num_splits=num_splits), reference_attention(q, k, v))
 
 
+@pytest.mark.parametrize("num_splits", [2, 7])
+def test_short_prompt_over_a_long_cache_split_k(flash_attention, num_splits: int) -> None:
+    """Several row blocks of queries (a prompt's new tokens, 7 query heads per K/V head) over a longer cache, the
+    key range split: slices past some rows' causal limit hold no key for them and merge to the exact result."""
+    q, k, v = _qkv(1, 14, 2, 9, 400, 64, torch.float32)
+    _assert_matches(flash_attention(q, k, v, num_splits=num_splits), reference_attention(q, k, v))
+
+
+def test_auto_splits_fill_the_device_for_short_queries_only(triton_interpreter, monkeypatch) -> None:
+    module = sys.modules[triton_interpreter.flash_attention.__module__]
+    monkeypatch.setattr(module, "_num_programs_target", lambda device: 264)  # an H200: 2 x 132 SMs
+    cpu = torch.device("cpu")
+    assert module._auto_splits(2, 8, 23, 32_000, 64, cpu) == 33  # 23 new tokens over a 32k-token cache
+    assert module._auto_splits(1, 4, 1, 32_000, 64, cpu) == 64  # decode
+    assert module._auto_splits(64, 256, 8_000, 8_000, 64, cpu) == 1  # a prefill
+    assert module._auto_splits(2, 8, 23, 300, 64, cpu) == 1  # too few keys to split
+
+
 @pytest.mark.parametrize(
     ("batch", "heads", "heads_kv", "num_q", "num_k"),
     [(1, 2, 2, 33, 33), (3, 8, 1, 7, 7), (2, 6, 3, 1, 1), (1, 4, 2, 2, 70)],
