@@ -126,7 +126,7 @@ def _greedy(model, cache, ids: torch.Tensor, steps: int) -> tuple[list[int], lis
     tokens, copied = [int(out.logits[0, -1].argmax())], []
     for _ in range(steps - 1):
         with CopyCounter() as counter:
-            out = forward(model, cache, input_ids=torch.tensor([[tokens[-1]]]), logits_to_keep=1)
+            out = forward(model, cache, input_ids=torch.tensor([[tokens[-1]]], device=ids.device), logits_to_keep=1)
         tokens.append(int(out.logits[0, -1].argmax()))
         copied.append(counter.total)
     return tokens, copied
@@ -202,6 +202,11 @@ def test_gpu_tier_is_sized_only_for_a_cuda_model():
     config = StoreConfig()
     assert config.for_model_device(torch.device("cpu")) is config
     assert StoreConfig(gpu_max_bytes=0).for_model_device(torch.device("cuda")).gpu_max_bytes == 0
+    sized = StoreConfig(gpu_max_bytes=1 << 20).for_model_device(torch.device("cuda", 0))
+    assert sized.gpu_max_bytes == 1 << 20 and sized.gpu_device == torch.device("cuda", 0)  # placed on the model's
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="gpu_device"):
+            ChunkStore.from_config(StoreConfig(gpu_max_bytes=1 << 20))
     with pytest.raises(ValueError, match="gpu_max_bytes"):
         StoreConfig(gpu_max_bytes=-1)
     assert not StoreConfig(pin_memory=None).pins_memory or torch.cuda.is_available()

@@ -122,9 +122,8 @@ class ChunkStore:
         self.device = torch.device(config.device)
         self.pin_memory = config.pins_memory
         self.ram = RamTier(config.max_bytes)
-        self.gpu: GpuTier | None = None
-        if config.gpu_max_bytes and config.gpu_device is not None:
-            self.gpu = GpuTier(config.gpu_max_bytes, config.gpu_device)
+        gpu_device = config.gpu_tier_device
+        self.gpu = GpuTier(config.gpu_max_bytes or 0, gpu_device) if gpu_device is not None else None
         self._lower: list[StorageTier] = [*config.build_tiers(), *tiers]
         self._stats = StoreStats()
         self._tier_hits = {tier.name: 0 for tier in self.all_tiers}

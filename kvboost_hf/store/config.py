@@ -73,13 +73,25 @@ class StoreConfig:
         return on_cpu and (torch.cuda.is_available() if self.pin_memory is None else self.pin_memory)
 
     def for_model_device(self, device: torch.device) -> StoreConfig:
-        """These settings with the GPU tier sized for a model on ``device`` when left to the engine (``gpu_max_bytes``
-        None and a CUDA model): :func:`default_gpu_tier_bytes` on that device."""
-        if self.gpu_max_bytes is not None or device.type != "cuda" or torch.device(self.device).type == "cuda":
+        """These settings for a model on ``device``: on CUDA (with RAM entries on the CPU), the GPU tier is sized by
+        :func:`default_gpu_tier_bytes` when ``gpu_max_bytes`` is None and placed on ``device`` when ``gpu_device``
+        is None; ``gpu_max_bytes=0`` keeps it off."""
+        if device.type != "cuda" or torch.device(self.device).type == "cuda" or self.gpu_max_bytes == 0:
             return self
-        return dataclasses.replace(
-            self, gpu_max_bytes=default_gpu_tier_bytes(device), gpu_device=self.gpu_device or device
-        )
+        budget = default_gpu_tier_bytes(device) if self.gpu_max_bytes is None else self.gpu_max_bytes
+        return dataclasses.replace(self, gpu_max_bytes=budget, gpu_device=self.gpu_device or device)
+
+    @property
+    def gpu_tier_device(self) -> torch.device | None:
+        """Where the GPU tier lives: ``gpu_device``, else the current CUDA device when ``gpu_max_bytes`` is set;
+        None without a GPU tier. Raises ValueError when ``gpu_max_bytes`` is set with no device to put it on."""
+        if not self.gpu_max_bytes:
+            return None
+        if self.gpu_device is not None:
+            return torch.device(self.gpu_device)
+        if not torch.cuda.is_available():
+            raise ValueError(f"gpu_max_bytes={self.gpu_max_bytes} needs a gpu_device: no CUDA device is available")
+        return torch.device("cuda", torch.cuda.current_device())
 
     def build_tiers(self) -> list[StorageTier]:
         """The tiers below RAM that these settings enable, fastest first: disk, then Redis."""
