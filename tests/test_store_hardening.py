@@ -279,6 +279,23 @@ def test_a_replica_with_another_secret_refuses_without_deleting(redis_server: Re
         theirs.close(timeout_s=2)
 
 
+def test_a_replica_without_a_secret_refuses_sealed_records_without_deleting(redis_server: RedisServer):  # noqa: F811
+    """A replica with no HMAC key cannot read a sealed record: a miss, counted, and left for the replicas that
+    hold the key (it used to be decoded as a damaged record and deleted)."""
+    sealed = RemoteTier(redis_server.url, hmac_key="mine")
+    keyless = RemoteTier(redis_server.url)
+    try:
+        for i in range(5):
+            sealed.put(key(i), make_entry(seed=i))
+        assert sealed.flush(5)
+        assert keyless.get_many([key(i) for i in range(5)]) == [None] * 5 and keyless.corrupt == 5
+        assert keyless.flush(5) and redis_server.client().exists(*[sealed.prefix + key(i) for i in range(5)]) == 5
+        assert all(sealed.get_many([key(i) for i in range(5)]))
+    finally:
+        sealed.close(timeout_s=2)
+        keyless.close(timeout_s=2)
+
+
 def test_wrong_type_tail_key_is_removed(remote: RemoteTier, redis_server: RedisServer):  # noqa: F811
     admin = redis_server.client()
     admin.set(remote.prefix + "tail:" + key(1), b"not a set")

@@ -18,7 +18,8 @@ tokens, also as a ratio to float16 K/V.
 Store guarantees: ``model_digest`` cost on the model (and its estimate for 7B parameters in bfloat16, scaled by
 bytes); Redis fetch time of a ``--redis-chunks``-chunk prompt (chunks shaped like the model's, in its dtype) with
 one GET per chunk and with one pipelined batch (``ChunkStore.get_many``); entries that survive a SIGKILL of a
-process that stored ``--kill-entries`` chunks with a disk tier, killed right after its last ``put`` and 5 s later.
+process that stored ``--kill-entries`` chunks with a disk tier, killed right after its last ``put`` and 5 s later;
+chunks flushed by 3 processes sharing one disk directory that a new store finds there.
 
 Writes ``tiers.json`` and ``tiers.png`` under ``--out``.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
+import json
 import logging
 import shutil
 import socket
@@ -338,6 +340,62 @@ def measure_kill9(engine: InferenceEngine, args: argparse.Namespace) -> dict:
     return out
 
 
+_SHARING_STORE = """
+import json, sys, torch
+from kvboost_hf.core.chunk_kv import ChunkKV
+from kvboost_hf.store.chunk_store import ChunkStore
+
+directory, me, processes, rounds, per = sys.argv[1], *map(int, sys.argv[2:6])
+shape = tuple(int(n) for n in sys.argv[6].split(","))
+store = ChunkStore(0, disk_cache_dir=directory)  # no RAM: every lookup reads (and checks) the shared file
+for r in range(rounds):
+    for i in range(per):
+        gen = torch.Generator().manual_seed(me * 10**6 + r * 1000 + i)
+        keys, values = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+        store.put(f"{me:08x}{r:08x}{i:048x}", ChunkKV(keys, values))
+    store.flush()
+    for other in range(processes):  # look up what the others flushed in this round, as a replica would
+        for i in range(per):
+            store.get(f"{other:08x}{r:08x}{i:048x}")
+stats = store.stats()
+store.close()
+rechecks = stats.get("disk_rechecks", 0)  # absent before the counter existed
+print(json.dumps({"flushed": rounds * per, "disabled": stats["disk_disabled"], "rechecks": rechecks}))
+"""
+
+
+def measure_shared_directory(
+    processes: int = 3, rounds: int = 40, per_round: int = 40, shape: tuple[int, ...] = (2, 3, 64, 8)
+) -> dict:
+    """``processes`` processes write ``per_round`` chunks of ``shape`` to one ``disk_cache_dir``, flush, and
+    read the others' chunks, ``rounds`` times; then a new store counts what is on disk (the budget holds it all).
+    Reports chunks flushed, chunks found, processes whose disk tier was disabled, and rechecks."""
+    with tempfile.TemporaryDirectory() as directory:
+        argv = [directory, "", str(processes), str(rounds), str(per_round), ",".join(map(str, shape))]
+        started = time.perf_counter()
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _SHARING_STORE, *[str(me) if a == "" else a for a in argv]],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for me in range(processes)
+        ]
+        reports = [json.loads(proc.communicate(timeout=600)[0].strip().splitlines()[-1]) for proc in procs]
+        seconds = time.perf_counter() - started
+        with ChunkStore(0, disk_cache_dir=directory) as store:
+            assert store.disk is not None
+            found = len(store.disk)
+    return {
+        "processes": processes,
+        "flushed": sum(r["flushed"] for r in reports),
+        "found_on_disk": found,
+        "disabled_processes": sum(r["disabled"] for r in reports),
+        "rechecks": sum(r["rechecks"] for r in reports),
+        "seconds": round(seconds, 1),
+    }
+
+
 def _stored_generation(
     engine: InferenceEngine, ids: torch.Tensor, bits: int, args: argparse.Namespace, acc: dict[str, Any]
 ) -> tuple[list[int], torch.Tensor]:
@@ -430,6 +488,11 @@ def report_table(result: dict) -> str:
             f"SIGKILL after {kill['stored']} puts: {kill['survived_after_0s']} survive when killed at once, "
             f"{kill['survived_after_5s']} after 5 s"
         )
+    if shared := guarantees.get("shared_directory"):
+        lines.append(
+            f"{shared['processes']} processes on one disk directory: {shared['found_on_disk']} of {shared['flushed']} "
+            f"flushed chunks on disk, {shared['disabled_processes']} disabled, {shared['rechecks']} rechecks"
+        )
     lines.append(f"{'bits':<6}{'B/token':>9}{'x fp16':>8}{'identical':>11}{'prefix':>8}{'KL mean':>10}")
     for bits, row in result["fidelity"]["by_bits"].items():
         lines.append(
@@ -476,7 +539,12 @@ def main(argv: list[str]) -> int:
     with redis_server(args.redis_url) as url:
         ttft = measure_ttft(engine, document, args, url)
         batching = measure_redis_batching(engine, url, args) if url is not None else None
-    guarantees = {"digest": measure_digest(engine), "redis_batching": batching, "kill9": measure_kill9(engine, args)}
+    guarantees = {
+        "digest": measure_digest(engine),
+        "redis_batching": batching,
+        "kill9": measure_kill9(engine, args),
+        "shared_directory": measure_shared_directory(),
+    }
     fidelity = measure_fidelity(engine, corpus, args)
     report = {
         "machine": machine_info(engine.device) | {"model_dtype": str(next(engine.model.parameters()).dtype)},

@@ -11,11 +11,14 @@ It is found through package metadata (the package itself is not importable), deq
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import glob
 import inspect
 import logging
 import os
+import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 
@@ -169,12 +172,43 @@ def user_cache_dir() -> Path:
 
 
 def embedded_model_dir() -> Path:
-    """A safetensors copy of the embedded model, converted from its GGUF file on first use."""
+    """A safetensors copy of the embedded model, converted from its GGUF file on first use (once, whatever the
+    number of processes asking at the same time: see :func:`build_directory_once`)."""
     gguf = embedded_gguf_path()
-    stat = gguf.stat()
-    target = user_cache_dir() / f"{gguf.stem}-{stat.st_size}"
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+    target = user_cache_dir() / f"{gguf.stem}-{gguf.stat().st_size}"
+    return build_directory_once(target, lambda partial: _convert_gguf(gguf, partial), _is_converted_model)
+
+
+def build_directory_once(target: Path, build: Callable[[Path], None], complete: Callable[[Path], bool]) -> Path:
+    """``target`` once ``complete(target)``, built if needed by ``build(partial)`` into ``<target>.tmp<pid>``
+    and renamed into place. Building holds an exclusive ``flock`` on ``<target>.lock``: a second process waits
+    for the first one, then finds ``target`` complete. A partial folder is removed when its build fails, and
+    those of dead processes (a killed build) whenever the lock is free; a live process's are left alone."""
+    if complete(target):
+        if any(_stale_partials(target)):
+            with _flocked(target.with_name(target.name + ".lock"), blocking=False) as held:
+                if held:
+                    _remove_stale_partials(target)
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _flocked(target.with_name(target.name + ".lock"), blocking=True):
+        _remove_stale_partials(target)
+        if complete(target):
+            return target
+        if target.exists():  # incomplete and nobody is building it (we hold the lock): built again
+            logger.warning("%s is incomplete; building it again", target)
+            shutil.rmtree(target)
+        partial = target.with_name(f"{target.name}.tmp{os.getpid()}")
+        try:
+            build(partial)
+            partial.replace(target)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)  # a failed build's files (absent once renamed)
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantise the GGUF model ``gguf`` and save it (with its tokenizer) as safetensors under ``out``."""
     started = time.perf_counter()
     logger.info("Converting the embedded model %s to safetensors (first use only)", gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -183,13 +217,55 @@ def embedded_model_dir() -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    partial = target.with_name(target.name + f".tmp{os.getpid()}")
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    if not target.exists():
-        partial.replace(target)
-    logger.info("Embedded model ready in %s (%.1f s)", target, time.perf_counter() - started)
-    return target
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    logger.info("Embedded model converted in %.1f s", time.perf_counter() - started)
+
+
+def _is_converted_model(path: Path) -> bool:
+    return (path / "config.json").exists() and (path / "model.safetensors").exists()
+
+
+@contextlib.contextmanager
+def _flocked(path: Path, *, blocking: bool) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on ``path`` (created if needed); yields False when ``blocking`` is False and
+    another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _stale_partials(target: Path) -> Iterator[Path]:
+    """``<target>.tmp<pid>`` folders whose process is gone."""
+    prefix = target.name + ".tmp"
+    for path in target.parent.glob(glob.escape(prefix) + "*"):
+        pid = path.name[len(prefix) :]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            yield path
+
+
+def _remove_stale_partials(target: Path) -> None:
+    for path in _stale_partials(target):
+        logger.warning("removing %s, left by a build that did not finish", path)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (this one included; another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

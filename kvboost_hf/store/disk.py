@@ -21,6 +21,11 @@ or a data file truncated under the store are logged once, counted in ``errors``,
 (failed writes) or disabled (every read a miss). Reads check that ``data.mdb`` still covers LMDB's used pages
 before mapping them, so a file truncated by another program is a miss, not SIGBUS (a truncation racing the
 check itself cannot be caught from Python).
+
+LMDB may count pages it never writes (pages allocated and freed in one transaction, e.g. a record evicted by the
+batch that wrote it), so every write transaction commits under the directory's :data:`WRITE_LOCK` and then
+extends ``data.mdb`` over the pages counted; a check that finds the file short takes the same lock and looks
+again before calling it truncated (a commit was in progress: counted in ``rechecks``, never a disabled tier).
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ class DiskTier(StorageTier):
         self.corrupt = 0
         self.evictions = 0
         self.errors = 0
+        self.rechecks = 0  # checks that found data.mdb short while a commit was extending it, then intact
         self.disabled: str | None = None  # why every read is a miss and every write skipped, once that happened
         self._lock = threading.Lock()  # the environment's lifetime: reads and close
         self._hits: dict[str, int] = {}
@@ -143,7 +149,7 @@ class DiskTier(StorageTier):
                 return
             self._hits.clear()
             try:
-                with self._env.begin(write=True) as txn:
+                with self._transaction() as txn:
                     for db in (self._records, self._meta, self._tails):
                         txn.drop(db, delete=False)
             except lmdb.Error as exc:
@@ -167,7 +173,8 @@ class DiskTier(StorageTier):
     def stats(self) -> dict[str, int]:
         """``bytes`` and ``chunks`` (what every process sharing the directory sees), ``evictions``, ``errors``,
         ``dropped`` (writes not done), ``queued`` (writes not yet on disk), ``corrupt`` (records refused),
-        ``disabled`` (1 once the tier gave up; not after a plain close)."""
+        ``rechecks`` (a short ``data.mdb`` seen during another commit, intact once it ended), ``disabled`` (1 once
+        the tier gave up; not after a plain close)."""
         return {
             "bytes": self.nbytes,
             "chunks": len(self),
@@ -176,6 +183,7 @@ class DiskTier(StorageTier):
             "dropped": self.dropped,
             "queued": self.queued,
             "corrupt": self.corrupt,
+            "rechecks": self.rechecks,
             "disabled": int(self.disabled not in (None, "closed")),
         }
 
@@ -275,7 +283,7 @@ class DiskTier(StorageTier):
         :class:`_Unusable` for a directory that cannot be used as it is."""
         self._close_env()
         self._env = _acquire_env(self.directory, int(self.max_bytes * _MAP_HEADROOM) + (16 << 20))
-        self._data_fd = os.open(self.directory / "data.mdb", os.O_RDONLY)
+        self._data_fd = os.open(self.directory / "data.mdb", os.O_RDWR)
         if not self._covers_used_pages():  # the environment may be another tier's, opened before a truncation
             raise _Truncated(f"{self.directory}/data.mdb is shorter than its used pages")
         self._page = self._env.stat()["psize"]
@@ -296,8 +304,25 @@ class DiskTier(StorageTier):
 
     def _covers_used_pages(self) -> bool:
         """Whether the open ``data.mdb`` still holds every page its newest meta page counts, read with
-        ``pread`` (reading it through LMDB's map would itself fault on a truncated file)."""
-        return _data_file_problem(self._data_fd) is None
+        ``pread`` (reading it through LMDB's map would itself fault on a truncated file); looked at again under
+        :data:`WRITE_LOCK` when short (see :func:`_settled_data_file_problem`)."""
+        problem, rechecked = _settled_data_file_problem(self.directory, self._data_fd)
+        if rechecked and problem is None:
+            self.rechecks += 1
+        return problem is None
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[Any]:
+        """A write transaction committed under :data:`WRITE_LOCK`, after which (still under it) ``data.mdb`` is
+        extended over every page the new meta page counts: LMDB leaves pages allocated and freed in one
+        transaction unwritten, and readers must never find a file shorter than its counted pages unless it was
+        truncated. Extending adds a hole of free pages (no data, no space on most file systems)."""
+        with _flocked(self.directory / WRITE_LOCK, fcntl.LOCK_EX):
+            with self._env.begin(write=True) as txn:
+                yield txn
+            counted = (self._env.info()["last_pgno"] + 1) * self._page
+            if os.fstat(self._data_fd).st_size < counted:
+                os.ftruncate(self._data_fd, counted)  # only ever grows it: no other commit runs under the lock
 
     def _same_file(self) -> bool:
         """Whether ``data.mdb`` under the directory is still the file this tier opened (not deleted, or deleted
@@ -364,7 +389,7 @@ class DiskTier(StorageTier):
 
     def _commit(self, batch: list[tuple[str, Any]], records: list[tuple[str, bytearray]], hits: dict) -> None:
         now = time.time()
-        with self._env.begin(write=True) as txn:
+        with self._transaction() as txn:
             used = _used(txn, self._meta)
             for key, item in batch:
                 if key.startswith(_TAIL_PREFIX):
@@ -405,7 +430,7 @@ class DiskTier(StorageTier):
         return freed
 
     def _evict_fraction(self, fraction: float) -> None:
-        with self._env.begin(write=True) as txn:
+        with self._transaction() as txn:
             used = _used(txn, self._meta)
             used -= self._evict(txn, int(self.max_bytes * fraction))
             txn.put(_BYTES, _U64.pack(max(used, 0)), db=self._meta)
@@ -432,6 +457,7 @@ class DiskTier(StorageTier):
 
 
 OPENING_LOCK = "open.lock"
+WRITE_LOCK = "write.lock"
 
 
 @contextlib.contextmanager
@@ -440,12 +466,34 @@ def _opening(directory: Path) -> Iterator[None]:
     aside: a ``data.mdb`` that another process is creating has no meta pages yet, and would otherwise look
     truncated here and be set aside under that process (each then writing a file the other never reads). A file
     of its own, so LMDB's record locks on ``lock.mdb`` are never touched."""
-    fd = os.open(directory / OPENING_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    with _flocked(directory / OPENING_LOCK, fcntl.LOCK_EX):
+        yield
+
+
+@contextlib.contextmanager
+def _flocked(path: Path, operation: int) -> Iterator[None]:
+    """Hold ``flock(operation)`` on ``path`` (created if needed) on a descriptor of its own: threads of one
+    process exclude each other too."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, operation)
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _settled_data_file_problem(directory: Path, fd: int) -> tuple[str | None, bool]:
+    """:func:`_data_file_problem` of ``fd``, looked at again under :data:`WRITE_LOCK` (shared) if there is one:
+    between a commit and the extension of the file over its counted pages (see ``DiskTier._transaction``) the
+    file is short without being damaged. Returns the problem left and whether it looked again."""
+    problem = _data_file_problem(fd)
+    if problem is None:
+        return None, False
+    with _flocked(directory / WRITE_LOCK, fcntl.LOCK_SH):
+        settled = _data_file_problem(fd)
+    if settled is None:
+        logger.debug("disk tier: %s/data.mdb looked short during a commit (%s); intact after it", directory, problem)
+    return settled, True
 
 
 _open_envs: dict[str, list[Any]] = {}  # real path -> [environment, users]: LMDB allows one per process
@@ -499,15 +547,18 @@ _lock_signature: bytes | None = None
 def _data_file_problem(fd: int) -> str | None:
     """Why the data file open as ``fd`` must not be mapped, or None: not both meta pages present, a meta page
     without LMDB's magic and version, or fewer bytes than the pages the newest meta page counts. Read with
-    ``pread``, never through a map."""
-    size = os.fstat(fd).st_size
+    ``pread``, never through a map. The meta pages are read before the size: a commit writes its pages before
+    its meta page, so a size read afterwards covers them (read first, it could predate a commit's growth)."""
     first = os.pread(fd, _META_OFFSET + 136, 0)
     if len(first) < _META_OFFSET + 136:
-        return f"{size} bytes, shorter than a meta page"
+        return f"{os.fstat(fd).st_size} bytes, shorter than a meta page"
     page = _META_PAGE_SIZE.unpack_from(first, _META_OFFSET + 24)[0]
-    if page < 512 or page & (page - 1) or size < 2 * page:
-        return f"{size} bytes with page size {page}: the two meta pages are not there"
+    if page < 512 or page & (page - 1):
+        return f"page size {page} in the first meta page"
     metas = [first, os.pread(fd, _META_OFFSET + 136, page)]
+    size = os.fstat(fd).st_size
+    if size < 2 * page or len(metas[1]) < _META_OFFSET + 136:
+        return f"{size} bytes with page size {page}: the two meta pages are not there"
     newest = (-1, 0)
     for meta in metas:
         if _META_HEAD.unpack_from(meta, _META_OFFSET) != (_DATA_MAGIC, _DATA_VERSION):
@@ -527,7 +578,7 @@ def _check_files(directory: Path) -> None:
     if data.exists() and data.stat().st_size > 0:
         fd = os.open(data, os.O_RDONLY)
         try:
-            problem = _data_file_problem(fd)
+            problem, _ = _settled_data_file_problem(directory, fd)
         finally:
             os.close(fd)
         if problem is not None:

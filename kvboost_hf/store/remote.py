@@ -16,8 +16,9 @@
   reconnects silently), ``on_reconnect`` is called: the store re-publishes its RAM entries. An error reply
   (such as OOM) fails only that operation. A record that fails verification, or a key holding another Redis
   type (a record or a tail note), is deleted, counted in ``corrupt`` and served as a miss; a record whose HMAC
-  seal does not verify is counted and refused but left in place (it may be another replica's, sealed with its
-  own secret). Reads connect with ``read_timeout_s`` too, so a connect that hangs is bounded the same way.
+  seal does not verify, or a sealed record read without ``hmac_key``, is counted and refused but left in place
+  (it may be another replica's, sealed with its own secret). Reads connect with ``read_timeout_s`` too, so a
+  connect that hangs is bounded the same way.
 * AUTH and TLS come from the URL: ``redis://user:password@host:6379/0``, ``rediss://...`` for TLS. A Redis
   Cluster (or Valkey cluster) is named ``redis+cluster://host:port`` (any node; ``rediss+cluster://`` for TLS):
   keys spread over its shards, batches are split by node.
@@ -318,10 +319,14 @@ class RemoteTier(StorageTier):
         return _SEAL + tag + record
 
     def _unseal(self, raw: bytes) -> bytes | memoryview:
+        """The codec record inside ``raw``; :class:`_Unverifiable` for a record this process cannot check
+        (sealed, with no key here; unsealed or sealed with another key, with one): never deleted."""
+        view = memoryview(raw)
         if self._hmac_key is None:
+            if view[: len(_SEAL)] == _SEAL:  # codec records start with codec.MAGIC, never with _SEAL
+                raise _Unverifiable("record sealed with an HMAC key, and this store has none")
             return raw
         head = len(_SEAL) + _TAG_BYTES
-        view = memoryview(raw)
         if len(raw) < head or view[: len(_SEAL)] != _SEAL:
             raise _Unverifiable("record is not sealed with the HMAC key")
         expected = hmac.new(self._hmac_key, view[head:], hashlib.sha256).digest()
@@ -403,8 +408,8 @@ class RemoteTier(StorageTier):
 
 
 class _Unverifiable(codec.CorruptEntryError):
-    """A record whose HMAC seal is missing or made with another secret: refused but not deleted (a replica
-    configured with another secret shares the prefix)."""
+    """A record whose HMAC seal is missing or made with another secret, or a sealed record read by a store
+    without a secret: refused but not deleted (a replica configured with another secret shares the prefix)."""
 
 
 def _glob_escape(text: str) -> str:
