@@ -5,7 +5,7 @@ side by side in one run (TTFT = from the text prompt to the first generated toke
 included, best of ``--repeats`` distinct questions):
 
 * ``full``: plain ``model.generate()`` (full prefill);
-* ``cold``: the engine with an empty store (it computes and writes back the document);
+* ``cold``: the engine with an empty store (it computes and writes back the document; best of two);
 * ``warm_<tier>``: another question on the same document, its K/V loaded from ``ram`` (the CPU RAM tier,
   page-locked on a GPU machine) or ``gpu`` (the GPU tier; GPU machines only);
 * ``limit_<tier>``: what the warm request cannot go below, measured in the same run: tokenizing the prompt +
@@ -191,10 +191,10 @@ def measure_size(engine: InferenceEngine, tokens: int, repeats: int) -> dict[str
     for tier in tiers_for(engine.device):
         engine.store = store_for(tier, engine.device)
         cold_ms, _ = ttft_ms(engine, prompts[0])
-        if "cold_ms" not in row:  # once: the cold request's own breakdown (its write-back stores the document)
-            row["cold_ms"] = cold_ms
+        if "cold_ms" not in row:  # once: a second cold request, broken down (its write-back stores the document)
             engine.store.clear()
             row["breakdown_cold"] = warm_breakdown(engine, prompts[0])
+            row["cold_ms"] = min(cold_ms, row["breakdown_cold"]["ttft"])  # best of the two, as warm is
         engine.store.flush()
         warm = [ttft_ms(engine, prompt) for prompt in prompts[1 : repeats + 1]]
         row[f"warm_{tier}_ms"] = min(ms for ms, _ in warm)
