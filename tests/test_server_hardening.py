@@ -216,3 +216,92 @@ def test_metrics_read_one_snapshot_off_the_event_loop(server, engine, monkeypatc
     assert response.status_code == 200 and 'kvboost_store_hits_total{tier="ram"}' in response.text
     assert "kvboost_store_misses_total" in response.text and "kvboost_target_forwards_total" in response.text
     assert calls == [({"settle": False}, False)]  # once, in a thread, host-side counters only
+
+
+# ---------------------------------------------------------------------------------------------- #30 item 2
+def _raw_request(port: int, body: dict, http_version: str, extra_headers: str = "") -> tuple[float, bytes]:
+    """(seconds, every byte of the reply) of one chat request on a fresh socket, read until the server closes it."""
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/{http_version}\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n{extra_headers}\r\n"
+    )
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(head.encode() + payload)
+        reply = _read_until_closed(sock)
+    return time.perf_counter() - start, reply
+
+
+def test_connection_close_responses_outlive_the_request_timeouts(server):
+    """``Connection: close`` (urllib, nginx) and HTTP/1.0 requests whose answers take over twice the 0.5 s header
+    and body timeouts: complete answers, no 408 anywhere."""
+    body = {"model": MODEL, "messages": chat("Tell a long story."), "max_tokens": 60, "ignore_eos": True}
+    seconds, reply = _raw_request(server.port, {**body, "stream": True}, "1.1", "Connection: close\r\n")
+    assert seconds > 1.0 and b"408" not in reply, (seconds, reply[-300:])
+    assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), reply[-300:]
+    seconds, reply = _raw_request(server.port, body, "1.0")
+    assert seconds > 1.0 and reply.startswith(b"HTTP/1.1 200"), (seconds, reply[-300:])
+    answer = json.loads(reply.partition(b"\r\n\r\n")[2])
+    assert answer["usage"]["completion_tokens"] == 60 and answer["choices"][0]["finish_reason"] == "length"
+
+
+# ---------------------------------------------------------------------------------------------- #30 item 5
+def _drip(sock: socket.socket, interval_s: float, stop: threading.Event) -> None:
+    """Send one body byte every ``interval_s`` until ``stop`` or the server closes the connection."""
+    while not stop.wait(interval_s):
+        try:
+            sock.sendall(b" ")
+        except OSError:
+            return
+
+
+def _dripped_request(port: int, head: str, interval_s: float) -> tuple[float, bytes]:
+    """(seconds until the server closed the connection, its reply) for ``head`` (headers announcing a 1,000-byte
+    body) followed by a body dripped one byte per ``interval_s`` (under the 0.5 s body timeout)."""
+    stop = threading.Event()
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port), timeout=8) as sock:
+        sock.sendall(head.encode() + b'{"model": ')
+        dripper = threading.Thread(target=_drip, args=(sock, interval_s, stop), daemon=True)
+        dripper.start()
+        try:
+            reply = _read_until_closed(sock)
+        finally:
+            stop.set()
+            dripper.join(5)
+    return time.perf_counter() - start, reply
+
+
+def test_dripped_bodies_are_bounded_in_total_time(server):
+    """A body dripped a byte every 0.2 s (each pause under the 0.5 s body timeout) is cut off once the whole body
+    is late: with a 408 while the app reads it, and closed when the app answered early (401) and never reads it."""
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    )
+    seconds, reply = _dripped_request(server.port, head, 0.2)
+    assert seconds < 3 and reply.startswith(b"HTTP/1.1 408") and b"did not arrive in time" in reply, reply
+    unauthorized = head.replace(KEY, "wrong-key")
+    seconds, reply = _dripped_request(server.port, unauthorized, 0.2)
+    assert seconds < 3 and reply.startswith(b"HTTP/1.1 401"), (seconds, reply)
+
+
+def test_connections_per_client_address_are_capped(engine):
+    settings = ServerSettings(model_name=MODEL, api_key=KEY, header_timeout_s=20, max_connections_per_client=3)
+    with HardenedServer(create_app(engine, settings), settings) as live:
+        held = [socket.create_connection(("127.0.0.1", live.port), timeout=10) for _ in range(3)]
+        try:
+            with socket.create_connection(("127.0.0.1", live.port), timeout=10) as extra:
+                reply = _read_until_closed(extra)
+            assert reply.startswith(b"HTTP/1.1 429"), reply
+            error = json.loads(reply.partition(b"\r\n\r\n")[2])["error"]
+            assert error["code"] == "too_many_connections" and "3 open connections" in error["message"]
+            held.pop().close()
+            deadline = time.monotonic() + 10
+            while (status := httpx.get(f"{live.url}/health", timeout=10).status_code) != 200:
+                assert time.monotonic() < deadline, status  # the closed one's slot is given back
+                time.sleep(0.05)
+        finally:
+            for sock in held:
+                sock.close()
