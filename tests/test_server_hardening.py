@@ -13,18 +13,20 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
-pytest.importorskip("openai")
+openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from test_server import KEY, MODEL, LiveServer, chat  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.hf.grammar import GrammarBusy, GrammarCompiler, GrammarError, GrammarLimits  # noqa: E402
+from kvboost_hf.hf.grammar_process import CompileProcess  # noqa: E402
 from kvboost_hf.server.app import GracefulServer, ServerSettings, create_app, decode_body, uvicorn_config  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -154,37 +156,44 @@ def test_schema_over_the_size_limit_is_400(server):
     assert error["code"] == "invalid_schema" and "limit of 2048" in error["message"]
 
 
-class _CountingCompiler:
-    """Stands in for xgrammar's compiler: counts compiles, optionally blocking each until ``release`` is set."""
+class _CountingCompiles:
+    """Wraps ``CompileProcess.compile`` (the parent's side of a compile): counts compiles, optionally holding each
+    until ``release`` is set."""
 
-    def __init__(self, inner, release: threading.Event | None = None) -> None:
-        self.inner, self.release, self.calls = inner, release, []
+    def __init__(self, monkeypatch, release: threading.Event | None = None) -> None:
+        self.release, self.calls = release, []
+        original = CompileProcess.compile
 
-    def compile_grammar(self, grammar):
-        self.calls.append(grammar)
-        if self.release is not None:
-            assert self.release.wait(30)
-        return self.inner.compile_grammar(grammar)
+        def compile(process, build, args, time_limit_s):
+            self.calls.append(args)
+            if self.release is not None:
+                assert self.release.wait(60)
+            return original(process, build, args, time_limit_s)
+
+        monkeypatch.setattr(CompileProcess, "compile", compile)
 
 
-def test_grammar_cache_is_per_tenant(engine):
+def test_grammar_cache_is_per_tenant(engine, monkeypatch):
+    counting = _CountingCompiles(monkeypatch)
     compiler = GrammarCompiler(engine.tokenizer, len(engine.tokenizer))
-    counting = compiler._compiler = _CountingCompiler(compiler._compiler)
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    compiler.json_schema(schema, tenant="a").result(30)
-    assert compiler.json_schema(schema, tenant="a").done()  # a cache hit of the same tenant
-    compiler.json_schema(schema, tenant="b").result(30)  # another tenant compiles its own
-    compiler.json_schema(schema).result(30)
-    assert len(counting.calls) == 3
-    with pytest.raises(GrammarError, match="cannot compile"):
-        compiler.json_schema({"$ref": "#/nope"}, tenant="a").result(30)
+    try:
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+        compiler.json_schema(schema, tenant="a").result(60)
+        assert compiler.json_schema(schema, tenant="a").done()  # a cache hit of the same tenant
+        compiler.json_schema(schema, tenant="b").result(60)  # another tenant compiles its own
+        compiler.json_schema(schema).result(60)
+        assert len(counting.calls) == 3
+        with pytest.raises(GrammarError, match="cannot compile"):
+            compiler.json_schema({"$ref": "#/nope"}, tenant="a").result(60)
+    finally:
+        compiler.close()
 
 
-def test_grammar_compiles_are_bounded(engine):
+def test_grammar_compiles_are_bounded(engine, monkeypatch):
     release = threading.Event()
+    _CountingCompiles(monkeypatch, release)
     limits = GrammarLimits(workers=1, max_waiting=2)
     compiler = GrammarCompiler(engine.tokenizer, len(engine.tokenizer), limits)
-    compiler._compiler = _CountingCompiler(compiler._compiler, release)
     try:
         first = compiler.json_schema({"type": "integer"}, tenant="a")
         again = compiler.json_schema({"type": "integer"}, tenant="a")  # the same compile, not a new one
@@ -193,8 +202,66 @@ def test_grammar_compiles_are_bounded(engine):
             compiler.json_schema({"type": "boolean"}, tenant="b")
     finally:
         release.set()
-    assert again is first and first.result(30) is not None and second.result(30) is not None
-    assert compiler.json_schema({"type": "boolean"}, tenant="b").result(30) is not None  # room again
+    try:
+        assert again is first and first.result(60) is not None and second.result(60) is not None
+        assert compiler.json_schema({"type": "boolean"}, tenant="b").result(60) is not None  # room again
+    finally:
+        compiler.close()
+
+
+# ---------------------------------------------------------------------------------------------- #30 item 3
+SLOW_PATTERN = {"type": "string", "pattern": "[a-z]{1,30000}"}  # 46 bytes; xgrammar compiles it for minutes
+
+
+def test_a_compile_past_its_time_limit_is_killed_and_refused(engine):
+    limits = GrammarLimits(compile_limit_s=1.0, workers=1)
+    compiler = GrammarCompiler(engine.tokenizer, len(engine.tokenizer), limits)
+    try:
+        assert compiler.json_schema({"type": "integer"}).result(60) is not None  # the child is up
+        start = time.perf_counter()
+        with pytest.raises(GrammarError, match="did not compile within this server's limit of 1 s"):
+            compiler.json_schema(SLOW_PATTERN).result(60)
+        assert time.perf_counter() - start < 5
+        assert compiler.json_schema({"type": "boolean"}).result(60) is not None  # a new child took over
+    finally:
+        compiler.close()
+
+
+def test_one_tenant_never_holds_every_compile_worker(engine):
+    """Tenant A sends two slow schemas at once (two workers); tenant B's structured chat is answered meanwhile,
+    and A's get a 400 once their compile passes the limit."""
+    limits = GrammarLimits(compile_limit_s=6.0, compile_timeout_s=30.0, workers=2)
+    settings = ServerSettings(model_name=MODEL, api_key=KEY, grammar_limits=limits)
+    with HardenedServer(create_app(engine, settings), settings) as live:
+        client = live.client()
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+        def structured(schema: dict, salt: str) -> dict:
+            format_ = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+            return {
+                "model": MODEL,
+                "messages": chat("Is water wet?"),
+                "max_tokens": 8,
+                "temperature": 0,
+                "response_format": format_,
+                "extra_body": {"cache_salt": salt},
+            }
+
+        client.chat.completions.create(**structured(schema, "warm"))  # both compile processes started
+        slow = [{**SLOW_PATTERN, "pattern": f"[a-z]{{1,{30000 + i}}}"} for i in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            attacks = [pool.submit(client.chat.completions.create, **structured(s, "tenant-a")) for s in slow]
+            time.sleep(0.5)  # A's compiles are running
+            start = time.perf_counter()
+            answer = client.chat.completions.create(**structured(schema, "tenant-b"))
+            waited = time.perf_counter() - start
+            refusals = []
+            for attack in attacks:
+                with pytest.raises(openai.BadRequestError) as refused:
+                    attack.result(60)
+                refusals.append(refused.value.body)
+        assert waited < 4 and answer.choices[0].message.content.startswith('{"ok": '), waited
+        assert all(r["code"] == "invalid_schema" and "did not compile within" in r["message"] for r in refusals)
 
 
 # ---------------------------------------------------------------------------------------------- #18 item 7

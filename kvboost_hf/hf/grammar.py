@@ -14,10 +14,12 @@ until the grammar is complete); :class:`ToolCallProcessor` also ends a turn whos
 :func:`parse_tool_calls` (a whole answer) and :class:`ToolCallStream` (a stream) read the calls back out of the
 generated text by the same rules, so streamed and whole answers agree and markup never leaks.
 
-Compiles run on the compiler's own bounded pool (``GrammarLimits``): a constraint source larger than
-``max_schema_bytes`` is refused before compiling, at most ``max_waiting`` compiles are queued or running
-(:class:`GrammarBusy` beyond), and compiled grammars are cached per ``tenant`` (xgrammar's process-wide cache is
-off), so whether and when one tenant compiled a schema never changes another tenant's compile time.
+Compiles run in the compiler's own child processes (:mod:`~kvboost_hf.hf.grammar_process`, bounded by
+``GrammarLimits``): a constraint source larger than ``max_schema_bytes`` is refused before compiling, a compile
+running longer than ``compile_limit_s`` is killed (GrammarError: the size of a schema does not bound its compile
+time), at most ``max_waiting`` compiles are queued or running (:class:`GrammarBusy` beyond), one tenant never runs
+on every worker, and compiled grammars are cached per ``tenant`` (xgrammar's process-wide cache is off), so whether
+and when one tenant compiled a schema never changes another tenant's compile time.
 
 Invariant: a row constrained by a processor can only produce text the grammar accepts (or a prefix of it when its
 token budget runs out first).
@@ -25,18 +27,21 @@ token budget runs out first).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import xgrammar
 from transformers import LogitsProcessor, PreTrainedTokenizerBase
+
+from kvboost_hf.hf.grammar_process import Build, CompileFailed, CompilePool, CompileProcess, CompileTimeout
 
 TOOL_CALL_BEGIN = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -67,16 +72,19 @@ class GrammarLimits:
     Attributes:
         max_schema_bytes: largest constraint source in UTF-8 bytes (a schema's JSON text, or the tool-call
             structure with every tool's parameters).
-        compile_timeout_s: how long a caller should wait for a compile, in seconds (applied by the caller, e.g.
-            the server's admission; the compile itself cannot be interrupted and finishes in the background).
-        workers: compiles running at once.
+        compile_timeout_s: how long a caller should wait for a compile, queueing included, in seconds (applied by
+            the caller, e.g. the server's admission; the compile goes on in the background and is cached).
+        compile_limit_s: longest compile, in seconds: its process is killed after, and the constraint refused.
+        workers: compiles running at once (each in its own child process); a tenant runs at most
+            ``max(1, workers - 1)`` of them.
         max_waiting: compiles queued or running.
         cache_entries: compiled grammars kept, least recently used dropped first.
     """
 
     max_schema_bytes: int = 32 << 10
     compile_timeout_s: float = 10.0
-    workers: int = 1
+    compile_limit_s: float = 5.0
+    workers: int = 2
     max_waiting: int = 4
     cache_entries: int = 128
 
@@ -115,8 +123,7 @@ class GrammarCompiler:
     ) -> None:
         self.limits = limits or GrammarLimits()
         self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgrammar.GrammarCompiler(self.info, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="kvboost-grammar")
+        self._pool = CompilePool(self.info, self.limits.workers)
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str | None, str], xgrammar.CompiledGrammar] = OrderedDict()
         self._waiting: dict[tuple[str | None, str], Compiled] = {}
@@ -128,9 +135,7 @@ class GrammarCompiler:
     def json_schema(self, schema: dict[str, Any], *, tenant: str | None = None) -> Compiled:
         """JSON valid against ``schema``, compact (:func:`compact_json_grammar`)."""
         source = json.dumps(schema)
-        return self._compile(
-            tenant, f"json {source}", lambda: self._compiler.compile_grammar(compact_json_grammar(schema))
-        )
+        return self._compile(tenant, f"json {source}", _build_json_schema, (source,))
 
     def tool_calls(
         self, tools: Sequence[Tool], *, required: bool, parallel: bool, tenant: str | None = None
@@ -140,11 +145,7 @@ class GrammarCompiler:
         if not tools:
             raise GrammarError("no tools to call")
         source = json.dumps([[tool.name, tool.parameters] for tool in tools] + [required, parallel])
-        return self._compile(
-            tenant,
-            f"tags {source}",
-            lambda: self._compiler.compile_structural_tag(_tool_call_structure(tools, required, parallel)),
-        )
+        return self._compile(tenant, f"tags {source}", _build_tool_calls, (tuple(tools), required, parallel))
 
     def processor(self, grammar: xgrammar.CompiledGrammar, prompt_length: int) -> GrammarProcessor:
         """A fresh processor (own matcher state) for one row whose prompt has ``prompt_length`` tokens."""
@@ -156,9 +157,13 @@ class GrammarCompiler:
         """A fresh :class:`ToolCallProcessor` for one row of a :meth:`tool_calls` grammar."""
         return ToolCallProcessor(grammar, prompt_length, self.info.vocab_size, decode)
 
-    def _compile(self, tenant: str | None, source: str, compile_fn: Callable[[], xgrammar.CompiledGrammar]) -> Compiled:
-        """The future of ``compile_fn()``'s grammar, cached under ``(tenant, source)``; one compile per key even
-        when several callers ask at once."""
+    def close(self) -> None:
+        """Stop compiling: queued compiles are cancelled and the child processes end."""
+        self._pool.close()
+
+    def _compile(self, tenant: str | None, source: str, build: Build, args: tuple[Any, ...]) -> Compiled:
+        """The future of the grammar ``build(compiler, *args)`` compiles (in a child process), cached under
+        ``(tenant, source)``; one compile per key even when several callers ask at once."""
         size = len(source.encode("utf-8", "surrogatepass"))
         if size > self.limits.max_schema_bytes:
             raise GrammarError(
@@ -175,18 +180,26 @@ class GrammarCompiler:
                 return self._waiting[key]
             if len(self._waiting) >= self.limits.max_waiting:
                 raise GrammarBusy(f"{len(self._waiting)} grammar compiles are already waiting; retry later")
-            future = self._pool.submit(self._run, key, compile_fn)
+            future = self._pool.submit(tenant, functools.partial(self._run, key, build, args))
             self._waiting[key] = future
             return future
 
     def _run(
-        self, key: tuple[str | None, str], compile_fn: Callable[[], xgrammar.CompiledGrammar]
+        self, key: tuple[str | None, str], build: Build, args: tuple[Any, ...], process: CompileProcess
     ) -> xgrammar.CompiledGrammar:
-        """One compile on the pool: cached on success; GrammarError on failure; never left waiting."""
+        """One compile in ``process``: cached on success; GrammarError on failure or past the time limit; never
+        left waiting."""
+        limit = self.limits.compile_limit_s
         try:
-            grammar = compile_fn()
-        except (RuntimeError, ValueError, TypeError) as exc:
+            grammar = process.compile(build, args, limit)
+        except CompileFailed as exc:
             raise GrammarError(f"cannot compile the constraint: {exc}".strip()) from exc
+        except CompileTimeout as exc:
+            message = (
+                f"the constraint did not compile within this server's limit of {limit:g} s (large repetition "
+                "counts such as {1,30000} in patterns, or large length or item bounds, make compiles slow)"
+            )
+            raise GrammarError(message) from exc
         else:
             with self._lock:
                 self._cache[key] = grammar
@@ -196,6 +209,18 @@ class GrammarCompiler:
         finally:
             with self._lock:
                 self._waiting.pop(key, None)
+
+
+def _build_json_schema(compiler: xgrammar.GrammarCompiler, schema_json: str) -> xgrammar.CompiledGrammar:
+    """The compiled :func:`compact_json_grammar` of a schema given as JSON text (runs in a compile process)."""
+    return compiler.compile_grammar(compact_json_grammar(json.loads(schema_json)))
+
+
+def _build_tool_calls(
+    compiler: xgrammar.GrammarCompiler, tools: tuple[Tool, ...], required: bool, parallel: bool
+) -> xgrammar.CompiledGrammar:
+    """The compiled structural tag of :func:`_tool_call_structure` (runs in a compile process)."""
+    return compiler.compile_structural_tag(_tool_call_structure(tools, required, parallel))
 
 
 def compact_json_grammar(schema: dict[str, Any]) -> xgrammar.Grammar:

@@ -356,6 +356,13 @@ class Admission:
                 logger.info("chat template renders tools: %s", self._template_renders_tools)
             return self._template_renders_tools
 
+    def close(self) -> None:
+        """End the grammar compiler's processes (at the app's shutdown)."""
+        with self._setup_lock:
+            if self._grammar is not None:
+                self._grammar.close()
+                self._grammar = None
+
     def _compiler(self) -> GrammarCompiler:
         with self._setup_lock:
             if self._grammar is None:

@@ -225,11 +225,14 @@ def create_app(engine: InferenceEngine, settings: ServerSettings | None = None) 
     )
     _register_scraped(metrics, worker, engine)
 
+    admission = Admission(engine, settings, worker)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         worker.start()
         yield
         await asyncio.to_thread(worker.shutdown, settings.shutdown_grace_s)
+        await asyncio.to_thread(admission.close)
 
     app = FastAPI(title="kvboost_hf OpenAI-compatible server", version="0.1.0", lifespan=lifespan)
     app.router.route_class = _off_loop_route(settings.max_json_values)
@@ -245,7 +248,7 @@ def create_app(engine: InferenceEngine, settings: ServerSettings | None = None) 
         body_timeout_s=settings.body_timeout_s,
     )
     install_error_handlers(app)
-    register_routes(app, engine, settings, worker, Admission(engine, settings, worker), metrics)
+    register_routes(app, engine, settings, worker, admission, metrics)
     return app
 
 
