@@ -164,11 +164,11 @@ class _CountingCompiles:
         self.release, self.calls = release, []
         original = CompileProcess.compile
 
-        def compile(process, build, args, time_limit_s):
+        def compile(process, kind, args, time_limit_s):
             self.calls.append(args)
             if self.release is not None:
                 assert self.release.wait(60)
-            return original(process, build, args, time_limit_s)
+            return original(process, kind, args, time_limit_s)
 
         monkeypatch.setattr(CompileProcess, "compile", compile)
 

@@ -41,7 +41,7 @@ import torch
 import xgrammar
 from transformers import LogitsProcessor, PreTrainedTokenizerBase
 
-from kvboost_hf.hf.grammar_process import Build, CompileFailed, CompilePool, CompileProcess, CompileTimeout
+from kvboost_hf.hf.grammar_process import CompileFailed, CompilePool, CompileProcess, CompileTimeout
 
 TOOL_CALL_BEGIN = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -74,9 +74,9 @@ class GrammarLimits:
             structure with every tool's parameters).
         compile_timeout_s: how long a caller should wait for a compile, queueing included, in seconds (applied by
             the caller, e.g. the server's admission; the compile goes on in the background and is cached).
-        compile_limit_s: longest compile, in seconds: its process is killed after, and the constraint refused.
-        workers: compiles running at once (each in its own child process); a tenant runs at most
-            ``max(1, workers - 1)`` of them.
+        compile_limit_s: longest compile in seconds (its process is killed and the constraint refused after).
+        workers: compiles running at once, each in a child process; a tenant runs at most workers - 1.
+            (1 worker: that one; every worker process holds its own xgrammar and torch import.)
         max_waiting: compiles queued or running.
         cache_entries: compiled grammars kept, least recently used dropped first.
     """
@@ -135,7 +135,7 @@ class GrammarCompiler:
     def json_schema(self, schema: dict[str, Any], *, tenant: str | None = None) -> Compiled:
         """JSON valid against ``schema``, compact (:func:`compact_json_grammar`)."""
         source = json.dumps(schema)
-        return self._compile(tenant, f"json {source}", _build_json_schema, (source,))
+        return self._compile(tenant, f"json {source}", "json_schema", [source])
 
     def tool_calls(
         self, tools: Sequence[Tool], *, required: bool, parallel: bool, tenant: str | None = None
@@ -145,7 +145,8 @@ class GrammarCompiler:
         if not tools:
             raise GrammarError("no tools to call")
         source = json.dumps([[tool.name, tool.parameters] for tool in tools] + [required, parallel])
-        return self._compile(tenant, f"tags {source}", _build_tool_calls, (tuple(tools), required, parallel))
+        jobs_tools = [[tool.name, tool.parameters, tool.description] for tool in tools]
+        return self._compile(tenant, f"tags {source}", "tool_calls", [jobs_tools, required, parallel])
 
     def processor(self, grammar: xgrammar.CompiledGrammar, prompt_length: int) -> GrammarProcessor:
         """A fresh processor (own matcher state) for one row whose prompt has ``prompt_length`` tokens."""
@@ -157,13 +158,18 @@ class GrammarCompiler:
         """A fresh :class:`ToolCallProcessor` for one row of a :meth:`tool_calls` grammar."""
         return ToolCallProcessor(grammar, prompt_length, self.info.vocab_size, decode)
 
+    def wait_started(self) -> None:
+        """Wait until the compile processes are up (seconds, once per compiler; see :class:`CompilePool`)."""
+        self._pool.wait_started()
+
     def close(self) -> None:
         """Stop compiling: queued compiles are cancelled and the child processes end."""
         self._pool.close()
 
-    def _compile(self, tenant: str | None, source: str, build: Build, args: tuple[Any, ...]) -> Compiled:
-        """The future of the grammar ``build(compiler, *args)`` compiles (in a child process), cached under
-        ``(tenant, source)``; one compile per key even when several callers ask at once."""
+    def _compile(self, tenant: str | None, source: str, kind: str, args: list[Any]) -> Compiled:
+        """The future of the grammar of compile job ``kind`` with ``args`` (in a child process:
+        :mod:`~kvboost_hf.hf.grammar_child`), cached under ``(tenant, source)``; one compile per key even when
+        several callers ask at once."""
         size = len(source.encode("utf-8", "surrogatepass"))
         if size > self.limits.max_schema_bytes:
             raise GrammarError(
@@ -180,18 +186,18 @@ class GrammarCompiler:
                 return self._waiting[key]
             if len(self._waiting) >= self.limits.max_waiting:
                 raise GrammarBusy(f"{len(self._waiting)} grammar compiles are already waiting; retry later")
-            future = self._pool.submit(tenant, functools.partial(self._run, key, build, args))
+            future = self._pool.submit(tenant, functools.partial(self._run, key, kind, args))
             self._waiting[key] = future
             return future
 
     def _run(
-        self, key: tuple[str | None, str], build: Build, args: tuple[Any, ...], process: CompileProcess
+        self, key: tuple[str | None, str], kind: str, args: list[Any], process: CompileProcess
     ) -> xgrammar.CompiledGrammar:
         """One compile in ``process``: cached on success; GrammarError on failure or past the time limit; never
         left waiting."""
         limit = self.limits.compile_limit_s
         try:
-            grammar = process.compile(build, args, limit)
+            grammar = process.compile(kind, args, limit)
         except CompileFailed as exc:
             raise GrammarError(f"cannot compile the constraint: {exc}".strip()) from exc
         except CompileTimeout as exc:
@@ -211,18 +217,6 @@ class GrammarCompiler:
                 self._waiting.pop(key, None)
 
 
-def _build_json_schema(compiler: xgrammar.GrammarCompiler, schema_json: str) -> xgrammar.CompiledGrammar:
-    """The compiled :func:`compact_json_grammar` of a schema given as JSON text (runs in a compile process)."""
-    return compiler.compile_grammar(compact_json_grammar(json.loads(schema_json)))
-
-
-def _build_tool_calls(
-    compiler: xgrammar.GrammarCompiler, tools: tuple[Tool, ...], required: bool, parallel: bool
-) -> xgrammar.CompiledGrammar:
-    """The compiled structural tag of :func:`_tool_call_structure` (runs in a compile process)."""
-    return compiler.compile_structural_tag(_tool_call_structure(tools, required, parallel))
-
-
 def compact_json_grammar(schema: dict[str, Any]) -> xgrammar.Grammar:
     """The grammar of JSON valid against ``schema`` written compactly: no whitespace but the single spaces of the
     separators ``", "`` and ``": "`` (as ``json.dumps`` writes them), so a model cannot pad or loop in whitespace.
@@ -231,7 +225,7 @@ def compact_json_grammar(schema: dict[str, Any]) -> xgrammar.Grammar:
     return xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
 
 
-def _tool_call_structure(tools: Sequence[Tool], required: bool, parallel: bool) -> str:
+def tool_call_structure(tools: Sequence[Tool], required: bool, parallel: bool) -> str:
     """The xgrammar structural tag (JSON text) of calls of ``tools`` in the tag format, each call's arguments in
     the compact grammar of its parameter schema."""
     tags = [

@@ -2,9 +2,11 @@
 
 xgrammar's compile cannot be interrupted, and its time is not bounded by the constraint's size (a 46-byte schema
 ``{"type": "string", "pattern": "[a-z]{1,30000}"}`` compiles for minutes). So each compile runs in a child
-process (:class:`CompileProcess`, started with ``spawn``: the server process holds threads) that is killed when
-the compile passes its time limit, and replaced at once; the compiled grammar comes back as xgrammar's JSON
-serialisation. A child that dies on a constraint (a crash inside xgrammar) costs that request only.
+process (:class:`CompileProcess`: a fresh interpreter, never a fork of the server's threads nor a re-run of its
+``__main__`` as multiprocessing would do) killed when the compile passes its time limit, and replaced at once
+(the new one starts in the background: it imports xgrammar, and so torch, in a few seconds); the compiled grammar
+comes back as xgrammar's JSON serialisation. A child that dies on a constraint (a crash inside xgrammar) costs
+that request only.
 
 :class:`CompilePool` runs jobs on ``workers`` threads, each driving one child. Invariant: a tenant runs at most
 ``max(1, workers - 1)`` compiles at once (its further jobs wait, in arrival order), so with two or more workers
@@ -14,14 +16,17 @@ start after a kill, which is not counted against the next job's limit).
 
 from __future__ import annotations
 
+import json
 import logging
-import multiprocessing
+import os
+import select
+import subprocess
+import sys
 import tempfile
 import threading
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,8 +34,7 @@ import xgrammar
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-Build = Callable[..., xgrammar.CompiledGrammar]  # module-level (picklable): (compiler, *args) -> grammar
-CHILD_START_TIMEOUT_S = 120.0  # a child imports xgrammar (and torch) before its first compile
+CHILD_START_TIMEOUT_S = 120.0  # a child imports xgrammar (and torch) before its first answer
 
 
 class CompileTimeout(RuntimeError):
@@ -41,67 +45,64 @@ class CompileFailed(RuntimeError):
     """The constraint could not be compiled (xgrammar's message), or the child died compiling it."""
 
 
-def _serve(conn: Connection, tokenizer_path: str) -> None:
-    """The child's loop: build the compiler from the tokenizer's JSON file, then answer ``(build, args)`` jobs with
-    ``("ok", grammar JSON)`` or ``("error", message)`` until the parent closes the pipe."""
-    info = xgrammar.TokenizerInfo.deserialize_json(Path(tokenizer_path).read_text(encoding="utf-8"))
-    compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
-    conn.send(("ready", ""))
-    while True:
-        try:
-            build, args = conn.recv()
-        except EOFError:
-            return
-        try:
-            conn.send(("ok", build(compiler, *args).serialize_json()))
-        except Exception as exc:  # every failure of a constraint is reported, the child goes on
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
-
-
 class CompileProcess:
-    """One child process compiling for one tokenizer (``info``, also written as xgrammar's JSON at
-    ``tokenizer_path``: a file, so that starting a child never blocks on a pipe while it imports); used by one
-    thread at a time."""
+    """One child process (``python -m kvboost_hf.hf.grammar_child``) compiling for one tokenizer: ``info``, also
+    written as xgrammar's JSON at ``tokenizer_path`` for the child to read. Jobs and answers are JSON lines on its
+    stdin and stdout (:mod:`~kvboost_hf.hf.grammar_child`). Used by one thread at a time."""
 
     def __init__(self, info: xgrammar.TokenizerInfo, tokenizer_path: Path) -> None:
         self.info, self.tokenizer_path = info, tokenizer_path
-        self._ready = False
         self._start()
 
     def _start(self) -> None:
-        context = multiprocessing.get_context("spawn")
-        self._conn, child_end = context.Pipe()
-        self._process = context.Process(
-            target=_serve, args=(child_end, str(self.tokenizer_path)), name="kvboost-grammar-compile", daemon=True
+        package_root = str(Path(__file__).resolve().parents[2])  # the child imports this copy of kvboost_hf
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))}
+        self._child = subprocess.Popen(
+            [sys.executable, "-m", "kvboost_hf.hf.grammar_child", str(self.tokenizer_path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
         )
-        self._process.start()
-        child_end.close()
         self._ready = False
 
-    def compile(self, build: Build, args: tuple[Any, ...], time_limit_s: float) -> xgrammar.CompiledGrammar:
-        """``build(compiler, *args)`` in the child, within ``time_limit_s`` seconds of compile time (CompileTimeout
-        after: the child is killed and a new one started). Raises CompileFailed when it cannot compile."""
+    def compile(self, kind: str, args: list[Any], time_limit_s: float) -> xgrammar.CompiledGrammar:
+        """The grammar of job ``kind`` with JSON ``args`` (see the child module), compiled in the child within
+        ``time_limit_s`` seconds (CompileTimeout after: the child is killed and a new one started). Raises
+        CompileFailed when it cannot compile."""
         try:
-            if not self._ready:
-                self._receive(CHILD_START_TIMEOUT_S)  # the "ready" message
-                self._ready = True
-            self._conn.send((build, args))
-            status, payload = self._receive(time_limit_s)
+            self.wait_ready()
+            assert self._child.stdin is not None
+            self._child.stdin.write(json.dumps({"kind": kind, "args": args}).encode() + b"\n")
+            self._child.stdin.flush()
+            answer = self._receive(time_limit_s)
         except CompileTimeout:
             self._restart()
             raise
-        except (EOFError, OSError) as exc:
+        except (OSError, ValueError) as exc:  # a closed pipe, or a line cut by the child's death
             self._restart()
             raise CompileFailed(f"the grammar compiler process died ({exc or type(exc).__name__})") from exc
-        if status != "ok":
-            raise CompileFailed(payload)
-        return xgrammar.CompiledGrammar.deserialize_json(payload, self.info)
+        if answer["status"] != "ok":
+            raise CompileFailed(answer["message"])
+        return xgrammar.CompiledGrammar.deserialize_json(answer["grammar"], self.info)
 
-    def _receive(self, timeout_s: float) -> tuple[str, str]:
-        if not self._conn.poll(timeout_s):
+    def wait_ready(self) -> None:
+        """Wait (at most CHILD_START_TIMEOUT_S) for the child to have started (its first line)."""
+        if not self._ready:
+            self._receive(CHILD_START_TIMEOUT_S)
+            self._ready = True
+
+    def _receive(self, timeout_s: float) -> dict[str, Any]:
+        """The child's next answer line, its first byte within ``timeout_s``."""
+        stdout = self._child.stdout
+        assert stdout is not None
+        readable, _, _ = select.select([stdout], [], [], timeout_s)
+        if not readable:
             raise CompileTimeout(f"no answer within {timeout_s:g} s")
-        message: tuple[str, str] = self._conn.recv()
-        return message
+        line = stdout.readline()
+        if not line:
+            raise OSError(f"the child exited with status {self._child.wait(10)}")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
 
     def _restart(self) -> None:
         self.close()
@@ -109,10 +110,11 @@ class CompileProcess:
 
     def close(self) -> None:
         """Kill the child (a compile in flight is lost) and wait for it to end."""
-        self._conn.close()
-        if self._process.is_alive():
-            self._process.kill()
-        self._process.join(10)
+        self._child.kill()
+        self._child.wait(10)
+        for stream in (self._child.stdin, self._child.stdout):
+            if stream is not None:
+                stream.close()
 
 
 class CompilePool:
@@ -132,6 +134,27 @@ class CompilePool:
         self._threads: list[threading.Thread] = []
         self._processes: list[CompileProcess] = []
         self._closed = False
+        self._started = threading.Event()  # every worker's first child answered (or failed to start)
+        self._starting = 0  # workers whose first child has not answered yet
+
+    def start(self) -> None:
+        """Start the workers and their child processes (once; returns at once, see :meth:`wait_started`)."""
+        with self._cond:
+            if self._files is not None or self._closed:
+                return
+            self._files = tempfile.TemporaryDirectory(prefix="kvboost-grammar-")
+            self._tokenizer_path().write_text(self.info.serialize_json(), encoding="utf-8")
+            self._starting = self.workers
+            for index in range(self.workers):
+                thread = threading.Thread(target=self._work, name=f"kvboost-grammar-{index}", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+
+    def wait_started(self, timeout_s: float = CHILD_START_TIMEOUT_S) -> None:
+        """Start the workers if needed and wait until their children are up (seconds, once per pool: each imports
+        xgrammar and torch), so that a caller's compile wait measures compiling only."""
+        self.start()
+        self._started.wait(timeout_s)
 
     def submit(self, tenant: str | None, job: Callable[[CompileProcess], T]) -> Future[T]:
         """Queue ``job`` (run with a worker's process) for ``tenant``; its future holds the result or exception."""
@@ -139,13 +162,8 @@ class CompilePool:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the grammar compile pool is closed")
-            if self._files is None:
-                self._files = tempfile.TemporaryDirectory(prefix="kvboost-grammar-")
-                self._tokenizer_path().write_text(self.info.serialize_json(), encoding="utf-8")
-                for index in range(self.workers):
-                    thread = threading.Thread(target=self._work, name=f"kvboost-grammar-{index}", daemon=True)
-                    self._threads.append(thread)
-                    thread.start()
+        self.start()
+        with self._cond:
             self._queue.append((tenant, job, future))
             self._cond.notify_all()
         return future
@@ -184,6 +202,14 @@ class CompilePool:
         process = CompileProcess(self.info, self._tokenizer_path())
         with self._cond:
             self._processes.append(process)
+        try:
+            process.wait_ready()
+        except (CompileTimeout, OSError, ValueError) as exc:  # its first compile restarts it
+            logger.error("a grammar compile process did not start: %s", exc)
+        with self._cond:
+            self._starting -= 1
+            if self._starting == 0:
+                self._started.set()
         while (item := self._next_job()) is not None:
             tenant, job, future = item
             try:

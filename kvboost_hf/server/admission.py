@@ -178,8 +178,11 @@ class Admission:
 
     async def _compiled(self, grammar: Compiled, param: str) -> None:
         """Wait (on the event loop) for ``grammar`` to compile: 400 when it cannot, 503 past the timeout (the
-        compile goes on in the background and is cached for this tenant)."""
-        timeout = self._compiler().limits.compile_timeout_s
+        compile goes on in the background and is cached for this tenant). The compile processes' start (once per
+        server, seconds) is waited for first and not counted."""
+        compiler = self._compiler()
+        await asyncio.to_thread(compiler.wait_started)
+        timeout = compiler.limits.compile_timeout_s
         try:
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(grammar)), timeout)
         except GrammarError as exc:

@@ -37,8 +37,8 @@ class ServerSettings:
         header_timeout_s: time a client gets to send a request's headers, from connecting or from the end of its
             previous response (the connection is answered 408 and closed after), in seconds.
         body_timeout_s: time a request's whole body may take to arrive after its headers (408 after), in seconds.
-        max_connections_per_client: connections one client address may hold open at once (429 and closed
-            beyond; 0: no cap). Behind a reverse proxy all clients share its address.
+        max_connections_per_client: open connections per client address, 0: no cap (429 beyond).
+            Behind a reverse proxy all clients share its address: raise it there.
         document_boundaries: which chat contents start documents for non-prefix reuse with reuse_mode chunk
             (parts: each text part of a message with several; messages: also each message's content; none), unless
             a request names its own (see :mod:`kvboost_hf.hf.chat_segments`).
