@@ -22,7 +22,7 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from test_server import KEY, MODEL, LiveServer, chat  # noqa: E402
+from test_server import KEY, MODEL, WEATHER_TOOL, LiveServer, chat  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.hf.grammar import GrammarBusy, GrammarCompiler, GrammarError, GrammarLimits  # noqa: E402
@@ -372,3 +372,29 @@ def test_connections_per_client_address_are_capped(engine):
         finally:
             for sock in held:
                 sock.close()
+
+
+# ---------------------------------------------------------------------------------------------- #30 item 4
+def test_required_parallel_calls_end_when_the_budget_cannot_hold_another(server):
+    """``tool_choice="required"`` with parallel calls and ``max_tokens`` under twice a call's length: the complete
+    call ends the turn (``tool_calls``) instead of the model's cut repeat (``length``)."""
+    client = server.client()
+    request = {"model": MODEL, "messages": chat("What is the weather in Paris?"), "temperature": 0}
+    request |= {"tools": [WEATHER_TOOL], "tool_choice": "required"}
+    single = client.chat.completions.create(**request, max_tokens=64, parallel_tool_calls=False)
+    call_tokens = single.usage.completion_tokens
+    assert single.choices[0].finish_reason == "tool_calls" and call_tokens < 40, single
+    for stream in (False, True):
+        budget = call_tokens * 3 // 2
+        if not stream:
+            answer = client.chat.completions.create(**request, max_tokens=budget)
+            finish, calls = answer.choices[0].finish_reason, answer.choices[0].message.tool_calls
+            arguments = [call.function.arguments for call in calls]
+        else:
+            chunks = list(client.chat.completions.create(**request, max_tokens=budget, stream=True))
+            finish = next(c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason)
+            deltas = [d for chunk in chunks for c in chunk.choices for d in c.delta.tool_calls or []]
+            indices = sorted({d.index for d in deltas})
+            arguments = ["".join(d.function.arguments or "" for d in deltas if d.index == i) for i in indices]
+        assert finish == "tool_calls", (stream, finish, arguments)
+        assert arguments == [single.choices[0].message.tool_calls[0].function.arguments]

@@ -153,10 +153,15 @@ class GrammarCompiler:
         return GrammarProcessor(grammar, prompt_length, self.info.vocab_size)
 
     def tool_call_processor(
-        self, grammar: xgrammar.CompiledGrammar, prompt_length: int, decode: Callable[[list[int]], str]
+        self,
+        grammar: xgrammar.CompiledGrammar,
+        prompt_length: int,
+        decode: Callable[[list[int]], str],
+        max_new_tokens: int,
     ) -> ToolCallProcessor:
-        """A fresh :class:`ToolCallProcessor` for one row of a :meth:`tool_calls` grammar."""
-        return ToolCallProcessor(grammar, prompt_length, self.info.vocab_size, decode)
+        """A fresh :class:`ToolCallProcessor` for one row of a :meth:`tool_calls` grammar with a budget of
+        ``max_new_tokens``."""
+        return ToolCallProcessor(grammar, prompt_length, self.info.vocab_size, decode, max_new_tokens)
 
     def wait_started(self) -> None:
         """Wait until the compile processes are up (seconds, once per compiler; see :class:`CompilePool`)."""
@@ -271,8 +276,13 @@ class ToolCallProcessor(GrammarProcessor):
     generated text holds a complete call equal to an earlier call of the turn, only end tokens are allowed (when
     the grammar allows ending there), and that repeat is dropped when the calls are read (:func:`_read`). A
     model that keeps repeating its call under ``tool_choice="required"`` thus ends with ``finish_reason
-    "tool_calls"``, as OpenAI models do, instead of running out of tokens. ``decode``: generated token ids ->
-    text, safe to call from the decoding thread."""
+    "tool_calls"``, as OpenAI models do, instead of running out of tokens.
+
+    Budget: once a call is complete, the turn also ends when the ``max_new_tokens`` left are fewer than the tokens
+    the shortest complete call of the turn took (counted from the end of the call before it, the first from the
+    start of the answer): a further call, most often the model's repeat, could not complete, and the answer would
+    end with ``finish_reason "length"`` around complete calls. ``decode``: generated token ids -> text, safe to call
+    from the decoding thread."""
 
     def __init__(
         self,
@@ -280,10 +290,15 @@ class ToolCallProcessor(GrammarProcessor):
         prompt_length: int,
         vocab_size: int,
         decode: Callable[[list[int]], str],
+        max_new_tokens: int,
     ) -> None:
         super().__init__(grammar, prompt_length, vocab_size)
         self.decode = decode
+        self.max_new_tokens = max_new_tokens
         self.end_token_ids = list(grammar.tokenizer_info.stop_token_ids)
+        self.complete_calls = 0  # complete calls read so far
+        self.last_call_end = 0  # generated tokens when the last of them was first seen complete
+        self.shortest_call: int | None = None  # fewest tokens a complete call of this turn took
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         masked = super().__call__(input_ids, scores)
@@ -292,7 +307,14 @@ class ToolCallProcessor(GrammarProcessor):
         if not torch.isfinite(ends).any():  # the grammar does not allow ending here: nothing to decide
             return masked
         generated = input_ids[0, self.prompt_length :].tolist()
-        return ends if _read(self.decode(generated), final=False).repeated else masked
+        reading = _read(self.decode(generated), final=False)
+        complete = sum(call.complete for call in reading.calls)
+        if complete > self.complete_calls:
+            span = len(generated) - self.last_call_end
+            self.shortest_call = span if self.shortest_call is None else min(self.shortest_call, span)
+            self.complete_calls, self.last_call_end = complete, len(generated)
+        no_room = self.shortest_call is not None and self.max_new_tokens - len(generated) < self.shortest_call
+        return ends if reading.repeated or no_room else masked
 
 
 @dataclass(frozen=True)

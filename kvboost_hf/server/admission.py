@@ -275,7 +275,7 @@ class Admission:
 
             def constraint(prompt_length: int) -> LogitsProcessor:  # called once the grammar compiled
                 if tool_calls:
-                    return compiler.tool_call_processor(grammar.result(), prompt_length, self._decode)
+                    return compiler.tool_call_processor(grammar.result(), prompt_length, self._decode, max_tokens)
                 return compiler.processor(grammar.result(), prompt_length)
 
         return JobParams(max_tokens, sampling, body.stop_strings(), top_logprobs, constraint)
