@@ -398,3 +398,48 @@ def test_required_parallel_calls_end_when_the_budget_cannot_hold_another(server)
             arguments = ["".join(d.function.arguments or "" for d in deltas if d.index == i) for i in indices]
         assert finish == "tool_calls", (stream, finish, arguments)
         assert arguments == [single.choices[0].message.tool_calls[0].function.arguments]
+
+
+# ---------------------------------------------------------------------------------------------- #30 item 6
+def _documents(count: int) -> list[str]:
+    """``count`` distinct documents of about 100 tokens each."""
+    tag = time.time_ns()
+    return [f"Document {tag}-{i}. " + " ".join(f"word{(i * 7 + j) % 97}" for j in range(45)) for i in range(count)]
+
+
+def test_warm_documents_are_capped(server):
+    response = post(server, {"documents": ["d"] * 257}, "/v1/warm")
+    assert response.status_code == 400 and "limit of 256" in response.json()["error"]["message"], response.text
+
+
+def test_warm_yields_to_decoding(server):
+    """A chat sent while 40 documents are warmed is answered between two of them, not after the last."""
+    warmed: list[tuple[float, int]] = []
+
+    def warm() -> None:
+        start = time.perf_counter()
+        status = post(server, {"documents": _documents(40)}, "/v1/warm").status_code
+        warmed.append((time.perf_counter() - start, status))
+
+    thread = threading.Thread(target=warm)
+    thread.start()
+    time.sleep(0.3)  # the warm has started
+    start = time.perf_counter()
+    chat_status = post(server, {"model": MODEL, "messages": chat("Say hi."), "max_tokens": 1}).status_code
+    chat_s = time.perf_counter() - start
+    still_warming = thread.is_alive()
+    thread.join(120)
+    ((warm_s, warm_status),) = warmed
+    assert chat_status == warm_status == 200 and still_warming and chat_s < warm_s / 2, (chat_s, warm_s)
+
+
+def test_warm_stops_when_the_client_disconnects(server, engine):
+    puts = lambda: engine.store.stats()["puts"]  # noqa: E731
+    before = puts()
+    body = json.dumps({"documents": _documents(200)}).encode()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/warm", content=body, headers=HEADERS, timeout=1.5)
+    time.sleep(1.0)  # the document being stored when the client left
+    stopped = puts()
+    time.sleep(1.5)
+    assert puts() == stopped and stopped - before < 200 * 5, (before, stopped, puts())

@@ -39,6 +39,7 @@ class ServerSettings:
         body_timeout_s: time a request's whole body may take to arrive after its headers (408 after), in seconds.
         max_connections_per_client: open connections per client address, 0: no cap (429 beyond).
             Behind a reverse proxy all clients share its address: raise it there.
+        max_warm_documents: most documents one /v1/warm request may store (400 beyond).
         document_boundaries: which chat contents start documents for non-prefix reuse with reuse_mode chunk
             (parts: each text part of a message with several; messages: also each message's content; none), unless
             a request names its own (see :mod:`kvboost_hf.hf.chat_segments`).
@@ -60,5 +61,6 @@ class ServerSettings:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections_per_client: int = 128
+    max_warm_documents: int = 256
     document_boundaries: str = DocumentBoundaries.PARTS.value
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
