@@ -168,7 +168,8 @@ def test_ingress_keys_are_the_keys_the_replicas_store(client, engine, url):
 def test_killed_replica_loses_no_request(client, engine, url):
     """A replica killed while it streams one answer and computes another: both complete, equal to one engine (the
     stream continues on the other replica from the first event the client had not received), and the next turn on
-    the other replica loads the lost replica's chunks from Redis."""
+    the other replica loads the lost replica's chunks from Redis. The continued stream keeps its id and reports the
+    whole answer's usage."""
     messages = conversation("glaciers")
     tokens = 120
     expected = greedy(engine, messages, tokens, ignore_eos=True)
@@ -186,17 +187,19 @@ def test_killed_replica_loses_no_request(client, engine, url):
         )
 
     chat_url = f"{url}/v1/chat/completions"
-    with httpx.stream("POST", chat_url, json={**body, "stream": True}, headers=AUTH, timeout=60) as response:
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", chat_url, json=streamed, headers=AUTH, timeout=60) as response:
         victim = response.headers[REPLICA_HEADER]
         lines = response.iter_lines()
-        text, events = "", 0
+        text, events, ids, usage = "", 0, set(), None
         worker = threading.Thread(target=plain)
         for line in lines:
             if not line.startswith("data: "):
                 continue
             if line == "data: [DONE]":
                 break
-            choices = json.loads(line[6:])["choices"]
+            chunk = json.loads(line[6:])
+            choices, ids, usage = chunk["choices"], ids | {chunk["id"]}, chunk.get("usage") or usage
             text += choices[0]["delta"].get("content") or "" if choices else ""
             events += 1
             if events == 3:
@@ -207,6 +210,7 @@ def test_killed_replica_loses_no_request(client, engine, url):
             pytest.fail("the stream ended without [DONE]")
     worker.join(60)
     assert text == expected
+    assert len(ids) == 1 and usage["completion_tokens"] == tokens, (ids, usage)  # one id; the whole answer's usage
     assert results["plain"] == expected
     survivors = [name.rsplit("#", 1)[1] for name in replica_actor_names(APP_NAME)]
     assert victim not in survivors
