@@ -28,7 +28,7 @@ from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.hf.models import embedded_model_dir  # noqa: E402
 from kvboost_hf.hf.sampling import SamplingParams  # noqa: E402
 from kvboost_hf.serve_ray.app import REPLICA_HEADER, kill_replica, prompt_ids, replica_actor_names  # noqa: E402
-from kvboost_hf.serve_ray.launch import APP_NAME, parse_args, start  # noqa: E402
+from kvboost_hf.serve_ray.launch import APP_NAME, init_local_ray, parse_args, start  # noqa: E402
 from kvboost_hf.serve_ray.routing import KeySpace, routing_keys  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -69,7 +69,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def url(model_dir: Path, redis_url: str) -> Iterator[str]:
     """Two replicas with prefix routing on one Redis tier, behind Ray Serve's proxy on a free loopback port."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(2, log_to_driver=False)  # as `python -m kvboost_hf.serve_ray` starts it
     try:
         flags = ["--model", str(model_dir), "--served-model-name", MODEL, "--chunk-size", str(CHUNK)]
         flags += ["--remote-url", redis_url, "--remote-prefix", f"t{uuid.uuid4().hex[:8]}:", "--threads", "1"]
@@ -218,3 +218,11 @@ def test_killed_replica_loses_no_request(client, engine, url):
     answer, replica, cached = chat_turn(client, follow_up)
     assert answer == greedy(engine, follow_up, 8)
     assert replica != victim and cached >= len(engine.encode(messages)) // CHUNK * CHUNK
+
+
+def test_local_ray_runs_no_dashboard(url):
+    """The local Ray that ``python -m kvboost_hf.serve_ray`` starts has no dashboard (its job API runs arbitrary
+    code); what else stays open is listed in the README."""
+    from ray._private.worker import global_worker
+
+    assert not global_worker.node.address_info.get("webui_url"), global_worker.node.address_info
