@@ -52,6 +52,7 @@ class CompileProcess:
 
     def __init__(self, info: xgrammar.TokenizerInfo, tokenizer_path: Path) -> None:
         self.info, self.tokenizer_path = info, tokenizer_path
+        self._closed = False
         self._start()
 
     def _start(self) -> None:
@@ -105,11 +106,16 @@ class CompileProcess:
         return answer
 
     def _restart(self) -> None:
-        self.close()
-        self._start()
+        self._stop()
+        if not self._closed:
+            self._start()
 
     def close(self) -> None:
-        """Kill the child (a compile in flight is lost) and wait for it to end."""
+        """Kill the child (a compile in flight fails) and start no other."""
+        self._closed = True
+        self._stop()
+
+    def _stop(self) -> None:
         self._child.kill()
         self._child.wait(10)
         for stream in (self._child.stdin, self._child.stdout):
@@ -169,17 +175,19 @@ class CompilePool:
         return future
 
     def close(self) -> None:
-        """Stop the workers after their current job and kill every child; queued jobs are cancelled."""
+        """Kill every child (a compile in flight fails) and stop the workers; queued jobs are cancelled."""
         with self._cond:
             self._closed = True
             for _, _, future in self._queue:
                 future.cancel()
             self._queue.clear()
             self._cond.notify_all()
+        with self._cond:
+            processes = list(self._processes)
+        for process in processes:  # a compile in flight fails at once (its caller gets an error)
+            process.close()
         for thread in self._threads:
             thread.join(30)
-        for process in self._processes:
-            process.close()
         if self._files is not None:
             self._files.cleanup()
 

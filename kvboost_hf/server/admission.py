@@ -183,8 +183,10 @@ class Admission:
         compiler = self._compiler()
         await asyncio.to_thread(compiler.wait_started)
         timeout = compiler.limits.compile_timeout_s
+        compiled = asyncio.wrap_future(grammar)
+        compiled.add_done_callback(_retrieve)  # a compile that fails after this wait timed out is not logged
         try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(grammar)), timeout)
+            await asyncio.wait_for(asyncio.shield(compiled), timeout)
         except GrammarError as exc:
             raise ApiError(400, str(exc), param=param, code="invalid_schema") from exc
         except TimeoutError as exc:
@@ -398,6 +400,12 @@ class Admission:
         bad = [token for token in ids if not 0 <= token < self.vocab_size]
         if bad:
             raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param=param)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark ``future``'s outcome as seen (asyncio logs exceptions nobody retrieved)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def plain_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
