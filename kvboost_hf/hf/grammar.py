@@ -309,8 +309,8 @@ class ToolCallProcessor(GrammarProcessor):
         generated = input_ids[0, self.prompt_length :].tolist()
         reading = _read(self.decode(generated), final=False)
         complete = sum(call.complete for call in reading.calls)
-        if complete > self.complete_calls:
-            span = len(generated) - self.last_call_end
+        if complete > self.complete_calls:  # one call per step while decoding; several share the span evenly
+            span = (len(generated) - self.last_call_end) // (complete - self.complete_calls)
             self.shortest_call = span if self.shortest_call is None else min(self.shortest_call, span)
             self.complete_calls, self.last_call_end = complete, len(generated)
         no_room = self.shortest_call is not None and self.max_new_tokens - len(generated) < self.shortest_call
