@@ -28,7 +28,7 @@ from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.hf.models import embedded_model_dir  # noqa: E402
 from kvboost_hf.hf.sampling import SamplingParams  # noqa: E402
 from kvboost_hf.serve_ray.app import REPLICA_HEADER, kill_replica, prompt_ids, replica_actor_names  # noqa: E402
-from kvboost_hf.serve_ray.launch import APP_NAME, parse_args, start  # noqa: E402
+from kvboost_hf.serve_ray.launch import APP_NAME, init_local_ray, parse_args, start  # noqa: E402
 from kvboost_hf.serve_ray.routing import KeySpace, routing_keys  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -69,7 +69,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def url(model_dir: Path, redis_url: str) -> Iterator[str]:
     """Two replicas with prefix routing on one Redis tier, behind Ray Serve's proxy on a free loopback port."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(2, log_to_driver=False)  # as `python -m kvboost_hf.serve_ray` starts it
     try:
         flags = ["--model", str(model_dir), "--served-model-name", MODEL, "--chunk-size", str(CHUNK)]
         flags += ["--remote-url", redis_url, "--remote-prefix", f"t{uuid.uuid4().hex[:8]}:", "--threads", "1"]
@@ -168,7 +168,8 @@ def test_ingress_keys_are_the_keys_the_replicas_store(client, engine, url):
 def test_killed_replica_loses_no_request(client, engine, url):
     """A replica killed while it streams one answer and computes another: both complete, equal to one engine (the
     stream continues on the other replica from the first event the client had not received), and the next turn on
-    the other replica loads the lost replica's chunks from Redis."""
+    the other replica loads the lost replica's chunks from Redis. The continued stream keeps its id and reports the
+    whole answer's usage."""
     messages = conversation("glaciers")
     tokens = 120
     expected = greedy(engine, messages, tokens, ignore_eos=True)
@@ -186,17 +187,19 @@ def test_killed_replica_loses_no_request(client, engine, url):
         )
 
     chat_url = f"{url}/v1/chat/completions"
-    with httpx.stream("POST", chat_url, json={**body, "stream": True}, headers=AUTH, timeout=60) as response:
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", chat_url, json=streamed, headers=AUTH, timeout=60) as response:
         victim = response.headers[REPLICA_HEADER]
         lines = response.iter_lines()
-        text, events = "", 0
+        text, events, ids, usage = "", 0, set(), None
         worker = threading.Thread(target=plain)
         for line in lines:
             if not line.startswith("data: "):
                 continue
             if line == "data: [DONE]":
                 break
-            choices = json.loads(line[6:])["choices"]
+            chunk = json.loads(line[6:])
+            choices, ids, usage = chunk["choices"], ids | {chunk["id"]}, chunk.get("usage") or usage
             text += choices[0]["delta"].get("content") or "" if choices else ""
             events += 1
             if events == 3:
@@ -207,6 +210,7 @@ def test_killed_replica_loses_no_request(client, engine, url):
             pytest.fail("the stream ended without [DONE]")
     worker.join(60)
     assert text == expected
+    assert len(ids) == 1 and usage["completion_tokens"] == tokens, (ids, usage)  # one id; the whole answer's usage
     assert results["plain"] == expected
     survivors = [name.rsplit("#", 1)[1] for name in replica_actor_names(APP_NAME)]
     assert victim not in survivors
@@ -214,3 +218,11 @@ def test_killed_replica_loses_no_request(client, engine, url):
     answer, replica, cached = chat_turn(client, follow_up)
     assert answer == greedy(engine, follow_up, 8)
     assert replica != victim and cached >= len(engine.encode(messages)) // CHUNK * CHUNK
+
+
+def test_local_ray_runs_no_dashboard(url):
+    """The local Ray that ``python -m kvboost_hf.serve_ray`` starts has no dashboard (its job API runs arbitrary
+    code); what else stays open is listed in the README."""
+    from ray._private.worker import global_worker
+
+    assert not global_worker.node.address_info.get("webui_url"), global_worker.node.address_info

@@ -19,7 +19,7 @@ from test_speculative import word_tokenizer
 
 from kvboost_hf import KVBoost
 from kvboost_hf.core.chunking import ChunkingConfig
-from kvboost_hf.serve_ray.app import SseEvents, is_reproducible, prompt_ids
+from kvboost_hf.serve_ray.app import SseEvents, StreamIdentity, is_reproducible, prompt_ids
 from kvboost_hf.serve_ray.routers import ChunkAffinityRouter, RoundRobinRouter
 from kvboost_hf.serve_ray.routing import (
     ForwardedRequest,
@@ -210,3 +210,16 @@ def test_round_robin_gives_each_request_one_turn_however_often_it_is_routed():
     router.on_request_routed(first, replicas[1].replica_id, None)
     router.on_request_completed(replicas[0].replica_id, "r2")
     assert router.turns == {}
+
+
+def test_a_resumed_stream_keeps_its_first_id_and_created():
+    identity = StreamIdentity()
+
+    def event(chunk_id: str, created: int, text: str) -> bytes:
+        chunk = {"id": chunk_id, "object": "chat.completion.chunk", "created": created, "choices": [{"delta": text}]}
+        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+    first = event("chatcmpl-a", 1, "Hel")
+    assert identity.keep(first, resumed=False) == first
+    assert identity.keep(event("chatcmpl-b", 2, "lo"), resumed=True) == event("chatcmpl-a", 1, "lo")
+    assert identity.keep(b"data: [DONE]\n\n", resumed=True) == b"data: [DONE]\n\n"

@@ -13,18 +13,20 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
-pytest.importorskip("openai")
+openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from test_server import KEY, MODEL, LiveServer, chat  # noqa: E402
+from test_server import KEY, MODEL, WEATHER_TOOL, LiveServer, chat  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.hf.grammar import GrammarBusy, GrammarCompiler, GrammarError, GrammarLimits  # noqa: E402
+from kvboost_hf.hf.grammar_process import CompileProcess  # noqa: E402
 from kvboost_hf.server.app import GracefulServer, ServerSettings, create_app, decode_body, uvicorn_config  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -154,37 +156,44 @@ def test_schema_over_the_size_limit_is_400(server):
     assert error["code"] == "invalid_schema" and "limit of 2048" in error["message"]
 
 
-class _CountingCompiler:
-    """Stands in for xgrammar's compiler: counts compiles, optionally blocking each until ``release`` is set."""
+class _CountingCompiles:
+    """Wraps ``CompileProcess.compile`` (the parent's side of a compile): counts compiles, optionally holding each
+    until ``release`` is set."""
 
-    def __init__(self, inner, release: threading.Event | None = None) -> None:
-        self.inner, self.release, self.calls = inner, release, []
+    def __init__(self, monkeypatch, release: threading.Event | None = None) -> None:
+        self.release, self.calls = release, []
+        original = CompileProcess.compile
 
-    def compile_grammar(self, grammar):
-        self.calls.append(grammar)
-        if self.release is not None:
-            assert self.release.wait(30)
-        return self.inner.compile_grammar(grammar)
+        def compile(process, kind, args, time_limit_s):
+            self.calls.append(args)
+            if self.release is not None:
+                assert self.release.wait(60)
+            return original(process, kind, args, time_limit_s)
+
+        monkeypatch.setattr(CompileProcess, "compile", compile)
 
 
-def test_grammar_cache_is_per_tenant(engine):
+def test_grammar_cache_is_per_tenant(engine, monkeypatch):
+    counting = _CountingCompiles(monkeypatch)
     compiler = GrammarCompiler(engine.tokenizer, len(engine.tokenizer))
-    counting = compiler._compiler = _CountingCompiler(compiler._compiler)
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    compiler.json_schema(schema, tenant="a").result(30)
-    assert compiler.json_schema(schema, tenant="a").done()  # a cache hit of the same tenant
-    compiler.json_schema(schema, tenant="b").result(30)  # another tenant compiles its own
-    compiler.json_schema(schema).result(30)
-    assert len(counting.calls) == 3
-    with pytest.raises(GrammarError, match="cannot compile"):
-        compiler.json_schema({"$ref": "#/nope"}, tenant="a").result(30)
+    try:
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+        compiler.json_schema(schema, tenant="a").result(60)
+        assert compiler.json_schema(schema, tenant="a").done()  # a cache hit of the same tenant
+        compiler.json_schema(schema, tenant="b").result(60)  # another tenant compiles its own
+        compiler.json_schema(schema).result(60)
+        assert len(counting.calls) == 3
+        with pytest.raises(GrammarError, match="cannot compile"):
+            compiler.json_schema({"$ref": "#/nope"}, tenant="a").result(60)
+    finally:
+        compiler.close()
 
 
-def test_grammar_compiles_are_bounded(engine):
+def test_grammar_compiles_are_bounded(engine, monkeypatch):
     release = threading.Event()
+    _CountingCompiles(monkeypatch, release)
     limits = GrammarLimits(workers=1, max_waiting=2)
     compiler = GrammarCompiler(engine.tokenizer, len(engine.tokenizer), limits)
-    compiler._compiler = _CountingCompiler(compiler._compiler, release)
     try:
         first = compiler.json_schema({"type": "integer"}, tenant="a")
         again = compiler.json_schema({"type": "integer"}, tenant="a")  # the same compile, not a new one
@@ -193,8 +202,66 @@ def test_grammar_compiles_are_bounded(engine):
             compiler.json_schema({"type": "boolean"}, tenant="b")
     finally:
         release.set()
-    assert again is first and first.result(30) is not None and second.result(30) is not None
-    assert compiler.json_schema({"type": "boolean"}, tenant="b").result(30) is not None  # room again
+    try:
+        assert again is first and first.result(60) is not None and second.result(60) is not None
+        assert compiler.json_schema({"type": "boolean"}, tenant="b").result(60) is not None  # room again
+    finally:
+        compiler.close()
+
+
+# ---------------------------------------------------------------------------------------------- #30 item 3
+SLOW_PATTERN = {"type": "string", "pattern": "[a-z]{1,30000}"}  # 46 bytes; xgrammar compiles it for minutes
+
+
+def test_a_compile_past_its_time_limit_is_killed_and_refused(engine):
+    limits = GrammarLimits(compile_limit_s=1.0, workers=1)
+    compiler = GrammarCompiler(engine.tokenizer, len(engine.tokenizer), limits)
+    try:
+        assert compiler.json_schema({"type": "integer"}).result(60) is not None  # the child is up
+        start = time.perf_counter()
+        with pytest.raises(GrammarError, match="did not compile within this server's limit of 1 s"):
+            compiler.json_schema(SLOW_PATTERN).result(60)
+        assert time.perf_counter() - start < 5
+        assert compiler.json_schema({"type": "boolean"}).result(60) is not None  # a new child took over
+    finally:
+        compiler.close()
+
+
+def test_one_tenant_never_holds_every_compile_worker(engine):
+    """Tenant A sends two slow schemas at once (two workers); tenant B's structured chat is answered meanwhile,
+    and A's get a 400 once their compile passes the limit."""
+    limits = GrammarLimits(compile_limit_s=6.0, compile_timeout_s=30.0, workers=2)
+    settings = ServerSettings(model_name=MODEL, api_key=KEY, grammar_limits=limits)
+    with HardenedServer(create_app(engine, settings), settings) as live:
+        client = live.client()
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+        def structured(schema: dict, salt: str) -> dict:
+            format_ = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+            return {
+                "model": MODEL,
+                "messages": chat("Is water wet?"),
+                "max_tokens": 8,
+                "temperature": 0,
+                "response_format": format_,
+                "extra_body": {"cache_salt": salt},
+            }
+
+        client.chat.completions.create(**structured(schema, "warm"))  # both compile processes started
+        slow = [{**SLOW_PATTERN, "pattern": f"[a-z]{{1,{30000 + i}}}"} for i in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            attacks = [pool.submit(client.chat.completions.create, **structured(s, "tenant-a")) for s in slow]
+            time.sleep(0.5)  # A's compiles are running
+            start = time.perf_counter()
+            answer = client.chat.completions.create(**structured(schema, "tenant-b"))
+            waited = time.perf_counter() - start
+            refusals = []
+            for attack in attacks:
+                with pytest.raises(openai.BadRequestError) as refused:
+                    attack.result(60)
+                refusals.append(refused.value.body)
+        assert waited < 4 and answer.choices[0].message.content.startswith('{"ok": '), waited
+        assert all(r["code"] == "invalid_schema" and "did not compile within" in r["message"] for r in refusals)
 
 
 # ---------------------------------------------------------------------------------------------- #18 item 7
@@ -216,3 +283,163 @@ def test_metrics_read_one_snapshot_off_the_event_loop(server, engine, monkeypatc
     assert response.status_code == 200 and 'kvboost_store_hits_total{tier="ram"}' in response.text
     assert "kvboost_store_misses_total" in response.text and "kvboost_target_forwards_total" in response.text
     assert calls == [({"settle": False}, False)]  # once, in a thread, host-side counters only
+
+
+# ---------------------------------------------------------------------------------------------- #30 item 2
+def _raw_request(port: int, body: dict, http_version: str, extra_headers: str = "") -> tuple[float, bytes]:
+    """(seconds, every byte of the reply) of one chat request on a fresh socket, read until the server closes it."""
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/{http_version}\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n{extra_headers}\r\n"
+    )
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(head.encode() + payload)
+        reply = _read_until_closed(sock)
+    return time.perf_counter() - start, reply
+
+
+def test_connection_close_responses_outlive_the_request_timeouts(server):
+    """``Connection: close`` (urllib, nginx) and HTTP/1.0 requests whose answers take over twice the 0.5 s header
+    and body timeouts: complete answers, no 408 anywhere."""
+    body = {"model": MODEL, "messages": chat("Tell a long story."), "max_tokens": 60, "ignore_eos": True}
+    seconds, reply = _raw_request(server.port, {**body, "stream": True}, "1.1", "Connection: close\r\n")
+    assert seconds > 1.0 and b"408" not in reply, (seconds, reply[-300:])
+    assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), reply[-300:]
+    seconds, reply = _raw_request(server.port, body, "1.0")
+    assert seconds > 1.0 and reply.startswith(b"HTTP/1.1 200"), (seconds, reply[-300:])
+    answer = json.loads(reply.partition(b"\r\n\r\n")[2])
+    assert answer["usage"]["completion_tokens"] == 60 and answer["choices"][0]["finish_reason"] == "length"
+
+
+# ---------------------------------------------------------------------------------------------- #30 item 5
+def _drip(sock: socket.socket, interval_s: float, stop: threading.Event) -> None:
+    """Send one body byte every ``interval_s`` until ``stop`` or the server closes the connection."""
+    while not stop.wait(interval_s):
+        try:
+            sock.sendall(b" ")
+        except OSError:
+            return
+
+
+def _dripped_request(port: int, head: str, interval_s: float) -> tuple[float, bytes]:
+    """(seconds until the server closed the connection, its reply) for ``head`` (headers announcing a 1,000-byte
+    body) followed by a body dripped one byte per ``interval_s`` (under the 0.5 s body timeout)."""
+    stop = threading.Event()
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port), timeout=8) as sock:
+        sock.sendall(head.encode() + b'{"model": ')
+        dripper = threading.Thread(target=_drip, args=(sock, interval_s, stop), daemon=True)
+        dripper.start()
+        try:
+            reply = _read_until_closed(sock)
+        finally:
+            stop.set()
+            dripper.join(5)
+    return time.perf_counter() - start, reply
+
+
+def test_dripped_bodies_are_bounded_in_total_time(server):
+    """A body dripped a byte every 0.2 s (each pause under the 0.5 s body timeout) is cut off once the whole body
+    is late: with a 408 while the app reads it, and closed when the app answered early (401) and never reads it."""
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    )
+    seconds, reply = _dripped_request(server.port, head, 0.2)
+    assert seconds < 3 and reply.startswith(b"HTTP/1.1 408") and b"did not arrive in time" in reply, reply
+    unauthorized = head.replace(KEY, "wrong-key")
+    seconds, reply = _dripped_request(server.port, unauthorized, 0.2)
+    assert seconds < 3 and reply.startswith(b"HTTP/1.1 401"), (seconds, reply)
+
+
+def test_connections_per_client_address_are_capped(engine):
+    settings = ServerSettings(model_name=MODEL, api_key=KEY, header_timeout_s=20, max_connections_per_client=3)
+    with HardenedServer(create_app(engine, settings), settings) as live:
+        held = [socket.create_connection(("127.0.0.1", live.port), timeout=10) for _ in range(3)]
+        try:
+            with socket.create_connection(("127.0.0.1", live.port), timeout=10) as extra:
+                reply = _read_until_closed(extra)
+            assert reply.startswith(b"HTTP/1.1 429"), reply
+            error = json.loads(reply.partition(b"\r\n\r\n")[2])["error"]
+            assert error["code"] == "too_many_connections" and "3 open connections" in error["message"]
+            held.pop().close()
+            deadline = time.monotonic() + 10
+            while (status := httpx.get(f"{live.url}/health", timeout=10).status_code) != 200:
+                assert time.monotonic() < deadline, status  # the closed one's slot is given back
+                time.sleep(0.05)
+        finally:
+            for sock in held:
+                sock.close()
+
+
+# ---------------------------------------------------------------------------------------------- #30 item 4
+def test_required_parallel_calls_end_when_the_budget_cannot_hold_another(server):
+    """``tool_choice="required"`` with parallel calls and ``max_tokens`` under twice a call's length: the complete
+    call ends the turn (``tool_calls``) instead of the model's cut repeat (``length``)."""
+    client = server.client()
+    request = {"model": MODEL, "messages": chat("What is the weather in Paris?"), "temperature": 0}
+    request |= {"tools": [WEATHER_TOOL], "tool_choice": "required"}
+    single = client.chat.completions.create(**request, max_tokens=64, parallel_tool_calls=False)
+    call_tokens = single.usage.completion_tokens
+    assert single.choices[0].finish_reason == "tool_calls" and call_tokens < 40, single
+    for stream in (False, True):
+        budget = call_tokens * 3 // 2
+        if not stream:
+            answer = client.chat.completions.create(**request, max_tokens=budget)
+            finish, calls = answer.choices[0].finish_reason, answer.choices[0].message.tool_calls
+            arguments = [call.function.arguments for call in calls]
+        else:
+            chunks = list(client.chat.completions.create(**request, max_tokens=budget, stream=True))
+            finish = next(c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason)
+            deltas = [d for chunk in chunks for c in chunk.choices for d in c.delta.tool_calls or []]
+            indices = sorted({d.index for d in deltas})
+            arguments = ["".join(d.function.arguments or "" for d in deltas if d.index == i) for i in indices]
+        assert finish == "tool_calls", (stream, finish, arguments)
+        assert arguments == [single.choices[0].message.tool_calls[0].function.arguments]
+
+
+# ---------------------------------------------------------------------------------------------- #30 item 6
+def _documents(count: int) -> list[str]:
+    """``count`` distinct documents of about 100 tokens each."""
+    tag = time.time_ns()
+    return [f"Document {tag}-{i}. " + " ".join(f"word{(i * 7 + j) % 97}" for j in range(45)) for i in range(count)]
+
+
+def test_warm_documents_are_capped(server):
+    response = post(server, {"documents": ["d"] * 257}, "/v1/warm")
+    assert response.status_code == 400 and "limit of 256" in response.json()["error"]["message"], response.text
+
+
+def test_warm_yields_to_decoding(server):
+    """A chat sent while 40 documents are warmed is answered between two of them, not after the last."""
+    warmed: list[tuple[float, int]] = []
+
+    def warm() -> None:
+        start = time.perf_counter()
+        status = post(server, {"documents": _documents(40)}, "/v1/warm").status_code
+        warmed.append((time.perf_counter() - start, status))
+
+    thread = threading.Thread(target=warm)
+    thread.start()
+    time.sleep(0.3)  # the warm has started
+    start = time.perf_counter()
+    chat_status = post(server, {"model": MODEL, "messages": chat("Say hi."), "max_tokens": 1}).status_code
+    chat_s = time.perf_counter() - start
+    still_warming = thread.is_alive()
+    thread.join(120)
+    ((warm_s, warm_status),) = warmed
+    assert chat_status == warm_status == 200 and still_warming and chat_s < warm_s / 2, (chat_s, warm_s)
+
+
+def test_warm_stops_when_the_client_disconnects(server, engine):
+    puts = lambda: engine.store.stats()["puts"]  # noqa: E731
+    before = puts()
+    body = json.dumps({"documents": _documents(200)}).encode()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/warm", content=body, headers=HEADERS, timeout=1.5)
+    time.sleep(1.0)  # the document being stored when the client left
+    stopped = puts()
+    time.sleep(1.5)
+    assert puts() == stopped and stopped - before < 200 * 5, (before, stopped, puts())

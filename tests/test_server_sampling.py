@@ -145,7 +145,8 @@ def test_tool_arguments_and_json_schema_share_the_compact_grammar(grammars):
 
 
 def test_tool_call_processor_ends_the_turn_at_a_repeated_call(grammars):
-    """Under ``required`` with parallel calls the grammar allows calls without end; a repeat ends the turn."""
+    """Under ``required`` with parallel calls the grammar allows calls without end; a repeat ends the turn, and so
+    does a budget too small for another call as long as the shortest one so far."""
     from kvboost_hf.hf.grammar import Tool
 
     grammar = grammars.compiler.tool_calls([Tool("get_weather", CITY)], required=True, parallel=True).result()
@@ -153,8 +154,8 @@ def test_tool_call_processor_ends_the_turn_at_a_repeated_call(grammars):
     prompt = tokenizer.encode("Weather?")
     ends = set(grammar.tokenizer_info.stop_token_ids)
 
-    def allowed_after(text: str) -> set[int]:
-        processor = grammars.compiler.tool_call_processor(grammar, len(prompt), tokenizer.decode)
+    def allowed_after(text: str, max_new_tokens: int = 256) -> set[int]:
+        processor = grammars.compiler.tool_call_processor(grammar, len(prompt), tokenizer.decode, max_new_tokens)
         ids = prompt + tokenizer.encode(text, add_special_tokens=False)
         scores = processor(torch.tensor([ids]), torch.zeros(1, len(tokenizer)))
         return set(torch.isfinite(scores[0]).nonzero().flatten().tolist())
@@ -162,3 +163,8 @@ def test_tool_call_processor_ends_the_turn_at_a_repeated_call(grammars):
     paris, rome = tag("get_weather", '{"city": "Paris"}'), tag("get_weather", '{"city": "Rome"}')
     assert allowed_after(paris) > ends and allowed_after(f"{paris}\n{rome}") > ends  # another call may follow
     assert allowed_after(f"{paris}\n{rome}\n{paris}") == ends
+    call = len(tokenizer.encode(paris, add_special_tokens=False))
+    assert allowed_after(paris, 2 * call + 2) > ends  # room for one more call of that length
+    assert allowed_after(paris, 2 * call - 1) == ends  # none: the turn ends with its complete call
+    two = len(tokenizer.encode(f"{paris}\n{rome}", add_special_tokens=False))
+    assert allowed_after(f"{paris}\n{rome}", two + two // 2 + 1) > ends  # two calls seen at once: each half the span

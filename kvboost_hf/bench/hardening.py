@@ -11,11 +11,26 @@ older commit unpacked elsewhere); its server runs as ``python -m kvboost_hf.serv
 * ``parts`` (item 7): 8 bodies of 120k text parts (~3.5 MiB) at once; measured: worst ``/health`` latency.
 * ``loris`` (item 9): ``--connections`` sockets that send half a request header and stop; measured: how many the
   server still holds after ``--hold-s`` seconds and the worst ``/health`` latency meanwhile.
+
+Issue #30 (``--loads`` picks a subset; every load runs by default):
+
+* ``close`` (item 2): a streamed chat of ``--close-tokens`` tokens (``ignore_eos``) with ``Connection: close``;
+  measured: seconds, status, ``408`` bytes in the reply, whether it ends with ``[DONE]``;
+* ``pattern`` (item 3): tenant A sends two schemas with ``"pattern": "[a-z]{1,30000}"`` (and 30001) at once while
+  tenant B sends small structured chats one after another for ``--pattern-s`` seconds; measured: B's codes and
+  worst latency, A's codes and seconds;
+* ``drip`` (item 5): ``--drip-connections`` bodies dripped one byte a second; measured: how many the server still
+  holds after ``--drip-hold-s`` seconds; then ``--idle-connections`` idle sockets from one address: how many were
+  refused at once (429) and the worst ``/health`` latency meanwhile;
+* ``warm`` (item 6): ``/v1/warm`` with 256 documents of ~100 tokens while a one-token chat is sent; measured: the
+  chat's and the warm's seconds; then a one-token chat 0.5 s after a client that asked for 256 more documents
+  disconnected at 1 s (the worker still warming for nobody shows in its time).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -23,6 +38,7 @@ import socket
 import statistics
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -144,12 +160,139 @@ def loris_load(url: str, port: int, connections: int, hold_s: float) -> dict[str
     return {"held_after_s": held, "health_worst_s": worst}
 
 
+def close_load(port: int, tokens: int) -> dict[str, Any]:
+    payload = {**chat_body(None, "close"), "max_tokens": tokens, "ignore_eos": True, "stream": True}
+    body = json.dumps(payload).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port), timeout=300) as sock:
+        sock.sendall(head.encode() + body)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    return {
+        "seconds": time.perf_counter() - start,
+        "status": reply[9:12].decode(errors="replace"),
+        "raw_408": reply.count(b"HTTP/1.1 408"),
+        "done": b"data: [DONE]" in reply,
+    }
+
+
+def pattern_load(url: str, seconds: float) -> dict[str, Any]:
+    chat_url = f"{url}/v1/chat/completions"
+    slow = [chat_body({"type": "string", "pattern": f"[a-z]{{1,{30000 + i}}}"}, "tenant-a") for i in range(2)]
+    small = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    timed_post(chat_url, chat_body(small, "warm-up"))  # compile processes up (new build)
+    with ThreadPoolExecutor(2) as pool:
+        attacks = [pool.submit(timed_post, chat_url, body, 300.0) for body in slow]
+        time.sleep(0.5)
+        tenant_b: list[tuple[float, int]] = []
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            tenant_b.append(timed_post(chat_url, chat_body(small, f"tenant-b-{len(tenant_b)}")))
+        tenant_a = [attack.result() for attack in attacks]
+    return {
+        "tenant_b_codes": dict(Counter(code for _, code in tenant_b)),
+        "tenant_b_worst_s": max(s for s, _ in tenant_b),
+        "tenant_a": [(round(s, 2), code) for s, code in tenant_a],
+    }
+
+
+def drip_load(url: str, port: int, connections: int, hold_s: float, idle: int) -> dict[str, Any]:
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+    )
+    sockets = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(connections)]
+    for sock in sockets:
+        sock.sendall(head)
+    deadline = time.perf_counter() + hold_s
+    while time.perf_counter() < deadline:
+        time.sleep(1.0)
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.sendall(b" ")
+    held = 0
+    for sock in sockets:
+        sock.setblocking(False)
+        try:
+            sock.recv(1)  # an answer or the end of stream: the server let go
+        except BlockingIOError:
+            held += 1  # nothing: the server still holds it
+        except OSError:
+            pass
+        sock.close()
+
+    def open_idle() -> int:
+        refused, opened = 0, []
+        for _ in range(idle):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            opened.append(sock)
+            sock.settimeout(0.05)
+            with contextlib.suppress(TimeoutError):
+                refused += sock.recv(12).startswith(b"HTTP/1.1 429")
+        for sock in opened:
+            sock.close()
+        return refused
+
+    worst, refused = worst_latency_during(health_probe(url), open_idle)
+    return {"dripping_held": held, "idle_refused": refused, "health_worst_s": worst}
+
+
+def warm_load(url: str) -> dict[str, Any]:
+    tag = time.time_ns()
+    docs = [f"Doc {tag}-{i}. " + " ".join(f"w{(i * 7 + j) % 97}" for j in range(45)) for i in range(512)]
+    warm_url, chat_url = f"{url}/v1/warm", f"{url}/v1/chat/completions"
+    with ThreadPoolExecutor(1) as pool:
+        warming = pool.submit(timed_post, warm_url, {"documents": docs[:256]}, 600.0)
+        time.sleep(0.5)
+        chat_s, chat_code = timed_post(chat_url, chat_body(None, "other"))
+        warm_s, warm_code = warming.result()
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(warm_url, json={"documents": docs[256:]}, timeout=1.0)  # the client leaves after 1 s
+    time.sleep(0.5)
+    after_s, after_code = timed_post(chat_url, chat_body(None, "other"))
+    return {
+        "chat_during_warm_s": chat_s,
+        "warm_s": warm_s,
+        "chat_after_disconnect_s": after_s,
+        "codes": [chat_code, warm_code, after_code],
+    }
+
+
+def run_loads(server: ServerProcess, args: argparse.Namespace) -> dict[str, Any]:
+    """The results of the loads ``args.loads`` names against ``server``, in order."""
+    loads: dict[str, Callable[[], dict[str, Any]]] = {
+        "schemas": lambda: schemas_load(server.url, args.schema_requests),
+        "parts": lambda: parts_load(server.url),
+        "loris": lambda: loris_load(server.url, server.port, args.connections, args.hold_s),
+        "close": lambda: close_load(server.port, args.close_tokens),
+        "pattern": lambda: pattern_load(server.url, args.pattern_s),
+        "drip": lambda: drip_load(
+            server.url, server.port, args.drip_connections, args.drip_hold_s, args.idle_connections
+        ),
+        "warm": lambda: warm_load(server.url),
+    }
+    return {name: loads[name]() for name in args.loads}
+
+
+LOADS = ("schemas", "parts", "loris", "close", "pattern", "drip", "warm")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvboost_hf.bench hardening", description=__doc__)
     parser.add_argument("--source", action="append", type=Path, required=True, help="directory with kvboost_hf")
     parser.add_argument("--schema-requests", type=int, default=7)
     parser.add_argument("--connections", type=int, default=300)
     parser.add_argument("--hold-s", type=float, default=15.0)
+    parser.add_argument("--loads", nargs="+", choices=LOADS, default=list(LOADS), help="which loads to run")
+    parser.add_argument("--close-tokens", type=int, default=300)
+    parser.add_argument("--pattern-s", type=float, default=20.0)
+    parser.add_argument("--drip-connections", type=int, default=50)
+    parser.add_argument("--drip-hold-s", type=float, default=35.0)
+    parser.add_argument("--idle-connections", type=int, default=200)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
@@ -159,11 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         server = ServerProcess([], startup_timeout_s=300, env=env, cwd=source.resolve())
         try:
             timed_post(f"{server.url}/v1/chat/completions", chat_body(None, "plain"))
-            results[str(source)] = {
-                "schemas": schemas_load(server.url, args.schema_requests),
-                "parts": parts_load(server.url),
-                "loris": loris_load(server.url, server.port, args.connections, args.hold_s),
-            }
+            results[str(source)] = run_loads(server, args)
         finally:
             server.stop()
         print(json.dumps({str(source): results[str(source)]}, indent=1), flush=True)

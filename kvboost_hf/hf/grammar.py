@@ -14,10 +14,12 @@ until the grammar is complete); :class:`ToolCallProcessor` also ends a turn whos
 :func:`parse_tool_calls` (a whole answer) and :class:`ToolCallStream` (a stream) read the calls back out of the
 generated text by the same rules, so streamed and whole answers agree and markup never leaks.
 
-Compiles run on the compiler's own bounded pool (``GrammarLimits``): a constraint source larger than
-``max_schema_bytes`` is refused before compiling, at most ``max_waiting`` compiles are queued or running
-(:class:`GrammarBusy` beyond), and compiled grammars are cached per ``tenant`` (xgrammar's process-wide cache is
-off), so whether and when one tenant compiled a schema never changes another tenant's compile time.
+Compiles run in the compiler's own child processes (:mod:`~kvboost_hf.hf.grammar_process`, bounded by
+``GrammarLimits``): a constraint source larger than ``max_schema_bytes`` is refused before compiling, a compile
+running longer than ``compile_limit_s`` is killed (GrammarError: the size of a schema does not bound its compile
+time), at most ``max_waiting`` compiles are queued or running (:class:`GrammarBusy` beyond), one tenant never runs
+on every worker, and compiled grammars are cached per ``tenant`` (xgrammar's process-wide cache is off), so whether
+and when one tenant compiled a schema never changes another tenant's compile time.
 
 Invariant: a row constrained by a processor can only produce text the grammar accepts (or a prefix of it when its
 token budget runs out first).
@@ -25,18 +27,21 @@ token budget runs out first).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import xgrammar
 from transformers import LogitsProcessor, PreTrainedTokenizerBase
+
+from kvboost_hf.hf.grammar_process import CompileFailed, CompilePool, CompileProcess, CompileTimeout
 
 TOOL_CALL_BEGIN = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -67,16 +72,19 @@ class GrammarLimits:
     Attributes:
         max_schema_bytes: largest constraint source in UTF-8 bytes (a schema's JSON text, or the tool-call
             structure with every tool's parameters).
-        compile_timeout_s: how long a caller should wait for a compile, in seconds (applied by the caller, e.g.
-            the server's admission; the compile itself cannot be interrupted and finishes in the background).
-        workers: compiles running at once.
+        compile_timeout_s: how long a caller should wait for a compile, queueing included, in seconds (applied by
+            the caller, e.g. the server's admission; the compile goes on in the background and is cached).
+        compile_limit_s: longest compile in seconds (its process is killed and the constraint refused after).
+        workers: compiles running at once, each in a child process; a tenant runs at most workers - 1.
+            (1 worker: that one; every worker process holds its own xgrammar and torch import.)
         max_waiting: compiles queued or running.
         cache_entries: compiled grammars kept, least recently used dropped first.
     """
 
     max_schema_bytes: int = 32 << 10
     compile_timeout_s: float = 10.0
-    workers: int = 1
+    compile_limit_s: float = 5.0
+    workers: int = 2
     max_waiting: int = 4
     cache_entries: int = 128
 
@@ -115,8 +123,7 @@ class GrammarCompiler:
     ) -> None:
         self.limits = limits or GrammarLimits()
         self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgrammar.GrammarCompiler(self.info, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="kvboost-grammar")
+        self._pool = CompilePool(self.info, self.limits.workers)
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str | None, str], xgrammar.CompiledGrammar] = OrderedDict()
         self._waiting: dict[tuple[str | None, str], Compiled] = {}
@@ -128,9 +135,7 @@ class GrammarCompiler:
     def json_schema(self, schema: dict[str, Any], *, tenant: str | None = None) -> Compiled:
         """JSON valid against ``schema``, compact (:func:`compact_json_grammar`)."""
         source = json.dumps(schema)
-        return self._compile(
-            tenant, f"json {source}", lambda: self._compiler.compile_grammar(compact_json_grammar(schema))
-        )
+        return self._compile(tenant, f"json {source}", "json_schema", [source])
 
     def tool_calls(
         self, tools: Sequence[Tool], *, required: bool, parallel: bool, tenant: str | None = None
@@ -140,25 +145,36 @@ class GrammarCompiler:
         if not tools:
             raise GrammarError("no tools to call")
         source = json.dumps([[tool.name, tool.parameters] for tool in tools] + [required, parallel])
-        return self._compile(
-            tenant,
-            f"tags {source}",
-            lambda: self._compiler.compile_structural_tag(_tool_call_structure(tools, required, parallel)),
-        )
+        jobs_tools = [[tool.name, tool.parameters, tool.description] for tool in tools]
+        return self._compile(tenant, f"tags {source}", "tool_calls", [jobs_tools, required, parallel])
 
     def processor(self, grammar: xgrammar.CompiledGrammar, prompt_length: int) -> GrammarProcessor:
         """A fresh processor (own matcher state) for one row whose prompt has ``prompt_length`` tokens."""
         return GrammarProcessor(grammar, prompt_length, self.info.vocab_size)
 
     def tool_call_processor(
-        self, grammar: xgrammar.CompiledGrammar, prompt_length: int, decode: Callable[[list[int]], str]
+        self,
+        grammar: xgrammar.CompiledGrammar,
+        prompt_length: int,
+        decode: Callable[[list[int]], str],
+        max_new_tokens: int,
     ) -> ToolCallProcessor:
-        """A fresh :class:`ToolCallProcessor` for one row of a :meth:`tool_calls` grammar."""
-        return ToolCallProcessor(grammar, prompt_length, self.info.vocab_size, decode)
+        """A fresh :class:`ToolCallProcessor` for one row of a :meth:`tool_calls` grammar with a budget of
+        ``max_new_tokens``."""
+        return ToolCallProcessor(grammar, prompt_length, self.info.vocab_size, decode, max_new_tokens)
 
-    def _compile(self, tenant: str | None, source: str, compile_fn: Callable[[], xgrammar.CompiledGrammar]) -> Compiled:
-        """The future of ``compile_fn()``'s grammar, cached under ``(tenant, source)``; one compile per key even
-        when several callers ask at once."""
+    def wait_started(self) -> None:
+        """Wait until the compile processes are up (seconds, once per compiler; see :class:`CompilePool`)."""
+        self._pool.wait_started()
+
+    def close(self) -> None:
+        """Stop compiling: queued compiles are cancelled and the child processes end."""
+        self._pool.close()
+
+    def _compile(self, tenant: str | None, source: str, kind: str, args: list[Any]) -> Compiled:
+        """The future of the grammar of compile job ``kind`` with ``args`` (in a child process:
+        :mod:`~kvboost_hf.hf.grammar_child`), cached under ``(tenant, source)``; one compile per key even when
+        several callers ask at once."""
         size = len(source.encode("utf-8", "surrogatepass"))
         if size > self.limits.max_schema_bytes:
             raise GrammarError(
@@ -175,18 +191,26 @@ class GrammarCompiler:
                 return self._waiting[key]
             if len(self._waiting) >= self.limits.max_waiting:
                 raise GrammarBusy(f"{len(self._waiting)} grammar compiles are already waiting; retry later")
-            future = self._pool.submit(self._run, key, compile_fn)
+            future = self._pool.submit(tenant, functools.partial(self._run, key, kind, args))
             self._waiting[key] = future
             return future
 
     def _run(
-        self, key: tuple[str | None, str], compile_fn: Callable[[], xgrammar.CompiledGrammar]
+        self, key: tuple[str | None, str], kind: str, args: list[Any], process: CompileProcess
     ) -> xgrammar.CompiledGrammar:
-        """One compile on the pool: cached on success; GrammarError on failure; never left waiting."""
+        """One compile in ``process``: cached on success; GrammarError on failure or past the time limit; never
+        left waiting."""
+        limit = self.limits.compile_limit_s
         try:
-            grammar = compile_fn()
-        except (RuntimeError, ValueError, TypeError) as exc:
+            grammar = process.compile(kind, args, limit)
+        except CompileFailed as exc:
             raise GrammarError(f"cannot compile the constraint: {exc}".strip()) from exc
+        except CompileTimeout as exc:
+            message = (
+                f"the constraint did not compile within this server's limit of {limit:g} s (large repetition "
+                "counts such as {1,30000} in patterns, or large length or item bounds, make compiles slow)"
+            )
+            raise GrammarError(message) from exc
         else:
             with self._lock:
                 self._cache[key] = grammar
@@ -206,7 +230,7 @@ def compact_json_grammar(schema: dict[str, Any]) -> xgrammar.Grammar:
     return xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
 
 
-def _tool_call_structure(tools: Sequence[Tool], required: bool, parallel: bool) -> str:
+def tool_call_structure(tools: Sequence[Tool], required: bool, parallel: bool) -> str:
     """The xgrammar structural tag (JSON text) of calls of ``tools`` in the tag format, each call's arguments in
     the compact grammar of its parameter schema."""
     tags = [
@@ -252,8 +276,13 @@ class ToolCallProcessor(GrammarProcessor):
     generated text holds a complete call equal to an earlier call of the turn, only end tokens are allowed (when
     the grammar allows ending there), and that repeat is dropped when the calls are read (:func:`_read`). A
     model that keeps repeating its call under ``tool_choice="required"`` thus ends with ``finish_reason
-    "tool_calls"``, as OpenAI models do, instead of running out of tokens. ``decode``: generated token ids ->
-    text, safe to call from the decoding thread."""
+    "tool_calls"``, as OpenAI models do, instead of running out of tokens.
+
+    Budget: once a call is complete, the turn also ends when the ``max_new_tokens`` left are fewer than the tokens
+    the shortest complete call of the turn took (counted from the end of the call before it, the first from the
+    start of the answer): a further call, most often the model's repeat, could not complete, and the answer would
+    end with ``finish_reason "length"`` around complete calls. ``decode``: generated token ids -> text, safe to call
+    from the decoding thread."""
 
     def __init__(
         self,
@@ -261,10 +290,15 @@ class ToolCallProcessor(GrammarProcessor):
         prompt_length: int,
         vocab_size: int,
         decode: Callable[[list[int]], str],
+        max_new_tokens: int,
     ) -> None:
         super().__init__(grammar, prompt_length, vocab_size)
         self.decode = decode
+        self.max_new_tokens = max_new_tokens
         self.end_token_ids = list(grammar.tokenizer_info.stop_token_ids)
+        self.complete_calls = 0  # complete calls read so far
+        self.last_call_end = 0  # generated tokens when the last of them was first seen complete
+        self.shortest_call: int | None = None  # fewest tokens a complete call of this turn took
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         masked = super().__call__(input_ids, scores)
@@ -273,7 +307,14 @@ class ToolCallProcessor(GrammarProcessor):
         if not torch.isfinite(ends).any():  # the grammar does not allow ending here: nothing to decide
             return masked
         generated = input_ids[0, self.prompt_length :].tolist()
-        return ends if _read(self.decode(generated), final=False).repeated else masked
+        reading = _read(self.decode(generated), final=False)
+        complete = sum(call.complete for call in reading.calls)
+        if complete > self.complete_calls:  # one call per step while decoding; several share the span evenly
+            span = (len(generated) - self.last_call_end) // (complete - self.complete_calls)
+            self.shortest_call = span if self.shortest_call is None else min(self.shortest_call, span)
+            self.complete_calls, self.last_call_end = complete, len(generated)
+        no_room = self.shortest_call is not None and self.max_new_tokens - len(generated) < self.shortest_call
+        return ends if reading.repeated or no_room else masked
 
 
 @dataclass(frozen=True)

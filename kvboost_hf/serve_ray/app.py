@@ -195,6 +195,30 @@ class SseEvents:
         return [event + b"\n\n" for event in events]
 
 
+class StreamIdentity:
+    """Keeps one ``id`` and ``created`` over a stream continued by another replica: the first event's values are
+    remembered, and events of a resumed attempt (``data: {...}`` chunks of chat or text completions) carry them
+    instead of the new replica's."""
+
+    FIELDS = ("id", "created")
+
+    def __init__(self) -> None:
+        self.fields: dict[str, object] | None = None
+
+    def keep(self, event: bytes, resumed: bool) -> bytes:
+        """``event`` as relayed: remembered if it is the first chunk, rewritten if ``resumed`` and different."""
+        if not event.startswith(b"data: {") or (self.fields is not None and not resumed):
+            return event
+        chunk = json.loads(event[len(b"data: ") :])
+        if self.fields is None:
+            self.fields = {name: chunk[name] for name in self.FIELDS if name in chunk}
+            return event
+        if all(chunk.get(name, value) == value for name, value in self.fields.items()):
+            return event
+        chunk |= {name: value for name, value in self.fields.items() if name in chunk}
+        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
 class ReplicasLost(Exception):
     """Every attempt at a request met a dead replica."""
 
@@ -276,8 +300,11 @@ class Ingress:
         self, forwarded: ForwardedRequest, parts: DeploymentResponseGenerator, reproducible: bool
     ) -> AsyncIterator[bytes]:
         """Relay complete events; if the replica dies, continue a reproducible stream on another replica from the
-        first event the client has not seen (its earlier events are generated again and skipped)."""
+        first event the client has not seen (its earlier events are generated again and skipped). The stream keeps
+        its first ``id`` and ``created`` (:class:`StreamIdentity`); its usage, if asked for, is the last replica's,
+        which generated the whole answer again: its tokens are the whole answer's."""
         relayed, attempts = 0, 1
+        identity = StreamIdentity()
         try:
             while True:
                 events, skip = SseEvents(), relayed
@@ -288,7 +315,7 @@ class Ingress:
                                 skip -= 1
                                 continue
                             relayed += 1
-                            yield event
+                            yield identity.keep(event, resumed=attempts > 1)
                     return
                 except REPLICA_LOST as exc:
                     logger.warning("replica lost after %d events (attempt %d): %s", relayed, attempts, exc)

@@ -10,7 +10,13 @@ import threading
 from typing import TYPE_CHECKING, Any, cast
 
 from kvboost_hf.serve_ray.routing import FALLBACKS
-from kvboost_hf.server.launch import LOOPBACK, add_arguments, configure_process, server_settings, warn_if_open
+from kvboost_hf.server.launch import (
+    LOOPBACK,
+    add_arguments,
+    configure_process,
+    server_settings,
+    warn_if_open,
+)
 
 if TYPE_CHECKING:
     from ray.serve import Deployment
@@ -97,10 +103,23 @@ def start(args: argparse.Namespace) -> str:
     host = args.host or LOOPBACK
     warn_if_open(host, args.api_key)
     if not ray.is_initialized():
-        ray.init(address=args.address, num_cpus=args.num_cpus if args.address is None else None)
+        if args.address is None:
+            init_local_ray(args.num_cpus)
+        else:
+            ray.init(address=args.address)
     serve.start(http_options={"host": host, "port": args.port})
     serve.run(build_application(args), name=APP_NAME, route_prefix="/")
     return f"http://{host}:{args.port}"
+
+
+def init_local_ray(num_cpus: int | None, **kwargs: Any) -> None:
+    """Start a local Ray without its dashboard (whose HTTP job API runs arbitrary code). Ray allows no more: it
+    refuses a loopback node address (``ray.init(_node_ip_address="127.0.0.1")`` is replaced by the host's address)
+    and binds its gRPC servers (GCS, raylet, workers) and agents on every interface; the README lists what stays
+    open and how to firewall it. ``kwargs``: more ``ray.init`` options."""
+    import ray
+
+    ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -178,10 +178,15 @@ class Admission:
 
     async def _compiled(self, grammar: Compiled, param: str) -> None:
         """Wait (on the event loop) for ``grammar`` to compile: 400 when it cannot, 503 past the timeout (the
-        compile goes on in the background and is cached for this tenant)."""
-        timeout = self._compiler().limits.compile_timeout_s
+        compile goes on in the background and is cached for this tenant). The compile processes' start (once per
+        server, seconds) is waited for first and not counted."""
+        compiler = self._compiler()
+        await asyncio.to_thread(compiler.wait_started)
+        timeout = compiler.limits.compile_timeout_s
+        compiled = asyncio.wrap_future(grammar)
+        compiled.add_done_callback(_retrieve)  # a compile that fails after this wait timed out is not logged
         try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(grammar)), timeout)
+            await asyncio.wait_for(asyncio.shield(compiled), timeout)
         except GrammarError as exc:
             raise ApiError(400, str(exc), param=param, code="invalid_schema") from exc
         except TimeoutError as exc:
@@ -272,7 +277,7 @@ class Admission:
 
             def constraint(prompt_length: int) -> LogitsProcessor:  # called once the grammar compiled
                 if tool_calls:
-                    return compiler.tool_call_processor(grammar.result(), prompt_length, self._decode)
+                    return compiler.tool_call_processor(grammar.result(), prompt_length, self._decode, max_tokens)
                 return compiler.processor(grammar.result(), prompt_length)
 
         return JobParams(max_tokens, sampling, body.stop_strings(), top_logprobs, constraint)
@@ -356,6 +361,13 @@ class Admission:
                 logger.info("chat template renders tools: %s", self._template_renders_tools)
             return self._template_renders_tools
 
+    def close(self) -> None:
+        """End the grammar compiler's processes (at the app's shutdown)."""
+        with self._setup_lock:
+            if self._grammar is not None:
+                self._grammar.close()
+                self._grammar = None
+
     def _compiler(self) -> GrammarCompiler:
         with self._setup_lock:
             if self._grammar is None:
@@ -388,6 +400,12 @@ class Admission:
         bad = [token for token in ids if not 0 <= token < self.vocab_size]
         if bad:
             raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param=param)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark ``future``'s outcome as seen (asyncio logs exceptions nobody retrieved)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def plain_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:

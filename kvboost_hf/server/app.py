@@ -3,6 +3,8 @@
 ``create_app(engine, settings)`` builds the app; the worker thread starts and stops with the app's lifespan.
 Layers, outermost first:
 
+* the connection (:mod:`~kvboost_hf.server.transport`, with :func:`uvicorn_config`): time bounds on reading a
+  request's headers and body, and a cap on the connections per client address;
 * :class:`RequestGate` (ASGI): the API key is checked from the headers before any byte of the body is read (only
   ``/health`` is public; ``/docs``, ``/redoc`` and ``/openapi.json`` need the key when one is set), and a body
   larger than ``max_body_bytes`` is refused with 413 (by its Content-Length, or while it streams in);
@@ -26,14 +28,12 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.offload import layer_streamer
@@ -42,6 +42,7 @@ from kvboost_hf.server.errors import ApiError, install_error_handlers
 from kvboost_hf.server.metrics import Metrics
 from kvboost_hf.server.routes import register_routes
 from kvboost_hf.server.settings import REUSE_MODES, ServerSettings
+from kvboost_hf.server.transport import bounded_protocol
 from kvboost_hf.server.worker import Worker
 
 __all__ = ["GracefulServer", "RequestGate", "ServerSettings", "create_app", "uvicorn_config"]
@@ -56,11 +57,12 @@ class _BodyTooLarge(StarletteHTTPException):
 
 class _BodyTimeout(StarletteHTTPException):
     def __init__(self, seconds: float) -> None:
-        super().__init__(408, f"the request body did not arrive in time ({seconds:g} s between its parts)")
+        super().__init__(408, f"the request body did not arrive in time (within {seconds:g} s of its headers)")
 
 
 class RequestGate:
-    """ASGI middleware: API key from the headers first, then the body size limit, then the app."""
+    """ASGI middleware: API key from the headers first, then the body size limit, then the app. The whole body must
+    arrive within ``body_timeout_s`` of the request reaching the app (408 after, while the app reads it)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, body_timeout_s: float) -> None:
         self.app, self.max_body_bytes, self.body_timeout_s = app, max_body_bytes, body_timeout_s
@@ -82,13 +84,14 @@ class RequestGate:
             await ApiError(413, str(exc.detail), code="body_too_large").response()(scope, receive, send)
             return
         received, complete = 0, False
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
 
         async def counted() -> Message:
             nonlocal received, complete
             if complete:  # after the body: waits for a disconnect (streaming responses) are not bounded
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
             except TimeoutError:
                 raise _BodyTimeout(self.body_timeout_s) from None
             complete = not message.get("more_body", False)
@@ -201,52 +204,11 @@ class GracefulServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, answering 408 and closing a connection whose request headers are not complete
-    ``seconds`` after it opened or after its previous response ended (uvicorn bounds only idle keep-alive)."""
-
-    class HeaderTimeoutProtocol(H11Protocol):
-        header_timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            super().connection_made(transport)  # type: ignore[arg-type]
-            self._arm()
-
-        def handle_events(self) -> None:
-            super().handle_events()
-            if self.header_timer is not None and self.conn.their_state in (h11.SEND_BODY, h11.DONE):
-                self.header_timer.cancel()  # the headers are in
-                self.header_timer = None
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self.header_timer is not None:
-                self.header_timer.cancel()
-            super().connection_lost(exc)
-
-        def _arm(self) -> None:
-            if self.header_timer is not None:
-                self.header_timer.cancel()
-            self.header_timer = self.loop.call_later(seconds, self._expire)
-
-        def _expire(self) -> None:
-            self.header_timer = None
-            if not self.transport.is_closing() and self.conn.their_state not in (h11.SEND_BODY, h11.DONE):
-                self.transport.write(TIMEOUT_RESPONSE)
-                self.transport.close()
-
-    return HeaderTimeoutProtocol
-
-
-TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-
-
 def uvicorn_config(app: ASGIApp, settings: ServerSettings, **kwargs: Any) -> uvicorn.Config:
-    """uvicorn's configuration for ``app`` (h11 with ``settings.header_timeout_s``; ``kwargs``: host, port, ...)."""
-    return uvicorn.Config(app, http=header_timeout_protocol(settings.header_timeout_s), **kwargs)
+    """uvicorn's configuration for ``app``: h11 with the request-reading bounds of ``settings``
+    (:func:`~kvboost_hf.server.transport.bounded_protocol`); ``kwargs``: host, port, ..."""
+    protocol = bounded_protocol(settings.header_timeout_s, settings.body_timeout_s, settings.max_connections_per_client)
+    return uvicorn.Config(app, http=protocol, **kwargs)
 
 
 def create_app(engine: InferenceEngine, settings: ServerSettings | None = None) -> FastAPI:
@@ -263,11 +225,14 @@ def create_app(engine: InferenceEngine, settings: ServerSettings | None = None) 
     )
     _register_scraped(metrics, worker, engine)
 
+    admission = Admission(engine, settings, worker)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         worker.start()
         yield
         await asyncio.to_thread(worker.shutdown, settings.shutdown_grace_s)
+        await asyncio.to_thread(admission.close)
 
     app = FastAPI(title="kvboost_hf OpenAI-compatible server", version="0.1.0", lifespan=lifespan)
     app.router.route_class = _off_loop_route(settings.max_json_values)
@@ -283,7 +248,7 @@ def create_app(engine: InferenceEngine, settings: ServerSettings | None = None) 
         body_timeout_s=settings.body_timeout_s,
     )
     install_error_handlers(app)
-    register_routes(app, engine, settings, worker, Admission(engine, settings, worker), metrics)
+    register_routes(app, engine, settings, worker, admission, metrics)
     return app
 
 

@@ -5,7 +5,9 @@ health and metrics. Authentication and the body limit are checked before a route
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -99,23 +101,35 @@ def _register_generation_routes(
     """Warming, chat completions, completions and responses: the routes that run the model."""
 
     @app.post("/v1/warm", responses=ERRORS)
-    async def warm(body: WarmRequest) -> WarmResponse:
+    async def warm(body: WarmRequest, request: Request) -> WarmResponse:
         """Pre-load a text (or chat messages) so later prompts starting with it hit the cache, or documents so
-        that chat prompts marking them as documents hit them anywhere (figures summed over the documents)."""
+        that chat prompts marking them as documents hit them anywhere (figures summed over the documents).
+
+        Documents are stored one per worker call, so decoding of other requests runs between two documents, and
+        storing stops at the next document once the client has disconnected; at most ``max_warm_documents`` per
+        request (400 beyond)."""
         given = [name for name in ("text", "messages", "documents") if getattr(body, name) is not None]
         if len(given) != 1:
             raise ApiError(400, "give exactly one of 'text', 'messages' or 'documents'", param="text")
         if body.documents is not None and not all(body.documents):
             raise ApiError(400, "documents must be non-empty strings", param="documents")
-
-        def store() -> list[WarmResult]:  # on the worker thread
-            if body.documents is not None:
-                return engine.warm_documents(body.documents, cache_salt=body.cache_salt)
+        limit = settings.max_warm_documents
+        if body.documents is not None and len(body.documents) > limit:
+            message = f"{len(body.documents)} documents exceed this server's limit of {limit} per warm request"
+            raise ApiError(400, message, param="documents")
+        slices: list[Callable[[], list[WarmResult]]]
+        if body.documents is not None:
+            salt = body.cache_salt
+            slices = [functools.partial(engine.warm_documents, [doc], cache_salt=salt) for doc in body.documents]
+        else:
             prompt: Prompt = body.text if body.text is not None else plain_messages(body.messages or [])
-            return [engine.warm(prompt, cache_salt=body.cache_salt)]
-
+            slices = [lambda: [engine.warm(prompt, cache_salt=body.cache_salt)]]
+        results: list[WarmResult] = []
         try:
-            results = await asyncio.wrap_future(worker.call(store))
+            for store in slices:  # each on the worker thread, between decode steps
+                if await request.is_disconnected():
+                    raise ApiError(499, "the client disconnected; warming stopped")
+                results += await asyncio.wrap_future(worker.call(store))
         except ShuttingDown as exc:
             raise ApiError(503, str(exc)) from exc
         except ValueError as exc:

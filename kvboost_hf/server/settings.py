@@ -36,7 +36,10 @@ class ServerSettings:
             counted in a thread before validation, which runs on the event loop).
         header_timeout_s: time a client gets to send a request's headers, from connecting or from the end of its
             previous response (the connection is answered 408 and closed after), in seconds.
-        body_timeout_s: longest wait for the next piece of a request body (408 after), in seconds.
+        body_timeout_s: time a request's whole body may take to arrive after its headers (408 after), in seconds.
+        max_connections_per_client: open connections per client address, 0: no cap (429 beyond).
+            Behind a reverse proxy all clients share its address: raise it there.
+        max_warm_documents: most documents one /v1/warm request may store (400 beyond).
         document_boundaries: which chat contents start documents for non-prefix reuse with reuse_mode chunk
             (parts: each text part of a message with several; messages: also each message's content; none), unless
             a request names its own (see :mod:`kvboost_hf.hf.chat_segments`).
@@ -57,5 +60,7 @@ class ServerSettings:
     max_json_values: int = 20_000
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    max_connections_per_client: int = 128
+    max_warm_documents: int = 256
     document_boundaries: str = DocumentBoundaries.PARTS.value
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)

@@ -1,0 +1,234 @@
+"""Grammar compiles in child processes with a hard time limit, scheduled so that no tenant holds every worker.
+
+xgrammar's compile cannot be interrupted, and its time is not bounded by the constraint's size (a 46-byte schema
+``{"type": "string", "pattern": "[a-z]{1,30000}"}`` compiles for minutes). So each compile runs in a child
+process (:class:`CompileProcess`: a fresh interpreter, never a fork of the server's threads nor a re-run of its
+``__main__`` as multiprocessing would do) killed when the compile passes its time limit, and replaced at once
+(the new one starts in the background: it imports xgrammar, and so torch, in a few seconds); the compiled grammar
+comes back as xgrammar's JSON serialisation. A child that dies on a constraint (a crash inside xgrammar) costs
+that request only.
+
+:class:`CompilePool` runs jobs on ``workers`` threads, each driving one child. Invariant: a tenant runs at most
+``max(1, workers - 1)`` compiles at once (its further jobs wait, in arrival order), so with two or more workers
+one is always left to the other tenants, and each job holds its worker at most ``time_limit_s`` (plus the child's
+start after a kill, which is not counted against the next job's limit).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+import xgrammar
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+CHILD_START_TIMEOUT_S = 120.0  # a child imports xgrammar (and torch) before its first answer
+
+
+class CompileTimeout(RuntimeError):
+    """A compile ran past its time limit; its child process was killed."""
+
+
+class CompileFailed(RuntimeError):
+    """The constraint could not be compiled (xgrammar's message), or the child died compiling it."""
+
+
+class CompileProcess:
+    """One child process (``python -m kvboost_hf.hf.grammar_child``) compiling for one tokenizer: ``info``, also
+    written as xgrammar's JSON at ``tokenizer_path`` for the child to read. Jobs and answers are JSON lines on its
+    stdin and stdout (:mod:`~kvboost_hf.hf.grammar_child`). Used by one thread at a time."""
+
+    def __init__(self, info: xgrammar.TokenizerInfo, tokenizer_path: Path) -> None:
+        self.info, self.tokenizer_path = info, tokenizer_path
+        self._closed = False
+        self._start()
+
+    def _start(self) -> None:
+        package_root = str(Path(__file__).resolve().parents[2])  # the child imports this copy of kvboost_hf
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))}
+        self._child = subprocess.Popen(
+            [sys.executable, "-m", "kvboost_hf.hf.grammar_child", str(self.tokenizer_path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        self._ready = False
+
+    def compile(self, kind: str, args: list[Any], time_limit_s: float) -> xgrammar.CompiledGrammar:
+        """The grammar of job ``kind`` with JSON ``args`` (see the child module), compiled in the child within
+        ``time_limit_s`` seconds (CompileTimeout after: the child is killed and a new one started). Raises
+        CompileFailed when it cannot compile."""
+        try:
+            self.wait_ready()
+            assert self._child.stdin is not None
+            self._child.stdin.write(json.dumps({"kind": kind, "args": args}).encode() + b"\n")
+            self._child.stdin.flush()
+            answer = self._receive(time_limit_s)
+        except CompileTimeout:
+            self._restart()
+            raise
+        except (OSError, ValueError) as exc:  # a closed pipe, or a line cut by the child's death
+            self._restart()
+            raise CompileFailed(f"the grammar compiler process died ({exc or type(exc).__name__})") from exc
+        if answer["status"] != "ok":
+            raise CompileFailed(answer["message"])
+        return xgrammar.CompiledGrammar.deserialize_json(answer["grammar"], self.info)
+
+    def wait_ready(self) -> None:
+        """Wait (at most CHILD_START_TIMEOUT_S) for the child to have started (its first line)."""
+        if not self._ready:
+            self._receive(CHILD_START_TIMEOUT_S)
+            self._ready = True
+
+    def _receive(self, timeout_s: float) -> dict[str, Any]:
+        """The child's next answer line, its first byte within ``timeout_s``."""
+        stdout = self._child.stdout
+        assert stdout is not None
+        readable, _, _ = select.select([stdout], [], [], timeout_s)
+        if not readable:
+            raise CompileTimeout(f"no answer within {timeout_s:g} s")
+        line = stdout.readline()
+        if not line:
+            raise OSError(f"the child exited with status {self._child.wait(10)}")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def _restart(self) -> None:
+        self._stop()
+        if not self._closed:
+            self._start()
+
+    def close(self) -> None:
+        """Kill the child (a compile in flight fails) and start no other."""
+        self._closed = True
+        self._stop()
+
+    def _stop(self) -> None:
+        self._child.kill()
+        self._child.wait(10)
+        for stream in (self._child.stdin, self._child.stdout):
+            if stream is not None:
+                stream.close()
+
+
+class CompilePool:
+    """Runs compile jobs on ``workers`` threads, each with its own :class:`CompileProcess` (started on first use),
+    fairly across tenants (see the module); thread-safe."""
+
+    def __init__(self, info: xgrammar.TokenizerInfo, workers: int) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.info = info
+        self.workers = workers
+        self.per_tenant = max(1, workers - 1)
+        self._files: tempfile.TemporaryDirectory[str] | None = None  # holds the tokenizer's JSON for the children
+        self._cond = threading.Condition()
+        self._queue: list[tuple[str | None, Callable[[CompileProcess], Any], Future[Any]]] = []
+        self._running: Counter[str | None] = Counter()
+        self._threads: list[threading.Thread] = []
+        self._processes: list[CompileProcess] = []
+        self._closed = False
+        self._started = threading.Event()  # every worker's first child answered (or failed to start)
+        self._starting = 0  # workers whose first child has not answered yet
+
+    def start(self) -> None:
+        """Start the workers and their child processes (once; returns at once, see :meth:`wait_started`)."""
+        with self._cond:
+            if self._files is not None or self._closed:
+                return
+            self._files = tempfile.TemporaryDirectory(prefix="kvboost-grammar-")
+            self._tokenizer_path().write_text(self.info.serialize_json(), encoding="utf-8")
+            self._starting = self.workers
+            for index in range(self.workers):
+                thread = threading.Thread(target=self._work, name=f"kvboost-grammar-{index}", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+
+    def wait_started(self, timeout_s: float = CHILD_START_TIMEOUT_S) -> None:
+        """Start the workers if needed and wait until their children are up (seconds, once per pool: each imports
+        xgrammar and torch), so that a caller's compile wait measures compiling only."""
+        self.start()
+        self._started.wait(timeout_s)
+
+    def submit(self, tenant: str | None, job: Callable[[CompileProcess], T]) -> Future[T]:
+        """Queue ``job`` (run with a worker's process) for ``tenant``; its future holds the result or exception."""
+        future: Future[T] = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the grammar compile pool is closed")
+        self.start()
+        with self._cond:
+            self._queue.append((tenant, job, future))
+            self._cond.notify_all()
+        return future
+
+    def close(self) -> None:
+        """Kill every child (a compile in flight fails) and stop the workers; queued jobs are cancelled."""
+        with self._cond:
+            self._closed = True
+            for _, _, future in self._queue:
+                future.cancel()
+            self._queue.clear()
+            self._cond.notify_all()
+        with self._cond:
+            processes = list(self._processes)
+        for process in processes:  # a compile in flight fails at once (its caller gets an error)
+            process.close()
+        for thread in self._threads:
+            thread.join(30)
+        if self._files is not None:
+            self._files.cleanup()
+
+    def _tokenizer_path(self) -> Path:
+        assert self._files is not None
+        return Path(self._files.name) / "tokenizer_info.json"
+
+    def _next_job(self) -> tuple[str | None, Callable[[CompileProcess], Any], Future[Any]] | None:
+        """The oldest queued job whose tenant runs fewer than ``per_tenant`` compiles (None once closed)."""
+        with self._cond:
+            while not self._closed:
+                for index, (tenant, _, _) in enumerate(self._queue):
+                    if self._running[tenant] < self.per_tenant:
+                        self._running[tenant] += 1
+                        return self._queue.pop(index)
+                self._cond.wait()
+            return None
+
+    def _work(self) -> None:
+        process = CompileProcess(self.info, self._tokenizer_path())
+        with self._cond:
+            self._processes.append(process)
+        try:
+            process.wait_ready()
+        except (CompileTimeout, OSError, ValueError) as exc:  # its first compile restarts it
+            logger.error("a grammar compile process did not start: %s", exc)
+        with self._cond:
+            self._starting -= 1
+            if self._starting == 0:
+                self._started.set()
+        while (item := self._next_job()) is not None:
+            tenant, job, future = item
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(job(process))
+                    except BaseException as exc:  # the job's failure belongs to its caller
+                        future.set_exception(exc)
+            finally:
+                with self._cond:
+                    self._running[tenant] -= 1
+                    if self._running[tenant] <= 0:
+                        del self._running[tenant]
+                    self._cond.notify_all()
