@@ -222,7 +222,7 @@ def test_killed_replica_loses_no_request(client, engine, url):
 
 def test_local_ray_runs_no_dashboard(url):
     """The local Ray that ``python -m kvboost_hf.serve_ray`` starts has no dashboard (its job API runs arbitrary
-    code); what else stays open is listed in the README."""
+    code); what else stays open is listed in docs/server.md."""
     from ray._private.worker import global_worker
 
     assert not global_worker.node.address_info.get("webui_url"), global_worker.node.address_info

@@ -147,7 +147,7 @@ def test_separate_messages_are_documents_when_the_request_opts_in(client, exact_
 def test_warmed_documents_hit_in_any_order(client, exact_engine):
     salt = uuid.uuid4().hex
     docs = documents(salt)
-    warmed = client.post("/warm", body={"documents": docs, "cache_salt": salt}, cast_to=object)  # as in the README
+    warmed = client.post("/warm", body={"documents": docs, "cache_salt": salt}, cast_to=object)  # as in docs/server.md
     total = document_tokens(exact_engine.tokenizer, docs)
     assert warmed["token_count"] == total and warmed["chunks_stored"] >= 9
     response = ask(client, as_parts(docs[::-1]), salt)

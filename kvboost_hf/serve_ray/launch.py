@@ -115,8 +115,8 @@ def start(args: argparse.Namespace) -> str:
 def init_local_ray(num_cpus: int | None, **kwargs: Any) -> None:
     """Start a local Ray without its dashboard (whose HTTP job API runs arbitrary code). Ray allows no more: it
     refuses a loopback node address (``ray.init(_node_ip_address="127.0.0.1")`` is replaced by the host's address)
-    and binds its gRPC servers (GCS, raylet, workers) and agents on every interface; the README lists what stays
-    open and how to firewall it. ``kwargs``: more ``ray.init`` options."""
+    and binds its gRPC servers (GCS, raylet, workers) and agents on every interface; docs/server.md lists what
+    stays open and how to firewall it. ``kwargs``: more ``ray.init`` options."""
     import ray
 
     ray.init(num_cpus=num_cpus, include_dashboard=False, **kwargs)
