@@ -1,0 +1,30 @@
+"""The demo's closing summary (``kvboost_hf.demo.summary``): medians over the turns with something cached."""
+
+from __future__ import annotations
+
+from kvboost_hf.demo import Turn, summary
+from kvboost_hf.results import GenerationResult
+
+
+def _result(ttft_ms: float, output_ids: list[int], cached: int = 0, prompt: int = 100) -> GenerationResult:
+    return GenerationResult(
+        mode="chunk_kv_reuse", prompt="", output_text="", output_ids=output_ids, generated_tokens=len(output_ids),
+        ttft_ms=ttft_ms, total_ms=ttft_ms, tokens_per_sec=0.0, kv_reuse_ratio=cached / prompt, prompt_tokens=prompt,
+        cached_tokens=cached, finish_reason="length",
+    )  # fmt: skip
+
+
+def test_summary_uses_the_turns_after_the_first_and_counts_identical_outputs():
+    turns = [
+        Turn(_result(900, [1]), _result(880, [1])),  # turn 1: nothing cached yet, left out of the medians
+        Turn(_result(1000, [2]), _result(100, [2], cached=80)),
+        Turn(_result(1200, [3]), _result(150, [4], cached=90)),
+    ]
+    lines = summary(turns)
+    assert lines[0] == "TTFT, median of turns 2-3: cold 1100 ms, warm 125 ms (8.8x faster)"
+    assert lines[1] == "last turn: 90 of 100 prompt tokens loaded from the store (90%)"
+    assert lines[2] == "outputs identical cold vs warm: 2 of 3 turns"
+
+
+def test_summary_of_a_single_turn_uses_it():
+    assert summary([Turn(_result(500, [1]), _result(250, [1]))])[0].startswith("TTFT, median of turn 1: cold 500 ms")
