@@ -39,6 +39,7 @@ def prompts() -> list[list[int]]:
     return [torch.randint(1, 120, (n,), generator=generator).tolist() for n in (21, 9, 30)]
 
 
+@pytest.mark.parametrize("reuse", [False, True], ids=["plain", "chunk-reuse"])
 def test_greedy_rows_in_a_batch_equal_generate_alone(any_window_model, reuse):
     model = any_window_model
     store = ChunkStore() if reuse else None
