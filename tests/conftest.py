@@ -106,6 +106,31 @@ def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return _kernel_module_under_interpreter()
 
 
+@pytest.fixture
+def redis_server(tmp_path):
+    """A private redis-server for one test (skipped where redis-server is not installed)."""
+    import shutil
+
+    from helpers import RedisServer, free_port
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (.ci/start-redis.sh installs it)")
+    server = RedisServer(free_port(), tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def remote(redis_server):
+    """A RemoteTier on :func:`redis_server` with short timeouts (0.5 s per call, 0.2 s before a retry)."""
+    from kvboost_hf.store.remote import RemoteTier
+
+    tier = RemoteTier(redis_server.url, retry_after_s=0.2, timeout_s=0.5)
+    yield tier
+    tier.close(timeout_s=2)
+
+
 def greedy(model, ids, cache=None, new=8, **kwargs):
     """Greedy ``generate()`` on ``cache`` (None: plain): the sequences and the stacked logits ``[B, new, V]``."""
     out = model.generate(

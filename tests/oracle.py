@@ -1,32 +1,42 @@
-"""Test oracles from transformers' own ``generate()``, independent of the project's decode loop.
+"""Test oracles from transformers' own ``generate()``, independent of the project's decode loop and processors.
 
 :func:`reference` runs ``model.generate`` on one prompt alone with a ``DynamicCache`` built from the model's config
-(sliding-window layers included), never through :class:`~kvboost_hf.hf.decode.DecodeLoop`, so a defect the loop's
-modes share (positions, masks, processors, token choice) shows up as a difference.
+(sliding-window layers included), never through :class:`~kvboost_hf.hf.decode.DecodeLoop`, and builds the logits
+processors the way transformers does, from a ``GenerationConfig`` (:func:`generation_config`), never with the
+project's ``build_processors``. A defect of the loop (positions, masks, token choice, stop handling) or of the way it
+maps a request's settings to processors (which ones, their order, the prompt length they see) shows as a difference.
+
+The one setting transformers lacks is OpenAI's presence/frequency penalty; :class:`OpenAIPenalties` implements it
+here from OpenAI's definition (``logit -= frequency * count + presence * (count > 0)`` over the completion's tokens),
+and ``generate`` runs it after its own processors (logit bias, repetition penalty, min new tokens) and before its
+warpers (temperature, top-k, top-p, min-p), where OpenAI and vLLM apply it.
 
 What matches exactly, and why:
 
-* greedy: the argmax of transformers' processed scores; for any batch position of the loop, since a greedy row
-  equals itself alone;
-* seeded sampling, one row: transformers draws ``torch.multinomial(softmax(scores), 1)`` from torch's global
-  generator, the loop draws the same call from the row's own ``torch.Generator().manual_seed(seed)``; with
-  ``torch.manual_seed(seed)`` right before ``generate`` and the row's processors
-  (:func:`~kvboost_hf.hf.sampling.build_processors`) passed as ``logits_processor`` (generate's own warpers off),
-  both consume the same CPU random stream, so every draw is the same. A loop row in a batch matches its prompt
-  alone this way (its generator is its own);
+* greedy: the argmax of the processed scores; for any batch position of the loop, since a greedy row equals itself
+  alone;
+* seeded sampling, one row: the server's and engine's seeded rows are specified (README, "The tests' oracle") to
+  draw what ``generate`` draws for the prompt alone under ``torch.manual_seed(seed)``: transformers draws
+  ``torch.multinomial(softmax(scores), 1)`` from torch's global CPU generator, the loop the same call from the row's
+  own ``torch.Generator().manual_seed(seed)``, the same random stream. A loop row in a batch matches its prompt
+  alone this way (its generator is its own); the server's choice ``i`` of a request uses ``seed + i``;
 * what cannot match: transformers sampling a batch of several rows, which draws all rows from one global stream
   (row ``i`` of step ``t`` depends on every other row), so the oracle always runs one prompt alone.
+
+:func:`expected_text` turns the tokens into what the API returns: decoded without special tokens, cut before the
+first occurrence of any stop string (OpenAI's ``stop``).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
-from kvboost_hf.hf.sampling import SamplingParams, build_processors
+from kvboost_hf.hf.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -34,10 +44,65 @@ GREEDY = SamplingParams(temperature=0)
 @dataclass(frozen=True)
 class Reference:
     """transformers' output for one prompt: the generated ``tokens`` (an end token included, as the loop reports
-    them) and the raw logits of the first step ``[V]`` (fp32, CPU)."""
+    them), the raw logits of the first step ``[V]`` (fp32, CPU) and why it ended (``"stop"``: an end token,
+    ``"length"``: the token budget)."""
 
     tokens: list[int]
     first_logits: torch.Tensor
+    finish_reason: str
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's presence and frequency penalties over the tokens after the first ``prompt_length`` ones of each row:
+    ``logit[t] -= frequency * count(t) + presence * (count(t) > 0)``."""
+
+    def __init__(self, presence: float, frequency: float, prompt_length: int) -> None:
+        self.presence, self.frequency, self.prompt_length = presence, frequency, prompt_length
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        penalised = scores.clone()
+        for row, ids in enumerate(input_ids[:, self.prompt_length :].tolist()):
+            for token, count in Counter(ids).items():
+                penalised[row, token] = scores[row, token] - self.frequency * count - self.presence
+        return penalised
+
+
+def is_greedy(sampling: SamplingParams) -> bool:
+    """OpenAI's rule: temperature 0 decodes greedily."""
+    return sampling.temperature == 0
+
+
+def end_tokens(sampling: SamplingParams, eos_token_ids: Iterable[int]) -> list[int]:
+    """The tokens that end a row: ``stop_token_ids``, and EOS unless ``ignore_eos`` (vLLM's semantics)."""
+    return sorted(set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids)))
+
+
+def generation_config(
+    sampling: SamplingParams, max_new_tokens: int, eos_token_ids: Iterable[int], pad_token_id: int
+) -> GenerationConfig:
+    """The ``GenerationConfig`` asking transformers for ``sampling`` (every sampling field set, so neither the
+    model's generation config nor transformers' defaults, such as ``top_k=50``, add a warper)."""
+    sampled = not is_greedy(sampling)
+    ends = end_tokens(sampling, eos_token_ids)
+    warpers = dict(
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        min_p=sampling.min_p if sampling.min_p > 0 else None,
+    )
+    return GenerationConfig(
+        **(warpers if sampled else {}),
+        do_sample=sampled,
+        max_new_tokens=max_new_tokens,
+        repetition_penalty=sampling.repetition_penalty,
+        sequence_bias={(token,): bias for token, bias in sampling.logit_bias} or None,
+        min_new_tokens=sampling.min_tokens or None,
+        eos_token_id=ends or None,
+        pad_token_id=pad_token_id,
+        num_beams=1,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
 
 
 def reference(
@@ -50,28 +115,25 @@ def reference(
 ) -> Reference:
     """What ``model.generate`` yields for ``prompt_ids`` alone under ``sampling`` (see the module docstring)."""
     ids = torch.tensor([list(prompt_ids)], device=model.device)
-    eos = sorted(eos_token_ids)
-    ends = sorted(sampling.end_token_ids(eos))
-    if not sampling.greedy:
+    eos = list(eos_token_ids)
+    config = generation_config(sampling, max_new_tokens, eos, pad_token_id)
+    extra = LogitsProcessorList()
+    if sampling.presence_penalty or sampling.frequency_penalty:
+        extra.append(OpenAIPenalties(sampling.presence_penalty, sampling.frequency_penalty, len(prompt_ids)))
+    if not is_greedy(sampling):
         if sampling.seed is None:
             raise ValueError("a sampled reference needs a seed to match")
         torch.manual_seed(sampling.seed)
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
-        past_key_values=DynamicCache(config=model.config),
-        max_new_tokens=max_new_tokens,
-        do_sample=not sampling.greedy,
-        logits_processor=build_processors(sampling, len(prompt_ids), eos),
-        temperature=None,
-        top_k=None,
-        top_p=None,
-        eos_token_id=ends or None,
-        pad_token_id=pad_token_id,
-        return_dict_in_generate=True,
-        output_logits=True,
+        cache=DynamicCache(config=model.config),
+        generation_config=config,
+        logits_processor=extra,
     )
-    return Reference(out.sequences[0, len(prompt_ids) :].tolist(), out.logits[0][0].float().cpu())
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
+    ended = bool(tokens) and tokens[-1] in end_tokens(sampling, eos)
+    return Reference(tokens, out.logits[0][0].float().cpu(), "stop" if ended else "length")
 
 
 def engine_reference(engine, prompt, max_new_tokens: int, sampling: SamplingParams = GREEDY) -> Reference:
@@ -80,3 +142,15 @@ def engine_reference(engine, prompt, max_new_tokens: int, sampling: SamplingPara
     return reference(
         engine.model, engine.encode(prompt), max_new_tokens, sampling, engine.eos_token_ids, engine.pad_token_id
     )
+
+
+def expected_text(tokenizer, expected: Reference, stop: Sequence[str] = ()) -> str:
+    """The text the API returns for ``expected``: its tokens decoded without special tokens, cut before the first
+    occurrence of any of the ``stop`` strings."""
+    text = tokenizer.decode(expected.tokens, skip_special_tokens=True)
+    return text[: min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=len(text))]
+
+
+def oracle_text(engine, prompt, max_new_tokens: int, sampling: SamplingParams = GREEDY, stop=()) -> str:
+    """The API's text for ``prompt`` from :func:`engine_reference` (greedy unless ``sampling``), cut at ``stop``."""
+    return expected_text(engine.tokenizer, engine_reference(engine, prompt, max_new_tokens, sampling), stop)

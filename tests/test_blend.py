@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 from conftest import make_tiny_model
+from helpers import documents, full_prefill, run, shuffled_prompt, warm_alone
 from hypothesis import given
 from hypothesis import strategies as st
-from test_repair import documents, full_prefill, run, shuffled_prompt, warm_alone
 
 from kvboost_hf import ChunkStore, RepairConfig
 from kvboost_hf.hf.blend import LayerFilter, install_layer_narrowing

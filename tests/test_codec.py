@@ -6,41 +6,14 @@ import pickle
 
 import pytest
 import torch
+from helpers import assert_same, make_entry
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvboost_hf.core.chunk_kv import ChunkKV
-from kvboost_hf.store.base import StoredChunk
 from kvboost_hf.store.codec import MAGIC, CorruptEntryError, decode, encode
-from kvboost_hf.store.quantization import QuantizedChunk, quantize_chunk
 
 KEY = "ab" * 32
-
-
-def make_entry(tokens: int = 9, bits: int = 16, dtype: torch.dtype = torch.float32, seed: int = 0) -> StoredChunk:
-    gen = torch.Generator().manual_seed(seed)
-    keys = torch.randn(2, 3, tokens, 8, generator=gen).to(dtype)
-    values = torch.randn(2, 3, tokens, 8, generator=gen).to(dtype)
-    return ChunkKV(keys, values) if bits == 16 else quantize_chunk(keys, values, bits, 4)
-
-
-def assert_same(a: StoredChunk, b: StoredChunk) -> None:
-    assert type(a) is type(b)
-    if isinstance(a, QuantizedChunk):
-        assert isinstance(b, QuantizedChunk)
-        for qa, qb in ((a.keys, b.keys), (a.values, b.values)):
-            assert (qa.shape, qa.dtype, qa.bits, qa.group_size, qa.per_channel) == (
-                qb.shape,
-                qb.dtype,
-                qb.bits,
-                qb.group_size,
-                qb.per_channel,
-            )
-            for ta, tb in ((qa.data, qb.data), (qa.scale, qb.scale), (qa.zero, qb.zero)):
-                assert torch.equal(ta, tb)
-    else:
-        assert isinstance(b, ChunkKV)
-        assert a.keys.dtype == b.keys.dtype and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
 @settings(max_examples=40, deadline=None)

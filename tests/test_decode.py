@@ -3,30 +3,22 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
 import torch
 from conftest import greedy, make_tiny_model, noisy_copy
+from helpers import DECODE_CHUNKING, DECODE_EOS, as_text, reuse_caches, run_loop
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import reference
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, DecodeLoop, DecodeRequest, SamplingParams
 from kvboost_hf.core.chunk_kv import ChunkKV
-from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.keys import content_key
 from kvboost_hf.hf.cache import select_columns
 from kvboost_hf.hf.decode import visible_text
 from kvboost_hf.hf.speculative import Drafter, DraftSettings
-
-CHUNKING = ChunkingConfig(8)
-EOS = {127}
-
-
-def as_text(tokens: list[int]) -> str:
-    return "".join(f"<{t}>" for t in tokens)
 
 
 @pytest.fixture(scope="module")
@@ -47,23 +39,6 @@ def prompts() -> list[list[int]]:
     return [torch.randint(1, 120, (n,), generator=generator).tolist() for n in (21, 9, 30)]
 
 
-def reuse_caches(store: ChunkStore | None, model, **options) -> Callable[[tuple[int, ...]], ChunkReuseCache] | None:
-    """A loop's cache factory: chunk-reuse caches on ``store`` built for the rows' segment starts (None: plain K/V)."""
-    if store is None:
-        return None
-    return lambda starts: ChunkReuseCache(store, model, CHUNKING, segment_starts=starts, **options)
-
-
-def run(model, requests, store=None, **kwargs) -> DecodeLoop:
-    new_cache = reuse_caches(store, model)
-    loop = DecodeLoop(
-        model, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=new_cache, chunking=CHUNKING, pad_token_id=0,
-        **kwargs,
-    )  # fmt: skip
-    loop.run()
-    return loop
-
-
 @pytest.mark.parametrize("reuse", [False, True], ids=["plain", "chunk-reuse"])
 def test_greedy_rows_in_a_batch_equal_generate_alone(any_window_model, reuse):
     model = any_window_model
@@ -71,7 +46,9 @@ def test_greedy_rows_in_a_batch_equal_generate_alone(any_window_model, reuse):
     budgets = [6, 3, 8]
     greedy_params = SamplingParams(temperature=0)
     for _ in range(2 if reuse else 1):  # with reuse: cold, then loading what the first pass stored
-        loop = run(model, [DecodeRequest(p, b, greedy_params) for p, b in zip(prompts(), budgets, strict=True)], store)
+        loop = run_loop(
+            model, [DecodeRequest(p, b, greedy_params) for p, b in zip(prompts(), budgets, strict=True)], store
+        )
         for row, prompt, budget in zip(loop.rows, prompts(), budgets, strict=True):
             alone, _ = greedy(model, torch.tensor([prompt]), new=budget)
             assert row.tokens == alone[0, len(prompt) :].tolist()
@@ -95,29 +72,33 @@ def test_seeded_rows_in_a_batch_draw_what_transformers_generate_draws_alone(mode
     ``torch.manual_seed(seed)`` with the row's processors (the oracle module says why the draws can match)."""
     store = ChunkStore() if reuse else None
     for _ in range(2 if reuse else 1):
-        loop = run(model, [DecodeRequest(p, 10, s) for p, s in zip(prompts(), SAMPLED, strict=True)], store)
+        loop = run_loop(model, [DecodeRequest(p, 10, s) for p, s in zip(prompts(), SAMPLED, strict=True)], store)
         for row, prompt, sampling in zip(loop.rows, prompts(), SAMPLED, strict=True):
-            assert row.tokens == reference(model, prompt, 10, sampling, EOS).tokens
+            assert row.tokens == reference(model, prompt, 10, sampling, DECODE_EOS).tokens
     reseeded = replace(SAMPLED[0], seed=12)
-    assert run(model, [DecodeRequest(prompts()[0], 10, reseeded)]).rows[0].tokens != loop.rows[0].tokens
+    assert run_loop(model, [DecodeRequest(prompts()[0], 10, reseeded)]).rows[0].tokens != loop.rows[0].tokens
 
 
 def test_unseeded_rows_follow_torch_manual_seed(model):
     request = DecodeRequest(prompts()[1], 8, SamplingParams(temperature=1.0))
     torch.manual_seed(0)
-    first = run(model, [request]).rows[0].tokens
+    first = run_loop(model, [request]).rows[0].tokens
     torch.manual_seed(0)
-    assert run(model, [request]).rows[0].tokens == first
+    assert run_loop(model, [request]).rows[0].tokens == first
 
 
 def test_stop_strings_end_rows_exactly_and_end_tokens_stop(model):
     prompt = prompts()[2]
-    full = run(model, [DecodeRequest(prompt, 8, SamplingParams(temperature=0))]).rows[0].tokens
+    full = run_loop(model, [DecodeRequest(prompt, 8, SamplingParams(temperature=0))]).rows[0].tokens
     cut = next(i for i in range(1, len(full)) if full[i] not in full[:i])  # a token seen there for the first time
-    stopped = run(model, [DecodeRequest(prompt, 8, SamplingParams(temperature=0), stop=(f"<{full[cut]}>",))]).rows[0]
+    stopped = run_loop(model, [DecodeRequest(prompt, 8, SamplingParams(temperature=0), stop=(f"<{full[cut]}>",))]).rows[
+        0
+    ]
     assert stopped.tokens == full[: cut + 1] and stopped.text == as_text(full[:cut])
     assert stopped.finish_reason == "stop"
-    ended = run(model, [DecodeRequest(prompt, 8, SamplingParams(temperature=0, stop_token_ids=(full[cut],)))]).rows[0]
+    ended = run_loop(
+        model, [DecodeRequest(prompt, 8, SamplingParams(temperature=0, stop_token_ids=(full[cut],)))]
+    ).rows[0]
     assert ended.tokens == full[: cut + 1] and ended.finish_reason == "stop"
 
 
@@ -134,7 +115,7 @@ def test_cancel_ends_only_that_row_and_rows_report_every_token(model):
         DecodeRequest(prompts()[0], 8, SamplingParams(temperature=0), cancel=cancel),
         DecodeRequest(prompts()[1], 8, SamplingParams(temperature=0)),
     ]
-    loop = run(model, requests, on_token=on_token)
+    loop = run_loop(model, requests, on_token=on_token)
     cancelled, other = loop.rows
     assert cancelled.finish_reason == "cancelled" and len(cancelled.tokens) == 3
     assert other.finish_reason == "length" and len(other.tokens) == 8
@@ -144,7 +125,7 @@ def test_cancel_ends_only_that_row_and_rows_report_every_token(model):
 def test_logprobs_and_first_logits_are_the_models_unscaled_distribution(model):
     prompt = prompts()[0]
     request = DecodeRequest(prompt, 4, SamplingParams(temperature=0.5, seed=1), top_logprobs=3, keep_first_logits=True)
-    row = run(model, [request]).rows[0]
+    row = run_loop(model, [request]).rows[0]
     _, logits = greedy(model, torch.tensor([prompt]), new=1)
     torch.testing.assert_close(row.first_logits, logits[0, 0])
     first = torch.log_softmax(logits[0, 0], dim=-1)
@@ -157,7 +138,7 @@ def test_rows_sharing_a_new_prefix_compute_it_once(model):
     store = ChunkStore()
     head = prompts()[2][:24]  # three full chunks
     rows = [[*head, 5, 6, 7], [*head, 9, 10, 12], [*head, 11, 13, 14]]  # same length: no padding
-    loop = run(model, [DecodeRequest(p, 2, SamplingParams(temperature=0)) for p in rows], store)
+    loop = run_loop(model, [DecodeRequest(p, 2, SamplingParams(temperature=0)) for p in rows], store)
     assert loop.computed_tokens == 24 + 3 * 3  # the head once, then each row's own tail
     assert [row.reuse.cached_tokens for row in loop.rows] == [0, 24, 24]  # the first row computed it
     for row, prompt in zip(loop.rows, rows, strict=True):
@@ -188,13 +169,13 @@ def test_rows_joining_a_running_batch_equal_generate_alone(any_window_model, reu
     greedy_params = SamplingParams(temperature=0)
     first, *later = prompts()
     loop = DecodeLoop(
-        model, as_text, DecodeLoop.rows_for([DecodeRequest(first, 9, greedy_params)], EOS), new_cache=new_cache,
-        chunking=CHUNKING, pad_token_id=0,
+        model, as_text, DecodeLoop.rows_for([DecodeRequest(first, 9, greedy_params)], DECODE_EOS), new_cache=new_cache,
+        chunking=DECODE_CHUNKING, pad_token_id=0,
     )  # fmt: skip
     loop.prefill()
     loop.step()
     loop.step()
-    loop.join(DecodeLoop.rows_for([DecodeRequest(p, 5, greedy_params) for p in later], EOS))
+    loop.join(DecodeLoop.rows_for([DecodeRequest(p, 5, greedy_params) for p in later], DECODE_EOS))
     assert len(loop.running) == 3
     forwards = loop.forwards
     loop.step()
@@ -205,7 +186,7 @@ def test_rows_joining_a_running_batch_equal_generate_alone(any_window_model, reu
         alone, _ = greedy(model, torch.tensor([prompt]), new=row.request.max_new_tokens)
         assert row.tokens == alone[0, len(prompt) :].tolist()
     if reuse:  # the joined rows' chunks were written back from the merged cache
-        again = run(model, [DecodeRequest(p, 1, greedy_params) for p in later], store)
+        again = run_loop(model, [DecodeRequest(p, 1, greedy_params) for p in later], store)
         assert all(row.reuse.cached_tokens > 0 for row in again.rows)
 
 
@@ -232,8 +213,9 @@ def segment_loop(model, store: ChunkStore, requests: list[DecodeRequest], draft:
     """A loop that prefills segment prompts alone (each in a cache built with its segment starts), as the engine's
     batch policy does."""
     return DecodeLoop(
-        model, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=reuse_caches(store, model), chunking=CHUNKING,
-        pad_token_id=0, prefill_alone=lambda prompt_ids, segment_starts: bool(segment_starts), draft=draft,
+        model, as_text, DecodeLoop.rows_for(requests, DECODE_EOS), new_cache=reuse_caches(store, model),
+        chunking=DECODE_CHUNKING, pad_token_id=0, draft=draft,
+        prefill_alone=lambda prompt_ids, segment_starts: bool(segment_starts),
     )  # fmt: skip
 
 
@@ -253,8 +235,8 @@ def test_a_segment_row_decodes_with_plain_rows_and_writes_back_what_it_writes_al
     segment = DecodeRequest(prompt, 6, greedy_params, segment_starts=starts)
     plain = [DecodeRequest(p, 6, greedy_params) for p in prompts()[:2]]
     alone_store = RecordingStore()
-    run(model, [segment], alone_store)
-    namespace = ChunkReuseCache(alone_store, model, CHUNKING, adapter=False).namespace
+    run_loop(model, [segment], alone_store)
+    namespace = ChunkReuseCache(alone_store, model, DECODE_CHUNKING, adapter=False).namespace
     assert content_key(namespace, documents[0][:8]) in alone_store.keys  # a document chunk, by content key
     store = ChunkStore()
     loop = segment_loop(model, store, [plain[0], segment, plain[1]])
@@ -285,10 +267,10 @@ def test_reordered_documents_hit_by_content_key_in_a_batch_as_alone(model, noisy
     stores = [ChunkStore(), ChunkStore()]
     first, first_starts = segment_prompt(*documents)
     for store in stores:
-        run(model, [DecodeRequest(first, 1, greedy_params, segment_starts=first_starts)], store)
+        run_loop(model, [DecodeRequest(first, 1, greedy_params, segment_starts=first_starts)], store)
     reordered, starts = segment_prompt(*documents[::-1])
     segment = DecodeRequest(reordered, 6, greedy_params, segment_starts=starts)
-    alone = run(model, [segment], stores[0]).rows[0]
+    alone = run_loop(model, [segment], stores[0]).rows[0]
     assert alone.reuse.approx_tokens > 0
     requests = [DecodeRequest(p, 6, greedy_params) for p in prompts()[:2]] + [segment]
     draft = Drafter(noisy_draft, DraftSettings(num_draft_tokens=3), reuse_caches(stores[1], noisy_draft))
@@ -298,7 +280,7 @@ def test_reordered_documents_hit_by_content_key_in_a_batch_as_alone(model, noisy
     if not speculative:
         assert loop.forwards == 2 + 5  # two prefills, then five decode steps shared by the three rows
         return
-    draft_namespace = ChunkReuseCache(stores[1], noisy_draft, CHUNKING, adapter=False).namespace
+    draft_namespace = ChunkReuseCache(stores[1], noisy_draft, DECODE_CHUNKING, adapter=False).namespace
     assert stores[1].contains(content_key(draft_namespace, documents[1][:8]))  # the first document's first chunk
 
 
@@ -306,8 +288,10 @@ def test_rows_with_different_segment_starts_are_not_prefilled_in_one_cache(model
     prompt, starts = segment_prompt(*documents)
     rows = [DecodeRequest(prompt, 2, segment_starts=starts), DecodeRequest(prompts()[0], 2)]
     with pytest.raises(ValueError, match="different segment starts"):
-        run(model, rows, ChunkStore())
-    assert len(run(model, rows).rows) == 2  # without reuse there is no cache to build: segment starts do not matter
+        run_loop(model, rows, ChunkStore())
+    assert (
+        len(run_loop(model, rows).rows) == 2
+    )  # without reuse there is no cache to build: segment starts do not matter
 
 
 texts = st.text(alphabet="abc ", max_size=30)
@@ -384,12 +368,12 @@ def test_speculative_rows_join_and_equal_generate_alone(model, noisy_draft, reus
     greedy_params = SamplingParams(temperature=0)
     first, *later = prompts()
     loop = DecodeLoop(
-        model, as_text, DecodeLoop.rows_for([DecodeRequest(first, 14, greedy_params)], EOS), new_cache=new_cache,
-        chunking=CHUNKING, pad_token_id=0, draft=drafter,
+        model, as_text, DecodeLoop.rows_for([DecodeRequest(first, 14, greedy_params)], DECODE_EOS), new_cache=new_cache,
+        chunking=DECODE_CHUNKING, pad_token_id=0, draft=drafter,
     )  # fmt: skip
     loop.prefill()
     loop.step()
-    loop.join(DecodeLoop.rows_for([DecodeRequest(p, 18, greedy_params) for p in later], EOS))
+    loop.join(DecodeLoop.rows_for([DecodeRequest(p, 18, greedy_params) for p in later], DECODE_EOS))
     while not loop.done:
         loop.step()
     for row, prompt in zip(loop.rows, [first, *later], strict=True):
@@ -400,8 +384,8 @@ def test_speculative_rows_join_and_equal_generate_alone(model, noisy_draft, reus
     assert loop.forwards < 2 + 17  # 2 prefills + fewer verifies than the joined rows' 17 later tokens
     if reuse:
         longer = [first + loop.rows[0].tokens + [5, 6, 7]]
-        plain = run(model, [DecodeRequest(longer[0], 1, greedy_params, keep_first_logits=True)])
-        loaded = run(model, [DecodeRequest(longer[0], 1, greedy_params, keep_first_logits=True)], store)
+        plain = run_loop(model, [DecodeRequest(longer[0], 1, greedy_params, keep_first_logits=True)])
+        loaded = run_loop(model, [DecodeRequest(longer[0], 1, greedy_params, keep_first_logits=True)], store)
         assert loaded.rows[0].reuse.cached_tokens >= len(first)
         assert torch.allclose(loaded.rows[0].first_logits, plain.rows[0].first_logits, atol=1e-4)
         drafted = Drafter(noisy_draft, DraftSettings(), draft_cache)
@@ -425,7 +409,7 @@ def test_a_constrained_row_takes_one_token_per_step_beside_speculating_rows(mode
     first, second, _ = prompts()
     requests = [DecodeRequest(first, 10, SamplingParams(temperature=0), constraint=recorder),
                 DecodeRequest(second, 10, SamplingParams(temperature=0))]  # fmt: skip
-    loop = run(model, requests, draft=Drafter(noisy_draft, DraftSettings(num_draft_tokens=3)))
+    loop = run_loop(model, requests, draft=Drafter(noisy_draft, DraftSettings(num_draft_tokens=3)))
     constrained, free = loop.rows
     assert recorder.seen == list(range(len(first), len(first) + len(constrained.tokens)))  # once per token, in order
     assert constrained.draft_proposed == 0 and free.draft_proposed > 0

@@ -17,23 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ENV, assert_same, key, make_entry, run_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_codec import assert_same, make_entry
 
 from kvboost_hf.store import codec
 from kvboost_hf.store.disk import DiskTier
-
-TESTS_DIR = Path(__file__).parent
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), str(TESTS_DIR.parent), *sys.path])}
-
-
-def key(i: int) -> str:
-    return f"{i:064x}"
-
-
-def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code, *args], env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture
@@ -174,7 +163,7 @@ def test_damaged_files_open_and_serve_nothing_wrong(tmp_path: Path, damage: str)
 _TRUNCATE_UNDER_OPEN_STORE = textwrap.dedent(
     """
     import os, sys
-    from test_codec import make_entry
+    from helpers import make_entry
     from kvboost_hf.store.disk import DiskTier
 
     disk = DiskTier(sys.argv[1], max_bytes=1 << 22)
@@ -200,7 +189,7 @@ def test_truncating_the_file_under_an_open_store_is_a_miss_not_sigbus(tmp_path: 
 _WORKER = textwrap.dedent(
     """
     import json, sys, time
-    from test_codec import make_entry
+    from helpers import make_entry
     from kvboost_hf.store.disk import DiskTier
 
     directory, me, other, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -251,7 +240,7 @@ def test_two_processes_share_one_directory(tmp_path: Path):
 _SHARING_WRITER = textwrap.dedent(
     """
     import json, sys, threading
-    from test_codec import make_entry
+    from helpers import make_entry
     from kvboost_hf.store.disk import DiskTier
 
     directory, (me, rounds, per, max_bytes) = sys.argv[1], map(int, sys.argv[2:6])
@@ -382,7 +371,7 @@ def test_a_short_file_seen_during_another_commit_is_looked_at_again(tmp_path: Pa
 _KILLED_WRITER = textwrap.dedent(
     """
     import sys
-    from test_codec import make_entry
+    from helpers import make_entry
     from kvboost_hf.store.disk import DiskTier
 
     disk = DiskTier(sys.argv[1], max_bytes=1 << 22)

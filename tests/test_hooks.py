@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from conftest import greedy, make_tiny_model
-from test_speculative import word_tokenizer, words
+from helpers import word_tokenizer, words
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, KVBoost
 from kvboost_hf.hf.hooks import hooks_installed, install_hooks, uninstall_hooks, without_hooks

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from test_codec import assert_same, make_entry
-from test_redis_tier import _free_port
+from helpers import assert_same, free_port, make_entry
 
 from kvboost_hf.store.chunk_store import ChunkStore
 
@@ -49,7 +48,7 @@ def _cluster_ports(count: int) -> list[int]:
     """Free ports below 55535 whose cluster bus port (port + 10000) is free too."""
     ports: list[int] = []
     while len(ports) < count:
-        port = _free_port() % 20000 + 20000
+        port = free_port() % 20000 + 20000
         if port not in ports and all(_is_free(p) for p in (port, port + 10000)):
             ports.append(port)
     return ports

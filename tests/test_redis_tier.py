@@ -7,94 +7,18 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import redis
 import torch
-from test_codec import assert_same, make_entry
+from helpers import TESTS_DIR, RedisServer, assert_same, free_port, key, make_entry
 
 from kvboost_hf.store import codec
 from kvboost_hf.store.remote import RemoteTier
-
-TESTS_DIR = Path(__file__).parent
-
-
-@dataclass
-class RedisServer:
-    """A redis-server owned by one test; ``stop``/``start`` simulate an outage on the same port."""
-
-    port: int
-    directory: Path
-    password: str | None = None
-    process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        binary = shutil.which("redis-server")
-        assert binary is not None
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        args += ["--dir", str(self.directory), "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"]
-        if self.password:
-            args += ["--requirepass", self.password]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                if client.ping():
-                    return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(10)
-            self.process = None
-
-    def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (.ci/start-redis.sh installs it)")
-    server = RedisServer(_free_port(), tmp_path)
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def remote(redis_server: RedisServer) -> Iterator[RemoteTier]:
-    tier = RemoteTier(redis_server.url, retry_after_s=0.2, timeout_s=0.5)
-    yield tier
-    tier.close(timeout_s=2)
-
-
-def key(i: int) -> str:
-    return f"{i:064x}"
 
 
 @pytest.mark.parametrize("bits", [16, 8, 4])
@@ -275,7 +199,7 @@ def test_error_reply_fails_one_write_without_an_outage(remote: RemoteTier, redis
 def test_auth_comes_from_the_url(tmp_path: Path):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (.ci/start-redis.sh installs it)")
-    server = RedisServer(_free_port(), tmp_path, password="s3cret")
+    server = RedisServer(free_port(), tmp_path, password="s3cret")
     server.start()
     tier = RemoteTier(server.url)
     intruder = RemoteTier(server.url.replace("s3cret", "wrong"))

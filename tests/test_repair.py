@@ -5,46 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import greedy, make_tiny_model
+from helpers import REPAIR_CHUNK, documents, full_prefill, run, shuffled_prompt, warm_alone
 from transformers import DynamicCache
 
-from kvboost_hf import ChunkingConfig, ChunkReuseCache, ChunkStore, GenerationMode, RepairConfig
+from kvboost_hf import ChunkingConfig, ChunkReuseCache, ChunkStore, GenerationMode
 from kvboost_hf.reuse.rope import KeyRotator
 
-CHUNK = 16
-CONTENT = ChunkingConfig(CHUNK, method="content")
+CONTENT = ChunkingConfig(REPAIR_CHUNK, method="content")
 ROTATING = ["llama", "qwen2", "phi3"]  # full-attention tiny models; the sliding-window ones fall back to exact
-
-
-def documents(count: int = 3, length: int = 40, seed: int = 0) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 128, (length,), generator=gen) for _ in range(count)]
-
-
-def warm_alone(model, store, doc: torch.Tensor, **kwargs) -> None:
-    cache = ChunkReuseCache(store, model, chunking=CHUNK, segment_starts=[0, len(doc)], **kwargs)
-    model(doc[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    cache.save()
-
-
-def run(
-    model, store, ids, starts=(), new=8, chunking=CHUNK, mode=GenerationMode.CHUNK_KV_REUSE, write_back=True, **repair
-):
-    cache = ChunkReuseCache(
-        store, model, chunking, RepairConfig(**repair), mode=mode, segment_starts=starts, write_back=write_back
-    )
-    return greedy(model, ids, cache, new), cache
-
-
-def full_prefill(model, ids) -> DynamicCache:
-    cache = DynamicCache()
-    model(ids, past_key_values=cache)
-    return cache
-
-
-def shuffled_prompt(docs, order, question):
-    parts = [docs[i] for i in order] + [question]
-    starts = [sum(len(p) for p in parts[:i]) for i in range(len(parts))]
-    return torch.cat(parts)[None], starts
 
 
 @pytest.mark.parametrize("arch", ROTATING)
@@ -169,7 +137,7 @@ def test_exact_prefix_hits_are_not_repaired_and_stale_chunks_never_written_by_pr
     reuse = cache.last_reuse[0]
     assert reuse.cached_tokens == 80 and reuse.approx_tokens == 40  # doc 0 exact (untouched), doc 1 as stored
     stored_first = store.get(cache.ledgers[0].keys[0])
-    assert torch.equal(cache.layers[0].keys[0, :, :CHUNK], stored_first.keys[0])
+    assert torch.equal(cache.layers[0].keys[0, :, :REPAIR_CHUNK], stored_first.keys[0])
     # the stale continuation was not written under prefix keys: an exact-only lookup stops after document 0
     exact_out, exact_only = run(model, store, ids, starts, mode=GenerationMode.PREFIX_CACHE)
     assert exact_only.last_reuse[0].cached_tokens == 40
@@ -188,7 +156,7 @@ def test_content_defined_chunks_hit_a_document_inside_a_plain_prompt():
     out, cache = run(model, store, ids, chunking=CONTENT, ratio=1.0, write_back=False)
     assert cache.last_reuse[0].hit_chunks >= 3
     assert torch.equal(out[0], greedy(model, ids)[0])
-    fixed = ChunkReuseCache(store, model, chunking=CHUNK)  # fixed cuts at a shifted offset find nothing
+    fixed = ChunkReuseCache(store, model, chunking=REPAIR_CHUNK)  # fixed cuts at a shifted offset find nothing
     model.generate(ids, past_key_values=fixed, max_new_tokens=1, do_sample=False, pad_token_id=0)
     assert fixed.last_reuse[0].hit_chunks == 0
 

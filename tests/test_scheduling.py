@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import make_tiny_model
-from test_speculative import word_tokenizer, words
+from helpers import word_tokenizer, words
 
 from kvboost_hf import KVBoost
 

@@ -1,7 +1,8 @@
 """Two engine replicas on Ray Serve (a tiny random model on CPU, a private Redis tier), driven over loopback by the
-official ``openai`` client and httpx: the same greedy outputs as one engine, a conversation's next turn on the replica
-that computed its prefix, the ingress's keys equal to the stored ones, and no lost or wrong request when a replica is
-killed mid-stream. One Ray instance per module (Ray is heavy on a 2-core machine), shut down at the end."""
+official ``openai`` client and httpx: transformers' own greedy ``generate()`` outputs (tests/oracle.py), a
+conversation's next turn on the replica that computed its prefix, the ingress's keys equal to the stored ones, and
+no lost or wrong request when a replica is killed mid-stream. One Ray instance per module (Ray is heavy on a 2-core
+machine), shut down at the end."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ openai = pytest.importorskip("openai")
 serve = pytest.importorskip("ray.serve")
 
 from conftest import make_tiny_model  # noqa: E402
-from test_redis_tier import RedisServer, _free_port  # noqa: E402
+from helpers import RedisServer, free_port  # noqa: E402
+from oracle import oracle_text  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
@@ -52,7 +54,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path):
-    """The single-engine reference (what one server answers, greedy)."""
+    """The tiny model's engine: its model, tokenizer, chat rendering and key space (the replicas load the same)."""
     return KVBoost.from_pretrained(model_dir, chunking=CHUNK, device="cpu")
 
 
@@ -60,7 +62,7 @@ def engine(model_dir: Path):
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (.ci/start-redis.sh installs it)")
-    server = RedisServer(_free_port(), tmp_path_factory.mktemp("redis"))
+    server = RedisServer(free_port(), tmp_path_factory.mktemp("redis"))
     server.start()
     yield server.url
     server.stop()
@@ -73,7 +75,7 @@ def url(model_dir: Path, redis_url: str) -> Iterator[str]:
     try:
         flags = ["--model", str(model_dir), "--served-model-name", MODEL, "--chunk-size", str(CHUNK)]
         flags += ["--remote-url", redis_url, "--remote-prefix", f"t{uuid.uuid4().hex[:8]}:", "--threads", "1"]
-        flags += ["--replicas", "2", "--routing", "prefix", "--replica-cpus", "0.5", "--port", str(_free_port())]
+        flags += ["--replicas", "2", "--routing", "prefix", "--replica-cpus", "0.5", "--port", str(free_port())]
         flags += ["--batch-window-ms", "5", "--log-level", "warning", "--api-key", KEY]
         flags += ["--max-body-bytes", str(MAX_BODY)]
         yield start(parse_args(flags))
@@ -93,8 +95,8 @@ def conversation(tag: str) -> list[dict[str, str]]:
 
 
 def greedy(engine, messages, max_tokens: int, ignore_eos: bool = False) -> str:
-    sampling = SamplingParams(temperature=0, ignore_eos=ignore_eos)
-    return engine.generate(messages, max_tokens, mode="baseline", sampling=sampling).output_text
+    """transformers' greedy ``generate()`` text for ``messages`` rendered as the engine renders them."""
+    return oracle_text(engine, messages, max_tokens, SamplingParams(temperature=0, ignore_eos=ignore_eos))
 
 
 def chat_turn(client, messages, max_tokens: int = 8):
@@ -107,8 +109,8 @@ def chat_turn(client, messages, max_tokens: int = 8):
     return completion.choices[0].message.content, raw.headers[REPLICA_HEADER], (details.cached_tokens or 0)
 
 
-def test_outputs_equal_one_engine(client, engine):
-    """Greedy answers through the replicas, plain and streamed, equal one engine's."""
+def test_outputs_equal_transformers_greedy(client, engine):
+    """Greedy answers through the replicas, plain and streamed, equal transformers' ``generate()``."""
     for tag in ("apples", "rivers"):
         messages = conversation(tag)
         expected = greedy(engine, messages, 12)
@@ -166,10 +168,10 @@ def test_ingress_keys_are_the_keys_the_replicas_store(client, engine, url):
 
 
 def test_killed_replica_loses_no_request(client, engine, url):
-    """A replica killed while it streams one answer and computes another: both complete, equal to one engine (the
-    stream continues on the other replica from the first event the client had not received), and the next turn on
-    the other replica loads the lost replica's chunks from Redis. The continued stream keeps its id and reports the
-    whole answer's usage."""
+    """A replica killed while it streams one answer and computes another: both complete, equal to transformers'
+    greedy ``generate()`` (the stream continues on the other replica from the first event the client had not
+    received), and the next turn on the other replica loads the lost replica's chunks from Redis. The continued
+    stream keeps its id and reports the whole answer's usage."""
     messages = conversation("glaciers")
     tokens = 120
     expected = greedy(engine, messages, tokens, ignore_eos=True)

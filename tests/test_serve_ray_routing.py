@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 pytest.importorskip("ray.serve")
 
 from conftest import make_tiny_model
-from test_speculative import word_tokenizer
+from helpers import word_tokenizer
 
 from kvboost_hf import KVBoost
 from kvboost_hf.core.chunking import ChunkingConfig

@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 pytest.importorskip("xgrammar")
 
-from test_server import KEY, MODEL, WEATHER_TOOL, LiveServer, chat  # noqa: E402
+from helpers import API_KEY, MODEL_NAME, WEATHER_TOOL, LiveServer, chat  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.server.app import ServerSettings, create_app  # noqa: E402
@@ -39,7 +39,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine) -> Iterator[LiveServer]:
-    settings = ServerSettings(model_name=MODEL, api_key=KEY, max_batch_size=4)
+    settings = ServerSettings(model_name=MODEL_NAME, api_key=API_KEY, max_batch_size=4)
     with LiveServer(create_app(engine, settings)) as live:
         yield live
 
@@ -79,7 +79,7 @@ def whole(client, **request) -> tuple[str, list[tuple[str, str]], str | None]:
 def test_a_no_argument_tool_call_finishes_with_empty_arguments(client):
     """The tool-argument grammar is the json_schema path's compact one: no whitespace to pad ``{}`` with."""
     response = client.chat.completions.create(
-        model=MODEL,
+        model=MODEL_NAME,
         messages=chat("What time is it?"),
         max_tokens=64,
         temperature=0,
@@ -96,7 +96,11 @@ def test_a_call_cut_by_max_tokens_leaks_no_markup_and_streams_as_whole(client):
     """Cut one token before the end (inside ``}</tool_call>``): the call is answered with its arguments, no tag
     text anywhere, ``finish_reason`` "length", and the stream adds up to the whole answer."""
     request = dict(
-        model=MODEL, messages=WEATHER_QUESTION, temperature=0, tools=[WEATHER_TOOL], tool_choice=named(WEATHER_TOOL)
+        model=MODEL_NAME,
+        messages=WEATHER_QUESTION,
+        temperature=0,
+        tools=[WEATHER_TOOL],
+        tool_choice=named(WEATHER_TOOL),
     )
     full = client.chat.completions.create(max_tokens=80, **request)
     assert full.choices[0].finish_reason == "tool_calls"
@@ -116,7 +120,7 @@ def test_required_tool_choice_with_parallel_calls_ends_the_turn(client):
     the repeat ends the turn ("tool_calls", as OpenAI answers) instead of running to the token budget."""
     budget = 160
     response = client.chat.completions.create(
-        model=MODEL,
+        model=MODEL_NAME,
         messages=WEATHER_QUESTION,
         max_tokens=budget,
         temperature=0,
@@ -154,20 +158,20 @@ def test_message_extras_and_explicit_nulls_are_accepted(client):
     ]
     nulls = dict(n=None, presence_penalty=None, frequency_penalty=None, stream=None, logprobs=None)
     answer = client.chat.completions.create(
-        model=MODEL, messages=history, max_tokens=2, tools=[WEATHER_TOOL], parallel_tool_calls=None, **nulls
+        model=MODEL_NAME, messages=history, max_tokens=2, tools=[WEATHER_TOOL], parallel_tool_calls=None, **nulls
     )
     assert len(answer.choices) == 1 and answer.usage.completion_tokens <= 2
-    text = client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, **nulls)
+    text = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=1, **nulls)
     assert len(text.choices) == 1 and text.choices[0].logprobs is None
     with pytest.raises(openai.BadRequestError, match="functions"):  # unknown request fields are still refused
-        client.chat.completions.create(model=MODEL, messages=history, max_tokens=1, extra_body={"functions": None})
+        client.chat.completions.create(model=MODEL_NAME, messages=history, max_tokens=1, extra_body={"functions": None})
 
 
 # ---------------------------------------------------------------------------------------------- item 10.5
 def test_completion_logprobs_carry_text_offsets(client):
     """``text_offset[i]`` is where token i starts in the returned text, whole and streamed (offsets into the
     whole text); the prompt makes the model write accented characters."""
-    request = dict(model=MODEL, prompt="Le café de la crème brûlée est", max_tokens=10, temperature=0, logprobs=1)
+    request = dict(model=MODEL_NAME, prompt="Le café de la crème brûlée est", max_tokens=10, temperature=0, logprobs=1)
     choice = client.completions.create(**request).choices[0]
     text, logprobs = choice.text, choice.logprobs
     offsets = logprobs.text_offset
@@ -185,6 +189,6 @@ def test_completion_logprobs_carry_text_offsets(client):
 
 def test_bearer_scheme_is_case_insensitive(server):
     for scheme, status in [("bearer", 200), ("BEARER", 200), ("Bearer", 200), ("Basic", 401)]:
-        headers = {"Authorization": f"{scheme} {KEY}"}
+        headers = {"Authorization": f"{scheme} {API_KEY}"}
         assert httpx.get(f"{server.url}/v1/models", headers=headers, timeout=10).status_code == status, scheme
     assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": "bearer wrong"}).status_code == 401

@@ -22,7 +22,7 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from test_server import KEY, MODEL, WEATHER_TOOL, LiveServer, chat  # noqa: E402
+from helpers import API_KEY, MODEL_NAME, WEATHER_TOOL, LiveServer, chat  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.hf.grammar import GrammarBusy, GrammarCompiler, GrammarError, GrammarLimits  # noqa: E402
@@ -30,7 +30,7 @@ from kvboost_hf.hf.grammar_process import CompileProcess  # noqa: E402
 from kvboost_hf.server.app import GracefulServer, ServerSettings, create_app, decode_body, uvicorn_config  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
-HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+HEADERS = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -47,8 +47,8 @@ class HardenedServer(LiveServer):
 
 
 SETTINGS = ServerSettings(
-    model_name=MODEL,
-    api_key=KEY,
+    model_name=MODEL_NAME,
+    api_key=API_KEY,
     max_json_values=1000,
     header_timeout_s=0.5,
     body_timeout_s=0.5,
@@ -83,16 +83,16 @@ def test_import_prints_nothing():
 
 # ---------------------------------------------------------------------------------------------- item 8
 def test_client_errors_are_400_not_500(server):
-    superscript = {"model": MODEL, "messages": chat("hi"), "logit_bias": {"²": 1}, "max_tokens": 1}
+    superscript = {"model": MODEL_NAME, "messages": chat("hi"), "logit_bias": {"²": 1}, "max_tokens": 1}
     response = post(server, superscript)
     assert response.status_code == 400 and "logit_bias" in response.json()["error"]["message"], response.text
     surrogate = b'{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800"}], "max_tokens": 1}' % (
-        MODEL.encode()
+        MODEL_NAME.encode()
     )
     for path in ("/v1/chat/completions", "/tokenize"):
         response = post(server, surrogate, path)
         assert response.status_code == 400 and "surrogate" in response.json()["error"]["message"], response.text
-    paired = b'{"model": "%s", "prompt": "a\\ud83d\\ude00", "max_tokens": 1}' % MODEL.encode()  # an emoji: fine
+    paired = b'{"model": "%s", "prompt": "a\\ud83d\\ude00", "max_tokens": 1}' % MODEL_NAME.encode()  # an emoji: fine
     assert post(server, paired, "/v1/completions").status_code == 200
 
 
@@ -107,10 +107,10 @@ def test_decode_body_counts_values_and_refuses_lone_surrogates():
 
 def test_body_with_too_many_content_parts_is_refused(server):
     parts = [{"type": "text", "text": "x"}] * 600  # 1801 JSON values in these parts, over the limit of 1000
-    response = post(server, {"model": MODEL, "messages": [{"role": "user", "content": parts}], "max_tokens": 1})
+    response = post(server, {"model": MODEL_NAME, "messages": [{"role": "user", "content": parts}], "max_tokens": 1})
     assert response.status_code == 400 and "JSON values" in response.json()["error"]["message"], response.text
     parts = parts[:100]
-    response = post(server, {"model": MODEL, "messages": [{"role": "user", "content": parts}], "max_tokens": 1})
+    response = post(server, {"model": MODEL_NAME, "messages": [{"role": "user", "content": parts}], "max_tokens": 1})
     assert response.status_code == 200, response.text
 
 
@@ -129,7 +129,7 @@ def test_slow_headers_and_bodies_are_cut_off(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:  # nothing sent at all
         assert _read_until_closed(sock).startswith(b"HTTP/1.1 408")
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:  # a body that stops coming
-        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
         sock.sendall(f"{head}Content-Type: application/json\r\nContent-Length: 100\r\n\r\n".encode() + b'{"model"')
         reply = _read_until_closed(sock)
         assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive in time" in reply
@@ -140,7 +140,7 @@ def test_slow_headers_and_bodies_are_cut_off(server):
 
 
 def test_streamed_response_is_not_cut_by_the_body_timeout(server):
-    body = {"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 12, "temperature": 0, "stream": True}
+    body = {"model": MODEL_NAME, "prompt": "1, 2, 3,", "max_tokens": 12, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=HEADERS, timeout=60) as response:
         lines = [line for line in response.iter_lines() if line]
     assert response.status_code == 200 and lines[-1] == "data: [DONE]"
@@ -150,7 +150,7 @@ def test_streamed_response_is_not_cut_by_the_body_timeout(server):
 def test_schema_over_the_size_limit_is_400(server):
     schema = {"type": "string", "enum": [f"value-{i}" for i in range(400)]}  # ~5 KiB, over the 2 KiB limit
     response_format = {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}
-    response = post(server, {"model": MODEL, "messages": chat("hi"), "response_format": response_format})
+    response = post(server, {"model": MODEL_NAME, "messages": chat("hi"), "response_format": response_format})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == "invalid_schema" and "limit of 2048" in error["message"]
@@ -231,7 +231,7 @@ def test_one_tenant_never_holds_every_compile_worker(engine):
     """Tenant A sends two slow schemas at once (two workers); tenant B's structured chat is answered meanwhile,
     and A's get a 400 once their compile passes the limit."""
     limits = GrammarLimits(compile_limit_s=6.0, compile_timeout_s=30.0, workers=2)
-    settings = ServerSettings(model_name=MODEL, api_key=KEY, grammar_limits=limits)
+    settings = ServerSettings(model_name=MODEL_NAME, api_key=API_KEY, grammar_limits=limits)
     with HardenedServer(create_app(engine, settings), settings) as live:
         client = live.client()
         schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
@@ -239,7 +239,7 @@ def test_one_tenant_never_holds_every_compile_worker(engine):
         def structured(schema: dict, salt: str) -> dict:
             format_ = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
             return {
-                "model": MODEL,
+                "model": MODEL_NAME,
                 "messages": chat("Is water wet?"),
                 "max_tokens": 8,
                 "temperature": 0,
@@ -290,7 +290,7 @@ def _raw_request(port: int, body: dict, http_version: str, extra_headers: str = 
     """(seconds, every byte of the reply) of one chat request on a fresh socket, read until the server closes it."""
     payload = json.dumps(body).encode()
     head = (
-        f"POST /v1/chat/completions HTTP/{http_version}\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"POST /v1/chat/completions HTTP/{http_version}\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n{extra_headers}\r\n"
     )
     start = time.perf_counter()
@@ -303,7 +303,7 @@ def _raw_request(port: int, body: dict, http_version: str, extra_headers: str = 
 def test_connection_close_responses_outlive_the_request_timeouts(server):
     """``Connection: close`` (urllib, nginx) and HTTP/1.0 requests whose answers take over twice the 0.5 s header
     and body timeouts: complete answers, no 408 anywhere."""
-    body = {"model": MODEL, "messages": chat("Tell a long story."), "max_tokens": 60, "ignore_eos": True}
+    body = {"model": MODEL_NAME, "messages": chat("Tell a long story."), "max_tokens": 60, "ignore_eos": True}
     seconds, reply = _raw_request(server.port, {**body, "stream": True}, "1.1", "Connection: close\r\n")
     assert seconds > 1.0 and b"408" not in reply, (seconds, reply[-300:])
     assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), reply[-300:]
@@ -344,18 +344,18 @@ def test_dripped_bodies_are_bounded_in_total_time(server):
     """A body dripped a byte every 0.2 s (each pause under the 0.5 s body timeout) is cut off once the whole body
     is late: with a 408 while the app reads it, and closed when the app answered early (401) and never reads it."""
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
         "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
     )
     seconds, reply = _dripped_request(server.port, head, 0.2)
     assert seconds < 3 and reply.startswith(b"HTTP/1.1 408") and b"did not arrive in time" in reply, reply
-    unauthorized = head.replace(KEY, "wrong-key")
+    unauthorized = head.replace(API_KEY, "wrong-key")
     seconds, reply = _dripped_request(server.port, unauthorized, 0.2)
     assert seconds < 3 and reply.startswith(b"HTTP/1.1 401"), (seconds, reply)
 
 
 def test_connections_per_client_address_are_capped(engine):
-    settings = ServerSettings(model_name=MODEL, api_key=KEY, header_timeout_s=20, max_connections_per_client=3)
+    settings = ServerSettings(model_name=MODEL_NAME, api_key=API_KEY, header_timeout_s=20, max_connections_per_client=3)
     with HardenedServer(create_app(engine, settings), settings) as live:
         held = [socket.create_connection(("127.0.0.1", live.port), timeout=10) for _ in range(3)]
         try:
@@ -379,7 +379,7 @@ def test_required_parallel_calls_end_when_the_budget_cannot_hold_another(server)
     """``tool_choice="required"`` with parallel calls and ``max_tokens`` under twice a call's length: the complete
     call ends the turn (``tool_calls``) instead of the model's cut repeat (``length``)."""
     client = server.client()
-    request = {"model": MODEL, "messages": chat("What is the weather in Paris?"), "temperature": 0}
+    request = {"model": MODEL_NAME, "messages": chat("What is the weather in Paris?"), "temperature": 0}
     request |= {"tools": [WEATHER_TOOL], "tool_choice": "required"}
     single = client.chat.completions.create(**request, max_tokens=64, parallel_tool_calls=False)
     call_tokens = single.usage.completion_tokens
@@ -425,7 +425,7 @@ def test_warm_yields_to_decoding(server):
     thread.start()
     time.sleep(0.3)  # the warm has started
     start = time.perf_counter()
-    chat_status = post(server, {"model": MODEL, "messages": chat("Say hi."), "max_tokens": 1}).status_code
+    chat_status = post(server, {"model": MODEL_NAME, "messages": chat("Say hi."), "max_tokens": 1}).status_code
     chat_s = time.perf_counter() - start
     still_warming = thread.is_alive()
     thread.join(120)

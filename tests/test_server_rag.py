@@ -20,7 +20,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from test_server import KEY, MODEL, LiveServer, metric  # noqa: E402
+from helpers import API_KEY, MODEL_NAME, LiveServer, metric  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.core.config import RepairConfig  # noqa: E402
@@ -48,7 +48,7 @@ def exact_engine():
 
 
 def live(engine) -> LiveServer:
-    return LiveServer(create_app(engine, ServerSettings(model_name=MODEL, api_key=KEY, reuse_mode="chunk")))
+    return LiveServer(create_app(engine, ServerSettings(model_name=MODEL_NAME, api_key=API_KEY, reuse_mode="chunk")))
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def as_parts(docs: list[str]) -> list[dict[str, str]]:
 
 def ask(client, messages, salt: str, n: int = 1, **extra):
     return client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=8, temperature=0, n=n, extra_body={"cache_salt": salt, **extra}
+        model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0, n=n, extra_body={"cache_salt": salt, **extra}
     )
 
 
@@ -91,7 +91,7 @@ def cached(response) -> int:
 
 
 def store_hits(server: LiveServer) -> float:
-    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
     return float(re.search(r'^kvboost_store_hits_total\{tier="ram"\} (\S+)$', text, flags=re.M).group(1))
 
 
@@ -161,7 +161,7 @@ def test_responses_api_input_text_parts_are_documents(client, exact_engine):
     def respond(order: list[int]):
         parts = [{"type": "input_text", "text": text} for text in [*(docs[i] for i in order), QUESTION]]
         return client.responses.create(
-            model=MODEL,
+            model=MODEL_NAME,
             instructions=SYSTEM,
             input=[{"role": "user", "content": parts}],
             max_output_tokens=8,
@@ -180,7 +180,9 @@ def test_a_rag_request_and_a_plain_request_share_one_batch(exact_engine):
     segment starts, then decodes with the other): the RAG answer and its cached tokens equal those it gets alone
     (same store contents, under another tenant), and the plain answer is the model's greedy answer."""
     engine = InferenceEngine(exact_engine.model, exact_engine.tokenizer, chunking=16)  # default repair, own store
-    settings = ServerSettings(model_name=MODEL, api_key=KEY, reuse_mode="chunk", batch_window_ms=1500, max_batch_size=2)
+    settings = ServerSettings(
+        model_name=MODEL_NAME, api_key=API_KEY, reuse_mode="chunk", batch_window_ms=1500, max_batch_size=2
+    )
     salt = uuid.uuid4().hex
     docs = documents(salt)
     rag = as_parts(docs[::-1])
@@ -205,7 +207,7 @@ def test_a_rag_request_and_a_plain_request_share_one_batch(exact_engine):
 @pytest.mark.parametrize(
     ("path", "body", "needle"),
     [
-        ("/v1/chat/completions", {"model": MODEL, "messages": as_parts(["x"]), "document_boundaries": "all"},
+        ("/v1/chat/completions", {"model": MODEL_NAME, "messages": as_parts(["x"]), "document_boundaries": "all"},
          "document_boundaries"),
         ("/v1/warm", {"text": "a", "documents": ["b"]}, "exactly one of"),
         ("/v1/warm", {"documents": ["b", ""]}, "non-empty"),
@@ -213,5 +215,5 @@ def test_a_rag_request_and_a_plain_request_share_one_batch(exact_engine):
     ],
 )  # fmt: skip
 def test_bad_boundary_requests_are_400s(server, path, body, needle):
-    response = httpx.post(f"{server.url}{path}", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    response = httpx.post(f"{server.url}{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
     assert response.status_code == 400 and needle in response.text, response.text

@@ -18,7 +18,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from test_server import KEY, MODEL, PERSON, SYSTEM, WEATHER_TOOL, LiveServer, chat, metric  # noqa: E402
+from helpers import API_KEY, MODEL_NAME, PERSON, SYSTEM, WEATHER_TOOL, LiveServer, chat, metric  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.server.app import ServerSettings, create_app  # noqa: E402
@@ -36,7 +36,7 @@ QUESTION = "What is the capital of France?"
 
 def validated(**fields) -> ResponsesRequest:
     """A validated request body asking ``hi`` with ``fields``."""
-    return ResponsesRequest.model_validate({"model": MODEL, "input": "hi", **fields})
+    return ResponsesRequest.model_validate({"model": MODEL_NAME, "input": "hi", **fields})
 
 
 def sdk_events(events: list[str]) -> list:
@@ -89,7 +89,7 @@ def test_items_translate_to_the_chat_request():
 
 
 def test_builder_streams_text_then_a_call_as_the_sdk_types_say():
-    builder = ResponseBuilder(validated(tools=[WEATHER]), MODEL, tools_offered=True)
+    builder = ResponseBuilder(validated(tools=[WEATHER]), MODEL_NAME, tools_offered=True)
     pieces = ["Let me check. ", "<tool", '_call>{"name": "get_weather", "arguments": ', '{"city": ', '"Oslo"}',
               "}</tool_call>"]  # fmt: skip
     events = builder.start()
@@ -116,7 +116,7 @@ def test_builder_streams_text_then_a_call_as_the_sdk_types_say():
 
 
 def test_builder_ends_cut_failed_and_empty_answers():
-    cut = ResponseBuilder(validated(), MODEL, tools_offered=False)
+    cut = ResponseBuilder(validated(), MODEL_NAME, tools_offered=False)
     events = sdk_events(cut.start() + cut.add("Once") + cut.finish("length") + cut.done(Done(3, 0, 1)))
     assert (
         events[-1].type == "response.incomplete"
@@ -124,7 +124,7 @@ def test_builder_ends_cut_failed_and_empty_answers():
     )
     assert cut.result().output[0]["status"] == "incomplete"
     for reason, status in (("cancelled", 503), (None, 500)):  # a shutdown, a failed forward
-        failed = ResponseBuilder(validated(), MODEL, tools_offered=False)
+        failed = ResponseBuilder(validated(), MODEL_NAME, tools_offered=False)
         steps = failed.start() + failed.add("Once")
         if reason is None:
             steps += failed.fail(ApiError(500, "boom", code="generation_failed"))
@@ -135,7 +135,7 @@ def test_builder_ends_cut_failed_and_empty_answers():
         with pytest.raises(ApiError) as raised:
             failed.result()
         assert raised.value.status == status
-    empty = ResponseBuilder(validated(), MODEL, tools_offered=False)
+    empty = ResponseBuilder(validated(), MODEL_NAME, tools_offered=False)
     events = sdk_events(empty.start() + empty.finish("stop") + empty.done(Done(3, 0, 1)))
     assert events[-1].response.output_text == "" and events[-1].response.output[0].type == "message"
 
@@ -143,7 +143,9 @@ def test_builder_ends_cut_failed_and_empty_answers():
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
     engine = KVBoost.from_pretrained(chunking=16)
-    settings = ServerSettings(model_name=MODEL, api_key=KEY, batch_window_ms=30, max_batch_size=4, max_queue=16)
+    settings = ServerSettings(
+        model_name=MODEL_NAME, api_key=API_KEY, batch_window_ms=30, max_batch_size=4, max_queue=16
+    )
     with LiveServer(create_app(engine, settings)) as live:
         yield live
 
@@ -160,17 +162,19 @@ def stream_events(client, **request) -> list:
 
 def prompt_tokens(server: LiveServer, messages: list[dict]) -> int:
     """Tokens of ``messages`` as the chat endpoint renders them (``/tokenize``: nothing is generated)."""
-    body = {"model": MODEL, "messages": messages}
-    response = httpx.post(f"{server.url}/tokenize", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    body = {"model": MODEL_NAME, "messages": messages}
+    response = httpx.post(
+        f"{server.url}/tokenize", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30
+    )
     return response.json()["count"]
 
 
 @pytest.mark.slow
 def test_text_equals_chat_greedy_and_stream_concatenates_to_it(client):
-    request = dict(model=MODEL, instructions=SYSTEM, input=QUESTION, max_output_tokens=8, temperature=0)
+    request = dict(model=MODEL_NAME, instructions=SYSTEM, input=QUESTION, max_output_tokens=8, temperature=0)
     response = client.responses.create(**request, metadata={"run": "a"}, store=True)
     chat_text = (
-        client.chat.completions.create(model=MODEL, messages=chat(QUESTION), max_tokens=8, temperature=0)
+        client.chat.completions.create(model=MODEL_NAME, messages=chat(QUESTION), max_tokens=8, temperature=0)
         .choices[0]
         .message.content
     )
@@ -207,7 +211,7 @@ def test_items_render_as_the_chat_messages(server, client):
                                                                "annotations": []}]},
         {"role": "user", "content": [{"type": "input_text", "text": "Another one?"}]},
     ]  # fmt: skip
-    response = client.responses.create(model=MODEL, input=history, max_output_tokens=1, temperature=0)
+    response = client.responses.create(model=MODEL_NAME, input=history, max_output_tokens=1, temperature=0)
     messages = [*chat("Name a fruit."), {"role": "assistant", "content": "Apple."},
                 {"role": "user", "content": "Another one?"}]  # fmt: skip
     assert response.usage.input_tokens == prompt_tokens(server, messages)
@@ -215,7 +219,7 @@ def test_items_render_as_the_chat_messages(server, client):
 
 @pytest.mark.slow
 def test_max_output_tokens_ends_incomplete(client):
-    request = dict(model=MODEL, input="Tell me a long story about a dragon.", max_output_tokens=3, temperature=0)
+    request = dict(model=MODEL_NAME, input="Tell me a long story about a dragon.", max_output_tokens=3, temperature=0)
     response = client.responses.create(**request)
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
     assert response.usage.output_tokens == 3 and response.output[0].status == "incomplete"
@@ -233,12 +237,12 @@ def test_json_schema_and_json_object_outputs_parse(client):
         age: int
 
     parsed = client.responses.parse(  # the SDK's pydantic helper sends a strict json_schema format
-        model=MODEL, input="Give me a person as JSON.", max_output_tokens=40, temperature=0, text_format=Person
+        model=MODEL_NAME, input="Give me a person as JSON.", max_output_tokens=40, temperature=0, text_format=Person
     )
     assert parsed.status == "completed" and isinstance(parsed.output_parsed, Person)
     assert parsed.text.format.type == "json_schema" and parsed.text.format.name == "Person"
     response = client.responses.create(
-        model=MODEL, input="Describe a cat as a JSON object.", max_output_tokens=4, temperature=0,
+        model=MODEL_NAME, input="Describe a cat as a JSON object.", max_output_tokens=4, temperature=0,
         text={"format": {"type": "json_object"}},
     )  # fmt: skip
     assert response.output_text.startswith("{")  # constrained (cut by the budget: a prefix of a JSON object)
@@ -247,7 +251,7 @@ def test_json_schema_and_json_object_outputs_parse(client):
 @pytest.mark.slow
 def test_function_call_round_trip(server, client):
     request = dict(
-        model=MODEL,
+        model=MODEL_NAME,
         input=[{"role": "user", "content": "What is the weather in Paris?"}],
         tools=[WEATHER],
         max_output_tokens=64,
@@ -270,7 +274,7 @@ def test_function_call_round_trip(server, client):
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
     history = [*request["input"], *response.output, result]  # the call passed back as the SDK returned it
     answer = client.responses.create(
-        model=MODEL, input=history, tools=[WEATHER], tool_choice="none", max_output_tokens=2, temperature=0
+        model=MODEL_NAME, input=history, tools=[WEATHER], tool_choice="none", max_output_tokens=2, temperature=0
     )
     assert answer.output[0].type == "message" and answer.output_text
     chat_history = [
@@ -286,7 +290,7 @@ def test_function_call_round_trip(server, client):
 @pytest.mark.slow
 def test_disconnect_mid_stream_cancels_generation(server, client):
     before = metric(server, "kvboost_completion_tokens_total")
-    request = dict(model=MODEL, input="Count from 1 to 500.", max_output_tokens=200, temperature=0)
+    request = dict(model=MODEL_NAME, input="Count from 1 to 500.", max_output_tokens=200, temperature=0)
     with client.responses.create(stream=True, **request) as stream:
         for event in stream:
             if event.type == "response.output_text.delta":
@@ -304,7 +308,7 @@ def test_cache_salt_isolates_tenants(client):
 
     def cached(salt: str) -> int:
         response = client.responses.create(
-            model=MODEL, input=prompt, max_output_tokens=1, temperature=0, extra_body={"cache_salt": salt}
+            model=MODEL_NAME, input=prompt, max_output_tokens=1, temperature=0, extra_body={"cache_salt": salt}
         )
         return response.usage.input_tokens_details.cached_tokens
 
@@ -313,7 +317,7 @@ def test_cache_salt_isolates_tenants(client):
     assert cached("tenant-b") == 0
 
 
-BASE = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
+BASE = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2}
 BAD_REQUESTS = {
     "previous_response_id": ({"previous_response_id": "resp_1"}, 400, "previous_response_id"),
     "unknown model": ({"model": "gpt-9"}, 404, "model"),
@@ -337,7 +341,7 @@ BAD_REQUESTS = {
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
 def test_bad_requests_get_openai_style_errors_naming_the_field(server, case):
     fields, status, param = BAD_REQUESTS[case]
-    headers = {"Authorization": f"Bearer {KEY}"}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
     response = httpx.post(f"{server.url}/v1/responses", json={**BASE, **fields}, headers=headers, timeout=30)
     assert response.status_code == status, response.text
     error = response.json()["error"]

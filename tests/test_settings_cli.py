@@ -160,7 +160,7 @@ def test_from_pretrained_passes_settings_objects(monkeypatch, embedded_engine):
 def test_draft_tree_flags_reach_the_engine(tmp_path):
     """Every generated draft flag reaches the engine's draft settings (the tree budget included)."""
     from conftest import make_tiny_model
-    from test_speculative import word_tokenizer
+    from helpers import word_tokenizer
 
     from kvboost_hf.hf.speculative import DraftSettings
     from kvboost_hf.server.launch import add_arguments, build_engine

@@ -8,33 +8,14 @@ import copy
 import pytest
 import torch
 from conftest import make_tiny_model, noisy_copy
-from oracle import engine_reference
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from helpers import VOCAB, chi_square, scrape_metrics, word_tokenizer, words
+from oracle import GREEDY, engine_reference, oracle_text, reference
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, KVBoost
 from kvboost_hf.corpus import documents
 from kvboost_hf.hf.sampling import SamplingParams
 from kvboost_hf.hf.speculative import DraftSettings, Speculation
 from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
-
-VOCAB = 128
-
-
-def word_tokenizer(size: int = VOCAB) -> PreTrainedTokenizerFast:
-    """A whitespace word-level tokenizer: ``<pad>`` = 0, ``<eos>`` = 1, ``w2 .. w{size-1}`` (the tiny models' vocab)."""
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, size)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<pad>", eos_token="<eos>", pad_token="<pad>")
-
-
-def words(seed: int, length: int) -> str:
-    """``length`` random words; the third is the pad token (chat prompts hold special tokens too)."""
-    generator = torch.Generator().manual_seed(seed)
-    tokens = [f"w{int(i)}" for i in torch.randint(2, VOCAB, (length,), generator=generator)]
-    tokens[2] = "<pad>"
-    return " ".join(tokens)
 
 
 @pytest.fixture(scope="module")
@@ -119,18 +100,6 @@ def test_settings_are_validated(target, drafts):
         Speculation(target, drafts["other"]).__enter__()
 
 
-def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
-    """Pearson's statistic and p-value of ``counts`` against ``probs``; bins expecting < 5 draws are pooled."""
-    expected = probs.double() * counts.sum()
-    small = expected < 5
-    observed = torch.cat([counts[~small].double(), counts[small].double().sum().reshape(1)])
-    expected = torch.cat([expected[~small], expected[small].sum().reshape(1)])
-    keep = expected > 0
-    statistic = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
-    dof = int(keep.sum()) - 1
-    return statistic, float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(statistic / 2)))
-
-
 def test_speculative_sampling_keeps_the_target_distribution():
     """The first sampled token with a draft follows the target's softmax, not the draft's (16-token vocabulary,
     sharpened heads so that the two distributions differ a lot: only ~40% of the draft's mass is accepted)."""
@@ -149,8 +118,8 @@ def test_speculative_sampling_keeps_the_target_distribution():
         counts[out[0, ids.shape[1]]] += 1
         accepted += speculation.stats.accepted(out.shape[1] - ids.shape[1])
     assert 0 < accepted < draws  # both the accept and the resample branch ran
-    _, p_target = _chi_square(counts, p)
-    _, p_draft = _chi_square(counts, q)
+    _, p_target = chi_square(counts, p)
+    _, p_draft = chi_square(counts, q)
     assert p_target > 1e-3, (counts.tolist(), p.tolist())
     assert p_draft < 1e-9  # the same test rejects the draft's distribution outright
 
@@ -178,7 +147,7 @@ def engines(target, drafts):
 def test_engine_greedy_with_draft_equals_without_cold_and_warm(engines):
     plain, speculative = engines
     prompt = words(6, 60)
-    expected = plain.generate(prompt, max_new_tokens=20, mode="baseline")
+    undrafted = plain.generate(prompt, max_new_tokens=20, mode="baseline")
     cold = speculative.generate(prompt, max_new_tokens=20)
     warm = speculative.generate(prompt, max_new_tokens=20)
     assert cold.output_ids == warm.output_ids == engine_reference(plain, prompt, 20).tokens
@@ -191,7 +160,7 @@ def test_engine_greedy_with_draft_equals_without_cold_and_warm(engines):
         assert result.draft_acceptance_rate == result.draft_tokens_accepted / result.draft_tokens_proposed
         assert result.tokens_per_target_forward == result.generated_tokens / result.target_forwards
         assert result.draft_acceptance_rate <= result.draft_position_acceptance <= 1.0
-    assert expected.target_forwards == expected.generated_tokens and expected.draft_acceptance_rate is None
+    assert undrafted.target_forwards == undrafted.generated_tokens and undrafted.draft_acceptance_rate is None
 
 
 def test_engine_streams_every_token_and_counts_totals(engines):
@@ -218,17 +187,11 @@ def test_engine_batches_decode_with_the_draft(engines, drafts):
     )
     prompts = [words(8, 30), words(9, 34), words(10, 21), words(11, 26)]
     batched = speculative.generate_batch(prompts, max_new_tokens=24)
-    assert [r.output_ids for r in batched] == [reference_greedy(plain, p, 24) for p in prompts]
+    assert [r.output_ids for r in batched] == [engine_reference(plain, p, 24).tokens for p in prompts]
     assert all(r.draft_tokens_proposed > 0 for r in batched)
     assert len({(r.draft_tokens_accepted, r.generated_tokens) for r in batched}) > 1  # rows accepted differently
     assert 0 < sum(r.draft_tokens_accepted for r in batched) < sum(r.draft_tokens_proposed for r in batched)
     assert batched[0].target_forwards < max(r.generated_tokens for r in batched)  # verifies took several tokens
-
-
-def reference_greedy(engine, prompt, max_new_tokens):
-    """transformers' own greedy ``generate()`` on the engine's model: the tokens after the prompt (EOS included)."""
-    ids = torch.tensor([engine.encode(prompt)])
-    return greedy(engine.model, ids, max_new_tokens=max_new_tokens)[0, ids.shape[1] :].tolist()
 
 
 SAMPLING = SamplingParams(temperature=0.9, top_k=30, presence_penalty=0.3, seed=1234)
@@ -236,8 +199,9 @@ SAMPLING = SamplingParams(temperature=0.9, top_k=30, presence_penalty=0.3, seed=
 
 @pytest.mark.parametrize("draft", ["other", "copy", "early_exit"])
 def test_engine_seeded_sampling_is_the_same_with_a_draft_alone_and_in_a_batch(target, drafts, draft):
-    """A seeded sampled row draws the same tokens without a draft, with one, alone and in a batch of 4 (the draft
-    only decides how many positions one target forward verifies)."""
+    """A seeded sampled row draws what transformers' ``generate()`` draws for the prompt alone under
+    ``torch.manual_seed(seed)``, without a draft, with one, alone and in a batch of 4 (the draft only decides how
+    many positions one target forward verifies)."""
     tokenizer = word_tokenizer()
     plain = KVBoost(target, tokenizer, chunking=16)
     if draft == "early_exit":
@@ -248,7 +212,8 @@ def test_engine_seeded_sampling_is_the_same_with_a_draft_alone_and_in_a_batch(ta
     alone = plain.generate(prompt, max_new_tokens=16, sampling=SAMPLING)
     drafted = speculative.generate(prompt, max_new_tokens=16, sampling=SAMPLING)
     in_batch = speculative.generate_batch([*others, prompt], max_new_tokens=16, sampling=SAMPLING)[-1]
-    assert alone.output_ids == drafted.output_ids == in_batch.output_ids
+    expected = engine_reference(plain, prompt, 16, SAMPLING).tokens
+    assert alone.output_ids == drafted.output_ids == in_batch.output_ids == expected
     assert drafted.draft_tokens_proposed > 0
     if draft == "copy":  # the copy's greedy proposals meet the target's draws often enough to save forwards
         assert drafted.draft_tokens_accepted > 0 and drafted.target_forwards < alone.target_forwards
@@ -261,21 +226,6 @@ def test_engine_refuses_a_draft_with_another_vocabulary(target):
         KVBoost(target, word_tokenizer(), draft_model=3)
     with pytest.raises(ValueError, match="below the target's"):
         KVBoost(target, word_tokenizer(), draft=DraftSettings(early_exit_layers=5))
-
-
-def scrape_metrics(engine: KVBoost, prompt: str) -> tuple[dict, dict[str, float]]:
-    """Generate 8 tokens of ``prompt``, then the engine's ``cache_stats()`` and its server's ``/metrics`` samples
-    (metric name -> value)."""
-    from fastapi.testclient import TestClient
-
-    from kvboost_hf.server.app import ServerSettings, create_app
-
-    engine.generate(prompt, max_new_tokens=8)
-    stats = engine.cache_stats()
-    with TestClient(create_app(engine, ServerSettings(model_name="tiny"))) as client:
-        text = client.get("/metrics").text
-    samples = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-    return stats, {name: float(value) for name, value in samples}
 
 
 def test_server_metrics_expose_the_draft_counters(engines):
@@ -346,6 +296,8 @@ def test_engine_reports_streamed_bytes_per_token_with_a_draft(target):
     assert drafted.streamed_bytes_per_token <= 0.45 * plain.streamed_bytes_per_token
     assert engine.cache_stats()["streaming_bytes_streamed"] == handle.stats().bytes_streamed
     handle.close()
+    resident = reference(target, engine.encode(prompt), 12, GREEDY, engine.eos_token_ids, engine.pad_token_id)
+    assert drafted.output_ids == resident.tokens  # transformers' greedy generate() on the resident target
 
 
 # ---------------------------------------------------------------------------------------------------- embedded model
@@ -369,26 +321,28 @@ def test_embedded_model_with_early_exit_and_engine_drafts_equals_greedy(embedded
 
 
 def test_server_seeded_request_gets_the_same_tokens_alone_batched_and_with_a_draft(engines):
-    """Over loopback with the openai client: a seeded sampled request returns the same text from a server without
-    a draft, and from a server with one both alone and inside a batch of 4 (greedy neighbours stay exact too);
-    the draft counters in /metrics grow in both cases."""
+    """Over loopback with the openai client: a seeded sampled request returns transformers' seeded ``generate()``
+    text from a server without a draft, and from a server with one both alone and inside a batch of 4 (greedy
+    neighbours equal transformers' greedy text too); the draft counters in /metrics grow in both cases."""
     pytest.importorskip("uvicorn")
     pytest.importorskip("openai")
-    from test_server import KEY, LiveServer, metric
+    from helpers import API_KEY, LiveServer, metric
 
     from kvboost_hf.server.app import ServerSettings, create_app
 
     plain, speculative = engines
     seeded = {"prompt": words(40, 30), "max_tokens": 12, "temperature": 0.9, "presence_penalty": 0.3, "seed": 77}
     others = [words(41 + i, 24 + 5 * i) for i in range(3)]
-    expected = [plain.generate(p, max_new_tokens=12, mode="baseline").output_text for p in others]
-    settings = ServerSettings(model_name="tiny", api_key=KEY, batch_window_ms=300, max_batch_size=4)
+    expected = [oracle_text(plain, p, 12) for p in others]
+    drawn = oracle_text(plain, seeded["prompt"], 12, SamplingParams(temperature=0.9, presence_penalty=0.3, seed=77))
+    settings = ServerSettings(model_name="tiny", api_key=API_KEY, batch_window_ms=300, max_batch_size=4)
 
     def complete(client, **body):
         return client.completions.create(model="tiny", **body).choices[0].text
 
     with LiveServer(create_app(plain, settings)) as server:
         reference = complete(server.client(), **seeded)
+    assert reference == drawn
     with LiveServer(create_app(speculative, settings)) as server:
         client = server.client()
         proposed = metric(server, "kvboost_draft_tokens_proposed_total")

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_tiny_model
-from test_disk_tier import ENV, run_python
-from test_store_tiers import key, raw_entry
+from helpers import ENV, key, raw_entry, run_python
 
 from kvboost_hf import ChunkReuseCache
 from kvboost_hf.core.chunk_kv import ChunkKV
@@ -83,7 +82,7 @@ def test_store_dropped_without_close_keeps_its_entries(tmp_path: Path):
     code = textwrap.dedent(
         """
         import os, sys, time
-        from test_store_tiers import key, raw_entry
+        from helpers import key, raw_entry
         from kvboost_hf.store.chunk_store import ChunkStore
 
         store = ChunkStore(1 << 24, disk_cache_dir=sys.argv[1])
@@ -107,7 +106,7 @@ _FULL_DISK = textwrap.dedent(
     """
     import json, resource, signal, sys
     import torch
-    from test_store_tiers import key, raw_entry
+    from helpers import key, raw_entry
     from kvboost_hf.store.chunk_store import ChunkStore
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, like ENOSPC

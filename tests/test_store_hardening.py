@@ -16,10 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import greedy, make_tiny_model
-from test_codec import make_entry
-from test_disk_tier import ENV
-from test_redis_tier import RedisServer, redis_server, remote  # noqa: F401 (fixtures)
-from test_store_tiers import key, raw_entry
+from helpers import ENV, RedisServer, key, make_entry, raw_entry
 
 from kvboost_hf import ChunkKV, ChunkReuseCache
 from kvboost_hf.core.keys import model_digest
@@ -93,7 +90,7 @@ def test_generation_after_an_in_place_change_reuses_nothing_stale(edit: str):
 _DISK_SCENARIO = textwrap.dedent(
     """
     import os, sys
-    from test_store_tiers import key, raw_entry
+    from helpers import key, raw_entry
     from kvboost_hf.store.disk import DiskTier
 
     directory, damage = sys.argv[1], sys.argv[2]
@@ -245,7 +242,7 @@ def test_hung_connect_is_bounded_by_the_read_timeout(unaccepting_port: int):
         tier.close(timeout_s=1)
 
 
-def test_tail_notes_are_published_again_after_a_redis_restart(redis_server: RedisServer):  # noqa: F811
+def test_tail_notes_are_published_again_after_a_redis_restart(redis_server: RedisServer):
     store = ChunkStore(1 << 24, remote_url=redis_server.url)
     assert store.remote is not None
     try:
@@ -264,7 +261,7 @@ def test_tail_notes_are_published_again_after_a_redis_restart(redis_server: Redi
         store.close(timeout_s=2)
 
 
-def test_a_replica_with_another_secret_refuses_without_deleting(redis_server: RedisServer):  # noqa: F811
+def test_a_replica_with_another_secret_refuses_without_deleting(redis_server: RedisServer):
     mine = RemoteTier(redis_server.url, hmac_key="mine")
     theirs = RemoteTier(redis_server.url, hmac_key="theirs")
     try:
@@ -279,7 +276,7 @@ def test_a_replica_with_another_secret_refuses_without_deleting(redis_server: Re
         theirs.close(timeout_s=2)
 
 
-def test_a_replica_without_a_secret_refuses_sealed_records_without_deleting(redis_server: RedisServer):  # noqa: F811
+def test_a_replica_without_a_secret_refuses_sealed_records_without_deleting(redis_server: RedisServer):
     """A replica with no HMAC key cannot read a sealed record: a miss, counted, and left for the replicas that
     hold the key (it used to be decoded as a damaged record and deleted)."""
     sealed = RemoteTier(redis_server.url, hmac_key="mine")
@@ -296,7 +293,7 @@ def test_a_replica_without_a_secret_refuses_sealed_records_without_deleting(redi
         keyless.close(timeout_s=2)
 
 
-def test_wrong_type_tail_key_is_removed(remote: RemoteTier, redis_server: RedisServer):  # noqa: F811
+def test_wrong_type_tail_key_is_removed(remote: RemoteTier, redis_server: RedisServer):
     admin = redis_server.client()
     admin.set(remote.prefix + "tail:" + key(1), b"not a set")
     assert remote.tail_lengths(key(1)) == set() and remote.corrupt == 1

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import lmdb
 import pytest
-from test_codec import assert_same
-from test_store_tiers import key, raw_entry
+from helpers import assert_same, key, raw_entry
 
 from kvboost_hf.store import ChunkStore, StorageTier, StoreConfig
 from kvboost_hf.store.base import StoredChunk

@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_tiny_model
+from helpers import RedisServer, key, raw_entry
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_codec import make_entry
-from test_redis_tier import RedisServer, redis_server  # noqa: F401 (fixture)
 
 from kvboost_hf import ChunkReuseCache
 from kvboost_hf.core.chunk_kv import ChunkKV
@@ -21,16 +20,6 @@ from kvboost_hf.core.keys import chain_prefix_keys, make_namespace
 from kvboost_hf.store.chunk_store import ChunkStore
 
 DISK_BYTES = 1 << 20
-
-
-def key(i: int) -> str:
-    return f"{i:064x}"
-
-
-def raw_entry(tokens: int = 16, seed: int = 0, dtype: torch.dtype = torch.float32) -> ChunkKV:
-    entry = make_entry(tokens=tokens, seed=seed, dtype=dtype)
-    assert isinstance(entry, ChunkKV)
-    return entry
 
 
 @pytest.mark.parametrize("bits", [16, 8, 4])
@@ -128,7 +117,7 @@ def test_invalid_settings():
         ChunkStore(kv_group_size=0)
 
 
-def test_redis_write_through_promotion_and_outage(redis_server: RedisServer):  # noqa: F811
+def test_redis_write_through_promotion_and_outage(redis_server: RedisServer):
     writer = ChunkStore(1 << 20, kv_cache_bits=8, remote_url=redis_server.url)
     writer.put(key(1), raw_entry())
     writer.close()
@@ -148,7 +137,7 @@ def test_redis_write_through_promotion_and_outage(redis_server: RedisServer):  #
         reader.close(timeout_s=1)
 
 
-def test_namespace_isolation_in_every_tier(tmp_path: Path, redis_server: RedisServer):  # noqa: F811
+def test_namespace_isolation_in_every_tier(tmp_path: Path, redis_server: RedisServer):
     """Chunks stored for one model are never found under another model's keys, in RAM, on disk or in Redis."""
     chunking = ChunkingConfig(chunk_size=16)
     tokens = list(range(1, 49))
@@ -183,7 +172,7 @@ def test_quantized_store_serves_the_cache(bits: int):
         assert torch.equal(out, expected)
 
 
-def test_redis_restarted_empty_is_repopulated_from_ram(redis_server: RedisServer):  # noqa: F811
+def test_redis_restarted_empty_is_repopulated_from_ram(redis_server: RedisServer):
     holder = ChunkStore(1 << 24, remote_url=redis_server.url)
     assert holder.remote is not None
     holder.remote.retry_after_s = 0.2
@@ -205,7 +194,7 @@ def test_redis_restarted_empty_is_repopulated_from_ram(redis_server: RedisServer
         holder.close(timeout_s=1)
 
 
-def test_clear_is_local_unless_remote_is_asked(tmp_path: Path, redis_server: RedisServer):  # noqa: F811
+def test_clear_is_local_unless_remote_is_asked(tmp_path: Path, redis_server: RedisServer):
     with ChunkStore(1 << 20, disk_cache_dir=tmp_path, remote_url=redis_server.url) as store:
         store.put(key(1), raw_entry())
         store.flush()
@@ -217,7 +206,7 @@ def test_clear_is_local_unless_remote_is_asked(tmp_path: Path, redis_server: Red
         assert not redis_server.client().exists("kvboost:" + key(1)) and store.get(key(1)) is None
 
 
-def test_two_replicas_share_tail_notes_through_redis(redis_server: RedisServer):  # noqa: F811
+def test_two_replicas_share_tail_notes_through_redis(redis_server: RedisServer):
     first = ChunkStore(1 << 20, remote_url=redis_server.url)
     second = ChunkStore(1 << 20, remote_url=redis_server.url)
     try:
@@ -233,7 +222,7 @@ def test_two_replicas_share_tail_notes_through_redis(redis_server: RedisServer):
         second.close(timeout_s=1)
 
 
-def test_get_many_reads_every_tier_once(tmp_path: Path, redis_server: RedisServer):  # noqa: F811
+def test_get_many_reads_every_tier_once(tmp_path: Path, redis_server: RedisServer):
     with ChunkStore(1 << 20, remote_url=redis_server.url) as writer:
         for i in range(4):
             writer.put(key(i), raw_entry(seed=i))

@@ -7,10 +7,9 @@ import itertools
 import pytest
 import torch
 from conftest import make_tiny_model, noisy_copy
+from helpers import DECODE_CHUNKING, DECODE_EOS, as_text, chi_square, reuse_caches
 from hypothesis import given
 from hypothesis import strategies as st
-from test_decode import CHUNKING, EOS, as_text, reuse_caches
-from test_speculative import _chi_square
 
 from kvboost_hf import ChunkStore, DecodeLoop, DecodeRequest, SamplingParams
 from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftTree, VerifyCosts, acceptance_by_depth
@@ -39,8 +38,8 @@ def decode(model, requests, settings=None, draft=None, store=None) -> DecodeLoop
         draft_cache = reuse_caches(store, draft, adapter=False)
         drafter = Drafter(draft, settings, draft_cache)
     new_cache = reuse_caches(store, model, adapter=False)
-    loop = DecodeLoop(model, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=new_cache, chunking=CHUNKING,
-                      pad_token_id=0, draft=drafter)  # fmt: skip
+    loop = DecodeLoop(model, as_text, DecodeLoop.rows_for(requests, DECODE_EOS), new_cache=new_cache,
+                      chunking=DECODE_CHUNKING, pad_token_id=0, draft=drafter)  # fmt: skip
     loop.run()
     return loop
 
@@ -113,8 +112,8 @@ def test_global_expansion_gives_rows_their_own_shapes_and_the_same_tokens(budget
     drafter.propose = recording  # type: ignore[method-assign]
     store = ChunkStore() if reuse else None
     new_cache = reuse_caches(store, target, adapter=False)
-    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=new_cache, chunking=CHUNKING,
-                      pad_token_id=0, draft=drafter)  # fmt: skip
+    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, DECODE_EOS), new_cache=new_cache,
+                      chunking=DECODE_CHUNKING, pad_token_id=0, draft=drafter)  # fmt: skip
     loop.run()
     assert [row.tokens for row in loop.rows] == [row.tokens for row in plain.rows]
     if budget > 6:  # wide enough for a step to reach back: some round's rows were shaped differently
@@ -144,11 +143,12 @@ def test_rows_joining_a_tree_decoding_batch_and_an_early_exit_draft(target):
     settings = DraftSettings(num_draft_tokens=3, early_exit_layers=1, tree_budget=6, tree_branching=2)
     first, *later = prompts()
     greedy = SamplingParams(temperature=0)
-    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for([DecodeRequest(first, 12, greedy)], EOS), new_cache=None,
-                      chunking=CHUNKING, pad_token_id=0, draft=Drafter(target, settings))  # fmt: skip
+    rows = DecodeLoop.rows_for([DecodeRequest(first, 12, greedy)], DECODE_EOS)
+    loop = DecodeLoop(target, as_text, rows, new_cache=None, chunking=DECODE_CHUNKING, pad_token_id=0,
+                      draft=Drafter(target, settings))  # fmt: skip
     loop.prefill()
     loop.step()
-    loop.join(DecodeLoop.rows_for([DecodeRequest(p, 10, greedy) for p in later], EOS))
+    loop.join(DecodeLoop.rows_for([DecodeRequest(p, 10, greedy) for p in later], DECODE_EOS))
     while not loop.done:
         loop.step()
     plain = decode(target, [DecodeRequest(p, row.request.max_new_tokens, greedy)
@@ -175,7 +175,7 @@ TREE = DraftSettings(num_draft_tokens=4, tree_budget=12, tree_branching=3)
 @pytest.fixture(scope="module")
 def streamed_engines(draft):
     """A streamed target (every layer over 2 slots) with no draft and with a tree draft, one store each."""
-    from test_speculative import word_tokenizer
+    from helpers import word_tokenizer
 
     from kvboost_hf import KVBoost
 
@@ -191,7 +191,7 @@ def test_tree_generation_counters_add_up(streamed_engines):
     """Greedy, one row: each target forward yields one token of its own plus the draft tokens it accepted; every
     forward, the prompt's included (it verifies the first tree), verified at most ``tree_budget`` nodes; the
     engine's totals and bytes follow."""
-    from test_speculative import words
+    from helpers import words
 
     plain_engine, engine = streamed_engines
     prompt = words(21, 30)
@@ -237,7 +237,7 @@ def test_a_row_ending_on_a_proposed_token_counts_it_as_the_forwards_own(target, 
     assert end is None or end not in plain[:4]
     request = DecodeRequest(prompt, 7, SamplingParams(temperature=0))
     loop = DecodeLoop(target, as_text, DecodeLoop.rows_for([request], {end} if end is not None else set()),
-                      new_cache=None, chunking=CHUNKING, pad_token_id=0,
+                      new_cache=None, chunking=DECODE_CHUNKING, pad_token_id=0,
                       draft=Drafter(target, DraftSettings(num_draft_tokens=4)))  # fmt: skip
     loop.run()
     (row,) = loop.rows
@@ -272,8 +272,8 @@ def test_rows_of_one_prompt_share_the_folded_first_tree(target, draft, reuse):
     store = ChunkStore() if reuse else None
     new_cache = reuse_caches(store, target, adapter=False)
     drafter = Drafter(draft, DraftSettings(num_draft_tokens=4, tree_budget=12, tree_branching=3))
-    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=new_cache, chunking=CHUNKING,
-                      pad_token_id=0, draft=drafter)  # fmt: skip
+    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, DECODE_EOS), new_cache=new_cache,
+                      chunking=DECODE_CHUNKING, pad_token_id=0, draft=drafter)  # fmt: skip
     loop.prefill()
     assert loop.forwards == loop.verify_forwards == 1 and all(len(row.draft_rounds) == 1 for row in loop.rows)
     while not loop.done:
@@ -282,7 +282,7 @@ def test_rows_of_one_prompt_share_the_folded_first_tree(target, draft, reuse):
 
 
 def test_server_metrics_expose_the_tree_counters(streamed_engines):
-    from test_speculative import scrape_metrics, words
+    from helpers import scrape_metrics, words
 
     _, engine = streamed_engines
     stats, samples = scrape_metrics(engine, words(22, 30))
@@ -305,8 +305,8 @@ def test_every_expanded_node_starts_with_the_drafts_own_choice(target, draft, bu
     draft's argmax after the row's tokens and the node's path, computed from scratch. Round records add up."""
     requests = [DecodeRequest(p, 20, SamplingParams(temperature=0)) for p in prompts()]
     drafter = Drafter(draft, DraftSettings(num_draft_tokens=5, tree_budget=budget, tree_expansion=expansion))
-    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=None, chunking=CHUNKING,
-                      pad_token_id=0, draft=drafter)  # fmt: skip
+    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, DECODE_EOS), new_cache=None,
+                      chunking=DECODE_CHUNKING, pad_token_id=0, draft=drafter)  # fmt: skip
     assert loop.draft is not None
     propose, seen = loop.draft.propose, []
 
@@ -346,7 +346,7 @@ def test_every_expanded_node_starts_with_the_drafts_own_choice(target, draft, bu
 
 def sampled_loop(target, draft, prompt, max_new_tokens, settings, seed, temperature=1.0) -> DecodeLoop:
     request = DecodeRequest(prompt, max_new_tokens, SamplingParams(temperature=temperature, seed=seed))
-    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for([request], set()), new_cache=None, chunking=CHUNKING,
+    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for([request], set()), new_cache=None, chunking=DECODE_CHUNKING,
                       pad_token_id=0, draft=Drafter(draft, settings))  # fmt: skip
     loop.run()
     return loop
@@ -358,7 +358,7 @@ def next_token_probs(model, sequences: torch.Tensor, temperature: float = 1.0) -
         return (model(sequences).logits[:, -1] / temperature).softmax(-1)
 
 
-def test_a_tree_keeps_the_targets_distribution_chi_square():
+def test_a_tree_keeps_the_targets_distributionchi_square():
     """The third sampled token (after the prefill's and the first verify's root draw: accepted from the tree or
     drawn after a miss) follows the target's marginal, not the draft's (16 tokens, sharpened heads)."""
     vocab, prompt = 16, [3, 5, 7, 2, 9]
@@ -383,8 +383,8 @@ def test_a_tree_keeps_the_targets_distribution_chi_square():
         counts[loop.rows[0].tokens[2]] += 1
         accepted += loop.rows[0].draft_accepted > 0
     assert 0 < accepted < draws  # both the accepted and the missed branch ran
-    _, p_target = _chi_square(counts, third_token_marginal(target))
-    _, p_draft = _chi_square(counts, third_token_marginal(draft))
+    _, p_target = chi_square(counts, third_token_marginal(target))
+    _, p_draft = chi_square(counts, third_token_marginal(draft))
     assert p_target > 1e-3 and p_draft < 1e-6, counts.tolist()
 
 
@@ -512,8 +512,9 @@ def test_the_loop_uses_and_feeds_the_adaptive_budget(target, draft):
     costs = FrozenCosts(timed(0.03, 2.5e-3))  # 0.25 * 0.03 / 0.0025 = 3 nodes a row
     requests = [DecodeRequest(prompts()[0], 12, SamplingParams(temperature=0))]
     plain = decode(target, requests)
-    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=None, chunking=CHUNKING,
-                      pad_token_id=0, draft=Drafter(draft, settings, costs=costs))  # fmt: skip
+    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, DECODE_EOS), new_cache=None,
+                      chunking=DECODE_CHUNKING, pad_token_id=0,
+                      draft=Drafter(draft, settings, costs=costs))  # fmt: skip
     loop.run()
     (row,) = loop.rows
     assert row.tokens == plain.rows[0].tokens
@@ -553,7 +554,7 @@ def test_draft_ranks_place_the_targets_greedy_tokens_among_the_drafts_prediction
 def test_the_engine_keeps_one_verify_record_across_calls(draft):
     """An engine's adaptive drafters share its ``verify_costs``: timed forwards accumulate over calls, and the
     output is the engine's without a draft."""
-    from test_speculative import word_tokenizer, words
+    from helpers import word_tokenizer, words
 
     from kvboost_hf import KVBoost
 

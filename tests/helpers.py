@@ -1,0 +1,340 @@
+"""Helpers shared by several test modules (test modules never import each other; fixtures live in conftest.py).
+
+Sections: stored chunks and keys, subprocesses, a private redis-server, word-level prompts for the tiny models,
+non-prefix reuse on tiny models, the decode loop on token ids, a live OpenAI-compatible server, statistics.
+Optional dependencies (redis, uvicorn, openai, httpx, fastapi) are imported where they are used, so a module that
+needs none of them imports this one without them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from conftest import greedy
+from transformers import DynamicCache, PreTrainedTokenizerFast
+
+from kvboost_hf import ChunkingConfig, ChunkReuseCache, ChunkStore, DecodeLoop, GenerationMode, RepairConfig
+from kvboost_hf.core.chunk_kv import ChunkKV
+from kvboost_hf.store.base import StoredChunk
+from kvboost_hf.store.quantization import QuantizedChunk, quantize_chunk
+
+TESTS_DIR = Path(__file__).parent
+
+
+# ---------------------------------------------------------------------------------------------- chunks and keys
+def key(i: int) -> str:
+    """A valid 64-hex-digit store key numbered ``i``."""
+    return f"{i:064x}"
+
+
+def make_entry(tokens: int = 9, bits: int = 16, dtype: torch.dtype = torch.float32, seed: int = 0) -> StoredChunk:
+    """A random chunk (keys and values ``[2, 3, tokens, 8]``): raw at 16 bits, else quantized in groups of 4."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(2, 3, tokens, 8, generator=gen).to(dtype)
+    values = torch.randn(2, 3, tokens, 8, generator=gen).to(dtype)
+    return ChunkKV(keys, values) if bits == 16 else quantize_chunk(keys, values, bits, 4)
+
+
+def raw_entry(tokens: int = 16, seed: int = 0, dtype: torch.dtype = torch.float32) -> ChunkKV:
+    """:func:`make_entry` unquantized."""
+    entry = make_entry(tokens=tokens, seed=seed, dtype=dtype)
+    assert isinstance(entry, ChunkKV)
+    return entry
+
+
+def assert_same(a: StoredChunk, b: StoredChunk) -> None:
+    """``a`` and ``b`` are the same chunk bit for bit (type, dtype, quantization layout and every tensor)."""
+    assert type(a) is type(b)
+    if isinstance(a, QuantizedChunk):
+        assert isinstance(b, QuantizedChunk)
+        for qa, qb in ((a.keys, b.keys), (a.values, b.values)):
+            layout_a = (qa.shape, qa.dtype, qa.bits, qa.group_size, qa.per_channel)
+            assert layout_a == (qb.shape, qb.dtype, qb.bits, qb.group_size, qb.per_channel)
+            for ta, tb in ((qa.data, qb.data), (qa.scale, qb.scale), (qa.zero, qb.zero)):
+                assert torch.equal(ta, tb)
+    else:
+        assert isinstance(b, ChunkKV)
+        assert a.keys.dtype == b.keys.dtype and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+# ---------------------------------------------------------------------------------------------- subprocesses
+# A child Python sees the tests directory (conftest, helpers) and the repository, as the test process does.
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), str(TESTS_DIR.parent), *sys.path])}
+
+
+def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``code`` in a child Python with :data:`ENV`; its output captured as text; ``timeout`` in seconds."""
+    return subprocess.run([sys.executable, "-c", code, *args], env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    """A loopback TCP port free at the time of the call."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------------------------- redis
+@dataclass
+class RedisServer:
+    """A private redis-server on 127.0.0.1; ``stop``/``start`` simulate an outage on the same port."""
+
+    port: int
+    directory: Path
+    password: str | None = None
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        """Start it and wait (at most 10 s) until it answers a ping."""
+        import redis
+
+        binary = shutil.which("redis-server")
+        assert binary is not None
+        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args += ["--dir", str(self.directory), "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if client.ping():
+                    return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(10)
+            self.process = None
+
+    def client(self) -> Any:
+        import redis
+
+        return redis.Redis.from_url(self.url)
+
+
+# ---------------------------------------------------------------------------------------------- word prompts
+VOCAB = 128  # the tiny models' vocabulary
+
+
+def word_tokenizer(size: int = VOCAB) -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer: ``<pad>`` = 0, ``<eos>`` = 1, ``w2 .. w{size-1}`` (the tiny models' vocab)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<pad>", eos_token="<eos>", pad_token="<pad>")
+
+
+def words(seed: int, length: int) -> str:
+    """``length`` random words; the third is the pad token (chat prompts hold special tokens too)."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = [f"w{int(i)}" for i in torch.randint(2, VOCAB, (length,), generator=generator)]
+    tokens[2] = "<pad>"
+    return " ".join(tokens)
+
+
+def scrape_metrics(engine: Any, prompt: str) -> tuple[dict, dict[str, float]]:
+    """Generate 8 tokens of ``prompt``, then the engine's ``cache_stats()`` and its server's ``/metrics`` samples
+    (metric name -> value)."""
+    from fastapi.testclient import TestClient
+
+    from kvboost_hf.server.app import ServerSettings, create_app
+
+    engine.generate(prompt, max_new_tokens=8)
+    stats = engine.cache_stats()
+    with TestClient(create_app(engine, ServerSettings(model_name="tiny"))) as client:
+        text = client.get("/metrics").text
+    samples = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return stats, {name: float(value) for name, value in samples}
+
+
+# ---------------------------------------------------------------------------------------------- non-prefix reuse
+REPAIR_CHUNK = 16  # tokens per chunk of the non-prefix reuse tests
+
+
+def documents(count: int = 3, length: int = 40, seed: int = 0) -> list[torch.Tensor]:
+    """``count`` random token documents of ``length`` ids in ``[1, 128)``."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 128, (length,), generator=gen) for _ in range(count)]
+
+
+def warm_alone(model, store, doc: torch.Tensor, **kwargs) -> None:
+    """Prefill ``doc`` alone as one segment and store its chunks."""
+    cache = ChunkReuseCache(store, model, chunking=REPAIR_CHUNK, segment_starts=[0, len(doc)], **kwargs)
+    model(doc[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cache.save()
+
+
+def run(
+    model,
+    store,
+    ids,
+    starts=(),
+    new=8,
+    chunking=REPAIR_CHUNK,
+    mode=GenerationMode.CHUNK_KV_REUSE,
+    write_back=True,
+    **repair,
+):
+    """Greedy ``generate()`` of ``new`` tokens on a chunk-reuse cache with segment ``starts`` and ``repair``
+    settings: ``((sequences, logits), cache)``."""
+    cache = ChunkReuseCache(
+        store, model, chunking, RepairConfig(**repair), mode=mode, segment_starts=starts, write_back=write_back
+    )
+    return greedy(model, ids, cache, new), cache
+
+
+def full_prefill(model, ids) -> DynamicCache:
+    """The K/V of a plain prefill of ``ids``."""
+    cache = DynamicCache()
+    model(ids, past_key_values=cache)
+    return cache
+
+
+def shuffled_prompt(docs, order, question):
+    """``docs`` in ``order`` then ``question`` as one ``[1, L]`` prompt, and each part's start."""
+    parts = [docs[i] for i in order] + [question]
+    starts = [sum(len(p) for p in parts[:i]) for i in range(len(parts))]
+    return torch.cat(parts)[None], starts
+
+
+# ---------------------------------------------------------------------------------------------- decode loop
+DECODE_CHUNKING = ChunkingConfig(8)
+DECODE_EOS = {127}
+
+
+def as_text(tokens: list[int]) -> str:
+    """Token ids as text (``<7><12>``), the decode loop's tokenizer-free decode."""
+    return "".join(f"<{t}>" for t in tokens)
+
+
+def reuse_caches(store: ChunkStore | None, model, **options) -> Callable[[tuple[int, ...]], ChunkReuseCache] | None:
+    """A loop's cache factory: chunk-reuse caches on ``store`` built for the rows' segment starts (None: plain K/V)."""
+    if store is None:
+        return None
+    return lambda starts: ChunkReuseCache(store, model, DECODE_CHUNKING, segment_starts=starts, **options)
+
+
+def run_loop(model, requests, store=None, **kwargs) -> DecodeLoop:
+    """Run ``requests`` to the end in one :class:`DecodeLoop` (pad 0, :data:`DECODE_EOS`)."""
+    new_cache = reuse_caches(store, model)
+    loop = DecodeLoop(
+        model, as_text, DecodeLoop.rows_for(requests, DECODE_EOS), new_cache=new_cache, chunking=DECODE_CHUNKING,
+        pad_token_id=0, **kwargs,
+    )  # fmt: skip
+    loop.run()
+    return loop
+
+
+# ---------------------------------------------------------------------------------------------- live server
+API_KEY = "test-key"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+SYSTEM = "You are a concise assistant. Answer in one short sentence and never use lists or headings."
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+class LiveServer:
+    """uvicorn serving ``app`` in a daemon thread on a free loopback port (a context manager; start and stop are
+    bounded by 30 s each)."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        from kvboost_hf.server.app import GracefulServer
+
+        self.port = free_port()
+        self.app = app
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=30
+        )
+        self.server = GracefulServer(config, app.state.drain)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "server did not stop"
+
+    def client(self, key: str | None = API_KEY):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or "none", max_retries=0, timeout=60)
+
+
+def chat(user: str, system: str = SYSTEM) -> list[dict[str, str]]:
+    """A system and a user message."""
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def metric(server: LiveServer, name: str) -> float:
+    """The first sample of ``name`` in the server's ``/metrics``."""
+    import httpx
+
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
+    values = [float(m) for m in re.findall(rf"^{re.escape(name)} (\S+)$", text, flags=re.M)]
+    assert values, f"{name} missing from /metrics"
+    return values[0]
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
+    """Pearson's statistic and p-value of ``counts`` against ``probs``; bins expecting < 5 draws are pooled."""
+    expected = probs.double() * counts.sum()
+    small = expected < 5
+    observed = torch.cat([counts[~small].double(), counts[small].double().sum().reshape(1)])
+    expected = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    keep = expected > 0
+    statistic = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return statistic, float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(statistic / 2)))
