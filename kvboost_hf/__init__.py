@@ -46,6 +46,7 @@ with _quiet_imports():
     from kvboost_hf.core.chunk_kv import ChunkKV
     from kvboost_hf.core.chunking import ChunkingConfig
     from kvboost_hf.core.config import GenerationMode, RecomputeStrategy, RepairConfig
+    from kvboost_hf.core.errors import KVBoostError
     from kvboost_hf.engine import InferenceEngine
     from kvboost_hf.hf.attention import register_kvboost_attention
     from kvboost_hf.hf.cache import ChunkReuseCache
@@ -88,6 +89,7 @@ __all__ = [
     "GenerationResult",
     "InferenceEngine",
     "KVBoost",
+    "KVBoostError",
     "LayerStreamer",
     "LayerStreaming",
     "RecomputeStrategy",

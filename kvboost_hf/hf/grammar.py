@@ -41,6 +41,7 @@ import torch
 import xgrammar
 from transformers import LogitsProcessor, PreTrainedTokenizerBase
 
+from kvboost_hf.core.errors import KVBoostError
 from kvboost_hf.hf.grammar_process import CompileFailed, CompilePool, CompileProcess, CompileTimeout
 
 TOOL_CALL_BEGIN = "<tool_call>"
@@ -56,12 +57,12 @@ def _call_header(name: str) -> str:
 _HEADER = re.compile(re.escape(_call_header("NAME")).replace("NAME", r"([A-Za-z0-9_-]+)"))
 
 
-class GrammarError(ValueError):
+class GrammarError(KVBoostError, ValueError):
     """A schema or tool definition the grammar engine cannot compile, or one over the limits (the message names
     the problem): a client error."""
 
 
-class GrammarBusy(RuntimeError):
+class GrammarBusy(KVBoostError, RuntimeError):
     """The compiler already has ``max_waiting`` compiles queued or running: retry later."""
 
 

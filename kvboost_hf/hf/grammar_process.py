@@ -32,16 +32,18 @@ from typing import Any, TypeVar
 
 import xgrammar
 
+from kvboost_hf.core.errors import KVBoostError
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 CHILD_START_TIMEOUT_S = 120.0  # a child imports xgrammar (and torch) before its first answer
 
 
-class CompileTimeout(RuntimeError):
+class CompileTimeout(KVBoostError, RuntimeError):
     """A compile ran past its time limit; its child process was killed."""
 
 
-class CompileFailed(RuntimeError):
+class CompileFailed(KVBoostError, RuntimeError):
     """The constraint could not be compiled (xgrammar's message), or the child died compiling it."""
 
 

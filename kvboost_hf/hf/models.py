@@ -31,6 +31,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from kvboost_hf.core.errors import KVBoostError
+
 logger = logging.getLogger(__name__)
 
 CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
@@ -101,7 +103,7 @@ REFUSED_MODEL_TYPES = {
 }
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(KVBoostError, ValueError):
     """Raised for a model whose K/V cannot be reused chunk by chunk."""
 
 

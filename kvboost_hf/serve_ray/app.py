@@ -28,6 +28,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.types import ASGIApp, Message
 from transformers import PreTrainedTokenizerBase
 
+from kvboost_hf.core.errors import KVBoostError
 from kvboost_hf.serve_ray.routing import DEFAULT_MAX_CHUNKS, ForwardedRequest, KeySpace, routing_keys
 from kvboost_hf.server.admission import plain_messages
 from kvboost_hf.server.app import RequestGate
@@ -219,7 +220,7 @@ class StreamIdentity:
         return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
-class ReplicasLost(Exception):
+class ReplicasLost(KVBoostError):
     """Every attempt at a request met a dead replica."""
 
 

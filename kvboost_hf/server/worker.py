@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvboost_hf.core.config import GenerationMode
+from kvboost_hf.core.errors import KVBoostError
 from kvboost_hf.engine import InferenceEngine, Prompt
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.scheduling import BatchKey
@@ -44,7 +45,7 @@ RETRY_AFTER_MAX_S = 600
 BATCH_SECONDS_WEIGHT = 0.2  # weight of the newest batch in the moving average behind Retry-After
 
 
-class Overloaded(RuntimeError):
+class Overloaded(KVBoostError, RuntimeError):
     """The admission queue is full; retry after ``retry_after_s`` seconds."""
 
     def __init__(self, depth: int, retry_after_s: int) -> None:
@@ -52,7 +53,7 @@ class Overloaded(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
-class ShuttingDown(RuntimeError):
+class ShuttingDown(KVBoostError, RuntimeError):
     """The worker no longer accepts jobs."""
 
 
