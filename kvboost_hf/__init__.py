@@ -43,7 +43,6 @@ def _quiet_imports() -> Iterator[None]:
 
 
 with _quiet_imports():
-    from kvboost_hf.core.chunk_kv import ChunkKV
     from kvboost_hf.core.chunking import ChunkingConfig
     from kvboost_hf.core.config import GenerationMode, RecomputeStrategy, RepairConfig
     from kvboost_hf.core.errors import KVBoostError
@@ -51,60 +50,43 @@ with _quiet_imports():
     from kvboost_hf.hf.attention import register_kvboost_attention
     from kvboost_hf.hf.cache import ChunkReuseCache
     from kvboost_hf.hf.chat_segments import DocumentBoundaries
-    from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest
     from kvboost_hf.hf.generation import ChunkWriteBack
     from kvboost_hf.hf.hooks import uninstall_hooks, without_hooks
     from kvboost_hf.hf.models import UnsupportedModelError
     from kvboost_hf.hf.sampling import SamplingParams
-    from kvboost_hf.hf.speculative import Drafter, DraftSettings, Speculation, SpeculationStats
-    from kvboost_hf.offload import (
-        LayerStreamer,
-        LayerStreaming,
-        StreamingStats,
-        disable_layer_streaming,
-        enable_layer_streaming,
-    )
+    from kvboost_hf.hf.speculative import DraftSettings, Speculation
+    from kvboost_hf.offload import LayerStreaming, disable_layer_streaming, enable_layer_streaming
     from kvboost_hf.results import CorrectnessReport, GenerationResult, WarmResult
-    from kvboost_hf.reuse.plan import ReusePlan, plan_reuse
-    from kvboost_hf.scheduling import BatchPolicy
     from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
 KVBoost = InferenceEngine
 register_kvboost_attention()
 
+# The user's surface: what a program using the engine, the drop-in cache or layer streaming writes. Internals (the
+# decode loop, reuse planning, batch policy, tiers, stats records) stay importable from their own modules.
 __all__ = [
-    "BatchPolicy",
-    "ChunkKV",
     "ChunkReuseCache",
     "ChunkStore",
     "ChunkWriteBack",
     "ChunkingConfig",
     "CorrectnessReport",
-    "DecodeLoop",
-    "DecodeRequest",
     "DocumentBoundaries",
     "DraftSettings",
-    "Drafter",
     "GenerationMode",
     "GenerationResult",
     "InferenceEngine",
     "KVBoost",
     "KVBoostError",
-    "LayerStreamer",
     "LayerStreaming",
     "RecomputeStrategy",
     "RepairConfig",
-    "ReusePlan",
     "SamplingParams",
     "Speculation",
-    "SpeculationStats",
     "StoreConfig",
-    "StreamingStats",
     "UnsupportedModelError",
     "WarmResult",
     "disable_layer_streaming",
     "enable_layer_streaming",
-    "plan_reuse",
     "uninstall_hooks",
     "without_hooks",
 ]

@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import reference
 
-from kvboost_hf import ChunkReuseCache, ChunkStore, DecodeLoop, DecodeRequest, SamplingParams
+from kvboost_hf import ChunkReuseCache, ChunkStore, SamplingParams
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.keys import content_key
 from kvboost_hf.hf.cache import select_columns
-from kvboost_hf.hf.decode import visible_text
+from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, visible_text
 from kvboost_hf.hf.speculative import Drafter, DraftSettings
 
 CHUNKING = ChunkingConfig(8)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
-from kvboost_hf import ChunkKV, ChunkReuseCache, ChunkStore, RepairConfig
+from kvboost_hf import ChunkReuseCache, ChunkStore, RepairConfig
 from kvboost_hf.bench.rag_accuracy import (
     DEFAULT_REPAIR,
     FULL,
@@ -24,6 +24,7 @@ from kvboost_hf.bench.rag_accuracy import (
     report,
     select_configurations,
 )
+from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.corpus import fact_documents
 
 

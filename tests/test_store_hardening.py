@@ -21,7 +21,8 @@ from test_disk_tier import ENV
 from test_redis_tier import RedisServer, redis_server, remote  # noqa: F401 (fixtures)
 from test_store_tiers import key, raw_entry
 
-from kvboost_hf import ChunkKV, ChunkReuseCache
+from kvboost_hf import ChunkReuseCache
+from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.keys import model_digest
 from kvboost_hf.store.chunk_store import ChunkStore
 from kvboost_hf.store.remote import RemoteTier

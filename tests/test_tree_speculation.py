@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from test_decode import CHUNKING, EOS, as_text, reuse_caches
 from test_speculative import _chi_square
 
-from kvboost_hf import ChunkStore, DecodeLoop, DecodeRequest, SamplingParams
+from kvboost_hf import ChunkStore, SamplingParams
+from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest
 from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftTree, VerifyCosts, acceptance_by_depth
 from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
 
