@@ -201,3 +201,22 @@ def test_stored_tail_lets_the_next_turn_recompute_only_new_tokens(new_message):
     got, _ = greedy(model, other, cache, new=6)
     assert torch.equal(got, greedy(model, other, new=6)[0])
     assert cache.last_reuse[0].cached_tokens == 2 * CHUNK
+
+
+def test_a_used_cache_is_freed_without_the_cycle_collector(tiny_model):
+    """The cache owns its prefiller and the prefiller holds no cache: no reference cycle keeps a cache's K/V alive
+    until the garbage collector runs."""
+    import gc
+    import weakref
+
+    store = ChunkStore()
+    prompt = torch.randint(0, 100, (1, 40))
+    cache = ChunkReuseCache(store, tiny_model, chunking=16)
+    greedy(tiny_model, prompt, cache, 2)
+    freed = weakref.ref(cache)
+    gc.disable()
+    try:
+        del cache
+        assert freed() is None
+    finally:
+        gc.enable()

@@ -19,7 +19,7 @@ def plain(model, ids, **kwargs):
 
 def manual_greedy(model, cache, ids, defer=False):
     """Greedy decoding with forward() only (hooks never run), driving the cache by hand."""
-    pending = cache.prefiller.prefill(ids, defer=defer)
+    pending = cache.prefill(ids, defer=defer)
     tokens = ids
     with torch.no_grad():
         inputs = pending.model_inputs()
@@ -52,7 +52,7 @@ def test_sparse_prefill_runs_its_repair_forward_or_defers_it():
     docs = [torch.randint(1, 128, (40,), generator=gen) for _ in range(2)]
     for doc in docs:
         warm = ChunkReuseCache(store, model, CHUNK, segment_starts=[0, 40])
-        warm.prefiller.prefill(doc[None], keep=0)
+        warm.prefill(doc[None], keep=0)
         model.forward(input_ids=doc[None], past_key_values=warm, use_cache=True)
         warm.record(doc[None])
         warm.save()

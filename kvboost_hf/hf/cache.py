@@ -8,7 +8,7 @@ Use it like any cache::
 The cache is the container (per-layer K/V, the token ids of every column, one ledger per row); the work is done
 in explicit calls, which :mod:`kvboost_hf.hf.hooks` only makes from ``generate()``:
 
-* ``cache.prefiller.prefill`` (:class:`~kvboost_hf.hf.prefill.ChunkPrefiller`) plans, stitches and repairs the
+* :meth:`ChunkReuseCache.prefill` (:class:`~kvboost_hf.hf.prefill.ChunkPrefiller`) plans, stitches and repairs the
   prompt's stored K/V into the cache and returns the inputs still to compute;
 * :meth:`ChunkReuseCache.record` notes each finished forward;
 * :meth:`ChunkReuseCache.save` writes completed chunks back (:mod:`~kvboost_hf.reuse.write_back`), the
@@ -47,7 +47,7 @@ from kvboost_hf.hf.context_attention import ADJUSTMENT_KWARG, ContextAdjustment
 from kvboost_hf.hf.hooks import install_hooks
 from kvboost_hf.hf.layers import ChunkReuseLayer, ChunkReuseSlidingLayer, cache_layers
 from kvboost_hf.hf.models import model_dtype
-from kvboost_hf.hf.prefill import ChunkPrefiller, RowReuse
+from kvboost_hf.hf.prefill import ChunkPrefiller, PendingForward, RowReuse
 from kvboost_hf.reuse.plan import ChunkLedger
 from kvboost_hf.reuse.rope import KeyRotator
 from kvboost_hf.reuse.write_back import write_chunks, write_tail
@@ -126,7 +126,7 @@ class ChunkReuseCache(Cache):
         self._pending_tokens: torch.Tensor | None = None  # the row's tokens once that forward ran
         self.layer_filter: LayerFilter | None = None  # CacheBlend: the positions of _scatter each layer computes
         self._adjustment: tuple[tuple, ContextAdjustment] | None = None  # (layout, its adjustment): attention_kwargs
-        self.prefiller = ChunkPrefiller(self)
+        self.prefiller = ChunkPrefiller(model, self.mode)
         if adapter:
             install_hooks(model)
 
@@ -149,7 +149,7 @@ class ChunkReuseCache(Cache):
         return {ADJUSTMENT_KWARG: self._adjustment[1]}
 
     def _context_adjustment(self) -> ContextAdjustment:
-        device = self.prefiller._device_and_dtype()[0]
+        device = self.prefiller.device_and_dtype()[0]
         starts = [max(ledger.approximate, default=-1) + 1 for ledger in self.ledgers]  # no columns: no effect
         columns = torch.zeros(len(self.ledgers), max(map(sum, zip(self.pads, starts, strict=True))), dtype=torch.bool)
         for row, (pad, ledger) in enumerate(zip(self.pads, self.ledgers, strict=True)):
@@ -220,6 +220,19 @@ class ChunkReuseCache(Cache):
             logger.warning("ChunkReuseCache: attention mask is not left padding; reuse disabled for this call")
             self.reuse_enabled = False
         self.pads = [int(p) for p in pads]
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        keep: int = 1,
+        defer: bool = False,
+        report: bool = True,
+    ) -> PendingForward:
+        """Load and repair what the store holds for the prompt ``input_ids``: :meth:`ChunkPrefiller.prefill
+        <kvboost_hf.hf.prefill.ChunkPrefiller.prefill>` with this cache."""
+        return self.prefiller.prefill(self, input_ids, attention_mask, keep=keep, defer=defer, report=report)
 
     def arm_scatter(
         self, positions: torch.Tensor, tokens: torch.Tensor, layer_filter: LayerFilter | None = None
