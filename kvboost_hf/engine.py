@@ -27,12 +27,17 @@ from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.chat_segments import DocumentBoundaries, encode_chat_segments, joined
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, left_pad
-from kvboost_hf.hf.models import CACHE_ARGUMENT, check_model_support, load_model_and_tokenizer, model_dtype
+from kvboost_hf.hf.models import (
+    CACHE_ARGUMENT,
+    check_model_support,
+    load_model_and_tokenizer,
+    load_streamed_model,
+    model_dtype,
+)
 from kvboost_hf.hf.prefill import forward
 from kvboost_hf.hf.sampling import SamplingParams
 from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftSource, VerifyCosts, resolve_draft
 from kvboost_hf.offload import LayerStreaming, layer_streamer
-from kvboost_hf.offload.loading import load_streamed_model
 from kvboost_hf.results import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
 from kvboost_hf.scheduling import BatchPolicy
 from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig

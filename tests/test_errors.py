@@ -9,10 +9,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvboost_hf
 from kvboost_hf import KVBoostError
-from kvboost_hf.hf.grammar import GrammarBusy, GrammarError
-from kvboost_hf.hf.grammar_process import CompileFailed, CompileTimeout
 from kvboost_hf.hf.models import UnsupportedModelError
 from kvboost_hf.reuse.rope import UnsupportedRopeError
+from kvboost_hf.server.grammar import GrammarBusy, GrammarError
+from kvboost_hf.server.grammar_process import CompileFailed, CompileTimeout
 from kvboost_hf.server.worker import Overloaded, ShuttingDown
 from kvboost_hf.store.codec import CorruptEntryError
 

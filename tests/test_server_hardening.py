@@ -25,9 +25,9 @@ uvicorn = pytest.importorskip("uvicorn")
 from test_server import KEY, MODEL, WEATHER_TOOL, LiveServer, chat  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
-from kvboost_hf.hf.grammar import GrammarBusy, GrammarCompiler, GrammarError, GrammarLimits  # noqa: E402
-from kvboost_hf.hf.grammar_process import CompileProcess  # noqa: E402
 from kvboost_hf.server.app import GracefulServer, ServerSettings, create_app, decode_body, uvicorn_config  # noqa: E402
+from kvboost_hf.server.grammar import GrammarBusy, GrammarCompiler, GrammarError, GrammarLimits  # noqa: E402
+from kvboost_hf.server.grammar_process import CompileProcess  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}

@@ -1,4 +1,4 @@
-"""Per-row logits processors (hf/sampling.py) and tool-call parsing (hf/grammar.py), without a model."""
+"""Per-row logits processors (hf/sampling.py) and tool-call parsing (server/grammar.py), without a model."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ ANSWER = "Let me check. " + "\n".join(tag(*call) for call in [*CALLS, CALLS[0]])
 def test_tool_calls_read_the_same_whole_and_streamed_at_every_cut():
     """Cut the answer anywhere (as max_tokens does): no markup in content or arguments, every call's arguments are
     a prefix of the real ones, a repeat is dropped, and a stream adds up to the whole answer."""
-    grammar = pytest.importorskip("kvboost_hf.hf.grammar")
+    grammar = pytest.importorskip("kvboost_hf.server.grammar")
     assert grammar.parse_tool_calls(ANSWER) == ("Let me check.", [grammar.ToolCall(*call) for call in CALLS])
     assert grammar.parse_tool_calls(tag(*CALLS[0])) == ("", [grammar.ToolCall(*CALLS[0])])
     for cut in range(len(ANSWER) + 1):
@@ -104,7 +104,7 @@ def test_tool_calls_read_the_same_whole_and_streamed_at_every_cut():
 
 
 def test_tool_call_reading_drops_a_trailing_partial_tag_and_waits_on_whitespace():
-    grammar = pytest.importorskip("kvboost_hf.hf.grammar")
+    grammar = pytest.importorskip("kvboost_hf.server.grammar")
     assert grammar.parse_tool_calls("Sure <tool_c") == ("Sure ", [])
     assert grammar.parse_tool_calls("Sure \n") == ("Sure \n", [])  # no call follows: the text is the content
     assert grammar.ToolCallStream().update("Sure \n") == ("Sure", [])  # a call may still follow
@@ -116,8 +116,8 @@ def grammars():
     xgrammar = pytest.importorskip("xgrammar")
     from transformers import AutoTokenizer
 
-    from kvboost_hf.hf.grammar import GrammarCompiler
     from kvboost_hf.hf.models import embedded_model_dir
+    from kvboost_hf.server.grammar import GrammarCompiler
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
     return SimpleNamespace(xgrammar=xgrammar, tokenizer=tokenizer, compiler=GrammarCompiler(tokenizer, len(tokenizer)))
@@ -128,7 +128,7 @@ CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required"
 
 def test_tool_arguments_and_json_schema_share_the_compact_grammar(grammars):
     """No free whitespace in either: a no-argument call is exactly ``{}``, arguments cannot be padded."""
-    from kvboost_hf.hf.grammar import Tool
+    from kvboost_hf.server.grammar import Tool
 
     tools = [Tool("get_time", {"type": "object"}), Tool("get_weather", CITY)]
     calls = grammars.compiler.tool_calls(tools, required=True, parallel=True).result()
@@ -147,7 +147,7 @@ def test_tool_arguments_and_json_schema_share_the_compact_grammar(grammars):
 def test_tool_call_processor_ends_the_turn_at_a_repeated_call(grammars):
     """Under ``required`` with parallel calls the grammar allows calls without end; a repeat ends the turn, and so
     does a budget too small for another call as long as the shortest one so far."""
-    from kvboost_hf.hf.grammar import Tool
+    from kvboost_hf.server.grammar import Tool
 
     grammar = grammars.compiler.tool_calls([Tool("get_weather", CITY)], required=True, parallel=True).result()
     tokenizer = grammars.tokenizer

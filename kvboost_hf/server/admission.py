@@ -2,7 +2,7 @@
 
 Everything here that costs more than a field check (chat template rendering, tokenisation) runs in a thread
 (``asyncio.to_thread``), never on the event loop. Grammars compile on the compiler's own bounded pool, cached per
-``cache_salt`` (:class:`~kvboost_hf.hf.grammar.GrammarCompiler`); the event loop awaits them for at most
+``cache_salt`` (:class:`~kvboost_hf.server.grammar.GrammarCompiler`); the event loop awaits them for at most
 ``compile_timeout_s``, so compiles never hold the threads that admit plain requests. A prompt whose character
 count alone proves it longer than the context is refused before it is tokenised.
 
@@ -11,7 +11,7 @@ them) the tools, the assistant ``tool_calls`` and the ``tool`` messages of the h
 Otherwise this documented rendering is used: the tool list is appended to the (first) system message as
 :data:`TOOL_PROMPT`, earlier calls appear in the assistant's text as ``<tool_call>{"name", "arguments"}</tool_call>``
 and tool results as user messages ``<tool_response>...</tool_response>``. Either way the output is constrained to
-the same tag format (:mod:`kvboost_hf.hf.grammar`).
+the same tag format (:mod:`kvboost_hf.server.grammar`).
 
 Documents: with ``reuse_mode`` chunk, a chat request without tools gets segment starts where its documents begin
 and end (:func:`~kvboost_hf.hf.chat_segments.encode_chat_segments`: the token ids are unchanged), chosen by its
@@ -34,7 +34,10 @@ from transformers import LogitsProcessor
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
-from kvboost_hf.hf.grammar import (
+from kvboost_hf.hf.sampling import SamplingParams
+from kvboost_hf.server.batching import JobParams
+from kvboost_hf.server.errors import ApiError
+from kvboost_hf.server.grammar import (
     TOOL_CALL_BEGIN,
     TOOL_CALL_END,
     Compiled,
@@ -43,9 +46,6 @@ from kvboost_hf.hf.grammar import (
     GrammarError,
     Tool,
 )
-from kvboost_hf.hf.sampling import SamplingParams
-from kvboost_hf.server.batching import JobParams
-from kvboost_hf.server.errors import ApiError
 from kvboost_hf.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, ToolDefinition
 from kvboost_hf.server.settings import ServerSettings
 from kvboost_hf.server.worker import Worker
@@ -247,7 +247,7 @@ class Admission:
         tool_calls: bool = False,
     ) -> JobParams:
         """The job's settings; ``grammar`` constrains each row (a tool-call grammar when ``tool_calls``, whose rows
-        also end a turn that repeats a call: :class:`~kvboost_hf.hf.grammar.ToolCallProcessor`)."""
+        also end a turn that repeats a call: :class:`~kvboost_hf.server.grammar.ToolCallProcessor`)."""
         max_tokens = self._token_budget(body, len(prompt_ids), max_tokens)
         if body.min_tokens > max_tokens:
             raise ApiError(400, f"min_tokens={body.min_tokens} exceeds max_tokens={max_tokens}", param="min_tokens")

@@ -13,10 +13,10 @@ from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import RepairConfig
 from kvboost_hf.core.settings import add_settings_arguments, settings_from_args, settings_values
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
-from kvboost_hf.hf.grammar import GrammarLimits
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
 from kvboost_hf.hf.speculative import TREE_EXPANSIONS, DraftSettings
 from kvboost_hf.offload.settings import LayerStreaming
+from kvboost_hf.server.grammar import GrammarLimits
 from kvboost_hf.server.settings import REUSE_MODES, ServerSettings
 from kvboost_hf.store.config import StoreConfig
 

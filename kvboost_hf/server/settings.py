@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
-from kvboost_hf.hf.grammar import GrammarLimits
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
+from kvboost_hf.server.grammar import GrammarLimits
 
 REUSE_MODES = {
     "off": GenerationMode.BASELINE,  # plain K/V per request

@@ -32,10 +32,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("store/offload", ("store", "offload")),
     ("reuse", ("reuse",)),
     ("hf", ("hf",)),
-    ("engine", ("engine", "scheduling")),
+    ("engine", ("engine", "scheduling", "corpus")),  # corpus: the engine's default prompts, no imports of its own
     ("server", ("server",)),
     ("serve_ray", ("serve_ray",)),
-    ("bench", ("bench", "corpus", "demo", "cli", "tools", "__init__")),
+    ("bench", ("bench", "demo", "cli", "tools", "__init__")),
 )
 
 

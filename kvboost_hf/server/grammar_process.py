@@ -48,9 +48,9 @@ class CompileFailed(KVBoostError, RuntimeError):
 
 
 class CompileProcess:
-    """One child process (``python -m kvboost_hf.hf.grammar_child``) compiling for one tokenizer: ``info``, also
+    """One child process (``python -m kvboost_hf.server.grammar_child``) compiling for one tokenizer: ``info``, also
     written as xgrammar's JSON at ``tokenizer_path`` for the child to read. Jobs and answers are JSON lines on its
-    stdin and stdout (:mod:`~kvboost_hf.hf.grammar_child`). Used by one thread at a time."""
+    stdin and stdout (:mod:`~kvboost_hf.server.grammar_child`). Used by one thread at a time."""
 
     def __init__(self, info: xgrammar.TokenizerInfo, tokenizer_path: Path) -> None:
         self.info, self.tokenizer_path = info, tokenizer_path
@@ -61,7 +61,7 @@ class CompileProcess:
         package_root = str(Path(__file__).resolve().parents[2])  # the child imports this copy of kvboost_hf
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))}
         self._child = subprocess.Popen(
-            [sys.executable, "-m", "kvboost_hf.hf.grammar_child", str(self.tokenizer_path)],
+            [sys.executable, "-m", "kvboost_hf.server.grammar_child", str(self.tokenizer_path)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,

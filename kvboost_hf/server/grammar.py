@@ -14,7 +14,7 @@ until the grammar is complete); :class:`ToolCallProcessor` also ends a turn whos
 :func:`parse_tool_calls` (a whole answer) and :class:`ToolCallStream` (a stream) read the calls back out of the
 generated text by the same rules, so streamed and whole answers agree and markup never leaks.
 
-Compiles run in the compiler's own child processes (:mod:`~kvboost_hf.hf.grammar_process`, bounded by
+Compiles run in the compiler's own child processes (:mod:`~kvboost_hf.server.grammar_process`, bounded by
 ``GrammarLimits``): a constraint source larger than ``max_schema_bytes`` is refused before compiling, a compile
 running longer than ``compile_limit_s`` is killed (GrammarError: the size of a schema does not bound its compile
 time), at most ``max_waiting`` compiles are queued or running (:class:`GrammarBusy` beyond), one tenant never runs
@@ -42,7 +42,7 @@ import xgrammar
 from transformers import LogitsProcessor, PreTrainedTokenizerBase
 
 from kvboost_hf.core.errors import KVBoostError
-from kvboost_hf.hf.grammar_process import CompileFailed, CompilePool, CompileProcess, CompileTimeout
+from kvboost_hf.server.grammar_process import CompileFailed, CompilePool, CompileProcess, CompileTimeout
 
 TOOL_CALL_BEGIN = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -174,7 +174,7 @@ class GrammarCompiler:
 
     def _compile(self, tenant: str | None, source: str, kind: str, args: list[Any]) -> Compiled:
         """The future of the grammar of compile job ``kind`` with ``args`` (in a child process:
-        :mod:`~kvboost_hf.hf.grammar_child`), cached under ``(tenant, source)``; one compile per key even when
+        :mod:`~kvboost_hf.server.grammar_child`), cached under ``(tenant, source)``; one compile per key even when
         several callers ask at once."""
         size = len(source.encode("utf-8", "surrogatepass"))
         if size > self.limits.max_schema_bytes:
