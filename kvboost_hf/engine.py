@@ -150,7 +150,7 @@ class InferenceEngine:
         self.tokenizer = tokenizer
         self.max_context = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 0))
         if not isinstance(store, ChunkStore):  # on CUDA, a GPU tier sized from the memory the model left free
-            store = ChunkStore.from_config((store or StoreConfig()).for_model_device(self.device))
+            store = ChunkStore((store or StoreConfig()).for_model_device(self.device))
         self.store = store
         self.lock = threading.RLock()  # held while the model runs: one forward at a time
         model_digest(model)  # computed once here, not inside the first request's TTFT

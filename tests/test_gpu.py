@@ -16,6 +16,7 @@ from conftest import explode_once, greedy, make_tiny_model
 from kvboost_hf import ChunkReuseCache, ChunkStore
 from kvboost_hf.hf.speculative import DraftSettings
 from kvboost_hf.offload import LayerStreaming, decoder_layers, enable_layer_streaming
+from kvboost_hf.store.config import StoreConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -164,7 +165,7 @@ def test_chunk_reuse_on_cuda_exact_and_through_the_disk(tmp_path, tier):
     model = make_tiny_model("llama", num_hidden_layers=3).to(CUDA)
     ids = _prompt(3 * CHUNK + 5)
     expected, expected_logits = greedy(model, ids)
-    store = ChunkStore(1 << 26, disk_cache_dir=tmp_path if tier == "disk" else None)
+    store = ChunkStore(StoreConfig(1 << 26, disk_cache_dir=tmp_path if tier == "disk" else None))
     greedy(model, ids, ChunkReuseCache(store, model, CHUNK))
     if tier == "disk":
         store.ram.clear()

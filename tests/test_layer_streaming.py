@@ -16,6 +16,7 @@ from kvboost_hf.offload import (
     enable_layer_streaming,
     layer_streamer,
 )
+from kvboost_hf.store.config import StoreConfig
 
 LAYERS = 6
 CHUNK = 16
@@ -135,7 +136,7 @@ def test_exact_prefix_hits_with_chunk_reuse_cache():
     resident, streamed, handle = model_pair(keep_first_k=1, keep_last_k=1)
     ids = prompt(3 * CHUNK + 5)
     expected, expected_logits = greedy(resident, ids)
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     for attempt in range(2):  # the first call stores, the second reuses
         cache = reuse_cache(store, streamed)
         got, logits = greedy(streamed, ids, cache)
@@ -162,8 +163,8 @@ def test_non_prefix_segment_reuse_with_repair_equals_resident(strategy):
     gen = torch.Generator().manual_seed(3)
     docs = [torch.randint(1, 128, (40,), generator=gen) for _ in range(2)]
     question = torch.tensor([5, 6, 7])
-    expected = warm_and_reuse(resident, ChunkStore(1 << 26), docs, question, strategy)
-    got = warm_and_reuse(streamed, ChunkStore(1 << 26), docs, question, strategy)
+    expected = warm_and_reuse(resident, ChunkStore(StoreConfig(1 << 26)), docs, question, strategy)
+    got = warm_and_reuse(streamed, ChunkStore(StoreConfig(1 << 26)), docs, question, strategy)
     assert got[2].approx_tokens > 0 and got[2].recomputed_tokens > 0  # reused off-prefix and repaired
     assert got[2] == expected[2]
     assert torch.equal(got[0], expected[0])

@@ -171,7 +171,7 @@ def tiers_for(device: torch.device) -> list[str]:
 
 def store_for(tier: str, device: torch.device) -> ChunkStore:
     gpu_bytes = STORE_BYTES if tier == "gpu" else 0
-    return ChunkStore.from_config(
+    return ChunkStore(
         StoreConfig(max_bytes=STORE_BYTES, gpu_max_bytes=gpu_bytes, gpu_device=device if gpu_bytes else None)
     )
 

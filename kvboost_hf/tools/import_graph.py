@@ -204,7 +204,7 @@ def report(root: Path) -> str:
     module_edges = {(edge.source, edge.target) for edge in edges if edge.kind == "module"}
     declared_edges = {(edge.source, edge.target) for edge in edges if edge.kind != "lazy"}
     all_edges = {(edge.source, edge.target) for edge in edges}
-    kinds = defaultdict(int)
+    kinds: defaultdict[str, int] = defaultdict(int)
     for edge in edges:
         kinds[edge.kind] += 1
     lines = [
