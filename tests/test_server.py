@@ -142,7 +142,7 @@ def test_batch_rows_equal_alone_with_mixed_settings(engine):
 
 def test_worker_batches_requests_with_different_prefixes(engine):
     """Jobs queued within the window run as one batch whatever their text; each row equals its greedy answer."""
-    worker = Worker(engine, batch_window_s=0.3, max_batch_size=4)
+    worker = Worker(engine, ServerSettings(batch_window_ms=300, max_batch_size=4))
     done = threading.Event()
     finished: list[Done] = []
 
@@ -177,7 +177,7 @@ def test_worker_batches_requests_with_different_prefixes(engine):
 def test_requests_arriving_during_generation_join_the_running_batch(engine):
     """Continuous batching: jobs submitted while a batch decodes join it (no second batch is formed) and each
     still equals its greedy answer alone."""
-    worker = Worker(engine, batch_window_s=0.0, max_batch_size=4)
+    worker = Worker(engine, ServerSettings(batch_window_ms=0, max_batch_size=4))
     prompts = [chat("Tell me about rivers."), chat("Name a fruit."), f"Unrelated {uuid.uuid4().hex}: the sky is"]
     budgets = [16, 4, 3]
     texts: list[list[str]] = [[] for _ in prompts]
@@ -731,7 +731,7 @@ def test_retry_after_grows_with_the_queue(engine):
     """Not started: jobs stay queued. Retry-After = rounds of max_batch_size queued jobs x a batch's wall time."""
     from kvboost_hf.server.worker import Overloaded
 
-    worker = Worker(engine, max_batch_size=2)
+    worker = Worker(engine, ServerSettings(max_batch_size=2))
     ids = engine.encode("Hello")
     advised = []
     for depth in (2, 8):

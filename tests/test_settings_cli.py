@@ -174,3 +174,30 @@ def test_draft_tree_flags_reach_the_engine(tmp_path):
     engine = build_engine(parser.parse_args(flags))
     expected = DraftSettings(num_draft_tokens=4, early_exit_layers=1, tree_budget=12, tree_branching=3)
     assert engine.draft_settings == expected and engine.speculative
+
+
+class _PolicyEngine:
+    """The one engine call a Worker makes before it starts: its batch policy for a mode."""
+
+    def batch_policy(self, mode: object) -> str:
+        return f"policy for {mode}"
+
+
+def test_worker_takes_the_server_settings_in_their_units():
+    """The worker has no defaults of its own: it reads ServerSettings (the batch window in ms) and its mode."""
+    from kvboost_hf.core.config import GenerationMode
+    from kvboost_hf.server.worker import Worker
+
+    worker = Worker(_PolicyEngine(), ServerSettings(reuse_mode="chunk", batch_window_ms=250, max_batch_size=3))  # type: ignore[arg-type]
+    assert worker.batch_window_s == 0.25 and worker.max_batch_size == 3 and worker.max_queue == 64
+    assert worker.mode is GenerationMode.CHUNK_KV_REUSE and worker.policy == f"policy for {worker.mode}"
+    default = Worker(_PolicyEngine())  # type: ignore[arg-type]
+    assert (default.batch_window_s, default.mode) == (ServerSettings().batch_window_ms / 1e3, REUSE_MODES["prefix"])
+
+
+@pytest.mark.parametrize(
+    "field, value", [("reuse_mode", "sometimes"), ("max_batch_size", 0), ("max_queue", 0), ("batch_window_ms", -1)]
+)
+def test_server_settings_refuse_values_the_worker_cannot_run(field, value):
+    with pytest.raises(ValueError, match=field):
+        ServerSettings(**{field: value})

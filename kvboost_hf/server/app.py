@@ -41,7 +41,7 @@ from kvboost_hf.server.admission import Admission
 from kvboost_hf.server.errors import ApiError, install_error_handlers
 from kvboost_hf.server.metrics import Metrics
 from kvboost_hf.server.routes import register_routes
-from kvboost_hf.server.settings import REUSE_MODES, ServerSettings
+from kvboost_hf.server.settings import ServerSettings
 from kvboost_hf.server.transport import bounded_protocol
 from kvboost_hf.server.worker import Worker
 
@@ -215,14 +215,7 @@ def create_app(engine: InferenceEngine, settings: ServerSettings | None = None) 
     """The OpenAI-compatible app serving ``engine``. The model is used only by the app's worker thread."""
     settings = settings or ServerSettings()
     metrics = Metrics()
-    worker = Worker(
-        engine,
-        mode=REUSE_MODES[settings.reuse_mode],
-        batch_window_s=settings.batch_window_ms / 1e3,
-        max_batch_size=settings.max_batch_size,
-        max_queue=settings.max_queue,
-        metrics=metrics,
-    )
+    worker = Worker(engine, settings, metrics=metrics)
     _register_scraped(metrics, worker, engine)
 
     admission = Admission(engine, settings, worker)

@@ -64,3 +64,13 @@ class ServerSettings:
     max_warm_documents: int = 256
     document_boundaries: str = DocumentBoundaries.PARTS.value
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
+
+    def __post_init__(self) -> None:
+        if self.reuse_mode not in REUSE_MODES:
+            raise ValueError(f"reuse_mode must be one of {sorted(REUSE_MODES)}, got {self.reuse_mode!r}")
+        if self.max_batch_size < 1 or self.max_queue < 1:
+            raise ValueError(
+                f"max_batch_size and max_queue must be >= 1, got {self.max_batch_size} and {self.max_queue}"
+            )
+        if self.batch_window_ms < 0:
+            raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
