@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.corpus import chat_script
 from kvboost_hf.engine import InferenceEngine
 
@@ -18,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="local directory or hub name (default: embedded model)")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=24)
-    parser.add_argument("--chunk-size", type=int, default=128)
+    parser.add_argument("--chunk-size", type=int, default=ChunkingConfig.chunk_size)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 

@@ -108,7 +108,7 @@ class InferenceEngine:
 
     Args:
         model, tokenizer: a loaded causal LM and its tokenizer.
-        chunking: how prompts are cut (:class:`ChunkingConfig`; an int is a fixed chunk size in tokens;
+        chunking: how prompts are cut (:class:`ChunkingConfig`, None for its defaults; an int is a fixed chunk size;
             :meth:`ChunkingConfig.from_tokenizer` builds one whose cuts may slide back to sentence ends).
         repair: repair of non-prefix hits (default ``RepairConfig()``; see :class:`RepairConfig` and
             :mod:`kvboost_hf.reuse.repair`).
@@ -131,7 +131,7 @@ class InferenceEngine:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         *,
-        chunking: ChunkingConfig | int = 128,
+        chunking: ChunkingConfig | int | None = None,
         repair: RepairConfig | None = None,
         store: ChunkStore | StoreConfig | None = None,
         strict: bool = True,
@@ -139,9 +139,7 @@ class InferenceEngine:
         draft: DraftSettings | None = None,
     ) -> None:
         check_model_support(model.config, strict=strict)
-        self.chunking = ChunkingConfig(chunking) if isinstance(chunking, int) else chunking
-        if not isinstance(self.chunking, ChunkingConfig):
-            raise TypeError(f"chunking must be a ChunkingConfig or a chunk size in tokens, got {chunking!r}")
+        self.chunking = ChunkingConfig.of(chunking)
         self.repair = repair if repair is not None else RepairConfig()
         if self.repair.adjusts_attention and model.config._attn_implementation != ATTN_IMPLEMENTATION:
             logger.info("attn_implementation=%r for the repair's context temperature/scale", ATTN_IMPLEMENTATION)

@@ -47,7 +47,7 @@ import torch
 
 from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
 from kvboost_hf.core.chunk_kv import ChunkKV
-from kvboost_hf.core.chunking import chunk_spans
+from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.keys import chain_prefix_keys, forget_model_digest, model_digest
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.cache import ChunkReuseCache
@@ -73,7 +73,7 @@ _QUESTIONS = (
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = parser_for("tiers", __doc__)
     parser.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
-    parser.add_argument("--chunk-size", type=int, default=128, help="tokens per chunk")
+    parser.add_argument("--chunk-size", type=int, default=ChunkingConfig.chunk_size, help="tokens per chunk")
     parser.add_argument("--prompt-tokens", type=int, default=1500, help="length of the TTFT prompt (tokens)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per tier (median reported)")
     parser.add_argument("--redis-url", default=None, help="Redis to use (default: a private redis-server)")

@@ -62,7 +62,7 @@ class ChunkReuseCache(Cache):
     Args:
         store: where chunk K/V live; its ``kv_cache_bits``/``kv_group_size`` name the namespace too.
         model: the model this cache serves (its identity and dtype name the store namespace).
-        chunking: a :class:`ChunkingConfig`, or an int for fixed chunks of that many tokens.
+        chunking: a :class:`ChunkingConfig`, an int for fixed chunks of that many tokens, or None for its defaults.
         repair: how approximate (content-key) hits are repaired (:class:`RepairConfig`).
         mode: a :class:`GenerationMode`.
         cache_salt: tenant isolation; caches with different salts never see each other's chunks.
@@ -82,7 +82,7 @@ class ChunkReuseCache(Cache):
         self,
         store: ChunkStore,
         model: PreTrainedModel,
-        chunking: ChunkingConfig | int = 128,
+        chunking: ChunkingConfig | int | None = None,
         repair: RepairConfig | None = None,
         *,
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
@@ -95,7 +95,7 @@ class ChunkReuseCache(Cache):
         self.store = store
         self.model = model
         self.mode = GenerationMode(mode)
-        self.chunking = chunking if isinstance(chunking, ChunkingConfig) else ChunkingConfig(chunking)
+        self.chunking = ChunkingConfig.of(chunking)
         self.repair = repair or RepairConfig()
         implementation = model.config._attn_implementation
         if self.repair.adjusts_attention and implementation != ATTN_IMPLEMENTATION:
