@@ -444,7 +444,17 @@ class InferenceEngine:
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         first_logits = logprobs is not None
         requests = [
-            DecodeRequest(ids, max_new_tokens, sampling, stops, logprobs, None, cancel, first_logits, tuple(starts))
+            DecodeRequest(
+                prompt_ids=ids,
+                max_new_tokens=max_new_tokens,
+                sampling=sampling,
+                stop=stops,
+                top_logprobs=logprobs,
+                constraint=None,
+                cancel=cancel,
+                keep_first_logits=first_logits,
+                segment_starts=tuple(starts),
+            )
             for ids, starts in zip(encoded, segment_starts, strict=True)
         ]
         rows = DecodeLoop.rows_for(requests, self.eos_token_ids)

@@ -71,7 +71,14 @@ def test_greedy_rows_in_a_batch_equal_generate_alone(any_window_model, reuse):
     budgets = [6, 3, 8]
     greedy_params = SamplingParams(temperature=0)
     for _ in range(2 if reuse else 1):  # with reuse: cold, then loading what the first pass stored
-        loop = run(model, [DecodeRequest(p, b, greedy_params) for p, b in zip(prompts(), budgets, strict=True)], store)
+        loop = run(
+            model,
+            [
+                DecodeRequest(prompt_ids=p, max_new_tokens=b, sampling=greedy_params)
+                for p, b in zip(prompts(), budgets, strict=True)
+            ],
+            store,
+        )
         for row, prompt, budget in zip(loop.rows, prompts(), budgets, strict=True):
             alone, _ = greedy(model, torch.tensor([prompt]), new=budget)
             assert row.tokens == alone[0, len(prompt) :].tolist()
@@ -95,15 +102,25 @@ def test_seeded_rows_in_a_batch_draw_what_transformers_generate_draws_alone(mode
     ``torch.manual_seed(seed)`` with the row's processors (the oracle module says why the draws can match)."""
     store = ChunkStore() if reuse else None
     for _ in range(2 if reuse else 1):
-        loop = run(model, [DecodeRequest(p, 10, s) for p, s in zip(prompts(), SAMPLED, strict=True)], store)
+        loop = run(
+            model,
+            [
+                DecodeRequest(prompt_ids=p, max_new_tokens=10, sampling=s)
+                for p, s in zip(prompts(), SAMPLED, strict=True)
+            ],
+            store,
+        )
         for row, prompt, sampling in zip(loop.rows, prompts(), SAMPLED, strict=True):
             assert row.tokens == reference(model, prompt, 10, sampling, EOS).tokens
     reseeded = replace(SAMPLED[0], seed=12)
-    assert run(model, [DecodeRequest(prompts()[0], 10, reseeded)]).rows[0].tokens != loop.rows[0].tokens
+    assert (
+        run(model, [DecodeRequest(prompt_ids=prompts()[0], max_new_tokens=10, sampling=reseeded)]).rows[0].tokens
+        != loop.rows[0].tokens
+    )
 
 
 def test_unseeded_rows_follow_torch_manual_seed(model):
-    request = DecodeRequest(prompts()[1], 8, SamplingParams(temperature=1.0))
+    request = DecodeRequest(prompt_ids=prompts()[1], max_new_tokens=8, sampling=SamplingParams(temperature=1.0))
     torch.manual_seed(0)
     first = run(model, [request]).rows[0].tokens
     torch.manual_seed(0)
@@ -112,12 +129,30 @@ def test_unseeded_rows_follow_torch_manual_seed(model):
 
 def test_stop_strings_end_rows_exactly_and_end_tokens_stop(model):
     prompt = prompts()[2]
-    full = run(model, [DecodeRequest(prompt, 8, SamplingParams(temperature=0))]).rows[0].tokens
+    full = (
+        run(model, [DecodeRequest(prompt_ids=prompt, max_new_tokens=8, sampling=SamplingParams(temperature=0))])
+        .rows[0]
+        .tokens
+    )
     cut = next(i for i in range(1, len(full)) if full[i] not in full[:i])  # a token seen there for the first time
-    stopped = run(model, [DecodeRequest(prompt, 8, SamplingParams(temperature=0), stop=(f"<{full[cut]}>",))]).rows[0]
+    stopped = run(
+        model,
+        [
+            DecodeRequest(
+                prompt_ids=prompt, max_new_tokens=8, sampling=SamplingParams(temperature=0), stop=(f"<{full[cut]}>",)
+            )
+        ],
+    ).rows[0]
     assert stopped.tokens == full[: cut + 1] and stopped.text == as_text(full[:cut])
     assert stopped.finish_reason == "stop"
-    ended = run(model, [DecodeRequest(prompt, 8, SamplingParams(temperature=0, stop_token_ids=(full[cut],)))]).rows[0]
+    ended = run(
+        model,
+        [
+            DecodeRequest(
+                prompt_ids=prompt, max_new_tokens=8, sampling=SamplingParams(temperature=0, stop_token_ids=(full[cut],))
+            )
+        ],
+    ).rows[0]
     assert ended.tokens == full[: cut + 1] and ended.finish_reason == "stop"
 
 
@@ -131,8 +166,8 @@ def test_cancel_ends_only_that_row_and_rows_report_every_token(model):
             cancel.set()
 
     requests = [
-        DecodeRequest(prompts()[0], 8, SamplingParams(temperature=0), cancel=cancel),
-        DecodeRequest(prompts()[1], 8, SamplingParams(temperature=0)),
+        DecodeRequest(prompt_ids=prompts()[0], max_new_tokens=8, sampling=SamplingParams(temperature=0), cancel=cancel),
+        DecodeRequest(prompt_ids=prompts()[1], max_new_tokens=8, sampling=SamplingParams(temperature=0)),
     ]
     loop = run(model, requests, on_token=on_token)
     cancelled, other = loop.rows
@@ -143,7 +178,13 @@ def test_cancel_ends_only_that_row_and_rows_report_every_token(model):
 
 def test_logprobs_and_first_logits_are_the_models_unscaled_distribution(model):
     prompt = prompts()[0]
-    request = DecodeRequest(prompt, 4, SamplingParams(temperature=0.5, seed=1), top_logprobs=3, keep_first_logits=True)
+    request = DecodeRequest(
+        prompt_ids=prompt,
+        max_new_tokens=4,
+        sampling=SamplingParams(temperature=0.5, seed=1),
+        top_logprobs=3,
+        keep_first_logits=True,
+    )
     row = run(model, [request]).rows[0]
     _, logits = greedy(model, torch.tensor([prompt]), new=1)
     torch.testing.assert_close(row.first_logits, logits[0, 0])
@@ -157,7 +198,11 @@ def test_rows_sharing_a_new_prefix_compute_it_once(model):
     store = ChunkStore()
     head = prompts()[2][:24]  # three full chunks
     rows = [[*head, 5, 6, 7], [*head, 9, 10, 12], [*head, 11, 13, 14]]  # same length: no padding
-    loop = run(model, [DecodeRequest(p, 2, SamplingParams(temperature=0)) for p in rows], store)
+    loop = run(
+        model,
+        [DecodeRequest(prompt_ids=p, max_new_tokens=2, sampling=SamplingParams(temperature=0)) for p in rows],
+        store,
+    )
     assert loop.computed_tokens == 24 + 3 * 3  # the head once, then each row's own tail
     assert [row.reuse.cached_tokens for row in loop.rows] == [0, 24, 24]  # the first row computed it
     for row, prompt in zip(loop.rows, rows, strict=True):
@@ -188,13 +233,19 @@ def test_rows_joining_a_running_batch_equal_generate_alone(any_window_model, reu
     greedy_params = SamplingParams(temperature=0)
     first, *later = prompts()
     loop = DecodeLoop(
-        model, as_text, DecodeLoop.rows_for([DecodeRequest(first, 9, greedy_params)], EOS), new_cache=new_cache,
-        chunking=CHUNKING, pad_token_id=0,
-    )  # fmt: skip
+        model,
+        as_text,
+        DecodeLoop.rows_for([DecodeRequest(prompt_ids=first, max_new_tokens=9, sampling=greedy_params)], EOS),
+        new_cache=new_cache,
+        chunking=CHUNKING,
+        pad_token_id=0,
+    )
     loop.prefill()
     loop.step()
     loop.step()
-    loop.join(DecodeLoop.rows_for([DecodeRequest(p, 5, greedy_params) for p in later], EOS))
+    loop.join(
+        DecodeLoop.rows_for([DecodeRequest(prompt_ids=p, max_new_tokens=5, sampling=greedy_params) for p in later], EOS)
+    )
     assert len(loop.running) == 3
     forwards = loop.forwards
     loop.step()
@@ -205,7 +256,9 @@ def test_rows_joining_a_running_batch_equal_generate_alone(any_window_model, reu
         alone, _ = greedy(model, torch.tensor([prompt]), new=row.request.max_new_tokens)
         assert row.tokens == alone[0, len(prompt) :].tolist()
     if reuse:  # the joined rows' chunks were written back from the merged cache
-        again = run(model, [DecodeRequest(p, 1, greedy_params) for p in later], store)
+        again = run(
+            model, [DecodeRequest(prompt_ids=p, max_new_tokens=1, sampling=greedy_params) for p in later], store
+        )
         assert all(row.reuse.cached_tokens > 0 for row in again.rows)
 
 
@@ -250,8 +303,8 @@ def test_a_segment_row_decodes_with_plain_rows_and_writes_back_what_it_writes_al
     though the cache it was joined into has no segment starts."""
     prompt, starts = segment_prompt(*documents)
     greedy_params = SamplingParams(temperature=0)
-    segment = DecodeRequest(prompt, 6, greedy_params, segment_starts=starts)
-    plain = [DecodeRequest(p, 6, greedy_params) for p in prompts()[:2]]
+    segment = DecodeRequest(prompt_ids=prompt, max_new_tokens=6, sampling=greedy_params, segment_starts=starts)
+    plain = [DecodeRequest(prompt_ids=p, max_new_tokens=6, sampling=greedy_params) for p in prompts()[:2]]
     alone_store = RecordingStore()
     run(model, [segment], alone_store)
     namespace = ChunkReuseCache(alone_store, model, CHUNKING, adapter=False).namespace
@@ -285,12 +338,18 @@ def test_reordered_documents_hit_by_content_key_in_a_batch_as_alone(model, noisy
     stores = [ChunkStore(), ChunkStore()]
     first, first_starts = segment_prompt(*documents)
     for store in stores:
-        run(model, [DecodeRequest(first, 1, greedy_params, segment_starts=first_starts)], store)
+        run(
+            model,
+            [DecodeRequest(prompt_ids=first, max_new_tokens=1, sampling=greedy_params, segment_starts=first_starts)],
+            store,
+        )
     reordered, starts = segment_prompt(*documents[::-1])
-    segment = DecodeRequest(reordered, 6, greedy_params, segment_starts=starts)
+    segment = DecodeRequest(prompt_ids=reordered, max_new_tokens=6, sampling=greedy_params, segment_starts=starts)
     alone = run(model, [segment], stores[0]).rows[0]
     assert alone.reuse.approx_tokens > 0
-    requests = [DecodeRequest(p, 6, greedy_params) for p in prompts()[:2]] + [segment]
+    requests = [DecodeRequest(prompt_ids=p, max_new_tokens=6, sampling=greedy_params) for p in prompts()[:2]] + [
+        segment
+    ]
     draft = Drafter(noisy_draft, DraftSettings(num_draft_tokens=3), reuse_caches(stores[1], noisy_draft))
     loop = segment_loop(model, stores[1], requests, draft if speculative else None)
     loop.run()
@@ -304,7 +363,10 @@ def test_reordered_documents_hit_by_content_key_in_a_batch_as_alone(model, noisy
 
 def test_rows_with_different_segment_starts_are_not_prefilled_in_one_cache(model, documents):
     prompt, starts = segment_prompt(*documents)
-    rows = [DecodeRequest(prompt, 2, segment_starts=starts), DecodeRequest(prompts()[0], 2)]
+    rows = [
+        DecodeRequest(prompt_ids=prompt, max_new_tokens=2, segment_starts=starts),
+        DecodeRequest(prompt_ids=prompts()[0], max_new_tokens=2),
+    ]
     with pytest.raises(ValueError, match="different segment starts"):
         run(model, rows, ChunkStore())
     assert len(run(model, rows).rows) == 2  # without reuse there is no cache to build: segment starts do not matter
@@ -384,12 +446,21 @@ def test_speculative_rows_join_and_equal_generate_alone(model, noisy_draft, reus
     greedy_params = SamplingParams(temperature=0)
     first, *later = prompts()
     loop = DecodeLoop(
-        model, as_text, DecodeLoop.rows_for([DecodeRequest(first, 14, greedy_params)], EOS), new_cache=new_cache,
-        chunking=CHUNKING, pad_token_id=0, draft=drafter,
-    )  # fmt: skip
+        model,
+        as_text,
+        DecodeLoop.rows_for([DecodeRequest(prompt_ids=first, max_new_tokens=14, sampling=greedy_params)], EOS),
+        new_cache=new_cache,
+        chunking=CHUNKING,
+        pad_token_id=0,
+        draft=drafter,
+    )
     loop.prefill()
     loop.step()
-    loop.join(DecodeLoop.rows_for([DecodeRequest(p, 18, greedy_params) for p in later], EOS))
+    loop.join(
+        DecodeLoop.rows_for(
+            [DecodeRequest(prompt_ids=p, max_new_tokens=18, sampling=greedy_params) for p in later], EOS
+        )
+    )
     while not loop.done:
         loop.step()
     for row, prompt in zip(loop.rows, [first, *later], strict=True):
@@ -400,8 +471,15 @@ def test_speculative_rows_join_and_equal_generate_alone(model, noisy_draft, reus
     assert loop.forwards < 2 + 17  # 2 prefills + fewer verifies than the joined rows' 17 later tokens
     if reuse:
         longer = [first + loop.rows[0].tokens + [5, 6, 7]]
-        plain = run(model, [DecodeRequest(longer[0], 1, greedy_params, keep_first_logits=True)])
-        loaded = run(model, [DecodeRequest(longer[0], 1, greedy_params, keep_first_logits=True)], store)
+        plain = run(
+            model,
+            [DecodeRequest(prompt_ids=longer[0], max_new_tokens=1, sampling=greedy_params, keep_first_logits=True)],
+        )
+        loaded = run(
+            model,
+            [DecodeRequest(prompt_ids=longer[0], max_new_tokens=1, sampling=greedy_params, keep_first_logits=True)],
+            store,
+        )
         assert loaded.rows[0].reuse.cached_tokens >= len(first)
         assert torch.allclose(loaded.rows[0].first_logits, plain.rows[0].first_logits, atol=1e-4)
         drafted = Drafter(noisy_draft, DraftSettings(), draft_cache)
@@ -423,8 +501,10 @@ def test_a_constrained_row_takes_one_token_per_step_beside_speculating_rows(mode
 
     recorder = Recorder()
     first, second, _ = prompts()
-    requests = [DecodeRequest(first, 10, SamplingParams(temperature=0), constraint=recorder),
-                DecodeRequest(second, 10, SamplingParams(temperature=0))]  # fmt: skip
+    requests = [
+        DecodeRequest(prompt_ids=first, max_new_tokens=10, sampling=SamplingParams(temperature=0), constraint=recorder),
+        DecodeRequest(prompt_ids=second, max_new_tokens=10, sampling=SamplingParams(temperature=0)),
+    ]
     loop = run(model, requests, draft=Drafter(noisy_draft, DraftSettings(num_draft_tokens=3)))
     constrained, free = loop.rows
     assert recorder.seen == list(range(len(first), len(first) + len(constrained.tokens)))  # once per token, in order
@@ -432,3 +512,10 @@ def test_a_constrained_row_takes_one_token_per_step_beside_speculating_rows(mode
     for row, prompt in ((constrained, first), (free, second)):
         alone, _ = greedy(model, torch.tensor([prompt]), new=10)
         assert row.tokens == alone[0, len(prompt) :].tolist()
+
+
+def test_decode_request_takes_keywords_only():
+    with pytest.raises(TypeError):
+        DecodeRequest([1, 2], 4)  # type: ignore[misc]
+    request = DecodeRequest(prompt_ids=[1, 2], max_new_tokens=4)
+    assert (request.prompt_ids, request.max_new_tokens, request.stop) == ([1, 2], 4, ())

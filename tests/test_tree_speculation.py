@@ -78,7 +78,9 @@ def test_level_sizes_spread_the_budget_over_the_depth(budget, branching, depth, 
 @pytest.mark.parametrize("reuse", [False, True], ids=["plain", "chunk-reuse"])
 def test_greedy_rows_with_a_tree_equal_decoding_without_a_draft(target, draft, budget, reuse):
     store = ChunkStore() if reuse else None
-    requests = [DecodeRequest(p, 14, SamplingParams(temperature=0)) for p in prompts()]
+    requests = [
+        DecodeRequest(prompt_ids=p, max_new_tokens=14, sampling=SamplingParams(temperature=0)) for p in prompts()
+    ]
     plain = decode(target, requests)
     settings = DraftSettings(num_draft_tokens=6, tree_budget=budget, tree_branching=3)
     tree = decode(target, requests, settings, draft, store)
@@ -99,7 +101,9 @@ def test_global_expansion_gives_rows_their_own_shapes_and_the_same_tokens(budget
     with torch.no_grad():
         target.lm_head.weight.mul_(6)
     draft = noisy_copy(target, 0.35, seed=11)
-    requests = [DecodeRequest(p, 14, SamplingParams(temperature=0)) for p in prompts()]
+    requests = [
+        DecodeRequest(prompt_ids=p, max_new_tokens=14, sampling=SamplingParams(temperature=0)) for p in prompts()
+    ]
     plain = decode(target, requests)
     settings = DraftSettings(num_draft_tokens=6, tree_budget=budget, tree_branching=3, tree_expansion="global")
     drafter = Drafter(draft, settings)
@@ -123,7 +127,9 @@ def test_global_expansion_gives_rows_their_own_shapes_and_the_same_tokens(budget
 
 
 def test_a_wider_tree_takes_more_tokens_per_target_forward(target, draft):
-    requests = [DecodeRequest(p, 24, SamplingParams(temperature=0)) for p in prompts()]
+    requests = [
+        DecodeRequest(prompt_ids=p, max_new_tokens=24, sampling=SamplingParams(temperature=0)) for p in prompts()
+    ]
     chain = decode(target, requests, DraftSettings(num_draft_tokens=6), draft)
     tree = decode(target, requests, DraftSettings(num_draft_tokens=6, tree_budget=48, tree_branching=4), draft)
     assert [row.tokens for row in tree.rows] == [row.tokens for row in chain.rows]
@@ -133,7 +139,7 @@ def test_a_wider_tree_takes_more_tokens_per_target_forward(target, draft):
 
 def test_seeded_sampling_with_a_tree_draws_what_it_draws_without_a_draft(target, draft):
     sampling = SamplingParams(temperature=0.8, top_k=40, repetition_penalty=1.1, seed=5)
-    requests = [DecodeRequest(p, 16, sampling) for p in prompts()]
+    requests = [DecodeRequest(prompt_ids=p, max_new_tokens=16, sampling=sampling) for p in prompts()]
     plain = decode(target, requests)
     tree = decode(target, requests, DraftSettings(num_draft_tokens=4, tree_budget=16, tree_branching=4), draft)
     assert [row.tokens for row in tree.rows] == [row.tokens for row in plain.rows]
@@ -145,14 +151,23 @@ def test_rows_joining_a_tree_decoding_batch_and_an_early_exit_draft(target):
     settings = DraftSettings(num_draft_tokens=3, early_exit_layers=1, tree_budget=6, tree_branching=2)
     first, *later = prompts()
     greedy = SamplingParams(temperature=0)
-    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for([DecodeRequest(first, 12, greedy)], EOS), new_cache=None,
-                      chunking=CHUNKING, pad_token_id=0, draft=Drafter(target, settings))  # fmt: skip
+    loop = DecodeLoop(
+        target,
+        as_text,
+        DecodeLoop.rows_for([DecodeRequest(prompt_ids=first, max_new_tokens=12, sampling=greedy)], EOS),
+        new_cache=None,
+        chunking=CHUNKING,
+        pad_token_id=0,
+        draft=Drafter(target, settings),
+    )
     loop.prefill()
     loop.step()
-    loop.join(DecodeLoop.rows_for([DecodeRequest(p, 10, greedy) for p in later], EOS))
+    loop.join(
+        DecodeLoop.rows_for([DecodeRequest(prompt_ids=p, max_new_tokens=10, sampling=greedy) for p in later], EOS)
+    )
     while not loop.done:
         loop.step()
-    plain = decode(target, [DecodeRequest(p, row.request.max_new_tokens, greedy)
+    plain = decode(target, [DecodeRequest(prompt_ids=p, max_new_tokens=row.request.max_new_tokens, sampling=greedy)
                             for p, row in zip([first, *later], loop.rows, strict=True)])  # fmt: skip
     assert [row.tokens for row in loop.rows] == [row.tokens for row in plain.rows]
 
@@ -161,7 +176,9 @@ def test_streamed_target_with_a_tree_equals_the_resident_target(draft):
     resident = make_tiny_model("llama", seed=0)
     streamed = make_tiny_model("llama", seed=0)
     enable_layer_streaming(streamed, LayerStreaming(num_slots=2, pin_memory=False, device="cpu"))
-    requests = [DecodeRequest(p, 10, SamplingParams(temperature=0)) for p in prompts()]
+    requests = [
+        DecodeRequest(prompt_ids=p, max_new_tokens=10, sampling=SamplingParams(temperature=0)) for p in prompts()
+    ]
     expected = decode(resident, requests)
     settings = DraftSettings(num_draft_tokens=4, tree_budget=12, tree_branching=3)
     got = decode(streamed, requests, settings, draft)
@@ -220,7 +237,9 @@ def test_tree_generation_counters_add_up(streamed_engines):
 def test_batch_counters_bound_the_verified_nodes(target, draft):
     """A batch: each verify forward checks at most ``tree_budget`` nodes per running row; streamed bytes are
     None on a resident target."""
-    requests = [DecodeRequest(p, 12, SamplingParams(temperature=0)) for p in prompts()]
+    requests = [
+        DecodeRequest(prompt_ids=p, max_new_tokens=12, sampling=SamplingParams(temperature=0)) for p in prompts()
+    ]
     loop = decode(target, requests, TREE, draft)
     proposed = sum(row.draft_proposed for row in loop.rows)
     assert 0 < proposed <= len(requests) * TREE.tree_budget * loop.verify_forwards
@@ -233,10 +252,14 @@ def test_a_row_ending_on_a_proposed_token_counts_it_as_the_forwards_own(target, 
     token) does not count that token as accepted, and no draft is made for a row's last token; so generated
     tokens = target forwards + accepted draft tokens exactly."""
     prompt = prompts()[0]
-    plain = decode(target, [DecodeRequest(prompt, 12, SamplingParams(temperature=0))]).rows[0].tokens
+    plain = (
+        decode(target, [DecodeRequest(prompt_ids=prompt, max_new_tokens=12, sampling=SamplingParams(temperature=0))])
+        .rows[0]
+        .tokens
+    )
     end = plain[4] if ending == "end-token" else None
     assert end is None or end not in plain[:4]
-    request = DecodeRequest(prompt, 7, SamplingParams(temperature=0))
+    request = DecodeRequest(prompt_ids=prompt, max_new_tokens=7, sampling=SamplingParams(temperature=0))
     loop = DecodeLoop(target, as_text, DecodeLoop.rows_for([request], {end} if end is not None else set()),
                       new_cache=None, chunking=CHUNKING, pad_token_id=0,
                       draft=Drafter(target, DraftSettings(num_draft_tokens=4)))  # fmt: skip
@@ -254,7 +277,7 @@ def test_the_prompt_forward_verifies_the_first_draft(target, max_new_tokens):
     ceil(N / 5) target forwards (without the fold the prompt forward yielded one: 1 + ceil((N - 1) / 5), one
     more), with the tokens of decoding without a draft."""
     prompt = prompts()[0]
-    request = DecodeRequest(prompt, max_new_tokens, SamplingParams(temperature=0))
+    request = DecodeRequest(prompt_ids=prompt, max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=0))
     plain = decode(target, [request])
     loop = decode(target, [request], DraftSettings(num_draft_tokens=4), target)
     assert loop.rows[0].tokens == plain.rows[0].tokens
@@ -268,7 +291,7 @@ def test_rows_of_one_prompt_share_the_folded_first_tree(target, draft, reuse):
     choices: greedy and two seeded rows draw what they draw without a draft."""
     prompt = prompts()[2]
     samplings = [SamplingParams(temperature=0), *(SamplingParams(temperature=0.9, seed=seed) for seed in (1, 2))]
-    requests = [DecodeRequest(prompt, 12, sampling) for sampling in samplings]
+    requests = [DecodeRequest(prompt_ids=prompt, max_new_tokens=12, sampling=sampling) for sampling in samplings]
     plain = decode(target, requests)
     store = ChunkStore() if reuse else None
     new_cache = reuse_caches(store, target, adapter=False)
@@ -304,7 +327,9 @@ def test_every_expanded_node_starts_with_the_drafts_own_choice(target, draft, bu
     """Within a round (the draft's tree-masked forwards) and across rounds (its cache after each compaction), the
     draft sees exactly the node's sequence: the first child of every expanded node (the best of its siblings) is the
     draft's argmax after the row's tokens and the node's path, computed from scratch. Round records add up."""
-    requests = [DecodeRequest(p, 20, SamplingParams(temperature=0)) for p in prompts()]
+    requests = [
+        DecodeRequest(prompt_ids=p, max_new_tokens=20, sampling=SamplingParams(temperature=0)) for p in prompts()
+    ]
     drafter = Drafter(draft, DraftSettings(num_draft_tokens=5, tree_budget=budget, tree_expansion=expansion))
     loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=None, chunking=CHUNKING,
                       pad_token_id=0, draft=drafter)  # fmt: skip
@@ -346,7 +371,9 @@ def test_every_expanded_node_starts_with_the_drafts_own_choice(target, draft, bu
 
 
 def sampled_loop(target, draft, prompt, max_new_tokens, settings, seed, temperature=1.0) -> DecodeLoop:
-    request = DecodeRequest(prompt, max_new_tokens, SamplingParams(temperature=temperature, seed=seed))
+    request = DecodeRequest(
+        prompt_ids=prompt, max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=temperature, seed=seed)
+    )
     loop = DecodeLoop(target, as_text, DecodeLoop.rows_for([request], set()), new_cache=None, chunking=CHUNKING,
                       pad_token_id=0, draft=Drafter(draft, settings))  # fmt: skip
     loop.run()
@@ -511,7 +538,7 @@ def test_the_loop_uses_and_feeds_the_adaptive_budget(target, draft):
     greedy's, and each speculative step hands its timed verify forward (nodes with the root) to the costs."""
     settings = DraftSettings(num_draft_tokens=4, tree_budget=64, tree_branching=3, adaptive_tree_budget=True)
     costs = FrozenCosts(timed(0.03, 2.5e-3))  # 0.25 * 0.03 / 0.0025 = 3 nodes a row
-    requests = [DecodeRequest(prompts()[0], 12, SamplingParams(temperature=0))]
+    requests = [DecodeRequest(prompt_ids=prompts()[0], max_new_tokens=12, sampling=SamplingParams(temperature=0))]
     plain = decode(target, requests)
     loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, EOS), new_cache=None, chunking=CHUNKING,
                       pad_token_id=0, draft=Drafter(draft, settings, costs=costs))  # fmt: skip
@@ -540,7 +567,11 @@ def test_draft_ranks_place_the_targets_greedy_tokens_among_the_drafts_prediction
     from kvboost_hf.bench import speculative_tree
 
     prompt = prompts()[0]
-    tokens = decode(target, [DecodeRequest(prompt, 10, SamplingParams(temperature=0))]).rows[0].tokens
+    tokens = (
+        decode(target, [DecodeRequest(prompt_ids=prompt, max_new_tokens=10, sampling=SamplingParams(temperature=0))])
+        .rows[0]
+        .tokens
+    )
     own = speculative_tree.draft_ranks(target, target, prompt, tokens)
     assert own["ranks"] == [1] * 10 and all(own["target_agrees"])
     other = speculative_tree.draft_ranks(target, draft, prompt, tokens)

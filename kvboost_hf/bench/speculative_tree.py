@@ -55,7 +55,9 @@ def default_draft() -> str:
 
 def decode_once(engine: InferenceEngine, text: str, max_new_tokens: int) -> dict[str, Any]:
     """Decode ``text`` greedily on ``engine``'s loop (its draft settings as they are) and return its counts."""
-    request = DecodeRequest(engine.encode(text), max_new_tokens, SamplingParams(temperature=0))
+    request = DecodeRequest(
+        prompt_ids=engine.encode(text), max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=0)
+    )
     loop = engine.decode_loop(DecodeLoop.rows_for([request], engine.eos_token_ids))
     with engine.lock:
         started = time.perf_counter()

@@ -64,9 +64,9 @@ logger = logging.getLogger(__name__)
 TokenTop = tuple[tuple[int, float], ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DecodeRequest:
-    """What one row asks for.
+    """What one row asks for (keyword arguments only).
 
     Args:
         prompt_ids: the prompt's token ids (not empty).

@@ -172,13 +172,13 @@ class Batch:
             for index in range(job.n):
                 seed = params.sampling.seed + index if params.sampling.seed is not None else secrets.randbits(63)
                 request = DecodeRequest(
-                    job.prompt_ids,
-                    params.max_tokens,
-                    replace(params.sampling, seed=seed),
-                    params.stop,
-                    params.top_logprobs,
-                    params.constraint(len(job.prompt_ids)) if params.constraint is not None else None,
-                    job.cancel,
+                    prompt_ids=job.prompt_ids,
+                    max_new_tokens=params.max_tokens,
+                    sampling=replace(params.sampling, seed=seed),
+                    stop=params.stop,
+                    top_logprobs=params.top_logprobs,
+                    constraint=params.constraint(len(job.prompt_ids)) if params.constraint is not None else None,
+                    cancel=job.cancel,
                     segment_starts=job.segment_starts,
                 )
                 self.choices[id(request)] = _Choice(job, index)
