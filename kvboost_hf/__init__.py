@@ -6,14 +6,14 @@ Public API::
 
     engine = KVBoost.from_pretrained()            # embedded SmolLM2-135M-Instruct
     result = engine.generate("Hello", max_new_tokens=32)
-    result = engine.generate("Hello", sampling=SamplingParams(temperature=0.7, top_k=40, seed=1))  # = the server
+    result = engine.generate("Hello", sampling=SamplingConfig(temperature=0.7, top_k=40, seed=1))  # = the server
 
     cache = ChunkReuseCache(ChunkStore(), model)  # drop-in for model.generate(past_key_values=...)
 
-    engine = KVBoost.from_pretrained(name, streaming=LayerStreaming(keep_first_k=4))  # larger than the GPU
-    handle = enable_layer_streaming(model, LayerStreaming())  # the same for a model you loaded yourself
+    engine = KVBoost.from_pretrained(name, streaming=LayerStreamingConfig(keep_first_k=4))  # larger than the GPU
+    handle = enable_layer_streaming(model, LayerStreamingConfig())  # the same for a model you loaded yourself
 
-    engine = KVBoost.from_pretrained(name, draft_model=draft_path, draft=DraftSettings(5))  # speculative decoding
+    engine = KVBoost.from_pretrained(name, draft_model=draft_path, draft=DraftConfig(5))  # speculative decoding
 
 Importing the package registers ``attn_implementation="kvboost"`` with transformers.
 """
@@ -53,9 +53,12 @@ with _quiet_imports():
     from kvboost_hf.hf.generation import ChunkWriteBack
     from kvboost_hf.hf.hooks import uninstall_hooks, without_hooks
     from kvboost_hf.hf.models import UnsupportedModelError
-    from kvboost_hf.hf.sampling import SamplingParams
-    from kvboost_hf.hf.speculative import DraftSettings, Speculation
-    from kvboost_hf.offload import LayerStreaming, disable_layer_streaming, enable_layer_streaming
+    from kvboost_hf.hf.sampling import SamplingConfig
+    from kvboost_hf.hf.sampling import SamplingParams as SamplingParams
+    from kvboost_hf.hf.speculative import DraftConfig, Speculation
+    from kvboost_hf.hf.speculative import DraftSettings as DraftSettings
+    from kvboost_hf.offload import LayerStreamingConfig, disable_layer_streaming, enable_layer_streaming
+    from kvboost_hf.offload.settings import LayerStreaming as LayerStreaming
     from kvboost_hf.results import CorrectnessReport, GenerationResult, WarmResult
     from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
@@ -64,6 +67,8 @@ register_kvboost_attention()
 
 # The user's surface: what a program using the engine, the drop-in cache or layer streaming writes. Internals (the
 # decode loop, reuse planning, batch policy, tiers, stats records) stay importable from their own modules.
+# Settings classes end in ``Config``. SamplingParams, DraftSettings and LayerStreaming, the earlier names of
+# SamplingConfig, DraftConfig and LayerStreamingConfig (README examples use them), are importable, not listed.
 __all__ = [
     "ChunkReuseCache",
     "ChunkStore",
@@ -71,16 +76,16 @@ __all__ = [
     "ChunkingConfig",
     "CorrectnessReport",
     "DocumentBoundaries",
-    "DraftSettings",
+    "DraftConfig",
     "GenerationMode",
     "GenerationResult",
     "InferenceEngine",
     "KVBoost",
     "KVBoostError",
-    "LayerStreaming",
+    "LayerStreamingConfig",
     "RecomputeStrategy",
     "RepairConfig",
-    "SamplingParams",
+    "SamplingConfig",
     "Speculation",
     "StoreConfig",
     "UnsupportedModelError",

@@ -35,9 +35,9 @@ from kvboost_hf.hf.models import (
     model_dtype,
 )
 from kvboost_hf.hf.prefill import forward
-from kvboost_hf.hf.sampling import SamplingParams
-from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftSource, VerifyCosts, resolve_draft
-from kvboost_hf.offload import LayerStreaming, layer_streamer
+from kvboost_hf.hf.sampling import SamplingConfig
+from kvboost_hf.hf.speculative import DraftConfig, Drafter, DraftSource, VerifyCosts, resolve_draft
+from kvboost_hf.offload import LayerStreamingConfig, layer_streamer
 from kvboost_hf.results import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
 from kvboost_hf.scheduling import BatchPolicy
 from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
@@ -64,14 +64,14 @@ DECODE_TOTALS = (
 
 
 def sampling_params(
-    sampling: SamplingParams | None,
+    sampling: SamplingConfig | None,
     *,
     temperature: float | None = None,
     do_sample: bool | None = None,
     top_p: float | None = None,
     seed: int | None = None,
-) -> SamplingParams:
-    """``sampling``, or the :class:`SamplingParams` the shorthands describe (one path, never both).
+) -> SamplingConfig:
+    """``sampling``, or the :class:`SamplingConfig` the shorthands describe (one path, never both).
 
     Shorthands: greedy unless ``do_sample`` (then ``temperature``, default 1.0, and ``top_p``, default 1.0);
     ``seed`` seeds the row's generator. Raises ValueError when ``sampling`` is given together with a shorthand.
@@ -80,11 +80,11 @@ def sampling_params(
     given = [name for name, value in shorthands.items() if value is not None]
     if sampling is not None:
         if given:
-            raise ValueError(f"give sampling= or the shorthands {given}, not both: put them in the SamplingParams")
+            raise ValueError(f"give sampling= or the shorthands {given}, not both: put them in the SamplingConfig")
         return sampling
     temperature = 1.0 if temperature is None else float(temperature)
     top_p = 1.0 if top_p is None else float(top_p)
-    return SamplingParams(temperature=temperature if do_sample else 0.0, top_p=top_p, seed=seed)
+    return SamplingConfig(temperature=temperature if do_sample else 0.0, top_p=top_p, seed=seed)
 
 
 def load_model(
@@ -93,7 +93,7 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
     strict: bool = True,
-    streaming: LayerStreaming | None = None,
+    streaming: LayerStreamingConfig | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The model and tokenizer :meth:`InferenceEngine.from_pretrained` wraps (same arguments), layer-streamed when
     ``streaming`` is given."""
@@ -122,7 +122,7 @@ class InferenceEngine:
             share the target's tokenizer. Its prompt K/V are reused from the store like the target's (under its
             own namespace). Every call (batched too) decodes with it; it never changes the tokens (see
             :mod:`kvboost_hf.hf.speculative`), only the number of target forwards.
-        draft: how the draft proposes (:class:`DraftSettings`: tokens per round, tree budget and branching; with
+        draft: how the draft proposes (:class:`DraftConfig`: tokens per round, tree budget and branching; with
             ``early_exit_layers`` the target's own first layers draft and no ``draft_model`` is needed).
     """
 
@@ -136,7 +136,7 @@ class InferenceEngine:
         store: ChunkStore | StoreConfig | None = None,
         strict: bool = True,
         draft_model: DraftSource | None = None,
-        draft: DraftSettings | None = None,
+        draft: DraftConfig | None = None,
     ) -> None:
         check_model_support(model.config, strict=strict)
         self.chunking = ChunkingConfig.of(chunking)
@@ -154,9 +154,9 @@ class InferenceEngine:
         model_digest(model)  # computed once here, not inside the first request's TTFT
         self._init_draft(draft_model, draft, strict)
 
-    def _init_draft(self, draft_model: DraftSource | None, draft: DraftSettings | None, strict: bool) -> None:
+    def _init_draft(self, draft_model: DraftSource | None, draft: DraftConfig | None, strict: bool) -> None:
         """Speculative decoding state: the draft settings, the resident draft model (if any) and decode counters."""
-        self.draft_settings = draft if draft is not None else DraftSettings()
+        self.draft_settings = draft if draft is not None else DraftConfig()
         self.draft_model: PreTrainedModel | None = None
         self._draft_engine: InferenceEngine | None = draft_model if isinstance(draft_model, InferenceEngine) else None
         if draft_model is not None:
@@ -180,7 +180,7 @@ class InferenceEngine:
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
         strict: bool = True,
-        streaming: LayerStreaming | None = None,
+        streaming: LayerStreamingConfig | None = None,
         **options: Any,
     ) -> InferenceEngine:
         """Load a model by hub name or local directory (``None``: the embedded SmolLM2-135M-Instruct) and wrap it.
@@ -380,7 +380,7 @@ class InferenceEngine:
         cancel: threading.Event | None = None,
         logprobs: int | None = None,
         repair: RepairConfig | None = None,
-        sampling: SamplingParams | None = None,
+        sampling: SamplingConfig | None = None,
     ) -> GenerationResult:
         """Generate a completion of ``prompt`` (string or chat messages). ``temperature=0`` means greedy.
 
@@ -425,7 +425,7 @@ class InferenceEngine:
         cancel: threading.Event | None = None,
         logprobs: int | None = None,
         repair: RepairConfig | None = None,
-        sampling: SamplingParams | None = None,
+        sampling: SamplingConfig | None = None,
     ) -> list[GenerationResult]:
         """Generate for several prompts (any prefixes, segment prompts included) in one left-padded batch on the
         decode loop the server runs (:class:`~kvboost_hf.hf.decode.DecodeLoop`; prompts that :meth:`batch_policy`

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from kvboost_hf.hf.sampling import SamplingParams, build_processors
+from kvboost_hf.hf.sampling import SamplingConfig, build_processors
 
-GREEDY = SamplingParams(temperature=0)
+GREEDY = SamplingConfig(temperature=0)
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def reference(
     model: PreTrainedModel,
     prompt_ids: Sequence[int],
     max_new_tokens: int,
-    sampling: SamplingParams = GREEDY,
+    sampling: SamplingConfig = GREEDY,
     eos_token_ids: Iterable[int] = (),
     pad_token_id: int = 0,
 ) -> Reference:
@@ -74,7 +74,7 @@ def reference(
     return Reference(out.sequences[0, len(prompt_ids) :].tolist(), out.logits[0][0].float().cpu())
 
 
-def engine_reference(engine, prompt, max_new_tokens: int, sampling: SamplingParams = GREEDY) -> Reference:
+def engine_reference(engine, prompt, max_new_tokens: int, sampling: SamplingConfig = GREEDY) -> Reference:
     """:func:`reference` for an engine's prompt (strings, segments or chat messages), rendered and tokenised the way
     the engine does (``engine.encode``), with its EOS and pad ids."""
     return reference(

@@ -21,16 +21,16 @@ USER_SURFACE = {
     "ChunkingConfig",
     "CorrectnessReport",
     "DocumentBoundaries",
-    "DraftSettings",
+    "DraftConfig",
     "GenerationMode",
     "GenerationResult",
     "InferenceEngine",
     "KVBoost",
     "KVBoostError",
-    "LayerStreaming",
+    "LayerStreamingConfig",
     "RecomputeStrategy",
     "RepairConfig",
-    "SamplingParams",
+    "SamplingConfig",
     "Speculation",
     "StoreConfig",
     "UnsupportedModelError",
@@ -92,3 +92,27 @@ def test_the_checks_see_a_cycle_and_an_upward_import() -> None:
     edge = import_graph.ImportEdge("kvboost_hf.core.keys", "kvboost_hf.server.app", 1, "lazy")
     assert import_graph.upward_edges([edge]) == [edge]
     assert import_graph.upward_edges([import_graph.ImportEdge(edge.source, edge.target, 1, "typing")]) == []
+
+
+def test_settings_classes_share_one_suffix_and_old_readme_names_are_the_same_classes():
+    from kvboost_hf.server.grammar import GrammarConfig
+    from kvboost_hf.server.launch import SETTINGS_FLAGS
+    from kvboost_hf.server.settings import ServerConfig
+
+    settings_classes = {cls for cls, _, _ in SETTINGS_FLAGS} | {ServerConfig, GrammarConfig, kvboost_hf.SamplingConfig}
+    assert len(settings_classes) >= 8
+    assert sorted(cls.__name__ for cls in settings_classes if not cls.__name__.endswith("Config")) == []
+    assert kvboost_hf.SamplingParams is kvboost_hf.SamplingConfig
+    assert kvboost_hf.DraftSettings is kvboost_hf.DraftConfig
+    assert kvboost_hf.LayerStreaming is kvboost_hf.LayerStreamingConfig
+
+
+def test_request_objects_take_keywords_only():
+    import dataclasses
+
+    from kvboost_hf.hf.decode import DecodeRequest
+    from kvboost_hf.serve_ray.routing import ForwardedRequest
+    from kvboost_hf.server.batching import JobParams
+
+    for request in (DecodeRequest, JobParams, ForwardedRequest):
+        assert all(field.kw_only for field in dataclasses.fields(request)), request.__name__

@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import reference
 
-from kvboost_hf import ChunkReuseCache, ChunkStore, SamplingParams
+from kvboost_hf import ChunkReuseCache, ChunkStore, SamplingConfig
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.keys import content_key
 from kvboost_hf.hf.cache import select_columns
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, visible_text
-from kvboost_hf.hf.speculative import Drafter, DraftSettings
+from kvboost_hf.hf.speculative import DraftConfig, Drafter
 
 CHUNKING = ChunkingConfig(8)
 EOS = {127}
@@ -69,7 +69,7 @@ def test_greedy_rows_in_a_batch_equal_generate_alone(any_window_model, reuse):
     model = any_window_model
     store = ChunkStore() if reuse else None
     budgets = [6, 3, 8]
-    greedy_params = SamplingParams(temperature=0)
+    greedy_params = SamplingConfig(temperature=0)
     for _ in range(2 if reuse else 1):  # with reuse: cold, then loading what the first pass stored
         loop = run(
             model,
@@ -90,9 +90,9 @@ def test_greedy_rows_in_a_batch_equal_generate_alone(any_window_model, reuse):
 
 
 SAMPLED = [  # every processor the loop builds, over the rows
-    SamplingParams(temperature=1.3, top_k=40, seed=11),
-    SamplingParams(temperature=0.8, top_p=0.9, min_p=0.02, repetition_penalty=1.3, logit_bias=((7, 3.0),), seed=3),
-    SamplingParams(presence_penalty=0.6, frequency_penalty=0.4, min_tokens=5, stop_token_ids=(9,), seed=5),
+    SamplingConfig(temperature=1.3, top_k=40, seed=11),
+    SamplingConfig(temperature=0.8, top_p=0.9, min_p=0.02, repetition_penalty=1.3, logit_bias=((7, 3.0),), seed=3),
+    SamplingConfig(presence_penalty=0.6, frequency_penalty=0.4, min_tokens=5, stop_token_ids=(9,), seed=5),
 ]
 
 
@@ -120,7 +120,7 @@ def test_seeded_rows_in_a_batch_draw_what_transformers_generate_draws_alone(mode
 
 
 def test_unseeded_rows_follow_torch_manual_seed(model):
-    request = DecodeRequest(prompt_ids=prompts()[1], max_new_tokens=8, sampling=SamplingParams(temperature=1.0))
+    request = DecodeRequest(prompt_ids=prompts()[1], max_new_tokens=8, sampling=SamplingConfig(temperature=1.0))
     torch.manual_seed(0)
     first = run(model, [request]).rows[0].tokens
     torch.manual_seed(0)
@@ -130,7 +130,7 @@ def test_unseeded_rows_follow_torch_manual_seed(model):
 def test_stop_strings_end_rows_exactly_and_end_tokens_stop(model):
     prompt = prompts()[2]
     full = (
-        run(model, [DecodeRequest(prompt_ids=prompt, max_new_tokens=8, sampling=SamplingParams(temperature=0))])
+        run(model, [DecodeRequest(prompt_ids=prompt, max_new_tokens=8, sampling=SamplingConfig(temperature=0))])
         .rows[0]
         .tokens
     )
@@ -139,7 +139,7 @@ def test_stop_strings_end_rows_exactly_and_end_tokens_stop(model):
         model,
         [
             DecodeRequest(
-                prompt_ids=prompt, max_new_tokens=8, sampling=SamplingParams(temperature=0), stop=(f"<{full[cut]}>",)
+                prompt_ids=prompt, max_new_tokens=8, sampling=SamplingConfig(temperature=0), stop=(f"<{full[cut]}>",)
             )
         ],
     ).rows[0]
@@ -149,7 +149,7 @@ def test_stop_strings_end_rows_exactly_and_end_tokens_stop(model):
         model,
         [
             DecodeRequest(
-                prompt_ids=prompt, max_new_tokens=8, sampling=SamplingParams(temperature=0, stop_token_ids=(full[cut],))
+                prompt_ids=prompt, max_new_tokens=8, sampling=SamplingConfig(temperature=0, stop_token_ids=(full[cut],))
             )
         ],
     ).rows[0]
@@ -166,8 +166,8 @@ def test_cancel_ends_only_that_row_and_rows_report_every_token(model):
             cancel.set()
 
     requests = [
-        DecodeRequest(prompt_ids=prompts()[0], max_new_tokens=8, sampling=SamplingParams(temperature=0), cancel=cancel),
-        DecodeRequest(prompt_ids=prompts()[1], max_new_tokens=8, sampling=SamplingParams(temperature=0)),
+        DecodeRequest(prompt_ids=prompts()[0], max_new_tokens=8, sampling=SamplingConfig(temperature=0), cancel=cancel),
+        DecodeRequest(prompt_ids=prompts()[1], max_new_tokens=8, sampling=SamplingConfig(temperature=0)),
     ]
     loop = run(model, requests, on_token=on_token)
     cancelled, other = loop.rows
@@ -181,7 +181,7 @@ def test_logprobs_and_first_logits_are_the_models_unscaled_distribution(model):
     request = DecodeRequest(
         prompt_ids=prompt,
         max_new_tokens=4,
-        sampling=SamplingParams(temperature=0.5, seed=1),
+        sampling=SamplingConfig(temperature=0.5, seed=1),
         top_logprobs=3,
         keep_first_logits=True,
     )
@@ -200,7 +200,7 @@ def test_rows_sharing_a_new_prefix_compute_it_once(model):
     rows = [[*head, 5, 6, 7], [*head, 9, 10, 12], [*head, 11, 13, 14]]  # same length: no padding
     loop = run(
         model,
-        [DecodeRequest(prompt_ids=p, max_new_tokens=2, sampling=SamplingParams(temperature=0)) for p in rows],
+        [DecodeRequest(prompt_ids=p, max_new_tokens=2, sampling=SamplingConfig(temperature=0)) for p in rows],
         store,
     )
     assert loop.computed_tokens == 24 + 3 * 3  # the head once, then each row's own tail
@@ -230,7 +230,7 @@ def test_rows_joining_a_running_batch_equal_generate_alone(any_window_model, reu
     model = any_window_model
     store = ChunkStore() if reuse else None
     new_cache = reuse_caches(store, model)
-    greedy_params = SamplingParams(temperature=0)
+    greedy_params = SamplingConfig(temperature=0)
     first, *later = prompts()
     loop = DecodeLoop(
         model,
@@ -302,7 +302,7 @@ def test_a_segment_row_decodes_with_plain_rows_and_writes_back_what_it_writes_al
     stored under the keys (prefix and content, chunked at its segment starts) and with the K/V it stores alone,
     though the cache it was joined into has no segment starts."""
     prompt, starts = segment_prompt(*documents)
-    greedy_params = SamplingParams(temperature=0)
+    greedy_params = SamplingConfig(temperature=0)
     segment = DecodeRequest(prompt_ids=prompt, max_new_tokens=6, sampling=greedy_params, segment_starts=starts)
     plain = [DecodeRequest(prompt_ids=p, max_new_tokens=6, sampling=greedy_params) for p in prompts()[:2]]
     alone_store = RecordingStore()
@@ -334,7 +334,7 @@ def test_reordered_documents_hit_by_content_key_in_a_batch_as_alone(model, noisy
     its batch with plain rows: its reuse figures and tokens equal those it gets alone (same store contents). With a
     draft, the draft's cache for that row is built with its segment starts too (its chunks stored by content key in
     the draft's namespace)."""
-    greedy_params = SamplingParams(temperature=0)
+    greedy_params = SamplingConfig(temperature=0)
     stores = [ChunkStore(), ChunkStore()]
     first, first_starts = segment_prompt(*documents)
     for store in stores:
@@ -350,7 +350,7 @@ def test_reordered_documents_hit_by_content_key_in_a_batch_as_alone(model, noisy
     requests = [DecodeRequest(prompt_ids=p, max_new_tokens=6, sampling=greedy_params) for p in prompts()[:2]] + [
         segment
     ]
-    draft = Drafter(noisy_draft, DraftSettings(num_draft_tokens=3), reuse_caches(stores[1], noisy_draft))
+    draft = Drafter(noisy_draft, DraftConfig(num_draft_tokens=3), reuse_caches(stores[1], noisy_draft))
     loop = segment_loop(model, stores[1], requests, draft if speculative else None)
     loop.run()
     assert loop.rows[2].reuse == alone.reuse and loop.rows[2].tokens == alone.tokens
@@ -442,8 +442,8 @@ def test_speculative_rows_join_and_equal_generate_alone(model, noisy_draft, reus
     store = ChunkStore() if reuse else None
     new_cache = reuse_caches(store, model)
     draft_cache = reuse_caches(store, noisy_draft)
-    drafter = Drafter(noisy_draft, DraftSettings(num_draft_tokens=3), draft_cache)
-    greedy_params = SamplingParams(temperature=0)
+    drafter = Drafter(noisy_draft, DraftConfig(num_draft_tokens=3), draft_cache)
+    greedy_params = SamplingConfig(temperature=0)
     first, *later = prompts()
     loop = DecodeLoop(
         model,
@@ -482,7 +482,7 @@ def test_speculative_rows_join_and_equal_generate_alone(model, noisy_draft, reus
         )
         assert loaded.rows[0].reuse.cached_tokens >= len(first)
         assert torch.allclose(loaded.rows[0].first_logits, plain.rows[0].first_logits, atol=1e-4)
-        drafted = Drafter(noisy_draft, DraftSettings(), draft_cache)
+        drafted = Drafter(noisy_draft, DraftConfig(), draft_cache)
         drafted.prefill(torch.tensor(longer), torch.ones(1, len(longer[0]), dtype=torch.long),
                         torch.arange(len(longer[0]))[None])  # fmt: skip
         assert drafted.cached_tokens[0] >= len(first)  # the draft's chunks were written back too
@@ -502,10 +502,10 @@ def test_a_constrained_row_takes_one_token_per_step_beside_speculating_rows(mode
     recorder = Recorder()
     first, second, _ = prompts()
     requests = [
-        DecodeRequest(prompt_ids=first, max_new_tokens=10, sampling=SamplingParams(temperature=0), constraint=recorder),
-        DecodeRequest(prompt_ids=second, max_new_tokens=10, sampling=SamplingParams(temperature=0)),
+        DecodeRequest(prompt_ids=first, max_new_tokens=10, sampling=SamplingConfig(temperature=0), constraint=recorder),
+        DecodeRequest(prompt_ids=second, max_new_tokens=10, sampling=SamplingConfig(temperature=0)),
     ]
-    loop = run(model, requests, draft=Drafter(noisy_draft, DraftSettings(num_draft_tokens=3)))
+    loop = run(model, requests, draft=Drafter(noisy_draft, DraftConfig(num_draft_tokens=3)))
     constrained, free = loop.rows
     assert recorder.seen == list(range(len(first), len(first) + len(constrained.tokens)))  # once per token, in order
     assert constrained.draft_proposed == 0 and free.draft_proposed > 0

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.hf.models import embedded_model_dir  # noqa: E402
-from kvboost_hf.hf.sampling import SamplingParams  # noqa: E402
+from kvboost_hf.hf.sampling import SamplingConfig  # noqa: E402
 from kvboost_hf.serve_ray.app import REPLICA_HEADER, kill_replica, prompt_ids, replica_actor_names  # noqa: E402
 from kvboost_hf.serve_ray.launch import APP_NAME, init_local_ray, parse_args, start  # noqa: E402
 from kvboost_hf.serve_ray.routing import KeySpace, routing_keys  # noqa: E402
@@ -93,7 +93,7 @@ def conversation(tag: str) -> list[dict[str, str]]:
 
 
 def greedy(engine, messages, max_tokens: int, ignore_eos: bool = False) -> str:
-    sampling = SamplingParams(temperature=0, ignore_eos=ignore_eos)
+    sampling = SamplingConfig(temperature=0, ignore_eos=ignore_eos)
     return engine.generate(messages, max_tokens, mode="baseline", sampling=sampling).output_text
 
 

@@ -23,8 +23,8 @@ uvicorn = pytest.importorskip("uvicorn")
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.core.config import GenerationMode  # noqa: E402
 from kvboost_hf.hf.decode import visible_text  # noqa: E402
-from kvboost_hf.hf.sampling import SamplingParams  # noqa: E402
-from kvboost_hf.server.app import GracefulServer, ServerSettings, create_app  # noqa: E402
+from kvboost_hf.hf.sampling import SamplingConfig  # noqa: E402
+from kvboost_hf.server.app import GracefulServer, ServerConfig, create_app  # noqa: E402
 from kvboost_hf.server.batching import Batch, Delta, Done, Job, JobParams  # noqa: E402
 from kvboost_hf.server.worker import Worker  # noqa: E402
 
@@ -74,7 +74,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine) -> Iterator[LiveServer]:
-    settings = ServerSettings(model_name=MODEL, api_key=KEY, batch_window_ms=30, max_batch_size=4, max_queue=16)
+    settings = ServerConfig(model_name=MODEL, api_key=KEY, batch_window_ms=30, max_batch_size=4, max_queue=16)
     with LiveServer(create_app(engine, settings)) as live:
         yield live
 
@@ -119,15 +119,19 @@ def test_batch_rows_equal_alone_with_mixed_settings(engine):
     for _ in range(2):  # cold, then with the shared prefix and prompts stored
         events: list[list] = [[], [], [], [], []]
         jobs = [
-            Job(engine.encode(p), JobParams(b, SamplingParams(temperature=0)), events[i].append)
+            Job(engine.encode(p), JobParams(max_tokens=b, sampling=SamplingConfig(temperature=0)), events[i].append)
             for i, (p, b) in enumerate(zip(prompts, budgets, strict=True))
         ]
         jobs.append(
-            Job(engine.encode(prompts[0]), JobParams(4, SamplingParams(temperature=0.8, seed=3)), events[3].append)
+            Job(
+                engine.encode(prompts[0]),
+                JobParams(max_tokens=4, sampling=SamplingConfig(temperature=0.8, seed=3)),
+                events[3].append,
+            )
         )
         banana = engine.encode(" banana")[0]
-        forced = SamplingParams(temperature=0, logit_bias=((banana, 100.0),), repetition_penalty=1.3)
-        jobs.append(Job(engine.encode(prompts[1]), JobParams(3, forced), events[4].append))
+        forced = SamplingConfig(temperature=0, logit_bias=((banana, 100.0),), repetition_penalty=1.3)
+        jobs.append(Job(engine.encode(prompts[1]), JobParams(max_tokens=3, sampling=forced), events[4].append))
         batch = Batch(engine, jobs, GenerationMode.PREFIX_CACHE, threading.Lock())
         batch.prefill()
         while not batch.done:
@@ -142,7 +146,7 @@ def test_batch_rows_equal_alone_with_mixed_settings(engine):
 
 def test_worker_batches_requests_with_different_prefixes(engine):
     """Jobs queued within the window run as one batch whatever their text; each row equals its greedy answer."""
-    worker = Worker(engine, ServerSettings(batch_window_ms=300, max_batch_size=4))
+    worker = Worker(engine, ServerConfig(batch_window_ms=300, max_batch_size=4))
     done = threading.Event()
     finished: list[Done] = []
 
@@ -162,7 +166,9 @@ def test_worker_batches_requests_with_different_prefixes(engine):
                 texts[i].append(event.text)
             sink(event)
 
-        worker.submit(Job(engine.encode(prompt), JobParams(3, SamplingParams(temperature=0)), row_sink))
+        worker.submit(
+            Job(engine.encode(prompt), JobParams(max_tokens=3, sampling=SamplingConfig(temperature=0)), row_sink)
+        )
     worker.start()
     try:
         assert done.wait(60)
@@ -177,7 +183,7 @@ def test_worker_batches_requests_with_different_prefixes(engine):
 def test_requests_arriving_during_generation_join_the_running_batch(engine):
     """Continuous batching: jobs submitted while a batch decodes join it (no second batch is formed) and each
     still equals its greedy answer alone."""
-    worker = Worker(engine, ServerSettings(batch_window_ms=0, max_batch_size=4))
+    worker = Worker(engine, ServerConfig(batch_window_ms=0, max_batch_size=4))
     prompts = [chat("Tell me about rivers."), chat("Name a fruit."), f"Unrelated {uuid.uuid4().hex}: the sky is"]
     budgets = [16, 4, 3]
     texts: list[list[str]] = [[] for _ in prompts]
@@ -193,7 +199,13 @@ def test_requests_arriving_during_generation_join_the_running_batch(engine):
             elif isinstance(event, Done):
                 finished[i].set()
 
-        worker.submit(Job(engine.encode(prompts[i]), JobParams(budgets[i], SamplingParams(temperature=0)), sink))
+        worker.submit(
+            Job(
+                engine.encode(prompts[i]),
+                JobParams(max_tokens=budgets[i], sampling=SamplingConfig(temperature=0)),
+                sink,
+            )
+        )
 
     worker.start()
     try:
@@ -323,7 +335,7 @@ def test_cache_salt_isolates_tenants(client):
 def test_same_seed_same_tokens_from_python_and_over_http(engine, client):
     """One decode loop: a seeded sampled request gives the engine's tokens, and greedy logprobs agree."""
     prompt = chat("Invent a name for a dog.")
-    sampling = SamplingParams(temperature=0.9, top_k=30, presence_penalty=0.5, seed=11)
+    sampling = SamplingConfig(temperature=0.9, top_k=30, presence_penalty=0.5, seed=11)
     local = engine.generate(prompt, max_new_tokens=8, sampling=sampling)
     remote = client.chat.completions.create(
         model=MODEL, messages=prompt, max_tokens=8, temperature=0.9, presence_penalty=0.5, seed=11,
@@ -445,7 +457,7 @@ def test_disconnect_mid_stream_cancels_generation(server):
 
 
 def test_overflow_answers_429_with_retry_after(engine):
-    settings = ServerSettings(model_name=MODEL, batch_window_ms=0, max_batch_size=1, max_queue=1)
+    settings = ServerConfig(model_name=MODEL, batch_window_ms=0, max_batch_size=1, max_queue=1)
     with LiveServer(create_app(engine, settings)) as live:
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
         results: list[httpx.Response] = []
@@ -466,7 +478,7 @@ def test_overflow_answers_429_with_retry_after(engine):
 
 
 def test_graceful_shutdown_finishes_in_flight_requests(engine):
-    live = LiveServer(create_app(engine, ServerSettings(model_name=MODEL))).__enter__()
+    live = LiveServer(create_app(engine, ServerConfig(model_name=MODEL))).__enter__()
     results: list[httpx.Response] = []
     body = {"model": MODEL, "prompt": "The weather today is", "max_tokens": 8, "temperature": 0}
     sender = threading.Thread(
@@ -486,9 +498,7 @@ def test_openapi_document_fuzzing_finds_no_server_error(engine):
     """Schemathesis-generated requests against every operation of the served OpenAPI document: never a 5xx."""
     schemathesis = pytest.importorskip("schemathesis")
     hypothesis = pytest.importorskip("hypothesis")
-    settings = ServerSettings(
-        model_name=MODEL, api_key=KEY, reuse_mode="chunk", max_tokens_limit=2, default_max_tokens=2
-    )
+    settings = ServerConfig(model_name=MODEL, api_key=KEY, reuse_mode="chunk", max_tokens_limit=2, default_max_tokens=2)
     with LiveServer(create_app(engine, settings)) as live:
         schema = schemathesis.openapi.from_url(f"{live.url}/openapi.json", headers={"Authorization": f"Bearer {KEY}"})
         statuses: dict[str, set[int]] = {}
@@ -701,7 +711,7 @@ def test_large_body_does_not_stall_other_clients(server):
 
 
 def test_shutdown_ends_streams_and_requests_cleanly(engine):
-    live = LiveServer(create_app(engine, ServerSettings(model_name=MODEL, shutdown_grace_s=0.2))).__enter__()
+    live = LiveServer(create_app(engine, ServerConfig(model_name=MODEL, shutdown_grace_s=0.2))).__enter__()
     body = {"model": MODEL, "prompt": "1, 2, 3, 4,", "max_tokens": 200, "temperature": 0}
     lines: list[str] = []
     plain: list[httpx.Response] = []
@@ -731,14 +741,14 @@ def test_retry_after_grows_with_the_queue(engine):
     """Not started: jobs stay queued. Retry-After = rounds of max_batch_size queued jobs x a batch's wall time."""
     from kvboost_hf.server.worker import Overloaded
 
-    worker = Worker(engine, ServerSettings(max_batch_size=2))
+    worker = Worker(engine, ServerConfig(max_batch_size=2))
     ids = engine.encode("Hello")
     advised = []
     for depth in (2, 8):
         worker.max_queue = depth
         while worker.queue_depth < depth:
-            worker.submit(Job(ids, JobParams(1), lambda event: None))
+            worker.submit(Job(ids, JobParams(max_tokens=1), lambda event: None))
         with pytest.raises(Overloaded) as refused:
-            worker.submit(Job(ids, JobParams(1), lambda event: None))
+            worker.submit(Job(ids, JobParams(max_tokens=1), lambda event: None))
         advised.append(refused.value.retry_after_s)
     assert advised == [2, 5]  # (1 + 2/2) and (1 + 8/2) rounds of the initial 1 s estimate

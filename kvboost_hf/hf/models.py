@@ -33,7 +33,7 @@ from transformers import (
 )
 
 from kvboost_hf.core.errors import KVBoostError
-from kvboost_hf.offload.settings import LayerStreaming
+from kvboost_hf.offload.settings import LayerStreamingConfig
 from kvboost_hf.offload.streamer import LayerStreamer, enable_layer_streaming
 
 logger = logging.getLogger(__name__)
@@ -306,7 +306,7 @@ def load_model_and_tokenizer(
 
 def load_streamed_model(
     model_name_or_path: str | os.PathLike | None,
-    streaming: LayerStreaming,
+    streaming: LayerStreamingConfig,
     *,
     device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,

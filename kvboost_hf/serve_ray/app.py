@@ -34,7 +34,7 @@ from kvboost_hf.server.admission import plain_messages
 from kvboost_hf.server.app import RequestGate
 from kvboost_hf.server.errors import ApiError
 from kvboost_hf.server.schemas import ChatCompletionRequest, CompletionRequest
-from kvboost_hf.server.settings import ServerSettings
+from kvboost_hf.server.settings import ServerConfig
 
 logger = logging.getLogger(__name__)
 REPLICA_HEADER = "x-kvboost-replica"
@@ -234,7 +234,7 @@ class Ingress:
     def __init__(
         self,
         replicas: DeploymentHandle,
-        settings: ServerSettings,
+        settings: ServerConfig,
         max_attempts: int = 3,
         max_routing_chunks: int = DEFAULT_MAX_CHUNKS,
     ) -> None:
@@ -255,7 +255,12 @@ class Ingress:
         body = await request.body()
         keys = await self.keys(request.url.path, body)
         forwarded = ForwardedRequest(
-            request.method, request.url.path, request.url.query.encode(), tuple(request.headers.raw), body, keys
+            method=request.method,
+            path=request.url.path,
+            query_string=request.url.query.encode(),
+            headers=tuple(request.headers.raw),
+            body=body,
+            routing_keys=keys,
         )
         try:
             start, parts = await self.open(forwarded)

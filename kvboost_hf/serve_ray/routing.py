@@ -74,7 +74,7 @@ def routing_keys(
     return tuple(chain_prefix_keys(space.namespace(cache_salt), token_ids, spans))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ForwardedRequest:
     """An HTTP request as the ingress received it (headers lower-cased, the whole body) and its routing keys."""
 

@@ -34,7 +34,7 @@ from transformers import LogitsProcessor
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
-from kvboost_hf.hf.sampling import SamplingParams
+from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.server.batching import JobParams
 from kvboost_hf.server.errors import ApiError
 from kvboost_hf.server.grammar import (
@@ -47,7 +47,7 @@ from kvboost_hf.server.grammar import (
     Tool,
 )
 from kvboost_hf.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, ToolDefinition
-from kvboost_hf.server.settings import ServerSettings
+from kvboost_hf.server.settings import ServerConfig
 from kvboost_hf.server.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class Prepared:
 class Admission:
     """Validates and prepares requests for ``worker``; one per app."""
 
-    def __init__(self, engine: InferenceEngine, settings: ServerSettings, worker: Worker) -> None:
+    def __init__(self, engine: InferenceEngine, settings: ServerConfig, worker: Worker) -> None:
         self.engine, self.settings, self.worker = engine, settings, worker
         self.vocab_size = int(engine.model.get_output_embeddings().weight.shape[0])
         tokenizer = engine.tokenizer
@@ -257,7 +257,7 @@ class Admission:
         bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
         self._check_token_ids(bias, "logit_bias")
         self._check_token_ids(body.stop_token_ids or [], "stop_token_ids")
-        sampling = SamplingParams(
+        sampling = SamplingConfig(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=max(body.top_k, 0),
@@ -280,7 +280,13 @@ class Admission:
                     return compiler.tool_call_processor(grammar.result(), prompt_length, self._decode, max_tokens)
                 return compiler.processor(grammar.result(), prompt_length)
 
-        return JobParams(max_tokens, sampling, body.stop_strings(), top_logprobs, constraint)
+        return JobParams(
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop=body.stop_strings(),
+            top_logprobs=top_logprobs,
+            constraint=constraint,
+        )
 
     def _decode(self, tokens: list[int]) -> str:
         with self.worker.tokenizer_lock:

@@ -15,7 +15,7 @@ until the grammar is complete); :class:`ToolCallProcessor` also ends a turn whos
 generated text by the same rules, so streamed and whole answers agree and markup never leaks.
 
 Compiles run in the compiler's own child processes (:mod:`~kvboost_hf.server.grammar_process`, bounded by
-``GrammarLimits``): a constraint source larger than ``max_schema_bytes`` is refused before compiling, a compile
+``GrammarConfig``): a constraint source larger than ``max_schema_bytes`` is refused before compiling, a compile
 running longer than ``compile_limit_s`` is killed (GrammarError: the size of a schema does not bound its compile
 time), at most ``max_waiting`` compiles are queued or running (:class:`GrammarBusy` beyond), one tenant never runs
 on every worker, and compiled grammars are cached per ``tenant`` (xgrammar's process-wide cache is off), so whether
@@ -67,7 +67,7 @@ class GrammarBusy(KVBoostError, RuntimeError):
 
 
 @dataclass(frozen=True)
-class GrammarLimits:
+class GrammarConfig:
     """Bounds of a :class:`GrammarCompiler`.
 
     Attributes:
@@ -120,9 +120,9 @@ class GrammarCompiler:
     limits) or GrammarBusy (too many compiles waiting) without compiling. ``tenant`` keys the cache."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, limits: GrammarLimits | None = None
+        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, limits: GrammarConfig | None = None
     ) -> None:
-        self.limits = limits or GrammarLimits()
+        self.limits = limits or GrammarConfig()
         self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self._pool = CompilePool(self.info, self.limits.workers)
         self._lock = threading.Lock()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
-from kvboost_hf.server.grammar import GrammarLimits
+from kvboost_hf.server.grammar import GrammarConfig
 
 REUSE_MODES = {
     "off": GenerationMode.BASELINE,  # plain K/V per request
@@ -17,7 +17,7 @@ REUSE_MODES = {
 
 
 @dataclass(frozen=True)
-class ServerSettings:
+class ServerConfig:
     """Server behaviour (every field is a ``kvboost-hf serve`` flag, see :mod:`kvboost_hf.server.launch`).
 
     Attributes:
@@ -63,7 +63,7 @@ class ServerSettings:
     max_connections_per_client: int = 128
     max_warm_documents: int = 256
     document_boundaries: str = DocumentBoundaries.PARTS.value
-    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
+    grammar_limits: GrammarConfig = field(default_factory=GrammarConfig)
 
     def __post_init__(self) -> None:
         if self.reuse_mode not in REUSE_MODES:

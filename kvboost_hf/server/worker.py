@@ -37,7 +37,7 @@ from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.scheduling import BatchKey
 from kvboost_hf.server.batching import Batch, Job
 from kvboost_hf.server.metrics import Metrics
-from kvboost_hf.server.settings import REUSE_MODES, ServerSettings
+from kvboost_hf.server.settings import REUSE_MODES, ServerConfig
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,9 +72,9 @@ class Worker:
     """
 
     def __init__(
-        self, engine: InferenceEngine, settings: ServerSettings | None = None, *, metrics: Metrics | None = None
+        self, engine: InferenceEngine, settings: ServerConfig | None = None, *, metrics: Metrics | None = None
     ) -> None:
-        settings = settings or ServerSettings()
+        settings = settings or ServerConfig()
         self.engine = engine
         self.mode = REUSE_MODES[settings.reuse_mode]
         self.batch_window_s = settings.batch_window_ms / 1e3
