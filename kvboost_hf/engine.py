@@ -22,7 +22,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.config import GenerationMode, RepairConfig
-from kvboost_hf.core.keys import model_digest
+from kvboost_hf.core.keys import KeySpace, model_digest
 from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.chat_segments import DocumentBoundaries, encode_chat_segments, joined
@@ -620,13 +620,20 @@ class InferenceEngine:
             results.update(zip(batch, outputs, strict=True))
         return [results[index] for index in range(len(prompts))]
 
+    @property
+    def key_space(self) -> KeySpace:
+        """What names this engine's chunks besides their tokens (its caches' :attr:`ChunkReuseCache.key_space`)."""
+        return KeySpace.of_model(
+            self.model,
+            model_dtype(self.model),
+            self.chunking,
+            kv_cache_bits=self.store.kv_cache_bits,
+            kv_group_size=self.store.kv_group_size,
+        )
+
     def batch_policy(self, mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE) -> BatchPolicy:
         """Which requests may share a decode loop in ``mode`` (see :mod:`kvboost_hf.scheduling`)."""
-
-        def namespace(cache_salt: str | None) -> str:
-            return self.new_cache(mode, cache_salt, adapter=False).namespace
-
-        return BatchPolicy(self.store, namespace, self.chunking, mode)
+        return BatchPolicy(self.store, self.key_space, mode)
 
     # ------------------------------------------------------------------ checks and stats
     def cache_stats(self, *, settle: bool = True) -> dict[str, int | float]:

@@ -40,7 +40,7 @@ from transformers import Cache, PreTrainedModel
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import GenerationMode, RepairConfig
-from kvboost_hf.core.keys import make_namespace
+from kvboost_hf.core.keys import KeySpace
 from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.blend import LayerFilter, scatter_into
 from kvboost_hf.hf.context_attention import ADJUSTMENT_KWARG, ContextAdjustment
@@ -105,14 +105,14 @@ class ChunkReuseCache(Cache):
                 f"argument or call model.set_attn_implementation({ATTN_IMPLEMENTATION!r})"
             )
         self.segment_starts = tuple(sorted(set(segment_starts)))
-        self.namespace = make_namespace(
+        self.key_space = KeySpace.of_model(
             model,
             model_dtype(model),
             self.chunking,
             kv_cache_bits=store.kv_cache_bits,
             kv_group_size=store.kv_group_size,
-            cache_salt=cache_salt,
         )
+        self.namespace = self.key_space.namespace(cache_salt)
         self.write_back = write_back and self.mode is not GenerationMode.BASELINE
         self.tokens = torch.empty(0, 0, dtype=torch.long)
         self.pads: list[int] = []
