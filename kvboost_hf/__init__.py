@@ -6,14 +6,14 @@ Public API::
 
     engine = KVBoost.from_pretrained()            # embedded SmolLM2-135M-Instruct
     result = engine.generate("Hello", max_new_tokens=32)
-    result = engine.generate("Hello", sampling=SamplingParams(temperature=0.7, top_k=40, seed=1))  # = the server
+    result = engine.generate("Hello", sampling=SamplingConfig(temperature=0.7, top_k=40, seed=1))  # = the server
 
     cache = ChunkReuseCache(ChunkStore(), model)  # drop-in for model.generate(past_key_values=...)
 
-    engine = KVBoost.from_pretrained(name, streaming=LayerStreaming(keep_first_k=4))  # larger than the GPU
-    handle = enable_layer_streaming(model, LayerStreaming())  # the same for a model you loaded yourself
+    engine = KVBoost.from_pretrained(name, streaming=LayerStreamingConfig(keep_first_k=4))  # larger than the GPU
+    handle = enable_layer_streaming(model, LayerStreamingConfig())  # the same for a model you loaded yourself
 
-    engine = KVBoost.from_pretrained(name, draft_model=draft_path, draft=DraftSettings(5))  # speculative decoding
+    engine = KVBoost.from_pretrained(name, draft_model=draft_path, draft=DraftConfig(5))  # speculative decoding
 
 Importing the package registers ``attn_implementation="kvboost"`` with transformers.
 """
@@ -43,66 +43,55 @@ def _quiet_imports() -> Iterator[None]:
 
 
 with _quiet_imports():
-    from kvboost_hf.core.chunk_kv import ChunkKV
     from kvboost_hf.core.chunking import ChunkingConfig
     from kvboost_hf.core.config import GenerationMode, RecomputeStrategy, RepairConfig
+    from kvboost_hf.core.errors import KVBoostError
     from kvboost_hf.engine import InferenceEngine
     from kvboost_hf.hf.attention import register_kvboost_attention
     from kvboost_hf.hf.cache import ChunkReuseCache
     from kvboost_hf.hf.chat_segments import DocumentBoundaries
-    from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest
     from kvboost_hf.hf.generation import ChunkWriteBack
     from kvboost_hf.hf.hooks import uninstall_hooks, without_hooks
     from kvboost_hf.hf.models import UnsupportedModelError
-    from kvboost_hf.hf.sampling import SamplingParams
-    from kvboost_hf.hf.speculative import Drafter, DraftSettings, Speculation, SpeculationStats
-    from kvboost_hf.offload import (
-        LayerStreamer,
-        LayerStreaming,
-        StreamingStats,
-        disable_layer_streaming,
-        enable_layer_streaming,
-    )
+    from kvboost_hf.hf.sampling import SamplingConfig
+    from kvboost_hf.hf.sampling import SamplingParams as SamplingParams
+    from kvboost_hf.hf.speculative import DraftConfig, Speculation
+    from kvboost_hf.hf.speculative import DraftSettings as DraftSettings
+    from kvboost_hf.offload import LayerStreamingConfig, disable_layer_streaming, enable_layer_streaming
+    from kvboost_hf.offload.settings import LayerStreaming as LayerStreaming
     from kvboost_hf.results import CorrectnessReport, GenerationResult, WarmResult
-    from kvboost_hf.reuse.plan import ReusePlan, plan_reuse
-    from kvboost_hf.scheduling import BatchPolicy
     from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
 KVBoost = InferenceEngine
 register_kvboost_attention()
 
+# The user's surface: what a program using the engine, the drop-in cache or layer streaming writes. Internals (the
+# decode loop, reuse planning, batch policy, tiers, stats records) stay importable from their own modules.
+# Settings classes end in ``Config``. SamplingParams, DraftSettings and LayerStreaming, the earlier names of
+# SamplingConfig, DraftConfig and LayerStreamingConfig (README examples use them), are importable, not listed.
 __all__ = [
-    "BatchPolicy",
-    "ChunkKV",
     "ChunkReuseCache",
     "ChunkStore",
     "ChunkWriteBack",
     "ChunkingConfig",
     "CorrectnessReport",
-    "DecodeLoop",
-    "DecodeRequest",
     "DocumentBoundaries",
-    "DraftSettings",
-    "Drafter",
+    "DraftConfig",
     "GenerationMode",
     "GenerationResult",
     "InferenceEngine",
     "KVBoost",
-    "LayerStreamer",
-    "LayerStreaming",
+    "KVBoostError",
+    "LayerStreamingConfig",
     "RecomputeStrategy",
     "RepairConfig",
-    "ReusePlan",
-    "SamplingParams",
+    "SamplingConfig",
     "Speculation",
-    "SpeculationStats",
     "StoreConfig",
-    "StreamingStats",
     "UnsupportedModelError",
     "WarmResult",
     "disable_layer_streaming",
     "enable_layer_streaming",
-    "plan_reuse",
     "uninstall_hooks",
     "without_hooks",
 ]

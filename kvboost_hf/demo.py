@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.corpus import chat_script
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.results import GenerationResult
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="local directory or hub name (default: embedded model)")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=24)
-    parser.add_argument("--chunk-size", type=int, default=128)
+    parser.add_argument("--chunk-size", type=int, default=ChunkingConfig.chunk_size)
     parser.add_argument("--stats-json", type=Path, default=None, help="write the engine's counters to this file")
     args = parser.parse_args(argv)
     if args.turns < 1:

@@ -22,17 +22,22 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.config import GenerationMode, RepairConfig
-from kvboost_hf.core.keys import model_digest
+from kvboost_hf.core.keys import KeySpace, model_digest
 from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.chat_segments import DocumentBoundaries, encode_chat_segments, joined
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, left_pad
-from kvboost_hf.hf.models import CACHE_ARGUMENT, check_model_support, load_model_and_tokenizer, model_dtype
+from kvboost_hf.hf.models import (
+    CACHE_ARGUMENT,
+    check_model_support,
+    load_model_and_tokenizer,
+    load_streamed_model,
+    model_dtype,
+)
 from kvboost_hf.hf.prefill import forward
-from kvboost_hf.hf.sampling import SamplingParams
-from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftSource, VerifyCosts, resolve_draft
-from kvboost_hf.offload import LayerStreaming, layer_streamer
-from kvboost_hf.offload.loading import load_streamed_model
+from kvboost_hf.hf.sampling import SamplingConfig
+from kvboost_hf.hf.speculative import DraftConfig, Drafter, DraftSource, VerifyCosts, resolve_draft
+from kvboost_hf.offload import LayerStreamingConfig, layer_streamer
 from kvboost_hf.results import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
 from kvboost_hf.scheduling import BatchPolicy
 from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
@@ -59,14 +64,14 @@ DECODE_TOTALS = (
 
 
 def sampling_params(
-    sampling: SamplingParams | None,
+    sampling: SamplingConfig | None,
     *,
     temperature: float | None = None,
     do_sample: bool | None = None,
     top_p: float | None = None,
     seed: int | None = None,
-) -> SamplingParams:
-    """``sampling``, or the :class:`SamplingParams` the shorthands describe (one path, never both).
+) -> SamplingConfig:
+    """``sampling``, or the :class:`SamplingConfig` the shorthands describe (one path, never both).
 
     Shorthands: greedy unless ``do_sample`` (then ``temperature``, default 1.0, and ``top_p``, default 1.0);
     ``seed`` seeds the row's generator. Raises ValueError when ``sampling`` is given together with a shorthand.
@@ -75,11 +80,11 @@ def sampling_params(
     given = [name for name, value in shorthands.items() if value is not None]
     if sampling is not None:
         if given:
-            raise ValueError(f"give sampling= or the shorthands {given}, not both: put them in the SamplingParams")
+            raise ValueError(f"give sampling= or the shorthands {given}, not both: put them in the SamplingConfig")
         return sampling
     temperature = 1.0 if temperature is None else float(temperature)
     top_p = 1.0 if top_p is None else float(top_p)
-    return SamplingParams(temperature=temperature if do_sample else 0.0, top_p=top_p, seed=seed)
+    return SamplingConfig(temperature=temperature if do_sample else 0.0, top_p=top_p, seed=seed)
 
 
 def load_model(
@@ -88,7 +93,7 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
     strict: bool = True,
-    streaming: LayerStreaming | None = None,
+    streaming: LayerStreamingConfig | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The model and tokenizer :meth:`InferenceEngine.from_pretrained` wraps (same arguments), layer-streamed when
     ``streaming`` is given."""
@@ -103,7 +108,7 @@ class InferenceEngine:
 
     Args:
         model, tokenizer: a loaded causal LM and its tokenizer.
-        chunking: how prompts are cut (:class:`ChunkingConfig`; an int is a fixed chunk size in tokens;
+        chunking: how prompts are cut (:class:`ChunkingConfig`, None for its defaults; an int is a fixed chunk size;
             :meth:`ChunkingConfig.from_tokenizer` builds one whose cuts may slide back to sentence ends).
         repair: repair of non-prefix hits (default ``RepairConfig()``; see :class:`RepairConfig` and
             :mod:`kvboost_hf.reuse.repair`).
@@ -117,7 +122,7 @@ class InferenceEngine:
             share the target's tokenizer. Its prompt K/V are reused from the store like the target's (under its
             own namespace). Every call (batched too) decodes with it; it never changes the tokens (see
             :mod:`kvboost_hf.hf.speculative`), only the number of target forwards.
-        draft: how the draft proposes (:class:`DraftSettings`: tokens per round, tree budget and branching; with
+        draft: how the draft proposes (:class:`DraftConfig`: tokens per round, tree budget and branching; with
             ``early_exit_layers`` the target's own first layers draft and no ``draft_model`` is needed).
     """
 
@@ -126,17 +131,15 @@ class InferenceEngine:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         *,
-        chunking: ChunkingConfig | int = 128,
+        chunking: ChunkingConfig | int | None = None,
         repair: RepairConfig | None = None,
         store: ChunkStore | StoreConfig | None = None,
         strict: bool = True,
         draft_model: DraftSource | None = None,
-        draft: DraftSettings | None = None,
+        draft: DraftConfig | None = None,
     ) -> None:
         check_model_support(model.config, strict=strict)
-        self.chunking = ChunkingConfig(chunking) if isinstance(chunking, int) else chunking
-        if not isinstance(self.chunking, ChunkingConfig):
-            raise TypeError(f"chunking must be a ChunkingConfig or a chunk size in tokens, got {chunking!r}")
+        self.chunking = ChunkingConfig.of(chunking)
         self.repair = repair if repair is not None else RepairConfig()
         if self.repair.adjusts_attention and model.config._attn_implementation != ATTN_IMPLEMENTATION:
             logger.info("attn_implementation=%r for the repair's context temperature/scale", ATTN_IMPLEMENTATION)
@@ -145,15 +148,15 @@ class InferenceEngine:
         self.tokenizer = tokenizer
         self.max_context = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 0))
         if not isinstance(store, ChunkStore):  # on CUDA, a GPU tier sized from the memory the model left free
-            store = ChunkStore.from_config((store or StoreConfig()).for_model_device(self.device))
+            store = ChunkStore((store or StoreConfig()).for_model_device(self.device))
         self.store = store
         self.lock = threading.RLock()  # held while the model runs: one forward at a time
         model_digest(model)  # computed once here, not inside the first request's TTFT
         self._init_draft(draft_model, draft, strict)
 
-    def _init_draft(self, draft_model: DraftSource | None, draft: DraftSettings | None, strict: bool) -> None:
+    def _init_draft(self, draft_model: DraftSource | None, draft: DraftConfig | None, strict: bool) -> None:
         """Speculative decoding state: the draft settings, the resident draft model (if any) and decode counters."""
-        self.draft_settings = draft if draft is not None else DraftSettings()
+        self.draft_settings = draft if draft is not None else DraftConfig()
         self.draft_model: PreTrainedModel | None = None
         self._draft_engine: InferenceEngine | None = draft_model if isinstance(draft_model, InferenceEngine) else None
         if draft_model is not None:
@@ -177,7 +180,7 @@ class InferenceEngine:
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
         strict: bool = True,
-        streaming: LayerStreaming | None = None,
+        streaming: LayerStreamingConfig | None = None,
         **options: Any,
     ) -> InferenceEngine:
         """Load a model by hub name or local directory (``None``: the embedded SmolLM2-135M-Instruct) and wrap it.
@@ -377,7 +380,7 @@ class InferenceEngine:
         cancel: threading.Event | None = None,
         logprobs: int | None = None,
         repair: RepairConfig | None = None,
-        sampling: SamplingParams | None = None,
+        sampling: SamplingConfig | None = None,
     ) -> GenerationResult:
         """Generate a completion of ``prompt`` (string or chat messages). ``temperature=0`` means greedy.
 
@@ -422,7 +425,7 @@ class InferenceEngine:
         cancel: threading.Event | None = None,
         logprobs: int | None = None,
         repair: RepairConfig | None = None,
-        sampling: SamplingParams | None = None,
+        sampling: SamplingConfig | None = None,
     ) -> list[GenerationResult]:
         """Generate for several prompts (any prefixes, segment prompts included) in one left-padded batch on the
         decode loop the server runs (:class:`~kvboost_hf.hf.decode.DecodeLoop`; prompts that :meth:`batch_policy`
@@ -441,7 +444,17 @@ class InferenceEngine:
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         first_logits = logprobs is not None
         requests = [
-            DecodeRequest(ids, max_new_tokens, sampling, stops, logprobs, None, cancel, first_logits, tuple(starts))
+            DecodeRequest(
+                prompt_ids=ids,
+                max_new_tokens=max_new_tokens,
+                sampling=sampling,
+                stop=stops,
+                top_logprobs=logprobs,
+                constraint=None,
+                cancel=cancel,
+                keep_first_logits=first_logits,
+                segment_starts=tuple(starts),
+            )
             for ids, starts in zip(encoded, segment_starts, strict=True)
         ]
         rows = DecodeLoop.rows_for(requests, self.eos_token_ids)
@@ -607,13 +620,20 @@ class InferenceEngine:
             results.update(zip(batch, outputs, strict=True))
         return [results[index] for index in range(len(prompts))]
 
+    @property
+    def key_space(self) -> KeySpace:
+        """What names this engine's chunks besides their tokens (its caches' :attr:`ChunkReuseCache.key_space`)."""
+        return KeySpace.of_model(
+            self.model,
+            model_dtype(self.model),
+            self.chunking,
+            kv_cache_bits=self.store.kv_cache_bits,
+            kv_group_size=self.store.kv_group_size,
+        )
+
     def batch_policy(self, mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE) -> BatchPolicy:
         """Which requests may share a decode loop in ``mode`` (see :mod:`kvboost_hf.scheduling`)."""
-
-        def namespace(cache_salt: str | None) -> str:
-            return self.new_cache(mode, cache_salt, adapter=False).namespace
-
-        return BatchPolicy(self.store, namespace, self.chunking, mode)
+        return BatchPolicy(self.store, self.key_space, mode)
 
     # ------------------------------------------------------------------ checks and stats
     def cache_stats(self, *, settle: bool = True) -> dict[str, int | float]:

@@ -22,11 +22,11 @@ A prompt without segments is classified when its batch is prefilled (two ``conta
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import GenerationMode
+from kvboost_hf.core.keys import KeySpace
 from kvboost_hf.reuse.plan import ChunkSource, has_nonprefix_hits
 
 
@@ -38,25 +38,17 @@ class BatchKey:
 
 
 class BatchPolicy:
-    """The batching rules above for one store, chunking and generation mode.
+    """The batching rules above for one store, key space and generation mode.
 
     Args:
         store: the chunk store the caches read.
-        namespace: cache_salt -> the cache namespace of that tenant (see :func:`~kvboost_hf.core.keys.make_namespace`).
-        chunking: the caches' chunking.
+        key_space: the caches' :class:`~kvboost_hf.core.keys.KeySpace` (each tenant's namespace, the chunking).
         mode: the generation mode of the batches.
     """
 
-    def __init__(
-        self,
-        store: ChunkSource,
-        namespace: Callable[[str | None], str],
-        chunking: ChunkingConfig,
-        mode: GenerationMode | str,
-    ) -> None:
+    def __init__(self, store: ChunkSource, key_space: KeySpace, mode: GenerationMode | str) -> None:
         self.store = store
-        self.namespace = namespace
-        self.chunking = chunking
+        self.key_space = key_space
         self.mode = GenerationMode(mode)
 
     def key(self, cache_salt: str | None) -> BatchKey:
@@ -74,7 +66,8 @@ class BatchPolicy:
             return True
         if self.mode is not GenerationMode.CHUNK_KV_REUSE:
             return False
-        return has_nonprefix_hits(self.store, prompt_ids, namespace=self.namespace(cache_salt), chunking=self.chunking)
+        namespace = self.key_space.namespace(cache_salt)
+        return has_nonprefix_hits(self.store, prompt_ids, namespace=namespace, chunking=self.key_space.chunking)
 
     def batches(self, prompts: Sequence[Sequence[int]], max_batch_size: int) -> list[list[int]]:
         """Indices of ``prompts`` (one tenant's) grouped into batches of at most ``max_batch_size``, by prompt

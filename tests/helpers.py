@@ -162,11 +162,11 @@ def scrape_metrics(engine: Any, prompt: str) -> tuple[dict, dict[str, float]]:
     (metric name -> value)."""
     from fastapi.testclient import TestClient
 
-    from kvboost_hf.server.app import ServerSettings, create_app
+    from kvboost_hf.server.app import ServerConfig, create_app
 
     engine.generate(prompt, max_new_tokens=8)
     stats = engine.cache_stats()
-    with TestClient(create_app(engine, ServerSettings(model_name="tiny"))) as client:
+    with TestClient(create_app(engine, ServerConfig(model_name="tiny"))) as client:
         text = client.get("/metrics").text
     samples = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     return stats, {name: float(value) for name, value in samples}

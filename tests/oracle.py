@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
-from kvboost_hf.hf.sampling import SamplingParams
+from kvboost_hf.hf.sampling import SamplingConfig
 
-GREEDY = SamplingParams(temperature=0)
+GREEDY = SamplingConfig(temperature=0)
 
 
 @dataclass(frozen=True)
@@ -67,18 +67,18 @@ class OpenAIPenalties(LogitsProcessor):
         return penalised
 
 
-def is_greedy(sampling: SamplingParams) -> bool:
+def is_greedy(sampling: SamplingConfig) -> bool:
     """OpenAI's rule: temperature 0 decodes greedily."""
     return sampling.temperature == 0
 
 
-def end_tokens(sampling: SamplingParams, eos_token_ids: Iterable[int]) -> list[int]:
+def end_tokens(sampling: SamplingConfig, eos_token_ids: Iterable[int]) -> list[int]:
     """The tokens that end a row: ``stop_token_ids``, and EOS unless ``ignore_eos`` (vLLM's semantics)."""
     return sorted(set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids)))
 
 
 def generation_config(
-    sampling: SamplingParams, max_new_tokens: int, eos_token_ids: Iterable[int], pad_token_id: int
+    sampling: SamplingConfig, max_new_tokens: int, eos_token_ids: Iterable[int], pad_token_id: int
 ) -> GenerationConfig:
     """The ``GenerationConfig`` asking transformers for ``sampling`` (every sampling field set, so neither the
     model's generation config nor transformers' defaults, such as ``top_k=50``, add a warper)."""
@@ -109,7 +109,7 @@ def reference(
     model: PreTrainedModel,
     prompt_ids: Sequence[int],
     max_new_tokens: int,
-    sampling: SamplingParams = GREEDY,
+    sampling: SamplingConfig = GREEDY,
     eos_token_ids: Iterable[int] = (),
     pad_token_id: int = 0,
 ) -> Reference:
@@ -136,7 +136,7 @@ def reference(
     return Reference(tokens, out.logits[0][0].float().cpu(), "stop" if ended else "length")
 
 
-def engine_reference(engine, prompt, max_new_tokens: int, sampling: SamplingParams = GREEDY) -> Reference:
+def engine_reference(engine, prompt, max_new_tokens: int, sampling: SamplingConfig = GREEDY) -> Reference:
     """:func:`reference` for an engine's prompt (strings, segments or chat messages), rendered and tokenised the way
     the engine does (``engine.encode``), with its EOS and pad ids."""
     return reference(
@@ -151,6 +151,6 @@ def expected_text(tokenizer, expected: Reference, stop: Sequence[str] = ()) -> s
     return text[: min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=len(text))]
 
 
-def oracle_text(engine, prompt, max_new_tokens: int, sampling: SamplingParams = GREEDY, stop=()) -> str:
+def oracle_text(engine, prompt, max_new_tokens: int, sampling: SamplingConfig = GREEDY, stop=()) -> str:
     """The API's text for ``prompt`` from :func:`engine_reference` (greedy unless ``sampling``), cut at ``stop``."""
     return expected_text(engine.tokenizer, engine_reference(engine, prompt, max_new_tokens, sampling), stop)

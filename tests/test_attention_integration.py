@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Mistra
 from kvboost_hf.hf import attention
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.store.chunk_store import ChunkStore
+from kvboost_hf.store.config import StoreConfig
 
 ATOL = 1e-4  # fp32 logits
 TINY = {
@@ -143,7 +144,7 @@ def test_chunk_reuse_cache_matches_sdpa(model: PreTrainedModel, kernel_calls: li
     """Two generations on one store: the second stitches stored chunks and must still match sdpa."""
     ids = _prompt(1, 40)
     ref_tokens, ref_logits = _generate(model, "sdpa", ids)
-    store = ChunkStore(max_bytes=1 << 24)
+    store = ChunkStore(StoreConfig(max_bytes=1 << 24))
     for run in range(2):
         cache = ChunkReuseCache(store, model, chunking=16)
         tokens, logits = _generate(model, "kvboost", ids, past_key_values=cache)

@@ -95,13 +95,16 @@ def test_packed_tiny_checkpoint_dequantizes_to_its_weights(tmp_path):
     reason="loading AWQ checkpoints needs gptqmodel: pip install -e '.[awq]'",
 )
 def test_packed_embedded_model_streamed_equals_resident(tmp_path):
-    from kvboost_hf import KVBoost, LayerStreaming
+    from kvboost_hf import KVBoost, LayerStreamingConfig
     from kvboost_hf.hf.models import embedded_model_dir
     from kvboost_hf.offload import decoder_layers, layer_streamer
 
     main([str(embedded_model_dir()), str(tmp_path / "awq")])
     engine = KVBoost.from_pretrained(
-        tmp_path / "awq", dtype=torch.float16, chunking=64, streaming=LayerStreaming(keep_first_k=1, keep_last_k=2)
+        tmp_path / "awq",
+        dtype=torch.float16,
+        chunking=64,
+        streaming=LayerStreamingConfig(keep_first_k=1, keep_last_k=2),
     )
     assert "Awq" in type(decoder_layers(engine.model)[5].self_attn.q_proj).__name__
     prompt = "The capital of France is"

@@ -16,6 +16,7 @@ from kvboost_hf import ChunkStore, RepairConfig
 from kvboost_hf.hf.blend import LayerFilter, install_layer_narrowing
 from kvboost_hf.hf.models import decoder_layers
 from kvboost_hf.reuse.repair import candidates_per_layer
+from kvboost_hf.store.config import StoreConfig
 
 LAYERS = 5
 
@@ -47,7 +48,7 @@ def filtered_run(compare: str, filter_layers: int):
     positions each layer computed, the fresh K/V it got, the stored K/V it replaced, the cache and the layer inputs'
     lengths."""
     model = make_tiny_model("llama", num_hidden_layers=LAYERS)
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     docs = documents(3)
     for doc in docs:
         warm_alone(model, store, doc)

@@ -7,13 +7,14 @@ import torch
 from conftest import greedy, make_tiny_model
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, GenerationMode
+from kvboost_hf.store.config import StoreConfig
 
 CHUNK = 16
 
 
 @pytest.mark.parametrize("length", [5, CHUNK, 3 * CHUNK, 3 * CHUNK + 1, 60])
 def test_reuse_equals_plain_generate(tiny_model, length):
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     ids = torch.randint(1, 128, (1, length), generator=torch.Generator().manual_seed(length))
     expected, expected_logits = greedy(tiny_model, ids)
     for attempt in range(2):  # first call stores, second reuses
@@ -27,7 +28,7 @@ def test_reuse_equals_plain_generate(tiny_model, length):
 
 
 def test_multi_turn_hits_previous_answer(tiny_model):
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     gen = torch.Generator().manual_seed(1)
     history = torch.randint(1, 128, (1, 40), generator=gen)
     previous_len = 0
@@ -43,7 +44,7 @@ def test_multi_turn_hits_previous_answer(tiny_model):
 
 
 def test_continuing_with_the_same_cache(tiny_model):
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     ids = torch.randint(1, 128, (1, 37), generator=torch.Generator().manual_seed(2))
     cache = ChunkReuseCache(store, tiny_model, chunking=CHUNK)
     first, _ = greedy(tiny_model, ids, cache)
@@ -55,7 +56,7 @@ def test_continuing_with_the_same_cache(tiny_model):
 
 def test_prompt_that_does_not_extend_the_cache_raises():
     model = make_tiny_model("llama")
-    cache = ChunkReuseCache(ChunkStore(1 << 26), model, chunking=CHUNK)
+    cache = ChunkReuseCache(ChunkStore(StoreConfig(1 << 26)), model, chunking=CHUNK)
     ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(4))
     greedy(model, ids, cache)
     other = torch.randint(1, 128, (1, 50), generator=torch.Generator().manual_seed(5))
@@ -65,7 +66,7 @@ def test_prompt_that_does_not_extend_the_cache_raises():
 
 def test_left_padded_batch_matches_rows_alone():
     model = make_tiny_model("llama")
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     gen = torch.Generator().manual_seed(6)
     shared = torch.randint(1, 128, (40,), generator=gen)
     rows = [torch.cat([shared, torch.randint(1, 128, (n,), generator=gen)]) for n in (3, 11)]
@@ -86,7 +87,7 @@ def test_left_padded_batch_matches_rows_alone():
 def test_assisted_decoding_crops_the_cache():
     model = make_tiny_model("llama")
     assistant = make_tiny_model("llama", seed=1)
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(7))
     expected, _ = greedy(model, ids, new=12)
     for _ in range(2):
@@ -105,7 +106,7 @@ def test_assisted_decoding_crops_the_cache():
 
 def test_beam_search_reorders_rows():
     model = make_tiny_model("qwen2")
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     ids = torch.randint(1, 128, (1, 35), generator=torch.Generator().manual_seed(8))
     expected = model.generate(ids, num_beams=3, max_new_tokens=6, do_sample=False, pad_token_id=0)
     for _ in range(2):
@@ -116,7 +117,7 @@ def test_beam_search_reorders_rows():
 
 def test_batch_select_and_repeat_keep_tokens_aligned():
     model = make_tiny_model("llama")
-    cache = ChunkReuseCache(ChunkStore(1 << 26), model, chunking=CHUNK)
+    cache = ChunkReuseCache(ChunkStore(StoreConfig(1 << 26)), model, chunking=CHUNK)
     ids = torch.randint(1, 128, (2, 20), generator=torch.Generator().manual_seed(9))
     model(ids, past_key_values=cache, use_cache=True)
     cache.batch_repeat_interleave(2)
@@ -130,7 +131,7 @@ def test_batch_select_and_repeat_keep_tokens_aligned():
 
 def test_models_do_not_share_entries():
     first, second = make_tiny_model("llama", seed=0), make_tiny_model("llama", seed=1)
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(10))
     greedy(first, ids, ChunkReuseCache(store, first, chunking=CHUNK))
     cache = ChunkReuseCache(store, second, chunking=CHUNK)
@@ -141,7 +142,7 @@ def test_models_do_not_share_entries():
 
 def test_salted_caches_do_not_share_entries():
     model = make_tiny_model("llama")
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(11))
     greedy(model, ids, ChunkReuseCache(store, model, chunking=CHUNK, cache_salt="tenant-a"))
     other = ChunkReuseCache(store, model, chunking=CHUNK, cache_salt="tenant-b")
@@ -154,7 +155,7 @@ def test_salted_caches_do_not_share_entries():
 
 def test_baseline_mode_neither_reads_nor_writes():
     model = make_tiny_model("llama")
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(12))
     cache = ChunkReuseCache(store, model, chunking=CHUNK, mode=GenerationMode.BASELINE)
     got, _ = greedy(model, ids, cache)
@@ -169,7 +170,7 @@ def test_chunk_size_must_be_positive():
 
 def test_batch_reads_a_shared_prefix_from_the_store_once():
     model = make_tiny_model("llama")
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     shared = torch.randint(1, 128, (1, 48), generator=torch.Generator().manual_seed(13))
     greedy(model, shared, ChunkReuseCache(store, model, chunking=CHUNK))
     hits_before = store.stats()["hits"]
@@ -183,7 +184,7 @@ def test_batch_reads_a_shared_prefix_from_the_store_once():
 @pytest.mark.parametrize("new_message", [5, 40])  # the next turn ends inside, or beyond, the unfinished chunk
 def test_stored_tail_lets_the_next_turn_recompute_only_new_tokens(new_message):
     model = make_tiny_model("llama")
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     gen = torch.Generator().manual_seed(14)
     first = torch.randint(1, 128, (1, 37), generator=gen)
     cache = ChunkReuseCache(store, model, chunking=CHUNK)
@@ -201,3 +202,22 @@ def test_stored_tail_lets_the_next_turn_recompute_only_new_tokens(new_message):
     got, _ = greedy(model, other, cache, new=6)
     assert torch.equal(got, greedy(model, other, new=6)[0])
     assert cache.last_reuse[0].cached_tokens == 2 * CHUNK
+
+
+def test_a_used_cache_is_freed_without_the_cycle_collector(tiny_model):
+    """The cache owns its prefiller and the prefiller holds no cache: no reference cycle keeps a cache's K/V alive
+    until the garbage collector runs."""
+    import gc
+    import weakref
+
+    store = ChunkStore()
+    prompt = torch.randint(0, 100, (1, 40))
+    cache = ChunkReuseCache(store, tiny_model, chunking=16)
+    greedy(tiny_model, prompt, cache, 2)
+    freed = weakref.ref(cache)
+    gc.disable()
+    try:
+        del cache
+        assert freed() is None
+    finally:
+        gc.enable()

@@ -60,3 +60,25 @@ def test_bad_chunk_size_is_refused(size):
 def test_window_needs_boundary_tokens():
     with pytest.raises(ValueError, match="boundary_token_ids"):
         ChunkingConfig(16, 4)
+
+
+def test_chunking_default_is_written_once():
+    """Every place that takes ``chunking`` defaults to ChunkingConfig's own default (no second 128)."""
+    import inspect
+
+    from kvboost_hf.engine import InferenceEngine
+    from kvboost_hf.hf.cache import ChunkReuseCache
+
+    assert ChunkingConfig.of(None) == ChunkingConfig()
+    assert ChunkingConfig.of(64) == ChunkingConfig(64)
+    config = ChunkingConfig(32, method="content")
+    assert ChunkingConfig.of(config) is config
+    assert ChunkingConfig.from_tokenizer(object()).chunk_size == ChunkingConfig().chunk_size
+    for taker in (InferenceEngine.__init__, ChunkReuseCache.__init__):
+        assert inspect.signature(taker).parameters["chunking"].default is None
+
+
+@pytest.mark.parametrize("value", ["128", True, 1.5])
+def test_chunking_of_refuses_what_is_not_a_config_or_a_size(value):
+    with pytest.raises(TypeError, match="chunking must be"):
+        ChunkingConfig.of(value)

@@ -14,6 +14,7 @@ from kvboost_hf.hf import context_attention
 from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.context_attention import ADJUSTMENT_KWARG, ContextAdjustment, adjusted_attention
 from kvboost_hf.hf.prefill import forward
+from kvboost_hf.store.config import StoreConfig
 
 
 def _qkv(batch=2, heads=4, kv_heads=2, num_q=3, num_k=7, dim=8, seed=0):
@@ -109,7 +110,7 @@ def _stored_documents(model, store, docs):
 def test_the_cache_refuses_the_adjustment_without_the_kvboost_attention():
     model = make_tiny_model("llama")
     with pytest.raises(ValueError, match="attn_implementation='kvboost'"):
-        ChunkReuseCache(ChunkStore(1 << 20), model, 16, RepairConfig("none", 0.0, context_temperature=0.8))
+        ChunkReuseCache(ChunkStore(StoreConfig(1 << 20)), model, 16, RepairConfig("none", 0.0, context_temperature=0.8))
     with pytest.raises(ValueError, match="finite and > 0"):
         RepairConfig(context_scale=0.0)
     assert not RepairConfig().adjusts_attention and RepairConfig(context_scale=1.1).adjusts_attention
@@ -121,7 +122,7 @@ def test_every_forward_after_reordered_documents_passes_the_adjustment(monkeypat
     documents' own columns (their loaded K/V) are untouched, and the question's logits move."""
     model = make_tiny_model("llama")
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     gen = torch.Generator().manual_seed(1)
     docs = [torch.randint(1, 128, (32,), generator=gen) for _ in range(2)]
     _stored_documents(model, store, docs)

@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import reference
 
-from kvboost_hf import ChunkReuseCache, ChunkStore, DecodeLoop, DecodeRequest, SamplingParams
+from kvboost_hf import ChunkReuseCache, ChunkStore, SamplingConfig
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.keys import content_key
 from kvboost_hf.hf.cache import select_columns
-from kvboost_hf.hf.decode import visible_text
-from kvboost_hf.hf.speculative import Drafter, DraftSettings
+from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, visible_text
+from kvboost_hf.hf.speculative import DraftConfig, Drafter
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +44,15 @@ def test_greedy_rows_in_a_batch_equal_generate_alone(any_window_model, reuse):
     model = any_window_model
     store = ChunkStore() if reuse else None
     budgets = [6, 3, 8]
-    greedy_params = SamplingParams(temperature=0)
+    greedy_params = SamplingConfig(temperature=0)
     for _ in range(2 if reuse else 1):  # with reuse: cold, then loading what the first pass stored
         loop = run_loop(
-            model, [DecodeRequest(p, b, greedy_params) for p, b in zip(prompts(), budgets, strict=True)], store
+            model,
+            [
+                DecodeRequest(prompt_ids=p, max_new_tokens=b, sampling=greedy_params)
+                for p, b in zip(prompts(), budgets, strict=True)
+            ],
+            store,
         )
         for row, prompt, budget in zip(loop.rows, prompts(), budgets, strict=True):
             alone, _ = greedy(model, torch.tensor([prompt]), new=budget)
@@ -60,9 +65,9 @@ def test_greedy_rows_in_a_batch_equal_generate_alone(any_window_model, reuse):
 
 
 SAMPLED = [  # every processor the loop builds, over the rows
-    SamplingParams(temperature=1.3, top_k=40, seed=11),
-    SamplingParams(temperature=0.8, top_p=0.9, min_p=0.02, repetition_penalty=1.3, logit_bias=((7, 3.0),), seed=3),
-    SamplingParams(presence_penalty=0.6, frequency_penalty=0.4, min_tokens=5, stop_token_ids=(9,), seed=5),
+    SamplingConfig(temperature=1.3, top_k=40, seed=11),
+    SamplingConfig(temperature=0.8, top_p=0.9, min_p=0.02, repetition_penalty=1.3, logit_bias=((7, 3.0),), seed=3),
+    SamplingConfig(presence_penalty=0.6, frequency_penalty=0.4, min_tokens=5, stop_token_ids=(9,), seed=5),
 ]
 
 
@@ -72,15 +77,25 @@ def test_seeded_rows_in_a_batch_draw_what_transformers_generate_draws_alone(mode
     ``torch.manual_seed(seed)`` with the row's processors (the oracle module says why the draws can match)."""
     store = ChunkStore() if reuse else None
     for _ in range(2 if reuse else 1):
-        loop = run_loop(model, [DecodeRequest(p, 10, s) for p, s in zip(prompts(), SAMPLED, strict=True)], store)
+        loop = run_loop(
+            model,
+            [
+                DecodeRequest(prompt_ids=p, max_new_tokens=10, sampling=s)
+                for p, s in zip(prompts(), SAMPLED, strict=True)
+            ],
+            store,
+        )
         for row, prompt, sampling in zip(loop.rows, prompts(), SAMPLED, strict=True):
             assert row.tokens == reference(model, prompt, 10, sampling, DECODE_EOS).tokens
     reseeded = replace(SAMPLED[0], seed=12)
-    assert run_loop(model, [DecodeRequest(prompts()[0], 10, reseeded)]).rows[0].tokens != loop.rows[0].tokens
+    assert (
+        run_loop(model, [DecodeRequest(prompt_ids=prompts()[0], max_new_tokens=10, sampling=reseeded)]).rows[0].tokens
+        != loop.rows[0].tokens
+    )
 
 
 def test_unseeded_rows_follow_torch_manual_seed(model):
-    request = DecodeRequest(prompts()[1], 8, SamplingParams(temperature=1.0))
+    request = DecodeRequest(prompt_ids=prompts()[1], max_new_tokens=8, sampling=SamplingConfig(temperature=1.0))
     torch.manual_seed(0)
     first = run_loop(model, [request]).rows[0].tokens
     torch.manual_seed(0)
@@ -89,15 +104,29 @@ def test_unseeded_rows_follow_torch_manual_seed(model):
 
 def test_stop_strings_end_rows_exactly_and_end_tokens_stop(model):
     prompt = prompts()[2]
-    full = run_loop(model, [DecodeRequest(prompt, 8, SamplingParams(temperature=0))]).rows[0].tokens
+    full = (
+        run_loop(model, [DecodeRequest(prompt_ids=prompt, max_new_tokens=8, sampling=SamplingConfig(temperature=0))])
+        .rows[0]
+        .tokens
+    )
     cut = next(i for i in range(1, len(full)) if full[i] not in full[:i])  # a token seen there for the first time
-    stopped = run_loop(model, [DecodeRequest(prompt, 8, SamplingParams(temperature=0), stop=(f"<{full[cut]}>",))]).rows[
-        0
-    ]
+    stopped = run_loop(
+        model,
+        [
+            DecodeRequest(
+                prompt_ids=prompt, max_new_tokens=8, sampling=SamplingConfig(temperature=0), stop=(f"<{full[cut]}>",)
+            )
+        ],
+    ).rows[0]
     assert stopped.tokens == full[: cut + 1] and stopped.text == as_text(full[:cut])
     assert stopped.finish_reason == "stop"
     ended = run_loop(
-        model, [DecodeRequest(prompt, 8, SamplingParams(temperature=0, stop_token_ids=(full[cut],)))]
+        model,
+        [
+            DecodeRequest(
+                prompt_ids=prompt, max_new_tokens=8, sampling=SamplingConfig(temperature=0, stop_token_ids=(full[cut],))
+            )
+        ],
     ).rows[0]
     assert ended.tokens == full[: cut + 1] and ended.finish_reason == "stop"
 
@@ -112,8 +141,8 @@ def test_cancel_ends_only_that_row_and_rows_report_every_token(model):
             cancel.set()
 
     requests = [
-        DecodeRequest(prompts()[0], 8, SamplingParams(temperature=0), cancel=cancel),
-        DecodeRequest(prompts()[1], 8, SamplingParams(temperature=0)),
+        DecodeRequest(prompt_ids=prompts()[0], max_new_tokens=8, sampling=SamplingConfig(temperature=0), cancel=cancel),
+        DecodeRequest(prompt_ids=prompts()[1], max_new_tokens=8, sampling=SamplingConfig(temperature=0)),
     ]
     loop = run_loop(model, requests, on_token=on_token)
     cancelled, other = loop.rows
@@ -124,7 +153,13 @@ def test_cancel_ends_only_that_row_and_rows_report_every_token(model):
 
 def test_logprobs_and_first_logits_are_the_models_unscaled_distribution(model):
     prompt = prompts()[0]
-    request = DecodeRequest(prompt, 4, SamplingParams(temperature=0.5, seed=1), top_logprobs=3, keep_first_logits=True)
+    request = DecodeRequest(
+        prompt_ids=prompt,
+        max_new_tokens=4,
+        sampling=SamplingConfig(temperature=0.5, seed=1),
+        top_logprobs=3,
+        keep_first_logits=True,
+    )
     row = run_loop(model, [request]).rows[0]
     _, logits = greedy(model, torch.tensor([prompt]), new=1)
     torch.testing.assert_close(row.first_logits, logits[0, 0])
@@ -138,7 +173,11 @@ def test_rows_sharing_a_new_prefix_compute_it_once(model):
     store = ChunkStore()
     head = prompts()[2][:24]  # three full chunks
     rows = [[*head, 5, 6, 7], [*head, 9, 10, 12], [*head, 11, 13, 14]]  # same length: no padding
-    loop = run_loop(model, [DecodeRequest(p, 2, SamplingParams(temperature=0)) for p in rows], store)
+    loop = run_loop(
+        model,
+        [DecodeRequest(prompt_ids=p, max_new_tokens=2, sampling=SamplingConfig(temperature=0)) for p in rows],
+        store,
+    )
     assert loop.computed_tokens == 24 + 3 * 3  # the head once, then each row's own tail
     assert [row.reuse.cached_tokens for row in loop.rows] == [0, 24, 24]  # the first row computed it
     for row, prompt in zip(loop.rows, rows, strict=True):
@@ -166,16 +205,18 @@ def test_rows_joining_a_running_batch_equal_generate_alone(any_window_model, reu
     model = any_window_model
     store = ChunkStore() if reuse else None
     new_cache = reuse_caches(store, model)
-    greedy_params = SamplingParams(temperature=0)
+    greedy_params = SamplingConfig(temperature=0)
     first, *later = prompts()
-    loop = DecodeLoop(
-        model, as_text, DecodeLoop.rows_for([DecodeRequest(first, 9, greedy_params)], DECODE_EOS), new_cache=new_cache,
-        chunking=DECODE_CHUNKING, pad_token_id=0,
-    )  # fmt: skip
+    rows = DecodeLoop.rows_for([DecodeRequest(prompt_ids=first, max_new_tokens=9, sampling=greedy_params)], DECODE_EOS)
+    loop = DecodeLoop(model, as_text, rows, new_cache=new_cache, chunking=DECODE_CHUNKING, pad_token_id=0)
     loop.prefill()
     loop.step()
     loop.step()
-    loop.join(DecodeLoop.rows_for([DecodeRequest(p, 5, greedy_params) for p in later], DECODE_EOS))
+    loop.join(
+        DecodeLoop.rows_for(
+            [DecodeRequest(prompt_ids=p, max_new_tokens=5, sampling=greedy_params) for p in later], DECODE_EOS
+        )
+    )
     assert len(loop.running) == 3
     forwards = loop.forwards
     loop.step()
@@ -186,7 +227,9 @@ def test_rows_joining_a_running_batch_equal_generate_alone(any_window_model, reu
         alone, _ = greedy(model, torch.tensor([prompt]), new=row.request.max_new_tokens)
         assert row.tokens == alone[0, len(prompt) :].tolist()
     if reuse:  # the joined rows' chunks were written back from the merged cache
-        again = run_loop(model, [DecodeRequest(p, 1, greedy_params) for p in later], store)
+        again = run_loop(
+            model, [DecodeRequest(prompt_ids=p, max_new_tokens=1, sampling=greedy_params) for p in later], store
+        )
         assert all(row.reuse.cached_tokens > 0 for row in again.rows)
 
 
@@ -231,9 +274,9 @@ def test_a_segment_row_decodes_with_plain_rows_and_writes_back_what_it_writes_al
     stored under the keys (prefix and content, chunked at its segment starts) and with the K/V it stores alone,
     though the cache it was joined into has no segment starts."""
     prompt, starts = segment_prompt(*documents)
-    greedy_params = SamplingParams(temperature=0)
-    segment = DecodeRequest(prompt, 6, greedy_params, segment_starts=starts)
-    plain = [DecodeRequest(p, 6, greedy_params) for p in prompts()[:2]]
+    greedy_params = SamplingConfig(temperature=0)
+    segment = DecodeRequest(prompt_ids=prompt, max_new_tokens=6, sampling=greedy_params, segment_starts=starts)
+    plain = [DecodeRequest(prompt_ids=p, max_new_tokens=6, sampling=greedy_params) for p in prompts()[:2]]
     alone_store = RecordingStore()
     run_loop(model, [segment], alone_store)
     namespace = ChunkReuseCache(alone_store, model, DECODE_CHUNKING, adapter=False).namespace
@@ -263,17 +306,23 @@ def test_reordered_documents_hit_by_content_key_in_a_batch_as_alone(model, noisy
     its batch with plain rows: its reuse figures and tokens equal those it gets alone (same store contents). With a
     draft, the draft's cache for that row is built with its segment starts too (its chunks stored by content key in
     the draft's namespace)."""
-    greedy_params = SamplingParams(temperature=0)
+    greedy_params = SamplingConfig(temperature=0)
     stores = [ChunkStore(), ChunkStore()]
     first, first_starts = segment_prompt(*documents)
     for store in stores:
-        run_loop(model, [DecodeRequest(first, 1, greedy_params, segment_starts=first_starts)], store)
+        run_loop(
+            model,
+            [DecodeRequest(prompt_ids=first, max_new_tokens=1, sampling=greedy_params, segment_starts=first_starts)],
+            store,
+        )
     reordered, starts = segment_prompt(*documents[::-1])
-    segment = DecodeRequest(reordered, 6, greedy_params, segment_starts=starts)
+    segment = DecodeRequest(prompt_ids=reordered, max_new_tokens=6, sampling=greedy_params, segment_starts=starts)
     alone = run_loop(model, [segment], stores[0]).rows[0]
     assert alone.reuse.approx_tokens > 0
-    requests = [DecodeRequest(p, 6, greedy_params) for p in prompts()[:2]] + [segment]
-    draft = Drafter(noisy_draft, DraftSettings(num_draft_tokens=3), reuse_caches(stores[1], noisy_draft))
+    requests = [DecodeRequest(prompt_ids=p, max_new_tokens=6, sampling=greedy_params) for p in prompts()[:2]] + [
+        segment
+    ]
+    draft = Drafter(noisy_draft, DraftConfig(num_draft_tokens=3), reuse_caches(stores[1], noisy_draft))
     loop = segment_loop(model, stores[1], requests, draft if speculative else None)
     loop.run()
     assert loop.rows[2].reuse == alone.reuse and loop.rows[2].tokens == alone.tokens
@@ -286,7 +335,10 @@ def test_reordered_documents_hit_by_content_key_in_a_batch_as_alone(model, noisy
 
 def test_rows_with_different_segment_starts_are_not_prefilled_in_one_cache(model, documents):
     prompt, starts = segment_prompt(*documents)
-    rows = [DecodeRequest(prompt, 2, segment_starts=starts), DecodeRequest(prompts()[0], 2)]
+    rows = [
+        DecodeRequest(prompt_ids=prompt, max_new_tokens=2, segment_starts=starts),
+        DecodeRequest(prompt_ids=prompts()[0], max_new_tokens=2),
+    ]
     with pytest.raises(ValueError, match="different segment starts"):
         run_loop(model, rows, ChunkStore())
     assert (
@@ -364,16 +416,20 @@ def test_speculative_rows_join_and_equal_generate_alone(model, noisy_draft, reus
     store = ChunkStore() if reuse else None
     new_cache = reuse_caches(store, model)
     draft_cache = reuse_caches(store, noisy_draft)
-    drafter = Drafter(noisy_draft, DraftSettings(num_draft_tokens=3), draft_cache)
-    greedy_params = SamplingParams(temperature=0)
+    drafter = Drafter(noisy_draft, DraftConfig(num_draft_tokens=3), draft_cache)
+    greedy_params = SamplingConfig(temperature=0)
     first, *later = prompts()
+    rows = DecodeLoop.rows_for([DecodeRequest(prompt_ids=first, max_new_tokens=14, sampling=greedy_params)], DECODE_EOS)
     loop = DecodeLoop(
-        model, as_text, DecodeLoop.rows_for([DecodeRequest(first, 14, greedy_params)], DECODE_EOS), new_cache=new_cache,
-        chunking=DECODE_CHUNKING, pad_token_id=0, draft=drafter,
-    )  # fmt: skip
+        model, as_text, rows, new_cache=new_cache, chunking=DECODE_CHUNKING, pad_token_id=0, draft=drafter
+    )
     loop.prefill()
     loop.step()
-    loop.join(DecodeLoop.rows_for([DecodeRequest(p, 18, greedy_params) for p in later], DECODE_EOS))
+    loop.join(
+        DecodeLoop.rows_for(
+            [DecodeRequest(prompt_ids=p, max_new_tokens=18, sampling=greedy_params) for p in later], DECODE_EOS
+        )
+    )
     while not loop.done:
         loop.step()
     for row, prompt in zip(loop.rows, [first, *later], strict=True):
@@ -384,11 +440,18 @@ def test_speculative_rows_join_and_equal_generate_alone(model, noisy_draft, reus
     assert loop.forwards < 2 + 17  # 2 prefills + fewer verifies than the joined rows' 17 later tokens
     if reuse:
         longer = [first + loop.rows[0].tokens + [5, 6, 7]]
-        plain = run_loop(model, [DecodeRequest(longer[0], 1, greedy_params, keep_first_logits=True)])
-        loaded = run_loop(model, [DecodeRequest(longer[0], 1, greedy_params, keep_first_logits=True)], store)
+        plain = run_loop(
+            model,
+            [DecodeRequest(prompt_ids=longer[0], max_new_tokens=1, sampling=greedy_params, keep_first_logits=True)],
+        )
+        loaded = run_loop(
+            model,
+            [DecodeRequest(prompt_ids=longer[0], max_new_tokens=1, sampling=greedy_params, keep_first_logits=True)],
+            store,
+        )
         assert loaded.rows[0].reuse.cached_tokens >= len(first)
         assert torch.allclose(loaded.rows[0].first_logits, plain.rows[0].first_logits, atol=1e-4)
-        drafted = Drafter(noisy_draft, DraftSettings(), draft_cache)
+        drafted = Drafter(noisy_draft, DraftConfig(), draft_cache)
         drafted.prefill(torch.tensor(longer), torch.ones(1, len(longer[0]), dtype=torch.long),
                         torch.arange(len(longer[0]))[None])  # fmt: skip
         assert drafted.cached_tokens[0] >= len(first)  # the draft's chunks were written back too
@@ -407,12 +470,22 @@ def test_a_constrained_row_takes_one_token_per_step_beside_speculating_rows(mode
 
     recorder = Recorder()
     first, second, _ = prompts()
-    requests = [DecodeRequest(first, 10, SamplingParams(temperature=0), constraint=recorder),
-                DecodeRequest(second, 10, SamplingParams(temperature=0))]  # fmt: skip
-    loop = run_loop(model, requests, draft=Drafter(noisy_draft, DraftSettings(num_draft_tokens=3)))
+    greedy = SamplingConfig(temperature=0)
+    requests = [
+        DecodeRequest(prompt_ids=first, max_new_tokens=10, sampling=greedy, constraint=recorder),
+        DecodeRequest(prompt_ids=second, max_new_tokens=10, sampling=greedy),
+    ]
+    loop = run_loop(model, requests, draft=Drafter(noisy_draft, DraftConfig(num_draft_tokens=3)))
     constrained, free = loop.rows
     assert recorder.seen == list(range(len(first), len(first) + len(constrained.tokens)))  # once per token, in order
     assert constrained.draft_proposed == 0 and free.draft_proposed > 0
     for row, prompt in ((constrained, first), (free, second)):
         alone, _ = greedy(model, torch.tensor([prompt]), new=10)
         assert row.tokens == alone[0, len(prompt) :].tolist()
+
+
+def test_decode_request_takes_keywords_only():
+    with pytest.raises(TypeError):
+        DecodeRequest([1, 2], 4)  # type: ignore[misc]
+    request = DecodeRequest(prompt_ids=[1, 2], max_new_tokens=4)
+    assert (request.prompt_ids, request.max_new_tokens, request.stop) == ([1, 2], 4, ())

@@ -10,7 +10,7 @@ from conftest import make_tiny_model
 from oracle import engine_reference
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from kvboost_hf import KVBoost, SamplingParams, StoreConfig, UnsupportedModelError
+from kvboost_hf import KVBoost, SamplingConfig, StoreConfig, UnsupportedModelError
 from kvboost_hf.corpus import documents
 from kvboost_hf.hf import decode as decode_module
 from kvboost_hf.hf.models import check_model_support, embedded_model_dir
@@ -92,13 +92,13 @@ def test_sampling_is_seeded_alone_and_in_a_batch(embedded_engine):
     """Seeded rows draw what transformers' ``generate()`` draws for the prompt alone under ``torch.manual_seed``
     with the same processors (see tests/oracle.py), alone and in a batch."""
     a = embedded_engine.generate("Once upon a time", max_new_tokens=8, do_sample=True, temperature=0.9, seed=3)
-    sampled = SamplingParams(temperature=0.9, seed=3)
+    sampled = SamplingConfig(temperature=0.9, seed=3)
     assert a.output_ids == engine_reference(embedded_engine, "Once upon a time", 8, sampled).tokens
     batch = embedded_engine.generate_batch(
         ["In a faraway land", "Once upon a time"], max_new_tokens=8, do_sample=True, temperature=0.9, seed=3
     )
     assert batch[1].output_ids == a.output_ids  # every row is sampled with the seed as if alone
-    full = SamplingParams(temperature=0.9, top_k=20, min_p=0.05, repetition_penalty=1.2, seed=3)
+    full = SamplingConfig(temperature=0.9, top_k=20, min_p=0.05, repetition_penalty=1.2, seed=3)
     c = embedded_engine.generate("Once upon a time", max_new_tokens=8, sampling=full)
     assert c.output_ids == engine_reference(embedded_engine, "Once upon a time", 8, full).tokens
 

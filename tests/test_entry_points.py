@@ -8,6 +8,7 @@ from conftest import make_tiny_model
 from transformers import LogitsProcessor
 
 from kvboost_hf import ChunkingConfig, ChunkReuseCache, ChunkStore, ChunkWriteBack, RepairConfig
+from kvboost_hf.store.config import StoreConfig
 
 CHUNK = 16
 NEW = 8
@@ -19,7 +20,7 @@ def plain(model, ids, **kwargs):
 
 def manual_greedy(model, cache, ids, defer=False):
     """Greedy decoding with forward() only (hooks never run), driving the cache by hand."""
-    pending = cache.prefiller.prefill(ids, defer=defer)
+    pending = cache.prefill(ids, defer=defer)
     tokens = ids
     with torch.no_grad():
         inputs = pending.model_inputs()
@@ -35,7 +36,7 @@ def manual_greedy(model, cache, ids, defer=False):
 
 def test_prefill_and_save_without_hooks_equal_plain_generate_and_hit_next_time():
     model = make_tiny_model("llama")
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     ids = torch.randint(1, 128, (1, 45), generator=torch.Generator().manual_seed(0))
     expected = plain(model, ids)
     first = ChunkReuseCache(store, model, CHUNK)
@@ -47,12 +48,12 @@ def test_prefill_and_save_without_hooks_equal_plain_generate_and_hit_next_time()
 
 def test_sparse_prefill_runs_its_repair_forward_or_defers_it():
     model = make_tiny_model("qwen2")
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     gen = torch.Generator().manual_seed(1)
     docs = [torch.randint(1, 128, (40,), generator=gen) for _ in range(2)]
     for doc in docs:
         warm = ChunkReuseCache(store, model, CHUNK, segment_starts=[0, 40])
-        warm.prefiller.prefill(doc[None], keep=0)
+        warm.prefill(doc[None], keep=0)
         model.forward(input_ids=doc[None], past_key_values=warm, use_cache=True)
         warm.record(doc[None])
         warm.save()
@@ -79,7 +80,7 @@ class StoreWatch(LogitsProcessor):
 
 def test_write_back_processor_writes_during_generation_and_the_next_turn_hits_the_tail():
     model = make_tiny_model("llama")
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     gen = torch.Generator().manual_seed(2)
     history = torch.randint(1, 128, (1, 40), generator=gen)
     cache = ChunkReuseCache(store, model, CHUNK)
@@ -118,7 +119,7 @@ def test_crop_works_when_reuse_is_off_for_a_call():
     mask[0, 1] = 0
     options = dict(attention_mask=mask, prompt_lookup_num_tokens=4, max_new_tokens=16, do_sample=False, pad_token_id=0)
     expected = model.generate(ids, **options)
-    cache = ChunkReuseCache(ChunkStore(1 << 26), model, 4)
+    cache = ChunkReuseCache(ChunkStore(StoreConfig(1 << 26)), model, 4)
     assert torch.equal(model.generate(ids, past_key_values=cache, **options), expected)
     assert not cache.reuse_enabled
 
@@ -126,7 +127,7 @@ def test_crop_works_when_reuse_is_off_for_a_call():
 def test_left_padded_rows_are_written_back_and_reused():
     """Defect: padded rows' exactness compared 0 with -pad, so they were never stored."""
     model = make_tiny_model("llama")
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     gen = torch.Generator().manual_seed(3)
     rows = [torch.randint(1, 128, (n,), generator=gen) for n in (40, 36)]
     ids = torch.zeros(2, 40, dtype=torch.long)
@@ -145,9 +146,9 @@ def test_namespace_follows_the_store_precision():
     model = make_tiny_model("llama")
     namespaces = {
         ChunkReuseCache(ChunkStore(), model).namespace,
-        ChunkReuseCache(ChunkStore(kv_cache_bits=4), model).namespace,
-        ChunkReuseCache(ChunkStore(kv_cache_bits=4, kv_group_size=16), model).namespace,
-        ChunkReuseCache(ChunkStore(kv_cache_bits=8), model).namespace,
+        ChunkReuseCache(ChunkStore(StoreConfig(kv_cache_bits=4)), model).namespace,
+        ChunkReuseCache(ChunkStore(StoreConfig(kv_cache_bits=4, kv_group_size=16)), model).namespace,
+        ChunkReuseCache(ChunkStore(StoreConfig(kv_cache_bits=8)), model).namespace,
         ChunkReuseCache(ChunkStore(), model, ChunkingConfig(64)).namespace,
     }
     assert len(namespaces) == 5

@@ -21,6 +21,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, RepairConfig
 from kvboost_hf.hf.cache import join_layers
+from kvboost_hf.store.config import StoreConfig
 
 CHUNK = 4
 SLIDING_WINDOW = {"mistral", "gemma2"}  # no non-prefix reuse for these (the repair mask has no window)
@@ -289,7 +290,7 @@ def test_generate_path_matches_plain(models, arch: str, case_name: str) -> None:
     case = CASES[case_name]
     model, assistant = models[arch]
     expected = case.run(model, assistant, lambda: None)
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     caches: list[ChunkReuseCache] = []  # the caches of the current pass, in creation order
 
     def new_cache() -> ChunkReuseCache:
@@ -323,7 +324,7 @@ def test_custom_4d_mask_forward_then_crop_matches_dynamic_cache(models, arch: st
     model = models[arch][0]
     ids = tokens(16, 0)
     results = []
-    for cache in (DynamicCache(config=model.config), make_cache(ChunkStore(1 << 26), model)):
+    for cache in (DynamicCache(config=model.config), make_cache(ChunkStore(StoreConfig(1 << 26)), model)):
         with torch.no_grad():
             model(ids, attention_mask=additive_causal_mask(16, 16), past_key_values=cache, use_cache=True)
             cache.crop(-4)  # reject the last 4 "draft" tokens
@@ -361,7 +362,7 @@ def test_moved_segments_fully_repaired_match_plain(models, arch: str, path: str)
     kwargs = dict(REPAIR_PATHS[path])
     if kwargs.pop("assisted", False):
         kwargs["assistant_model"] = assistant
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     generate(model, make_cache(store, model, segments), input_ids=torch.cat([system, doc_x, doc_y, question], 1))
     swapped = torch.cat([system, doc_y, doc_x, question], 1)
     expected = generate(model, None, input_ids=swapped, **kwargs)
@@ -385,7 +386,7 @@ def test_bf16_matches_plain_bit_for_bit(arch: str, path: str) -> None:
     if path == "beam_search":
         kwargs["num_beams"] = 3
     expected = generate(model, None, **kwargs)
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     for attempt in ("cold", "warm"):
         assert_same_output(generate(model, make_cache(store, model), **kwargs), expected, attempt)
     assert store.stats()["hits"] > 0
@@ -397,7 +398,7 @@ def test_sliding_layers_show_the_window_and_keep_every_column(models, arch: str)
     key columns and mask sizes as transformers' sliding layer, yet keeps every column for write-back."""
     model = models[arch][0]
     ids = tokens(PROMPT_LEN + 3, 0)
-    reference, cache = DynamicCache(config=model.config), make_cache(ChunkStore(1 << 26), model)
+    reference, cache = DynamicCache(config=model.config), make_cache(ChunkStore(StoreConfig(1 << 26)), model)
     assert cache.is_sliding == reference.is_sliding and any(cache.is_sliding)
     for step in (ids[:, :PROMPT_LEN], ids[:, PROMPT_LEN : PROMPT_LEN + 1], ids[:, PROMPT_LEN + 1 :]):
         for layer_idx in range(len(cache.layers)):
@@ -425,4 +426,4 @@ def test_unsupported_layer_types_are_refused() -> None:
     model = tiny("llama")
     model.config.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(ValueError, match="layer 1 of LlamaForCausalLM is 'linear_attention'"):
-        make_cache(ChunkStore(1 << 20), model)
+        make_cache(ChunkStore(StoreConfig(1 << 20)), model)

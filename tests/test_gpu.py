@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from conftest import explode_once, greedy, make_tiny_model
 
 from kvboost_hf import ChunkReuseCache, ChunkStore
-from kvboost_hf.hf.speculative import DraftSettings
-from kvboost_hf.offload import LayerStreaming, decoder_layers, enable_layer_streaming
+from kvboost_hf.hf.speculative import DraftConfig
+from kvboost_hf.offload import LayerStreamingConfig, decoder_layers, enable_layer_streaming
+from kvboost_hf.store.config import StoreConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -125,7 +126,7 @@ def test_embedded_model_greedy_kvboost_equals_sdpa(kernel_calls):
 def _streamed_pair(**settings):
     resident = make_tiny_model("llama", num_hidden_layers=LAYERS).to(CUDA)
     streamed = make_tiny_model("llama", num_hidden_layers=LAYERS)
-    handle = enable_layer_streaming(streamed, LayerStreaming(device=CUDA, **settings))
+    handle = enable_layer_streaming(streamed, LayerStreamingConfig(device=CUDA, **settings))
     return resident, streamed, handle
 
 
@@ -164,7 +165,7 @@ def test_chunk_reuse_on_cuda_exact_and_through_the_disk(tmp_path, tier):
     model = make_tiny_model("llama", num_hidden_layers=3).to(CUDA)
     ids = _prompt(3 * CHUNK + 5)
     expected, expected_logits = greedy(model, ids)
-    store = ChunkStore(1 << 26, disk_cache_dir=tmp_path if tier == "disk" else None)
+    store = ChunkStore(StoreConfig(1 << 26, disk_cache_dir=tmp_path if tier == "disk" else None))
     greedy(model, ids, ChunkReuseCache(store, model, CHUNK))
     if tier == "disk":
         store.ram.clear()
@@ -187,7 +188,7 @@ def test_speculative_with_streamed_target_equals_greedy(tree_budget):
         tokenizer_dir()
     except FileNotFoundError as exc:
         pytest.skip(f"no tokenizer for the random-shape engine: {exc}")
-    target = random_engine("tiny", device="cpu", chunking=CHUNK, draft=DraftSettings(3, early_exit_layers=1))
+    target = random_engine("tiny", device="cpu", chunking=CHUNK, draft=DraftConfig(3, early_exit_layers=1))
     plain = engine_copy(target, device=CUDA, chunking=CHUNK)
     weights = zip(plain.model.state_dict().values(), target.model.state_dict().values(), strict=True)
     assert all(torch.equal(on_gpu.cpu(), on_cpu) for on_gpu, on_cpu in weights)
@@ -196,8 +197,8 @@ def test_speculative_with_streamed_target_equals_greedy(tree_budget):
     ids = plain.encode(prompt)
     sequences, _ = greedy(plain.model, torch.tensor([ids], device=CUDA), new=16)
     assert sequences[0, len(ids) : len(ids) + len(expected)].tolist() == expected  # transformers' own generate()
-    target.draft_settings = DraftSettings(num_draft_tokens=3, early_exit_layers=1, tree_budget=tree_budget)
-    enable_layer_streaming(target.model, LayerStreaming(keep_first_k=1, device=CUDA))
+    target.draft_settings = DraftConfig(num_draft_tokens=3, early_exit_layers=1, tree_budget=tree_budget)
+    enable_layer_streaming(target.model, LayerStreamingConfig(keep_first_k=1, device=CUDA))
     got = target.generate(prompt, 16, mode="baseline")
     assert got.output_ids == expected
     assert got.streamed_bytes is not None and got.streamed_bytes > 0

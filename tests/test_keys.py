@@ -45,3 +45,19 @@ def test_prefix_keys_depend_on_the_past_content_keys_do_not(tokens, cut):
     assert content_key(ns, tail) != content_key("m" * 64, tail)
     keys = chain_prefix_keys(ns, tokens, [(0, cut), (cut, len(tokens))])
     assert keys[1] == prefix_key(ns, keys[0], tail)
+
+
+def test_cache_scheduler_and_router_share_one_key_space():
+    """The cache's namespace, the engine's key space (its batch policy's) and the router's keys come from one
+    KeySpace: equal namespaces for every tenant, and a router-side KeySpace rebuilt from its fields agrees."""
+    from kvboost_hf import ChunkReuseCache, ChunkStore, StoreConfig
+    from kvboost_hf.core.keys import KeySpace
+
+    model = make_tiny_model("llama")
+    store = ChunkStore(StoreConfig(1 << 20, kv_cache_bits=8))
+    cache = ChunkReuseCache(store, model, chunking=16, cache_salt="tenant")
+    space = KeySpace.of_model(model, torch.float32, ChunkingConfig(16), kv_cache_bits=8, kv_group_size=64)
+    assert cache.key_space == space and cache.namespace == space.namespace("tenant")
+    assert space.namespace("tenant") != space.namespace(None)
+    rebuilt = KeySpace(space.digest, space.dtype, space.chunking, space.kv_cache_bits, space.kv_group_size)
+    assert rebuilt.namespace("tenant") == cache.namespace

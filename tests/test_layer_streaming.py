@@ -10,12 +10,13 @@ from oracle import engine_reference
 from kvboost_hf import ChunkReuseCache, ChunkStore, RepairConfig
 from kvboost_hf.core.keys import model_digest
 from kvboost_hf.offload import (
-    LayerStreaming,
+    LayerStreamingConfig,
     decoder_layers,
     disable_layer_streaming,
     enable_layer_streaming,
     layer_streamer,
 )
+from kvboost_hf.store.config import StoreConfig
 
 LAYERS = 6
 CHUNK = 16
@@ -25,7 +26,7 @@ def model_pair(arch: str = "llama", **settings):
     """A resident tiny model and a streamed copy of the same weights."""
     resident = make_tiny_model(arch, num_hidden_layers=LAYERS)
     streamed = make_tiny_model(arch, num_hidden_layers=LAYERS)
-    return resident, streamed, enable_layer_streaming(streamed, LayerStreaming(**settings))
+    return resident, streamed, enable_layer_streaming(streamed, LayerStreamingConfig(**settings))
 
 
 def reuse_cache(store, model, starts=(), strategy=None, write_back=True):
@@ -135,7 +136,7 @@ def test_exact_prefix_hits_with_chunk_reuse_cache():
     resident, streamed, handle = model_pair(keep_first_k=1, keep_last_k=1)
     ids = prompt(3 * CHUNK + 5)
     expected, expected_logits = greedy(resident, ids)
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     for attempt in range(2):  # the first call stores, the second reuses
         cache = reuse_cache(store, streamed)
         got, logits = greedy(streamed, ids, cache)
@@ -162,8 +163,8 @@ def test_non_prefix_segment_reuse_with_repair_equals_resident(strategy):
     gen = torch.Generator().manual_seed(3)
     docs = [torch.randint(1, 128, (40,), generator=gen) for _ in range(2)]
     question = torch.tensor([5, 6, 7])
-    expected = warm_and_reuse(resident, ChunkStore(1 << 26), docs, question, strategy)
-    got = warm_and_reuse(streamed, ChunkStore(1 << 26), docs, question, strategy)
+    expected = warm_and_reuse(resident, ChunkStore(StoreConfig(1 << 26)), docs, question, strategy)
+    got = warm_and_reuse(streamed, ChunkStore(StoreConfig(1 << 26)), docs, question, strategy)
     assert got[2].approx_tokens > 0 and got[2].recomputed_tokens > 0  # reused off-prefix and repaired
     assert got[2] == expected[2]
     assert torch.equal(got[0], expected[0])
@@ -188,7 +189,7 @@ def test_close_restores_a_normal_model():
     assert model_digest(streamed) == digest
     assert torch.equal(greedy(streamed, ids)[0], greedy(resident, ids)[0])
     handle.close()  # idempotent
-    enable_layer_streaming(streamed, LayerStreaming()).close()  # can be enabled again
+    enable_layer_streaming(streamed, LayerStreamingConfig()).close()  # can be enabled again
 
 
 def test_digest_of_a_streamed_model_is_that_of_its_weights():
@@ -201,12 +202,12 @@ def test_device_memory_budget_chooses_the_resident_layers():
     layer = tensor_bytes(decoder_layers(model)[0])
     other = tensor_bytes(model) - LAYERS * layer
     budget = other + 2 * layer + 2 * layer + layer // 2  # room for 2 resident layers and 2 slots, not a 3rd
-    handle = enable_layer_streaming(model, LayerStreaming(keep_last_k=1, device_memory_budget_bytes=budget))
+    handle = enable_layer_streaming(model, LayerStreamingConfig(keep_last_k=1, device_memory_budget_bytes=budget))
     assert handle.streamed_indices == [1, 2, 3, 4]  # the last layer by keep_last_k, the first by the budget
     assert handle.stats().resident_bytes + handle.stats().slot_bytes <= budget + 8 * 256  # alignment padding
     handle.close()
     with pytest.raises(ValueError, match="below the"):
-        enable_layer_streaming(model, LayerStreaming(device_memory_budget_bytes=other))
+        enable_layer_streaming(model, LayerStreamingConfig(device_memory_budget_bytes=other))
 
 
 @pytest.mark.parametrize(
@@ -221,13 +222,13 @@ def test_device_memory_budget_chooses_the_resident_layers():
 )
 def test_bad_settings_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
-        LayerStreaming(**settings)
+        LayerStreamingConfig(**settings)
 
 
 def test_bad_models_are_refused():
     model = make_tiny_model("llama", num_hidden_layers=LAYERS)
     with pytest.raises(ValueError, match="exceeds the model's 6 decoder layers"):
-        enable_layer_streaming(model, LayerStreaming(keep_first_k=4, keep_last_k=3))
+        enable_layer_streaming(model, LayerStreamingConfig(keep_first_k=4, keep_last_k=3))
     enable_layer_streaming(model)
     with pytest.raises(ValueError, match="already enabled"):
         enable_layer_streaming(model)
@@ -237,7 +238,7 @@ def test_bad_models_are_refused():
 def test_embedded_engine_streamed_equals_resident(embedded_engine):
     from kvboost_hf import KVBoost
 
-    engine = KVBoost.from_pretrained(chunking=64, streaming=LayerStreaming(keep_first_k=2, keep_last_k=3))
+    engine = KVBoost.from_pretrained(chunking=64, streaming=LayerStreamingConfig(keep_first_k=2, keep_last_k=3))
     handle = layer_streamer(engine.model)
     assert handle.streamed_indices == list(range(2, 27))
     layers = decoder_layers(engine.model)
@@ -282,7 +283,7 @@ def with_lazy_layers(model):
 def test_tensors_created_in_a_first_forward_are_streamed_too():
     resident = with_lazy_layers(make_tiny_model("llama", num_hidden_layers=LAYERS))
     streamed = with_lazy_layers(make_tiny_model("llama", num_hidden_layers=LAYERS))
-    handle = enable_layer_streaming(streamed, LayerStreaming(keep_first_k=1, num_slots=2))
+    handle = enable_layer_streaming(streamed, LayerStreamingConfig(keep_first_k=1, num_slots=2))
     before = handle.stats()
     ids = prompt()
     expected, expected_logits = greedy(resident, ids)
@@ -333,7 +334,7 @@ def test_other_accelerate_hooks_survive_and_device_map_offload_is_refused():
     add_hook_to_module(decoder_layers(streamed)[2], Counting(), append=True)  # after the streamer's
     ids = prompt()
     disable_layer_streaming(streamed)
-    handle = enable_layer_streaming(streamed, LayerStreaming())  # now before the streamer's
+    handle = enable_layer_streaming(streamed, LayerStreamingConfig())  # now before the streamer's
     assert torch.equal(greedy(streamed, ids)[0], greedy(resident, ids)[0])
     handle.close()
     greedy(streamed, ids, new=1)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
-from kvboost_hf.core.keys import chain_prefix_keys, content_key, prefix_key
+from kvboost_hf.core.keys import KeySpace, chain_prefix_keys, content_key, prefix_key
 from kvboost_hf.reuse.plan import ChunkLedger, has_nonprefix_hits, plan_reuse
 from kvboost_hf.scheduling import BatchPolicy
 
@@ -251,21 +251,21 @@ def test_nonprefix_hits_are_chunks_stored_after_the_first_miss():
 
 
 def test_batch_policy_batches_every_prompt_by_length_and_prefills_segments_and_repairs_alone():
-    config = ChunkingConfig(CHUNK)
+    space = KeySpace("digest", "torch.float32", ChunkingConfig(CHUNK))
     store = DictStore()
     document = [90, 91, 92, 93]
-    store.put(content_key(NS, document), CHUNK)
+    store.put(content_key(space.namespace(None), document), CHUNK)
     prompts = [[1, 2, 3, 4, *document], list(range(30, 41)), [5, 6], list(range(50, 53)), [7, 8, 9, 10, 11]]
     segments = (0, 2)  # prompts[3] as a segment prompt
-    policy = BatchPolicy(store, lambda salt: NS if salt is None else f"{NS}/{salt}", config, "chunk_kv_reuse")
+    policy = BatchPolicy(store, space, "chunk_kv_reuse")
     # every prompt shares a batch (by length); the decode loop prefills some alone and joins them
     assert policy.batches(prompts, max_batch_size=2) == [[2, 3], [4, 0], [1]]
     assert policy.prefill_alone(prompts[0], None) and not policy.prefill_alone(prompts[1], None)  # a content hit
     assert policy.prefill_alone(prompts[3], None, segments) and not policy.prefill_alone(prompts[3], None)
     assert not policy.prefill_alone(prompts[0], "tenant-b")  # another tenant's namespace holds nothing
     assert policy.key(None) == policy.key(None) != policy.key("tenant-b")
-    prefix = BatchPolicy(store, lambda salt: NS, config, "prefix_cache")  # no repairs; segments still shape keys
+    prefix = BatchPolicy(store, space, "prefix_cache")  # no repairs; segments still shape keys
     assert not prefix.prefill_alone(prompts[0], None) and prefix.prefill_alone(prompts[3], None, segments)
-    assert not BatchPolicy(store, lambda salt: NS, config, "baseline").prefill_alone(prompts[3], None, segments)
+    assert not BatchPolicy(store, space, "baseline").prefill_alone(prompts[3], None, segments)
     with pytest.raises(ValueError, match="max_batch_size"):
         policy.batches(prompts, max_batch_size=0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
-from kvboost_hf import ChunkKV, ChunkReuseCache, ChunkStore, RepairConfig
+from kvboost_hf import ChunkReuseCache, ChunkStore, RepairConfig
 from kvboost_hf.bench.rag_accuracy import (
     DEFAULT_REPAIR,
     FULL,
@@ -24,7 +24,9 @@ from kvboost_hf.bench.rag_accuracy import (
     report,
     select_configurations,
 )
+from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.corpus import fact_documents
+from kvboost_hf.store.config import StoreConfig
 
 
 def test_fact_documents_plant_every_fact_once_with_distinct_answers():
@@ -91,7 +93,7 @@ def test_configurations_cover_full_prefill_none_every_method_and_realignment():
 
 
 def test_store_snapshot_restore_drops_only_later_keys():
-    store = ChunkStore(1 << 20)
+    store = ChunkStore(StoreConfig(1 << 20))
     entry = ChunkKV(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4))
     store.put("warmed", entry)
     snapshot = StoreSnapshot(store)
@@ -102,7 +104,7 @@ def test_store_snapshot_restore_drops_only_later_keys():
 
 def test_head_tokens_recompute_every_reused_chunk_head():
     model = make_tiny_model("llama")
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     gen = torch.Generator().manual_seed(0)
     docs = [torch.randint(1, 128, (32,), generator=gen) for _ in range(2)]
     for doc in docs:

@@ -15,7 +15,7 @@ from kvboost_hf.bench.shapes import (
     random_model,
     save_random_model,
 )
-from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
+from kvboost_hf.offload import LayerStreamingConfig, enable_layer_streaming
 
 
 def _same_weights(first: torch.nn.Module, second: torch.nn.Module) -> bool:
@@ -53,7 +53,7 @@ def test_a_copy_casts_where_asked_and_refuses_a_streamed_model():
     assert half.dtype == torch.bfloat16 and model.dtype == torch.float32
     assert _same_weights(model.to(torch.bfloat16), half)
     streamed = random_model("tiny", device="cpu")
-    enable_layer_streaming(streamed, LayerStreaming(keep_first_k=1, keep_last_k=0, device="cpu"))
+    enable_layer_streaming(streamed, LayerStreamingConfig(keep_first_k=1, keep_last_k=0, device="cpu"))
     with pytest.raises(ValueError, match="before enable_layer_streaming"):
         copy_model(streamed)
 

@@ -14,6 +14,7 @@ import redis
 from helpers import assert_same, free_port, make_entry
 
 from kvboost_hf.store.chunk_store import ChunkStore
+from kvboost_hf.store.config import StoreConfig
 
 
 @pytest.fixture
@@ -82,8 +83,8 @@ def key(i: int) -> str:
 
 def test_two_stores_share_a_sharded_cluster(cluster: str):
     entries = {i: make_entry(tokens=30, seed=i) for i in range(12)}
-    writer = ChunkStore(1 << 24, remote_url=cluster)
-    reader = ChunkStore(1 << 24, remote_url=cluster)
+    writer = ChunkStore(StoreConfig(1 << 24, remote_url=cluster))
+    reader = ChunkStore(StoreConfig(1 << 24, remote_url=cluster))
     try:
         assert writer.remote is not None and writer.remote.cluster
         for i, entry in entries.items():

@@ -131,12 +131,12 @@ _PROCESS = textwrap.dedent(
     import json, sys
     import torch
     from conftest import make_tiny_model
-    from kvboost_hf import ChunkReuseCache, ChunkStore
+    from kvboost_hf import ChunkReuseCache, ChunkStore, StoreConfig
 
     model = make_tiny_model("llama")
     ids = torch.randint(1, 128, (1, 70), generator=torch.Generator().manual_seed(7))
     options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
-    store = ChunkStore(1 << 26, remote_url=sys.argv[1])
+    store = ChunkStore(StoreConfig(1 << 26, remote_url=sys.argv[1]))
     cache = ChunkReuseCache(store, model, chunking=16)
     out = model.generate(ids, past_key_values=cache, **options)
     store.close()

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from kvboost_hf import ChunkingConfig, ChunkReuseCache, ChunkStore, GenerationMode
 from kvboost_hf.reuse.rope import KeyRotator
+from kvboost_hf.store.config import StoreConfig
 
 CONTENT = ChunkingConfig(REPAIR_CHUNK, method="content")
 ROTATING = ["llama", "qwen2", "phi3"]  # full-attention tiny models; the sliding-window ones fall back to exact
@@ -54,7 +55,7 @@ def test_rerotation_is_exact_for_scaled_rope_variants(rope):
 
 def test_length_dependent_rope_disables_only_non_prefix_reuse(caplog):
     model = make_tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     docs = documents(2)
     for doc in docs:
         warm_alone(model, store, doc)
@@ -69,7 +70,7 @@ def test_length_dependent_rope_disables_only_non_prefix_reuse(caplog):
 @pytest.mark.parametrize("strategy", ["selective", "cacheblend"])
 def test_ratio_one_reproduces_the_full_prefill_in_any_order(arch, strategy):
     model = make_tiny_model(arch)
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     docs = documents()
     for doc in docs:
         warm_alone(model, store, doc)
@@ -92,7 +93,7 @@ def test_ratio_one_reproduces_the_full_prefill_in_any_order(arch, strategy):
 @pytest.mark.parametrize("strategy", ["none", "selective", "cacheblend"])
 def test_every_strategy_runs_on_every_architecture(arch, strategy):
     model = make_tiny_model(arch)
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     docs = documents(2)
     for doc in docs:
         warm_alone(model, store, doc)
@@ -114,7 +115,7 @@ def test_every_strategy_runs_on_every_architecture(arch, strategy):
 
 def test_gap_in_the_middle_is_computed_in_place():
     model = make_tiny_model("llama")
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     a, b, c = documents(3, seed=3)
     warm_alone(model, store, a)
     warm_alone(model, store, c)
@@ -128,7 +129,7 @@ def test_gap_in_the_middle_is_computed_in_place():
 
 def test_exact_prefix_hits_are_not_repaired_and_stale_chunks_never_written_by_prefix():
     model = make_tiny_model("qwen2")
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     docs = documents(2, seed=4)
     for doc in docs:
         warm_alone(model, store, doc)
@@ -146,7 +147,7 @@ def test_exact_prefix_hits_are_not_repaired_and_stale_chunks_never_written_by_pr
 
 def test_content_defined_chunks_hit_a_document_inside_a_plain_prompt():
     model = make_tiny_model("llama")
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     doc = torch.randint(1, 128, (120,), generator=torch.Generator().manual_seed(5))
     warm = ChunkReuseCache(store, model, CONTENT)
     model(doc[None], past_key_values=warm, use_cache=True, logits_to_keep=1)
@@ -163,7 +164,7 @@ def test_content_defined_chunks_hit_a_document_inside_a_plain_prompt():
 
 def test_selective_with_head_tokens_recomputes_that_many_tokens_of_every_reused_chunk():
     model = make_tiny_model("llama")
-    store = ChunkStore(1 << 26)
+    store = ChunkStore(StoreConfig(1 << 26))
     docs = documents(2)
     for doc in docs:
         warm_alone(model, store, doc)

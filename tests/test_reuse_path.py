@@ -174,7 +174,7 @@ def test_gpu_tier_policy_on_the_cpu_device():
     """The GPU tier in front of RAM (here on the CPU device): puts go to both, a RAM hit is promoted, the tier's
     evictions stay readable from RAM, and its counters are reported."""
     entry_bytes = _entry(2, 8, 0).nbytes
-    store = ChunkStore.from_config(StoreConfig(gpu_max_bytes=2 * entry_bytes, gpu_device="cpu"))
+    store = ChunkStore(StoreConfig(gpu_max_bytes=2 * entry_bytes, gpu_device="cpu"))
     assert store.gpu is not None and [tier.name for tier in store.tiers] == ["gpu", "ram"]
     entries = {f"k{i}": _entry(2, 8, i) for i in range(3)}
     for key, entry in entries.items():
@@ -190,7 +190,7 @@ def test_gpu_tier_policy_on_the_cpu_device():
 
 
 def test_quantized_store_dequantizes_where_asked():
-    store = ChunkStore(kv_cache_bits=8)
+    store = ChunkStore(StoreConfig(kv_cache_bits=8))
     entry = _entry(3, 64, 5)
     store.put("k", entry)
     here, asked = store.get("k"), store.get("k", torch.device("cpu"))
@@ -206,7 +206,7 @@ def test_gpu_tier_is_sized_only_for_a_cuda_model():
     assert sized.gpu_max_bytes == 1 << 20 and sized.gpu_device == torch.device("cuda", 0)  # placed on the model's
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="gpu_device"):
-            ChunkStore.from_config(StoreConfig(gpu_max_bytes=1 << 20))
+            ChunkStore(StoreConfig(gpu_max_bytes=1 << 20))
     with pytest.raises(ValueError, match="gpu_max_bytes"):
         StoreConfig(gpu_max_bytes=-1)
     assert not StoreConfig(pin_memory=None).pins_memory or torch.cuda.is_available()
@@ -230,7 +230,7 @@ def test_warm_from_each_cuda_tier_equals_a_full_prefill(tiny, tier):
     with torch.no_grad():
         expected = model.generate(prompt.cuda(), max_new_tokens=10, do_sample=False)[0, 1500:].tolist()
     config = StoreConfig(gpu_max_bytes=0) if tier == "pinned_ram" else StoreConfig(gpu_max_bytes=1 << 30)
-    store = ChunkStore.from_config(config.for_model_device(torch.device("cuda")))
+    store = ChunkStore(config.for_model_device(torch.device("cuda")))
     assert store.pin_memory and (store.gpu is None) == (tier == "pinned_ram")
     for request in range(6):
         cache = ChunkReuseCache(store, model, CHUNK, adapter=False)
@@ -254,7 +254,7 @@ def test_warm_from_each_cuda_tier_equals_a_full_prefill(tiny, tier):
 def test_quantized_entries_are_dequantized_on_the_device_they_are_needed():
     """An int8 store keeps compressed bytes (pinned); a lookup for CUDA copies those and dequantizes there, equal
     to the CPU dequantization."""
-    store = ChunkStore.from_config(StoreConfig(kv_cache_bits=8, gpu_max_bytes=0))
+    store = ChunkStore(StoreConfig(kv_cache_bits=8, gpu_max_bytes=0))
     entry = _entry(3, 64, 5)
     store.put("k", entry)
     assert store.pin_memory

@@ -28,10 +28,10 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.hf.models import embedded_model_dir  # noqa: E402
-from kvboost_hf.hf.sampling import SamplingParams  # noqa: E402
+from kvboost_hf.hf.sampling import SamplingConfig  # noqa: E402
 from kvboost_hf.serve_ray.app import REPLICA_HEADER, kill_replica, prompt_ids, replica_actor_names  # noqa: E402
 from kvboost_hf.serve_ray.launch import APP_NAME, init_local_ray, parse_args, start  # noqa: E402
-from kvboost_hf.serve_ray.routing import KeySpace, routing_keys  # noqa: E402
+from kvboost_hf.serve_ray.routing import routing_keys  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -96,7 +96,7 @@ def conversation(tag: str) -> list[dict[str, str]]:
 
 def greedy(engine, messages, max_tokens: int, ignore_eos: bool = False) -> str:
     """transformers' greedy ``generate()`` text for ``messages`` rendered as the engine renders them."""
-    return oracle_text(engine, messages, max_tokens, SamplingParams(temperature=0, ignore_eos=ignore_eos))
+    return oracle_text(engine, messages, max_tokens, SamplingConfig(temperature=0, ignore_eos=ignore_eos))
 
 
 def chat_turn(client, messages, max_tokens: int = 8):
@@ -154,11 +154,11 @@ def test_ingress_keys_are_the_keys_the_replicas_store(client, engine, url):
     body = json.dumps({"model": MODEL, "messages": messages}).encode()
     ids = prompt_ids(engine.tokenizer, "/v1/chat/completions", body)
     assert ids == engine.encode(messages)
-    keys = routing_keys(KeySpace.of_engine(engine), ids, None)
+    keys = routing_keys(engine.key_space, ids, None)
     assert len(keys) == len(ids) // CHUNK
     handle = serve.get_deployment_handle("KVBoostReplica", APP_NAME)
     space, _ = handle.routing_context.remote().result()
-    assert space == KeySpace.of_engine(engine)
+    assert space == engine.key_space
     deadline = time.monotonic() + 10  # Redis writes are queued in the background
     while not all(handle.stored.remote(keys).result()):
         assert time.monotonic() < deadline, "the prompt's chunks never reached the store"

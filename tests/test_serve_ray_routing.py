@@ -43,7 +43,7 @@ def engine():
 
 def test_keys_are_the_stored_keys_per_tenant(engine):
     """After a generation, every routing key of its prompt is in the store, in its tenant's namespace only."""
-    space = KeySpace.of_engine(engine)
+    space = engine.key_space
     prompt = list(range(2, 23))  # 5 full chunks and a tail
     for salt in (None, "tenant-a"):
         assert space.namespace(salt) == engine.new_cache(cache_salt=salt, adapter=False).namespace
@@ -63,7 +63,9 @@ def test_keys_of_a_prefix_are_a_prefix_and_tenants_never_share_one(ids, cut, sal
 
 
 def test_request_keys_come_from_a_forwarded_request_only():
-    forwarded = ForwardedRequest("POST", "/v1/completions", b"", (), b"{}", ("k1", "k2"))
+    forwarded = ForwardedRequest(
+        method="POST", path="/v1/completions", query_string=b"", headers=(), body=b"{}", routing_keys=("k1", "k2")
+    )
     assert request_keys([forwarded]) == ("k1", "k2")
     assert request_keys([]) == () and request_keys(["other"]) == ()
 
@@ -175,7 +177,9 @@ def fake_replica(name: str) -> SimpleNamespace:
 
 
 def fake_request(request_id: str, keys: tuple[str, ...] = ()) -> SimpleNamespace:
-    forwarded = ForwardedRequest("POST", "/v1/chat/completions", b"", (), b"{}", keys)
+    forwarded = ForwardedRequest(
+        method="POST", path="/v1/chat/completions", query_string=b"", headers=(), body=b"{}", routing_keys=keys
+    )
     return SimpleNamespace(args=[forwarded], metadata=SimpleNamespace(internal_request_id=request_id))
 
 

@@ -25,8 +25,8 @@ from oracle import engine_reference, expected_text, oracle_text  # noqa: E402
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.core.config import GenerationMode  # noqa: E402
 from kvboost_hf.hf.decode import visible_text  # noqa: E402
-from kvboost_hf.hf.sampling import SamplingParams  # noqa: E402
-from kvboost_hf.server.app import ServerSettings, create_app  # noqa: E402
+from kvboost_hf.hf.sampling import SamplingConfig  # noqa: E402
+from kvboost_hf.server.app import ServerConfig, create_app  # noqa: E402
 from kvboost_hf.server.batching import Batch, Delta, Done, Job, JobParams  # noqa: E402
 from kvboost_hf.server.worker import Worker  # noqa: E402
 
@@ -40,9 +40,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine) -> Iterator[LiveServer]:
-    settings = ServerSettings(
-        model_name=MODEL_NAME, api_key=API_KEY, batch_window_ms=30, max_batch_size=4, max_queue=16
-    )
+    settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, batch_window_ms=30, max_batch_size=4, max_queue=16)
     with LiveServer(create_app(engine, settings)) as live:
         yield live
 
@@ -70,18 +68,18 @@ def test_batch_rows_equal_alone_with_mixed_settings(engine):
     prompts = [chat(u, shared) for u in users]
     budgets = [6, 8, 5]
     expected = [oracle_text(engine, p, b) for p, b in zip(prompts, budgets, strict=True)]
-    seeded = SamplingParams(temperature=0.8, seed=3)
+    seeded = SamplingConfig(temperature=0.8, seed=3)
     expected_seeded = engine_reference(engine, prompts[0], 4, seeded)
     for _ in range(2):  # cold, then with the shared prefix and prompts stored
         events: list[list] = [[], [], [], [], []]
         jobs = [
-            Job(engine.encode(p), JobParams(b, SamplingParams(temperature=0)), events[i].append)
+            Job(engine.encode(p), JobParams(max_tokens=b, sampling=SamplingConfig(temperature=0)), events[i].append)
             for i, (p, b) in enumerate(zip(prompts, budgets, strict=True))
         ]
-        jobs.append(Job(engine.encode(prompts[0]), JobParams(4, seeded), events[3].append))
+        jobs.append(Job(engine.encode(prompts[0]), JobParams(max_tokens=4, sampling=seeded), events[3].append))
         banana = engine.encode(" banana")[0]
-        forced = SamplingParams(temperature=0, logit_bias=((banana, 100.0),), repetition_penalty=1.3)
-        jobs.append(Job(engine.encode(prompts[1]), JobParams(3, forced), events[4].append))
+        forced = SamplingConfig(temperature=0, logit_bias=((banana, 100.0),), repetition_penalty=1.3)
+        jobs.append(Job(engine.encode(prompts[1]), JobParams(max_tokens=3, sampling=forced), events[4].append))
         batch = Batch(engine, jobs, GenerationMode.PREFIX_CACHE, threading.Lock())
         batch.prefill()
         while not batch.done:
@@ -98,7 +96,7 @@ def test_batch_rows_equal_alone_with_mixed_settings(engine):
 def test_worker_batches_requests_with_different_prefixes(engine):
     """Jobs queued within the window run as one batch whatever their text; each row equals transformers' greedy
     answer for it alone."""
-    worker = Worker(engine, batch_window_s=0.3, max_batch_size=4)
+    worker = Worker(engine, ServerConfig(batch_window_ms=300, max_batch_size=4))
     done = threading.Event()
     finished: list[Done] = []
 
@@ -118,7 +116,9 @@ def test_worker_batches_requests_with_different_prefixes(engine):
                 texts[i].append(event.text)
             sink(event)
 
-        worker.submit(Job(engine.encode(prompt), JobParams(3, SamplingParams(temperature=0)), row_sink))
+        worker.submit(
+            Job(engine.encode(prompt), JobParams(max_tokens=3, sampling=SamplingConfig(temperature=0)), row_sink)
+        )
     worker.start()
     try:
         assert done.wait(60)
@@ -133,7 +133,7 @@ def test_worker_batches_requests_with_different_prefixes(engine):
 def test_requests_arriving_during_generation_join_the_running_batch(engine):
     """Continuous batching: jobs submitted while a batch decodes join it (no second batch is formed) and each
     still equals transformers' greedy answer for it alone."""
-    worker = Worker(engine, batch_window_s=0.0, max_batch_size=4)
+    worker = Worker(engine, ServerConfig(batch_window_ms=0, max_batch_size=4))
     prompts = [chat("Tell me about rivers."), chat("Name a fruit."), f"Unrelated {uuid.uuid4().hex}: the sky is"]
     budgets = [16, 4, 3]
     texts: list[list[str]] = [[] for _ in prompts]
@@ -149,7 +149,13 @@ def test_requests_arriving_during_generation_join_the_running_batch(engine):
             elif isinstance(event, Done):
                 finished[i].set()
 
-        worker.submit(Job(engine.encode(prompts[i]), JobParams(budgets[i], SamplingParams(temperature=0)), sink))
+        worker.submit(
+            Job(
+                engine.encode(prompts[i]),
+                JobParams(max_tokens=budgets[i], sampling=SamplingConfig(temperature=0)),
+                sink,
+            )
+        )
 
     worker.start()
     try:
@@ -288,7 +294,7 @@ def test_same_seed_same_tokens_from_python_and_over_http(engine, client):
     """The two entry points agree: a seeded sampled request over HTTP gives the engine's tokens, and both draw what
     transformers' ``generate()`` draws for the prompt alone under ``torch.manual_seed(seed)``."""
     prompt = chat("Invent a name for a dog.")
-    sampling = SamplingParams(temperature=0.9, top_k=30, presence_penalty=0.5, seed=11)
+    sampling = SamplingConfig(temperature=0.9, top_k=30, presence_penalty=0.5, seed=11)
     local = engine.generate(prompt, max_new_tokens=8, sampling=sampling)
     expected = engine_reference(engine, prompt, 8, sampling)
     assert local.output_ids == expected.tokens
@@ -417,7 +423,7 @@ def test_disconnect_mid_stream_cancels_generation(server):
 
 
 def test_overflow_answers_429_with_retry_after(engine):
-    settings = ServerSettings(model_name=MODEL_NAME, batch_window_ms=0, max_batch_size=1, max_queue=1)
+    settings = ServerConfig(model_name=MODEL_NAME, batch_window_ms=0, max_batch_size=1, max_queue=1)
     with LiveServer(create_app(engine, settings)) as live:
         body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
         results: list[httpx.Response] = []
@@ -438,7 +444,7 @@ def test_overflow_answers_429_with_retry_after(engine):
 
 
 def test_graceful_shutdown_finishes_in_flight_requests(engine):
-    live = LiveServer(create_app(engine, ServerSettings(model_name=MODEL_NAME))).__enter__()
+    live = LiveServer(create_app(engine, ServerConfig(model_name=MODEL_NAME))).__enter__()
     results: list[httpx.Response] = []
     body = {"model": MODEL_NAME, "prompt": "The weather today is", "max_tokens": 8, "temperature": 0}
     sender = threading.Thread(
@@ -458,7 +464,7 @@ def test_openapi_document_fuzzing_finds_no_server_error(engine):
     """Schemathesis-generated requests against every operation of the served OpenAPI document: never a 5xx."""
     schemathesis = pytest.importorskip("schemathesis")
     hypothesis = pytest.importorskip("hypothesis")
-    settings = ServerSettings(
+    settings = ServerConfig(
         model_name=MODEL_NAME, api_key=API_KEY, reuse_mode="chunk", max_tokens_limit=2, default_max_tokens=2
     )
     with LiveServer(create_app(engine, settings)) as live:
@@ -656,7 +662,7 @@ def test_large_body_does_not_stall_other_clients(server):
 
 
 def test_shutdown_ends_streams_and_requests_cleanly(engine):
-    live = LiveServer(create_app(engine, ServerSettings(model_name=MODEL_NAME, shutdown_grace_s=0.2))).__enter__()
+    live = LiveServer(create_app(engine, ServerConfig(model_name=MODEL_NAME, shutdown_grace_s=0.2))).__enter__()
     body = {"model": MODEL_NAME, "prompt": "1, 2, 3, 4,", "max_tokens": 200, "temperature": 0}
     lines: list[str] = []
     plain: list[httpx.Response] = []
@@ -686,14 +692,14 @@ def test_retry_after_grows_with_the_queue(engine):
     """Not started: jobs stay queued. Retry-After = rounds of max_batch_size queued jobs x a batch's wall time."""
     from kvboost_hf.server.worker import Overloaded
 
-    worker = Worker(engine, max_batch_size=2)
+    worker = Worker(engine, ServerConfig(max_batch_size=2))
     ids = engine.encode("Hello")
     advised = []
     for depth in (2, 8):
         worker.max_queue = depth
         while worker.queue_depth < depth:
-            worker.submit(Job(ids, JobParams(1), lambda event: None))
+            worker.submit(Job(ids, JobParams(max_tokens=1), lambda event: None))
         with pytest.raises(Overloaded) as refused:
-            worker.submit(Job(ids, JobParams(1), lambda event: None))
+            worker.submit(Job(ids, JobParams(max_tokens=1), lambda event: None))
         advised.append(refused.value.retry_after_s)
     assert advised == [2, 5]  # (1 + 2/2) and (1 + 8/2) rounds of the initial 1 s estimate

@@ -17,7 +17,7 @@ pytest.importorskip("xgrammar")
 from helpers import API_KEY, MODEL_NAME, WEATHER_TOOL, LiveServer, chat  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
-from kvboost_hf.server.app import ServerSettings, create_app  # noqa: E402
+from kvboost_hf.server.app import ServerConfig, create_app  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]  # a tool call is 40-50 tokens of a 135M model on CPU
 
@@ -39,7 +39,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine) -> Iterator[LiveServer]:
-    settings = ServerSettings(model_name=MODEL_NAME, api_key=API_KEY, max_batch_size=4)
+    settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, max_batch_size=4)
     with LiveServer(create_app(engine, settings)) as live:
         yield live
 

@@ -25,9 +25,9 @@ uvicorn = pytest.importorskip("uvicorn")
 from helpers import API_KEY, MODEL_NAME, WEATHER_TOOL, LiveServer, chat  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
-from kvboost_hf.hf.grammar import GrammarBusy, GrammarCompiler, GrammarError, GrammarLimits  # noqa: E402
-from kvboost_hf.hf.grammar_process import CompileProcess  # noqa: E402
-from kvboost_hf.server.app import GracefulServer, ServerSettings, create_app, decode_body, uvicorn_config  # noqa: E402
+from kvboost_hf.server.app import GracefulServer, ServerConfig, create_app, decode_body, uvicorn_config  # noqa: E402
+from kvboost_hf.server.grammar import GrammarBusy, GrammarCompiler, GrammarConfig, GrammarError  # noqa: E402
+from kvboost_hf.server.grammar_process import CompileProcess  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 HEADERS = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 class HardenedServer(LiveServer):
     """A live server configured as ``kvboost-hf serve`` configures uvicorn (:func:`uvicorn_config`)."""
 
-    def __init__(self, app, settings: ServerSettings) -> None:
+    def __init__(self, app, settings: ServerConfig) -> None:
         super().__init__(app)
         config = uvicorn_config(
             app, settings, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=30
@@ -46,13 +46,13 @@ class HardenedServer(LiveServer):
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
 
-SETTINGS = ServerSettings(
+SETTINGS = ServerConfig(
     model_name=MODEL_NAME,
     api_key=API_KEY,
     max_json_values=1000,
     header_timeout_s=0.5,
     body_timeout_s=0.5,
-    grammar_limits=GrammarLimits(max_schema_bytes=2048),
+    grammar_limits=GrammarConfig(max_schema_bytes=2048),
 )
 
 
@@ -192,7 +192,7 @@ def test_grammar_cache_is_per_tenant(engine, monkeypatch):
 def test_grammar_compiles_are_bounded(engine, monkeypatch):
     release = threading.Event()
     _CountingCompiles(monkeypatch, release)
-    limits = GrammarLimits(workers=1, max_waiting=2)
+    limits = GrammarConfig(workers=1, max_waiting=2)
     compiler = GrammarCompiler(engine.tokenizer, len(engine.tokenizer), limits)
     try:
         first = compiler.json_schema({"type": "integer"}, tenant="a")
@@ -214,7 +214,7 @@ SLOW_PATTERN = {"type": "string", "pattern": "[a-z]{1,30000}"}  # 46 bytes; xgra
 
 
 def test_a_compile_past_its_time_limit_is_killed_and_refused(engine):
-    limits = GrammarLimits(compile_limit_s=1.0, workers=1)
+    limits = GrammarConfig(compile_limit_s=1.0, workers=1)
     compiler = GrammarCompiler(engine.tokenizer, len(engine.tokenizer), limits)
     try:
         assert compiler.json_schema({"type": "integer"}).result(60) is not None  # the child is up
@@ -230,8 +230,8 @@ def test_a_compile_past_its_time_limit_is_killed_and_refused(engine):
 def test_one_tenant_never_holds_every_compile_worker(engine):
     """Tenant A sends two slow schemas at once (two workers); tenant B's structured chat is answered meanwhile,
     and A's get a 400 once their compile passes the limit."""
-    limits = GrammarLimits(compile_limit_s=6.0, compile_timeout_s=30.0, workers=2)
-    settings = ServerSettings(model_name=MODEL_NAME, api_key=API_KEY, grammar_limits=limits)
+    limits = GrammarConfig(compile_limit_s=6.0, compile_timeout_s=30.0, workers=2)
+    settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, grammar_limits=limits)
     with HardenedServer(create_app(engine, settings), settings) as live:
         client = live.client()
         schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
@@ -355,7 +355,7 @@ def test_dripped_bodies_are_bounded_in_total_time(server):
 
 
 def test_connections_per_client_address_are_capped(engine):
-    settings = ServerSettings(model_name=MODEL_NAME, api_key=API_KEY, header_timeout_s=20, max_connections_per_client=3)
+    settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, header_timeout_s=20, max_connections_per_client=3)
     with HardenedServer(create_app(engine, settings), settings) as live:
         held = [socket.create_connection(("127.0.0.1", live.port), timeout=10) for _ in range(3)]
         try:

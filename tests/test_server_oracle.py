@@ -13,23 +13,21 @@ from collections.abc import Iterator
 import pytest
 from oracle import Reference, engine_reference
 
-from kvboost_hf.hf.sampling import SamplingParams
+from kvboost_hf.hf.sampling import SamplingConfig
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
 from helpers import API_KEY, MODEL_NAME, SYSTEM, LiveServer  # noqa: E402
 
-from kvboost_hf.server.app import ServerSettings, create_app  # noqa: E402
+from kvboost_hf.server.app import ServerConfig, create_app  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 @pytest.fixture(scope="module")
 def server(embedded_engine) -> Iterator[LiveServer]:
-    settings = ServerSettings(
-        model_name=MODEL_NAME, api_key=API_KEY, batch_window_ms=30, max_batch_size=4, max_queue=16
-    )
+    settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, batch_window_ms=30, max_batch_size=4, max_queue=16)
     with LiveServer(create_app(embedded_engine, settings)) as live:
         yield live
 
@@ -60,6 +58,6 @@ def test_seeded_sampled_choices_equal_transformers_generate_alone(embedded_engin
     )  # fmt: skip
     assert len(response.choices) == 2
     for choice in response.choices:
-        sampling = SamplingParams(temperature=0.9, top_p=0.95, top_k=30, presence_penalty=0.5, seed=11 + choice.index)
+        sampling = SamplingConfig(temperature=0.9, top_p=0.95, top_k=30, presence_penalty=0.5, seed=11 + choice.index)
         expected = engine_reference(embedded_engine, messages, 8, sampling)
         assert choice.message.content == text_of(embedded_engine, expected), choice.index

@@ -25,7 +25,7 @@ from helpers import API_KEY, MODEL_NAME, LiveServer, metric  # noqa: E402
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.core.config import RepairConfig  # noqa: E402
 from kvboost_hf.engine import InferenceEngine  # noqa: E402
-from kvboost_hf.server.app import ServerSettings, create_app  # noqa: E402
+from kvboost_hf.server.app import ServerConfig, create_app  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -48,7 +48,7 @@ def exact_engine():
 
 
 def live(engine) -> LiveServer:
-    return LiveServer(create_app(engine, ServerSettings(model_name=MODEL_NAME, api_key=API_KEY, reuse_mode="chunk")))
+    return LiveServer(create_app(engine, ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, reuse_mode="chunk")))
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,7 @@ def test_a_rag_request_and_a_plain_request_share_one_batch(exact_engine):
     segment starts, then decodes with the other): the RAG answer and its cached tokens equal those it gets alone
     (same store contents, under another tenant), and the plain answer is the model's greedy answer."""
     engine = InferenceEngine(exact_engine.model, exact_engine.tokenizer, chunking=16)  # default repair, own store
-    settings = ServerSettings(
+    settings = ServerConfig(
         model_name=MODEL_NAME, api_key=API_KEY, reuse_mode="chunk", batch_window_ms=1500, max_batch_size=2
     )
     salt = uuid.uuid4().hex

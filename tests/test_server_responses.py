@@ -21,7 +21,7 @@ pytest.importorskip("uvicorn")
 from helpers import API_KEY, MODEL_NAME, PERSON, SYSTEM, WEATHER_TOOL, LiveServer, chat, metric  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
-from kvboost_hf.server.app import ServerSettings, create_app  # noqa: E402
+from kvboost_hf.server.app import ServerConfig, create_app  # noqa: E402
 from kvboost_hf.server.batching import Done  # noqa: E402
 from kvboost_hf.server.errors import ApiError  # noqa: E402
 from kvboost_hf.server.responses_api import ResponseBuilder, chat_request  # noqa: E402
@@ -143,9 +143,7 @@ def test_builder_ends_cut_failed_and_empty_answers():
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
     engine = KVBoost.from_pretrained(chunking=16)
-    settings = ServerSettings(
-        model_name=MODEL_NAME, api_key=API_KEY, batch_window_ms=30, max_batch_size=4, max_queue=16
-    )
+    settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, batch_window_ms=30, max_batch_size=4, max_queue=16)
     with LiveServer(create_app(engine, settings)) as live:
         yield live
 

@@ -1,4 +1,4 @@
-"""Per-row logits processors (hf/sampling.py) and tool-call parsing (hf/grammar.py), without a model."""
+"""Per-row logits processors (hf/sampling.py) and tool-call parsing (server/grammar.py), without a model."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvboost_hf.hf.sampling import SamplingParams, build_processors, choose_token
+from kvboost_hf.hf.sampling import SamplingConfig, build_processors, choose_token
 
 EOS = 0
 
 
-def process(params: SamplingParams, prompt: list[int], generated: list[int], scores: list[float]) -> torch.Tensor:
+def process(params: SamplingConfig, prompt: list[int], generated: list[int], scores: list[float]) -> torch.Tensor:
     processors = build_processors(params, len(prompt), {EOS})
     return processors(torch.tensor([prompt + generated]), torch.tensor([scores]))[0]
 
@@ -20,39 +20,39 @@ def process(params: SamplingParams, prompt: list[int], generated: list[int], sco
 def test_greedy_is_argmax_and_tiny_temperatures_are_greedy():
     generator = torch.Generator().manual_seed(0)
     scores = torch.tensor([[1.0, 3.0, 2.0]])
-    assert choose_token(scores, SamplingParams(temperature=0), generator) == 1
-    assert choose_token(scores, SamplingParams(temperature=1e-30), generator) == 1
+    assert choose_token(scores, SamplingConfig(temperature=0), generator) == 1
+    assert choose_token(scores, SamplingConfig(temperature=1e-30), generator) == 1
 
 
 def test_presence_and_frequency_penalties_count_generated_tokens_only():
-    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    params = SamplingConfig(presence_penalty=0.5, frequency_penalty=0.25)
     out = process(params, prompt=[1, 1, 1], generated=[2, 2, 3], scores=[0.0] * 4)
     assert out.tolist() == pytest.approx([0.0, 0.0, -1.0, -0.75])  # token 1 is only in the prompt
 
 
 def test_repetition_penalty_covers_prompt_and_output():
-    out = process(SamplingParams(repetition_penalty=2.0), [1], [2], [4.0, 4.0, -4.0, 4.0])
+    out = process(SamplingConfig(repetition_penalty=2.0), [1], [2], [4.0, 4.0, -4.0, 4.0])
     assert out.tolist() == [4.0, 2.0, -8.0, 4.0]
 
 
 def test_logit_bias_min_tokens_and_stop_ids():
-    params = SamplingParams(logit_bias=((3, 5.0),), min_tokens=2, stop_token_ids=(2,))
+    params = SamplingConfig(logit_bias=((3, 5.0),), min_tokens=2, stop_token_ids=(2,))
     out = process(params, [1], [3], [1.0, 1.0, 1.0, 1.0])
     assert out[3] == 6.0 and out[EOS] == -float("inf") and out[2] == -float("inf")  # 1 token < min_tokens
     out = process(params, [1], [3, 3], [1.0, 1.0, 1.0, 1.0])
     assert out[EOS] == 1.0 and out[2] == 1.0
     assert params.end_token_ids({EOS}) == {EOS, 2}
-    assert SamplingParams(ignore_eos=True, stop_token_ids=(2,)).end_token_ids({EOS}) == {2}
+    assert SamplingConfig(ignore_eos=True, stop_token_ids=(2,)).end_token_ids({EOS}) == {2}
 
 
 def test_warpers_restrict_the_draw():
     scores = [2.0, 1.9, 0.0, -1.0]
     generator = torch.Generator().manual_seed(0)
     for params, allowed in [
-        (SamplingParams(top_k=1, temperature=1.5), {0}),
-        (SamplingParams(top_k=2), {0, 1}),
-        (SamplingParams(min_p=0.5), {0, 1}),
-        (SamplingParams(top_p=0.3), {0}),
+        (SamplingConfig(top_k=1, temperature=1.5), {0}),
+        (SamplingConfig(top_k=2), {0, 1}),
+        (SamplingConfig(min_p=0.5), {0, 1}),
+        (SamplingConfig(top_p=0.3), {0}),
     ]:
         processed = process(params, [1], [], scores)[None]
         picks = {choose_token(processed, params, generator) for _ in range(50)}
@@ -61,7 +61,7 @@ def test_warpers_restrict_the_draw():
 
 def test_a_fully_masked_row_is_an_error_not_a_nan_draw():
     with pytest.raises(ValueError, match="masked"):
-        choose_token(torch.full((1, 3), -float("inf")), SamplingParams(), torch.Generator())
+        choose_token(torch.full((1, 3), -float("inf")), SamplingConfig(), torch.Generator())
 
 
 CALLS = [
@@ -80,7 +80,7 @@ ANSWER = "Let me check. " + "\n".join(tag(*call) for call in [*CALLS, CALLS[0]])
 def test_tool_calls_read_the_same_whole_and_streamed_at_every_cut():
     """Cut the answer anywhere (as max_tokens does): no markup in content or arguments, every call's arguments are
     a prefix of the real ones, a repeat is dropped, and a stream adds up to the whole answer."""
-    grammar = pytest.importorskip("kvboost_hf.hf.grammar")
+    grammar = pytest.importorskip("kvboost_hf.server.grammar")
     assert grammar.parse_tool_calls(ANSWER) == ("Let me check.", [grammar.ToolCall(*call) for call in CALLS])
     assert grammar.parse_tool_calls(tag(*CALLS[0])) == ("", [grammar.ToolCall(*CALLS[0])])
     for cut in range(len(ANSWER) + 1):
@@ -104,7 +104,7 @@ def test_tool_calls_read_the_same_whole_and_streamed_at_every_cut():
 
 
 def test_tool_call_reading_drops_a_trailing_partial_tag_and_waits_on_whitespace():
-    grammar = pytest.importorskip("kvboost_hf.hf.grammar")
+    grammar = pytest.importorskip("kvboost_hf.server.grammar")
     assert grammar.parse_tool_calls("Sure <tool_c") == ("Sure ", [])
     assert grammar.parse_tool_calls("Sure \n") == ("Sure \n", [])  # no call follows: the text is the content
     assert grammar.ToolCallStream().update("Sure \n") == ("Sure", [])  # a call may still follow
@@ -116,8 +116,8 @@ def grammars():
     xgrammar = pytest.importorskip("xgrammar")
     from transformers import AutoTokenizer
 
-    from kvboost_hf.hf.grammar import GrammarCompiler
     from kvboost_hf.hf.models import embedded_model_dir
+    from kvboost_hf.server.grammar import GrammarCompiler
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
     return SimpleNamespace(xgrammar=xgrammar, tokenizer=tokenizer, compiler=GrammarCompiler(tokenizer, len(tokenizer)))
@@ -128,7 +128,7 @@ CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required"
 
 def test_tool_arguments_and_json_schema_share_the_compact_grammar(grammars):
     """No free whitespace in either: a no-argument call is exactly ``{}``, arguments cannot be padded."""
-    from kvboost_hf.hf.grammar import Tool
+    from kvboost_hf.server.grammar import Tool
 
     tools = [Tool("get_time", {"type": "object"}), Tool("get_weather", CITY)]
     calls = grammars.compiler.tool_calls(tools, required=True, parallel=True).result()
@@ -147,7 +147,7 @@ def test_tool_arguments_and_json_schema_share_the_compact_grammar(grammars):
 def test_tool_call_processor_ends_the_turn_at_a_repeated_call(grammars):
     """Under ``required`` with parallel calls the grammar allows calls without end; a repeat ends the turn, and so
     does a budget too small for another call as long as the shortest one so far."""
-    from kvboost_hf.hf.grammar import Tool
+    from kvboost_hf.server.grammar import Tool
 
     grammar = grammars.compiler.tool_calls([Tool("get_weather", CITY)], required=True, parallel=True).result()
     tokenizer = grammars.tokenizer

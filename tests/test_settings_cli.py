@@ -14,9 +14,9 @@ from kvboost_hf import KVBoost
 from kvboost_hf.core.config import RecomputeStrategy, RepairConfig
 from kvboost_hf.core.settings import add_settings_arguments, settings_from_args, settings_values
 from kvboost_hf.engine import sampling_params
-from kvboost_hf.hf.sampling import SamplingParams
+from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.server.launch import SETTINGS_FLAGS, add_arguments
-from kvboost_hf.server.settings import REUSE_MODES, ServerSettings
+from kvboost_hf.server.settings import REUSE_MODES, ServerConfig
 from kvboost_hf.store.config import StoreConfig
 
 
@@ -44,7 +44,7 @@ def test_every_settings_field_has_a_flag_and_parsing_none_gives_the_dataclass_de
 
 def test_server_settings_and_store_config_from_no_flags_equal_their_defaults():
     args = server_parser().parse_args([])
-    assert settings_from_args(ServerSettings, args, model_name=ServerSettings().model_name) == ServerSettings()
+    assert settings_from_args(ServerConfig, args, model_name=ServerConfig().model_name) == ServerConfig()
     assert settings_from_args(StoreConfig, args) == StoreConfig()
     assert settings_from_args(RepairConfig, args) == RepairConfig()
 
@@ -57,7 +57,7 @@ def test_flags_parse_into_the_settings():
     repair = settings_from_args(RepairConfig, args)
     assert (repair.strategy, repair.sink_tokens) == (RecomputeStrategy.CACHEBLEND, 4)
     assert settings_from_args(StoreConfig, args).max_bytes == 1000
-    server = settings_from_args(ServerSettings, args)
+    server = settings_from_args(ServerConfig, args)
     assert (server.batch_window_ms, server.reuse_mode) == (2.5, "chunk")
     assert settings_values(SETTINGS_FLAGS[4][0], args)["pin_memory"] is False
 
@@ -120,11 +120,11 @@ def test_a_field_without_default_or_flag_type_is_refused():
 
 
 def test_sampling_shorthands_build_one_params_and_both_is_an_error():
-    assert sampling_params(None) == SamplingParams(temperature=0.0)
-    assert sampling_params(None, temperature=0.5, do_sample=True, top_p=0.9, seed=3) == SamplingParams(
+    assert sampling_params(None) == SamplingConfig(temperature=0.0)
+    assert sampling_params(None, temperature=0.5, do_sample=True, top_p=0.9, seed=3) == SamplingConfig(
         temperature=0.5, top_p=0.9, seed=3
     )
-    given = SamplingParams(temperature=0.7, top_k=4)
+    given = SamplingConfig(temperature=0.7, top_k=4)
     assert sampling_params(given) is given
     with pytest.raises(ValueError, match="temperature"):
         sampling_params(given, temperature=0.2)
@@ -141,7 +141,7 @@ def test_engine_takes_settings_objects_and_names_an_old_keyword(embedded_engine)
     with pytest.raises(TypeError, match="recompute_strategy"):
         KVBoost(model, tokenizer, recompute_strategy="none")
     with pytest.raises(ValueError, match="not both"):
-        engine.generate("Hi", max_new_tokens=1, temperature=0.5, sampling=SamplingParams())
+        engine.generate("Hi", max_new_tokens=1, temperature=0.5, sampling=SamplingConfig())
 
 
 def test_from_pretrained_passes_settings_objects(monkeypatch, embedded_engine):
@@ -162,7 +162,7 @@ def test_draft_tree_flags_reach_the_engine(tmp_path):
     from conftest import make_tiny_model
     from helpers import word_tokenizer
 
-    from kvboost_hf.hf.speculative import DraftSettings
+    from kvboost_hf.hf.speculative import DraftConfig
     from kvboost_hf.server.launch import add_arguments, build_engine
 
     make_tiny_model("llama").save_pretrained(tmp_path / "target")
@@ -172,5 +172,32 @@ def test_draft_tree_flags_reach_the_engine(tmp_path):
     flags = ["--model", str(tmp_path / "target"), "--draft-early-exit", "1", "--num-draft-tokens", "4",
              "--tree-budget", "12", "--tree-branching", "3"]  # fmt: skip
     engine = build_engine(parser.parse_args(flags))
-    expected = DraftSettings(num_draft_tokens=4, early_exit_layers=1, tree_budget=12, tree_branching=3)
+    expected = DraftConfig(num_draft_tokens=4, early_exit_layers=1, tree_budget=12, tree_branching=3)
     assert engine.draft_settings == expected and engine.speculative
+
+
+class _PolicyEngine:
+    """The one engine call a Worker makes before it starts: its batch policy for a mode."""
+
+    def batch_policy(self, mode: object) -> str:
+        return f"policy for {mode}"
+
+
+def test_worker_takes_the_server_settings_in_their_units():
+    """The worker has no defaults of its own: it reads ServerConfig (the batch window in ms) and its mode."""
+    from kvboost_hf.core.config import GenerationMode
+    from kvboost_hf.server.worker import Worker
+
+    worker = Worker(_PolicyEngine(), ServerConfig(reuse_mode="chunk", batch_window_ms=250, max_batch_size=3))  # type: ignore[arg-type]
+    assert worker.batch_window_s == 0.25 and worker.max_batch_size == 3 and worker.max_queue == 64
+    assert worker.mode is GenerationMode.CHUNK_KV_REUSE and worker.policy == f"policy for {worker.mode}"
+    default = Worker(_PolicyEngine())  # type: ignore[arg-type]
+    assert (default.batch_window_s, default.mode) == (ServerConfig().batch_window_ms / 1e3, REUSE_MODES["prefix"])
+
+
+@pytest.mark.parametrize(
+    "field, value", [("reuse_mode", "sometimes"), ("max_batch_size", 0), ("max_queue", 0), ("batch_window_ms", -1)]
+)
+def test_server_settings_refuse_values_the_worker_cannot_run(field, value):
+    with pytest.raises(ValueError, match=field):
+        ServerConfig(**{field: value})

@@ -13,9 +13,9 @@ from oracle import GREEDY, engine_reference, oracle_text, reference
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, KVBoost
 from kvboost_hf.corpus import documents
-from kvboost_hf.hf.sampling import SamplingParams
-from kvboost_hf.hf.speculative import DraftSettings, Speculation
-from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
+from kvboost_hf.hf.sampling import SamplingConfig
+from kvboost_hf.hf.speculative import DraftConfig, Speculation
+from kvboost_hf.offload import LayerStreamingConfig, enable_layer_streaming
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_drop_in_greedy_with_draft_equals_plain_greedy(target, drafts, draft_nam
         greedy(target, ids, past_key_values=ChunkReuseCache(store, target, chunking=16))
     cache = None if cache_state == "dynamic" else ChunkReuseCache(store, target, chunking=16)
     draft = drafts[draft_name]
-    with Speculation(target, draft, DraftSettings(num_draft_tokens=4)) as speculation:
+    with Speculation(target, draft, DraftConfig(num_draft_tokens=4)) as speculation:
         out = greedy(target, ids, past_key_values=cache, **speculation.generate_kwargs())
     assert torch.equal(out, plain)
     stats = speculation.stats
@@ -75,7 +75,7 @@ def test_early_exit_draft_is_exact_and_schedule_is_explicit_and_restored(target)
     ids = torch.randint(2, VOCAB, (1, 40), generator=torch.Generator().manual_seed(4))
     plain = greedy(target, ids)
     target.generation_config.num_assistant_tokens = 20  # transformers' default, which must not be used
-    with Speculation(target, settings=DraftSettings(num_draft_tokens=3, early_exit_layers=1)) as speculation:
+    with Speculation(target, settings=DraftConfig(num_draft_tokens=3, early_exit_layers=1)) as speculation:
         assert target.generation_config.num_assistant_tokens == 3
         assert target.generation_config.assistant_confidence_threshold == 0.0
         out = greedy(target, ids, **speculation.generate_kwargs())
@@ -89,13 +89,13 @@ def test_early_exit_draft_is_exact_and_schedule_is_explicit_and_restored(target)
 
 def test_settings_are_validated(target, drafts):
     with pytest.raises(ValueError, match="num_draft_tokens"):
-        DraftSettings(num_draft_tokens=0)
+        DraftConfig(num_draft_tokens=0)
     with pytest.raises(ValueError, match="schedule"):
-        DraftSettings(schedule="adaptive")
+        DraftConfig(schedule="adaptive")
     with pytest.raises(ValueError, match="below the target's 2 layers"):
-        Speculation(target, settings=DraftSettings(early_exit_layers=2))
+        Speculation(target, settings=DraftConfig(early_exit_layers=2))
     with pytest.raises(ValueError, match="not both"):
-        Speculation(target, drafts["other"], DraftSettings(early_exit_layers=1))
+        Speculation(target, drafts["other"], DraftConfig(early_exit_layers=1))
     with Speculation(target, drafts["other"]), pytest.raises(RuntimeError, match="already drafting"):
         Speculation(target, drafts["other"]).__enter__()
 
@@ -113,7 +113,7 @@ def test_speculative_sampling_keeps_the_target_distribution():
     draws, counts, accepted = 150, torch.zeros(16, dtype=torch.long), 0
     torch.manual_seed(0)
     for _ in range(draws):  # max_new_tokens=2: the draft proposes 1 token, the first token is verified
-        with Speculation(target, draft, DraftSettings(num_draft_tokens=1)) as speculation:
+        with Speculation(target, draft, DraftConfig(num_draft_tokens=1)) as speculation:
             out = sample(target, ids, max_new_tokens=2, **speculation.generate_kwargs())
         counts[out[0, ids.shape[1]]] += 1
         accepted += speculation.stats.accepted(out.shape[1] - ids.shape[1])
@@ -129,7 +129,7 @@ def test_seeded_sampling_with_a_draft_is_reproducible(target, drafts):
     outputs = []
     for _ in range(2):
         torch.manual_seed(11)
-        with Speculation(target, drafts["other"], DraftSettings(num_draft_tokens=3)) as speculation:
+        with Speculation(target, drafts["other"], DraftConfig(num_draft_tokens=3)) as speculation:
             outputs.append(sample(target, ids, max_new_tokens=16, **speculation.generate_kwargs()))
         assert speculation.stats.draft_tokens_proposed > 0
     assert torch.equal(outputs[0], outputs[1])
@@ -140,7 +140,7 @@ def test_seeded_sampling_with_a_draft_is_reproducible(target, drafts):
 def engines(target, drafts):
     tokenizer = word_tokenizer()
     plain = KVBoost(target, tokenizer, chunking=16)
-    speculative = KVBoost(target, tokenizer, chunking=16, draft_model=drafts["other"], draft=DraftSettings(4))
+    speculative = KVBoost(target, tokenizer, chunking=16, draft_model=drafts["other"], draft=DraftConfig(4))
     return plain, speculative
 
 
@@ -182,9 +182,7 @@ def test_engine_batches_decode_with_the_draft(engines, drafts):
     """Rows of one batch verify their own proposals in one forward and accept different counts; each row's greedy
     tokens are transformers' own greedy tokens for it alone."""
     plain, _ = engines
-    speculative = KVBoost(
-        plain.model, plain.tokenizer, chunking=16, draft_model=drafts["noisy"], draft=DraftSettings(4)
-    )
+    speculative = KVBoost(plain.model, plain.tokenizer, chunking=16, draft_model=drafts["noisy"], draft=DraftConfig(4))
     prompts = [words(8, 30), words(9, 34), words(10, 21), words(11, 26)]
     batched = speculative.generate_batch(prompts, max_new_tokens=24)
     assert [r.output_ids for r in batched] == [engine_reference(plain, p, 24).tokens for p in prompts]
@@ -194,7 +192,7 @@ def test_engine_batches_decode_with_the_draft(engines, drafts):
     assert batched[0].target_forwards < max(r.generated_tokens for r in batched)  # verifies took several tokens
 
 
-SAMPLING = SamplingParams(temperature=0.9, top_k=30, presence_penalty=0.3, seed=1234)
+SAMPLING = SamplingConfig(temperature=0.9, top_k=30, presence_penalty=0.3, seed=1234)
 
 
 @pytest.mark.parametrize("draft", ["other", "copy", "early_exit"])
@@ -205,9 +203,9 @@ def test_engine_seeded_sampling_is_the_same_with_a_draft_alone_and_in_a_batch(ta
     tokenizer = word_tokenizer()
     plain = KVBoost(target, tokenizer, chunking=16)
     if draft == "early_exit":
-        speculative = KVBoost(target, tokenizer, chunking=16, draft=DraftSettings(3, early_exit_layers=1))
+        speculative = KVBoost(target, tokenizer, chunking=16, draft=DraftConfig(3, early_exit_layers=1))
     else:
-        speculative = KVBoost(target, tokenizer, chunking=16, draft_model=drafts[draft], draft=DraftSettings(3))
+        speculative = KVBoost(target, tokenizer, chunking=16, draft_model=drafts[draft], draft=DraftConfig(3))
     prompt, others = words(30, 40), [words(31 + i, 25 + 7 * i) for i in range(3)]
     alone = plain.generate(prompt, max_new_tokens=16, sampling=SAMPLING)
     drafted = speculative.generate(prompt, max_new_tokens=16, sampling=SAMPLING)
@@ -225,7 +223,7 @@ def test_engine_refuses_a_draft_with_another_vocabulary(target):
     with pytest.raises(TypeError, match="draft_model must be"):
         KVBoost(target, word_tokenizer(), draft_model=3)
     with pytest.raises(ValueError, match="below the target's"):
-        KVBoost(target, word_tokenizer(), draft=DraftSettings(early_exit_layers=5))
+        KVBoost(target, word_tokenizer(), draft=DraftConfig(early_exit_layers=5))
 
 
 def test_server_metrics_expose_the_draft_counters(engines):
@@ -245,7 +243,7 @@ def test_server_flags_name_the_draft():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--draft-model", "drafts/small", "--num-draft-tokens", "3"])
-    assert (args.draft_model, settings_from_args(DraftSettings, args).num_draft_tokens) == ("drafts/small", 3)
+    assert (args.draft_model, settings_from_args(DraftConfig, args).num_draft_tokens) == ("drafts/small", 3)
     assert parser.parse_args([]).draft_model is None
 
 
@@ -257,9 +255,9 @@ def test_streamed_target_with_draft_and_chunk_reuse_equals_resident_greedy(early
     streamed per generated token than streaming without a draft."""
     resident = make_tiny_model("llama", num_hidden_layers=3)
     streamed = make_tiny_model("llama", num_hidden_layers=3)
-    handle = enable_layer_streaming(streamed, LayerStreaming(num_slots=2))
+    handle = enable_layer_streaming(streamed, LayerStreamingConfig(num_slots=2))
     draft = copy.deepcopy(resident)
-    settings = DraftSettings(num_draft_tokens=4, early_exit_layers=2 if early_exit else None)
+    settings = DraftConfig(num_draft_tokens=4, early_exit_layers=2 if early_exit else None)
     ids = torch.randint(2, VOCAB, (1, 50), generator=torch.Generator().manual_seed(12))
     expected = greedy(resident, ids)
     new_tokens = expected.shape[1] - ids.shape[1]
@@ -286,9 +284,9 @@ def test_streamed_target_with_draft_and_chunk_reuse_equals_resident_greedy(early
 
 def test_engine_reports_streamed_bytes_per_token_with_a_draft(target):
     streamed = copy.deepcopy(target)
-    handle = enable_layer_streaming(streamed, LayerStreaming())
+    handle = enable_layer_streaming(streamed, LayerStreamingConfig())
     plain_engine = KVBoost(streamed, word_tokenizer(), chunking=16)
-    engine = KVBoost(streamed, word_tokenizer(), chunking=16, draft_model=copy.deepcopy(target), draft=DraftSettings(4))
+    engine = KVBoost(streamed, word_tokenizer(), chunking=16, draft_model=copy.deepcopy(target), draft=DraftConfig(4))
     prompt = words(13, 40)
     plain = plain_engine.generate(prompt, max_new_tokens=12)
     drafted = engine.generate(prompt, max_new_tokens=12)
@@ -310,8 +308,8 @@ def test_embedded_model_with_early_exit_and_engine_drafts_equals_greedy(embedded
     expected = engine_reference(embedded_engine, messages, 16)
     shared = {"chunking": 64, "store": embedded_engine.store}
     model, tokenizer = embedded_engine.model, embedded_engine.tokenizer
-    early = KVBoost(model, tokenizer, **shared, draft=DraftSettings(3, early_exit_layers=20)).generate(messages, 16)
-    itself = KVBoost(model, tokenizer, draft_model=embedded_engine, **shared, draft=DraftSettings(3))
+    early = KVBoost(model, tokenizer, **shared, draft=DraftConfig(3, early_exit_layers=20)).generate(messages, 16)
+    itself = KVBoost(model, tokenizer, draft_model=embedded_engine, **shared, draft=DraftConfig(3))
     itself.generate(messages, max_new_tokens=16)
     again = itself.generate(messages, max_new_tokens=16)
     assert early.output_ids == again.output_ids == expected.tokens
@@ -328,14 +326,14 @@ def test_server_seeded_request_gets_the_same_tokens_alone_batched_and_with_a_dra
     pytest.importorskip("openai")
     from helpers import API_KEY, LiveServer, metric
 
-    from kvboost_hf.server.app import ServerSettings, create_app
+    from kvboost_hf.server.app import ServerConfig, create_app
 
     plain, speculative = engines
     seeded = {"prompt": words(40, 30), "max_tokens": 12, "temperature": 0.9, "presence_penalty": 0.3, "seed": 77}
     others = [words(41 + i, 24 + 5 * i) for i in range(3)]
     expected = [oracle_text(plain, p, 12) for p in others]
-    drawn = oracle_text(plain, seeded["prompt"], 12, SamplingParams(temperature=0.9, presence_penalty=0.3, seed=77))
-    settings = ServerSettings(model_name="tiny", api_key=API_KEY, batch_window_ms=300, max_batch_size=4)
+    drawn = oracle_text(plain, seeded["prompt"], 12, SamplingConfig(temperature=0.9, presence_penalty=0.3, seed=77))
+    settings = ServerConfig(model_name="tiny", api_key=API_KEY, batch_window_ms=300, max_batch_size=4)
 
     def complete(client, **body):
         return client.completions.create(model="tiny", **body).choices[0].text

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.store.chunk_store import ChunkStore
+from kvboost_hf.store.config import StoreConfig
 
 
 def entry(tokens: int, fill: float = 0.0) -> ChunkKV:
@@ -25,7 +26,7 @@ ops = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(ops, st.integers(0, 2000))
 def test_budget_is_never_exceeded(operations, budget):
-    store = ChunkStore(budget)
+    store = ChunkStore(StoreConfig(budget))
     for op, key, tokens in operations:
         name = f"k{key}"
         if op == "put":
@@ -42,7 +43,7 @@ def test_budget_is_never_exceeded(operations, budget):
 
 def test_eviction_prefers_rarely_used_then_least_recent():
     one = entry(4).nbytes
-    store = ChunkStore(3 * one)
+    store = ChunkStore(StoreConfig(3 * one))
     for key in ("system", "a", "b"):
         store.put(key, entry(4))
     for _ in range(3):
@@ -58,7 +59,7 @@ def test_eviction_prefers_rarely_used_then_least_recent():
 
 def test_pinned_entries_are_never_evicted_and_full_pinned_store_refuses():
     one = entry(4).nbytes
-    store = ChunkStore(2 * one)
+    store = ChunkStore(StoreConfig(2 * one))
     store.put("a", entry(4))
     store.put("b", entry(4))
     assert store.pin("a") and store.pin("b")
@@ -72,7 +73,7 @@ def test_pinned_entries_are_never_evicted_and_full_pinned_store_refuses():
 
 
 def test_oversized_entry_is_refused_without_evicting_others():
-    store = ChunkStore(entry(4).nbytes)
+    store = ChunkStore(StoreConfig(entry(4).nbytes))
     store.put("small", entry(4))
     store.put("huge", entry(40))
     assert store.contains("small") and not store.contains("huge")
@@ -89,7 +90,7 @@ def test_hits_and_misses_are_counted():
 
 def test_concurrent_use_keeps_accounting_exact():
     one = entry(3).nbytes
-    store = ChunkStore(10 * one)
+    store = ChunkStore(StoreConfig(10 * one))
 
     def worker(offset: int) -> None:
         for i in range(200):

@@ -22,6 +22,7 @@ from helpers import ENV, key, raw_entry, run_python
 from kvboost_hf import ChunkReuseCache
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.store.chunk_store import ChunkStore, _close_at_exit
+from kvboost_hf.store.config import StoreConfig
 
 _PROMPTS = 12
 _GENERATE = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -36,10 +37,10 @@ _SERVING_PROCESS = textwrap.dedent(
     import sys
     from conftest import make_tiny_model
     from test_store_faults import prompt, _GENERATE, _PROMPTS
-    from kvboost_hf import ChunkReuseCache, ChunkStore
+    from kvboost_hf import ChunkReuseCache, ChunkStore, StoreConfig
 
     model = make_tiny_model("llama")
-    store = ChunkStore(1 << 26, disk_cache_dir=sys.argv[1])  # never closed: killed with SIGKILL
+    store = ChunkStore(StoreConfig(1 << 26, disk_cache_dir=sys.argv[1]))  # never closed: killed with SIGKILL
     for i in range(_PROMPTS):
         model.generate(prompt(i), past_key_values=ChunkReuseCache(store, model, chunking=16), **_GENERATE)
         if i == 2:
@@ -66,7 +67,7 @@ def test_sigkill_during_write_through_loses_only_queued_writes(tmp_path: Path):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     model = make_tiny_model("llama")
-    with ChunkStore(1 << 26, disk_cache_dir=tmp_path) as store:
+    with ChunkStore(StoreConfig(1 << 26, disk_cache_dir=tmp_path)) as store:
         survivors = store.stats()["disk_chunks"]
         assert survivors >= 6  # the first three prompts' chunks were flushed before "ready"
         reused = 0
@@ -83,9 +84,9 @@ def test_store_dropped_without_close_keeps_its_entries(tmp_path: Path):
         """
         import os, sys, time
         from helpers import key, raw_entry
-        from kvboost_hf.store.chunk_store import ChunkStore
+        from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
-        store = ChunkStore(1 << 24, disk_cache_dir=sys.argv[1])
+        store = ChunkStore(StoreConfig(1 << 24, disk_cache_dir=sys.argv[1]))
         for i in range(20):
             store.put(key(i), raw_entry(tokens=64, seed=i))
         while store.stats()["disk_queued"]:
@@ -95,7 +96,7 @@ def test_store_dropped_without_close_keeps_its_entries(tmp_path: Path):
     )
     done = run_python(code, str(tmp_path))
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
-    with ChunkStore(1 << 24, disk_cache_dir=tmp_path) as store:
+    with ChunkStore(StoreConfig(1 << 24, disk_cache_dir=tmp_path)) as store:
         for i in range(20):
             got = store.get(key(i))
             assert got is not None and torch.equal(got.keys, raw_entry(tokens=64, seed=i).keys)
@@ -107,11 +108,11 @@ _FULL_DISK = textwrap.dedent(
     import json, resource, signal, sys
     import torch
     from helpers import key, raw_entry
-    from kvboost_hf.store.chunk_store import ChunkStore
+    from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, like ENOSPC
     resource.setrlimit(resource.RLIMIT_FSIZE, (96 << 10, 96 << 10))
-    store = ChunkStore(1 << 26, disk_cache_dir=sys.argv[1])
+    store = ChunkStore(StoreConfig(1 << 26, disk_cache_dir=sys.argv[1]))
     served = 0
     for i in range(30):
         store.put(key(i), raw_entry(tokens=200, seed=i))
@@ -136,7 +137,7 @@ def test_unopenable_disk_directory_is_not_a_constructor_error(tmp_path: Path, ca
     blocker = tmp_path / "file"
     blocker.write_text("a file where the directory should be")
     with caplog.at_level(logging.WARNING):
-        store = ChunkStore(1 << 20, disk_cache_dir=blocker / "cache")
+        store = ChunkStore(StoreConfig(1 << 20, disk_cache_dir=blocker / "cache"))
     with store:
         store.put(key(1), raw_entry())
         assert store.get(key(1)) is not None
@@ -147,7 +148,7 @@ def test_unopenable_disk_directory_is_not_a_constructor_error(tmp_path: Path, ca
 def test_directory_deleted_while_serving(tmp_path: Path, caplog):
     model = make_tiny_model("llama")
     directory = tmp_path / "cache"
-    with ChunkStore(1 << 26, disk_cache_dir=directory) as store:
+    with ChunkStore(StoreConfig(1 << 26, disk_cache_dir=directory)) as store:
         for i in range(6):
             if i == 2:
                 store.flush()
@@ -163,14 +164,14 @@ def test_directory_deleted_while_serving(tmp_path: Path, caplog):
 
 
 def test_use_after_close_is_a_miss(tmp_path: Path):
-    store = ChunkStore(0, disk_cache_dir=tmp_path)  # no RAM: entries live on disk only
+    store = ChunkStore(StoreConfig(0, disk_cache_dir=tmp_path))  # no RAM: entries live on disk only
     store.put(key(1), raw_entry())
     store.close()
     assert store.get(key(1)) is None and not store.contains(key(1))
     store.put(key(2), raw_entry())
     assert store.tail_lengths(None) == []
     store.close()
-    other = ChunkStore(1 << 20, disk_cache_dir=tmp_path / "b")
+    other = ChunkStore(StoreConfig(1 << 20, disk_cache_dir=tmp_path / "b"))
     _close_at_exit(lambda: other)  # what the interpreter runs at exit
     other.put(key(3), raw_entry())
     assert other.get(key(3)) is not None and other.get(key(4)) is None
@@ -178,7 +179,7 @@ def test_use_after_close_is_a_miss(tmp_path: Path):
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 40000.0])
 def test_unquantizable_chunks_are_skipped(bad: float, caplog):
-    store = ChunkStore(1 << 20, kv_cache_bits=4)
+    store = ChunkStore(StoreConfig(1 << 20, kv_cache_bits=4))
     entry = raw_entry()
     keys = entry.keys.clone()
     keys[0, 0, 0, 0] = bad
@@ -194,28 +195,28 @@ def test_unquantizable_chunk_does_not_fail_generation():
     model = make_tiny_model("llama")
     with torch.no_grad():
         model.model.layers[0].self_attn.k_proj.weight.mul_(1e6)
-    store = ChunkStore(1 << 24, kv_cache_bits=4)
+    store = ChunkStore(StoreConfig(1 << 24, kv_cache_bits=4))
     cache = ChunkReuseCache(store, model, chunking=16)
     out = model.generate(prompt(0), past_key_values=cache, **_GENERATE)
     assert out.shape[1] > prompt(0).shape[1] and store.stats()["skipped"] > 0
 
 
 def test_tail_index_survives_a_restart(tmp_path: Path):
-    with ChunkStore(1 << 20, disk_cache_dir=tmp_path) as store:
+    with ChunkStore(StoreConfig(1 << 20, disk_cache_dir=tmp_path)) as store:
         store.note_tail("ab" * 32, 7)
         store.note_tail(None, 3)
-    with ChunkStore(1 << 20, disk_cache_dir=tmp_path) as reopened:
+    with ChunkStore(StoreConfig(1 << 20, disk_cache_dir=tmp_path)) as reopened:
         assert reopened.tail_lengths("ab" * 32) == [7] and reopened.tail_lengths(None) == [3]
 
 
 def test_restart_reuses_the_unfinished_chunk(tmp_path: Path):
     """A conversation's second turn after a restart reuses the first turn's unfinished last chunk."""
     model = make_tiny_model("llama")
-    with ChunkStore(1 << 26, disk_cache_dir=tmp_path) as store:
+    with ChunkStore(StoreConfig(1 << 26, disk_cache_dir=tmp_path)) as store:
         cache = ChunkReuseCache(store, model, chunking=16)
         first = model.generate(prompt(3), past_key_values=cache, **_GENERATE)
     second_turn = torch.cat([first, prompt(4)[:, :5]], dim=1)
-    with ChunkStore(1 << 26, disk_cache_dir=tmp_path) as store:
+    with ChunkStore(StoreConfig(1 << 26, disk_cache_dir=tmp_path)) as store:
         cache = ChunkReuseCache(store, model, chunking=16)
         out = model.generate(second_turn, past_key_values=cache, **_GENERATE)
         assert cache.last_reuse[0].cached_tokens > 32  # two full chunks and the tail

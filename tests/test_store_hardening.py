@@ -18,9 +18,11 @@ import torch
 from conftest import greedy, make_tiny_model
 from helpers import ENV, RedisServer, key, make_entry, raw_entry
 
-from kvboost_hf import ChunkKV, ChunkReuseCache
+from kvboost_hf import ChunkReuseCache
+from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.keys import model_digest
 from kvboost_hf.store.chunk_store import ChunkStore
+from kvboost_hf.store.config import StoreConfig
 from kvboost_hf.store.remote import RemoteTier
 
 # ---------------------------------------------------------------------------------------------- model digest
@@ -74,7 +76,7 @@ def test_generation_after_an_in_place_change_reuses_nothing_stale(edit: str):
     new weights' plain output (before the fix, 12 tokens were reused from the old weights)."""
     model = make_tiny_model("llama")
     ids = torch.randint(1, 128, (1, 28), generator=torch.Generator().manual_seed(3))
-    store = ChunkStore(1 << 24)
+    store = ChunkStore(StoreConfig(1 << 24))
     greedy(model, ids, ChunkReuseCache(store, model, chunking=4), new=2)
     _EDITS[edit](model)
     model.zero_grad(set_to_none=True)
@@ -193,7 +195,7 @@ def test_directory_recreated_by_another_process_is_noticed(tmp_path: Path, caplo
     """The directory deleted and created again (another process opened a new environment there): writes would
     go to the unlinked file. Before: 100/100 flushed entries lost with no error counted."""
     directory = tmp_path / "d"
-    store = ChunkStore(1 << 24, disk_cache_dir=directory)
+    store = ChunkStore(StoreConfig(1 << 24, disk_cache_dir=directory))
     store.put(key(0), raw_entry())
     store.flush()
     shutil.rmtree(directory)
@@ -243,7 +245,7 @@ def test_hung_connect_is_bounded_by_the_read_timeout(unaccepting_port: int):
 
 
 def test_tail_notes_are_published_again_after_a_redis_restart(redis_server: RedisServer):
-    store = ChunkStore(1 << 24, remote_url=redis_server.url)
+    store = ChunkStore(StoreConfig(1 << 24, remote_url=redis_server.url))
     assert store.remote is not None
     try:
         for i in range(18):

@@ -57,7 +57,7 @@ class DictTier(StorageTier):
 def test_a_new_tier_plugs_in_without_changing_the_store():
     one = raw_entry().nbytes
     extra = DictTier()
-    store = ChunkStore(2 * one, tiers=[extra])
+    store = ChunkStore(StoreConfig(2 * one), tiers=[extra])
     for i in range(5):
         store.put(key(i), raw_entry(seed=i))
     assert len(store.ram) == 2 and len(extra) == 5  # written through; RAM keeps two
@@ -73,7 +73,7 @@ def test_a_new_tier_plugs_in_without_changing_the_store():
 
 def test_a_tier_that_lost_its_entries_gets_them_again():
     extra = DictTier()
-    store = ChunkStore(1 << 24, tiers=[extra])
+    store = ChunkStore(StoreConfig(1 << 24), tiers=[extra])
     store.put(key(1), raw_entry())
     store.note_tail(key(1), 7)
     extra.clear()  # as a restarted server would
@@ -88,15 +88,25 @@ def test_store_config_is_one_frozen_set_of_defaults():
         config.max_bytes = 0  # type: ignore[misc]
     with pytest.raises(ValueError, match="kv_cache_bits"):
         StoreConfig(kv_cache_bits=3)
-    store = ChunkStore.from_config(config)
+    store = ChunkStore(config)
     assert store.config == config and store.kv_cache_bits == 8 and store.ram.max_bytes == 1 << 20
-    assert ChunkStore(1 << 20, kv_cache_bits=8).config == config  # the keyword constructor builds the same
+    assert ChunkStore.from_config(config).config == config  # the spelling of earlier versions builds the same
+    assert ChunkStore().config == StoreConfig()  # no settings: StoreConfig's defaults, written there only
+
+
+def test_store_refuses_settings_that_are_not_a_store_config():
+    """The fields of StoreConfig are not ChunkStore arguments (they were): a byte budget given in their place is
+    refused with the spelling to use, not taken for a config."""
+    with pytest.raises(TypeError, match=r"ChunkStore\(StoreConfig\(1048576\)\)"):
+        ChunkStore(1 << 20)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        ChunkStore(max_bytes=1 << 20)  # type: ignore[call-arg]
 
 
 def test_stats_never_raise_on_a_damaged_tier(tmp_path: Path, monkeypatch, caplog):
     """A tier whose counters fail (LMDB pages damaged: lmdb raises reading them) is reported degraded and
     counted. Before: stats() raised, and /v1/warm and /metrics answered 500."""
-    store = ChunkStore(1 << 24, disk_cache_dir=tmp_path, tiers=[DictTier()])
+    store = ChunkStore(StoreConfig(1 << 24, disk_cache_dir=tmp_path), tiers=[DictTier()])
     store.put(key(1), raw_entry())
     store.flush()
     disk = store.disk

@@ -18,6 +18,7 @@ from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.keys import chain_prefix_keys, make_namespace
 from kvboost_hf.store.chunk_store import ChunkStore
+from kvboost_hf.store.config import StoreConfig
 
 DISK_BYTES = 1 << 20
 
@@ -25,7 +26,7 @@ DISK_BYTES = 1 << 20
 @pytest.mark.parametrize("bits", [16, 8, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_bit_width_round_trips_in_the_put_dtype(bits: int, dtype: torch.dtype):
-    store = ChunkStore(1 << 20, kv_cache_bits=bits, kv_group_size=4)
+    store = ChunkStore(StoreConfig(1 << 20, kv_cache_bits=bits, kv_group_size=4))
     entry = raw_entry(dtype=dtype)
     store.put(key(1), entry)
     got = store.get(key(1))
@@ -37,17 +38,19 @@ def test_every_bit_width_round_trips_in_the_put_dtype(bits: int, dtype: torch.dt
 @pytest.mark.parametrize(("bits", "ratio"), [(8, 0.55), (4, 0.30)])
 def test_ram_holds_the_quantized_form(bits: int, ratio: float):
     entry = ChunkKV(torch.randn(4, 3, 128, 64, dtype=torch.float16), torch.randn(4, 3, 128, 64, dtype=torch.float16))
-    store = ChunkStore(1 << 24, kv_cache_bits=bits)
+    store = ChunkStore(StoreConfig(1 << 24, kv_cache_bits=bits))
     store.put(key(1), entry)
     assert store.stats()["ram_bytes"] <= ratio * entry.nbytes
 
 
 @pytest.mark.parametrize("bits", [16, 4])
 def test_every_put_reaches_disk_and_disk_hits_come_back(tmp_path: Path, bits: int):
-    probe = ChunkStore(1 << 20, kv_cache_bits=bits)
+    probe = ChunkStore(StoreConfig(1 << 20, kv_cache_bits=bits))
     probe.put(key(0), raw_entry())
     stored_size = probe.stats()["ram_bytes"]  # all entries have this size
-    store = ChunkStore(2 * stored_size, kv_cache_bits=bits, disk_cache_dir=tmp_path, disk_max_bytes=DISK_BYTES)
+    store = ChunkStore(
+        StoreConfig(2 * stored_size, kv_cache_bits=bits, disk_cache_dir=tmp_path, disk_max_bytes=DISK_BYTES)
+    )
     try:
         for i in range(6):
             store.put(key(i), raw_entry(seed=i))
@@ -64,10 +67,10 @@ def test_every_put_reaches_disk_and_disk_hits_come_back(tmp_path: Path, bits: in
 
 
 def test_restart_keeps_entries(tmp_path: Path):
-    with ChunkStore(1 << 20, disk_cache_dir=tmp_path) as store:
+    with ChunkStore(StoreConfig(1 << 20, disk_cache_dir=tmp_path)) as store:
         for i in range(3):
             store.put(key(i), raw_entry(seed=i))  # all fit in RAM, and are written through to disk
-    with ChunkStore(1 << 20, disk_cache_dir=tmp_path) as reopened:
+    with ChunkStore(StoreConfig(1 << 20, disk_cache_dir=tmp_path)) as reopened:
         for i in range(3):
             got = reopened.get(key(i))
             assert got is not None and torch.equal(got.keys, raw_entry(seed=i).keys)
@@ -83,7 +86,9 @@ def test_restart_keeps_entries(tmp_path: Path):
 def test_budgets_hold(tmp_path_factory, ops, ram_entries: int, bits: int):
     ram_budget = ram_entries * raw_entry(tokens=32).nbytes
     store = ChunkStore(
-        ram_budget, kv_cache_bits=bits, disk_cache_dir=tmp_path_factory.mktemp("b"), disk_max_bytes=16 << 12
+        StoreConfig(
+            ram_budget, kv_cache_bits=bits, disk_cache_dir=tmp_path_factory.mktemp("b"), disk_max_bytes=16 << 12
+        )
     )
     try:
         for is_put, i, tokens in ops:
@@ -101,7 +106,7 @@ def test_budgets_hold(tmp_path_factory, ops, ram_entries: int, bits: int):
 
 def test_pinned_entries_stay_in_ram():
     size = raw_entry().nbytes
-    store = ChunkStore(2 * size)
+    store = ChunkStore(StoreConfig(2 * size))
     store.put(key(0), raw_entry())
     assert store.pin(key(0)) and not store.pin(key(99))
     for i in range(1, 5):
@@ -112,16 +117,16 @@ def test_pinned_entries_stay_in_ram():
 
 def test_invalid_settings():
     with pytest.raises(ValueError):
-        ChunkStore(kv_cache_bits=6)
+        ChunkStore(StoreConfig(kv_cache_bits=6))
     with pytest.raises(ValueError):
-        ChunkStore(kv_group_size=0)
+        ChunkStore(StoreConfig(kv_group_size=0))
 
 
 def test_redis_write_through_promotion_and_outage(redis_server: RedisServer):
-    writer = ChunkStore(1 << 20, kv_cache_bits=8, remote_url=redis_server.url)
+    writer = ChunkStore(StoreConfig(1 << 20, kv_cache_bits=8, remote_url=redis_server.url))
     writer.put(key(1), raw_entry())
     writer.close()
-    reader = ChunkStore(1 << 20, kv_cache_bits=8, remote_url=redis_server.url)
+    reader = ChunkStore(StoreConfig(1 << 20, kv_cache_bits=8, remote_url=redis_server.url))
     try:
         first = reader.get(key(1))
         second = reader.get(key(1))
@@ -145,11 +150,11 @@ def test_namespace_isolation_in_every_tier(tmp_path: Path, redis_server: RedisSe
     models = [make_tiny_model("llama", seed=0), make_tiny_model("llama", seed=1)]
     keys_a, keys_b = (chain_prefix_keys(make_namespace(m, torch.float32, chunking), tokens, spans) for m in models)
     assert not set(keys_a) & set(keys_b)
-    with ChunkStore(1 << 20, disk_cache_dir=tmp_path, remote_url=redis_server.url) as store:
+    with ChunkStore(StoreConfig(1 << 20, disk_cache_dir=tmp_path, remote_url=redis_server.url)) as store:
         for i, k in enumerate(keys_a):
             store.put(k, raw_entry(seed=i))
         assert all(store.get(k) is None for k in keys_b)
-    with ChunkStore(0, disk_cache_dir=tmp_path, remote_url=redis_server.url) as reopened:
+    with ChunkStore(StoreConfig(0, disk_cache_dir=tmp_path, remote_url=redis_server.url)) as reopened:
         assert all(reopened.disk is not None and reopened.disk.get(k) is None for k in keys_b)
         assert all(reopened.remote is not None and reopened.remote.get(k) is None for k in keys_b)
         assert all(reopened.get(k) is not None for k in keys_a)
@@ -162,7 +167,7 @@ def test_quantized_store_serves_the_cache(bits: int):
     ids = torch.randint(1, 128, (1, 50), generator=torch.Generator().manual_seed(3))
     options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     expected = model.generate(ids, **options)
-    store = ChunkStore(1 << 24, kv_cache_bits=bits)
+    store = ChunkStore(StoreConfig(1 << 24, kv_cache_bits=bits))
     for _ in range(2):
         cache = ChunkReuseCache(store, model, chunking=16)
         out = model.generate(ids, past_key_values=cache, **options)
@@ -173,7 +178,7 @@ def test_quantized_store_serves_the_cache(bits: int):
 
 
 def test_redis_restarted_empty_is_repopulated_from_ram(redis_server: RedisServer):
-    holder = ChunkStore(1 << 24, remote_url=redis_server.url)
+    holder = ChunkStore(StoreConfig(1 << 24, remote_url=redis_server.url))
     assert holder.remote is not None
     holder.remote.retry_after_s = 0.2
     try:
@@ -184,7 +189,7 @@ def test_redis_restarted_empty_is_repopulated_from_ram(redis_server: RedisServer
         redis_server.start()  # a fresh, empty Redis on the same port
         assert holder.remote.check_restart()  # what the watcher thread does every few seconds
         deadline = time.monotonic() + 10
-        newcomer = ChunkStore(1 << 24, remote_url=redis_server.url)
+        newcomer = ChunkStore(StoreConfig(1 << 24, remote_url=redis_server.url))
         while newcomer.remote is not None and newcomer.remote.get_many([key(i) for i in range(5)]).count(None):
             assert time.monotonic() < deadline, "RAM entries were not published again"
             time.sleep(0.05)
@@ -195,7 +200,7 @@ def test_redis_restarted_empty_is_repopulated_from_ram(redis_server: RedisServer
 
 
 def test_clear_is_local_unless_remote_is_asked(tmp_path: Path, redis_server: RedisServer):
-    with ChunkStore(1 << 20, disk_cache_dir=tmp_path, remote_url=redis_server.url) as store:
+    with ChunkStore(StoreConfig(1 << 20, disk_cache_dir=tmp_path, remote_url=redis_server.url)) as store:
         store.put(key(1), raw_entry())
         store.flush()
         store.clear()
@@ -207,8 +212,8 @@ def test_clear_is_local_unless_remote_is_asked(tmp_path: Path, redis_server: Red
 
 
 def test_two_replicas_share_tail_notes_through_redis(redis_server: RedisServer):
-    first = ChunkStore(1 << 20, remote_url=redis_server.url)
-    second = ChunkStore(1 << 20, remote_url=redis_server.url)
+    first = ChunkStore(StoreConfig(1 << 20, remote_url=redis_server.url))
+    second = ChunkStore(StoreConfig(1 << 20, remote_url=redis_server.url))
     try:
         first.note_tail("ab" * 32, 9)
         first.note_tail(None, 4)
@@ -223,10 +228,10 @@ def test_two_replicas_share_tail_notes_through_redis(redis_server: RedisServer):
 
 
 def test_get_many_reads_every_tier_once(tmp_path: Path, redis_server: RedisServer):
-    with ChunkStore(1 << 20, remote_url=redis_server.url) as writer:
+    with ChunkStore(StoreConfig(1 << 20, remote_url=redis_server.url)) as writer:
         for i in range(4):
             writer.put(key(i), raw_entry(seed=i))
-    with ChunkStore(1 << 20, disk_cache_dir=tmp_path, remote_url=redis_server.url) as store:
+    with ChunkStore(StoreConfig(1 << 20, disk_cache_dir=tmp_path, remote_url=redis_server.url)) as store:
         store.put(key(0), raw_entry(seed=0))
         got = store.get_many([key(i) for i in range(6)])
         assert [g is not None for g in got] == [True] * 4 + [False] * 2

@@ -11,9 +11,10 @@ from helpers import DECODE_CHUNKING, DECODE_EOS, as_text, chi_square, reuse_cach
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvboost_hf import ChunkStore, DecodeLoop, DecodeRequest, SamplingParams
-from kvboost_hf.hf.speculative import Drafter, DraftSettings, DraftTree, VerifyCosts, acceptance_by_depth
-from kvboost_hf.offload import LayerStreaming, enable_layer_streaming
+from kvboost_hf import ChunkStore, SamplingConfig
+from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest
+from kvboost_hf.hf.speculative import DraftConfig, Drafter, DraftTree, VerifyCosts, acceptance_by_depth
+from kvboost_hf.offload import LayerStreamingConfig, enable_layer_streaming
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_draft_tree_structure():
 
 @given(st.integers(1, 300), st.integers(1, 6), st.integers(1, 12), st.integers(1, 12))
 def test_level_sizes_spread_the_budget_over_the_depth(budget, branching, depth, limit):
-    settings = DraftSettings(num_draft_tokens=depth, tree_budget=budget, tree_branching=branching)
+    settings = DraftConfig(num_draft_tokens=depth, tree_budget=budget, tree_branching=branching)
     sizes = settings.level_sizes(limit)
     deepest = min(depth, limit)
     width = max(1, budget // deepest)
@@ -68,17 +69,19 @@ def test_level_sizes_spread_the_budget_over_the_depth(budget, branching, depth, 
     assert all(size <= branching * previous for previous, size in itertools.pairwise(sizes))
     if len(sizes) < deepest:
         assert sum(sizes) == budget
-    assert DraftSettings(num_draft_tokens=depth).level_sizes(limit) == [1] * deepest
-    assert DraftSettings(num_draft_tokens=8, tree_budget=16, tree_branching=2).level_sizes(20) == [2] * 8
+    assert DraftConfig(num_draft_tokens=depth).level_sizes(limit) == [1] * deepest
+    assert DraftConfig(num_draft_tokens=8, tree_budget=16, tree_branching=2).level_sizes(20) == [2] * 8
 
 
 @pytest.mark.parametrize("budget", [1, 3, 8, 24, 64])
 @pytest.mark.parametrize("reuse", [False, True], ids=["plain", "chunk-reuse"])
 def test_greedy_rows_with_a_tree_equal_decoding_without_a_draft(target, draft, budget, reuse):
     store = ChunkStore() if reuse else None
-    requests = [DecodeRequest(p, 14, SamplingParams(temperature=0)) for p in prompts()]
+    requests = [
+        DecodeRequest(prompt_ids=p, max_new_tokens=14, sampling=SamplingConfig(temperature=0)) for p in prompts()
+    ]
     plain = decode(target, requests)
-    settings = DraftSettings(num_draft_tokens=6, tree_budget=budget, tree_branching=3)
+    settings = DraftConfig(num_draft_tokens=6, tree_budget=budget, tree_branching=3)
     tree = decode(target, requests, settings, draft, store)
     assert [row.tokens for row in tree.rows] == [row.tokens for row in plain.rows]
     assert sum(row.draft_proposed for row in tree.rows) > 0
@@ -97,9 +100,11 @@ def test_global_expansion_gives_rows_their_own_shapes_and_the_same_tokens(budget
     with torch.no_grad():
         target.lm_head.weight.mul_(6)
     draft = noisy_copy(target, 0.35, seed=11)
-    requests = [DecodeRequest(p, 14, SamplingParams(temperature=0)) for p in prompts()]
+    requests = [
+        DecodeRequest(prompt_ids=p, max_new_tokens=14, sampling=SamplingConfig(temperature=0)) for p in prompts()
+    ]
     plain = decode(target, requests)
-    settings = DraftSettings(num_draft_tokens=6, tree_budget=budget, tree_branching=3, tree_expansion="global")
+    settings = DraftConfig(num_draft_tokens=6, tree_budget=budget, tree_branching=3, tree_expansion="global")
     drafter = Drafter(draft, settings)
     shapes: list[list[list[int]]] = []
     propose = drafter.propose
@@ -121,37 +126,43 @@ def test_global_expansion_gives_rows_their_own_shapes_and_the_same_tokens(budget
 
 
 def test_a_wider_tree_takes_more_tokens_per_target_forward(target, draft):
-    requests = [DecodeRequest(p, 24, SamplingParams(temperature=0)) for p in prompts()]
-    chain = decode(target, requests, DraftSettings(num_draft_tokens=6), draft)
-    tree = decode(target, requests, DraftSettings(num_draft_tokens=6, tree_budget=48, tree_branching=4), draft)
+    requests = [
+        DecodeRequest(prompt_ids=p, max_new_tokens=24, sampling=SamplingConfig(temperature=0)) for p in prompts()
+    ]
+    chain = decode(target, requests, DraftConfig(num_draft_tokens=6), draft)
+    tree = decode(target, requests, DraftConfig(num_draft_tokens=6, tree_budget=48, tree_branching=4), draft)
     assert [row.tokens for row in tree.rows] == [row.tokens for row in chain.rows]
     accepted = [sum(row.draft_accepted for row in loop.rows) for loop in (chain, tree)]
     assert accepted[1] > accepted[0] and tree.forwards < chain.forwards
 
 
 def test_seeded_sampling_with_a_tree_draws_what_it_draws_without_a_draft(target, draft):
-    sampling = SamplingParams(temperature=0.8, top_k=40, repetition_penalty=1.1, seed=5)
-    requests = [DecodeRequest(p, 16, sampling) for p in prompts()]
+    sampling = SamplingConfig(temperature=0.8, top_k=40, repetition_penalty=1.1, seed=5)
+    requests = [DecodeRequest(prompt_ids=p, max_new_tokens=16, sampling=sampling) for p in prompts()]
     plain = decode(target, requests)
-    tree = decode(target, requests, DraftSettings(num_draft_tokens=4, tree_budget=16, tree_branching=4), draft)
+    tree = decode(target, requests, DraftConfig(num_draft_tokens=4, tree_budget=16, tree_branching=4), draft)
     assert [row.tokens for row in tree.rows] == [row.tokens for row in plain.rows]
     assert sum(row.draft_accepted for row in tree.rows) > 0
 
 
 def test_rows_joining_a_tree_decoding_batch_and_an_early_exit_draft(target):
     """Continuous batching with trees, and the target's own first layer as the draft."""
-    settings = DraftSettings(num_draft_tokens=3, early_exit_layers=1, tree_budget=6, tree_branching=2)
+    settings = DraftConfig(num_draft_tokens=3, early_exit_layers=1, tree_budget=6, tree_branching=2)
     first, *later = prompts()
-    greedy = SamplingParams(temperature=0)
-    rows = DecodeLoop.rows_for([DecodeRequest(first, 12, greedy)], DECODE_EOS)
+    greedy = SamplingConfig(temperature=0)
+    rows = DecodeLoop.rows_for([DecodeRequest(prompt_ids=first, max_new_tokens=12, sampling=greedy)], DECODE_EOS)
     loop = DecodeLoop(target, as_text, rows, new_cache=None, chunking=DECODE_CHUNKING, pad_token_id=0,
                       draft=Drafter(target, settings))  # fmt: skip
     loop.prefill()
     loop.step()
-    loop.join(DecodeLoop.rows_for([DecodeRequest(p, 10, greedy) for p in later], DECODE_EOS))
+    loop.join(
+        DecodeLoop.rows_for(
+            [DecodeRequest(prompt_ids=p, max_new_tokens=10, sampling=greedy) for p in later], DECODE_EOS
+        )
+    )
     while not loop.done:
         loop.step()
-    plain = decode(target, [DecodeRequest(p, row.request.max_new_tokens, greedy)
+    plain = decode(target, [DecodeRequest(prompt_ids=p, max_new_tokens=row.request.max_new_tokens, sampling=greedy)
                             for p, row in zip([first, *later], loop.rows, strict=True)])  # fmt: skip
     assert [row.tokens for row in loop.rows] == [row.tokens for row in plain.rows]
 
@@ -159,17 +170,19 @@ def test_rows_joining_a_tree_decoding_batch_and_an_early_exit_draft(target):
 def test_streamed_target_with_a_tree_equals_the_resident_target(draft):
     resident = make_tiny_model("llama", seed=0)
     streamed = make_tiny_model("llama", seed=0)
-    enable_layer_streaming(streamed, LayerStreaming(num_slots=2, pin_memory=False, device="cpu"))
-    requests = [DecodeRequest(p, 10, SamplingParams(temperature=0)) for p in prompts()]
+    enable_layer_streaming(streamed, LayerStreamingConfig(num_slots=2, pin_memory=False, device="cpu"))
+    requests = [
+        DecodeRequest(prompt_ids=p, max_new_tokens=10, sampling=SamplingConfig(temperature=0)) for p in prompts()
+    ]
     expected = decode(resident, requests)
-    settings = DraftSettings(num_draft_tokens=4, tree_budget=12, tree_branching=3)
+    settings = DraftConfig(num_draft_tokens=4, tree_budget=12, tree_branching=3)
     got = decode(streamed, requests, settings, draft)
     assert [row.tokens for row in got.rows] == [row.tokens for row in expected.rows]
     assert got.forwards < expected.forwards
 
 
 # ---------------------------------------------------------------------------------------------------- counters
-TREE = DraftSettings(num_draft_tokens=4, tree_budget=12, tree_branching=3)
+TREE = DraftConfig(num_draft_tokens=4, tree_budget=12, tree_branching=3)
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +193,7 @@ def streamed_engines(draft):
     from kvboost_hf import KVBoost
 
     streamed = make_tiny_model("llama", seed=0)
-    enable_layer_streaming(streamed, LayerStreaming(num_slots=2, pin_memory=False, device="cpu"))
+    enable_layer_streaming(streamed, LayerStreamingConfig(num_slots=2, pin_memory=False, device="cpu"))
     plain = KVBoost(streamed, word_tokenizer(), chunking=16)
     drafted = KVBoost(streamed, word_tokenizer(), chunking=16, draft_model=draft)
     drafted.draft_settings = TREE
@@ -219,7 +232,9 @@ def test_tree_generation_counters_add_up(streamed_engines):
 def test_batch_counters_bound_the_verified_nodes(target, draft):
     """A batch: each verify forward checks at most ``tree_budget`` nodes per running row; streamed bytes are
     None on a resident target."""
-    requests = [DecodeRequest(p, 12, SamplingParams(temperature=0)) for p in prompts()]
+    requests = [
+        DecodeRequest(prompt_ids=p, max_new_tokens=12, sampling=SamplingConfig(temperature=0)) for p in prompts()
+    ]
     loop = decode(target, requests, TREE, draft)
     proposed = sum(row.draft_proposed for row in loop.rows)
     assert 0 < proposed <= len(requests) * TREE.tree_budget * loop.verify_forwards
@@ -232,13 +247,17 @@ def test_a_row_ending_on_a_proposed_token_counts_it_as_the_forwards_own(target, 
     token) does not count that token as accepted, and no draft is made for a row's last token; so generated
     tokens = target forwards + accepted draft tokens exactly."""
     prompt = prompts()[0]
-    plain = decode(target, [DecodeRequest(prompt, 12, SamplingParams(temperature=0))]).rows[0].tokens
+    plain = (
+        decode(target, [DecodeRequest(prompt_ids=prompt, max_new_tokens=12, sampling=SamplingConfig(temperature=0))])
+        .rows[0]
+        .tokens
+    )
     end = plain[4] if ending == "end-token" else None
     assert end is None or end not in plain[:4]
-    request = DecodeRequest(prompt, 7, SamplingParams(temperature=0))
+    request = DecodeRequest(prompt_ids=prompt, max_new_tokens=7, sampling=SamplingConfig(temperature=0))
     loop = DecodeLoop(target, as_text, DecodeLoop.rows_for([request], {end} if end is not None else set()),
                       new_cache=None, chunking=DECODE_CHUNKING, pad_token_id=0,
-                      draft=Drafter(target, DraftSettings(num_draft_tokens=4)))  # fmt: skip
+                      draft=Drafter(target, DraftConfig(num_draft_tokens=4)))  # fmt: skip
     loop.run()
     (row,) = loop.rows
     assert row.tokens == plain[: len(row.tokens)] and len(row.tokens) == (5 if end is not None else 7)
@@ -253,9 +272,9 @@ def test_the_prompt_forward_verifies_the_first_draft(target, max_new_tokens):
     ceil(N / 5) target forwards (without the fold the prompt forward yielded one: 1 + ceil((N - 1) / 5), one
     more), with the tokens of decoding without a draft."""
     prompt = prompts()[0]
-    request = DecodeRequest(prompt, max_new_tokens, SamplingParams(temperature=0))
+    request = DecodeRequest(prompt_ids=prompt, max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature=0))
     plain = decode(target, [request])
-    loop = decode(target, [request], DraftSettings(num_draft_tokens=4), target)
+    loop = decode(target, [request], DraftConfig(num_draft_tokens=4), target)
     assert loop.rows[0].tokens == plain.rows[0].tokens
     assert loop.forwards == -(-max_new_tokens // 5) == 1 + -(-(max_new_tokens - 1) // 5) - 1
     assert loop.verify_forwards == loop.forwards and loop.rows[0].draft_rounds[0] == (4, False)
@@ -266,12 +285,12 @@ def test_rows_of_one_prompt_share_the_folded_first_tree(target, draft, reuse):
     """Rows with one prompt (prefilled as one row, then repeated) each verify the first tree with their own
     choices: greedy and two seeded rows draw what they draw without a draft."""
     prompt = prompts()[2]
-    samplings = [SamplingParams(temperature=0), *(SamplingParams(temperature=0.9, seed=seed) for seed in (1, 2))]
-    requests = [DecodeRequest(prompt, 12, sampling) for sampling in samplings]
+    samplings = [SamplingConfig(temperature=0), *(SamplingConfig(temperature=0.9, seed=seed) for seed in (1, 2))]
+    requests = [DecodeRequest(prompt_ids=prompt, max_new_tokens=12, sampling=sampling) for sampling in samplings]
     plain = decode(target, requests)
     store = ChunkStore() if reuse else None
     new_cache = reuse_caches(store, target, adapter=False)
-    drafter = Drafter(draft, DraftSettings(num_draft_tokens=4, tree_budget=12, tree_branching=3))
+    drafter = Drafter(draft, DraftConfig(num_draft_tokens=4, tree_budget=12, tree_branching=3))
     loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, DECODE_EOS), new_cache=new_cache,
                       chunking=DECODE_CHUNKING, pad_token_id=0, draft=drafter)  # fmt: skip
     loop.prefill()
@@ -303,8 +322,10 @@ def test_every_expanded_node_starts_with_the_drafts_own_choice(target, draft, bu
     """Within a round (the draft's tree-masked forwards) and across rounds (its cache after each compaction), the
     draft sees exactly the node's sequence: the first child of every expanded node (the best of its siblings) is the
     draft's argmax after the row's tokens and the node's path, computed from scratch. Round records add up."""
-    requests = [DecodeRequest(p, 20, SamplingParams(temperature=0)) for p in prompts()]
-    drafter = Drafter(draft, DraftSettings(num_draft_tokens=5, tree_budget=budget, tree_expansion=expansion))
+    requests = [
+        DecodeRequest(prompt_ids=p, max_new_tokens=20, sampling=SamplingConfig(temperature=0)) for p in prompts()
+    ]
+    drafter = Drafter(draft, DraftConfig(num_draft_tokens=5, tree_budget=budget, tree_expansion=expansion))
     loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, DECODE_EOS), new_cache=None,
                       chunking=DECODE_CHUNKING, pad_token_id=0, draft=drafter)  # fmt: skip
     assert loop.draft is not None
@@ -345,7 +366,9 @@ def test_every_expanded_node_starts_with_the_drafts_own_choice(target, draft, bu
 
 
 def sampled_loop(target, draft, prompt, max_new_tokens, settings, seed, temperature=1.0) -> DecodeLoop:
-    request = DecodeRequest(prompt, max_new_tokens, SamplingParams(temperature=temperature, seed=seed))
+    request = DecodeRequest(
+        prompt_ids=prompt, max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature=temperature, seed=seed)
+    )
     loop = DecodeLoop(target, as_text, DecodeLoop.rows_for([request], set()), new_cache=None, chunking=DECODE_CHUNKING,
                       pad_token_id=0, draft=Drafter(draft, settings))  # fmt: skip
     loop.run()
@@ -375,7 +398,7 @@ def test_a_tree_keeps_the_targets_distributionchi_square():
         weights = first[pairs[:, 0]] * second[pairs[:, 0], pairs[:, 1]]
         return (weights[:, None] * third).sum(0)
 
-    settings = DraftSettings(num_draft_tokens=2, tree_budget=3, tree_branching=3)
+    settings = DraftConfig(num_draft_tokens=2, tree_budget=3, tree_branching=3)
     counts, accepted = torch.zeros(vocab, dtype=torch.long), 0
     draws = 150
     for seed in range(draws):
@@ -408,7 +431,7 @@ def test_the_sampled_output_distribution_is_the_targets_exactly(monkeypatch, bra
         return token
 
     monkeypatch.setattr(decode_module, "choose_token", scripted)
-    settings = DraftSettings(num_draft_tokens=2, tree_budget=50, tree_branching=branching)
+    settings = DraftConfig(num_draft_tokens=2, tree_budget=50, tree_branching=branching)
     first = 2
     total = 0.0
     for continuation in itertools.product(range(vocab), repeat=3):
@@ -473,12 +496,12 @@ def test_verify_costs_fit_the_fixed_and_the_per_node_cost():
 def test_the_adaptive_budget_follows_the_measured_cost_ratio():
     """Streamed (a 2 s fixed cost, 0.1 ms a node): the largest budget; resident (20 ms fixed, 2 ms a node): a
     quarter of the fixed cost buys 2 nodes a row (1 for 2 rows); explores the cap, then one node, before a fit."""
-    settings = DraftSettings(num_draft_tokens=16, tree_budget=256, adaptive_tree_budget=True)
+    settings = DraftConfig(num_draft_tokens=16, tree_budget=256, adaptive_tree_budget=True)
     assert settings.adaptive_budget(timed(2.0, 1e-4), rows=1) == 256
     assert settings.adaptive_budget(timed(0.02, 2e-3), rows=1) == 2
     assert settings.adaptive_budget(timed(0.02, 2e-3), rows=2) == 1
     assert (
-        DraftSettings(tree_budget=256, adaptive_tree_budget=True, tree_overhead=2.0).adaptive_budget(
+        DraftConfig(tree_budget=256, adaptive_tree_budget=True, tree_overhead=2.0).adaptive_budget(
             timed(0.02, 2e-3), rows=1
         )
         == 20
@@ -489,9 +512,9 @@ def test_the_adaptive_budget_follows_the_measured_cost_ratio():
     assert settings.adaptive_budget(timed(1.0, 0.0, nodes=(257,)), rows=1) == 1
     assert settings.adaptive_budget(timed(1.0, 0.0, nodes=(2, 2)), rows=1) == 256  # one-node rounds only: up again
     with pytest.raises(ValueError, match="tree_budget"):
-        DraftSettings(adaptive_tree_budget=True)
+        DraftConfig(adaptive_tree_budget=True)
     with pytest.raises(ValueError, match="tree_overhead"):
-        DraftSettings(tree_budget=8, adaptive_tree_budget=True, tree_overhead=0.0)
+        DraftConfig(tree_budget=8, adaptive_tree_budget=True, tree_overhead=0.0)
 
 
 class FrozenCosts(VerifyCosts):
@@ -508,9 +531,9 @@ class FrozenCosts(VerifyCosts):
 def test_the_loop_uses_and_feeds_the_adaptive_budget(target, draft):
     """Timings that allow 3 nodes a row: every tree holds 3 nodes (the prompt's included), the tokens are plain
     greedy's, and each speculative step hands its timed verify forward (nodes with the root) to the costs."""
-    settings = DraftSettings(num_draft_tokens=4, tree_budget=64, tree_branching=3, adaptive_tree_budget=True)
+    settings = DraftConfig(num_draft_tokens=4, tree_budget=64, tree_branching=3, adaptive_tree_budget=True)
     costs = FrozenCosts(timed(0.03, 2.5e-3))  # 0.25 * 0.03 / 0.0025 = 3 nodes a row
-    requests = [DecodeRequest(prompts()[0], 12, SamplingParams(temperature=0))]
+    requests = [DecodeRequest(prompt_ids=prompts()[0], max_new_tokens=12, sampling=SamplingConfig(temperature=0))]
     plain = decode(target, requests)
     loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, DECODE_EOS), new_cache=None,
                       chunking=DECODE_CHUNKING, pad_token_id=0,
@@ -532,7 +555,7 @@ def test_server_flags_set_the_adaptive_budget():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--tree-budget", "128", "--adaptive-tree-budget", "--tree-overhead", "0.5"])
-    settings = settings_from_args(DraftSettings, args)
+    settings = settings_from_args(DraftConfig, args)
     assert (settings.tree_budget, settings.adaptive_tree_budget, settings.tree_overhead) == (128, True, 0.5)
 
 
@@ -540,7 +563,11 @@ def test_draft_ranks_place_the_targets_greedy_tokens_among_the_drafts_prediction
     from kvboost_hf.bench import speculative_tree
 
     prompt = prompts()[0]
-    tokens = decode(target, [DecodeRequest(prompt, 10, SamplingParams(temperature=0))]).rows[0].tokens
+    tokens = (
+        decode(target, [DecodeRequest(prompt_ids=prompt, max_new_tokens=10, sampling=SamplingConfig(temperature=0))])
+        .rows[0]
+        .tokens
+    )
     own = speculative_tree.draft_ranks(target, target, prompt, tokens)
     assert own["ranks"] == [1] * 10 and all(own["target_agrees"])
     other = speculative_tree.draft_ranks(target, draft, prompt, tokens)
@@ -559,7 +586,7 @@ def test_the_engine_keeps_one_verify_record_across_calls(draft):
     from kvboost_hf import KVBoost
 
     model = make_tiny_model("llama", seed=0)
-    settings = DraftSettings(num_draft_tokens=4, tree_budget=16, tree_branching=3, adaptive_tree_budget=True)
+    settings = DraftConfig(num_draft_tokens=4, tree_budget=16, tree_branching=3, adaptive_tree_budget=True)
     engine = KVBoost(model, word_tokenizer(), chunking=16, draft_model=draft, draft=settings)
     plain = KVBoost(model, word_tokenizer(), chunking=16)
     first = engine.generate(words(31, 20), max_new_tokens=12)

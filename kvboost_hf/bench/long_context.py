@@ -35,6 +35,7 @@ import kvboost_hf.reuse.plan as plan_module
 from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
 from kvboost_hf.bench.profiling import CopyCounter, PhaseTimer, timed_call
 from kvboost_hf.bench.shapes import SHAPES, random_engine
+from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.corpus import documents
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.cache import ChunkReuseCache
@@ -171,7 +172,7 @@ def tiers_for(device: torch.device) -> list[str]:
 
 def store_for(tier: str, device: torch.device) -> ChunkStore:
     gpu_bytes = STORE_BYTES if tier == "gpu" else 0
-    return ChunkStore.from_config(
+    return ChunkStore(
         StoreConfig(max_bytes=STORE_BYTES, gpu_max_bytes=gpu_bytes, gpu_device=device if gpu_bytes else None)
     )
 
@@ -284,7 +285,7 @@ def main(argv: list[str]) -> int:
     parser = parser_for("long_context", __doc__)
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="document lengths in tokens")
     parser.add_argument("--repeats", type=int, default=3, help="questions per figure (best of)")
-    parser.add_argument("--chunk-size", type=int, default=128)
+    parser.add_argument("--chunk-size", type=int, default=ChunkingConfig.chunk_size)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: bf16 on GPU, fp32 CPU")
     parser.add_argument("--attn", help="attn_implementation to run the model with (default: as loaded, sdpa)")
     source = parser.add_mutually_exclusive_group()

@@ -45,6 +45,7 @@ from kvboost_hf.bench.common import (
     save_results,
 )
 from kvboost_hf.bench.shapes import DTYPES, SHAPES, random_engine
+from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.corpus import chat_script
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.models import CACHE_ARGUMENT
@@ -235,7 +236,7 @@ def main(argv: list[str]) -> int:
     parser = parser_for("multiturn", __doc__)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--chunk-size", type=int, default=128)
+    parser.add_argument("--chunk-size", type=int, default=ChunkingConfig.chunk_size)
     parser.add_argument("--repeats", type=int, default=3, help="conversations played; each turn keeps the median")
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model", help="hub name or local model directory (default: the embedded model)")

@@ -182,7 +182,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--docs-per-query", type=int, default=3)
     parser.add_argument("--queries", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--chunk-size", type=int, default=128)
+    parser.add_argument("--chunk-size", type=int, default=ChunkingConfig.chunk_size)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     save_results(args.out, "rag", run(args), report, plot)

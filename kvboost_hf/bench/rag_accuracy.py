@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
 from kvboost_hf.bench.rag import compare
+from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import RepairConfig
 from kvboost_hf.corpus import Fact, fact_documents
 from kvboost_hf.engine import InferenceEngine
@@ -663,7 +664,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--docs-per-query", type=int, default=3, help="documents in each prompt")
     parser.add_argument("--questions", type=int, default=12)
     parser.add_argument("--new-tokens", type=int, default=6, help="greedy tokens generated per answer")
-    parser.add_argument("--chunk-size", type=int, default=128)
+    parser.add_argument("--chunk-size", type=int, default=ChunkingConfig.chunk_size)
     parser.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
     parser.add_argument(
         "--methods", nargs="+", default=["selective", "cacheblend"], help=f"methods at every ratio: {METHOD_HELP}"

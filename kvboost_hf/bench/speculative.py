@@ -59,8 +59,8 @@ from kvboost_hf.bench.streaming import copy_bandwidth
 from kvboost_hf.corpus import sample_prompts
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.models import embedded_model_dir, load_model_and_tokenizer
-from kvboost_hf.hf.speculative import TREE_EXPANSIONS, DraftSettings
-from kvboost_hf.offload import LayerStreaming, enable_layer_streaming, layer_streamer
+from kvboost_hf.hf.speculative import TREE_EXPANSIONS, DraftConfig
+from kvboost_hf.offload import LayerStreamingConfig, enable_layer_streaming, layer_streamer
 from kvboost_hf.results import GenerationResult
 from kvboost_hf.tools.awq_pack import pack_checkpoint, round_trip_int4
 
@@ -79,7 +79,7 @@ def draft_engine(target: InferenceEngine, kind: str, model: str | None = None) -
     ``awq`` packs ``model`` (a local directory; ``None``: the embedded model)."""
     if match := re.fullmatch(r"early(\d+)", kind):
         size, store, exit_layers = target.chunking.chunk_size, target.store, int(match.group(1))
-        draft_settings = DraftSettings(early_exit_layers=exit_layers)
+        draft_settings = DraftConfig(early_exit_layers=exit_layers)
         return InferenceEngine(target.model, target.tokenizer, chunking=size, store=store, draft=draft_settings)
     if kind not in ("copy", "bf16", "awq", "rtn4"):
         raise ValueError(f"unknown draft {kind!r}: use copy, bf16, awq, rtn4 or earlyN (N layers of the target)")
@@ -166,7 +166,7 @@ def run(
     for placement in ("resident", "streamed") if streaming else ("resident",):
         if placement == "streamed":
             bandwidth = copy_bandwidth(target.device, copy_mb)
-            enable_layer_streaming(target.model, LayerStreaming(keep_first_k=1, keep_last_k=1))
+            enable_layer_streaming(target.model, LayerStreamingConfig(keep_first_k=1, keep_last_k=1))
         plain = [target.generate(text, max_new_tokens=max_new_tokens) for text in texts]
         if not resident_plain:  # the noise floor: plain generation run a second time
             resident_plain = [target.generate(text, max_new_tokens=max_new_tokens) for text in texts]
@@ -175,7 +175,7 @@ def run(
             exit_layers = engine.draft_settings.early_exit_layers
             rows[placement][kind] = []
             for g in tqdm(lengths, desc=f"{placement} target, draft {kind}"):
-                engine.draft_settings = DraftSettings(g, early_exit_layers=exit_layers)
+                engine.draft_settings = DraftConfig(g, early_exit_layers=exit_layers)
                 results = [engine.generate(text, max_new_tokens=max_new_tokens) for text in texts]
                 rows[placement][kind].append(summarise(results, resident_plain, g))
     bound_gbps = bandwidth.get("h2d_pinned_gbps", bandwidth.get("memcpy_gbps"))

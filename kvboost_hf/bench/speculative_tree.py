@@ -6,7 +6,7 @@ gptqmodel is installed) or its bfloat16 copy, resident. Each prompt is decoded g
 streaming), then once per tree budget ``N`` (``N = 0``: a chain of ``--tree-depth`` tokens, the chain draft; else a
 tree of ``N`` nodes, ``--tree-depth`` levels deep, ``--tree-branching`` children per node), all in one run after an
 untimed warm-up call per prompt and model; ``auto`` in the list is the adaptive budget
-(``DraftSettings.adaptive_tree_budget``, at most the largest budget given, else 256). Reported per row: tokens per
+(``DraftConfig.adaptive_tree_budget``, at most the largest budget given, else 256). Reported per row: tokens per
 target forward (prefill included; with a draft the prompt forward verifies the first tree) and per verify forward,
 streamed bytes per generated token and their ratio to plain streaming, draft forwards per token, the acceptance per
 draft depth (:func:`~kvboost_hf.hf.speculative.acceptance_by_depth`), CPU decode tok/s (one run on a shared
@@ -40,9 +40,9 @@ from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest
 from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.prefill import forward
-from kvboost_hf.hf.sampling import SamplingParams
-from kvboost_hf.hf.speculative import DraftSettings, acceptance_by_depth, tree_attention_mask
-from kvboost_hf.offload import LayerStreaming, enable_layer_streaming, layer_streamer
+from kvboost_hf.hf.sampling import SamplingConfig
+from kvboost_hf.hf.speculative import DraftConfig, acceptance_by_depth, tree_attention_mask
+from kvboost_hf.offload import LayerStreamingConfig, enable_layer_streaming, layer_streamer
 
 PCIE_GB_S = {"pcie4_x16": 25.0, "pcie5_x16": 50.0}  # practical host-to-device bandwidths (estimate inputs)
 AUTO_CAP = 256  # the adaptive row's largest budget when no fixed budget is given
@@ -55,7 +55,9 @@ def default_draft() -> str:
 
 def decode_once(engine: InferenceEngine, text: str, max_new_tokens: int) -> dict[str, Any]:
     """Decode ``text`` greedily on ``engine``'s loop (its draft settings as they are) and return its counts."""
-    request = DecodeRequest(engine.encode(text), max_new_tokens, SamplingParams(temperature=0))
+    request = DecodeRequest(
+        prompt_ids=engine.encode(text), max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature=0)
+    )
     loop = engine.decode_loop(DecodeLoop.rows_for([request], engine.eos_token_ids))
     with engine.lock:
         started = time.perf_counter()
@@ -190,14 +192,14 @@ def run(
     def decode_row(budget: int | str | None) -> list[dict[str, Any]]:
         engine, adaptive = (target, False) if budget is None else (drafted, budget == "auto")
         if budget is not None:
-            drafted.draft_settings = DraftSettings(depth, tree_budget=largest if adaptive else int(budget),
+            drafted.draft_settings = DraftConfig(depth, tree_budget=largest if adaptive else int(budget),
                                                    tree_branching=branching, tree_expansion=expansion,
                                                    adaptive_tree_budget=adaptive)  # fmt: skip
         return [decode_once(engine, text, max_new_tokens) for text in texts]
 
     early = [None, *fixed_budgets] if resident else []
     runs = {budget: decode_row(budget) for budget in tqdm(early, desc=f"resident rows, draft {draft}")}
-    enable_layer_streaming(target.model, LayerStreaming(keep_first_k=1, keep_last_k=1))
+    enable_layer_streaming(target.model, LayerStreamingConfig(keep_first_k=1, keep_last_k=1))
     streamer = layer_streamer(target.model)
     assert streamer is not None, "streaming was just enabled"
     for row_runs in runs.values():  # what streaming copies for each of their target forwards

@@ -2,7 +2,7 @@
 
 One model (default: the embedded SmolLM2-135M; ``--random-shape``: random weights of a real shape) is loaded
 once and measured twice with greedy ``baseline`` generation (no chunk reuse, so only the weights' path differs):
-resident, then with ``enable_layer_streaming(model, LayerStreaming(...))``. Reported:
+resident, then with ``enable_layer_streaming(model, LayerStreamingConfig(...))``. Reported:
 
 * copy bandwidth: on CUDA host-to-device GB/s from pinned and from pageable memory (256 MB copies, events);
   on CPU the host memcpy GB/s that the CPU streamer's synchronous copies run at (no H2D to measure);
@@ -29,7 +29,7 @@ import torch
 from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
 from kvboost_hf.bench.shapes import SHAPES, random_engine
 from kvboost_hf.engine import InferenceEngine
-from kvboost_hf.offload import LayerStreaming, enable_layer_streaming, layer_streamer
+from kvboost_hf.offload import LayerStreamingConfig, enable_layer_streaming, layer_streamer
 
 PROMPT = [{"role": "user", "content": "Explain in a few sentences why the sky looks blue and sunsets red."}]
 
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bandwidth = copy_bandwidth(device, args.copy_mb)
     resident = decode(engine, args.new_tokens, args.repeats)
     resident["device_bytes"] = device_bytes(engine.model, device)
-    settings = LayerStreaming(args.keep_first_k, args.keep_last_k, args.num_slots, device=device)
+    settings = LayerStreamingConfig(args.keep_first_k, args.keep_last_k, args.num_slots, device=device)
     handle = enable_layer_streaming(engine.model, settings)
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -47,11 +47,12 @@ import torch
 
 from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
 from kvboost_hf.core.chunk_kv import ChunkKV
-from kvboost_hf.core.chunking import chunk_spans
+from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.keys import chain_prefix_keys, forget_model_digest, model_digest
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.store.chunk_store import ChunkStore
+from kvboost_hf.store.config import StoreConfig
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ _QUESTIONS = (
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = parser_for("tiers", __doc__)
     parser.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
-    parser.add_argument("--chunk-size", type=int, default=128, help="tokens per chunk")
+    parser.add_argument("--chunk-size", type=int, default=ChunkingConfig.chunk_size, help="tokens per chunk")
     parser.add_argument("--prompt-tokens", type=int, default=1500, help="length of the TTFT prompt (tokens)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per tier (median reported)")
     parser.add_argument("--redis-url", default=None, help="Redis to use (default: a private redis-server)")
@@ -178,9 +179,14 @@ def measure_ttft(engine: InferenceEngine, document: str, args: argparse.Namespac
     engine.generate("Warm-up call: load kernels.", max_new_tokens=2, mode="baseline")
     with contextlib.ExitStack() as stack:
         directory = stack.enter_context(tempfile.TemporaryDirectory())
-        stores = {"ram": ChunkStore(2 << 30), "disk": ChunkStore(0, disk_cache_dir=directory, disk_max_bytes=2 << 30)}
+        stores = {
+            "ram": ChunkStore(StoreConfig(2 << 30)),
+            "disk": ChunkStore(StoreConfig(0, disk_cache_dir=directory, disk_max_bytes=2 << 30)),
+        }
         if url is not None:
-            stores["redis"] = ChunkStore(0, remote_url=url, remote_prefix=f"kvboost-bench-{time.time_ns()}:")
+            stores["redis"] = ChunkStore(
+                StoreConfig(0, remote_url=url, remote_prefix=f"kvboost-bench-{time.time_ns()}:")
+            )
         for store in stores.values():
             stack.callback(store.close)
         sources = [_Source("full_prefill", engine, mode="baseline")]
@@ -267,7 +273,7 @@ def measure_redis_batching(engine: InferenceEngine, url: str, args: argparse.Nam
     """Fetch time (ms, median) of a prompt's ``--redis-chunks`` chunks from Redis: one GET each, then one batch."""
     keys = [f"{i:064x}" for i in range(args.redis_chunks)]
     prefix = f"kvboost-bench-batch-{time.time_ns()}:"  # a long read timeout: measure, do not give up under load
-    with ChunkStore(0, remote_url=url, remote_prefix=prefix, remote_read_timeout_s=5.0) as store:
+    with ChunkStore(StoreConfig(0, remote_url=url, remote_prefix=prefix, remote_read_timeout_s=5.0)) as store:
         remote = store.remote
         assert remote is not None
         for i, key in enumerate(keys):
@@ -296,11 +302,11 @@ def measure_redis_batching(engine: InferenceEngine, url: str, args: argparse.Nam
 _KILLED_STORE = """
 import os, sys, time, torch
 from kvboost_hf.core.chunk_kv import ChunkKV
-from kvboost_hf.store.chunk_store import ChunkStore
+from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
 directory, count, wait_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[4])
 shape = tuple(int(n) for n in sys.argv[3].split(","))
-store = ChunkStore(1 << 34, disk_cache_dir=directory)
+store = ChunkStore(StoreConfig(1 << 34, disk_cache_dir=directory))
 for i in range(count):
     gen = torch.Generator().manual_seed(i)
     store.put(f"{i:064x}", ChunkKV(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)))
@@ -330,7 +336,7 @@ def measure_kill9(engine: InferenceEngine, args: argparse.Namespace) -> dict:
                 check=False,
                 timeout=600,
             )
-            with ChunkStore(0, disk_cache_dir=directory) as store:
+            with ChunkStore(StoreConfig(0, disk_cache_dir=directory)) as store:
                 found = [store.get(f"{i:064x}") for i in range(args.kill_entries)]
             for i, entry in enumerate(found):
                 gen = torch.Generator().manual_seed(i)
@@ -343,11 +349,11 @@ def measure_kill9(engine: InferenceEngine, args: argparse.Namespace) -> dict:
 _SHARING_STORE = """
 import json, sys, torch
 from kvboost_hf.core.chunk_kv import ChunkKV
-from kvboost_hf.store.chunk_store import ChunkStore
+from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
 directory, me, processes, rounds, per = sys.argv[1], *map(int, sys.argv[2:6])
 shape = tuple(int(n) for n in sys.argv[6].split(","))
-store = ChunkStore(0, disk_cache_dir=directory)  # no RAM: every lookup reads (and checks) the shared file
+store = ChunkStore(StoreConfig(0, disk_cache_dir=directory))  # no RAM: every lookup reads (and checks) the shared file
 for r in range(rounds):
     for i in range(per):
         gen = torch.Generator().manual_seed(me * 10**6 + r * 1000 + i)
@@ -383,7 +389,7 @@ def measure_shared_directory(
         ]
         reports = [json.loads(proc.communicate(timeout=600)[0].strip().splitlines()[-1]) for proc in procs]
         seconds = time.perf_counter() - started
-        with ChunkStore(0, disk_cache_dir=directory) as store:
+        with ChunkStore(StoreConfig(0, disk_cache_dir=directory)) as store:
             assert store.disk is not None
             found = len(store.disk)
     return {
@@ -403,7 +409,7 @@ def _stored_generation(
     prompt's first pass filled); the stored bytes and tokens are added to ``acc``."""
     model, tokenizer = engine.model, engine.tokenizer
     options = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=tokenizer.eos_token_id)
-    store = ChunkStore(1 << 30, kv_cache_bits=bits)
+    store = ChunkStore(StoreConfig(1 << 30, kv_cache_bits=bits))
     with torch.inference_mode():
         first = ChunkReuseCache(store, model, args.chunk_size)
         model.generate(ids, past_key_values=first, max_new_tokens=1, **options)  # saves its chunks

@@ -17,6 +17,7 @@ chunks wherever it appears in a prompt (after at most one chunk of resynchronisa
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -64,12 +65,28 @@ class ChunkingConfig:
 
     @classmethod
     def from_tokenizer(
-        cls, tokenizer: object, chunk_size: int = 128, boundary_window: int = 0, method: str = "fixed"
+        cls, tokenizer: object, chunk_size: int | None = None, boundary_window: int = 0, method: str = "fixed"
     ) -> ChunkingConfig:
         """A config whose cuts may slide back up to ``boundary_window`` tokens to end after one of ``tokenizer``'s
-        sentence- or line-ending tokens (none are looked up when the window is 0)."""
+        sentence- or line-ending tokens (none are looked up when the window is 0); ``chunk_size`` None: the
+        field's default."""
         boundary_ids = boundary_token_ids_from_tokenizer(tokenizer) if boundary_window else frozenset()
-        return cls(chunk_size, boundary_window, boundary_ids, method)
+        sized = cls() if chunk_size is None else cls(chunk_size)
+        return dataclasses.replace(
+            sized, boundary_window=boundary_window, boundary_token_ids=boundary_ids, method=method
+        )
+
+    @classmethod
+    def of(cls, chunking: ChunkingConfig | int | None) -> ChunkingConfig:
+        """``chunking`` as a config: None gives the defaults, an int fixed chunks of that many tokens; anything
+        else is a TypeError."""
+        if chunking is None:
+            return cls()
+        if isinstance(chunking, int) and not isinstance(chunking, bool):
+            return cls(chunking)
+        if not isinstance(chunking, ChunkingConfig):
+            raise TypeError(f"chunking must be a ChunkingConfig or a chunk size in tokens, got {chunking!r}")
+        return chunking
 
     @property
     def min_chunk(self) -> int:

@@ -16,6 +16,7 @@ import hashlib
 import json
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -118,6 +119,47 @@ def forget_model_digest(model: torch.nn.Module) -> None:
     _weight_digests.pop(model, None)
 
 
+@dataclass(frozen=True)
+class KeySpace:
+    """What names a chunk besides its tokens: the model's digest, the K/V dtype, the chunking and the stored
+    precision (``kv_cache_bits``; ``kv_group_size`` counts below 16 bits only). Picklable and model-free: the cache,
+    the batch policy and the Ray router all take their namespaces from one, so a router process computes the store's
+    keys without the model."""
+
+    digest: str
+    dtype: str
+    chunking: ChunkingConfig
+    kv_cache_bits: int = 16
+    kv_group_size: int | None = None
+
+    @classmethod
+    def of_model(
+        cls,
+        model: torch.nn.Module,
+        dtype: torch.dtype,
+        chunking: ChunkingConfig,
+        *,
+        kv_cache_bits: int = 16,
+        kv_group_size: int | None = None,
+        model_id: str | None = None,
+    ) -> KeySpace:
+        """The key space of ``model`` computing K/V in ``dtype`` (``model_id``: see :func:`model_digest`; reads every
+        weight once to digest it, then reuses the digest while the weights are unchanged)."""
+        return cls(model_digest(model, model_id), str(dtype), chunking, kv_cache_bits, kv_group_size)
+
+    def namespace(self, cache_salt: str | None = None) -> str:
+        """The namespace key (hex) of tenant ``cache_salt``: caches with different salts never see each other's
+        chunks."""
+        return namespace_key(
+            self.digest,
+            self.dtype,
+            self.chunking,
+            kv_cache_bits=self.kv_cache_bits,
+            kv_group_size=self.kv_group_size,
+            cache_salt=cache_salt,
+        )
+
+
 def make_namespace(
     model: torch.nn.Module,
     dtype: torch.dtype,
@@ -128,20 +170,12 @@ def make_namespace(
     cache_salt: str | None = None,
     model_id: str | None = None,
 ) -> str:
-    """Namespace key (hex) for one model + settings + stored precision + tenant (``model_id``: see
-    :func:`model_digest`).
-
-    ``kv_cache_bits`` and ``kv_group_size`` are the store's (the precision K/V come back in); the group size only
-    matters, and only enters the key, below 16 bits.
-    """
-    return namespace_key(
-        model_digest(model, model_id),
-        str(dtype),
-        chunking,
-        kv_cache_bits=kv_cache_bits,
-        kv_group_size=kv_group_size,
-        cache_salt=cache_salt,
+    """``KeySpace.of_model(...).namespace(cache_salt)``: the namespace of one model + settings + stored precision +
+    tenant."""
+    space = KeySpace.of_model(
+        model, dtype, chunking, kv_cache_bits=kv_cache_bits, kv_group_size=kv_group_size, model_id=model_id
     )
+    return space.namespace(cache_salt)
 
 
 def namespace_key(
@@ -153,8 +187,7 @@ def namespace_key(
     kv_group_size: int | None = None,
     cache_salt: str | None = None,
 ) -> str:
-    """:func:`make_namespace` from a model's :func:`model_digest` and ``str(dtype)``: for processes that name
-    chunks without holding the model (a request router)."""
+    """The namespace key of :meth:`KeySpace.namespace` from its fields."""
     payload = {
         "format": STORAGE_FORMAT_VERSION,
         "model": digest,

@@ -8,7 +8,7 @@ Use it like any cache::
 The cache is the container (per-layer K/V, the token ids of every column, one ledger per row); the work is done
 in explicit calls, which :mod:`kvboost_hf.hf.hooks` only makes from ``generate()``:
 
-* ``cache.prefiller.prefill`` (:class:`~kvboost_hf.hf.prefill.ChunkPrefiller`) plans, stitches and repairs the
+* :meth:`ChunkReuseCache.prefill` (:class:`~kvboost_hf.hf.prefill.ChunkPrefiller`) plans, stitches and repairs the
   prompt's stored K/V into the cache and returns the inputs still to compute;
 * :meth:`ChunkReuseCache.record` notes each finished forward;
 * :meth:`ChunkReuseCache.save` writes completed chunks back (:mod:`~kvboost_hf.reuse.write_back`), the
@@ -40,14 +40,14 @@ from transformers import Cache, PreTrainedModel
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import GenerationMode, RepairConfig
-from kvboost_hf.core.keys import make_namespace
+from kvboost_hf.core.keys import KeySpace
 from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.blend import LayerFilter, scatter_into
 from kvboost_hf.hf.context_attention import ADJUSTMENT_KWARG, ContextAdjustment
 from kvboost_hf.hf.hooks import install_hooks
 from kvboost_hf.hf.layers import ChunkReuseLayer, ChunkReuseSlidingLayer, cache_layers
 from kvboost_hf.hf.models import model_dtype
-from kvboost_hf.hf.prefill import ChunkPrefiller, RowReuse
+from kvboost_hf.hf.prefill import ChunkPrefiller, PendingForward, RowReuse
 from kvboost_hf.reuse.plan import ChunkLedger
 from kvboost_hf.reuse.rope import KeyRotator
 from kvboost_hf.reuse.write_back import write_chunks, write_tail
@@ -62,7 +62,7 @@ class ChunkReuseCache(Cache):
     Args:
         store: where chunk K/V live; its ``kv_cache_bits``/``kv_group_size`` name the namespace too.
         model: the model this cache serves (its identity and dtype name the store namespace).
-        chunking: a :class:`ChunkingConfig`, or an int for fixed chunks of that many tokens.
+        chunking: a :class:`ChunkingConfig`, an int for fixed chunks of that many tokens, or None for its defaults.
         repair: how approximate (content-key) hits are repaired (:class:`RepairConfig`).
         mode: a :class:`GenerationMode`.
         cache_salt: tenant isolation; caches with different salts never see each other's chunks.
@@ -82,7 +82,7 @@ class ChunkReuseCache(Cache):
         self,
         store: ChunkStore,
         model: PreTrainedModel,
-        chunking: ChunkingConfig | int = 128,
+        chunking: ChunkingConfig | int | None = None,
         repair: RepairConfig | None = None,
         *,
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
@@ -95,7 +95,7 @@ class ChunkReuseCache(Cache):
         self.store = store
         self.model = model
         self.mode = GenerationMode(mode)
-        self.chunking = chunking if isinstance(chunking, ChunkingConfig) else ChunkingConfig(chunking)
+        self.chunking = ChunkingConfig.of(chunking)
         self.repair = repair or RepairConfig()
         implementation = model.config._attn_implementation
         if self.repair.adjusts_attention and implementation != ATTN_IMPLEMENTATION:
@@ -105,14 +105,14 @@ class ChunkReuseCache(Cache):
                 f"argument or call model.set_attn_implementation({ATTN_IMPLEMENTATION!r})"
             )
         self.segment_starts = tuple(sorted(set(segment_starts)))
-        self.namespace = make_namespace(
+        self.key_space = KeySpace.of_model(
             model,
             model_dtype(model),
             self.chunking,
             kv_cache_bits=store.kv_cache_bits,
             kv_group_size=store.kv_group_size,
-            cache_salt=cache_salt,
         )
+        self.namespace = self.key_space.namespace(cache_salt)
         self.write_back = write_back and self.mode is not GenerationMode.BASELINE
         self.tokens = torch.empty(0, 0, dtype=torch.long)
         self.pads: list[int] = []
@@ -126,7 +126,7 @@ class ChunkReuseCache(Cache):
         self._pending_tokens: torch.Tensor | None = None  # the row's tokens once that forward ran
         self.layer_filter: LayerFilter | None = None  # CacheBlend: the positions of _scatter each layer computes
         self._adjustment: tuple[tuple, ContextAdjustment] | None = None  # (layout, its adjustment): attention_kwargs
-        self.prefiller = ChunkPrefiller(self)
+        self.prefiller = ChunkPrefiller(model, self.mode)
         if adapter:
             install_hooks(model)
 
@@ -149,7 +149,7 @@ class ChunkReuseCache(Cache):
         return {ADJUSTMENT_KWARG: self._adjustment[1]}
 
     def _context_adjustment(self) -> ContextAdjustment:
-        device = self.prefiller._device_and_dtype()[0]
+        device = self.prefiller.device_and_dtype()[0]
         starts = [max(ledger.approximate, default=-1) + 1 for ledger in self.ledgers]  # no columns: no effect
         columns = torch.zeros(len(self.ledgers), max(map(sum, zip(self.pads, starts, strict=True))), dtype=torch.bool)
         for row, (pad, ledger) in enumerate(zip(self.pads, self.ledgers, strict=True)):
@@ -220,6 +220,19 @@ class ChunkReuseCache(Cache):
             logger.warning("ChunkReuseCache: attention mask is not left padding; reuse disabled for this call")
             self.reuse_enabled = False
         self.pads = [int(p) for p in pads]
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        keep: int = 1,
+        defer: bool = False,
+        report: bool = True,
+    ) -> PendingForward:
+        """Load and repair what the store holds for the prompt ``input_ids``: :meth:`ChunkPrefiller.prefill
+        <kvboost_hf.hf.prefill.ChunkPrefiller.prefill>` with this cache."""
+        return self.prefiller.prefill(self, input_ids, attention_mask, keep=keep, defer=defer, report=report)
 
     def arm_scatter(
         self, positions: torch.Tensor, tokens: torch.Tensor, layer_filter: LayerFilter | None = None

@@ -55,7 +55,7 @@ from kvboost_hf.hf.cache import (
 )
 from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.prefill import RowReuse, forward, forward_inputs, run_forward
-from kvboost_hf.hf.sampling import SamplingParams, build_processors, choose_token
+from kvboost_hf.hf.sampling import SamplingConfig, build_processors, choose_token
 from kvboost_hf.hf.speculative import Drafter, DraftTree, tree_attention_mask
 from kvboost_hf.offload.streamer import layer_streamer
 
@@ -64,9 +64,9 @@ logger = logging.getLogger(__name__)
 TokenTop = tuple[tuple[int, float], ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DecodeRequest:
-    """What one row asks for.
+    """What one row asks for (keyword arguments only).
 
     Args:
         prompt_ids: the prompt's token ids (not empty).
@@ -86,7 +86,7 @@ class DecodeRequest:
 
     prompt_ids: Sequence[int]
     max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: tuple[str, ...] = ()
     top_logprobs: int | None = None
     constraint: LogitsProcessor | None = None

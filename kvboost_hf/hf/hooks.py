@@ -1,7 +1,7 @@
 """Stage 7: an optional adapter that lets ``generate()`` and ``forward()`` drive a reuse cache.
 
 :class:`~kvboost_hf.hf.cache.ChunkReuseCache` and its prefiller do their work in explicit calls
-(``cache.prefiller.prefill()``, ``record()``, ``save()``; :func:`kvboost_hf.hf.prefill.forward` drives one forward
+(``cache.prefill()``, ``record()``, ``save()``; :func:`kvboost_hf.hf.prefill.forward` drives one forward
 with them), so nothing of the library needs these hooks. They exist for
 ``model.generate(ids, past_key_values=ChunkReuseCache(...))`` and ``model(...)``: installed once per model (a
 ``ChunkReuseCache`` installs them), removable with :func:`uninstall_hooks`, and inert for any forward that is not

@@ -11,6 +11,7 @@ It is found through package metadata (the package itself is not importable), deq
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import glob
 import inspect
@@ -30,6 +31,10 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from kvboost_hf.core.errors import KVBoostError
+from kvboost_hf.offload.settings import LayerStreamingConfig
+from kvboost_hf.offload.streamer import LayerStreamer, enable_layer_streaming
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +106,7 @@ REFUSED_MODEL_TYPES = {
 }
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(KVBoostError, ValueError):
     """Raised for a model whose K/V cannot be reused chunk by chunk."""
 
 
@@ -297,3 +302,23 @@ def load_model_and_tokenizer(
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
+
+
+def load_streamed_model(
+    model_name_or_path: str | os.PathLike | None,
+    streaming: LayerStreamingConfig,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    strict: bool = True,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, LayerStreamer]:
+    """Load on the CPU (no ``device_map``: no competing offload hooks), then stream the layers chosen by
+    ``streaming`` to ``streaming.device`` (or ``device`` when that is unset). ``dtype`` defaults to bfloat16
+    for a CUDA target, else float32; a quantized checkpoint keeps its packed weights."""
+    if streaming.device is None and device is not None:
+        streaming = dataclasses.replace(streaming, device=device)
+    target = streaming.target_device
+    if dtype is None:
+        dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
+    model, tokenizer = load_model_and_tokenizer(model_name_or_path, device="cpu", dtype=dtype, strict=strict)
+    return model, tokenizer, enable_layer_streaming(model, streaming)

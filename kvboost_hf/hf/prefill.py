@@ -20,22 +20,20 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from transformers import PreTrainedModel
 
-from kvboost_hf.core.config import GenerationMode
+from kvboost_hf.core.chunking import ChunkingConfig
+from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.hf.blend import LayerFilter, install_layer_narrowing
-from kvboost_hf.hf.layers import grown_capacity
+from kvboost_hf.hf.layers import ChunkReuseLayer, grown_capacity
 from kvboost_hf.hf.models import CACHE_ARGUMENT, kv_entry_shape, model_dtype
-from kvboost_hf.reuse.plan import ReusePlan, plan_reuse
+from kvboost_hf.reuse.plan import ChunkLedger, ChunkSource, ReusePlan, plan_reuse
 from kvboost_hf.reuse.repair import RepairSelection, candidates_per_layer, position_mask, select_repairs
 from kvboost_hf.reuse.rope import KeyRotator, UnsupportedRopeError
 from kvboost_hf.reuse.stitch import place_hits, write_leading_runs
-
-if TYPE_CHECKING:
-    from kvboost_hf.hf.cache import ChunkReuseCache
 
 logger = logging.getLogger(__name__)
 
@@ -98,23 +96,62 @@ def rotator_for(model: PreTrainedModel) -> KeyRotator | None:
     return rotator
 
 
-class ChunkPrefiller:
-    """Loads and repairs what the store holds for a prompt into ``cache`` (one prefiller per cache).
+class PrefillTarget(Protocol):
+    """What :class:`ChunkPrefiller` reads and writes of a cache (:class:`~kvboost_hf.hf.cache.ChunkReuseCache` is
+    one): its settings, its per-row state (``tokens``, ``pads``, ``ledgers``), its layers, and the calls that start
+    a layout, arm a sparse forward and record a finished one."""
 
-    It reads the cache's settings (store, namespace, chunking, repair) and each row's segment starts (its ledger's)
-    and writes only through the container's state: stitched columns go into its layers, ``tokens`` and ledgers; a
-    sparse forward is armed with :meth:`~kvboost_hf.hf.cache.ChunkReuseCache.arm_scatter` and completed by
-    ``record()``. Reuse results go to ``cache.last_reuse``.
+    model: PreTrainedModel
+    mode: GenerationMode
+    store: ChunkSource
+    namespace: str
+    chunking: ChunkingConfig
+    repair: RepairConfig
+    tokens: torch.Tensor
+    pads: list[int]
+    ledgers: list[ChunkLedger]
+    layers: list[ChunkReuseLayer]
+    last_reuse: list[RowReuse]
+    stitched_bytes: int
+    reuse_enabled: bool
+    layer_filter: LayerFilter | None
+
+    @property
+    def num_columns(self) -> int: ...
+
+    def check_extends(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None: ...
+
+    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None: ...
+
+    def arm_scatter(
+        self, positions: torch.Tensor, tokens: torch.Tensor, layer_filter: LayerFilter | None = None
+    ) -> None: ...
+
+    def attention_kwargs(self) -> dict[str, Any]: ...
+
+    def record(self, fed_ids: torch.Tensor | None) -> None: ...
+
+
+class ChunkPrefiller:
+    """Loads and repairs what the store holds for a prompt into a cache (a :class:`PrefillTarget`).
+
+    It keeps only what depends on the model (its key rotator, K/V entry shape, device and dtype), so it holds no
+    reference to the cache: the cache owns its prefiller, each call is handed the cache. It reads the cache's
+    settings (store, namespace, chunking, repair) and each row's segment starts (its ledger's) and writes only
+    through the container's state: stitched columns go into its layers, ``tokens`` and ledgers; a sparse forward is
+    armed with :meth:`~kvboost_hf.hf.cache.ChunkReuseCache.arm_scatter` and completed by ``record()``. Reuse
+    results go to ``cache.last_reuse``.
     """
 
-    def __init__(self, cache: ChunkReuseCache) -> None:
-        self.cache = cache
-        self.rotator = rotator_for(cache.model) if cache.mode is GenerationMode.CHUNK_KV_REUSE else None
-        self._entry_shape = kv_entry_shape(cache.model)
+    def __init__(self, model: PreTrainedModel, mode: GenerationMode) -> None:
+        self.model = model
+        self.rotator = rotator_for(model) if mode is GenerationMode.CHUNK_KV_REUSE else None
+        self._entry_shape = kv_entry_shape(model)
 
     @torch.no_grad()
     def prefill(
         self,
+        cache: PrefillTarget,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         *,
@@ -133,7 +170,6 @@ class ChunkPrefiller:
         ``report`` records the reuse in ``cache.last_reuse`` (off for forwards after a generation's prompt, e.g.
         the multi-token verify forwards of assisted decoding, which may also stitch stored chunks).
         """
-        cache = self.cache
         cache.check_extends(input_ids)
         if cache.num_columns == 0:
             cache.begin(input_ids, attention_mask)
@@ -142,10 +178,10 @@ class ChunkPrefiller:
             return PendingForward(input_ids[:, cached:], cached)
         full = input_ids.to(cache.tokens.device)
         limit = full.shape[1] - keep
-        plan = self._plan(full, limit)
+        plan = self._plan(cache, full, limit)
         if plan.sparse:
-            pending = self._prepare_sparse(full, plan)
-            return pending if defer else self._compute_sparse_head(pending, full, limit)
+            pending = self._prepare_sparse(cache, full, plan)
+            return pending if defer else self._compute_sparse_head(cache, pending, full, limit)
         target = plan.stitch_columns(cache.pads, cached, limit)
         if report:
             cache.last_reuse = [
@@ -153,11 +189,10 @@ class ChunkPrefiller:
                 for pad, row in zip(cache.pads, plan.rows, strict=True)
             ]
         if target > cached:
-            self._stitch(plan, full, cached, target)
+            self._stitch(cache, plan, full, cached, target)
         return PendingForward(input_ids[:, target:], target)
 
-    def _plan(self, full: torch.Tensor, limit: int) -> ReusePlan:
-        cache = self.cache
+    def _plan(self, cache: PrefillTarget, full: torch.Tensor, limit: int) -> ReusePlan:
         cached = cache.num_columns
         sparse_possible = cached == 0 and full.shape[0] == 1 and self.rotator is not None
         return plan_reuse(
@@ -170,15 +205,14 @@ class ChunkPrefiller:
             chunking=cache.chunking,
             approximate=sparse_possible,
             entry_shape=self._entry_shape,
-            device=self._device_and_dtype()[0],
+            device=self.device_and_dtype()[0],
         )
 
-    def _stitch(self, plan: ReusePlan, full: torch.Tensor, start: int, stop: int) -> None:
+    def _stitch(self, cache: PrefillTarget, plan: ReusePlan, full: torch.Tensor, start: int, stop: int) -> None:
         """Append every row's leading exact hits for columns ``[start, stop)``, copied once from their tier into
         layer buffers sized for the whole prompt (:func:`~kvboost_hf.hf.cache.grown_capacity`): the prompt's
         remaining tokens and the decode steps then write in place."""
-        cache = self.cache
-        device, dtype = self._device_and_dtype()
+        device, dtype = self.device_and_dtype()
         layers, heads, head_dim = self._entry_shape
         shape = (layers, full.shape[0], heads, grown_capacity(full.shape[1]), head_dim)
         keys = torch.empty(shape, dtype=dtype, device=device)
@@ -197,12 +231,11 @@ class ChunkPrefiller:
             ledger.stored = max(ledger.stored, sum(1 for _, end in ledger.spans if end <= stop - pad))
             ledger.exact_tokens = max(ledger.exact_tokens, stop - pad)
 
-    def _prepare_sparse(self, full: torch.Tensor, plan: ReusePlan) -> PendingForward:
+    def _prepare_sparse(self, cache: PrefillTarget, full: torch.Tensor, plan: ReusePlan) -> PendingForward:
         """Stitch row 0's hits at their positions, choose repairs, and arm the forward over what is left."""
         assert self.rotator is not None  # sparse plans need one
-        cache = self.cache
         row = plan.rows[0]
-        device, dtype = self._device_and_dtype()
+        device, dtype = self.device_and_dtype()
         keys, values = place_hits(row, self.rotator, device, dtype)
         for layer, layer_keys, layer_values in zip(cache.layers, keys, values, strict=True):
             layer.adopt(layer_keys, layer_values)
@@ -218,10 +251,10 @@ class ChunkPrefiller:
                 selection.candidates[positions.cpu()],
                 candidates_per_layer(cache.repair, candidates, selection.budget, len(cache.layers)),
                 cache.repair.deviation,
-                lambda computed: self._settle(selection.settled(computed)),
+                lambda computed: _settle(cache, selection.settled(computed)),
             )
         else:
-            self._settle(selection)
+            _settle(cache, selection)
         cache.arm_scatter(positions, full.clone(), layer_filter)
         return PendingForward(
             full[:, positions.cpu()].to(device),
@@ -230,25 +263,11 @@ class ChunkPrefiller:
             attention_mask=position_mask(positions, full.shape[1], dtype),
         )
 
-    def _settle(self, selection: RepairSelection) -> None:
-        """Record what the repair forward recomputed: the row's stale positions and its reuse figures."""
-        ledger = self.cache.ledgers[0]
-        ledger.stale = frozenset(selection.stale)
-        ledger.exact_tokens = selection.exact_tokens
-        self.cache.last_reuse = [
-            RowReuse(
-                prompt_tokens=int(selection.reused.numel()),
-                cached_tokens=selection.cached_tokens,
-                hit_chunks=selection.hit_chunks,
-                approx_tokens=len(selection.stale),
-                recomputed_tokens=selection.recomputed_tokens,
-            )
-        ]
-
-    def _compute_sparse_head(self, pending: PendingForward, full: torch.Tensor, limit: int) -> PendingForward:
+    def _compute_sparse_head(
+        self, cache: PrefillTarget, pending: PendingForward, full: torch.Tensor, limit: int
+    ) -> PendingForward:
         """Run the armed sparse forward for its positions before ``limit``; leave the cache dense up to there."""
         assert pending.position_ids is not None and pending.attention_mask is not None
-        cache = self.cache
         head = pending.position_ids[0] < limit
         if cache.layer_filter is not None:
             cache.layer_filter.restrict(head)
@@ -266,14 +285,31 @@ class ChunkPrefiller:
         cache.record(None)
         return PendingForward(full[:, limit:].to(pending.input_ids.device), limit)
 
-    def _device_and_dtype(self) -> tuple[torch.device, torch.dtype]:
-        param = next(self.cache.model.parameters())
-        return param.device, model_dtype(self.cache.model)
+    def device_and_dtype(self) -> tuple[torch.device, torch.dtype]:
+        """Where the model's parameters live and the dtype its K/V are computed in."""
+        param = next(self.model.parameters())
+        return param.device, model_dtype(self.model)
+
+
+def _settle(cache: PrefillTarget, selection: RepairSelection) -> None:
+    """Record what the repair forward recomputed: the row's stale positions and its reuse figures."""
+    ledger = cache.ledgers[0]
+    ledger.stale = frozenset(selection.stale)
+    ledger.exact_tokens = selection.exact_tokens
+    cache.last_reuse = [
+        RowReuse(
+            prompt_tokens=int(selection.reused.numel()),
+            cached_tokens=selection.cached_tokens,
+            hit_chunks=selection.hit_chunks,
+            approx_tokens=len(selection.stale),
+            recomputed_tokens=selection.recomputed_tokens,
+        )
+    ]
 
 
 def reuse_cache(cache: Any) -> Any | None:
-    """``cache`` when it is a reuse cache (has a ``prefiller`` and ``record``), else None."""
-    return cache if hasattr(cache, "prefiller") and hasattr(cache, "record") else None
+    """``cache`` when it is a reuse cache (has a ``prefill`` and ``record``), else None."""
+    return cache if hasattr(cache, "prefill") and hasattr(cache, "record") else None
 
 
 def prepare_forward(cache: Any, kwargs: dict[str, Any], *, report: bool = True) -> dict[str, Any]:
@@ -301,7 +337,7 @@ def _load_for_forward(cache: Any, kwargs: dict[str, Any], report: bool) -> dict[
     if cached and fed.shape[1] <= keep:
         return kwargs
     full = torch.cat([cache.tokens.to(fed.device), fed], dim=1) if cached else fed
-    pending = cache.prefiller.prefill(full, kwargs.get("attention_mask"), keep=keep, defer=True, report=report)
+    pending = cache.prefill(full, kwargs.get("attention_mask"), keep=keep, defer=True, report=report)
     if pending.position_ids is not None:
         kwargs.update(pending.model_inputs())
     elif (skip := pending.cached_columns - cached) > 0:

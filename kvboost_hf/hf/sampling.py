@@ -32,7 +32,7 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
-class SamplingParams:
+class SamplingConfig:
     """Decoding settings of one row.
 
     ``temperature`` 0 = greedy; ``top_k`` 0 = off; ``min_p`` 0 = off; ``presence_penalty`` / ``frequency_penalty``
@@ -65,6 +65,9 @@ class SamplingParams:
         return set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
 
 
+SamplingParams = SamplingConfig  # the name of earlier versions, still in README examples
+
+
 class PresenceFrequencyPenalty(LogitsProcessor):
     """OpenAI's additive penalties over the generated tokens only (``input_ids[:, prompt_length:]``):
     ``logit -= frequency * count + presence * (count > 0)``."""
@@ -79,7 +82,7 @@ class PresenceFrequencyPenalty(LogitsProcessor):
 
 
 def build_processors(
-    params: SamplingParams,
+    params: SamplingConfig,
     prompt_length: int,
     eos_token_ids: Iterable[int],
     constraints: Sequence[LogitsProcessor] = (),
@@ -112,7 +115,7 @@ def build_processors(
     return processors
 
 
-def choose_token(scores: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+def choose_token(scores: torch.Tensor, params: SamplingConfig, generator: torch.Generator) -> int:
     """The next token of one row from its processed scores ``[1, V]``: argmax when greedy, else a draw from the
     softmax with ``generator``, a CPU generator whatever the scores' device (the probabilities are moved to the
     CPU for the draw, so a seed gives the same draws on every device). Raises ValueError when the processors left

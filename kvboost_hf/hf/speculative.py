@@ -10,10 +10,10 @@ yield without a draft (the draws are the same draws), only in fewer target forwa
 from both caches row by row (:meth:`~kvboost_hf.hf.cache.ChunkReuseCache.drop_row_tails`).
 
 For users of ``model.generate(assistant_model=draft)`` (transformers' assisted generation, batch size 1),
-:class:`Speculation` wraps one call: it sets the draft schedule explicitly from :class:`DraftSettings`, gives the
+:class:`Speculation` wraps one call: it sets the draft schedule explicitly from :class:`DraftConfig`, gives the
 draft a chunk-reuse cache, and counts target forwards and proposals::
 
-    with Speculation(model, draft, DraftSettings(num_draft_tokens=5), lambda: ChunkReuseCache(store, draft)) as s:
+    with Speculation(model, draft, DraftConfig(num_draft_tokens=5), lambda: ChunkReuseCache(store, draft)) as s:
         model.generate(ids, past_key_values=ChunkReuseCache(store, model), **s.generate_kwargs(), ...)
     s.stats.target_forwards
 """
@@ -45,7 +45,7 @@ _WRAPPED = "_kvboost_draft_wrapped"
 
 
 @dataclass(frozen=True)
-class DraftSettings:
+class DraftConfig:
     """How the draft proposes.
 
     Args:
@@ -153,6 +153,9 @@ class DraftSettings:
         return dict(zip(_SCHEDULE_FIELDS, values, strict=True))
 
 
+DraftSettings = DraftConfig  # the name of earlier versions, still in README examples
+
+
 @dataclass
 class SpeculationStats:
     """Counters of one ``generate()`` call (tokens and forwards).
@@ -231,11 +234,11 @@ class Speculation:
         self,
         target: PreTrainedModel,
         draft: PreTrainedModel | None = None,
-        settings: DraftSettings | None = None,
+        settings: DraftConfig | None = None,
         draft_cache: Callable[[], Cache] | None = None,
     ) -> None:
         self.target = target
-        self.settings = settings or DraftSettings()
+        self.settings = settings or DraftConfig()
         self.settings.check(target, draft)
         early_exit = self.settings.early_exit_layers is not None
         self.draft = draft
@@ -419,7 +422,7 @@ class VerifyCosts:
     """Timed verify forwards of one target: ``samples`` holds the last ``window`` ``(nodes, seconds)`` pairs (tree
     nodes of all rows, roots included, and the forward's wall time); :meth:`fit` is the least-squares line
     ``seconds = fixed + per_node * nodes``. Old samples leave the window, so a budget that stays constant
-    eventually leaves a single node count and :meth:`DraftSettings.adaptive_budget` explores again."""
+    eventually leaves a single node count and :meth:`DraftConfig.adaptive_budget` explores again."""
 
     def __init__(self, window: int = 64) -> None:
         self.samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
@@ -460,7 +463,7 @@ class Drafter:
     def __init__(
         self,
         model: PreTrainedModel,
-        settings: DraftSettings,
+        settings: DraftConfig,
         new_cache: Callable[[tuple[int, ...]], Cache] | None = None,
         costs: VerifyCosts | None = None,
     ) -> None:

@@ -1,6 +1,6 @@
 """Models larger than the device: decoder layers streamed from host memory (see :mod:`.streamer`)."""
 
-from kvboost_hf.offload.settings import LayerStreaming
+from kvboost_hf.offload.settings import LayerStreamingConfig
 from kvboost_hf.offload.streamer import (
     LayerStreamer,
     StreamingStats,
@@ -12,7 +12,7 @@ from kvboost_hf.offload.streamer import (
 
 __all__ = [
     "LayerStreamer",
-    "LayerStreaming",
+    "LayerStreamingConfig",
     "StreamingStats",
     "decoder_layers",
     "disable_layer_streaming",

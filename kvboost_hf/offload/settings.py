@@ -8,7 +8,7 @@ import torch
 
 
 @dataclass(frozen=True)
-class LayerStreaming:
+class LayerStreamingConfig:
     """How a model larger than the device runs: some decoder layers stream from host memory on every forward.
 
     Args:
@@ -37,14 +37,16 @@ class LayerStreaming:
         for name in ("keep_first_k", "keep_last_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"LayerStreaming.{name} must be a non-negative integer, got {value!r}")
+                raise ValueError(f"LayerStreamingConfig.{name} must be a non-negative integer, got {value!r}")
         if not isinstance(self.num_slots, int) or isinstance(self.num_slots, bool) or self.num_slots < 1:
-            raise ValueError(f"LayerStreaming.num_slots must be an integer >= 1, got {self.num_slots!r}")
+            raise ValueError(f"LayerStreamingConfig.num_slots must be an integer >= 1, got {self.num_slots!r}")
         if not isinstance(self.pin_memory, bool):
-            raise ValueError(f"LayerStreaming.pin_memory must be a bool, got {self.pin_memory!r}")
+            raise ValueError(f"LayerStreamingConfig.pin_memory must be a bool, got {self.pin_memory!r}")
         budget = self.device_memory_budget_bytes
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
-            raise ValueError(f"LayerStreaming.device_memory_budget_bytes must be a positive integer, got {budget!r}")
+            raise ValueError(
+                f"LayerStreamingConfig.device_memory_budget_bytes must be a positive integer, got {budget!r}"
+            )
 
     @property
     def target_device(self) -> torch.device:
@@ -52,3 +54,6 @@ class LayerStreaming:
         if self.device is not None:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+LayerStreaming = LayerStreamingConfig  # the name of earlier versions, still in README examples

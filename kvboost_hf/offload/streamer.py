@@ -28,7 +28,7 @@ import torch
 from accelerate.hooks import AlignDevicesHook, ModelHook, SequentialHook, add_hook_to_module, remove_hook_from_module
 
 from kvboost_hf.core.keys import model_digest
-from kvboost_hf.offload.settings import LayerStreaming
+from kvboost_hf.offload.settings import LayerStreamingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ class LayerStreamer:
     Use :func:`enable_layer_streaming` to create one and :meth:`close` to restore a normal model.
     """
 
-    def __init__(self, model: torch.nn.Module, settings: LayerStreaming) -> None:
+    def __init__(self, model: torch.nn.Module, settings: LayerStreamingConfig) -> None:
         if getattr(model, _STREAMER_ATTRIBUTE, None) is not None:
             raise ValueError("layer streaming is already enabled on this model; close() it first")
         if any(isinstance(h, AlignDevicesHook) for m in model.modules() for h in _hooks_of(m)):
@@ -508,13 +508,13 @@ def _detach_hook(module: torch.nn.Module, hook: ModelHook) -> None:
         add_hook_to_module(module, other, append=True)
 
 
-def enable_layer_streaming(model: torch.nn.Module, settings: LayerStreaming | None = None) -> LayerStreamer:
-    """Stream ``model``'s decoder layers from host memory (see :class:`LayerStreaming`); returns the handle.
+def enable_layer_streaming(model: torch.nn.Module, settings: LayerStreamingConfig | None = None) -> LayerStreamer:
+    """Stream ``model``'s decoder layers from host memory (see :class:`LayerStreamingConfig`); returns the handle.
 
     The model may sit on the CPU (the intended use: weights loaded into host memory) or on the device already.
     Everything that is not streamed is moved to ``settings.device``.
     """
-    return LayerStreamer(model, settings or LayerStreaming())
+    return LayerStreamer(model, settings or LayerStreamingConfig())
 
 
 def layer_streamer(model: torch.nn.Module) -> LayerStreamer | None:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from kvboost_hf.core.errors import KVBoostError
+
 EXACT_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 
 
-class UnsupportedRopeError(ValueError):
+class UnsupportedRopeError(KVBoostError, ValueError):
     """Raised for a model whose keys cannot be moved to new positions exactly."""
 
 

@@ -28,12 +28,13 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.types import ASGIApp, Message
 from transformers import PreTrainedTokenizerBase
 
+from kvboost_hf.core.errors import KVBoostError
 from kvboost_hf.serve_ray.routing import DEFAULT_MAX_CHUNKS, ForwardedRequest, KeySpace, routing_keys
 from kvboost_hf.server.admission import plain_messages
 from kvboost_hf.server.app import RequestGate
 from kvboost_hf.server.errors import ApiError
 from kvboost_hf.server.schemas import ChatCompletionRequest, CompletionRequest
-from kvboost_hf.server.settings import ServerSettings
+from kvboost_hf.server.settings import ServerConfig
 
 logger = logging.getLogger(__name__)
 REPLICA_HEADER = "x-kvboost-replica"
@@ -126,7 +127,7 @@ class KVBoostReplica:
 
     def routing_context(self) -> tuple[KeySpace, PreTrainedTokenizerBase]:
         """What the ingress needs to compute this replica's chunk keys: the key space and the tokenizer."""
-        return KeySpace.of_engine(self.engine), self.engine.tokenizer
+        return self.engine.key_space, self.engine.tokenizer
 
     def stored(self, keys: Sequence[str]) -> list[bool]:
         """Whether this replica's store (RAM, then its lower tiers) holds each of ``keys``."""
@@ -219,7 +220,7 @@ class StreamIdentity:
         return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
-class ReplicasLost(Exception):
+class ReplicasLost(KVBoostError):
     """Every attempt at a request met a dead replica."""
 
 
@@ -233,7 +234,7 @@ class Ingress:
     def __init__(
         self,
         replicas: DeploymentHandle,
-        settings: ServerSettings,
+        settings: ServerConfig,
         max_attempts: int = 3,
         max_routing_chunks: int = DEFAULT_MAX_CHUNKS,
     ) -> None:
@@ -254,7 +255,12 @@ class Ingress:
         body = await request.body()
         keys = await self.keys(request.url.path, body)
         forwarded = ForwardedRequest(
-            request.method, request.url.path, request.url.query.encode(), tuple(request.headers.raw), body, keys
+            method=request.method,
+            path=request.url.path,
+            query_string=request.url.query.encode(),
+            headers=tuple(request.headers.raw),
+            body=body,
+            routing_keys=keys,
         )
         try:
             start, parts = await self.open(forwarded)

@@ -17,52 +17,12 @@ import random
 from collections import Counter, OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
-from kvboost_hf.core.keys import chain_prefix_keys, model_digest, namespace_key
-from kvboost_hf.hf.models import model_dtype
-
-if TYPE_CHECKING:
-    from kvboost_hf.engine import InferenceEngine
+from kvboost_hf.core.chunking import chunk_spans
+from kvboost_hf.core.keys import KeySpace, chain_prefix_keys
 
 FALLBACKS = ("least_loaded", "power_of_two")
 DEFAULT_MAX_CHUNKS = 512  # keys computed per request: 512 chunks of the default 128 tokens cover 64k tokens
-
-
-@dataclass(frozen=True)
-class KeySpace:
-    """What names a chunk besides its tokens: the model's digest, the K/V dtype, the chunking and the stored
-    precision. Picklable and model-free, so a router process computes the store's keys without the model."""
-
-    digest: str
-    dtype: str
-    chunking: ChunkingConfig
-    kv_cache_bits: int = 16
-    kv_group_size: int | None = None
-
-    @classmethod
-    def of_engine(cls, engine: InferenceEngine) -> KeySpace:
-        """The key space of ``engine``'s caches (reads every weight once to digest them, as the caches do)."""
-        store = engine.store
-        return cls(
-            model_digest(engine.model),
-            str(model_dtype(engine.model)),
-            engine.chunking,
-            store.kv_cache_bits,
-            store.kv_group_size,
-        )
-
-    def namespace(self, cache_salt: str | None) -> str:
-        """The cache namespace of tenant ``cache_salt`` (equal to ``ChunkReuseCache(...).namespace``)."""
-        return namespace_key(
-            self.digest,
-            self.dtype,
-            self.chunking,
-            kv_cache_bits=self.kv_cache_bits,
-            kv_group_size=self.kv_group_size,
-            cache_salt=cache_salt,
-        )
 
 
 def routing_keys(
@@ -74,7 +34,7 @@ def routing_keys(
     return tuple(chain_prefix_keys(space.namespace(cache_salt), token_ids, spans))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ForwardedRequest:
     """An HTTP request as the ingress received it (headers lower-cased, the whole body) and its routing keys."""
 

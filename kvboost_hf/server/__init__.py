@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvboost_hf.server.app import ServerSettings, create_app
+    from kvboost_hf.server.app import ServerConfig, create_app
 
-__all__ = ["ServerSettings", "create_app"]
+__all__ = ["ServerConfig", "create_app"]
 
 
 def __getattr__(name: str) -> Any:

@@ -2,7 +2,7 @@
 
 Everything here that costs more than a field check (chat template rendering, tokenisation) runs in a thread
 (``asyncio.to_thread``), never on the event loop. Grammars compile on the compiler's own bounded pool, cached per
-``cache_salt`` (:class:`~kvboost_hf.hf.grammar.GrammarCompiler`); the event loop awaits them for at most
+``cache_salt`` (:class:`~kvboost_hf.server.grammar.GrammarCompiler`); the event loop awaits them for at most
 ``compile_timeout_s``, so compiles never hold the threads that admit plain requests. A prompt whose character
 count alone proves it longer than the context is refused before it is tokenised.
 
@@ -11,7 +11,7 @@ them) the tools, the assistant ``tool_calls`` and the ``tool`` messages of the h
 Otherwise this documented rendering is used: the tool list is appended to the (first) system message as
 :data:`TOOL_PROMPT`, earlier calls appear in the assistant's text as ``<tool_call>{"name", "arguments"}</tool_call>``
 and tool results as user messages ``<tool_response>...</tool_response>``. Either way the output is constrained to
-the same tag format (:mod:`kvboost_hf.hf.grammar`).
+the same tag format (:mod:`kvboost_hf.server.grammar`).
 
 Documents: with ``reuse_mode`` chunk, a chat request without tools gets segment starts where its documents begin
 and end (:func:`~kvboost_hf.hf.chat_segments.encode_chat_segments`: the token ids are unchanged), chosen by its
@@ -34,7 +34,10 @@ from transformers import LogitsProcessor
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
-from kvboost_hf.hf.grammar import (
+from kvboost_hf.hf.sampling import SamplingConfig
+from kvboost_hf.server.batching import JobParams
+from kvboost_hf.server.errors import ApiError
+from kvboost_hf.server.grammar import (
     TOOL_CALL_BEGIN,
     TOOL_CALL_END,
     Compiled,
@@ -43,11 +46,8 @@ from kvboost_hf.hf.grammar import (
     GrammarError,
     Tool,
 )
-from kvboost_hf.hf.sampling import SamplingParams
-from kvboost_hf.server.batching import JobParams
-from kvboost_hf.server.errors import ApiError
 from kvboost_hf.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, ToolDefinition
-from kvboost_hf.server.settings import ServerSettings
+from kvboost_hf.server.settings import ServerConfig
 from kvboost_hf.server.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class Prepared:
 class Admission:
     """Validates and prepares requests for ``worker``; one per app."""
 
-    def __init__(self, engine: InferenceEngine, settings: ServerSettings, worker: Worker) -> None:
+    def __init__(self, engine: InferenceEngine, settings: ServerConfig, worker: Worker) -> None:
         self.engine, self.settings, self.worker = engine, settings, worker
         self.vocab_size = int(engine.model.get_output_embeddings().weight.shape[0])
         tokenizer = engine.tokenizer
@@ -247,7 +247,7 @@ class Admission:
         tool_calls: bool = False,
     ) -> JobParams:
         """The job's settings; ``grammar`` constrains each row (a tool-call grammar when ``tool_calls``, whose rows
-        also end a turn that repeats a call: :class:`~kvboost_hf.hf.grammar.ToolCallProcessor`)."""
+        also end a turn that repeats a call: :class:`~kvboost_hf.server.grammar.ToolCallProcessor`)."""
         max_tokens = self._token_budget(body, len(prompt_ids), max_tokens)
         if body.min_tokens > max_tokens:
             raise ApiError(400, f"min_tokens={body.min_tokens} exceeds max_tokens={max_tokens}", param="min_tokens")
@@ -257,7 +257,7 @@ class Admission:
         bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
         self._check_token_ids(bias, "logit_bias")
         self._check_token_ids(body.stop_token_ids or [], "stop_token_ids")
-        sampling = SamplingParams(
+        sampling = SamplingConfig(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=max(body.top_k, 0),
@@ -280,7 +280,13 @@ class Admission:
                     return compiler.tool_call_processor(grammar.result(), prompt_length, self._decode, max_tokens)
                 return compiler.processor(grammar.result(), prompt_length)
 
-        return JobParams(max_tokens, sampling, body.stop_strings(), top_logprobs, constraint)
+        return JobParams(
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop=body.stop_strings(),
+            top_logprobs=top_logprobs,
+            constraint=constraint,
+        )
 
     def _decode(self, tokens: list[int]) -> str:
         with self.worker.tokenizer_lock:

@@ -41,11 +41,11 @@ from kvboost_hf.server.admission import Admission
 from kvboost_hf.server.errors import ApiError, install_error_handlers
 from kvboost_hf.server.metrics import Metrics
 from kvboost_hf.server.routes import register_routes
-from kvboost_hf.server.settings import REUSE_MODES, ServerSettings
+from kvboost_hf.server.settings import ServerConfig
 from kvboost_hf.server.transport import bounded_protocol
 from kvboost_hf.server.worker import Worker
 
-__all__ = ["GracefulServer", "RequestGate", "ServerSettings", "create_app", "uvicorn_config"]
+__all__ = ["GracefulServer", "RequestGate", "ServerConfig", "create_app", "uvicorn_config"]
 logger = logging.getLogger(__name__)
 PUBLIC_PATHS = frozenset({"/health"})
 
@@ -166,7 +166,7 @@ def decode_body(body: bytes, max_values: int) -> Any:
 class _OffLoopJSONRequest(Request):
     """A request whose JSON body is decoded and bounded in a thread (a large body must not stall other clients)."""
 
-    max_values = 0  # set by the app's route class (ServerSettings.max_json_values)
+    max_values = 0  # set by the app's route class (ServerConfig.max_json_values)
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
@@ -204,25 +204,18 @@ class GracefulServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def uvicorn_config(app: ASGIApp, settings: ServerSettings, **kwargs: Any) -> uvicorn.Config:
+def uvicorn_config(app: ASGIApp, settings: ServerConfig, **kwargs: Any) -> uvicorn.Config:
     """uvicorn's configuration for ``app``: h11 with the request-reading bounds of ``settings``
     (:func:`~kvboost_hf.server.transport.bounded_protocol`); ``kwargs``: host, port, ..."""
     protocol = bounded_protocol(settings.header_timeout_s, settings.body_timeout_s, settings.max_connections_per_client)
     return uvicorn.Config(app, http=protocol, **kwargs)
 
 
-def create_app(engine: InferenceEngine, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(engine: InferenceEngine, settings: ServerConfig | None = None) -> FastAPI:
     """The OpenAI-compatible app serving ``engine``. The model is used only by the app's worker thread."""
-    settings = settings or ServerSettings()
+    settings = settings or ServerConfig()
     metrics = Metrics()
-    worker = Worker(
-        engine,
-        mode=REUSE_MODES[settings.reuse_mode],
-        batch_window_s=settings.batch_window_ms / 1e3,
-        max_batch_size=settings.max_batch_size,
-        max_queue=settings.max_queue,
-        metrics=metrics,
-    )
+    worker = Worker(engine, settings, metrics=metrics)
     _register_scraped(metrics, worker, engine)
 
     admission = Admission(engine, settings, worker)

@@ -23,18 +23,18 @@ from transformers import LogitsProcessor
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, TokenLogprob
-from kvboost_hf.hf.sampling import SamplingParams
+from kvboost_hf.hf.sampling import SamplingConfig
 
 
 # ---------------------------------------------------------------------------------------------------- job types
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class JobParams:
-    """Per-request settings: token budget, sampling (see :class:`~kvboost_hf.hf.sampling.SamplingParams`), stop
+    """Per-request settings: token budget, sampling (see :class:`~kvboost_hf.hf.sampling.SamplingConfig`), stop
     strings, logprobs (``top_logprobs`` None = none) and ``constraint``, a factory of a fresh per-row logits
     processor (e.g. a grammar mask) given the prompt length in tokens."""
 
     max_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: tuple[str, ...] = ()
     top_logprobs: int | None = None
     constraint: Callable[[int], LogitsProcessor] | None = None
@@ -172,13 +172,13 @@ class Batch:
             for index in range(job.n):
                 seed = params.sampling.seed + index if params.sampling.seed is not None else secrets.randbits(63)
                 request = DecodeRequest(
-                    job.prompt_ids,
-                    params.max_tokens,
-                    replace(params.sampling, seed=seed),
-                    params.stop,
-                    params.top_logprobs,
-                    params.constraint(len(job.prompt_ids)) if params.constraint is not None else None,
-                    job.cancel,
+                    prompt_ids=job.prompt_ids,
+                    max_new_tokens=params.max_tokens,
+                    sampling=replace(params.sampling, seed=seed),
+                    stop=params.stop,
+                    top_logprobs=params.top_logprobs,
+                    constraint=params.constraint(len(job.prompt_ids)) if params.constraint is not None else None,
+                    cancel=job.cancel,
                     segment_starts=job.segment_starts,
                 )
                 self.choices[id(request)] = _Choice(job, index)

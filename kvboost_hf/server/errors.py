@@ -11,6 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvboost_hf.core.errors import KVBoostError
+
 logger = logging.getLogger(__name__)
 
 _ERROR_KINDS = {
@@ -22,7 +24,7 @@ _ERROR_KINDS = {
 }
 
 
-class ApiError(Exception):
+class ApiError(KVBoostError):
     """An error answered with an OpenAI-style body; ``kind`` defaults from the status code."""
 
     def __init__(

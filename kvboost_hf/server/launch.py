@@ -13,11 +13,11 @@ from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import RepairConfig
 from kvboost_hf.core.settings import add_settings_arguments, settings_from_args, settings_values
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
-from kvboost_hf.hf.grammar import GrammarLimits
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
-from kvboost_hf.hf.speculative import TREE_EXPANSIONS, DraftSettings
-from kvboost_hf.offload.settings import LayerStreaming
-from kvboost_hf.server.settings import REUSE_MODES, ServerSettings
+from kvboost_hf.hf.speculative import TREE_EXPANSIONS, DraftConfig
+from kvboost_hf.offload.settings import LayerStreamingConfig
+from kvboost_hf.server.grammar import GrammarConfig
+from kvboost_hf.server.settings import REUSE_MODES, ServerConfig
 from kvboost_hf.store.config import StoreConfig
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ SETTINGS_FLAGS: tuple[tuple[type, str, dict], ...] = (
         },
     ),
     (
-        DraftSettings,
+        DraftConfig,
         "speculative decoding",
         {
             "names": {"early_exit_layers": "draft-early-exit"},
@@ -74,7 +74,7 @@ SETTINGS_FLAGS: tuple[tuple[type, str, dict], ...] = (
         },
     ),
     (
-        LayerStreaming,
+        LayerStreamingConfig,
         "layer streaming (with --stream-layers)",
         {
             "names": {
@@ -91,7 +91,7 @@ SETTINGS_FLAGS: tuple[tuple[type, str, dict], ...] = (
         },
     ),
     (
-        ServerSettings,
+        ServerConfig,
         "serving",
         {
             "choices": {
@@ -103,7 +103,7 @@ SETTINGS_FLAGS: tuple[tuple[type, str, dict], ...] = (
         },
     ),
     (
-        GrammarLimits,
+        GrammarConfig,
         "structured output and tool calls",
         {"names": {name: "grammar-" + name.replace("_", "-") for name in ("workers", "max_waiting", "cache_entries")}},
     ),
@@ -142,7 +142,7 @@ def build_engine(args: argparse.Namespace) -> InferenceEngine:
     """The engine the flags describe (model, chunking, repair, store, draft and streaming settings)."""
     from kvboost_hf.engine import InferenceEngine, load_model
 
-    streaming = settings_from_args(LayerStreaming, args) if args.stream_layers else None
+    streaming = settings_from_args(LayerStreamingConfig, args) if args.stream_layers else None
     model, tokenizer = load_model(args.model, streaming=streaming)
     chunking = settings_values(ChunkingConfig, args)
     return InferenceEngine(
@@ -154,7 +154,7 @@ def build_engine(args: argparse.Namespace) -> InferenceEngine:
         repair=settings_from_args(RepairConfig, args),
         store=settings_from_args(StoreConfig, args, remote_hmac_key=_secret_from_env(args.remote_hmac_key_env)),
         draft_model=args.draft_model,
-        draft=settings_from_args(DraftSettings, args),
+        draft=settings_from_args(DraftConfig, args),
     )
 
 
@@ -165,14 +165,14 @@ def parse_server_args(argv: list[str] | None, prog: str, description: str) -> ar
     return parser.parse_args(argv)
 
 
-def server_settings(args: argparse.Namespace) -> ServerSettings:
-    """The :class:`ServerSettings` the flags describe (model name defaults to the model's directory name)."""
+def server_settings(args: argparse.Namespace) -> ServerConfig:
+    """The :class:`ServerConfig` the flags describe (model name defaults to the model's directory name)."""
     return settings_from_args(
-        ServerSettings,
+        ServerConfig,
         args,
         model_name=args.served_model_name or (Path(args.model).name if args.model else EMBEDDED_MODEL_NAME),
         api_key=args.api_key,
-        grammar_limits=settings_from_args(GrammarLimits, args),
+        grammar_limits=settings_from_args(GrammarConfig, args),
     )
 
 
@@ -211,7 +211,7 @@ def serve(args: argparse.Namespace) -> int:
     host = args.host or LOOPBACK
     warn_if_open(host, args.api_key)
     app, engine = build_app(args)
-    settings: ServerSettings = app.state.settings
+    settings: ServerConfig = app.state.settings
     config = uvicorn_config(
         app,
         settings,

@@ -4,10 +4,10 @@ The worker reports through ``job.sink`` from its own thread; :class:`Exchange` m
 loop with ``loop.call_soon_threadsafe`` (no second event loop) and builds the OpenAI bodies from them.
 
 Tool calls: when the request offered tools, the text of each choice is read for ``<tool_call>`` tags
-(:func:`~kvboost_hf.hf.grammar.parse_tool_calls`); the calls are answered as ``tool_calls`` with
+(:func:`~kvboost_hf.server.grammar.parse_tool_calls`); the calls are answered as ``tool_calls`` with
 ``finish_reason: "tool_calls"``. While streaming, the text before the first tag is sent as content as it comes
 (a partial tag is held back), then each call as tool-call deltas: its id and name first, then its argument text
-as the tokens come (:class:`~kvboost_hf.hf.grammar.ToolCallStream`). Both read by the same rules, so a stream adds
+as the tokens come (:class:`~kvboost_hf.server.grammar.ToolCallStream`). Both read by the same rules, so a stream adds
 up to the whole answer, and no markup reaches content or arguments. A call cut by ``max_tokens`` is answered with
 the arguments text generated before the cut (not valid JSON) and ``finish_reason: "length"``, as OpenAI does.
 
@@ -29,10 +29,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from kvboost_hf.hf.grammar import ToolCall, ToolCallDelta, ToolCallStream, parse_tool_calls
 from kvboost_hf.server.admission import Prepared
 from kvboost_hf.server.batching import Delta, Done, Event, Failed, Finished, Job, TextLogprob
 from kvboost_hf.server.errors import ApiError
+from kvboost_hf.server.grammar import ToolCall, ToolCallDelta, ToolCallStream, parse_tool_calls
 from kvboost_hf.server.schemas import (
     ChatChoice,
     ChatCompletion,

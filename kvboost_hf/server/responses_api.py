@@ -29,10 +29,10 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from kvboost_hf.hf.grammar import ToolCallDelta, ToolCallStream
 from kvboost_hf.server.admission import GRAMMAR_PARAM, Admission, Prepared
 from kvboost_hf.server.batching import Delta, Done, Finished
 from kvboost_hf.server.errors import ApiError
+from kvboost_hf.server.grammar import ToolCallDelta, ToolCallStream
 from kvboost_hf.server.responses import SHUTDOWN_REASON, Exchange
 from kvboost_hf.server.responses_schemas import (
     FunctionCallItem,

@@ -34,7 +34,7 @@ from kvboost_hf.server.schemas import (
     WarmRequest,
     WarmResponse,
 )
-from kvboost_hf.server.settings import ServerSettings
+from kvboost_hf.server.settings import ServerConfig
 from kvboost_hf.server.worker import ShuttingDown, Worker
 
 ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
@@ -43,7 +43,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for co
 def register_routes(
     app: FastAPI,
     engine: InferenceEngine,
-    settings: ServerSettings,
+    settings: ServerConfig,
     worker: Worker,
     admission: Admission,
     metrics: Metrics,
@@ -56,7 +56,7 @@ def register_routes(
 def _register_service_routes(
     app: FastAPI,
     engine: InferenceEngine,
-    settings: ServerSettings,
+    settings: ServerConfig,
     worker: Worker,
     admission: Admission,
     metrics: Metrics,
@@ -96,7 +96,7 @@ def _register_service_routes(
 
 
 def _register_generation_routes(
-    app: FastAPI, engine: InferenceEngine, settings: ServerSettings, worker: Worker, admission: Admission
+    app: FastAPI, engine: InferenceEngine, settings: ServerConfig, worker: Worker, admission: Admission
 ) -> None:
     """Warming, chat completions, completions and responses: the routes that run the model."""
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
-from kvboost_hf.hf.grammar import GrammarLimits
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
+from kvboost_hf.server.grammar import GrammarConfig
 
 REUSE_MODES = {
     "off": GenerationMode.BASELINE,  # plain K/V per request
@@ -17,7 +17,7 @@ REUSE_MODES = {
 
 
 @dataclass(frozen=True)
-class ServerSettings:
+class ServerConfig:
     """Server behaviour (every field is a ``kvboost-hf serve`` flag, see :mod:`kvboost_hf.server.launch`).
 
     Attributes:
@@ -63,4 +63,14 @@ class ServerSettings:
     max_connections_per_client: int = 128
     max_warm_documents: int = 256
     document_boundaries: str = DocumentBoundaries.PARTS.value
-    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
+    grammar_limits: GrammarConfig = field(default_factory=GrammarConfig)
+
+    def __post_init__(self) -> None:
+        if self.reuse_mode not in REUSE_MODES:
+            raise ValueError(f"reuse_mode must be one of {sorted(REUSE_MODES)}, got {self.reuse_mode!r}")
+        if self.max_batch_size < 1 or self.max_queue < 1:
+            raise ValueError(
+                f"max_batch_size and max_queue must be >= 1, got {self.max_batch_size} and {self.max_queue}"
+            )
+        if self.batch_window_ms < 0:
+            raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")

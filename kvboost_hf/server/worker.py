@@ -31,12 +31,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kvboost_hf.core.config import GenerationMode
+from kvboost_hf.core.errors import KVBoostError
 from kvboost_hf.engine import InferenceEngine, Prompt
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.scheduling import BatchKey
 from kvboost_hf.server.batching import Batch, Job
 from kvboost_hf.server.metrics import Metrics
+from kvboost_hf.server.settings import REUSE_MODES, ServerConfig
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,7 +45,7 @@ RETRY_AFTER_MAX_S = 600
 BATCH_SECONDS_WEIGHT = 0.2  # weight of the newest batch in the moving average behind Retry-After
 
 
-class Overloaded(RuntimeError):
+class Overloaded(KVBoostError, RuntimeError):
     """The admission queue is full; retry after ``retry_after_s`` seconds."""
 
     def __init__(self, depth: int, retry_after_s: int) -> None:
@@ -52,7 +53,7 @@ class Overloaded(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
-class ShuttingDown(RuntimeError):
+class ShuttingDown(KVBoostError, RuntimeError):
     """The worker no longer accepts jobs."""
 
 
@@ -61,33 +62,24 @@ class Worker:
 
     Args:
         engine: the engine (its model is used from this worker only).
-        mode: ``PREFIX_CACHE`` (exact prefix hits), ``CHUNK_KV_REUSE`` (also repaired non-prefix hits) or
-            ``BASELINE`` (plain K/V, no store). Jobs are batched by the engine's :meth:`~InferenceEngine.batch_policy`
-            (the rules of ``generate_many``: a job with document segments, or whose reuse needs repair, is prefilled
-            alone, then joins).
-        batch_window_s: how long (seconds) a job may wait for others to batch with.
-        max_batch_size: rows (choices) running at once, over all batches.
-        max_queue: jobs waiting for admission before ``submit`` refuses.
+        settings: the server's settings; the worker reads ``reuse_mode`` (:data:`REUSE_MODES`: ``prefix`` for exact
+            prefix hits, ``chunk`` also for repaired non-prefix hits, ``off`` for plain K/V), ``batch_window_ms``,
+            ``max_batch_size`` (rows running at once, over all batches) and ``max_queue`` (jobs waiting before
+            ``submit`` refuses). Jobs are batched by the engine's :meth:`~InferenceEngine.batch_policy` (the rules
+            of ``generate_many``: a job with document segments, or whose reuse needs repair, is prefilled alone,
+            then joins).
         metrics: where batch sizes, latencies and token origins are recorded.
     """
 
     def __init__(
-        self,
-        engine: InferenceEngine,
-        *,
-        mode: GenerationMode = GenerationMode.PREFIX_CACHE,
-        batch_window_s: float = 0.01,
-        max_batch_size: int = 8,
-        max_queue: int = 64,
-        metrics: Metrics | None = None,
+        self, engine: InferenceEngine, settings: ServerConfig | None = None, *, metrics: Metrics | None = None
     ) -> None:
-        if max_batch_size < 1 or max_queue < 1 or batch_window_s < 0:
-            raise ValueError("max_batch_size and max_queue must be >= 1 and batch_window_s >= 0")
+        settings = settings or ServerConfig()
         self.engine = engine
-        self.mode = GenerationMode(mode)
-        self.batch_window_s = batch_window_s
-        self.max_batch_size = max_batch_size
-        self.max_queue = max_queue
+        self.mode = REUSE_MODES[settings.reuse_mode]
+        self.batch_window_s = settings.batch_window_ms / 1e3
+        self.max_batch_size = settings.max_batch_size
+        self.max_queue = settings.max_queue
         self.metrics = metrics or Metrics()
         self.tokenizer_lock = threading.Lock()
         self._cond = threading.Condition()

@@ -23,7 +23,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -36,10 +35,8 @@ import torch
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.store.base import StorageTier, StoredChunk
 from kvboost_hf.store.config import StoreConfig
-from kvboost_hf.store.disk import DEFAULT_MAX_BYTES as DEFAULT_DISK_MAX_BYTES
-from kvboost_hf.store.quantization import DEFAULT_GROUP_SIZE, QuantizedChunk, quantize_chunk
+from kvboost_hf.store.quantization import QuantizedChunk, quantize_chunk
 from kvboost_hf.store.ram import GpuTier, RamTier
-from kvboost_hf.store.remote import DEFAULT_PREFIX
 
 if TYPE_CHECKING:  # the typed accessors below; the store itself never tests a tier's class
     from kvboost_hf.store.disk import DiskTier
@@ -74,48 +71,19 @@ _REPORTED = {  # counters reported (0 when the tier is absent) so that dashboard
 class ChunkStore:
     """Chunk K/V store: RAM, then lower tiers fastest first (see the module docstring).
 
-    Args: the fields of :class:`StoreConfig` (``max_bytes`` positional), and ``tiers``: more tiers below those
-    the settings enable, fastest first. :meth:`from_config` builds one from a :class:`StoreConfig`.
+    Args:
+        config: the store's settings (:class:`StoreConfig`; None: its defaults, a 2 GiB RAM tier only).
+        tiers: more tiers below those the settings enable, fastest first.
 
     Thread-safe. Never returns K/V that failed verification: a damaged disk or Redis record is a miss.
     After :meth:`close`, lookups see RAM only.
     """
 
-    def __init__(
-        self,
-        max_bytes: int = 2 << 30,
-        *,
-        kv_cache_bits: int = 16,
-        kv_group_size: int = DEFAULT_GROUP_SIZE,
-        disk_cache_dir: str | os.PathLike[str] | None = None,
-        disk_max_bytes: int = DEFAULT_DISK_MAX_BYTES,
-        remote_url: str | None = None,
-        remote_prefix: str = DEFAULT_PREFIX,
-        remote_ttl_s: float | None = None,
-        remote_read_timeout_s: float = 0.25,
-        remote_hmac_key: bytes | str | None = None,
-        device: torch.device | str = "cpu",
-        pin_memory: bool | None = None,
-        gpu_max_bytes: int | None = None,
-        gpu_device: torch.device | str | None = None,
-        tiers: Sequence[StorageTier] = (),
-    ) -> None:
-        config = StoreConfig(
-            max_bytes=max_bytes,
-            kv_cache_bits=kv_cache_bits,
-            kv_group_size=kv_group_size,
-            disk_cache_dir=disk_cache_dir,
-            disk_max_bytes=disk_max_bytes,
-            remote_url=remote_url,
-            remote_prefix=remote_prefix,
-            remote_ttl_s=remote_ttl_s,
-            remote_read_timeout_s=remote_read_timeout_s,
-            remote_hmac_key=remote_hmac_key,
-            device=device,
-            pin_memory=pin_memory,
-            gpu_max_bytes=gpu_max_bytes,
-            gpu_device=gpu_device,
-        )
+    def __init__(self, config: StoreConfig | None = None, *, tiers: Sequence[StorageTier] = ()) -> None:
+        config = config if config is not None else StoreConfig()
+        if not isinstance(config, StoreConfig):
+            kind = type(config).__name__
+            raise TypeError(f"ChunkStore takes a StoreConfig, got {kind}: write ChunkStore(StoreConfig({config!r}))")
         self.config = config
         self.kv_cache_bits = config.kv_cache_bits
         self.kv_group_size = config.kv_group_size
@@ -139,9 +107,8 @@ class ChunkStore:
 
     @classmethod
     def from_config(cls, config: StoreConfig, tiers: Sequence[StorageTier] = ()) -> ChunkStore:
-        """A store with ``config``'s settings (and ``tiers`` below those it enables)."""
-        fields = {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
-        return cls(**fields, tiers=tiers)
+        """``ChunkStore(config, tiers=tiers)``, the spelling of earlier versions."""
+        return cls(config, tiers=tiers)
 
     @property
     def all_tiers(self) -> list[StorageTier]:

@@ -28,6 +28,7 @@ import sys
 import torch
 
 from kvboost_hf.core.chunk_kv import ChunkKV
+from kvboost_hf.core.errors import KVBoostError
 from kvboost_hf.store.base import StoredChunk
 from kvboost_hf.store.quantization import QuantizedChunk, QuantizedTensor, packed_numel, stats_shape
 
@@ -54,7 +55,7 @@ _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 Shape = tuple[int, int, int, int]
 
 
-class CorruptEntryError(ValueError):
+class CorruptEntryError(KVBoostError, ValueError):
     """A record that must not be served: bad magic or version, wrong key, inconsistent sizes, digest mismatch."""
 
 

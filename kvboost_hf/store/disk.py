@@ -44,6 +44,7 @@ from typing import Any
 
 import lmdb
 
+from kvboost_hf.core.errors import KVBoostError
 from kvboost_hf.store import codec
 from kvboost_hf.store.base import BackgroundWriter, StorageTier, StoredChunk
 
@@ -524,11 +525,11 @@ def _release_env(env: Any) -> None:
                 return
 
 
-class _Truncated(Exception):
+class _Truncated(KVBoostError):
     """``data.mdb`` is shorter than the pages LMDB would map, or is not an LMDB file: set it aside."""
 
 
-class _Unusable(Exception):
+class _Unusable(KVBoostError):
     """The directory cannot be opened safely as it is (damaged lock file, no room for it): disable the tier."""
 
 

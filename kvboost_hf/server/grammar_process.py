@@ -32,23 +32,25 @@ from typing import Any, TypeVar
 
 import xgrammar
 
+from kvboost_hf.core.errors import KVBoostError
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 CHILD_START_TIMEOUT_S = 120.0  # a child imports xgrammar (and torch) before its first answer
 
 
-class CompileTimeout(RuntimeError):
+class CompileTimeout(KVBoostError, RuntimeError):
     """A compile ran past its time limit; its child process was killed."""
 
 
-class CompileFailed(RuntimeError):
+class CompileFailed(KVBoostError, RuntimeError):
     """The constraint could not be compiled (xgrammar's message), or the child died compiling it."""
 
 
 class CompileProcess:
-    """One child process (``python -m kvboost_hf.hf.grammar_child``) compiling for one tokenizer: ``info``, also
+    """One child process (``python -m kvboost_hf.server.grammar_child``) compiling for one tokenizer: ``info``, also
     written as xgrammar's JSON at ``tokenizer_path`` for the child to read. Jobs and answers are JSON lines on its
-    stdin and stdout (:mod:`~kvboost_hf.hf.grammar_child`). Used by one thread at a time."""
+    stdin and stdout (:mod:`~kvboost_hf.server.grammar_child`). Used by one thread at a time."""
 
     def __init__(self, info: xgrammar.TokenizerInfo, tokenizer_path: Path) -> None:
         self.info, self.tokenizer_path = info, tokenizer_path
@@ -59,7 +61,7 @@ class CompileProcess:
         package_root = str(Path(__file__).resolve().parents[2])  # the child imports this copy of kvboost_hf
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))}
         self._child = subprocess.Popen(
-            [sys.executable, "-m", "kvboost_hf.hf.grammar_child", str(self.tokenizer_path)],
+            [sys.executable, "-m", "kvboost_hf.server.grammar_child", str(self.tokenizer_path)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,

@@ -1,5 +1,5 @@
-"""A grammar compile process (``python -m kvboost_hf.hf.grammar_child TOKENIZER_JSON_PATH``), started and killed
-by :class:`~kvboost_hf.hf.grammar_process.CompileProcess`.
+"""A grammar compile process (``python -m kvboost_hf.server.grammar_child TOKENIZER_JSON_PATH``), started and killed
+by :class:`~kvboost_hf.server.grammar_process.CompileProcess`.
 
 Protocol, one JSON object per line: the child first writes ``{"status": "ready"}``; then for each job line
 ``{"kind": "json_schema", "args": [schema JSON text]}`` or ``{"kind": "tool_calls", "args": [[[name, parameters,
@@ -17,7 +17,7 @@ from typing import Any
 
 import xgrammar
 
-from kvboost_hf.hf.grammar import Tool, compact_json_grammar, tool_call_structure
+from kvboost_hf.server.grammar import Tool, compact_json_grammar, tool_call_structure
 
 
 def _json_schema(compiler: xgrammar.GrammarCompiler, schema_json: str) -> xgrammar.CompiledGrammar:

@@ -14,8 +14,8 @@ until the grammar is complete); :class:`ToolCallProcessor` also ends a turn whos
 :func:`parse_tool_calls` (a whole answer) and :class:`ToolCallStream` (a stream) read the calls back out of the
 generated text by the same rules, so streamed and whole answers agree and markup never leaks.
 
-Compiles run in the compiler's own child processes (:mod:`~kvboost_hf.hf.grammar_process`, bounded by
-``GrammarLimits``): a constraint source larger than ``max_schema_bytes`` is refused before compiling, a compile
+Compiles run in the compiler's own child processes (:mod:`~kvboost_hf.server.grammar_process`, bounded by
+``GrammarConfig``): a constraint source larger than ``max_schema_bytes`` is refused before compiling, a compile
 running longer than ``compile_limit_s`` is killed (GrammarError: the size of a schema does not bound its compile
 time), at most ``max_waiting`` compiles are queued or running (:class:`GrammarBusy` beyond), one tenant never runs
 on every worker, and compiled grammars are cached per ``tenant`` (xgrammar's process-wide cache is off), so whether
@@ -41,7 +41,8 @@ import torch
 import xgrammar
 from transformers import LogitsProcessor, PreTrainedTokenizerBase
 
-from kvboost_hf.hf.grammar_process import CompileFailed, CompilePool, CompileProcess, CompileTimeout
+from kvboost_hf.core.errors import KVBoostError
+from kvboost_hf.server.grammar_process import CompileFailed, CompilePool, CompileProcess, CompileTimeout
 
 TOOL_CALL_BEGIN = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -56,17 +57,17 @@ def _call_header(name: str) -> str:
 _HEADER = re.compile(re.escape(_call_header("NAME")).replace("NAME", r"([A-Za-z0-9_-]+)"))
 
 
-class GrammarError(ValueError):
+class GrammarError(KVBoostError, ValueError):
     """A schema or tool definition the grammar engine cannot compile, or one over the limits (the message names
     the problem): a client error."""
 
 
-class GrammarBusy(RuntimeError):
+class GrammarBusy(KVBoostError, RuntimeError):
     """The compiler already has ``max_waiting`` compiles queued or running: retry later."""
 
 
 @dataclass(frozen=True)
-class GrammarLimits:
+class GrammarConfig:
     """Bounds of a :class:`GrammarCompiler`.
 
     Attributes:
@@ -119,9 +120,9 @@ class GrammarCompiler:
     limits) or GrammarBusy (too many compiles waiting) without compiling. ``tenant`` keys the cache."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, limits: GrammarLimits | None = None
+        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, limits: GrammarConfig | None = None
     ) -> None:
-        self.limits = limits or GrammarLimits()
+        self.limits = limits or GrammarConfig()
         self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self._pool = CompilePool(self.info, self.limits.workers)
         self._lock = threading.Lock()
@@ -173,7 +174,7 @@ class GrammarCompiler:
 
     def _compile(self, tenant: str | None, source: str, kind: str, args: list[Any]) -> Compiled:
         """The future of the grammar of compile job ``kind`` with ``args`` (in a child process:
-        :mod:`~kvboost_hf.hf.grammar_child`), cached under ``(tenant, source)``; one compile per key even when
+        :mod:`~kvboost_hf.server.grammar_child`), cached under ``(tenant, source)``; one compile per key even when
         several callers ask at once."""
         size = len(source.encode("utf-8", "surrogatepass"))
         if size > self.limits.max_schema_bytes:

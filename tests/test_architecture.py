@@ -1,0 +1,118 @@
+"""The package's structure: the public surface, no import cycles, no import from a lower layer to a higher one.
+
+The layers and the import reading are those of :mod:`kvboost_hf.tools.import_graph` (``python -m
+kvboost_hf.tools.import_graph`` prints the whole report).
+"""
+
+from pathlib import Path
+
+import kvboost_hf
+from kvboost_hf.tools import import_graph
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Upward imports that remain, as (source module, target module): each with the reason it stays.
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
+
+USER_SURFACE = {
+    "ChunkReuseCache",
+    "ChunkStore",
+    "ChunkWriteBack",
+    "ChunkingConfig",
+    "CorrectnessReport",
+    "DocumentBoundaries",
+    "DraftConfig",
+    "GenerationMode",
+    "GenerationResult",
+    "InferenceEngine",
+    "KVBoost",
+    "KVBoostError",
+    "LayerStreamingConfig",
+    "RecomputeStrategy",
+    "RepairConfig",
+    "SamplingConfig",
+    "Speculation",
+    "StoreConfig",
+    "UnsupportedModelError",
+    "WarmResult",
+    "disable_layer_streaming",
+    "enable_layer_streaming",
+    "uninstall_hooks",
+    "without_hooks",
+}
+
+
+def test_package_exports_the_user_surface_only() -> None:
+    assert set(kvboost_hf.__all__) == USER_SURFACE
+    for name in USER_SURFACE:
+        assert getattr(kvboost_hf, name) is not None
+    for internal in ("DecodeLoop", "DecodeRequest", "BatchPolicy", "plan_reuse", "ReusePlan", "ChunkKV"):
+        assert not hasattr(kvboost_hf, internal), internal
+
+
+def _edges() -> tuple[dict[str, Path], list[import_graph.ImportEdge]]:
+    modules = import_graph.discover_modules(ROOT)
+    return modules, import_graph.import_edges(modules)
+
+
+def test_every_module_has_a_layer() -> None:
+    modules, _ = _edges()
+    assert len(modules) > 50
+    for module in modules:
+        import_graph.layer_of(module)  # raises KeyError for a module the layer table does not place
+
+
+def test_no_import_cycle_between_modules() -> None:
+    """No cycle, counting executed imports (module level and inside functions) and TYPE_CHECKING imports alike."""
+    modules, edges = _edges()
+    assert import_graph.strongly_connected(modules, {(edge.source, edge.target) for edge in edges}) == []
+
+
+def test_no_import_cycle_between_subpackages() -> None:
+    modules, edges = _edges()
+    groups = {import_graph.subpackage_of(module) for module in modules}
+    pairs = {
+        (import_graph.subpackage_of(edge.source), import_graph.subpackage_of(edge.target))
+        for edge in edges
+        if import_graph.subpackage_of(edge.source) != import_graph.subpackage_of(edge.target)
+    }
+    assert import_graph.strongly_connected(groups, pairs) == []
+
+
+def test_no_import_from_a_lower_layer_to_a_higher_one() -> None:
+    _, edges = _edges()
+    upward = {(edge.source, edge.target) for edge in import_graph.upward_edges(edges)}
+    assert upward - ALLOWED_UPWARD.keys() == set()
+    assert ALLOWED_UPWARD.keys() - upward == set(), "an allowed upward import is gone: drop it from the list"
+
+
+def test_the_checks_see_a_cycle_and_an_upward_import() -> None:
+    """The detectors on a made-up graph: a two-module cycle is found, a core -> server import is upward."""
+    assert import_graph.strongly_connected(["a", "b", "c"], [("a", "b"), ("b", "a"), ("b", "c")]) == [["a", "b"]]
+    edge = import_graph.ImportEdge("kvboost_hf.core.keys", "kvboost_hf.server.app", 1, "lazy")
+    assert import_graph.upward_edges([edge]) == [edge]
+    assert import_graph.upward_edges([import_graph.ImportEdge(edge.source, edge.target, 1, "typing")]) == []
+
+
+def test_settings_classes_share_one_suffix_and_old_readme_names_are_the_same_classes():
+    from kvboost_hf.server.grammar import GrammarConfig
+    from kvboost_hf.server.launch import SETTINGS_FLAGS
+    from kvboost_hf.server.settings import ServerConfig
+
+    settings_classes = {cls for cls, _, _ in SETTINGS_FLAGS} | {ServerConfig, GrammarConfig, kvboost_hf.SamplingConfig}
+    assert len(settings_classes) >= 8
+    assert sorted(cls.__name__ for cls in settings_classes if not cls.__name__.endswith("Config")) == []
+    assert kvboost_hf.SamplingConfig is kvboost_hf.SamplingConfig
+    assert kvboost_hf.DraftConfig is kvboost_hf.DraftConfig
+    assert kvboost_hf.LayerStreamingConfig is kvboost_hf.LayerStreamingConfig
+
+
+def test_request_objects_take_keywords_only():
+    import dataclasses
+
+    from kvboost_hf.hf.decode import DecodeRequest
+    from kvboost_hf.serve_ray.routing import ForwardedRequest
+    from kvboost_hf.server.batching import JobParams
+
+    for request in (DecodeRequest, JobParams, ForwardedRequest):
+        assert all(field.kw_only for field in dataclasses.fields(request)), request.__name__
