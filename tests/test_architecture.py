@@ -116,3 +116,32 @@ def test_request_objects_take_keywords_only():
 
     for request in (DecodeRequest, JobParams, ForwardedRequest):
         assert all(field.kw_only for field in dataclasses.fields(request)), request.__name__
+
+
+def test_architecture_doc_lists_the_exports_as_they_are():
+    """docs/ARCHITECTURE.md's table of public objects: every exported name appears, and its last column says
+    whether each listed name is in ``kvboost_hf.__all__`` (yes / no / only ...)."""
+    import re
+    from pathlib import Path
+
+    import kvboost_hf
+
+    exported = set(kvboost_hf.__all__)
+    text = (Path(__file__).resolve().parents[1] / "docs" / "ARCHITECTURE.md").read_text()
+    rows = re.findall(r"^\| (.+?) \| .+? \| (yes|no|only .+?|registered on import) \|$", text, re.MULTILINE)
+    listed: set[str] = set()
+    for names_cell, column in rows:
+        names = re.findall(r"`([A-Za-z_]+)`", names_cell)
+        listed |= set(names)
+        inside = [name for name in names if name in exported]
+        if column == "registered on import":
+            continue
+        expected = (
+            "yes"
+            if len(inside) == len(names)
+            else "no"
+            if not inside
+            else "only " + ", ".join(f"`{name}`" for name in inside)
+        )
+        assert column == expected, names_cell
+    assert exported - listed - {"__version__"} == set(), "exported names missing from docs/ARCHITECTURE.md"
