@@ -25,8 +25,9 @@ import torch
 from conftest import greedy
 from transformers import DynamicCache, PreTrainedTokenizerFast
 
-from kvboost_hf import ChunkingConfig, ChunkReuseCache, ChunkStore, DecodeLoop, GenerationMode, RepairConfig
+from kvboost_hf import ChunkingConfig, ChunkReuseCache, ChunkStore, GenerationMode, RepairConfig
 from kvboost_hf.core.chunk_kv import ChunkKV
+from kvboost_hf.hf.decode import DecodeLoop
 from kvboost_hf.store.base import StoredChunk
 from kvboost_hf.store.quantization import QuantizedChunk, quantize_chunk
 
