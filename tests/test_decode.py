@@ -470,10 +470,10 @@ def test_a_constrained_row_takes_one_token_per_step_beside_speculating_rows(mode
 
     recorder = Recorder()
     first, second, _ = prompts()
-    greedy = SamplingConfig(temperature=0)
+    temperature_0 = SamplingConfig(temperature=0)
     requests = [
-        DecodeRequest(prompt_ids=first, max_new_tokens=10, sampling=greedy, constraint=recorder),
-        DecodeRequest(prompt_ids=second, max_new_tokens=10, sampling=greedy),
+        DecodeRequest(prompt_ids=first, max_new_tokens=10, sampling=temperature_0, constraint=recorder),
+        DecodeRequest(prompt_ids=second, max_new_tokens=10, sampling=temperature_0),
     ]
     loop = run_loop(model, requests, draft=Drafter(noisy_draft, DraftConfig(num_draft_tokens=3)))
     constrained, free = loop.rows
