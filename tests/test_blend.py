@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvboost_hf import ChunkStore, RepairConfig
 from kvboost_hf.hf.blend import LayerFilter, install_layer_narrowing
-from kvboost_hf.hf.models import decoder_layers
+from kvboost_hf.offload.streamer import decoder_layers
 from kvboost_hf.reuse.repair import candidates_per_layer
 from kvboost_hf.store.config import StoreConfig
 

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvboost_hf.hf.models import decoder_layers, given_cache
+from kvboost_hf.hf.models import given_cache
+from kvboost_hf.offload.streamer import decoder_layers
 
 
 def scatter_into(layer: CacheLayerMixin, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -49,16 +49,6 @@ def given_cache(kwargs: dict) -> object | None:
     return cache if cache is not None else kwargs.get("past_key_values")
 
 
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The decoder layers of ``model`` (``model.model.layers`` for the Llama family); ``ValueError`` naming the
-    model when none is found."""
-    base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
-    layers = getattr(base, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (looked for .layers)")
-    return layers
-
-
 @contextlib.contextmanager
 def truncated_depth(model: PreTrainedModel, num_layers: int) -> Iterator[None]:
     """Run only the first ``num_layers`` decoder layers inside the block (as transformers' early exit does)."""
