@@ -39,7 +39,7 @@ from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.hf.speculative import DraftConfig, Drafter, DraftSource, VerifyCosts, resolve_draft
 from kvboost_hf.offload import LayerStreamingConfig, layer_streamer
 from kvboost_hf.results import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
-from kvboost_hf.scheduling import BatchPolicy
+from kvboost_hf.scheduling import BatchKey, BatchPolicy, RequestGroup, Scheduler
 from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -427,22 +427,68 @@ class InferenceEngine:
         repair: RepairConfig | None = None,
         sampling: SamplingConfig | None = None,
     ) -> list[GenerationResult]:
-        """Generate for several prompts (any prefixes, segment prompts included) in one left-padded batch on the
-        decode loop the server runs (:class:`~kvboost_hf.hf.decode.DecodeLoop`; prompts that :meth:`batch_policy`
-        prefills alone join the batch before its first decode step). Each row's greedy output equals what it gets
-        alone, and every row is sampled with ``seed`` as if alone. ``on_token(row, token)`` is called as each token
-        exists. With a draft every row is decoded speculatively; its tokens are those it gets without one. TTFT is
-        the batch's."""
+        """Generate for several prompts (any prefixes, segment prompts included) in one left-padded batch, through
+        the scheduler the server runs (:meth:`scheduler`: prompts that :meth:`batch_policy` prefills alone join the
+        batch before its first decode step). Each row's greedy output equals what it gets alone, and every row is
+        sampled with ``seed`` as if alone. ``on_token(row, token)`` is called as each token exists. With a draft
+        every row is decoded speculatively; its tokens are those it gets without one. A row's TTFT is measured from
+        the call (tokenizing included)."""
         started = time.perf_counter()
         if not prompts:
             raise ValueError("prompts is empty")
-        mode = GenerationMode(mode)
-        encoded, segment_starts = zip(*(self.encode_segments(p) for p in prompts), strict=True)
-        for ids in encoded:
-            self._check_length(len(ids), max_new_tokens)
+        encoded = [self.encode_segments(prompt) for prompt in prompts]
         sampling = sampling_params(sampling, temperature=temperature, do_sample=do_sample, top_p=top_p, seed=seed)
+        rows = self._rows(encoded, max_new_tokens, sampling, stop, cancel=cancel, logprobs=logprobs)
+        scheduler = self.scheduler(mode, max_batch_size=len(rows), repair=repair)
+        return self._run(scheduler, rows, range(len(rows)), mode, cache_salt, on_token, started)
+
+    def generate_many(
+        self,
+        prompts: Sequence[Prompt],
+        max_new_tokens: int = 64,
+        *,
+        max_batch_size: int = 8,
+        mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
+        cache_salt: str | None = None,
+        temperature: float | None = None,
+        do_sample: bool | None = None,
+        top_p: float | None = None,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        on_token: Callable[[int, int], None] | None = None,
+        cancel: threading.Event | None = None,
+        logprobs: int | None = None,
+        repair: RepairConfig | None = None,
+        sampling: SamplingConfig | None = None,
+    ) -> list[GenerationResult]:
+        """Generate for many prompts through the scheduler the server runs (:meth:`scheduler`), up to
+        ``max_batch_size`` rows at a time: prompts are admitted shortest first, a new one joins the running batch
+        as soon as a row leaves it (continuous batching), a segment prompt or one whose reuse needs a repair is
+        prefilled alone and then decodes with the batch, and chunks stored by earlier rows are loaded by later
+        ones. Options are :meth:`generate_batch`'s; input order is kept. A row's TTFT is measured from the call for
+        the rows admitted first, from its admission for a row admitted later."""
+        started = time.perf_counter()
+        encoded = [self.encode_segments(prompt) for prompt in prompts]
+        sampling = sampling_params(sampling, temperature=temperature, do_sample=do_sample, top_p=top_p, seed=seed)
+        rows = self._rows(encoded, max_new_tokens, sampling, stop, cancel=cancel, logprobs=logprobs)
+        order = sorted(range(len(rows)), key=lambda index: len(encoded[index][0]))
+        scheduler = self.scheduler(mode, max_batch_size=max_batch_size, repair=repair)
+        return self._run(scheduler, rows, order, mode, cache_salt, on_token, started)
+
+    def _rows(
+        self,
+        encoded: Sequence[tuple[list[int], list[int]]],
+        max_new_tokens: int,
+        sampling: SamplingConfig,
+        stop: str | Sequence[str] | None,
+        *,
+        cancel: threading.Event | None,
+        logprobs: int | None,
+    ) -> list[DecodeRow]:
+        """One decode row per encoded prompt ``(token ids, segment starts)`` with the call's settings."""
+        for ids, _ in encoded:
+            self._check_length(len(ids), max_new_tokens)
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        first_logits = logprobs is not None
         requests = [
             DecodeRequest(
                 prompt_ids=ids,
@@ -450,32 +496,82 @@ class InferenceEngine:
                 sampling=sampling,
                 stop=stops,
                 top_logprobs=logprobs,
-                constraint=None,
                 cancel=cancel,
-                keep_first_logits=first_logits,
+                keep_first_logits=logprobs is not None,
                 segment_starts=tuple(starts),
             )
-            for ids, starts in zip(encoded, segment_starts, strict=True)
+            for ids, starts in encoded
         ]
-        rows = DecodeLoop.rows_for(requests, self.eos_token_ids)
-        index = {id(row): i for i, row in enumerate(rows)}
-        loop = self.decode_loop(
-            rows,
-            mode,
-            cache_salt,
-            repair,
-            on_token=(lambda row: None) if on_token is None else (lambda row: on_token(index[id(row)], row.tokens[-1])),
-        )
+        return self.new_rows(requests)
+
+    def new_rows(self, requests: Sequence[DecodeRequest]) -> list[DecodeRow]:
+        """One decode row per request, ending at this engine's end tokens; an unseeded request gets a seed from
+        torch's global generator (so that ``torch.manual_seed`` before the call makes it repeatable)."""
+        return DecodeLoop.rows_for(requests, self.eos_token_ids)
+
+    def _run(
+        self,
+        scheduler: Scheduler,
+        rows: Sequence[DecodeRow],
+        order: Sequence[int],
+        mode: GenerationMode | str,
+        cache_salt: str | None,
+        on_token: Callable[[int, int], None] | None,
+        started: float,
+    ) -> list[GenerationResult]:
+        """Queue one request per row (in ``order``), step ``scheduler`` until all finished, and return the rows'
+        results in input order (the first error a batch met is raised). A row's TTFT runs from ``started`` (the
+        call, a ``time.perf_counter()`` value; tokenizing included) when it was admitted in the first step, else
+        from its admission."""
+        errors: list[BaseException] = []
+        groups = [
+            RequestGroup(
+                [rows[index]],
+                cache_salt,
+                on_token=(lambda row: None) if on_token is None else functools.partial(_report_token, on_token, index),
+                on_fail=errors.append,
+            )
+            for index in range(len(rows))
+        ]
+        for index in order:
+            scheduler.add(groups[index])
         with self.lock:
-            loop.run()
-        decode = self.count_decode(loop)
-        finished = time.perf_counter()
-        first = min((row.first_token_time for row in rows if row.first_token_time is not None), default=finished)
-        return [self._result(row, mode, (started, first, finished), decode, loop.streamed_bytes) for row in rows]
+            scheduler.run()
+        if errors:
+            raise errors[0]
+        mode = GenerationMode(mode)
+        first_admission = min(group.admitted_at or started for group in groups)
+        starts = [started if group.admitted_at == first_admission else group.admitted_at or started for group in groups]
+        return [self._result(group, mode, start) for group, start in zip(groups, starts, strict=True)]
+
+    def scheduler(
+        self,
+        mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
+        *,
+        max_batch_size: int = 8,
+        batch_window_ms: float = 0.0,
+        repair: RepairConfig | None = None,
+        tokenizer_lock: contextlib.AbstractContextManager | None = None,
+    ) -> Scheduler:
+        """A :class:`~kvboost_hf.scheduling.Scheduler` for this engine: batches of this engine's decode loops
+        (:meth:`decode_loop`) in ``mode``, at most ``max_batch_size`` rows running, a new batch formed once its
+        oldest request waited ``batch_window_ms``; each batch's decode figures are added to :meth:`cache_stats`.
+        Step it under :attr:`lock`."""
+        mode = GenerationMode(mode)
+
+        def new_loop(key: BatchKey, on_token: Callable[[DecodeRow], None]) -> DecodeLoop:
+            return self.decode_loop(mode, key.cache_salt, repair, on_token=on_token, tokenizer_lock=tokenizer_lock)
+
+        return Scheduler(
+            self.batch_policy(mode),
+            new_loop,
+            max_rows=max_batch_size,
+            batch_window_s=batch_window_ms / 1e3,
+            on_done=self.count_decode,
+        )
 
     def decode_loop(
         self,
-        rows: Sequence[DecodeRow],
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
         cache_salt: str | None = None,
         repair: RepairConfig | None = None,
@@ -483,31 +579,21 @@ class InferenceEngine:
         on_token: Callable[[DecodeRow], None] = lambda row: None,
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
     ) -> DecodeLoop:
-        """A decode loop for ``rows`` on this engine's model with fresh caches of these settings (no store with
-        ``mode="baseline"``), each built for its rows' segment starts (a request's ``segment_starts``), speculative
-        with the engine's draft when it has one; :meth:`batch_policy` says which prompts are prefilled alone. The
+        """An empty decode loop (the scheduler's model runner) on this engine's model with fresh caches of these
+        settings (no store with ``mode="baseline"``), speculative with the engine's draft when it has one. Its
         caller runs it under :attr:`lock`."""
         mode = GenerationMode(mode)
         new_cache: Callable[[tuple[int, ...]], ChunkReuseCache] | None = None
-        prefill_alone: Callable[[Sequence[int], Sequence[int]], bool] | None = None
         if mode is not GenerationMode.BASELINE:
             new_cache = functools.partial(self.new_cache, mode, cache_salt, repair=repair, adapter=False)
-            policy = self.batch_policy(mode)
-
-            def prefill_alone(prompt_ids: Sequence[int], segment_starts: Sequence[int]) -> bool:
-                return policy.prefill_alone(prompt_ids, cache_salt, segment_starts)
-
         return DecodeLoop(
             self.model,
             functools.partial(self.tokenizer.decode, skip_special_tokens=True),
-            rows,
             new_cache=new_cache,
-            chunking=self.chunking,
             pad_token_id=self.pad_token_id,
             on_token=on_token,
             tokenizer_lock=tokenizer_lock,
             draft=self._drafter(mode, cache_salt, repair),
-            prefill_alone=prefill_alone,
         )
 
     def _drafter(self, mode: GenerationMode, cache_salt: str | None, repair: RepairConfig | None) -> Drafter | None:
@@ -528,20 +614,17 @@ class InferenceEngine:
             )
         return Drafter(self.draft_model, self.draft_settings, draft_cache, self.verify_costs)
 
-    def _result(
-        self,
-        row: DecodeRow,
-        mode: GenerationMode,
-        times: tuple[float, float, float],
-        decode: dict[str, Any],
-        streamed: int | None,
-    ) -> GenerationResult:
-        """One row's :class:`GenerationResult`. ``times``: the batch's start, first token and end
-        (``time.perf_counter()`` values)."""
-        started, first, finished = times
+    def _result(self, group: RequestGroup, mode: GenerationMode, started: float) -> GenerationResult:
+        """The :class:`GenerationResult` of a finished one-row group: times from ``started`` (a
+        ``time.perf_counter()`` value), its batch's decode figures."""
+        (row,) = group.rows
+        batch = group.batch
+        assert batch is not None and batch.decode_counts is not None, "the group ran in a batch that ended"
+        streamed = batch.loop.streamed_bytes
+        first = row.first_token_time or started
+        finished = row.last_token_time or first
         prompt_ids = list(row.request.prompt_ids)
         tokens = row.tokens
-        decode_s = max((row.last_token_time or finished) - (row.first_token_time or first), 1e-9)
         later = len(tokens) - 1
         logprobs = row.logprobs if row.request.top_logprobs is not None else None
         return GenerationResult(
@@ -552,7 +635,7 @@ class InferenceEngine:
             generated_tokens=len(tokens),
             ttft_ms=(first - started) * 1e3,
             total_ms=(finished - started) * 1e3,
-            tokens_per_sec=later / decode_s if later > 0 else 0.0,
+            tokens_per_sec=later / max(finished - first, 1e-9) if later > 0 else 0.0,
             kv_reuse_ratio=row.reuse.cached_tokens / len(prompt_ids),
             prompt_tokens=len(prompt_ids),
             cached_tokens=row.reuse.cached_tokens,
@@ -562,7 +645,7 @@ class InferenceEngine:
             finish_reason=row.finish_reason or "length",
             token_logprobs=None if logprobs is None else [entry.logprob for entry in logprobs],
             top_logprobs=None if logprobs is None else [list(entry.top) for entry in logprobs],
-            **decode,
+            **batch.decode_counts,
             streamed_bytes=streamed,
             streamed_bytes_per_token=None if streamed is None else streamed / max(len(tokens), 1),
         )
@@ -574,7 +657,7 @@ class InferenceEngine:
         proposed = sum(row.draft_proposed for row in rows)
         accepted = sum(row.draft_accepted for row in rows)
         rejected = sum(row.draft_rejected for row in rows)
-        longest = max(len(row.tokens) for row in rows)
+        longest = max((len(row.tokens) for row in rows), default=0)
         totals = self._decode_totals
         totals["generated_tokens"] += sum(len(row.tokens) for row in rows)
         totals["target_forwards"] += loop.forwards
@@ -595,30 +678,6 @@ class InferenceEngine:
             "draft_position_acceptance": accepted / max(accepted + rejected, 1) if drafted else None,
             "draft_cached_tokens": draft_reuse[0] if draft_reuse else None,
         }
-
-    def generate_many(
-        self,
-        prompts: Sequence[Prompt],
-        max_new_tokens: int = 64,
-        *,
-        max_batch_size: int = 8,
-        mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
-        cache_salt: str | None = None,
-        **kwargs: Any,
-    ) -> list[GenerationResult]:
-        """Generate for many prompts in batches formed by :meth:`batch_policy` (the server's rules: batches of up to
-        ``max_batch_size`` rows of similar length; a segment prompt, or one whose reuse needs a repair, is prefilled
-        alone and then decoded with its batch; chunks stored by one batch are loaded by the next). Each prompt is
-        tokenized once (a segment prompt twice: :meth:`generate_batch` takes it as given, to find its segment
-        starts); ``kwargs`` are :meth:`generate_batch`'s. Input order is kept."""
-        encoded = [self.encode_segments(prompt) for prompt in prompts]
-        batches = self.batch_policy(mode).batches([ids for ids, _ in encoded], max_batch_size)
-        results: dict[int, GenerationResult] = {}
-        for batch in batches:
-            given = [prompts[i] if encoded[i][1] else encoded[i][0] for i in batch]  # segments keep their starts
-            outputs = self.generate_batch(given, max_new_tokens, mode, cache_salt=cache_salt, **kwargs)
-            results.update(zip(batch, outputs, strict=True))
-        return [results[index] for index in range(len(prompts))]
 
     @property
     def key_space(self) -> KeySpace:
@@ -731,3 +790,9 @@ def _chat_messages(items: list[Any]) -> list[dict[str, Any]]:
 def _token_ids(items: list[Any]) -> TypeGuard[list[int]]:
     """Whether a prompt given as a list is token ids (every item an int, not a bool)."""
     return bool(items) and all(isinstance(item, int) and not isinstance(item, bool) for item in items)
+
+
+def _report_token(on_token: Callable[[int, int], None], index: int, row: DecodeRow) -> None:
+    """``on_token(index, newest token)`` for a row of input ``index`` (called after each of its tokens)."""
+    if row.tokens:
+        on_token(index, row.tokens[-1])

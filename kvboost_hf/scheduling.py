@@ -1,14 +1,28 @@
-"""Which requests share a decode loop: one policy for ``KVBoost.generate_many`` and the server's worker.
+"""The scheduler: which requests run, in which batch, prefilled how. One contract for ``KVBoost.generate_batch``,
+``generate_many`` and the server's worker.
 
-A batch is one :class:`~kvboost_hf.hf.decode.DecodeLoop`: its rows decode together, one forward per step. The rules,
-in order:
+The contract, in the shape of vLLM's ``schedule()`` / ``update_from_output()``:
 
-1. rows of one batch share one cache namespace: the same ``cache_salt``;
-2. any requests of one namespace may share a batch (``generate_many`` orders them by prompt length, so a batch pads
-   little); prefix hits and shared prefixes work for every row of a batch;
-3. some prompts are *prefilled* alone (:meth:`BatchPolicy.prefill_alone`), then decode with their batch from the
-   first step: the decode loop prefills each of them in a cache of its own and joins it to the others (the ``n``
-   choices of one prompt count as one row: the loop prefills them once). They are
+1. :meth:`Scheduler.add` queues a :class:`RequestGroup` (one request's rows: the ``n`` choices of one prompt);
+2. :meth:`Scheduler.schedule` decides what runs now and returns it as a :class:`SchedulerOutput`: for every running
+   batch, the :class:`~kvboost_hf.hf.decode.PrefillWork` of the groups admitted to it, then one decode step;
+3. :meth:`Scheduler.execute` hands that to each batch's :class:`~kvboost_hf.hf.decode.DecodeLoop` (the model
+   runner, which makes no decision of its own) and :meth:`Scheduler.update_from_output` retires what finished.
+
+:meth:`Scheduler.step` does all three; :meth:`Scheduler.run` steps until nothing is left.
+
+The rules, in order:
+
+1. rows of one batch share one cache namespace: the same ``cache_salt`` (the :class:`BatchKey`);
+2. admission: a pending group whose key matches a running batch joins it at once (continuous batching: its prompt is
+   prefilled, then its rows decode in the same forward as the running rows); other pending groups of one key form a
+   new batch once the oldest has waited ``batch_window_s`` (or they fill ``max_rows``); the rows of all running
+   batches stay within ``max_rows``, and groups are admitted oldest first;
+3. prefill: the rows admitted to a batch in one schedule are prefilled together (one left-padded forward), except
+   those :meth:`BatchPolicy.prefill_alone` names, each prompt of which is prefilled in a cache of its own and then
+   joined. Rows of one prompt (the ``n`` choices of a request) prefilled together are prefilled once and repeated;
+   rows with different prompts that share chunk-aligned prefixes have those prefixes computed and stored once
+   first. Prompts prefilled alone are
 
    * segment prompts (documents given as segments, looked up by content key so they stitch at any position): a
      cache is built with one prompt's segment starts, which shape its chunks and keys; each row keeps its own once
@@ -17,17 +31,32 @@ in order:
      missed chunk, stored under prefix or content key; see :func:`~kvboost_hf.reuse.plan.has_nonprefix_hits`):
      the cache stitches and repairs those for one row at a time.
 
-A prompt without segments is classified when its batch is prefilled (two ``contains_many`` store calls at most).
+Invariants: a group's rows run in one batch, from their prefill to their end; a failure while running a batch fails
+that batch's groups and nothing else. :meth:`Scheduler.add` may be called from any thread (the queue has its own
+lock, never held during a store read or a forward); every other method from one thread at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
+from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.config import GenerationMode
+from kvboost_hf.core.errors import KVBoostError
 from kvboost_hf.core.keys import KeySpace
+from kvboost_hf.hf.decode import DecodeLoop, DecodeRow, PrefillWork, SharedPrefix
 from kvboost_hf.reuse.plan import ChunkSource, has_nonprefix_hits
+
+logger = logging.getLogger(__name__)
+
+
+class RequestCancelled(KVBoostError, RuntimeError):
+    """The request was cancelled before it started."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +67,7 @@ class BatchKey:
 
 
 class BatchPolicy:
-    """The batching rules above for one store, key space and generation mode.
+    """Which requests may share a batch, and which prompts are prefilled alone, for one store, key space and mode.
 
     Args:
         store: the chunk store the caches read.
@@ -50,6 +79,10 @@ class BatchPolicy:
         self.store = store
         self.key_space = key_space
         self.mode = GenerationMode(mode)
+
+    @property
+    def chunking(self) -> ChunkingConfig:
+        return self.key_space.chunking
 
     def key(self, cache_salt: str | None) -> BatchKey:
         """The batch key of a request of tenant ``cache_salt``."""
@@ -69,10 +102,376 @@ class BatchPolicy:
         namespace = self.key_space.namespace(cache_salt)
         return has_nonprefix_hits(self.store, prompt_ids, namespace=namespace, chunking=self.key_space.chunking)
 
-    def batches(self, prompts: Sequence[Sequence[int]], max_batch_size: int) -> list[list[int]]:
-        """Indices of ``prompts`` (one tenant's) grouped into batches of at most ``max_batch_size``, by prompt
-        length."""
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        order = sorted(range(len(prompts)), key=lambda index: len(prompts[index]))
-        return [order[lo : lo + max_batch_size] for lo in range(0, len(order), max_batch_size)]
+    def prefill_works(self, rows: Sequence[DecodeRow], cache_salt: str | None) -> list[PrefillWork]:
+        """The prefills of ``rows`` of tenant ``cache_salt`` admitted together (see :func:`prefill_works`)."""
+        return prefill_works(
+            rows,
+            self.chunking,
+            reuse=self.mode is not GenerationMode.BASELINE,
+            alone=lambda prompt_ids, starts: self.prefill_alone(prompt_ids, cache_salt, starts),
+        )
+
+
+def prefill_works(
+    rows: Sequence[DecodeRow],
+    chunking: ChunkingConfig,
+    *,
+    reuse: bool,
+    alone: Callable[[Sequence[int], Sequence[int]], bool],
+) -> list[PrefillWork]:
+    """The prefills of ``rows`` admitted together (rule 3): first the rows prefilled together, then, per prompt and
+    segment starts that ``alone(prompt ids, segment starts)`` names, its rows in a cache of their own. Rows of one
+    prompt are one repeated prefill; with ``reuse`` (chunk-reuse caches) a work's rows with different prompts get
+    their shared prefixes, and a work of one segment setting its segment starts. ``alone`` is asked once per
+    distinct prompt, and not at all when the rows are one prompt."""
+    settings = list(dict.fromkeys(row.request.prefill_setting for row in rows))
+    if len(settings) == 1:
+        return [prefill_work(rows, chunking, reuse=reuse)]
+    verdicts = {setting: alone(*setting) for setting in settings}
+    together = [row for row in rows if not verdicts[row.request.prefill_setting]]
+    works = [prefill_work(together, chunking, reuse=reuse)] if together else []
+    for setting in settings:
+        if verdicts[setting]:
+            members = [row for row in rows if row.request.prefill_setting == setting]
+            works.append(prefill_work(members, chunking, reuse=reuse))
+    return works
+
+
+def prefill_work(rows: Sequence[DecodeRow], chunking: ChunkingConfig, *, reuse: bool) -> PrefillWork:
+    """One prefill of ``rows``: repeated when they are one prompt; else, with ``reuse``, with their shared prefixes
+    (none for rows with segment starts: shared prefixes are chunked without them)."""
+    settings = {row.request.prefill_setting for row in rows}
+    starts = next(iter(settings))[1] if reuse and len(settings) == 1 else ()
+    if len(settings) == 1 and len(rows) > 1:
+        return PrefillWork(tuple(rows), segment_starts=starts, repeat=True)
+    plain = reuse and not any(row.request.segment_starts for row in rows)
+    prefixes = shared_prefixes([row.request.prompt_ids for row in rows], chunking) if plain else []
+    return PrefillWork(tuple(rows), segment_starts=starts, shared_prefixes=tuple(prefixes))
+
+
+def shared_prefixes(prompts: Sequence[Sequence[int]], chunking: ChunkingConfig) -> list[SharedPrefix]:
+    """For each group of prompts with the same first chunk, the longest chunk-aligned prefix they all share,
+    counted for the group's first prompt (none for a prompt alone in its group)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for index, prompt in enumerate(prompts):
+        spans = chunk_spans(prompt, chunking)
+        if spans:
+            groups.setdefault(tuple(prompt[: spans[0][1]]), []).append(index)
+    found = []
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        first = list(prompts[members[0]])
+        shared = 0
+        for _, end in chunk_spans(first, chunking):
+            if any(len(prompts[m]) <= end or list(prompts[m][:end]) != first[:end] for m in members[1:]):
+                break
+            shared = end
+        if shared:
+            found.append(SharedPrefix(tuple(first[:shared]), members[0]))
+    return found
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    """One request's rows (the ``n`` choices of one prompt, vLLM's sequence group), queued with :meth:`Scheduler.add`.
+
+    ``on_token(row)`` is called after each token of one of its rows (and once when a row is cancelled); ``on_fail``
+    with the error when the group cannot run (cancelled before it started, its batch failed, shutdown); neither
+    may block. ``cancel``: when set before admission the group is dropped (:class:`RequestCancelled`); its rows'
+    requests usually share it, ending them after their current token. ``arrival`` and ``admitted_at`` are
+    ``time.perf_counter()`` values. ``cached_tokens`` is set at admission: the prompt tokens its first row loaded.
+    """
+
+    rows: list[DecodeRow]
+    cache_salt: str | None = None
+    on_token: Callable[[DecodeRow], None] = lambda row: None
+    on_fail: Callable[[BaseException], None] = lambda error: None
+    cancel: threading.Event | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    admitted_at: float | None = None
+    batch: RunningBatch | None = None
+
+    def __post_init__(self) -> None:
+        if not self.rows:
+            raise ValueError("a request group needs at least one row")
+
+    @property
+    def done(self) -> bool:
+        return all(row.finished for row in self.rows)
+
+
+class RunningBatch:
+    """A batch the scheduler runs: one decode loop (one cache namespace) and the groups admitted to it, each row
+    reporting to its group.
+
+    ``decode_counts`` is filled when it ends (what the scheduler's ``on_done`` returns); ``started`` is a
+    ``time.perf_counter()`` value.
+    """
+
+    def __init__(self, key: BatchKey, new_loop: Callable[[BatchKey, Callable[[DecodeRow], None]], DecodeLoop]) -> None:
+        self.key = key
+        self.groups: list[RequestGroup] = []
+        self._owners: dict[int, RequestGroup] = {}
+        self.loop = new_loop(key, self._report)
+        self.started = time.perf_counter()
+        self.decode_counts: dict[str, Any] | None = None
+
+    def admit(self, groups: Sequence[RequestGroup], now: float) -> None:
+        """Make ``groups`` part of this batch (their rows are prefilled by the next :meth:`Scheduler.execute`)."""
+        for group in groups:
+            group.admitted_at, group.batch = now, self
+            self._owners.update((id(row), group) for row in group.rows)
+        self.groups += groups
+
+    def drop(self, groups: Sequence[RequestGroup], error: BaseException) -> None:
+        """Take ``groups`` (admitted, not prefilled) out of this batch and report ``error`` to them."""
+        dropped = {id(group) for group in groups}
+        self.groups = [group for group in self.groups if id(group) not in dropped]
+        for group in groups:
+            group.batch = None
+            group.on_fail(error)
+
+    @property
+    def rows(self) -> list[DecodeRow]:
+        """The rows still running."""
+        return self.loop.running
+
+    @property
+    def done(self) -> bool:
+        return self.loop.done
+
+    @property
+    def age_s(self) -> float:
+        return time.perf_counter() - self.started
+
+    def _report(self, row: DecodeRow) -> None:
+        self._owners[id(row)].on_token(row)
+
+
+@dataclass(frozen=True)
+class BatchWork:
+    """What one batch runs in one scheduler step: the prefills of the groups just admitted to it (``admitted``;
+    ``new``: the batch was formed now), then one decode step for every row still running."""
+
+    batch: RunningBatch
+    new: bool = False
+    admitted: tuple[RequestGroup, ...] = ()
+    prefills: tuple[PrefillWork, ...] = ()
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One scheduler step's decisions, one :class:`BatchWork` per running batch."""
+
+    work: tuple[BatchWork, ...] = ()
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """How one :class:`BatchWork` ran: the prompt tokens its prefills computed (not loaded) and the error that
+    failed the batch (None: it ran)."""
+
+    work: BatchWork
+    computed_tokens: int = 0
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What a step did: each batch's result and the batches that ended (finished or failed) in it."""
+
+    results: tuple[BatchResult, ...] = ()
+    ended: tuple[RunningBatch, ...] = ()
+
+
+class Scheduler:
+    """Owns the queue, admission, prefill decisions and the running batches (the rules above).
+
+    Args:
+        policy: the batch keys and prefill-alone verdicts (the engine's :meth:`~InferenceEngine.batch_policy`).
+        new_loop: a fresh decode loop for a batch of ``key`` whose rows report through ``on_token``.
+        max_rows: rows running at once, over all batches (>= 1).
+        batch_window_s: how long the oldest pending group of a key waits for others before its batch forms
+            (``drain = True`` admits without waiting).
+        on_done: called once with each batch's loop when it ends; what it returns is kept as its
+            ``decode_counts``.
+    """
+
+    def __init__(
+        self,
+        policy: BatchPolicy,
+        new_loop: Callable[[BatchKey, Callable[[DecodeRow], None]], DecodeLoop],
+        *,
+        max_rows: int = 8,
+        batch_window_s: float = 0.0,
+        on_done: Callable[[DecodeLoop], dict[str, Any]] = lambda loop: {},
+    ) -> None:
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        self.policy = policy
+        self.new_loop = new_loop
+        self.max_rows = max_rows
+        self.batch_window_s = batch_window_s
+        self.on_done = on_done
+        self._pending: list[RequestGroup] = []
+        self._queue_lock = threading.Lock()
+        self.running: list[RunningBatch] = []
+        self.drain = False
+
+    # ------------------------------------------------------------------ queue
+    def add(self, group: RequestGroup) -> None:
+        """Queue ``group`` (raises ValueError when it has more rows than ``max_rows``)."""
+        if len(group.rows) > self.max_rows:
+            raise ValueError(f"a request needs 1 to max_rows={self.max_rows} rows, got {len(group.rows)}")
+        with self._queue_lock:
+            self._pending.append(group)
+
+    @property
+    def pending(self) -> list[RequestGroup]:
+        """The groups waiting for admission, oldest first (a copy)."""
+        with self._queue_lock:
+            return list(self._pending)
+
+    @property
+    def running_rows(self) -> int:
+        """Rows in running batches."""
+        return sum(len(batch.rows) for batch in self.running)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing pending and nothing running."""
+        return not self.pending and not self.running
+
+    def next_deadline(self) -> float | None:
+        """When (``time.perf_counter()``) the oldest pending group's window ends; None when nothing is pending."""
+        with self._queue_lock:
+            return min((group.arrival + self.batch_window_s for group in self._pending), default=None)
+
+    # ------------------------------------------------------------------ the contract
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """Admit what is ready and fits (groups cancelled while pending fail with :class:`RequestCancelled`), plan
+        the admitted rows' prefills, and step every running batch."""
+        now = time.perf_counter() if now is None else now
+        admitted: dict[int, tuple[RunningBatch, bool, list[RequestGroup]]] = {}
+        for key, batch, groups in self._admit(now):
+            new = batch is None
+            if batch is None:
+                batch = RunningBatch(key, self.new_loop)
+                self.running.append(batch)
+            batch.admit(groups, now)
+            admitted[id(batch)] = (batch, new, groups)
+        work = []
+        for batch in self.running:
+            _, new, groups = admitted.get(id(batch), (batch, False, []))
+            rows = [row for group in groups for row in group.rows]
+            try:
+                prefills = self.policy.prefill_works(rows, batch.key.cache_salt) if rows else []
+            except Exception as error:  # e.g. the store could not be read: these groups fail, the batch goes on
+                logger.exception("planning the prefill of %d rows failed", len(rows))
+                batch.drop(groups, error)
+                groups, prefills = [], []
+            work.append(BatchWork(batch, new, tuple(groups), tuple(prefills)))
+        return SchedulerOutput(tuple(work))
+
+    def execute(self, output: SchedulerOutput) -> StepReport:
+        """Run each batch's work on its loop: its prefills, then one step. An exception fails that batch only: its
+        groups get it through ``on_fail`` and its caches are dropped unsaved (possibly inconsistent)."""
+        results = []
+        for work in output.work:
+            loop = work.batch.loop
+            before = loop.computed_tokens
+            try:
+                for prefill in work.prefills:
+                    loop.add(prefill)
+                if not loop.done:
+                    loop.step()
+            except Exception as error:
+                logger.exception("batch of %d rows failed", len(loop.running))
+                self._fail(work.batch, error)
+                results.append(BatchResult(work, loop.computed_tokens - before, error))
+                continue
+            results.append(BatchResult(work, loop.computed_tokens - before))
+        return StepReport(tuple(results))
+
+    def update_from_output(self, report: StepReport) -> StepReport:
+        """Retire the batches that ended (``on_done`` runs once for each); returns ``report`` with them."""
+        ended = tuple(batch for batch in self.running if batch.done)
+        for batch in ended:
+            batch.decode_counts = self.on_done(batch.loop)
+        self.running = [batch for batch in self.running if not batch.done]
+        return StepReport(report.results, ended)
+
+    def step(self, now: float | None = None) -> StepReport:
+        """:meth:`schedule`, :meth:`execute`, :meth:`update_from_output`."""
+        return self.update_from_output(self.execute(self.schedule(now)))
+
+    def run(self) -> None:
+        """Step until nothing is pending or running (windows are not waited for: what is pending is admitted as
+        soon as it fits)."""
+        self.closing = True
+        try:
+            while not self.idle:
+                self.step()
+        finally:
+            self.drain = False
+
+    def abort(self, error: BaseException) -> None:
+        """Fail every pending group with ``error`` and end every running row now (cancelled; what was computed is
+        stored)."""
+        with self._queue_lock:
+            waiting, self._pending = self._pending, []
+        for group in waiting:
+            group.on_fail(error)
+        for batch in self.running:
+            batch.loop.cancel_all()
+            batch.decode_counts = self.on_done(batch.loop)
+        self.running = []
+
+    # ------------------------------------------------------------------ decisions
+    def _admit(self, now: float) -> list[tuple[BatchKey, RunningBatch | None, list[RequestGroup]]]:
+        """Pending groups that are ready and fit, by key: ``(key, running batch to join or None, groups)``."""
+        with self._queue_lock:
+            cancelled = [group for group in self._pending if group.cancel is not None and group.cancel.is_set()]
+            self._pending = [group for group in self._pending if group not in cancelled]
+            formed = self._ready(now)
+            taken = {id(group) for _, _, groups in formed for group in groups}
+            self._pending = [group for group in self._pending if id(group) not in taken]
+        for group in cancelled:
+            group.on_fail(RequestCancelled("cancelled before it started"))
+        return formed
+
+    def _ready(self, now: float) -> list[tuple[BatchKey, RunningBatch | None, list[RequestGroup]]]:
+        """The pending groups to admit now (rule 2), by key (called with the queue locked)."""
+        by_key: dict[BatchKey, list[RequestGroup]] = {}
+        for group in self._pending:  # insertion order = oldest first
+            by_key.setdefault(self.policy.key(group.cache_salt), []).append(group)
+        free = self.max_rows - self.running_rows
+        formed = []
+        for key, members in by_key.items():
+            running = self._joinable(key)
+            window_over = now >= members[0].arrival + self.batch_window_s
+            ready = running is not None or sum(len(g.rows) for g in members) >= self.max_rows or window_over
+            if not (ready or self.drain):
+                continue
+            chosen: list[RequestGroup] = []
+            for group in members:
+                if len(group.rows) > free:
+                    break
+                chosen.append(group)
+                free -= len(group.rows)
+            if chosen:
+                formed.append((key, running, chosen))
+        return formed
+
+    def _joinable(self, key: BatchKey) -> RunningBatch | None:
+        """A running batch that new groups of ``key`` may join (decoding, same namespace)."""
+        return next((batch for batch in self.running if not batch.done and batch.key == key), None)
+
+    def _fail(self, batch: RunningBatch, error: BaseException) -> None:
+        """Report ``error`` to every group of ``batch`` still running and drop its rows and caches."""
+        for group in batch.groups:
+            if not group.done:
+                group.on_fail(error)
+        batch.loop.running = []
+        batch.loop.close_without_saving()

@@ -28,6 +28,7 @@ from transformers import DynamicCache, PreTrainedTokenizerFast
 from kvboost_hf import ChunkingConfig, ChunkReuseCache, ChunkStore, GenerationMode, RepairConfig
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.hf.decode import DecodeLoop
+from kvboost_hf.scheduling import prefill_works
 from kvboost_hf.store.base import StoredChunk
 from kvboost_hf.store.quantization import QuantizedChunk, quantize_chunk
 
@@ -240,15 +241,33 @@ def reuse_caches(store: ChunkStore | None, model, **options) -> Callable[[tuple[
     return lambda starts: ChunkReuseCache(store, model, DECODE_CHUNKING, segment_starts=starts, **options)
 
 
-def run_loop(model, requests, store=None, **kwargs) -> DecodeLoop:
-    """Run ``requests`` to the end in one :class:`DecodeLoop` (pad 0, :data:`DECODE_EOS`)."""
-    new_cache = reuse_caches(store, model)
-    loop = DecodeLoop(
-        model, as_text, DecodeLoop.rows_for(requests, DECODE_EOS), new_cache=new_cache, chunking=DECODE_CHUNKING,
-        pad_token_id=0, **kwargs,
-    )  # fmt: skip
-    loop.run()
+def new_loop(model, new_cache=None, **kwargs) -> DecodeLoop:
+    """An empty decode loop on ``model`` (pad 0, text from :func:`as_text`; ``new_cache`` None: plain K/V)."""
+    return DecodeLoop(model, as_text, new_cache=new_cache, pad_token_id=0, **kwargs)
+
+
+def prefill(loop: DecodeLoop, requests, alone=None, eos=DECODE_EOS) -> None:
+    """Add rows for ``requests`` to ``loop`` as the scheduler plans their prefill (shared prefixes, repeated choices;
+    ``alone(prompt ids, segment starts)`` names the prompts prefilled in a cache of their own; default none)."""
+    rows = DecodeLoop.rows_for(requests, eos)
+    never = lambda prompt_ids, segment_starts: False  # noqa: E731
+    for work in prefill_works(rows, DECODE_CHUNKING, reuse=loop.new_cache is not None, alone=alone or never):
+        loop.add(work)
+
+
+def finish(loop: DecodeLoop) -> DecodeLoop:
+    """Step ``loop`` until every row finished."""
+    while not loop.done:
+        loop.step()
     return loop
+
+
+def run_loop(model, requests, store=None, **kwargs) -> DecodeLoop:
+    """Run ``requests`` to the end in one :class:`DecodeLoop` (pad 0, :data:`DECODE_EOS`), chunk-reuse caches on
+    ``store`` (None: plain K/V)."""
+    loop = new_loop(model, reuse_caches(store, model), **kwargs)
+    prefill(loop, requests)
+    return finish(loop)
 
 
 # ---------------------------------------------------------------------------------------------- live server

@@ -145,3 +145,25 @@ def test_architecture_doc_lists_the_exports_as_they_are():
         )
         assert column == expected, names_cell
     assert exported - listed - {"__version__"} == set(), "exported names missing from docs/ARCHITECTURE.md"
+
+
+def test_the_server_takes_only_types_and_constants_from_hf() -> None:
+    """The engine and its scheduler are the server's only entry into the library: what server modules import from
+    ``kvboost_hf.hf`` are records, enums and constants (requests, rows, settings), never a function or a class that
+    runs the model (a decode loop, a cache, a drafter)."""
+    import ast
+    import dataclasses
+    import enum
+    import importlib
+
+    taken: dict[str, set[str]] = {}
+    for path in (ROOT / "kvboost_hf" / "server").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvboost_hf.hf"):
+                taken.setdefault(node.module or "", set()).update(alias.name for alias in node.names)
+    assert taken, "the server imports some types from hf"
+    for module, names in taken.items():
+        for name in names:
+            value = getattr(importlib.import_module(module), name)
+            record = isinstance(value, type) and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum))
+            assert record or not callable(value), f"server imports {module}.{name}, which is behaviour"

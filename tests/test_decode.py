@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import greedy, make_tiny_model, noisy_copy
-from helpers import DECODE_CHUNKING, DECODE_EOS, as_text, reuse_caches, run_loop
+from helpers import DECODE_CHUNKING, DECODE_EOS, as_text, finish, new_loop, prefill, reuse_caches, run_loop
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import reference
@@ -207,16 +207,11 @@ def test_rows_joining_a_running_batch_equal_generate_alone(any_window_model, reu
     new_cache = reuse_caches(store, model)
     greedy_params = SamplingConfig(temperature=0)
     first, *later = prompts()
-    rows = DecodeLoop.rows_for([DecodeRequest(prompt_ids=first, max_new_tokens=9, sampling=greedy_params)], DECODE_EOS)
-    loop = DecodeLoop(model, as_text, rows, new_cache=new_cache, chunking=DECODE_CHUNKING, pad_token_id=0)
-    loop.prefill()
+    loop = new_loop(model, new_cache)
+    prefill(loop, [DecodeRequest(prompt_ids=first, max_new_tokens=9, sampling=greedy_params)])
     loop.step()
     loop.step()
-    loop.join(
-        DecodeLoop.rows_for(
-            [DecodeRequest(prompt_ids=p, max_new_tokens=5, sampling=greedy_params) for p in later], DECODE_EOS
-        )
-    )
+    prefill(loop, [DecodeRequest(prompt_ids=p, max_new_tokens=5, sampling=greedy_params) for p in later])
     assert len(loop.running) == 3
     forwards = loop.forwards
     loop.step()
@@ -253,13 +248,11 @@ def segment_prompt(first: list[int], second: list[int]) -> tuple[list[int], tupl
 
 
 def segment_loop(model, store: ChunkStore, requests: list[DecodeRequest], draft: Drafter | None = None) -> DecodeLoop:
-    """A loop that prefills segment prompts alone (each in a cache built with its segment starts), as the engine's
-    batch policy does."""
-    return DecodeLoop(
-        model, as_text, DecodeLoop.rows_for(requests, DECODE_EOS), new_cache=reuse_caches(store, model),
-        chunking=DECODE_CHUNKING, pad_token_id=0, draft=draft,
-        prefill_alone=lambda prompt_ids, segment_starts: bool(segment_starts),
-    )  # fmt: skip
+    """A loop with ``requests`` prefilled, segment prompts alone (each in a cache built with its segment starts), as
+    the engine's batch policy plans them."""
+    loop = new_loop(model, reuse_caches(store, model), draft=draft)
+    prefill(loop, requests, alone=lambda prompt_ids, segment_starts: bool(segment_starts))
+    return loop
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +276,6 @@ def test_a_segment_row_decodes_with_plain_rows_and_writes_back_what_it_writes_al
     assert content_key(namespace, documents[0][:8]) in alone_store.keys  # a document chunk, by content key
     store = ChunkStore()
     loop = segment_loop(model, store, [plain[0], segment, plain[1]])
-    loop.prefill()
     assert len(loop.running) == 3 and loop.forwards == 2  # the plain rows' prefill, then the segment row's
     loop.step()
     assert loop.forwards == 3  # one decode forward for the three rows
@@ -323,8 +315,7 @@ def test_reordered_documents_hit_by_content_key_in_a_batch_as_alone(model, noisy
         segment
     ]
     draft = Drafter(noisy_draft, DraftConfig(num_draft_tokens=3), reuse_caches(stores[1], noisy_draft))
-    loop = segment_loop(model, stores[1], requests, draft if speculative else None)
-    loop.run()
+    loop = finish(segment_loop(model, stores[1], requests, draft if speculative else None))
     assert loop.rows[2].reuse == alone.reuse and loop.rows[2].tokens == alone.tokens
     if not speculative:
         assert loop.forwards == 2 + 5  # two prefills, then five decode steps shared by the three rows
@@ -419,17 +410,10 @@ def test_speculative_rows_join_and_equal_generate_alone(model, noisy_draft, reus
     drafter = Drafter(noisy_draft, DraftConfig(num_draft_tokens=3), draft_cache)
     greedy_params = SamplingConfig(temperature=0)
     first, *later = prompts()
-    rows = DecodeLoop.rows_for([DecodeRequest(prompt_ids=first, max_new_tokens=14, sampling=greedy_params)], DECODE_EOS)
-    loop = DecodeLoop(
-        model, as_text, rows, new_cache=new_cache, chunking=DECODE_CHUNKING, pad_token_id=0, draft=drafter
-    )
-    loop.prefill()
+    loop = new_loop(model, new_cache, draft=drafter)
+    prefill(loop, [DecodeRequest(prompt_ids=first, max_new_tokens=14, sampling=greedy_params)])
     loop.step()
-    loop.join(
-        DecodeLoop.rows_for(
-            [DecodeRequest(prompt_ids=p, max_new_tokens=18, sampling=greedy_params) for p in later], DECODE_EOS
-        )
-    )
+    prefill(loop, [DecodeRequest(prompt_ids=p, max_new_tokens=18, sampling=greedy_params) for p in later])
     while not loop.done:
         loop.step()
     for row, prompt in zip(loop.rows, [first, *later], strict=True):

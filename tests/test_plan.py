@@ -250,7 +250,7 @@ def test_nonprefix_hits_are_chunks_stored_after_the_first_miss():
     assert not has_nonprefix_hits(other, tokens, namespace="another tenant", chunking=config)
 
 
-def test_batch_policy_batches_every_prompt_by_length_and_prefills_segments_and_repairs_alone():
+def test_batch_policy_prefills_segments_and_repairs_alone():
     space = KeySpace("digest", "torch.float32", ChunkingConfig(CHUNK))
     store = DictStore()
     document = [90, 91, 92, 93]
@@ -258,8 +258,7 @@ def test_batch_policy_batches_every_prompt_by_length_and_prefills_segments_and_r
     prompts = [[1, 2, 3, 4, *document], list(range(30, 41)), [5, 6], list(range(50, 53)), [7, 8, 9, 10, 11]]
     segments = (0, 2)  # prompts[3] as a segment prompt
     policy = BatchPolicy(store, space, "chunk_kv_reuse")
-    # every prompt shares a batch (by length); the decode loop prefills some alone and joins them
-    assert policy.batches(prompts, max_batch_size=2) == [[2, 3], [4, 0], [1]]
+    # every prompt may share a batch; the scheduler prefills some alone and joins them
     assert policy.prefill_alone(prompts[0], None) and not policy.prefill_alone(prompts[1], None)  # a content hit
     assert policy.prefill_alone(prompts[3], None, segments) and not policy.prefill_alone(prompts[3], None)
     assert not policy.prefill_alone(prompts[0], "tenant-b")  # another tenant's namespace holds nothing
@@ -267,5 +266,3 @@ def test_batch_policy_batches_every_prompt_by_length_and_prefills_segments_and_r
     prefix = BatchPolicy(store, space, "prefix_cache")  # no repairs; segments still shape keys
     assert not prefix.prefill_alone(prompts[0], None) and prefix.prefill_alone(prompts[3], None, segments)
     assert not BatchPolicy(store, space, "baseline").prefill_alone(prompts[3], None, segments)
-    with pytest.raises(ValueError, match="max_batch_size"):
-        policy.batches(prompts, max_batch_size=0)

@@ -8,6 +8,7 @@ from conftest import make_tiny_model
 from helpers import word_tokenizer, words
 
 from kvboost_hf import KVBoost
+from kvboost_hf.hf.decode import DecodeRequest
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,9 @@ def test_prompts_needing_repair_are_prefilled_alone_and_decode_in_the_batch(engi
     prompts = [repaired[0], words(95, 10), repaired[1], words(96, 13)]
     policy = engine.batch_policy()
     assert [policy.prefill_alone(engine.encode(p), None) for p in prompts] == [True, False, True, False]
-    assert len(policy.batches([engine.encode(p) for p in prompts], 8)) == 1  # one batch
+    rows = engine.new_rows([DecodeRequest(prompt_ids=engine.encode(p), max_new_tokens=6) for p in prompts])
+    works = policy.prefill_works(rows, None)  # the plain rows together, then each repaired prompt alone
+    assert [[rows.index(row) for row in work.rows] for work in works] == [[1, 3], [0], [2]]
     alone = [engine.generate(prompt, max_new_tokens=6) for prompt in prompts]
     assert alone[0].approx_tokens > 0 and alone[2].approx_tokens > 0
     batch = engine.generate_batch(prompts, max_new_tokens=6)  # the store now holds more (written back): equal

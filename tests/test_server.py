@@ -27,7 +27,7 @@ from kvboost_hf.core.config import GenerationMode  # noqa: E402
 from kvboost_hf.hf.decode import visible_text  # noqa: E402
 from kvboost_hf.hf.sampling import SamplingConfig  # noqa: E402
 from kvboost_hf.server.app import ServerConfig, create_app  # noqa: E402
-from kvboost_hf.server.batching import Batch, Delta, Done, Job, JobParams  # noqa: E402
+from kvboost_hf.server.batching import Delta, Done, Job, JobParams, JobRun  # noqa: E402
 from kvboost_hf.server.worker import Worker  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -80,10 +80,10 @@ def test_batch_rows_equal_alone_with_mixed_settings(engine):
         banana = engine.encode(" banana")[0]
         forced = SamplingConfig(temperature=0, logit_bias=((banana, 100.0),), repetition_penalty=1.3)
         jobs.append(Job(engine.encode(prompts[1]), JobParams(max_tokens=3, sampling=forced), events[4].append))
-        batch = Batch(engine, jobs, GenerationMode.PREFIX_CACHE, threading.Lock())
-        batch.prefill()
-        while not batch.done:
-            batch.step()
+        scheduler, lock = engine.scheduler(GenerationMode.PREFIX_CACHE, max_batch_size=len(jobs)), threading.Lock()
+        for job in jobs:
+            scheduler.add(JobRun(engine, job, lock).group)
+        scheduler.run()  # one batch: every job is admitted at once
         texts = ["".join(e.text for e in evs if isinstance(e, Delta)) for evs in events]
         assert texts[:3] == expected  # unaffected by the other rows' settings
         assert texts[4] == engine.tokenizer.decode([banana] * 3)
@@ -686,6 +686,7 @@ def test_shutdown_ends_streams_and_requests_cleanly(engine):
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][len("data: ") :])["choices"][0]["finish_reason"] == "length"
     assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "shutting_down"
+    assert not live.app.state.worker._thread.is_alive()  # the model thread ended (it does not spin on)
 
 
 def test_retry_after_grows_with_the_queue(engine):

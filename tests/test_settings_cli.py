@@ -176,23 +176,26 @@ def test_draft_tree_flags_reach_the_engine(tmp_path):
     assert engine.draft_settings == expected and engine.speculative
 
 
-class _PolicyEngine:
-    """The one engine call a Worker makes before it starts: its batch policy for a mode."""
+class _SchedulerEngine:
+    """The one engine call a Worker makes before it starts: a scheduler for the server's mode and settings."""
 
-    def batch_policy(self, mode: object) -> str:
-        return f"policy for {mode}"
+    def scheduler(self, mode: object, **settings: object) -> tuple[object, dict[str, object]]:
+        return mode, {key: value for key, value in settings.items() if key != "tokenizer_lock"}
 
 
 def test_worker_takes_the_server_settings_in_their_units():
-    """The worker has no defaults of its own: it reads ServerConfig (the batch window in ms) and its mode."""
+    """The worker has no defaults of its own: it hands ServerConfig's fields (the batch window in ms) and its mode to
+    the engine's scheduler."""
     from kvboost_hf.core.config import GenerationMode
     from kvboost_hf.server.worker import Worker
 
-    worker = Worker(_PolicyEngine(), ServerConfig(reuse_mode="chunk", batch_window_ms=250, max_batch_size=3))  # type: ignore[arg-type]
-    assert worker.batch_window_s == 0.25 and worker.max_batch_size == 3 and worker.max_queue == 64
-    assert worker.mode is GenerationMode.CHUNK_KV_REUSE and worker.policy == f"policy for {worker.mode}"
-    default = Worker(_PolicyEngine())  # type: ignore[arg-type]
-    assert (default.batch_window_s, default.mode) == (ServerConfig().batch_window_ms / 1e3, REUSE_MODES["prefix"])
+    worker = Worker(_SchedulerEngine(), ServerConfig(reuse_mode="chunk", batch_window_ms=250, max_batch_size=3))  # type: ignore[arg-type]
+    assert worker.max_batch_size == 3 and worker.max_queue == 64 and worker.mode is GenerationMode.CHUNK_KV_REUSE
+    assert worker.scheduler == (worker.mode, {"max_batch_size": 3, "batch_window_ms": 250})
+    default = Worker(_SchedulerEngine())  # type: ignore[arg-type]
+    settings = ServerConfig()
+    expected = {"max_batch_size": settings.max_batch_size, "batch_window_ms": settings.batch_window_ms}
+    assert default.scheduler == (REUSE_MODES["prefix"], expected)
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 from conftest import make_tiny_model, noisy_copy
-from helpers import DECODE_CHUNKING, DECODE_EOS, as_text, chi_square, reuse_caches
+from helpers import chi_square, finish, new_loop, prefill, reuse_caches
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -39,10 +39,9 @@ def decode(model, requests, settings=None, draft=None, store=None) -> DecodeLoop
         draft_cache = reuse_caches(store, draft, adapter=False)
         drafter = Drafter(draft, settings, draft_cache)
     new_cache = reuse_caches(store, model, adapter=False)
-    loop = DecodeLoop(model, as_text, DecodeLoop.rows_for(requests, DECODE_EOS), new_cache=new_cache,
-                      chunking=DECODE_CHUNKING, pad_token_id=0, draft=drafter)  # fmt: skip
-    loop.run()
-    return loop
+    loop = new_loop(model, new_cache, draft=drafter)
+    prefill(loop, requests)
+    return finish(loop)
 
 
 def test_draft_tree_structure():
@@ -117,9 +116,9 @@ def test_global_expansion_gives_rows_their_own_shapes_and_the_same_tokens(budget
     drafter.propose = recording  # type: ignore[method-assign]
     store = ChunkStore() if reuse else None
     new_cache = reuse_caches(store, target, adapter=False)
-    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, DECODE_EOS), new_cache=new_cache,
-                      chunking=DECODE_CHUNKING, pad_token_id=0, draft=drafter)  # fmt: skip
-    loop.run()
+    loop = new_loop(target, new_cache, draft=drafter)
+    prefill(loop, requests)
+    finish(loop)
     assert [row.tokens for row in loop.rows] == [row.tokens for row in plain.rows]
     if budget > 6:  # wide enough for a step to reach back: some round's rows were shaped differently
         assert any(len({tuple(depths) for depths in round_}) > 1 for round_ in shapes)
@@ -150,16 +149,10 @@ def test_rows_joining_a_tree_decoding_batch_and_an_early_exit_draft(target):
     settings = DraftConfig(num_draft_tokens=3, early_exit_layers=1, tree_budget=6, tree_branching=2)
     first, *later = prompts()
     greedy = SamplingConfig(temperature=0)
-    rows = DecodeLoop.rows_for([DecodeRequest(prompt_ids=first, max_new_tokens=12, sampling=greedy)], DECODE_EOS)
-    loop = DecodeLoop(target, as_text, rows, new_cache=None, chunking=DECODE_CHUNKING, pad_token_id=0,
-                      draft=Drafter(target, settings))  # fmt: skip
-    loop.prefill()
+    loop = new_loop(target, draft=Drafter(target, settings))
+    prefill(loop, [DecodeRequest(prompt_ids=first, max_new_tokens=12, sampling=greedy)])
     loop.step()
-    loop.join(
-        DecodeLoop.rows_for(
-            [DecodeRequest(prompt_ids=p, max_new_tokens=10, sampling=greedy) for p in later], DECODE_EOS
-        )
-    )
+    prefill(loop, [DecodeRequest(prompt_ids=p, max_new_tokens=10, sampling=greedy) for p in later])
     while not loop.done:
         loop.step()
     plain = decode(target, [DecodeRequest(prompt_ids=p, max_new_tokens=row.request.max_new_tokens, sampling=greedy)
@@ -255,10 +248,9 @@ def test_a_row_ending_on_a_proposed_token_counts_it_as_the_forwards_own(target, 
     end = plain[4] if ending == "end-token" else None
     assert end is None or end not in plain[:4]
     request = DecodeRequest(prompt_ids=prompt, max_new_tokens=7, sampling=SamplingConfig(temperature=0))
-    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for([request], {end} if end is not None else set()),
-                      new_cache=None, chunking=DECODE_CHUNKING, pad_token_id=0,
-                      draft=Drafter(target, DraftConfig(num_draft_tokens=4)))  # fmt: skip
-    loop.run()
+    loop = new_loop(target, draft=Drafter(target, DraftConfig(num_draft_tokens=4)))
+    prefill(loop, [request], eos={end} if end is not None else set())
+    finish(loop)
     (row,) = loop.rows
     assert row.tokens == plain[: len(row.tokens)] and len(row.tokens) == (5 if end is not None else 7)
     assert len(row.tokens) == loop.forwards + row.draft_accepted
@@ -291,9 +283,8 @@ def test_rows_of_one_prompt_share_the_folded_first_tree(target, draft, reuse):
     store = ChunkStore() if reuse else None
     new_cache = reuse_caches(store, target, adapter=False)
     drafter = Drafter(draft, DraftConfig(num_draft_tokens=4, tree_budget=12, tree_branching=3))
-    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, DECODE_EOS), new_cache=new_cache,
-                      chunking=DECODE_CHUNKING, pad_token_id=0, draft=drafter)  # fmt: skip
-    loop.prefill()
+    loop = new_loop(target, new_cache, draft=drafter)
+    prefill(loop, requests)
     assert loop.forwards == loop.verify_forwards == 1 and all(len(row.draft_rounds) == 1 for row in loop.rows)
     while not loop.done:
         loop.step()
@@ -326,8 +317,7 @@ def test_every_expanded_node_starts_with_the_drafts_own_choice(target, draft, bu
         DecodeRequest(prompt_ids=p, max_new_tokens=20, sampling=SamplingConfig(temperature=0)) for p in prompts()
     ]
     drafter = Drafter(draft, DraftConfig(num_draft_tokens=5, tree_budget=budget, tree_expansion=expansion))
-    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, DECODE_EOS), new_cache=None,
-                      chunking=DECODE_CHUNKING, pad_token_id=0, draft=drafter)  # fmt: skip
+    loop = new_loop(target, draft=drafter)
     assert loop.draft is not None
     propose, seen = loop.draft.propose, []
 
@@ -342,7 +332,8 @@ def test_every_expanded_node_starts_with_the_drafts_own_choice(target, draft, bu
         return trees
 
     loop.draft.propose = recording  # type: ignore[method-assign]
-    loop.run()
+    prefill(loop, requests)
+    finish(loop)
     assert len(seen) > 30
     lengths = torch.tensor([len(sequence) for sequence, _ in seen])
     padded = torch.zeros(len(seen), int(lengths.max()), dtype=torch.long)  # right padding: causal, so harmless
@@ -369,10 +360,9 @@ def sampled_loop(target, draft, prompt, max_new_tokens, settings, seed, temperat
     request = DecodeRequest(
         prompt_ids=prompt, max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature=temperature, seed=seed)
     )
-    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for([request], set()), new_cache=None, chunking=DECODE_CHUNKING,
-                      pad_token_id=0, draft=Drafter(draft, settings))  # fmt: skip
-    loop.run()
-    return loop
+    loop = new_loop(target, draft=Drafter(draft, settings))
+    prefill(loop, [request], eos=set())
+    return finish(loop)
 
 
 def next_token_probs(model, sequences: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -535,10 +525,9 @@ def test_the_loop_uses_and_feeds_the_adaptive_budget(target, draft):
     costs = FrozenCosts(timed(0.03, 2.5e-3))  # 0.25 * 0.03 / 0.0025 = 3 nodes a row
     requests = [DecodeRequest(prompt_ids=prompts()[0], max_new_tokens=12, sampling=SamplingConfig(temperature=0))]
     plain = decode(target, requests)
-    loop = DecodeLoop(target, as_text, DecodeLoop.rows_for(requests, DECODE_EOS), new_cache=None,
-                      chunking=DECODE_CHUNKING, pad_token_id=0,
-                      draft=Drafter(draft, settings, costs=costs))  # fmt: skip
-    loop.run()
+    loop = new_loop(target, draft=Drafter(draft, settings, costs=costs))
+    prefill(loop, requests)
+    finish(loop)
     (row,) = loop.rows
     assert row.tokens == plain.rows[0].tokens
     assert row.draft_proposed == 3 * loop.verify_forwards  # 12 tokens: every round had room for 3 levels

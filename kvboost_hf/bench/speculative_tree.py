@@ -37,12 +37,13 @@ from transformers import DynamicCache, PreTrainedModel
 from kvboost_hf.bench.common import agreement_label, earliest_difference, first_difference, machine_info, pyplot
 from kvboost_hf.corpus import sample_prompts
 from kvboost_hf.engine import InferenceEngine
-from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest
+from kvboost_hf.hf.decode import DecodeRequest
 from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.prefill import forward
 from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.hf.speculative import DraftConfig, acceptance_by_depth, tree_attention_mask
 from kvboost_hf.offload import LayerStreamingConfig, enable_layer_streaming, layer_streamer
+from kvboost_hf.scheduling import RequestGroup
 
 PCIE_GB_S = {"pcie4_x16": 25.0, "pcie5_x16": 50.0}  # practical host-to-device bandwidths (estimate inputs)
 AUTO_CAP = 256  # the adaptive row's largest budget when no fixed budget is given
@@ -58,13 +59,16 @@ def decode_once(engine: InferenceEngine, text: str, max_new_tokens: int) -> dict
     request = DecodeRequest(
         prompt_ids=engine.encode(text), max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature=0)
     )
-    loop = engine.decode_loop(DecodeLoop.rows_for([request], engine.eos_token_ids))
+    scheduler = engine.scheduler(max_batch_size=1)
+    group = RequestGroup(engine.new_rows([request]))
+    scheduler.add(group)
     with engine.lock:
         started = time.perf_counter()
-        loop.run()
+        scheduler.run()
         seconds = time.perf_counter() - started
-    engine.count_decode(loop)
-    (row,) = loop.rows
+    (row,) = group.rows
+    assert group.batch is not None, "the request ran"
+    loop = group.batch.loop
     return {
         "tokens": row.tokens,
         "target_forwards": loop.forwards,

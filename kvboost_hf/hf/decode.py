@@ -1,19 +1,19 @@
-"""Stage 8: the decode loop shared by :class:`~kvboost_hf.engine.InferenceEngine` and the HTTP server.
+"""Stage 8: the model runner of the decode loop; :mod:`kvboost_hf.scheduling` decides what it runs.
 
-One :class:`DecodeLoop` runs a batch of rows (prompts of any lengths and prefixes, each with its own settings):
+One :class:`DecodeLoop` runs a batch of rows (prompts of any lengths and prefixes, each with its own settings) on
+one model and one cache. It makes no scheduling decision: the scheduler hands it
 
-* prefill: the prompts are left-padded into one forward on a fresh cache (a
-  :class:`~kvboost_hf.hf.cache.ChunkReuseCache` stitches stored chunks, called explicitly through
-  :func:`~kvboost_hf.hf.prefill.forward`, and computes only the rest). When several rows share a chunk-aligned
-  prefix whose chunks are not stored yet, that prefix is computed once (batch of one) and stored first, so the
-  batch prefill loads it for every row instead of computing it per row. A prompt that ``prefill_alone`` names (the
-  engine's policy: its reuse needs a repair, or it has segment starts) is prefilled in a cache of its own (built
-  with its segment starts) and joined to the batch before its first decode step;
-* decode: one forward per step for the rows still running. Each row's logits go through its own transformers
-  ``LogitsProcessorList`` (:func:`~kvboost_hf.hf.sampling.build_processors`: bias, penalties, min_tokens, a grammar
-  constraint, temperature, top-k/p, min-p), then the row picks its token with its own seeded generator
-  (:func:`~kvboost_hf.hf.sampling.choose_token`; temperature 0 = argmax) and checks its own end tokens, stop
-  strings, budget and cancel event. Finished rows leave the batch.
+* :class:`PrefillWork`: rows to prefill together in one fresh cache (built with the work's segment starts). Their
+  prompts are left-padded into one forward (a :class:`~kvboost_hf.hf.cache.ChunkReuseCache` stitches stored chunks,
+  called explicitly through :func:`~kvboost_hf.hf.prefill.forward`, and computes only the rest); the work's shared
+  prefixes are computed once (batch of one) and stored first, so the batch prefill loads them for every row; a
+  work whose rows are one prompt (the ``n`` choices of a request) is prefilled once and repeated. Each row gets its
+  first token, then the rows are appended below the running ones (continuous batching);
+* :meth:`DecodeLoop.step`: one forward for the rows still running. Each row's logits go through its own
+  transformers ``LogitsProcessorList`` (:func:`~kvboost_hf.hf.sampling.build_processors`: bias, penalties,
+  min_tokens, a grammar constraint, temperature, top-k/p, min-p), then the row picks its token with its own seeded
+  generator (:func:`~kvboost_hf.hf.sampling.choose_token`; temperature 0 = argmax) and checks its own end tokens,
+  stop strings, budget and cancel event. Finished rows leave the batch.
 * speculative decode (with a :class:`~kvboost_hf.hf.speculative.Drafter`): the draft proposes ``g`` tokens per
   row, one target forward verifies all rows' proposals, and each row takes its own choices position by position
   while they equal the proposals (then one more). Rows accept different counts; each row's rejected columns are
@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, PreTrainedModel
+from transformers import Cache, DynamicCache, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
-from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
+from kvboost_hf.core.chunking import chunk_spans
 from kvboost_hf.core.keys import chain_prefix_keys
 from kvboost_hf.hf.cache import (
     ChunkReuseCache,
@@ -238,59 +238,97 @@ class DecodeRow:
             self.finish_reason = "cancelled"
 
 
+@dataclass(frozen=True)
+class SharedPrefix:
+    """A chunk-aligned prefix (``tokens``) that several rows of one :class:`PrefillWork` start with: computed and
+    stored once before their prefill (unless stored already), then loaded for each of them. Its computed tokens are
+    counted for the work's row ``row`` (an index into :attr:`PrefillWork.rows`)."""
+
+    tokens: tuple[int, ...]
+    row: int
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    """Rows that one prompt forward prefills in one fresh cache (built with ``segment_starts``): the scheduler's
+    decision, the loop only runs it.
+
+    ``repeat``: every row has one prompt (the ``n`` choices of a request): it is prefilled once and its K/V
+    repeated, so a repair of non-prefix hits, which a cache makes for one row at a time, applies to every row.
+    ``shared_prefixes``: prefixes to compute and store first (rows with different prompts only).
+
+    Invariants (checked): at least one row; with ``repeat`` every row has the same prompt and there are no shared
+    prefixes; each shared prefix is a prefix of its row's prompt.
+    """
+
+    rows: tuple[DecodeRow, ...]
+    segment_starts: tuple[int, ...] = ()
+    repeat: bool = False
+    shared_prefixes: tuple[SharedPrefix, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.rows:
+            raise ValueError("a prefill work needs at least one row")
+        prompts = [tuple(row.request.prompt_ids) for row in self.rows]
+        if self.repeat and (len(set(prompts)) > 1 or self.shared_prefixes):
+            raise ValueError("repeat needs rows of one prompt and no shared prefixes")
+        for prefix in self.shared_prefixes:
+            if prompts[prefix.row][: len(prefix.tokens)] != prefix.tokens:
+                raise ValueError(f"shared prefix of {len(prefix.tokens)} tokens is not row {prefix.row}'s prefix")
+
+
+@dataclass
+class _Batch:
+    """What the loop holds for its running rows: their caches, 2D attention mask ``[B, C]`` and last positions
+    ``[B]`` (row ``i`` of each is ``running[i]``)."""
+
+    running: list[DecodeRow] = field(default_factory=list)
+    cache: ChunkReuseCache | DynamicCache | None = None
+    draft_cache: Cache | None = None
+    mask: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    positions: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+
+
 class DecodeLoop:
-    """Rows decoded together on one model and one cache, forward by forward.
+    """Rows decoded together on one model and one cache, forward by forward (the scheduler's model runner).
 
     Args:
         model: the causal LM.
         decode: token ids -> text (special tokens skipped), e.g. ``tokenizer.decode``; called under
             ``tokenizer_lock``.
-        rows: the rows (see :meth:`rows_for`).
         new_cache: builds a fresh chunk-reuse cache (each call the same settings) for rows whose prompts have the
             given segment starts (``()``: none), or None for plain K/V.
-        chunking: the chunking of the caches ``new_cache`` builds (to find shared prefixes).
         pad_token_id: the id used for left padding.
         on_token: called with a row after each token it gets, and once more when :meth:`cancel_all` ends it; must
             not block.
         tokenizer_lock: serialises ``decode`` with other threads using the same tokenizer (None: no lock).
-        draft: speculative decoding with this drafter (fresh, unused: the loop runs its prefill), or None.
-        prefill_alone: ``(prompt ids, segment starts)`` -> whether that prompt is prefilled in a batch of its own
-            (its reuse needs a repair of non-prefix hits, which a cache makes for one row at a time, or it has
-            segment starts, which a cache is built with); None: never. With reuse on, the rows prefilled together
-            must have one segment setting (a ValueError otherwise).
+        draft: speculative decoding with this drafter (fresh, unused: the loop runs its prefills), or None.
 
-    ``forwards`` counts target model forwards (prefill and shared prefixes included; the draft's are
-    ``draft.forwards``), ``verify_forwards`` those of them that verified draft tokens (one per speculative step,
-    and the prompt forward when it verified the first tree);
-    ``streamed_bytes`` the bytes the target's layer streamer copied during this loop's prefills and steps (an
+    ``rows`` holds every row added (in order), ``running`` those still decoding. ``forwards`` counts target model
+    forwards (prefills and shared prefixes included; the draft's are ``draft.forwards``), ``verify_forwards`` those
+    of them that verified draft tokens (one per speculative step, and a prompt forward that verified the first
+    tree); ``streamed_bytes`` the bytes the target's layer streamer copied during this loop's prefills and steps (an
     early-exit draft's forwards on the target included; None when the target is not streamed);
-    ``computed_tokens`` the prompt tokens computed (not loaded) for all rows. Call
-    :meth:`prefill` once, then :meth:`step` until :attr:`done` (or :meth:`run`).
+    ``computed_tokens`` the prompt tokens computed (not loaded) for all rows. Call :meth:`add` with each
+    :class:`PrefillWork`, and :meth:`step` while rows run.
     """
 
     def __init__(
         self,
         model: PreTrainedModel,
         decode: Callable[[list[int]], str],
-        rows: Sequence[DecodeRow],
         *,
         new_cache: Callable[[tuple[int, ...]], ChunkReuseCache] | None,
-        chunking: ChunkingConfig,
         pad_token_id: int,
         on_token: Callable[[DecodeRow], None] = lambda row: None,
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
         draft: Drafter | None = None,
-        prefill_alone: Callable[[Sequence[int], Sequence[int]], bool] | None = None,
     ) -> None:
-        if not rows:
-            raise ValueError("a decode loop needs at least one row")
-        self.prefill_alone = prefill_alone
         self.model = model
         self.decode = decode
-        self.rows = list(rows)
-        self.running = list(self.rows)
+        self.rows: list[DecodeRow] = []
+        self.running: list[DecodeRow] = []
         self.new_cache = new_cache
-        self.chunking = chunking
         self.pad_token_id = pad_token_id
         self.on_token = on_token
         self.tokenizer_lock = tokenizer_lock or contextlib.nullcontext()
@@ -338,67 +376,77 @@ class DecodeLoop:
             copied = streamer.stats(settle=False).bytes_streamed - before
             self.streamed_bytes = (self.streamed_bytes or 0) + copied
 
-    def prefill(self) -> None:
-        """Compute (or load) every row's prompt and give each row its first token. Rows that all have one prompt
-        (the ``n`` choices of a request) are prefilled as one row and then repeated, so a repair of non-prefix
-        hits, which the cache makes for one row at a time, applies to all of them. Rows whose prompt
-        ``prefill_alone`` names (repairs, segment prompts) are prefilled that way, one prompt at a time after the
-        others, each in a cache built with its own segment starts, and joined (:meth:`join`): they decode in the
-        batch from the first step, and each row's chunks are written back under its own keys (its ledger keeps its
-        segment starts)."""
-        first, *later = self._prefill_groups()
-        self.rows, self.running = first, list(first)
+    def add(self, work: PrefillWork) -> None:
+        """Prefill ``work``'s rows (each gets its first token), then append those still running below the running
+        rows: their K/V (the draft's too), attention masks and positions, the narrower side left-padded with masked
+        columns, so the next :meth:`step` decodes old and new rows in one forward."""
+        self.rows += work.rows
+        earlier = self._detach()
         with self._counting_streamed_bytes():
-            self._prefill()
-        for group in later:
-            self.join(group)
+            self._prefill(work)
+        self._attach(earlier)
 
-    def _prefill_groups(self) -> list[list[DecodeRow]]:
-        """The rows by prefill batch: the rows that share one, then the rows of each prompt (and segment starts) to
-        prefill alone."""
-        if self.prefill_alone is None or len({row.request.prefill_setting for row in self.rows}) == 1:
-            return [self.rows]
-        shared: list[DecodeRow] = []
-        alone: dict[tuple[tuple[int, ...], tuple[int, ...]], list[DecodeRow]] = {}
-        verdicts: dict[tuple[tuple[int, ...], tuple[int, ...]], bool] = {}
-        for row in self.rows:
-            setting = row.request.prefill_setting
-            if setting not in verdicts:
-                verdicts[setting] = self.prefill_alone(*setting)
-            if verdicts[setting]:
-                alone.setdefault(setting, []).append(row)
-            else:
-                shared.append(row)
-        return ([shared] if shared else []) + list(alone.values())
+    def _detach(self) -> _Batch:
+        """Take the running rows' state out of the loop (it is then empty)."""
+        draft_cache = self.draft.cache if self.draft is not None else None
+        earlier = _Batch(self.running, self.cache, draft_cache, self.mask, self.positions)
+        self.running, self.cache, self.mask, self.positions = [], None, torch.empty(0), torch.empty(0)
+        if self.draft is not None:
+            self.draft.cache = None
+        return earlier
 
-    def _segment_starts(self) -> tuple[int, ...]:
-        """The segment starts this loop's cache is built with: those of every row it prefills (raises when they
-        differ: with reuse on, a row with segment starts must be prefilled alone, see ``prefill_alone``)."""
+    def _attach(self, earlier: _Batch) -> None:
+        """Put ``earlier`` (from :meth:`_detach`) back, above the rows prefilled since."""
+        if not earlier.running:
+            return
+        if not self.running:
+            self.running, self.cache, self.mask, self.positions = (
+                earlier.running, earlier.cache, earlier.mask, earlier.positions
+            )  # fmt: skip
+            if self.draft is not None:
+                self.draft.cache = earlier.draft_cache
+            return
+        assert earlier.cache is not None, "running rows have a cache"
+        join_caches(earlier.cache, self._cache())
+        if self.draft is not None:
+            assert earlier.draft_cache is not None and self.draft.cache is not None, "running rows have a draft"
+            join_caches(earlier.draft_cache, self.draft.cache)
+            self.draft.cache = earlier.draft_cache
+        width = max(earlier.mask.shape[1], self.mask.shape[1])
+        self.mask = torch.cat([prepend_zeros(mask, width - mask.shape[1]) for mask in (earlier.mask, self.mask)])
+        self.positions = torch.cat([earlier.positions, self.positions])
+        self.cache, self.running = earlier.cache, earlier.running + self.running
+
+    def _segment_starts(self, work: PrefillWork) -> tuple[int, ...]:
+        """The segment starts the work's cache is built with (with reuse on every row must have them: a cache is
+        built with one prompt's segment starts, which shape its chunks and keys)."""
         if self.new_cache is None:
             return ()
-        settings = {tuple(row.request.segment_starts) for row in self.rows}
-        if len(settings) > 1:
+        if differing := [row for row in work.rows if tuple(row.request.segment_starts) != work.segment_starts]:
             raise ValueError(
-                "rows with different segment starts cannot be prefilled in one cache: prefill_alone must name the "
-                "prompts with segment starts"
+                f"{len(differing)} rows have segment starts other than the work's {work.segment_starts}: rows with "
+                "different segment starts cannot be prefilled in one cache"
             )
-        return settings.pop()
+        return work.segment_starts
 
-    def _prefill(self) -> None:
-        prompts = [list(row.request.prompt_ids) for row in self.rows]
-        starts = self._segment_starts()
-        repeats = len(prompts) if all(prompt == prompts[0] for prompt in prompts) else 1
-        prompts = prompts[:1] if repeats > 1 else prompts
+    def _prefill(self, work: PrefillWork) -> None:
+        rows = list(work.rows)
+        prompts = [list(rows[0].request.prompt_ids)] if work.repeat else [list(r.request.prompt_ids) for r in rows]
+        repeats = len(rows) if work.repeat else 1
+        starts = self._segment_starts(work)
         shared_computed: dict[int, int] = {}
-        if self.new_cache is not None and not starts:  # shared prefixes are chunked without segment starts
-            shared_computed = self._store_shared_prefixes(prompts)
+        if self.new_cache is not None:
+            for prefix in work.shared_prefixes:
+                if computed := self._store_prefix(list(prefix.tokens)):
+                    shared_computed[prefix.row] = shared_computed.get(prefix.row, 0) + computed
+        self.running = list(rows)
         self.cache = self.new_cache(starts) if self.new_cache is not None else DynamicCache()
         input_ids, self.mask = left_pad(prompts, self.pad_token_id, self.device)
         position_ids = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 1)
-        logits, trees = self._prompt_forward(input_ids, position_ids, starts)
+        logits, trees = self._prompt_forward(rows, input_ids, position_ids, starts)
         reuse = self.cache.last_reuse if isinstance(self.cache, ChunkReuseCache) else []
         loaded = [reuse[index].cached_tokens if index < len(reuse) else 0 for index in range(len(prompts))]
-        self.computed_tokens = sum(len(p) - n for p, n in zip(prompts, loaded, strict=True))
+        self.computed_tokens += sum(len(p) - n for p, n in zip(prompts, loaded, strict=True))
         self.computed_tokens += sum(shared_computed.values())
         if repeats > 1:
             self.cache.batch_repeat_interleave(repeats)
@@ -410,7 +458,7 @@ class DecodeLoop:
             )
             reuse, loaded = [copy.copy(entry) for entry in reuse * repeats], loaded * repeats
         self.positions = position_ids[:, -1]
-        for index, row in enumerate(self.rows):
+        for index, row in enumerate(rows):
             if index < len(reuse):
                 row.reuse = reuse[index]
                 row.reuse.cached_tokens = max(0, loaded[index] - shared_computed.get(index, 0))
@@ -422,29 +470,33 @@ class DecodeLoop:
             return
         self._advance(logits[:, 0])
         if self.draft is not None and self.running:  # after the first tokens: the draft's prefill is not in the TTFT
-            order = {id(row): i for i, row in enumerate(self.rows)}
+            order = {id(row): i for i, row in enumerate(rows)}
             running = torch.tensor([order[id(row)] for row in self.running], device=self.device)
             self.draft.prefill(input_ids[running], self.mask, position_ids[running], starts)
 
     def _prompt_forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, segment_starts: tuple[int, ...]
+        self,
+        rows: list[DecodeRow],
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        segment_starts: tuple[int, ...],
     ) -> tuple[torch.Tensor, list[DraftTree] | None]:
         """The target's prompt forward (stored chunks loaded first). With a draft, a row that may take two tokens,
         and a dense forward (not a sparse repair forward, whose K/V are scattered to the prompt's own columns), the
         draft prefills the prompts first and proposes each row's first tree below its last prompt token, and this
         forward verifies it too: one target forward fewer per generation (the draft's prefill then counts in the
         time to first token). Returns the logits ``[B, 1 + nodes, V]`` (the last prompt token's, then each
-        node's) and the trees (None when nothing was drafted: ``[B, 1, V]``). ``segment_starts``: the rows'
-        (the draft's cache is built with them too)."""
+        node's) and the trees (None when nothing was drafted: ``[B, 1, V]``). ``rows``: the prompts' rows (the
+        first of a repeated prompt drafts for all); ``segment_starts``: theirs (the draft's cache is built with them
+        too)."""
         inputs = forward_inputs(self.cache, input_ids=input_ids, attention_mask=self.mask,
                                 position_ids=position_ids, logits_to_keep=1)  # fmt: skip
-        draft, budget = self.draft, max(row.request.max_new_tokens for row in self.rows)
+        draft, budget = self.draft, max(row.request.max_new_tokens for row in rows)
         sparse = isinstance(self.cache, ChunkReuseCache) and self.cache.expects_sparse_forward
         trees = None
         if draft is not None and budget > 1 and not sparse:
-            sizes = draft.level_sizes(budget - 1, len(self.rows))
+            sizes = draft.level_sizes(budget - 1, len(rows))
             first, roots = draft.prefill(input_ids, self.mask, position_ids, segment_starts), position_ids[:, -1]
-            rows = self.rows  # the prompts' rows (the first of each repeated prompt drafts for all)
             trees = draft.expand(first, self.mask, roots, sizes, lambda i, lg, d: rows[i].draft_scores(lg, d))
             inputs = self._with_tree_queries(inputs, trees, roots)
         out = run_forward(self.model, inputs)
@@ -606,64 +658,6 @@ class DecodeLoop:
             row.draft_rounds.append((len(path), rejected))
         return path
 
-    def join(self, rows: Sequence[DecodeRow]) -> None:
-        """Add ``rows`` to the running batch (continuous batching).
-
-        Their prompts are prefilled as a batch of their own (each gets its first token; shared prefixes are stored
-        once), then their K/V (the draft's too), attention masks and positions are appended below the running
-        rows' (the narrower side left-padded with masked columns), so the next :meth:`step` decodes old and new
-        rows in one forward.
-        """
-        newcomers = DecodeLoop(
-            self.model,
-            self.decode,
-            rows,
-            new_cache=self.new_cache,
-            chunking=self.chunking,
-            pad_token_id=self.pad_token_id,
-            on_token=self.on_token,
-            tokenizer_lock=self.tokenizer_lock,
-            draft=self.draft.spawn() if self.draft is not None else None,
-            prefill_alone=self.prefill_alone,
-        )
-        newcomers.prefill()
-        self.rows += newcomers.rows
-        self.forwards += newcomers.forwards
-        self.verify_forwards += newcomers.verify_forwards
-        self.computed_tokens += newcomers.computed_tokens
-        if newcomers.streamed_bytes is not None:
-            self.streamed_bytes = (self.streamed_bytes or 0) + newcomers.streamed_bytes
-        if self.draft is not None and newcomers.draft is not None:
-            self.draft.forwards += newcomers.draft.forwards
-        if newcomers.done:
-            return
-        if self.done or self.cache is None:
-            self.cache, self.mask, self.positions = newcomers.cache, newcomers.mask, newcomers.positions
-            self.running = newcomers.running
-            if self.draft is not None and newcomers.draft is not None:
-                self.draft.cache = newcomers.draft.cache
-            return
-        join_caches(self.cache, newcomers._cache())
-        if self.draft is not None and newcomers.draft is not None:
-            assert self.draft.cache is not None and newcomers.draft.cache is not None, "running rows have a draft"
-            join_caches(self.draft.cache, newcomers.draft.cache)
-        width = max(self.mask.shape[1], newcomers.mask.shape[1])
-        masks = [prepend_zeros(mask, width - mask.shape[1]) for mask in (self.mask, newcomers.mask)]
-        self.mask = torch.cat(masks, dim=0)
-        self.positions = torch.cat([self.positions, newcomers.positions])
-        self.running += newcomers.running
-
-    def run(self) -> list[DecodeRow]:
-        """Prefill, then step until every row is finished; returns the rows (input order)."""
-        try:
-            self.prefill()
-            while not self.done:
-                self.step()
-        except BaseException:
-            self.close_without_saving()  # possibly inconsistent: nothing more is stored from them
-            raise
-        return self.rows
-
     def cancel_all(self) -> None:
         """Finish every running row now (shutdown); what was computed is stored."""
         for row in self.running:
@@ -715,47 +709,20 @@ class DecodeLoop:
         logits = out.logits[:, -keep:, :].float()
         return logits[:, -1, :] if keep == 1 else logits
 
-    def _store_shared_prefixes(self, prompts: list[list[int]]) -> dict[int, int]:
-        """For each group of rows with the same first chunk, store the chunk-aligned prefix they share once.
-
-        Returns, for the first row of each group that computed one, the prompt tokens computed here (the batch
-        prefill then loads them for every row of the group).
-        """
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for row, prompt in enumerate(prompts):
-            spans = chunk_spans(prompt, self.chunking)
-            head = tuple(prompt[: spans[0][1]]) if spans else ()
-            groups.setdefault(head, []).append(row)
-        computed: dict[int, int] = {}
-        for head, members in groups.items():
-            if head and len(members) > 1:
-                shared = self._store_shared_prefix([prompts[row] for row in members])
-                if shared:
-                    computed[members[0]] = shared
-        return computed
-
-    def _store_shared_prefix(self, prompts: list[list[int]]) -> int:
-        """Compute and store, once, the chunk-aligned prefix every one of ``prompts`` shares when it is not
-        stored yet. Returns the prompt tokens computed here."""
-        assert self.new_cache is not None, "shared prefixes are stored only with reuse on"
-        first = prompts[0]
-        shared = 0
-        for _, end in chunk_spans(first, self.chunking):
-            if any(len(p) <= end or p[:end] != first[:end] for p in prompts[1:]):
-                break
-            shared = end
-        if shared == 0:
-            return 0
+    def _store_prefix(self, prefix: list[int]) -> int:
+        """Compute and store the chunk-aligned ``prefix`` (one forward, batch of one) unless all its chunks are
+        stored; returns the tokens computed here."""
+        assert self.new_cache is not None, "prefixes are stored only with reuse on"
         cache = self.new_cache(())
-        keys = chain_prefix_keys(cache.namespace, first, chunk_spans(first[:shared], self.chunking))
+        keys = chain_prefix_keys(cache.namespace, prefix, chunk_spans(prefix, cache.chunking))
         if all(cache.store.contains_many(keys)):  # one Redis round trip for all of them
             return 0
-        forward(self.model, cache, input_ids=torch.tensor([first[:shared]], device=self.device), logits_to_keep=1)
+        forward(self.model, cache, input_ids=torch.tensor([prefix], device=self.device), logits_to_keep=1)
         self.forwards += 1
         cache.save(tail=False)
         loaded = cache.last_reuse[0].cached_tokens if cache.last_reuse else 0
-        logger.debug("stored a shared prefix of %d tokens for %d rows", shared, len(prompts))
-        return shared - loaded
+        logger.debug("stored a shared prefix of %d tokens", len(prefix))
+        return len(prefix) - loaded
 
     # ------------------------------------------------------------------ per-row bookkeeping
     def _advance(self, logits: torch.Tensor) -> None:

@@ -457,7 +457,7 @@ class Drafter:
 
     Invariant: between rounds, :attr:`cache` holds exactly the target cache's columns (the same left-padded layout,
     one column per token fed to the target), so the loop's attention mask and positions serve both. ``forwards``
-    counts draft forwards; ``cached_tokens`` is what the draft's prefill loaded per row.
+    counts draft forwards; ``cached_tokens`` is what the draft's prefills loaded per row (in prefill order).
     """
 
     def __init__(
@@ -474,11 +474,6 @@ class Drafter:
         self.cache: Cache | None = None
         self.forwards = 0
         self.cached_tokens: list[int] = []
-
-    def spawn(self) -> Drafter:
-        """A drafter with the same model, settings and verify costs and no state (for rows joining a running
-        loop)."""
-        return Drafter(self.model, self.settings, self.new_cache, self.costs)
 
     def level_sizes(self, depth: int, rows: int) -> list[int]:
         """Nodes per level of the next round's trees (at most ``depth`` deep) for ``rows`` rows: the settings'
@@ -499,7 +494,7 @@ class Drafter:
         self.cache = self.new_cache(segment_starts) if self.new_cache is not None else DynamicCache()
         logits = self.forward(input_ids, mask, position_ids)
         reuse = getattr(self.cache, "last_reuse", None) or []
-        self.cached_tokens = [entry.cached_tokens for entry in reuse]
+        self.cached_tokens += [entry.cached_tokens for entry in reuse]
         return logits
 
     def propose(

@@ -1,10 +1,11 @@
-"""One batch of requests run by the model-owning worker, on the library's decode loop.
+"""Server jobs on the library's scheduler: one request's rows and the events they stream.
 
 A server batch mixes requests with different sampling settings, stop strings, token budgets and clients that may
-disconnect, and each one streams its own tokens. :class:`Batch` maps each job's ``n`` choices to rows of one
-:class:`~kvboost_hf.hf.decode.DecodeLoop` (the loop ``engine.generate`` runs too: same seeds give the same tokens
-from Python and over HTTP) and turns each row's progress into events for the job's sink: new visible text with its
-log-probabilities (:class:`Delta`), a finished choice (:class:`Finished`), the finished job (:class:`Done`).
+disconnect, and each one streams its own tokens. :class:`JobRun` maps a job's ``n`` choices to the rows of one
+:class:`~kvboost_hf.scheduling.RequestGroup` (the scheduler ``engine.generate`` runs too: same seeds give the same
+tokens from Python and over HTTP) and turns each row's progress into events for the job's sink: new visible text
+with its log-probabilities (:class:`Delta`), a finished choice (:class:`Finished`), the finished job (:class:`Done`),
+or why it could not run (:class:`Failed`).
 
 Invariants: a choice ``i`` of a job with ``seed`` s is sampled with seed ``s + i``; every token is reported at once;
 the job's ``cached_tokens`` counts prompt tokens loaded from the store (not those this batch computed itself).
@@ -15,18 +16,23 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from transformers import LogitsProcessor
 
-from kvboost_hf.core.config import GenerationMode
+from kvboost_hf.core.errors import KVBoostError
 from kvboost_hf.engine import InferenceEngine
-from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, TokenLogprob
+from kvboost_hf.hf.decode import DecodeRequest, DecodeRow, TokenLogprob
 from kvboost_hf.hf.sampling import SamplingConfig
+from kvboost_hf.scheduling import RequestCancelled, RequestGroup
 
 
 # ---------------------------------------------------------------------------------------------------- job types
+class ShuttingDown(KVBoostError, RuntimeError):
+    """The worker no longer accepts jobs (or shut down before a job started)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobParams:
     """Per-request settings: token budget, sampling (see :class:`~kvboost_hf.hf.sampling.SamplingConfig`), stop
@@ -113,12 +119,11 @@ class Job:
         self.sink(Failed(message, status))
 
 
-# ---------------------------------------------------------------------------------------------------- the batch
+# ---------------------------------------------------------------------------------------------------- a job's rows
 @dataclass(eq=False)
 class _Choice:
-    """Where one row of the loop reports: its job, its choice index, what was already sent."""
+    """Where one row reports: its choice index and what was already sent."""
 
-    job: Job
     index: int
     tokens: int = 0  # the row's tokens already counted
     shown: int = 0  # characters of the row's text already sent
@@ -127,51 +132,48 @@ class _Choice:
     finished: bool = False
 
 
-class Batch:
-    """Jobs sharing one cache (same ``cache_salt``), run together until every row finishes.
+class JobRun:
+    """One job as the scheduler's :class:`~kvboost_hf.scheduling.RequestGroup` (:attr:`group`): a row per choice,
+    each row's progress turned into the job's events.
 
     Args:
-        engine: the engine whose model, tokenizer, store and chunking are used.
-        jobs: admitted jobs; all have the same ``cache_salt``.
-        mode: ``CHUNK_KV_REUSE`` / ``PREFIX_CACHE`` (reuse) or ``BASELINE`` (plain K/V, no store).
+        engine: the engine whose tokenizer and end tokens are used.
+        job: the job.
         tokenizer_lock: serialises tokenizer use with the HTTP threads.
         observe_token: ``(seconds_since_arrival_or_previous_token, is_first)`` callback for latency metrics.
-
-    With a draft model the engine's loop decodes every row speculatively (same tokens as without, fewer target
-    forwards), whatever else shares the batch.
     """
 
     def __init__(
         self,
         engine: InferenceEngine,
-        jobs: Sequence[Job],
-        mode: GenerationMode,
+        job: Job,
         tokenizer_lock: threading.Lock,
         observe_token: Callable[[float, bool], None] = lambda seconds, first: None,
     ) -> None:
         self.engine = engine
-        self.mode = mode
+        self.job = job
         self.tokenizer_lock = tokenizer_lock
         self.observe_token = observe_token
-        self.jobs: list[Job] = []
-        self.choices: dict[int, _Choice] = {}
-        rows = DecodeLoop.rows_for(self._requests_for(jobs), engine.eos_token_ids)
-        self.loop = engine.decode_loop(
-            rows, mode, self.jobs[0].cache_salt, on_token=self._report, tokenizer_lock=tokenizer_lock
+        requests = self._requests()
+        self.choices = {id(request): _Choice(index) for index, request in enumerate(requests)}
+        job.rows_left = job.n
+        self.group = RequestGroup(
+            engine.new_rows(requests),
+            job.cache_salt,
+            on_token=self._report,
+            on_fail=self._fail,
+            cancel=job.cancel,
+            arrival=job.arrival,
         )
-        self.started = time.perf_counter()
-        self._counted = False
 
-    def _requests_for(self, jobs: Sequence[Job]) -> list[DecodeRequest]:
-        """One request per choice of ``jobs`` (added to this batch's jobs), each mapped to where it reports."""
-        requests: list[DecodeRequest] = []
-        for job in jobs:
-            self.jobs.append(job)
-            job.rows_left = job.n
-            params = job.params
-            for index in range(job.n):
-                seed = params.sampling.seed + index if params.sampling.seed is not None else secrets.randbits(63)
-                request = DecodeRequest(
+    def _requests(self) -> list[DecodeRequest]:
+        """One request per choice; choice ``i`` of a job with seed ``s`` is sampled with seed ``s + i``."""
+        job, params = self.job, self.job.params
+        requests = []
+        for index in range(job.n):
+            seed = params.sampling.seed + index if params.sampling.seed is not None else secrets.randbits(63)
+            requests.append(
+                DecodeRequest(
                     prompt_ids=job.prompt_ids,
                     max_new_tokens=params.max_tokens,
                     sampling=replace(params.sampling, seed=seed),
@@ -181,67 +183,22 @@ class Batch:
                     cancel=job.cancel,
                     segment_starts=job.segment_starts,
                 )
-                self.choices[id(request)] = _Choice(job, index)
-                requests.append(request)
+            )
         return requests
 
-    def join(self, jobs: Sequence[Job]) -> None:
-        """Add ``jobs`` to the running batch (continuous batching): their prompts are prefilled now and their rows
-        decode with the others from the next step (``computed_tokens`` grows by their computed prompt tokens)."""
-        self.loop.join(DecodeLoop.rows_for(self._requests_for(jobs), self.engine.eos_token_ids))
-
-    @property
-    def rows(self) -> list[DecodeRow]:
-        """The rows still running."""
-        return self.loop.running
-
-    @property
-    def done(self) -> bool:
-        return self.loop.done
-
-    @property
-    def computed_tokens(self) -> int:
-        """Prompt tokens computed (not loaded) for all rows."""
-        return self.loop.computed_tokens
-
-    @property
-    def age_s(self) -> float:
-        """Seconds since the batch was formed."""
-        return time.perf_counter() - self.started
-
-    def prefill(self) -> None:
-        """Compute (or load) every row's prompt and report each row's first token."""
-        self.loop.prefill()
-        self._count_when_done()
-
-    def step(self) -> None:
-        """One decode step for every running row."""
-        self.loop.step()
-        self._count_when_done()
-
-    def _count_when_done(self) -> None:
-        """Add the finished loop's forwards and draft counters to the engine's totals (once)."""
-        if self.loop.done and not self._counted:
-            self._counted = True
-            self.engine.count_decode(self.loop)
-
-    def cancel_all(self) -> None:
-        """Finish every running row now (shutdown)."""
-        self.loop.cancel_all()
-        self._count_when_done()
-
-    def fail(self, message: str) -> None:
-        """Report ``message`` to every job still running and drop the batch (its cache may be inconsistent)."""
-        for job in dict.fromkeys(self.choices[id(row.request)].job for row in self.loop.running):
-            job.fail(message)
-        self.loop.running = []
-        self.loop.close_without_saving()
+    def _fail(self, error: BaseException) -> None:
+        if isinstance(error, RequestCancelled):
+            self.job.fail(str(error), 499)
+        elif isinstance(error, ShuttingDown):
+            self.job.fail(str(error), 503)
+        else:
+            self.job.fail(f"generation failed: {type(error).__name__}: {error}")
 
     def _report(self, row: DecodeRow) -> None:
         """Send the row's newly visible text and log-probabilities; finish the choice (and the job) when done.
-        Called by the loop after each token of the row, and once without a new token when it is cancelled."""
+        Called after each token of the row, and once without a new token when it is cancelled."""
         choice = self.choices[id(row.request)]
-        job = choice.job
+        job = self.job
         if choice.finished:
             return
         if len(row.tokens) > choice.tokens:

@@ -1,15 +1,12 @@
-"""The single thread that owns the model: a bounded queue, continuous batching, interleaved tenants.
+"""The single thread that owns the model: a bounded queue in front of the engine's scheduler.
 
-Scheduling, per loop iteration:
+Each job becomes a request of the engine's :class:`~kvboost_hf.scheduling.Scheduler` (the one ``generate_many``
+runs; its module states the rules: batches per cache namespace, continuous batching, admission windows, prompts
+prefilled alone). Per loop iteration the worker
 
-1. admission: jobs are keyed by the engine's batch policy (:mod:`kvboost_hf.scheduling`: the ``cache_salt``; a job
-   whose prompt has document segments, or whose reuse needs repair, is prefilled alone, then decodes with its
-   batch). A pending job whose key matches a running batch joins it at once (continuous batching: its prompt is
-   prefilled, then its rows decode in the same forward as the running rows). Other pending jobs of one key are
-   admitted as a new :class:`~kvboost_hf.server.batching.Batch` once the oldest has waited ``batch_window_s`` (or
-   they fill ``max_batch_size`` rows); the rows of all running batches stay within ``max_batch_size``;
-2. exclusive calls (``warm``) run;
-3. new batches run their prefill, joining jobs theirs, then every running batch makes one decode step.
+1. asks the scheduler what runs now (:meth:`~kvboost_hf.scheduling.Scheduler.schedule`);
+2. runs exclusive calls (``warm``);
+3. has the scheduler execute it under the engine's lock: new prompts prefilled, then one decode step per batch.
 
 A decode step therefore costs one forward per tenant (cache namespace), not one per user, and a new request gets
 its first token after at most one decode step of the running batches instead of after their whole generation.
@@ -18,24 +15,24 @@ grammar take one token per step): a request's tokens do not depend on the draft 
 
 Invariants: only this thread touches the model; at most ``max_queue`` jobs wait for admission (``submit``
 raises :class:`Overloaded` beyond); an exception while running a batch fails that batch's jobs and nothing else.
+The worker's condition lock is never held during a store read or a forward.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kvboost_hf.core.errors import KVBoostError
 from kvboost_hf.engine import InferenceEngine, Prompt
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
-from kvboost_hf.scheduling import BatchKey
-from kvboost_hf.server.batching import Batch, Job
+from kvboost_hf.scheduling import SchedulerOutput, StepReport
+from kvboost_hf.server.batching import Job, JobRun, ShuttingDown
 from kvboost_hf.server.metrics import Metrics
 from kvboost_hf.server.settings import REUSE_MODES, ServerConfig
 
@@ -51,10 +48,6 @@ class Overloaded(KVBoostError, RuntimeError):
     def __init__(self, depth: int, retry_after_s: int) -> None:
         super().__init__(f"server overloaded: {depth} requests already waiting")
         self.retry_after_s = retry_after_s
-
-
-class ShuttingDown(KVBoostError, RuntimeError):
-    """The worker no longer accepts jobs."""
 
 
 class Worker:
@@ -77,19 +70,21 @@ class Worker:
         settings = settings or ServerConfig()
         self.engine = engine
         self.mode = REUSE_MODES[settings.reuse_mode]
-        self.batch_window_s = settings.batch_window_ms / 1e3
         self.max_batch_size = settings.max_batch_size
         self.max_queue = settings.max_queue
         self.metrics = metrics or Metrics()
         self.tokenizer_lock = threading.Lock()
         self._cond = threading.Condition()
-        self.policy = engine.batch_policy(self.mode)
-        self._pending: list[tuple[BatchKey, Job]] = []
-        self._keys: dict[Batch, BatchKey] = {}
+        self.scheduler = engine.scheduler(
+            self.mode,
+            max_batch_size=settings.max_batch_size,
+            batch_window_ms=settings.batch_window_ms,
+            tokenizer_lock=self.tokenizer_lock,
+        )
         self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
-        self._active: list[Batch] = []
         self._closing = False
         self._abort = False
+        self._woken = False  # something arrived (a job, a call, shutdown) since the worker last looked
         self._batch_seconds = 1.0  # moving average of a batch's wall time, from prefill to its last row
         self._thread = threading.Thread(target=self._run, name="kvboost-model-worker", daemon=True)
 
@@ -100,12 +95,12 @@ class Worker:
     @property
     def queue_depth(self) -> int:
         """Jobs waiting for admission."""
-        return len(self._pending)
+        return len(self.scheduler.pending)
 
     @property
     def running_rows(self) -> int:
         """Rows (choices) in running batches."""
-        return sum(len(batch.rows) for batch in self._active)
+        return self.scheduler.running_rows
 
     def encode(self, prompt: Prompt, *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a rendered prompt (raises ValueError on an empty or malformed prompt)."""
@@ -132,19 +127,20 @@ class Worker:
         """
         if not 1 <= job.n <= self.max_batch_size:
             raise ValueError(f"a job needs 1 to max_batch_size={self.max_batch_size} rows, got n={job.n}")
-        key = self.policy.key(job.cache_salt)
+        run = JobRun(self.engine, job, self.tokenizer_lock, self.metrics.observe_token)
         with self._cond:
             if self._closing:
                 raise ShuttingDown("server is shutting down")
-            if len(self._pending) >= self.max_queue:
-                raise Overloaded(len(self._pending), self.retry_after_s())
-            self._pending.append((key, job))
+            if self.queue_depth >= self.max_queue:
+                raise Overloaded(self.queue_depth, self.retry_after_s())
+            self.scheduler.add(run.group)
+            self._woken = True
             self._cond.notify()
 
     def retry_after_s(self) -> int:
         """Seconds until the queue has likely moved on: the waiting jobs, ``max_batch_size`` rows at a time, each
         round taking as long as a batch recently took (at least 1 s)."""
-        rounds = 1 + len(self._pending) / self.max_batch_size
+        rounds = 1 + self.queue_depth / self.max_batch_size
         return max(1, min(RETRY_AFTER_MAX_S, math.ceil(rounds * self._batch_seconds)))
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
@@ -154,6 +150,7 @@ class Worker:
             if self._closing:
                 raise ShuttingDown("server is shutting down")
             self._calls.append((fn, future))
+            self._woken = True
             self._cond.notify()
         return future
 
@@ -161,14 +158,17 @@ class Worker:
         """Refuse new jobs, let queued and running ones finish for up to ``grace_s`` seconds, cancel the rest."""
         with self._cond:
             self._closing = True
+            self._woken = True
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(grace_s)
         with self._cond:
             self._abort = True
-            for batch in self._active:  # their rows end at their next token
-                for job in batch.jobs:
-                    job.cancel.set()
+            self._woken = True
+            for batch in self.scheduler.running:  # their rows end at their next token
+                for group in batch.groups:
+                    if group.cancel is not None:
+                        group.cancel.set()
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(30.0)
@@ -180,122 +180,57 @@ class Worker:
             work = self._next_work()
             if work is None:
                 break
-            admitted, calls = work
+            output, calls = work
             for fn, future in calls:
                 if future.set_running_or_notify_cancel():
                     try:
                         future.set_result(fn())
                     except Exception as exc:  # reported to the caller, the worker goes on
                         future.set_exception(exc)
-            for batch, joining in admitted:
-                if joining is None:
-                    self._guarded(batch, batch.prefill)
-                    self._count_prompt(batch.computed_tokens, batch.jobs)
-                else:
-                    before = batch.computed_tokens
-                    self._guarded(batch, functools.partial(batch.join, joining))
-                    self._count_prompt(batch.computed_tokens - before, joining)
-            for batch in self._active:
-                if not batch.done:
-                    self._guarded(batch, batch.step)
-                if batch.done:
-                    self._batch_seconds += BATCH_SECONDS_WEIGHT * (batch.age_s - self._batch_seconds)
-            with self._cond:
-                self._active = [batch for batch in self._active if not batch.done]
-                self._keys = {batch: key for batch, key in self._keys.items() if not batch.done}
+            with self.engine.lock:  # other threads calling the engine wait for this step
+                report = self.scheduler.update_from_output(self.scheduler.execute(output))
+            self._record(report)
         logger.info("model worker stopped")
 
-    def _count_prompt(self, computed: int, jobs: Sequence[Job]) -> None:
-        self.metrics.prompt_tokens.labels("computed").inc(computed)
-        self.metrics.prompt_tokens.labels("loaded").inc(sum(job.cached_tokens * job.n for job in jobs))
+    def _record(self, report: StepReport) -> None:
+        """Metrics of one step: batch sizes, prompt tokens computed and loaded, failures, batch wall times."""
+        for result in report.results:
+            admitted = result.work.admitted
+            if result.work.new:
+                self.metrics.batch_size.observe(sum(len(group.rows) for group in admitted))
+            if admitted and result.error is None:
+                loaded = sum(group.rows[0].reuse.cached_tokens * len(group.rows) for group in admitted)
+                self.metrics.prompt_tokens.labels("computed").inc(result.computed_tokens)
+                self.metrics.prompt_tokens.labels("loaded").inc(loaded)
+            if result.error is not None:
+                self.metrics.errors.labels("worker", "500").inc()
+        for batch in report.ended:
+            self._batch_seconds += BATCH_SECONDS_WEIGHT * (batch.age_s - self._batch_seconds)
 
-    def _guarded(self, batch: Batch, action: Callable[[], None]) -> None:
-        try:
-            with self.engine.lock:  # other threads calling the engine wait for this step
-                action()
-        except Exception as exc:
-            logger.exception("batch of %d rows failed", len(batch.rows))
-            self.metrics.errors.labels("worker", "500").inc()
-            batch.fail(f"generation failed: {type(exc).__name__}: {exc}")
-
-    def _next_work(
-        self,
-    ) -> tuple[list[tuple[Batch, list[Job] | None]], list[tuple[Callable[[], Any], concurrent.futures.Future]]] | None:
-        """Wait for something to do; None once closing and idle."""
-        with self._cond:
-            while True:
+    def _next_work(self) -> tuple[SchedulerOutput, list[tuple[Callable[[], Any], concurrent.futures.Future]]] | None:
+        """Wait for something to do; None once closing and idle. The scheduler plans outside the condition lock (a
+        plan may read the store), so ``submit`` never waits for it; ``_woken`` keeps a submit made meanwhile from
+        being slept through."""
+        while True:
+            with self._cond:
                 if self._abort:
                     self._cancel_everything()
                 calls, self._calls = self._calls, []
-                admitted = self._admit(time.perf_counter())
-                if admitted or calls or self._active:
-                    self._active += [batch for batch, joining in admitted if joining is None]
-                    return admitted, calls
-                if self._closing and not self._pending:
+                self._woken = False
+                self.scheduler.drain = self._closing  # closing: admit what waits without its window
+            output = self.scheduler.schedule()
+            if output.work or calls:
+                return output, calls
+            with self._cond:
+                if self._closing and not self.scheduler.pending:  # nothing runs (no work was planned): done
                     return None
-                deadlines = [job.arrival + self.batch_window_s for _, job in self._pending]
-                timeout = max(0.0, min(deadlines) - time.perf_counter()) if deadlines else None
-                self._cond.wait(timeout)
-
-    def _admit(self, now: float) -> list[tuple[Batch, list[Job] | None]]:
-        """Pending jobs that are ready and fit, as ``(batch, None)`` for a new batch and ``(batch, jobs)`` for jobs
-        joining a running batch of the same key (at once: no batch window). Called with the lock held."""
-        self._pending = [(key, job) for key, job in self._pending if not self._dropped_if_cancelled(job)]
-        groups: dict[BatchKey, list[Job]] = {}
-        for key, job in self._pending:
-            groups.setdefault(key, []).append(job)
-        free = self.max_batch_size - self.running_rows
-        formed: list[tuple[BatchKey, Batch | None, list[Job]]] = []
-        taken: set[int] = set()
-        for key, members in groups.items():  # insertion order = oldest job first
-            running = self._joinable(key)
-            rows = sum(job.n for job in members)
-            window_over = now >= members[0].arrival + self.batch_window_s
-            ready = running is not None or rows >= self.max_batch_size or window_over
-            if not (ready or self._closing):
-                continue
-            chosen: list[Job] = []
-            for job in members:
-                if job.n > free:
-                    break
-                chosen.append(job)
-                free -= job.n
-            if chosen:
-                formed.append((key, running, chosen))
-                taken.update(id(job) for job in chosen)
-        self._pending = [(key, job) for key, job in self._pending if id(job) not in taken]
-        return [
-            (batch, jobs) if batch is not None else (self._new_batch(key, jobs), None) for key, batch, jobs in formed
-        ]
-
-    def _joinable(self, key: BatchKey) -> Batch | None:
-        """A running batch that new jobs of ``key`` may join (decoding, same namespace)."""
-        for batch in self._active:
-            if not batch.done and self._keys.get(batch) == key:
-                return batch
-        return None
-
-    def _new_batch(self, key: BatchKey, jobs: Sequence[Job]) -> Batch:
-        self.metrics.batch_size.observe(sum(job.n for job in jobs))
-        batch = Batch(self.engine, jobs, self.mode, self.tokenizer_lock, self.metrics.observe_token)
-        self._keys[batch] = key
-        return batch
-
-    @staticmethod
-    def _dropped_if_cancelled(job: Job) -> bool:
-        if job.cancel.is_set():
-            job.fail("cancelled before it started", 499)
-            return True
-        return False
+                if self._woken or self._calls:
+                    continue
+                deadline = self.scheduler.next_deadline()
+                self._cond.wait(None if deadline is None else max(0.0, deadline - time.perf_counter()))
 
     def _cancel_everything(self) -> None:
-        for _, job in self._pending:
-            job.fail("server shut down before the request started", 503)
-        self._pending = []
-        for batch in self._active:
-            batch.cancel_all()
-        self._active = []
-        self._keys = {}
+        self.scheduler.abort(ShuttingDown("server shut down before the request started"))
         for _, future in self._calls:
             future.cancel()
         self._calls = []

@@ -1,0 +1,228 @@
+"""The scheduler's contract without a model: admission (keys, windows, row budget, oldest first, joins), prefill
+plans (rows prefilled together or alone, repeated choices, shared prefixes), cancellation, failures kept to their
+batch, and the end of every batch reported once. The model runner is a recording fake; the decode loop's own
+behaviour is tested in test_decode.py and, through the engine, in test_scheduling.py."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
+from kvboost_hf.core.keys import KeySpace
+from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, PrefillWork
+from kvboost_hf.scheduling import BatchPolicy, RequestCancelled, RequestGroup, Scheduler, prefill_works
+from kvboost_hf.store.chunk_store import ChunkStore
+
+CHUNK = 4
+SPACE = KeySpace("digest", "torch.float32", ChunkingConfig(CHUNK))
+
+
+class FakeLoop:
+    """Records what it is handed; each row gets token 1 per prefill and per step (``fail_after`` steps: raises)."""
+
+    def __init__(self, on_token, fail_after: int | None = None) -> None:
+        self.on_token = on_token
+        self.fail_after = fail_after
+        self.rows: list[DecodeRow] = []
+        self.running: list[DecodeRow] = []
+        self.works: list[PrefillWork] = []
+        self.steps = 0
+        self.computed_tokens = 0
+        self.closed = False
+
+    @property
+    def done(self) -> bool:
+        return not self.running
+
+    def add(self, work: PrefillWork) -> None:
+        self.works.append(work)
+        self.rows += work.rows
+        self.computed_tokens += sum(len(row.request.prompt_ids) for row in work.rows)
+        for row in work.rows:
+            self._give(row)
+        self.running += [row for row in work.rows if not row.finished]
+
+    def step(self) -> None:
+        if self.fail_after is not None and self.steps >= self.fail_after:
+            raise RuntimeError("device lost")
+        self.steps += 1
+        for row in self.running:
+            self._give(row)
+        self.running = [row for row in self.running if not row.finished]
+
+    def _give(self, row: DecodeRow) -> None:
+        row.add(1, lambda tokens: "x" * len(tokens))
+        self.on_token(row)
+
+    def cancel_all(self) -> None:
+        for row in self.running:
+            row.cancel()
+            self.on_token(row)
+        self.running = []
+
+    def close_without_saving(self) -> None:
+        self.closed = True
+
+
+class Harness:
+    """A scheduler on fake loops, with every loop, failure and ended batch recorded."""
+
+    def __init__(self, max_rows: int = 4, window_s: float = 0.0, fail_salt: str | None = "never", store=None) -> None:
+        self.loops: list[FakeLoop] = []
+        self.failures: list[tuple[RequestGroup, BaseException]] = []
+        self.done: list[FakeLoop] = []
+        policy = BatchPolicy(store if store is not None else ChunkStore(), SPACE, "chunk_kv_reuse")
+
+        def new_loop(key, on_token):
+            self.loops.append(FakeLoop(on_token, fail_after=1 if key.cache_salt == fail_salt else None))
+            return self.loops[-1]
+
+        def on_done(loop):
+            self.done.append(loop)
+            return {"steps": loop.steps}
+
+        self.scheduler = Scheduler(policy, new_loop, max_rows=max_rows, batch_window_s=window_s, on_done=on_done)
+
+    def group(
+        self, *prompts, tokens: int = 3, salt: str | None = None, arrival: float = 0.0, starts=()
+    ) -> RequestGroup:
+        requests = [
+            DecodeRequest(prompt_ids=list(p), max_new_tokens=tokens, segment_starts=tuple(starts)) for p in prompts
+        ]
+        group = RequestGroup(
+            DecodeLoop.rows_for(requests, set()),
+            salt,
+            on_fail=lambda error: self.failures.append((group, error)),
+            cancel=threading.Event(),
+            arrival=arrival,
+        )
+        self.scheduler.add(group)
+        return group
+
+
+def test_groups_of_one_key_share_a_batch_joining_it_while_it_runs_and_tenants_get_their_own():
+    h = Harness()
+    first = h.group([1, 2, 3])
+    output = h.scheduler.schedule(now=0.0)
+    assert [(w.new, len(w.prefills)) for w in output.work] == [(True, 1)]
+    h.scheduler.update_from_output(h.scheduler.execute(output))
+    second, other = h.group([4, 5]), h.group([6], salt="tenant-b")
+    report = h.scheduler.step(now=0.0)
+    assert len(h.loops) == 2 and first.batch is second.batch is not other.batch
+    assert [w.rows for w in h.loops[0].works] == [tuple(first.rows), tuple(second.rows)]  # joined, prefilled apart
+    assert [(r.work.new, r.computed_tokens) for r in report.results] == [(False, 2), (True, 1)]
+    h.scheduler.run()
+    assert h.scheduler.idle and sorted(map(id, h.done)) == sorted(map(id, h.loops))  # each ended once
+    assert first.batch.decode_counts == {"steps": 3} and all(g.done for g in (first, second, other))
+
+
+def test_a_new_batch_waits_for_its_window_unless_full_or_drained():
+    h = Harness(max_rows=3, window_s=10.0)
+    h.group([1, 2], arrival=0.0)
+    assert h.scheduler.schedule(now=5.0).work == () and h.scheduler.next_deadline() == 10.0
+    assert len(h.scheduler.schedule(now=10.0).work) == 1
+    h = Harness(max_rows=3, window_s=10.0)
+    h.group([1], [1], [1], arrival=0.0)  # three rows fill max_rows
+    assert len(h.scheduler.schedule(now=0.0).work) == 1
+    h = Harness(max_rows=3, window_s=10.0)
+    h.group([1], arrival=0.0)
+    h.scheduler.drain = True
+    assert len(h.scheduler.schedule(now=0.0).work) == 1
+
+
+def test_rows_stay_within_max_rows_and_groups_are_admitted_oldest_first():
+    h = Harness(max_rows=3)
+    first, second, third = h.group([1], [1], tokens=3), h.group([2], [2]), h.group([3])
+    h.scheduler.step(now=0.0)
+    assert first.batch is not None and second.batch is None and third.batch is None  # second does not fit: waits,
+    assert h.scheduler.running_rows == 2  # and the younger third waits behind it
+    h.scheduler.step(now=0.0)  # first gets its third token: it finishes
+    assert second.batch is None
+    h.scheduler.step(now=0.0)
+    assert second.batch is not None and third.batch is not None and h.scheduler.running_rows == 3
+    with pytest.raises(ValueError, match="max_rows=3"):
+        h.group([1], [1], [1], [1])
+
+
+def test_a_group_cancelled_while_pending_fails_with_request_cancelled_and_never_runs():
+    h = Harness()
+    group = h.group([1, 2])
+    group.cancel.set()
+    assert h.scheduler.schedule(now=0.0).work == ()
+    assert [(g, type(e)) for g, e in h.failures] == [(group, RequestCancelled)] and not h.loops
+
+
+def test_a_failing_batch_fails_its_groups_only():
+    h = Harness(fail_salt="bad")
+    bad, good = h.group([1, 2], tokens=5, salt="bad"), h.group([3], tokens=5)
+    h.scheduler.step(now=0.0)
+    report = h.scheduler.step(now=0.0)
+    assert [type(r.error) for r in report.results] == [RuntimeError, type(None)]
+    assert [g for g, _ in h.failures] == [bad] and h.loops[0].closed and bad.batch in report.ended
+    h.scheduler.run()
+    assert good.done and not h.loops[1].closed
+
+
+def test_a_failed_prefill_plan_fails_the_admitted_groups_and_the_batch_goes_on():
+    class BrokenStore(ChunkStore):
+        def contains_many(self, keys):
+            raise ConnectionError("store unreachable")
+
+    h = Harness(store=BrokenStore())
+    running = h.group([9, 9], tokens=4)
+    h.scheduler.step(now=0.0)  # one prompt alone: no store read
+    joining = h.group([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])  # two prompts: the plan reads the store
+    h.scheduler.step(now=0.0)
+    assert [(g, type(e)) for g, e in h.failures] == [(joining, ConnectionError)] and joining.batch is None
+    h.scheduler.run()
+    assert running.done and len(h.loops[0].works) == 1
+
+
+def test_abort_fails_what_waits_and_cancels_what_runs():
+    h = Harness(max_rows=1)
+    running, waiting = h.group([1], tokens=9), h.group([2])
+    h.scheduler.step(now=0.0)
+    h.scheduler.abort(RuntimeError("shutdown"))
+    assert running.rows[0].finish_reason == "cancelled" and [g for g, _ in h.failures] == [waiting]
+    assert h.scheduler.idle and h.done == h.loops
+
+
+prompt_pool = st.lists(st.integers(0, 2), min_size=1, max_size=11)  # few tokens: prompts share prefixes often
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    prompts=st.lists(prompt_pool, min_size=1, max_size=6),
+    alone_mask=st.lists(st.booleans(), min_size=6, max_size=6),
+    reuse=st.booleans(),
+)
+def test_prefill_plans_cover_every_row_once_with_the_scheduling_rules(prompts, alone_mask, reuse):
+    """Every row is in exactly one work; the first work holds the rows prefilled together; each prompt named alone
+    gets a work of its own; a work of one prompt (and more rows) is repeated; shared prefixes are the longest
+    chunk-aligned prefixes of a group of rows starting with the same chunk."""
+    rows = DecodeLoop.rows_for([DecodeRequest(prompt_ids=p, max_new_tokens=1) for p in prompts], set())
+    named = {tuple(p) for p, alone in zip(prompts, alone_mask, strict=False) if alone}
+    works = prefill_works(rows, ChunkingConfig(CHUNK), reuse=reuse, alone=lambda ids, starts: tuple(ids) in named)
+    assert sorted(id(row) for work in works for row in work.rows) == sorted(map(id, rows))
+    distinct = {tuple(p) for p in prompts}
+    if len(distinct) > 1:
+        together = [row for row in rows if tuple(row.request.prompt_ids) not in named]
+        alone_works = works[1:] if together else works
+        assert not together or list(works[0].rows) == together
+        assert {tuple(w.rows[0].request.prompt_ids) for w in alone_works} == named & distinct
+    for work in works:
+        prompts_of = [list(row.request.prompt_ids) for row in work.rows]
+        assert work.repeat == (len(work.rows) > 1 and len({tuple(p) for p in prompts_of}) == 1)
+        assert reuse or not work.shared_prefixes
+        for prefix in work.shared_prefixes:
+            members = [p for p in prompts_of if p[:CHUNK] == prompts_of[prefix.row][:CHUNK]]
+            assert len(members) > 1 and len(prefix.tokens) % CHUNK == 0
+            assert all(p[: len(prefix.tokens)] == list(prefix.tokens) for p in members)
+            end = len(prefix.tokens) + CHUNK
+            spans_left = [span for span in chunk_spans(members[0], ChunkingConfig(CHUNK)) if span[1] == end]
+            longer = spans_left and all(len(p) > end and p[:end] == members[0][:end] for p in members)
+            assert not longer, "the prefix is the longest the group shares"
