@@ -180,7 +180,7 @@ class RequestGroup:
     with the error when the group cannot run (cancelled before it started, its batch failed, shutdown); neither
     may block. ``cancel``: when set before admission the group is dropped (:class:`RequestCancelled`); its rows'
     requests usually share it, ending them after their current token. ``arrival`` and ``admitted_at`` are
-    ``time.perf_counter()`` values. ``cached_tokens`` is set at admission: the prompt tokens its first row loaded.
+    ``time.perf_counter()`` values; ``batch`` is the batch it was admitted to (None while pending).
     """
 
     rows: list[DecodeRow]
