@@ -93,3 +93,50 @@ def test_token_id_prompts_are_checked_against_the_vocabulary(engine):
     assert engine.encode([5, 6, 7]) == [5, 6, 7]
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         engine.encode([5, 100000])
+
+
+def test_a_job_submitted_while_the_scheduler_reads_the_store_is_queued_at_once(engine, monkeypatch):
+    """The worker plans prefills (which may read a remote store) outside the lock ``submit`` takes: with the store's
+    read stalled mid-plan, another job is still accepted at once, and every job finishes once the read returns."""
+    import threading
+    import time
+
+    from kvboost_hf.server.batching import Done, Job, JobParams
+    from kvboost_hf.server.settings import ServerConfig
+    from kvboost_hf.server.worker import Worker
+
+    reading, release = threading.Event(), threading.Event()
+    contains_many = engine.store.contains_many
+
+    def stalled(keys):
+        reading.set()
+        assert release.wait(30), "the test releases the read"
+        return contains_many(keys)
+
+    monkeypatch.setattr(engine.store, "contains_many", stalled)
+    worker = Worker(engine, ServerConfig(reuse_mode="chunk", batch_window_ms=0, max_batch_size=4))
+    finished: list[int] = []
+    jobs = [
+        Job(
+            engine.encode(words(70 + i, 20)),
+            JobParams(max_tokens=2),
+            lambda e, i=i: finished.append(i) if isinstance(e, Done) else None,
+        )
+        for i in range(3)
+    ]
+    worker.submit(jobs[0])
+    worker.submit(jobs[1])  # two prompts admitted together: the plan asks the store which to prefill alone
+    worker.start()
+    try:
+        assert reading.wait(30)
+        started = time.perf_counter()
+        worker.submit(jobs[2])
+        assert time.perf_counter() - started < 1.0 and worker.queue_depth == 1
+        release.set()
+        deadline = time.monotonic() + 60
+        while len(finished) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(finished) == [0, 1, 2]
+    finally:
+        release.set()
+        worker.shutdown(grace_s=5)
