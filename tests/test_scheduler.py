@@ -10,6 +10,7 @@ import threading
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.keys import KeySpace
@@ -226,3 +227,55 @@ def test_prefill_plans_cover_every_row_once_with_the_scheduling_rules(prompts, a
             spans_left = [span for span in chunk_spans(members[0], ChunkingConfig(CHUNK)) if span[1] == end]
             longer = spans_left and all(len(p) > end and p[:end] == members[0][:end] for p in members)
             assert not longer, "the prefix is the longest the group shares"
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random queues, steps, cancellations and failing batches: every group ends exactly once (finished or failed),
+    rows never exceed ``max_rows``, a group runs in one batch only, and every batch's end is reported once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = Harness(max_rows=4, window_s=0.0, fail_salt="bad")
+        self.groups: list[RequestGroup] = []
+        self.now = 0.0
+
+    @rule(
+        rows=st.integers(1, 3),
+        tokens=st.integers(1, 4),
+        salt=st.sampled_from([None, "tenant-b", "bad"]),
+        prompt=st.lists(st.integers(0, 3), min_size=1, max_size=9),
+    )
+    def add(self, rows, tokens, salt, prompt):
+        self.groups.append(self.h.group(*[prompt] * rows, tokens=tokens, salt=salt, arrival=self.now))
+
+    @rule()
+    def step(self):
+        self.now += 1.0
+        self.h.scheduler.step(now=self.now)
+
+    @rule(index=st.integers(0, 50))
+    def cancel(self, index):
+        if self.groups:
+            self.groups[index % len(self.groups)].cancel.set()
+
+    @invariant()
+    def rows_within_budget_and_one_batch_per_group(self):
+        scheduler = self.h.scheduler
+        assert scheduler.running_rows <= scheduler.max_rows
+        owners = [id(group) for batch in scheduler.running for group in batch.groups]
+        assert len(owners) == len(set(owners))
+        pending = {id(group) for group in scheduler.pending}
+        assert not pending & set(owners)
+
+    def teardown(self):
+        self.h.scheduler.run()
+        failed = [id(group) for group, _ in self.h.failures]
+        assert len(failed) == len(set(failed)), "a group failed twice"
+        for group in self.groups:
+            assert group.done != (id(group) in failed), "a group ends exactly once: finished or failed"
+        ended = [id(loop) for loop in self.h.done]
+        assert sorted(ended) == sorted(id(loop) for loop in self.h.loops), "every batch's end reported once"
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+test_scheduler_state_machine = SchedulerMachine.TestCase
