@@ -43,6 +43,9 @@ def test_logit_bias_min_tokens_and_stop_ids():
     assert out[EOS] == 1.0 and out[2] == 1.0
     assert params.end_token_ids({EOS}) == {EOS, 2}
     assert SamplingConfig(ignore_eos=True, stop_token_ids=(2,)).end_token_ids({EOS}) == {2}
+    ignoring = SamplingConfig(min_tokens=2, stop_token_ids=(2,), ignore_eos=True)  # EOS is no end: not banned
+    out = process(ignoring, [1], [3], [1.0, 1.0, 1.0, 1.0])
+    assert out[EOS] == 1.0 and out[2] == -float("inf")
 
 
 def test_warpers_restrict_the_draw():

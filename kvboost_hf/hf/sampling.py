@@ -40,7 +40,8 @@ class SamplingConfig:
     ``repetition_penalty`` > 1 divides positive (multiplies negative) logits of tokens seen in prompt or output;
     ``logit_bias`` pairs ``(token id, bias)`` are added to the logits; ``min_tokens`` bans the end tokens (EOS and
     ``stop_token_ids``) until that many tokens exist; ``stop_token_ids`` end the row like EOS; with ``ignore_eos``
-    EOS does not end it; ``seed`` seeds the row's generator (None = random).
+    EOS neither ends the row nor is banned by ``min_tokens`` (vLLM's semantics; transformers' ``min_new_tokens``
+    bans what its ``eos_token_id`` names); ``seed`` seeds the row's generator (None = random).
     """
 
     temperature: float = 1.0
@@ -100,7 +101,7 @@ def build_processors(
     if params.presence_penalty or params.frequency_penalty:
         processors.append(PresenceFrequencyPenalty(params.presence_penalty, params.frequency_penalty, prompt_length))
     if params.min_tokens > 0:
-        ends = sorted(set(params.stop_token_ids) | set(eos_token_ids))
+        ends = sorted(params.end_token_ids(eos_token_ids))  # EOS is an ordinary token with ignore_eos: not banned
         processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, params.min_tokens, ends))
     processors.extend(constraints)
     if not params.greedy:
