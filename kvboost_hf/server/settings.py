@@ -24,7 +24,7 @@ class ServerConfig:
         model_name: the model id clients send and responses carry.
         api_key: required Bearer key (None: no authentication).
         reuse_mode: a key of ``REUSE_MODES`` (off, prefix, chunk).
-        batch_window_ms: how long a request may wait for others sharing its prefix (ms).
+        batch_window_ms: how long a tenant's oldest waiting request waits for others before a new batch forms (ms).
         max_batch_size: rows generated at once.
         max_queue: requests waiting before 429.
         default_max_tokens: budget when a request names none.
