@@ -540,7 +540,7 @@ class InferenceEngine:
         if errors:
             raise errors[0]
         mode = GenerationMode(mode)
-        first_admission = min(group.admitted_at or started for group in groups)
+        first_admission = min((group.admitted_at or started for group in groups), default=started)
         starts = [started if group.admitted_at == first_admission else group.admitted_at or started for group in groups]
         return [self._result(group, mode, start) for group, start in zip(groups, starts, strict=True)]
 

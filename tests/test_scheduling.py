@@ -140,3 +140,9 @@ def test_a_job_submitted_while_the_scheduler_reads_the_store_is_queued_at_once(e
     finally:
         release.set()
         worker.shutdown(grace_s=5)
+
+
+def test_generate_many_of_no_prompts_is_empty_and_generate_batch_refuses_them(engine):
+    assert engine.generate_many([]) == []
+    with pytest.raises(ValueError, match="prompts is empty"):
+        engine.generate_batch([])

@@ -80,8 +80,8 @@ class DecodeRequest:
         keep_first_logits: keep the first step's raw logits (fp32, CPU) in :attr:`DecodeRow.first_logits`.
         segment_starts: token offsets in ``prompt_ids`` where its segments (documents, a question) start: the row's
             cache is built with them (each starts a chunk; stored documents hit by content key at any position).
-            A row with segment starts is prefilled in a cache of its own prompt (see ``DecodeLoop``'s
-            ``prefill_alone``), then decodes with the other rows.
+            With reuse on, a row with segment starts is prefilled in a cache of its own prompt (the scheduler's
+            :class:`PrefillWork` of it), then decodes with the other rows.
     """
 
     prompt_ids: Sequence[int]
