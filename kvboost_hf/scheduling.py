@@ -232,6 +232,15 @@ class RunningBatch:
             group.batch = None
             group.on_fail(error)
 
+    def fail(self, error: BaseException) -> None:
+        """Report ``error`` to every group of this batch still running and drop its rows and caches unsaved (they may
+        be inconsistent after a failed forward)."""
+        for group in self.groups:
+            if not group.done:
+                group.on_fail(error)
+        self.loop.running = []
+        self.loop.close_without_saving()
+
     @property
     def rows(self) -> list[DecodeRow]:
         """The rows still running."""
@@ -388,7 +397,7 @@ class Scheduler:
                     loop.step()
             except Exception as error:
                 logger.exception("batch of %d rows failed", len(loop.running))
-                self._fail(work.batch, error)
+                work.batch.fail(error)
                 results.append(BatchResult(work, loop.computed_tokens - before, error))
                 continue
             results.append(BatchResult(work, loop.computed_tokens - before))
@@ -449,7 +458,7 @@ class Scheduler:
         free = self.max_rows - self.running_rows
         formed = []
         for key, members in by_key.items():
-            running = self._joinable(key)
+            running = next((batch for batch in self.running if not batch.done and batch.key == key), None)
             window_over = now >= members[0].arrival + self.batch_window_s
             ready = running is not None or sum(len(g.rows) for g in members) >= self.max_rows or window_over
             if not (ready or self.drain):
@@ -463,15 +472,3 @@ class Scheduler:
             if chosen:
                 formed.append((key, running, chosen))
         return formed
-
-    def _joinable(self, key: BatchKey) -> RunningBatch | None:
-        """A running batch that new groups of ``key`` may join (decoding, same namespace)."""
-        return next((batch for batch in self.running if not batch.done and batch.key == key), None)
-
-    def _fail(self, batch: RunningBatch, error: BaseException) -> None:
-        """Report ``error`` to every group of ``batch`` still running and drop its rows and caches."""
-        for group in batch.groups:
-            if not group.done:
-                group.on_fail(error)
-        batch.loop.running = []
-        batch.loop.close_without_saving()
