@@ -436,9 +436,8 @@ class InferenceEngine:
         started = time.perf_counter()
         if not prompts:
             raise ValueError("prompts is empty")
-        encoded = [self.encode_segments(prompt) for prompt in prompts]
         sampling = sampling_params(sampling, temperature=temperature, do_sample=do_sample, top_p=top_p, seed=seed)
-        rows = self._rows(encoded, max_new_tokens, sampling, stop, cancel=cancel, logprobs=logprobs)
+        rows = self._rows(prompts, max_new_tokens, sampling, stop, cancel=cancel, logprobs=logprobs)
         scheduler = self.scheduler(mode, max_batch_size=len(rows), repair=repair)
         return self._run(scheduler, rows, range(len(rows)), mode, cache_salt, on_token, started)
 
@@ -468,16 +467,15 @@ class InferenceEngine:
         ones. Options are :meth:`generate_batch`'s; input order is kept. A row's TTFT is measured from the call for
         the rows admitted first, from its admission for a row admitted later."""
         started = time.perf_counter()
-        encoded = [self.encode_segments(prompt) for prompt in prompts]
         sampling = sampling_params(sampling, temperature=temperature, do_sample=do_sample, top_p=top_p, seed=seed)
-        rows = self._rows(encoded, max_new_tokens, sampling, stop, cancel=cancel, logprobs=logprobs)
-        order = sorted(range(len(rows)), key=lambda index: len(encoded[index][0]))
+        rows = self._rows(prompts, max_new_tokens, sampling, stop, cancel=cancel, logprobs=logprobs)
+        order = sorted(range(len(rows)), key=lambda index: len(rows[index].request.prompt_ids))
         scheduler = self.scheduler(mode, max_batch_size=max_batch_size, repair=repair)
         return self._run(scheduler, rows, order, mode, cache_salt, on_token, started)
 
     def _rows(
         self,
-        encoded: Sequence[tuple[list[int], list[int]]],
+        prompts: Sequence[Prompt],
         max_new_tokens: int,
         sampling: SamplingConfig,
         stop: str | Sequence[str] | None,
@@ -485,7 +483,8 @@ class InferenceEngine:
         cancel: threading.Event | None,
         logprobs: int | None,
     ) -> list[DecodeRow]:
-        """One decode row per encoded prompt ``(token ids, segment starts)`` with the call's settings."""
+        """One decode row per prompt (tokenized with its segment starts) with the call's settings."""
+        encoded = [self.encode_segments(prompt) for prompt in prompts]
         for ids, _ in encoded:
             self._check_length(len(ids), max_new_tokens)
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())

@@ -124,24 +124,33 @@ def prefill_works(
     prompt are one repeated prefill; with ``reuse`` (chunk-reuse caches) a work's rows with different prompts get
     their shared prefixes, and a work of one segment setting its segment starts. ``alone`` is asked once per
     distinct prompt, and not at all when the rows are one prompt."""
-    settings = list(dict.fromkeys(row.request.prefill_setting for row in rows))
+    keys = [row.request.prefill_setting for row in rows]  # tuples of the whole prompt: built once per row
+    settings = list(dict.fromkeys(keys))
     if len(settings) == 1:
-        return [prefill_work(rows, chunking, reuse=reuse)]
+        return [prefill_work(rows, chunking, reuse=reuse, settings=settings)]
     verdicts = {setting: alone(*setting) for setting in settings}
-    together = [row for row in rows if not verdicts[row.request.prefill_setting]]
+    together = [row for row, key in zip(rows, keys, strict=True) if not verdicts[key]]
     works = [prefill_work(together, chunking, reuse=reuse)] if together else []
     for setting in settings:
         if verdicts[setting]:
-            members = [row for row in rows if row.request.prefill_setting == setting]
-            works.append(prefill_work(members, chunking, reuse=reuse))
+            members = [row for row, key in zip(rows, keys, strict=True) if key == setting]
+            works.append(prefill_work(members, chunking, reuse=reuse, settings=[setting]))
     return works
 
 
-def prefill_work(rows: Sequence[DecodeRow], chunking: ChunkingConfig, *, reuse: bool) -> PrefillWork:
+def prefill_work(
+    rows: Sequence[DecodeRow],
+    chunking: ChunkingConfig,
+    *,
+    reuse: bool,
+    settings: Sequence[tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+) -> PrefillWork:
     """One prefill of ``rows``: repeated when they are one prompt; else, with ``reuse``, with their shared prefixes
-    (none for rows with segment starts: shared prefixes are chunked without them)."""
-    settings = {row.request.prefill_setting for row in rows}
-    starts = next(iter(settings))[1] if reuse and len(settings) == 1 else ()
+    (none for rows with segment starts: shared prefixes are chunked without them). ``settings``: the rows' distinct
+    prefill settings when the caller has them."""
+    if settings is None:
+        settings = list({row.request.prefill_setting for row in rows})
+    starts = settings[0][1] if reuse and len(settings) == 1 else ()
     if len(settings) == 1 and len(rows) > 1:
         return PrefillWork(tuple(rows), segment_starts=starts, repeat=True)
     plain = reuse and not any(row.request.segment_starts for row in rows)

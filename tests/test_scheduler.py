@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.keys import KeySpace
-from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, PrefillWork
+from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, PrefillWork, SharedPrefix
 from kvboost_hf.scheduling import BatchPolicy, RequestCancelled, RequestGroup, Scheduler, prefill_works
 from kvboost_hf.store.chunk_store import ChunkStore
 
@@ -279,3 +279,16 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 SchedulerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+def test_a_prefill_work_checks_its_invariants():
+    rows = DecodeLoop.rows_for(
+        [DecodeRequest(prompt_ids=p, max_new_tokens=1) for p in ([1, 2, 3, 4], (1, 2, 3, 4), [1, 2, 9])], set()
+    )
+    assert PrefillWork(tuple(rows[:2]), repeat=True).repeat  # one prompt, whatever sequence type holds it
+    with pytest.raises(ValueError, match="repeat needs rows of one prompt"):
+        PrefillWork(tuple(rows), repeat=True)
+    with pytest.raises(ValueError, match="not row 2's prefix"):
+        PrefillWork(tuple(rows), shared_prefixes=(SharedPrefix((1, 2, 3, 4), 2),))
+    with pytest.raises(ValueError, match="at least one row"):
+        PrefillWork(())

@@ -269,11 +269,10 @@ class PrefillWork:
     def __post_init__(self) -> None:
         if not self.rows:
             raise ValueError("a prefill work needs at least one row")
-        prompts = [tuple(row.request.prompt_ids) for row in self.rows]
-        if self.repeat and (len(set(prompts)) > 1 or self.shared_prefixes):
+        if self.repeat and (self.shared_prefixes or len({row.request.prefill_setting[0] for row in self.rows}) > 1):
             raise ValueError("repeat needs rows of one prompt and no shared prefixes")
         for prefix in self.shared_prefixes:
-            if prompts[prefix.row][: len(prefix.tokens)] != prefix.tokens:
+            if tuple(self.rows[prefix.row].request.prompt_ids[: len(prefix.tokens)]) != prefix.tokens:
                 raise ValueError(f"shared prefix of {len(prefix.tokens)} tokens is not row {prefix.row}'s prefix")
 
 
