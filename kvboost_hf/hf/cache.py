@@ -74,6 +74,13 @@ class ChunkReuseCache(Cache):
         adapter: install the hooks that let ``model.generate(past_key_values=cache)`` and ``model(...)`` drive
             this cache (:mod:`kvboost_hf.hf.hooks`; once per model). Not needed when forwards are driven explicitly
             (:func:`kvboost_hf.hf.prefill.forward`, as the decode loop does).
+        max_cache_len: static mode (tokens, padding included): every layer holds ``[B, H_kv, max_cache_len, D]``
+            buffers at a fixed address and its length in a device tensor, so a decode step has the same shapes at
+            every length and the cache is ``is_compileable``: ``model.generate`` then compiles its decode forward
+            as it does with ``StaticCache`` (on CUDA, or wherever a ``CompileConfig`` allows), and
+            ``torch.compile(model.forward, fullgraph=True)`` traces a decode step once (:mod:`kvboost_hf.hf.layers`).
+            More tokens than that raise :class:`~kvboost_hf.hf.layers.CacheCapacityError`. None (the default):
+            buffers grow as needed.
     """
 
     layers: list[ChunkReuseLayer]  # built by cache_layers()
@@ -90,8 +97,10 @@ class ChunkReuseCache(Cache):
         segment_starts: list[int] | tuple[int, ...] = (),
         write_back: bool = True,
         adapter: bool = True,
+        max_cache_len: int | None = None,
     ) -> None:
-        super().__init__(layers=cache_layers(model))
+        super().__init__(layers=cache_layers(model, max_cache_len))
+        self.max_cache_len = max_cache_len
         self.store = store
         self.model = model
         self.mode = GenerationMode(mode)
@@ -131,6 +140,14 @@ class ChunkReuseCache(Cache):
             install_hooks(model)
 
     # ------------------------------------------------------------------ state
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns layer ``layer_idx`` holds (a device tensor inside a compiled static-mode forward); eagerly, every
+        layer's host length first catches up with its static updates (:meth:`ChunkReuseLayer.settle`)."""
+        if not torch.compiler.is_compiling():
+            for layer in self.layers:
+                layer.settle()
+        return super().get_seq_length(layer_idx)
+
     @property
     def num_columns(self) -> int:
         """Columns (token positions, padding included) recorded; equals every layer's length while reuse is on."""
@@ -289,10 +306,10 @@ class ChunkReuseCache(Cache):
         self._check_consistent()
 
     def _check_consistent(self) -> None:
-        if self.layers[0].get_seq_length() != self.num_columns:
+        if self.get_seq_length() != self.num_columns:
             self.reuse_enabled = False
             raise RuntimeError(
-                f"ChunkReuseCache is inconsistent: layers hold {self.layers[0].get_seq_length()} positions but "
+                f"ChunkReuseCache is inconsistent: layers hold {self.get_seq_length()} positions but "
                 f"{self.num_columns} tokens were fed; was the cache shared between two forwards?"
             )
 
