@@ -219,12 +219,14 @@ class ChunkReuseCache(Cache):
                 "cached conversation. Use a fresh ChunkReuseCache (or the same one only to continue a conversation)."
             )
 
-    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-        """First forward of this cache: learn the batch layout (left padding) from ``attention_mask``."""
+    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | dict | None) -> None:
+        """First forward of this cache: learn the batch layout (left padding) from ``attention_mask`` (2D, or the
+        prepared 4D mask of a compiled ``generate()``: :func:`prompt_padding_mask`)."""
         batch = input_ids.shape[0]
         self.tokens = torch.empty(batch, 0, dtype=torch.long, device="cpu")
         self.ledgers = [ChunkLedger(segment_starts=self.segment_starts) for _ in range(batch)]
         self.pads = [0] * batch
+        attention_mask = prompt_padding_mask(attention_mask, input_ids.shape[1])
         if attention_mask is None:
             return
         if attention_mask.dim() != 2:
@@ -423,6 +425,23 @@ class ChunkReuseCache(Cache):
         self.tokens = self.tokens[rows]
         self.pads = [self.pads[r] for r in rows]
         self.ledgers = [self.ledgers[r].copy() for r in rows]
+
+
+def prompt_padding_mask(mask: torch.Tensor | dict | None, prompt_length: int) -> torch.Tensor | None:
+    """The 2D padding mask (batch x columns, 1 = attended) of a first forward's ``mask``, when that is the prepared
+    4D mask ``generate()`` builds for a compileable cache (``[B, 1, prompt_length, kv]``, bool or additive float,
+    or a dict of them per layer type, None where transformers leaves the mask to SDPA's causal flag): column ``j``
+    is padding exactly when query ``j`` may not attend to itself. Any other mask is returned as is."""
+    if isinstance(mask, dict):
+        prepared = [each for each in mask.values() if isinstance(each, torch.Tensor)]
+        if not prepared:
+            return None  # plain causal everywhere: no padding
+        mask = prepared[0]
+    if mask is None or mask.dim() != 4 or mask.shape[-2] != prompt_length or mask.shape[-1] < prompt_length:
+        return mask
+    diagonal = mask[:, 0].diagonal(dim1=-2, dim2=-1)  # [B, prompt_length]: query j on column j
+    attended = diagonal if diagonal.dtype == torch.bool else diagonal == 0
+    return attended.long()
 
 
 def prepend_zeros(tensor: torch.Tensor, columns: int, dim: int = 1) -> torch.Tensor:

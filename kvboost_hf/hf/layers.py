@@ -203,16 +203,17 @@ class ChunkReuseLayer(DynamicLayer):
             and buffer.shape == (batch, heads, self.capacity, dim)
             and (buffer.dtype, buffer.device) == (tensor.dtype, tensor.device)
         )
-        if not fits:
-            buffer = tensor.new_zeros(batch, heads, self.capacity, dim)
-            self._mark_static(buffer)
+        with torch.inference_mode(False):  # ordinary tensors: crops and joins write them outside inference mode
+            if not fits:
+                buffer = tensor.new_zeros(batch, heads, self.capacity, dim)
+                self._mark_static(buffer)
+            if self._device_length is None or self._device_length.device != tensor.device:
+                self._device_length = torch.zeros((), dtype=torch.long, device=tensor.device)
+                self._mark_static(self._device_length)
         assert buffer is not None
         if tensor.data_ptr() != buffer.data_ptr() or tensor.stride() != buffer.stride():
             held = buffer[:, :, :columns]
             held.copy_(tensor.clone() if _shares_storage(tensor, buffer) else tensor)
-        if self._device_length is None or self._device_length.device != buffer.device:
-            self._device_length = torch.zeros((), dtype=torch.long, device=buffer.device)
-            self._mark_static(self._device_length)
         self.owned = True
         return buffer
 
