@@ -41,19 +41,19 @@ def decode(model, cache, prompt: torch.Tensor, steps: int, step_forward) -> list
     out = forward(model, cache, input_ids=prompt, attention_mask=torch.ones_like(prompt), logits_to_keep=1)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     tokens = [int(token)]
-    mask = torch.ones(1, CAPACITY, dtype=torch.long)
+    mask = torch.ones(1, CAPACITY, dtype=torch.long, device=prompt.device)
     for step in range(steps):
         with torch.inference_mode():
             out = step_forward(
                 input_ids=token,
-                position_ids=torch.tensor([[prompt.shape[1] + step]]),
+                position_ids=torch.tensor([[prompt.shape[1] + step]], device=prompt.device),
                 attention_mask=mask,
                 use_cache=True,
                 logits_to_keep=1,
                 **{CACHE_ARGUMENT: cache},
             )
+        token = out.logits[:, -1].argmax(-1, keepdim=True).clone()  # a CUDA graph's output is overwritten next step
         cache.record(token)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(int(token))
     cache.save()  # write-back, as generate()'s adapter does at the end
     return tokens
@@ -220,3 +220,40 @@ def test_prompt_padding_mask_reads_left_padding_from_prepared_masks():
     assert prompt_padding_mask({"full_attention": None}, 4) is None
     two_d = torch.ones(2, 4)
     assert prompt_padding_mask(two_d, 4) is two_d
+
+
+NO_CUDA = not torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NO_CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_cuda_graphed_decode_gives_generates_tokens_in_fp32(arch):
+    """``torch.compile(mode="reduce-overhead")``: the decode step captured as a CUDA graph once, replayed at every
+    length; fp32 greedy tokens equal transformers' eager ``generate()``."""
+    model = make_tiny_model(arch).to("cuda")
+    ids = prompt().to("cuda")
+    expected = reference(model, ids[0].tolist(), STEPS + 1).tokens
+    torch._dynamo.reset()
+    counters.clear()
+    graphed = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert decode(model, static_cache(model, adapter=False), ids, STEPS, graphed) == expected
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NO_CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_generate_on_cuda_compiles_by_itself_with_a_static_cache_and_stays_exact():
+    """On CUDA ``generate()`` compiles its decode forward for a compileable cache with its default
+    ``CompileConfig`` (inductor, reduce-overhead: CUDA graphs), as it does for ``StaticCache``."""
+    model = make_tiny_model("llama").to("cuda")
+    ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(5)).to("cuda")
+    expected = greedy(model, ids, new=10)[0]
+    store = ChunkStore(StoreConfig(1 << 26))
+    torch._dynamo.reset()
+    counters.clear()
+    for attempt in range(2):
+        got = greedy(model, ids, static_cache(model, store), new=10)[0]
+        assert torch.equal(got, expected), f"attempt {attempt}"
+    assert counters["stats"]["unique_graphs"] >= 1

@@ -221,7 +221,8 @@ def report(result: dict[str, Any]) -> str:
     lines = [
         f"decode on {result['machine']['device']} ({result['dtype']}), read bandwidth "
         f"{result['read_bandwidth_gbps']:.0f} GB/s",
-        f"{'shape':<14}{'batch':>6}{'arm':>10}{'tok/s':>10}{'bound':>10}{'share':>8}{'step ms':>9}{'host ms':>9}{'=':>3}",
+        f"{'shape':<14}{'batch':>6}{'arm':>10}{'tok/s':>10}{'bound':>10}{'share':>8}{'step ms':>9}"
+        f"{'host ms':>9}{'=':>3}",
     ]
     for row in result["rows"]:
         for arm, figures in row["arms"].items():

@@ -45,7 +45,7 @@ from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.blend import LayerFilter, scatter_into
 from kvboost_hf.hf.context_attention import ADJUSTMENT_KWARG, ContextAdjustment
 from kvboost_hf.hf.hooks import install_hooks
-from kvboost_hf.hf.layers import ChunkReuseLayer, ChunkReuseSlidingLayer, cache_layers
+from kvboost_hf.hf.layers import CacheCapacityError, ChunkReuseLayer, ChunkReuseSlidingLayer, cache_layers
 from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.prefill import ChunkPrefiller, PendingForward, RowReuse
 from kvboost_hf.reuse.plan import ChunkLedger
@@ -147,6 +147,16 @@ class ChunkReuseCache(Cache):
             for layer in self.layers:
                 layer.settle()
         return super().get_seq_length(layer_idx)
+
+    def ensure_room(self, new_tokens: int) -> None:
+        """Raise :class:`~kvboost_hf.hf.layers.CacheCapacityError` before a forward of ``new_tokens`` that a
+        static-mode cache cannot hold (a compiled forward writes without checking; this check is eager)."""
+        held = self.get_seq_length()
+        if self.max_cache_len is not None and held + new_tokens > self.max_cache_len:
+            raise CacheCapacityError(
+                f"the cache holds {held} tokens and cannot take {new_tokens} more: its max_cache_len is "
+                f"{self.max_cache_len}; build the ChunkReuseCache with a larger max_cache_len"
+            )
 
     @property
     def num_columns(self) -> int:

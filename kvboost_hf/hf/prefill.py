@@ -327,6 +327,8 @@ def prepare_forward(cache: Any, kwargs: dict[str, Any], *, report: bool = True) 
 def _load_for_forward(cache: Any, kwargs: dict[str, Any], report: bool) -> dict[str, Any]:
     """:func:`prepare_forward` without the attention arguments."""
     fed = kwargs.get("input_ids")
+    if fed is not None:
+        cache.ensure_room(fed.shape[1])
     if fed is None or cache.expects_sparse_forward or not cache.reuse_enabled:
         return kwargs
     keep = kwargs.get("logits_to_keep", 0)
