@@ -14,7 +14,7 @@ def test_dry_run_decode_step_measures_every_arm_against_its_bound(tmp_path):
     assert entry["status"] == "passed", entry["log_tail"]
     result = entry["results"]["decode.json"]
     assert result["dtype"] == "float32" and result["read_bandwidth_gbps"] > 0
-    assert [(row["shape"], row["batch"]) for row in result["rows"]] == [("tiny", 1), ("tiny", 2)]
+    assert [(row["shape"], row["batch"]) for row in result["rows"]] == [("tiny", 1), ("tiny", 3)]
     for row in result["rows"]:
         assert row["bound_tok_s"] > 0 and row["step_bytes"] > row["weight_bytes"] > 0
         assert set(row["arms"]) == set(decode.ARMS)
@@ -22,7 +22,10 @@ def test_dry_run_decode_step_measures_every_arm_against_its_bound(tmp_path):
             assert figures["tok_per_s"] > 0 and figures["share_of_bound"] > 0
             assert figures["step_ms"] >= figures["host_outside_forward_ms"] > 0
             assert figures["tokens_agree"]  # fp32: the static and compiled arms give the eager tokens
-        assert row["arms"]["compiled"]["capacity_tokens"] == 16 + 1 + 3
+        compiled = row["arms"]["compiled"]
+        assert compiled["capacity_tokens"] == 16 + 1 + 3 and compiled["graphed_steps"] == 1 + 3
+        assert compiled["rows_run"] == {1: 1, 3: 4}[row["batch"]]  # 3 rows padded up to the bucket of 4
+        assert row["arms"]["eager"]["graphed_steps"] == row["arms"]["static"]["graphed_steps"] == 0
 
 
 def test_decode_bound_counts_the_weights_read_and_the_context_kv():

@@ -7,13 +7,16 @@ and batch size (``--batches``, default 1, 8, 32), every row is prefilled with ``
 * ``eager``: the default :class:`~kvboost_hf.hf.cache.ChunkReuseCache` (growing buffers), ``model.forward``
   called eagerly, as the engine runs today;
 * ``static``: the same cache in static mode (``max_cache_len``), eagerly: what the capacity-wide attention costs;
-* ``compiled``: the static cache under ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True,
-  dynamic=False)``: on CUDA the decode step is captured as a CUDA graph and replayed (``--compile-backend``
-  picks another backend; on a CPU the default is ``eager``, which traces and checks without code generation).
+* ``compiled``: the static cache stepped by :class:`~kvboost_hf.hf.graphs.GraphedDecoder`:
+  ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True, dynamic=False)``, so on CUDA the decode
+  step is captured as a CUDA graph and replayed; the batch is padded up to its rows bucket (padded rows are not
+  counted in tok/s). ``--compile-backend`` picks another backend; on a CPU the default is ``eager``, which traces
+  and checks without code generation.
 
 Each step is what a decode loop does: one forward of one token per row (``logits_to_keep=1``), the greedy token
 taken on the device, the cache's ``record`` (its host bookkeeping). Reported per arm, as medians over the timed
-steps: tokens/s, ms per step, ms of the forward (wall time to its end, the device synchronised after it) and
+steps: tokens/s, ms per step, ms of the forward (its mask built, wall time to its end, the device synchronised
+after it) and
 **host ms per step outside the forward** (the rest of the step); and beside each figure its bound: bytes read per
 step (the weights a forward reads, i.e. all parameters but an untied input embedding, plus every layer's K/V of
 the context, ``2 * layers * batch * kv_heads * tokens * head_dim`` elements) at the device's read bandwidth
@@ -30,7 +33,6 @@ import argparse
 import gc
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,8 @@ from transformers import PreTrainedModel
 from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
 from kvboost_hf.bench.shapes import SHAPES, random_model
 from kvboost_hf.hf.cache import ChunkReuseCache
-from kvboost_hf.hf.models import CACHE_ARGUMENT, resolve_device
+from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, pad_rows
+from kvboost_hf.hf.models import resolve_device
 from kvboost_hf.hf.prefill import forward
 from kvboost_hf.store.chunk_store import ChunkStore
 from kvboost_hf.store.config import StoreConfig
@@ -109,54 +112,42 @@ def kv_bytes(model: PreTrainedModel, rows: int, tokens: float) -> float:
     return 2 * config.num_hidden_layers * rows * config.num_key_value_heads * tokens * head_dim * element
 
 
-def decode_arm(
-    model: PreTrainedModel, arm: str, prompt: torch.Tensor, warmup: int, steps: int, backend: str
-) -> dict[str, Any]:
-    """Prefill ``prompt`` (rows x context) through a fresh cache of ``arm``, run ``warmup`` then ``steps`` greedy
-    decode steps; the timed steps' figures (ms per step, forward, host outside it) and the greedy tokens."""
-    device = prompt.device
+def decode_arm(model: PreTrainedModel, arm: str, prompt: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
+    """Prefill ``prompt`` (rows x context) through a fresh cache of ``arm``, run ``args.warmup`` then
+    ``args.steps`` greedy decode steps (:class:`~kvboost_hf.hf.graphs.GraphedDecoder`: graphed in the ``compiled``
+    arm, the batch padded up to its rows bucket); the timed steps' figures and the real rows' greedy tokens."""
     rows, context = prompt.shape
-    capacity = context + warmup + steps
-    static = arm != "eager"
-    store = ChunkStore(StoreConfig(1 << 20))
+    capacity = context + args.warmup + args.steps
+    decoder = GraphedDecoder(model, GraphConfig(enabled=arm == "compiled", backend=args.compile_backend))
+    padded = pad_rows(prompt, decoder.rows_for(rows))
     cache = ChunkReuseCache(
-        store, model, mode="baseline", write_back=False, adapter=False, max_cache_len=capacity if static else None
+        ChunkStore(StoreConfig(1 << 20)),
+        model,
+        mode="baseline",
+        write_back=False,
+        adapter=False,
+        max_cache_len=None if arm == "eager" else capacity,
     )
-    step_forward: Callable[..., Any] = model.forward
-    if arm == "compiled":
-        torch._dynamo.reset()
-        mode = "reduce-overhead" if backend == "inductor" and device.type == "cuda" else None
-        step_forward = torch.compile(model.forward, backend=backend, mode=mode, fullgraph=True, dynamic=False)
+    torch._dynamo.reset()
     with torch.inference_mode():
-        out = forward(model, cache, input_ids=prompt, attention_mask=torch.ones_like(prompt), logits_to_keep=1)
+        out = forward(model, cache, input_ids=padded, attention_mask=torch.ones_like(padded), logits_to_keep=1)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     tokens = [token]
-    wide_mask = torch.ones(rows, capacity, dtype=torch.long, device=device)  # static: as wide as the buffers
     forward_s: list[float] = []
     outside_s: list[float] = []
-    compile_s = 0.0
-    for step in range(warmup + steps):
-        length = context + step
-        mask = wide_mask if static else wide_mask[:, : length + 1]
-        position = torch.full((rows, 1), length, dtype=torch.long, device=device)
+    warmup_s = 0.0
+    for step in range(args.warmup + args.steps):
+        position = torch.full_like(token, context + step)
         started = time.perf_counter()
-        with torch.inference_mode():
-            out = step_forward(
-                input_ids=token,
-                position_ids=position,
-                attention_mask=mask,
-                use_cache=True,
-                logits_to_keep=1,
-                **{CACHE_ARGUMENT: cache},
-            )
-            token = out.logits[:, -1].argmax(-1, keepdim=True).clone()  # a graph's output is overwritten next step
-        synchronize(device)
+        logits = decoder.step(cache, token, position)
+        synchronize(prompt.device)
         forwarded = time.perf_counter()
         cache.record(token)
+        token = logits.argmax(-1, keepdim=True)
         tokens.append(token)
         finished = time.perf_counter()
-        if step < warmup:
-            compile_s += finished - started
+        if step < args.warmup:
+            warmup_s += finished - started
         else:
             forward_s.append(forwarded - started)
             outside_s.append(finished - forwarded)
@@ -166,16 +157,19 @@ def decode_arm(
         "forward_ms": 1e3 * statistics.median(forward_s),
         "host_outside_forward_ms": 1e3 * statistics.median(outside_s),
         "tok_per_s": rows / (statistics.median(step_ms) / 1e3),
-        "warmup_s": compile_s,
-        "capacity_tokens": capacity if static else None,
-        "tokens": torch.cat(tokens, dim=1).tolist(),
+        "warmup_s": warmup_s,
+        "rows_run": padded.shape[0],
+        "capacity_tokens": None if arm == "eager" else capacity,
+        "graphed_steps": decoder.graphed_steps,
+        "capture_bytes": decoder.capture_bytes,
+        "tokens": torch.cat(tokens, dim=1)[:rows].tolist(),
     }
 
 
 def measure_shape(shape: str, args: argparse.Namespace, device: torch.device, bandwidth: float) -> list[dict]:
     """Every batch and arm on one random-weight model of ``shape`` (built once, freed after)."""
     model = random_model(shape, device=device, dtype=args.dtype)
-    backend = args.compile_backend or ("inductor" if device.type == "cuda" else "eager")
+    backend = args.compile_backend or ("inductor" if device.type == "cuda" else "eager")  # GraphConfig's default
     weights = weight_bytes(model)
     rows_out = []
     for batch in map(int, args.batches.split(",")):
@@ -186,7 +180,7 @@ def measure_shape(shape: str, args: argparse.Namespace, device: torch.device, ba
         bound_tok_s = batch * bandwidth / step_bytes
         arms: dict[str, Any] = {}
         for arm in args.arms.split(","):
-            figures = decode_arm(model, arm, prompt, args.warmup, args.steps, backend)
+            figures = decode_arm(model, arm, prompt, args)
             figures["share_of_bound"] = figures["tok_per_s"] / bound_tok_s
             arms[arm] = figures
             print(

@@ -155,7 +155,7 @@ _ATTENTION_TINY = (
 )
 _DECODE_GRID = ("--shapes", "qwen2.5-7b,qwen2.5-14b", "--batches", "1,8,32", "--context", "512", "--steps", "32")
 _DECODE_TINY = (
-    *("--shapes", "tiny", "--batches", "1,2", "--context", "16", "--steps", "3", "--warmup", "1", "--copy-mb", "4"),
+    *("--shapes", "tiny", "--batches", "1,3", "--context", "16", "--steps", "3", "--warmup", "1", "--copy-mb", "4"),
 )
 _MULTITURN_TINY = ("--turns", "2", "--max-new-tokens", "2", "--repeats", "1", "--chunk-size", "16")
 _STREAMING_TINY = ("--random-shape", "tiny", "--new-tokens", "3", "--repeats", "1", "--copy-mb", "4")

@@ -76,7 +76,7 @@ class ChunkReuseLayer(DynamicLayer):
         super().__init__()
 
     @property
-    def is_compileable(self) -> bool:  # type: ignore[override]  # a class attribute in transformers
+    def is_compileable(self) -> bool:  # a class attribute in transformers
         """True in static mode: every update has the same shapes, and the length is a device tensor."""
         return self.max_cache_len is not None
 
