@@ -118,7 +118,12 @@ def campaign(dry_run: bool, model: Path | None = None) -> list[Step]:
     ]
 
 
-GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_reuse_path.py", "tests/test_compiled_decode.py")
+GPU_TEST_FILES = (
+    "tests/test_gpu.py",
+    "tests/test_reuse_path.py",
+    "tests/test_compiled_decode.py",
+    "tests/test_graphs.py",
+)
 _LONG_CONTEXT_TINY = ("--random-shape", "tiny", "--sizes", "256,512", "--repeats", "1", "--chunk-size", "32")
 
 

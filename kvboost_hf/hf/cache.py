@@ -143,7 +143,7 @@ class ChunkReuseCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns layer ``layer_idx`` holds (a device tensor inside a compiled static-mode forward); eagerly, every
         layer's host length first catches up with its static updates (:meth:`ChunkReuseLayer.settle`)."""
-        if not torch.compiler.is_compiling():
+        if self.max_cache_len is not None and not torch.compiler.is_compiling():
             for layer in self.layers:
                 layer.settle()
         return super().get_seq_length(layer_idx)
