@@ -13,13 +13,15 @@ import torch
 import torch._dynamo
 from conftest import TINY_ARCHITECTURES, greedy, make_tiny_model
 from helpers import documents, shuffled_prompt, warm_alone
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from oracle import reference
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, RepairConfig
 from kvboost_hf.hf.cache import prompt_padding_mask
-from kvboost_hf.hf.layers import CacheCapacityError
+from kvboost_hf.hf.layers import CacheCapacityError, ChunkReuseLayer, ChunkReuseSlidingLayer
 from kvboost_hf.hf.models import CACHE_ARGUMENT
 from kvboost_hf.hf.prefill import forward
 from kvboost_hf.store.config import StoreConfig
@@ -257,3 +259,47 @@ def test_generate_on_cuda_compiles_by_itself_with_a_static_cache_and_stays_exact
         got = greedy(model, ids, static_cache(model, store), new=10)[0]
         assert torch.equal(got, expected), f"attempt {attempt}"
     assert counters["stats"]["unique_graphs"] >= 1
+
+
+OPERATIONS = st.one_of(
+    st.tuples(st.just("update"), st.integers(1, 5)),
+    st.tuples(st.just("crop"), st.integers(0, 6)),
+    st.tuples(st.just("select"), st.lists(st.integers(0, 7), min_size=1, max_size=3)),  # row numbers mod rows
+    st.tuples(st.just("assign"), st.integers(0, 6)),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(OPERATIONS, min_size=1, max_size=12), st.booleans())
+def test_a_static_layer_holds_what_a_growing_layer_holds_after_any_operations(operations, sliding):
+    """Appends, crops, row selection (fewer, more or repeated rows) and assigned leading columns, in any order:
+    the written columns are equal, the static buffers keep their capacity and hold no non-finite value, and a
+    static update returns the whole buffers whose leading columns are the growing layer's."""
+    make = (lambda cap=None: ChunkReuseSlidingLayer(3, cap)) if sliding else ChunkReuseLayer
+    growing, static = make(), make(40)
+    generator = torch.Generator().manual_seed(len(operations))
+    rows = 2
+    for name, argument in operations:
+        length = growing.get_seq_length()
+        if name == "update" and length + argument <= 40:
+            keys, values = (torch.randn(rows, 2, argument, 4, generator=generator) for _ in range(2))
+            growing.update(keys, values)
+            full_keys, full_values = static.update(keys, values)
+            assert full_keys.shape[-2] == 40 and torch.equal(full_keys[:, :, : length + argument], growing.keys)
+            assert torch.equal(full_values[:, :, : length + argument], growing.values)
+        elif name == "crop":
+            growing.crop(-min(argument, length))
+            static.crop(-min(argument, length))
+        elif name == "select" and growing.is_initialized and growing.keys.dim() == 4:
+            indices = torch.tensor([row % rows for row in argument])
+            growing.batch_select_indices(indices)
+            static.batch_select_indices(indices)
+            rows = len(indices)
+        elif name == "assign" and growing.is_initialized and growing.keys.dim() == 4:
+            kept = min(argument, length)
+            for layer in (growing, static):
+                layer.keys, layer.values = layer.keys[:, :, :kept], layer.values[:, :, :kept]
+        assert static.get_seq_length() == growing.get_seq_length()
+        if growing.is_initialized and growing.keys.dim() == 4:
+            assert torch.equal(static.keys, growing.keys) and torch.equal(static.values, growing.values)
+            assert static._key_buffer.shape[-2] == 40 and static._key_buffer.isfinite().all()

@@ -161,7 +161,7 @@ class ChunkReuseLayer(DynamicLayer):
                     f"the cache holds {self._length} tokens and cannot take {new} more: its max_cache_len is "
                     f"{self.capacity}; build the ChunkReuseCache with a larger max_cache_len"
                 )
-            if not self.owned:  # the first write, or after a handed tensor: into the static buffers
+            if not self.owned or self._length == 0:  # into the static buffers; empty: take the new batch shape
                 held = self._length > 0
                 self.keys = self.keys if held else key_states[:, :, :0]
                 self.values = self.values if held else value_states[:, :, :0]
