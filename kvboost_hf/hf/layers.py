@@ -248,6 +248,8 @@ class ChunkReuseLayer(DynamicLayer):
         """Hold the owned buffers ``keys``/``values`` (``[B, H_kv, capacity, D]``, written in place from now on),
         whose first ``length`` columns are this layer's K/V. In static mode those columns are copied into the
         static buffers instead (so write the buffers before handing them over)."""
+        if length > _columns(keys):
+            raise ValueError(f"length {length} exceeds the buffers' capacity of {_columns(keys)} columns")
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
         if self.max_cache_len is not None:
@@ -255,13 +257,6 @@ class ChunkReuseLayer(DynamicLayer):
             return
         self._key_buffer, self._value_buffer, self.owned = keys, values, True
         self._length = self._value_length = length
-
-    def set_length(self, length: int) -> None:
-        """Declare the first ``length`` columns of the buffers (written in place by the caller) the layer's K/V."""
-        if length > self.capacity:
-            raise ValueError(f"length {length} exceeds the layer's capacity of {self.capacity} columns")
-        self.settle()
-        self._set_length(length)
 
     def crop(self, tokens_to_remove: int) -> None:
         """``DynamicLayer.crop`` (a negative count), keeping the buffers: the freed columns are reused."""
