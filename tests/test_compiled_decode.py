@@ -115,7 +115,11 @@ def test_generate_takes_its_compiled_decode_path_and_stays_exact(arch):
         assert torch.equal(got, expected), f"attempt {attempt}"
         assert cache.pads == [0, 3]
     assert [row.cached_tokens for row in cache.last_reuse] == [32, 29]  # 32 columns stitched for both rows
-    assert counters["stats"]["unique_graphs"] >= 1  # generate() compiled its decode forward
+    shorter, shorter_mask = ids[:, 7:], mask[:, 7:]  # another prompt length, a fresh cache: the same graph
+    expected = greedy(model, shorter, attention_mask=shorter_mask, new=10)[0]
+    got = greedy(model, shorter, static_cache(model, store), attention_mask=shorter_mask, new=10, compile_config=config)
+    assert torch.equal(got[0], expected)
+    assert counters["stats"]["unique_graphs"] == 1  # generate() compiled its decode forward, once for every call
 
 
 def test_static_mode_leaves_the_same_kv_as_the_default_mode_through_every_cache_operation():
