@@ -16,6 +16,7 @@ BENCHMARKS = (
     "serve",
     "serve_ray",
     "streaming",
+    "decode",
     "speculative",
     "hardening",
     "gpu",

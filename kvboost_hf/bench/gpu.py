@@ -9,6 +9,10 @@ Steps, in order (``--steps`` picks a subset, in this order):
    against the CPU path), with ``TRITON_INTERPRET=0``;
 2. ``attention``: kernel vs torch's default SDPA selection (FLASH, cuDNN, EFFICIENT beside it), TFLOP/s of prefill
    and decode shapes (``bench attention``);
+   ``decode``: resident decode tok/s on random Qwen2.5 7B and 14B shapes (bf16) at batch 1, 8 and 32, eager, static
+   cache and compiled (``torch.compile`` reduce-overhead: CUDA graphs), each beside its bound (weights + K/V bytes
+   per step at the device bandwidth measured in the same run) with the host time per step outside the forward
+   (``bench decode``);
 3. ``multiturn``: multi-turn TTFT and pairwise output agreement on a random-weight Qwen2.5-0.5B shape in fp32 (where
    all outputs must be identical), and ``multiturn_7b`` on a random-weight Qwen2.5-7B shape in bf16;
 4. ``streaming``: layer streaming of a random-weight Qwen2.5-14B shape (bf16): tok/s, bytes/token, pinned H2D
@@ -94,6 +98,7 @@ def campaign(dry_run: bool, model: Path | None = None) -> list[Step]:
             Step("long_context", _bench("long_context", *_LONG_CONTEXT_TINY), 120, needs_tokenizer=True),
             Step("tests", (*tests, *GPU_TEST_FILES), 120),
             Step("attention", _bench("attention", *_ATTENTION_TINY), 60),
+            Step("decode", _bench("decode", *_DECODE_TINY), 120),
             Step("multiturn", (*multiturn, *_MULTITURN_TINY), 120, needs_tokenizer=random),
             Step("multiturn_7b", (*multiturn_7b, *_MULTITURN_TINY), 60, needs_tokenizer=True),
             Step("streaming", _bench("streaming", *_STREAMING_TINY), 60, needs_tokenizer=True),
@@ -104,6 +109,7 @@ def campaign(dry_run: bool, model: Path | None = None) -> list[Step]:
         Step("long_context", (*long_context, "--dtype", "bfloat16"), 300, True, needs_tokenizer=True),
         Step("tests", (*tests, *GPU_TEST_FILES), 240),
         Step("attention", _bench("attention", "--dtype", "bfloat16", *_ATTENTION_GRID), 150, needs_cuda=True),
+        Step("decode", _bench("decode", "--dtype", "bfloat16", *_DECODE_GRID), 420, needs_cuda=True),
         Step("multiturn", (*multiturn, "--repeats", "2"), 120, True, random),
         Step("multiturn_7b", (*multiturn_7b, "--repeats", "2"), 180, True, True),
         Step("streaming", _bench("streaming", "--random-shape", "qwen2.5-14b", "--repeats", "2"), 240, True, True),
@@ -112,7 +118,12 @@ def campaign(dry_run: bool, model: Path | None = None) -> list[Step]:
     ]
 
 
-GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_reuse_path.py")
+GPU_TEST_FILES = (
+    "tests/test_gpu.py",
+    "tests/test_reuse_path.py",
+    "tests/test_compiled_decode.py",
+    "tests/test_graphs.py",
+)
 _LONG_CONTEXT_TINY = ("--random-shape", "tiny", "--sizes", "256,512", "--repeats", "1", "--chunk-size", "32")
 
 
@@ -146,6 +157,10 @@ _ATTENTION_GRID = (
 _ATTENTION_TINY = (
     *("--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--warmup", "1", "--iters", "2"),
     *("--prefill-batches", "1", "--prefill-lens", "64", "--decode-batches", "1", "--decode-lens", "64"),
+)
+_DECODE_GRID = ("--shapes", "qwen2.5-7b,qwen2.5-14b", "--batches", "1,8,32", "--context", "512", "--steps", "32")
+_DECODE_TINY = (
+    *("--shapes", "tiny", "--batches", "1,3", "--context", "16", "--steps", "3", "--warmup", "1", "--copy-mb", "4"),
 )
 _MULTITURN_TINY = ("--turns", "2", "--max-new-tokens", "2", "--repeats", "1", "--chunk-size", "16")
 _STREAMING_TINY = ("--random-shape", "tiny", "--new-tokens", "3", "--repeats", "1", "--copy-mb", "4")

@@ -45,7 +45,7 @@ from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.blend import LayerFilter, scatter_into
 from kvboost_hf.hf.context_attention import ADJUSTMENT_KWARG, ContextAdjustment
 from kvboost_hf.hf.hooks import install_hooks
-from kvboost_hf.hf.layers import ChunkReuseLayer, ChunkReuseSlidingLayer, cache_layers
+from kvboost_hf.hf.layers import CacheCapacityError, ChunkReuseLayer, ChunkReuseSlidingLayer, cache_layers
 from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.prefill import ChunkPrefiller, PendingForward, RowReuse
 from kvboost_hf.reuse.plan import ChunkLedger
@@ -74,6 +74,13 @@ class ChunkReuseCache(Cache):
         adapter: install the hooks that let ``model.generate(past_key_values=cache)`` and ``model(...)`` drive
             this cache (:mod:`kvboost_hf.hf.hooks`; once per model). Not needed when forwards are driven explicitly
             (:func:`kvboost_hf.hf.prefill.forward`, as the decode loop does).
+        max_cache_len: static mode (tokens, padding included): every layer holds ``[B, H_kv, max_cache_len, D]``
+            buffers at a fixed address and its length in a device tensor, so a decode step has the same shapes at
+            every length and the cache is ``is_compileable``: ``model.generate`` then compiles its decode forward
+            as it does with ``StaticCache`` (on CUDA, or wherever a ``CompileConfig`` allows), and
+            ``torch.compile(model.forward, fullgraph=True)`` traces a decode step once (:mod:`kvboost_hf.hf.layers`).
+            More tokens than that raise :class:`~kvboost_hf.hf.layers.CacheCapacityError`. None (the default):
+            buffers grow as needed.
     """
 
     layers: list[ChunkReuseLayer]  # built by cache_layers()
@@ -90,8 +97,10 @@ class ChunkReuseCache(Cache):
         segment_starts: list[int] | tuple[int, ...] = (),
         write_back: bool = True,
         adapter: bool = True,
+        max_cache_len: int | None = None,
     ) -> None:
-        super().__init__(layers=cache_layers(model))
+        super().__init__(layers=cache_layers(model, max_cache_len))
+        self.max_cache_len = max_cache_len
         self.store = store
         self.model = model
         self.mode = GenerationMode(mode)
@@ -131,6 +140,24 @@ class ChunkReuseCache(Cache):
             install_hooks(model)
 
     # ------------------------------------------------------------------ state
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns layer ``layer_idx`` holds (a device tensor inside a compiled static-mode forward); eagerly, every
+        layer's host length first catches up with its static updates (:meth:`ChunkReuseLayer.settle`)."""
+        if self.max_cache_len is not None and not torch.compiler.is_compiling():
+            for layer in self.layers:
+                layer.settle()
+        return super().get_seq_length(layer_idx)
+
+    def ensure_room(self, new_tokens: int) -> None:
+        """Raise :class:`~kvboost_hf.hf.layers.CacheCapacityError` before a forward of ``new_tokens`` that a
+        static-mode cache cannot hold (a compiled forward writes without checking; this check is eager)."""
+        held = self.get_seq_length()
+        if self.max_cache_len is not None and held + new_tokens > self.max_cache_len:
+            raise CacheCapacityError(
+                f"the cache holds {held} tokens and cannot take {new_tokens} more: its max_cache_len is "
+                f"{self.max_cache_len}; build the ChunkReuseCache with a larger max_cache_len"
+            )
+
     @property
     def num_columns(self) -> int:
         """Columns (token positions, padding included) recorded; equals every layer's length while reuse is on."""
@@ -202,12 +229,14 @@ class ChunkReuseCache(Cache):
                 "cached conversation. Use a fresh ChunkReuseCache (or the same one only to continue a conversation)."
             )
 
-    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-        """First forward of this cache: learn the batch layout (left padding) from ``attention_mask``."""
+    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | dict | None) -> None:
+        """First forward of this cache: learn the batch layout (left padding) from ``attention_mask`` (2D, or the
+        prepared 4D mask of a compiled ``generate()``: :func:`prompt_padding_mask`)."""
         batch = input_ids.shape[0]
         self.tokens = torch.empty(batch, 0, dtype=torch.long, device="cpu")
         self.ledgers = [ChunkLedger(segment_starts=self.segment_starts) for _ in range(batch)]
         self.pads = [0] * batch
+        attention_mask = prompt_padding_mask(attention_mask, input_ids.shape[1])
         if attention_mask is None:
             return
         if attention_mask.dim() != 2:
@@ -289,10 +318,10 @@ class ChunkReuseCache(Cache):
         self._check_consistent()
 
     def _check_consistent(self) -> None:
-        if self.layers[0].get_seq_length() != self.num_columns:
+        if self.get_seq_length() != self.num_columns:
             self.reuse_enabled = False
             raise RuntimeError(
-                f"ChunkReuseCache is inconsistent: layers hold {self.layers[0].get_seq_length()} positions but "
+                f"ChunkReuseCache is inconsistent: layers hold {self.get_seq_length()} positions but "
                 f"{self.num_columns} tokens were fed; was the cache shared between two forwards?"
             )
 
@@ -406,6 +435,23 @@ class ChunkReuseCache(Cache):
         self.tokens = self.tokens[rows]
         self.pads = [self.pads[r] for r in rows]
         self.ledgers = [self.ledgers[r].copy() for r in rows]
+
+
+def prompt_padding_mask(mask: torch.Tensor | dict | None, prompt_length: int) -> torch.Tensor | None:
+    """The 2D padding mask (batch x columns, 1 = attended) of a first forward's ``mask``, when that is the prepared
+    4D mask ``generate()`` builds for a compileable cache (``[B, 1, prompt_length, kv]``, bool or additive float,
+    or a dict of them per layer type, None where transformers leaves the mask to SDPA's causal flag): column ``j``
+    is padding exactly when query ``j`` may not attend to itself. Any other mask is returned as is."""
+    if isinstance(mask, dict):
+        prepared = [each for each in mask.values() if isinstance(each, torch.Tensor)]
+        if not prepared:
+            return None  # plain causal everywhere: no padding
+        mask = prepared[0]
+    if mask is None or mask.dim() != 4 or mask.shape[-2] != prompt_length or mask.shape[-1] < prompt_length:
+        return mask
+    diagonal = mask[:, 0].diagonal(dim1=-2, dim2=-1)  # [B, prompt_length]: query j on column j
+    attended = diagonal if diagonal.dtype == torch.bool else diagonal == 0
+    return attended.long()
 
 
 def prepend_zeros(tensor: torch.Tensor, columns: int, dim: int = 1) -> torch.Tensor:

@@ -32,6 +32,7 @@ from kvboost_hf.hf.models import given_cache
 from kvboost_hf.hf.prefill import prepare_forward, reuse_cache
 
 
+@torch.compiler.disable  # host bookkeeping: a compiled __call__ (generate() with a static cache) runs it eagerly
 def _pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
     cache = reuse_cache(given_cache(kwargs))
     if cache is None:
@@ -41,6 +42,7 @@ def _pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
     return args, prepare_forward(cache, kwargs, report=cache.prompt_forward_next)
 
 
+@torch.compiler.disable
 def _post_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
     cache = reuse_cache(given_cache(kwargs))
     if cache is not None:

@@ -4,6 +4,13 @@
 ``transformers`` cache layers whose K/V live in buffers with spare capacity, written in place: stitched chunks are
 copied once into their final columns, and a decode step copies only its own tokens' K/V. :func:`cache_layers`
 builds one per decoder layer of a model.
+
+Static mode (``max_cache_len`` set; ``ChunkReuseCache(..., max_cache_len=N)``): the buffers are
+``[B, H_kv, max_cache_len, D]`` from the first write on, at a fixed address, zero beyond the written columns; the
+length lives in a device tensor as well as on the host; :meth:`ChunkReuseLayer.update` writes at the device length
+and returns the whole buffers, and ``get_mask_sizes`` announces ``(max_cache_len, 0)``, so transformers' masks cover
+the capacity and hide the unwritten columns (they lie after the queries). A decode step then has the same shapes at
+every length: ``torch.compile`` and CUDA graphs capture it once (``is_compileable``), as with ``StaticCache``.
 """
 
 from __future__ import annotations
@@ -12,7 +19,9 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
-__all__ = ["ChunkReuseLayer", "ChunkReuseSlidingLayer", "cache_layers", "grown_capacity"]
+from kvboost_hf.core.errors import KVBoostError
+
+__all__ = ["CacheCapacityError", "ChunkReuseLayer", "ChunkReuseSlidingLayer", "cache_layers", "grown_capacity"]
 
 
 GROWTH_MIN_TOKENS = 256
@@ -29,6 +38,10 @@ def grown_capacity(needed: int, capacity: int = 0) -> int:
     return -(-wanted // 64) * 64
 
 
+class CacheCapacityError(KVBoostError, ValueError):
+    """A static-mode cache was asked to hold more tokens than its ``max_cache_len``."""
+
+
 class ChunkReuseLayer(DynamicLayer):
     """A full-attention layer whose K/V are written in place into buffers with spare capacity.
 
@@ -41,43 +54,86 @@ class ChunkReuseLayer(DynamicLayer):
     the model's K/V of a first forward) is held as is and never modified, so stored entries and caller tensors stay
     intact; the first write past such a tensor's length moves the columns into an owned buffer. Assigning
     ``keys`` and ``values`` (crop, batch selection, joins do) replaces the buffers, like ``DynamicLayer``.
+
+    With ``max_cache_len`` (static mode, see the module doc) every tensor handed to the layer is copied into its
+    static buffers instead (reused while the batch shape holds, so their address stays fixed), ``update`` writes at
+    the device length with ``index_copy_`` and returns the whole buffers, and more than ``max_cache_len`` columns
+    raise :class:`CacheCapacityError`. ``keys``/``values`` still show the written columns only, so crops, joins,
+    row selection and write-back see what they see in the default mode.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_cache_len: int | None = None) -> None:
+        if max_cache_len is not None and max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be a positive number of tokens, got {max_cache_len}")
+        self.max_cache_len = max_cache_len
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
         self._length = 0  # columns of keys (the layer's length)
         self._value_length = 0  # columns of values: equal to _length except between two assignments
+        self._unrecorded = 0  # static mode: columns written by update() not yet added to _length (see settle)
+        self._device_length: torch.Tensor | None = None  # static mode: _length as a device scalar (int64)
         self.owned = False
         super().__init__()
 
     @property
+    def is_compileable(self) -> bool:  # a class attribute in transformers
+        """True in static mode: every update has the same shapes, and the length is a device tensor."""
+        return self.max_cache_len is not None
+
+    @property
     def keys(self) -> torch.Tensor:  # None before initialization, as in DynamicLayer
+        self.settle()
         return _leading_columns(self._key_buffer, self._length)
 
     @keys.setter
     def keys(self, tensor: torch.Tensor | None) -> None:
+        self.settle()
+        if self.max_cache_len is not None and tensor is not None and tensor.dim() == 4:
+            self._key_buffer = self._static_copy(self._key_buffer, tensor)
+            self._length = tensor.shape[-2]
+            assert self._device_length is not None
+            self._device_length.fill_(self._length)
+            return
         self._key_buffer, self.owned = tensor, False
         self._length = _columns(tensor)
 
     @property
     def values(self) -> torch.Tensor:  # None before initialization, as in DynamicLayer
+        self.settle()
         return _leading_columns(self._value_buffer, self._value_length)
 
     @values.setter
     def values(self, tensor: torch.Tensor | None) -> None:
+        self.settle()
+        if self.max_cache_len is not None and tensor is not None and tensor.dim() == 4:
+            self._value_buffer = self._static_copy(self._value_buffer, tensor)
+            self._value_length = _columns(tensor)
+            return
         self._value_buffer, self.owned = tensor, False
         self._value_length = _columns(tensor)
 
     @property
     def capacity(self) -> int:
-        """Columns the buffers hold room for (``length`` for a handed tensor)."""
-        return _columns(self._key_buffer)
+        """Columns the buffers hold room for (``length`` for a handed tensor; ``max_cache_len`` in static mode)."""
+        return self.max_cache_len if self.max_cache_len is not None else _columns(self._key_buffer)
 
     def get_seq_length(self) -> int:
+        if torch.compiler.is_compiling() and self._device_length is not None:
+            return self._device_length  # type: ignore[return-value]  # a tensor, as StaticLayer's: no recompiles
+        self.settle()
         return self._length if self.is_initialized else 0
 
+    def get_max_length(self) -> int:
+        return -1 if self.max_cache_len is None else self.max_cache_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.max_cache_len is not None:
+            return self.max_cache_len, 0
+        return super().get_mask_sizes(query_length)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.max_cache_len is not None:
+            return self._static_update(key_states, value_states)
         if not self.is_initialized or self._length == 0:
             self.lazy_initialization(key_states, value_states)
             self.keys, self.values = key_states, value_states
@@ -90,9 +146,94 @@ class ChunkReuseLayer(DynamicLayer):
         self._length = self._value_length = end
         return self.keys, self.values
 
+    def _static_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Static mode's ``update``: write the new columns at the device length, return the whole buffers.
+
+        Traced by ``torch.compile`` as is: no Python branch reads a tensor or the host length (the capacity check
+        runs eagerly only), and the host length catches up on the next eager access (``_unrecorded``)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        if not torch.compiler.is_compiling():
+            self.settle()
+            if self._length + new > self.capacity:
+                raise CacheCapacityError(
+                    f"the cache holds {self._length} tokens and cannot take {new} more: its max_cache_len is "
+                    f"{self.capacity}; build the ChunkReuseCache with a larger max_cache_len"
+                )
+            if not self.owned or self._length == 0:  # into the static buffers; empty: take the new batch shape
+                held = self._length > 0
+                self.keys = self.keys if held else key_states[:, :, :0]
+                self.values = self.values if held else value_states[:, :, :0]
+        assert self._key_buffer is not None and self._value_buffer is not None and self._device_length is not None
+        positions = self._device_length + torch.arange(new, device=self._device_length.device)
+        self._key_buffer.index_copy_(2, positions, key_states.to(self._key_buffer.dtype))
+        self._value_buffer.index_copy_(2, positions, value_states.to(self._value_buffer.dtype))
+        self._device_length.add_(new)
+        if torch.compiler.is_compiling():
+            self._unrecorded += new  # reading _length here would specialize the graph on it
+        else:
+            self._length = self._value_length = self._length + new
+        return self._key_buffer, self._value_buffer
+
+    def settle(self) -> None:
+        """Add the columns written by static updates to the host length (eagerly, before it is read; the cache
+        settles every layer when its length is asked, so a compiled step always starts from ``_unrecorded == 0``
+        and never recompiles on it)."""
+        if self._unrecorded:
+            self._length = self._value_length = self._length + self._unrecorded
+            self._unrecorded = 0
+
+    def _set_length(self, length: int) -> None:
+        self._length = self._value_length = length
+        if self._device_length is not None:
+            self._device_length.fill_(length)
+
+    def _static_copy(self, buffer: torch.Tensor | None, tensor: torch.Tensor) -> torch.Tensor:
+        """Static mode: ``tensor``'s columns copied into ``buffer`` (a fresh zero buffer of ``max_cache_len``
+        columns at a fixed address when ``buffer`` does not fit ``tensor``'s batch shape, dtype and device)."""
+        batch, heads, columns, dim = tensor.shape
+        if columns > self.capacity:
+            raise CacheCapacityError(
+                f"cannot hold {columns} tokens in a cache whose max_cache_len is {self.capacity}; build the "
+                "ChunkReuseCache with a larger max_cache_len"
+            )
+        fits = (
+            buffer is not None
+            and buffer.shape == (batch, heads, self.capacity, dim)
+            and (buffer.dtype, buffer.device) == (tensor.dtype, tensor.device)
+        )
+        with torch.inference_mode(False):  # ordinary tensors: crops and joins write them outside inference mode
+            if not fits:
+                buffer = tensor.new_zeros(batch, heads, self.capacity, dim)
+                self._mark_static(buffer)
+            if self._device_length is None or self._device_length.device != tensor.device:
+                self._device_length = torch.zeros((), dtype=torch.long, device=tensor.device)
+                self._mark_static(self._device_length)
+        assert buffer is not None
+        if tensor.data_ptr() != buffer.data_ptr() or tensor.stride() != buffer.stride():
+            held = buffer[:, :, :columns]
+            held.copy_(tensor.clone() if _shares_storage(tensor, buffer) else tensor)
+        self.owned = True
+        return buffer
+
+    @staticmethod
+    def _mark_static(tensor: torch.Tensor) -> None:
+        """Tell dynamo the tensor keeps its address (CUDA graphs then read it in place), as ``StaticLayer`` does."""
+        if not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(tensor)
+
     def reserve(self, columns: int) -> None:
         """Make room for ``columns`` columns in owned buffers (copying the held ones once when it must grow)."""
         if self.owned and self.capacity >= columns:
+            return
+        if self.max_cache_len is not None:
+            if columns > self.max_cache_len:
+                raise CacheCapacityError(
+                    f"cannot reserve {columns} tokens in a cache whose max_cache_len is {self.max_cache_len}"
+                )
+            if self._length:
+                self.keys, self.values = self.keys, self.values  # into the static buffers
             return
         held_keys, held_values = self.keys, self.values
         batch, heads, length, _ = held_keys.shape
@@ -105,24 +246,25 @@ class ChunkReuseLayer(DynamicLayer):
 
     def take_buffers(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
         """Hold the owned buffers ``keys``/``values`` (``[B, H_kv, capacity, D]``, written in place from now on),
-        whose first ``length`` columns are this layer's K/V."""
+        whose first ``length`` columns are this layer's K/V. In static mode those columns are copied into the
+        static buffers instead (so write the buffers before handing them over)."""
+        if length > _columns(keys):
+            raise ValueError(f"length {length} exceeds the buffers' capacity of {_columns(keys)} columns")
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
+        if self.max_cache_len is not None:
+            self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+            return
         self._key_buffer, self._value_buffer, self.owned = keys, values, True
-        self._length = self._value_length = length
-
-    def set_length(self, length: int) -> None:
-        """Declare the first ``length`` columns of the buffers (written in place by the caller) the layer's K/V."""
-        if length > self.capacity:
-            raise ValueError(f"length {length} exceeds the layer's capacity of {self.capacity} columns")
         self._length = self._value_length = length
 
     def crop(self, tokens_to_remove: int) -> None:
         """``DynamicLayer.crop`` (a negative count), keeping the buffers: the freed columns are reused."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop() takes a negative number of tokens to remove, got {tokens_to_remove}")
+        self.settle()
         if tokens_to_remove and self.is_initialized:
-            self._length = self._value_length = max(self._length + tokens_to_remove, 0)
+            self._set_length(max(self._length + tokens_to_remove, 0))
 
     def adopt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Hold exactly ``keys``/``values`` (a full-length stitched buffer)."""
@@ -132,6 +274,10 @@ class ChunkReuseLayer(DynamicLayer):
 
 def _columns(tensor: torch.Tensor | None) -> int:
     return int(tensor.shape[-2]) if tensor is not None and tensor.dim() == 4 else 0
+
+
+def _shares_storage(tensor: torch.Tensor, other: torch.Tensor) -> bool:
+    return tensor.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
 
 
 def _leading_columns(buffer: torch.Tensor | None, length: int) -> torch.Tensor:
@@ -148,30 +294,37 @@ class ChunkReuseSlidingLayer(ChunkReuseLayer):
     ``keys``/``values`` hold all ``[B, H, columns, D]`` columns, like :class:`ChunkReuseLayer`, so chunks can be
     written back after they slid out of the window. :meth:`update` returns, and :meth:`get_mask_sizes` announces,
     what ``DynamicSlidingWindowLayer`` does: the last ``min(past, sliding_window - 1)`` past columns followed by
-    the new ones, the mask's ``kv_offset`` being the index of the first of them.
+    the new ones, the mask's ``kv_offset`` being the index of the first of them. In static mode it returns the
+    whole buffers like :class:`ChunkReuseLayer` and transformers' sliding-window mask (absolute column indices,
+    offset 0) hides the columns outside the window: the same columns are attended.
     """
 
     is_sliding = True
 
-    def __init__(self, sliding_window: int) -> None:
-        super().__init__()
+    def __init__(self, sliding_window: int, max_cache_len: int | None = None) -> None:
+        super().__init__(max_cache_len)
         if sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
         self.sliding_window = sliding_window
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.max_cache_len is not None:
+            return self._static_update(key_states, value_states)
         past = self.get_seq_length()
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         visible = min(past, self.sliding_window - 1) + key_states.shape[-2]
         return keys[:, :, -visible:], values[:, :, -visible:]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.max_cache_len is not None:
+            return self.max_cache_len, 0
         past = self.get_seq_length()
         return min(past, self.sliding_window - 1) + query_length, max(past - self.sliding_window + 1, 0)
 
 
-def cache_layers(model: PreTrainedModel) -> list[ChunkReuseLayer]:
-    """One layer per decoder layer of ``model``, following its ``layer_types`` as ``DynamicCache(config=...)`` does.
+def cache_layers(model: PreTrainedModel, max_cache_len: int | None = None) -> list[ChunkReuseLayer]:
+    """One layer per decoder layer of ``model``, following its ``layer_types`` as ``DynamicCache(config=...)`` does;
+    static (see the module doc) with ``max_cache_len``.
 
     Raises ``ValueError`` for layer kinds chunk reuse does not handle (chunked attention, linear attention, shared
     or attention-free layers), naming them.
@@ -180,9 +333,9 @@ def cache_layers(model: PreTrainedModel) -> list[ChunkReuseLayer]:
     layers: list[ChunkReuseLayer] = []
     for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
         if kind == "full_attention":
-            layers.append(ChunkReuseLayer())
+            layers.append(ChunkReuseLayer(max_cache_len))
         elif kind == "sliding_attention":
-            layers.append(ChunkReuseSlidingLayer(int(kwargs["sliding_window"])))
+            layers.append(ChunkReuseSlidingLayer(int(kwargs["sliding_window"]), max_cache_len))
         else:
             raise ValueError(
                 f"ChunkReuseCache supports full and sliding-window attention layers; layer {index} of "

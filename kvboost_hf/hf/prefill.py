@@ -221,11 +221,10 @@ class ChunkPrefiller:
             if start:
                 layer_keys[:, :, :start].copy_(layer.keys)
                 layer_values[:, :, :start].copy_(layer.values)
-            layer.take_buffers(layer_keys, layer_values, start)
         hits = [row.hits for row in plan.rows]
         cache.stitched_bytes += write_leading_runs(keys, values, hits, cache.pads, start, stop)
-        for layer in cache.layers:
-            layer.set_length(stop)
+        for layer, layer_keys, layer_values in zip(cache.layers, keys, values, strict=True):
+            layer.take_buffers(layer_keys, layer_values, stop)  # written: a static layer copies them in
         cache.tokens = full[:, :stop].clone()
         for ledger, pad in zip(cache.ledgers, cache.pads, strict=True):
             ledger.stored = max(ledger.stored, sum(1 for _, end in ledger.spans if end <= stop - pad))
@@ -328,6 +327,8 @@ def prepare_forward(cache: Any, kwargs: dict[str, Any], *, report: bool = True) 
 def _load_for_forward(cache: Any, kwargs: dict[str, Any], report: bool) -> dict[str, Any]:
     """:func:`prepare_forward` without the attention arguments."""
     fed = kwargs.get("input_ids")
+    if fed is not None:
+        cache.ensure_room(fed.shape[1])
     if fed is None or cache.expects_sparse_forward or not cache.reuse_enabled:
         return kwargs
     keep = kwargs.get("logits_to_keep", 0)
@@ -344,7 +345,20 @@ def _load_for_forward(cache: Any, kwargs: dict[str, Any], report: bool) -> dict[
         kwargs["input_ids"] = fed[:, skip:]
         if kwargs.get("position_ids") is not None:
             kwargs["position_ids"] = kwargs["position_ids"][..., skip:]
+        if (mask := kwargs.get("attention_mask")) is not None:
+            kwargs["attention_mask"] = _skip_mask_queries(mask, fed.shape[1], skip)
     return kwargs
+
+
+def _skip_mask_queries(mask: Any, queries: int, skip: int) -> Any:
+    """A prepared 4D mask (``[B, 1, queries, kv]``, or a dict of them per layer type, as ``generate()`` builds for a
+    compileable cache) without its first ``skip`` query rows: the tokens the cache loaded instead. A 2D padding
+    mask covers every column and is returned as is."""
+    if isinstance(mask, dict):
+        return {kind: _skip_mask_queries(each, queries, skip) for kind, each in mask.items()}
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-2] == queries:
+        return mask[:, :, skip:]
+    return mask
 
 
 def forward_inputs(cache: Any, **kwargs: Any) -> dict[str, Any]:

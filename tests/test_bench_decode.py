@@ -1,0 +1,47 @@
+"""``bench decode`` as the GPU campaign runs it, dry (toy shape on the CPU): every arm measured against its bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvboost_hf.bench import decode, gpu
+
+
+def test_dry_run_decode_step_measures_every_arm_against_its_bound(tmp_path):
+    step = next(s for s in gpu.campaign(dry_run=True) if s.name == "decode")
+    record = gpu.run_campaign(tmp_path / "out", [step], budget_s=300, dry_run=True)
+    entry = record["steps"]["decode"]
+    assert entry["status"] == "passed", entry["log_tail"]
+    result = entry["results"]["decode.json"]
+    assert result["dtype"] == "float32" and result["read_bandwidth_gbps"] > 0
+    assert [(row["shape"], row["batch"]) for row in result["rows"]] == [("tiny", 1), ("tiny", 3)]
+    for row in result["rows"]:
+        assert row["bound_tok_s"] > 0 and row["step_bytes"] > row["weight_bytes"] > 0
+        assert set(row["arms"]) == set(decode.ARMS)
+        for figures in row["arms"].values():
+            assert figures["tok_per_s"] > 0 and figures["share_of_bound"] > 0
+            assert figures["step_ms"] >= figures["host_outside_forward_ms"] > 0
+            assert figures["tokens_agree"]  # fp32: the static and compiled arms give the eager tokens
+        compiled = row["arms"]["compiled"]
+        assert compiled["capacity_tokens"] == 16 + 1 + 3 and compiled["graphed_steps"] == 1 + 3
+        assert compiled["rows_run"] == {1: 1, 3: 4}[row["batch"]]  # 3 rows padded up to the bucket of 4
+        assert row["arms"]["eager"]["graphed_steps"] == row["arms"]["static"]["graphed_steps"] == 0
+
+
+def test_decode_bound_counts_the_weights_read_and_the_context_kv():
+    from kvboost_hf.bench.shapes import random_model
+
+    model = random_model("tiny", device="cpu")
+    embedding = model.get_input_embeddings().weight.numel() * 4
+    total = sum(p.numel() for p in model.parameters()) * 4
+    assert decode.weight_bytes(model) == total - embedding  # untied: the input table is not read whole
+    # 3 layers, K and V, 2 KV heads of 16 dims, fp32
+    assert decode.kv_bytes(model, rows=2, tokens=10) == 2 * 3 * 2 * 2 * 10 * 16 * 4
+
+
+def test_decode_refuses_unknown_shapes_and_arms(capsys):
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--shapes", "qwen9"])
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--arms", "eager,warp"])
+    assert "warp" in capsys.readouterr().err

@@ -1,0 +1,106 @@
+"""Graphed decode steps (``hf/graphs.py``): bucket logic, and graphed == eager == transformers' generate()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from conftest import make_tiny_model
+from oracle import reference
+
+from kvboost_hf import ChunkReuseCache, ChunkStore
+from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, pad_rows, row_bucket
+from kvboost_hf.hf.prefill import forward
+from kvboost_hf.store.config import StoreConfig
+
+STEPS = 10
+CAPACITY = 64
+
+
+def test_row_bucket_is_the_smallest_that_holds_the_rows():
+    buckets = (1, 2, 4, 8)
+    assert [row_bucket(rows, buckets) for rows in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
+    with pytest.raises(ValueError, match="at least one row"):
+        row_bucket(0, buckets)
+
+
+@pytest.mark.parametrize("buckets", [(), (0, 1), (4, 2), (2, 2)])
+def test_graph_config_refuses_buckets_that_are_not_ascending_positive(buckets):
+    with pytest.raises(ValueError, match="ascending distinct positive"):
+        GraphConfig(row_buckets=buckets)
+
+
+def test_pad_rows_repeats_the_last_row():
+    rows = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    assert pad_rows(rows, 5).tolist() == [[1, 2], [3, 4], [5, 6], [5, 6], [5, 6]]
+    assert pad_rows(rows, 3) is rows
+    with pytest.raises(ValueError, match="cannot pad 3 rows down to 2"):
+        pad_rows(rows, 2)
+
+
+def test_rows_for_pads_to_a_bucket_only_when_graphs_run():
+    model = make_tiny_model("llama")
+    assert GraphedDecoder(model).rows_for(3) == 4
+    assert GraphedDecoder(model, GraphConfig(row_buckets=(1, 2))).rows_for(3) == 3  # above the buckets: eager
+    assert GraphedDecoder(model, GraphConfig(enabled=False)).rows_for(3) == 3
+
+
+def decode_rows(model, decoder: GraphedDecoder, prompts: list[list[int]], static: bool, device="cpu") -> list:
+    """Greedy tokens of ``prompts`` (left-padded into one batch, padded up to ``decoder.rows_for`` rows with a
+    repeated last row) decoded by ``decoder`` over a static (or growing) cache; the real rows' tokens."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    rows = decoder.rows_for(len(prompts))
+    ids, mask = pad_rows(ids, rows), pad_rows(mask, rows)
+    store = ChunkStore(StoreConfig(1 << 24))
+    cache = ChunkReuseCache(
+        store, model, 16, mode="baseline", adapter=False, write_back=False, max_cache_len=CAPACITY if static else None
+    )
+    out = forward(model, cache, input_ids=ids, attention_mask=mask, logits_to_keep=1)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    lengths = mask.sum(-1, keepdim=True)
+    tokens = [token]
+    for step in range(STEPS):
+        logits = decoder.step(cache, token, lengths + step)
+        cache.record(token)
+        token = logits.argmax(-1, keepdim=True)
+        tokens.append(token)
+    return torch.cat(tokens, dim=1)[: len(prompts)].tolist()
+
+
+PROMPTS = [list(range(3, 23)), list(range(40, 52)), list(range(90, 105))]
+
+
+@pytest.mark.parametrize(
+    ("config", "static", "graphed"),
+    [
+        (GraphConfig(backend="eager"), True, True),
+        (GraphConfig(enabled=False), True, False),
+        (GraphConfig(backend="eager"), False, False),  # a growing cache cannot be graphed
+        (GraphConfig(row_buckets=(1, 2), backend="eager"), True, False),  # 3 rows: above the buckets
+    ],
+)
+def test_graphed_and_eager_steps_give_generates_tokens(config, static, graphed):
+    model = make_tiny_model("qwen2")
+    expected = [reference(model, prompt, STEPS + 1).tokens for prompt in PROMPTS]
+    decoder = GraphedDecoder(model, config)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert decode_rows(model, decoder, PROMPTS, static) == expected
+    assert (decoder.graphed_steps, decoder.eager_steps) == ((STEPS, 0) if graphed else (0, STEPS))
+    assert decoder.graph_shapes == ({(4, CAPACITY): STEPS} if graphed else {})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("count", [1, 3])
+def test_cuda_graphed_decoder_gives_the_eager_tokens_in_fp32(count):
+    """CUDA graphs (inductor, reduce-overhead) per rows bucket: 1 row, and 3 rows padded to 4."""
+    model = make_tiny_model("llama").to("cuda")
+    prompts = PROMPTS[:count]
+    eager = decode_rows(model, GraphedDecoder(model, GraphConfig(enabled=False)), prompts, True, "cuda")
+    torch._dynamo.reset()
+    decoder = GraphedDecoder(model)
+    assert decode_rows(model, decoder, prompts, True, "cuda") == eager
+    assert decoder.graphed_steps == STEPS and decoder.capture_bytes >= 0
