@@ -40,7 +40,7 @@ class TokenCacheConfig:
     """The token ids cache of an engine's prompts (:class:`TokenIdsCache`).
 
     Attributes:
-        max_bytes: bytes of cached segment texts and their ids, least recently used out first (0: no cache, each prompt tokenized whole once)
+        max_bytes: bytes of cached piece texts and ids, least recently used out first (0: no cache)
     """
 
     max_bytes: int = 64 << 20
@@ -149,7 +149,7 @@ def _probe_texts(tokenizer: PreTrainedTokenizerBase, specials: list[str]) -> lis
         ]
         try:
             texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-        except Exception as exc:  # noqa: BLE001 - a template refusing a role only loses one probe
+        except Exception as exc:  # a template refusing a role only loses one probe
             logger.debug("chat template probe skipped: %s", exc)
     return texts
 
