@@ -7,7 +7,7 @@ independently of the rest, and the ids of a conversation's earlier messages can 
 
 :class:`SegmentTokenizer` splits a text the same way, looks every piece up in a :class:`TokenIdsCache` (least
 recently used out first, bounded in bytes, keyed by the tokenizer's digest and the piece's text, so tokenizers
-never share entries), hands only the unseen pieces to the tokenizer (one batched call) and concatenates.
+never share entries), hands only the unseen pieces to the tokenizer and concatenates.
 
 Invariant: the ids (and each token's first character) equal ``tokenizer(text, add_special_tokens=...)`` of the
 whole text. The property depends on the tokenizer (a sentencepiece-style ``Metaspace`` pre-tokenizer with
@@ -251,7 +251,7 @@ class SegmentTokenizer:
 
     def _segmented(self, text: str, *, with_starts: bool) -> tuple[list[int], list[int]]:
         """Ids and (``with_starts``, else empty) character starts of ``text``, no special tokens added, from cached
-        pieces; the unseen ones are tokenized in one batched call and cached."""
+        pieces; the unseen ones are tokenized and cached."""
         assert self.cache is not None
         pieces = self._pieces(text) or [(0, text)]
         found: dict[str, tuple[Any, Any]] = {}
@@ -271,7 +271,8 @@ class SegmentTokenizer:
             if backend.truncation is not None or backend.padding is not None:  # left by an earlier call
                 backend.no_truncation()
                 backend.no_padding()
-            for piece, encoding in zip(unseen, backend.encode_batch(unseen, add_special_tokens=False), strict=True):
+            for piece in unseen:  # one by one: a batch would wake the tokenizer's thread pool for a few pieces
+                encoding = backend.encode(piece, add_special_tokens=False)
                 piece_ids, piece_starts = encoding.ids, [start for start, _ in encoding.offsets]
                 self.cache.put(self.digest, piece, piece_ids, piece_starts)
                 found[piece] = (piece_ids, piece_starts)
