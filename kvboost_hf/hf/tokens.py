@@ -218,6 +218,11 @@ class SegmentTokenizer:
             "token_cache_segmented": int(self.segmented),
         }
 
+    def clear(self) -> None:
+        """Forget every cached piece (those of other tokenizers sharing the cache too); counters are kept."""
+        if self.cache is not None:
+            self.cache.clear()
+
     # ------------------------------------------------------------------ internals
     def _learn_added_tokens(self) -> None:
         """The split pattern: every added token matched on the raw text, longest first at a position (the
