@@ -181,6 +181,8 @@ def test_a_warm_chat_request_tokenizes_only_its_new_messages():
 
 
 def test_the_servers_chat_admission_tokenizes_through_the_engines_cache():
+    from helpers import WEATHER_TOOL
+
     from kvboost_hf.server.admission import Admission
     from kvboost_hf.server.schemas import ChatCompletionRequest
     from kvboost_hf.server.settings import ServerConfig
@@ -195,3 +197,12 @@ def test_the_servers_chat_admission_tokenizes_through_the_engines_cache():
         prepared = admission._chat(ChatCompletionRequest(model="m", messages=later, max_tokens=2))
     assert prepared.prompt_ids == engine.encode(later)
     assert counter.chars == len("assistant\nHello.") + len("user\nBye")
+    # with tools the admission renders the prompt itself and tokenizes it through the same cache
+    tools = admission._tool_mode(ChatCompletionRequest(model="m", messages=later, tools=[WEATHER_TOOL]))[0]
+    cached = admission._encode_chat(ChatCompletionRequest(model="m", messages=later).messages, tools, True)[0]
+    engine.tokens, kept = SegmentTokenizer(tokenizer, TokenIdsCache(0)), engine.tokens  # the tokenizer itself
+    try:
+        whole = admission._encode_chat(ChatCompletionRequest(model="m", messages=later).messages, tools, True)[0]
+    finally:
+        engine.tokens = kept
+    assert cached == whole
