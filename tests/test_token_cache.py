@@ -131,6 +131,17 @@ def test_tokenizers_never_share_entries():
     assert shared.hits == 0 and len(shared) == 4  # "user\nhello world" and "\n" for each tokenizer
 
 
+def test_a_token_added_after_construction_sets_the_cache_up_again():
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())  # a copy of its own: it is changed
+    tokens = SegmentTokenizer(tokenizer, TokenIdsCache(1 << 20))
+    text = "<|im_start|>user\nmy zorblax token<|im_end|>\n"
+    assert tokens.encode(text) == tokenizer(text, add_special_tokens=False)["input_ids"]
+    digest = tokens.digest
+    tokenizer.add_tokens([AddedToken("zorblax", normalized=False)])
+    assert tokens.encode(text) == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokens.digest != digest and tokens.segmented
+
+
 def test_cache_is_bounded_in_bytes_evicts_least_recently_used_and_counts():
     tokens = SegmentTokenizer(embedded_tokenizer(), TokenIdsCache(20_000))
     texts = [f"<|im_start|>user\nmessage number {i} " + "word " * 40 + "<|im_end|>" for i in range(200)]

@@ -176,8 +176,16 @@ class SegmentTokenizer:
         self._pattern: re.Pattern[str] | None = None
         self.digest = ""
         self.segmented = False
-        if cache is None or cache.max_bytes == 0:
-            return
+        self._state: tuple[object, ...] = ()
+        if cache is not None and cache.max_bytes > 0:
+            self._setup()
+
+    def _setup(self) -> None:
+        """Learn the tokenizer (digest, split pattern, special tokens) and probe the property; again whenever its
+        added tokens or ``split_special_tokens`` change (a new digest: earlier entries are never served)."""
+        tokenizer = self.tokenizer
+        self._state = self._tokenizer_state()
+        self.segmented = False
         if not tokenizer.is_fast or getattr(tokenizer, "split_special_tokens", False):
             logger.info("token ids cache off: %s tokenizer", "slow" if not tokenizer.is_fast else "special-splitting")
             return
@@ -187,10 +195,22 @@ class SegmentTokenizer:
         if not self.segmented:
             logger.warning("this tokenizer's pieces do not tokenize on their own: each prompt is tokenized whole")
 
+    def _tokenizer_state(self) -> tuple[object, ...]:
+        """What, changed after construction (``add_tokens``, ``split_special_tokens``), calls for a new setup."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return ()
+        added = len(backend.get_added_tokens_decoder())
+        return (
+            added,
+            backend.get_vocab_size(with_added_tokens=True),
+            getattr(self.tokenizer, "split_special_tokens", False),
+        )
+
     # ------------------------------------------------------------------ public
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """``tokenizer(text, add_special_tokens=...)["input_ids"]``, unseen pieces only tokenized."""
-        if not self.segmented:
+        if not self._current():
             self.chars_tokenized += len(text)
             return encode_whole(self.tokenizer, text, add_special_tokens=add_special_tokens, with_starts=False)[0]
         ids = self._segmented(text, with_starts=False)[0]
@@ -199,7 +219,7 @@ class SegmentTokenizer:
     def encode_with_starts(self, text: str) -> tuple[list[int], list[int] | None]:
         """Ids (no special tokens added) and each token's first character in ``text`` (the offset mapping's
         starts; None for a slow tokenizer)."""
-        if not self.segmented:
+        if not self._current():
             self.chars_tokenized += len(text)
             return encode_whole(self.tokenizer, text, add_special_tokens=False, with_starts=True)
         return self._segmented(text, with_starts=True)
@@ -224,6 +244,13 @@ class SegmentTokenizer:
             self.cache.clear()
 
     # ------------------------------------------------------------------ internals
+    def _current(self) -> bool:
+        """Whether pieces are cached, after a new setup if the tokenizer changed since the last one."""
+        if self._state and self._tokenizer_state() != self._state:
+            logger.info("the tokenizer changed: token ids cache set up again")
+            self._setup()
+        return self.segmented
+
     def _learn_added_tokens(self) -> None:
         """The split pattern: every added token matched on the raw text, longest first at a position (the
         tokenizer's leftmost-longest matching); those without strip or word flags map straight to their id."""
