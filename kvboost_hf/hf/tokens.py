@@ -15,7 +15,10 @@ whole text. The property depends on the tokenizer (a sentencepiece-style ``Metas
 from the same piece inside the prompt), so it is checked on probe texts when a :class:`SegmentTokenizer` is
 built; where it fails (or the tokenizer is slow, splits special tokens, or caching is off) every text is
 tokenized whole, once. A text holding an added token with ``lstrip``/``rstrip``/``single_word`` is tokenized
-whole too (cached as one piece).
+whole too (cached as one piece). A tokenizer whose added tokens change later is learnt and probed again.
+
+A text without added tokens is one piece: a plain string prompt is reused only when it repeats exactly (a list of
+segments is cached per segment, so a document given as its own segment is tokenized once).
 """
 
 from __future__ import annotations
@@ -186,18 +189,21 @@ class SegmentTokenizer:
         tokenizer = self.tokenizer
         self._state = self._tokenizer_state()
         self.segmented = False
-        if not tokenizer.is_fast or getattr(tokenizer, "split_special_tokens", False):
-            logger.info("token ids cache off: %s tokenizer", "slow" if not tokenizer.is_fast else "special-splitting")
+        if not self._state or getattr(tokenizer, "split_special_tokens", False):
+            logger.info("token ids cache off: %s tokenizer", "special-splitting" if self._state else "no fast")
             return
         self.digest = tokenizer_digest(tokenizer)
         self._learn_added_tokens()
-        self.segmented = self._probe()
+        try:
+            self.segmented = self._probe()
+        except Exception:  # a tokenizer failing on a probe text loses the cache, not the engine
+            logger.exception("token ids cache probe failed")
         if not self.segmented:
             logger.warning("this tokenizer's pieces do not tokenize on their own: each prompt is tokenized whole")
 
     def _tokenizer_state(self) -> tuple[object, ...]:
         """What, changed after construction (``add_tokens``, ``split_special_tokens``), calls for a new setup."""
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None) if self.tokenizer.is_fast else None
         if backend is None:
             return ()
         added = len(backend.get_added_tokens_decoder())
