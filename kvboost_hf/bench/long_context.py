@@ -21,6 +21,7 @@ Writes ``long_context.json`` and ``long_context.png`` under ``--out``.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from pathlib import Path
@@ -187,7 +188,7 @@ def measure_size(engine: InferenceEngine, tokens: int, repeats: int) -> dict[str
     row["full_ms"] = min(full_prefill_ms(engine, prompt) for prompt in prompts[:repeats])
     unseen = [document + question(index) for index in range(repeats + 2, repeats + 5)]  # as a warm request's prompt
     row["tokenize_ms"] = statistics.median(
-        timed_call(lambda text=text: engine.encode(text), "cpu")[0] for text in unseen
+        timed_call(functools.partial(engine.encode, text), "cpu")[0] for text in unseen
     )
     layers, heads, head_dim = kv_entry_shape(engine.model)
     row["kv_bytes_per_token"] = (
