@@ -37,6 +37,7 @@ from kvboost_hf.hf.models import (
 from kvboost_hf.hf.prefill import forward
 from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.hf.speculative import DraftConfig, Drafter, DraftSource, VerifyCosts, resolve_draft
+from kvboost_hf.hf.tokens import SegmentTokenizer, TokenCacheConfig, TokenIdsCache
 from kvboost_hf.offload import LayerStreamingConfig, layer_streamer
 from kvboost_hf.results import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
 from kvboost_hf.scheduling import BatchKey, BatchPolicy, RequestGroup, Scheduler
@@ -124,6 +125,9 @@ class InferenceEngine:
             :mod:`kvboost_hf.hf.speculative`), only the number of target forwards.
         draft: how the draft proposes (:class:`DraftConfig`: tokens per round, tree budget and branching; with
             ``early_exit_layers`` the target's own first layers draft and no ``draft_model`` is needed).
+        token_cache: the prompt token ids cache (:class:`~kvboost_hf.hf.tokens.TokenCacheConfig`, default 64 MiB):
+            each prompt is tokenized once, and only its pieces between special tokens not seen before
+            (:attr:`tokens`, a :class:`~kvboost_hf.hf.tokens.SegmentTokenizer`; ids identical to the tokenizer's).
     """
 
     def __init__(
@@ -137,6 +141,7 @@ class InferenceEngine:
         strict: bool = True,
         draft_model: DraftSource | None = None,
         draft: DraftConfig | None = None,
+        token_cache: TokenCacheConfig | None = None,
     ) -> None:
         check_model_support(model.config, strict=strict)
         self.chunking = ChunkingConfig.of(chunking)
@@ -146,6 +151,7 @@ class InferenceEngine:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model
         self.tokenizer = tokenizer
+        self.tokens = SegmentTokenizer(tokenizer, TokenIdsCache((token_cache or TokenCacheConfig()).max_bytes))
         self.max_context = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 0))
         if not isinstance(store, ChunkStore):  # on CUDA, a GPU tier sized from the memory the model left free
             store = ChunkStore((store or StoreConfig()).for_model_device(self.device))
@@ -188,7 +194,7 @@ class InferenceEngine:
         ``device`` defaults to CUDA when available; ``dtype`` to float32 on CPU and bfloat16 on GPU. ``streaming``:
         load the weights into host memory and stream the decoder layers it chooses to ``streaming.device``
         (default ``device``; see :mod:`kvboost_hf.offload`). ``options`` are the constructor's keyword arguments
-        (``chunking``, ``repair``, ``store``, ``draft_model``, ``draft``).
+        (``chunking``, ``repair``, ``store``, ``draft_model``, ``draft``, ``token_cache``).
         """
         model, tokenizer = load_model(
             model_name_or_path, device=device, dtype=dtype, strict=strict, streaming=streaming
@@ -224,6 +230,7 @@ class InferenceEngine:
     ) -> tuple[list[int], list[int]]:
         """Token ids of the prompt and the token offsets where its segments start (empty for a single text).
 
+        Every text is tokenized once (through :attr:`tokens`: pieces seen before come from its cache).
         Segments are tokenized one by one (the first with the tokenizer's special tokens) so each starts a chunk.
         Chat messages are tokenized as one rendered text; ``document_boundaries`` says which contents start
         segments (:func:`~kvboost_hf.hf.chat_segments.encode_chat_segments`: the ids never depend on it).
@@ -244,6 +251,7 @@ class InferenceEngine:
                 _chat_messages(segments),
                 boundaries=document_boundaries,
                 add_generation_prompt=add_generation_prompt,
+                tokens=self.tokens,
             )
             if not chat_ids:
                 raise ValueError("prompt tokenizes to zero tokens")
@@ -264,7 +272,7 @@ class InferenceEngine:
     def _tokenize(self, text: str, *, add_special_tokens: bool, allow_empty: bool = False) -> list[int]:
         if not text and not allow_empty:
             raise ValueError("prompt is empty")
-        ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]) if text else []
+        ids = self.tokens.encode(text, add_special_tokens=add_special_tokens) if text else []
         if not ids and not allow_empty:
             raise ValueError("prompt tokenizes to zero tokens")
         return ids
@@ -701,7 +709,8 @@ class InferenceEngine:
         layer streaming also ``streamed_bytes_per_token`` (bytes streamed by decode calls / generated tokens) and the
         streamer's counters prefixed ``streaming_`` (see :class:`~kvboost_hf.offload.StreamingStats`, all copies
         included; ``settle=False`` reads its host-side counters only, never synchronising the device, as a thread
-        other than the model's must)."""
+        other than the model's must); the prompt token ids cache's counters (``token_cache_*``:
+        :meth:`~kvboost_hf.hf.tokens.SegmentTokenizer.stats`)."""
         totals = self._decode_totals
         stats: dict[str, int | float] = {
             **self.store.stats(),
@@ -709,6 +718,7 @@ class InferenceEngine:
             "tokens_per_target_forward": totals["generated_tokens"] / max(totals["target_forwards"], 1),
             "draft_tokens_accepted_per_verify": totals["draft_tokens_accepted"] / max(totals["verify_forwards"], 1),
             "draft_acceptance_rate": totals["draft_tokens_accepted"] / max(totals["draft_tokens_proposed"], 1),
+            **self.tokens.stats(),
         }
         streamer = layer_streamer(self.model)
         if streamer is not None:

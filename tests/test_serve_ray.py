@@ -152,7 +152,7 @@ def test_ingress_keys_are_the_keys_the_replicas_store(client, engine, url):
     messages = conversation("lighthouses")
     chat_turn(client, messages)
     body = json.dumps({"model": MODEL, "messages": messages}).encode()
-    ids = prompt_ids(engine.tokenizer, "/v1/chat/completions", body)
+    ids = prompt_ids(engine.tokens, "/v1/chat/completions", body)
     assert ids == engine.encode(messages)
     keys = routing_keys(engine.key_space, ids, None)
     assert len(keys) == len(ids) // CHUNK

@@ -19,6 +19,7 @@ from helpers import word_tokenizer
 
 from kvboost_hf import KVBoost
 from kvboost_hf.core.chunking import ChunkingConfig
+from kvboost_hf.hf.tokens import SegmentTokenizer, TokenIdsCache
 from kvboost_hf.serve_ray.app import SseEvents, StreamIdentity, is_reproducible, prompt_ids
 from kvboost_hf.serve_ray.routers import ChunkAffinityRouter, RoundRobinRouter
 from kvboost_hf.serve_ray.routing import (
@@ -156,14 +157,13 @@ def test_prompt_ids_render_as_the_engine_or_give_up(engine):
     bodies give no ids."""
     chat = {"model": "m", "messages": [{"role": "developer", "content": "w5 w6"}, {"role": "user", "content": "w7"}]}
     path = "/v1/chat/completions"
-    assert prompt_ids(engine.tokenizer, "/v1/completions", b'{"model": "m", "prompt": "w3 w4"}') == engine.encode(
-        "w3 w4"
-    )
+    ingress = SegmentTokenizer(engine.tokenizer, TokenIdsCache(1 << 20))  # the ingress's own token ids cache
+    assert prompt_ids(ingress, "/v1/completions", b'{"model": "m", "prompt": "w3 w4"}') == engine.encode("w3 w4")
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    assert prompt_ids(engine.tokenizer, path, json.dumps({**chat, "tools": [tool]}).encode()) is None
-    assert prompt_ids(engine.tokenizer, path, b"not json") is None
-    assert prompt_ids(engine.tokenizer, path, b'{"messages": 3}') is None
-    assert prompt_ids(engine.tokenizer, "/v1/models", b"") is None
+    assert prompt_ids(ingress, path, json.dumps({**chat, "tools": [tool]}).encode()) is None
+    assert prompt_ids(ingress, path, b"not json") is None
+    assert prompt_ids(ingress, path, b'{"messages": 3}') is None
+    assert prompt_ids(ingress, "/v1/models", b"") is None
 
 
 def test_only_greedy_or_seeded_streams_are_replayed():

@@ -7,6 +7,7 @@ import sys
 
 BENCHMARKS = (
     "multiturn",
+    "tokenizing",
     "long_context",
     "rag",
     "rag_accuracy",

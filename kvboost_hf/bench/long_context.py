@@ -21,6 +21,7 @@ Writes ``long_context.json`` and ``long_context.png`` under ``--out``.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from pathlib import Path
@@ -83,10 +84,11 @@ def ttft_ms(engine: InferenceEngine, prompt: str, **options: Any) -> tuple[float
 
 
 def full_prefill_ms(engine: InferenceEngine, prompt: str) -> float:
-    """Plain ``model.generate()`` of one token, tokenizing included."""
+    """Plain ``model.generate()`` of one token, tokenizing included (with the tokenizer itself, not the engine's
+    token ids cache, which this would fill for the warm requests)."""
 
     def run() -> None:
-        ids = torch.tensor([engine.encode(prompt)], device=engine.device)
+        ids = torch.tensor([engine.tokenizer(prompt)["input_ids"]], device=engine.device)
         with torch.inference_mode():
             engine.model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
@@ -184,16 +186,21 @@ def measure_size(engine: InferenceEngine, tokens: int, repeats: int) -> dict[str
     prompt_ids = engine.encode(prompts[1])
     row: dict[str, Any] = {"tokens": len(prompt_ids)}
     row["full_ms"] = min(full_prefill_ms(engine, prompt) for prompt in prompts[:repeats])
-    row["tokenize_ms"] = statistics.median(timed_call(lambda: engine.encode(prompts[1]), "cpu")[0] for _ in range(3))
+    unseen = [document + question(index) for index in range(repeats + 2, repeats + 5)]  # as a warm request's prompt
+    row["tokenize_ms"] = statistics.median(
+        timed_call(functools.partial(engine.encode, text), "cpu")[0] for text in unseen
+    )
     layers, heads, head_dim = kv_entry_shape(engine.model)
     row["kv_bytes_per_token"] = (
         2 * layers * heads * head_dim * torch.empty(0, dtype=model_dtype(engine.model)).element_size()
     )
     for tier in tiers_for(engine.device):
         engine.store = store_for(tier, engine.device)
+        engine.tokens.clear()  # each tier's warm requests tokenize their (distinct) prompts as the first tier's did
         cold_ms, _ = ttft_ms(engine, prompts[0])
         if "cold_ms" not in row:  # once: a second cold request, broken down (its write-back stores the document)
             engine.store.clear()
+            engine.tokens.clear()
             row["breakdown_cold"] = warm_breakdown(engine, prompts[0])
             row["cold_ms"] = min(cold_ms, row["breakdown_cold"]["ttft"])  # best of the two, as warm is
         engine.store.flush()

@@ -9,8 +9,10 @@ as system prompt, each user turn quoting more documentation). For every turn, in
 (c) ``kvboost``: ``engine.generate`` with a fresh ``ChunkReuseCache`` on the engine's chunk store.
 
 TTFT runs from the call to the first generated token (streamer timestamp), tokenisation, lookup and stitching
-included. The conversation continues with the baseline's answer. The conversation is played ``--repeats`` times
-from an empty store; each turn reports the median.
+included (the plain methods tokenize with the tokenizer itself; kvboost through the engine's token ids cache, whose
+characters handed to the tokenizer each turn, ``tok ch``, are reported beside the prompt's). The conversation
+continues with the baseline's answer. The conversation is played ``--repeats`` times from an empty store and token
+cache; each turn reports the median.
 
 Exactness is reported pairwise, per turn: the first generated token at which two methods' greedy outputs differ
 (``=``: identical; the earliest over the repeats), for plain ``generate()`` against a second plain run (the noise
@@ -44,6 +46,7 @@ from kvboost_hf.bench.common import (
     pyplot,
     save_results,
 )
+from kvboost_hf.bench.profiling import CharacterCounter
 from kvboost_hf.bench.shapes import DTYPES, SHAPES, random_engine
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.corpus import chat_script
@@ -75,7 +78,9 @@ class PromptCacheRecipe:
         """Returns (TTFT ms, generated ids); afterwards holds this prompt's K/V for the next turn. ``reuse=False``:
         plain ``model.generate()`` from an empty ``DynamicCache`` (full prefill), the held K/V unchanged."""
         started = time.perf_counter()
-        ids = self.engine.encode(messages)
+        tokenizer = self.engine.tokenizer  # transformers' own tokenization, not the engine's token ids cache
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         usable = reuse and self.prompt_cache is not None and ids[: len(self.prompt_ids)] == self.prompt_ids
         cache = copy.deepcopy(self.prompt_cache) if usable and self.prompt_cache is not None else DynamicCache()
         timer = FirstTokenTimer()
@@ -129,6 +134,7 @@ def run(
     samples: list[list[dict]] = []
     for _ in tqdm(range(repeats), desc="repeats"):
         engine.store.clear()
+        engine.tokens.clear()
         samples.append(play(engine, system, user_messages, max_new_tokens))
     rows = []
     for turn_samples in zip(*samples, strict=True):
@@ -170,7 +176,9 @@ def play(engine: InferenceEngine, system: str, user_messages: list[str], max_new
             if method != "kvboost":  # transformers' own generate(), from scratch or from the previous prompt
                 results[method] = recipe.generate(messages, max_new_tokens, reuse=method == "hf_prompt_cache")
                 continue
-            r = engine.generate(messages, max_new_tokens=max_new_tokens)
+            with CharacterCounter(engine.tokenizer) as counter:
+                r = engine.generate(messages, max_new_tokens=max_new_tokens)
+            tokenized = counter.chars
             results[method] = (r.ttft_ms, r.output_ids)
             cached, prompt_tokens = r.cached_tokens, r.prompt_tokens
         results["baseline_repeat"] = recipe.generate(messages, max_new_tokens, reuse=False)
@@ -181,6 +189,8 @@ def play(engine: InferenceEngine, system: str, user_messages: list[str], max_new
                 "turn": turn,
                 "prompt_tokens": prompt_tokens,
                 "kvboost_cached_tokens": cached,
+                "prompt_chars": len(engine.render(messages)),
+                "kvboost_chars_tokenized": tokenized,
                 **{f"{m}_ttft_ms": results[m][0] for m in METHODS},
                 "first_difference": differences,
                 "outputs_identical": all(index is None for index in differences.values()),
@@ -196,12 +206,14 @@ def report(result: dict) -> str:
     lines = [
         f"{result['model']} ({result['weights']} weights, {result['dtype']}); first differing generated token per "
         "pair (=: identical; plain/plain is plain generate() run twice, the noise floor)",
-        f"{'turn':>4} {'prompt':>6} {'cached':>6} {'baseline ms':>11} {'hf cache ms':>11} {'kvboost ms':>10} "
+        f"{'turn':>4} {'prompt':>6} {'cached':>6} {'chars':>6} {'tok ch':>6} "
+        f"{'baseline ms':>11} {'hf cache ms':>11} {'kvboost ms':>10} "
         f"{'vs base':>7} {'vs hf':>6} " + " ".join(f"{name:>11}" for name in header),
     ]
     for row in result["turns"]:
         lines.append(
             f"{row['turn']:>4} {row['prompt_tokens']:>6} {row['kvboost_cached_tokens']:>6} "
+            f"{row['prompt_chars']:>6} {row['kvboost_chars_tokenized']:>6} "
             f"{row['baseline_ttft_ms']:>11.0f} {row['hf_prompt_cache_ttft_ms']:>11.0f} {row['kvboost_ttft_ms']:>10.0f} "
             f"{row['baseline_ttft_ms'] / row['kvboost_ttft_ms']:>6.1f}x "
             f"{row['kvboost_ttft_ms'] / row['hf_prompt_cache_ttft_ms']:>5.2f}x "

@@ -6,6 +6,8 @@
 * :class:`PhaseTimer` attributes a request's time to named phases by wrapping the functions that implement them
   (tokenize, plan, stitch, forward, write-back): CUDA events on a GPU (one synchronisation at the end), the wall
   clock on a CPU. Nested phases count only in the innermost one.
+* :class:`CharacterCounter` counts the characters handed to a fast tokenizer's backend (every encode path, the
+  engine's token ids cache included, ends there).
 """
 
 from __future__ import annotations
@@ -165,3 +167,58 @@ def timed_call(function: Callable[[], Any], device: torch.device | str) -> tuple
     if cuda:
         torch.cuda.synchronize()
     return (time.perf_counter() - started) * 1e3, result
+
+
+def _characters(texts: object) -> int:
+    """Characters in an encode argument: a string, a pair, or a batch of them (pre-tokenized words included)."""
+    if isinstance(texts, str):
+        return len(texts)
+    if isinstance(texts, (list, tuple)):
+        return sum(_characters(text) for text in texts)
+    return 0
+
+
+class _CountingBackend:
+    """Forwards everything to a ``tokenizers.Tokenizer``, counting the characters of each encode call's input."""
+
+    def __init__(self, backend: Any, counter: CharacterCounter) -> None:
+        object.__setattr__(self, "_backend", backend)
+        object.__setattr__(self, "_counter", counter)
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._backend, name)
+        if not name.startswith("encode") or not callable(attribute):
+            return attribute
+
+        def counted(texts: Any, *args: Any, **kwargs: Any) -> Any:
+            self._counter.chars += _characters(texts)
+            self._counter.calls += 1
+            return attribute(texts, *args, **kwargs)
+
+        return counted
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._backend, name, value)
+
+
+class CharacterCounter:
+    """Counts characters handed to a fast tokenizer while installed (``with CharacterCounter(tokenizer) as c:``):
+    ``chars`` (characters in every ``encode*`` call of its backend, ``tokenizer._tokenizer``, which transformers'
+    ``tokenizer(...)`` and :class:`~kvboost_hf.hf.tokens.SegmentTokenizer` both call) and ``calls``. Outputs are
+    unchanged; the backend is restored on exit."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.chars = 0
+        self.calls = 0
+
+    def __enter__(self) -> CharacterCounter:
+        self._backend = self.tokenizer._tokenizer
+        self.tokenizer._tokenizer = _CountingBackend(self._backend, self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.tokenizer._tokenizer = self._backend
+
+    def reset(self) -> None:
+        self.chars = self.calls = 0

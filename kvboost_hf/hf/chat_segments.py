@@ -4,7 +4,9 @@ Non-prefix reuse needs each document to start a chunk (see :func:`~kvboost_hf.co
 chat prompt is one rendered text, so :func:`encode_chat_segments` finds the token offsets where chosen message
 contents (or their content parts) begin and end, without changing a single token id:
 
-1. the prompt is rendered and tokenised exactly as before (``tokenizer(text, add_special_tokens=False)``);
+1. the prompt is rendered and tokenised once, exactly as ``tokenizer(text, add_special_tokens=False)`` does
+   (through a :class:`~kvboost_hf.hf.tokens.SegmentTokenizer` when given: the pieces seen before come from its
+   cache, with the same ids and offsets);
 2. it is rendered again with every content replaced by a unique sentinel, which locates each content in the text;
    the contents put back between the template's pieces, as they are or trimmed (templates that ``| trim``
    contents), must give the first text again, else (a template that escapes or repeats contents) the prompt gets
@@ -33,6 +35,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from kvboost_hf.hf.tokens import SegmentTokenizer, encode_whole
+
 logger = logging.getLogger(__name__)
 
 ChatMessages = Sequence[Mapping[str, Any]]
@@ -58,14 +62,16 @@ def encode_chat_segments(
     *,
     boundaries: DocumentBoundaries | str = DocumentBoundaries.PARTS,
     add_generation_prompt: bool = True,
+    tokens: SegmentTokenizer | None = None,
     **template_kwargs: Any,
 ) -> tuple[list[int], list[int]]:
     """Token ids of ``messages`` rendered through the chat template, and the token offsets where marked contents
     start and end (strictly increasing, each in ``(0, len(ids))``; empty when nothing is marked or the template's
     text cannot be mapped). ``template_kwargs`` go to ``apply_chat_template`` (``tools``, ``chat_template``...).
+    ``tokens``: tokenizes the rendered text (a cache of ``tokenizer``'s ids per piece); None: ``tokenizer`` itself.
 
     The ids are ``tokenizer(rendered, add_special_tokens=False)["input_ids"]`` of the joined messages, whatever
-    ``boundaries`` says.
+    ``boundaries`` says; the text is tokenized once.
     """
     boundaries = DocumentBoundaries(boundaries)
     plain = joined(messages)
@@ -75,15 +81,18 @@ def encode_chat_segments(
     marked = {i: pieces for i, m in enumerate(messages) if (pieces := _marked_pieces(m, boundaries))}
     if marked and not tokenizer.is_fast:
         _warn_once("a slow tokenizer has no offset mapping: chat prompts get no document boundaries")
-    if not marked or not tokenizer.is_fast:
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"]), []
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(encoded["input_ids"])
+    with_starts = bool(marked) and tokenizer.is_fast
+    if tokens is None:
+        ids, token_starts = encode_whole(tokenizer, text, add_special_tokens=False, with_starts=with_starts)
+    else:
+        ids, token_starts = tokens.encode_with_starts(text) if with_starts else (tokens.encode(text), None)
+    if token_starts is None:
+        return ids, []
     placed = _place_contents(tokenizer, plain, text, add_generation_prompt, template_kwargs)
     if placed is None:
         return ids, []
     chars = {placed[i].char(offset) for i, pieces in marked.items() for offset in pieces}
-    return ids, _token_offsets(sorted(chars), [start for start, _ in encoded["offset_mapping"]], len(ids))
+    return ids, _token_offsets(sorted(chars), token_starts, len(ids))
 
 
 def _parts(message: Mapping[str, Any]) -> list[str] | None:

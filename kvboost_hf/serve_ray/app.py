@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message
 from transformers import PreTrainedTokenizerBase
 
 from kvboost_hf.core.errors import KVBoostError
+from kvboost_hf.hf.tokens import SegmentTokenizer, TokenCacheConfig, TokenIdsCache
 from kvboost_hf.serve_ray.routing import DEFAULT_MAX_CHUNKS, ForwardedRequest, KeySpace, routing_keys
 from kvboost_hf.server.admission import plain_messages
 from kvboost_hf.server.app import RequestGate
@@ -145,10 +146,12 @@ class KVBoostReplica:
             self.engine.store.close()  # queued Redis writes finish
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, path: str, body: bytes) -> list[int] | None:
+def prompt_ids(tokens: SegmentTokenizer, path: str, body: bytes) -> list[int] | None:
     """The prompt's token ids exactly as a replica tokenises it, for the request kinds the ingress can render alone
     (plain chat messages, one completion prompt); None otherwise (tools, bad bodies: those are routed by load, and
-    a bad body gets its 400 from the replica)."""
+    a bad body gets its 400 from the replica). ``tokens``: the replicas' tokenizer with a token ids cache of the
+    ingress's own (a chat's earlier messages are not tokenized again)."""
+    tokenizer = tokens.tokenizer
     try:
         if path == "/v1/chat/completions":
             chat = ChatCompletionRequest.model_validate(json.loads(body))
@@ -156,11 +159,11 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, path: str, body: bytes) -> li
                 return None
             messages = plain_messages(chat.messages)
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            return tokens.encode(text)
         if path == "/v1/completions":
             prompt = CompletionRequest.model_validate(json.loads(body)).prompt
             text = prompt if isinstance(prompt, str) else prompt[0] if len(prompt) == 1 else None
-            return list(tokenizer(text, add_special_tokens=True)["input_ids"]) if text else None
+            return tokens.encode(text, add_special_tokens=True) if text else None
     except ValueError:  # not JSON, or a body the replica will refuse
         return None
     return None
@@ -248,7 +251,7 @@ class Ingress:
         self.replicas = replicas
         self.max_attempts = max_attempts
         self.max_routing_chunks = max_routing_chunks
-        self._context: tuple[KeySpace, PreTrainedTokenizerBase] | None = None
+        self._context: tuple[KeySpace, SegmentTokenizer] | None = None
 
     @web.api_route("/{path:path}", methods=METHODS)
     async def relay(self, request: Request) -> Response:
@@ -282,11 +285,13 @@ class Ingress:
         """The request's routing keys (() when the ingress cannot render its prompt)."""
         if self._context is None:
             try:
-                self._context = await self.replicas.routing_context.remote()
+                space, tokenizer = await self.replicas.routing_context.remote()
+                cache = TokenIdsCache(TokenCacheConfig().max_bytes)
+                self._context = space, await asyncio.to_thread(SegmentTokenizer, tokenizer, cache)
             except REPLICA_LOST:
                 return ()  # routed by load; the next request asks again
-        space, tokenizer = self._context
-        ids = await asyncio.to_thread(prompt_ids, tokenizer, path, body)
+        space, tokens = self._context
+        ids = await asyncio.to_thread(prompt_ids, tokens, path, body)
         return routing_keys(space, ids, cache_salt(body), self.max_routing_chunks) if ids else ()
 
     async def open(self, forwarded: ForwardedRequest) -> tuple[ResponseStart, DeploymentResponseGenerator]:

@@ -346,7 +346,7 @@ class Admission:
                 text = tokenizer.apply_chat_template(
                     dicts, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
                 )
-                ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+                ids = self.engine.tokens.encode(text)  # pieces seen before come from the engine's token cache
         except ValueError as exc:  # empty prompt, chat template refusing a role, ...
             raise ApiError(400, f"invalid prompt: {exc}", param="messages") from exc
         if not ids:

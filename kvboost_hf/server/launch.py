@@ -15,6 +15,7 @@ from kvboost_hf.core.settings import add_settings_arguments, settings_from_args,
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
 from kvboost_hf.hf.speculative import TREE_EXPANSIONS, DraftConfig
+from kvboost_hf.hf.tokens import TokenCacheConfig
 from kvboost_hf.offload.settings import LayerStreamingConfig
 from kvboost_hf.server.grammar import GrammarConfig
 from kvboost_hf.server.settings import REUSE_MODES, ServerConfig
@@ -107,6 +108,7 @@ SETTINGS_FLAGS: tuple[tuple[type, str, dict], ...] = (
         "structured output and tool calls",
         {"names": {name: "grammar-" + name.replace("_", "-") for name in ("workers", "max_waiting", "cache_entries")}},
     ),
+    (TokenCacheConfig, "prompt token ids cache", {"names": {"max_bytes": "token-cache-max-bytes"}}),
 )
 
 
@@ -139,7 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_engine(args: argparse.Namespace) -> InferenceEngine:
-    """The engine the flags describe (model, chunking, repair, store, draft and streaming settings)."""
+    """The engine the flags describe (model, chunking, repair, store, draft, streaming and token cache settings)."""
     from kvboost_hf.engine import InferenceEngine, load_model
 
     streaming = settings_from_args(LayerStreamingConfig, args) if args.stream_layers else None
@@ -155,6 +157,7 @@ def build_engine(args: argparse.Namespace) -> InferenceEngine:
         store=settings_from_args(StoreConfig, args, remote_hmac_key=_secret_from_env(args.remote_hmac_key_env)),
         draft_model=args.draft_model,
         draft=settings_from_args(DraftConfig, args),
+        token_cache=settings_from_args(TokenCacheConfig, args),
     )
 
 

@@ -1,0 +1,219 @@
+"""The prompt token ids cache (kvboost_hf.hf.tokens): ids and offsets equal the tokenizer's own on the whole text,
+for the embedded tokenizer and for sentencepiece-style tokenizers built here with ``tokenizers``; a tokenizer whose
+pieces do not tokenize on their own falls back to whole texts; a warm chat request tokenizes only its new messages
+(counted at the tokenizer's backend); the cache stays within its bytes and counts what it does. The oracle is the
+tokenizer itself called on the whole text."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from conftest import make_tiny_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from kvboost_hf.bench.profiling import CharacterCounter
+from kvboost_hf.engine import InferenceEngine
+from kvboost_hf.hf.chat_segments import encode_chat_segments
+from kvboost_hf.hf.models import embedded_model_dir
+from kvboost_hf.hf.tokens import SegmentTokenizer, TokenCacheConfig, TokenIdsCache, tokenizer_digest
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+FRAGMENTS = [
+    "Hello",
+    " world",
+    "\n",
+    "  ",
+    "\n\n",
+    "\t",
+    "don't",
+    "123",
+    "é",
+    "世界",
+    "🙂",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<s>",
+    "<mask>",  # an added token with lstrip (sentencepiece-style tokenizers): its texts are tokenized whole
+    "foo bar",  # a normalized added token (sentencepiece-style tokenizers)
+]
+
+
+@functools.cache
+def embedded_tokenizer() -> PreTrainedTokenizerFast:
+    return AutoTokenizer.from_pretrained(embedded_model_dir())
+
+
+@functools.cache
+def sentencepiece_style(prepend_scheme: str) -> PreTrainedTokenizerFast:
+    """A BPE tokenizer with sentencepiece's ``Metaspace`` pre-tokenizer (``▁`` for spaces, prepended per
+    ``prepend_scheme``), a ``<s>`` prefix as special tokens, ChatML specials, an added token with ``lstrip`` and a
+    normalized added token; trained here on a few sentences."""
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend_scheme)
+    corpus = ["hello world, this is a small test of a sentencepiece style tokenizer", "the user asked 123 questions"]
+    backend.train_from_iterator(corpus * 10, trainers.BpeTrainer(vocab_size=120, special_tokens=SPECIALS))
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", backend.token_to_id("<s>"))]
+    )
+    backend.add_special_tokens([AddedToken("<mask>", lstrip=True, special=True)])
+    backend.add_tokens([AddedToken("foo bar", normalized=True)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def oracle(tokenizer: PreTrainedTokenizerFast, text: str) -> tuple[list[int], list[int]]:
+    """The tokenizer's own ids and token starts for the whole text (no special tokens added)."""
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return list(encoded["input_ids"]), [start for start, _ in encoded["offset_mapping"]]
+
+
+@functools.cache
+def segment_tokenizer(name: str) -> SegmentTokenizer:
+    """One cached SegmentTokenizer per tokenizer for the module (entries carry over between examples)."""
+    tokenizer = embedded_tokenizer() if name == "embedded" else sentencepiece_style(name)
+    return SegmentTokenizer(tokenizer, TokenIdsCache(4 << 20))
+
+
+contents = st.one_of(st.lists(st.sampled_from(FRAGMENTS), max_size=10).map("".join), st.text(max_size=24))
+histories = st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), contents), min_size=1, max_size=6)
+
+
+@pytest.mark.parametrize("name", ["embedded", "always", "first"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(history=histories)
+def test_segment_cached_ids_equal_the_whole_prompts_ids_over_growing_chats(name, history):
+    tokens = segment_tokenizer(name)
+    tokenizer = tokens.tokenizer
+    messages = [{"role": role, "content": content} for role, content in history]
+    for turn in range(1, len(messages) + 1):  # the conversation growing: earlier pieces come from the cache
+        text = tokenizer.apply_chat_template(messages[:turn], tokenize=False, add_generation_prompt=True)
+        assert tokens.encode_with_starts(text) == oracle(tokenizer, text)
+        assert tokens.encode(text, add_special_tokens=True) == tokenizer(text)["input_ids"]
+    for boundaries in ("messages", "parts"):
+        expected = encode_chat_segments(tokenizer, messages, boundaries=boundaries)
+        assert encode_chat_segments(tokenizer, messages, boundaries=boundaries, tokens=tokens) == expected
+
+
+def test_the_probe_keeps_pieces_where_they_tokenize_alone_and_falls_back_where_they_do_not():
+    assert segment_tokenizer("embedded").segmented and segment_tokenizer("always").segmented
+    first = sentencepiece_style("first")
+    backend = first.backend_tokenizer
+    # the property fails for this tokenizer: "user" alone gets the "▁" prepended that it does not get in the prompt
+    alone = backend.encode("<|im_start|>", add_special_tokens=False).ids + backend.encode("user").ids
+    assert alone != first("<|im_start|>user", add_special_tokens=False)["input_ids"]
+    tokens = SegmentTokenizer(first, TokenIdsCache(1 << 20))
+    assert not tokens.segmented
+    text = first.apply_chat_template([{"role": "user", "content": "hello world"}], tokenize=False)
+    assert tokens.encode_with_starts(text) == oracle(first, text)
+    assert tokens.stats()["token_cache_segmented"] == 0 and tokens.stats()["token_cache_chars_tokenized"] == len(text)
+    off = SegmentTokenizer(embedded_tokenizer(), TokenIdsCache(TokenCacheConfig(max_bytes=0).max_bytes))
+    assert not off.segmented and off.encode(text) == embedded_tokenizer()(text, add_special_tokens=False)["input_ids"]
+
+
+def test_tokenizers_never_share_entries():
+    embedded, spm = embedded_tokenizer(), sentencepiece_style("always")
+    assert tokenizer_digest(embedded) != tokenizer_digest(spm) == tokenizer_digest(sentencepiece_style("always"))
+    shared = TokenIdsCache(1 << 20)
+    first, second = SegmentTokenizer(embedded, shared), SegmentTokenizer(spm, shared)
+    text = "<|im_start|>user\nhello world<|im_end|>\n"
+    assert first.encode(text) == embedded(text, add_special_tokens=False)["input_ids"]
+    assert second.encode(text) == spm(text, add_special_tokens=False)["input_ids"]
+    assert shared.hits == 0 and len(shared) == 4  # "user\nhello world" and "\n" for each tokenizer
+
+
+def test_a_token_added_after_construction_sets_the_cache_up_again():
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())  # a copy of its own: it is changed
+    tokens = SegmentTokenizer(tokenizer, TokenIdsCache(1 << 20))
+    text = "<|im_start|>user\nmy zorblax token<|im_end|>\n"
+    assert tokens.encode(text) == tokenizer(text, add_special_tokens=False)["input_ids"]
+    digest = tokens.digest
+    tokenizer.add_tokens([AddedToken("zorblax", normalized=False)])
+    assert tokens.encode(text) == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokens.digest != digest and tokens.segmented
+
+
+def test_cache_is_bounded_in_bytes_evicts_least_recently_used_and_counts():
+    tokens = SegmentTokenizer(embedded_tokenizer(), TokenIdsCache(20_000))
+    texts = [f"<|im_start|>user\nmessage number {i} " + "word " * 40 + "<|im_end|>" for i in range(200)]
+    for text in texts:
+        assert tokens.encode(text) == embedded_tokenizer()(text, add_special_tokens=False)["input_ids"]
+        tokens.encode(texts[0])  # kept recent: never evicted
+    stats = tokens.stats()
+    assert 0 < stats["token_cache_bytes"] <= 20_000 and stats["token_cache_evictions"] > 0
+    assert stats["token_cache_entries"] == len(tokens.cache) < 200
+    assert stats["token_cache_misses"] == 200 and stats["token_cache_hits"] == 200
+    before = tokens.chars_tokenized
+    tokens.encode(texts[0])
+    assert tokens.chars_tokenized == before  # still cached
+    tokens.encode(texts[1])
+    assert tokens.chars_tokenized == before + len(texts[1]) - len("<|im_start|><|im_end|>")  # evicted long ago
+    with pytest.raises(ValueError, match="max_bytes"):
+        TokenCacheConfig(max_bytes=-1)
+
+
+@functools.cache
+def tiny_engine() -> InferenceEngine:
+    tokenizer = embedded_tokenizer()
+    model = make_tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=2048)
+    return InferenceEngine(model, tokenizer, chunking=16)
+
+
+def test_a_warm_chat_request_tokenizes_only_its_new_messages():
+    engine, tokenizer = tiny_engine(), embedded_tokenizer()
+    history = [
+        {"role": "system", "content": "You are a careful assistant. " * 20},
+        {"role": "user", "content": "Summarise the following notes. " + "The notes go on. " * 60},
+    ]
+    first = engine.generate(history, max_new_tokens=4)
+    new = [
+        {"role": "assistant", "content": tokenizer.decode(first.output_ids, skip_special_tokens=True)},
+        {"role": "user", "content": "And now in one sentence, please."},
+    ]
+    prompt = engine.render(history + new)
+    hits = engine.cache_stats()["token_cache_hits"]
+    with CharacterCounter(tokenizer) as counter:
+        second = engine.generate(history + new, max_new_tokens=4)
+    assert second.cached_tokens > 0 and second.prompt_tokens == len(oracle(tokenizer, prompt)[0])
+    # the rendered new messages (each content in one piece with its role line) and nothing else: the system
+    # message, the first question and the generation prompt's "assistant\n" come from the cache
+    assert counter.chars == sum(len(f"{m['role']}\n{m['content']}") for m in new)
+    assert counter.chars <= sum(len(m["content"]) for m in new) + len("assistant\n") * len(new) < len(prompt) // 4
+    assert engine.cache_stats()["token_cache_hits"] > hits
+
+
+def test_the_servers_chat_admission_tokenizes_through_the_engines_cache():
+    from helpers import WEATHER_TOOL
+
+    from kvboost_hf.server.admission import Admission
+    from kvboost_hf.server.schemas import ChatCompletionRequest
+    from kvboost_hf.server.settings import ServerConfig
+    from kvboost_hf.server.worker import Worker
+
+    engine, tokenizer = tiny_engine(), embedded_tokenizer()
+    admission = Admission(engine, ServerConfig(), Worker(engine, ServerConfig()))
+    messages = [{"role": "system", "content": "Server notes. " * 30}, {"role": "user", "content": "Hi there"}]
+    admission._chat(ChatCompletionRequest(model="m", messages=messages))
+    later = [*messages, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+    with CharacterCounter(tokenizer) as counter:
+        prepared = admission._chat(ChatCompletionRequest(model="m", messages=later, max_tokens=2))
+    assert prepared.prompt_ids == engine.encode(later)
+    assert counter.chars == len("assistant\nHello.") + len("user\nBye")
+    # with tools the admission renders the prompt itself and tokenizes it through the same cache
+    tools = admission._tool_mode(ChatCompletionRequest(model="m", messages=later, tools=[WEATHER_TOOL]))[0]
+    cached = admission._encode_chat(ChatCompletionRequest(model="m", messages=later).messages, tools, True)[0]
+    engine.tokens, kept = SegmentTokenizer(tokenizer, TokenIdsCache(0)), engine.tokens  # the tokenizer itself
+    try:
+        whole = admission._encode_chat(ChatCompletionRequest(model="m", messages=later).messages, tools, True)[0]
+    finally:
+        engine.tokens = kept
+    assert cached == whole
