@@ -21,21 +21,24 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j holds column 8c + AWQ_ORDER[j]
 MAX_CODE = (1 << BITS) - 1
 
 
+def _shifts(device: torch.device) -> torch.Tensor:
+    """Bit offset of column ``8c + r`` in its int32, for ``r`` = 0..7 (the inverse of AWQ_ORDER, times 4)."""
+    nibble = [AWQ_ORDER.index(column) for column in range(PACK)]
+    return torch.tensor([BITS * j for j in nibble], dtype=torch.int32, device=device)
+
+
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """int32 ``[rows, cols/8]`` in the AWQ nibble order to int64 codes in ``[0, 15]``, ``[rows, cols]``."""
+    """int32 ``[rows, cols/8]`` in the AWQ nibble order to int32 codes in ``[0, 15]``, ``[rows, cols]``."""
     rows, groups = packed.shape
-    wide = packed.to(torch.int64) & 0xFFFFFFFF
-    codes = torch.empty(rows, groups, PACK, dtype=torch.int64, device=packed.device)
-    for nibble, column in enumerate(AWQ_ORDER):
-        codes[:, :, column] = (wide >> (BITS * nibble)) & MAX_CODE
-    return codes.reshape(rows, groups * PACK)
+    return ((packed[:, :, None] >> _shifts(packed.device)) & MAX_CODE).reshape(rows, groups * PACK)
 
 
 def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     """The float32 weight ``[K, N]`` (inputs x outputs) that an AWQ GEMM triple stands for."""
-    codes = unpack_int4(qweight).float()
-    zeros = unpack_int4(qzeros).float().repeat_interleave(group_size, dim=0)
-    return (codes - zeros) * scales.float().repeat_interleave(group_size, dim=0)
+    inputs, outputs = qweight.shape[0], scales.shape[1]
+    codes = unpack_int4(qweight).reshape(inputs // group_size, group_size, outputs)
+    zeros = unpack_int4(qzeros)[:, None, :]
+    return ((codes - zeros).float() * scales.float()[:, None, :]).reshape(inputs, outputs)
 
 
 def awq_reference_matmul(
