@@ -130,16 +130,14 @@ def int4_model(model: torch.nn.Module, group_size: int = 64) -> int:
 
 
 def random_awq_linear(
-    linear: torch.nn.Module, group_size: int, generator: torch.Generator, std: float, device: torch.device | str
+    linear: torch.nn.Module, group_size: int, words: torch.Tensor, std: float, device: torch.device | str
 ) -> AwqInt4Linear:
     """An :class:`AwqInt4Linear` of ``linear``'s shape (``in_features``, ``out_features``, bias or not) on
-    ``device``: uniform random codes, zero point 8, one float16 scale for all groups chosen so the weights' root mean
-    square is ``std`` (codes minus 8: 4.64 steps); bias zeros. Drawn with ``generator`` (a CPU generator: the same
-    seed gives the same layer on every device)."""
+    ``device`` holding ``words`` (int32 ``[in, out/8]``) as its codes, zero point 8 and one float16 scale chosen so
+    the weights' root mean square is ``std`` for uniform codes (codes minus 8: 4.64 steps); bias zeros."""
     in_features, out_features = linear.in_features, linear.out_features
     layer = AwqInt4Linear(in_features, out_features, group_size, linear.bias is not None, device=device)
-    words = torch.randint(-(2**31), 2**31, layer.qweight.shape, generator=generator, dtype=torch.int64)
-    layer.qweight.copy_(words.to(torch.int32))
+    layer.qweight.copy_(words)
     layer.qzeros.copy_(pack_int4(torch.full((1, PACK), RANDOM_ZERO)).expand_as(layer.qzeros))
     step = std / (((MAX_CODE + 1) ** 2 - 1) / 12 + 0.25) ** 0.5  # uniform codes -8..7: mean square 21.5 steps^2
     layer.scales.fill_(step)
@@ -151,12 +149,21 @@ def random_int4_layers(
     model: torch.nn.Module, group_size: int, *, seed: int = 0, std: float = 0.02, device: torch.device | str = "cpu"
 ) -> int:
     """Replace every decoder-layer linear of ``model`` (which may live on the meta device: nothing of the float
-    weights is read but their shapes) by :func:`random_awq_linear` on ``device``, one seeded generator for the whole
-    model (same ``seed``, same packed bytes). Returns how many layers were replaced."""
+    weights is read but their shapes) by :func:`random_awq_linear` on ``device``; returns how many.
+
+    Codes are drawn once per distinct shape (uniform int32 words from a CPU generator seeded with ``seed``) and each
+    layer holds them XOR a random word of its own (uniform nibbles still, different in every layer, and a 32B shape
+    is built in seconds instead of drawing 16 GB). Same ``seed``: the same packed bytes on every device."""
     generator = torch.Generator().manual_seed(seed)
+    prototypes: dict[tuple[int, int], torch.Tensor] = {}
     linears = _decoder_linears(model)
     for name, linear in linears:
-        _swap(model, name, random_awq_linear(linear, group_size, generator, std, device))
+        shape = (linear.in_features, linear.out_features // PACK)
+        if shape not in prototypes:
+            drawn = torch.randint(-(2**31), 2**31, shape, generator=generator, dtype=torch.int64)
+            prototypes[shape] = drawn.to(torch.int32).to(device)
+        key = int(torch.randint(-(2**31), 2**31, (), generator=generator, dtype=torch.int64))
+        _swap(model, name, random_awq_linear(linear, group_size, prototypes[shape] ^ key, std, device))
     return len(linears)
 
 
