@@ -18,6 +18,7 @@ BENCHMARKS = (
     "streaming",
     "speculative",
     "hardening",
+    "awq",
     "gpu",
 )
 
