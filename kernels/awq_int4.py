@@ -211,7 +211,7 @@ def awq_int4_matmul(
     else:
         out = torch.empty(splits, rows, n, device=x.device, dtype=torch.float32)
     use_bias = bias is not None and splits == 1
-    _awq_fused_kernel[(*grid_mn, splits)](
+    _awq_fused_kernel[(grid_mn[0], grid_mn[1], splits)](
         x, qweight, qzeros, scales, bias if use_bias else x, out,
         rows, n, packed_n, k_per_split,
         x.stride(0), out.stride(0), out.stride(1),

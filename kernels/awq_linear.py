@@ -46,6 +46,11 @@ class AwqInt4Linear(torch.nn.Module):
     The result has the activations' dtype (float16, bfloat16 or float32); ``scales`` and ``bias`` keep theirs.
     """
 
+    qweight: torch.Tensor
+    qzeros: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(
         self,
         in_features: int,

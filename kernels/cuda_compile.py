@@ -3,6 +3,8 @@ kernels' tests use to prove that every launch configuration builds and fits in s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import triton
 
 SHARED_MEMORY_BUDGET = 99 * 1024  # bytes per program: the smallest opt-in limit among sm_80+ GPUs (sm_86/89)
@@ -12,7 +14,7 @@ def compile_variant(
     kernel: triton.runtime.JITFunction,
     arch: int,
     types: dict[str, str],
-    constants: dict[str, object],
+    constants: Mapping[str, object],
     **options: int,
 ) -> None:
     """Compile ``kernel`` for ``sm_<arch>``: arguments named in ``constants`` are constexprs, the others typed by

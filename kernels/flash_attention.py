@@ -270,8 +270,8 @@ def flash_attention(
     if num_q == 0:
         return out
     mask_t, mask_kind = _prepare_mask(mask, (batch, heads, num_q, num_k))
-    has_qpos = causal and q_pos is not None
-    qpos_t = q_pos.to(device=q.device, dtype=torch.int32).expand(batch, num_q).contiguous() if has_qpos else None
+    qpos_t = None if q_pos is None or not causal else q_pos.to(q.device, torch.int32).expand(batch, num_q).contiguous()
+    has_qpos = qpos_t is not None
 
     block_d = max(16, triton.next_power_of_2(head_dim))
     cfg = _launch_config(q.device, q.dtype, group * num_q, block_d, mask_kind != 0)
@@ -284,7 +284,7 @@ def flash_attention(
     if num_splits == 1:
         target, lse = out, out  # lse is not written when WRITE_LSE is False
         o_strides = (0, *out.stride()[:3])
-        l_strides = (0, 0, 0, 0)
+        l_strides: tuple[int, ...] = (0, 0, 0, 0)
     else:
         target = torch.empty(num_splits, batch, num_q, heads, head_dim, device=q.device, dtype=torch.float32)
         lse = torch.empty(num_splits, batch, num_q, heads, device=q.device, dtype=torch.float32)

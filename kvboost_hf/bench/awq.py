@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedModel
 
 from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
 from kvboost_hf.bench.shapes import SHAPES, random_awq_model, random_engine, tokenizer_dir
@@ -123,7 +123,7 @@ def device_bandwidth(device: torch.device, megabytes: int) -> float:
     return 2 * source.numel() / ms / 1e6
 
 
-def weight_bytes_per_token(model: torch.nn.Module) -> int:
+def weight_bytes_per_token(model: PreTrainedModel) -> int:
     """Bytes of every tensor a decode step reads: all of the model's but the input embedding table (one row)."""
     embedding = model.get_input_embeddings().weight
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if t is not embedding}

@@ -122,11 +122,11 @@ def random_awq_model(
             if parameter is None or not parameter.is_meta:
                 continue
             if id(parameter) not in made:
-                shape, dtype = parameter.shape, parameter.dtype
+                shape, kind = parameter.shape, parameter.dtype
                 if len(shape) == 1:  # norms
-                    value = torch.ones(shape, dtype=dtype, device=place)
+                    value = torch.ones(shape, dtype=kind, device=place)
                 else:
-                    value = torch.randn(shape, generator=generator, device=target, dtype=dtype).mul_(0.02).to(place)
+                    value = torch.randn(shape, generator=generator, device=target, dtype=kind).mul_(0.02).to(place)
                 made[id(parameter)] = torch.nn.Parameter(value, requires_grad=False)
             module._parameters[key] = made[id(parameter)]
     return model.eval()

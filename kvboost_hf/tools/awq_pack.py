@@ -130,7 +130,7 @@ def int4_model(model: torch.nn.Module, group_size: int = 64) -> int:
 
 
 def random_awq_linear(
-    linear: torch.nn.Module, group_size: int, words: torch.Tensor, std: float, device: torch.device | str
+    linear: torch.nn.Linear, group_size: int, words: torch.Tensor, std: float, device: torch.device | str
 ) -> AwqInt4Linear:
     """An :class:`AwqInt4Linear` of ``linear``'s shape (``in_features``, ``out_features``, bias or not) on
     ``device`` holding ``words`` (int32 ``[in, out/8]``) as its codes, zero point 8 and one float16 scale chosen so
