@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Q
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.models import embedded_model_dir, resolve_device
 from kvboost_hf.offload import layer_streamer
+from kvboost_hf.tools.awq_load import rebuild_computed_buffers
 from kvboost_hf.tools.awq_pack import random_int4_layers
 
 # Qwen2.5 shapes from the published configs (hidden, layers, heads, kv heads, MLP width, vocabulary).
@@ -111,12 +112,8 @@ def random_awq_model(
     generator = torch.Generator(device=target).manual_seed(seed + 1)
     layer_modules = {id(m) for m in model.model.layers.modules()}
     made: dict[int, torch.nn.Parameter] = {}  # tied parameters are made once
-    for name, module in list(model.named_modules()):
-        if any(b.is_meta for b in module._buffers.values() if b is not None):  # rotary embeddings: computed buffers
-            parent, _, child = name.rpartition(".")
-            with torch.device(target):
-                setattr(model.get_submodule(parent), child, type(module)(config))
-            continue
+    rebuild_computed_buffers(model, target)
+    for module in model.modules():
         place = layers if id(module) in layer_modules else target
         for key, parameter in module._parameters.items():
             if parameter is None or not parameter.is_meta:

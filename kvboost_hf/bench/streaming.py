@@ -16,7 +16,8 @@ resident, then with ``enable_layer_streaming(model, LayerStreamingConfig(...))``
 AWQ int4 (``--awq``): the model's decoder linears become :class:`~kvboost_hf.kernels.awq_linear.AwqInt4Linear`
 (the Triton kernel on CUDA): with ``--random-shape`` random packed codes built in process
 (:func:`~kvboost_hf.bench.shapes.random_awq_model`, no checkpoint), with ``--model`` its round-to-nearest int4 copy
-(:func:`~kvboost_hf.tools.awq_pack.int4_model`). The streamer then copies the packed bytes.
+(:func:`~kvboost_hf.tools.awq_pack.int4_model`). A ``--model`` folder holding an AWQ GEMM checkpoint is loaded as
+int4 by :func:`~kvboost_hf.tools.awq_load.load_awq_model` (no gptqmodel). The streamer then copies the packed bytes.
 
 ``--device-budget 12GB``: :func:`~kvboost_hf.offload.budget.plan_device_memory` picks the resident layers, the
 slots and the K/V tokens that fit the budget with ``--workspace`` left for activations and the CUDA context; the
@@ -60,6 +61,7 @@ from kvboost_hf.offload import (
     plan_device_memory,
 )
 from kvboost_hf.store.config import StoreConfig
+from kvboost_hf.tools.awq_load import is_awq_checkpoint, load_awq_model
 from kvboost_hf.tools.awq_pack import int4_model
 
 PROMPT = [{"role": "user", "content": "Explain in a few sentences why the sky looks blue and sunsets red."}]
@@ -178,6 +180,11 @@ def build_engine(args: argparse.Namespace) -> InferenceEngine:
     """The benchmark's engine: ``--model`` or ``--random-shape``, int4 with ``--awq``; with ``--device-budget`` the
     layers of a random int4 shape are built in host memory and the store keeps no GPU tier."""
     store = StoreConfig(gpu_max_bytes=0) if args.device_budget is not None else None
+    host = "cpu" if args.device_budget is not None else None
+    if args.model is not None and is_awq_checkpoint(args.model):  # an AWQ checkpoint, loaded without gptqmodel
+        dtype = getattr(torch, args.dtype) if args.dtype else torch.float16
+        model = load_awq_model(args.model, device=host or resolve_device(args.device), dtype=dtype)
+        return InferenceEngine(model, AutoTokenizer.from_pretrained(args.model), chunking=64, store=store)
     if args.random_shape is None:
         engine = InferenceEngine.from_pretrained(
             args.model, device=args.device, dtype=args.dtype, chunking=64, store=store
@@ -188,7 +195,6 @@ def build_engine(args: argparse.Namespace) -> InferenceEngine:
     if not args.awq:
         return random_engine(args.random_shape, device=args.device, dtype=args.dtype, chunking=64, store=store)
     device = resolve_device(args.device)
-    host = "cpu" if args.device_budget is not None else None
     model = random_awq_model(args.random_shape, device=device, dtype=args.dtype, group_size=args.group_size,
                              layer_device=host)  # fmt: skip
     return InferenceEngine(model, AutoTokenizer.from_pretrained(tokenizer_dir()), chunking=64, store=store)
@@ -278,7 +284,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.empty_cache()
     projected = projection(verify, args, device) if verify and args.tokens_per_verify else None
     bound_gbps = float(bandwidth.get("h2d_pinned_gbps", bandwidth.get("memcpy_gbps", 0.0)))
-    bound = bound_gbps * 1e9 / streamed["streamed_bytes_per_token"]
+    per_token = streamed["streamed_bytes_per_token"]
+    bound = bound_gbps * 1e9 / per_token if per_token else None  # None: every layer fit the device
     return {
         "plan": None if plan is None else {**asdict(plan), "used_bytes": plan.used_bytes},
         "verify": verify,
@@ -296,7 +303,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "resident": resident,
         "streamed": streamed,
         "bound_tokens_per_sec": bound,
-        "share_of_bound": streamed["tokens_per_sec"] / bound,
+        "share_of_bound": streamed["tokens_per_sec"] / bound if bound else None,
         "copy_share_of_decode": streamed["wait_seconds"] / streamed["seconds"],
     }
 
@@ -317,7 +324,9 @@ def report(result: dict[str, Any]) -> str:
     lines += [
         f"{'streamed':10} {st['tokens_per_sec']:8.2f} {st['device_bytes'] / 1e6:10.1f} "
         f"{st['streamed_bytes_per_token'] / 1e6:18.1f}",
-        f"bound (bandwidth / streamed bytes per token): {result['bound_tokens_per_sec']:.2f} tok/s; "
+        "nothing streamed: every layer fit the device"
+        if result["bound_tokens_per_sec"] is None
+        else f"bound (bandwidth / streamed bytes per token): {result['bound_tokens_per_sec']:.2f} tok/s; "
         f"streamed reaches {100 * result['share_of_bound']:.0f}% of it",
         f"time waiting on copies: {st['wait_seconds']:.2f} s of {st['seconds']:.2f} s "
         f"({100 * result['copy_share_of_decode']:.0f}% copy, {100 * (1 - result['copy_share_of_decode']):.0f}% "
@@ -364,7 +373,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     res, st = result["resident"], result["streamed"]
     fig, (speed, split) = plt.subplots(1, 2, figsize=(10, 4))
     names = ["resident", "streamed", "bound"]
-    values = [res["tokens_per_sec"] if res is not None else 0.0, st["tokens_per_sec"], result["bound_tokens_per_sec"]]
+    resident = res["tokens_per_sec"] if res is not None else 0.0
+    values = [resident, st["tokens_per_sec"], result["bound_tokens_per_sec"] or 0.0]
     speed.bar(names, values, color=["tab:blue", "tab:orange", "tab:gray"])
     speed.set_ylabel("decode tokens/s")
     speed.set_title("decode speed (bound = bandwidth / bytes per token)")

@@ -167,7 +167,8 @@ def random_int4_layers(
     return len(linears)
 
 
-def _weight_files(src: Path) -> list[str]:
+def checkpoint_files(src: Path) -> list[str]:
+    """Names of the safetensors files of the checkpoint in ``src`` (its shards, or ``model.safetensors``)."""
     index = src / "model.safetensors.index.json"
     if index.exists():
         return sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -187,7 +188,7 @@ def pack_checkpoint(src: str | Path, dst: str | Path, group_size: int = 64) -> P
     if (dst / "config.json").exists():
         raise FileExistsError(f"{dst} already holds a checkpoint")
     dst.mkdir(parents=True, exist_ok=True)
-    files = _weight_files(src)
+    files = checkpoint_files(src)
     weight_map: dict[str, str] = {}
     quantized = 0
     for name in files:
