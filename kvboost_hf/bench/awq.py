@@ -100,9 +100,9 @@ def linear_speed(args: argparse.Namespace, device: torch.device, dtype: torch.dt
             shell = torch.nn.Linear(inputs, outputs, bias=False, device="meta")
             words = torch.randint(-(2**31), 2**31, (inputs, outputs // 8), generator=generator, dtype=torch.int64)
             layer: AwqInt4Linear = random_awq_linear(shell, args.group_size, words.to(torch.int32), 0.02, device)
-            weight = (torch.randn(inputs, outputs, generator=generator) * 0.02).to(device, dtype)
+            weight = torch.randn(inputs, outputs, device=device, dtype=dtype).mul_(0.02)  # drawn where it runs
             for rows in rows_list:
-                x = torch.randn(rows, inputs, generator=generator).to(device, dtype)
+                x = torch.randn(rows, inputs, device=device, dtype=dtype)
                 with torch.no_grad():
                     int4_ms = _timed(lambda: layer(x), device, args.warmup, args.iters)  # noqa: B023
                     dense_ms = _timed(lambda: x @ weight, device, args.warmup, args.iters)  # noqa: B023
