@@ -64,14 +64,14 @@ def _dequant_tile(qw_ptr, qz_ptr, s_ptr, k0, n0, packed_n, n,
 @triton.jit
 def _awq_fused_kernel(
     x_ptr, qw_ptr, qz_ptr, s_ptr, bias_ptr, out_ptr,
-    m, n, packed_n, k_per_split,
+    m, n, k, packed_n, k_per_split,
     stride_xm, stride_os, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     """One program: rows ``[pid_m * BLOCK_M, +BLOCK_M)`` x columns ``[pid_n * BLOCK_N, +BLOCK_N)`` over the
-    inputs ``[pid_k * k_per_split, +k_per_split)``; writes ``out[pid_k]`` (fp32 partials when split, else the
-    result in the output dtype, bias added). USE_DOT False (one row): multiply-and-sum in fp32."""
+    inputs ``[pid_k * k_per_split, +k_per_split)`` cut at ``k``; writes ``out[pid_k]`` (fp32 partials when split,
+    else the result in the output dtype, bias added). USE_DOT False (one row): multiply-and-sum in fp32."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -81,7 +81,7 @@ def _awq_fused_kernel(
     n_ok = offs_n < n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start = pid_k * k_per_split
-    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, k), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None], other=0.0)
         w = _dequant_tile(qw_ptr, qz_ptr, s_ptr, k0, pid_n * BLOCK_N, packed_n, n, BLOCK_K, BLOCK_N, GROUP_SIZE)
@@ -179,8 +179,11 @@ def awq_int4_matmul(
     scales: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None = None,
+    *,
+    splits: int | None = None,
 ) -> torch.Tensor:
-    """``x @ W + bias`` for ``x`` ``[M, K]``; returns ``[M, N]`` in ``x.dtype`` (see the module docstring)."""
+    """``x @ W + bias`` for ``x`` ``[M, K]``; returns ``[M, N]`` in ``x.dtype`` (see the module docstring).
+    ``splits``: how many slices the inputs are cut into on the fused path (None: enough to fill the device)."""
     check_awq_inputs(x, qweight, qzeros, scales, group_size)
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, k = x.shape
@@ -203,7 +206,9 @@ def awq_int4_matmul(
     tiles = _tiles(x.device, rows, group_size, fused=True)
     grid_mn = (triton.cdiv(rows, tiles.block_m), triton.cdiv(n, tiles.block_n))
     k_tiles = k // tiles.block_k
-    splits = _splits(x.device, grid_mn[0] * grid_mn[1], k_tiles)
+    if splits is None:
+        splits = _splits(x.device, grid_mn[0] * grid_mn[1], k_tiles)
+    splits = max(1, min(splits, k_tiles))
     k_per_split = triton.cdiv(k_tiles, splits) * tiles.block_k
     splits = triton.cdiv(k, k_per_split)
     if splits == 1:
@@ -213,7 +218,7 @@ def awq_int4_matmul(
     use_bias = bias is not None and splits == 1
     _awq_fused_kernel[(grid_mn[0], grid_mn[1], splits)](
         x, qweight, qzeros, scales, bias if use_bias else x, out,
-        rows, n, packed_n, k_per_split,
+        rows, n, k, packed_n, k_per_split,
         x.stride(0), out.stride(0), out.stride(1),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_SIZE=group_size,
         USE_DOT=rows > 1, DOT_UPCAST=x.device.type != "cuda",

@@ -84,6 +84,17 @@ def test_kernel_matches_the_dequantized_reference(awq_kernel, rows, in_features,
     assert_close(got, oracle(x, packed, group_size, b), dtype)
 
 
+@pytest.mark.parametrize(("rows", "splits"), [(1, 3), (5, 4)])
+def test_split_inputs_sum_to_the_same_result(awq_kernel, rows, splits):
+    """Split-K as the GPU picks it when the output tiles are few: 7 input tiles cut into 3 or 4 slices (the last one
+    shorter), fp32 partials summed in a fixed order, bias added once."""
+    packed = packed_layer(224, 40, 32)
+    x = torch.randn(rows, 224, generator=torch.Generator().manual_seed(2))
+    bias = torch.randn(40).half()
+    got = awq_kernel(x, packed["qweight"], packed["qzeros"], packed["scales"], 32, bias, splits=splits)
+    assert_close(got, oracle(x, packed, 32, bias), torch.float32)
+
+
 def test_kernel_reads_strided_rows_and_refuses_bad_operands(awq_kernel):
     packed = packed_layer(64, 40, 32)
     wide = torch.randn(5, 128)
