@@ -20,6 +20,7 @@ of the group size) needs no masking.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -139,12 +140,17 @@ def _tiles(device: torch.device, rows: int, group_size: int, fused: bool) -> _Ti
     return _Tiles(block_m, 64, min(group_size, 64), 4, 3)
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _splits(device: torch.device, tiles: int, k_tiles: int) -> int:
     """Split the inputs when the output tiles cannot fill the device (twice its SMs), keeping at least 4 input
     tiles per split; 1 off CUDA."""
     if device.type != "cuda":
         return 1
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    target = 2 * _multiprocessors(device)
     if tiles >= target:
         return 1
     return max(1, min(math.ceil(target / tiles), k_tiles // 4, 32))
