@@ -259,7 +259,7 @@ def projection(verify: dict[str, Any], args: argparse.Namespace, device: torch.d
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = build_engine(args)
-    device = engine.device
+    device = resolve_device(args.device)  # the compute device (a budgeted model may still sit in host memory)
     bandwidth = copy_bandwidth(device, args.copy_mb)
     plan = budget_plan(engine, args) if args.device_budget is not None else None
     resident = None
