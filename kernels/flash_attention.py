@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvboost_hf.kernels.cuda_compile import compile_variant
+
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 # Finite additive biases are clamped here so that ``bias * LOG2E`` cannot overflow to -inf: a row masked only with
 # the dtype minimum (eager-style masks) then averages uniformly, as SDPA does, instead of becoming "fully masked".
@@ -35,7 +37,6 @@ MIN_BIAS: tl.constexpr = tl.constexpr(-1e37)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128
 PREFILL_SPLIT_RATIO = 8  # several row blocks are split only when the keys outnumber the queries this many times
-SHARED_MEMORY_BUDGET = 99 * 1024  # bytes per program: the smallest opt-in limit among sm_80+ GPUs (sm_86/89)
 
 
 # Kernels and their launch are hand-aligned (arguments grouped by role): the formatter leaves them alone.
@@ -269,8 +270,8 @@ def flash_attention(
     if num_q == 0:
         return out
     mask_t, mask_kind = _prepare_mask(mask, (batch, heads, num_q, num_k))
-    has_qpos = causal and q_pos is not None
-    qpos_t = q_pos.to(device=q.device, dtype=torch.int32).expand(batch, num_q).contiguous() if has_qpos else None
+    qpos_t = None if q_pos is None or not causal else q_pos.to(q.device, torch.int32).expand(batch, num_q).contiguous()
+    has_qpos = qpos_t is not None
 
     block_d = max(16, triton.next_power_of_2(head_dim))
     cfg = _launch_config(q.device, q.dtype, group * num_q, block_d, mask_kind != 0)
@@ -283,7 +284,7 @@ def flash_attention(
     if num_splits == 1:
         target, lse = out, out  # lse is not written when WRITE_LSE is False
         o_strides = (0, *out.stride()[:3])
-        l_strides = (0, 0, 0, 0)
+        l_strides: tuple[int, ...] = (0, 0, 0, 0)
     else:
         target = torch.empty(num_splits, batch, num_q, heads, head_dim, device=q.device, dtype=torch.float32)
         lse = torch.empty(num_splits, batch, num_q, heads, device=q.device, dtype=torch.float32)
@@ -323,23 +324,8 @@ def compile_for_cuda(arch: int = 90) -> int:
 
     Each dtype in a prefill and a split-K decode configuration, cycling through head dims 64/80/96/128, the
     mask kinds and causal modes. Raises ``RuntimeError`` under ``TRITON_INTERPRET=1`` or when a variant needs more
-    than ``SHARED_MEMORY_BUDGET``.
+    than :data:`~kvboost_hf.kernels.cuda_compile.SHARED_MEMORY_BUDGET`.
     """
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    if not isinstance(_attn_fwd_kernel, triton.runtime.JITFunction):
-        raise RuntimeError("kernels are interpreted (TRITON_INTERPRET=1); compile in a process without it")
-    target = GPUTarget("cuda", arch, 32)
-
-    def build(kernel: triton.runtime.JITFunction, types: dict[str, str], constants: dict[str, object], **opts: int):
-        names = kernel.arg_names
-        signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in names}
-        source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constants.items()})
-        compiled = triton.compile(source, target=target, options=opts)
-        if compiled.metadata.shared > SHARED_MEMORY_BUDGET:
-            raise RuntimeError(f"{kernel.__name__} {constants} needs {compiled.metadata.shared} B of shared memory")
-
     variants = list(itertools.product(SUPPORTED_DTYPES, (4096, 4)))  # rows per (batch, kv head): prefill, decode
     for index, (dtype, rows) in enumerate(variants):
         split, mask_kind, head_dim = rows < 64, index % 3, (64, 80, 96, 128)[index % 4]
@@ -353,7 +339,7 @@ def compile_for_cuda(arch: int = 90) -> int:
             "CAUSAL": mask_kind == 0, "HAS_QPOS": split, "MASK_KIND": mask_kind, "WRITE_LSE": split,
             "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32", "DOT_UPCAST": False,
         }
-        build(_attn_fwd_kernel, types, constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        compile_variant(_attn_fwd_kernel, arch, types, constants, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     combine_types = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "o_ptr": "*bf16"}
-    build(_combine_kernel, combine_types, {"HEAD_DIM": 80, "BLOCK_D": 128, "BLOCK_S": 8})
+    compile_variant(_combine_kernel, arch, combine_types, {"HEAD_DIM": 80, "BLOCK_D": 128, "BLOCK_S": 8})
     return len(variants) + 1

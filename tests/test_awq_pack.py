@@ -12,7 +12,8 @@ from conftest import make_tiny_model
 from oracle import engine_reference
 from safetensors.torch import load_file
 
-from kvboost_hf.tools.awq_pack import AWQ_ORDER, dequantize_linear, main, pack_int4, quantize_linear, unpack_int4
+from kvboost_hf.kernels.awq_reference import AWQ_ORDER, unpack_int4
+from kvboost_hf.tools.awq_pack import dequantize_linear, main, pack_int4, quantize_linear
 
 
 def reference_dequantize(qweight, qzeros, scales, group_size):

@@ -186,3 +186,28 @@ def test_prepare_writes_wheels_tokenizer_and_howto(tmp_path, monkeypatch):
     assert "KVBOOST_HF_TOKENIZER=$PWD/.gpu/tokenizer" in howto and "--model" in howto
     for step in gpu.campaign(dry_run=False):
         assert step.name in howto
+
+
+def test_dry_run_of_the_awq_steps(tmp_path):
+    """The AWQ steps on toy shapes: the int4 linear and decode against dense, and a streamed int4 model under a
+    device budget with verify costs and the projection (on a CPU: the Triton interpreter runs the int4 layers)."""
+    steps = {s.name: s for s in gpu.campaign(dry_run=True)}
+    record = gpu.run_campaign(tmp_path, [steps["awq"], steps["awq_streaming"]], budget_s=400, dry_run=True)
+    awq = record["steps"]["awq"]
+    assert awq["status"] == "passed", awq["log_tail"]
+    result = awq["results"]["awq.json"]
+    assert {(r["linear"], r["rows"]) for r in result["linear"]} >= {("q_proj", 1), ("down_proj", 8), ("o_proj", 80)}
+    assert all(r["int4_ms"] > 0 and r["dense_ms"] > 0 for r in result["linear"])
+    assert result["decode"]["int4"]["tokens_per_sec"] > 0 and result["decode"]["int4_speedup"] > 0
+
+    streamed = record["steps"]["awq_streaming"]
+    assert streamed["status"] == "passed", streamed["log_tail"]
+    result = streamed["results"]["streaming.json"]
+    assert result["settings"]["awq"] and result["resident"] is None  # a budgeted model is never resident
+    plan = result["plan"]
+    assert plan["streamed_layers"] == 3 and plan["used_bytes"] <= plan["budget_bytes"]
+    assert result["streaming"]["bytes_per_forward"] < 3 * 24064  # packed int4 bytes, not dequantized weights
+    assert set(result["verify"]["tree_seconds"]) == {"1", "8", "32", "64"}
+    projected = result["projection"]
+    assert projected["tokens_per_verify"] == 8.53 and "docs/benchmarks.md" in projected["tokens_per_verify_source"]
+    assert projected["projected_tokens_per_sec"] > 0 and projected["verify_nodes"] == 64

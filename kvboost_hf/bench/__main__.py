@@ -20,6 +20,7 @@ BENCHMARKS = (
     "decode",
     "speculative",
     "hardening",
+    "awq",
     "gpu",
 )
 

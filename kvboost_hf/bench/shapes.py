@@ -23,6 +23,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Q
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.models import embedded_model_dir, resolve_device
 from kvboost_hf.offload import layer_streamer
+from kvboost_hf.tools.awq_load import rebuild_computed_buffers
+from kvboost_hf.tools.awq_pack import random_int4_layers
 
 # Qwen2.5 shapes from the published configs (hidden, layers, heads, kv heads, MLP width, vocabulary).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -81,6 +83,49 @@ def random_model(
     torch.manual_seed(0)
     with torch.device(target):
         model = AutoModelForCausalLM.from_config(random_config(name, **overrides), dtype=_dtype(dtype, target))
+    return model.eval()
+
+
+def random_awq_model(
+    name: str,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    group_size: int = 128,
+    layer_device: str | torch.device | None = None,
+    seed: int = 0,
+    **overrides: Any,
+) -> PreTrainedModel:
+    """A random AWQ int4 model of shape ``name`` built in process, no checkpoint: every decoder-layer linear is an
+    :class:`~kvboost_hf.kernels.awq_linear.AwqInt4Linear` with random packed codes (``group_size`` inputs per
+    scale, :func:`~kvboost_hf.tools.awq_pack.random_int4_layers`) on ``layer_device`` (default ``device``; the CPU
+    for a model whose layers will be streamed), the embeddings, norms and ``lm_head`` random on ``device`` in
+    ``dtype`` (defaults as :func:`random_model`). No float weight of a layer is ever created (a 32B shape needs
+    ~16 GB for its layers, ~3 GB for the rest). The layers' packed bytes are the same on every device for a
+    ``seed``; the embeddings and ``lm_head`` are drawn by ``device``'s generator (fast on a GPU), so they are not."""
+    target = resolve_device(device)
+    config = random_config(name, **overrides)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=_dtype(dtype, target))
+    layers = torch.device(layer_device) if layer_device is not None else target
+    random_int4_layers(model, group_size, seed=seed, device=layers)
+    generator = torch.Generator(device=target).manual_seed(seed + 1)
+    layer_modules = {id(m) for m in model.model.layers.modules()}
+    made: dict[int, torch.nn.Parameter] = {}  # tied parameters are made once
+    rebuild_computed_buffers(model, target)
+    for module in model.modules():
+        place = layers if id(module) in layer_modules else target
+        for key, parameter in module._parameters.items():
+            if parameter is None or not parameter.is_meta:
+                continue
+            if id(parameter) not in made:
+                shape, kind = parameter.shape, parameter.dtype
+                if len(shape) == 1:  # norms
+                    value = torch.ones(shape, dtype=kind, device=place)
+                else:
+                    value = torch.randn(shape, generator=generator, device=target, dtype=kind).mul_(0.02).to(place)
+                made[id(parameter)] = torch.nn.Parameter(value, requires_grad=False)
+            module._parameters[key] = made[id(parameter)]
     return model.eval()
 
 

@@ -143,24 +143,41 @@ def draft_ranks(target: PreTrainedModel, draft: PreTrainedModel, prompt_ids: lis
     }
 
 
-def time_verify_forwards(model: PreTrainedModel, prompt_ids: list[int], sizes: list[int], repeats: int) -> dict:
-    """Median seconds of one target forward over ``n`` new positions after the prompt (a chain-shaped 4D mask: the
-    cost of a tree of ``n`` nodes), per ``n`` in ``sizes``; the cache is cropped back after each forward."""
+def draft_visibility(size: int, branching: int | None = None) -> torch.Tensor:
+    """Boolean ``[size, size]``: node ``i`` sees node ``j`` (itself and its ancestors). ``branching`` None: a chain
+    (node ``i``'s parent is ``i - 1``); else a complete tree in breadth-first order (parent ``(i - 1) //
+    branching``)."""
+    visible = torch.eye(size, dtype=torch.bool)
+    for node in range(1, size):
+        parent = node - 1 if branching is None else (node - 1) // branching
+        visible[node] |= visible[parent]
+    return visible
+
+
+def time_verify_forwards(
+    model: PreTrainedModel, prompt_ids: list[int], sizes: list[int], repeats: int, branching: int | None = None
+) -> dict:
+    """Median seconds of one target forward over ``n`` new positions after the prompt, per ``n`` in ``sizes``: a
+    draft of ``n`` nodes shaped by :func:`draft_visibility` (default a chain, whose 4D mask costs what a tree's
+    does); the cache is cropped back after each forward. On CUDA each forward is timed to its completion."""
     device = next(model.parameters()).device
     cache = DynamicCache()
     ids = torch.tensor([prompt_ids], device=device)
     forward(model, cache, input_ids=ids, logits_to_keep=1)
     context = torch.ones(1, len(prompt_ids), dtype=torch.long, device=device)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
     seconds = {}
     for size in sizes:
-        visible = torch.ones(size, size, dtype=torch.bool).tril()[None]
-        mask = tree_attention_mask(context, visible, model_dtype(model))
-        positions = torch.arange(len(prompt_ids), len(prompt_ids) + size, device=device)[None]
-        fed = torch.randint(0, model.config.get_text_config(decoder=True).vocab_size, (1, size), device=device)
+        visible = draft_visibility(size, branching)
+        mask = tree_attention_mask(context, visible[None], model_dtype(model))
+        positions = (len(prompt_ids) - 1 + visible.sum(1)).to(device)[None]  # the prompt's length + depth
+        fed = torch.randint(0, vocab, (1, size), device=device)
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
             forward(model, cache, input_ids=fed, attention_mask=mask, position_ids=positions, logits_to_keep=size)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - started)
             cache.crop(-size)
         seconds[size] = statistics.median(times)

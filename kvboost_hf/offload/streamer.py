@@ -121,6 +121,12 @@ def _unique_bytes(entries: list[tuple[torch.nn.Module, str, str, torch.Tensor]],
     return sum(_aligned(_tensor_bytes(t)) if aligned else _tensor_bytes(t) for t in unique)
 
 
+def layer_device_bytes(layer: torch.nn.Module) -> int:
+    """Bytes ``layer`` takes in a slot: its distinct tensors, each rounded up to :data:`ALIGNMENT` (the size the
+    streamer packs it to; for a device budget, see :mod:`kvboost_hf.offload.budget`)."""
+    return _unique_bytes(owned_tensors(layer), aligned=True)
+
+
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The model's list of decoder layers (a ``ModuleList`` named layers/h/blocks of ``num_hidden_layers``)."""
     config = model.config.get_text_config(decoder=True)  # type: ignore[union-attr, operator]
@@ -238,7 +244,7 @@ class LayerStreamer:
             raise ValueError(
                 f"keep_first_k + keep_last_k = {first + last} exceeds the model's {len(layers)} decoder layers"
             )
-        layer_bytes = [_unique_bytes(owned_tensors(layer), aligned=True) for layer in layers]
+        layer_bytes = [layer_device_bytes(layer) for layer in layers]
         streamed_ids = {id(m) for layer in layers for m in layer.modules()}
         other_bytes = _unique_bytes(self._tensors_outside(streamed_ids))
         first = self._choose_keep_first(layer_bytes, other_bytes, first, len(layers) - last)

@@ -34,13 +34,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from kvboost_hf.kernels.awq_linear import AwqInt4Linear
+from kvboost_hf.kernels.awq_reference import AWQ_ORDER, BITS, MAX_CODE, PACK, dequantize_awq
+
 logger = logging.getLogger(__name__)
 
-BITS = 4
-PACK = 32 // BITS  # codes per int32
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j holds column 8c + AWQ_ORDER[j]
-MAX_CODE = (1 << BITS) - 1
 _LAYER_WEIGHT = re.compile(r"(^|\.)(layers|h|blocks)\.\d+\..*\.weight$")
+RANDOM_ZERO = 8  # the zero point of random int4 layers: codes 0..15 stand for -8..7 steps
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -52,20 +52,10 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     if codes.min() < 0 or codes.max() > MAX_CODE:
         raise ValueError("int4 codes must lie in [0, 15]")
     grouped = codes.to(torch.int64).reshape(rows, cols // PACK, PACK)
-    packed = torch.zeros(rows, cols // PACK, dtype=torch.int64)
+    packed = torch.zeros(rows, cols // PACK, dtype=torch.int64, device=codes.device)
     for nibble, column in enumerate(AWQ_ORDER):
         packed |= grouped[:, :, column] << (BITS * nibble)
     return (packed - ((packed >> 31) << 32)).to(torch.int32)  # two's complement into int32
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_int4`: int32 ``[rows, cols/8]`` to int64 codes ``[rows, cols]``."""
-    rows, groups = packed.shape
-    wide = packed.to(torch.int64) & 0xFFFFFFFF
-    codes = torch.empty(rows, groups, PACK, dtype=torch.int64)
-    for nibble, column in enumerate(AWQ_ORDER):
-        codes[:, :, column] = (wide >> (BITS * nibble)) & MAX_CODE
-    return codes.reshape(rows, groups * PACK)
 
 
 def quantize_linear(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
@@ -93,10 +83,8 @@ def quantize_linear(weight: torch.Tensor, group_size: int) -> dict[str, torch.Te
 
 
 def dequantize_linear(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int):
-    """The float32 weight ``[out, in]`` that an AWQ GEMM triple stands for."""
-    codes = unpack_int4(qweight).float()
-    zeros = unpack_int4(qzeros).float().repeat_interleave(group_size, dim=0)
-    return ((codes - zeros) * scales.float().repeat_interleave(group_size, dim=0)).t()
+    """The float32 weight ``[out, in]`` (nn.Linear's layout) that an AWQ GEMM triple stands for."""
+    return dequantize_awq(qweight, qzeros, scales, group_size).t()
 
 
 @torch.no_grad()
@@ -113,7 +101,74 @@ def round_trip_int4(model: torch.nn.Module, group_size: int = 64) -> int:
     return rounded
 
 
-def _weight_files(src: Path) -> list[str]:
+def _decoder_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
+    """``(name, module)`` of every ``nn.Linear`` inside a decoder layer (what :func:`pack_checkpoint` quantizes)."""
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and _LAYER_WEIGHT.search(f"{name}.weight")
+    ]
+
+
+def _swap(model: torch.nn.Module, name: str, replacement: torch.nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, replacement)
+
+
+@torch.no_grad()
+def int4_model(model: torch.nn.Module, group_size: int = 64) -> int:
+    """Replace, in place, every decoder-layer ``nn.Linear`` of ``model`` by an :class:`AwqInt4Linear` holding its
+    round-to-nearest int4 packing (the tensors :func:`pack_checkpoint` writes: scales and bias in float16), on the
+    weight's device. Returns how many layers were replaced. The model then runs on the int4 kernel (Triton on CUDA)
+    and a layer streamer copies packed bytes."""
+    linears = _decoder_linears(model)
+    for name, linear in linears:
+        packed = {k: v.to(linear.weight.device) for k, v in quantize_linear(linear.weight, group_size).items()}
+        bias = None if linear.bias is None else linear.bias.detach().half()
+        _swap(model, name, AwqInt4Linear.from_packed(**packed, group_size=group_size, bias=bias))
+    return len(linears)
+
+
+def random_awq_linear(
+    linear: torch.nn.Linear, group_size: int, words: torch.Tensor, std: float, device: torch.device | str
+) -> AwqInt4Linear:
+    """An :class:`AwqInt4Linear` of ``linear``'s shape (``in_features``, ``out_features``, bias or not) on
+    ``device`` holding ``words`` (int32 ``[in, out/8]``) as its codes, zero point 8 and one float16 scale chosen so
+    the weights' root mean square is ``std`` for uniform codes (codes minus 8: 4.64 steps); bias zeros."""
+    in_features, out_features = linear.in_features, linear.out_features
+    layer = AwqInt4Linear(in_features, out_features, group_size, linear.bias is not None, device=device)
+    layer.qweight.copy_(words)
+    layer.qzeros.copy_(pack_int4(torch.full((1, PACK), RANDOM_ZERO)).expand_as(layer.qzeros))
+    step = std / (((MAX_CODE + 1) ** 2 - 1) / 12 + 0.25) ** 0.5  # uniform codes -8..7: mean square 21.5 steps^2
+    layer.scales.fill_(step)
+    return layer
+
+
+@torch.no_grad()
+def random_int4_layers(
+    model: torch.nn.Module, group_size: int, *, seed: int = 0, std: float = 0.02, device: torch.device | str = "cpu"
+) -> int:
+    """Replace every decoder-layer linear of ``model`` (which may live on the meta device: nothing of the float
+    weights is read but their shapes) by :func:`random_awq_linear` on ``device``; returns how many.
+
+    Codes are drawn once per distinct shape (uniform int32 words from a CPU generator seeded with ``seed``) and each
+    layer holds them XOR a random word of its own (uniform nibbles still, different in every layer, and a 32B shape
+    is built in seconds instead of drawing 16 GB). Same ``seed``: the same packed bytes on every device."""
+    generator = torch.Generator().manual_seed(seed)
+    prototypes: dict[tuple[int, int], torch.Tensor] = {}
+    linears = _decoder_linears(model)
+    for name, linear in linears:
+        shape = (linear.in_features, linear.out_features // PACK)
+        if shape not in prototypes:
+            drawn = torch.randint(-(2**31), 2**31, shape, generator=generator, dtype=torch.int64)
+            prototypes[shape] = drawn.to(torch.int32).to(device)
+        key = int(torch.randint(-(2**31), 2**31, (), generator=generator, dtype=torch.int64))
+        _swap(model, name, random_awq_linear(linear, group_size, prototypes[shape] ^ key, std, device))
+    return len(linears)
+
+
+def checkpoint_files(src: Path) -> list[str]:
+    """Names of the safetensors files of the checkpoint in ``src`` (its shards, or ``model.safetensors``)."""
     index = src / "model.safetensors.index.json"
     if index.exists():
         return sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -133,7 +188,7 @@ def pack_checkpoint(src: str | Path, dst: str | Path, group_size: int = 64) -> P
     if (dst / "config.json").exists():
         raise FileExistsError(f"{dst} already holds a checkpoint")
     dst.mkdir(parents=True, exist_ok=True)
-    files = _weight_files(src)
+    files = checkpoint_files(src)
     weight_map: dict[str, str] = {}
     quantized = 0
     for name in files:

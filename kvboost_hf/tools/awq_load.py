@@ -1,0 +1,92 @@
+"""Load an AWQ GEMM int4 checkpoint without gptqmodel: its quantized linears become
+:class:`~kvboost_hf.kernels.awq_linear.AwqInt4Linear` (the Triton kernel on CUDA, plain torch on CPU).
+
+transformers routes ``quant_method="awq"`` through gptqmodel, whose kernels are compiled extensions (absent from
+many GPU images). :func:`load_awq_model` reads the same files itself: the model is built on the meta device from the
+config (its ``quantization_config`` dropped), every linear whose ``qweight`` the checkpoint holds is swapped for an
+``AwqInt4Linear``, and the tensors are assigned from the safetensors files. Supported: 4 bits, zero point,
+``version="gemm"`` (what ``tools/awq_pack.py`` writes and AutoAWQ's GEMM checkpoints hold).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from kvboost_hf.kernels.awq_linear import AwqInt4Linear
+from kvboost_hf.kernels.awq_reference import BITS
+from kvboost_hf.tools.awq_pack import checkpoint_files
+
+
+def rebuild_computed_buffers(model: torch.nn.Module, device: torch.device) -> int:
+    """Re-create on ``device`` every submodule whose buffers are still on the meta device (rotary embeddings: their
+    buffers are computed from the config, not stored). Returns how many were rebuilt."""
+    config = getattr(model, "config", None)
+    rebuilt = 0
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module._buffers.values() if b is not None):
+            parent, _, child = name.rpartition(".")
+            with torch.device(device):
+                setattr(model.get_submodule(parent), child, type(module)(config))
+            rebuilt += 1
+    return rebuilt
+
+
+def is_awq_checkpoint(path: str | Path) -> bool:
+    """True when ``path`` is a local checkpoint folder whose config names ``quant_method="awq"``."""
+    config = Path(path) / "config.json"
+    if not config.exists():
+        return False
+    return (json.loads(config.read_text()).get("quantization_config") or {}).get("quant_method") == "awq"
+
+
+def _awq_settings(path: Path) -> dict:
+    config = json.loads((path / "config.json").read_text())
+    settings = config.get("quantization_config") or {}
+    wanted = {"quant_method": "awq", "bits": BITS, "zero_point": True, "version": "gemm"}
+    found = {key: settings.get(key) for key in wanted}
+    if found != wanted or not isinstance(settings.get("group_size"), int):
+        raise ValueError(f"{path} is not a 4-bit AWQ GEMM checkpoint with zero points: quantization_config {settings}")
+    return settings
+
+
+def load_awq_model(
+    path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float16
+) -> PreTrainedModel:
+    """The AWQ GEMM checkpoint in ``path`` as a model on ``device``: quantized linears as ``AwqInt4Linear`` (packed
+    tensors and float16 scales as stored), every other floating tensor in ``dtype``. Raises ValueError for another
+    quantization or a checkpoint whose tensors do not fill the model."""
+    path, target = Path(path), torch.device(device)
+    group_size = int(_awq_settings(path)["group_size"])
+    config = AutoConfig.from_pretrained(path)
+    del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state: dict[str, torch.Tensor] = {}
+    for name in checkpoint_files(path):
+        with safe_open(path / name, framework="pt", device=str(target)) as reader:
+            for key in reader.keys():  # noqa: SIM118 (a safetensors reader is not iterable)
+                tensor = reader.get_tensor(key)
+                keep = not tensor.is_floating_point() or key.endswith(".scales")
+                state[key] = tensor if keep else tensor.to(dtype)
+    for name, module in list(model.named_modules()):
+        if f"{name}.qweight" in state and isinstance(module, torch.nn.Linear):
+            layer = AwqInt4Linear(module.in_features, module.out_features, group_size, module.bias is not None,
+                                  device="meta")  # fmt: skip
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, layer)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if config.get_text_config(decoder=True).tie_word_embeddings:
+        model.tie_weights()
+        missing = [key for key in missing if not key.startswith("lm_head.")]
+    if missing or unexpected:
+        raise ValueError(f"{path}: tensors missing {missing[:5]}, tensors unknown to the model {unexpected[:5]}")
+    rebuild_computed_buffers(model, target)
+    meta = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
+    if meta:
+        raise ValueError(f"{path}: no values for {meta[:5]}")
+    return model.eval()

@@ -1,0 +1,71 @@
+"""AWQ GEMM checkpoints loaded without gptqmodel (``tools/awq_load.py``): a checkpoint written by ``awq_pack``
+computes what the same float model quantized in memory computes, with its other weights rounded to float16 as the
+checkpoint stores them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from transformers import AutoModelForCausalLM
+
+from kvboost_hf.kernels.awq_linear import AwqInt4Linear, replace_awq_linears
+from kvboost_hf.tools.awq_load import load_awq_model
+from kvboost_hf.tools.awq_pack import int4_model, pack_checkpoint
+
+
+@pytest.mark.parametrize(("arch", "tied"), [("qwen2", True), ("llama", False)])
+def test_a_packed_checkpoint_loads_as_int4_layers(tmp_path, monkeypatch, arch, tied):
+    monkeypatch.delenv("TRITON_INTERPRET")  # the plain-torch path: these tests are about loading
+    model = make_tiny_model(arch, tie_word_embeddings=tied)
+    model.save_pretrained(tmp_path / "src")
+    pack_checkpoint(tmp_path / "src", tmp_path / "dst", group_size=32)
+    loaded = load_awq_model(tmp_path / "dst", dtype=torch.float32)
+
+    int4_model(model, group_size=32)  # the reference: the same quantization, in memory
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(parameter.half().float())  # the checkpoint keeps non-quantized weights in float16
+    assert sum(isinstance(m, AwqInt4Linear) for m in loaded.modules()) == 14
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
+    ids = torch.randint(1, 128, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_other_quantizations_are_refused(tmp_path):
+    make_tiny_model("llama").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not a 4-bit AWQ GEMM checkpoint"):
+        load_awq_model(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                                     "version": "gemv"}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="version"):
+        load_awq_model(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("gptqmodel") is None, reason="the oracle is gptqmodel's AWQ kernel")
+def test_gptqmodel_reads_the_layout_as_we_do(tmp_path):
+    """An independent reader of the format: transformers + gptqmodel load the packed checkpoint with their own AWQ
+    layers; swapping them for AwqInt4Linear (``replace_awq_linears``) and loading without gptqmodel both give
+    gptqmodel's logits (its CPU kernel multiplies in bfloat16: 0.3% apart, where a wrong nibble order or zero point
+    would be 100%). The int4 layers run the interpreted Triton kernel (gptqmodel imports Triton: the interpreter
+    setting conftest made at start-up must stay)."""
+    make_tiny_model("qwen2").save_pretrained(tmp_path / "src")
+    pack_checkpoint(tmp_path / "src", tmp_path / "dst", group_size=32)
+    ids = torch.randint(1, 128, (1, 10), generator=torch.Generator().manual_seed(0))
+
+    def logits(model) -> torch.Tensor:
+        with torch.no_grad():
+            return model(ids).logits
+
+    expected = logits(AutoModelForCausalLM.from_pretrained(tmp_path / "dst", dtype=torch.float32))
+    swapped = AutoModelForCausalLM.from_pretrained(tmp_path / "dst", dtype=torch.float32)
+    assert replace_awq_linears(swapped) == 14
+    for got in (logits(swapped), logits(load_awq_model(tmp_path / "dst", dtype=torch.float32))):
+        assert (got - expected).abs().max() <= 0.01 * expected.abs().max()
