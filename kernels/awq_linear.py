@@ -17,7 +17,6 @@ import os
 from collections.abc import Callable
 
 import torch
-
 from kvboost_hf.kernels.awq_reference import PACK, awq_reference_matmul
 
 logger = logging.getLogger(__name__)
