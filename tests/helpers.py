@@ -187,7 +187,7 @@ def documents(count: int = 3, length: int = 40, seed: int = 0) -> list[torch.Ten
 def warm_alone(model, store, doc: torch.Tensor, **kwargs) -> None:
     """Prefill ``doc`` alone as one segment and store its chunks."""
     cache = ChunkReuseCache(store, model, chunking=REPAIR_CHUNK, segment_starts=[0, len(doc)], **kwargs)
-    model(doc[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(doc[None], cache=cache, use_cache=True, logits_to_keep=1)
     cache.save()
 
 
@@ -213,7 +213,7 @@ def run(
 def full_prefill(model, ids) -> DynamicCache:
     """The K/V of a plain prefill of ``ids``."""
     cache = DynamicCache()
-    model(ids, past_key_values=cache)
+    model(ids, cache=cache)
     return cache
 
 

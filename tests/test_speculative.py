@@ -49,11 +49,11 @@ def test_drop_in_greedy_with_draft_equals_plain_greedy(target, drafts, draft_nam
     plain = greedy(target, ids)
     store = ChunkStore()
     if cache_state == "reuse_warm":
-        greedy(target, ids, past_key_values=ChunkReuseCache(store, target, chunking=16))
+        greedy(target, ids, cache=ChunkReuseCache(store, target, chunking=16))
     cache = None if cache_state == "dynamic" else ChunkReuseCache(store, target, chunking=16)
     draft = drafts[draft_name]
     with Speculation(target, draft, DraftConfig(num_draft_tokens=4)) as speculation:
-        out = greedy(target, ids, past_key_values=cache, **speculation.generate_kwargs())
+        out = greedy(target, ids, cache=cache, **speculation.generate_kwargs())
     assert torch.equal(out, plain)
     stats = speculation.stats
     new_tokens = out.shape[1] - ids.shape[1]
@@ -273,7 +273,7 @@ def test_streamed_target_with_draft_and_chunk_reuse_equals_resident_greedy(early
     for state in ("cold", "warm"):
         cache = ChunkReuseCache(store, streamed, chunking=16)
         with Speculation(streamed, None if early_exit else draft, settings) as speculation:
-            out, spent = streamed_greedy(past_key_values=cache, **speculation.generate_kwargs())
+            out, spent = streamed_greedy(cache=cache, **speculation.generate_kwargs())
         assert torch.equal(out, expected), state
         assert cache.last_reuse[0].cached_tokens == (48 if state == "warm" else 0)
         if not early_exit:  # an identical draft: about 5 tokens per target forward
