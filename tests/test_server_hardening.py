@@ -25,7 +25,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from helpers import API_KEY, MODEL_NAME, WEATHER_TOOL, LiveServer, chat  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
-from kvboost_hf.server.app import GracefulServer, ServerConfig, create_app, decode_body, uvicorn_config  # noqa: E402
+from kvboost_hf.server.app import ServerConfig, create_app, decode_body, uvicorn_config  # noqa: E402
 from kvboost_hf.server.grammar import GrammarBusy, GrammarCompiler, GrammarConfig, GrammarError  # noqa: E402
 from kvboost_hf.server.grammar_process import CompileProcess  # noqa: E402
 
@@ -38,12 +38,13 @@ class HardenedServer(LiveServer):
     """A live server configured as ``kvboost-hf serve`` configures uvicorn (:func:`uvicorn_config`)."""
 
     def __init__(self, app, settings: ServerConfig) -> None:
+        self.settings = settings
         super().__init__(app)
-        config = uvicorn_config(
-            app, settings, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=30
+
+    def config(self, app) -> uvicorn.Config:
+        return uvicorn_config(
+            app, self.settings, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=30
         )
-        self.server = GracefulServer(config, app.state.drain)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
 
 
 SETTINGS = ServerConfig(
