@@ -158,8 +158,13 @@ _HOLD_OPEN = textwrap.dedent(
 def test_garbage_in_the_lock_file_disables_the_tier(tmp_path: Path, offset: int):
     """Garbage over the lock file's header while another process holds it (so LMDB does not rebuild it): the
     tier is disabled with a warning. Before: MDB_INVALID (offset 0) or a process hung in a garbage mutex."""
+    from kvboost_hf.store.disk import DiskTier
+
     directory = tmp_path / "d"
-    assert _run(_DISK_SCENARIO, str(directory), "none").returncode == 0
+    tier = DiskTier(directory, 1 << 22)  # the files, created here and closed before another process holds them
+    tier.put(key(1), raw_entry())
+    assert tier.flush()
+    tier.close()
     holder = subprocess.Popen([sys.executable, "-c", _HOLD_OPEN, str(directory)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
