@@ -8,7 +8,7 @@ Public API::
     result = engine.generate("Hello", max_new_tokens=32)
     result = engine.generate("Hello", sampling=SamplingConfig(temperature=0.7, top_k=40, seed=1))  # = the server
 
-    cache = ChunkReuseCache(ChunkStore(), model)  # drop-in for model.generate(past_key_values=...)
+    cache = ChunkReuseCache(ChunkStore(), model)  # drop-in for model.generate(cache=...)
 
     engine = KVBoost.from_pretrained(name, streaming=LayerStreamingConfig(keep_first_k=4))  # larger than the GPU
     handle = enable_layer_streaming(model, LayerStreamingConfig())  # the same for a model you loaded yourself

@@ -135,7 +135,7 @@ def greedy(model, ids, cache=None, new=8, **kwargs):
     """Greedy ``generate()`` on ``cache`` (None: plain): the sequences and the stacked logits ``[B, new, V]``."""
     out = model.generate(
         ids,
-        past_key_values=cache,
+        cache=cache,
         max_new_tokens=new,
         do_sample=False,
         pad_token_id=0,

@@ -187,7 +187,7 @@ def documents(count: int = 3, length: int = 40, seed: int = 0) -> list[torch.Ten
 def warm_alone(model, store, doc: torch.Tensor, **kwargs) -> None:
     """Prefill ``doc`` alone as one segment and store its chunks."""
     cache = ChunkReuseCache(store, model, chunking=REPAIR_CHUNK, segment_starts=[0, len(doc)], **kwargs)
-    model(doc[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(doc[None], cache=cache, use_cache=True, logits_to_keep=1)
     cache.save()
 
 
@@ -213,7 +213,7 @@ def run(
 def full_prefill(model, ids) -> DynamicCache:
     """The K/V of a plain prefill of ``ids``."""
     cache = DynamicCache()
-    model(ids, past_key_values=cache)
+    model(ids, cache=cache)
     return cache
 
 
@@ -296,22 +296,26 @@ WEATHER_TOOL = {
 
 
 class LiveServer:
-    """uvicorn serving ``app`` in a daemon thread on a free loopback port (a context manager; start and stop are
-    bounded by 30 s each)."""
+    """uvicorn serving ``app`` in a daemon thread on a loopback port of its own (a context manager; start and stop
+    are bounded by 30 s each). The port's socket is bound here and handed to uvicorn, so no other test process
+    (pytest -n) can take the port between choosing and serving it."""
 
     def __init__(self, app) -> None:
-        import uvicorn
-
         from kvboost_hf.server.app import GracefulServer
 
-        self.port = free_port()
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = int(self.socket.getsockname()[1])
         self.app = app
-        config = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=30
-        )
-        self.server = GracefulServer(config, app.state.drain)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.server = GracefulServer(self.config(app), app.state.drain)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
         self.url = f"http://127.0.0.1:{self.port}"
+
+    def config(self, app) -> Any:
+        """uvicorn's configuration of the server (host and port name the bound socket)."""
+        import uvicorn
+
+        return uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=30)
 
     def __enter__(self) -> LiveServer:
         self.thread.start()
@@ -324,6 +328,7 @@ class LiveServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+        self.socket.close()
         assert not self.thread.is_alive(), "server did not stop"
 
     def client(self, key: str | None = API_KEY):

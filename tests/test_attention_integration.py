@@ -118,8 +118,8 @@ def _prefill_on_cache(model: PreTrainedModel, impl: str) -> torch.Tensor:
     """Logits of 7 tokens forwarded on top of a 12-token cache (Lq < Lk)."""
     ids = _prompt(1, 19)
     cache = DynamicCache(config=model.config)
-    _forward_logits(model, impl, input_ids=ids[:, :12], past_key_values=cache, use_cache=True)
-    return _forward_logits(model, impl, input_ids=ids[:, 12:], past_key_values=cache, use_cache=True)
+    _forward_logits(model, impl, input_ids=ids[:, :12], cache=cache, use_cache=True)
+    return _forward_logits(model, impl, input_ids=ids[:, 12:], cache=cache, use_cache=True)
 
 
 def test_prefill_on_cache_matches_sdpa(model: PreTrainedModel, kernel_calls: list[int]) -> None:
@@ -147,7 +147,7 @@ def test_chunk_reuse_cache_matches_sdpa(model: PreTrainedModel, kernel_calls: li
     store = ChunkStore(StoreConfig(max_bytes=1 << 24))
     for run in range(2):
         cache = ChunkReuseCache(store, model, chunking=16)
-        tokens, logits = _generate(model, "kvboost", ids, past_key_values=cache)
+        tokens, logits = _generate(model, "kvboost", ids, cache=cache)
         assert torch.equal(tokens, ref_tokens), f"run {run}"
         torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
     assert cache.last_reuse[0].cached_tokens > 0, "the second run reused no chunk"
@@ -199,7 +199,7 @@ def test_plain_prefill_and_decode_go_to_sdpa_and_prefill_on_a_cache_to_the_kerne
     with torch.no_grad():
         out = model(ids, use_cache=True)  # plain prefill: SDPA
         assert shapes == []
-        model(ids[:, :1], past_key_values=out.past_key_values, use_cache=True)  # one query: SDPA
+        model(ids[:, :1], cache=out.past_key_values, use_cache=True)  # one query: SDPA
         assert shapes == []
-        model(ids[:, :5], past_key_values=out.past_key_values, use_cache=True)  # 5 queries over 18 keys: kernel
+        model(ids[:, :5], cache=out.past_key_values, use_cache=True)  # 5 queries over 18 keys: kernel
     assert shapes and all(shape == (5, 18) for shape in shapes)

@@ -1,4 +1,5 @@
-"""ChunkReuseCache as a drop-in ``past_key_values``: exact reuse on every tiny architecture."""
+"""ChunkReuseCache as a drop-in ``cache`` (``past_key_values`` before transformers 5.24): exact reuse on every tiny
+architecture."""
 
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def test_assisted_decoding_crops_the_cache():
         cache = ChunkReuseCache(store, model, chunking=CHUNK)
         out = model.generate(
             ids,
-            past_key_values=cache,
+            cache=cache,
             assistant_model=assistant,
             max_new_tokens=12,
             do_sample=False,
@@ -111,7 +112,7 @@ def test_beam_search_reorders_rows():
     expected = model.generate(ids, num_beams=3, max_new_tokens=6, do_sample=False, pad_token_id=0)
     for _ in range(2):
         cache = ChunkReuseCache(store, model, chunking=CHUNK)
-        out = model.generate(ids, past_key_values=cache, num_beams=3, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        out = model.generate(ids, cache=cache, num_beams=3, max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert torch.equal(out, expected)
 
 
@@ -119,7 +120,7 @@ def test_batch_select_and_repeat_keep_tokens_aligned():
     model = make_tiny_model("llama")
     cache = ChunkReuseCache(ChunkStore(StoreConfig(1 << 26)), model, chunking=CHUNK)
     ids = torch.randint(1, 128, (2, 20), generator=torch.Generator().manual_seed(9))
-    model(ids, past_key_values=cache, use_cache=True)
+    model(ids, cache=cache, use_cache=True)
     cache.batch_repeat_interleave(2)
     assert torch.equal(cache.tokens, ids.repeat_interleave(2, 0))
     assert cache.layers[0].keys.shape[0] == 4

@@ -25,7 +25,7 @@ def manual_greedy(model, cache, ids, defer=False):
     with torch.no_grad():
         inputs = pending.model_inputs()
         for _ in range(NEW):
-            out = model.forward(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model.forward(**inputs, cache=cache, use_cache=True, logits_to_keep=1)
             cache.record(inputs["input_ids"])
             step = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens = torch.cat([tokens, step], dim=1)
@@ -54,7 +54,7 @@ def test_sparse_prefill_runs_its_repair_forward_or_defers_it():
     for doc in docs:
         warm = ChunkReuseCache(store, model, CHUNK, segment_starts=[0, 40])
         warm.prefill(doc[None], keep=0)
-        model.forward(input_ids=doc[None], past_key_values=warm, use_cache=True)
+        model.forward(input_ids=doc[None], cache=warm, use_cache=True)
         warm.record(doc[None])
         warm.save()
     ids = torch.cat([docs[1], docs[0], torch.tensor([3, 4, 5])])[None]
@@ -87,7 +87,7 @@ def test_write_back_processor_writes_during_generation_and_the_next_turn_hits_th
     watch = StoreWatch(store)
     turn1 = model.generate(
         history,
-        past_key_values=cache,
+        cache=cache,
         max_new_tokens=12,
         do_sample=False,
         pad_token_id=0,
@@ -100,7 +100,7 @@ def test_write_back_processor_writes_during_generation_and_the_next_turn_hits_th
     cache = ChunkReuseCache(store, model, CHUNK)
     got = model.generate(
         history,
-        past_key_values=cache,
+        cache=cache,
         max_new_tokens=NEW,
         do_sample=False,
         pad_token_id=0,
@@ -120,7 +120,7 @@ def test_crop_works_when_reuse_is_off_for_a_call():
     options = dict(attention_mask=mask, prompt_lookup_num_tokens=4, max_new_tokens=16, do_sample=False, pad_token_id=0)
     expected = model.generate(ids, **options)
     cache = ChunkReuseCache(ChunkStore(StoreConfig(1 << 26)), model, 4)
-    assert torch.equal(model.generate(ids, past_key_values=cache, **options), expected)
+    assert torch.equal(model.generate(ids, cache=cache, **options), expected)
     assert not cache.reuse_enabled
 
 
@@ -137,7 +137,7 @@ def test_left_padded_rows_are_written_back_and_reused():
     expected = plain(model, ids, attention_mask=mask)
     for _ in range(2):  # cold, then warm
         cache = ChunkReuseCache(store, model, CHUNK)
-        assert torch.equal(plain(model, ids, attention_mask=mask, past_key_values=cache), expected)
+        assert torch.equal(plain(model, ids, attention_mask=mask, cache=cache), expected)
     # both rows hit two chunks; the batch skips the 32 columns every row covers, 4 of them padding in row 1
     assert [r.cached_tokens for r in cache.last_reuse] == [32, 28]
 

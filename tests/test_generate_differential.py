@@ -84,7 +84,7 @@ def generate(model: PreTrainedModel, cache: Any, seed: int | None = None, **kwar
     )
     options.update(kwargs)
     if cache is not None:
-        options["past_key_values"] = cache
+        options["cache"] = cache
     return model.generate(**options)
 
 
@@ -326,12 +326,12 @@ def test_custom_4d_mask_forward_then_crop_matches_dynamic_cache(models, arch: st
     results = []
     for cache in (DynamicCache(config=model.config), make_cache(ChunkStore(StoreConfig(1 << 26)), model)):
         with torch.no_grad():
-            model(ids, attention_mask=additive_causal_mask(16, 16), past_key_values=cache, use_cache=True)
+            model(ids, attention_mask=additive_causal_mask(16, 16), cache=cache, use_cache=True)
             cache.crop(-4)  # reject the last 4 "draft" tokens
             logits = model(
                 ids[:, 12:14],
                 attention_mask=additive_causal_mask(2, 14),
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
                 position_ids=torch.arange(12, 14)[None],
             ).logits
@@ -405,8 +405,8 @@ def test_sliding_layers_show_the_window_and_keep_every_column(models, arch: str)
             sizes = cache.get_mask_sizes(step.shape[1], layer_idx)
             assert sizes == reference.get_mask_sizes(step.shape[1], layer_idx)
         with torch.no_grad():
-            model(step, past_key_values=reference, use_cache=True)
-            model(step, past_key_values=cache, use_cache=True)
+            model(step, cache=reference, use_cache=True)
+            model(step, cache=cache, use_cache=True)
     for layer, ref_layer in zip(cache.layers, reference.layers, strict=True):
         assert layer.keys.shape[-2] == ids.shape[1]  # every column kept
         torch.testing.assert_close(layer.keys[:, :, -ref_layer.keys.shape[-2] :], ref_layer.keys, atol=0, rtol=0)
@@ -417,7 +417,7 @@ def test_join_refuses_layers_that_keep_only_the_window(models) -> None:
     caches = [DynamicCache(config=model.config), DynamicCache(config=model.config)]
     with torch.no_grad():
         for cache in caches:
-            model(tokens(PROMPT_LEN, 0), past_key_values=cache, use_cache=True)
+            model(tokens(PROMPT_LEN, 0), cache=cache, use_cache=True)
     with pytest.raises(ValueError, match="DynamicSlidingWindowLayer: it keeps only its window"):
         join_layers(*caches)
 

@@ -51,7 +51,15 @@ def test_dry_run_records_every_step_and_survives_a_failure_and_a_hang(tmp_path):
     assert (copy / "gpu.png").stat().st_size > 0
 
 
-def test_a_second_call_extends_the_record_and_budget_skips(tmp_path):
+@pytest.fixture
+def probed_cpu(monkeypatch):
+    """``gpu.environment()`` without its probe subprocess (seconds of imports): a CPU machine's record. The probe
+    itself is checked by the dry-run test and the test without the embedded model."""
+    record = {"date_utc": "2026-01-01T00:00:00+00:00", "cuda_available": False, "tokenizer": None}
+    monkeypatch.setattr(gpu, "environment", lambda: dict(record))
+
+
+def test_a_second_call_extends_the_record_and_budget_skips(tmp_path, probed_cpu):
     ok = gpu.Step("ok", ("-c", "print('fine')"), 30)
     gpu.run_campaign(tmp_path, [ok], budget_s=60, dry_run=True)
     late = gpu.Step("late", ("-c", "print('never')"), 30)
@@ -131,7 +139,7 @@ def test_every_model_step_runs_without_the_embedded_model(tmp_path, without_the_
     assert served["off"]["summary"]["errors"] == served["on"]["summary"]["errors"] == 0
 
 
-def test_a_real_model_folder_replaces_the_random_weights(tmp_path):
+def test_a_real_model_folder_replaces_the_random_weights(tmp_path, probed_cpu):
     from kvboost_hf.bench.shapes import save_random_model
 
     folder = save_random_model("tiny", tmp_path / "model", device="cpu")  # stands in for a real model folder

@@ -149,7 +149,7 @@ def test_exact_prefix_hits_with_chunk_reuse_cache():
 def warm_and_reuse(model, store, docs, question, strategy):
     for doc in docs:
         cache = reuse_cache(store, model, starts=[0, len(doc)])
-        model(doc[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(doc[None], cache=cache, use_cache=True, logits_to_keep=1)
         cache.save()
     parts = [docs[1], docs[0], question]
     starts = [0, len(parts[0]), len(parts[0]) + len(parts[1])]

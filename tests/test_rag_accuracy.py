@@ -109,12 +109,12 @@ def test_head_tokens_recompute_every_reused_chunk_head():
     docs = [torch.randint(1, 128, (32,), generator=gen) for _ in range(2)]
     for doc in docs:
         cache = ChunkReuseCache(store, model, 16, segment_starts=[0, len(doc)])
-        model(doc[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(doc[None], cache=cache, use_cache=True, logits_to_keep=1)
         cache.save()
     ids = torch.cat([docs[1], docs[0], torch.tensor([5, 6, 7])])[None]
     repair = RepairConfig("cacheblend", 0.05, check_layer=0, head_tokens=3)  # 2 layers: filter after layer 0
     cache = ChunkReuseCache(store, model, 16, repair, segment_starts=[0, 32, 64], write_back=False)
-    model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    model.generate(ids, cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
     reuse = cache.last_reuse[0]
     # doc 1 at position 0 is an exact prefix hit; doc 0's two chunks are content hits whose 3-token heads are
     # recomputed although 5% of 32 tokens would be 2

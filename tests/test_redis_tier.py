@@ -138,7 +138,7 @@ _PROCESS = textwrap.dedent(
     options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     store = ChunkStore(StoreConfig(1 << 26, remote_url=sys.argv[1]))
     cache = ChunkReuseCache(store, model, chunking=16)
-    out = model.generate(ids, past_key_values=cache, **options)
+    out = model.generate(ids, cache=cache, **options)
     store.close()
     full_prefill = model.generate(ids, **options)
     print(json.dumps({

@@ -23,7 +23,7 @@ def test_rerotation_equals_keys_computed_at_the_new_position(arch):
     ids = torch.randint(1, 128, (1, 24), generator=torch.Generator().manual_seed(1))
     at_zero = full_prefill(model, ids).layers[0].keys  # layer-0 keys depend on token and position only
     moved = DynamicCache()
-    model(ids, past_key_values=moved, position_ids=torch.arange(24)[None] + 37)
+    model(ids, cache=moved, position_ids=torch.arange(24)[None] + 37)
     assert torch.allclose(rotator.rotate(at_zero, 37), moved.layers[0].keys, atol=1e-5)
     assert torch.allclose(rotator.rotate(moved.layers[0].keys, -37), at_zero, atol=1e-5)
 
@@ -48,7 +48,7 @@ def test_rerotation_is_exact_for_scaled_rope_variants(rope):
     model = make_tiny_model("llama", rope_parameters=rope)
     ids = torch.randint(1, 128, (1, 24), generator=torch.Generator().manual_seed(1))
     moved = DynamicCache()
-    model(ids, past_key_values=moved, position_ids=torch.arange(24)[None] + 200)
+    model(ids, cache=moved, position_ids=torch.arange(24)[None] + 200)
     rotated = KeyRotator(model).rotate(full_prefill(model, ids).layers[0].keys, 200)
     assert torch.allclose(rotated, moved.layers[0].keys, atol=1e-5)
 
@@ -150,7 +150,7 @@ def test_content_defined_chunks_hit_a_document_inside_a_plain_prompt():
     store = ChunkStore(StoreConfig(1 << 26))
     doc = torch.randint(1, 128, (120,), generator=torch.Generator().manual_seed(5))
     warm = ChunkReuseCache(store, model, CONTENT)
-    model(doc[None], past_key_values=warm, use_cache=True, logits_to_keep=1)
+    model(doc[None], cache=warm, use_cache=True, logits_to_keep=1)
     warm.save()
     prefix = torch.randint(1, 128, (13,), generator=torch.Generator().manual_seed(6))
     ids = torch.cat([prefix, doc, torch.tensor([1, 2, 3])])[None]
@@ -158,7 +158,7 @@ def test_content_defined_chunks_hit_a_document_inside_a_plain_prompt():
     assert cache.last_reuse[0].hit_chunks >= 3
     assert torch.equal(out[0], greedy(model, ids)[0])
     fixed = ChunkReuseCache(store, model, chunking=REPAIR_CHUNK)  # fixed cuts at a shifted offset find nothing
-    model.generate(ids, past_key_values=fixed, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    model.generate(ids, cache=fixed, max_new_tokens=1, do_sample=False, pad_token_id=0)
     assert fixed.last_reuse[0].hit_chunks == 0
 
 

@@ -25,7 +25,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from helpers import API_KEY, MODEL_NAME, WEATHER_TOOL, LiveServer, chat  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
-from kvboost_hf.server.app import GracefulServer, ServerConfig, create_app, decode_body, uvicorn_config  # noqa: E402
+from kvboost_hf.server.app import ServerConfig, create_app, decode_body, uvicorn_config  # noqa: E402
 from kvboost_hf.server.grammar import GrammarBusy, GrammarCompiler, GrammarConfig, GrammarError  # noqa: E402
 from kvboost_hf.server.grammar_process import CompileProcess  # noqa: E402
 
@@ -38,12 +38,13 @@ class HardenedServer(LiveServer):
     """A live server configured as ``kvboost-hf serve`` configures uvicorn (:func:`uvicorn_config`)."""
 
     def __init__(self, app, settings: ServerConfig) -> None:
+        self.settings = settings
         super().__init__(app)
-        config = uvicorn_config(
-            app, settings, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=30
+
+    def config(self, app) -> uvicorn.Config:
+        return uvicorn_config(
+            app, self.settings, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=30
         )
-        self.server = GracefulServer(config, app.state.drain)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
 
 
 SETTINGS = ServerConfig(
@@ -412,18 +413,22 @@ def test_warm_documents_are_capped(server):
     assert response.status_code == 400 and "limit of 256" in response.json()["error"]["message"], response.text
 
 
-def test_warm_yields_to_decoding(server):
-    """A chat sent while 40 documents are warmed is answered between two of them, not after the last."""
+def test_warm_yields_to_decoding(server, engine):
+    """A chat sent while 16 documents are warmed is answered between two of them, not after the last."""
     warmed: list[tuple[float, int]] = []
 
     def warm() -> None:
         start = time.perf_counter()
-        status = post(server, {"documents": _documents(40)}, "/v1/warm").status_code
+        status = post(server, {"documents": _documents(16)}, "/v1/warm").status_code
         warmed.append((time.perf_counter() - start, status))
 
+    stored = engine.store.stats()["puts"]
     thread = threading.Thread(target=warm)
     thread.start()
-    time.sleep(0.3)  # the warm has started
+    deadline = time.monotonic() + 60
+    while engine.store.stats()["puts"] == stored:  # the warm has started: its first document is stored
+        assert time.monotonic() < deadline and thread.is_alive(), warmed
+        time.sleep(0.01)
     start = time.perf_counter()
     chat_status = post(server, {"model": MODEL_NAME, "messages": chat("Say hi."), "max_tokens": 1}).status_code
     chat_s = time.perf_counter() - start

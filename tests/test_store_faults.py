@@ -42,7 +42,7 @@ _SERVING_PROCESS = textwrap.dedent(
     model = make_tiny_model("llama")
     store = ChunkStore(StoreConfig(1 << 26, disk_cache_dir=sys.argv[1]))  # never closed: killed with SIGKILL
     for i in range(_PROMPTS):
-        model.generate(prompt(i), past_key_values=ChunkReuseCache(store, model, chunking=16), **_GENERATE)
+        model.generate(prompt(i), cache=ChunkReuseCache(store, model, chunking=16), **_GENERATE)
         if i == 2:
             store.flush()
             print("ready", flush=True)
@@ -73,7 +73,7 @@ def test_sigkill_during_write_through_loses_only_queued_writes(tmp_path: Path):
         reused = 0
         for i in range(_PROMPTS):
             cache = ChunkReuseCache(store, model, chunking=16, write_back=False)
-            out = model.generate(prompt(i), past_key_values=cache, **_GENERATE)
+            out = model.generate(prompt(i), cache=cache, **_GENERATE)
             assert torch.equal(out, model.generate(prompt(i), **_GENERATE)), f"prompt {i} differs"
             reused += cache.last_reuse[0].cached_tokens
         assert reused >= 3 * 32 and store.stats()["corrupt"] == 0
@@ -155,7 +155,7 @@ def test_directory_deleted_while_serving(tmp_path: Path, caplog):
                 shutil.rmtree(directory)
             cache = ChunkReuseCache(store, model, chunking=16)
             for _ in range(2):  # the second call reuses from RAM
-                out = model.generate(prompt(i), past_key_values=cache, **_GENERATE)
+                out = model.generate(prompt(i), cache=cache, **_GENERATE)
                 cache = ChunkReuseCache(store, model, chunking=16)
             assert torch.equal(out, model.generate(prompt(i), **_GENERATE))
         store.flush()
@@ -197,7 +197,7 @@ def test_unquantizable_chunk_does_not_fail_generation():
         model.model.layers[0].self_attn.k_proj.weight.mul_(1e6)
     store = ChunkStore(StoreConfig(1 << 24, kv_cache_bits=4))
     cache = ChunkReuseCache(store, model, chunking=16)
-    out = model.generate(prompt(0), past_key_values=cache, **_GENERATE)
+    out = model.generate(prompt(0), cache=cache, **_GENERATE)
     assert out.shape[1] > prompt(0).shape[1] and store.stats()["skipped"] > 0
 
 
@@ -214,10 +214,10 @@ def test_restart_reuses_the_unfinished_chunk(tmp_path: Path):
     model = make_tiny_model("llama")
     with ChunkStore(StoreConfig(1 << 26, disk_cache_dir=tmp_path)) as store:
         cache = ChunkReuseCache(store, model, chunking=16)
-        first = model.generate(prompt(3), past_key_values=cache, **_GENERATE)
+        first = model.generate(prompt(3), cache=cache, **_GENERATE)
     second_turn = torch.cat([first, prompt(4)[:, :5]], dim=1)
     with ChunkStore(StoreConfig(1 << 26, disk_cache_dir=tmp_path)) as store:
         cache = ChunkReuseCache(store, model, chunking=16)
-        out = model.generate(second_turn, past_key_values=cache, **_GENERATE)
+        out = model.generate(second_turn, cache=cache, **_GENERATE)
         assert cache.last_reuse[0].cached_tokens > 32  # two full chunks and the tail
     assert torch.equal(out, model.generate(second_turn, **_GENERATE))

@@ -95,16 +95,17 @@ _DISK_SCENARIO = textwrap.dedent(
     from helpers import key, raw_entry
     from kvboost_hf.store.disk import DiskTier
 
-    directory, damage = sys.argv[1], sys.argv[2]
-    tier = DiskTier(directory, 1 << 22)
-    tier.put(key(1), raw_entry())
-    tier.flush()
-    if damage.startswith("truncate:"):
-        os.truncate(os.path.join(directory, "data.mdb"), int(damage.split(":")[1]))
-    print("get", tier.get(key(1)) is not None, "disabled", tier.disabled is not None, flush=True)
-    tier.put(key(2), raw_entry(seed=2))
-    tier.flush()
-    print("held", tier.get(key(2)) is not None, flush=True)
+    args = sys.argv[1:]
+    for index, (directory, damage) in enumerate(zip(args[::2], args[1::2])):  # one case per directory
+        tier = DiskTier(directory, 1 << 22)
+        tier.put(key(1), raw_entry())
+        tier.flush()
+        if damage.startswith("truncate:"):
+            os.truncate(os.path.join(directory, "data.mdb"), int(damage.split(":")[1]))
+        print(index, "get", tier.get(key(1)) is not None, "disabled", tier.disabled is not None, flush=True)
+        tier.put(key(2), raw_entry(seed=2))
+        tier.flush()
+        print(index, "held", tier.get(key(2)) is not None, flush=True)
     """
 )
 
@@ -114,17 +115,32 @@ def _run(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProc
     return subprocess.run([sys.executable, "-c", code, *args], env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("size", [100, 4096, 8192 + 100])
-def test_data_file_truncated_under_an_open_tier_is_a_miss_not_sigbus(tmp_path: Path, size: int):
+TRUNCATED_SIZES = [100, 4096, 8192 + 100]
+
+
+@pytest.fixture(scope="module")
+def truncated_runs(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """The disk scenario with data.mdb truncated under an open tier to each of :data:`TRUNCATED_SIZES` (case i in
+    directory ``d{i}``), then a new process opening each directory undamaged: two interpreters for the three cases
+    (starting one costs seconds of imports)."""
+    root = tmp_path_factory.mktemp("truncated")
+    cases = [(str(root / f"d{i}"), f"truncate:{size}") for i, size in enumerate(TRUNCATED_SIZES)]
+    damaged = _run(_DISK_SCENARIO, *(arg for case in cases for arg in case), timeout=120)
+    reopened = _run(_DISK_SCENARIO, *(arg for directory, _ in cases for arg in (directory, "none")), timeout=120)
+    return root, damaged, reopened
+
+
+@pytest.mark.parametrize("size", TRUNCATED_SIZES)
+def test_data_file_truncated_under_an_open_tier_is_a_miss_not_sigbus(truncated_runs, size: int):
     """Truncated below its meta pages (100, 4096 bytes) or below its used pages: a warning and misses; a tier
     opened afterwards sets the file aside and starts empty. Before: SIGBUS reading ``env.info()``."""
-    result = _run(_DISK_SCENARIO, str(tmp_path / "d"), f"truncate:{size}")
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "get False disabled True" in result.stdout
-    result = _run(_DISK_SCENARIO, str(tmp_path / "d"), "none")  # a new process: the file is set aside
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "get True disabled False\nheld True" in result.stdout
-    assert (tmp_path / "d" / "data.mdb.damaged").exists()
+    root, damaged, reopened = truncated_runs
+    case = TRUNCATED_SIZES.index(size)
+    assert damaged.returncode == 0, damaged.stderr[-2000:]
+    assert f"{case} get False disabled True" in damaged.stdout
+    assert reopened.returncode == 0, reopened.stderr[-2000:]  # a new process: the file is set aside
+    assert f"{case} get True disabled False\n{case} held True" in reopened.stdout
+    assert (root / f"d{case}" / "data.mdb.damaged").exists()
 
 
 _HOLD_OPEN = textwrap.dedent(
@@ -142,8 +158,13 @@ _HOLD_OPEN = textwrap.dedent(
 def test_garbage_in_the_lock_file_disables_the_tier(tmp_path: Path, offset: int):
     """Garbage over the lock file's header while another process holds it (so LMDB does not rebuild it): the
     tier is disabled with a warning. Before: MDB_INVALID (offset 0) or a process hung in a garbage mutex."""
+    from kvboost_hf.store.disk import DiskTier
+
     directory = tmp_path / "d"
-    assert _run(_DISK_SCENARIO, str(directory), "none").returncode == 0
+    tier = DiskTier(directory, 1 << 22)  # the files, created here and closed before another process holds them
+    tier.put(key(1), raw_entry())
+    assert tier.flush()
+    tier.close()
     holder = subprocess.Popen([sys.executable, "-c", _HOLD_OPEN, str(directory)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
@@ -154,7 +175,7 @@ def test_garbage_in_the_lock_file_disables_the_tier(tmp_path: Path, offset: int)
         holder.kill()
         holder.wait()
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "get False disabled True" in result.stdout
+    assert "0 get False disabled True" in result.stdout
     assert "lock.mdb" in result.stderr  # the warning names the file
 
 

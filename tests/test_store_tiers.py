@@ -170,7 +170,7 @@ def test_quantized_store_serves_the_cache(bits: int):
     store = ChunkStore(StoreConfig(1 << 24, kv_cache_bits=bits))
     for _ in range(2):
         cache = ChunkReuseCache(store, model, chunking=16)
-        out = model.generate(ids, past_key_values=cache, **options)
+        out = model.generate(ids, cache=cache, **options)
     assert cache.last_reuse[0].cached_tokens == 48
     assert out.shape == expected.shape
     if bits == 8:

@@ -41,7 +41,7 @@ from kvboost_hf.corpus import documents
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.layers import ChunkReuseLayer
-from kvboost_hf.hf.models import kv_entry_shape, model_dtype
+from kvboost_hf.hf.models import CACHE_ARGUMENT, kv_entry_shape, model_dtype
 from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
 DEFAULT_SIZES = (4096, 16384, 32000)
@@ -121,14 +121,14 @@ def bare_forward_ms(engine: InferenceEngine, document_ids: list[int], new_ids: l
     layers = [ChunkReuseLayer() for _ in range(kv_entry_shape(model)[0])]
     cache = Cache(layers=layers)
     with torch.inference_mode():
-        model(torch.tensor([document_ids], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(torch.tensor([document_ids], device=device), **{CACHE_ARGUMENT: cache}, use_cache=True, logits_to_keep=1)
         for layer in layers:
             layer.reserve(len(document_ids) + len(new_ids))
         new = torch.tensor([new_ids], device=device)
         positions = torch.arange(len(document_ids), len(document_ids) + len(new_ids), device=device)[None]
 
         def run() -> None:
-            model(new, past_key_values=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
+            model(new, **{CACHE_ARGUMENT: cache}, position_ids=positions, use_cache=True, logits_to_keep=1)
             cache.crop(-len(new_ids))
 
         return min(timed_call(run, device)[0] for _ in range(repeats + 1))

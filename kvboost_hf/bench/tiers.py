@@ -51,6 +51,7 @@ from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.keys import chain_prefix_keys, forget_model_digest, model_digest
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.cache import ChunkReuseCache
+from kvboost_hf.hf.models import CACHE_ARGUMENT
 from kvboost_hf.store.chunk_store import ChunkStore
 from kvboost_hf.store.config import StoreConfig
 
@@ -412,11 +413,11 @@ def _stored_generation(
     store = ChunkStore(StoreConfig(1 << 30, kv_cache_bits=bits))
     with torch.inference_mode():
         first = ChunkReuseCache(store, model, args.chunk_size)
-        model.generate(ids, past_key_values=first, max_new_tokens=1, **options)  # saves its chunks
+        model.generate(ids, **{CACHE_ARGUMENT: first}, max_new_tokens=1, **options)  # saves its chunks
         cache = ChunkReuseCache(store, model, args.chunk_size, write_back=False)
         out = model.generate(
             ids,
-            past_key_values=cache,
+            **{CACHE_ARGUMENT: cache},
             max_new_tokens=args.new_tokens,
             return_dict_in_generate=True,
             output_logits=True,

@@ -3,7 +3,7 @@
 Use it like any cache::
 
     cache = ChunkReuseCache(store, model)
-    model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+    model.generate(input_ids, cache=cache, max_new_tokens=64)  # past_key_values=cache before transformers 5.24
 
 The cache is the container (per-layer K/V, the token ids of every column, one ledger per row); the work is done
 in explicit calls, which :mod:`kvboost_hf.hf.hooks` only makes from ``generate()``:
@@ -71,7 +71,7 @@ class ChunkReuseCache(Cache):
             so they hit at any position. Each row keeps its segment starts in its ledger, so rows joined from another
             cache (:meth:`join`) keep theirs and are written back under their own keys.
         write_back: store the chunks computed through this cache.
-        adapter: install the hooks that let ``model.generate(past_key_values=cache)`` and ``model(...)`` drive
+        adapter: install the hooks that let ``model.generate(cache=cache)`` and ``model(...)`` drive
             this cache (:mod:`kvboost_hf.hf.hooks`; once per model). Not needed when forwards are driven explicitly
             (:func:`kvboost_hf.hf.prefill.forward`, as the decode loop does).
         max_cache_len: static mode (tokens, padding included): every layer holds ``[B, H_kv, max_cache_len, D]``

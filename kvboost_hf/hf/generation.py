@@ -11,7 +11,7 @@ from transformers import LogitsProcessor
 class ChunkWriteBack(LogitsProcessor):
     """A pass-through logits processor that writes a reuse cache's completed chunks back as generation proceeds.
 
-    ``model.generate(ids, past_key_values=cache, logits_processor=[ChunkWriteBack(cache)])``. It sees every step:
+    ``model.generate(ids, cache=cache, logits_processor=[ChunkWriteBack(cache)])``. It sees every step:
     from the second forward on it calls ``cache.save(tail=False)`` (so the prompt's chunks are written after the
     first token, never inside time to first token). Scores are returned unchanged. When generation ends, the
     cache's ``generate`` wrapper stores the unfinished last chunk (``cache.save(tail=True)``); without the

@@ -3,7 +3,7 @@
 :class:`~kvboost_hf.hf.cache.ChunkReuseCache` and its prefiller do their work in explicit calls
 (``cache.prefill()``, ``record()``, ``save()``; :func:`kvboost_hf.hf.prefill.forward` drives one forward
 with them), so nothing of the library needs these hooks. They exist for
-``model.generate(ids, past_key_values=ChunkReuseCache(...))`` and ``model(...)``: installed once per model (a
+``model.generate(ids, cache=ChunkReuseCache(...))`` and ``model(...)``: installed once per model (a
 ``ChunkReuseCache`` installs them), removable with :func:`uninstall_hooks`, and inert for any forward that is not
 given such a cache:
 
@@ -101,7 +101,7 @@ def install_hooks(model: torch.nn.Module) -> None:
 
 def uninstall_hooks(model: torch.nn.Module) -> bool:
     """Remove the adapter from ``model`` (its forward hooks and the ``generate`` wrapper); False when none was
-    installed. Afterwards ``model.generate(past_key_values=ChunkReuseCache(...))`` no longer loads or stores
+    installed. Afterwards ``model.generate(cache=ChunkReuseCache(...))`` no longer loads or stores
     chunks (a new ``ChunkReuseCache`` installs the adapter again); explicit driving still works."""
     installed = _ADAPTERS.pop(model, None)
     if installed is None:

@@ -14,7 +14,7 @@ For users of ``model.generate(assistant_model=draft)`` (transformers' assisted g
 draft a chunk-reuse cache, and counts target forwards and proposals::
 
     with Speculation(model, draft, DraftConfig(num_draft_tokens=5), lambda: ChunkReuseCache(store, draft)) as s:
-        model.generate(ids, past_key_values=ChunkReuseCache(store, model), **s.generate_kwargs(), ...)
+        model.generate(ids, cache=ChunkReuseCache(store, model), **s.generate_kwargs(), ...)
     s.stats.target_forwards
 """
 
