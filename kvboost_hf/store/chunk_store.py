@@ -63,7 +63,7 @@ MAX_TAIL_PARENTS = 65536
 _REPORTED = {  # counters reported (0 when the tier is absent) so that dashboards see a fixed set of keys
     "gpu": ("bytes", "hits"),
     "ram": ("bytes", "hits"),
-    "disk": ("bytes", "hits", "chunks", "evictions", "errors", "dropped", "queued", "disabled", "rechecks"),
+    "disk": ("bytes", "hits", "chunks", "evictions", "errors", "dropped", "queued", "disabled", "rechecks", "lost"),
     "remote": ("bytes", "hits", "errors", "dropped", "republished"),
 }
 

@@ -1,0 +1,236 @@
+"""Issue #40 (hardening, third round): the disk tier's write lock is a lease that nobody holds forever, a flush
+that says True means every chunk is on disk, and the smaller items. Every test runs real processes on
+127.0.0.1 or a local directory and is bounded to a few seconds of waiting."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from helpers import ENV, key, raw_entry
+
+from kvboost_hf.store.disk import WRITE_LOCK, DiskTier
+
+# ---------------------------------------------------------------------------------------------- the write lock
+
+_HOLD_LOCK = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from kvboost_hf.store.disk import _write_lock
+    with _write_lock(Path(sys.argv[1]), 5.0, float(sys.argv[2])):
+        print("held", flush=True)
+        time.sleep(float(sys.argv[3]))
+    print("released", flush=True)
+    """
+)
+
+
+@pytest.fixture
+def stopped_holder(tmp_path: Path) -> Iterator[Callable[[], subprocess.Popen]]:
+    """Starts a process holding ``WRITE_LOCK`` of ``tmp_path/d`` (where ``key(100)`` is stored) with a 0.5 s
+    lease and stops it by SIGSTOP (a debugger, a hung process). A watchdog resumes it after 6 s, so code that
+    waits for the lock without bound ends too (and fails its timing assertion) instead of hanging the suite."""
+    directory = tmp_path / "d"
+    tier = DiskTier(directory, 1 << 22)
+    tier.put(key(100), raw_entry(seed=100))
+    tier.close()
+    started: list[subprocess.Popen] = []
+    watchdog = threading.Timer(6.0, lambda: [os.kill(p.pid, signal.SIGCONT) for p in started])
+
+    def start() -> subprocess.Popen:
+        holder = subprocess.Popen(
+            [sys.executable, "-c", _HOLD_LOCK, str(directory), "0.5", "1.0"], env=ENV, stdout=subprocess.PIPE, text=True
+        )
+        started.append(holder)
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        os.kill(holder.pid, signal.SIGSTOP)
+        watchdog.start()
+        return holder
+
+    try:
+        yield start
+    finally:
+        watchdog.cancel()
+        for holder in started:
+            os.kill(holder.pid, signal.SIGCONT)
+            holder.communicate(timeout=30)
+
+
+def _put_batch(tier: DiskTier, first: int, count: int) -> None:
+    for i in range(first, first + count):
+        tier.put(key(i), raw_entry(seed=i))
+
+
+def test_flush_returns_within_its_timeout_while_a_stopped_process_holds_the_lock(
+    tmp_path: Path, stopped_holder: Callable[[], subprocess.Popen], caplog
+):
+    """Before: ``flush(timeout_s=1)`` blocked until the holder ran again (here: the 6 s watchdog). Now it returns
+    False within the timeout, the writes are served from memory, counted in ``lock_waits``, the holder is named
+    once past its lease, and the writes land once it lets go."""
+    directory = tmp_path / "d"
+    tier = DiskTier(directory, 1 << 22, lock_wait_s=0.05, lease_s=5.0)
+    holder = stopped_holder()
+    try:
+        with caplog.at_level("WARNING", logger="kvboost_hf.store.disk"):
+            _put_batch(tier, 0, 8)
+            time.sleep(0.2)  # the writer thread takes the batch (and the hit counts so far)
+            assert tier.get(key(100)) is not None  # a hit count for flush to commit
+            start = time.monotonic()
+            drained = tier.flush(timeout_s=1.0)
+            elapsed = time.monotonic() - start
+        assert elapsed < 1.0 + 0.5, elapsed
+        assert not drained
+        assert all(tier.get(key(i)) is not None for i in range(8))  # still served, from memory
+        assert tier.stats()["lock_waits"] >= 1
+        assert f"held past its lease by process {holder.pid} (stopped" in caplog.text
+        os.kill(holder.pid, signal.SIGCONT)
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "released"
+        assert tier.flush(timeout_s=5.0)
+    finally:
+        tier.close()
+    reopened = DiskTier(directory, 1 << 22)
+    try:
+        assert all(reopened.get(key(i)) is not None for i in range(8))
+    finally:
+        reopened.close()
+
+
+def test_close_returns_within_its_timeout_while_a_stopped_process_holds_the_lock(
+    tmp_path: Path, stopped_holder: Callable[[], subprocess.Popen]
+):
+    """Before: ``close(timeout_s=1)`` took until the holder ran again. Now within the timeout; what could not be
+    written is counted as dropped."""
+    tier = DiskTier(tmp_path / "d", 1 << 22, lock_wait_s=0.05)
+    stopped_holder()
+    _put_batch(tier, 0, 8)
+    start = time.monotonic()
+    tier.close(timeout_s=1.0)
+    assert time.monotonic() - start < 1.0 + 0.5
+    assert tier.dropped == 8
+
+
+_DIE_AFTER_COMMIT = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+    import lmdb
+    from kvboost_hf.store.disk import _write_lock
+    directory = Path(sys.argv[1])
+    env = lmdb.open(str(directory), map_size=1 << 24, max_dbs=3, max_readers=1024)
+    records = env.open_db(b"records")
+    with _write_lock(directory, 5.0, 10.0):
+        with env.begin(write=True, db=records) as txn:  # pages allocated and freed in one commit: never written
+            txn.put(b"scratch", bytes(200_000))
+            txn.delete(b"scratch")
+        counted = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        print("short" if os.stat(directory / "data.mdb").st_size < counted else "whole", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # dies between the commit and extending data.mdb
+    """
+)
+
+
+def test_a_dead_holders_lock_is_taken_over_and_its_short_file_finished(tmp_path: Path, caplog):
+    """A writer killed between its commit and extending ``data.mdb`` leaves the file shorter than its counted
+    pages and its lease written. Before: the next reader called the file truncated and disabled the tier (and
+    the next open set the whole file aside). Now the lease says its holder died: the file is extended, the entry
+    is served, the takeover logged."""
+    directory = tmp_path / "d"
+    tier = DiskTier(directory, 1 << 22)
+    try:
+        tier.put(key(1), raw_entry(seed=1))
+        assert tier.flush()
+        result = subprocess.run(
+            [sys.executable, "-c", _DIE_AFTER_COMMIT, str(directory)], env=ENV, capture_output=True, text=True
+        )
+        assert result.returncode == -signal.SIGKILL and result.stdout.strip() == "short", result.stderr[-2000:]
+        with caplog.at_level("WARNING", logger="kvboost_hf.store.disk"):
+            assert tier.get(key(1)) is not None
+        assert tier.disabled is None
+        assert "dead writer" in caplog.text
+        tier.put(key(2), raw_entry(seed=2))
+        assert tier.flush()
+    finally:
+        tier.close()
+    assert (directory / WRITE_LOCK).read_text().strip() == ""  # released cleanly
+
+
+# ---------------------------------------------------------------------------------------------- a full disk
+
+_FILL = textwrap.dedent(
+    """
+    import json, sys
+    from helpers import key, raw_entry
+    from kvboost_hf.store.disk import DiskTier
+    directory, process, batches = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    tier = DiskTier(directory, 1 << 30)
+    durable, false_flushes = [], 0
+    for batch in range(batches):
+        keys = [key(process * 100_000 + batch * 4 + i) for i in range(4)]
+        for i, k in enumerate(keys):
+            tier.put(k, raw_entry(tokens=32, seed=batch * 4 + i))
+        if tier.flush(timeout_s=10.0):
+            durable += keys
+        else:
+            false_flushes += 1
+    stats = tier.stats()
+    tier.close()
+    print(json.dumps({"durable": durable, "false_flushes": false_flushes, "lost": stats["lost"]}))
+    """
+)
+
+
+@pytest.fixture
+def small_file_system(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs (needs root to mount; skipped otherwise)."""
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1024k", "tmpfs", str(mount)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_no_chunk_a_flush_called_written_is_missing_after_a_full_disk(small_file_system: Path):
+    """Three processes fill one directory on a small file system, each flushing after every 4 chunks. Before:
+    ``flush`` said True once the queue had drained, also when the batch's commit had failed with ENOSPC (only
+    the first failure was a warning): whole batches of 4 missing after a reopen. Now every chunk of a flush
+    that returned True reads back after the reopen, and the failures are counted in ``lost``."""
+    directory = small_file_system / "d"
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FILL, str(directory), str(process), "20"],
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for process in range(3)
+    ]
+    reports = []
+    for process in processes:
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err[-2000:]
+        reports.append(json.loads(out))
+    durable = [k for r in reports for k in r["durable"]]
+    assert durable  # some batches landed before the disk filled up
+    reopened = DiskTier(directory, 1 << 30)
+    try:
+        missing = [k for k in durable if reopened.get(k) is None]
+    finally:
+        reopened.close()
+    assert missing == []
+    assert sum(r["false_flushes"] for r in reports) > 0  # the disk did fill up
+    assert sum(r["lost"] for r in reports) > 0  # and the chunks it refused are counted
