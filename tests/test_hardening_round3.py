@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -16,8 +17,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import ENV, key, raw_entry
+from helpers import API_KEY, ENV, MODEL_NAME, key, raw_entry
+from test_server_hardening import HardenedServer
 
+from kvboost_hf.server.app import ServerConfig, create_app
 from kvboost_hf.server.grammar import GrammarCompiler, GrammarConfig, GrammarError, GrammarQuota
 from kvboost_hf.server.grammar_process import CompileProcess
 from kvboost_hf.store.disk import WRITE_LOCK, DiskTier
@@ -372,3 +375,33 @@ def test_a_killed_compile_does_not_delay_the_next_request(compiler: GrammarCompi
     start = time.monotonic()
     assert compiler.json_schema(_SCHEMA).result(60) is not None
     assert time.monotonic() - start < 2.0
+
+
+# ---------------------------------------------------------------------------------------------- connection cap
+def test_health_and_metrics_are_served_over_the_connection_cap(embedded_engine):
+    """A reverse proxy (one address) holding every connection the cap allows: before, its health probe got the
+    429 too. Now ``/health`` and ``/metrics`` are answered (one request, then the connection closes) and any
+    other path still gets the 429."""
+    settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, header_timeout_s=20, max_connections_per_client=2)
+    with HardenedServer(create_app(embedded_engine, settings), settings) as live:
+        held = [socket.create_connection(("127.0.0.1", live.port), timeout=10) for _ in range(2)]
+        try:
+            time.sleep(0.2)  # the server counted them
+            for path in ("/health", "/metrics"):
+                reply = _raw_get(live.port, path)
+                assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+            reply = _raw_get(live.port, "/v1/models")
+            assert reply.startswith(b"HTTP/1.1 429") and b"too_many_connections" in reply, reply[:200]
+        finally:
+            for sock in held:
+                sock.close()
+
+
+def _raw_get(port: int, path: str) -> bytes:
+    """Every byte of the reply to one GET on a fresh connection, read until the server closes it (10 s)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n\r\n".encode())
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
