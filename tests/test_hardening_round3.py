@@ -405,3 +405,72 @@ def _raw_get(port: int, path: str) -> bytes:
         while chunk := sock.recv(65536):
             chunks.append(chunk)
     return b"".join(chunks)
+
+
+# ---------------------------------------------------------------------------------------------- damaged, read-only
+def _fill(directory: Path, count: int) -> None:
+    tier = DiskTier(directory, 1 << 24)
+    for i in range(count):
+        tier.put(key(i), raw_entry(tokens=2, seed=i))
+    assert tier.flush()
+    tier.close()
+
+
+def test_a_damaged_branch_page_is_set_aside_at_the_next_open(tmp_path: Path, caplog):
+    """The records database's root (a branch page over 400 entries) overwritten with zeros. Before: every read
+    below it failed, in every process, until someone cleaned the directory by hand. Now the next open finds it,
+    sets the file aside as ``data.mdb.damaged`` (counted, logged) and starts empty."""
+    import struct
+
+    import lmdb
+
+    directory = tmp_path / "d"
+    _fill(directory, 400)
+    env = lmdb.open(str(directory), max_dbs=3, readonly=True, lock=False)
+    with env.begin() as txn:
+        raw = txn.get(b"records")  # the named database's record in the main one: md_depth at 6, md_root at 40
+        depth, root = struct.unpack_from("<H", raw, 6)[0], struct.unpack_from("<Q", raw, 40)[0]
+    page = env.stat()["psize"]
+    env.close()
+    assert depth >= 2  # the root is a branch page
+    with open(directory / "data.mdb", "r+b") as data:
+        data.seek(root * page)
+        data.write(bytes(page))
+    with caplog.at_level("WARNING", logger="kvboost_hf.store.disk"):
+        tier = DiskTier(directory, 1 << 24)
+    try:
+        assert tier.disabled is None and tier.corrupt == 1
+        assert (directory / "data.mdb.damaged").exists() and "damaged" in caplog.text
+        tier.put(key(1), raw_entry(tokens=2, seed=1))
+        assert tier.flush() and tier.get(key(1)) is not None
+    finally:
+        tier.close()
+
+
+@pytest.fixture
+def read_only_mount(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs with a filled cache directory ``d``, remounted read-only (needs root; skipped otherwise)."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        _fill(mount / "d", 20)
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_read_only_directory_is_served_read_only(read_only_mount: Path, caplog):
+    """Before: the tier was disabled (every read a miss). Now its entries are served and nothing is written."""
+    with caplog.at_level("WARNING", logger="kvboost_hf.store.disk"):
+        tier = DiskTier(read_only_mount / "d", 1 << 24)
+    try:
+        assert tier.disabled is None and tier.read_only and tier.stats()["read_only"] == 1
+        assert all(tier.get(key(i)) is not None for i in range(20))
+        tier.put(key(99), raw_entry(tokens=2, seed=99))
+        assert tier.flush() and tier.get(key(99)) is None and tier.errors == 0
+        assert "read-only" in caplog.text
+    finally:
+        tier.close()

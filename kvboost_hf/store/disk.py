@@ -117,13 +117,17 @@ class DiskTier(StorageTier):
         self._error_logged = False
         self._env: Any = None
         self._data_fd = -1
+        self.read_only = False  # the directory cannot be written: reads served, nothing written
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            with _opening(self.directory):
-                try:
-                    self._open()
-                except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError, _Truncated) as exc:
-                    self._set_aside(exc)
+            if (self.directory / "data.mdb").exists() and not os.access(self.directory, os.W_OK):
+                self._open_read_only()
+            else:
+                with _opening(self.directory):
+                    try:
+                        self._open()
+                    except _DAMAGED as exc:
+                        self._set_aside(exc)
         except (OSError, lmdb.Error, _Unusable, _LockBusy) as exc:
             self._disable(f"cannot open {self.directory} ({type(exc).__name__}: {exc})")
         self._writer = BackgroundWriter("disk", self._write_batch, queue_size=queue_size, retry_s=lock_wait_s)
@@ -159,7 +163,7 @@ class DiskTier(StorageTier):
 
     def put(self, key: str, entry: StoredChunk) -> list[tuple[str, StoredChunk]]:
         """Queue ``entry`` for the disk (dropped and counted if the queue is full); never waits on I/O."""
-        if self.disabled is None:
+        if self.disabled is None and not self.read_only:
             self._writer.submit(key, entry)
         return []
 
@@ -170,14 +174,14 @@ class DiskTier(StorageTier):
         return self._meta_of(key) is not None
 
     def delete(self, key: str) -> None:
-        if self.disabled is None:
+        if self.disabled is None and not self.read_only:
             self._writer.submit(key, _DELETE, block_s=1.0)
 
     def clear(self) -> None:
         """Drop every entry (and tail note) after the queued writes land; every process sharing it sees it."""
         self._writer.flush()
         with self._lock:
-            if not self._usable():
+            if self.read_only or not self._usable():
                 return
             self._hits.clear()
             try:
@@ -207,7 +211,8 @@ class DiskTier(StorageTier):
         ``dropped`` (writes not done), ``queued`` (writes not yet on disk), ``corrupt`` (records refused),
         ``rechecks`` (a short ``data.mdb`` seen during another commit, intact once it ended), ``lock_waits``
         (batches kept in memory because another process held the write lock), ``lock_takeovers`` (locks left by a
-        dead holder), ``lost`` (chunks whose write failed or did not read back), ``disabled`` (1 once the tier
+        dead holder), ``lost`` (chunks whose write failed or did not read back), ``read_only`` (1 when the
+        directory cannot be written: reads served, nothing written), ``disabled`` (1 once the tier
         gave up; not after a plain close)."""
         return {
             "bytes": self.nbytes,
@@ -221,13 +226,14 @@ class DiskTier(StorageTier):
             "lock_waits": self.lock_waits,
             "lock_takeovers": self.lock_takeovers,
             "lost": self.lost,
+            "read_only": int(self.read_only),
             "disabled": int(self.disabled not in (None, "closed")),
         }
 
     # ------------------------------------------------------------------ tails
     def note_tail(self, parent_key: str, lengths: frozenset[int]) -> None:
         """Queue ``lengths`` to be merged into the tail note of ``parent_key``."""
-        if self.disabled is None:
+        if self.disabled is None and not self.read_only:
             self._writer.submit(_TAIL_PREFIX + parent_key, lengths)
 
     def tail_lengths(self, parent_key: str) -> set[int]:
@@ -290,7 +296,7 @@ class DiskTier(StorageTier):
         this process maps the same directory."""
         self._writer.flush()
         with self._lock:
-            if not self._usable():
+            if self.read_only or not self._usable():
                 return
             self._close_env()
             fd = os.open(self.directory / "data.mdb", os.O_RDONLY)
@@ -333,7 +339,31 @@ class DiskTier(StorageTier):
             raise _Truncated(f"{self.directory}/data.mdb is shorter than its used pages")
         self._page = self._env.stat()["psize"]
         self._records = self._meta = self._tails = None
-        self._open_databases(self.lock_wait_s)
+        if self._open_databases(self.lock_wait_s):
+            self._walk()
+
+    def _open_read_only(self) -> None:
+        """Open a directory this process cannot write (a read-only mount or permissions): LMDB without its lock
+        file (which cannot be created or written there), reads served, writes skipped. A damaged file cannot be
+        set aside here: :class:`_Unusable` (the tier disabled)."""
+        self._data_fd = os.open(self.directory / "data.mdb", os.O_RDONLY)
+        problem = _data_file_problem(self._data_fd)
+        if problem is not None:
+            raise _Unusable(f"{self.directory}/data.mdb: {problem} (read-only: cannot set it aside)")
+        self.read_only = True
+        self._env = lmdb.open(str(self.directory), readonly=True, lock=False, max_dbs=3)
+        self._page = self._env.stat()["psize"]
+        self._records, self._meta, self._tails = [self._env.open_db(name, create=False) for name in _DATABASES]
+        logger.warning("disk tier: %s is read-only; serving its entries, writing nothing", self.directory)
+
+    def _walk(self) -> None:
+        """Read every key of every database (every branch and leaf page, not the records' overflow pages):
+        LMDB's ``CorruptedError`` or ``PageNotFoundError`` for a damaged page, so that it is set aside at open
+        instead of failing reads for good."""
+        for db in (self._records, self._meta, self._tails):
+            with self._env.begin(db=db) as txn:
+                for _ in txn.cursor().iternext(keys=True, values=False):
+                    pass
 
     def _open_databases(self, wait_s: float) -> bool:
         """Open the three databases if not yet done; False while another process holds the write lock (LMDB
@@ -357,7 +387,7 @@ class DiskTier(StorageTier):
         try:
             os.replace(self.directory / "data.mdb", self.directory / "data.mdb.damaged")
             self._open()
-        except (OSError, lmdb.Error, _Truncated, _Unusable, _LockBusy) as again:
+        except (OSError, lmdb.Error, _Truncated, _Unusable, _LockBusy) as again:  # damaged again: give up
             self._disable(f"cannot open {self.directory} ({type(again).__name__}: {again})")
 
     def _covers_used_pages(self) -> bool:
@@ -468,6 +498,8 @@ class DiskTier(StorageTier):
         failed counts its chunks in ``lost``."""
         if self._env is not None and not self._open_databases(self.lock_wait_s if lock_wait_s is None else lock_wait_s):
             return batch
+        if self.read_only:
+            return None
         records = [(key, codec.encode(key, item)) for key, item in batch if _is_chunk(key, item)]
         with self._lock:  # held only for the checks: readers must not wait for the commit's fsync
             hits, self._hits = self._hits, {}
@@ -572,8 +604,15 @@ class DiskTier(StorageTier):
             txn.put(_BYTES, _U64.pack(max(used, 0)), db=self._meta)
 
     def _failed(self, what: str, exc: Exception) -> None:
-        """Count a failed operation; the first one is a warning, later ones debug lines."""
+        """Count a failed operation; the first one is a warning, later ones debug lines. A damaged page is also
+        counted in ``corrupt`` (the next open of the directory sets the file aside)."""
         self.errors += 1
+        if isinstance(exc, _DAMAGED):
+            self.corrupt += 1
+            if not self._error_logged:
+                logger.warning(
+                    "disk tier: a damaged page in %s/data.mdb (%s); the next open sets it aside", self.directory, exc
+                )
         level = logging.DEBUG if self._error_logged else logging.WARNING
         self._error_logged = True
         logger.log(level, "disk tier: %s failed in %s (%s); serving from the other tiers", what, self.directory, exc)
@@ -585,7 +624,10 @@ class DiskTier(StorageTier):
 
     def _close_env(self) -> None:
         if self._env is not None:
-            _release_env(self._env)
+            if self.read_only:  # its own environment, not shared (no lock file)
+                self._env.close()
+            else:
+                _release_env(self._env)
             self._env = None
         if self._data_fd >= 0:
             os.close(self._data_fd)
@@ -756,6 +798,10 @@ def _release_env(env: Any) -> None:
 
 class _Truncated(KVBoostError):
     """``data.mdb`` is shorter than the pages LMDB would map, or is not an LMDB file: set it aside."""
+
+
+# what makes data.mdb unusable as it is: set aside at open (a damaged page found later: at the next open)
+_DAMAGED = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError, _Truncated)
 
 
 class _Unusable(KVBoostError):
