@@ -22,7 +22,8 @@ most ``max_waiting_per_client`` of them (:class:`GrammarQuota` beyond) and never
 grammars are cached per ``tenant`` (xgrammar's process-wide cache is off), so whether and when one tenant compiled a
 schema never changes another tenant's compile time. Two identities: ``tenant`` (the ``cache_salt``) keys the
 cache; ``client`` (the server passes the client's address: a salt chosen per request must not buy a client more
-of the queue) is what the shares of the queue and of the workers are counted against. A compile whose child
+of the queue) is what the shares of the queue and of the workers are counted against (a caller that names no
+client, e.g. a library user, has no queue share and its workers' share counted per ``tenant``). A compile whose child
 process died is run once more on another child (:mod:`~kvboost_hf.server.grammar_process`).
 
 Invariant: a row constrained by a processor can only produce text the grammar accepts (or a prefix of it when its
@@ -225,14 +226,15 @@ class GrammarCompiler:
             if key in self._waiting:
                 return self._waiting[key]
             share = self.limits.client_share
-            if self._per_client[client] >= share:
+            if client is not None and self._per_client[client] >= share:
                 raise GrammarQuota(
                     f"this client already has {self._per_client[client]} grammar compiles waiting, its limit of "
                     f"{share} (max_waiting_per_client); retry once one is done"
                 )
             if len(self._waiting) >= self.limits.max_waiting:
                 raise GrammarBusy(f"{len(self._waiting)} grammar compiles are already waiting; retry later")
-            running = self._pool.submit(client, functools.partial(self._run, key, kind, args))
+            worker_share = client if client is not None else tenant  # no client named: the tenant is
+            running = self._pool.submit(worker_share, functools.partial(self._run, key, kind, args))
             future: Compiled = Future()
             self._waiting[key] = future
             self._per_client[client] += 1

@@ -104,6 +104,11 @@ class CompileProcess:
         return self._ready
 
     @property
+    def pid(self) -> int:
+        """The current child's process id."""
+        return self._child.pid
+
+    @property
     def alive(self) -> bool:
         """Whether the current child is still running (it may have been killed while idle)."""
         return self._child.poll() is None
@@ -265,6 +270,7 @@ class CompilePool:
             if self._starting == 0:
                 self._started.set()
         while (queued := self._next_job(process)) is not None:
+            logger.debug("%s: a compile of %s (child %d)", threading.current_thread().name, queued.tenant, process.pid)
             again = False
             try:
                 if queued.retried or queued.future.set_running_or_notify_cancel():
