@@ -24,6 +24,7 @@ import atexit
 import dataclasses
 import logging
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -273,15 +274,16 @@ class ChunkStore:
             tier.flush(timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """:meth:`flush`, then close the lower tiers. Idempotent; afterwards lookups see RAM only and puts stay
-        in RAM."""
+        """:meth:`flush`, then close the lower tiers, each tier within ``timeout_s`` in all. Idempotent;
+        afterwards lookups see RAM only and puts stay in RAM."""
+        deadline = time.monotonic() + timeout_s
         self.flush(timeout_s)
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         for tier in self._lower:
-            tier.close(timeout_s)
+            tier.close(max(deadline - time.monotonic(), 0.0))
 
     def __enter__(self) -> ChunkStore:
         return self
