@@ -14,8 +14,10 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 from helpers import API_KEY, ENV, MODEL_NAME, key, raw_entry
 from test_server_hardening import HardenedServer
@@ -474,3 +476,48 @@ def test_a_read_only_directory_is_served_read_only(read_only_mount: Path, caplog
         assert "read-only" in caplog.text
     finally:
         tier.close()
+
+
+def test_a_client_over_its_compile_share_gets_a_429_and_others_are_answered(embedded_engine, monkeypatch):
+    """Item 1 over HTTP: a client with its 2 compiles waiting (held here) asks for a third under a new salt: 429
+    ``grammar_quota`` naming the limit (before: the shared queue's 503 for everyone). Another client address is
+    answered meanwhile."""
+    release = threading.Event()
+    original = CompileProcess.compile
+
+    def held(process, kind, args, time_limit_s):
+        if "attack" in args[0]:
+            assert release.wait(60)
+        return original(process, kind, args, time_limit_s)
+
+    monkeypatch.setattr(CompileProcess, "compile", held)
+    settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, grammar_limits=GrammarConfig(workers=2))
+
+    def body(title: str, salt: str) -> bytes:
+        schema = {**_SCHEMA, "title": title}
+        response_format = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        messages = [{"role": "user", "content": "Is water wet?"}]
+        request = {"model": MODEL_NAME, "messages": messages, "max_tokens": 4, "temperature": 0}
+        return json.dumps({**request, "response_format": response_format, "cache_salt": salt}).encode()
+
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    with HardenedServer(create_app(embedded_engine, settings), settings) as live:
+        url = f"{live.url}/v1/chat/completions"
+        with httpx.Client(timeout=60) as attacker, ThreadPoolExecutor(2) as pool:
+            held_requests = [
+                pool.submit(attacker.post, url, content=body(f"attack {i}", f"s{i}"), headers=headers) for i in range(2)
+            ]
+            deadline = time.monotonic() + 60
+            for attempt in range(1000):  # until both are admitted (their compiles held): a quick one meanwhile is 200
+                third = attacker.post(url, content=body(f"third {attempt}", f"t{attempt}"), headers=headers)
+                if third.status_code != 200 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert third.status_code == 429, third.text
+            assert third.json()["error"]["code"] == "grammar_quota" and "limit of 2" in third.text
+            transport = httpx.HTTPTransport(local_address="127.0.0.2")
+            with httpx.Client(timeout=60, transport=transport) as other:
+                answered = other.post(url, content=body("other", "s"), headers=headers)
+            assert answered.status_code == 200, answered.text
+            release.set()
+            assert all(request.result(60).status_code == 200 for request in held_requests)
