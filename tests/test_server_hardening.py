@@ -235,6 +235,14 @@ def test_one_tenant_never_holds_every_compile_worker(engine):
     settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, grammar_limits=limits)
     with HardenedServer(create_app(engine, settings), settings) as live:
         client = live.client()
+        transport = httpx.HTTPTransport(local_address="127.0.0.2")  # another client address: another tenant
+        other = openai.OpenAI(
+            base_url=f"{live.url}/v1",
+            api_key=API_KEY,
+            max_retries=0,
+            timeout=60,
+            http_client=httpx.Client(transport=transport),
+        )
         schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
         def structured(schema: dict, salt: str) -> dict:
@@ -254,7 +262,7 @@ def test_one_tenant_never_holds_every_compile_worker(engine):
             attacks = [pool.submit(client.chat.completions.create, **structured(s, "tenant-a")) for s in slow]
             time.sleep(0.5)  # A's compiles are running
             start = time.perf_counter()
-            answer = client.chat.completions.create(**structured(schema, "tenant-b"))
+            answer = other.chat.completions.create(**structured(schema, "tenant-b"))
             waited = time.perf_counter() - start
             refusals = []
             for attack in attacks:

@@ -1,9 +1,11 @@
 """From a validated request body to what the worker runs: prompt tokens and per-request settings.
 
 Everything here that costs more than a field check (chat template rendering, tokenisation) runs in a thread
-(``asyncio.to_thread``), never on the event loop. Grammars compile on the compiler's own bounded pool, cached per
-``cache_salt`` (:class:`~kvboost_hf.server.grammar.GrammarCompiler`); the event loop awaits them for at most
-``compile_timeout_s``, so compiles never hold the threads that admit plain requests. A prompt whose character
+(``asyncio.to_thread``), never on the event loop. Grammars compile on the compiler's own bounded pool (its
+processes started with the server: :meth:`Admission.start`), cached per ``cache_salt`` and shared out per client
+address (:class:`~kvboost_hf.server.grammar.GrammarCompiler`: a client over its share of the compile queue gets a
+429 naming the limit, a full queue a 503); the event loop awaits them for at most ``compile_timeout_s``, so
+compiles never hold the threads that admit plain requests. A prompt whose character
 count alone proves it longer than the context is refused before it is tokenised.
 
 Tools: when the tokenizer's chat template renders ``tools`` (detected once by rendering a probe with and without
@@ -29,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.requests import Request
 from transformers import LogitsProcessor
 
 from kvboost_hf.core.config import GenerationMode
@@ -44,6 +47,7 @@ from kvboost_hf.server.grammar import (
     GrammarBusy,
     GrammarCompiler,
     GrammarError,
+    GrammarQuota,
     Tool,
 )
 from kvboost_hf.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, ToolDefinition
@@ -96,9 +100,10 @@ class Admission:
         self.document_boundaries = DocumentBoundaries(settings.document_boundaries)
 
     # ------------------------------------------------------------------ entry points (event loop)
-    async def chat(self, body: ChatCompletionRequest) -> Prepared:
+    async def chat(self, body: ChatCompletionRequest, client: str | None = None) -> Prepared:
+        """``client``: who the request's grammar compile is counted against (the client's address)."""
         self._check_model(body.model)
-        prepared = await asyncio.to_thread(self._chat, body)
+        prepared = await asyncio.to_thread(self._chat, body, client)
         if prepared.grammar is not None:
             await self._compiled(prepared.grammar, "tools" if prepared.tool_calls else GRAMMAR_PARAM)
         return prepared
@@ -126,7 +131,7 @@ class Admission:
             self._check_model(model)
 
     # ------------------------------------------------------------------ preparation (worker threads)
-    def _chat(self, body: ChatCompletionRequest) -> Prepared:
+    def _chat(self, body: ChatCompletionRequest, client: str | None) -> Prepared:
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         tools, required, parallel = self._tool_mode(body)
@@ -138,18 +143,20 @@ class Admission:
             raise ApiError(400, "response_format cannot be combined with tools", param="response_format")
         prompt_ids, segment_starts = self._encode_chat(body.messages, tools, True, self._boundaries(body))
         grammar: Compiled | None = None
-        salt = body.cache_salt
+        who = {"tenant": body.cache_salt, "client": client}
         try:
             if tools:
-                grammar = self._compiler().tool_calls(tools, required=required, parallel=parallel, tenant=salt)
+                grammar = self._compiler().tool_calls(tools, required=required, parallel=parallel, **who)
             elif fmt is not None and fmt.type == "json_object":
-                grammar = self._compiler().json_object(tenant=salt)
+                grammar = self._compiler().json_object(**who)
             elif fmt is not None and fmt.json_schema is not None:
                 if fmt.json_schema.schema_ is None:
                     raise ApiError(400, "json_schema needs a 'schema'", param=GRAMMAR_PARAM)
-                grammar = self._compiler().json_schema(fmt.json_schema.schema_, tenant=salt)
+                grammar = self._compiler().json_schema(fmt.json_schema.schema_, **who)
         except GrammarError as exc:
             raise ApiError(400, str(exc), param="tools" if tools else GRAMMAR_PARAM, code="invalid_schema") from exc
+        except GrammarQuota as exc:
+            raise ApiError(429, str(exc), code="grammar_quota", headers={"Retry-After": "1"}) from exc
         except GrammarBusy as exc:
             raise ApiError(503, str(exc), code="grammar_busy", headers={"Retry-After": "1"}) from exc
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -367,6 +374,11 @@ class Admission:
                 logger.info("chat template renders tools: %s", self._template_renders_tools)
             return self._template_renders_tools
 
+    def start(self) -> None:
+        """Start the grammar compiler's processes (at the app's start, so that the first structured request does
+        not wait for them; returns once they are starting)."""
+        self._compiler().start()
+
     def close(self) -> None:
         """End the grammar compiler's processes (at the app's shutdown)."""
         with self._setup_lock:
@@ -406,6 +418,12 @@ class Admission:
         bad = [token for token in ids if not 0 <= token < self.vocab_size]
         if bad:
             raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param=param)
+
+
+def client_address(request: Request) -> str:
+    """Who a request's grammar compiles are counted against: its peer address (a proxy's clients share it; the
+    ``cache_salt`` is chosen by the client, so it cannot be what its share is counted against)."""
+    return request.client.host if request.client else ""
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

@@ -223,6 +223,8 @@ def create_app(engine: InferenceEngine, settings: ServerConfig | None = None) ->
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         worker.start()
+        if settings.grammar_limits.start_with_server:
+            await asyncio.to_thread(admission.start)  # the compile processes come up while the server serves
         yield
         await asyncio.to_thread(worker.shutdown, settings.shutdown_grace_s)
         await asyncio.to_thread(admission.close)

@@ -17,9 +17,14 @@ generated text by the same rules, so streamed and whole answers agree and markup
 Compiles run in the compiler's own child processes (:mod:`~kvboost_hf.server.grammar_process`, bounded by
 ``GrammarConfig``): a constraint source larger than ``max_schema_bytes`` is refused before compiling, a compile
 running longer than ``compile_limit_s`` is killed (GrammarError: the size of a schema does not bound its compile
-time), at most ``max_waiting`` compiles are queued or running (:class:`GrammarBusy` beyond), one tenant never runs
-on every worker, and compiled grammars are cached per ``tenant`` (xgrammar's process-wide cache is off), so whether
-and when one tenant compiled a schema never changes another tenant's compile time.
+time), at most ``max_waiting`` compiles are queued or running (:class:`GrammarBusy` beyond), one client holds at
+most ``max_waiting_per_client`` of them (:class:`GrammarQuota` beyond) and never runs on every worker, and compiled
+grammars are cached per ``tenant`` (xgrammar's process-wide cache is off), so whether and when one tenant compiled a
+schema never changes another tenant's compile time. Two identities: ``tenant`` (the ``cache_salt``) keys the
+cache; ``client`` (the server passes the client's address: a salt chosen per request must not buy a client more
+of the queue) is what the shares of the queue and of the workers are counted against (a caller that names no
+client, e.g. a library user, has no queue share and its workers' share counted per ``tenant``). A compile whose child
+process died is run once more on another child (:mod:`~kvboost_hf.server.grammar_process`).
 
 Invariant: a row constrained by a processor can only produce text the grammar accepts (or a prefix of it when its
 token budget runs out first).
@@ -31,7 +36,7 @@ import functools
 import json
 import re
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -42,7 +47,7 @@ import xgrammar
 from transformers import LogitsProcessor, PreTrainedTokenizerBase
 
 from kvboost_hf.core.errors import KVBoostError
-from kvboost_hf.server.grammar_process import CompileFailed, CompilePool, CompileProcess, CompileTimeout
+from kvboost_hf.server.grammar_process import CompileDied, CompileFailed, CompilePool, CompileProcess, CompileTimeout
 
 TOOL_CALL_BEGIN = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -66,6 +71,11 @@ class GrammarBusy(KVBoostError, RuntimeError):
     """The compiler already has ``max_waiting`` compiles queued or running: retry later."""
 
 
+class GrammarQuota(KVBoostError, RuntimeError):
+    """This client already has ``max_waiting_per_client`` compiles queued or running (the message names the
+    limit): retry once one is done."""
+
+
 @dataclass(frozen=True)
 class GrammarConfig:
     """Bounds of a :class:`GrammarCompiler`.
@@ -76,10 +86,14 @@ class GrammarConfig:
         compile_timeout_s: how long a caller should wait for a compile, queueing included, in seconds (applied by
             the caller, e.g. the server's admission; the compile goes on in the background and is cached).
         compile_limit_s: longest compile in seconds (its process is killed and the constraint refused after).
-        workers: compiles running at once, each in a child process; a tenant runs at most workers - 1.
+        workers: compiles running at once, each in a child process; a client runs at most workers - 1.
             (1 worker: that one; every worker process holds its own xgrammar and torch import.)
         max_waiting: compiles queued or running.
+        max_waiting_per_client: compiles one client may have queued or running (None: half of ``max_waiting``,
+            at least 1). Behind a reverse proxy every client has its address: raise it there.
         cache_entries: compiled grammars kept, least recently used dropped first.
+        start_with_server: start the compile processes when the server starts (else on the first structured
+            request, which then waits for them: seconds, they import xgrammar and torch).
     """
 
     max_schema_bytes: int = 32 << 10
@@ -87,7 +101,16 @@ class GrammarConfig:
     compile_limit_s: float = 5.0
     workers: int = 2
     max_waiting: int = 4
+    max_waiting_per_client: int | None = None
     cache_entries: int = 128
+    start_with_server: bool = True
+
+    @property
+    def client_share(self) -> int:
+        """Compiles one client may have queued or running."""
+        if self.max_waiting_per_client is not None:
+            return self.max_waiting_per_client
+        return max(1, self.max_waiting // 2)
 
 
 @dataclass(frozen=True)
@@ -117,7 +140,8 @@ class GrammarCompiler:
     """Compiles constraints for one tokenizer on a bounded pool; thread-safe. ``vocab_size`` = the model's logit
     width. Each constraint method returns a future of the compiled grammar (done at once on a cache hit; its
     ``result()`` raises GrammarError when the constraint cannot be compiled) or raises GrammarError (over the
-    limits) or GrammarBusy (too many compiles waiting) without compiling. ``tenant`` keys the cache."""
+    limits), GrammarQuota (the client's share of the queue is full) or GrammarBusy (the queue is full) without
+    compiling. ``tenant`` keys the cache, ``client`` is who the shares are counted against (see the module)."""
 
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, limits: GrammarConfig | None = None
@@ -128,18 +152,25 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str | None, str], xgrammar.CompiledGrammar] = OrderedDict()
         self._waiting: dict[tuple[str | None, str], Compiled] = {}
+        self._per_client: Counter[str | None] = Counter()  # compiles queued or running per client
 
-    def json_object(self, *, tenant: str | None = None) -> Compiled:
+    def json_object(self, *, tenant: str | None = None, client: str | None = None) -> Compiled:
         """Any JSON object."""
-        return self.json_schema({"type": "object"}, tenant=tenant)
+        return self.json_schema({"type": "object"}, tenant=tenant, client=client)
 
-    def json_schema(self, schema: dict[str, Any], *, tenant: str | None = None) -> Compiled:
+    def json_schema(self, schema: dict[str, Any], *, tenant: str | None = None, client: str | None = None) -> Compiled:
         """JSON valid against ``schema``, compact (:func:`compact_json_grammar`)."""
         source = json.dumps(schema)
-        return self._compile(tenant, f"json {source}", "json_schema", [source])
+        return self._compile(tenant, client, f"json {source}", "json_schema", [source])
 
     def tool_calls(
-        self, tools: Sequence[Tool], *, required: bool, parallel: bool, tenant: str | None = None
+        self,
+        tools: Sequence[Tool],
+        *,
+        required: bool,
+        parallel: bool,
+        tenant: str | None = None,
+        client: str | None = None,
     ) -> Compiled:
         """Calls of ``tools`` in the tag format; free text around them unless ``required``; at most one call
         unless ``parallel``."""
@@ -147,7 +178,7 @@ class GrammarCompiler:
             raise GrammarError("no tools to call")
         source = json.dumps([[tool.name, tool.parameters] for tool in tools] + [required, parallel])
         jobs_tools = [[tool.name, tool.parameters, tool.description] for tool in tools]
-        return self._compile(tenant, f"tags {source}", "tool_calls", [jobs_tools, required, parallel])
+        return self._compile(tenant, client, f"tags {source}", "tool_calls", [jobs_tools, required, parallel])
 
     def processor(self, grammar: xgrammar.CompiledGrammar, prompt_length: int) -> GrammarProcessor:
         """A fresh processor (own matcher state) for one row whose prompt has ``prompt_length`` tokens."""
@@ -164,6 +195,10 @@ class GrammarCompiler:
         ``max_new_tokens``."""
         return ToolCallProcessor(grammar, prompt_length, self.info.vocab_size, decode, max_new_tokens)
 
+    def start(self) -> None:
+        """Start the compile processes now (returns at once; they are up seconds later)."""
+        self._pool.start()
+
     def wait_started(self) -> None:
         """Wait until the compile processes are up (seconds, once per compiler; see :class:`CompilePool`)."""
         self._pool.wait_started()
@@ -172,10 +207,10 @@ class GrammarCompiler:
         """Stop compiling: queued compiles are cancelled and the child processes end."""
         self._pool.close()
 
-    def _compile(self, tenant: str | None, source: str, kind: str, args: list[Any]) -> Compiled:
+    def _compile(self, tenant: str | None, client: str | None, source: str, kind: str, args: list[Any]) -> Compiled:
         """The future of the grammar of compile job ``kind`` with ``args`` (in a child process:
         :mod:`~kvboost_hf.server.grammar_child`), cached under ``(tenant, source)``; one compile per key even when
-        several callers ask at once."""
+        several callers ask at once; counted against ``client``'s share."""
         size = len(source.encode("utf-8", "surrogatepass"))
         if size > self.limits.max_schema_bytes:
             raise GrammarError(
@@ -190,20 +225,51 @@ class GrammarCompiler:
                 return done
             if key in self._waiting:
                 return self._waiting[key]
+            share = self.limits.client_share
+            if client is not None and self._per_client[client] >= share:
+                raise GrammarQuota(
+                    f"this client already has {self._per_client[client]} grammar compiles waiting, its limit of "
+                    f"{share} (max_waiting_per_client); retry once one is done"
+                )
             if len(self._waiting) >= self.limits.max_waiting:
                 raise GrammarBusy(f"{len(self._waiting)} grammar compiles are already waiting; retry later")
-            future = self._pool.submit(tenant, functools.partial(self._run, key, kind, args))
+            worker_share = client if client is not None else tenant  # no client named: the tenant is
+            running = self._pool.submit(worker_share, functools.partial(self._run, key, kind, args))
+            future: Compiled = Future()
             self._waiting[key] = future
-            return future
+            self._per_client[client] += 1
+        running.add_done_callback(functools.partial(self._finished, key, client, future))
+        return future
+
+    def _finished(
+        self, key: tuple[str | None, str], client: str | None, future: Compiled, running: Future[Any]
+    ) -> None:
+        """Hand the pool's outcome to the caller's ``future`` (a child that died twice: GrammarError) and free the
+        compile's places in the queue."""
+        with self._lock:
+            self._waiting.pop(key, None)
+            self._per_client[client] -= 1
+            if self._per_client[client] <= 0:
+                del self._per_client[client]
+        if running.cancelled():
+            future.cancel()
+        elif isinstance(exc := running.exception(), CompileDied):
+            future.set_exception(GrammarError(f"the grammar compiler process died twice on the constraint ({exc})"))
+        elif exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(running.result())
 
     def _run(
         self, key: tuple[str | None, str], kind: str, args: list[Any], process: CompileProcess
     ) -> xgrammar.CompiledGrammar:
-        """One compile in ``process``: cached on success; GrammarError on failure or past the time limit; never
-        left waiting."""
+        """One compile in ``process``: cached on success; GrammarError on failure or past the time limit,
+        CompileDied when the child died."""
         limit = self.limits.compile_limit_s
         try:
             grammar = process.compile(kind, args, limit)
+        except CompileDied:
+            raise  # the pool runs it once more on another child
         except CompileFailed as exc:
             raise GrammarError(f"cannot compile the constraint: {exc}".strip()) from exc
         except CompileTimeout as exc:
@@ -218,9 +284,6 @@ class GrammarCompiler:
                 while len(self._cache) > self.limits.cache_entries:
                     self._cache.popitem(last=False)
             return grammar
-        finally:
-            with self._lock:
-                self._waiting.pop(key, None)
 
 
 def compact_json_grammar(schema: dict[str, Any]) -> xgrammar.Grammar:

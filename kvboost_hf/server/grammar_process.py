@@ -6,16 +6,19 @@ process (:class:`CompileProcess`: a fresh interpreter, never a fork of the serve
 ``__main__`` as multiprocessing would do) killed when the compile passes its time limit, and replaced at once
 (the new one starts in the background: it imports xgrammar, and so torch, in a few seconds); the compiled grammar
 comes back as xgrammar's JSON serialisation. A child that dies on a constraint (a crash inside xgrammar) costs
-that request only.
+that request only: a job whose child died (a crash, or killed from outside: the OOM killer, an operator) is
+queued again once, in front, for the next worker with a live child; a second death fails it.
 
 :class:`CompilePool` runs jobs on ``workers`` threads, each driving one child. Invariant: a tenant runs at most
 ``max(1, workers - 1)`` compiles at once (its further jobs wait, in arrival order), so with two or more workers
-one is always left to the other tenants, and each job holds its worker at most ``time_limit_s`` (plus the child's
-start after a kill, which is not counted against the next job's limit).
+one is always left to the other tenants, and each job holds its worker at most ``time_limit_s``. A worker whose
+child was killed or died waits for its new child before it takes the next job, so a restart (seconds: the child
+imports xgrammar and torch) never delays a job that another worker can run now.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,6 +30,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,6 +41,7 @@ from kvboost_hf.core.errors import KVBoostError
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 CHILD_START_TIMEOUT_S = 120.0  # a child imports xgrammar (and torch) before its first answer
+LIVENESS_S = 0.5  # how often an idle worker looks at its child
 
 
 class CompileTimeout(KVBoostError, RuntimeError):
@@ -45,6 +50,11 @@ class CompileTimeout(KVBoostError, RuntimeError):
 
 class CompileFailed(KVBoostError, RuntimeError):
     """The constraint could not be compiled (xgrammar's message), or the child died compiling it."""
+
+
+class CompileDied(CompileFailed):
+    """The child died (or its pipe broke) before answering; a new child is starting. The pool runs the job once
+    more on another child before failing it with this."""
 
 
 class CompileProcess:
@@ -83,10 +93,25 @@ class CompileProcess:
             raise
         except (OSError, ValueError) as exc:  # a closed pipe, or a line cut by the child's death
             self._restart()
-            raise CompileFailed(f"the grammar compiler process died ({exc or type(exc).__name__})") from exc
+            raise CompileDied(f"the grammar compiler process died ({exc or type(exc).__name__})") from exc
         if answer["status"] != "ok":
             raise CompileFailed(answer["message"])
         return xgrammar.CompiledGrammar.deserialize_json(answer["grammar"], self.info)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the current child has answered its first line."""
+        return self._ready
+
+    @property
+    def pid(self) -> int:
+        """The current child's process id."""
+        return self._child.pid
+
+    @property
+    def alive(self) -> bool:
+        """Whether the current child is still running (it may have been killed while idle)."""
+        return self._child.poll() is None
 
     def wait_ready(self) -> None:
         """Wait (at most CHILD_START_TIMEOUT_S) for the child to have started (its first line)."""
@@ -107,6 +132,10 @@ class CompileProcess:
         answer: dict[str, Any] = json.loads(line)
         return answer
 
+    def restart(self) -> None:
+        """Replace the child by a new one (not waited for: see :meth:`wait_ready`)."""
+        self._restart()
+
     def _restart(self) -> None:
         self._stop()
         if not self._closed:
@@ -118,11 +147,14 @@ class CompileProcess:
         self._stop()
 
     def _stop(self) -> None:
+        """Kill the child and close its pipes; a child already dead (its pipe broken: closing stdin flushes into
+        it) is not an error."""
         self._child.kill()
         self._child.wait(10)
         for stream in (self._child.stdin, self._child.stdout):
             if stream is not None:
-                stream.close()
+                with contextlib.suppress(OSError):
+                    stream.close()
 
 
 class CompilePool:
@@ -137,7 +169,7 @@ class CompilePool:
         self.per_tenant = max(1, workers - 1)
         self._files: tempfile.TemporaryDirectory[str] | None = None  # holds the tokenizer's JSON for the children
         self._cond = threading.Condition()
-        self._queue: list[tuple[str | None, Callable[[CompileProcess], Any], Future[Any]]] = []
+        self._queue: list[_Job] = []
         self._running: Counter[str | None] = Counter()
         self._threads: list[threading.Thread] = []
         self._processes: list[CompileProcess] = []
@@ -172,7 +204,7 @@ class CompilePool:
                 raise RuntimeError("the grammar compile pool is closed")
         self.start()
         with self._cond:
-            self._queue.append((tenant, job, future))
+            self._queue.append(_Job(tenant, job, future))
             self._cond.notify_all()
         return future
 
@@ -180,8 +212,8 @@ class CompilePool:
         """Kill every child (a compile in flight fails) and stop the workers; queued jobs are cancelled."""
         with self._cond:
             self._closed = True
-            for _, _, future in self._queue:
-                future.cancel()
+            for queued in self._queue:
+                queued.future.cancel()
             self._queue.clear()
             self._cond.notify_all()
         with self._cond:
@@ -197,40 +229,79 @@ class CompilePool:
         assert self._files is not None
         return Path(self._files.name) / "tokenizer_info.json"
 
-    def _next_job(self) -> tuple[str | None, Callable[[CompileProcess], Any], Future[Any]] | None:
-        """The oldest queued job whose tenant runs fewer than ``per_tenant`` compiles (None once closed)."""
+    def _next_job(self, process: CompileProcess) -> _Job | None:
+        """The oldest queued job whose tenant runs fewer than ``per_tenant`` compiles (None once closed). While
+        waiting, ``process``'s child is looked at every :data:`LIVENESS_S`: one killed while idle is replaced
+        (and waited for) before this worker takes a job, so the job goes to a worker whose child is up."""
         with self._cond:
             while not self._closed:
-                for index, (tenant, _, _) in enumerate(self._queue):
-                    if self._running[tenant] < self.per_tenant:
-                        self._running[tenant] += 1
+                if not process.alive:
+                    self._cond.release()
+                    try:
+                        logger.warning("a grammar compile process died while idle; starting another")
+                        process.restart()
+                        self._ready(process)
+                    finally:
+                        self._cond.acquire()
+                    continue
+                for index, queued in enumerate(self._queue):
+                    if self._running[queued.tenant] < self.per_tenant:
+                        self._running[queued.tenant] += 1
                         return self._queue.pop(index)
-                self._cond.wait()
+                self._cond.wait(LIVENESS_S)
             return None
+
+    def _ready(self, process: CompileProcess) -> None:
+        """Wait for ``process``'s child before taking a job (a failed start: its first job restarts it; at
+        close, the children are killed on purpose)."""
+        try:
+            process.wait_ready()
+        except (CompileTimeout, OSError, ValueError) as exc:
+            if not self._closed:
+                logger.error("a grammar compile process did not start: %s", exc)
 
     def _work(self) -> None:
         process = CompileProcess(self.info, self._tokenizer_path())
         with self._cond:
             self._processes.append(process)
-        try:
-            process.wait_ready()
-        except (CompileTimeout, OSError, ValueError) as exc:  # its first compile restarts it
-            logger.error("a grammar compile process did not start: %s", exc)
+        self._ready(process)
         with self._cond:
             self._starting -= 1
             if self._starting == 0:
                 self._started.set()
-        while (item := self._next_job()) is not None:
-            tenant, job, future = item
+        while (queued := self._next_job(process)) is not None:
+            logger.debug("%s: a compile of %s (child %d)", threading.current_thread().name, queued.tenant, process.pid)
+            again = False
             try:
-                if future.set_running_or_notify_cancel():
+                if queued.retried or queued.future.set_running_or_notify_cancel():
                     try:
-                        future.set_result(job(process))
+                        queued.future.set_result(queued.job(process))
+                    except CompileDied as exc:
+                        again = not queued.retried
+                        if not again:
+                            queued.future.set_exception(exc)
                     except BaseException as exc:  # the job's failure belongs to its caller
-                        future.set_exception(exc)
+                        queued.future.set_exception(exc)
             finally:
                 with self._cond:
-                    self._running[tenant] -= 1
-                    if self._running[tenant] <= 0:
-                        del self._running[tenant]
+                    self._running[queued.tenant] -= 1
+                    if self._running[queued.tenant] <= 0:
+                        del self._running[queued.tenant]
+                    if again and not self._closed:  # in front, for a worker whose child is up
+                        self._queue.insert(0, _Job(queued.tenant, queued.job, queued.future, retried=True))
+                    elif again:
+                        queued.future.set_exception(CompileDied("the grammar compile pool closed"))
                     self._cond.notify_all()
+            if not process.ready:  # killed or died: wait for the new child before taking another job
+                self._ready(process)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A queued compile: its tenant, the job (run with a worker's process), its future, and whether it already
+    ran once on a child that died."""
+
+    tenant: str | None
+    job: Callable[[CompileProcess], Any]
+    future: Future[Any]
+    retried: bool = False

@@ -29,7 +29,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from kvboost_hf.server.admission import GRAMMAR_PARAM, Admission, Prepared
+from kvboost_hf.server.admission import GRAMMAR_PARAM, Admission, Prepared, client_address
 from kvboost_hf.server.batching import Delta, Done, Finished
 from kvboost_hf.server.errors import ApiError
 from kvboost_hf.server.grammar import ToolCallDelta, ToolCallStream
@@ -79,7 +79,7 @@ def register_responses_route(
     @app.post("/v1/responses", responses=errors, response_model=ResponseObject)
     async def create_response(body: ResponsesRequest, request: Request) -> Any:
         arrival = time.perf_counter()
-        prepared = await _admit(admission, chat_request(body))
+        prepared = await _admit(admission, chat_request(body), client_address(request))
         exchange = Exchange(request, prepared, model_name, arrival)
         builder = ResponseBuilder(body, model_name, tools_offered=prepared.tool_calls)
         exchange.submit(worker)
@@ -90,10 +90,10 @@ def register_responses_route(
         return builder.result()
 
 
-async def _admit(admission: Admission, chat: ChatCompletionRequest) -> Prepared:
+async def _admit(admission: Admission, chat: ChatCompletionRequest, client: str) -> Prepared:
     """``admission.chat``, its errors naming the Responses request's fields."""
     try:
-        return await admission.chat(chat)
+        return await admission.chat(chat, client)
     except ApiError as exc:
         exc.param = RESPONSES_PARAM.get(exc.param or "", exc.param)
         raise

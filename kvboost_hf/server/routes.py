@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request, Response
 
 from kvboost_hf.engine import InferenceEngine, Prompt
 from kvboost_hf.results import WarmResult
-from kvboost_hf.server.admission import Admission, plain_messages
+from kvboost_hf.server.admission import Admission, client_address, plain_messages
 from kvboost_hf.server.errors import ApiError
 from kvboost_hf.server.metrics import CONTENT_TYPE, Metrics
 from kvboost_hf.server.responses import Exchange
@@ -145,7 +145,7 @@ def _register_generation_routes(
     @app.post("/v1/chat/completions", responses=ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> ChatCompletion:
         arrival = time.perf_counter()
-        prepared = await admission.chat(body)
+        prepared = await admission.chat(body, client_address(request))
         return await Exchange(request, prepared, settings.model_name, arrival).respond(worker)  # type: ignore[return-value]
 
     @app.post("/v1/completions", responses=ERRORS)

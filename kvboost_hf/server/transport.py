@@ -11,8 +11,11 @@ Bounds (each applies to reading the request only; writing the response, however 
   goes first while the app reads the body. Past that the connection is closed, after a 408 when no response has
   started (bytes the app never reads, e.g. after an early 401 or 413, are bounded the same way);
 * connections: a client address may hold ``max_connections_per_client`` connections open at once (0: no cap);
-  one more is answered 429 and closed before anything is read. Behind a reverse proxy every client shares the
-  proxy's address: raise the cap or set it to 0 there.
+  one more is answered 429 and closed as soon as its request line shows a path other than :data:`EXEMPT_PATHS`
+  (``/health`` and ``/metrics``: a monitor or a load balancer probing through a reverse proxy shares the address
+  of the clients it watches), which are served on it, one request, then the connection is closed; one that
+  shows nothing within :data:`OVER_CAP_WAIT_S` gets the 429 then. Behind a
+  reverse proxy every client shares the proxy's address: raise the cap or set it to 0 there.
 
 uvicorn itself bounds only idle keep-alive time.
 """
@@ -26,8 +29,10 @@ from collections import Counter
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["BODY_GRACE_S", "TIMEOUT_RESPONSE", "bounded_protocol"]
+__all__ = ["BODY_GRACE_S", "EXEMPT_PATHS", "TIMEOUT_RESPONSE", "bounded_protocol"]
+EXEMPT_PATHS = frozenset({b"/health", b"/metrics"})  # served over the per-address connection cap
 BODY_GRACE_S = 1.0  # seconds past body_timeout_s before the connection itself is cut
+OVER_CAP_WAIT_S = 1.0  # seconds a connection over the cap gets to show its request line before its 429
 TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
@@ -52,6 +57,8 @@ def bounded_protocol(header_timeout_s: float, body_timeout_s: float, max_connect
 
     class BoundedProtocol(H11Protocol):
         address: str | None = None  # the client address counted in open_per_address (None: not counted)
+        over_cap = False  # opened over the cap: only one request to EXEMPT_PATHS is served, then it closes
+        request_line: bytes | None = b""  # what arrived of an over-cap connection's request line (None: decided)
         header_timer: asyncio.TimerHandle | None = None
         body_timer: asyncio.TimerHandle | None = None
 
@@ -59,18 +66,37 @@ def bounded_protocol(header_timeout_s: float, body_timeout_s: float, max_connect
             super().connection_made(transport)  # type: ignore[arg-type]
             address = self.client[0] if self.client else ""
             if max_connections_per_client and open_per_address[address] >= max_connections_per_client:
-                self.transport.write(refusal)
-                self.transport.close()
+                self.over_cap = True  # decided once its request line is in (data_received), 429 if late
+                self.header_timer = self.loop.call_later(min(header_timeout_s, OVER_CAP_WAIT_S), self._headers_late)
                 return
             open_per_address[address] += 1
             self.address = address
             self.header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def data_received(self, data: bytes) -> None:
+            if self.over_cap and self.request_line is not None:
+                self.request_line += data
+                if b"\n" not in self.request_line and len(self.request_line) < 8192:
+                    super().data_received(data)  # the line is not complete yet: h11 buffers it
+                    return
+                target = self.request_line.split(b"\n", 1)[0].split(b" ")
+                self.request_line = None
+                path = target[1].split(b"?", 1)[0] if len(target) > 1 else b""
+                if path not in EXEMPT_PATHS:
+                    self._cancel_timers()
+                    self.transport.write(refusal)
+                    self.transport.close()
+                    return
+            super().data_received(data)
 
         def handle_events(self) -> None:
             super().handle_events()
             self._follow_request()
 
         def on_response_complete(self) -> None:
+            if self.over_cap:  # its one exempt request answered: it holds no place under the cap
+                self._cancel_timers()
+                self.transport.close()
             super().on_response_complete()  # keep-alive: the next request's cycle starts (IDLE) unless closing
             if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
                 self._cancel_timers()
@@ -108,7 +134,7 @@ def bounded_protocol(header_timeout_s: float, body_timeout_s: float, max_connect
         def _headers_late(self) -> None:
             self.header_timer = None
             if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-                self.transport.write(TIMEOUT_RESPONSE)
+                self.transport.write(refusal if self.over_cap else TIMEOUT_RESPONSE)
                 self.transport.close()
 
         def _body_late(self) -> None:

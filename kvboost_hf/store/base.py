@@ -198,23 +198,28 @@ class BackgroundWriter:
     :meth:`submit` never waits on I/O: with ``queue_size`` items pending it drops the new one (counted in
     ``dropped``) unless ``block_s`` allows waiting for room. A key submitted again while pending replaces its item
     (one write). ``write(batch)`` runs on the writer thread with up to ``batch_size`` ``(key, item)`` pairs; an
-    exception it raises is logged and counted in ``errors`` (the items are lost, the thread survives).
-    Until ``write`` returns, :meth:`pending` serves the items, so a read never misses a write in flight.
+    exception it raises is logged and counted in ``errors`` (the items are lost, the thread survives). ``write``
+    may return the pairs it could not write yet (the storage is busy): they are queued again in front, unless a
+    newer item was submitted under the key, and the thread waits ``retry_s`` before the next batch; once closing,
+    they and everything still queued are dropped (counted). Until an item is written, :meth:`pending` serves it,
+    so a read never misses a write in flight.
     """
 
     def __init__(
         self,
         name: str,
-        write: Callable[[list[tuple[str, Any]]], None],
+        write: Callable[[list[tuple[str, Any]]], list[tuple[str, Any]] | None],
         *,
         queue_size: int = 256,
         batch_size: int = 16,
+        retry_s: float = 0.05,
     ) -> None:
         if queue_size < 1 or batch_size < 1:
             raise ValueError(f"queue_size and batch_size must be >= 1, got {queue_size}, {batch_size}")
         self.name = name
         self.queue_size = queue_size
         self.batch_size = batch_size
+        self.retry_s = retry_s
         self.dropped = 0
         self.errors = 0
         self.written = 0
@@ -277,12 +282,14 @@ class BackgroundWriter:
         return True
 
     def close(self, timeout_s: float = 10.0) -> bool:
-        """Drain (up to ``timeout_s``), then stop the thread; later submits are dropped. True if all was written."""
+        """Drain, then stop the thread, within ``timeout_s`` (plus two ``retry_s`` for a write that was waiting for
+        busy storage: it then drops what is left); later submits are dropped. True if all was written."""
+        deadline = time.monotonic() + timeout_s
         drained = self.flush(timeout_s)
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join(timeout_s)
+        self._thread.join(max(deadline - time.monotonic(), 2 * self.retry_s))  # a write waiting out its retry
         return drained
 
     def _loop(self) -> None:
@@ -297,9 +304,10 @@ class BackgroundWriter:
                     batch.append(self._queued.popitem(last=False))
                 self._in_flight = dict(batch)
                 self._cond.notify_all()  # room in the queue
+            retry: list[tuple[str, Any]] = []
             try:
-                self._write(batch)
-                written, failed = len(batch), 0
+                retry = self._write(batch) or []
+                written, failed = len(batch) - len(retry), 0
             except Exception:  # the writer must survive anything a batch does
                 logger.exception("%s tier: a background write of %d items failed", self.name, len(batch))
                 written, failed = 0, 1
@@ -307,4 +315,13 @@ class BackgroundWriter:
                 self.written += written
                 self.errors += failed
                 self._in_flight = {}
+                if retry and self._stopping:  # closing: nothing will free the storage in time
+                    self.dropped += len(retry) + len(self._queued)
+                    self._queued.clear()
+                for key, item in reversed(retry if not self._stopping else []):
+                    if key not in self._queued:
+                        self._queued[key] = item
+                        self._queued.move_to_end(key, last=False)
                 self._cond.notify_all()
+                if retry and not self._stopping:
+                    self._cond.wait(self.retry_s)

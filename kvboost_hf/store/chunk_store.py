@@ -24,6 +24,7 @@ import atexit
 import dataclasses
 import logging
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -63,7 +64,7 @@ MAX_TAIL_PARENTS = 65536
 _REPORTED = {  # counters reported (0 when the tier is absent) so that dashboards see a fixed set of keys
     "gpu": ("bytes", "hits"),
     "ram": ("bytes", "hits"),
-    "disk": ("bytes", "hits", "chunks", "evictions", "errors", "dropped", "queued", "disabled", "rechecks"),
+    "disk": ("bytes", "hits", "chunks", "evictions", "errors", "dropped", "queued", "disabled", "rechecks", "lost"),
     "remote": ("bytes", "hits", "errors", "dropped", "republished"),
 }
 
@@ -273,15 +274,16 @@ class ChunkStore:
             tier.flush(timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """:meth:`flush`, then close the lower tiers. Idempotent; afterwards lookups see RAM only and puts stay
-        in RAM."""
+        """:meth:`flush`, then close the lower tiers, each tier within ``timeout_s`` in all. Idempotent;
+        afterwards lookups see RAM only and puts stay in RAM."""
+        deadline = time.monotonic() + timeout_s
         self.flush(timeout_s)
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         for tier in self._lower:
-            tier.close(timeout_s)
+            tier.close(max(deadline - time.monotonic(), 0.0))
 
     def __enter__(self) -> ChunkStore:
         return self

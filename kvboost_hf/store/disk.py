@@ -26,6 +26,20 @@ LMDB may count pages it never writes (pages allocated and freed in one transacti
 batch that wrote it), so every write transaction commits under the directory's :data:`WRITE_LOCK` and then
 extends ``data.mdb`` over the pages counted; a check that finds the file short takes the same lock and looks
 again before calling it truncated (a commit was in progress: counted in ``rechecks``, never a disabled tier).
+
+The write lock is a lease, never waited on without bound: its holder writes its pid, process start time and
+the time it took the lock into :data:`WRITE_LOCK` and clears them when it lets go. A background write waits at
+most ``lock_wait_s`` for it; a batch that did not get it stays in memory (served by ``get``) and is tried again
+later, counted in ``lock_waits``; ``flush`` and ``close`` return within their ``timeout_s``. A waiter that finds
+the holder past its ``lease_s`` logs it once with the holder's state (a stopped or hung process keeps LMDB's
+own writer mutex too, so no other process can write until it runs or dies). A holder that died leaves its lease
+written: the next holder finishes what it left (extends ``data.mdb`` over the counted pages; LMDB's robust
+mutex and copy-on-write pages make its unfinished transaction vanish) and counts it in ``lock_takeovers``.
+
+Durability: ``flush`` returns True only when every chunk written since the last flush was committed and then
+read back, byte for byte, from a new read transaction under the lock (what a reopened environment sees); a
+chunk whose commit failed (a full file system: ``ENOSPC`` or a short write) or that did not read back is
+counted in ``lost`` and makes the next ``flush`` return False.
 """
 
 from __future__ import annotations
@@ -71,11 +85,28 @@ class DiskTier(StorageTier):
 
     name = "disk"
 
-    def __init__(self, directory: str | os.PathLike[str], max_bytes: int = DEFAULT_MAX_BYTES, *, queue_size: int = 256):
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        *,
+        queue_size: int = 256,
+        lock_wait_s: float = 0.25,
+        lease_s: float = 10.0,
+    ):
         if max_bytes < 1:
             raise ValueError(f"disk max_bytes must be >= 1, got {max_bytes}")
+        if lock_wait_s <= 0 or lease_s <= 0:
+            raise ValueError(f"disk lock_wait_s and lease_s must be > 0, got {lock_wait_s}, {lease_s}")
         self.directory = Path(directory)
         self.max_bytes = max_bytes
+        self.lock_wait_s = lock_wait_s  # seconds a background write waits for another process's write lock
+        self.lease_s = lease_s  # seconds a holder may keep the write lock before waiters report it
+        self.lock_waits = 0  # batches that found the write lock held elsewhere and stayed in memory
+        self.lock_takeovers = 0  # write locks found abandoned by a dead holder and finished
+        self.lost = 0  # chunks whose write failed or did not read back after its commit
+        self._unreported_lost = 0  # lost since the last flush (which then returns False)
+        self._stale_holders: set[str] = set()  # holders past their lease already logged
         self.corrupt = 0
         self.evictions = 0
         self.errors = 0
@@ -86,16 +117,20 @@ class DiskTier(StorageTier):
         self._error_logged = False
         self._env: Any = None
         self._data_fd = -1
+        self.read_only = False  # the directory cannot be written: reads served, nothing written
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            with _opening(self.directory):
-                try:
-                    self._open()
-                except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError, _Truncated) as exc:
-                    self._set_aside(exc)
-        except (OSError, lmdb.Error, _Unusable) as exc:
+            if (self.directory / "data.mdb").exists() and not os.access(self.directory, os.W_OK):
+                self._open_read_only()
+            else:
+                with _opening(self.directory):
+                    try:
+                        self._open()
+                    except _DAMAGED as exc:
+                        self._set_aside(exc)
+        except (OSError, lmdb.Error, _Unusable, _LockBusy) as exc:
             self._disable(f"cannot open {self.directory} ({type(exc).__name__}: {exc})")
-        self._writer = BackgroundWriter("disk", self._write_batch, queue_size=queue_size)
+        self._writer = BackgroundWriter("disk", self._write_batch, queue_size=queue_size, retry_s=lock_wait_s)
 
     # ------------------------------------------------------------------ StorageTier
     def get(self, key: str) -> StoredChunk | None:
@@ -128,7 +163,7 @@ class DiskTier(StorageTier):
 
     def put(self, key: str, entry: StoredChunk) -> list[tuple[str, StoredChunk]]:
         """Queue ``entry`` for the disk (dropped and counted if the queue is full); never waits on I/O."""
-        if self.disabled is None:
+        if self.disabled is None and not self.read_only:
             self._writer.submit(key, entry)
         return []
 
@@ -139,21 +174,21 @@ class DiskTier(StorageTier):
         return self._meta_of(key) is not None
 
     def delete(self, key: str) -> None:
-        if self.disabled is None:
+        if self.disabled is None and not self.read_only:
             self._writer.submit(key, _DELETE, block_s=1.0)
 
     def clear(self) -> None:
         """Drop every entry (and tail note) after the queued writes land; every process sharing it sees it."""
         self._writer.flush()
         with self._lock:
-            if not self._usable():
+            if self.read_only or not self._usable():
                 return
             self._hits.clear()
             try:
-                with self._transaction() as txn:
+                with self._transaction(self.lease_s) as txn:
                     for db in (self._records, self._meta, self._tails):
                         txn.drop(db, delete=False)
-            except lmdb.Error as exc:
+            except (lmdb.Error, _LockBusy) as exc:
                 self._failed("clear", exc)
 
     @property
@@ -174,8 +209,11 @@ class DiskTier(StorageTier):
     def stats(self) -> dict[str, int]:
         """``bytes`` and ``chunks`` (what every process sharing the directory sees), ``evictions``, ``errors``,
         ``dropped`` (writes not done), ``queued`` (writes not yet on disk), ``corrupt`` (records refused),
-        ``rechecks`` (a short ``data.mdb`` seen during another commit, intact once it ended), ``disabled`` (1 once
-        the tier gave up; not after a plain close)."""
+        ``rechecks`` (a short ``data.mdb`` seen during another commit, intact once it ended), ``lock_waits``
+        (batches kept in memory because another process held the write lock), ``lock_takeovers`` (locks left by a
+        dead holder), ``lost`` (chunks whose write failed or did not read back), ``read_only`` (1 when the
+        directory cannot be written: reads served, nothing written), ``disabled`` (1 once the tier
+        gave up; not after a plain close)."""
         return {
             "bytes": self.nbytes,
             "chunks": len(self),
@@ -185,13 +223,17 @@ class DiskTier(StorageTier):
             "queued": self.queued,
             "corrupt": self.corrupt,
             "rechecks": self.rechecks,
+            "lock_waits": self.lock_waits,
+            "lock_takeovers": self.lock_takeovers,
+            "lost": self.lost,
+            "read_only": int(self.read_only),
             "disabled": int(self.disabled not in (None, "closed")),
         }
 
     # ------------------------------------------------------------------ tails
     def note_tail(self, parent_key: str, lengths: frozenset[int]) -> None:
         """Queue ``lengths`` to be merged into the tail note of ``parent_key``."""
-        if self.disabled is None:
+        if self.disabled is None and not self.read_only:
             self._writer.submit(_TAIL_PREFIX + parent_key, lengths)
 
     def tail_lengths(self, parent_key: str) -> set[int]:
@@ -219,20 +261,28 @@ class DiskTier(StorageTier):
         return len(self._writer)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait (up to ``timeout_s``) until queued writes are committed, then commit hit counts."""
+        """Wait (up to ``timeout_s``) until queued writes are committed, then commit hit counts (if the write
+        lock is free in the time left). True only if everything queued before the call is on disk and no chunk
+        was lost since the last flush (see the module docstring)."""
+        deadline = time.monotonic() + timeout_s
         drained = self._writer.flush(timeout_s)
-        self._write_batch([])
-        return drained
+        self._write_batch([], lock_wait_s=max(deadline - time.monotonic(), 0.0))
+        with self._lock:
+            lost, self._unreported_lost = self._unreported_lost, 0
+        if lost:
+            logger.warning("disk tier: %d chunks written to %s since the last flush were lost", lost, self.directory)
+        return drained and not lost
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Commit queued writes (up to ``timeout_s``), stop the writer and close LMDB. Idempotent; later calls
-        to any method are misses."""
+        """Commit queued writes, stop the writer and close LMDB, all within ``timeout_s`` (what could not be
+        written in time is dropped, counted). Idempotent; later calls to any method are misses."""
+        deadline = time.monotonic() + timeout_s
         self._writer.close(timeout_s)
         if self._writer.running:  # a write outlived the timeout: its environment must stay open under it
             logger.warning("disk tier: a write to %s is still running at close; leaving it open", self.directory)
             self.disabled = "closed"
             return
-        self._write_batch([])
+        self._write_batch([], lock_wait_s=max(deadline - time.monotonic(), 0.0))
         with self._lock:
             if self._env is not None and self.disabled is None and not (self.directory / "data.mdb").exists():
                 logger.warning("disk tier: %s vanished while open; its entries are gone", self.directory)
@@ -246,7 +296,7 @@ class DiskTier(StorageTier):
         this process maps the same directory."""
         self._writer.flush()
         with self._lock:
-            if not self._usable():
+            if self.read_only or not self._usable():
                 return
             self._close_env()
             fd = os.open(self.directory / "data.mdb", os.O_RDONLY)
@@ -288,9 +338,46 @@ class DiskTier(StorageTier):
         if not self._covers_used_pages():  # the environment may be another tier's, opened before a truncation
             raise _Truncated(f"{self.directory}/data.mdb is shorter than its used pages")
         self._page = self._env.stat()["psize"]
-        self._records = self._env.open_db(b"records")
-        self._meta = self._env.open_db(b"meta")
-        self._tails = self._env.open_db(b"tails")
+        self._records = self._meta = self._tails = None
+        if self._open_databases(self.lock_wait_s):
+            self._walk()
+
+    def _open_read_only(self) -> None:
+        """Open a directory this process cannot write (a read-only mount or permissions): LMDB without its lock
+        file (which cannot be created or written there), reads served, writes skipped. A damaged file cannot be
+        set aside here: :class:`_Unusable` (the tier disabled)."""
+        self._data_fd = os.open(self.directory / "data.mdb", os.O_RDONLY)
+        problem = _data_file_problem(self._data_fd)
+        if problem is not None:
+            raise _Unusable(f"{self.directory}/data.mdb: {problem} (read-only: cannot set it aside)")
+        self.read_only = True
+        self._env = lmdb.open(str(self.directory), readonly=True, lock=False, max_dbs=3)
+        self._page = self._env.stat()["psize"]
+        self._records, self._meta, self._tails = [self._env.open_db(name, create=False) for name in _DATABASES]
+        logger.warning("disk tier: %s is read-only; serving its entries, writing nothing", self.directory)
+
+    def _walk(self) -> None:
+        """Read every key of every database (every branch and leaf page, not the records' overflow pages):
+        LMDB's ``CorruptedError`` or ``PageNotFoundError`` for a damaged page, so that it is set aside at open
+        instead of failing reads for good."""
+        for db in (self._records, self._meta, self._tails):
+            with self._env.begin(db=db) as txn:
+                for _ in txn.cursor().iternext(keys=True, values=False):
+                    pass
+
+    def _open_databases(self, wait_s: float) -> bool:
+        """Open the three databases if not yet done; False while another process holds the write lock (LMDB
+        opens databases in a write transaction, which would wait without bound on LMDB's own writer mutex held
+        by a stopped writer: until then reads are misses and writes stay queued)."""
+        if self._records is not None:
+            return True
+        try:
+            with self._write_locked(wait_s):
+                dbs = [self._env.open_db(name) for name in _DATABASES]
+        except _LockBusy:
+            return False
+        self._records, self._meta, self._tails = dbs
+        return True
 
     def _set_aside(self, exc: Exception) -> None:
         """``data.mdb`` is not a usable LMDB file: keep it as ``data.mdb.damaged`` and start an empty one."""
@@ -300,7 +387,7 @@ class DiskTier(StorageTier):
         try:
             os.replace(self.directory / "data.mdb", self.directory / "data.mdb.damaged")
             self._open()
-        except (OSError, lmdb.Error, _Truncated, _Unusable) as again:
+        except (OSError, lmdb.Error, _Truncated, _Unusable, _LockBusy) as again:  # damaged again: give up
             self._disable(f"cannot open {self.directory} ({type(again).__name__}: {again})")
 
     def _covers_used_pages(self) -> bool:
@@ -310,20 +397,51 @@ class DiskTier(StorageTier):
         problem, rechecked = _settled_data_file_problem(self.directory, self._data_fd)
         if rechecked and problem is None:
             self.rechecks += 1
+        if problem == BUSY:
+            raise _LockBusy("a process in the middle of a commit", False)
         return problem is None
 
     @contextlib.contextmanager
-    def _transaction(self) -> Iterator[Any]:
-        """A write transaction committed under :data:`WRITE_LOCK`, after which (still under it) ``data.mdb`` is
-        extended over every page the new meta page counts: LMDB leaves pages allocated and freed in one
-        transaction unwritten, and readers must never find a file shorter than its counted pages unless it was
-        truncated. Extending adds a hole of free pages (no data, no space on most file systems)."""
-        with _flocked(self.directory / WRITE_LOCK, fcntl.LOCK_EX):
-            with self._env.begin(write=True) as txn:
-                yield txn
-            counted = (self._env.info()["last_pgno"] + 1) * self._page
-            if os.fstat(self._data_fd).st_size < counted:
-                os.ftruncate(self._data_fd, counted)  # only ever grows it: no other commit runs under the lock
+    def _write_locked(self, wait_s: float | None = None) -> Iterator[None]:
+        """Hold :data:`WRITE_LOCK` (waiting at most ``wait_s``, default ``lock_wait_s``: :class:`_LockBusy`
+        otherwise, counted in ``lock_waits``); on leaving, ``data.mdb`` is extended over every page the newest
+        meta page counts: LMDB leaves pages allocated and freed in one transaction unwritten, and readers must
+        never find a file shorter than its counted pages unless it was truncated. Extending adds a hole of free
+        pages (no data, no space on most file systems). A lock left by a dead holder is finished first."""
+        try:
+            with _write_lock(self.directory, self.lock_wait_s if wait_s is None else wait_s, self.lease_s) as left:
+                if left:
+                    self.lock_takeovers += 1
+                    logger.warning(
+                        "disk tier: took over %s/%s from a dead holder (%s)", self.directory, WRITE_LOCK, left
+                    )
+                    self._extend_over_counted()
+                yield
+                self._extend_over_counted()
+        except _LockBusy as busy:
+            self.lock_waits += 1
+            if busy.stale and busy.holder not in self._stale_holders:
+                self._stale_holders.add(busy.holder)
+                logger.warning(
+                    "disk tier: %s/%s is held past its lease by %s; writes stay in memory until it lets go",
+                    self.directory,
+                    WRITE_LOCK,
+                    busy.holder,
+                )
+            raise
+
+    def _extend_over_counted(self) -> None:
+        """Grow ``data.mdb`` to the pages its newest meta page counts (call under :data:`WRITE_LOCK`: no other
+        commit runs, so it only ever grows it)."""
+        counted = (self._env.info()["last_pgno"] + 1) * self._page
+        if os.fstat(self._data_fd).st_size < counted:
+            os.ftruncate(self._data_fd, counted)
+
+    @contextlib.contextmanager
+    def _transaction(self, wait_s: float | None = None) -> Iterator[Any]:
+        """A write transaction committed under :meth:`_write_locked`."""
+        with self._write_locked(wait_s), self._env.begin(write=True) as txn:
+            yield txn
 
     def _same_file(self) -> bool:
         """Whether ``data.mdb`` under the directory is still the file this tier opened (not deleted, or deleted
@@ -354,12 +472,14 @@ class DiskTier(StorageTier):
             return False
         try:
             intact = self._covers_used_pages()
+        except _LockBusy:
+            return False  # short while another process commits and holds the lock: a miss for now
         except (OSError, lmdb.Error) as exc:
             self._disable(f"cannot inspect {self.directory} ({exc})")
             return False
         if not intact:
             self._disable(f"{self.directory}/data.mdb was truncated under the store")
-        return intact
+        return intact and self._open_databases(0.0)
 
     def _replaced(self) -> bool:
         """Whether the directory's ``data.mdb`` was deleted or replaced under the tier; disables it if so (its
@@ -369,28 +489,69 @@ class DiskTier(StorageTier):
         self._disable(f"{self.directory}/data.mdb was deleted or replaced by another file while in use")
         return True
 
-    def _write_batch(self, batch: list[tuple[str, Any]]) -> None:
+    def _write_batch(
+        self, batch: list[tuple[str, Any]], lock_wait_s: float | None = None
+    ) -> list[tuple[str, Any]] | None:
         """One transaction: the batch's records, deletes and tail notes, hit counts, and the evictions needed to
-        stay within ``max_bytes``. Runs on the writer thread (and in flush/close with an empty batch)."""
+        stay within ``max_bytes``. Runs on the writer thread (and in flush/close with an empty batch). Returns
+        the batch when another process held the write lock (the writer keeps it and tries again); a batch that
+        failed counts its chunks in ``lost``."""
+        if self._env is not None and not self._open_databases(self.lock_wait_s if lock_wait_s is None else lock_wait_s):
+            return batch
+        if self.read_only:
+            return None
         records = [(key, codec.encode(key, item)) for key, item in batch if _is_chunk(key, item)]
         with self._lock:  # held only for the checks: readers must not wait for the commit's fsync
             hits, self._hits = self._hits, {}
             if (not batch and not hits) or not self._usable() or self._replaced():
-                return
+                return None
         try:
-            self._commit(batch, records, hits)
-        except lmdb.MapFullError:
             try:
+                unreadable = self._commit(batch, records, hits, lock_wait_s)
+            except lmdb.MapFullError:
                 self._evict_fraction(0.25)  # fragmentation: free a quarter of the budget and try once more
-                self._commit(batch, records, hits)
-            except lmdb.Error as exc:
-                self._failed("write", exc)
+                unreadable = self._commit(batch, records, hits, lock_wait_s)
+        except _LockBusy:
+            with self._lock:
+                for key, count in hits.items():  # counted again with the next commit
+                    self._hits[key] = self._hits.get(key, 0) + count
+            return batch
         except (OSError, lmdb.Error) as exc:
             self._failed("write", exc)
+            self._lose(len(records))
+            return None
+        if unreadable:
+            logger.warning("disk tier: %d chunks committed to %s did not read back", unreadable, self.directory)
+            self._lose(unreadable)
+        return None
 
-    def _commit(self, batch: list[tuple[str, Any]], records: list[tuple[str, bytearray]], hits: dict) -> None:
+    def _lose(self, chunks: int) -> None:
+        with self._lock:
+            self.lost += chunks
+            self._unreported_lost += chunks
+
+    def _commit(
+        self,
+        batch: list[tuple[str, Any]],
+        records: list[tuple[str, bytearray]],
+        hits: dict,
+        lock_wait_s: float | None = None,
+    ) -> int:
+        """Commit the batch (see :meth:`_write_batch`); the number of its records that a new read transaction,
+        still under the lock, does not return byte for byte."""
+        with self._write_locked(lock_wait_s):
+            written = self._commit_locked(batch, records, hits)
+            with self._env.begin(db=self._records, buffers=True) as txn:
+                return sum(1 for key, record in written if txn.get(key.encode()) != record)
+
+    def _commit_locked(
+        self, batch: list[tuple[str, Any]], records: list[tuple[str, bytearray]], hits: dict
+    ) -> list[tuple[str, bytearray]]:
+        """The write transaction of :meth:`_commit`; the records it put."""
         now = time.time()
-        with self._transaction() as txn:
+        written = []
+        evicted: set[str] = set()  # by this batch: its own earlier records among them
+        with self._env.begin(write=True) as txn:
             used = _used(txn, self._meta)
             for key, item in batch:
                 if key.startswith(_TAIL_PREFIX):
@@ -404,9 +565,10 @@ class DiskTier(StorageTier):
                 if size > self.max_bytes or txn.get(key.encode(), db=self._meta) is not None:
                     continue
                 if used + size > self.max_bytes:
-                    used -= self._evict(txn, used + size - self.max_bytes)
+                    used -= self._evict(txn, used + size - self.max_bytes, evicted)
                 txn.put(key.encode(), record, db=self._records)
                 txn.put(key.encode(), _META.pack(len(record), 0, now), db=self._meta)
+                written.append((key, record))
                 used += size
             for key, count in hits.items():
                 raw = txn.get(key.encode(), db=self._meta)
@@ -414,6 +576,7 @@ class DiskTier(StorageTier):
                     length, old, _ = _META.unpack(raw)
                     txn.put(key.encode(), _META.pack(length, old + count, now), db=self._meta)
             txn.put(_BYTES, _U64.pack(max(used, 0)), db=self._meta)
+        return [(key, record) for key, record in written if key not in evicted]
 
     def _remove(self, txn: Any, key: bytes) -> int:
         """Delete one entry inside ``txn``; the page-rounded bytes it held (0 if absent)."""
@@ -421,13 +584,17 @@ class DiskTier(StorageTier):
         txn.delete(key, db=self._records)
         return _pages(_META.unpack(raw)[0], self._page) if raw is not None and len(raw) == _META.size else 0
 
-    def _evict(self, txn: Any, needed: int) -> int:
+    def _evict(self, txn: Any, needed: int, evicted: set[str] | None = None) -> int:
+        """Remove entries in eviction order until ``needed`` bytes are freed (their keys added to ``evicted``);
+        the bytes freed."""
         freed = 0
         for _, _, key in _by_eviction_order(txn, self._meta):
             if freed >= needed:
                 break
             freed += self._remove(txn, key.encode())
             self.evictions += 1
+            if evicted is not None:
+                evicted.add(key)
         return freed
 
     def _evict_fraction(self, fraction: float) -> None:
@@ -437,8 +604,15 @@ class DiskTier(StorageTier):
             txn.put(_BYTES, _U64.pack(max(used, 0)), db=self._meta)
 
     def _failed(self, what: str, exc: Exception) -> None:
-        """Count a failed operation; the first one is a warning, later ones debug lines."""
+        """Count a failed operation; the first one is a warning, later ones debug lines. A damaged page is also
+        counted in ``corrupt`` (the next open of the directory sets the file aside)."""
         self.errors += 1
+        if isinstance(exc, _DAMAGED):
+            self.corrupt += 1
+            if not self._error_logged:
+                logger.warning(
+                    "disk tier: a damaged page in %s/data.mdb (%s); the next open sets it aside", self.directory, exc
+                )
         level = logging.DEBUG if self._error_logged else logging.WARNING
         self._error_logged = True
         logger.log(level, "disk tier: %s failed in %s (%s); serving from the other tiers", what, self.directory, exc)
@@ -450,13 +624,17 @@ class DiskTier(StorageTier):
 
     def _close_env(self) -> None:
         if self._env is not None:
-            _release_env(self._env)
+            if self.read_only:  # its own environment, not shared (no lock file)
+                self._env.close()
+            else:
+                _release_env(self._env)
             self._env = None
         if self._data_fd >= 0:
             os.close(self._data_fd)
             self._data_fd = -1
 
 
+_DATABASES = (b"records", b"meta", b"tails")
 OPENING_LOCK = "open.lock"
 WRITE_LOCK = "write.lock"
 
@@ -484,17 +662,110 @@ def _flocked(path: Path, operation: int) -> Iterator[None]:
 
 
 def _settled_data_file_problem(directory: Path, fd: int) -> tuple[str | None, bool]:
-    """:func:`_data_file_problem` of ``fd``, looked at again under :data:`WRITE_LOCK` (shared) if there is one:
-    between a commit and the extension of the file over its counted pages (see ``DiskTier._transaction``) the
-    file is short without being damaged. Returns the problem left and whether it looked again."""
+    """:func:`_data_file_problem` of ``fd``, looked at again under :data:`WRITE_LOCK` if there is one: between
+    a commit and the extension of the file over its counted pages (see ``DiskTier._write_locked``) the file is
+    short without being damaged, and a holder that died there left its lease written (the file is then
+    extended here, as it would have done). Returns the problem left and whether it looked again; the lock is
+    waited for at most :data:`CHECK_WAIT_S` (a stopped holder: "busy", the caller treats it as a miss)."""
     problem = _data_file_problem(fd)
     if problem is None:
         return None, False
-    with _flocked(directory / WRITE_LOCK, fcntl.LOCK_SH):
-        settled = _data_file_problem(fd)
+    try:
+        with _write_lock(directory, CHECK_WAIT_S, CHECK_WAIT_S) as left:
+            settled = _data_file_problem(fd)
+            counted = _counted_size(fd)
+            if settled is not None and left and counted is not None and os.fstat(fd).st_size < counted:
+                logger.warning("disk tier: %s/data.mdb left short by a dead writer (%s); extended", directory, left)
+                with open(directory / "data.mdb", "r+b") as data:
+                    os.ftruncate(data.fileno(), counted)
+                settled = _data_file_problem(fd)
+    except _LockBusy:
+        return BUSY, True
     if settled is None:
         logger.debug("disk tier: %s/data.mdb looked short during a commit (%s); intact after it", directory, problem)
     return settled, True
+
+
+CHECK_WAIT_S = 2.0  # seconds a check of a short data.mdb waits for the write lock before calling it a miss
+BUSY = "being written by a process that holds the write lock"
+
+
+class _LockBusy(KVBoostError):
+    """Another process held :data:`WRITE_LOCK` longer than the wait allowed; ``holder`` describes its lease,
+    ``stale`` says it is past the lease."""
+
+    def __init__(self, holder: str, stale: bool):
+        super().__init__(f"{WRITE_LOCK} held by {holder}")
+        self.holder = holder
+        self.stale = stale
+
+
+@contextlib.contextmanager
+def _write_lock(directory: Path, wait_s: float, lease_s: float) -> Iterator[str]:
+    """Hold :data:`WRITE_LOCK` (``flock``, exclusive, on a descriptor of its own: threads of one process exclude
+    each other too), waiting at most ``wait_s`` (:class:`_LockBusy` then). While held, the file holds the lease
+    ``"pid start-ticks taken-at lease_s"``; it is emptied on release. Yields the lease a previous holder left
+    (it died holding the lock: the kernel released its ``flock``), or ``""``."""
+    fd = os.open(directory / WRITE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + wait_s
+        pause = 0.001
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise _LockBusy(*_describe_lease(os.pread(fd, _LEASE_BYTES, 0).decode(errors="replace"))) from None
+                time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+                pause = min(pause * 2, 0.02)
+        left = os.pread(fd, _LEASE_BYTES, 0).decode(errors="replace").strip()
+        lease = f"{os.getpid()} {_start_ticks(os.getpid())} {time.time():.3f} {lease_s:g}"
+        _write_lease(fd, lease)
+        try:
+            yield left
+        finally:
+            _write_lease(fd, "")  # a clean release; a holder that dies leaves its lease for the next one
+    finally:
+        os.close(fd)  # releases the lock
+
+
+_LEASE_BYTES = 64
+
+
+def _write_lease(fd: int, lease: str) -> None:
+    """Overwrite the lease in place (fixed width: once allocated, a full file system cannot refuse it); a
+    lease that cannot be written only leaves waiters less to report."""
+    with contextlib.suppress(OSError):
+        os.pwrite(fd, lease.encode().ljust(_LEASE_BYTES), 0)
+
+
+def _start_ticks(pid: int) -> int:
+    """The start time of process ``pid`` in clock ticks since boot (tells a reused pid apart), or -1."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return -1
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _describe_lease(lease: str) -> tuple[str, bool]:
+    """A lease as text (pid, state, how long held) and whether it is past its term."""
+    try:
+        pid_text, ticks_text, taken_text, term_text = lease.split()
+        pid, ticks, taken, term = int(pid_text), int(ticks_text), float(taken_text), float(term_text)
+    except ValueError:
+        return "an unknown holder", False
+    held = time.time() - taken
+    if _start_ticks(pid) != ticks:
+        state = "gone"
+    else:
+        try:
+            code = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            code = "?"
+        state = {"T": "stopped", "t": "stopped", "D": "in uninterruptible I/O", "Z": "a zombie"}.get(code, "running")
+    return f"process {pid} ({state}, holding it {held:.1f} s, lease {term:g} s)", held > term
 
 
 _open_envs: dict[str, list[Any]] = {}  # real path -> [environment, users]: LMDB allows one per process
@@ -529,6 +800,10 @@ class _Truncated(KVBoostError):
     """``data.mdb`` is shorter than the pages LMDB would map, or is not an LMDB file: set it aside."""
 
 
+# what makes data.mdb unusable as it is: set aside at open (a damaged page found later: at the next open)
+_DAMAGED = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError, _Truncated)
+
+
 class _Unusable(KVBoostError):
     """The directory cannot be opened safely as it is (damaged lock file, no room for it): disable the tier."""
 
@@ -543,6 +818,24 @@ _DATA_VERSION = 1
 _LOCK_HEADER = 128  # the lock file's header; reader slots of 64 bytes follow
 _LOCK_SLOT = 64
 _lock_signature: bytes | None = None
+
+
+def _counted_size(fd: int) -> int | None:
+    """Bytes the newest valid meta page of the data file ``fd`` counts (``(last page + 1) * page size``), or
+    None when the meta pages cannot be read."""
+    first = os.pread(fd, _META_OFFSET + 136, 0)
+    if len(first) < _META_OFFSET + 136:
+        return None
+    page = _META_PAGE_SIZE.unpack_from(first, _META_OFFSET + 24)[0]
+    if page < 512 or page & (page - 1):
+        return None
+    newest = (-1, -1)
+    for meta in (first, os.pread(fd, _META_OFFSET + 136, page)):
+        if len(meta) < _META_OFFSET + 136 or _META_HEAD.unpack_from(meta, _META_OFFSET) != (_DATA_MAGIC, _DATA_VERSION):
+            return None
+        last_page, txn = _META_TAIL.unpack_from(meta, _META_OFFSET + 120)
+        newest = max(newest, (txn, last_page))
+    return (newest[1] + 1) * page
 
 
 def _data_file_problem(fd: int) -> str | None:
@@ -582,6 +875,8 @@ def _check_files(directory: Path) -> None:
             problem, _ = _settled_data_file_problem(directory, fd)
         finally:
             os.close(fd)
+        if problem == BUSY:
+            raise _Unusable(f"{data} is {BUSY} past {CHECK_WAIT_S:g} s")
         if problem is not None:
             raise _Truncated(f"{data}: {problem}")
     lock = directory / "lock.mdb"

@@ -1,0 +1,523 @@
+"""Issue #40 (hardening, third round): the disk tier's write lock is a lease that nobody holds forever, a flush
+that says True means every chunk is on disk, and the smaller items. Every test runs real processes on
+127.0.0.1 or a local directory and is bounded to a few seconds of waiting."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import API_KEY, ENV, MODEL_NAME, key, raw_entry
+from test_server_hardening import HardenedServer
+
+from kvboost_hf.server.app import ServerConfig, create_app
+from kvboost_hf.server.grammar import GrammarCompiler, GrammarConfig, GrammarError, GrammarQuota
+from kvboost_hf.server.grammar_process import CompileProcess
+from kvboost_hf.store.disk import WRITE_LOCK, DiskTier
+
+# ---------------------------------------------------------------------------------------------- the write lock
+
+_HOLD_LOCK = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from kvboost_hf.store.disk import _write_lock
+    with _write_lock(Path(sys.argv[1]), 5.0, float(sys.argv[2])):
+        print("held", flush=True)
+        time.sleep(float(sys.argv[3]))
+    print("released", flush=True)
+    """
+)
+
+
+@pytest.fixture
+def stopped_holder(tmp_path: Path) -> Iterator[Callable[[], subprocess.Popen]]:
+    """Starts a process holding ``WRITE_LOCK`` of ``tmp_path/d`` (where ``key(100)`` is stored) with a 0.5 s
+    lease and stops it by SIGSTOP (a debugger, a hung process). A watchdog resumes it after 6 s, so code that
+    waits for the lock without bound ends too (and fails its timing assertion) instead of hanging the suite."""
+    directory = tmp_path / "d"
+    tier = DiskTier(directory, 1 << 22)
+    tier.put(key(100), raw_entry(seed=100))
+    tier.close()
+    started: list[subprocess.Popen] = []
+    watchdog = threading.Timer(6.0, lambda: [os.kill(p.pid, signal.SIGCONT) for p in started])
+
+    def start() -> subprocess.Popen:
+        holder = subprocess.Popen(
+            [sys.executable, "-c", _HOLD_LOCK, str(directory), "0.5", "1.0"], env=ENV, stdout=subprocess.PIPE, text=True
+        )
+        started.append(holder)
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        os.kill(holder.pid, signal.SIGSTOP)
+        watchdog.start()
+        return holder
+
+    try:
+        yield start
+    finally:
+        watchdog.cancel()
+        for holder in started:
+            os.kill(holder.pid, signal.SIGCONT)
+            holder.communicate(timeout=30)
+
+
+def _put_batch(tier: DiskTier, first: int, count: int) -> None:
+    for i in range(first, first + count):
+        tier.put(key(i), raw_entry(seed=i))
+
+
+def test_flush_returns_within_its_timeout_while_a_stopped_process_holds_the_lock(
+    tmp_path: Path, stopped_holder: Callable[[], subprocess.Popen], caplog
+):
+    """Before: ``flush(timeout_s=1)`` blocked until the holder ran again (here: the 6 s watchdog). Now it returns
+    False within the timeout, the writes are served from memory, counted in ``lock_waits``, the holder is named
+    once past its lease, and the writes land once it lets go."""
+    directory = tmp_path / "d"
+    tier = DiskTier(directory, 1 << 22, lock_wait_s=0.05, lease_s=5.0)
+    holder = stopped_holder()
+    try:
+        with caplog.at_level("WARNING", logger="kvboost_hf.store.disk"):
+            _put_batch(tier, 0, 8)
+            time.sleep(0.2)  # the writer thread takes the batch (and the hit counts so far)
+            assert tier.get(key(100)) is not None  # a hit count for flush to commit
+            start = time.monotonic()
+            drained = tier.flush(timeout_s=1.0)
+            elapsed = time.monotonic() - start
+        assert elapsed < 1.0 + 0.5, elapsed
+        assert not drained
+        assert all(tier.get(key(i)) is not None for i in range(8))  # still served, from memory
+        assert tier.stats()["lock_waits"] >= 1
+        assert f"held past its lease by process {holder.pid} (stopped" in caplog.text
+        os.kill(holder.pid, signal.SIGCONT)
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "released"
+        assert tier.flush(timeout_s=5.0)
+    finally:
+        tier.close()
+    reopened = DiskTier(directory, 1 << 22)
+    try:
+        assert all(reopened.get(key(i)) is not None for i in range(8))
+    finally:
+        reopened.close()
+
+
+def test_close_returns_within_its_timeout_while_a_stopped_process_holds_the_lock(
+    tmp_path: Path, stopped_holder: Callable[[], subprocess.Popen]
+):
+    """Before: ``close(timeout_s=1)`` took until the holder ran again. Now within the timeout; what could not be
+    written is counted as dropped."""
+    tier = DiskTier(tmp_path / "d", 1 << 22, lock_wait_s=0.05)
+    stopped_holder()
+    _put_batch(tier, 0, 8)
+    start = time.monotonic()
+    tier.close(timeout_s=1.0)
+    assert time.monotonic() - start < 1.0 + 0.5
+    assert tier.dropped == 8
+
+
+_DIE_AFTER_COMMIT = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+    import lmdb
+    from kvboost_hf.store.disk import _write_lock
+    directory = Path(sys.argv[1])
+    env = lmdb.open(str(directory), map_size=1 << 24, max_dbs=3, max_readers=1024)
+    records = env.open_db(b"records")
+    with _write_lock(directory, 5.0, 10.0):
+        with env.begin(write=True, db=records) as txn:  # pages allocated and freed in one commit: never written
+            txn.put(b"scratch", bytes(200_000))
+            txn.delete(b"scratch")
+        counted = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        print("short" if os.stat(directory / "data.mdb").st_size < counted else "whole", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # dies between the commit and extending data.mdb
+    """
+)
+
+
+def test_a_dead_holders_lock_is_taken_over_and_its_short_file_finished(tmp_path: Path, caplog):
+    """A writer killed between its commit and extending ``data.mdb`` leaves the file shorter than its counted
+    pages and its lease written. Before: the next reader called the file truncated and disabled the tier (and
+    the next open set the whole file aside). Now the lease says its holder died: the file is extended, the entry
+    is served, the takeover logged."""
+    directory = tmp_path / "d"
+    tier = DiskTier(directory, 1 << 22)
+    try:
+        tier.put(key(1), raw_entry(seed=1))
+        assert tier.flush()
+        result = subprocess.run(
+            [sys.executable, "-c", _DIE_AFTER_COMMIT, str(directory)], env=ENV, capture_output=True, text=True
+        )
+        assert result.returncode == -signal.SIGKILL and result.stdout.strip() == "short", result.stderr[-2000:]
+        with caplog.at_level("WARNING", logger="kvboost_hf.store.disk"):
+            assert tier.get(key(1)) is not None
+        assert tier.disabled is None
+        assert "dead writer" in caplog.text
+        tier.put(key(2), raw_entry(seed=2))
+        assert tier.flush()
+    finally:
+        tier.close()
+    assert (directory / WRITE_LOCK).read_text().strip() == ""  # released cleanly
+
+
+# ---------------------------------------------------------------------------------------------- a full disk
+
+_FILL = textwrap.dedent(
+    """
+    import json, sys
+    from helpers import key, raw_entry
+    from kvboost_hf.store.disk import DiskTier
+    directory, process, batches = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    tier = DiskTier(directory, 1 << 30)
+    durable, false_flushes = [], 0
+    for batch in range(batches):
+        keys = [key(process * 100_000 + batch * 4 + i) for i in range(4)]
+        for i, k in enumerate(keys):
+            tier.put(k, raw_entry(tokens=32, seed=batch * 4 + i))
+        if tier.flush(timeout_s=10.0):
+            durable += keys
+        else:
+            false_flushes += 1
+    stats = tier.stats()
+    tier.close()
+    print(json.dumps({"durable": durable, "false_flushes": false_flushes, "lost": stats["lost"]}))
+    """
+)
+
+
+@pytest.fixture
+def small_file_system(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs (needs root to mount; skipped otherwise)."""
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1024k", "tmpfs", str(mount)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_no_chunk_a_flush_called_written_is_missing_after_a_full_disk(small_file_system: Path):
+    """Three processes fill one directory on a small file system, each flushing after every 4 chunks. Before:
+    ``flush`` said True once the queue had drained, also when the batch's commit had failed with ENOSPC (only
+    the first failure was a warning): whole batches of 4 missing after a reopen. Now every chunk of a flush
+    that returned True reads back after the reopen, and the failures are counted in ``lost``."""
+    directory = small_file_system / "d"
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FILL, str(directory), str(process), "20"],
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for process in range(3)
+    ]
+    reports = []
+    for process in processes:
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err[-2000:]
+        reports.append(json.loads(out))
+    durable = [k for r in reports for k in r["durable"]]
+    assert durable  # some batches landed before the disk filled up
+    reopened = DiskTier(directory, 1 << 30)
+    try:
+        missing = [k for k in durable if reopened.get(k) is None]
+    finally:
+        reopened.close()
+    assert missing == []
+    assert sum(r["false_flushes"] for r in reports) > 0  # the disk did fill up
+    assert sum(r["lost"] for r in reports) > 0  # and the chunks it refused are counted
+
+
+# ---------------------------------------------------------------------------------------------- grammar compiles
+_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from kvboost_hf.hf.models import embedded_model_dir
+
+    return AutoTokenizer.from_pretrained(embedded_model_dir())
+
+
+@pytest.fixture(scope="module")
+def shared_compiler(tokenizer) -> Iterator[GrammarCompiler]:
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), GrammarConfig(workers=2, compile_limit_s=2.0))
+    try:
+        yield compiler
+    finally:
+        compiler.close()
+
+
+@pytest.fixture
+def compiler(shared_compiler: GrammarCompiler) -> GrammarCompiler:
+    """Two compile workers (shared by the module's tests: each child imports torch), every child up and
+    answering before the test starts."""
+    shared_compiler.wait_started()
+    _wait_until_ready(shared_compiler)
+    return shared_compiler
+
+
+def _wait_until_ready(compiler: GrammarCompiler) -> None:
+    """Until every worker's child (a new one after a kill) is up, 120 s at most."""
+    deadline = time.monotonic() + 120
+    while not all(p.ready and p.alive for p in compiler._pool._processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _children(compiler: GrammarCompiler) -> list[subprocess.Popen]:
+    return [process._child for process in compiler._pool._processes]
+
+
+def test_a_child_killed_while_idle_costs_no_request(compiler: GrammarCompiler):
+    """Before: the next requests got ``500 BrokenPipeError`` (from closing the dead child's stdin) and 400s. Now
+    the compile that found its child dead runs again on the other worker's child, at once."""
+    for child in _children(compiler):
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        start = time.monotonic()
+        assert compiler.json_schema({**_SCHEMA, "title": str(child.pid)}).result(60) is not None
+        assert time.monotonic() - start < 3.0  # no wait for the killed child's restart
+        _wait_until_ready(compiler)  # the dead child's worker replaces it
+
+
+def test_a_child_killed_mid_compile_is_retried_not_refused(compiler: GrammarCompiler, monkeypatch):
+    """The OOM killer or an operator kills a child after the job was sent. Before: ``400 invalid_schema`` for a
+    valid schema. Now the job runs again on another child."""
+    original = CompileProcess._receive
+    killed: list[int] = []
+
+    def receive(process: CompileProcess, timeout_s: float):
+        if process.ready and not killed:
+            killed.append(process._child.pid)
+            os.kill(process._child.pid, signal.SIGKILL)
+        return original(process, timeout_s)
+
+    monkeypatch.setattr(CompileProcess, "_receive", receive)
+    assert compiler.json_schema(_SCHEMA).result(60) is not None
+    assert len(killed) == 1
+
+
+def test_children_killed_at_random_moments_cost_no_valid_schema(compiler: GrammarCompiler):
+    """Valid schemas compile while a thread kills a random child twice at random moments: none is answered
+    GrammarError (the client's 400) or anything else but its grammar."""
+    import random
+
+    chooser = random.Random(40)
+
+    def killer() -> None:
+        for _ in range(2):
+            time.sleep(chooser.uniform(0.05, 0.5))
+            live = [child for child in _children(compiler) if child.poll() is None]
+            if live:
+                os.kill(chooser.choice(live).pid, signal.SIGKILL)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    futures = [compiler.json_schema({**_SCHEMA, "title": f"t{i}"}, client=f"c{i % 2}") for i in range(2)]
+    for i in range(2, 12):
+        futures[i - 2].result(120)
+        futures.append(compiler.json_schema({**_SCHEMA, "title": f"t{i}"}, client=f"c{i % 2}"))
+    thread.join()
+    assert all(future.result(120) is not None for future in futures)
+
+
+def test_one_client_holds_its_share_of_the_queue_whatever_its_salts(compiler: GrammarCompiler, monkeypatch):
+    """Item 1's attack: one client keeps slow compiles waiting under a new ``cache_salt`` each. Before: the shared
+    queue filled and every other client got GrammarBusy (503). Now the attacker gets GrammarQuota (429, naming
+    the limit) past its share, and another client's compile is admitted and answered."""
+    release = threading.Event()
+    original = CompileProcess.compile
+
+    def held(process, kind, args, time_limit_s):  # the attacker's compiles take as long as the test wants
+        if "attack" in args[0]:
+            assert release.wait(60)
+        return original(process, kind, args, time_limit_s)
+
+    monkeypatch.setattr(CompileProcess, "compile", held)
+    share = compiler.limits.client_share
+    assert share == 2
+    try:
+        attacks = [
+            compiler.json_schema({**_SCHEMA, "title": f"attack {i}"}, tenant=f"salt-{i}", client="10.0.0.1")
+            for i in range(share)
+        ]
+        with pytest.raises(GrammarQuota, match="its limit of 2 \\(max_waiting_per_client\\)"):
+            compiler.json_schema({**_SCHEMA, "title": "attack more"}, tenant="salt-new", client="10.0.0.1")
+        start = time.monotonic()
+        assert compiler.json_schema(_SCHEMA, tenant="b", client="10.0.0.2").result(30) is not None
+        assert time.monotonic() - start < 3.0  # a worker was left to it
+    finally:
+        release.set()
+    assert all(attack.result(60) is not None for attack in attacks)
+    assert compiler.json_schema({**_SCHEMA, "title": "attack again"}, client="10.0.0.1").result(60) is not None
+
+
+def test_a_killed_compile_does_not_delay_the_next_request(compiler: GrammarCompiler):
+    """Item 2: after a compile is killed at its time limit, the next compile goes to the idle worker instead of
+    waiting for the killed child's restart (before: 4.5-5.8 s instead of 0.01 s)."""
+    with pytest.raises(GrammarError, match="did not compile within"):
+        compiler.json_schema({"type": "string", "pattern": "[a-z]{1,30000}"}).result(60)
+    start = time.monotonic()
+    assert compiler.json_schema(_SCHEMA).result(60) is not None
+    assert time.monotonic() - start < 2.0
+
+
+# ---------------------------------------------------------------------------------------------- connection cap
+def test_health_and_metrics_are_served_over_the_connection_cap(embedded_engine):
+    """A reverse proxy (one address) holding every connection the cap allows: before, its health probe got the
+    429 too. Now ``/health`` and ``/metrics`` are answered (one request, then the connection closes) and any
+    other path still gets the 429."""
+    settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, header_timeout_s=20, max_connections_per_client=2)
+    with HardenedServer(create_app(embedded_engine, settings), settings) as live:
+        held = [socket.create_connection(("127.0.0.1", live.port), timeout=10) for _ in range(2)]
+        try:
+            time.sleep(0.2)  # the server counted them
+            for path in ("/health", "/metrics"):
+                reply = _raw_get(live.port, path)
+                assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+            reply = _raw_get(live.port, "/v1/models")
+            assert reply.startswith(b"HTTP/1.1 429") and b"too_many_connections" in reply, reply[:200]
+        finally:
+            for sock in held:
+                sock.close()
+
+
+def _raw_get(port: int, path: str) -> bytes:
+    """Every byte of the reply to one GET on a fresh connection, read until the server closes it (10 s)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n\r\n".encode())
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# ---------------------------------------------------------------------------------------------- damaged, read-only
+def _fill(directory: Path, count: int) -> None:
+    tier = DiskTier(directory, 1 << 24)
+    for i in range(count):
+        tier.put(key(i), raw_entry(tokens=2, seed=i))
+    assert tier.flush()
+    tier.close()
+
+
+def test_a_damaged_branch_page_is_set_aside_at_the_next_open(tmp_path: Path, caplog):
+    """The records database's root (a branch page over 400 entries) overwritten with zeros. Before: every read
+    below it failed, in every process, until someone cleaned the directory by hand. Now the next open finds it,
+    sets the file aside as ``data.mdb.damaged`` (counted, logged) and starts empty."""
+    import struct
+
+    import lmdb
+
+    directory = tmp_path / "d"
+    _fill(directory, 400)
+    env = lmdb.open(str(directory), max_dbs=3, readonly=True, lock=False)
+    with env.begin() as txn:
+        raw = txn.get(b"records")  # the named database's record in the main one: md_depth at 6, md_root at 40
+        depth, root = struct.unpack_from("<H", raw, 6)[0], struct.unpack_from("<Q", raw, 40)[0]
+    page = env.stat()["psize"]
+    env.close()
+    assert depth >= 2  # the root is a branch page
+    with open(directory / "data.mdb", "r+b") as data:
+        data.seek(root * page)
+        data.write(bytes(page))
+    with caplog.at_level("WARNING", logger="kvboost_hf.store.disk"):
+        tier = DiskTier(directory, 1 << 24)
+    try:
+        assert tier.disabled is None and tier.corrupt == 1
+        assert (directory / "data.mdb.damaged").exists() and "damaged" in caplog.text
+        tier.put(key(1), raw_entry(tokens=2, seed=1))
+        assert tier.flush() and tier.get(key(1)) is not None
+    finally:
+        tier.close()
+
+
+@pytest.fixture
+def read_only_mount(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs with a filled cache directory ``d``, remounted read-only (needs root; skipped otherwise)."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        _fill(mount / "d", 20)
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_read_only_directory_is_served_read_only(read_only_mount: Path, caplog):
+    """Before: the tier was disabled (every read a miss). Now its entries are served and nothing is written."""
+    with caplog.at_level("WARNING", logger="kvboost_hf.store.disk"):
+        tier = DiskTier(read_only_mount / "d", 1 << 24)
+    try:
+        assert tier.disabled is None and tier.read_only and tier.stats()["read_only"] == 1
+        assert all(tier.get(key(i)) is not None for i in range(20))
+        tier.put(key(99), raw_entry(tokens=2, seed=99))
+        assert tier.flush() and tier.get(key(99)) is None and tier.errors == 0
+        assert "read-only" in caplog.text
+    finally:
+        tier.close()
+
+
+def test_a_client_over_its_compile_share_gets_a_429_and_others_are_answered(embedded_engine, monkeypatch):
+    """Item 1 over HTTP: a client with its 2 compiles waiting (held here) asks for a third under a new salt: 429
+    ``grammar_quota`` naming the limit (before: the shared queue's 503 for everyone). Another client address is
+    answered meanwhile."""
+    release = threading.Event()
+    original = CompileProcess.compile
+
+    def held(process, kind, args, time_limit_s):
+        if "attack" in args[0]:
+            assert release.wait(60)
+        return original(process, kind, args, time_limit_s)
+
+    monkeypatch.setattr(CompileProcess, "compile", held)
+    settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, grammar_limits=GrammarConfig(workers=2))
+
+    def body(title: str, salt: str) -> bytes:
+        schema = {**_SCHEMA, "title": title}
+        response_format = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        messages = [{"role": "user", "content": "Is water wet?"}]
+        request = {"model": MODEL_NAME, "messages": messages, "max_tokens": 4, "temperature": 0}
+        return json.dumps({**request, "response_format": response_format, "cache_salt": salt}).encode()
+
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    with HardenedServer(create_app(embedded_engine, settings), settings) as live:
+        url = f"{live.url}/v1/chat/completions"
+        with httpx.Client(timeout=60) as attacker, ThreadPoolExecutor(2) as pool:
+            held_requests = [
+                pool.submit(attacker.post, url, content=body(f"attack {i}", f"s{i}"), headers=headers) for i in range(2)
+            ]
+            deadline = time.monotonic() + 60
+            for attempt in range(1000):  # until both are admitted (their compiles held): a quick one meanwhile is 200
+                third = attacker.post(url, content=body(f"third {attempt}", f"t{attempt}"), headers=headers)
+                if third.status_code != 200 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert third.status_code == 429, third.text
+            assert third.json()["error"]["code"] == "grammar_quota" and "limit of 2" in third.text
+            transport = httpx.HTTPTransport(local_address="127.0.0.2")
+            with httpx.Client(timeout=60, transport=transport) as other:
+                answered = other.post(url, content=body("other", "s"), headers=headers)
+            assert answered.status_code == 200, answered.text
+            release.set()
+            assert all(request.result(60).status_code == 200 for request in held_requests)
