@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from kvboost_hf.kernels.cuda_compile import compile_variant
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

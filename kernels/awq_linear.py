@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable
 
 import torch
+
 from kvboost_hf.kernels.awq_reference import PACK, awq_reference_matmul
 
 logger = logging.getLogger(__name__)

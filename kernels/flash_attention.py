@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from kvboost_hf.kernels.cuda_compile import compile_variant
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)

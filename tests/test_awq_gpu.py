@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 from conftest import greedy
-from kvboost_hf.kernels.awq_reference import dequantize_awq
 
 from kvboost_hf.bench.shapes import random_awq_model
+from kvboost_hf.kernels.awq_reference import dequantize_awq
 from kvboost_hf.offload import (
     LayerStreamingConfig,
     decoder_layers,

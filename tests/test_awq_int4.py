@@ -17,9 +17,9 @@ import sys
 import pytest
 import torch
 from conftest import make_tiny_model
+
 from kvboost_hf.kernels.awq_linear import AwqInt4Linear, replace_awq_linears
 from kvboost_hf.kernels.awq_reference import awq_reference_matmul, dequantize_awq
-
 from kvboost_hf.tools.awq_pack import dequantize_linear, int4_model, quantize_linear, round_trip_int4
 
 # (rtol, atol, weight_rtol) against float64: one rounding of the output (fp16: 2^-11) plus fp32 accumulation. The

@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 from conftest import make_tiny_model
-from kvboost_hf.kernels.awq_linear import AwqInt4Linear, replace_awq_linears
 from transformers import AutoModelForCausalLM
 
+from kvboost_hf.kernels.awq_linear import AwqInt4Linear, replace_awq_linears
 from kvboost_hf.tools.awq_load import load_awq_model
 from kvboost_hf.tools.awq_pack import int4_model, pack_checkpoint
 

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 from conftest import make_tiny_model
-from kvboost_hf.kernels.awq_reference import AWQ_ORDER, unpack_int4
 from oracle import engine_reference
 from safetensors.torch import load_file
 
+from kvboost_hf.kernels.awq_reference import AWQ_ORDER, unpack_int4
 from kvboost_hf.tools.awq_pack import dequantize_linear, main, pack_int4, quantize_linear
 
 

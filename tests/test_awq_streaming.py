@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 from conftest import greedy, make_tiny_model
-from kvboost_hf.kernels.awq_linear import AwqInt4Linear
 
+from kvboost_hf.kernels.awq_linear import AwqInt4Linear
 from kvboost_hf.offload import LayerStreamingConfig, decoder_layers, enable_layer_streaming
 from kvboost_hf.tools.awq_pack import int4_model
 

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+
 from kvboost_hf.kernels.reference import reference_attention
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import greedy
-from kvboost_hf.kernels.awq_linear import AwqInt4Linear
-from kvboost_hf.kernels.awq_reference import dequantize_awq
 
 from kvboost_hf.bench.shapes import random_awq_model
+from kvboost_hf.kernels.awq_linear import AwqInt4Linear
+from kvboost_hf.kernels.awq_reference import dequantize_awq
 from kvboost_hf.offload import LayerStreamingConfig, decoder_layers, enable_layer_streaming
 
 
