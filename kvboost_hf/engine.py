@@ -555,7 +555,7 @@ class InferenceEngine:
         """A :class:`~kvboost_hf.scheduling.Scheduler` for this engine: batches of this engine's decode loops
         (:meth:`decode_loop`) in ``mode``, at most ``max_batch_size`` rows running, a new batch formed once its
         oldest request waited ``batch_window_ms``; each batch's decode figures are added to :meth:`cache_stats`.
-        Step it under :attr:`lock`."""
+        The rows' text is decoded (special tokens skipped) under ``tokenizer_lock``. Step it under :attr:`lock`."""
         mode = GenerationMode(mode)
 
         def new_loop(key: BatchKey) -> DecodeLoop:

@@ -63,7 +63,7 @@ from kvboost_hf.hf.cache import (
 from kvboost_hf.hf.detokenize import IncrementalText
 from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.prefill import RowReuse, forward, forward_inputs, run_forward
-from kvboost_hf.hf.sampling import SamplingConfig, build_processors, choose_token
+from kvboost_hf.hf.sampling import SamplingConfig, build_processors, choose_token, greedy_tokens
 from kvboost_hf.hf.speculative import Drafter, DraftTree, tree_attention_mask
 from kvboost_hf.offload.streamer import layer_streamer
 
@@ -564,7 +564,7 @@ class DecodeLoop:
         # a draft only pays when a row can still take two tokens: with one left, its proposals could not be used
         if self.draft is not None and any(row.tokens_left > 1 for row in self.running):
             return self._speculative_step(self.draft)
-        last = torch.tensor([[row.tokens[-1]] for row in self.running], device=self.device)
+        last = to_device([[row.tokens[-1]] for row in self.running], self.device)
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.running), 1)], dim=1)
         self.positions = self.positions + 1
         logits = self._forward(last, self.positions[:, None])
@@ -611,8 +611,9 @@ class DecodeLoop:
         node's); keeps only the accepted paths' columns in both caches. Layout before: ``root_mask`` ``[B, C]``
         covers the columns up to each row's root (the last; at ``root_positions`` ``[B]``), then the tree's nodes in
         both caches (the draft's: each tree's first ``fed`` nodes)."""
-        greedy = logits.argmax(dim=-1).tolist()  # every plain greedy row's choices, in one transfer
+        greedy = greedy_tokens(logits).tolist()  # every plain greedy row's choices, in one transfer
         walks = [self._verify(row, logits[i], trees[i], greedy[i]) for i, row in enumerate(self.running)]
+        now = time.perf_counter()
         kept = [path for path, _, _ in walks]
         self.verify_forwards += 1
         base = root_mask.shape[1]
@@ -623,20 +624,33 @@ class DecodeLoop:
         self.mask = select_columns(torch.cat([root_mask, root_mask.new_ones(len(trees), nodes)], dim=1),
                                    target_columns, dim=1)  # fmt: skip
         self.positions = root_positions + torch.tensor([len(path) for path in kept], device=self.device)
-        now = time.perf_counter()
-        # every taken token's logits (the root's, then each kept node's): log-probabilities in one pass
-        taken = [(i, node + 1, token) for i, (path, tokens, _) in enumerate(walks)
-                 for node, token in zip([-1, *path], tokens, strict=False)
-                 if self.running[i].request.top_logprobs is not None]  # fmt: skip
-        chosen = torch.tensor([token for _, _, token in taken], dtype=torch.long, device=self.device)
-        picked = logits[[i for i, _, _ in taken], [column for _, column, _ in taken]]
-        _, found = sampled([self.running[i] for i, _, _ in taken], picked, chosen) if taken else ([], [])
-        logprobs = iter(found)
+        logprobs = self._path_logprobs(logits, walks)
         return [
-            RowOutput(row, tuple(tokens), tuple(next(logprobs) for _ in tokens) if row.request.top_logprobs is not None
-                      else (), now, draft)
-            for row, (_, tokens, draft) in zip(self.running, walks, strict=True)
-        ]  # fmt: skip
+            RowOutput(row, tuple(tokens), found, now, draft)
+            for row, (_, tokens, draft), found in zip(self.running, walks, logprobs, strict=True)
+        ]
+
+    def _path_logprobs(
+        self, logits: torch.Tensor, walks: list[tuple[list[int], list[int], DraftRound | None]]
+    ) -> list[tuple[TokenLogprob, ...]]:
+        """Per running row, the log-probabilities of the tokens it took down its tree (:meth:`_verify`'s ``walks``;
+        none for a row that asked for none), from the verify logits ``[B, 1 + nodes, V]`` of its root and each kept
+        node, computed in one pass."""
+        picks = [
+            (i, column, token)
+            for i, (path, tokens, _) in enumerate(walks)
+            if self.running[i].request.top_logprobs is not None
+            for column, token in zip([0, *(node + 1 for node in path)], tokens, strict=True)
+        ]
+        per_row: list[list[TokenLogprob]] = [[] for _ in walks]
+        if picks:
+            rows, columns, tokens = zip(*picks, strict=True)
+            picked = logits[list(rows), list(columns)]
+            _, found = sampled([self.running[i] for i in rows], picked, to_device(tokens, self.device))
+            for i, entry in zip(rows, found, strict=True):
+                if entry is not None:
+                    per_row[i].append(entry)
+        return [tuple(entries) for entries in per_row]
 
     def _keep_path(
         self,
@@ -763,11 +777,10 @@ class DecodeLoop:
         on the device, the others go through their processors and own choice; the ids and log-probabilities come
         to the host in one transfer."""
         rows = self.running
-        chosen = logits.argmax(dim=-1)
+        chosen = greedy_tokens(logits)
         if others := [i for i, row in enumerate(rows) if not row.plain_greedy]:
             picks = [rows[i].choose(logits[i : i + 1]) for i in others]
-            index = torch.tensor(others, device=logits.device)
-            chosen = chosen.index_put((index,), torch.tensor(picks, dtype=chosen.dtype, device=logits.device))
+            chosen = chosen.index_put((to_device(others, logits.device),), to_device(picks, logits.device))
         tokens, logprobs = sampled(rows, logits, chosen)
         now = time.perf_counter()
         return [
@@ -809,8 +822,8 @@ def sampled(
     parts = [chosen.double()]
     top = max((rows[i].request.top_logprobs or 0 for i in asks), default=0)
     if asks:
-        index = torch.tensor(asks, device=logits.device)
-        log_probs = torch.log_softmax(logits[index].float(), dim=-1)
+        index = to_device(asks, logits.device)
+        log_probs = torch.log_softmax((logits if len(asks) == len(rows) else logits[index]).float(), dim=-1)
         values, ids = log_probs.topk(top, dim=-1)
         parts += [log_probs.gather(1, chosen[index, None]).flatten(), values.flatten(), ids.flatten()]
     host = torch.cat([part.double() for part in parts]).tolist()  # ids < 2**53: exact in float64
@@ -823,6 +836,11 @@ def sampled(
         pairs = tuple((int(host[ids_at + slot * top + j]), host[values_at + slot * top + j]) for j in range(k))
         found[i] = TokenLogprob(tokens[i], host[count + slot], pairs)
     return tokens, found
+
+
+def to_device(values: Sequence[Any], device: torch.device) -> torch.Tensor:
+    """``values`` (ints, nested lists) as a long tensor on ``device``, copied without a host synchronisation."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
 def left_pad(
