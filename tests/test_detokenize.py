@@ -63,6 +63,7 @@ def test_incremental_text_equals_the_whole_decode_after_every_token(ids, data):
             break
     else:
         assert text.visible(finished=True) == full
+    assert text.offsets == [len(whole_decode(ids[:i]).rstrip("\ufffd")) for i in range(len(text.offsets))]
 
 
 def answer_ids(length: int) -> list[int]:

@@ -24,6 +24,15 @@ from collections.abc import Callable, Sequence
 REPLACEMENT = "\ufffd"
 
 
+def trailing_replacements(text: str, end: int | None = None) -> int:
+    """How many U+FFFD end ``text[:end]`` (read backwards from ``end``, default the end; nothing is copied)."""
+    end = len(text) if end is None else end
+    start = end
+    while start > 0 and text[start - 1] == REPLACEMENT:
+        start -= 1
+    return end - start
+
+
 def held_back(text: str, stops: Sequence[str]) -> int:
     """How many characters at the end of ``text`` (which holds no stop string) may not be shown while the row
     runs: the longest end of ``text`` that starts a stop string, and then any U+FFFD before it (an incomplete
@@ -34,10 +43,7 @@ def held_back(text: str, stops: Sequence[str]) -> int:
             if text.endswith(stop[:size]):
                 hold = size
                 break
-    end = len(text) - hold
-    while end > 0 and text[end - 1] == REPLACEMENT:
-        end -= 1
-    return len(text) - end
+    return hold + trailing_replacements(text, len(text) - hold)
 
 
 def visible_text(text: str, stops: Sequence[str]) -> tuple[str, bool]:
@@ -61,7 +67,8 @@ class IncrementalText:
 
     Call :meth:`update` after each token appended to the row's token list. ``text`` is then the whole decoded text
     (pending U+FFFD included), ``stop_at`` the character offset of the first stop string in it (None while there
-    is none), and :meth:`visible` what may be shown.
+    is none), and :meth:`visible` what may be shown. ``offsets[i]`` is the length of the text before token ``i``
+    without a trailing incomplete character (where token ``i``'s text starts, as OpenAI's ``text_offset``).
     """
 
     def __init__(self, stops: Sequence[str] = ()) -> None:
@@ -73,11 +80,13 @@ class IncrementalText:
         self._prefix_text = ""  # decode(tokens[prefix_offset:read_offset])
         self.text = ""
         self.stop_at: int | None = None
+        self.offsets: list[int] = []
 
     def update(self, tokens: Sequence[int], decode: Callable[[list[int]], str]) -> None:
         """Take the tokens appended to ``tokens`` since the last call (``decode``: ids -> text, the same function
         every call); finds a stop string in the new text."""
         searched = len(self._settled)  # text before it held no stop string and cannot change
+        self.offsets.append(len(self.text) - trailing_replacements(self.text))
         window = decode(list(tokens[self.prefix_offset :]))
         if len(window) > len(self._prefix_text) and not window.endswith(REPLACEMENT):
             self._settled += window[len(self._prefix_text) :]
