@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from kvboost_hf.bench.detokenize import answer_text
 from kvboost_hf.hf.decode import DecodeRequest, DecodeRow
 from kvboost_hf.hf.detokenize import IncrementalText, visible_text
 from kvboost_hf.hf.models import embedded_model_dir
@@ -69,9 +70,7 @@ def test_incremental_text_equals_the_whole_decode_after_every_token(ids, data):
 def answer_ids(length: int) -> list[int]:
     """``length`` tokens of varied text: words, digits, punctuation, accents, CJK and emoji (characters split
     over several byte tokens)."""
-    sentence = "Le café n°{i} coûte {i}.50 € — naïve 日本語 😀🚀 {i}x{i}={sq}; ok?\n"
-    text = "".join(sentence.format(i=i, sq=i * i) for i in range(length))
-    ids = tokenizer()(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer()(answer_text(length), add_special_tokens=False)["input_ids"]
     assert len(ids) >= length
     return ids[:length]
 

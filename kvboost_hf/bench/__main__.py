@@ -18,6 +18,7 @@ BENCHMARKS = (
     "streaming",
     "speculative",
     "hardening",
+    "detokenize",
     "gpu",
 )
 
