@@ -14,13 +14,14 @@ The contract, in the shape of vLLM's ``schedule()`` / ``update_from_output()``:
    that ends a row are dropped), reports each token to its group (``on_token``), has the runner drop the ended
    rows and retires the batches that ended.
 
-:meth:`Scheduler.step` does all three; :meth:`Scheduler.run` steps until nothing is left.
+:meth:`Scheduler.step` does the last three; :meth:`Scheduler.run` steps until nothing is left.
 
 The rules, in order:
 
 1. rows of one batch share one cache namespace: the same ``cache_salt`` (the :class:`BatchKey`);
 2. admission: a pending group whose key matches a running batch joins it at once (continuous batching: its prompt is
-   prefilled, then its rows decode in the same forward as the running rows); other pending groups of one key form a
+   prefilled in that step, in place of the batch's decode step, then its rows decode in the same forward as the
+   running rows); other pending groups of one key form a
    new batch once the oldest has waited ``batch_window_s`` (or they fill ``max_rows``); the rows of all running
    batches stay within ``max_rows``, and groups are admitted oldest first;
 3. prefill: the rows admitted to a batch in one schedule are prefilled together (one left-padded forward), except
