@@ -563,18 +563,20 @@ class InferenceEngine:
         """A :class:`~kvboost_hf.scheduling.Scheduler` for this engine: batches of this engine's decode loops
         (:meth:`decode_loop`) in ``mode``, at most ``max_batch_size`` rows running, a new batch formed once its
         oldest request waited ``batch_window_ms``; each batch's decode figures are added to :meth:`cache_stats`.
-        Step it under :attr:`lock`."""
+        The rows' text is decoded (special tokens skipped) under ``tokenizer_lock``. Step it under :attr:`lock`."""
         mode = GenerationMode(mode)
 
-        def new_loop(key: BatchKey, on_token: Callable[[DecodeRow], None]) -> DecodeLoop:
-            return self.decode_loop(mode, key.cache_salt, repair, on_token=on_token, tokenizer_lock=tokenizer_lock)
+        def new_loop(key: BatchKey) -> DecodeLoop:
+            return self.decode_loop(mode, key.cache_salt, repair)
 
         return Scheduler(
             self.batch_policy(mode),
             new_loop,
+            decode=functools.partial(self.tokenizer.decode, skip_special_tokens=True),
             max_rows=max_batch_size,
             batch_window_s=batch_window_ms / 1e3,
             on_done=self.count_decode,
+            tokenizer_lock=tokenizer_lock,
         )
 
     def decode_loop(
@@ -582,9 +584,6 @@ class InferenceEngine:
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
         cache_salt: str | None = None,
         repair: RepairConfig | None = None,
-        *,
-        on_token: Callable[[DecodeRow], None] = lambda row: None,
-        tokenizer_lock: contextlib.AbstractContextManager | None = None,
     ) -> DecodeLoop:
         """An empty decode loop (the scheduler's model runner) on this engine's model with fresh caches of these
         settings (no store with ``mode="baseline"``), speculative with the engine's draft when it has one. Its
@@ -595,11 +594,8 @@ class InferenceEngine:
             new_cache = functools.partial(self.new_cache, mode, cache_salt, repair=repair, adapter=False)
         return DecodeLoop(
             self.model,
-            functools.partial(self.tokenizer.decode, skip_special_tokens=True),
             new_cache=new_cache,
             pad_token_id=self.pad_token_id,
-            on_token=on_token,
-            tokenizer_lock=tokenizer_lock,
             draft=self._drafter(mode, cache_salt, repair),
         )
 

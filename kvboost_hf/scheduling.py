@@ -5,17 +5,23 @@ The contract, in the shape of vLLM's ``schedule()`` / ``update_from_output()``:
 
 1. :meth:`Scheduler.add` queues a :class:`RequestGroup` (one request's rows: the ``n`` choices of one prompt);
 2. :meth:`Scheduler.schedule` decides what runs now and returns it as a :class:`SchedulerOutput`: for every running
-   batch, the :class:`~kvboost_hf.hf.decode.PrefillWork` of the groups admitted to it, then one decode step;
+   batch, the :class:`~kvboost_hf.hf.decode.PrefillWork` of the groups admitted to it, or else one decode step;
 3. :meth:`Scheduler.execute` hands that to each batch's :class:`~kvboost_hf.hf.decode.DecodeLoop` (the model
-   runner, which makes no decision of its own) and :meth:`Scheduler.update_from_output` retires what finished.
+   runner, which makes no decision of its own) and returns the tokens it sampled per row
+   (:class:`~kvboost_hf.hf.decode.RowOutput`, in the :class:`StepReport`);
+4. :meth:`Scheduler.update_from_output` appends them to their rows (the text decoded incrementally), decides which
+   rows stop (:func:`stop_reason`: an end token, the budget, a stop string, cancellation; tokens after the one
+   that ends a row are dropped), reports each token to its group (``on_token``), has the runner drop the ended
+   rows and retires the batches that ended.
 
-:meth:`Scheduler.step` does all three; :meth:`Scheduler.run` steps until nothing is left.
+:meth:`Scheduler.step` does the last three; :meth:`Scheduler.run` steps until nothing is left.
 
 The rules, in order:
 
 1. rows of one batch share one cache namespace: the same ``cache_salt`` (the :class:`BatchKey`);
 2. admission: a pending group whose key matches a running batch joins it at once (continuous batching: its prompt is
-   prefilled, then its rows decode in the same forward as the running rows); other pending groups of one key form a
+   prefilled in that step, in place of the batch's decode step, then its rows decode in the same forward as the
+   running rows); other pending groups of one key form a
    new batch once the oldest has waited ``batch_window_s`` (or they fill ``max_rows``); the rows of all running
    batches stay within ``max_rows``, and groups are admitted oldest first;
 3. prefill: the rows admitted to a batch in one schedule are prefilled together (one left-padded forward), except
@@ -38,6 +44,7 @@ lock, never held during a store read or a forward); every other method from one 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -49,7 +56,7 @@ from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.core.errors import KVBoostError
 from kvboost_hf.core.keys import KeySpace
-from kvboost_hf.hf.decode import DecodeLoop, DecodeRow, PrefillWork, SharedPrefix
+from kvboost_hf.hf.decode import DecodeLoop, DecodeRow, PrefillWork, RowOutput, SharedPrefix
 from kvboost_hf.reuse.plan import ChunkSource, has_nonprefix_hits
 
 logger = logging.getLogger(__name__)
@@ -218,11 +225,11 @@ class RunningBatch:
     ``time.perf_counter()`` value.
     """
 
-    def __init__(self, key: BatchKey, new_loop: Callable[[BatchKey, Callable[[DecodeRow], None]], DecodeLoop]) -> None:
+    def __init__(self, key: BatchKey, new_loop: Callable[[BatchKey], DecodeLoop]) -> None:
         self.key = key
         self.groups: list[RequestGroup] = []
         self._owners: dict[int, RequestGroup] = {}
-        self.loop = new_loop(key, self._report)
+        self.loop = new_loop(key)
         self.started = time.perf_counter()
         self.decode_counts: dict[str, Any] | None = None
 
@@ -247,8 +254,7 @@ class RunningBatch:
         for group in self.groups:
             if not group.done:
                 group.on_fail(error)
-        self.loop.running = []
-        self.loop.close_without_saving()
+        self.loop.abandon()
 
     @property
     def rows(self) -> list[DecodeRow]:
@@ -263,14 +269,15 @@ class RunningBatch:
     def age_s(self) -> float:
         return time.perf_counter() - self.started
 
-    def _report(self, row: DecodeRow) -> None:
-        self._owners[id(row)].on_token(row)
+    def owner(self, row: DecodeRow) -> RequestGroup:
+        """The group ``row`` belongs to."""
+        return self._owners[id(row)]
 
 
 @dataclass(frozen=True)
 class BatchWork:
     """What one batch runs in one scheduler step: the prefills of the groups just admitted to it (``admitted``;
-    ``new``: the batch was formed now), then one decode step for every row still running."""
+    ``new``: the batch was formed now), or, when none was, one decode step for every row still running."""
 
     batch: RunningBatch
     new: bool = False
@@ -287,17 +294,20 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class BatchResult:
-    """How one :class:`BatchWork` ran: the prompt tokens its prefills computed (not loaded) and the error that
-    failed the batch (None: it ran)."""
+    """How one :class:`BatchWork` ran: the prompt tokens its prefills computed (not loaded), the tokens the runner
+    sampled per row (``outputs``; appended to the rows by :meth:`Scheduler.update_from_output`, which drops any
+    after the one that ends a row) and the error that failed the batch (None: it ran)."""
 
     work: BatchWork
     computed_tokens: int = 0
     error: BaseException | None = None
+    outputs: tuple[RowOutput, ...] = ()
 
 
 @dataclass(frozen=True)
 class StepReport:
-    """What a step did: each batch's result and the batches that ended (finished or failed) in it."""
+    """What a step did: each batch's result (with the tokens sampled) and the batches that ended (finished or failed)
+    in it."""
 
     results: tuple[BatchResult, ...] = ()
     ended: tuple[RunningBatch, ...] = ()
@@ -308,27 +318,34 @@ class Scheduler:
 
     Args:
         policy: the batch keys and prefill-alone verdicts (the engine's :meth:`~InferenceEngine.batch_policy`).
-        new_loop: a fresh decode loop for a batch of ``key`` whose rows report through ``on_token``.
+        new_loop: a fresh decode loop for a batch of ``key``.
+        decode: token ids -> text (special tokens skipped), e.g. ``tokenizer.decode``: the rows' text, decoded a
+            few recent tokens at a time; called under ``tokenizer_lock``.
         max_rows: rows running at once, over all batches (>= 1).
         batch_window_s: how long the oldest pending group of a key waits for others before its batch forms
             (``drain = True`` admits without waiting).
         on_done: called once with each batch's loop when it ends; what it returns is kept as its
             ``decode_counts``.
+        tokenizer_lock: serialises ``decode`` with other threads using the same tokenizer (None: no lock).
     """
 
     def __init__(
         self,
         policy: BatchPolicy,
-        new_loop: Callable[[BatchKey, Callable[[DecodeRow], None]], DecodeLoop],
+        new_loop: Callable[[BatchKey], DecodeLoop],
         *,
+        decode: Callable[[list[int]], str],
         max_rows: int = 8,
         batch_window_s: float = 0.0,
         on_done: Callable[[DecodeLoop], dict[str, Any]] = lambda loop: {},
+        tokenizer_lock: contextlib.AbstractContextManager | None = None,
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self.policy = policy
         self.new_loop = new_loop
+        self.decode = decode
+        self.tokenizer_lock = tokenizer_lock or contextlib.nullcontext()
         self.max_rows = max_rows
         self.batch_window_s = batch_window_s
         self.on_done = on_done
@@ -369,7 +386,7 @@ class Scheduler:
     # ------------------------------------------------------------------ the contract
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         """Admit what is ready and fits (groups cancelled while pending fail with :class:`RequestCancelled`), plan
-        the admitted rows' prefills, and step every running batch."""
+        the admitted rows' prefills, and step every running batch that admitted nothing."""
         now = time.perf_counter() if now is None else now
         admitted: dict[int, tuple[RunningBatch, bool, list[RequestGroup]]] = {}
         for key, batch, groups in self._admit(now):
@@ -393,27 +410,38 @@ class Scheduler:
         return SchedulerOutput(tuple(work))
 
     def execute(self, output: SchedulerOutput) -> StepReport:
-        """Run each batch's work on its loop: its prefills, then one step. An exception fails that batch only: its
-        groups get it through ``on_fail`` and its caches are dropped unsaved (possibly inconsistent)."""
+        """Run each batch's work on its loop: its prefills, or one step; the report carries the tokens sampled. An
+        exception fails that batch only: its groups get it through ``on_fail`` and its caches are dropped unsaved
+        (possibly inconsistent)."""
         results = []
         for work in output.work:
             loop = work.batch.loop
             before = loop.computed_tokens
+            outputs: list[RowOutput] = []
             try:
                 for prefill in work.prefills:
-                    loop.add(prefill)
-                if not loop.done:
-                    loop.step()
+                    outputs += loop.add(prefill)
+                if not work.prefills and not loop.done:
+                    outputs += loop.step()
             except Exception as error:
                 logger.exception("batch of %d rows failed", len(loop.running))
                 work.batch.fail(error)
                 results.append(BatchResult(work, loop.computed_tokens - before, error))
                 continue
-            results.append(BatchResult(work, loop.computed_tokens - before))
+            results.append(BatchResult(work, loop.computed_tokens - before, outputs=tuple(outputs)))
         return StepReport(tuple(results))
 
     def update_from_output(self, report: StepReport) -> StepReport:
-        """Retire the batches that ended (``on_done`` runs once for each); returns ``report`` with them."""
+        """Append each batch's sampled tokens to its rows and end the rows that stop (:func:`stop_reason`; tokens
+        after the one that ends a row are dropped), reporting each token to its group; then have each runner drop
+        its ended rows and retire the batches that ended (``on_done`` runs once for each). Returns ``report`` with
+        them."""
+        for result in report.results:
+            if result.error is None:
+                for output in result.outputs:
+                    group = result.work.batch.owner(output.row)
+                    append_output(output, self.decode, group.on_token, self.tokenizer_lock)
+                result.work.batch.loop.retire_finished()
         ended = tuple(batch for batch in self.running if batch.done)
         for batch in ended:
             batch.decode_counts = self.on_done(batch.loop)
@@ -425,24 +453,27 @@ class Scheduler:
         return self.update_from_output(self.execute(self.schedule(now)))
 
     def run(self) -> None:
-        """Step until nothing is pending or running (windows are not waited for: what is pending is admitted as
-        soon as it fits)."""
-        self.closing = True
+        """Step until nothing is pending or running (windows are not waited for: :attr:`drain` is set meanwhile, so
+        what is pending is admitted as soon as it fits)."""
+        draining, self.drain = self.drain, True
         try:
             while not self.idle:
                 self.step()
         finally:
-            self.drain = False
+            self.drain = draining
 
     def abort(self, error: BaseException) -> None:
-        """Fail every pending group with ``error`` and end every running row now (cancelled; what was computed is
-        stored)."""
+        """Fail every pending group with ``error`` and end every running row now (cancelled, reported once to its
+        group; what was computed is stored)."""
         with self._queue_lock:
             waiting, self._pending = self._pending, []
         for group in waiting:
             group.on_fail(error)
         for batch in self.running:
-            batch.loop.cancel_all()
+            for row in batch.rows:
+                row.cancel()
+                batch.owner(row).on_token(row)
+            batch.loop.retire_finished()
             batch.decode_counts = self.on_done(batch.loop)
         self.running = []
 
@@ -481,3 +512,38 @@ class Scheduler:
             if chosen:
                 formed.append((key, running, chosen))
         return formed
+
+
+def stop_reason(row: DecodeRow) -> str | None:
+    """Why ``row`` stops after its newest token, or None: ``"stop"`` (a stop string in its text, or an end token),
+    ``"length"`` (its budget is spent), ``"cancelled"`` (its cancel event is set); checked in that order."""
+    if row.stop_string_found or row.tokens[-1] in row.end_ids:
+        return "stop"
+    if len(row.tokens) >= row.request.max_new_tokens:
+        return "length"
+    if row.request.cancel is not None and row.request.cancel.is_set():
+        return "cancelled"
+    return None
+
+
+def append_output(
+    output: RowOutput,
+    decode: Callable[[list[int]], str],
+    on_token: Callable[[DecodeRow], None],
+    tokenizer_lock: contextlib.AbstractContextManager | None = None,
+) -> None:
+    """Append ``output``'s tokens to its row one by one (``decode`` under ``tokenizer_lock``: ids -> text), each
+    reported through ``on_token``, until the row stops (:func:`stop_reason`): the tokens after that one are
+    dropped, and a verify round is counted with the tokens kept."""
+    row = output.row
+    for index, token in enumerate(output.tokens):
+        logprob = output.logprobs[index] if output.logprobs else None
+        with tokenizer_lock or contextlib.nullcontext():
+            row.append(token, decode, logprob, output.at)
+        if (reason := stop_reason(row)) is not None:
+            row.finish(reason)
+        if output.draft is not None and (row.finished or index == len(output.tokens) - 1):
+            row.record_round(output.draft, index + 1)
+        on_token(row)
+        if row.finished:
+            return

@@ -27,8 +27,8 @@ from transformers import DynamicCache, PreTrainedTokenizerFast
 
 from kvboost_hf import ChunkingConfig, ChunkReuseCache, ChunkStore, GenerationMode, RepairConfig
 from kvboost_hf.core.chunk_kv import ChunkKV
-from kvboost_hf.hf.decode import DecodeLoop
-from kvboost_hf.scheduling import prefill_works
+from kvboost_hf.hf.decode import DecodeLoop, DecodeRow, PrefillWork, RowOutput
+from kvboost_hf.scheduling import append_output, prefill_works
 from kvboost_hf.store.base import StoredChunk
 from kvboost_hf.store.quantization import QuantizedChunk, quantize_chunk
 
@@ -241,9 +241,32 @@ def reuse_caches(store: ChunkStore | None, model, **options) -> Callable[[tuple[
     return lambda starts: ChunkReuseCache(store, model, DECODE_CHUNKING, segment_starts=starts, **options)
 
 
-def new_loop(model, new_cache=None, **kwargs) -> DecodeLoop:
-    """An empty decode loop on ``model`` (pad 0, text from :func:`as_text`; ``new_cache`` None: plain K/V)."""
-    return DecodeLoop(model, as_text, new_cache=new_cache, pad_token_id=0, **kwargs)
+class AppliedLoop(DecodeLoop):
+    """A decode loop driven without a scheduler: :meth:`add` and :meth:`step` also append the sampled tokens to the
+    rows and end them as the scheduler does (:func:`~kvboost_hf.scheduling.append_output`, text from
+    :func:`as_text`), reporting each token to ``on_token``, then drop the ended rows."""
+
+    def __init__(self, *args, on_token: Callable[[DecodeRow], None] = lambda row: None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.on_token = on_token
+
+    def add(self, work: PrefillWork) -> list[RowOutput]:
+        return self._applied(super().add(work))
+
+    def step(self) -> list[RowOutput]:
+        return self._applied(super().step())
+
+    def _applied(self, outputs: list[RowOutput]) -> list[RowOutput]:
+        for output in outputs:
+            append_output(output, as_text, self.on_token)
+        self.retire_finished()
+        return outputs
+
+
+def new_loop(model, new_cache=None, **kwargs) -> AppliedLoop:
+    """An empty decode loop on ``model`` (pad 0, text from :func:`as_text`; ``new_cache`` None: plain K/V) whose
+    sampled tokens are appended as the scheduler does (:class:`AppliedLoop`)."""
+    return AppliedLoop(model, new_cache=new_cache, pad_token_id=0, **kwargs)
 
 
 def prefill(loop: DecodeLoop, requests, alone=None, eos=DECODE_EOS) -> None:

@@ -17,7 +17,8 @@ from kvboost_hf import ChunkReuseCache, ChunkStore, SamplingConfig
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.keys import content_key
 from kvboost_hf.hf.cache import select_columns
-from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, visible_text
+from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest
+from kvboost_hf.hf.detokenize import visible_text
 from kvboost_hf.hf.speculative import DraftConfig, Drafter
 
 

@@ -28,12 +28,14 @@ def test_greedy_output_and_first_logits_match_plain_generate(embedded_engine):
 
 def test_verify_correctness_catches_a_loop_defect_every_mode_shares(embedded_engine, monkeypatch):
     """The oracle is transformers' ``generate()``, not the decode loop in baseline mode: a token choice broken for
-    every mode (the runner-up instead of the argmax) is reported at the first step."""
+    every mode (the runner-up instead of the argmax, for a row alone and for plain greedy rows chosen together) is
+    reported at the first step."""
 
     def runner_up(scores, params, generator):
         return int(scores.topk(2).indices[0, 1])
 
     monkeypatch.setattr(decode_module, "choose_token", runner_up)
+    monkeypatch.setattr(decode_module, "greedy_tokens", lambda scores: scores.topk(2, dim=-1).indices[..., 1])
     report = embedded_engine.verify_correctness(["The capital of France is"], max_new_tokens=3)
     assert not report and report.checks[0].first_differing_step == 0
 

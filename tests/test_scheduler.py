@@ -6,6 +6,7 @@ behaviour is tested in test_decode.py and, through the engine, in test_schedulin
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -14,7 +15,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.keys import KeySpace
-from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, PrefillWork, SharedPrefix
+from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, DraftRound, PrefillWork, RowOutput, SharedPrefix
+from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.scheduling import BatchPolicy, RequestCancelled, RequestGroup, Scheduler, prefill_works
 from kvboost_hf.store.chunk_store import ChunkStore
 
@@ -23,11 +25,12 @@ SPACE = KeySpace("digest", "torch.float32", ChunkingConfig(CHUNK))
 
 
 class FakeLoop:
-    """Records what it is handed; each row gets token 1 per prefill and per step (``fail_after`` steps: raises)."""
+    """Records what it is handed and samples token 1 for each row per prefill and per step (with ``fail_after``:
+    raises at that many steps), or what ``script`` gives: a row's next tokens per call (several: a verify round)."""
 
-    def __init__(self, on_token, fail_after: int | None = None) -> None:
-        self.on_token = on_token
+    def __init__(self, fail_after: int | None = None, script=None) -> None:
         self.fail_after = fail_after
+        self.script = script or (lambda row: (1,))
         self.rows: list[DecodeRow] = []
         self.running: list[DecodeRow] = []
         self.works: list[PrefillWork] = []
@@ -39,54 +42,56 @@ class FakeLoop:
     def done(self) -> bool:
         return not self.running
 
-    def add(self, work: PrefillWork) -> None:
+    def add(self, work: PrefillWork) -> list[RowOutput]:
         self.works.append(work)
         self.rows += work.rows
         self.computed_tokens += sum(len(row.request.prompt_ids) for row in work.rows)
-        for row in work.rows:
-            self._give(row)
-        self.running += [row for row in work.rows if not row.finished]
+        self.running += work.rows
+        return [self._sample(row) for row in work.rows]
 
-    def step(self) -> None:
+    def step(self) -> list[RowOutput]:
         if self.fail_after is not None and self.steps >= self.fail_after:
             raise RuntimeError("device lost")
         self.steps += 1
-        for row in self.running:
-            self._give(row)
+        return [self._sample(row) for row in self.running]
+
+    def _sample(self, row: DecodeRow) -> RowOutput:
+        tokens = tuple(self.script(row))
+        return RowOutput(
+            row, tokens, draft=DraftRound(len(tokens), len(tokens) - 1, False) if len(tokens) > 1 else None
+        )
+
+    def retire_finished(self) -> None:
         self.running = [row for row in self.running if not row.finished]
 
-    def _give(self, row: DecodeRow) -> None:
-        row.add(1, lambda tokens: "x" * len(tokens))
-        self.on_token(row)
-
-    def cancel_all(self) -> None:
-        for row in self.running:
-            row.cancel()
-            self.on_token(row)
+    def abandon(self) -> None:
         self.running = []
-
-    def close_without_saving(self) -> None:
         self.closed = True
 
 
 class Harness:
     """A scheduler on fake loops, with every loop, failure and ended batch recorded."""
 
-    def __init__(self, max_rows: int = 4, window_s: float = 0.0, fail_salt: str | None = "never", store=None) -> None:
+    def __init__(
+        self, max_rows: int = 4, window_s: float = 0.0, fail_salt: str | None = "never", store=None, script=None
+    ) -> None:
         self.loops: list[FakeLoop] = []
         self.failures: list[tuple[RequestGroup, BaseException]] = []
         self.done: list[FakeLoop] = []
         policy = BatchPolicy(store if store is not None else ChunkStore(), SPACE, "chunk_kv_reuse")
 
-        def new_loop(key, on_token):
-            self.loops.append(FakeLoop(on_token, fail_after=1 if key.cache_salt == fail_salt else None))
+        def new_loop(key):
+            self.loops.append(FakeLoop(fail_after=0 if key.cache_salt == fail_salt else None, script=script))
             return self.loops[-1]
 
         def on_done(loop):
             self.done.append(loop)
             return {"steps": loop.steps}
 
-        self.scheduler = Scheduler(policy, new_loop, max_rows=max_rows, batch_window_s=window_s, on_done=on_done)
+        self.scheduler = Scheduler(
+            policy, new_loop, decode=lambda ids: "".join(f"<{t}>" for t in ids), max_rows=max_rows,
+            batch_window_s=window_s, on_done=on_done,
+        )  # fmt: skip
 
     def group(
         self, *prompts, tokens: int = 3, salt: str | None = None, arrival: float = 0.0, starts=()
@@ -118,7 +123,7 @@ def test_groups_of_one_key_share_a_batch_joining_it_while_it_runs_and_tenants_ge
     assert [(r.work.new, r.computed_tokens) for r in report.results] == [(False, 2), (True, 1)]
     h.scheduler.run()
     assert h.scheduler.idle and sorted(map(id, h.done)) == sorted(map(id, h.loops))  # each ended once
-    assert first.batch.decode_counts == {"steps": 3} and all(g.done for g in (first, second, other))
+    assert first.batch.decode_counts == {"steps": 2} and all(g.done for g in (first, second, other))
 
 
 def test_a_new_batch_waits_for_its_window_unless_full_or_drained():
@@ -138,9 +143,10 @@ def test_a_new_batch_waits_for_its_window_unless_full_or_drained():
 def test_rows_stay_within_max_rows_and_groups_are_admitted_oldest_first():
     h = Harness(max_rows=3)
     first, second, third = h.group([1], [1], tokens=3), h.group([2], [2]), h.group([3])
-    h.scheduler.step(now=0.0)
+    h.scheduler.step(now=0.0)  # first's prefill: its first tokens
     assert first.batch is not None and second.batch is None and third.batch is None  # second does not fit: waits,
     assert h.scheduler.running_rows == 2  # and the younger third waits behind it
+    h.scheduler.step(now=0.0)
     h.scheduler.step(now=0.0)  # first gets its third token: it finishes
     assert second.batch is None
     h.scheduler.step(now=0.0)
@@ -190,6 +196,48 @@ def test_abort_fails_what_waits_and_cancels_what_runs():
     h.scheduler.abort(RuntimeError("shutdown"))
     assert running.rows[0].finish_reason == "cancelled" and [g for g, _ in h.failures] == [waiting]
     assert h.scheduler.idle and h.done == h.loops
+
+
+def test_run_admits_what_waits_without_waiting_for_its_window():
+    """``run()`` drains: with an hour's batch window, a queued group is admitted and finished at once (a scheduler
+    that waited for the window would still be spinning when the thread is joined)."""
+    h = Harness(window_s=3600.0)
+    group = h.group([1, 2], arrival=time.perf_counter())
+    runner = threading.Thread(target=h.scheduler.run, daemon=True)
+    runner.start()
+    runner.join(30)
+    assert not runner.is_alive() and group.done and h.scheduler.idle
+    assert not h.scheduler.drain  # restored: a later step waits for windows again
+
+
+def test_the_scheduler_appends_sampled_tokens_and_decides_every_stop():
+    """The runner only samples (here three tokens per call, as a verify round); the scheduler appends them, ends
+    each row at its stop string, end token, budget or cancellation, drops what follows, reports every kept token,
+    and counts the round with the tokens kept."""
+    h = Harness(script=lambda row: (5, 6, 7))
+    seen: list[tuple[int, int]] = []
+    requests = [
+        DecodeRequest(prompt_ids=[1], max_new_tokens=9, stop=("<6>",)),
+        DecodeRequest(prompt_ids=[2], max_new_tokens=9, sampling=SamplingConfig(stop_token_ids=(6,))),
+        DecodeRequest(prompt_ids=[3], max_new_tokens=4),
+        DecodeRequest(prompt_ids=[4], max_new_tokens=9, cancel=threading.Event()),
+    ]
+    rows = DecodeLoop.rows_for(requests, set())
+    requests[3].cancel.set()
+    h.scheduler.add(RequestGroup(rows, on_token=lambda row: seen.append((rows.index(row), row.tokens[-1]))))
+    report = h.scheduler.step(now=0.0)
+    assert [output.tokens for output in report.results[0].outputs] == [(5, 6, 7)] * 4  # what the runner sampled
+    stopped, ended, budget, cancelled = rows
+    assert (stopped.tokens, stopped.text, stopped.finish_reason) == ([5, 6], "<5>", "stop")
+    assert (ended.tokens, ended.text, ended.finish_reason) == ([5, 6], "<5><6>", "stop")
+    assert (cancelled.tokens, cancelled.finish_reason) == ([5], "cancelled")
+    assert (budget.tokens, budget.finish_reason) == ([5, 6, 7], None) and budget.text == "<5><6><7>"
+    assert (stopped.draft_accepted, stopped.draft_rejected, stopped.draft_rounds) == (1, 0, [(1, False)])
+    assert budget.draft_rounds == [(2, False)]
+    h.scheduler.run()
+    assert (budget.tokens, budget.finish_reason) == ([5, 6, 7, 5], "length")
+    assert seen == [(0, 5), (0, 6), (1, 5), (1, 6), (2, 5), (2, 6), (2, 7), (3, 5), (2, 5)]
+    assert h.loops[0].done and h.scheduler.idle
 
 
 prompt_pool = st.lists(st.integers(0, 2), min_size=1, max_size=11)  # few tokens: prompts share prefixes often

@@ -24,7 +24,7 @@ from oracle import engine_reference, expected_text, oracle_text  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.core.config import GenerationMode  # noqa: E402
-from kvboost_hf.hf.decode import visible_text  # noqa: E402
+from kvboost_hf.hf.detokenize import visible_text  # noqa: E402
 from kvboost_hf.hf.sampling import SamplingConfig  # noqa: E402
 from kvboost_hf.server.app import ServerConfig, create_app  # noqa: E402
 from kvboost_hf.server.batching import Delta, Done, Job, JobParams, JobRun  # noqa: E402

@@ -21,6 +21,7 @@ BENCHMARKS = (
     "speculative",
     "hardening",
     "awq",
+    "detokenize",
     "gpu",
 )
 

@@ -8,18 +8,25 @@ one model and one cache. It makes no scheduling decision: the scheduler hands it
   called explicitly through :func:`~kvboost_hf.hf.prefill.forward`, and computes only the rest); the work's shared
   prefixes are computed once (batch of one) and stored first, so the batch prefill loads them for every row; a
   work whose rows are one prompt (the ``n`` choices of a request) is prefilled once and repeated. Each row gets its
-  first token, then the rows are appended below the running ones (continuous batching);
+  first token, then the rows are appended below the running ones (continuous batching).
 * :meth:`DecodeLoop.step`: one forward for the rows still running. Each row's logits go through its own
   transformers ``LogitsProcessorList`` (:func:`~kvboost_hf.hf.sampling.build_processors`: bias, penalties,
   min_tokens, a grammar constraint, temperature, top-k/p, min-p), then the row picks its token with its own seeded
-  generator (:func:`~kvboost_hf.hf.sampling.choose_token`; temperature 0 = argmax) and checks its own end tokens,
-  stop strings, budget and cancel event. Finished rows leave the batch.
+  generator (:func:`~kvboost_hf.hf.sampling.choose_token`; temperature 0 = argmax, taken for every plain greedy
+  row at once on the device); log-probabilities are computed on the device, and the step's ids and
+  log-probabilities reach the host in one transfer.
+
 * speculative decode (with a :class:`~kvboost_hf.hf.speculative.Drafter`): the draft proposes ``g`` tokens per
   row, one target forward verifies all rows' proposals, and each row takes its own choices position by position
-  while they equal the proposals (then one more). Rows accept different counts; each row's rejected columns are
-  dropped and the rows right-aligned, so the layout stays left-padded. A row with a grammar constraint (whose state
-  advances with every token it sees) takes one token per step. The prompt forward verifies the first tree too (the
-  draft prefills the prompts and drafts before it), unless it is a sparse repair forward.
+  while they equal the proposals (then one more), and no further than its budget or an end token. Rows accept
+  different counts; each row's rejected columns are dropped and the rows right-aligned, so the layout stays
+  left-padded. A row with a grammar constraint (whose state advances with every token it sees) takes one token
+  per step. The prompt forward verifies the first tree too (the draft prefills the prompts and drafts before it),
+  unless it is a sparse repair forward.
+
+Both return the sampled tokens per row (:class:`RowOutput`) and decide nothing about them: the scheduler appends
+them to the rows, decides which rows stop (end tokens, budget, stop strings on the incrementally decoded text,
+cancellation) and calls :meth:`DecodeLoop.retire_finished`, which drops the ended rows from the batch.
 
 Invariants: a row's positions and attention mask are exactly those ``generate()`` builds for a left-padded batch
 (a dropped column is left padding), so with temperature 0 each row yields the tokens it yields alone, and a row
@@ -53,9 +60,10 @@ from kvboost_hf.hf.cache import (
     prepend_zeros,
     select_columns,
 )
+from kvboost_hf.hf.detokenize import IncrementalText
 from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.prefill import RowReuse, forward, forward_inputs, run_forward
-from kvboost_hf.hf.sampling import SamplingConfig, build_processors, choose_token
+from kvboost_hf.hf.sampling import SamplingConfig, build_processors, choose_token, greedy_tokens
 from kvboost_hf.hf.speculative import Drafter, DraftTree, tree_attention_mask
 from kvboost_hf.offload.streamer import layer_streamer
 
@@ -118,39 +126,46 @@ class TokenLogprob:
     top: TokenTop
 
 
-def visible_text(text: str, stops: Sequence[str]) -> tuple[str, bool]:
-    """The part of ``text`` that may be shown, and whether a stop string ended it.
+@dataclass(frozen=True)
+class DraftRound:
+    """One verify round of a row, as the runner saw it: ``proposed`` draft tokens, ``accepted`` of them taken, and
+    whether a differing proposal ended it (``rejected``; not when the row's budget or an end token did)."""
 
-    With a stop string present the text is cut exactly before its first occurrence. Otherwise a tail that could
-    still grow into a stop string, or an incomplete UTF-8 sequence (U+FFFD at the end), is held back.
-    """
-    cuts = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    if cuts:
-        return text[: min(cuts)], True
-    hold = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:size]):
-                hold = size
-                break
-    end = len(text) - hold
-    while end > 0 and text[end - 1] == "\ufffd":
-        end -= 1
-    return text[:end], False
+    proposed: int
+    accepted: int
+    rejected: bool
+
+
+@dataclass(frozen=True)
+class RowOutput:
+    """What the runner sampled for one row in one forward: ``tokens`` in order (one, or with a draft the accepted
+    ones and the row's own next choice), their log-probabilities when the row asked for them (else empty), the
+    ``time.perf_counter()`` at which they existed, and the verify round (None without one). The scheduler appends
+    them and decides whether the row stops (:meth:`~kvboost_hf.scheduling.Scheduler.update_from_output`); tokens
+    after the one that ends the row are dropped."""
+
+    row: DecodeRow
+    tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    at: float = 0.0
+    draft: DraftRound | None = None
 
 
 @dataclass(eq=False)
 class DecodeRow:
-    """Decoding state of one row: its tokens, text, log-probabilities and finish reason.
+    """Decoding state of one row: its tokens, text, log-probabilities and finish reason. The runner reads it and
+    chooses the row's tokens (:meth:`choose`); the scheduler appends them (:meth:`append`) and ends the row
+    (:meth:`finish`).
 
     ``text`` is what may be shown so far: cut before a stop string, and while running without a tail that could
-    still become one (see :func:`visible_text`); once finished, the whole decoded text unless a stop string cut it.
-    ``reuse`` is what the prefill loaded for this row (for the row that computed a shared prefix for its group,
-    ``reuse.cached_tokens`` excludes that prefix). Times are ``time.perf_counter()`` values. Speculative counters:
-    ``draft_proposed`` draft tokens proposed for this row, ``draft_accepted`` of them equal to the row's own choice
-    (and taken), ``draft_rejected`` verify rounds that ended on a differing proposal; ``draft_rounds`` holds, per
-    verify round of this row, ``(draft tokens accepted, whether a differing proposal ended it)`` (see
-    :func:`~kvboost_hf.hf.speculative.acceptance_by_depth`).
+    still become one (see :func:`~kvboost_hf.hf.detokenize.visible_text`); once finished, the whole decoded text
+    unless a stop string cut it. It is decoded incrementally (:class:`~kvboost_hf.hf.detokenize.IncrementalText`:
+    a few tokens per token, whatever the answer's length). ``reuse`` is what the prefill loaded for this row (for
+    the row that computed a shared prefix for its group, ``reuse.cached_tokens`` excludes that prefix). Times are
+    ``time.perf_counter()`` values. Speculative counters: ``draft_proposed`` draft tokens proposed for this row,
+    ``draft_accepted`` of them equal to the row's own choice (and taken), ``draft_rejected`` verify rounds that
+    ended on a differing proposal; ``draft_rounds`` holds, per verify round of this row, ``(draft tokens accepted,
+    whether a differing proposal ended it)`` (see :func:`~kvboost_hf.hf.speculative.acceptance_by_depth`).
     """
 
     request: DecodeRequest
@@ -177,6 +192,7 @@ class DecodeRow:
             request.sampling, len(request.prompt_ids), self.eos_token_ids, constraints
         )
         self.end_ids = request.sampling.end_token_ids(self.eos_token_ids)
+        self.detokenized = IncrementalText(request.stop)
 
     @property
     def finished(self) -> bool:
@@ -187,10 +203,22 @@ class DecodeRow:
         """Whether draft proposals are verified for this row (not with a stateful grammar constraint)."""
         return self.request.constraint is None
 
-    def choose(self, logits: torch.Tensor) -> int:
-        """The next token from this row's raw logits ``[1, V]``: its processors, then its own choice."""
+    @property
+    def plain_greedy(self) -> bool:
+        """Whether the row's choice is the argmax of its raw logits (greedy, no processor): chosen for all such
+        rows at once on the device."""
+        return self.request.sampling.greedy and not self.processors
+
+    @property
+    def tokens_left(self) -> int:
+        """Tokens the row may still take (its budget less its tokens)."""
+        return self.request.max_new_tokens - len(self.tokens)
+
+    def choose(self, logits: torch.Tensor, taken: Sequence[int] = ()) -> int:
+        """The next token from this row's raw logits ``[1, V]`` after its tokens and ``taken`` (tokens chosen in
+        this forward, not appended yet): its processors, then its own choice."""
         if self.processors:
-            input_ids = torch.tensor([[*self.request.prompt_ids, *self.tokens]], device=logits.device)
+            input_ids = torch.tensor([[*self.request.prompt_ids, *self.tokens, *taken]], device=logits.device)
             logits = self.processors(input_ids, logits)
         return choose_token(logits, self.request.sampling, self.generator)
 
@@ -203,34 +231,39 @@ class DecodeRow:
             logits = self.processors(input_ids, logits)
         return torch.log_softmax(logits[0].float(), dim=-1)
 
-    def add(self, token: int, decode: Callable[[list[int]], str], log_probs: torch.Tensor | None = None) -> None:
-        """Append ``token`` (``log_probs``: the step's unscaled log-softmax ``[V]`` when logprobs were asked),
-        update the text and decide whether the row is finished."""
-        now = time.perf_counter()
-        self.first_token_time = self.first_token_time or now
-        self.last_token_time = now
+    def append(
+        self, token: int, decode: Callable[[list[int]], str], logprob: TokenLogprob | None = None, at: float = 0.0
+    ) -> None:
+        """Append ``token`` (sampled at ``at``, a ``time.perf_counter()`` value; ``logprob`` when the row asked for
+        log-probabilities) and update the text (``decode``: ids -> text; only recent tokens are decoded)."""
+        self.first_token_time = self.first_token_time or at
+        self.last_token_time = at
         self.tokens.append(token)
-        if log_probs is not None:
-            self.log(token, log_probs)
-        text = decode(self.tokens)
-        visible, stopped = visible_text(text, self.request.stop)
-        if stopped or token in self.end_ids:
-            self.finish_reason = "stop"
-        elif len(self.tokens) >= self.request.max_new_tokens:
-            self.finish_reason = "length"
-        elif self.request.cancel is not None and self.request.cancel.is_set():
-            self.finish_reason = "cancelled"
-        self.text = text if self.finished and not stopped else visible
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        self.detokenized.update(self.tokens, decode)
+        self.text = self.detokenized.visible(finished=False)
 
-    def log(self, token: int, log_probs: torch.Tensor) -> None:
-        """Record ``token``'s log-probability and the top ``request.top_logprobs`` from ``log_probs`` ``[V]``
-        (unscaled log-softmax); nothing when the request asked for none."""
-        top = self.request.top_logprobs
-        if top is None:
-            return
-        values, indices = log_probs.topk(top) if top > 0 else (log_probs[:0], log_probs[:0].long())
-        pairs = tuple((int(i), float(v)) for i, v in zip(indices.tolist(), values.tolist(), strict=True))
-        self.logprobs.append(TokenLogprob(token, float(log_probs[token]), pairs))
+    @property
+    def stop_string_found(self) -> bool:
+        """Whether the text holds one of the row's stop strings."""
+        return self.detokenized.stop_at is not None
+
+    def finish(self, reason: str) -> None:
+        """End the row with ``reason``; its text becomes final (cut before a stop string, else the whole text)."""
+        self.finish_reason = reason
+        self.text = self.detokenized.visible(finished=True)
+
+    def record_round(self, draft: DraftRound, taken: int) -> None:
+        """Count a verify round of which the row kept ``taken`` tokens (fewer than the runner's when it ended
+        inside them: then no differing proposal ended the round)."""
+        ended_inside = self.finished
+        self.draft_proposed += draft.proposed
+        accepted = min(draft.accepted, taken - 1)
+        rejected = draft.rejected and not ended_inside
+        self.draft_accepted += accepted
+        self.draft_rejected += rejected
+        self.draft_rounds.append((accepted, rejected))
 
     def cancel(self) -> None:
         """End the row now (shutdown); its text so far (a held-back tail stays unshown) is final."""
@@ -293,14 +326,9 @@ class DecodeLoop:
 
     Args:
         model: the causal LM.
-        decode: token ids -> text (special tokens skipped), e.g. ``tokenizer.decode``; called under
-            ``tokenizer_lock``.
         new_cache: builds a fresh chunk-reuse cache (each call the same settings) for rows whose prompts have the
             given segment starts (``()``: none), or None for plain K/V.
         pad_token_id: the id used for left padding.
-        on_token: called with a row after each token it gets, and once more when :meth:`cancel_all` ends it; must
-            not block.
-        tokenizer_lock: serialises ``decode`` with other threads using the same tokenizer (None: no lock).
         draft: speculative decoding with this drafter (fresh, unused: the loop runs its prefills), or None.
 
     ``rows`` holds every row added (in order), ``running`` those still decoding. ``forwards`` counts target model
@@ -309,28 +337,24 @@ class DecodeLoop:
     tree); ``streamed_bytes`` the bytes the target's layer streamer copied during this loop's prefills and steps (an
     early-exit draft's forwards on the target included; None when the target is not streamed);
     ``computed_tokens`` the prompt tokens computed (not loaded) for all rows. Call :meth:`add` with each
-    :class:`PrefillWork`, and :meth:`step` while rows run.
+    :class:`PrefillWork`, and :meth:`step` while rows run: each returns the tokens it sampled per row
+    (:class:`RowOutput`) and appends nothing; the caller appends them and ends rows, then calls
+    :meth:`retire_finished` before the next call.
     """
 
     def __init__(
         self,
         model: PreTrainedModel,
-        decode: Callable[[list[int]], str],
         *,
         new_cache: Callable[[tuple[int, ...]], ChunkReuseCache] | None,
         pad_token_id: int,
-        on_token: Callable[[DecodeRow], None] = lambda row: None,
-        tokenizer_lock: contextlib.AbstractContextManager | None = None,
         draft: Drafter | None = None,
     ) -> None:
         self.model = model
-        self.decode = decode
         self.rows: list[DecodeRow] = []
         self.running: list[DecodeRow] = []
         self.new_cache = new_cache
         self.pad_token_id = pad_token_id
-        self.on_token = on_token
-        self.tokenizer_lock = tokenizer_lock or contextlib.nullcontext()
         self.draft = draft
         self.cache: ChunkReuseCache | DynamicCache | None = None
         self.mask = torch.empty(0)
@@ -375,15 +399,17 @@ class DecodeLoop:
             copied = streamer.stats(settle=False).bytes_streamed - before
             self.streamed_bytes = (self.streamed_bytes or 0) + copied
 
-    def add(self, work: PrefillWork) -> None:
-        """Prefill ``work``'s rows (each gets its first token), then append those still running below the running
-        rows: their K/V (the draft's too), attention masks and positions, the narrower side left-padded with masked
-        columns, so the next :meth:`step` decodes old and new rows in one forward."""
+    def add(self, work: PrefillWork) -> list[RowOutput]:
+        """Prefill ``work``'s rows and return each one's first token (or tokens, when the prompt forward verified a
+        draft tree); append the rows below the running rows: their K/V (the draft's too), attention masks and
+        positions, the narrower side left-padded with masked columns, so the next :meth:`step` decodes old and new
+        rows in one forward."""
         self.rows += work.rows
         earlier = self._detach()
         with self._counting_streamed_bytes():
-            self._prefill(work)
+            outputs = self._prefill(work)
         self._attach(earlier)
+        return outputs
 
     def _detach(self) -> _Batch:
         """Take the running rows' state out of the loop (it is then empty)."""
@@ -428,7 +454,7 @@ class DecodeLoop:
             )
         return work.segment_starts
 
-    def _prefill(self, work: PrefillWork) -> None:
+    def _prefill(self, work: PrefillWork) -> list[RowOutput]:
         rows = list(work.rows)
         prompts = [list(rows[0].request.prompt_ids)] if work.repeat else [list(r.request.prompt_ids) for r in rows]
         repeats = len(rows) if work.repeat else 1
@@ -464,14 +490,11 @@ class DecodeLoop:
             if row.request.keep_first_logits:
                 row.first_logits = logits[index, 0].cpu()
         if trees is not None and self.draft is not None:
-            self._verify_trees(self.draft, trees, logits, self.mask, self.positions)
-            self._keep_running()
-            return
-        self._advance(logits[:, 0])
-        if self.draft is not None and self.running:  # after the first tokens: the draft's prefill is not in the TTFT
-            order = {id(row): i for i, row in enumerate(rows)}
-            running = torch.tensor([order[id(row)] for row in self.running], device=self.device)
-            self.draft.prefill(input_ids[running], self.mask, position_ids[running], starts)
+            return self._verify_trees(self.draft, trees, logits, self.mask, self.positions)
+        outputs = self._sample(logits[:, 0])
+        if self.draft is not None:  # after the first tokens were sampled (their time is the TTFT)
+            self.draft.prefill(input_ids, self.mask, position_ids, starts)
+        return outputs
 
     def _prompt_forward(
         self,
@@ -531,29 +554,29 @@ class DecodeLoop:
             "logits_to_keep": 1 + nodes,
         }
 
-    def step(self) -> None:
-        """One decode step for every running row (speculative with a draft: one or more tokens per row)."""
+    def step(self) -> list[RowOutput]:
+        """One decode step for every running row (speculative with a draft: one or more tokens per row); returns
+        each row's tokens, in the order of :attr:`running`."""
         with self._counting_streamed_bytes():
-            self._step()
+            return self._step()
 
-    def _step(self) -> None:
+    def _step(self) -> list[RowOutput]:
         # a draft only pays when a row can still take two tokens: with one left, its proposals could not be used
-        if self.draft is not None and any(row.request.max_new_tokens - len(row.tokens) > 1 for row in self.running):
-            self._speculative_step(self.draft)
-            return
-        last = torch.tensor([[row.tokens[-1]] for row in self.running], device=self.device)
+        if self.draft is not None and any(row.tokens_left > 1 for row in self.running):
+            return self._speculative_step(self.draft)
+        last = to_device([[row.tokens[-1]] for row in self.running], self.device)
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.running), 1)], dim=1)
         self.positions = self.positions + 1
         logits = self._forward(last, self.positions[:, None])
         self._save(tail=False)  # chunks completed so far (background writes; never inside the TTFT)
-        self._advance(logits)
+        return self._sample(logits)
 
-    def _speculative_step(self, draft: Drafter) -> None:
+    def _speculative_step(self, draft: Drafter) -> list[RowOutput]:
         """Draft a tree (a chain without a tree budget) per row, verify every row's tree in one target forward,
         take each row's own choices down the tree while a child holds them (plus one more), and keep only the
         accepted path's columns in both caches."""
         running = self.running
-        budget = max(row.request.max_new_tokens - len(row.tokens) for row in running)
+        budget = max(row.tokens_left for row in running)
         sizes = draft.level_sizes(budget - 1, len(running))
         last = torch.tensor([[row.tokens[-1]] for row in running], device=self.device)
         trees = draft.propose(last, self.mask, self.positions, sizes, lambda i, lg, d: running[i].draft_scores(lg, d))
@@ -572,9 +595,9 @@ class DecodeLoop:
             torch.cuda.synchronize(logits.device)  # the forward's whole time, for the adaptive tree budget
         draft.costs.add(len(running) * (nodes + 1), time.perf_counter() - started)
         root_mask = torch.cat([self.mask, self.mask.new_ones(len(running), 1)], dim=1)
-        self._verify_trees(draft, trees, logits, root_mask, self.positions + 1)
+        outputs = self._verify_trees(draft, trees, logits, root_mask, self.positions + 1)
         self._save(tail=False)
-        self._keep_running()
+        return outputs
 
     def _verify_trees(
         self,
@@ -583,12 +606,15 @@ class DecodeLoop:
         logits: torch.Tensor,
         root_mask: torch.Tensor,
         root_positions: torch.Tensor,
-    ) -> None:
-        """Give each running row its tokens from a verify forward's logits ``[B, 1 + nodes, V]`` (its root's, then
-        each node's) and keep only the accepted paths' columns in both caches. Layout before: ``root_mask``
-        ``[B, C]`` covers the columns up to each row's root (the last; at ``root_positions`` ``[B]``), then the
-        tree's nodes in both caches (the draft's: each tree's first ``fed`` nodes)."""
-        kept = [self._verify(row, logits[i], trees[i]) for i, row in enumerate(self.running)]
+    ) -> list[RowOutput]:
+        """Each running row's tokens from a verify forward's logits ``[B, 1 + nodes, V]`` (its root's, then each
+        node's); keeps only the accepted paths' columns in both caches. Layout before: ``root_mask`` ``[B, C]``
+        covers the columns up to each row's root (the last; at ``root_positions`` ``[B]``), then the tree's nodes in
+        both caches (the draft's: each tree's first ``fed`` nodes)."""
+        greedy = greedy_tokens(logits).tolist()  # every plain greedy row's choices, in one transfer
+        walks = [self._verify(row, logits[i], trees[i], greedy[i]) for i, row in enumerate(self.running)]
+        now = time.perf_counter()
+        kept = [path for path, _, _ in walks]
         self.verify_forwards += 1
         base = root_mask.shape[1]
         self._keep_path(draft, trees, kept, root_mask, root_positions)
@@ -598,6 +624,33 @@ class DecodeLoop:
         self.mask = select_columns(torch.cat([root_mask, root_mask.new_ones(len(trees), nodes)], dim=1),
                                    target_columns, dim=1)  # fmt: skip
         self.positions = root_positions + torch.tensor([len(path) for path in kept], device=self.device)
+        logprobs = self._path_logprobs(logits, walks)
+        return [
+            RowOutput(row, tuple(tokens), found, now, draft)
+            for row, (_, tokens, draft), found in zip(self.running, walks, logprobs, strict=True)
+        ]
+
+    def _path_logprobs(
+        self, logits: torch.Tensor, walks: list[tuple[list[int], list[int], DraftRound | None]]
+    ) -> list[tuple[TokenLogprob, ...]]:
+        """Per running row, the log-probabilities of the tokens it took down its tree (:meth:`_verify`'s ``walks``;
+        none for a row that asked for none), from the verify logits ``[B, 1 + nodes, V]`` of its root and each kept
+        node, computed in one pass."""
+        picks = [
+            (i, column, token)
+            for i, (path, tokens, _) in enumerate(walks)
+            if self.running[i].request.top_logprobs is not None
+            for column, token in zip([0, *(node + 1 for node in path)], tokens, strict=True)
+        ]
+        per_row: list[list[TokenLogprob]] = [[] for _ in walks]
+        if picks:
+            rows, columns, tokens = zip(*picks, strict=True)
+            picked = logits[list(rows), list(columns)]
+            _, found = sampled([self.running[i] for i in rows], picked, to_device(tokens, self.device))
+            for i, entry in zip(rows, found, strict=True):
+                if entry is not None:
+                    per_row[i].append(entry)
+        return [tuple(entries) for entries in per_row]
 
     def _keep_path(
         self,
@@ -634,36 +687,31 @@ class DecodeLoop:
                  for c, leaf in zip(columns, leaves, strict=True)]  # fmt: skip
         keep_cache_columns(draft.cache, final, base + max(len(path) for path in kept))
 
-    def _verify(self, row: DecodeRow, logits: torch.Tensor, tree: DraftTree) -> list[int]:
-        """Give ``row`` its tokens from the verify forward's logits ``[1 + nodes, V]`` (the root's, then each
-        node's): its own choice at the root, then at the child holding that choice, and so on until no child
-        holds it, and the row is not finished (a row that does not speculate takes the root's choice only). Returns
-        the tree nodes whose columns stay (every taken token's but the last): the accepted nodes, so each verify
-        yields one token of the target's own plus the accepted ones."""
+    def _verify(
+        self, row: DecodeRow, logits: torch.Tensor, tree: DraftTree, greedy: list[int]
+    ) -> tuple[list[int], list[int], DraftRound | None]:
+        """Walk ``row`` down its tree with the verify forward's logits ``[1 + nodes, V]`` (the root's, then each
+        node's; ``greedy``: their argmax, the choice of a plain greedy row): its own choice at the root, then at the
+        child holding that choice, and so on until no child holds it, its budget is spent or it chose an end token
+        (a row that does not speculate takes the root's choice only). Returns the tree nodes whose columns stay
+        (every taken token's but the last: the accepted nodes), the taken tokens (one of the target's own plus the
+        accepted ones) and the round (None for a row that does not speculate)."""
         path: list[int] = []
+        tokens: list[int] = []
         node = -1
         while True:
-            token = self._take(row, logits[node + 1 : node + 2])
-            child = tree.child(node, token) if row.speculates and not row.finished else None
+            index = node + 1
+            token = greedy[index] if row.plain_greedy else row.choose(logits[index : index + 1], tokens)
+            tokens.append(token)
+            limited = token in row.end_ids or len(tokens) >= row.tokens_left
+            child = tree.child(node, token) if row.speculates and not limited else None
             if child is None:
                 break
             path.append(child)
             node = child
-        if row.speculates:
-            rejected = not row.finished and tree.has_children(node)
-            row.draft_proposed += len(tree.tokens)
-            row.draft_accepted += len(path)
-            row.draft_rejected += rejected
-            row.draft_rounds.append((len(path), rejected))
-        return path
-
-    def cancel_all(self) -> None:
-        """Finish every running row now (shutdown); what was computed is stored."""
-        for row in self.running:
-            row.cancel()
-            self.on_token(row)
-        self.running = []
-        self.close()
+        if not row.speculates:
+            return path, tokens, None
+        return path, tokens, DraftRound(len(tree.tokens), len(path), not limited and tree.has_children(node))
 
     def close(self) -> None:
         """Store what the caches computed (each row's unfinished last chunk included) and drop them."""
@@ -723,24 +771,26 @@ class DecodeLoop:
         logger.debug("stored a shared prefix of %d tokens", len(prefix))
         return len(prefix) - loaded
 
-    # ------------------------------------------------------------------ per-row bookkeeping
-    def _advance(self, logits: torch.Tensor) -> None:
-        """Give every running row its next token from ``logits`` ``[B, V]`` and drop the rows that finished."""
-        for i, row in enumerate(self.running):
-            self._take(row, logits[i : i + 1])
-        self._keep_running()
+    # ------------------------------------------------------------------ tokens and rows
+    def _sample(self, logits: torch.Tensor) -> list[RowOutput]:
+        """One token per running row from the last positions' logits ``[B, V]``: plain greedy rows take the argmax
+        on the device, the others go through their processors and own choice; the ids and log-probabilities come
+        to the host in one transfer."""
+        rows = self.running
+        chosen = greedy_tokens(logits)
+        if others := [i for i, row in enumerate(rows) if not row.plain_greedy]:
+            picks = [rows[i].choose(logits[i : i + 1]) for i in others]
+            chosen = chosen.index_put((to_device(others, logits.device),), to_device(picks, logits.device))
+        tokens, logprobs = sampled(rows, logits, chosen)
+        now = time.perf_counter()
+        return [
+            RowOutput(row, (token,), () if logprob is None else (logprob,), now)
+            for row, token, logprob in zip(rows, tokens, logprobs, strict=True)
+        ]
 
-    def _take(self, row: DecodeRow, logits: torch.Tensor) -> int:
-        """Choose ``row``'s next token from its raw logits ``[1, V]``, record and report it; returns it."""
-        token = row.choose(logits)
-        log_probs = torch.log_softmax(logits[0], dim=-1) if row.request.top_logprobs is not None else None
-        with self.tokenizer_lock:
-            row.add(token, self.decode, log_probs)
-        self.on_token(row)
-        return token
-
-    def _keep_running(self) -> None:
-        """Drop the finished rows from the batch (their chunks are stored first)."""
+    def retire_finished(self) -> None:
+        """Drop the rows that ended (:attr:`DecodeRow.finished`, decided by the caller) from the batch; their chunks
+        (unfinished last chunks included) are stored first."""
         keep = [i for i, row in enumerate(self.running) if not row.finished]
         if len(keep) == len(self.running):
             return
@@ -755,6 +805,42 @@ class DecodeLoop:
             self.draft.cache.batch_select_indices(index)
         self.mask = self.mask[index]
         self.positions = self.positions[index]
+
+    def abandon(self) -> None:
+        """Drop every running row and the caches unsaved (after a failed forward they may be inconsistent)."""
+        self.running = []
+        self.close_without_saving()
+
+
+def sampled(
+    rows: Sequence[DecodeRow], logits: torch.Tensor, chosen: torch.Tensor
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """The ``chosen`` ids ``[N]`` (on the logits' device) as ints, and for each row that asked for
+    log-probabilities its chosen token's and top ``k`` under the unscaled distribution of its logits ``[N, V]``
+    (None for the others): computed on the device, brought to the host in one transfer."""
+    asks = [i for i, row in enumerate(rows) if row.request.top_logprobs is not None]
+    parts = [chosen.double()]
+    top = max((rows[i].request.top_logprobs or 0 for i in asks), default=0)
+    if asks:
+        index = to_device(asks, logits.device)
+        log_probs = torch.log_softmax((logits if len(asks) == len(rows) else logits[index]).float(), dim=-1)
+        values, ids = log_probs.topk(top, dim=-1)
+        parts += [log_probs.gather(1, chosen[index, None]).flatten(), values.flatten(), ids.flatten()]
+    host = torch.cat([part.double() for part in parts]).tolist()  # ids < 2**53: exact in float64
+    count = len(rows)
+    tokens = [int(token) for token in host[:count]]
+    found: list[TokenLogprob | None] = [None] * count
+    values_at, ids_at = count + len(asks), count + len(asks) * (1 + top)
+    for slot, i in enumerate(asks):
+        k = rows[i].request.top_logprobs or 0
+        pairs = tuple((int(host[ids_at + slot * top + j]), host[values_at + slot * top + j]) for j in range(k))
+        found[i] = TokenLogprob(tokens[i], host[count + slot], pairs)
+    return tokens, found
+
+
+def to_device(values: Sequence[Any], device: torch.device) -> torch.Tensor:
+    """``values`` (ints, nested lists) as a long tensor on ``device``, copied without a host synchronisation."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
 def left_pad(

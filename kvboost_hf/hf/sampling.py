@@ -116,6 +116,12 @@ def build_processors(
     return processors
 
 
+def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
+    """The greedy choice of each row, ``[..., V]`` -> ``[...]`` on the scores' device: the argmax (the first of equal
+    maxima, as :func:`choose_token` takes it)."""
+    return scores.argmax(dim=-1)
+
+
 def choose_token(scores: torch.Tensor, params: SamplingConfig, generator: torch.Generator) -> int:
     """The next token of one row from its processed scores ``[1, V]``: argmax when greedy, else a draw from the
     softmax with ``generator``, a CPU generator whatever the scores' device (the probabilities are moved to the
@@ -124,6 +130,6 @@ def choose_token(scores: torch.Tensor, params: SamplingConfig, generator: torch.
     if not torch.isfinite(scores).any():
         raise ValueError("every token is masked: the sampling settings and constraints exclude each other")
     if params.greedy:
-        return int(scores.argmax(dim=-1))
+        return int(greedy_tokens(scores))
     probs = torch.softmax(scores.float(), dim=-1)
     return int(torch.multinomial(probs[0].cpu(), 1, generator=generator))

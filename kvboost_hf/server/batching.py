@@ -214,7 +214,7 @@ class JobRun:
         if new_text or new_logprobs:
             first_index = choice.logprobs
             logprobs = tuple(
-                self._as_text(entry, row.tokens[: first_index + k]) for k, entry in enumerate(new_logprobs)
+                self._as_text(entry, row.detokenized.offsets[first_index + k]) for k, entry in enumerate(new_logprobs)
             )
             job.sink(Delta(choice.index, new_text, logprobs))
             choice.shown, choice.logprobs = len(row.text), len(row.logprobs)
@@ -225,10 +225,10 @@ class JobRun:
             if job.rows_left == 0:
                 job.sink(Done(len(job.prompt_ids), job.cached_tokens, job.completion_tokens))
 
-    def _as_text(self, entry: TokenLogprob, before: list[int]) -> TextLogprob:
-        """``entry`` as text; ``before``: the row's tokens before it (its offset is the length of their text)."""
+    def _as_text(self, entry: TokenLogprob, offset: int) -> TextLogprob:
+        """``entry`` as text; ``offset``: the length of the row's text before it (an incomplete character is not
+        text yet)."""
         with self.tokenizer_lock:
             decode = self.engine.tokenizer.decode
             top = tuple((decode([t]), v) for t, v in entry.top)
-            offset = len(decode(before).rstrip("\ufffd"))  # an incomplete character is not text yet
             return TextLogprob(decode([entry.token]), entry.logprob, top, offset)
