@@ -491,6 +491,16 @@ def test_a_client_over_its_compile_share_gets_a_429_and_others_are_answered(embe
         return original(process, kind, args, time_limit_s)
 
     monkeypatch.setattr(CompileProcess, "compile", held)
+    admitted = threading.Semaphore(0)  # one release per attack compile the compiler took (queued or running)
+    admit = GrammarCompiler._compile
+
+    def counted(compiler, tenant, client, source, kind, args):
+        future = admit(compiler, tenant, client, source, kind, args)
+        if "attack" in source:
+            admitted.release()
+        return future
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", counted)
     settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, grammar_limits=GrammarConfig(workers=2))
 
     def body(title: str, salt: str) -> bytes:
@@ -507,12 +517,8 @@ def test_a_client_over_its_compile_share_gets_a_429_and_others_are_answered(embe
             held_requests = [
                 pool.submit(attacker.post, url, content=body(f"attack {i}", f"s{i}"), headers=headers) for i in range(2)
             ]
-            deadline = time.monotonic() + 60
-            for attempt in range(1000):  # until both are admitted (their compiles held): a quick one meanwhile is 200
-                third = attacker.post(url, content=body(f"third {attempt}", f"t{attempt}"), headers=headers)
-                if third.status_code != 200 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
+            assert admitted.acquire(timeout=60) and admitted.acquire(timeout=60)  # both attacks hold their share
+            third = attacker.post(url, content=body("third", "t"), headers=headers)
             assert third.status_code == 429, third.text
             assert third.json()["error"]["code"] == "grammar_quota" and "limit of 2" in third.text
             transport = httpx.HTTPTransport(local_address="127.0.0.2")

@@ -202,10 +202,10 @@ def test_the_servers_chat_admission_tokenizes_through_the_engines_cache():
     engine, tokenizer = tiny_engine(), embedded_tokenizer()
     admission = Admission(engine, ServerConfig(), Worker(engine, ServerConfig()))
     messages = [{"role": "system", "content": "Server notes. " * 30}, {"role": "user", "content": "Hi there"}]
-    admission._chat(ChatCompletionRequest(model="m", messages=messages))
+    admission._chat(ChatCompletionRequest(model="m", messages=messages), None)
     later = [*messages, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
     with CharacterCounter(tokenizer) as counter:
-        prepared = admission._chat(ChatCompletionRequest(model="m", messages=later, max_tokens=2))
+        prepared = admission._chat(ChatCompletionRequest(model="m", messages=later, max_tokens=2), None)
     assert prepared.prompt_ids == engine.encode(later)
     assert counter.chars == len("assistant\nHello.") + len("user\nBye")
     # with tools the admission renders the prompt itself and tokenizes it through the same cache
