@@ -144,3 +144,17 @@ def greedy(model, ids, cache=None, new=8, **kwargs):
         **kwargs,
     )
     return out.sequences, torch.stack(out.logits, 1)
+
+
+@pytest.fixture(autouse=True)
+def _compile_processes_on_first_use(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Servers built in tests start their grammar compile processes on the first structured request, not at start:
+    each server would otherwise start two interpreters (xgrammar and torch imports) that most tests never use.
+    Tests marked ``compile_processes_at_start`` keep the shipped default (``GrammarConfig.start_with_server``)."""
+    if request.node.get_closest_marker("compile_processes_at_start"):
+        return
+    try:
+        from kvboost_hf.server import admission
+    except ImportError:  # the server extra is not installed
+        return
+    monkeypatch.setattr(admission.Admission, "start", lambda self: None)

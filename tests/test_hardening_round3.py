@@ -527,3 +527,26 @@ def test_a_client_over_its_compile_share_gets_a_429_and_others_are_answered(embe
             assert answered.status_code == 200, answered.text
             release.set()
             assert all(request.result(60).status_code == 200 for request in held_requests)
+
+
+@pytest.mark.compile_processes_at_start
+def test_the_server_starts_its_compile_processes_when_it_starts(embedded_engine, monkeypatch):
+    """``GrammarConfig.start_with_server`` (the default): the app's start starts the compile pool, before any
+    request; with it off, nothing starts until a structured request comes."""
+    from fastapi.testclient import TestClient
+
+    from kvboost_hf.server.grammar_process import CompilePool
+
+    started: list[CompilePool] = []
+    start = CompilePool.start
+
+    def recorded(pool: CompilePool) -> None:
+        started.append(pool)
+        start(pool)
+
+    monkeypatch.setattr(CompilePool, "start", recorded)
+    with TestClient(create_app(embedded_engine, ServerConfig(model_name=MODEL_NAME, api_key=API_KEY))):
+        assert len(started) == 1
+    lazy = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, grammar_limits=GrammarConfig(start_with_server=False))
+    with TestClient(create_app(embedded_engine, lazy)):
+        assert len(started) == 1
