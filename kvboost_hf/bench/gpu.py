@@ -134,6 +134,7 @@ GPU_TEST_FILES = (
     "tests/test_compiled_decode.py",
     "tests/test_graphs.py",
     "tests/test_awq_gpu.py",
+    "tests/test_gpu_sampling.py",
 )
 _LONG_CONTEXT_TINY = ("--random-shape", "tiny", "--sizes", "256,512", "--repeats", "1", "--chunk-size", "32")
 
