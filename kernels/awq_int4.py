@@ -117,8 +117,9 @@ def _awq_dequant_kernel(
 
 
 @dataclass(frozen=True)
-class _Tiles:
-    """Tile sizes and warps of one launch."""
+class AwqTiles:
+    """Tile sizes and warps of one launch: ``block_m`` rows x ``block_n`` outputs x ``block_k`` inputs per
+    program (``block_k`` divides the group size, ``block_n`` is a multiple of 8)."""
 
     block_m: int
     block_n: int
@@ -127,17 +128,17 @@ class _Tiles:
     num_stages: int
 
 
-def _tiles(device: torch.device, rows: int, group_size: int, fused: bool) -> _Tiles:
+def _tiles(device: torch.device, rows: int, group_size: int, fused: bool) -> AwqTiles:
     """Small tiles for the CPU interpreter (tests cross tile borders, and it runs faster on few large ops);
     on CUDA: a wide GEMV for one row, 16-64-row tiles for tensor cores, 64x128 dequantize tiles."""
     block_m = 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
     if device.type != "cuda":
-        return _Tiles(block_m, 32, min(group_size, 32), 1, 1)
+        return AwqTiles(block_m, 32, min(group_size, 32), 1, 1)
     if not fused:
-        return _Tiles(1, 128, min(group_size, 64), 4, 1)
+        return AwqTiles(1, 128, min(group_size, 64), 4, 1)
     if rows == 1:
-        return _Tiles(1, 64, min(group_size, 128), 4, 2)
-    return _Tiles(block_m, 64, min(group_size, 64), 4, 3)
+        return AwqTiles(1, 64, min(group_size, 128), 4, 2)
+    return AwqTiles(block_m, 64, min(group_size, 64), 4, 3)
 
 
 @functools.cache
@@ -187,9 +188,11 @@ def awq_int4_matmul(
     bias: torch.Tensor | None = None,
     *,
     splits: int | None = None,
+    tiles: AwqTiles | None = None,
 ) -> torch.Tensor:
     """``x @ W + bias`` for ``x`` ``[M, K]``; returns ``[M, N]`` in ``x.dtype`` (see the module docstring).
-    ``splits``: how many slices the inputs are cut into on the fused path (None: enough to fill the device)."""
+    ``splits``: how many slices the inputs are cut into on the fused path (None: enough to fill the device);
+    ``tiles``: the fused launch's tiles (None: :func:`_tiles`' choice; ``bench awq --tune`` tries others)."""
     check_awq_inputs(x, qweight, qzeros, scales, group_size)
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, k = x.shape
@@ -209,7 +212,10 @@ def awq_int4_matmul(
         )  # fmt: skip
         out = x @ weight
         return out if bias is None else out + bias.to(x.dtype)
-    tiles = _tiles(x.device, rows, group_size, fused=True)
+    if tiles is None:
+        tiles = _tiles(x.device, rows, group_size, fused=True)
+    elif group_size % tiles.block_k or tiles.block_n % 8 or tiles.block_m < (1 if rows == 1 else 16):
+        raise ValueError(f"{tiles} does not fit {rows} rows and group_size={group_size}")
     grid_mn = (triton.cdiv(rows, tiles.block_m), triton.cdiv(n, tiles.block_n))
     k_tiles = k // tiles.block_k
     if splits is None:

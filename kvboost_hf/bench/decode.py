@@ -24,6 +24,11 @@ measured in the same run (a ``--copy-mb`` device-to-device copy: bytes read plus
 the share of that bound reached. The arms' greedy tokens are compared (``tokens_agree``: identical in fp32;
 bf16 may differ after a few tokens).
 
+``--profile-steps N`` profiles N more steps of each arm (``torch.profiler``, CPU and CUDA activities): device
+time per step (the kernels' total), the host's synchronisations per step (runtime calls that wait on the device:
+stream/device synchronize, blocking copies to the host) and the top operations by device time, so a step that is
+slow for its bytes shows where it waits.
+
 Writes ``decode.json`` (after every configuration, so a run cut short keeps what it measured) and ``decode.png``.
 """
 
@@ -63,6 +68,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="compute device (default: cuda when available)")
     parser.add_argument("--compile-backend", default=None, help="torch.compile backend (default: inductor on CUDA)")
     parser.add_argument("--copy-mb", type=int, default=1024, help="size of the bandwidth test copy (MB)")
+    parser.add_argument("--profile-steps", type=int, default=0, help="profiled steps per arm after the timed ones")
     args = parser.parse_args(argv)
     for shape in args.shapes.split(","):
         if shape not in SHAPES:
@@ -117,7 +123,7 @@ def decode_arm(model: PreTrainedModel, arm: str, prompt: torch.Tensor, args: arg
     ``args.steps`` greedy decode steps (:class:`~kvboost_hf.hf.graphs.GraphedDecoder`: graphed in the ``compiled``
     arm, the batch padded up to its rows bucket); the timed steps' figures and the real rows' greedy tokens."""
     rows, context = prompt.shape
-    capacity = context + args.warmup + args.steps
+    capacity = context + args.warmup + args.steps + args.profile_steps
     decoder = GraphedDecoder(model, GraphConfig(enabled=arm == "compiled", backend=args.compile_backend))
     padded = pad_rows(prompt, decoder.rows_for(rows))
     cache = ChunkReuseCache(
@@ -152,7 +158,9 @@ def decode_arm(model: PreTrainedModel, arm: str, prompt: torch.Tensor, args: arg
             forward_s.append(forwarded - started)
             outside_s.append(finished - forwarded)
     step_ms = [1e3 * (a + b) for a, b in zip(forward_s, outside_s, strict=True)]
+    profile = profile_steps(decoder, cache, token, context + args.warmup + args.steps, args.profile_steps)
     return {
+        **profile,
         "step_ms": statistics.median(step_ms),
         "forward_ms": 1e3 * statistics.median(forward_s),
         "host_outside_forward_ms": 1e3 * statistics.median(outside_s),
@@ -163,6 +171,43 @@ def decode_arm(model: PreTrainedModel, arm: str, prompt: torch.Tensor, args: arg
         "graphed_steps": decoder.graphed_steps,
         "capture_bytes": decoder.capture_bytes,
         "tokens": torch.cat(tokens, dim=1)[:rows].tolist(),
+    }
+
+
+SYNCHRONIZING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def profile_steps(
+    decoder: GraphedDecoder, cache: ChunkReuseCache, token: torch.Tensor, position: int, steps: int
+) -> dict[str, Any]:
+    """``steps`` more decode steps under ``torch.profiler``: device ms and synchronising host calls per step, and
+    the top operations by device time (empty when ``steps`` is 0)."""
+    if steps <= 0:
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if token.device.type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        for step in range(steps):
+            logits = decoder.step(cache, token, torch.full_like(token, position + step))
+            cache.record(token)
+            token = logits.argmax(-1, keepdim=True)
+        synchronize(token.device)
+    averages = profiler.key_averages()
+    kernels_us = sum(
+        getattr(event, "self_device_time_total", 0) for event in profiler.events()
+        if str(getattr(event, "device_type", "")).endswith("CUDA")
+    )  # fmt: skip
+    # a blocking cudaMemcpy (not ...Async) and every synchronize wait on the device
+    syncs = sum(
+        event.count for event in averages
+        if event.key.startswith(SYNCHRONIZING_CALLS) and not event.key.startswith("cudaMemcpyAsync")
+    )  # fmt: skip
+    sort_key = "self_device_time_total" if token.device.type == "cuda" else "self_cpu_time_total"
+    return {
+        "profile_device_ms_per_step": kernels_us / 1e3 / steps,
+        "profile_syncs_per_step": syncs / steps,
+        "profile_table": averages.table(sort_by=sort_key, row_limit=12, max_name_column_width=60),
     }
 
 
@@ -189,6 +234,12 @@ def measure_shape(shape: str, args: argparse.Namespace, device: torch.device, ba
                 f"host outside forward {figures['host_outside_forward_ms']:6.2f} ms",
                 flush=True,
             )
+            if "profile_table" in figures:
+                print(
+                    f"profiled: device {figures['profile_device_ms_per_step']:.2f} ms/step, "
+                    f"{figures['profile_syncs_per_step']:.1f} synchronisations/step\n{figures['profile_table']}",
+                    flush=True,
+                )
         reference = next(iter(arms.values()))["tokens"]
         for figures in arms.values():
             figures["tokens_agree"] = figures.pop("tokens") == reference

@@ -69,7 +69,8 @@ class GraphedDecoder:
 
     ``graphed_steps``/``eager_steps`` count the steps each way; ``graph_shapes`` lists the ``(rows, capacity)``
     shapes run graphed (one graph each); ``capture_bytes`` is the growth of the CUDA allocator's reserved memory
-    over the first steps of each shape (compilation and capture; 0 on a CPU).
+    over the first steps of each shape (compilation and capture; 0 on a CPU), each step's growth counted from 0 up
+    (memory the allocator hands back during a step, e.g. compilation's temporaries, is not subtracted).
     """
 
     def __init__(self, model: PreTrainedModel, config: GraphConfig | None = None) -> None:
@@ -119,7 +120,7 @@ class GraphedDecoder:
             )
             logits = out.logits[:, -1].clone()
         if watch:
-            self.capture_bytes += torch.cuda.memory_reserved(input_ids.device) - before
+            self.capture_bytes += max(0, torch.cuda.memory_reserved(input_ids.device) - before)
         if shape is not None:
             self.graph_shapes[shape] = self.graph_shapes.get(shape, 0) + 1
         return logits
