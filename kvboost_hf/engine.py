@@ -27,6 +27,7 @@ from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.chat_segments import DocumentBoundaries, encode_chat_segments, joined
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, left_pad
+from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder
 from kvboost_hf.hf.models import (
     CACHE_ARGUMENT,
     check_model_support,
@@ -125,6 +126,10 @@ class InferenceEngine:
             :mod:`kvboost_hf.hf.speculative`), only the number of target forwards.
         draft: how the draft proposes (:class:`DraftConfig`: tokens per round, tree budget and branching; with
             ``early_exit_layers`` the target's own first layers draft and no ``draft_model`` is needed).
+        graphs: CUDA graphs for plain decode steps (:class:`~kvboost_hf.hf.graphs.GraphConfig`; default on when the
+            model is on CUDA, off elsewhere; ``GraphConfig(enabled=False)`` turns them off): one
+            :class:`~kvboost_hf.hf.graphs.GraphedDecoder` shared by every call, its counters in :meth:`cache_stats`
+            (``graph_*``).
         token_cache: the prompt token ids cache (:class:`~kvboost_hf.hf.tokens.TokenCacheConfig`, default 64 MiB):
             each prompt is tokenized once, and only its pieces between special tokens not seen before
             (:attr:`tokens`, a :class:`~kvboost_hf.hf.tokens.SegmentTokenizer`; ids identical to the tokenizer's).
@@ -142,6 +147,7 @@ class InferenceEngine:
         draft_model: DraftSource | None = None,
         draft: DraftConfig | None = None,
         token_cache: TokenCacheConfig | None = None,
+        graphs: GraphConfig | None = None,
     ) -> None:
         check_model_support(model.config, strict=strict)
         self.chunking = ChunkingConfig.of(chunking)
@@ -156,6 +162,7 @@ class InferenceEngine:
         if not isinstance(store, ChunkStore):  # on CUDA, a GPU tier sized from the memory the model left free
             store = ChunkStore((store or StoreConfig()).for_model_device(self.device))
         self.store = store
+        self.graphs = GraphedDecoder(model, graphs or GraphConfig(enabled=self.device.type == "cuda"))
         self.lock = threading.RLock()  # held while the model runs: one forward at a time
         model_digest(model)  # computed once here, not inside the first request's TTFT
         self._init_draft(draft_model, draft, strict)
@@ -194,7 +201,7 @@ class InferenceEngine:
         ``device`` defaults to CUDA when available; ``dtype`` to float32 on CPU and bfloat16 on GPU. ``streaming``:
         load the weights into host memory and stream the decoder layers it chooses to ``streaming.device``
         (default ``device``; see :mod:`kvboost_hf.offload`). ``options`` are the constructor's keyword arguments
-        (``chunking``, ``repair``, ``store``, ``draft_model``, ``draft``, ``token_cache``).
+        (``chunking``, ``repair``, ``store``, ``draft_model``, ``draft``, ``token_cache``, ``graphs``).
         """
         model, tokenizer = load_model(
             model_name_or_path, device=device, dtype=dtype, strict=strict, streaming=streaming
@@ -597,6 +604,7 @@ class InferenceEngine:
             new_cache=new_cache,
             pad_token_id=self.pad_token_id,
             draft=self._drafter(mode, cache_salt, repair),
+            graphs=self.graphs,
         )
 
     def _drafter(self, mode: GenerationMode, cache_salt: str | None, repair: RepairConfig | None) -> Drafter | None:
@@ -706,7 +714,8 @@ class InferenceEngine:
         streamer's counters prefixed ``streaming_`` (see :class:`~kvboost_hf.offload.StreamingStats`, all copies
         included; ``settle=False`` reads its host-side counters only, never synchronising the device, as a thread
         other than the model's must); the prompt token ids cache's counters (``token_cache_*``:
-        :meth:`~kvboost_hf.hf.tokens.SegmentTokenizer.stats`)."""
+        :meth:`~kvboost_hf.hf.tokens.SegmentTokenizer.stats`); the decode graphs' counters (``graph_*``:
+        :meth:`~kvboost_hf.hf.graphs.GraphedDecoder.stats`)."""
         totals = self._decode_totals
         stats: dict[str, int | float] = {
             **self.store.stats(),
@@ -715,6 +724,7 @@ class InferenceEngine:
             "draft_tokens_accepted_per_verify": totals["draft_tokens_accepted"] / max(totals["verify_forwards"], 1),
             "draft_acceptance_rate": totals["draft_tokens_accepted"] / max(totals["draft_tokens_proposed"], 1),
             **self.tokens.stats(),
+            **{f"graph_{name}": value for name, value in self.graphs.stats().items()},
         }
         streamer = layer_streamer(self.model)
         if streamer is not None:

@@ -215,6 +215,36 @@ def test_only_the_static_mode_is_compileable_and_it_masks_its_capacity():
     assert static.get_seq_length() == 30 and static.layers[0]._key_buffer.shape[-2] == CAPACITY
 
 
+def test_a_cache_switches_between_growing_and_static_keeping_its_kv_and_its_greedy_tokens():
+    """set_max_cache_len: growing -> static (one copy into fixed buffers) -> growing again, decoding between the
+    switches; the K/V held and the greedy tokens are a growing cache's throughout (sliding-window layers too)."""
+    model = make_tiny_model("mistral")
+    ids = prompt(30)
+    expected = reference(model, ids[0].tolist(), 6).tokens
+
+    def step(cache, token):
+        out = forward(model, cache, input_ids=token, logits_to_keep=1)
+        return out.logits[:, -1].argmax(-1, keepdim=True)
+
+    cache = ChunkReuseCache(ChunkStore(StoreConfig(1 << 26)), model, mode="baseline", adapter=False)
+    token = forward(model, cache, input_ids=ids, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+    tokens = [token]
+    held = [layer.keys.clone() for layer in cache.layers]
+    cache.set_max_cache_len(CAPACITY)
+    assert cache.is_compileable and cache.get_mask_sizes(1, 0) == (CAPACITY, 0)
+    assert all(layer._key_buffer.shape[-2] == CAPACITY for layer in cache.layers)
+    assert all(torch.equal(layer.keys, keys) for layer, keys in zip(cache.layers, held, strict=True))
+    for _ in range(3):
+        tokens.append(token := step(cache, token))
+    cache.set_max_cache_len(None)
+    assert not cache.is_compileable and cache.get_seq_length() == 33
+    for _ in range(2):
+        tokens.append(token := step(cache, token))
+    assert torch.cat(tokens, dim=1)[0].tolist() == expected
+    with pytest.raises(CacheCapacityError, match="cannot hold the layer's 35 tokens"):
+        cache.set_max_cache_len(34)
+
+
 def test_prompt_padding_mask_reads_left_padding_from_prepared_masks():
     allowed = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1]], dtype=torch.bool)
     causal = torch.ones(4, 6, dtype=torch.bool).tril()

@@ -6,11 +6,14 @@ import pytest
 import torch
 import torch._dynamo
 from conftest import make_tiny_model
+from helpers import DECODE_EOS, finish, new_loop, prefill, reuse_caches
 from oracle import reference
 
 from kvboost_hf import ChunkReuseCache, ChunkStore
-from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, pad_rows, row_bucket
+from kvboost_hf.hf.decode import DecodeRequest
+from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, capacity_bucket, pad_rows, row_bucket
 from kvboost_hf.hf.prefill import forward
+from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.store.config import StoreConfig
 
 STEPS = 10
@@ -104,3 +107,63 @@ def test_cuda_graphed_decoder_gives_the_eager_tokens_in_fp32(count):
     decoder = GraphedDecoder(model)
     assert decode_rows(model, decoder, prompts, True, "cuda") == eager
     assert decoder.graphed_steps == STEPS and decoder.capture_bytes >= 0
+
+
+def test_capacity_bucket_is_a_power_of_two_from_256_up_to_the_cap():
+    config = GraphConfig(max_capacity=4096)
+    assert [capacity_bucket(n, config) for n in (1, 256, 257, 1000, 4096, 4097)] == [256, 256, 512, 1024, 4096, None]
+    with pytest.raises(ValueError, match="max_capacity"):
+        GraphConfig(max_capacity=100)
+
+
+def runner_decodes_graphed_through_joins_and_retirements(device: str, backend: str | None) -> None:
+    """A reuse loop whose plain decode steps go through the graphs: one row graphed, a second joining (the cache
+    grows back, then turns static again at 2 rows), a third making 3 rows (outside the buckets: the loop's eager
+    forward), rows retiring at different lengths; every row's tokens are transformers' greedy generate()'s."""
+    model = make_tiny_model("qwen2").to(device)
+    prompts = {(*PROMPTS[0],): 9, (*PROMPTS[1],): 4, tuple(range(60, 75)): 3}  # prompt -> max_new_tokens
+    requests = [
+        DecodeRequest(prompt_ids=list(p), max_new_tokens=n, sampling=SamplingConfig(temperature=0))
+        for p, n in prompts.items()
+    ]
+    expected = [reference(model, p, n, eos_token_ids=DECODE_EOS).tokens for p, n in prompts.items()]
+    decoder = GraphedDecoder(model, GraphConfig(row_buckets=(1, 2), backend=backend))
+    loop = new_loop(model, reuse_caches(ChunkStore(StoreConfig(1 << 24)), model), graphs=decoder)
+    torch._dynamo.reset()
+    prefill(loop, requests[:1])
+    loop.step()
+    loop.step()
+    assert (decoder.graphed_steps, decoder.eager_steps) == (2, 0)
+    prefill(loop, requests[1:2])
+    loop.step()  # two rows: static again, graphed
+    assert decoder.graphed_steps == 3 and set(decoder.graph_shapes) == {(1, 256), (2, 256)}
+    prefill(loop, requests[2:])
+    loop.step()  # three rows: above the buckets, the loop's eager forward
+    assert decoder.graphed_steps == 3
+    finish(loop)
+    assert [row.tokens for row in loop.rows] == expected
+    assert decoder.graphed_steps > 3 and not decoder.failed_shapes
+
+
+def test_the_runner_decodes_graphed_through_joins_and_retirements_with_generates_tokens():
+    runner_decodes_graphed_through_joins_and_retirements("cpu", "eager")  # traced, no code generation
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("backend", [None, "cudagraphs"])
+def test_the_runner_decodes_cuda_graphed_with_generates_tokens_in_fp32(backend):
+    runner_decodes_graphed_through_joins_and_retirements("cuda", backend)
+
+
+def test_a_shape_whose_compile_fails_runs_eagerly_with_the_same_tokens(caplog):
+    def broken(graph_module, example_inputs):
+        raise RuntimeError("no graphs here")
+
+    model = make_tiny_model("qwen2")
+    expected = [reference(model, prompt, STEPS + 1).tokens for prompt in PROMPTS[:1]]
+    decoder = GraphedDecoder(model, GraphConfig(backend=broken))  # type: ignore[arg-type]
+    torch._dynamo.reset()
+    assert decode_rows(model, decoder, PROMPTS[:1], True) == expected
+    assert decoder.failed_shapes == {(1, CAPACITY)} and decoder.graphed_steps == 0
+    assert decoder.eager_steps == STEPS and "runs eagerly" in caplog.text

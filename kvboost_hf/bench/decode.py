@@ -13,6 +13,12 @@ and batch size (``--batches``, default 1, 8, 32), every row is prefilled with ``
   counted in tok/s). ``--compile-backend`` picks another backend; on a CPU the default is ``eager``, which traces
   and checks without code generation.
 
+* ``engine`` / ``engine_graphed``: the whole product path, :meth:`InferenceEngine.generate_batch` on the same
+  prompts (decoded to text and tokenized again, so about ``--context`` tokens) for ``--steps`` new tokens, graphs
+  off / on (:class:`~kvboost_hf.hf.graphs.GraphConfig`, ``--compile-backend``); its tok/s is the rows' decode rates
+  summed (each row's tokens after the first over the time from its first token), its warm-up the first call
+  (compiles and captures included). Needs a tokenizer (``KVBOOST_HF_TOKENIZER`` or the embedded model's).
+
 Each step is what a decode loop does: one forward of one token per row (``logits_to_keep=1``), the greedy token
 taken on the device, the cache's ``record`` (its host bookkeeping). Reported per arm, as medians over the timed
 steps: tokens/s, ms per step, ms of the forward (its mask built, wall time to its end, the device synchronised
@@ -53,7 +59,7 @@ from kvboost_hf.hf.prefill import forward
 from kvboost_hf.store.chunk_store import ChunkStore
 from kvboost_hf.store.config import StoreConfig
 
-ARMS = ("eager", "static", "compiled")
+ARMS = ("eager", "static", "compiled", "engine", "engine_graphed")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -211,6 +217,38 @@ def profile_steps(
     }
 
 
+def engine_arm(model: PreTrainedModel, arm: str, prompt: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
+    """``generate_batch`` of ``prompt``'s rows (as text) through an engine on ``model``, graphs off or on: an untimed
+    first call (its seconds: ``warmup_s``), then the timed one; the rows' summed decode rate and the graphs'
+    counters."""
+    from transformers import AutoTokenizer
+
+    from kvboost_hf.bench.shapes import tokenizer_dir
+    from kvboost_hf.engine import InferenceEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    graphs = GraphConfig(enabled=arm == "engine_graphed", backend=args.compile_backend)
+    engine = InferenceEngine(model, tokenizer, graphs=graphs, store=StoreConfig(1 << 30))
+    texts = [tokenizer.decode(row) for row in prompt.tolist()]
+    torch._dynamo.reset()
+    started = time.perf_counter()
+    engine.generate_batch(texts, args.steps, temperature=0)
+    warmup_s = time.perf_counter() - started
+    results = engine.generate_batch(texts, args.steps, temperature=0)
+    stats = engine.cache_stats()
+    return {
+        "tok_per_s": sum(result.tokens_per_sec for result in results),
+        "step_ms": 1e3 * len(results) / max(sum(result.tokens_per_sec for result in results), 1e-9),
+        "forward_ms": None,
+        "host_outside_forward_ms": float("nan"),
+        "warmup_s": warmup_s,
+        "rows_run": len(results),
+        "graphed_steps": stats["graph_graphed_steps"],
+        "capture_bytes": stats["graph_capture_bytes"],
+        "tokens": [result.output_ids for result in results],
+    }
+
+
 def measure_shape(shape: str, args: argparse.Namespace, device: torch.device, bandwidth: float) -> list[dict]:
     """Every batch and arm on one random-weight model of ``shape`` (built once, freed after)."""
     model = random_model(shape, device=device, dtype=args.dtype)
@@ -225,7 +263,8 @@ def measure_shape(shape: str, args: argparse.Namespace, device: torch.device, ba
         bound_tok_s = batch * bandwidth / step_bytes
         arms: dict[str, Any] = {}
         for arm in args.arms.split(","):
-            figures = decode_arm(model, arm, prompt, args)
+            run_arm = engine_arm if arm.startswith("engine") else decode_arm
+            figures = run_arm(model, arm, prompt, args)
             figures["share_of_bound"] = figures["tok_per_s"] / bound_tok_s
             arms[arm] = figures
             print(
@@ -240,9 +279,10 @@ def measure_shape(shape: str, args: argparse.Namespace, device: torch.device, ba
                     f"{figures['profile_syncs_per_step']:.1f} synchronisations/step\n{figures['profile_table']}",
                     flush=True,
                 )
-        reference = next(iter(arms.values()))["tokens"]
-        for figures in arms.values():
-            figures["tokens_agree"] = figures.pop("tokens") == reference
+        references: dict[bool, Any] = {}  # the first arm of each family (the engine's prompts are text)
+        for arm, figures in arms.items():
+            family = arm.startswith("engine")
+            figures["tokens_agree"] = references.setdefault(family, figures["tokens"]) == figures.pop("tokens")
         rows_out.append(
             {
                 "shape": shape,
@@ -266,13 +306,13 @@ def report(result: dict[str, Any]) -> str:
     lines = [
         f"decode on {result['machine']['device']} ({result['dtype']}), read bandwidth "
         f"{result['read_bandwidth_gbps']:.0f} GB/s",
-        f"{'shape':<14}{'batch':>6}{'arm':>10}{'tok/s':>10}{'bound':>10}{'share':>8}{'step ms':>9}"
+        f"{'shape':<14}{'batch':>6}{'arm':>15}{'tok/s':>10}{'bound':>10}{'share':>8}{'step ms':>9}"
         f"{'host ms':>9}{'=':>3}",
     ]
     for row in result["rows"]:
         for arm, figures in row["arms"].items():
             lines.append(
-                f"{row['shape']:<14}{row['batch']:>6}{arm:>10}{figures['tok_per_s']:>10.1f}{row['bound_tok_s']:>10.1f}"
+                f"{row['shape']:<14}{row['batch']:>6}{arm:>15}{figures['tok_per_s']:>10.1f}{row['bound_tok_s']:>10.1f}"
                 f"{figures['share_of_bound']:>8.1%}{figures['step_ms']:>9.2f}{figures['host_outside_forward_ms']:>9.2f}"
                 f"{'y' if figures['tokens_agree'] else 'n':>3}"
             )

@@ -148,6 +148,19 @@ class ChunkReuseCache(Cache):
                 layer.settle()
         return super().get_seq_length(layer_idx)
 
+    def set_max_cache_len(self, max_cache_len: int | None) -> None:
+        """Switch every layer to static mode with ``max_cache_len`` columns (None: back to growing buffers),
+        keeping what the cache holds (see ``ChunkReuseLayer.set_max_cache_len``; one copy of the K/V when
+        becoming static). Raises :class:`~kvboost_hf.hf.layers.CacheCapacityError` when it holds more columns."""
+        for layer in self.layers:
+            layer.set_max_cache_len(max_cache_len)
+        self.max_cache_len = max_cache_len
+
+    def sync_device_lengths(self) -> None:
+        """Every layer's device length back to its host length (see ``ChunkReuseLayer.sync_device_length``)."""
+        for layer in self.layers:
+            layer.sync_device_length()
+
     def ensure_room(self, new_tokens: int) -> None:
         """Raise :class:`~kvboost_hf.hf.layers.CacheCapacityError` before a forward of ``new_tokens`` that a
         static-mode cache cannot hold (a compiled forward writes without checking; this check is eager)."""

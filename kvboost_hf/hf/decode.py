@@ -61,6 +61,7 @@ from kvboost_hf.hf.cache import (
     select_columns,
 )
 from kvboost_hf.hf.detokenize import IncrementalText
+from kvboost_hf.hf.graphs import GraphedDecoder, capacity_bucket
 from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.prefill import RowReuse, forward, forward_inputs, run_forward
 from kvboost_hf.hf.sampling import SamplingConfig, build_processors, choose_token, greedy_tokens
@@ -330,6 +331,10 @@ class DecodeLoop:
             given segment starts (``()``: none), or None for plain K/V.
         pad_token_id: the id used for left padding.
         draft: speculative decoding with this drafter (fresh, unused: the loop runs its prefills), or None.
+        graphs: runs plain decode steps (no draft, a reuse cache with no context adjustment) as CUDA graphs where
+            they fit (:class:`~kvboost_hf.hf.graphs.GraphedDecoder`, shared by the loops of one model so each shape
+            is captured once): the cache turns static at a capacity bucket holding every row's remaining tokens
+            (one K/V copy) and grows again when rows join. None: every step eager.
 
     ``rows`` holds every row added (in order), ``running`` those still decoding. ``forwards`` counts target model
     forwards (prefills and shared prefixes included; the draft's are ``draft.forwards``), ``verify_forwards`` those
@@ -349,8 +354,10 @@ class DecodeLoop:
         new_cache: Callable[[tuple[int, ...]], ChunkReuseCache] | None,
         pad_token_id: int,
         draft: Drafter | None = None,
+        graphs: GraphedDecoder | None = None,
     ) -> None:
         self.model = model
+        self.graphs = graphs
         self.rows: list[DecodeRow] = []
         self.running: list[DecodeRow] = []
         self.new_cache = new_cache
@@ -432,6 +439,8 @@ class DecodeLoop:
                 self.draft.cache = earlier.draft_cache
             return
         assert earlier.cache is not None, "running rows have a cache"
+        if isinstance(earlier.cache, ChunkReuseCache):
+            earlier.cache.set_max_cache_len(None)  # the joined rows may be wider than its capacity
         join_caches(earlier.cache, self._cache())
         if self.draft is not None:
             assert earlier.draft_cache is not None and self.draft.cache is not None, "running rows have a draft"
@@ -564,10 +573,14 @@ class DecodeLoop:
         # a draft only pays when a row can still take two tokens: with one left, its proposals could not be used
         if self.draft is not None and any(row.tokens_left > 1 for row in self.running):
             return self._speculative_step(self.draft)
-        last = to_device([[row.tokens[-1]] for row in self.running], self.device)
+        last_on_host = torch.tensor([[row.tokens[-1]] for row in self.running], dtype=torch.long)
+        last = last_on_host.to(self.device, non_blocking=True)
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.running), 1)], dim=1)
         self.positions = self.positions + 1
-        logits = self._forward(last, self.positions[:, None])
+        if (capacity := self._graph_capacity()) is None:
+            logits = self._forward(last, self.positions[:, None])
+        else:
+            logits = self._graphed_forward(capacity, last, last_on_host)
         self._save(tail=False)  # chunks completed so far (background writes; never inside the TTFT)
         return self._sample(logits)
 
@@ -755,6 +768,32 @@ class DecodeLoop:
         self.forwards += 1
         logits = out.logits[:, -keep:, :].float()
         return logits[:, -1, :] if keep == 1 else logits
+
+    def _graph_capacity(self) -> int | None:
+        """The static capacity (tokens) for a graphed plain decode step, or None when the step runs eagerly (no
+        graphs, a draft, a plain cache, a context adjustment, rows outside the buckets, a capacity above the cap)."""
+        cache = self.cache
+        if self.graphs is None or self.draft is not None or not isinstance(cache, ChunkReuseCache):
+            return None
+        if cache.attention_kwargs() or not self.graphs.config.enabled:
+            return None
+        if len(self.running) not in self.graphs.config.row_buckets:
+            return None
+        needed = cache.get_seq_length() + max(row.tokens_left for row in self.running)
+        return capacity_bucket(needed, self.graphs.config)
+
+    def _graphed_forward(self, capacity: int, last: torch.Tensor, last_on_host: torch.Tensor) -> torch.Tensor:
+        """A plain decode step through the graphs (the cache made static first when it is not, or too small);
+        recorded with the host's copy of the fed tokens, so no step waits on the device for them."""
+        cache = self.cache
+        assert isinstance(cache, ChunkReuseCache) and self.graphs is not None
+        if cache.max_cache_len is None or cache.max_cache_len < cache.get_seq_length() + 1:
+            cache.set_max_cache_len(capacity)
+        cache.ensure_room(1)
+        logits = self.graphs.step(cache, last, self.positions[:, None], self.mask)
+        cache.record(last_on_host)
+        self.forwards += 1
+        return logits.float()
 
     def _store_prefix(self, prefix: list[int]) -> int:
         """Compute and store the chunk-aligned ``prefix`` (one forward, batch of one) unless all its chunks are

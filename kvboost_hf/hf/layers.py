@@ -118,7 +118,7 @@ class ChunkReuseLayer(DynamicLayer):
         return self.max_cache_len if self.max_cache_len is not None else _columns(self._key_buffer)
 
     def get_seq_length(self) -> int:
-        if torch.compiler.is_compiling() and self._device_length is not None:
+        if torch.compiler.is_compiling() and self.max_cache_len is not None and self._device_length is not None:
             return self._device_length  # type: ignore[return-value]  # a tensor, as StaticLayer's: no recompiles
         self.settle()
         return self._length if self.is_initialized else 0
@@ -175,6 +175,30 @@ class ChunkReuseLayer(DynamicLayer):
         else:
             self._length = self._value_length = self._length + new
         return self._key_buffer, self._value_buffer
+
+    def set_max_cache_len(self, max_cache_len: int | None) -> None:
+        """Switch mode keeping the held columns: a number makes the layer static with that capacity (the columns
+        copied into fresh static buffers at a fixed address); None makes it grow again, writing on in the buffers
+        it holds."""
+        self.settle()
+        if max_cache_len == self.max_cache_len:
+            return
+        if max_cache_len is not None and max_cache_len < max(self._length, 1):
+            raise CacheCapacityError(
+                f"cannot hold the layer's {self._length} tokens in a max_cache_len of {max_cache_len}"
+            )
+        keys, values = self.keys, self.values
+        self.max_cache_len = max_cache_len
+        if max_cache_len is not None and keys is not None and keys.dim() == 4:
+            self._key_buffer = self._value_buffer = None  # fresh static buffers: the setters copy the views in
+            self.keys, self.values = keys, values
+
+    def sync_device_length(self) -> None:
+        """Static mode: set the device length to the host length (after a compiled step that raised before its
+        host-side effects landed, the device length may be ahead)."""
+        self.settle()
+        if self._device_length is not None:
+            self._device_length.fill_(self._length)
 
     def settle(self) -> None:
         """Add the columns written by static updates to the host length (eagerly, before it is read; the cache
