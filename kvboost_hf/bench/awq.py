@@ -177,7 +177,7 @@ def tune(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
                 x = torch.randn(rows, inputs, device=device, dtype=dtype)
                 reference = awq_int4_matmul(x, *operands).float()
                 shipped = timer(lambda: awq_int4_matmul(x, *operands), args.iters)  # noqa: B023
-                tried = []
+                tried: list[dict[str, Any]] = []
                 for tiles in TUNE_TILES:
                     if (tiles.block_m == 1) != (rows == 1) or layer.group_size % tiles.block_k:
                         continue
