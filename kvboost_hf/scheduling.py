@@ -54,7 +54,7 @@ from typing import Any
 
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.config import GenerationMode
-from kvboost_hf.core.errors import KVBoostError
+from kvboost_hf.core.errors import CapacityError, ConfigError, InputError, KVBoostError
 from kvboost_hf.core.keys import KeySpace
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRow, PrefillWork, RowOutput, SharedPrefix
 from kvboost_hf.reuse.plan import ChunkSource, has_nonprefix_hits
@@ -210,7 +210,7 @@ class RequestGroup:
 
     def __post_init__(self) -> None:
         if not self.rows:
-            raise ValueError("a request group needs at least one row")
+            raise InputError("a request group needs at least one row")
 
     @property
     def done(self) -> bool:
@@ -341,7 +341,7 @@ class Scheduler:
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
     ) -> None:
         if max_rows < 1:
-            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+            raise ConfigError(f"max_rows must be >= 1, got {max_rows}")
         self.policy = policy
         self.new_loop = new_loop
         self.decode = decode
@@ -358,7 +358,7 @@ class Scheduler:
     def add(self, group: RequestGroup) -> None:
         """Queue ``group`` (raises ValueError when it has more rows than ``max_rows``)."""
         if len(group.rows) > self.max_rows:
-            raise ValueError(f"a request needs 1 to max_rows={self.max_rows} rows, got {len(group.rows)}")
+            raise CapacityError(f"a request needs 1 to max_rows={self.max_rows} rows, got {len(group.rows)}")
         with self._queue_lock:
             self._pending.append(group)
 

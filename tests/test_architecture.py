@@ -59,7 +59,7 @@ def test_every_module_has_a_layer() -> None:
     modules, _ = _edges()
     assert len(modules) > 50
     for module in modules:
-        import_graph.layer_of(module)  # raises KeyError for a module the layer table does not place
+        import_graph.layer_of(module)  # raises NotFoundError for a module the layer table does not place
 
 
 def test_no_import_cycle_between_modules() -> None:

@@ -24,6 +24,8 @@ from functools import cache
 
 import numpy as np
 
+from kvboost_hf.core.errors import ArgumentTypeError, ConfigError
+
 Span = tuple[int, int]
 
 
@@ -44,15 +46,15 @@ class ChunkingConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size <= 0:
-            raise ValueError(f"chunk_size must be a positive number of tokens, got {self.chunk_size!r}")
+            raise ConfigError(f"chunk_size must be a positive number of tokens, got {self.chunk_size!r}")
         if self.method not in ("fixed", "content"):
-            raise ValueError(f"chunking must be 'fixed' or 'content', got {self.method!r}")
+            raise ConfigError(f"chunking must be 'fixed' or 'content', got {self.method!r}")
         if not isinstance(self.boundary_window, int) or not 0 <= self.boundary_window < self.chunk_size:
-            raise ValueError(
+            raise ConfigError(
                 f"chunk_boundary_window must be in [0, chunk_size={self.chunk_size}), got {self.boundary_window!r}"
             )
         if self.boundary_window and not self.boundary_token_ids:
-            raise ValueError("chunk_boundary_window > 0 needs boundary_token_ids (sentence or line end tokens)")
+            raise ConfigError("chunk_boundary_window > 0 needs boundary_token_ids (sentence or line end tokens)")
 
     def fingerprint(self) -> dict[str, object]:
         """The settings that change where chunks fall, for the store namespace."""
@@ -85,7 +87,7 @@ class ChunkingConfig:
         if isinstance(chunking, int) and not isinstance(chunking, bool):
             return cls(chunking)
         if not isinstance(chunking, ChunkingConfig):
-            raise TypeError(f"chunking must be a ChunkingConfig or a chunk size in tokens, got {chunking!r}")
+            raise ArgumentTypeError(f"chunking must be a ChunkingConfig or a chunk size in tokens, got {chunking!r}")
         return chunking
 
     @property

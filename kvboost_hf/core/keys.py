@@ -23,6 +23,7 @@ import torch
 import xxhash
 
 from kvboost_hf.core.chunking import ChunkingConfig, Span
+from kvboost_hf.core.errors import InputError
 
 STORAGE_FORMAT_VERSION = 1
 DIGEST_VERSION = 2  # 1: sampled weights; 2: xxh3-128 over every byte
@@ -86,7 +87,7 @@ def _weight_digest(model: torch.nn.Module) -> str:
     with torch.no_grad():
         for name, tensor in tensors:
             if tensor.device.type == "meta":
-                raise ValueError(
+                raise InputError(
                     f"weight {name} is on the meta device (offloaded), so it cannot be fingerprinted: pass model_id"
                 )
             h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}\0".encode())

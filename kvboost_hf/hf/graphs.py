@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from kvboost_hf.core.errors import ConfigError, InputError
 from kvboost_hf.hf.models import CACHE_ARGUMENT
 
 __all__ = ["GraphConfig", "GraphedDecoder", "pad_rows", "row_bucket"]
@@ -45,13 +46,13 @@ class GraphConfig:
     def __post_init__(self) -> None:
         buckets = self.row_buckets
         if not buckets or any(rows < 1 for rows in buckets) or list(buckets) != sorted(set(buckets)):
-            raise ValueError(f"row_buckets must be ascending distinct positive batch sizes, got {buckets}")
+            raise ConfigError(f"row_buckets must be ascending distinct positive batch sizes, got {buckets}")
 
 
 def row_bucket(rows: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket holding ``rows`` rows, or None when ``rows`` is above every bucket."""
     if rows < 1:
-        raise ValueError(f"a decode step has at least one row, got {rows}")
+        raise InputError(f"a decode step has at least one row, got {rows}")
     return next((bucket for bucket in buckets if bucket >= rows), None)
 
 
@@ -60,7 +61,7 @@ def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     results are ignored (a fully masked row would make attention NaN there)."""
     missing = rows - tensor.shape[0]
     if missing < 0:
-        raise ValueError(f"cannot pad {tensor.shape[0]} rows down to {rows}")
+        raise InputError(f"cannot pad {tensor.shape[0]} rows down to {rows}")
     return torch.cat([tensor, tensor[-1:].expand(missing, *tensor.shape[1:])]) if missing else tensor
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvboost_hf.core.config import GenerationMode
+from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
 from kvboost_hf.server.grammar import GrammarConfig
@@ -67,10 +68,10 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if self.reuse_mode not in REUSE_MODES:
-            raise ValueError(f"reuse_mode must be one of {sorted(REUSE_MODES)}, got {self.reuse_mode!r}")
+            raise ConfigError(f"reuse_mode must be one of {sorted(REUSE_MODES)}, got {self.reuse_mode!r}")
         if self.max_batch_size < 1 or self.max_queue < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"max_batch_size and max_queue must be >= 1, got {self.max_batch_size} and {self.max_queue}"
             )
         if self.batch_window_ms < 0:
-            raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
+            raise ConfigError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")

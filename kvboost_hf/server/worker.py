@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kvboost_hf.core.errors import KVBoostError
+from kvboost_hf.core.errors import CapacityError, KVBoostError
 from kvboost_hf.engine import InferenceEngine, Prompt
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.scheduling import SchedulerOutput, StepReport
@@ -126,7 +126,7 @@ class Worker:
         Raises Overloaded (queue full), ShuttingDown, or ValueError when ``job.n`` exceeds ``max_batch_size``.
         """
         if not 1 <= job.n <= self.max_batch_size:
-            raise ValueError(f"a job needs 1 to max_batch_size={self.max_batch_size} rows, got n={job.n}")
+            raise CapacityError(f"a job needs 1 to max_batch_size={self.max_batch_size} rows, got n={job.n}")
         run = JobRun(self.engine, job, self.tokenizer_lock, self.metrics.observe_token)
         with self._cond:
             if self._closing:

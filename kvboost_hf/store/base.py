@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeAlias
 
 from kvboost_hf.core.chunk_kv import ChunkKV
+from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.store.quantization import QuantizedChunk
 
 logger = logging.getLogger(__name__)
@@ -215,7 +216,7 @@ class BackgroundWriter:
         retry_s: float = 0.05,
     ) -> None:
         if queue_size < 1 or batch_size < 1:
-            raise ValueError(f"queue_size and batch_size must be >= 1, got {queue_size}, {batch_size}")
+            raise ConfigError(f"queue_size and batch_size must be >= 1, got {queue_size}, {batch_size}")
         self.name = name
         self.queue_size = queue_size
         self.batch_size = batch_size

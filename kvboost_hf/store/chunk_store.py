@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvboost_hf.core.chunk_kv import ChunkKV
+from kvboost_hf.core.errors import ArgumentTypeError
 from kvboost_hf.store.base import StorageTier, StoredChunk
 from kvboost_hf.store.config import StoreConfig
 from kvboost_hf.store.quantization import QuantizedChunk, quantize_chunk
@@ -84,7 +85,9 @@ class ChunkStore:
         config = config if config is not None else StoreConfig()
         if not isinstance(config, StoreConfig):
             kind = type(config).__name__
-            raise TypeError(f"ChunkStore takes a StoreConfig, got {kind}: write ChunkStore(StoreConfig({config!r}))")
+            raise ArgumentTypeError(
+                f"ChunkStore takes a StoreConfig, got {kind}: write ChunkStore(StoreConfig({config!r}))"
+            )
         self.config = config
         self.kv_cache_bits = config.kv_cache_bits
         self.kv_group_size = config.kv_group_size

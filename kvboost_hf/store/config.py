@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.store.base import StorageTier
 from kvboost_hf.store.disk import DEFAULT_MAX_BYTES as DEFAULT_DISK_MAX_BYTES
 from kvboost_hf.store.disk import DiskTier
@@ -58,13 +59,13 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         if self.max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {self.max_bytes}")
+            raise ConfigError(f"max_bytes must be >= 0, got {self.max_bytes}")
         if self.kv_cache_bits != 16 and self.kv_cache_bits not in SUPPORTED_BITS:
-            raise ValueError(f"kv_cache_bits must be 16, 8 or 4, got {self.kv_cache_bits}")
+            raise ConfigError(f"kv_cache_bits must be 16, 8 or 4, got {self.kv_cache_bits}")
         if self.gpu_max_bytes is not None and self.gpu_max_bytes < 0:
-            raise ValueError(f"gpu_max_bytes must be >= 0 (0: no GPU tier), got {self.gpu_max_bytes}")
+            raise ConfigError(f"gpu_max_bytes must be >= 0 (0: no GPU tier), got {self.gpu_max_bytes}")
         if self.kv_group_size < 1:
-            raise ValueError(f"kv_group_size must be >= 1 (tokens or channels), got {self.kv_group_size}")
+            raise ConfigError(f"kv_group_size must be >= 1 (tokens or channels), got {self.kv_group_size}")
 
     @property
     def pins_memory(self) -> bool:
@@ -90,7 +91,7 @@ class StoreConfig:
         if self.gpu_device is not None:
             return torch.device(self.gpu_device)
         if not torch.cuda.is_available():
-            raise ValueError(f"gpu_max_bytes={self.gpu_max_bytes} needs a gpu_device: no CUDA device is available")
+            raise ConfigError(f"gpu_max_bytes={self.gpu_max_bytes} needs a gpu_device: no CUDA device is available")
         return torch.device("cuda", torch.cuda.current_device())
 
     def build_tiers(self) -> list[StorageTier]:

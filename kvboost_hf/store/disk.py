@@ -58,7 +58,7 @@ from typing import Any
 
 import lmdb
 
-from kvboost_hf.core.errors import KVBoostError
+from kvboost_hf.core.errors import ConfigError, KVBoostError
 from kvboost_hf.store import codec
 from kvboost_hf.store.base import BackgroundWriter, StorageTier, StoredChunk
 
@@ -95,9 +95,9 @@ class DiskTier(StorageTier):
         lease_s: float = 10.0,
     ):
         if max_bytes < 1:
-            raise ValueError(f"disk max_bytes must be >= 1, got {max_bytes}")
+            raise ConfigError(f"disk max_bytes must be >= 1, got {max_bytes}")
         if lock_wait_s <= 0 or lease_s <= 0:
-            raise ValueError(f"disk lock_wait_s and lease_s must be > 0, got {lock_wait_s}, {lease_s}")
+            raise ConfigError(f"disk lock_wait_s and lease_s must be > 0, got {lock_wait_s}, {lease_s}")
         self.directory = Path(directory)
         self.max_bytes = max_bytes
         self.lock_wait_s = lock_wait_s  # seconds a background write waits for another process's write lock

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from kvboost_hf.core.errors import ConfigError, MissingDependencyError
 from kvboost_hf.store import codec
 from kvboost_hf.store.base import BackgroundWriter, StorageTier, StoredChunk
 
@@ -81,11 +82,11 @@ class RemoteTier(StorageTier):
             from redis.backoff import NoBackoff
             from redis.retry import Retry
         except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise ImportError("remote_url needs the redis client: pip install 'kvboost_hf[remote]'") from exc
+            raise MissingDependencyError("remote_url needs the redis client: pip install 'kvboost_hf[remote]'") from exc
         if ttl_s is not None and ttl_s <= 0:
-            raise ValueError(f"remote ttl_s must be > 0 seconds, got {ttl_s}")
+            raise ConfigError(f"remote ttl_s must be > 0 seconds, got {ttl_s}")
         if read_timeout_s <= 0 or timeout_s <= 0:
-            raise ValueError(f"Redis timeouts must be > 0 seconds, got {timeout_s}, {read_timeout_s}")
+            raise ConfigError(f"Redis timeouts must be > 0 seconds, got {timeout_s}, {read_timeout_s}")
         self.prefix = prefix
         self.retry_after_s = retry_after_s
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
