@@ -41,7 +41,7 @@ from kvboost_hf.hf.speculative import DraftConfig, Drafter, DraftSource, VerifyC
 from kvboost_hf.hf.tokens import SegmentTokenizer, TokenCacheConfig, TokenIdsCache
 from kvboost_hf.offload import LayerStreamingConfig, layer_streamer
 from kvboost_hf.results import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
-from kvboost_hf.scheduling import BatchKey, BatchPolicy, RequestGroup, Scheduler
+from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE, BatchKey, BatchPolicy, RequestGroup, Scheduler
 from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -455,7 +455,7 @@ class InferenceEngine:
         prompts: Sequence[Prompt],
         max_new_tokens: int = 64,
         *,
-        max_batch_size: int = 8,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
         cache_salt: str | None = None,
         temperature: float | None = None,
@@ -556,7 +556,7 @@ class InferenceEngine:
         self,
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
         *,
-        max_batch_size: int = 8,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         batch_window_ms: float = 0.0,
         repair: RepairConfig | None = None,
         tokenizer_lock: contextlib.AbstractContextManager | None = None,

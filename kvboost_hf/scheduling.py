@@ -59,6 +59,10 @@ from kvboost_hf.core.keys import KeySpace
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRow, PrefillWork, RowOutput, SharedPrefix
 from kvboost_hf.reuse.plan import ChunkSource, has_nonprefix_hits
 
+#: Rows running at once unless the caller says otherwise (``ServerConfig.max_batch_size``, the engine's
+#: ``generate_many`` and ``scheduler``, :class:`Scheduler`'s ``max_rows``): the one place this default is written.
+DEFAULT_MAX_BATCH_SIZE = 8
+
 logger = logging.getLogger(__name__)
 
 
@@ -335,7 +339,7 @@ class Scheduler:
         new_loop: Callable[[BatchKey], DecodeLoop],
         *,
         decode: Callable[[list[int]], str],
-        max_rows: int = 8,
+        max_rows: int = DEFAULT_MAX_BATCH_SIZE,
         batch_window_s: float = 0.0,
         on_done: Callable[[DecodeLoop], dict[str, Any]] = lambda loop: {},
         tokenizer_lock: contextlib.AbstractContextManager | None = None,

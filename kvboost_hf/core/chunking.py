@@ -17,7 +17,6 @@ chunks wherever it appears in a prompt (after at most one chunk of resynchronisa
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -67,15 +66,22 @@ class ChunkingConfig:
 
     @classmethod
     def from_tokenizer(
-        cls, tokenizer: object, chunk_size: int | None = None, boundary_window: int = 0, method: str = "fixed"
+        cls,
+        tokenizer: object,
+        chunk_size: int | None = None,
+        boundary_window: int | None = None,
+        method: str | None = None,
     ) -> ChunkingConfig:
         """A config whose cuts may slide back up to ``boundary_window`` tokens to end after one of ``tokenizer``'s
-        sentence- or line-ending tokens (none are looked up when the window is 0); ``chunk_size`` None: the
-        field's default."""
-        boundary_ids = boundary_token_ids_from_tokenizer(tokenizer) if boundary_window else frozenset()
-        sized = cls() if chunk_size is None else cls(chunk_size)
-        return dataclasses.replace(
-            sized, boundary_window=boundary_window, boundary_token_ids=boundary_ids, method=method
+        sentence- or line-ending tokens (none are looked up when the window is 0); an argument left None takes
+        the field's default."""
+        defaults = cls()
+        window = defaults.boundary_window if boundary_window is None else boundary_window
+        return cls(
+            chunk_size=defaults.chunk_size if chunk_size is None else chunk_size,
+            boundary_window=window,
+            boundary_token_ids=boundary_token_ids_from_tokenizer(tokenizer) if window else frozenset(),
+            method=defaults.method if method is None else method,
         )
 
     @classmethod

@@ -65,7 +65,7 @@ def plan_device_memory(
     kv_bytes_per_token: int,
     min_kv_tokens: int,
     workspace_bytes: int = 0,
-    num_slots: int = 2,
+    num_slots: int = LayerStreamingConfig.num_slots,
 ) -> DevicePlan:
     """The plan that keeps the most leading layers resident with ``num_slots`` slots (fewer slots, down to 1, only if
     ``num_slots`` cannot fit at all), at least ``min_kv_tokens`` of K/V, and gives every byte left over to K/V.

@@ -8,6 +8,7 @@ from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
+from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE
 from kvboost_hf.server.grammar import GrammarConfig
 
 REUSE_MODES = {
@@ -52,7 +53,7 @@ class ServerConfig:
     api_key: str | None = None
     reuse_mode: str = "prefix"
     batch_window_ms: float = 10.0
-    max_batch_size: int = 8
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_queue: int = 64
     default_max_tokens: int = 256
     max_tokens_limit: int | None = None

@@ -154,7 +154,7 @@ class Worker:
             self._cond.notify()
         return future
 
-    def shutdown(self, grace_s: float = 10.0) -> None:
+    def shutdown(self, grace_s: float = ServerConfig.shutdown_grace_s) -> None:
         """Refuse new jobs, let queued and running ones finish for up to ``grace_s`` seconds, cancel the rest."""
         with self._cond:
             self._closing = True

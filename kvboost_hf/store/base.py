@@ -21,6 +21,9 @@ StoredChunk: TypeAlias = ChunkKV | QuantizedChunk
 """What tiers hold: the K/V as computed (``kv_cache_bits=16``) or KIVI-quantized (8 or 4 bits)."""
 
 
+CLOSE_TIMEOUT_S = 10.0  # seconds flush() and close() wait for background writes unless told otherwise
+
+
 class StorageTier(ABC):
     """One level of the store. Implementations are thread-safe and never exceed their byte budget.
 
@@ -101,11 +104,11 @@ class StorageTier(ABC):
         for key, entry in entries:
             self.put(key, entry)
 
-    def flush(self, timeout_s: float = 10.0) -> bool:
+    def flush(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
         """Wait up to ``timeout_s`` for background writes; False if some are still pending (default: none)."""
         return True
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Finish background writes (up to ``timeout_s``) and release resources; idempotent (default: nothing)."""
         return None  # a tier without this feature has nothing to do
 
@@ -271,7 +274,7 @@ class BackgroundWriter:
         """Whether the writer thread is alive (after :meth:`close`: still finishing a write)."""
         return self._thread.is_alive()
 
-    def flush(self, timeout_s: float = 10.0) -> bool:
+    def flush(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
         """Wait until every submitted item is written (or failed); False if ``timeout_s`` passed first."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
@@ -282,7 +285,7 @@ class BackgroundWriter:
                 self._cond.wait(remaining)
         return True
 
-    def close(self, timeout_s: float = 10.0) -> bool:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
         """Drain, then stop the thread, within ``timeout_s`` (plus two ``retry_s`` for a write that was waiting for
         busy storage: it then drops what is left); later submits are dropped. True if all was written."""
         deadline = time.monotonic() + timeout_s

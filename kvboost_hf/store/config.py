@@ -9,11 +9,12 @@ from dataclasses import dataclass
 import torch
 
 from kvboost_hf.core.errors import ConfigError
+from kvboost_hf.core.keys import FULL_PRECISION_BITS
 from kvboost_hf.store.base import StorageTier
 from kvboost_hf.store.disk import DEFAULT_MAX_BYTES as DEFAULT_DISK_MAX_BYTES
 from kvboost_hf.store.disk import DiskTier
 from kvboost_hf.store.quantization import DEFAULT_GROUP_SIZE, SUPPORTED_BITS
-from kvboost_hf.store.remote import DEFAULT_PREFIX, RemoteTier
+from kvboost_hf.store.remote import DEFAULT_PREFIX, DEFAULT_READ_TIMEOUT_S, RemoteTier
 
 
 @dataclass(frozen=True)
@@ -43,14 +44,14 @@ class StoreConfig:
     """
 
     max_bytes: int = 2 << 30
-    kv_cache_bits: int = 16
+    kv_cache_bits: int = FULL_PRECISION_BITS
     kv_group_size: int = DEFAULT_GROUP_SIZE
     disk_cache_dir: str | os.PathLike[str] | None = None
     disk_max_bytes: int = DEFAULT_DISK_MAX_BYTES
     remote_url: str | None = None
     remote_prefix: str = DEFAULT_PREFIX
     remote_ttl_s: float | None = None
-    remote_read_timeout_s: float = 0.25
+    remote_read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
     remote_hmac_key: bytes | str | None = None
     device: torch.device | str = "cpu"
     pin_memory: bool | None = None
