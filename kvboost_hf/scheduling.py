@@ -327,7 +327,7 @@ class Scheduler:
             few recent tokens at a time; called under ``tokenizer_lock``.
         max_rows: rows running at once, over all batches (>= 1).
         batch_window_s: how long the oldest pending group of a key waits for others before its batch forms
-            (``drain = True`` admits without waiting).
+            (``skip_windows = True`` admits without waiting).
         on_done: called once with each batch's loop when it ends; what it returns is kept as its
             ``decode_counts``.
         tokenizer_lock: serialises ``decode`` with other threads using the same tokenizer (None: no lock).
@@ -356,7 +356,7 @@ class Scheduler:
         self._pending: list[RequestGroup] = []
         self._queue_lock = threading.Lock()
         self.running: list[RunningBatch] = []
-        self.drain = False
+        self.skip_windows = False
 
     # ------------------------------------------------------------------ queue
     def add(self, group: RequestGroup) -> None:
@@ -457,14 +457,14 @@ class Scheduler:
         return self.update_from_output(self.execute(self.schedule(now)))
 
     def run(self) -> None:
-        """Step until nothing is pending or running (windows are not waited for: :attr:`drain` is set meanwhile, so
-        what is pending is admitted as soon as it fits)."""
-        draining, self.drain = self.drain, True
+        """Step until nothing is pending or running (windows are not waited for: :attr:`skip_windows` is set
+        meanwhile, so what is pending is admitted as soon as it fits)."""
+        skipping, self.skip_windows = self.skip_windows, True
         try:
             while not self.idle:
                 self.step()
         finally:
-            self.drain = draining
+            self.skip_windows = skipping
 
     def abort(self, error: BaseException) -> None:
         """Fail every pending group with ``error`` and end every running row now (cancelled, reported once to its
@@ -505,7 +505,7 @@ class Scheduler:
             running = next((batch for batch in self.running if not batch.done and batch.key == key), None)
             window_over = now >= members[0].arrival + self.batch_window_s
             ready = running is not None or sum(len(g.rows) for g in members) >= self.max_rows or window_over
-            if not (ready or self.drain):
+            if not (ready or self.skip_windows):
                 continue
             chosen: list[RequestGroup] = []
             for group in members:

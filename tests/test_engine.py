@@ -143,6 +143,19 @@ def test_bad_input_is_refused_and_store_unchanged(embedded_engine, prompt, kwarg
     assert store_and_decode_stats() == before
 
 
+def test_token_id_prompts_are_checked_against_the_vocabulary(embedded_engine):
+    vocabulary = embedded_engine.model.config.vocab_size
+    assert embedded_engine.encode([5, 6, vocabulary - 1]) == [5, 6, vocabulary - 1]
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        embedded_engine.encode([5, vocabulary])
+
+
+def test_generate_many_of_no_prompts_is_empty_and_generate_batch_refuses_them(embedded_engine):
+    assert embedded_engine.generate_many([]) == []
+    with pytest.raises(ValueError, match="prompts is empty"):
+        embedded_engine.generate_batch([])
+
+
 def test_bad_settings_are_refused(embedded_engine):
     with pytest.raises(ValueError, match="chunk_size"):
         KVBoost(embedded_engine.model, embedded_engine.tokenizer, chunking=0)

@@ -10,11 +10,25 @@ from kvboost_hf.core.errors import ConfigError
 
 
 class GenerationMode(str, Enum):
-    """What reuse a generation may use."""
+    """What reuse a generation may use. The values are the setting's one spelling, wherever it is given (the
+    engine's ``mode=``, the server's ``--reuse-mode``); the server's former spellings are still accepted:
+    ``GenerationMode("prefix")`` is ``PREFIX_CACHE`` (:data:`GENERATION_MODE_ALIASES`)."""
 
     BASELINE = "baseline"  # plain generate(), no lookups, no write-back
     PREFIX_CACHE = "prefix_cache"  # exact prefix hits only
     CHUNK_KV_REUSE = "chunk_kv_reuse"  # everything enabled: also content-key hits, repaired
+
+    @classmethod
+    def _missing_(cls, value: object) -> GenerationMode | None:
+        return GENERATION_MODE_ALIASES.get(value) if isinstance(value, str) else None
+
+
+#: The server's former ``--reuse-mode`` spellings, accepted wherever a mode is given: old spelling -> mode.
+GENERATION_MODE_ALIASES = {
+    "off": GenerationMode.BASELINE,
+    "prefix": GenerationMode.PREFIX_CACHE,
+    "chunk": GenerationMode.CHUNK_KV_REUSE,
+}
 
 
 class RecomputeStrategy(str, Enum):

@@ -142,7 +142,7 @@ class KVBoostReplica:
     def __del__(self) -> None:  # Ray Serve's graceful replica shutdown
         app = getattr(self, "app", None)
         if app is not None:
-            app.state.drain()
+            app.state.shutdown_worker()
             self.engine.store.close()  # queued Redis writes finish
 
 

@@ -216,8 +216,9 @@ class ChatCompletionRequest(_GenerationRequest):
     parallel_tool_calls: bool = True
     document_boundaries: DocumentBoundaryName | None = Field(
         default=None,
-        description="Extension: which contents start documents for non-prefix reuse (--reuse-mode chunk): 'parts' "
-        "(each text part of a message with several), 'messages' (also each message), 'none'; default: the server's.",
+        description="Extension: which contents start documents for non-prefix reuse (--reuse-mode chunk_kv_reuse): "
+        "'parts' (each text part of a message with several), 'messages' (also each message), 'none'; default: the "
+        "server's.",
     )
 
 
