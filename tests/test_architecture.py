@@ -106,9 +106,9 @@ def test_settings_classes_share_one_suffix_and_old_readme_names_are_the_same_cla
     settings_classes = {cls for cls, _, _ in SETTINGS_FLAGS} | {ServerConfig, GrammarConfig, kvboost_hf.SamplingConfig}
     assert len(settings_classes) >= 8
     assert sorted(cls.__name__ for cls in settings_classes if not cls.__name__.endswith("Config")) == []
-    assert kvboost_hf.SamplingConfig is kvboost_hf.SamplingConfig
-    assert kvboost_hf.DraftConfig is kvboost_hf.DraftConfig
-    assert kvboost_hf.LayerStreamingConfig is kvboost_hf.LayerStreamingConfig
+    assert kvboost_hf.SamplingParams is kvboost_hf.SamplingConfig
+    assert kvboost_hf.DraftSettings is kvboost_hf.DraftConfig
+    assert kvboost_hf.LayerStreaming is kvboost_hf.LayerStreamingConfig
 
 
 def test_request_objects_take_keywords_only():

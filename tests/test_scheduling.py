@@ -17,6 +17,7 @@ from helpers import word_tokenizer, words
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from oracle import cache_reference, engine_reference
 
 from kvboost_hf import KVBoost
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
@@ -356,8 +357,9 @@ def engine():
 def test_generate_many_batches_segment_prompts_with_plain_prompts_and_keeps_their_repair(engine, monkeypatch):
     """Two RAG prompts (segments: a question prefix, warmed documents in another order, a question) and three plain
     prompts run in one decode loop: each RAG prompt is prefilled alone in a cache built with its own segment starts
-    and joined, so its content-key hits, repair, reuse figures and tokens equal what it gets alone (from the same
-    store contents), and every plain row equals its greedy tokens."""
+    and joined, so its content-key hits, repair, reuse figures and tokens equal what transformers' ``generate()``
+    gets through a drop-in cache for it alone (from the same store contents), and every plain row equals
+    transformers' greedy tokens."""
     documents = [words(50, 24), words(54, 17)]
     rag = [[words(51, 5), documents[1], documents[0], words(52, 6)], [words(55, 3), documents[0], words(56, 4)]]
     others = [words(57 + i, 12 + i) for i in range(3)]
@@ -367,13 +369,10 @@ def test_generate_many_batches_segment_prompts_with_plain_prompts_and_keeps_thei
         for document in documents:
             engine.warm(document)
 
-    alone = []
-    for prompt in rag:
-        warm_documents_only()
-        alone.append(engine.generate(prompt, max_new_tokens=6))
-    assert all(result.approx_tokens > 0 for result in alone)
-    plain = [engine.generate(prompt, max_new_tokens=6, mode="baseline") for prompt in others]
     warm_documents_only()
+    alone = [cache_reference(engine, prompt, 6) for prompt in rag]  # the oracle writes nothing back
+    assert all(reference.reuse.approx_tokens > 0 for reference in alone)
+    plain = [engine_reference(engine, prompt, 6).tokens for prompt in others]
     loops = []
     decode_loop = engine.decode_loop
 
@@ -385,16 +384,18 @@ def test_generate_many_batches_segment_prompts_with_plain_prompts_and_keeps_thei
     results = engine.generate_many([others[0], rag[0], others[1], rag[1], others[2]], max_new_tokens=6)
     assert len(loops) == 1  # one batch, one decode loop for the five rows
     for got, expected in zip([results[1], results[3]], alone, strict=True):
-        figures = ("output_ids", "cached_tokens", "approx_tokens", "recomputed_tokens", "prompt_tokens")
-        assert [getattr(got, name) for name in figures] == [getattr(expected, name) for name in figures]
-    for got, expected in zip([results[0], results[2], results[4]], plain, strict=True):
-        assert got.output_ids == expected.output_ids
+        figures = ("cached_tokens", "approx_tokens", "recomputed_tokens", "prompt_tokens")
+        assert got.output_ids == expected.tokens
+        assert [getattr(got, name) for name in figures] == [getattr(expected.reuse, name) for name in figures]
+    for got, expected_tokens in zip([results[0], results[2], results[4]], plain, strict=True):
+        assert got.output_ids == expected_tokens
 
 
 def test_prompts_needing_repair_are_prefilled_alone_and_decode_in_the_batch(engine):
     """Plain prompts holding a warmed document after new text (content-key hits at chunk boundaries) share a
     batch with other prompts: each is prefilled alone (the repair is made for one row at a time), joined, and
-    decoded with the others; every row's tokens and reuse equal what it gets alone."""
+    decoded with the others; every row's tokens and approximate tokens equal what transformers' ``generate()``
+    gets through a drop-in cache for it alone."""
     documents = [words(80 + i, 24) for i in range(2)]
     for document in documents:
         engine.warm(document)
@@ -405,25 +406,26 @@ def test_prompts_needing_repair_are_prefilled_alone_and_decode_in_the_batch(engi
     rows = engine.new_rows([DecodeRequest(prompt_ids=engine.encode(p), max_new_tokens=6) for p in prompts])
     works = policy.prefill_works(rows, None)  # the plain rows together, then each repaired prompt alone
     assert [[rows.index(row) for row in work.rows] for work in works] == [[1, 3], [0], [2]]
-    alone = [engine.generate(prompt, max_new_tokens=6) for prompt in prompts]
-    assert alone[0].approx_tokens > 0 and alone[2].approx_tokens > 0
-    batch = engine.generate_batch(prompts, max_new_tokens=6)  # the store now holds more (written back): equal
-    # outputs and repairs, not equal loaded-token counts
+    alone = [cache_reference(engine, prompt, 6) for prompt in prompts]  # the oracle writes nothing back
+    assert [reference.reuse.approx_tokens > 0 for reference in alone] == [True, False, True, False]
+    batch = engine.generate_batch(prompts, max_new_tokens=6)
     for got, expected in zip(batch, alone, strict=True):
-        assert (got.output_ids, got.approx_tokens) == (expected.output_ids, expected.approx_tokens)
-    assert engine.generate_many(prompts, max_new_tokens=6)[2].output_ids == alone[2].output_ids
+        assert (got.output_ids, got.approx_tokens) == (expected.tokens, expected.reuse.approx_tokens)
+    # the store now holds more (the batch wrote back): equal outputs, not equal loaded-token counts
+    assert engine.generate_many(prompts, max_new_tokens=6)[2].output_ids == alone[2].tokens
 
 
 def test_choices_of_one_prompt_are_prefilled_once_and_all_get_the_repair(engine):
     """The n rows of one prompt (a request's choices) are prefilled as one row and repeated: each row keeps the
-    approximate hits that a batch of different prompts would lose."""
+    approximate hits that a batch of different prompts would lose: each equals transformers' ``generate()`` through
+    a drop-in cache for the prompt alone."""
     document = words(60, 24)
     engine.warm(document)
     prompt = [words(61, 7), document, words(62, 4)]
-    alone = engine.generate(prompt, max_new_tokens=5)
+    alone = cache_reference(engine, prompt, 5)
     choices = engine.generate_batch([prompt, prompt, prompt], max_new_tokens=5)
-    assert alone.approx_tokens > 0
-    assert all(r.approx_tokens == alone.approx_tokens and r.output_ids == alone.output_ids for r in choices)
+    assert alone.reuse.approx_tokens > 0
+    assert [(r.output_ids, r.approx_tokens) for r in choices] == [(alone.tokens, alone.reuse.approx_tokens)] * 3
 
 
 def test_a_job_submitted_while_the_scheduler_reads_the_store_is_queued_at_once(engine, monkeypatch):
