@@ -27,8 +27,9 @@ __all__ = ["CacheCapacityError", "ChunkReuseLayer", "ChunkReuseSlidingLayer", "c
 GROWTH_MIN_TOKENS = 256
 """Fewest columns (tokens) a layer's buffer grows by."""
 GROWTH_DIVISOR = 8
-"""A buffer grows by at least ``capacity // GROWTH_DIVISOR`` columns: at most 12.5% spare memory, and a decode step
-copies ``GROWTH_DIVISOR`` tokens' K/V amortized (the held columns once per growth)."""
+"""A buffer grows by at least ``capacity // GROWTH_DIVISOR`` columns: above ``GROWTH_MIN_TOKENS * GROWTH_DIVISOR``
+held columns the spare is 12.5% of them plus the rounding to 64 (below, ``GROWTH_MIN_TOKENS`` plus the rounding), and
+a decode step copies ``GROWTH_DIVISOR`` tokens' K/V amortized (the held columns once per growth)."""
 
 
 def grown_capacity(needed: int, capacity: int = 0) -> int:
