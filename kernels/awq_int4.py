@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvboost_hf.core.errors import ConfigError, InputError
 from kvboost_hf.kernels.cuda_compile import compile_variant
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -162,18 +163,18 @@ def check_awq_inputs(
 ) -> None:
     """Raise ValueError naming the first way the operands break the layout contract."""
     if x.dim() != 2 or qweight.dim() != 2:
-        raise ValueError(f"expected x [M, K] and qweight [K, N/8], got {tuple(x.shape)} and {tuple(qweight.shape)}")
+        raise InputError(f"expected x [M, K] and qweight [K, N/8], got {tuple(x.shape)} and {tuple(qweight.shape)}")
     if x.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"activations in {x.dtype} are not supported; use one of {SUPPORTED_DTYPES}")
+        raise InputError(f"activations in {x.dtype} are not supported; use one of {SUPPORTED_DTYPES}")
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
-        raise ValueError(f"qweight and qzeros must be int32, got {qweight.dtype} and {qzeros.dtype}")
+        raise InputError(f"qweight and qzeros must be int32, got {qweight.dtype} and {qzeros.dtype}")
     if group_size < MIN_GROUP_SIZE or group_size & (group_size - 1):
-        raise ValueError(f"group_size must be a power of two >= {MIN_GROUP_SIZE}, got {group_size}")
+        raise ConfigError(f"group_size must be a power of two >= {MIN_GROUP_SIZE}, got {group_size}")
     k, packed_n = qweight.shape
     if x.shape[1] != k or k % group_size:
-        raise ValueError(f"x has {x.shape[1]} inputs, qweight {k} (must be a multiple of group_size={group_size})")
+        raise InputError(f"x has {x.shape[1]} inputs, qweight {k} (must be a multiple of group_size={group_size})")
     if qzeros.shape != (k // group_size, packed_n) or scales.shape != (k // group_size, packed_n * 8):
-        raise ValueError(
+        raise InputError(
             f"qzeros {tuple(qzeros.shape)} / scales {tuple(scales.shape)} do not match qweight {tuple(qweight.shape)} "
             f"with group_size={group_size}"
         )
@@ -215,7 +216,7 @@ def awq_int4_matmul(
     if tiles is None:
         tiles = _tiles(x.device, rows, group_size, fused=True)
     elif group_size % tiles.block_k or tiles.block_n % 8 or tiles.block_m < (1 if rows == 1 else 16):
-        raise ValueError(f"{tiles} does not fit {rows} rows and group_size={group_size}")
+        raise ConfigError(f"{tiles} does not fit {rows} rows and group_size={group_size}")
     grid_mn = (triton.cdiv(rows, tiles.block_m), triton.cdiv(n, tiles.block_n))
     k_tiles = k // tiles.block_k
     if splits is None:

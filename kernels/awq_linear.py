@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvboost_hf.core.errors import InputError
 from kvboost_hf.kernels.awq_reference import PACK, awq_reference_matmul
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class AwqInt4Linear(torch.nn.Module):
     ) -> None:
         super().__init__()
         if out_features % PACK or in_features % group_size:
-            raise ValueError(
+            raise InputError(
                 f"AWQ int4 needs out_features ({out_features}) divisible by {PACK} and in_features ({in_features}) "
                 f"divisible by group_size ({group_size})"
             )
@@ -95,10 +96,10 @@ class AwqInt4Linear(torch.nn.Module):
         }
         for name, tensor in zip(_AWQ_TENSORS, (qweight, qzeros, scales), strict=True):
             if tuple(tensor.shape) != expected[name]:
-                raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {expected[name]}")
+                raise InputError(f"{name} has shape {tuple(tensor.shape)}, expected {expected[name]}")
             layer._buffers[name] = tensor
         if bias is not None and tuple(bias.shape) != (out_features,):
-            raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({out_features},)")
+            raise InputError(f"bias has shape {tuple(bias.shape)}, expected ({out_features},)")
         layer._buffers["bias"] = bias
         return layer
 

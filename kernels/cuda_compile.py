@@ -7,6 +7,8 @@ from collections.abc import Mapping
 
 import triton
 
+from kvboost_hf.core.errors import StateError
+
 SHARED_MEMORY_BUDGET = 99 * 1024  # bytes per program: the smallest opt-in limit among sm_80+ GPUs (sm_86/89)
 
 
@@ -24,10 +26,10 @@ def compile_variant(
     from triton.compiler import ASTSource
 
     if not isinstance(kernel, triton.runtime.JITFunction):
-        raise RuntimeError("kernels are interpreted (TRITON_INTERPRET=1); compile in a process without it")
+        raise StateError("kernels are interpreted (TRITON_INTERPRET=1); compile in a process without it")
     names = kernel.arg_names
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in names}
     source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constants.items()})
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     if compiled.metadata.shared > SHARED_MEMORY_BUDGET:
-        raise RuntimeError(f"{kernel.__name__} {constants} needs {compiled.metadata.shared} B of shared memory")
+        raise StateError(f"{kernel.__name__} {constants} needs {compiled.metadata.shared} B of shared memory")

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvboost_hf.core.errors import InputError
 from kvboost_hf.kernels.cuda_compile import compile_variant
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -219,13 +220,13 @@ def _auto_splits(
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
-        raise ValueError(f"expected q [B,H,Lq,D] and k/v [B,Hkv,Lk,D], got {tuple(q.shape)}, {tuple(k.shape)}")
+        raise InputError(f"expected q [B,H,Lq,D] and k/v [B,Hkv,Lk,D], got {tuple(q.shape)}, {tuple(k.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"incompatible shapes q {tuple(q.shape)} k {tuple(k.shape)}")
+        raise InputError(f"incompatible shapes q {tuple(q.shape)} k {tuple(k.shape)}")
     if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"unsupported dtypes {q.dtype}, {k.dtype}, {v.dtype}")
+        raise InputError(f"unsupported dtypes {q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[3] > MAX_HEAD_DIM:
-        raise ValueError(f"head dim {q.shape[3]} > {MAX_HEAD_DIM}")
+        raise InputError(f"head dim {q.shape[3]} > {MAX_HEAD_DIM}")
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -237,11 +238,11 @@ def _prepare_mask(mask: torch.Tensor | None, shape: tuple[int, int, int, int]) -
     if mask is None:
         return None, 0
     if mask.dim() != 4:
-        raise ValueError(f"mask must be 4D, got shape {tuple(mask.shape)}")
+        raise InputError(f"mask must be 4D, got shape {tuple(mask.shape)}")
     if mask.dtype == torch.bool:
         return mask.view(torch.uint8).expand(shape), 1
     if not mask.is_floating_point():
-        raise ValueError(f"mask must be boolean or floating point, got {mask.dtype}")
+        raise InputError(f"mask must be boolean or floating point, got {mask.dtype}")
     return mask.expand(shape), 2
 
 

@@ -11,6 +11,8 @@ import random
 import re
 from dataclasses import dataclass
 
+from kvboost_hf.core.errors import ConfigError
+
 _MODULES = (
     "argparse",
     "logging",
@@ -156,7 +158,7 @@ def fact_documents(
     """
     sources = documents(min_chars=max(chars, source_chars or chars))
     if count > len(sources) or count * facts_per_doc > len(_PLACES):
-        raise ValueError(
+        raise ConfigError(
             f"at most {len(sources)} documents and {len(_PLACES)} facts in all, asked for {count} x {facts_per_doc}"
         )
     rng = random.Random(seed)

@@ -22,6 +22,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.config import GenerationMode, RepairConfig
+from kvboost_hf.core.errors import CapacityError, ConfigError, InputError
 from kvboost_hf.core.keys import KeySpace, model_digest
 from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.cache import ChunkReuseCache
@@ -41,7 +42,7 @@ from kvboost_hf.hf.speculative import DraftConfig, Drafter, DraftSource, VerifyC
 from kvboost_hf.hf.tokens import SegmentTokenizer, TokenCacheConfig, TokenIdsCache
 from kvboost_hf.offload import LayerStreamingConfig, layer_streamer
 from kvboost_hf.results import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
-from kvboost_hf.scheduling import BatchKey, BatchPolicy, RequestGroup, Scheduler
+from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE, BatchKey, BatchPolicy, RequestGroup, Scheduler
 from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ def sampling_params(
     given = [name for name, value in shorthands.items() if value is not None]
     if sampling is not None:
         if given:
-            raise ValueError(f"give sampling= or the shorthands {given}, not both: put them in the SamplingConfig")
+            raise ConfigError(f"give sampling= or the shorthands {given}, not both: put them in the SamplingConfig")
         return sampling
     temperature = 1.0 if temperature is None else float(temperature)
     top_p = 1.0 if top_p is None else float(top_p)
@@ -247,7 +248,7 @@ class InferenceEngine:
             token_ids = items
             vocab = self.model.config.get_text_config(decoder=True).vocab_size
             if bad := [token for token in token_ids if not 0 <= token < vocab]:
-                raise ValueError(f"token ids {bad[:5]} are outside the model's vocabulary of {vocab}")
+                raise InputError(f"token ids {bad[:5]} are outside the model's vocabulary of {vocab}")
             return token_ids, []
         if isinstance(prompt, str):
             return self._tokenize(prompt, add_special_tokens=True), []
@@ -261,7 +262,7 @@ class InferenceEngine:
                 tokens=self.tokens,
             )
             if not chat_ids:
-                raise ValueError("prompt tokenizes to zero tokens")
+                raise InputError("prompt tokenizes to zero tokens")
             return chat_ids, chat_starts
         ids: list[int] = []
         starts: list[int] = []
@@ -269,7 +270,7 @@ class InferenceEngine:
             starts.append(len(ids))
             ids += self._tokenize(str(segment), add_special_tokens=index == 0, allow_empty=True)
         if not ids:
-            raise ValueError("prompt is empty")
+            raise InputError("prompt is empty")
         return ids, starts
 
     def encode(self, prompt: Prompt, *, add_generation_prompt: bool = True) -> list[int]:
@@ -278,17 +279,17 @@ class InferenceEngine:
 
     def _tokenize(self, text: str, *, add_special_tokens: bool, allow_empty: bool = False) -> list[int]:
         if not text and not allow_empty:
-            raise ValueError("prompt is empty")
+            raise InputError("prompt is empty")
         ids = self.tokens.encode(text, add_special_tokens=add_special_tokens) if text else []
         if not ids and not allow_empty:
-            raise ValueError("prompt tokenizes to zero tokens")
+            raise InputError("prompt tokenizes to zero tokens")
         return ids
 
     def _check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+            raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if self.max_context and prompt_tokens + max_new_tokens > self.max_context:
-            raise ValueError(
+            raise CapacityError(
                 f"prompt of {prompt_tokens} tokens + max_new_tokens={max_new_tokens} exceeds the model's context "
                 f"of {self.max_context} tokens"
             )
@@ -450,7 +451,7 @@ class InferenceEngine:
         the call (tokenizing included)."""
         started = time.perf_counter()
         if not prompts:
-            raise ValueError("prompts is empty")
+            raise InputError("prompts is empty")
         sampling = sampling_params(sampling, temperature=temperature, do_sample=do_sample, top_p=top_p, seed=seed)
         rows = self._rows(prompts, max_new_tokens, sampling, stop, cancel=cancel, logprobs=logprobs)
         scheduler = self.scheduler(mode, max_batch_size=len(rows), repair=repair)
@@ -461,7 +462,7 @@ class InferenceEngine:
         prompts: Sequence[Prompt],
         max_new_tokens: int = 64,
         *,
-        max_batch_size: int = 8,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
         cache_salt: str | None = None,
         temperature: float | None = None,
@@ -562,7 +563,7 @@ class InferenceEngine:
         self,
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
         *,
-        max_batch_size: int = 8,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         batch_window_ms: float = 0.0,
         repair: RepairConfig | None = None,
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
@@ -795,7 +796,7 @@ class InferenceEngine:
 def _chat_messages(items: list[Any]) -> list[dict[str, Any]]:
     """``items`` checked as chat messages (a dict with a role and a content each); raises ValueError otherwise."""
     if not items or not all(isinstance(m, dict) and "role" in m and "content" in m for m in items):
-        raise ValueError(
+        raise InputError(
             "a prompt must be a string, a non-empty list of segment strings, or a non-empty list of "
             "{'role': ..., 'content': ...} messages"
         )

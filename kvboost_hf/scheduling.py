@@ -54,10 +54,14 @@ from typing import Any
 
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.config import GenerationMode
-from kvboost_hf.core.errors import KVBoostError
+from kvboost_hf.core.errors import CapacityError, ConfigError, InputError, KVBoostError
 from kvboost_hf.core.keys import KeySpace
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRow, PrefillWork, RowOutput, SharedPrefix
 from kvboost_hf.reuse.plan import ChunkSource, has_nonprefix_hits
+
+#: Rows running at once unless the caller says otherwise (``ServerConfig.max_batch_size``, the engine's
+#: ``generate_many`` and ``scheduler``, :class:`Scheduler`'s ``max_rows``): the one place this default is written.
+DEFAULT_MAX_BATCH_SIZE = 8
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +214,7 @@ class RequestGroup:
 
     def __post_init__(self) -> None:
         if not self.rows:
-            raise ValueError("a request group needs at least one row")
+            raise InputError("a request group needs at least one row")
 
     @property
     def done(self) -> bool:
@@ -323,7 +327,7 @@ class Scheduler:
             few recent tokens at a time; called under ``tokenizer_lock``.
         max_rows: rows running at once, over all batches (>= 1).
         batch_window_s: how long the oldest pending group of a key waits for others before its batch forms
-            (``drain = True`` admits without waiting).
+            (``skip_windows = True`` admits without waiting).
         on_done: called once with each batch's loop when it ends; what it returns is kept as its
             ``decode_counts``.
         tokenizer_lock: serialises ``decode`` with other threads using the same tokenizer (None: no lock).
@@ -335,13 +339,13 @@ class Scheduler:
         new_loop: Callable[[BatchKey], DecodeLoop],
         *,
         decode: Callable[[list[int]], str],
-        max_rows: int = 8,
+        max_rows: int = DEFAULT_MAX_BATCH_SIZE,
         batch_window_s: float = 0.0,
         on_done: Callable[[DecodeLoop], dict[str, Any]] = lambda loop: {},
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
     ) -> None:
         if max_rows < 1:
-            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+            raise ConfigError(f"max_rows must be >= 1, got {max_rows}")
         self.policy = policy
         self.new_loop = new_loop
         self.decode = decode
@@ -352,13 +356,13 @@ class Scheduler:
         self._pending: list[RequestGroup] = []
         self._queue_lock = threading.Lock()
         self.running: list[RunningBatch] = []
-        self.drain = False
+        self.skip_windows = False
 
     # ------------------------------------------------------------------ queue
     def add(self, group: RequestGroup) -> None:
         """Queue ``group`` (raises ValueError when it has more rows than ``max_rows``)."""
         if len(group.rows) > self.max_rows:
-            raise ValueError(f"a request needs 1 to max_rows={self.max_rows} rows, got {len(group.rows)}")
+            raise CapacityError(f"a request needs 1 to max_rows={self.max_rows} rows, got {len(group.rows)}")
         with self._queue_lock:
             self._pending.append(group)
 
@@ -453,14 +457,14 @@ class Scheduler:
         return self.update_from_output(self.execute(self.schedule(now)))
 
     def run(self) -> None:
-        """Step until nothing is pending or running (windows are not waited for: :attr:`drain` is set meanwhile, so
-        what is pending is admitted as soon as it fits)."""
-        draining, self.drain = self.drain, True
+        """Step until nothing is pending or running (windows are not waited for: :attr:`skip_windows` is set
+        meanwhile, so what is pending is admitted as soon as it fits)."""
+        skipping, self.skip_windows = self.skip_windows, True
         try:
             while not self.idle:
                 self.step()
         finally:
-            self.drain = draining
+            self.skip_windows = skipping
 
     def abort(self, error: BaseException) -> None:
         """Fail every pending group with ``error`` and end every running row now (cancelled, reported once to its
@@ -501,7 +505,7 @@ class Scheduler:
             running = next((batch for batch in self.running if not batch.done and batch.key == key), None)
             window_over = now >= members[0].arrival + self.batch_window_s
             ready = running is not None or sum(len(g.rows) for g in members) >= self.max_rows or window_over
-            if not (ready or self.drain):
+            if not (ready or self.skip_windows):
                 continue
             chosen: list[RequestGroup] = []
             for group in members:

@@ -330,7 +330,7 @@ class LiveServer:
         self.socket.bind(("127.0.0.1", 0))
         self.port = int(self.socket.getsockname()[1])
         self.app = app
-        self.server = GracefulServer(self.config(app), app.state.drain)
+        self.server = GracefulServer(self.config(app), app.state.shutdown_worker)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
         self.url = f"http://127.0.0.1:{self.port}"
 

@@ -23,6 +23,12 @@ What matches exactly, and why:
 * what cannot match: transformers sampling a batch of several rows, which draws all rows from one global stream
   (row ``i`` of step ``t`` depends on every other row), so the oracle always runs one prompt alone.
 
+:func:`cache_reference` is the oracle of a request whose reuse is approximate (content-key hits, repaired), where
+no plain ``generate()`` gives the expected tokens: transformers' ``generate()`` drives a fresh drop-in
+:class:`~kvboost_hf.hf.cache.ChunkReuseCache` on the engine's store for the prompt alone. The reuse plan and repair
+are the library's, the generation loop is transformers' (no decode loop, no scheduler, no batch), so it checks that
+batching, scheduling and joins keep a row's repair and tokens.
+
 :func:`expected_text` turns the tokens into what the API returns: decoded without special tokens, cut before the
 first occurrence of any stop string (OpenAI's ``stop``).
 """
@@ -36,6 +42,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
+from kvboost_hf.hf.cache import ChunkReuseCache
+from kvboost_hf.hf.prefill import RowReuse
 from kvboost_hf.hf.sampling import SamplingConfig
 
 GREEDY = SamplingConfig(temperature=0)
@@ -142,6 +150,36 @@ def engine_reference(engine, prompt, max_new_tokens: int, sampling: SamplingConf
     return reference(
         engine.model, engine.encode(prompt), max_new_tokens, sampling, engine.eos_token_ids, engine.pad_token_id
     )
+
+
+@dataclass(frozen=True)
+class CacheReference:
+    """transformers' greedy ``tokens`` for one prompt through a drop-in cache, and the ``reuse`` that cache reported
+    for the prompt forward (prompt, cached, approximate and recomputed tokens)."""
+
+    tokens: list[int]
+    reuse: RowReuse
+
+
+def cache_reference(engine, prompt, max_new_tokens: int, *, cache_salt: str | None = None) -> CacheReference:
+    """What ``model.generate`` yields, greedy, for ``prompt`` alone (ids and segment starts as the engine encodes
+    them) through a fresh :class:`ChunkReuseCache` on the engine's store, chunking and repair, in the mode
+    ``chunk_kv_reuse``. It writes nothing back: the store is left as it was found."""
+    ids, starts = engine.encode_segments(prompt)
+    cache = ChunkReuseCache(
+        engine.store,
+        engine.model,
+        engine.chunking,
+        engine.repair,
+        cache_salt=cache_salt,
+        segment_starts=starts,
+        write_back=False,
+    )
+    tensor = torch.tensor([ids], device=engine.model.device)
+    config = generation_config(GREEDY, max_new_tokens, engine.eos_token_ids, engine.pad_token_id)
+    out = engine.model.generate(tensor, attention_mask=torch.ones_like(tensor), cache=cache, generation_config=config)
+    (reuse,) = cache.last_reuse  # the prompt forward's figures (one row)
+    return CacheReference(out.sequences[0, len(ids) :].tolist(), reuse)
 
 
 def expected_text(tokenizer, expected: Reference, stop: Sequence[str] = ()) -> str:

@@ -4,7 +4,11 @@ The layers and the import reading are those of :mod:`kvboost_hf.tools.import_gra
 kvboost_hf.tools.import_graph`` prints the whole report).
 """
 
+import ast
+import dataclasses
+import importlib
 from pathlib import Path
+from typing import Any
 
 import kvboost_hf
 from kvboost_hf.tools import import_graph
@@ -59,7 +63,7 @@ def test_every_module_has_a_layer() -> None:
     modules, _ = _edges()
     assert len(modules) > 50
     for module in modules:
-        import_graph.layer_of(module)  # raises KeyError for a module the layer table does not place
+        import_graph.layer_of(module)  # raises NotFoundError for a module the layer table does not place
 
 
 def test_no_import_cycle_between_modules() -> None:
@@ -102,9 +106,9 @@ def test_settings_classes_share_one_suffix_and_old_readme_names_are_the_same_cla
     settings_classes = {cls for cls, _, _ in SETTINGS_FLAGS} | {ServerConfig, GrammarConfig, kvboost_hf.SamplingConfig}
     assert len(settings_classes) >= 8
     assert sorted(cls.__name__ for cls in settings_classes if not cls.__name__.endswith("Config")) == []
-    assert kvboost_hf.SamplingConfig is kvboost_hf.SamplingConfig
-    assert kvboost_hf.DraftConfig is kvboost_hf.DraftConfig
-    assert kvboost_hf.LayerStreamingConfig is kvboost_hf.LayerStreamingConfig
+    assert kvboost_hf.SamplingParams is kvboost_hf.SamplingConfig
+    assert kvboost_hf.DraftSettings is kvboost_hf.DraftConfig
+    assert kvboost_hf.LayerStreaming is kvboost_hf.LayerStreamingConfig
 
 
 def test_request_objects_take_keywords_only():
@@ -167,3 +171,133 @@ def test_the_server_takes_only_types_and_constants_from_hf() -> None:
             value = getattr(importlib.import_module(module), name)
             record = isinstance(value, type) and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum))
             assert record or not callable(value), f"server imports {module}.{name}, which is behaviour"
+
+
+#: Parameters that carry a settings field under another name: parameter -> the field it stands for.
+SETTINGS_FIELD_ALIASES = {
+    "max_rows": "max_batch_size",
+    "grace_s": "shutdown_grace_s",
+    "read_timeout_s": "remote_read_timeout_s",
+}
+
+#: Defaults that share a settings field's name and value but not its meaning: (module, name) -> why.
+UNRELATED_DEFAULTS = {
+    ("kvboost_hf.tools.awq_load", "device"): "where a checkpoint loads, not StoreConfig.device (the RAM tier's)",
+    ("kvboost_hf.tools.awq_pack", "device"): "where random int4 layers are built, not StoreConfig.device",
+}
+
+
+def _comparable(value: object) -> tuple[str, object] | None:
+    """A number, string or bool as a key that tells ``True`` from ``1`` and equates ``8`` with ``8.0``; None for
+    anything else (None itself, containers, objects)."""
+    if isinstance(value, (bool, str)):
+        return type(value).__name__, value
+    if isinstance(value, (int, float)):
+        return "number", float(value)
+    return None
+
+
+def _literal(node: ast.expr) -> tuple[str, object] | None:
+    """The comparable value of ``node`` when it is written with constants and operators only (``8``, ``2 << 30``,
+    ``"fixed"``); None for a name, a call or a container."""
+    allowed = (ast.Constant, ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop)
+    if not all(isinstance(part, allowed) for part in ast.walk(node)):
+        return None
+    return _comparable(eval(compile(ast.Expression(node), "<default>", "eval")))
+
+
+def _settings_class_names(tree: ast.Module) -> list[str]:
+    """Top-level ``@dataclass`` classes named ``*Config``: the settings classes."""
+
+    def is_dataclass(decorator: ast.expr) -> bool:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        return isinstance(target, ast.Name) and target.id == "dataclass"
+
+    return [
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.ClassDef)
+        and node.name.endswith("Config")
+        and any(map(is_dataclass, node.decorator_list))
+    ]
+
+
+def literal_defaults(source: str) -> list[tuple[str, tuple[str, object], int]]:
+    """``(name, value, line)`` of each literal default in ``source`` outside settings classes: parameters of
+    functions, annotated fields and attributes of other classes."""
+    tree = ast.parse(source)
+    settings = set(_settings_class_names(tree))
+    found: list[tuple[str, tuple[str, object], int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name not in settings:
+            for statement in node.body:
+                if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
+                    continue
+                if statement.value is not None and (value := _literal(statement.value)) is not None:
+                    found.append((statement.target.id, value, statement.lineno))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            arguments = node.args
+            positional = arguments.posonlyargs + arguments.args
+            defaulted = positional[len(positional) - len(arguments.defaults) :]
+            pairs = [
+                *zip(defaulted, arguments.defaults, strict=True),
+                *zip(arguments.kwonlyargs, arguments.kw_defaults, strict=True),
+            ]
+            for argument, default in pairs:
+                if default is not None and (value := _literal(default)) is not None:
+                    found.append((argument.arg, value, argument.lineno))
+    return found
+
+
+def repeated_defaults(settings: dict[str, list[tuple[str, Any]]], sources: dict[str, str]) -> list[str]:
+    """``"module:line name=value repeats Class.field"`` for each literal default in ``sources`` (module -> text)
+    equal to the default of a settings field (``settings``: field name -> ``[("Class.field", default)]``) of its
+    name or of the field :data:`SETTINGS_FIELD_ALIASES` gives it, unless :data:`UNRELATED_DEFAULTS` names it."""
+    found = []
+    for module, source in sources.items():
+        for name, value, line in literal_defaults(source):
+            for owner, default in settings.get(SETTINGS_FIELD_ALIASES.get(name, name), []):
+                if _comparable(default) == value and (module, name) not in UNRELATED_DEFAULTS:
+                    found.append(f"{module}:{line} {name}={value[1]!r} repeats {owner}")
+    return sorted(found)
+
+
+def test_settings_defaults_are_written_once() -> None:
+    """A settings field's default is written in its class only: elsewhere the package refers to it (the class
+    attribute, or the constant the field itself takes) instead of repeating the literal, so the two never drift."""
+    modules, _ = _edges()
+    sources = {module: path.read_text() for module, path in modules.items()}
+    settings: dict[str, list[tuple[str, Any]]] = {}
+    for module, source in sources.items():
+        for name in _settings_class_names(ast.parse(source)) if not module.startswith("kvboost_hf.bench") else []:
+            for field in dataclasses.fields(getattr(importlib.import_module(module), name)):
+                if field.default is not dataclasses.MISSING:
+                    settings.setdefault(field.name, []).append((f"{name}.{field.name}", field.default))
+    assert {"max_batch_size", "shutdown_grace_s", "remote_read_timeout_s", "num_slots"} <= settings.keys()
+    assert repeated_defaults(settings, sources) == []
+
+
+def test_the_defaults_check_sees_a_repeated_default() -> None:
+    settings = {
+        "max_batch_size": [("ServerConfig.max_batch_size", 8)],
+        "max_bytes": [("StoreConfig.max_bytes", 1 << 30)],
+    }
+    source = """
+@dataclass(frozen=True)
+class OtherConfig:
+    max_batch_size: int = 8
+
+class Runner:
+    max_bytes: int = 2 << 29
+
+def generate_many(prompts, max_batch_size=8, *, max_rows: float = 8.0, limit=8):
+    pass
+
+def unrelated(max_batch_size=True, max_bytes=None):
+    pass
+"""
+    assert repeated_defaults(settings, {"m": source}) == [
+        "m:7 max_bytes=1073741824.0 repeats StoreConfig.max_bytes",
+        "m:9 max_batch_size=8.0 repeats ServerConfig.max_batch_size",
+        "m:9 max_rows=8.0 repeats ServerConfig.max_batch_size",
+    ]

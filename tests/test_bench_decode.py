@@ -27,7 +27,7 @@ def test_dry_run_decode_step_measures_every_arm_against_its_bound(tmp_path):
         graphed = row["arms"]["engine_graphed"]
         assert engine["graphed_steps"] == 0 and engine["rows_run"] == graphed["rows_run"] == row["batch"]
         # 1 row: two calls of 3 tokens, the last 2 of each from graphed steps; 3 rows are no bucket and the loop does
-    # not pad: eager
+        # not pad: eager
         assert graphed["graphed_steps"] == {1: 2 * 2, 3: 0}[row["batch"]]
         compiled = row["arms"]["compiled"]
         assert compiled["capacity_tokens"] == 16 + 1 + 3 and compiled["graphed_steps"] == 1 + 3

@@ -7,7 +7,7 @@ import uuid
 import pytest
 import torch
 from conftest import make_tiny_model
-from oracle import engine_reference
+from oracle import engine_reference, oracle_text
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from kvboost_hf import KVBoost, SamplingConfig, StoreConfig, UnsupportedModelError
@@ -85,10 +85,10 @@ def test_temperature_zero_is_greedy_and_stop_strings_cut_exactly(embedded_engine
     prompt = "List the numbers: 1, 2, 3,"
     greedy = embedded_engine.generate(prompt, max_new_tokens=12, temperature=0.0, do_sample=True)
     assert greedy.output_ids == engine_reference(embedded_engine, prompt, 12).tokens
-    stop_at = greedy.output_text[3:6]
+    stop_at = oracle_text(embedded_engine, prompt, 12)[3:6]  # three characters of transformers' greedy text
     stopped = embedded_engine.generate(prompt, max_new_tokens=12, stop=[stop_at])
     assert stopped.finish_reason == "stop"
-    assert stopped.output_text == greedy.output_text[: greedy.output_text.find(stop_at)]
+    assert stopped.output_text == oracle_text(embedded_engine, prompt, 12, stop=[stop_at])
 
 
 def test_sampling_is_seeded_alone_and_in_a_batch(embedded_engine):
@@ -141,6 +141,19 @@ def test_bad_input_is_refused_and_store_unchanged(embedded_engine, prompt, kwarg
     with pytest.raises(ValueError, match=message):
         embedded_engine.generate(prompt, **kwargs)
     assert store_and_decode_stats() == before
+
+
+def test_token_id_prompts_are_checked_against_the_vocabulary(embedded_engine):
+    vocabulary = embedded_engine.model.config.vocab_size
+    assert embedded_engine.encode([5, 6, vocabulary - 1]) == [5, 6, vocabulary - 1]
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        embedded_engine.encode([5, vocabulary])
+
+
+def test_generate_many_of_no_prompts_is_empty_and_generate_batch_refuses_them(embedded_engine):
+    assert embedded_engine.generate_many([]) == []
+    with pytest.raises(ValueError, match="prompts is empty"):
+        embedded_engine.generate_batch([])
 
 
 def test_bad_settings_are_refused(embedded_engine):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from oracle import oracle_text
 
 from kvboost_hf import KVBoost, StoreConfig
 
@@ -16,7 +17,8 @@ def test_store_options_reach_the_tiers_and_a_second_engine_reuses_the_disk(embed
     tiers = StoreConfig(max_bytes=1 << 26, disk_cache_dir=tmp_path, disk_max_bytes=64 << 20)
     first = KVBoost(model, tokenizer, chunking=64, store=tiers)
     assert first.store.disk is not None and first.store.disk.max_bytes == 64 << 20
-    expected = first.generate(prompt, max_new_tokens=4).output_text
+    expected = oracle_text(first, prompt, 4)  # transformers' greedy text
+    assert first.generate(prompt, max_new_tokens=4).output_text == expected  # computed, then written to disk
     first.store.flush()  # the engine is dropped without close(): write-through already put everything on disk
     second = KVBoost(model, tokenizer, chunking=64, store=StoreConfig(disk_cache_dir=tmp_path / "other"))
     assert second.store.stats()["disk_chunks"] == 0

@@ -1,14 +1,352 @@
-"""One batching policy for ``generate_many`` and the server: segment prompts and requests whose reuse needs repair
-keep it, in batches."""
+"""Tests of :mod:`kvboost_hf.scheduling`.
+
+First the scheduler's contract without a model: admission (keys, windows, row budget, oldest first, joins), prefill
+plans (rows prefilled together or alone, repeated choices, shared prefixes), cancellation, failures kept to their
+batch, and the end of every batch reported once; the model runner is a recording fake. Then the one batching policy
+of ``generate_many`` and the server through the engine on a tiny model: segment prompts and requests whose reuse
+needs repair keep it, in batches. The decode loop's own behaviour is tested in test_decode.py."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 from conftest import make_tiny_model
 from helpers import word_tokenizer, words
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from oracle import cache_reference, engine_reference
 
 from kvboost_hf import KVBoost
-from kvboost_hf.hf.decode import DecodeRequest
+from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
+from kvboost_hf.core.keys import KeySpace
+from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, DraftRound, PrefillWork, RowOutput, SharedPrefix
+from kvboost_hf.hf.sampling import SamplingConfig
+from kvboost_hf.scheduling import BatchPolicy, RequestCancelled, RequestGroup, Scheduler, prefill_works
+from kvboost_hf.store.chunk_store import ChunkStore
+
+CHUNK = 4
+SPACE = KeySpace("digest", "torch.float32", ChunkingConfig(CHUNK))
+
+
+class FakeLoop:
+    """Records what it is handed and samples token 1 for each row per prefill and per step (with ``fail_after``:
+    raises at that many steps), or what ``script`` gives: a row's next tokens per call (several: a verify round)."""
+
+    def __init__(self, fail_after: int | None = None, script=None) -> None:
+        self.fail_after = fail_after
+        self.script = script or (lambda row: (1,))
+        self.rows: list[DecodeRow] = []
+        self.running: list[DecodeRow] = []
+        self.works: list[PrefillWork] = []
+        self.steps = 0
+        self.computed_tokens = 0
+        self.closed = False
+
+    @property
+    def done(self) -> bool:
+        return not self.running
+
+    def add(self, work: PrefillWork) -> list[RowOutput]:
+        self.works.append(work)
+        self.rows += work.rows
+        self.computed_tokens += sum(len(row.request.prompt_ids) for row in work.rows)
+        self.running += work.rows
+        return [self._sample(row) for row in work.rows]
+
+    def step(self) -> list[RowOutput]:
+        if self.fail_after is not None and self.steps >= self.fail_after:
+            raise RuntimeError("device lost")
+        self.steps += 1
+        return [self._sample(row) for row in self.running]
+
+    def _sample(self, row: DecodeRow) -> RowOutput:
+        tokens = tuple(self.script(row))
+        return RowOutput(
+            row, tokens, draft=DraftRound(len(tokens), len(tokens) - 1, False) if len(tokens) > 1 else None
+        )
+
+    def retire_finished(self) -> None:
+        self.running = [row for row in self.running if not row.finished]
+
+    def abandon(self) -> None:
+        self.running = []
+        self.closed = True
+
+
+class Harness:
+    """A scheduler on fake loops, with every loop, failure and ended batch recorded."""
+
+    def __init__(
+        self, max_rows: int = 4, window_s: float = 0.0, fail_salt: str | None = "never", store=None, script=None
+    ) -> None:
+        self.loops: list[FakeLoop] = []
+        self.failures: list[tuple[RequestGroup, BaseException]] = []
+        self.done: list[FakeLoop] = []
+        policy = BatchPolicy(store if store is not None else ChunkStore(), SPACE, "chunk_kv_reuse")
+
+        def new_loop(key):
+            self.loops.append(FakeLoop(fail_after=0 if key.cache_salt == fail_salt else None, script=script))
+            return self.loops[-1]
+
+        def on_done(loop):
+            self.done.append(loop)
+            return {"steps": loop.steps}
+
+        self.scheduler = Scheduler(
+            policy, new_loop, decode=lambda ids: "".join(f"<{t}>" for t in ids), max_rows=max_rows,
+            batch_window_s=window_s, on_done=on_done,
+        )  # fmt: skip
+
+    def group(
+        self, *prompts, tokens: int = 3, salt: str | None = None, arrival: float = 0.0, starts=()
+    ) -> RequestGroup:
+        requests = [
+            DecodeRequest(prompt_ids=list(p), max_new_tokens=tokens, segment_starts=tuple(starts)) for p in prompts
+        ]
+        group = RequestGroup(
+            DecodeLoop.rows_for(requests, set()),
+            salt,
+            on_fail=lambda error: self.failures.append((group, error)),
+            cancel=threading.Event(),
+            arrival=arrival,
+        )
+        self.scheduler.add(group)
+        return group
+
+
+def test_groups_of_one_key_share_a_batch_joining_it_while_it_runs_and_tenants_get_their_own():
+    h = Harness()
+    first = h.group([1, 2, 3])
+    output = h.scheduler.schedule(now=0.0)
+    assert [(w.new, len(w.prefills)) for w in output.work] == [(True, 1)]
+    h.scheduler.update_from_output(h.scheduler.execute(output))
+    second, other = h.group([4, 5]), h.group([6], salt="tenant-b")
+    report = h.scheduler.step(now=0.0)
+    assert len(h.loops) == 2 and first.batch is second.batch is not other.batch
+    assert [w.rows for w in h.loops[0].works] == [tuple(first.rows), tuple(second.rows)]  # joined, prefilled apart
+    assert [(r.work.new, r.computed_tokens) for r in report.results] == [(False, 2), (True, 1)]
+    h.scheduler.run()
+    assert h.scheduler.idle and sorted(map(id, h.done)) == sorted(map(id, h.loops))  # each ended once
+    assert first.batch.decode_counts == {"steps": 2} and all(g.done for g in (first, second, other))
+
+
+def test_a_new_batch_waits_for_its_window_unless_full_or_windows_are_skipped():
+    h = Harness(max_rows=3, window_s=10.0)
+    h.group([1, 2], arrival=0.0)
+    assert h.scheduler.schedule(now=5.0).work == () and h.scheduler.next_deadline() == 10.0
+    assert len(h.scheduler.schedule(now=10.0).work) == 1
+    h = Harness(max_rows=3, window_s=10.0)
+    h.group([1], [1], [1], arrival=0.0)  # three rows fill max_rows
+    assert len(h.scheduler.schedule(now=0.0).work) == 1
+    h = Harness(max_rows=3, window_s=10.0)
+    h.group([1], arrival=0.0)
+    h.scheduler.skip_windows = True
+    assert len(h.scheduler.schedule(now=0.0).work) == 1
+
+
+def test_rows_stay_within_max_rows_and_groups_are_admitted_oldest_first():
+    h = Harness(max_rows=3)
+    first, second, third = h.group([1], [1], tokens=3), h.group([2], [2]), h.group([3])
+    h.scheduler.step(now=0.0)  # first's prefill: its first tokens
+    assert first.batch is not None and second.batch is None and third.batch is None  # second does not fit: waits,
+    assert h.scheduler.running_rows == 2  # and the younger third waits behind it
+    h.scheduler.step(now=0.0)
+    h.scheduler.step(now=0.0)  # first gets its third token: it finishes
+    assert second.batch is None
+    h.scheduler.step(now=0.0)
+    assert second.batch is not None and third.batch is not None and h.scheduler.running_rows == 3
+    with pytest.raises(ValueError, match="max_rows=3"):
+        h.group([1], [1], [1], [1])
+
+
+def test_a_group_cancelled_while_pending_fails_with_request_cancelled_and_never_runs():
+    h = Harness()
+    group = h.group([1, 2])
+    group.cancel.set()
+    assert h.scheduler.schedule(now=0.0).work == ()
+    assert [(g, type(e)) for g, e in h.failures] == [(group, RequestCancelled)] and not h.loops
+
+
+def test_a_failing_batch_fails_its_groups_only():
+    h = Harness(fail_salt="bad")
+    bad, good = h.group([1, 2], tokens=5, salt="bad"), h.group([3], tokens=5)
+    h.scheduler.step(now=0.0)
+    report = h.scheduler.step(now=0.0)
+    assert [type(r.error) for r in report.results] == [RuntimeError, type(None)]
+    assert [g for g, _ in h.failures] == [bad] and h.loops[0].closed and bad.batch in report.ended
+    h.scheduler.run()
+    assert good.done and not h.loops[1].closed
+
+
+def test_a_failed_prefill_plan_fails_the_admitted_groups_and_the_batch_goes_on():
+    class BrokenStore(ChunkStore):
+        def contains_many(self, keys):
+            raise ConnectionError("store unreachable")
+
+    h = Harness(store=BrokenStore())
+    running = h.group([9, 9], tokens=4)
+    h.scheduler.step(now=0.0)  # one prompt alone: no store read
+    joining = h.group([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])  # two prompts: the plan reads the store
+    h.scheduler.step(now=0.0)
+    assert [(g, type(e)) for g, e in h.failures] == [(joining, ConnectionError)] and joining.batch is None
+    h.scheduler.run()
+    assert running.done and len(h.loops[0].works) == 1
+
+
+def test_abort_fails_what_waits_and_cancels_what_runs():
+    h = Harness(max_rows=1)
+    running, waiting = h.group([1], tokens=9), h.group([2])
+    h.scheduler.step(now=0.0)
+    h.scheduler.abort(RuntimeError("shutdown"))
+    assert running.rows[0].finish_reason == "cancelled" and [g for g, _ in h.failures] == [waiting]
+    assert h.scheduler.idle and h.done == h.loops
+
+
+def test_run_admits_what_waits_without_waiting_for_its_window():
+    """``run()`` skips windows: with an hour's batch window, a queued group is admitted and finished at once (a
+    scheduler that waited for the window would still be spinning when the thread is joined)."""
+    h = Harness(window_s=3600.0)
+    group = h.group([1, 2], arrival=time.perf_counter())
+    runner = threading.Thread(target=h.scheduler.run, daemon=True)
+    runner.start()
+    runner.join(30)
+    assert not runner.is_alive() and group.done and h.scheduler.idle
+    assert not h.scheduler.skip_windows  # restored: a later step waits for windows again
+
+
+def test_the_scheduler_appends_sampled_tokens_and_decides_every_stop():
+    """The runner only samples (here three tokens per call, as a verify round); the scheduler appends them, ends
+    each row at its stop string, end token, budget or cancellation, drops what follows, reports every kept token,
+    and counts the round with the tokens kept."""
+    h = Harness(script=lambda row: (5, 6, 7))
+    seen: list[tuple[int, int]] = []
+    requests = [
+        DecodeRequest(prompt_ids=[1], max_new_tokens=9, stop=("<6>",)),
+        DecodeRequest(prompt_ids=[2], max_new_tokens=9, sampling=SamplingConfig(stop_token_ids=(6,))),
+        DecodeRequest(prompt_ids=[3], max_new_tokens=4),
+        DecodeRequest(prompt_ids=[4], max_new_tokens=9, cancel=threading.Event()),
+    ]
+    rows = DecodeLoop.rows_for(requests, set())
+    requests[3].cancel.set()
+    h.scheduler.add(RequestGroup(rows, on_token=lambda row: seen.append((rows.index(row), row.tokens[-1]))))
+    report = h.scheduler.step(now=0.0)
+    assert [output.tokens for output in report.results[0].outputs] == [(5, 6, 7)] * 4  # what the runner sampled
+    stopped, ended, budget, cancelled = rows
+    assert (stopped.tokens, stopped.text, stopped.finish_reason) == ([5, 6], "<5>", "stop")
+    assert (ended.tokens, ended.text, ended.finish_reason) == ([5, 6], "<5><6>", "stop")
+    assert (cancelled.tokens, cancelled.finish_reason) == ([5], "cancelled")
+    assert (budget.tokens, budget.finish_reason) == ([5, 6, 7], None) and budget.text == "<5><6><7>"
+    assert (stopped.draft_accepted, stopped.draft_rejected, stopped.draft_rounds) == (1, 0, [(1, False)])
+    assert budget.draft_rounds == [(2, False)]
+    h.scheduler.run()
+    assert (budget.tokens, budget.finish_reason) == ([5, 6, 7, 5], "length")
+    assert seen == [(0, 5), (0, 6), (1, 5), (1, 6), (2, 5), (2, 6), (2, 7), (3, 5), (2, 5)]
+    assert h.loops[0].done and h.scheduler.idle
+
+
+prompt_pool = st.lists(st.integers(0, 2), min_size=1, max_size=11)  # few tokens: prompts share prefixes often
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    prompts=st.lists(prompt_pool, min_size=1, max_size=6),
+    alone_mask=st.lists(st.booleans(), min_size=6, max_size=6),
+    reuse=st.booleans(),
+)
+def test_prefill_plans_cover_every_row_once_with_the_scheduling_rules(prompts, alone_mask, reuse):
+    """Every row is in exactly one work; the first work holds the rows prefilled together; each prompt named alone
+    gets a work of its own; a work of one prompt (and more rows) is repeated; shared prefixes are the longest
+    chunk-aligned prefixes of a group of rows starting with the same chunk."""
+    rows = DecodeLoop.rows_for([DecodeRequest(prompt_ids=p, max_new_tokens=1) for p in prompts], set())
+    named = {tuple(p) for p, alone in zip(prompts, alone_mask, strict=False) if alone}
+    works = prefill_works(rows, ChunkingConfig(CHUNK), reuse=reuse, alone=lambda ids, starts: tuple(ids) in named)
+    assert sorted(id(row) for work in works for row in work.rows) == sorted(map(id, rows))
+    distinct = {tuple(p) for p in prompts}
+    if len(distinct) > 1:
+        together = [row for row in rows if tuple(row.request.prompt_ids) not in named]
+        alone_works = works[1:] if together else works
+        assert not together or list(works[0].rows) == together
+        assert {tuple(w.rows[0].request.prompt_ids) for w in alone_works} == named & distinct
+    for work in works:
+        prompts_of = [list(row.request.prompt_ids) for row in work.rows]
+        assert work.repeat == (len(work.rows) > 1 and len({tuple(p) for p in prompts_of}) == 1)
+        assert reuse or not work.shared_prefixes
+        for prefix in work.shared_prefixes:
+            members = [p for p in prompts_of if p[:CHUNK] == prompts_of[prefix.row][:CHUNK]]
+            assert len(members) > 1 and len(prefix.tokens) % CHUNK == 0
+            assert all(p[: len(prefix.tokens)] == list(prefix.tokens) for p in members)
+            end = len(prefix.tokens) + CHUNK
+            spans_left = [span for span in chunk_spans(members[0], ChunkingConfig(CHUNK)) if span[1] == end]
+            longer = spans_left and all(len(p) > end and p[:end] == members[0][:end] for p in members)
+            assert not longer, "the prefix is the longest the group shares"
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random queues, steps, cancellations and failing batches: every group ends exactly once (finished or failed),
+    rows never exceed ``max_rows``, a group runs in one batch only, and every batch's end is reported once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = Harness(max_rows=4, window_s=0.0, fail_salt="bad")
+        self.groups: list[RequestGroup] = []
+        self.now = 0.0
+
+    @rule(
+        rows=st.integers(1, 3),
+        tokens=st.integers(1, 4),
+        salt=st.sampled_from([None, "tenant-b", "bad"]),
+        prompt=st.lists(st.integers(0, 3), min_size=1, max_size=9),
+    )
+    def add(self, rows, tokens, salt, prompt):
+        self.groups.append(self.h.group(*[prompt] * rows, tokens=tokens, salt=salt, arrival=self.now))
+
+    @rule()
+    def step(self):
+        self.now += 1.0
+        self.h.scheduler.step(now=self.now)
+
+    @rule(index=st.integers(0, 50))
+    def cancel(self, index):
+        if self.groups:
+            self.groups[index % len(self.groups)].cancel.set()
+
+    @invariant()
+    def rows_within_budget_and_one_batch_per_group(self):
+        scheduler = self.h.scheduler
+        assert scheduler.running_rows <= scheduler.max_rows
+        owners = [id(group) for batch in scheduler.running for group in batch.groups]
+        assert len(owners) == len(set(owners))
+        pending = {id(group) for group in scheduler.pending}
+        assert not pending & set(owners)
+
+    def teardown(self):
+        self.h.scheduler.run()
+        failed = [id(group) for group, _ in self.h.failures]
+        assert len(failed) == len(set(failed)), "a group failed twice"
+        for group in self.groups:
+            assert group.done != (id(group) in failed), "a group ends exactly once: finished or failed"
+        ended = [id(loop) for loop in self.h.done]
+        assert sorted(ended) == sorted(id(loop) for loop in self.h.loops), "every batch's end reported once"
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+def test_a_prefill_work_checks_its_invariants():
+    rows = DecodeLoop.rows_for(
+        [DecodeRequest(prompt_ids=p, max_new_tokens=1) for p in ([1, 2, 3, 4], (1, 2, 3, 4), [1, 2, 9])], set()
+    )
+    assert PrefillWork(tuple(rows[:2]), repeat=True).repeat  # one prompt, whatever sequence type holds it
+    with pytest.raises(ValueError, match="repeat needs rows of one prompt"):
+        PrefillWork(tuple(rows), repeat=True)
+    with pytest.raises(ValueError, match="not row 2's prefix"):
+        PrefillWork(tuple(rows), shared_prefixes=(SharedPrefix((1, 2, 3, 4), 2),))
+    with pytest.raises(ValueError, match="at least one row"):
+        PrefillWork(())
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +357,9 @@ def engine():
 def test_generate_many_batches_segment_prompts_with_plain_prompts_and_keeps_their_repair(engine, monkeypatch):
     """Two RAG prompts (segments: a question prefix, warmed documents in another order, a question) and three plain
     prompts run in one decode loop: each RAG prompt is prefilled alone in a cache built with its own segment starts
-    and joined, so its content-key hits, repair, reuse figures and tokens equal what it gets alone (from the same
-    store contents), and every plain row equals its greedy tokens."""
+    and joined, so its content-key hits, repair, reuse figures and tokens equal what transformers' ``generate()``
+    gets through a drop-in cache for it alone (from the same store contents), and every plain row equals
+    transformers' greedy tokens."""
     documents = [words(50, 24), words(54, 17)]
     rag = [[words(51, 5), documents[1], documents[0], words(52, 6)], [words(55, 3), documents[0], words(56, 4)]]
     others = [words(57 + i, 12 + i) for i in range(3)]
@@ -30,13 +369,10 @@ def test_generate_many_batches_segment_prompts_with_plain_prompts_and_keeps_thei
         for document in documents:
             engine.warm(document)
 
-    alone = []
-    for prompt in rag:
-        warm_documents_only()
-        alone.append(engine.generate(prompt, max_new_tokens=6))
-    assert all(result.approx_tokens > 0 for result in alone)
-    plain = [engine.generate(prompt, max_new_tokens=6, mode="baseline") for prompt in others]
     warm_documents_only()
+    alone = [cache_reference(engine, prompt, 6) for prompt in rag]  # the oracle writes nothing back
+    assert all(reference.reuse.approx_tokens > 0 for reference in alone)
+    plain = [engine_reference(engine, prompt, 6).tokens for prompt in others]
     loops = []
     decode_loop = engine.decode_loop
 
@@ -48,16 +384,18 @@ def test_generate_many_batches_segment_prompts_with_plain_prompts_and_keeps_thei
     results = engine.generate_many([others[0], rag[0], others[1], rag[1], others[2]], max_new_tokens=6)
     assert len(loops) == 1  # one batch, one decode loop for the five rows
     for got, expected in zip([results[1], results[3]], alone, strict=True):
-        figures = ("output_ids", "cached_tokens", "approx_tokens", "recomputed_tokens", "prompt_tokens")
-        assert [getattr(got, name) for name in figures] == [getattr(expected, name) for name in figures]
-    for got, expected in zip([results[0], results[2], results[4]], plain, strict=True):
-        assert got.output_ids == expected.output_ids
+        figures = ("cached_tokens", "approx_tokens", "recomputed_tokens", "prompt_tokens")
+        assert got.output_ids == expected.tokens
+        assert [getattr(got, name) for name in figures] == [getattr(expected.reuse, name) for name in figures]
+    for got, expected_tokens in zip([results[0], results[2], results[4]], plain, strict=True):
+        assert got.output_ids == expected_tokens
 
 
 def test_prompts_needing_repair_are_prefilled_alone_and_decode_in_the_batch(engine):
     """Plain prompts holding a warmed document after new text (content-key hits at chunk boundaries) share a
     batch with other prompts: each is prefilled alone (the repair is made for one row at a time), joined, and
-    decoded with the others; every row's tokens and reuse equal what it gets alone."""
+    decoded with the others; every row's tokens and approximate tokens equal what transformers' ``generate()``
+    gets through a drop-in cache for it alone."""
     documents = [words(80 + i, 24) for i in range(2)]
     for document in documents:
         engine.warm(document)
@@ -68,39 +406,31 @@ def test_prompts_needing_repair_are_prefilled_alone_and_decode_in_the_batch(engi
     rows = engine.new_rows([DecodeRequest(prompt_ids=engine.encode(p), max_new_tokens=6) for p in prompts])
     works = policy.prefill_works(rows, None)  # the plain rows together, then each repaired prompt alone
     assert [[rows.index(row) for row in work.rows] for work in works] == [[1, 3], [0], [2]]
-    alone = [engine.generate(prompt, max_new_tokens=6) for prompt in prompts]
-    assert alone[0].approx_tokens > 0 and alone[2].approx_tokens > 0
-    batch = engine.generate_batch(prompts, max_new_tokens=6)  # the store now holds more (written back): equal
-    # outputs and repairs, not equal loaded-token counts
+    alone = [cache_reference(engine, prompt, 6) for prompt in prompts]  # the oracle writes nothing back
+    assert [reference.reuse.approx_tokens > 0 for reference in alone] == [True, False, True, False]
+    batch = engine.generate_batch(prompts, max_new_tokens=6)
     for got, expected in zip(batch, alone, strict=True):
-        assert (got.output_ids, got.approx_tokens) == (expected.output_ids, expected.approx_tokens)
-    assert engine.generate_many(prompts, max_new_tokens=6)[2].output_ids == alone[2].output_ids
+        assert (got.output_ids, got.approx_tokens) == (expected.tokens, expected.reuse.approx_tokens)
+    # the store now holds more (the batch wrote back): equal outputs, not equal loaded-token counts
+    assert engine.generate_many(prompts, max_new_tokens=6)[2].output_ids == alone[2].tokens
 
 
 def test_choices_of_one_prompt_are_prefilled_once_and_all_get_the_repair(engine):
     """The n rows of one prompt (a request's choices) are prefilled as one row and repeated: each row keeps the
-    approximate hits that a batch of different prompts would lose."""
+    approximate hits that a batch of different prompts would lose: each equals transformers' ``generate()`` through
+    a drop-in cache for the prompt alone."""
     document = words(60, 24)
     engine.warm(document)
     prompt = [words(61, 7), document, words(62, 4)]
-    alone = engine.generate(prompt, max_new_tokens=5)
+    alone = cache_reference(engine, prompt, 5)
     choices = engine.generate_batch([prompt, prompt, prompt], max_new_tokens=5)
-    assert alone.approx_tokens > 0
-    assert all(r.approx_tokens == alone.approx_tokens and r.output_ids == alone.output_ids for r in choices)
-
-
-def test_token_id_prompts_are_checked_against_the_vocabulary(engine):
-    assert engine.encode([5, 6, 7]) == [5, 6, 7]
-    with pytest.raises(ValueError, match="outside the model's vocabulary"):
-        engine.encode([5, 100000])
+    assert alone.reuse.approx_tokens > 0
+    assert [(r.output_ids, r.approx_tokens) for r in choices] == [(alone.tokens, alone.reuse.approx_tokens)] * 3
 
 
 def test_a_job_submitted_while_the_scheduler_reads_the_store_is_queued_at_once(engine, monkeypatch):
     """The worker plans prefills (which may read a remote store) outside the lock ``submit`` takes: with the store's
     read stalled mid-plan, another job is still accepted at once, and every job finishes once the read returns."""
-    import threading
-    import time
-
     from kvboost_hf.server.batching import Done, Job, JobParams
     from kvboost_hf.server.settings import ServerConfig
     from kvboost_hf.server.worker import Worker
@@ -114,7 +444,7 @@ def test_a_job_submitted_while_the_scheduler_reads_the_store_is_queued_at_once(e
         return contains_many(keys)
 
     monkeypatch.setattr(engine.store, "contains_many", stalled)
-    worker = Worker(engine, ServerConfig(reuse_mode="chunk", batch_window_ms=0, max_batch_size=4))
+    worker = Worker(engine, ServerConfig(reuse_mode="chunk_kv_reuse", batch_window_ms=0, max_batch_size=4))
     finished: list[int] = []
     jobs = [
         Job(
@@ -140,9 +470,3 @@ def test_a_job_submitted_while_the_scheduler_reads_the_store_is_queued_at_once(e
     finally:
         release.set()
         worker.shutdown(grace_s=5)
-
-
-def test_generate_many_of_no_prompts_is_empty_and_generate_batch_refuses_them(engine):
-    assert engine.generate_many([]) == []
-    with pytest.raises(ValueError, match="prompts is empty"):
-        engine.generate_batch([])

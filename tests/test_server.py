@@ -465,7 +465,7 @@ def test_openapi_document_fuzzing_finds_no_server_error(engine):
     schemathesis = pytest.importorskip("schemathesis")
     hypothesis = pytest.importorskip("hypothesis")
     settings = ServerConfig(
-        model_name=MODEL_NAME, api_key=API_KEY, reuse_mode="chunk", max_tokens_limit=2, default_max_tokens=2
+        model_name=MODEL_NAME, api_key=API_KEY, reuse_mode="chunk_kv_reuse", max_tokens_limit=2, default_max_tokens=2
     )
     with LiveServer(create_app(engine, settings)) as live:
         schema = schemathesis.openapi.from_url(

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import pytest
 
 from kvboost_hf import KVBoost
-from kvboost_hf.core.config import RecomputeStrategy, RepairConfig
+from kvboost_hf.core.config import GenerationMode, RecomputeStrategy, RepairConfig
 from kvboost_hf.core.settings import add_settings_arguments, settings_from_args, settings_values
 from kvboost_hf.engine import sampling_params
 from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.server.launch import SETTINGS_FLAGS, add_arguments
-from kvboost_hf.server.settings import REUSE_MODES, ServerConfig
+from kvboost_hf.server.settings import ServerConfig
 from kvboost_hf.store.config import StoreConfig
 
 
@@ -58,14 +58,25 @@ def test_flags_parse_into_the_settings():
     assert (repair.strategy, repair.sink_tokens) == (RecomputeStrategy.CACHEBLEND, 4)
     assert settings_from_args(StoreConfig, args).max_bytes == 1000
     server = settings_from_args(ServerConfig, args)
-    assert (server.batch_window_ms, server.reuse_mode) == (2.5, "chunk")
+    assert (server.batch_window_ms, server.reuse_mode) == (
+        2.5,
+        "chunk_kv_reuse",
+    )  # the former spelling, stored as the mode
     assert settings_values(SETTINGS_FLAGS[4][0], args)["pin_memory"] is False
 
 
-def test_reuse_mode_choices_are_the_reuse_modes():
+def test_reuse_mode_choices_are_the_generation_modes_and_their_former_spellings():
     parser = server_parser()
     action = next(a for a in parser._actions if "--reuse-mode" in a.option_strings)
-    assert list(action.choices) == list(REUSE_MODES)
+    assert list(action.choices) == ["baseline", "prefix_cache", "chunk_kv_reuse", "off", "prefix", "chunk"]
+    for flag, mode in [
+        ("off", "baseline"),
+        ("prefix", "prefix_cache"),
+        ("chunk", "chunk_kv_reuse"),
+        ("baseline", "baseline"),
+    ]:
+        assert settings_from_args(ServerConfig, parser.parse_args(["--reuse-mode", flag])).reuse_mode == mode
+    assert GenerationMode("prefix") is GenerationMode.PREFIX_CACHE and ServerConfig().reuse_mode == "prefix_cache"
     with pytest.raises(SystemExit):
         parser.parse_args(["--reuse-mode", "everything"])
 
@@ -186,16 +197,17 @@ class _SchedulerEngine:
 def test_worker_takes_the_server_settings_in_their_units():
     """The worker has no defaults of its own: it hands ServerConfig's fields (the batch window in ms) and its mode to
     the engine's scheduler."""
-    from kvboost_hf.core.config import GenerationMode
     from kvboost_hf.server.worker import Worker
 
-    worker = Worker(_SchedulerEngine(), ServerConfig(reuse_mode="chunk", batch_window_ms=250, max_batch_size=3))  # type: ignore[arg-type]
+    worker = Worker(
+        _SchedulerEngine(), ServerConfig(reuse_mode="chunk_kv_reuse", batch_window_ms=250, max_batch_size=3)
+    )  # type: ignore[arg-type]
     assert worker.max_batch_size == 3 and worker.max_queue == 64 and worker.mode is GenerationMode.CHUNK_KV_REUSE
     assert worker.scheduler == (worker.mode, {"max_batch_size": 3, "batch_window_ms": 250})
     default = Worker(_SchedulerEngine())  # type: ignore[arg-type]
     settings = ServerConfig()
     expected = {"max_batch_size": settings.max_batch_size, "batch_window_ms": settings.batch_window_ms}
-    assert default.scheduler == (REUSE_MODES["prefix"], expected)
+    assert default.scheduler == (GenerationMode.PREFIX_CACHE, expected)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """``python -m kvboost_hf.bench rag_server``: RAG requests through the server, documents sent as content parts.
 
-One server process (``--reuse-mode chunk``; repair from ``--recompute-strategy``/``--recompute-ratio``) answers
+One server process (``--reuse-mode chunk_kv_reuse``; repair from ``--recompute-strategy``/``--recompute-ratio``) answers
 ``--queries`` questions, each over 3 of ``--documents`` corpus documents (real text, :mod:`kvboost_hf.corpus`) in
 a shuffled order, sent as text parts of one user message after a system prompt, the question as the last part.
 Each query is sent three ways, side by side (interleaved, so machine load hits all three alike):
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> list[Record]:
 
     docs = document_texts(args.documents, args.document_chars)
     rng = random.Random(args.seed)
-    flags = ["--reuse-mode", "chunk", "--chunk-size", str(args.chunk_size), "--threads", str(args.threads)]
+    flags = ["--reuse-mode", "chunk_kv_reuse", "--chunk-size", str(args.chunk_size), "--threads", str(args.threads)]
     flags += ["--recompute-strategy", args.recompute_strategy, "--recompute-ratio", str(args.recompute_ratio)]
     server = ServerProcess(flags, args.startup_timeout_s)
     try:

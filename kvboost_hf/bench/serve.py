@@ -2,8 +2,8 @@
 
 Each of ``--users`` users holds a ``--turns``-turn conversation that starts with one shared system prompt
 (real text from :mod:`kvboost_hf.corpus`); the next turn is sent as soon as the previous answer is complete.
-Both servers run the same build and flags on loopback (``--reuse-mode off``, then ``prefix``), each in its own process
-started and stopped by this script; nothing is warmed before the timed requests.
+Both servers run the same build and flags on loopback (``--reuse-mode baseline``, then ``prefix_cache``), each in
+its own process started and stopped by this script; nothing is warmed before the timed requests.
 
 Measured per request with the official ``openai`` client (streaming, ``include_usage``): TTFT (call to first
 content chunk, ms), inter-token latency (gaps between content chunks, ms), prompt and cached tokens, errors.
@@ -196,7 +196,7 @@ def run_user(
 def run_mode(reuse: bool, args: argparse.Namespace, system: str, model_flags: Sequence[str] = ()) -> dict:
     """Start a server (``model_flags``: which model it loads; none: the embedded model), run every user
     concurrently, stop the server; returns the summary and the records."""
-    flags = [*server_flags(args), *model_flags, "--reuse-mode", "prefix" if reuse else "off"]
+    flags = [*server_flags(args), *model_flags, "--reuse-mode", "prefix_cache" if reuse else "baseline"]
     server = ServerProcess(flags, args.startup_timeout_s)
     try:
         records, wall_s = run_users(server.url, args, [system] * args.users)

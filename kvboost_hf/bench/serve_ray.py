@@ -62,7 +62,7 @@ def system_prompts(args: argparse.Namespace) -> list[str]:
 
 def reference_answers(args: argparse.Namespace, systems: list[str]) -> dict[tuple[int, int], str]:
     """(user, turn) -> the greedy answer of one engine to that turn of that user's conversation, with exact prefix
-    reuse (what one server answers with its default ``--reuse-mode prefix``, equal to no reuse; and cheaper)."""
+    reuse (what one server answers with its default ``--reuse-mode prefix_cache``, equal to no reuse; and cheaper)."""
     import torch
 
     from kvboost_hf import KVBoost

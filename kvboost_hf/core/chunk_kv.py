@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvboost_hf.core.errors import InputError
+
 
 @dataclass(frozen=True)
 class ChunkKV:
@@ -20,7 +22,7 @@ class ChunkKV:
 
     def __post_init__(self) -> None:
         if self.keys.dim() != 4 or self.values.dim() != 4 or self.keys.shape[:3] != self.values.shape[:3]:
-            raise ValueError(
+            raise InputError(
                 "ChunkKV needs keys and values shaped [num_layers, num_kv_heads, num_tokens, head_dim], got "
                 f"{tuple(self.keys.shape)} and {tuple(self.values.shape)}"
             )

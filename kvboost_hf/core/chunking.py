@@ -17,12 +17,13 @@ chunks wherever it appears in a prompt (after at most one chunk of resynchronisa
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
 
 import numpy as np
+
+from kvboost_hf.core.errors import ArgumentTypeError, ConfigError
 
 Span = tuple[int, int]
 
@@ -44,15 +45,15 @@ class ChunkingConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size <= 0:
-            raise ValueError(f"chunk_size must be a positive number of tokens, got {self.chunk_size!r}")
+            raise ConfigError(f"chunk_size must be a positive number of tokens, got {self.chunk_size!r}")
         if self.method not in ("fixed", "content"):
-            raise ValueError(f"chunking must be 'fixed' or 'content', got {self.method!r}")
+            raise ConfigError(f"chunking must be 'fixed' or 'content', got {self.method!r}")
         if not isinstance(self.boundary_window, int) or not 0 <= self.boundary_window < self.chunk_size:
-            raise ValueError(
+            raise ConfigError(
                 f"chunk_boundary_window must be in [0, chunk_size={self.chunk_size}), got {self.boundary_window!r}"
             )
         if self.boundary_window and not self.boundary_token_ids:
-            raise ValueError("chunk_boundary_window > 0 needs boundary_token_ids (sentence or line end tokens)")
+            raise ConfigError("chunk_boundary_window > 0 needs boundary_token_ids (sentence or line end tokens)")
 
     def fingerprint(self) -> dict[str, object]:
         """The settings that change where chunks fall, for the store namespace."""
@@ -65,15 +66,22 @@ class ChunkingConfig:
 
     @classmethod
     def from_tokenizer(
-        cls, tokenizer: object, chunk_size: int | None = None, boundary_window: int = 0, method: str = "fixed"
+        cls,
+        tokenizer: object,
+        chunk_size: int | None = None,
+        boundary_window: int | None = None,
+        method: str | None = None,
     ) -> ChunkingConfig:
         """A config whose cuts may slide back up to ``boundary_window`` tokens to end after one of ``tokenizer``'s
-        sentence- or line-ending tokens (none are looked up when the window is 0); ``chunk_size`` None: the
-        field's default."""
-        boundary_ids = boundary_token_ids_from_tokenizer(tokenizer) if boundary_window else frozenset()
-        sized = cls() if chunk_size is None else cls(chunk_size)
-        return dataclasses.replace(
-            sized, boundary_window=boundary_window, boundary_token_ids=boundary_ids, method=method
+        sentence- or line-ending tokens (none are looked up when the window is 0); an argument left None takes
+        the field's default."""
+        defaults = cls()
+        window = defaults.boundary_window if boundary_window is None else boundary_window
+        return cls(
+            chunk_size=defaults.chunk_size if chunk_size is None else chunk_size,
+            boundary_window=window,
+            boundary_token_ids=boundary_token_ids_from_tokenizer(tokenizer) if window else frozenset(),
+            method=defaults.method if method is None else method,
         )
 
     @classmethod
@@ -85,7 +93,7 @@ class ChunkingConfig:
         if isinstance(chunking, int) and not isinstance(chunking, bool):
             return cls(chunking)
         if not isinstance(chunking, ChunkingConfig):
-            raise TypeError(f"chunking must be a ChunkingConfig or a chunk size in tokens, got {chunking!r}")
+            raise ArgumentTypeError(f"chunking must be a ChunkingConfig or a chunk size in tokens, got {chunking!r}")
         return chunking
 
     @property

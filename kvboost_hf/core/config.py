@@ -6,13 +6,29 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+from kvboost_hf.core.errors import ConfigError
+
 
 class GenerationMode(str, Enum):
-    """What reuse a generation may use."""
+    """What reuse a generation may use. The values are the setting's one spelling, wherever it is given (the
+    engine's ``mode=``, the server's ``--reuse-mode``); the server's former spellings are still accepted:
+    ``GenerationMode("prefix")`` is ``PREFIX_CACHE`` (:data:`GENERATION_MODE_ALIASES`)."""
 
     BASELINE = "baseline"  # plain generate(), no lookups, no write-back
     PREFIX_CACHE = "prefix_cache"  # exact prefix hits only
     CHUNK_KV_REUSE = "chunk_kv_reuse"  # everything enabled: also content-key hits, repaired
+
+    @classmethod
+    def _missing_(cls, value: object) -> GenerationMode | None:
+        return GENERATION_MODE_ALIASES.get(value) if isinstance(value, str) else None
+
+
+#: The server's former ``--reuse-mode`` spellings, accepted wherever a mode is given: old spelling -> mode.
+GENERATION_MODE_ALIASES = {
+    "off": GenerationMode.BASELINE,
+    "prefix": GenerationMode.PREFIX_CACHE,
+    "chunk": GenerationMode.CHUNK_KV_REUSE,
+}
 
 
 class RecomputeStrategy(str, Enum):
@@ -52,13 +68,13 @@ class RepairConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", RecomputeStrategy(self.strategy))
         if not 0.0 <= self.ratio <= 1.0:
-            raise ValueError(f"recompute_ratio must be in [0, 1], got {self.ratio!r}")
+            raise ConfigError(f"recompute_ratio must be in [0, 1], got {self.ratio!r}")
         if min(self.check_layer, self.overlap_k, self.sink_tokens, self.head_tokens, self.filter_layers) < 0:
-            raise ValueError("check_layer, overlap_k, sink_tokens, head_tokens and filter_layers must be >= 0")
+            raise ConfigError("check_layer, overlap_k, sink_tokens, head_tokens and filter_layers must be >= 0")
         if self.deviation not in ("key", "value"):
-            raise ValueError(f"deviation must be 'key' or 'value', got {self.deviation!r}")
+            raise ConfigError(f"deviation must be 'key' or 'value', got {self.deviation!r}")
         if not all(math.isfinite(v) and v > 0.0 for v in (self.context_temperature, self.context_scale)):
-            raise ValueError(
+            raise ConfigError(
                 f"context_temperature and context_scale must be finite and > 0, got {self.context_temperature!r} and "
                 f"{self.context_scale!r}"
             )

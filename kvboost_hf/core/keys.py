@@ -23,9 +23,11 @@ import torch
 import xxhash
 
 from kvboost_hf.core.chunking import ChunkingConfig, Span
+from kvboost_hf.core.errors import InputError
 
 STORAGE_FORMAT_VERSION = 1
 DIGEST_VERSION = 2  # 1: sampled weights; 2: xxh3-128 over every byte
+FULL_PRECISION_BITS = 16  # kv_cache_bits of K/V stored unquantized (the default of StoreConfig.kv_cache_bits)
 _IGNORED_CONFIG_FIELDS = ("_name_or_path", "transformers_version", "_attn_implementation", "architectures")
 
 _weight_digests: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]] = weakref.WeakKeyDictionary()
@@ -86,7 +88,7 @@ def _weight_digest(model: torch.nn.Module) -> str:
     with torch.no_grad():
         for name, tensor in tensors:
             if tensor.device.type == "meta":
-                raise ValueError(
+                raise InputError(
                     f"weight {name} is on the meta device (offloaded), so it cannot be fingerprinted: pass model_id"
                 )
             h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}\0".encode())
@@ -129,7 +131,7 @@ class KeySpace:
     digest: str
     dtype: str
     chunking: ChunkingConfig
-    kv_cache_bits: int = 16
+    kv_cache_bits: int = FULL_PRECISION_BITS
     kv_group_size: int | None = None
 
     @classmethod
@@ -139,7 +141,7 @@ class KeySpace:
         dtype: torch.dtype,
         chunking: ChunkingConfig,
         *,
-        kv_cache_bits: int = 16,
+        kv_cache_bits: int = FULL_PRECISION_BITS,
         kv_group_size: int | None = None,
         model_id: str | None = None,
     ) -> KeySpace:
@@ -165,7 +167,7 @@ def make_namespace(
     dtype: torch.dtype,
     chunking: ChunkingConfig,
     *,
-    kv_cache_bits: int = 16,
+    kv_cache_bits: int = FULL_PRECISION_BITS,
     kv_group_size: int | None = None,
     cache_salt: str | None = None,
     model_id: str | None = None,
@@ -183,7 +185,7 @@ def namespace_key(
     dtype: str,
     chunking: ChunkingConfig,
     *,
-    kv_cache_bits: int = 16,
+    kv_cache_bits: int = FULL_PRECISION_BITS,
     kv_group_size: int | None = None,
     cache_salt: str | None = None,
 ) -> str:
@@ -196,7 +198,7 @@ def namespace_key(
         "kv_cache_bits": kv_cache_bits,
         "salt": cache_salt,
     }
-    if kv_cache_bits < 16:
+    if kv_cache_bits < FULL_PRECISION_BITS:
         payload["kv_group_size"] = kv_group_size
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 

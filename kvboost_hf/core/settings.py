@@ -20,6 +20,8 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from kvboost_hf.core.errors import ArgumentTypeError
+
 T = TypeVar("T")
 
 _SCALARS = (int, float, str)
@@ -45,7 +47,7 @@ def _flag_type(annotation: Any) -> tuple[type, bool]:
             return scalar, optional
     if any(member is os.PathLike or typing.get_origin(member) is os.PathLike for member in members):
         return str, optional
-    raise TypeError(f"no command-line flag for a field of type {annotation!r}")
+    raise ArgumentTypeError(f"no command-line flag for a field of type {annotation!r}")
 
 
 def field_help(cls: type) -> dict[str, str]:
@@ -86,7 +88,7 @@ def add_settings_arguments(
         if field.name in exclude or not field.init:
             continue
         if field.default is dataclasses.MISSING:
-            raise TypeError(f"{cls.__name__}.{field.name} has no default: settings need one default per field")
+            raise ArgumentTypeError(f"{cls.__name__}.{field.name} has no default: settings need one default per field")
         kind, optional = _flag_type(hints[field.name])
         default = field.default
         options: dict[str, Any] = {"dest": f"{cls.__name__}.{field.name}", "default": default}

@@ -40,6 +40,7 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
+from kvboost_hf.core.errors import InputError
 from kvboost_hf.hf.context_attention import ADJUSTMENT_KWARG, adjusted_attention
 
 logger = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ def kvboost_attention_forward(
             attention_mask = torch.ones(1, 1, num_q, num_k, dtype=torch.bool, device=query.device)
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
-            raise ValueError("the context adjustment needs the queries' position_ids")
+            raise InputError("the context adjustment needs the queries' position_ids")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return adjusted_attention(query, key, value, attention_mask, scale, adjustment, position_ids), None
     if attention_mask is None and (num_q == num_k or num_q == 1) and ROUTE_PLAIN_TO_SDPA:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvboost_hf.core.errors import ArgumentTypeError, ConfigError
 from kvboost_hf.hf.models import given_cache
 from kvboost_hf.offload.streamer import decoder_layers
 
@@ -52,7 +53,7 @@ class LayerFilter:
         on_finish: Callable[[torch.Tensor], None],
     ) -> None:
         if compare not in ("key", "value"):
-            raise ValueError(f"CacheBlend compares 'key' or 'value' deviation, got {compare!r}")
+            raise ConfigError(f"CacheBlend compares 'key' or 'value' deviation, got {compare!r}")
         self.positions = positions
         self.candidate = candidate.to(positions.device)
         self.kept = list(kept)
@@ -98,7 +99,7 @@ def _narrow(value: Any, index: torch.Tensor, dim: int) -> Any:
         return value.index_select(dim, index.to(value.device))
     if isinstance(value, tuple):  # rotary (cos, sin), each [B, q, D]
         return tuple(_narrow(part, index, dim) for part in value)
-    raise TypeError(f"CacheBlend cannot narrow a decoder layer input of type {type(value).__name__}")
+    raise ArgumentTypeError(f"CacheBlend cannot narrow a decoder layer input of type {type(value).__name__}")
 
 
 _SEQUENCE_DIM = {"attention_mask": -2, "position_ids": -1, "position_embeddings": -2, "cache_position": 0}

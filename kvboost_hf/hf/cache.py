@@ -40,6 +40,7 @@ from transformers import Cache, PreTrainedModel
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import GenerationMode, RepairConfig
+from kvboost_hf.core.errors import ConfigError, InputError, StateError
 from kvboost_hf.core.keys import KeySpace
 from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.blend import LayerFilter, scatter_into
@@ -108,7 +109,7 @@ class ChunkReuseCache(Cache):
         self.repair = repair or RepairConfig()
         implementation = model.config._attn_implementation
         if self.repair.adjusts_attention and implementation != ATTN_IMPLEMENTATION:
-            raise ValueError(
+            raise ConfigError(
                 "RepairConfig(context_temperature=..., context_scale=...) needs the model's attention to be "
                 f"attn_implementation={ATTN_IMPLEMENTATION!r} (it is {implementation!r}): load it with that "
                 f"argument or call model.set_attn_implementation({ATTN_IMPLEMENTATION!r})"
@@ -232,12 +233,12 @@ class ChunkReuseCache(Cache):
                 self.reuse_enabled = False
             return
         if input_ids.shape[0] != self.tokens.shape[0] or input_ids.shape[1] <= n:
-            raise ValueError(
+            raise InputError(
                 f"ChunkReuseCache holds {n} tokens for a batch of {self.tokens.shape[0]}; the new input "
                 f"{tuple(input_ids.shape)} does not extend them. Use a fresh ChunkReuseCache per conversation."
             )
         if not torch.equal(input_ids[:, :n].to(self.tokens.device), self.tokens):
-            raise ValueError(
+            raise InputError(
                 "ChunkReuseCache holds K/V for a different token sequence: the new prompt does not extend the "
                 "cached conversation. Use a fresh ChunkReuseCache (or the same one only to continue a conversation)."
             )
@@ -333,7 +334,7 @@ class ChunkReuseCache(Cache):
     def _check_consistent(self) -> None:
         if self.get_seq_length() != self.num_columns:
             self.reuse_enabled = False
-            raise RuntimeError(
+            raise StateError(
                 f"ChunkReuseCache is inconsistent: layers hold {self.get_seq_length()} positions but "
                 f"{self.num_columns} tokens were fed; was the cache shared between two forwards?"
             )
@@ -378,7 +379,7 @@ class ChunkReuseCache(Cache):
         """Drop the last ``-tokens_to_remove`` columns (assisted decoding), like ``DynamicCache.crop``: a positive
         value is refused and 0 is a no-op. The layers' length is the truth, recorded or not."""
         if tokens_to_remove > 0:
-            raise ValueError(f"crop() takes a negative number of tokens to remove, got {tokens_to_remove}")
+            raise InputError(f"crop() takes a negative number of tokens to remove, got {tokens_to_remove}")
         super().crop(tokens_to_remove)
         length = self.get_seq_length()
         if self.num_columns > length:
@@ -407,9 +408,9 @@ class ChunkReuseCache(Cache):
         Both caches must be dense (no sparse forward pending) and share one namespace.
         """
         if other.namespace != self.namespace:
-            raise ValueError("cannot join caches of different namespaces (model, dtype, chunking or cache_salt)")
+            raise InputError("cannot join caches of different namespaces (model, dtype, chunking or cache_salt)")
         if self.expects_sparse_forward or other.expects_sparse_forward:
-            raise RuntimeError("cannot join a cache while a sparse prefill forward is pending")
+            raise StateError("cannot join a cache while a sparse prefill forward is pending")
         width = max(self.num_columns, other.num_columns)
         if self.reuse_enabled and other.reuse_enabled:
             left, right = width - self.num_columns, width - other.num_columns
@@ -428,7 +429,7 @@ class ChunkReuseCache(Cache):
         longest list). Freed columns become left padding (zero K/V; the caller's attention mask must exclude them);
         each row's ledger forgets chunks past its remaining tokens."""
         if self.expects_sparse_forward:
-            raise RuntimeError("cannot select columns while a sparse prefill forward is pending")
+            raise StateError("cannot select columns while a sparse prefill forward is pending")
         width = max(len(kept) for kept in columns) if width is None else width
         keep_layer_columns(self, columns, width)
         if not self.reuse_enabled or self.num_columns == 0:
@@ -490,7 +491,7 @@ def join_layers(cache: Cache, other: Cache) -> None:
     for mine, theirs in zip(cache.layers, other.layers, strict=True):
         for layer in (mine, theirs):
             if getattr(layer, "is_sliding", False) and not isinstance(layer, ChunkReuseSlidingLayer):
-                raise ValueError(
+                raise InputError(
                     f"cannot join a {type(layer).__name__}: it keeps only its window of columns; use a "
                     "ChunkReuseCache, or a DynamicCache built without the model config (full-length layers)"
                 )
@@ -506,12 +507,12 @@ def select_columns(
     ``width`` (default: the longest list) entries: row ``i`` starts with ``width - len(columns[i])`` zeros."""
     rows = tensor.shape[0]
     if len(columns) != rows:
-        raise ValueError(f"columns must give one list per row of {rows}, got {len(columns)}")
+        raise InputError(f"columns must give one list per row of {rows}, got {len(columns)}")
     width = max((len(kept) for kept in columns), default=0) if width is None else width
     size = tensor.shape[dim]
     for kept in columns:
         if len(kept) > width or any(not 0 <= column < size for column in kept):
-            raise ValueError(f"cannot keep columns {list(kept)} of {size} in a width of {width}")
+            raise InputError(f"cannot keep columns {list(kept)} of {size} in a width of {width}")
     index = torch.zeros(rows, width, dtype=torch.long)
     valid = torch.zeros(rows, width, dtype=torch.bool)
     for row, kept in enumerate(columns):
@@ -533,7 +534,7 @@ def keep_layer_columns(cache: Cache, columns: Sequence[Sequence[int]], width: in
     """
     for layer in cache.layers:
         if getattr(layer, "is_sliding", False) and not isinstance(layer, ChunkReuseSlidingLayer):
-            raise ValueError(f"cannot select per-row columns of a {type(layer).__name__}: it keeps only its window")
+            raise InputError(f"cannot select per-row columns of a {type(layer).__name__}: it keeps only its window")
         if layer.is_initialized and layer.keys.numel():
             layer.keys = select_columns(layer.keys, columns, 2, width)
             layer.values = select_columns(layer.values, columns, 2, width)

@@ -52,6 +52,7 @@ import torch
 from transformers import Cache, DynamicCache, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from kvboost_hf.core.chunking import chunk_spans
+from kvboost_hf.core.errors import InputError
 from kvboost_hf.core.keys import chain_prefix_keys
 from kvboost_hf.hf.cache import (
     ChunkReuseCache,
@@ -105,11 +106,11 @@ class DecodeRequest:
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
-            raise ValueError("prompt_ids is empty: a row needs at least one prompt token")
+            raise InputError("prompt_ids is empty: a row needs at least one prompt token")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise InputError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if outside := [start for start in self.segment_starts if not 0 <= start <= len(self.prompt_ids)]:
-            raise ValueError(f"segment starts {outside} lie outside the prompt's {len(self.prompt_ids)} tokens")
+            raise InputError(f"segment starts {outside} lie outside the prompt's {len(self.prompt_ids)} tokens")
 
     @property
     def prefill_setting(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -302,12 +303,12 @@ class PrefillWork:
 
     def __post_init__(self) -> None:
         if not self.rows:
-            raise ValueError("a prefill work needs at least one row")
+            raise InputError("a prefill work needs at least one row")
         if self.repeat and (self.shared_prefixes or len({row.request.prefill_setting[0] for row in self.rows}) > 1):
-            raise ValueError("repeat needs rows of one prompt and no shared prefixes")
+            raise InputError("repeat needs rows of one prompt and no shared prefixes")
         for prefix in self.shared_prefixes:
             if tuple(self.rows[prefix.row].request.prompt_ids[: len(prefix.tokens)]) != prefix.tokens:
-                raise ValueError(f"shared prefix of {len(prefix.tokens)} tokens is not row {prefix.row}'s prefix")
+                raise InputError(f"shared prefix of {len(prefix.tokens)} tokens is not row {prefix.row}'s prefix")
 
 
 @dataclass
@@ -457,7 +458,7 @@ class DecodeLoop:
         if self.new_cache is None:
             return ()
         if differing := [row for row in work.rows if tuple(row.request.segment_starts) != work.segment_starts]:
-            raise ValueError(
+            raise InputError(
                 f"{len(differing)} rows have segment starts other than the work's {work.segment_starts}: rows with "
                 "different segment starts cannot be prefilled in one cache"
             )

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from kvboost_hf.core.errors import ConfigError, InputError
 from kvboost_hf.hf.models import CACHE_ARGUMENT
 
 __all__ = ["GraphConfig", "GraphedDecoder", "capacity_bucket", "pad_rows", "row_bucket"]
@@ -57,9 +58,9 @@ class GraphConfig:
     def __post_init__(self) -> None:
         buckets = self.row_buckets
         if not buckets or any(rows < 1 for rows in buckets) or list(buckets) != sorted(set(buckets)):
-            raise ValueError(f"row_buckets must be ascending distinct positive batch sizes, got {buckets}")
+            raise ConfigError(f"row_buckets must be ascending distinct positive batch sizes, got {buckets}")
         if self.max_graphs < 0 or self.max_capacity < MIN_CAPACITY:
-            raise ValueError(
+            raise ConfigError(
                 f"max_graphs must be >= 0 and max_capacity >= {MIN_CAPACITY} tokens, got {self.max_graphs} and "
                 f"{self.max_capacity}"
             )
@@ -75,7 +76,7 @@ def capacity_bucket(tokens: int, config: GraphConfig) -> int | None:
 def row_bucket(rows: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket holding ``rows`` rows, or None when ``rows`` is above every bucket."""
     if rows < 1:
-        raise ValueError(f"a decode step has at least one row, got {rows}")
+        raise InputError(f"a decode step has at least one row, got {rows}")
     return next((bucket for bucket in buckets if bucket >= rows), None)
 
 
@@ -84,7 +85,7 @@ def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     results are ignored (a fully masked row would make attention NaN there)."""
     missing = rows - tensor.shape[0]
     if missing < 0:
-        raise ValueError(f"cannot pad {tensor.shape[0]} rows down to {rows}")
+        raise InputError(f"cannot pad {tensor.shape[0]} rows down to {rows}")
     return torch.cat([tensor, tensor[-1:].expand(missing, *tensor.shape[1:])]) if missing else tensor
 
 

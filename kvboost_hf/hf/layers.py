@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
-from kvboost_hf.core.errors import KVBoostError
+from kvboost_hf.core.errors import CapacityError, ConfigError, InputError, UnsupportedModelError
 
 __all__ = ["CacheCapacityError", "ChunkReuseLayer", "ChunkReuseSlidingLayer", "cache_layers", "grown_capacity"]
 
@@ -27,8 +27,9 @@ __all__ = ["CacheCapacityError", "ChunkReuseLayer", "ChunkReuseSlidingLayer", "c
 GROWTH_MIN_TOKENS = 256
 """Fewest columns (tokens) a layer's buffer grows by."""
 GROWTH_DIVISOR = 8
-"""A buffer grows by at least ``capacity // GROWTH_DIVISOR`` columns: at most 12.5% spare memory, and a decode step
-copies ``GROWTH_DIVISOR`` tokens' K/V amortized (the held columns once per growth)."""
+"""A buffer grows by at least ``capacity // GROWTH_DIVISOR`` columns: above ``GROWTH_MIN_TOKENS * GROWTH_DIVISOR``
+held columns the spare is 12.5% of them plus the rounding to 64 (below, ``GROWTH_MIN_TOKENS`` plus the rounding), and
+a decode step copies ``GROWTH_DIVISOR`` tokens' K/V amortized (the held columns once per growth)."""
 
 
 def grown_capacity(needed: int, capacity: int = 0) -> int:
@@ -38,7 +39,7 @@ def grown_capacity(needed: int, capacity: int = 0) -> int:
     return -(-wanted // 64) * 64
 
 
-class CacheCapacityError(KVBoostError, ValueError):
+class CacheCapacityError(CapacityError):
     """A static-mode cache was asked to hold more tokens than its ``max_cache_len``."""
 
 
@@ -64,7 +65,7 @@ class ChunkReuseLayer(DynamicLayer):
 
     def __init__(self, max_cache_len: int | None = None) -> None:
         if max_cache_len is not None and max_cache_len < 1:
-            raise ValueError(f"max_cache_len must be a positive number of tokens, got {max_cache_len}")
+            raise ConfigError(f"max_cache_len must be a positive number of tokens, got {max_cache_len}")
         self.max_cache_len = max_cache_len
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
@@ -273,7 +274,7 @@ class ChunkReuseLayer(DynamicLayer):
         whose first ``length`` columns are this layer's K/V. In static mode those columns are copied into the
         static buffers instead (so write the buffers before handing them over)."""
         if length > _columns(keys):
-            raise ValueError(f"length {length} exceeds the buffers' capacity of {_columns(keys)} columns")
+            raise CapacityError(f"length {length} exceeds the buffers' capacity of {_columns(keys)} columns")
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
         if self.max_cache_len is not None:
@@ -285,7 +286,7 @@ class ChunkReuseLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         """``DynamicLayer.crop`` (a negative count), keeping the buffers: the freed columns are reused."""
         if tokens_to_remove > 0:
-            raise ValueError(f"crop() takes a negative number of tokens to remove, got {tokens_to_remove}")
+            raise InputError(f"crop() takes a negative number of tokens to remove, got {tokens_to_remove}")
         self.settle()
         if tokens_to_remove and self.is_initialized:
             self._set_length(max(self._length + tokens_to_remove, 0))
@@ -328,7 +329,7 @@ class ChunkReuseSlidingLayer(ChunkReuseLayer):
     def __init__(self, sliding_window: int, max_cache_len: int | None = None) -> None:
         super().__init__(max_cache_len)
         if sliding_window < 1:
-            raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
+            raise ConfigError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
         self.sliding_window = sliding_window
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -361,7 +362,7 @@ def cache_layers(model: PreTrainedModel, max_cache_len: int | None = None) -> li
         elif kind == "sliding_attention":
             layers.append(ChunkReuseSlidingLayer(int(kwargs["sliding_window"]), max_cache_len))
         else:
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"ChunkReuseCache supports full and sliding-window attention layers; layer {index} of "
                 f"{type(model).__name__} is {kind!r}"
             )

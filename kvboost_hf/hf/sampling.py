@@ -28,6 +28,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from kvboost_hf.core.errors import ConfigError
+
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
@@ -128,7 +130,7 @@ def choose_token(scores: torch.Tensor, params: SamplingConfig, generator: torch.
     CPU for the draw, so a seed gives the same draws on every device). Raises ValueError when the processors left
     no token allowed."""
     if not torch.isfinite(scores).any():
-        raise ValueError("every token is masked: the sampling settings and constraints exclude each other")
+        raise ConfigError("every token is masked: the sampling settings and constraints exclude each other")
     if params.greedy:
         return int(greedy_tokens(scores))
     probs = torch.softmax(scores.float(), dim=-1)

@@ -33,6 +33,7 @@ from typing import Any, Protocol, TypeAlias
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from kvboost_hf.core.errors import ArgumentTypeError, ConfigError, StateError
 from kvboost_hf.hf.models import CACHE_ARGUMENT, given_cache, model_dtype, truncated_depth
 from kvboost_hf.hf.prefill import forward
 
@@ -84,25 +85,25 @@ class DraftConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be a positive integer, got {self.num_draft_tokens!r}")
+            raise ConfigError(f"num_draft_tokens must be a positive integer, got {self.num_draft_tokens!r}")
         if not 0.0 <= self.confidence_threshold < 1.0:
-            raise ValueError(f"confidence_threshold must be in [0, 1), got {self.confidence_threshold!r}")
+            raise ConfigError(f"confidence_threshold must be in [0, 1), got {self.confidence_threshold!r}")
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+            raise ConfigError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.early_exit_layers is not None and (
             not isinstance(self.early_exit_layers, int) or self.early_exit_layers < 1
         ):
-            raise ValueError(f"early_exit_layers must be a positive integer, got {self.early_exit_layers!r}")
+            raise ConfigError(f"early_exit_layers must be a positive integer, got {self.early_exit_layers!r}")
         if not isinstance(self.tree_budget, int) or self.tree_budget < 0:
-            raise ValueError(f"tree_budget must be an integer >= 0, got {self.tree_budget!r}")
+            raise ConfigError(f"tree_budget must be an integer >= 0, got {self.tree_budget!r}")
         if not isinstance(self.tree_branching, int) or self.tree_branching < 1:
-            raise ValueError(f"tree_branching must be a positive integer, got {self.tree_branching!r}")
+            raise ConfigError(f"tree_branching must be a positive integer, got {self.tree_branching!r}")
         if self.tree_expansion not in TREE_EXPANSIONS:
-            raise ValueError(f"tree_expansion must be one of {TREE_EXPANSIONS}, got {self.tree_expansion!r}")
+            raise ConfigError(f"tree_expansion must be one of {TREE_EXPANSIONS}, got {self.tree_expansion!r}")
         if self.adaptive_tree_budget and self.tree_budget < 1:
-            raise ValueError("adaptive_tree_budget needs tree_budget >= 1: the largest budget it may choose")
+            raise ConfigError("adaptive_tree_budget needs tree_budget >= 1: the largest budget it may choose")
         if not 0.0 < self.tree_overhead <= 100.0:
-            raise ValueError(f"tree_overhead must be in (0, 100], got {self.tree_overhead!r}")
+            raise ConfigError(f"tree_overhead must be in (0, 100], got {self.tree_overhead!r}")
 
     def level_sizes(self, depth: int, budget: int | None = None) -> list[int]:
         """Draft nodes per tree level (level 1 = the root's children) for a tree at most ``depth`` deep (and at most
@@ -142,10 +143,10 @@ class DraftConfig:
         if exit_layers is None:
             return
         if draft is not None:
-            raise ValueError("give either a draft model or early_exit_layers, not both")
+            raise ConfigError("give either a draft model or early_exit_layers, not both")
         layers = target.config.get_text_config(decoder=True).num_hidden_layers
         if exit_layers >= layers:
-            raise ValueError(f"early_exit_layers must be below the target's {layers} layers, got {exit_layers}")
+            raise ConfigError(f"early_exit_layers must be below the target's {layers} layers, got {exit_layers}")
 
     def generation_fields(self) -> dict[str, Any]:
         """The assistant ``generation_config`` fields that fix this schedule."""
@@ -259,7 +260,7 @@ class Speculation:
         assistant = self.assistant
         if assistant is not None:
             if assistant in _ACTIVE:
-                raise RuntimeError("this draft model is already drafting for another generate() call")
+                raise StateError("this draft model is already drafting for another generate() call")
             _install_draft_wrapper(assistant)
             config = assistant.generation_config
             self._saved = {name: getattr(config, name, None) for name in _SCHEDULE_FIELDS}
@@ -341,13 +342,15 @@ def resolve_draft(
     elif isinstance(getattr(draft, "model", None), PreTrainedModel):
         model, tokenizer = draft.model, getattr(draft, "tokenizer", None)
     else:
-        raise TypeError(f"draft_model must be a path, a PreTrainedModel or an engine, got {type(draft).__name__}")
+        raise ArgumentTypeError(
+            f"draft_model must be a path, a PreTrainedModel or an engine, got {type(draft).__name__}"
+        )
     if tokenizer is not None and tokenizer.get_vocab() != target_tokenizer.get_vocab():
-        raise ValueError("the draft's tokenizer differs from the target's: speculative decoding needs one vocabulary")
+        raise ConfigError("the draft's tokenizer differs from the target's: speculative decoding needs one vocabulary")
     draft_vocab = model.config.get_text_config(decoder=True).vocab_size
     target_vocab = target.config.get_text_config(decoder=True).vocab_size
     if draft_vocab != target_vocab:
-        raise ValueError(f"the draft's vocabulary has {draft_vocab} entries, the target's {target_vocab}")
+        raise ConfigError(f"the draft's vocabulary has {draft_vocab} entries, the target's {target_vocab}")
     return model.eval()
 
 

@@ -35,6 +35,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from kvboost_hf.core.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 
@@ -50,7 +52,7 @@ class TokenCacheConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_bytes, int) or isinstance(self.max_bytes, bool) or self.max_bytes < 0:
-            raise ValueError(f"token cache max_bytes must be a non-negative integer, got {self.max_bytes!r}")
+            raise ConfigError(f"token cache max_bytes must be a non-negative integer, got {self.max_bytes!r}")
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvboost_hf.core.errors import KVBoostError
+from kvboost_hf.core.errors import CapacityError, ConfigError
 from kvboost_hf.offload.settings import LayerStreamingConfig
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
-class BudgetTooSmallError(KVBoostError, ValueError):
+class BudgetTooSmallError(CapacityError):
     """The budget cannot hold even the smallest plan (everything but the layers, one slot, the minimum K/V)."""
 
 
@@ -28,7 +28,7 @@ def parse_bytes(text: str) -> int:
     """``"12GB"`` (10^9), ``"12GiB"`` (2^30), ``"512MB"``, ``"1e9"`` or a plain integer, to bytes."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
     if match is None or match.group(2) not in _UNITS:
-        raise ValueError(f"not a byte size: {text!r} (examples: 12GB, 12GiB, 512MB)")
+        raise ConfigError(f"not a byte size: {text!r} (examples: 12GB, 12GiB, 512MB)")
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
@@ -65,7 +65,7 @@ def plan_device_memory(
     kv_bytes_per_token: int,
     min_kv_tokens: int,
     workspace_bytes: int = 0,
-    num_slots: int = 2,
+    num_slots: int = LayerStreamingConfig.num_slots,
 ) -> DevicePlan:
     """The plan that keeps the most leading layers resident with ``num_slots`` slots (fewer slots, down to 1, only if
     ``num_slots`` cannot fit at all), at least ``min_kv_tokens`` of K/V, and gives every byte left over to K/V.
@@ -74,7 +74,7 @@ def plan_device_memory(
     """
     layers = list(layer_bytes)
     if budget_bytes <= 0 or num_slots < 1 or min_kv_tokens < 0 or kv_bytes_per_token <= 0 or not layers:
-        raise ValueError(
+        raise ConfigError(
             f"plan_device_memory needs a positive budget ({budget_bytes}), layers ({len(layers)}), num_slots >= 1 "
             f"({num_slots}), bytes per K/V token > 0 ({kv_bytes_per_token}) and min_kv_tokens >= 0 ({min_kv_tokens})"
         )

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvboost_hf.core.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class LayerStreamingConfig:
@@ -37,14 +39,14 @@ class LayerStreamingConfig:
         for name in ("keep_first_k", "keep_last_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"LayerStreamingConfig.{name} must be a non-negative integer, got {value!r}")
+                raise ConfigError(f"LayerStreamingConfig.{name} must be a non-negative integer, got {value!r}")
         if not isinstance(self.num_slots, int) or isinstance(self.num_slots, bool) or self.num_slots < 1:
-            raise ValueError(f"LayerStreamingConfig.num_slots must be an integer >= 1, got {self.num_slots!r}")
+            raise ConfigError(f"LayerStreamingConfig.num_slots must be an integer >= 1, got {self.num_slots!r}")
         if not isinstance(self.pin_memory, bool):
-            raise ValueError(f"LayerStreamingConfig.pin_memory must be a bool, got {self.pin_memory!r}")
+            raise ConfigError(f"LayerStreamingConfig.pin_memory must be a bool, got {self.pin_memory!r}")
         budget = self.device_memory_budget_bytes
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
-            raise ValueError(
+            raise ConfigError(
                 f"LayerStreamingConfig.device_memory_budget_bytes must be a positive integer, got {budget!r}"
             )
 

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from accelerate.hooks import AlignDevicesHook, ModelHook, SequentialHook, add_hook_to_module, remove_hook_from_module
 
+from kvboost_hf.core.errors import CapacityError, ConfigError, InputError
 from kvboost_hf.core.keys import model_digest
 from kvboost_hf.offload.settings import LayerStreamingConfig
 
@@ -135,7 +136,7 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
         is_list = isinstance(module, torch.nn.ModuleList) and len(module) == count
         if is_list and name.split(".")[-1] in _LAYER_LIST_NAMES:
             return module
-    raise ValueError(f"{type(model).__name__}: no ModuleList of its {count} decoder layers found to stream")
+    raise InputError(f"{type(model).__name__}: no ModuleList of its {count} decoder layers found to stream")
 
 
 class _StreamedLayer:
@@ -229,9 +230,9 @@ class LayerStreamer:
 
     def __init__(self, model: torch.nn.Module, settings: LayerStreamingConfig) -> None:
         if getattr(model, _STREAMER_ATTRIBUTE, None) is not None:
-            raise ValueError("layer streaming is already enabled on this model; close() it first")
+            raise InputError("layer streaming is already enabled on this model; close() it first")
         if any(isinstance(h, AlignDevicesHook) for m in model.modules() for h in _hooks_of(m)):
-            raise ValueError(
+            raise InputError(
                 "the model has accelerate device_map offload hooks; load it without device_map to stream its layers"
             )
         self.model = model
@@ -241,7 +242,7 @@ class LayerStreamer:
         layers = decoder_layers(model)
         first, last = settings.keep_first_k, settings.keep_last_k
         if first + last > len(layers):
-            raise ValueError(
+            raise ConfigError(
                 f"keep_first_k + keep_last_k = {first + last} exceeds the model's {len(layers)} decoder layers"
             )
         layer_bytes = [layer_device_bytes(layer) for layer in layers]
@@ -313,7 +314,7 @@ class LayerStreamer:
             return other_bytes + sum(layer_bytes) - sum(streamed) + slots
 
         if need(first) > budget:
-            raise ValueError(
+            raise CapacityError(
                 f"device_memory_budget_bytes={budget} is below the {need(first)} bytes needed by the resident parts "
                 f"and {self.settings.num_slots} slots; lower keep_first_k/keep_last_k/num_slots or raise the budget"
             )

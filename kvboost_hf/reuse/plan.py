@@ -25,6 +25,7 @@ import torch
 
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.chunking import ChunkingConfig, Span, chunk_spans
+from kvboost_hf.core.errors import InputError
 from kvboost_hf.core.keys import chain_prefix_keys, content_key, prefix_key
 
 
@@ -196,7 +197,7 @@ def plan_reuse(
     ``device``: where the hits will be stitched (the store dequantizes quantized entries there).
     """
     if approximate and len(rows) != 1:
-        raise ValueError(f"approximate reuse plans one row at a time, got {len(rows)} rows")
+        raise InputError(f"approximate reuse plans one row at a time, got {len(rows)} rows")
     reader = _Reader(store, namespace, approximate, entry_shape, device)
     plans = []
     for ledger, tokens, row_present, limit in zip(ledgers, rows, present, limits, strict=True):

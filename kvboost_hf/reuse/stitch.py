@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvboost_hf.core.errors import InputError
 from kvboost_hf.reuse.plan import Hit, RowPlan
 from kvboost_hf.reuse.rope import KeyRotator
 
@@ -59,7 +60,7 @@ def write_leading_runs(
             copied += source_keys.nbytes + source_values.nbytes
             covered = last
         if covered < hi:
-            raise ValueError(f"row {row}'s hits cover its tokens [{lo}, {covered}) but columns up to {stop} were asked")
+            raise InputError(f"row {row}'s hits cover its tokens [{lo}, {covered}) but columns up to {stop} were asked")
     return copied
 
 

@@ -28,7 +28,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.types import ASGIApp, Message
 from transformers import PreTrainedTokenizerBase
 
-from kvboost_hf.core.errors import KVBoostError
+from kvboost_hf.core.errors import KVBoostError, NotFoundError
 from kvboost_hf.hf.tokens import SegmentTokenizer, TokenCacheConfig, TokenIdsCache
 from kvboost_hf.serve_ray.routing import DEFAULT_MAX_CHUNKS, ForwardedRequest, KeySpace, routing_keys
 from kvboost_hf.server.admission import plain_messages
@@ -142,7 +142,7 @@ class KVBoostReplica:
     def __del__(self) -> None:  # Ray Serve's graceful replica shutdown
         app = getattr(self, "app", None)
         if app is not None:
-            app.state.drain()
+            app.state.shutdown_worker()
             self.engine.store.close()  # queued Redis writes finish
 
 
@@ -350,6 +350,6 @@ def kill_replica(app_name: str, replica: str | None = None) -> str:
     Ray Serve replaces it after a failed health check. Returns the killed replica's id. For tests and benchmarks."""
     names = [n for n in replica_actor_names(app_name) if replica is None or n.endswith(f"#{replica}")]
     if not names:
-        raise LookupError(f"no live replica {replica or ''} in application {app_name!r}")
+        raise NotFoundError(f"no live replica {replica or ''} in application {app_name!r}")
     ray.kill(ray.get_actor(names[0], namespace=SERVE_NAMESPACE), no_restart=True)
     return names[0].rsplit("#", 1)[1]

@@ -133,5 +133,5 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     stop.wait()
-    serve.shutdown()  # replicas drain their running requests and close their stores
+    serve.shutdown()  # replicas shut their workers down and close their stores
     return 0

@@ -19,6 +19,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvboost_hf.core.chunking import chunk_spans
+from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.core.keys import KeySpace, chain_prefix_keys
 
 FALLBACKS = ("least_loaded", "power_of_two")
@@ -60,7 +61,7 @@ class PrefixTable:
 
     def __init__(self, capacity: int = 1 << 16) -> None:
         if capacity < 1:
-            raise ValueError(f"capacity must be at least one key, got {capacity}")
+            raise ConfigError(f"capacity must be at least one key, got {capacity}")
         self.capacity = capacity
         self._holders: OrderedDict[str, list[str]] = OrderedDict()
 
@@ -136,7 +137,7 @@ def choose_ranked(
     ``"power_of_two"`` (two random candidates, least-loaded first).
     """
     if fallback not in FALLBACKS:
-        raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+        raise ConfigError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
     if not candidates:
         return []
 

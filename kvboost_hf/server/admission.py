@@ -15,8 +15,8 @@ Otherwise this documented rendering is used: the tool list is appended to the (f
 and tool results as user messages ``<tool_response>...</tool_response>``. Either way the output is constrained to
 the same tag format (:mod:`kvboost_hf.server.grammar`).
 
-Documents: with ``reuse_mode`` chunk, a chat request without tools gets segment starts where its documents begin
-and end (:func:`~kvboost_hf.hf.chat_segments.encode_chat_segments`: the token ids are unchanged), chosen by its
+Documents: with ``reuse_mode`` chunk_kv_reuse, a chat request without tools gets segment starts where its documents
+begin and end (:func:`~kvboost_hf.hf.chat_segments.encode_chat_segments`: the token ids are unchanged), chosen by its
 ``document_boundaries`` or the server's; the job is then prefilled alone (decoding with its batch) and its
 documents hit by content key at any position. In the other modes (no non-prefix reuse) prompts get no segments.
 """

@@ -13,7 +13,7 @@ Layers, outermost first:
   rendering, tokenisation and grammar compilation run in threads too (:mod:`~kvboost_hf.server.admission`);
   answers are built by :mod:`~kvboost_hf.server.responses`.
 
-Shutdown: :class:`GracefulServer` (a ``uvicorn.Server``) first drains the worker for ``shutdown_grace_s`` (new
+Shutdown: :class:`GracefulServer` (a ``uvicorn.Server``) first shuts the worker down for ``shutdown_grace_s`` (new
 requests get 503, running ones finish or are ended cleanly), and only then lets uvicorn close connections.
 """
 
@@ -192,15 +192,16 @@ def _off_loop_route(max_values: int) -> type[APIRoute]:
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn that drains the app's worker (``app.state.drain``) before closing connections, so every stream
-    ends with its final chunk and every other request with a complete body."""
+    """uvicorn that shuts the app's worker down (``app.state.shutdown_worker``: in-flight requests finish within
+    ``shutdown_grace_s``) before closing connections, so every stream ends with its final chunk and every other
+    request with a complete body."""
 
-    def __init__(self, config: uvicorn.Config, drain: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, shutdown_worker: Callable[[], None]) -> None:
         super().__init__(config)
-        self.drain = drain
+        self.shutdown_worker = shutdown_worker
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        await asyncio.to_thread(self.drain)
+        await asyncio.to_thread(self.shutdown_worker)
         await super().shutdown(sockets)
 
 
@@ -234,7 +235,7 @@ def create_app(engine: InferenceEngine, settings: ServerConfig | None = None) ->
     app.state.settings = settings
     app.state.worker = worker
     app.state.metrics = metrics
-    app.state.drain = lambda: worker.shutdown(settings.shutdown_grace_s)
+    app.state.shutdown_worker = lambda: worker.shutdown(settings.shutdown_grace_s)
     app.add_middleware(_CountRequests, metrics=metrics, endpoints=lambda: _route_paths(app))
     app.add_middleware(
         RequestGate,

@@ -46,7 +46,7 @@ import torch
 import xgrammar
 from transformers import LogitsProcessor, PreTrainedTokenizerBase
 
-from kvboost_hf.core.errors import KVBoostError
+from kvboost_hf.core.errors import KVBoostError, StateError
 from kvboost_hf.server.grammar_process import CompileDied, CompileFailed, CompilePool, CompileProcess, CompileTimeout
 
 TOOL_CALL_BEGIN = "<tool_call>"
@@ -327,7 +327,7 @@ class GrammarProcessor(LogitsProcessor):
         generated = input_ids[0, self.prompt_length :].tolist()
         for token in generated[self.consumed :]:
             if not self.matcher.accept_token(token):
-                raise RuntimeError(f"token {token} violates the grammar (the mask was bypassed)")
+                raise StateError(f"token {token} violates the grammar (the mask was bypassed)")
         self.consumed = len(generated)
         self.matcher.fill_next_token_bitmask(self.bitmask)
         masked = scores.clone()

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 import xgrammar
 
-from kvboost_hf.core.errors import KVBoostError
+from kvboost_hf.core.errors import ConfigError, KVBoostError, StateError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,6 +55,10 @@ class CompileFailed(KVBoostError, RuntimeError):
 class CompileDied(CompileFailed):
     """The child died (or its pipe broke) before answering; a new child is starting. The pool runs the job once
     more on another child before failing it with this."""
+
+
+class _ChildExited(KVBoostError, OSError):
+    """The child closed its answer pipe: it exited (internal; the caller restarts it and raises CompileDied)."""
 
 
 class CompileProcess:
@@ -128,7 +132,7 @@ class CompileProcess:
             raise CompileTimeout(f"no answer within {timeout_s:g} s")
         line = stdout.readline()
         if not line:
-            raise OSError(f"the child exited with status {self._child.wait(10)}")
+            raise _ChildExited(f"the child exited with status {self._child.wait(10)}")
         answer: dict[str, Any] = json.loads(line)
         return answer
 
@@ -163,7 +167,7 @@ class CompilePool:
 
     def __init__(self, info: xgrammar.TokenizerInfo, workers: int) -> None:
         if workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
+            raise ConfigError(f"workers must be >= 1, got {workers}")
         self.info = info
         self.workers = workers
         self.per_tenant = max(1, workers - 1)
@@ -201,7 +205,7 @@ class CompilePool:
         future: Future[T] = Future()
         with self._cond:
             if self._closed:
-                raise RuntimeError("the grammar compile pool is closed")
+                raise StateError("the grammar compile pool is closed")
         self.start()
         with self._cond:
             self._queue.append(_Job(tenant, job, future))

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvboost_hf.core.chunking import ChunkingConfig
-from kvboost_hf.core.config import RepairConfig
+from kvboost_hf.core.config import GENERATION_MODE_ALIASES, GenerationMode, RepairConfig
 from kvboost_hf.core.settings import add_settings_arguments, settings_from_args, settings_values
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
@@ -18,7 +18,7 @@ from kvboost_hf.hf.speculative import TREE_EXPANSIONS, DraftConfig
 from kvboost_hf.hf.tokens import TokenCacheConfig
 from kvboost_hf.offload.settings import LayerStreamingConfig
 from kvboost_hf.server.grammar import GrammarConfig
-from kvboost_hf.server.settings import REUSE_MODES, ServerConfig
+from kvboost_hf.server.settings import ServerConfig
 from kvboost_hf.store.config import StoreConfig
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ SETTINGS_FLAGS: tuple[tuple[type, str, dict], ...] = (
         "serving",
         {
             "choices": {
-                "reuse_mode": tuple(REUSE_MODES),
+                "reuse_mode": (*(mode.value for mode in GenerationMode), *GENERATION_MODE_ALIASES),
                 "document_boundaries": tuple(b.value for b in DocumentBoundaries),
             },
             # --served-model-name (default from --model), --api-key (env); grammar_limits: the group below
@@ -221,10 +221,10 @@ def serve(args: argparse.Namespace) -> int:
         host=host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5,  # the worker drains first (GracefulServer)
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 5,  # the worker shuts down first (GracefulServer)
     )
     try:
-        GracefulServer(config, app.state.drain).run()
+        GracefulServer(config, app.state.shutdown_worker).run()
     except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT after its graceful shutdown
         logger.info("server stopped")
     finally:

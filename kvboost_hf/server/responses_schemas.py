@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from kvboost_hf.core.errors import InputError
 from kvboost_hf.server.schemas import FUNCTION_NAME_PATTERN, DocumentBoundaryName, _Strict
 
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on ``metadata``
@@ -34,13 +35,13 @@ class TextPart(BaseModel):
     @model_validator(mode="after")
     def _text_only(self) -> TextPart:
         if self.type in ("input_image", "input_file", "input_audio"):
-            raise ValueError(f"{self.type} parts are unsupported: this server's model reads text only")
+            raise InputError(f"{self.type} parts are unsupported: this server's model reads text only")
         if self.type not in ("input_text", "output_text"):
-            raise ValueError(f"content parts of type {self.type!r} are unsupported (input_text, output_text)")
+            raise InputError(f"content parts of type {self.type!r} are unsupported (input_text, output_text)")
         if self.model_extra:
-            raise ValueError(f"unsupported field(s) {sorted(self.model_extra)} in a {self.type} part")
+            raise InputError(f"unsupported field(s) {sorted(self.model_extra)} in a {self.type} part")
         if self.text is None:
-            raise ValueError(f"an {self.type} part needs 'text'")
+            raise InputError(f"an {self.type} part needs 'text'")
         return self
 
 
@@ -133,9 +134,9 @@ class TextFormat(_Strict):
     @model_validator(mode="after")
     def _schema_given(self) -> TextFormat:
         if self.type == "json_schema" and (self.name is None or self.schema_ is None):
-            raise ValueError("type 'json_schema' needs 'name' and 'schema'")
+            raise InputError("type 'json_schema' needs 'name' and 'schema'")
         if self.type != "json_schema" and (self.name, self.schema_, self.strict) != (None, None, None):
-            raise ValueError(f"'name', 'schema' and 'strict' belong to type 'json_schema', not {self.type!r}")
+            raise InputError(f"'name', 'schema' and 'strict' belong to type 'json_schema', not {self.type!r}")
         return self
 
 
@@ -182,10 +183,10 @@ class ResponsesRequest(_Strict):
     def _check_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
         pairs = value or {}
         if len(pairs) > MAX_METADATA_PAIRS:
-            raise ValueError(f"metadata holds at most {MAX_METADATA_PAIRS} pairs")
+            raise InputError(f"metadata holds at most {MAX_METADATA_PAIRS} pairs")
         for key, text in pairs.items():
             if len(key) > MAX_METADATA_KEY_CHARS or len(text) > MAX_METADATA_VALUE_CHARS:
-                raise ValueError(
+                raise InputError(
                     f"metadata keys are up to {MAX_METADATA_KEY_CHARS} characters and values up to "
                     f"{MAX_METADATA_VALUE_CHARS}"
                 )

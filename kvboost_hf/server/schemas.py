@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvboost_hf.core.errors import InputError
+
 MAX_STOP_STRINGS = 4
 DocumentBoundaryName = Literal["none", "parts", "messages"]
 MAX_TOP_LOGPROBS = 20
@@ -54,11 +56,11 @@ class ContentPart(BaseModel):
     @model_validator(mode="after")
     def _text_only(self) -> ContentPart:
         if self.type in ("image_url", "input_image", "image"):
-            raise ValueError("images are unsupported: this server's model reads text only")
+            raise InputError("images are unsupported: this server's model reads text only")
         if self.type != "text":
-            raise ValueError(f"content parts of type {self.type!r} are unsupported (text only)")
+            raise InputError(f"content parts of type {self.type!r} are unsupported (text only)")
         if self.text is None:
-            raise ValueError("a text part needs 'text'")
+            raise InputError("a text part needs 'text'")
         return self
 
 
@@ -87,9 +89,9 @@ class ChatMessage(_Message):
     @model_validator(mode="after")
     def _roles(self) -> ChatMessage:
         if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
+            raise InputError("only assistant messages carry tool_calls")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content")
+            raise InputError(f"a {self.role} message needs content")
         return self
 
     def text(self) -> str:
@@ -139,7 +141,7 @@ class ResponseFormat(_Strict):
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("json_schema is required with type 'json_schema' and only then")
+            raise InputError("json_schema is required with type 'json_schema' and only then")
         return self
 
 
@@ -180,7 +182,7 @@ class _GenerationRequest(_Strict):
     def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
         stops = [value] if isinstance(value, str) else value or []
         if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-            raise ValueError(f"stop must be up to {MAX_STOP_STRINGS} non-empty strings")
+            raise InputError(f"stop must be up to {MAX_STOP_STRINGS} non-empty strings")
         return value
 
     @field_validator("logit_bias")
@@ -188,9 +190,9 @@ class _GenerationRequest(_Strict):
     def _check_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for token, bias in (value or {}).items():
             if not (token.isascii() and token.isdigit()):  # "²".isdigit() is True, int("²") fails
-                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+                raise InputError(f"logit_bias keys are token ids, got {token!r}")
             if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+                raise InputError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
         return value
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -214,8 +216,9 @@ class ChatCompletionRequest(_GenerationRequest):
     parallel_tool_calls: bool = True
     document_boundaries: DocumentBoundaryName | None = Field(
         default=None,
-        description="Extension: which contents start documents for non-prefix reuse (--reuse-mode chunk): 'parts' "
-        "(each text part of a message with several), 'messages' (also each message), 'none'; default: the server's.",
+        description="Extension: which contents start documents for non-prefix reuse (--reuse-mode chunk_kv_reuse): "
+        "'parts' (each text part of a message with several), 'messages' (also each message), 'none'; default: the "
+        "server's.",
     )
 
 

@@ -1,19 +1,15 @@
-"""Server settings and the reuse modes a server can run in."""
+"""Server settings."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from kvboost_hf.core.config import GenerationMode
+from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
+from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE
 from kvboost_hf.server.grammar import GrammarConfig
-
-REUSE_MODES = {
-    "off": GenerationMode.BASELINE,  # plain K/V per request
-    "prefix": GenerationMode.PREFIX_CACHE,  # exact prefix hits: outputs equal no reuse, batched or alone
-    "chunk": GenerationMode.CHUNK_KV_REUSE,  # also repaired non-prefix hits (approximate, single-row batches)
-}
 
 
 @dataclass(frozen=True)
@@ -23,7 +19,10 @@ class ServerConfig:
     Attributes:
         model_name: the model id clients send and responses carry.
         api_key: required Bearer key (None: no authentication).
-        reuse_mode: a key of ``REUSE_MODES`` (off, prefix, chunk).
+        reuse_mode: a :class:`~kvboost_hf.core.config.GenerationMode` value: ``baseline`` (plain K/V per request),
+            ``prefix_cache`` (exact prefix hits: outputs equal no reuse, batched or alone) or ``chunk_kv_reuse``
+            (also repaired non-prefix hits: approximate, prefilled alone). The former spellings ``off``,
+            ``prefix``, ``chunk`` are accepted and stored as these.
         batch_window_ms: how long a tenant's oldest waiting request waits for others before a new batch forms (ms).
         max_batch_size: rows generated at once.
         max_queue: requests waiting before 429.
@@ -40,7 +39,7 @@ class ServerConfig:
         max_connections_per_client: open connections per client address, 0: no cap (429 beyond).
             Behind a reverse proxy all clients share its address: raise it there.
         max_warm_documents: most documents one /v1/warm request may store (400 beyond).
-        document_boundaries: which chat contents start documents for non-prefix reuse with reuse_mode chunk
+        document_boundaries: which chat contents start documents for non-prefix reuse with reuse_mode chunk_kv_reuse
             (parts: each text part of a message with several; messages: also each message's content; none), unless
             a request names its own (see :mod:`kvboost_hf.hf.chat_segments`).
         grammar_limits: bounds of structured output and tool-call constraints (schema size: 400 beyond; compiles
@@ -49,9 +48,9 @@ class ServerConfig:
 
     model_name: str = EMBEDDED_MODEL_NAME
     api_key: str | None = None
-    reuse_mode: str = "prefix"
+    reuse_mode: str = GenerationMode.PREFIX_CACHE.value
     batch_window_ms: float = 10.0
-    max_batch_size: int = 8
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_queue: int = 64
     default_max_tokens: int = 256
     max_tokens_limit: int | None = None
@@ -66,11 +65,15 @@ class ServerConfig:
     grammar_limits: GrammarConfig = field(default_factory=GrammarConfig)
 
     def __post_init__(self) -> None:
-        if self.reuse_mode not in REUSE_MODES:
-            raise ValueError(f"reuse_mode must be one of {sorted(REUSE_MODES)}, got {self.reuse_mode!r}")
+        try:
+            mode = GenerationMode(self.reuse_mode)
+        except ValueError:
+            names = [mode.value for mode in GenerationMode]
+            raise ConfigError(f"reuse_mode must be one of {names}, got {self.reuse_mode!r}") from None
+        object.__setattr__(self, "reuse_mode", mode.value)  # a former spelling is stored as the mode's value
         if self.max_batch_size < 1 or self.max_queue < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"max_batch_size and max_queue must be >= 1, got {self.max_batch_size} and {self.max_queue}"
             )
         if self.batch_window_ms < 0:
-            raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
+            raise ConfigError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")

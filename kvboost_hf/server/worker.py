@@ -28,13 +28,14 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kvboost_hf.core.errors import KVBoostError
+from kvboost_hf.core.config import GenerationMode
+from kvboost_hf.core.errors import CapacityError, KVBoostError
 from kvboost_hf.engine import InferenceEngine, Prompt
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.scheduling import SchedulerOutput, StepReport
 from kvboost_hf.server.batching import Job, JobRun, ShuttingDown
 from kvboost_hf.server.metrics import Metrics
-from kvboost_hf.server.settings import REUSE_MODES, ServerConfig
+from kvboost_hf.server.settings import ServerConfig
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,8 +56,8 @@ class Worker:
 
     Args:
         engine: the engine (its model is used from this worker only).
-        settings: the server's settings; the worker reads ``reuse_mode`` (:data:`REUSE_MODES`: ``prefix`` for exact
-            prefix hits, ``chunk`` also for repaired non-prefix hits, ``off`` for plain K/V), ``batch_window_ms``,
+        settings: the server's settings; the worker reads ``reuse_mode`` (a :class:`GenerationMode` value),
+            ``batch_window_ms``,
             ``max_batch_size`` (rows running at once, over all batches) and ``max_queue`` (jobs waiting before
             ``submit`` refuses). Jobs are batched by the engine's :meth:`~InferenceEngine.batch_policy` (the rules
             of ``generate_many``: a job with document segments, or whose reuse needs repair, is prefilled alone,
@@ -69,7 +70,7 @@ class Worker:
     ) -> None:
         settings = settings or ServerConfig()
         self.engine = engine
-        self.mode = REUSE_MODES[settings.reuse_mode]
+        self.mode = GenerationMode(settings.reuse_mode)
         self.max_batch_size = settings.max_batch_size
         self.max_queue = settings.max_queue
         self.metrics = metrics or Metrics()
@@ -126,7 +127,7 @@ class Worker:
         Raises Overloaded (queue full), ShuttingDown, or ValueError when ``job.n`` exceeds ``max_batch_size``.
         """
         if not 1 <= job.n <= self.max_batch_size:
-            raise ValueError(f"a job needs 1 to max_batch_size={self.max_batch_size} rows, got n={job.n}")
+            raise CapacityError(f"a job needs 1 to max_batch_size={self.max_batch_size} rows, got n={job.n}")
         run = JobRun(self.engine, job, self.tokenizer_lock, self.metrics.observe_token)
         with self._cond:
             if self._closing:
@@ -154,7 +155,7 @@ class Worker:
             self._cond.notify()
         return future
 
-    def shutdown(self, grace_s: float = 10.0) -> None:
+    def shutdown(self, grace_s: float = ServerConfig.shutdown_grace_s) -> None:
         """Refuse new jobs, let queued and running ones finish for up to ``grace_s`` seconds, cancel the rest."""
         with self._cond:
             self._closing = True
@@ -217,7 +218,7 @@ class Worker:
                     self._cancel_everything()
                 calls, self._calls = self._calls, []
                 self._woken = False
-                self.scheduler.drain = self._closing  # closing: admit what waits without its window
+                self.scheduler.skip_windows = self._closing  # closing: admit what waits without its window
             output = self.scheduler.schedule()
             if output.work or calls:
                 return output, calls

@@ -12,12 +12,16 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeAlias
 
 from kvboost_hf.core.chunk_kv import ChunkKV
+from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.store.quantization import QuantizedChunk
 
 logger = logging.getLogger(__name__)
 
 StoredChunk: TypeAlias = ChunkKV | QuantizedChunk
 """What tiers hold: the K/V as computed (``kv_cache_bits=16``) or KIVI-quantized (8 or 4 bits)."""
+
+
+CLOSE_TIMEOUT_S = 10.0  # seconds flush() and close() wait for background writes unless told otherwise
 
 
 class StorageTier(ABC):
@@ -100,11 +104,11 @@ class StorageTier(ABC):
         for key, entry in entries:
             self.put(key, entry)
 
-    def flush(self, timeout_s: float = 10.0) -> bool:
+    def flush(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
         """Wait up to ``timeout_s`` for background writes; False if some are still pending (default: none)."""
         return True
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Finish background writes (up to ``timeout_s``) and release resources; idempotent (default: nothing)."""
         return None  # a tier without this feature has nothing to do
 
@@ -215,7 +219,7 @@ class BackgroundWriter:
         retry_s: float = 0.05,
     ) -> None:
         if queue_size < 1 or batch_size < 1:
-            raise ValueError(f"queue_size and batch_size must be >= 1, got {queue_size}, {batch_size}")
+            raise ConfigError(f"queue_size and batch_size must be >= 1, got {queue_size}, {batch_size}")
         self.name = name
         self.queue_size = queue_size
         self.batch_size = batch_size
@@ -270,7 +274,7 @@ class BackgroundWriter:
         """Whether the writer thread is alive (after :meth:`close`: still finishing a write)."""
         return self._thread.is_alive()
 
-    def flush(self, timeout_s: float = 10.0) -> bool:
+    def flush(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
         """Wait until every submitted item is written (or failed); False if ``timeout_s`` passed first."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
@@ -281,7 +285,7 @@ class BackgroundWriter:
                 self._cond.wait(remaining)
         return True
 
-    def close(self, timeout_s: float = 10.0) -> bool:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
         """Drain, then stop the thread, within ``timeout_s`` (plus two ``retry_s`` for a write that was waiting for
         busy storage: it then drops what is left); later submits are dropped. True if all was written."""
         deadline = time.monotonic() + timeout_s

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvboost_hf.core.chunk_kv import ChunkKV
-from kvboost_hf.store.base import StorageTier, StoredChunk
+from kvboost_hf.core.errors import ArgumentTypeError
+from kvboost_hf.store.base import CLOSE_TIMEOUT_S, StorageTier, StoredChunk
 from kvboost_hf.store.config import StoreConfig
 from kvboost_hf.store.quantization import QuantizedChunk, quantize_chunk
 from kvboost_hf.store.ram import GpuTier, RamTier
@@ -84,7 +85,9 @@ class ChunkStore:
         config = config if config is not None else StoreConfig()
         if not isinstance(config, StoreConfig):
             kind = type(config).__name__
-            raise TypeError(f"ChunkStore takes a StoreConfig, got {kind}: write ChunkStore(StoreConfig({config!r}))")
+            raise ArgumentTypeError(
+                f"ChunkStore takes a StoreConfig, got {kind}: write ChunkStore(StoreConfig({config!r}))"
+            )
         self.config = config
         self.kv_cache_bits = config.kv_cache_bits
         self.kv_group_size = config.kv_group_size
@@ -262,7 +265,7 @@ class ChunkStore:
         with self._lock:
             self._tail_lengths.clear()
 
-    def flush(self, timeout_s: float = 10.0) -> None:
+    def flush(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Wait (up to ``timeout_s`` per tier) until queued writes to the lower tiers are done; RAM entries
         missing from a local lower tier (their write was dropped from a full queue) are queued again first."""
         if self._closed:
@@ -273,7 +276,7 @@ class ChunkStore:
                     _write_unless_held(tier, key, stored)
             tier.flush(timeout_s)
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """:meth:`flush`, then close the lower tiers, each tier within ``timeout_s`` in all. Idempotent;
         afterwards lookups see RAM only and puts stay in RAM."""
         deadline = time.monotonic() + timeout_s

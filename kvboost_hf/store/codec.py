@@ -28,12 +28,12 @@ import sys
 import torch
 
 from kvboost_hf.core.chunk_kv import ChunkKV
-from kvboost_hf.core.errors import KVBoostError
+from kvboost_hf.core.errors import InputError, KVBoostError, MissingDependencyError
 from kvboost_hf.store.base import StoredChunk
 from kvboost_hf.store.quantization import QuantizedChunk, QuantizedTensor, packed_numel, stats_shape
 
 if sys.byteorder != "little":  # raw tensor bytes are written in host order
-    raise ImportError("kvboost_hf's storage format needs a little-endian host")
+    raise MissingDependencyError("kvboost_hf's storage format needs a little-endian host")
 
 MAGIC = b"KVBC"
 FORMAT_VERSION = 1
@@ -93,7 +93,7 @@ def encode(key: str, entry: StoredChunk) -> bytearray:
     if isinstance(entry, QuantizedChunk):
         k, v = entry.keys, entry.values
         if (k.bits, k.group_size) != (v.bits, v.group_size) or not k.per_channel or v.per_channel:
-            raise ValueError("quantized chunk must have keys per channel and values per token with equal settings")
+            raise InputError("quantized chunk must have keys per channel and values per token with equal settings")
         form, dtypes, bits, group = _QUANTIZED, (k.dtype, v.dtype), k.bits, k.group_size
         shapes = (k.shape, v.shape)
         tensors = [k.data, k.scale, k.zero, v.data, v.scale, v.zero]
@@ -102,7 +102,7 @@ def encode(key: str, entry: StoredChunk) -> bytearray:
         shapes = (_shape4(entry.keys), _shape4(entry.values))
         tensors = [entry.keys, entry.values]
     if any(d not in _DTYPE_CODES for d in dtypes):
-        raise ValueError(f"unsupported K/V dtypes {dtypes}")
+        raise InputError(f"unsupported K/V dtypes {dtypes}")
     key_bytes = key.encode("ascii")
     body = _KEY_LEN.pack(len(key_bytes)) + key_bytes
     body += _BODY.pack(_DTYPE_CODES[dtypes[0]], _DTYPE_CODES[dtypes[1]], bits, group, *shapes[0], *shapes[1])

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvboost_hf.core.errors import ConfigError
+from kvboost_hf.core.keys import FULL_PRECISION_BITS
 from kvboost_hf.store.base import StorageTier
 from kvboost_hf.store.disk import DEFAULT_MAX_BYTES as DEFAULT_DISK_MAX_BYTES
 from kvboost_hf.store.disk import DiskTier
 from kvboost_hf.store.quantization import DEFAULT_GROUP_SIZE, SUPPORTED_BITS
-from kvboost_hf.store.remote import DEFAULT_PREFIX, RemoteTier
+from kvboost_hf.store.remote import DEFAULT_PREFIX, DEFAULT_READ_TIMEOUT_S, RemoteTier
 
 
 @dataclass(frozen=True)
@@ -42,14 +44,14 @@ class StoreConfig:
     """
 
     max_bytes: int = 2 << 30
-    kv_cache_bits: int = 16
+    kv_cache_bits: int = FULL_PRECISION_BITS
     kv_group_size: int = DEFAULT_GROUP_SIZE
     disk_cache_dir: str | os.PathLike[str] | None = None
     disk_max_bytes: int = DEFAULT_DISK_MAX_BYTES
     remote_url: str | None = None
     remote_prefix: str = DEFAULT_PREFIX
     remote_ttl_s: float | None = None
-    remote_read_timeout_s: float = 0.25
+    remote_read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
     remote_hmac_key: bytes | str | None = None
     device: torch.device | str = "cpu"
     pin_memory: bool | None = None
@@ -58,13 +60,13 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         if self.max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {self.max_bytes}")
+            raise ConfigError(f"max_bytes must be >= 0, got {self.max_bytes}")
         if self.kv_cache_bits != 16 and self.kv_cache_bits not in SUPPORTED_BITS:
-            raise ValueError(f"kv_cache_bits must be 16, 8 or 4, got {self.kv_cache_bits}")
+            raise ConfigError(f"kv_cache_bits must be 16, 8 or 4, got {self.kv_cache_bits}")
         if self.gpu_max_bytes is not None and self.gpu_max_bytes < 0:
-            raise ValueError(f"gpu_max_bytes must be >= 0 (0: no GPU tier), got {self.gpu_max_bytes}")
+            raise ConfigError(f"gpu_max_bytes must be >= 0 (0: no GPU tier), got {self.gpu_max_bytes}")
         if self.kv_group_size < 1:
-            raise ValueError(f"kv_group_size must be >= 1 (tokens or channels), got {self.kv_group_size}")
+            raise ConfigError(f"kv_group_size must be >= 1 (tokens or channels), got {self.kv_group_size}")
 
     @property
     def pins_memory(self) -> bool:
@@ -90,7 +92,7 @@ class StoreConfig:
         if self.gpu_device is not None:
             return torch.device(self.gpu_device)
         if not torch.cuda.is_available():
-            raise ValueError(f"gpu_max_bytes={self.gpu_max_bytes} needs a gpu_device: no CUDA device is available")
+            raise ConfigError(f"gpu_max_bytes={self.gpu_max_bytes} needs a gpu_device: no CUDA device is available")
         return torch.device("cuda", torch.cuda.current_device())
 
     def build_tiers(self) -> list[StorageTier]:

@@ -58,9 +58,9 @@ from typing import Any
 
 import lmdb
 
-from kvboost_hf.core.errors import KVBoostError
+from kvboost_hf.core.errors import ConfigError, KVBoostError
 from kvboost_hf.store import codec
-from kvboost_hf.store.base import BackgroundWriter, StorageTier, StoredChunk
+from kvboost_hf.store.base import CLOSE_TIMEOUT_S, BackgroundWriter, StorageTier, StoredChunk
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +95,9 @@ class DiskTier(StorageTier):
         lease_s: float = 10.0,
     ):
         if max_bytes < 1:
-            raise ValueError(f"disk max_bytes must be >= 1, got {max_bytes}")
+            raise ConfigError(f"disk max_bytes must be >= 1, got {max_bytes}")
         if lock_wait_s <= 0 or lease_s <= 0:
-            raise ValueError(f"disk lock_wait_s and lease_s must be > 0, got {lock_wait_s}, {lease_s}")
+            raise ConfigError(f"disk lock_wait_s and lease_s must be > 0, got {lock_wait_s}, {lease_s}")
         self.directory = Path(directory)
         self.max_bytes = max_bytes
         self.lock_wait_s = lock_wait_s  # seconds a background write waits for another process's write lock
@@ -260,7 +260,7 @@ class DiskTier(StorageTier):
         """Writes submitted and not yet committed."""
         return len(self._writer)
 
-    def flush(self, timeout_s: float = 10.0) -> bool:
+    def flush(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
         """Wait (up to ``timeout_s``) until queued writes are committed, then commit hit counts (if the write
         lock is free in the time left). True only if everything queued before the call is on disk and no chunk
         was lost since the last flush (see the module docstring)."""
@@ -273,7 +273,7 @@ class DiskTier(StorageTier):
             logger.warning("disk tier: %d chunks written to %s since the last flush were lost", lost, self.directory)
         return drained and not lost
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Commit queued writes, stop the writer and close LMDB, all within ``timeout_s`` (what could not be
         written in time is dropped, counted). Idempotent; later calls to any method are misses."""
         deadline = time.monotonic() + timeout_s

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvboost_hf.core.chunk_kv import pinned_copy
+from kvboost_hf.core.errors import ConfigError, InputError
 
 SUPPORTED_BITS = (4, 8)
 DEFAULT_GROUP_SIZE = 64
@@ -78,7 +79,7 @@ class QuantizedTensor:
             or tuple(self.scale.shape) != expected_stats
             or tuple(self.zero.shape) != expected_stats
         ):
-            raise ValueError(f"inconsistent quantized tensor: shape {self.shape}, bits {self.bits}")
+            raise InputError(f"inconsistent quantized tensor: shape {self.shape}, bits {self.bits}")
 
     @property
     def nbytes(self) -> int:
@@ -154,11 +155,11 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, per_channel: bool) -> 
     float16 statistics.
     """
     if bits not in SUPPORTED_BITS:
-        raise ValueError(f"kv_cache_bits must be one of {SUPPORTED_BITS} for quantization, got {bits}")
+        raise ConfigError(f"kv_cache_bits must be one of {SUPPORTED_BITS} for quantization, got {bits}")
     if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
+        raise ConfigError(f"group_size must be >= 1, got {group_size}")
     if x.dim() != 4:
-        raise ValueError(f"expected [layers, heads, tokens, head_dim], got shape {tuple(x.shape)}")
+        raise InputError(f"expected [layers, heads, tokens, head_dim], got shape {tuple(x.shape)}")
     shape = (int(x.shape[0]), int(x.shape[1]), int(x.shape[2]), int(x.shape[3]))
     codes, scale, zero = _quantize_along(x.float(), _group_axis(per_channel), bits, group_size)
     return QuantizedTensor(_pack(codes.reshape(-1), bits), scale, zero, shape, x.dtype, bits, group_size, per_channel)
@@ -174,7 +175,7 @@ def _quantize_along(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes (uint8, shape of ``x``), scale and zero (float16, ``ceil(n / group_size)`` groups on ``axis``)."""
     if not bool(torch.isfinite(x).all()):
-        raise ValueError("cannot quantize K/V that contain inf or nan")
+        raise InputError("cannot quantize K/V that contain inf or nan")
     n = x.shape[axis]
     pad = -n % group_size
     if pad:  # replicating the last element keeps every group's min and max unchanged
@@ -183,7 +184,7 @@ def _quantize_along(
     groups = x.unflatten(axis, (-1, group_size))
     lo, hi = groups.amin(dim=axis + 1), groups.amax(dim=axis + 1)
     if lo.numel() and float(torch.maximum(lo.abs(), hi.abs()).max()) > torch.finfo(STATS_DTYPE).max / 2:
-        raise ValueError("K/V magnitude exceeds what float16 quantization statistics can represent")
+        raise InputError("K/V magnitude exceeds what float16 quantization statistics can represent")
     levels = (1 << bits) - 1
     zero = lo.to(STATS_DTYPE)
     zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, float("-inf"))), zero)

@@ -6,6 +6,7 @@ import threading
 
 import torch
 
+from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.store.base import FrequencyRecencyOrder, StorageTier, StoredChunk
 
 
@@ -22,7 +23,7 @@ class RamTier(StorageTier):
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+            raise ConfigError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self._entries: dict[str, StoredChunk] = {}
         self._order = FrequencyRecencyOrder()

@@ -39,12 +39,14 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from kvboost_hf.core.errors import ConfigError, MissingDependencyError
 from kvboost_hf.store import codec
-from kvboost_hf.store.base import BackgroundWriter, StorageTier, StoredChunk
+from kvboost_hf.store.base import CLOSE_TIMEOUT_S, BackgroundWriter, StorageTier, StoredChunk
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "kvboost:"
+DEFAULT_READ_TIMEOUT_S = 0.25  # seconds a lookup may wait before it is a miss (StoreConfig.remote_read_timeout_s)
 _TAIL = "tail:"
 _DELETE = object()
 _SEAL = b"KVBH"
@@ -69,7 +71,7 @@ class RemoteTier(StorageTier):
         prefix: str = DEFAULT_PREFIX,
         queue_size: int = 256,
         timeout_s: float = 1.0,
-        read_timeout_s: float = 0.25,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
         retry_after_s: float = 2.0,
         ttl_s: float | None = None,
         hmac_key: bytes | str | None = None,
@@ -81,11 +83,11 @@ class RemoteTier(StorageTier):
             from redis.backoff import NoBackoff
             from redis.retry import Retry
         except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise ImportError("remote_url needs the redis client: pip install 'kvboost_hf[remote]'") from exc
+            raise MissingDependencyError("remote_url needs the redis client: pip install 'kvboost_hf[remote]'") from exc
         if ttl_s is not None and ttl_s <= 0:
-            raise ValueError(f"remote ttl_s must be > 0 seconds, got {ttl_s}")
+            raise ConfigError(f"remote ttl_s must be > 0 seconds, got {ttl_s}")
         if read_timeout_s <= 0 or timeout_s <= 0:
-            raise ValueError(f"Redis timeouts must be > 0 seconds, got {timeout_s}, {read_timeout_s}")
+            raise ConfigError(f"Redis timeouts must be > 0 seconds, got {timeout_s}, {read_timeout_s}")
         self.prefix = prefix
         self.retry_after_s = retry_after_s
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
@@ -269,11 +271,11 @@ class RemoteTier(StorageTier):
                 self.on_reconnect()
         return restarted
 
-    def flush(self, timeout_s: float = 10.0) -> bool:
+    def flush(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
         """Wait until every queued write is done (or dropped); False if ``timeout_s`` passed first."""
         return self._writer.flush(timeout_s)
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Finish queued writes (up to ``timeout_s``), stop the writer and close the connections. Idempotent."""
         self._stop_watch.set()
         self._writer.close(timeout_s)

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from kvboost_hf.core.errors import InputError
 from kvboost_hf.kernels.awq_linear import AwqInt4Linear
 from kvboost_hf.kernels.awq_reference import BITS
 from kvboost_hf.tools.awq_pack import checkpoint_files
@@ -50,7 +51,7 @@ def _awq_settings(path: Path) -> dict:
     wanted = {"quant_method": "awq", "bits": BITS, "zero_point": True, "version": "gemm"}
     found = {key: settings.get(key) for key in wanted}
     if found != wanted or not isinstance(settings.get("group_size"), int):
-        raise ValueError(f"{path} is not a 4-bit AWQ GEMM checkpoint with zero points: quantization_config {settings}")
+        raise InputError(f"{path} is not a 4-bit AWQ GEMM checkpoint with zero points: quantization_config {settings}")
     return settings
 
 
@@ -84,9 +85,9 @@ def load_awq_model(
         model.tie_weights()
         missing = [key for key in missing if not key.startswith("lm_head.")]
     if missing or unexpected:
-        raise ValueError(f"{path}: tensors missing {missing[:5]}, tensors unknown to the model {unexpected[:5]}")
+        raise InputError(f"{path}: tensors missing {missing[:5]}, tensors unknown to the model {unexpected[:5]}")
     rebuild_computed_buffers(model, target)
     meta = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
     if meta:
-        raise ValueError(f"{path}: no values for {meta[:5]}")
+        raise InputError(f"{path}: no values for {meta[:5]}")
     return model.eval()

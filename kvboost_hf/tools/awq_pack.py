@@ -34,6 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from kvboost_hf.core.errors import ConfigError, InputError, KVBoostError, MissingFileError
 from kvboost_hf.kernels.awq_linear import AwqInt4Linear
 from kvboost_hf.kernels.awq_reference import AWQ_ORDER, BITS, MAX_CODE, PACK, dequantize_awq
 
@@ -43,14 +44,18 @@ _LAYER_WEIGHT = re.compile(r"(^|\.)(layers|h|blocks)\.\d+\..*\.weight$")
 RANDOM_ZERO = 8  # the zero point of random int4 layers: codes 0..15 stand for -8..7 steps
 
 
+class CheckpointExistsError(KVBoostError, FileExistsError):
+    """The destination folder already holds a checkpoint (packing never overwrites one)."""
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """Pack int codes in ``[0, 15]`` of shape ``[rows, cols]`` (cols divisible by 8) into int32 ``[rows, cols/8]``
     in the AWQ GEMM nibble order."""
     rows, cols = codes.shape
     if cols % PACK:
-        raise ValueError(f"AWQ packing needs a column count divisible by {PACK}, got {cols}")
+        raise InputError(f"AWQ packing needs a column count divisible by {PACK}, got {cols}")
     if codes.min() < 0 or codes.max() > MAX_CODE:
-        raise ValueError("int4 codes must lie in [0, 15]")
+        raise InputError("int4 codes must lie in [0, 15]")
     grouped = codes.to(torch.int64).reshape(rows, cols // PACK, PACK)
     packed = torch.zeros(rows, cols // PACK, dtype=torch.int64, device=codes.device)
     for nibble, column in enumerate(AWQ_ORDER):
@@ -62,9 +67,9 @@ def quantize_linear(weight: torch.Tensor, group_size: int) -> dict[str, torch.Te
     """Round-to-nearest asymmetric int4 of a linear weight ``[out, in]``: ``qweight``, ``qzeros``, ``scales``."""
     out_features, in_features = weight.shape
     if in_features % group_size:
-        raise ValueError(f"input size {in_features} is not divisible by group_size={group_size}")
+        raise InputError(f"input size {in_features} is not divisible by group_size={group_size}")
     if out_features % PACK:
-        raise ValueError(f"output size {out_features} is not divisible by {PACK} (int4 codes per int32)")
+        raise InputError(f"output size {out_features} is not divisible by {PACK} (int4 codes per int32)")
     groups = weight.detach().float().t().reshape(in_features // group_size, group_size, out_features)
     low = groups.amin(dim=1).clamp(max=0.0)
     high = groups.amax(dim=1).clamp(min=0.0)
@@ -174,7 +179,7 @@ def checkpoint_files(src: Path) -> list[str]:
         return sorted(set(json.loads(index.read_text())["weight_map"].values()))
     if (src / "model.safetensors").exists():
         return ["model.safetensors"]
-    raise FileNotFoundError(f"{src} holds no model.safetensors or model.safetensors.index.json")
+    raise MissingFileError(f"{src} holds no model.safetensors or model.safetensors.index.json")
 
 
 def pack_checkpoint(src: str | Path, dst: str | Path, group_size: int = 64) -> Path:
@@ -182,11 +187,11 @@ def pack_checkpoint(src: str | Path, dst: str | Path, group_size: int = 64) -> P
     src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
     if "quantization_config" in config:
-        raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
+        raise InputError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
     if group_size < PACK or group_size & (group_size - 1):
-        raise ValueError(f"group_size must be a power of two >= {PACK}, got {group_size}")
+        raise ConfigError(f"group_size must be a power of two >= {PACK}, got {group_size}")
     if (dst / "config.json").exists():
-        raise FileExistsError(f"{dst} already holds a checkpoint")
+        raise CheckpointExistsError(f"{dst} already holds a checkpoint")
     dst.mkdir(parents=True, exist_ok=True)
     files = checkpoint_files(src)
     weight_map: dict[str, str] = {}
@@ -205,7 +210,7 @@ def pack_checkpoint(src: str | Path, dst: str | Path, group_size: int = 64) -> P
         save_file(out, dst / name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(out, name))
     if quantized == 0:
-        raise ValueError(f"no decoder-layer linear weights found in {src}")
+        raise InputError(f"no decoder-layer linear weights found in {src}")
     if len(files) > 1:
         total = sum((dst / name).stat().st_size for name in files)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -23,6 +23,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvboost_hf.core.errors import NotFoundError
+
 PACKAGE = "kvboost_hf"
 
 #: Layers, lowest first. A module belongs to the first entry whose prefix matches its dotted name (after
@@ -70,13 +72,14 @@ def discover_modules(root: Path) -> dict[str, Path]:
 
 
 def layer_of(module: str) -> int:
-    """Index in :data:`LAYERS` of ``module`` (a dotted name); raises ``KeyError`` for a module no layer names."""
+    """Index in :data:`LAYERS` of ``module`` (a dotted name); raises :class:`NotFoundError` (a ``LookupError``)
+    for a module no layer names."""
     rest = module.removeprefix(PACKAGE).removeprefix(".") or "__init__"
     head = rest.split(".")[0]
     for index, (_, prefixes) in enumerate(LAYERS):
         if head in prefixes:
             return index
-    raise KeyError(f"{module}: no layer in LAYERS names it")
+    raise NotFoundError(f"{module}: no layer in LAYERS names it")
 
 
 def _is_type_checking(test: ast.expr) -> bool:
