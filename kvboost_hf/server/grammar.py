@@ -47,6 +47,7 @@ import xgrammar
 from transformers import LogitsProcessor, PreTrainedTokenizerBase
 
 from kvboost_hf.core.errors import KVBoostError, StateError
+from kvboost_hf.hf.detokenize import IncrementalText
 from kvboost_hf.server.grammar_process import CompileDied, CompileFailed, CompilePool, CompileProcess, CompileTimeout
 
 TOOL_CALL_BEGIN = "<tool_call>"
@@ -320,15 +321,15 @@ class GrammarProcessor(LogitsProcessor):
     def __init__(self, grammar: xgrammar.CompiledGrammar, prompt_length: int, vocab_size: int) -> None:
         self.matcher = xgrammar.GrammarMatcher(grammar)
         self.prompt_length = prompt_length
-        self.consumed = 0
+        self.generated: list[int] = []  # the row's generated tokens, each read from ``input_ids`` once
         self.bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        generated = input_ids[0, self.prompt_length :].tolist()
-        for token in generated[self.consumed :]:
+        new = input_ids[0, self.prompt_length + len(self.generated) :].tolist()  # host work per token: O(new)
+        for token in new:
             if not self.matcher.accept_token(token):
                 raise StateError(f"token {token} violates the grammar (the mask was bypassed)")
-        self.consumed = len(generated)
+        self.generated += new
         self.matcher.fill_next_token_bitmask(self.bitmask)
         masked = scores.clone()
         xgrammar.apply_token_bitmask_inplace(masked, self.bitmask.to(masked.device))
@@ -346,7 +347,12 @@ class ToolCallProcessor(GrammarProcessor):
     the shortest complete call of the turn took (counted from the end of the call before it, the first from the
     start of the answer): a further call, most often the model's repeat, could not complete, and the answer would
     end with ``finish_reason "length"`` around complete calls. ``decode``: generated token ids -> text, safe to call
-    from the decoding thread."""
+    from the decoding thread.
+
+    Host work per token does not grow with the answer: the text is detokenized incrementally
+    (:class:`~kvboost_hf.hf.detokenize.IncrementalText`), and it is read for calls (:func:`_read`) only when it
+    holds a new end of call (``}</tool_call>``): the grammar puts one after every call before the turn may end, so
+    the count of complete calls and a repeat can only change there."""
 
     def __init__(
         self,
@@ -363,6 +369,9 @@ class ToolCallProcessor(GrammarProcessor):
         self.complete_calls = 0  # complete calls read so far
         self.last_call_end = 0  # generated tokens when the last of them was first seen complete
         self.shortest_call: int | None = None  # fewest tokens a complete call of this turn took
+        self.text = IncrementalText()
+        self.call_ends_read = 0  # ends of calls in the text when it was last read
+        self.repeated = False  # that reading found a repeated call
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         masked = super().__call__(input_ids, scores)
@@ -370,15 +379,19 @@ class ToolCallProcessor(GrammarProcessor):
         ends[:, self.end_token_ids] = masked[:, self.end_token_ids]
         if not torch.isfinite(ends).any():  # the grammar does not allow ending here: nothing to decide
             return masked
-        generated = input_ids[0, self.prompt_length :].tolist()
-        reading = _read(self.decode(generated), final=False)
-        complete = sum(call.complete for call in reading.calls)
-        if complete > self.complete_calls:  # one call per step while decoding; several share the span evenly
-            span = (len(generated) - self.last_call_end) // (complete - self.complete_calls)
-            self.shortest_call = span if self.shortest_call is None else min(self.shortest_call, span)
-            self.complete_calls, self.last_call_end = complete, len(generated)
-        no_room = self.shortest_call is not None and self.max_new_tokens - len(generated) < self.shortest_call
-        return ends if reading.repeated or no_room else masked
+        generated = len(self.generated)
+        self.text.update(self.generated, self.decode)
+        if (call_ends := self.text.text.count(_ARGUMENTS_END)) > self.call_ends_read:
+            self.call_ends_read = call_ends
+            reading = _read(self.text.text, final=False)
+            self.repeated = reading.repeated
+            complete = sum(call.complete for call in reading.calls)
+            if complete > self.complete_calls:  # one call per step while decoding; several share the span evenly
+                span = (generated - self.last_call_end) // (complete - self.complete_calls)
+                self.shortest_call = span if self.shortest_call is None else min(self.shortest_call, span)
+                self.complete_calls, self.last_call_end = complete, generated
+        no_room = self.shortest_call is not None and self.max_new_tokens - generated < self.shortest_call
+        return ends if self.repeated or no_room else masked
 
 
 @dataclass(frozen=True)
