@@ -222,3 +222,37 @@ def test_a_used_cache_is_freed_without_the_cycle_collector(tiny_model):
         assert freed() is None
     finally:
         gc.enable()
+
+
+def test_a_decode_steps_save_reads_a_rows_tokens_only_when_a_chunk_can_have_completed(monkeypatch):
+    """The per-step write-back skips a row in O(1) until enough tokens for a chunk arrived past its last one
+    (host work per token that does not grow with the row); it stores exactly the chunks that saving every row at
+    every step stores (the behaviour before the skip: the oracle)."""
+    from helpers import DECODE_CHUNKING, run_loop
+
+    from kvboost_hf.hf.decode import DecodeRequest
+    from kvboost_hf.hf.sampling import SamplingConfig
+
+    model = make_tiny_model("llama")
+    prompts = [list(range(3, 23)), list(range(40, 49))]
+    requests = [DecodeRequest(prompt_ids=p, max_new_tokens=30, sampling=SamplingConfig(temperature=0)) for p in prompts]
+    reads = []
+    row_tokens = ChunkReuseCache.row_tokens
+    monkeypatch.setattr(ChunkReuseCache, "row_tokens", lambda self, row: reads.append(row) or row_tokens(self, row))
+
+    def stored_after(skip: bool) -> tuple[dict[str, int], list, int]:
+        reads.clear()
+        if not skip:
+            monkeypatch.setattr(ChunkReuseCache, "_no_chunk_completed", lambda self, row, ledger: False)
+        store = ChunkStore(StoreConfig(1 << 24))
+        loop = run_loop(model, requests, store)
+        return store.stats(), [row.tokens for row in loop.rows], len(reads)
+
+    skipping, tokens, skipping_reads = stored_after(skip=True)
+    every_step, expected_tokens, every_step_reads = stored_after(skip=False)
+    assert tokens == expected_tokens and skipping["chunks"] == every_step["chunks"] > 0
+    assert skipping["ram_bytes"] == every_step["ram_bytes"] and skipping["puts"] == every_step["puts"]
+    steps = max(len(t) for t in tokens)
+    chunks_per_row = [(len(p) + len(t)) // DECODE_CHUNKING.chunk_size for p, t in zip(prompts, tokens, strict=True)]
+    assert every_step_reads >= 2 * steps  # every row, every step
+    assert skipping_reads <= sum(chunks_per_row) + 2 * len(prompts)  # at chunk completions and the ends

@@ -36,6 +36,22 @@ def test_chunks_of_a_prefix_are_a_prefix_of_the_chunks(tokens, extension, config
     assert chunk_spans(tokens + extension, config)[: len(chunk_spans(tokens, config))] == chunk_spans(tokens, config)
 
 
+any_method_configs = st.one_of(
+    configs, st.builds(lambda size: ChunkingConfig(size, method="content"), st.integers(4, 40))
+)
+
+
+@given(token_lists, st.data(), any_method_configs)
+def test_fewer_new_tokens_than_the_shortest_chunk_complete_no_chunk(tokens, data, config):
+    """What lets a decode step's save skip a row: past a row's last chunk, fewer than ``shortest_chunk`` new
+    tokens never complete one (fixed chunks with a boundary window, content-defined chunks)."""
+    spans = chunk_spans(tokens, config)
+    end = spans[-1][1] if spans else 0
+    room = max(0, config.shortest_chunk - 1 - (len(tokens) - end))
+    extension = data.draw(st.lists(st.integers(0, 20), max_size=room))
+    assert chunk_spans(tokens + extension, config, end) == []
+
+
 @given(token_lists, configs)
 def test_cuts_take_the_latest_boundary_inside_the_window(tokens, config):
     for start, end in chunk_spans(tokens, config):

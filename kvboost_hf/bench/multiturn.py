@@ -6,9 +6,14 @@ as system prompt, each user turn quoting more documentation). For every turn, in
 (a) ``baseline``: plain ``model.generate()``, full prefill;
 (b) ``hf_prompt_cache``: transformers' prompt-reuse recipe, a ``DynamicCache`` holding the previous turn's
     prompt, deep-copied per request (the copy is inside the timed region, as it is per request);
-(c) ``kvboost``: ``engine.generate`` with a fresh ``ChunkReuseCache`` on the engine's chunk store.
+(c) ``kvboost``: ``engine.generate`` with a fresh ``ChunkReuseCache`` on the engine's chunk store (on CUDA its decode
+    steps run as CUDA graphs, :mod:`kvboost_hf.hf.graphs`);
+(d) ``hf_static``: plain ``model.generate()`` with transformers' ``StaticCache`` (prompt + new tokens long), which
+    ``generate()`` compiles on CUDA by itself (its decode steps; the prefill runs eagerly): what a user who already
+    runs transformers fast gets, full prefill every turn.
 
-TTFT runs from the call to the first generated token (streamer timestamp), tokenisation, lookup and stitching
+``total ms`` per method is the whole call (prompt to last token): where graphed decode shows. TTFT runs from the call
+to the first generated token (streamer timestamp), tokenisation, lookup and stitching
 included (the plain methods tokenize with the tokenizer itself; kvboost through the engine's token ids cache, whose
 characters handed to the tokenizer each turn, ``tok ch``, are reported beside the prompt's). The conversation
 continues with the baseline's answer. The conversation is played ``--repeats`` times from an empty store and token
@@ -34,7 +39,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from kvboost_hf.bench.common import (
     FirstTokenTimer,
@@ -53,13 +58,14 @@ from kvboost_hf.corpus import chat_script
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.models import CACHE_ARGUMENT
 
-METHODS = ("baseline", "hf_prompt_cache", "kvboost")
+METHODS = ("baseline", "hf_prompt_cache", "kvboost", "hf_static")
 # Output pairs compared per turn: plain generate() run twice (the noise floor), then each reuse method against it.
 PAIRS = (
     ("baseline", "baseline_repeat"),
     ("baseline", "hf_prompt_cache"),
     ("baseline", "kvboost"),
     ("hf_prompt_cache", "kvboost"),
+    ("baseline", "hf_static"),
 )
 TARGETS = {"turn8_vs_baseline_min": 8.0, "turn8_vs_hf_prompt_cache_max": 1.15, "turn1_vs_baseline_max": 1.05}
 
@@ -73,16 +79,22 @@ class PromptCacheRecipe:
         self.prompt_ids: list[int] = []
 
     def generate(
-        self, messages: list[dict[str, str]], max_new_tokens: int, reuse: bool = True
-    ) -> tuple[float, list[int]]:
-        """Returns (TTFT ms, generated ids); afterwards holds this prompt's K/V for the next turn. ``reuse=False``:
-        plain ``model.generate()`` from an empty ``DynamicCache`` (full prefill), the held K/V unchanged."""
+        self, messages: list[dict[str, str]], max_new_tokens: int, reuse: bool = True, static: bool = False
+    ) -> tuple[float, list[int], float]:
+        """Returns (TTFT ms, generated ids, total ms); afterwards holds this prompt's K/V for the next turn.
+        ``reuse=False``: plain ``model.generate()`` from an empty cache (full prefill), the held K/V unchanged: a
+        ``DynamicCache``, or with ``static`` a ``StaticCache`` of the prompt and new tokens (compiled decode on
+        CUDA)."""
         started = time.perf_counter()
         tokenizer = self.engine.tokenizer  # transformers' own tokenization, not the engine's token ids cache
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         usable = reuse and self.prompt_cache is not None and ids[: len(self.prompt_ids)] == self.prompt_ids
-        cache = copy.deepcopy(self.prompt_cache) if usable and self.prompt_cache is not None else DynamicCache()
+        cache: DynamicCache | StaticCache
+        if static:
+            cache = StaticCache(config=self.engine.model.config, max_cache_len=len(ids) + max_new_tokens)
+        else:
+            cache = copy.deepcopy(self.prompt_cache) if usable and self.prompt_cache is not None else DynamicCache()
         timer = FirstTokenTimer()
         input_ids = torch.tensor([ids], device=self.engine.device)
         with torch.inference_mode():
@@ -98,12 +110,13 @@ class PromptCacheRecipe:
                 streamer=timer,
                 pad_token_id=self.engine.tokenizer.eos_token_id,
             )
-        ttft = ((timer.first_token_time or time.perf_counter()) - started) * 1e3
+        finished = time.perf_counter()
+        ttft = ((timer.first_token_time or finished) - started) * 1e3
         generated = out[0, len(ids) :].tolist()
-        if reuse:
+        if reuse and isinstance(cache, DynamicCache):
             cache.crop(len(ids) - cache.get_seq_length())  # keep exactly this prompt's K/V (untimed bookkeeping)
             self.prompt_cache, self.prompt_ids = cache, ids
-        return ttft, generated
+        return ttft, generated, (finished - started) * 1e3
 
 
 def pair_name(first: str, second: str) -> str:
@@ -140,7 +153,8 @@ def run(
     for turn_samples in zip(*samples, strict=True):
         row = dict(turn_samples[0])
         for method in METHODS:
-            row[f"{method}_ttft_ms"] = statistics.median(s[f"{method}_ttft_ms"] for s in turn_samples)
+            for figure in ("ttft_ms", "total_ms"):
+                row[f"{method}_{figure}"] = statistics.median(s[f"{method}_{figure}"] for s in turn_samples)
         row["first_difference"] = {
             pair: earliest_difference([s["first_difference"][pair] for s in turn_samples])
             for pair in row["first_difference"]
@@ -164,22 +178,24 @@ def run(
 
 
 def play(engine: InferenceEngine, system: str, user_messages: list[str], max_new_tokens: int) -> list[dict]:
-    """One conversation; every turn runs the three methods in rotating order on the same messages, then plain
+    """One conversation; every turn runs the methods in rotating order on the same messages, then plain
     ``generate()`` once more (untimed use: the noise floor of the output comparison)."""
     recipe = PromptCacheRecipe(engine)
     messages = [{"role": "system", "content": system}]
     rows = []
     for turn, text in enumerate(user_messages, start=1):
         messages.append({"role": "user", "content": text})
-        results: dict[str, tuple[float, list[int]]] = {}
-        for method in METHODS[turn % 3 :] + METHODS[: turn % 3]:
+        results: dict[str, tuple[float, list[int], float]] = {}
+        rotation = turn % len(METHODS)
+        for method in METHODS[rotation:] + METHODS[:rotation]:
             if method != "kvboost":  # transformers' own generate(), from scratch or from the previous prompt
-                results[method] = recipe.generate(messages, max_new_tokens, reuse=method == "hf_prompt_cache")
+                reuse, static = method == "hf_prompt_cache", method == "hf_static"
+                results[method] = recipe.generate(messages, max_new_tokens, reuse=reuse, static=static)
                 continue
             with CharacterCounter(engine.tokenizer) as counter:
                 r = engine.generate(messages, max_new_tokens=max_new_tokens)
             tokenized = counter.chars
-            results[method] = (r.ttft_ms, r.output_ids)
+            results[method] = (r.ttft_ms, r.output_ids, r.total_ms)
             cached, prompt_tokens = r.cached_tokens, r.prompt_tokens
         results["baseline_repeat"] = recipe.generate(messages, max_new_tokens, reuse=False)
         answer = engine.tokenizer.decode(results["baseline"][1], skip_special_tokens=True)
@@ -192,6 +208,7 @@ def play(engine: InferenceEngine, system: str, user_messages: list[str], max_new
                 "prompt_chars": len(engine.render(messages)),
                 "kvboost_chars_tokenized": tokenized,
                 **{f"{m}_ttft_ms": results[m][0] for m in METHODS},
+                **{f"{m}_total_ms": results[m][2] for m in METHODS},
                 "first_difference": differences,
                 "outputs_identical": all(index is None for index in differences.values()),
             }
@@ -202,12 +219,12 @@ def play(engine: InferenceEngine, system: str, user_messages: list[str], max_new
 
 def report(result: dict) -> str:
     """TTFT per turn and, per pair, where the outputs first differ (``=``: identical)."""
-    header = ("plain/plain", "hf/plain", "kv/plain", "kv/hf")
+    header = ("plain/plain", "hf/plain", "kv/plain", "kv/hf", "static/plain")
     lines = [
         f"{result['model']} ({result['weights']} weights, {result['dtype']}); first differing generated token per "
         "pair (=: identical; plain/plain is plain generate() run twice, the noise floor)",
         f"{'turn':>4} {'prompt':>6} {'cached':>6} {'chars':>6} {'tok ch':>6} "
-        f"{'baseline ms':>11} {'hf cache ms':>11} {'kvboost ms':>10} "
+        f"{'baseline ms':>11} {'hf cache ms':>11} {'kvboost ms':>10} {'static ms':>9} "
         f"{'vs base':>7} {'vs hf':>6} " + " ".join(f"{name:>11}" for name in header),
     ]
     for row in result["turns"]:
@@ -215,6 +232,7 @@ def report(result: dict) -> str:
             f"{row['turn']:>4} {row['prompt_tokens']:>6} {row['kvboost_cached_tokens']:>6} "
             f"{row['prompt_chars']:>6} {row['kvboost_chars_tokenized']:>6} "
             f"{row['baseline_ttft_ms']:>11.0f} {row['hf_prompt_cache_ttft_ms']:>11.0f} {row['kvboost_ttft_ms']:>10.0f} "
+            f"{row['hf_static_ttft_ms']:>9.0f} "
             f"{row['baseline_ttft_ms'] / row['kvboost_ttft_ms']:>6.1f}x "
             f"{row['kvboost_ttft_ms'] / row['hf_prompt_cache_ttft_ms']:>5.2f}x "
             + " ".join(f"{agreement_label(row['first_difference'][pair_name(*p)]):>11}" for p in PAIRS)
@@ -223,6 +241,11 @@ def report(result: dict) -> str:
         f"{name} {result['identical_turns'][pair_name(*p)]}" for name, p in zip(header, PAIRS, strict=True)
     )
     lines.append(f"turns identical (of {len(result['turns'])}): {counts}")
+    last = result["turns"][-1]
+    lines.append(
+        "last turn, whole call (prompt to last token): "
+        + ", ".join(f"{method} {last[f'{method}_total_ms']:.0f} ms" for method in METHODS)
+    )
     return "\n".join(lines)
 
 

@@ -102,6 +102,14 @@ class ChunkingConfig:
         return max(1, self.chunk_size // 4)
 
     @property
+    def shortest_chunk(self) -> int:
+        """Tokens a chunk holds at least, cuts at segment starts aside: ``chunk_size`` for fixed chunks (a cut
+        moved back into the boundary window is only taken once ``chunk_size`` tokens follow the last cut),
+        :attr:`min_chunk` for content-defined ones. Fewer new tokens than this past a row's last chunk complete
+        none."""
+        return self.chunk_size if self.method == "fixed" else self.min_chunk
+
+    @property
     def max_chunk(self) -> int:
         """Content-defined chunks hold at most this many tokens (twice ``chunk_size``)."""
         return 2 * self.chunk_size

@@ -46,7 +46,13 @@ from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.blend import LayerFilter, scatter_into
 from kvboost_hf.hf.context_attention import ADJUSTMENT_KWARG, ContextAdjustment
 from kvboost_hf.hf.hooks import install_hooks
-from kvboost_hf.hf.layers import CacheCapacityError, ChunkReuseLayer, ChunkReuseSlidingLayer, cache_layers
+from kvboost_hf.hf.layers import (
+    CacheCapacityError,
+    ChunkReuseLayer,
+    ChunkReuseSlidingLayer,
+    cache_layers,
+    grown_capacity,
+)
 from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.prefill import ChunkPrefiller, PendingForward, RowReuse
 from kvboost_hf.reuse.plan import ChunkLedger
@@ -124,7 +130,8 @@ class ChunkReuseCache(Cache):
         )
         self.namespace = self.key_space.namespace(cache_salt)
         self.write_back = write_back and self.mode is not GenerationMode.BASELINE
-        self.tokens = torch.empty(0, 0, dtype=torch.long)
+        self._token_buffer = torch.empty(0, 0, dtype=torch.long)  # host; its first _token_columns are the tokens
+        self._token_columns = 0
         self.pads: list[int] = []
         self.ledgers: list[ChunkLedger] = []
         self.last_reuse: list[RowReuse] = []
@@ -173,9 +180,29 @@ class ChunkReuseCache(Cache):
             )
 
     @property
+    def tokens(self) -> torch.Tensor:
+        """Token ids ``[B, columns]`` recorded (left padding included), a view of a buffer with spare columns."""
+        return self._token_buffer[:, : self._token_columns]
+
+    @tokens.setter
+    def tokens(self, tokens: torch.Tensor) -> None:
+        self._token_buffer, self._token_columns = tokens, tokens.shape[1]
+
+    def _append_tokens(self, fed_ids: torch.Tensor) -> None:
+        """Append ``fed_ids`` ``[B, n]`` to :attr:`tokens` in amortised O(n) host work (the buffer grows by a
+        fraction of itself, as the layers' K/V buffers do)."""
+        end = self._token_columns + fed_ids.shape[1]
+        if end > self._token_buffer.shape[1] or self._token_buffer.shape[0] != fed_ids.shape[0]:
+            grown = self._token_buffer.new_empty(fed_ids.shape[0], grown_capacity(end, self._token_buffer.shape[1]))
+            grown[:, : self._token_columns] = self.tokens
+            self._token_buffer = grown
+        self._token_buffer[:, self._token_columns : end] = fed_ids.to(self._token_buffer.device)
+        self._token_columns = end
+
+    @property
     def num_columns(self) -> int:
         """Columns (token positions, padding included) recorded; equals every layer's length while reuse is on."""
-        return int(self.tokens.shape[1])
+        return self._token_columns
 
     def attention_kwargs(self) -> dict[str, ContextAdjustment]:
         """Extra keyword arguments of a forward through this cache: the APE-style context adjustment
@@ -312,7 +339,7 @@ class ChunkReuseCache(Cache):
         self.forwards += 1
         self.prompt_forward_next = False
         columns_before = self.num_columns
-        self.tokens = torch.cat([self.tokens, fed_ids.to(self.tokens.device)], dim=1)
+        self._append_tokens(fed_ids)
         for ledger, pad in zip(self.ledgers, self.pads, strict=True):
             if ledger.exact_tokens >= max(columns_before - pad, 0):  # every earlier real token was exact
                 ledger.exact_tokens = max(self.num_columns - pad, 0)
@@ -350,12 +377,21 @@ class ChunkReuseCache(Cache):
         if not (self.write_back and self.reuse_enabled and self.num_columns):
             return
         for row, ledger in enumerate(self.ledgers):
+            if not tail and self._no_chunk_completed(row, ledger):
+                continue  # a decode step's save: O(1) per row until a chunk can have completed
             tokens = self.row_tokens(row)
             ledger.extend(tokens, self.namespace, self.chunking)
             row_slice = self._row_slicer(row)
             write_chunks(self.store, ledger, tokens, row_slice, self.namespace, self._content_rotator(ledger))
             if tail:
                 write_tail(self.store, ledger, tokens, row_slice, self.namespace)
+
+    def _no_chunk_completed(self, row: int, ledger: ChunkLedger) -> bool:
+        """Whether ``row`` holds no chunk that a save would store: every chunk of its ledger stored, fewer tokens
+        past its last chunk than the shortest chunk, and no segment start after it (which would cut one)."""
+        past_last_chunk = self.num_columns - self.pads[row] - ledger.end
+        cut_ahead = bool(ledger.segment_starts) and ledger.segment_starts[-1] > ledger.end
+        return ledger.stored == len(ledger.spans) and past_last_chunk < self.chunking.shortest_chunk and not cut_ahead
 
     def _content_rotator(self, ledger: ChunkLedger) -> KeyRotator | None:
         """The rotator that also stores a row's chunks by content key (rotated to position 0): for a row with segment
