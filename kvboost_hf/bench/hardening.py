@@ -12,6 +12,10 @@ older commit unpacked elsewhere); its server runs as ``python -m kvboost_hf.serv
 * ``loris`` (item 9): ``--connections`` sockets that send half a request header and stop; measured: how many the
   server still holds after ``--hold-s`` seconds and the worst ``/health`` latency meanwhile.
 
+Before the loads, on the fresh server (issue #40 item 2): the seconds from the server's first ``/health`` 200 to
+the answer of a structured (small JSON schema) one-token chat, its first request: the compile processes' start
+and the first compile are inside it.
+
 Issue #30 (``--loads`` picks a subset; every load runs by default):
 
 * ``close`` (item 2): a streamed chat of ``--close-tokens`` tokens (``ignore_eos``) with ``Connection: close``;
@@ -279,6 +283,7 @@ def run_loads(server: ServerProcess, args: argparse.Namespace) -> dict[str, Any]
 
 
 LOADS = ("schemas", "parts", "loris", "close", "pattern", "drip", "warm")
+FIRST_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,8 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "PYTHONPATH": str(source.resolve())}
         server = ServerProcess([], startup_timeout_s=300, env=env, cwd=source.resolve())
         try:
+            seconds, status = timed_post(f"{server.url}/v1/chat/completions", chat_body(FIRST_SCHEMA, "first"))
+            first = {"first_structured_request": {"seconds": seconds, "status": status}}
             timed_post(f"{server.url}/v1/chat/completions", chat_body(None, "plain"))
-            results[str(source)] = run_loads(server, args)
+            results[str(source)] = {**first, **run_loads(server, args)}
         finally:
             server.stop()
         print(json.dumps({str(source): results[str(source)]}, indent=1), flush=True)
