@@ -24,7 +24,7 @@ import argparse
 import gc
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,36 +126,44 @@ def linear_cases(shape: str) -> dict[str, tuple[int, int]]:
     }
 
 
-def linear_speed(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
-    rows_list = [int(r) for r in args.rows.split(",")]
-    generator = torch.Generator().manual_seed(0)
-    results = []
+def random_linears(
+    args: argparse.Namespace, device: torch.device, seed: int
+) -> Iterator[tuple[str, str, int, int, AwqInt4Linear]]:
+    """(shape, linear name, inputs, outputs, a random int4 layer on ``device``) for each linear of ``--shapes``."""
+    generator = torch.Generator().manual_seed(seed)
     for shape in args.shapes.split(","):
         for name, (inputs, outputs) in linear_cases(shape).items():
             shell = torch.nn.Linear(inputs, outputs, bias=False, device="meta")
             words = torch.randint(-(2**31), 2**31, (inputs, outputs // 8), generator=generator, dtype=torch.int64)
-            layer: AwqInt4Linear = random_awq_linear(shell, args.group_size, words.to(torch.int32), 0.02, device)
-            weight = torch.randn(inputs, outputs, device=device, dtype=dtype).mul_(0.02)  # drawn where it runs
-            for rows in rows_list:
-                x = torch.randn(rows, inputs, device=device, dtype=dtype)
-                with torch.no_grad():
-                    int4_ms = _timed(lambda: layer(x), device, args.warmup, args.iters)  # noqa: B023
-                    dense_ms = _timed(lambda: x @ weight, device, args.warmup, args.iters)  # noqa: B023
-                    graphed = (
-                        {
-                            "int4_graph_ms": _graphed(lambda: layer(x), args.iters),  # noqa: B023
-                            "dense_graph_ms": _graphed(lambda: x @ weight, args.iters),  # noqa: B023
-                        }
-                        if device.type == "cuda"
-                        else {}
-                    )
-                results.append({
-                    "shape": shape, "linear": name, "inputs": inputs, "outputs": outputs, "rows": rows,
-                    "int4_ms": int4_ms, "dense_ms": dense_ms, "speedup": dense_ms / int4_ms,
-                    "int4_weight_gbps": layer.packed_bytes / int4_ms / 1e6,
-                    "dense_weight_gbps": weight.numel() * weight.element_size() / dense_ms / 1e6,
-                    **graphed,
-                })  # fmt: skip
+            layer = random_awq_linear(shell, args.group_size, words.to(torch.int32), 0.02, device)
+            yield shape, name, inputs, outputs, layer
+
+
+def linear_speed(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+    rows_list = [int(r) for r in args.rows.split(",")]
+    results = []
+    for shape, name, inputs, outputs, layer in random_linears(args, device, seed=0):
+        weight = torch.randn(inputs, outputs, device=device, dtype=dtype).mul_(0.02)  # drawn where it runs
+        for rows in rows_list:
+            x = torch.randn(rows, inputs, device=device, dtype=dtype)
+            with torch.no_grad():
+                int4_ms = _timed(lambda: layer(x), device, args.warmup, args.iters)  # noqa: B023
+                dense_ms = _timed(lambda: x @ weight, device, args.warmup, args.iters)  # noqa: B023
+                graphed = (
+                    {
+                        "int4_graph_ms": _graphed(lambda: layer(x), args.iters),  # noqa: B023
+                        "dense_graph_ms": _graphed(lambda: x @ weight, args.iters),  # noqa: B023
+                    }
+                    if device.type == "cuda"
+                    else {}
+                )
+            results.append({
+                "shape": shape, "linear": name, "inputs": inputs, "outputs": outputs, "rows": rows,
+                "int4_ms": int4_ms, "dense_ms": dense_ms, "speedup": dense_ms / int4_ms,
+                "int4_weight_gbps": layer.packed_bytes / int4_ms / 1e6,
+                "dense_weight_gbps": weight.numel() * weight.element_size() / dense_ms / 1e6,
+                **graphed,
+            })  # fmt: skip
     return results
 
 
@@ -165,43 +173,38 @@ def tune(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
     if not triton_runs_on(device):
         return []
     timer = _graphed if device.type == "cuda" else lambda call, iters: _timed(call, device, 1, iters)
-    generator = torch.Generator().manual_seed(1)
     results = []
-    for shape in args.shapes.split(","):
-        for name, (inputs, outputs) in linear_cases(shape).items():
-            shell = torch.nn.Linear(inputs, outputs, bias=False, device="meta")
-            words = torch.randint(-(2**31), 2**31, (inputs, outputs // 8), generator=generator, dtype=torch.int64)
-            layer = random_awq_linear(shell, args.group_size, words.to(torch.int32), 0.02, device)
-            operands = (layer.qweight, layer.qzeros, layer.scales, layer.group_size)
-            for rows in map(int, args.tune_rows.split(",")):
-                x = torch.randn(rows, inputs, device=device, dtype=dtype)
-                reference = awq_int4_matmul(x, *operands).float()
-                shipped = timer(lambda: awq_int4_matmul(x, *operands), args.iters)  # noqa: B023
-                tried: list[dict[str, Any]] = []
-                for tiles in TUNE_TILES:
-                    if (tiles.block_m == 1) != (rows == 1) or layer.group_size % tiles.block_k:
+    for shape, name, inputs, outputs, layer in random_linears(args, device, seed=1):
+        operands = (layer.qweight, layer.qzeros, layer.scales, layer.group_size)
+        for rows in map(int, args.tune_rows.split(",")):
+            x = torch.randn(rows, inputs, device=device, dtype=dtype)
+            reference = awq_int4_matmul(x, *operands).float()
+            shipped = timer(lambda: awq_int4_matmul(x, *operands), args.iters)  # noqa: B023
+            tried: list[dict[str, Any]] = []
+            for tiles in TUNE_TILES:
+                if (tiles.block_m == 1) != (rows == 1) or layer.group_size % tiles.block_k:
+                    continue
+                for splits in (None, 1):
+
+                    def call(tiles: AwqTiles = tiles, splits: int | None = splits) -> torch.Tensor:
+                        return awq_int4_matmul(x, *operands, tiles=tiles, splits=splits)  # noqa: B023
+
+                    try:
+                        error = float((call().float() - reference).norm() / reference.norm())
+                        ms = timer(call, args.iters)
+                    except Exception as failure:  # a tiling the device cannot run (out of shared memory, registers)
+                        tried.append({"tiles": vars(tiles), "splits": splits, "failed": repr(failure)[:200]})
                         continue
-                    for splits in (None, 1):
-
-                        def call(tiles: AwqTiles = tiles, splits: int | None = splits) -> torch.Tensor:
-                            return awq_int4_matmul(x, *operands, tiles=tiles, splits=splits)  # noqa: B023
-
-                        try:
-                            error = float((call().float() - reference).norm() / reference.norm())
-                            ms = timer(call, args.iters)
-                        except Exception as failure:  # a tiling the device cannot run (out of shared memory, registers)
-                            tried.append({"tiles": vars(tiles), "splits": splits, "failed": repr(failure)[:200]})
-                            continue
-                        tried.append({"tiles": vars(tiles), "splits": splits, "ms": ms, "rel_error": error})
-                timed = [t for t in tried if "ms" in t and t["rel_error"] < 1e-2]
-                best = min(timed, key=lambda t: t["ms"]) if timed else None
-                results.append({
-                    "shape": shape, "linear": name, "inputs": inputs, "outputs": outputs, "rows": rows,
-                    "shipped_ms": shipped, "best": best, "tried": len(tried),
-                    "failed": sum("failed" in t for t in tried),
-                    "packed_gbps_best": layer.packed_bytes / best["ms"] / 1e6 if best else None,
-                })  # fmt: skip
-                print(f"tune {shape} {name} rows {rows}: shipped {shipped:.4f} ms, best {best}", flush=True)
+                    tried.append({"tiles": vars(tiles), "splits": splits, "ms": ms, "rel_error": error})
+            timed = [t for t in tried if "ms" in t and t["rel_error"] < 1e-2]
+            best = min(timed, key=lambda t: t["ms"]) if timed else None
+            results.append({
+                "shape": shape, "linear": name, "inputs": inputs, "outputs": outputs, "rows": rows,
+                "shipped_ms": shipped, "best": best, "tried": len(tried),
+                "failed": sum("failed" in t for t in tried),
+                "packed_gbps_best": layer.packed_bytes / best["ms"] / 1e6 if best else None,
+            })  # fmt: skip
+            print(f"tune {shape} {name} rows {rows}: shipped {shipped:.4f} ms, best {best}", flush=True)
     return results
 
 
