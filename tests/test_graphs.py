@@ -167,3 +167,31 @@ def test_a_shape_whose_compile_fails_runs_eagerly_with_the_same_tokens(caplog):
     assert decode_rows(model, decoder, PROMPTS[:1], True) == expected
     assert decoder.failed_shapes == {(1, CAPACITY)} and decoder.graphed_steps == 0
     assert decoder.eager_steps == STEPS and "runs eagerly" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_a_graphed_decode_step_synchronises_once_for_its_sampled_ids():
+    """The runner's graphed plain step: the tokens fed reach the device without a wait, the cache records the
+    host's copy, write-back skips rows with no complete chunk, so the sampled ids' transfer is the step's one
+    synchronisation."""
+    import warnings
+
+    model = make_tiny_model("qwen2").to("cuda")
+    request = DecodeRequest(prompt_ids=PROMPTS[0], max_new_tokens=12, sampling=SamplingConfig(temperature=0))
+    decoder = GraphedDecoder(model, GraphConfig(row_buckets=(1,)))
+    loop = new_loop(model, reuse_caches(ChunkStore(StoreConfig(1 << 24)), model), graphs=decoder)
+    torch._dynamo.reset()
+    prefill(loop, [request])
+    for _ in range(3):  # compile, capture, replay
+        loop.step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            loop.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+    assert decoder.graphed_steps == 4 and len(syncs) == 1, syncs
