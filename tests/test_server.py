@@ -174,7 +174,8 @@ def test_requests_arriving_during_generation_join_the_running_batch(engine):
 # ---------------------------------------------------------------------------------------------- API
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
-    assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
+    health = httpx.get(f"{server.url}/health", timeout=10).json()
+    assert health["status"] == "ok" and health["structured_output"] in ("idle", "starting", "ready")
     text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
     for name in ("kvboost_requests_total", "kvboost_ttft_seconds_bucket", "kvboost_queue_depth", "kvboost_batch_size"):
         assert name in text
@@ -524,7 +525,7 @@ def test_sampling_options_change_output_as_specified(engine, client):
 
 
 # ---------------------------------------------------------------------------------------------- structured output
-def test_json_schema_and_json_object_outputs_parse(client):
+def test_json_schema_and_json_object_outputs_parse(server, client):
     response = client.chat.completions.create(
         model=MODEL_NAME,
         messages=chat("Give me a person as JSON."),
@@ -534,6 +535,7 @@ def test_json_schema_and_json_object_outputs_parse(client):
     )
     person = json.loads(response.choices[0].message.content)
     assert set(person) == {"name", "age"} and isinstance(person["name"], str) and isinstance(person["age"], int)
+    assert httpx.get(f"{server.url}/health", timeout=10).json()["structured_output"] == "ready"  # a compile ran
     response = client.chat.completions.create(
         model=MODEL_NAME,
         messages=chat("Describe a cat as a JSON object."),

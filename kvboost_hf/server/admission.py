@@ -379,6 +379,15 @@ class Admission:
         not wait for them; returns once they are starting)."""
         self._compiler().start()
 
+    @property
+    def structured_output(self) -> str:
+        """``"ready"`` once the grammar compile processes are up, ``"starting"`` before, ``"idle"`` when nothing
+        started them yet (they start with the app unless configured to start on first use)."""
+        grammar = self._grammar
+        if grammar is None:
+            return "idle"
+        return "ready" if grammar.started else "starting"
+
     def close(self) -> None:
         """End the grammar compiler's processes (at the app's shutdown)."""
         with self._setup_lock:

@@ -200,6 +200,11 @@ class GrammarCompiler:
         """Start the compile processes now (returns at once; they are up seconds later)."""
         self._pool.start()
 
+    @property
+    def started(self) -> bool:
+        """Whether the compile processes are up (see :meth:`wait_started`)."""
+        return self._pool.started
+
     def wait_started(self) -> None:
         """Wait until the compile processes are up (seconds, once per compiler; see :class:`CompilePool`)."""
         self._pool.wait_started()

@@ -194,6 +194,11 @@ class CompilePool:
                 self._threads.append(thread)
                 thread.start()
 
+    @property
+    def started(self) -> bool:
+        """Whether every worker's first child has answered (or failed to start): compiles no longer wait for them."""
+        return self._started.is_set()
+
     def wait_started(self, timeout_s: float = CHILD_START_TIMEOUT_S) -> None:
         """Start the workers if needed and wait until their children are up (seconds, once per pool: each imports
         xgrammar and torch), so that a caller's compile wait measures compiling only."""

@@ -66,8 +66,14 @@ def _register_service_routes(
 
     @app.get("/health", responses=ERRORS)
     async def health() -> dict[str, Any]:
-        """Liveness (no API key needed): queue depth and running rows."""
-        return {"status": "ok", "queue_depth": worker.queue_depth, "running_rows": worker.running_rows}
+        """Liveness (no API key needed): queue depth, running rows, and whether structured output's compile
+        processes are up (``structured_output``: ready, starting or idle; a readiness probe can wait for ready)."""
+        return {
+            "status": "ok",
+            "queue_depth": worker.queue_depth,
+            "running_rows": worker.running_rows,
+            "structured_output": admission.structured_output,
+        }
 
     @app.get("/metrics", responses=ERRORS)
     async def prometheus() -> Response:
