@@ -56,11 +56,12 @@ def free_port() -> int:
 # ---------------------------------------------------------------------------------------------- redis
 @dataclass
 class RedisServer:
-    """A private redis-server on 127.0.0.1; ``stop``/``start`` simulate an outage on the same port."""
+    """A private redis-server on 127.0.0.1; ``stop``/``start`` simulate an outage on the same port. ``port`` 0:
+    the first ``start`` picks a free one."""
 
-    port: int
     directory: Path
     password: str | None = None
+    port: int = 0
     process: subprocess.Popen | None = None
 
     @property
@@ -68,27 +69,47 @@ class RedisServer:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
-    def start(self) -> None:
-        """Start it and wait (at most 10 s) until it answers a ping."""
+    def start(self, tries: int = 5) -> None:
+        """Start it and wait (at most 10 s a try) until this process answers. A port picked here that another
+        process binds first (xdist workers start servers at the same time) is replaced by a new pick, ``tries``
+        times at most; a port already set (a restart) is kept."""
+        pick = self.port == 0
+        for _ in range(tries if pick else 1):
+            if pick:
+                self.port = free_port()
+            if self._launch():
+                return
+        log = self.directory / f"redis-{self.port}.log"
+        raise RuntimeError(f"redis-server did not start: {log.read_text()[-2000:] if log.exists() else 'no log'}")
+
+    def _launch(self) -> bool:
+        """Start redis-server on :attr:`port`: True once it answers with its own process id, False if it exited
+        (its port taken); another server already on the port answers with another id and is not taken for it."""
         import redis
 
         binary = shutil.which("redis-server")
         assert binary is not None
         args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         args += ["--dir", str(self.directory), "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"]
+        args += ["--logfile", str(self.directory / f"redis-{self.port}.log")]
         if self.password:
             args += ["--requirepass", self.password]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 10
-        while True:
+        while process.poll() is None:
             try:
-                if client.ping():
-                    return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+                if client.info("server")["process_id"] == process.pid:
+                    self.process = process
+                    return True
+            except (redis.ConnectionError, redis.AuthenticationError, redis.ResponseError):
+                pass  # not listening yet, or another server (with another password) on the port
+            if time.monotonic() > deadline:
+                process.kill()
+                process.wait()
+                raise TimeoutError(f"redis-server on port {self.port} did not answer within 10 s")
+            time.sleep(0.05)
+        return False
 
     def stop(self) -> None:
         if self.process is not None:
