@@ -131,6 +131,8 @@ class _RegisterAttention(importlib.abc.Loader):
             importlib.import_module(_ATTENTION)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... of the file's own loader
+        if name == "_loader":  # a copy made without __init__: no loader to ask (and no recursion)
+            raise AttributeError(name)
         return getattr(self._loader, name)
 
 
