@@ -111,11 +111,11 @@ def redis_server(tmp_path):
     """A private redis-server for one test (skipped where redis-server is not installed)."""
     import shutil
 
-    from helpers import RedisServer, free_port
+    from helpers import RedisServer
 
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (.ci/start-redis.sh installs it)")
-    server = RedisServer(free_port(), tmp_path)
+    server = RedisServer(tmp_path)
     server.start()
     yield server
     server.stop()

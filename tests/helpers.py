@@ -1,6 +1,6 @@
 """Helpers shared by several test modules (test modules never import each other; fixtures live in conftest.py).
 
-Sections: stored chunks and keys, subprocesses, a private redis-server, word-level prompts for the tiny models,
+Sections: subprocesses, a private redis-server, word-level prompts for the tiny models,
 non-prefix reuse on tiny models, the decode loop on token ids, a live OpenAI-compatible server, statistics.
 Optional dependencies (redis, uvicorn, openai, httpx, fastapi) are imported where they are used, so a module that
 needs none of them imports this one without them.
@@ -22,53 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from chunks import assert_same as assert_same
+from chunks import key as key
+from chunks import make_entry as make_entry
+from chunks import raw_entry as raw_entry
 from conftest import greedy
 from transformers import DynamicCache, PreTrainedTokenizerFast
 
 from kvboost_hf import ChunkingConfig, ChunkReuseCache, ChunkStore, GenerationMode, RepairConfig
-from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRow, PrefillWork, RowOutput
 from kvboost_hf.scheduling import append_output, prefill_works
-from kvboost_hf.store.base import StoredChunk
-from kvboost_hf.store.quantization import QuantizedChunk, quantize_chunk
 
 TESTS_DIR = Path(__file__).parent
-
-
-# ---------------------------------------------------------------------------------------------- chunks and keys
-def key(i: int) -> str:
-    """A valid 64-hex-digit store key numbered ``i``."""
-    return f"{i:064x}"
-
-
-def make_entry(tokens: int = 9, bits: int = 16, dtype: torch.dtype = torch.float32, seed: int = 0) -> StoredChunk:
-    """A random chunk (keys and values ``[2, 3, tokens, 8]``): raw at 16 bits, else quantized in groups of 4."""
-    gen = torch.Generator().manual_seed(seed)
-    keys = torch.randn(2, 3, tokens, 8, generator=gen).to(dtype)
-    values = torch.randn(2, 3, tokens, 8, generator=gen).to(dtype)
-    return ChunkKV(keys, values) if bits == 16 else quantize_chunk(keys, values, bits, 4)
-
-
-def raw_entry(tokens: int = 16, seed: int = 0, dtype: torch.dtype = torch.float32) -> ChunkKV:
-    """:func:`make_entry` unquantized."""
-    entry = make_entry(tokens=tokens, seed=seed, dtype=dtype)
-    assert isinstance(entry, ChunkKV)
-    return entry
-
-
-def assert_same(a: StoredChunk, b: StoredChunk) -> None:
-    """``a`` and ``b`` are the same chunk bit for bit (type, dtype, quantization layout and every tensor)."""
-    assert type(a) is type(b)
-    if isinstance(a, QuantizedChunk):
-        assert isinstance(b, QuantizedChunk)
-        for qa, qb in ((a.keys, b.keys), (a.values, b.values)):
-            layout_a = (qa.shape, qa.dtype, qa.bits, qa.group_size, qa.per_channel)
-            assert layout_a == (qb.shape, qb.dtype, qb.bits, qb.group_size, qb.per_channel)
-            for ta, tb in ((qa.data, qb.data), (qa.scale, qb.scale), (qa.zero, qb.zero)):
-                assert torch.equal(ta, tb)
-    else:
-        assert isinstance(b, ChunkKV)
-        assert a.keys.dtype == b.keys.dtype and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
 # ---------------------------------------------------------------------------------------------- subprocesses
@@ -91,11 +56,12 @@ def free_port() -> int:
 # ---------------------------------------------------------------------------------------------- redis
 @dataclass
 class RedisServer:
-    """A private redis-server on 127.0.0.1; ``stop``/``start`` simulate an outage on the same port."""
+    """A private redis-server on 127.0.0.1; ``stop``/``start`` simulate an outage on the same port. ``port`` 0:
+    the first ``start`` picks a free one."""
 
-    port: int
     directory: Path
     password: str | None = None
+    port: int = 0
     process: subprocess.Popen | None = None
 
     @property
@@ -103,27 +69,47 @@ class RedisServer:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
-    def start(self) -> None:
-        """Start it and wait (at most 10 s) until it answers a ping."""
+    def start(self, tries: int = 5) -> None:
+        """Start it and wait (at most 10 s a try) until this process answers. A port picked here that another
+        process binds first (xdist workers start servers at the same time) is replaced by a new pick, ``tries``
+        times at most; a port already set (a restart) is kept."""
+        pick = self.port == 0
+        for _ in range(tries if pick else 1):
+            if pick:
+                self.port = free_port()
+            if self._launch():
+                return
+        log = self.directory / f"redis-{self.port}.log"
+        raise RuntimeError(f"redis-server did not start: {log.read_text()[-2000:] if log.exists() else 'no log'}")
+
+    def _launch(self) -> bool:
+        """Start redis-server on :attr:`port`: True once it answers with its own process id, False if it exited
+        (its port taken); another server already on the port answers with another id and is not taken for it."""
         import redis
 
         binary = shutil.which("redis-server")
         assert binary is not None
         args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         args += ["--dir", str(self.directory), "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"]
+        args += ["--logfile", str(self.directory / f"redis-{self.port}.log")]
         if self.password:
             args += ["--requirepass", self.password]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 10
-        while True:
+        while process.poll() is None:
             try:
-                if client.ping():
-                    return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+                if client.info("server")["process_id"] == process.pid:
+                    self.process = process
+                    return True
+            except (redis.ConnectionError, redis.AuthenticationError, redis.ResponseError):
+                pass  # not listening yet, or another server (with another password) on the port
+            if time.monotonic() > deadline:
+                process.kill()
+                process.wait()
+                raise TimeoutError(f"redis-server on port {self.port} did not answer within 10 s")
+            time.sleep(0.05)
+        return False
 
     def stop(self) -> None:
         if self.process is not None:

@@ -163,7 +163,7 @@ def test_damaged_files_open_and_serve_nothing_wrong(tmp_path: Path, damage: str)
 _TRUNCATE_UNDER_OPEN_STORE = textwrap.dedent(
     """
     import os, sys
-    from helpers import make_entry
+    from chunks import make_entry
     from kvboost_hf.store.disk import DiskTier
 
     disk = DiskTier(sys.argv[1], max_bytes=1 << 22)
@@ -189,7 +189,7 @@ def test_truncating_the_file_under_an_open_store_is_a_miss_not_sigbus(tmp_path: 
 _WORKER = textwrap.dedent(
     """
     import json, sys, time
-    from helpers import make_entry
+    from chunks import make_entry
     from kvboost_hf.store.disk import DiskTier
 
     directory, me, other, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -240,7 +240,7 @@ def test_two_processes_share_one_directory(tmp_path: Path):
 _SHARING_WRITER = textwrap.dedent(
     """
     import json, sys, threading
-    from helpers import make_entry
+    from chunks import make_entry
     from kvboost_hf.store.disk import DiskTier
 
     directory, (me, rounds, per, max_bytes) = sys.argv[1], map(int, sys.argv[2:6])
@@ -371,7 +371,7 @@ def test_a_short_file_seen_during_another_commit_is_looked_at_again(tmp_path: Pa
 _KILLED_WRITER = textwrap.dedent(
     """
     import sys
-    from helpers import make_entry
+    from chunks import make_entry
     from kvboost_hf.store.disk import DiskTier
 
     disk = DiskTier(sys.argv[1], max_bytes=1 << 22)

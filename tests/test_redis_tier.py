@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TESTS_DIR, RedisServer, assert_same, free_port, key, make_entry
+from helpers import TESTS_DIR, RedisServer, assert_same, key, make_entry
 
 from kvboost_hf.store import codec
 from kvboost_hf.store.remote import RemoteTier
@@ -199,7 +199,7 @@ def test_error_reply_fails_one_write_without_an_outage(remote: RemoteTier, redis
 def test_auth_comes_from_the_url(tmp_path: Path):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (.ci/start-redis.sh installs it)")
-    server = RedisServer(free_port(), tmp_path, password="s3cret")
+    server = RedisServer(tmp_path, password="s3cret")
     server.start()
     tier = RemoteTier(server.url)
     intruder = RemoteTier(server.url.replace("s3cret", "wrong"))

@@ -62,7 +62,7 @@ def engine(model_dir: Path):
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (.ci/start-redis.sh installs it)")
-    server = RedisServer(free_port(), tmp_path_factory.mktemp("redis"))
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
     server.start()
     yield server.url
     server.stop()

@@ -1,20 +1,17 @@
-"""Server hardening (issue #22 server items 6-9 and 11, issue #18 item 7): client errors are 400s, request
-bodies, headers and grammar compiles are bounded, /metrics reads one snapshot off the event loop, and importing
-the package prints nothing. Servers run on 127.0.0.1 with the embedded model (see tests/test_server.py)."""
+"""Server hardening (issue #22 server items 6-9, issue #18 item 7): client errors are 400s, request bodies,
+headers and grammar compiles are bounded, /metrics reads one snapshot off the event loop (#22 item 11, the quiet
+import, is checked in tests/test_architecture.py). Servers run on 127.0.0.1 with the embedded model (see
+tests/test_server.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
@@ -31,7 +28,6 @@ from kvboost_hf.server.grammar_process import CompileProcess  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 HEADERS = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class HardenedServer(LiveServer):
@@ -71,15 +67,6 @@ def server(engine) -> Iterator[HardenedServer]:
 def post(server: HardenedServer, body: dict | bytes, path: str = "/v1/chat/completions") -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return httpx.post(f"{server.url}{path}", content=content, headers=HEADERS, timeout=60)
-
-
-# ---------------------------------------------------------------------------------------------- item 11
-def test_import_prints_nothing():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-c", "import kvboost_hf"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
-    )
-    assert done.returncode == 0 and (done.stdout, done.stderr) == ("", "")
 
 
 # ---------------------------------------------------------------------------------------------- item 8
@@ -446,13 +433,25 @@ def test_warm_yields_to_decoding(server, engine):
     assert chat_status == warm_status == 200 and still_warming and chat_s < warm_s / 2, (chat_s, warm_s)
 
 
+def _settled(read: Callable[[], int], quiet_s: float, limit_s: float) -> int:
+    """``read()`` once it has kept one value for ``quiet_s`` seconds (read every 50 ms); fails past ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    value, since = read(), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, f"still changing after {limit_s} s: {value}"
+        time.sleep(0.05)
+        if (now := read()) != value:
+            value, since = now, time.monotonic()
+    return value
+
+
 def test_warm_stops_when_the_client_disconnects(server, engine):
+    """The client leaves after 1.5 s of a 200-document warm: the document being stored then is finished (however
+    long that takes on a loaded machine), then nothing more is stored for 1.5 s, far short of the 200 documents."""
     puts = lambda: engine.store.stats()["puts"]  # noqa: E731
     before = puts()
     body = json.dumps({"documents": _documents(200)}).encode()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/warm", content=body, headers=HEADERS, timeout=1.5)
-    time.sleep(1.0)  # the document being stored when the client left
-    stopped = puts()
-    time.sleep(1.5)
-    assert puts() == stopped and stopped - before < 200 * 5, (before, stopped, puts())
+    stopped = _settled(puts, quiet_s=1.5, limit_s=60)
+    assert stopped - before < 200 * 5, (before, stopped)

@@ -83,7 +83,7 @@ def test_store_dropped_without_close_keeps_its_entries(tmp_path: Path):
     code = textwrap.dedent(
         """
         import os, sys, time
-        from helpers import key, raw_entry
+        from chunks import key, raw_entry
         from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
         store = ChunkStore(StoreConfig(1 << 24, disk_cache_dir=sys.argv[1]))
@@ -107,7 +107,7 @@ _FULL_DISK = textwrap.dedent(
     """
     import json, resource, signal, sys
     import torch
-    from helpers import key, raw_entry
+    from chunks import key, raw_entry
     from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, like ENOSPC

@@ -92,7 +92,7 @@ def test_generation_after_an_in_place_change_reuses_nothing_stale(edit: str):
 _DISK_SCENARIO = textwrap.dedent(
     """
     import os, sys
-    from helpers import key, raw_entry
+    from chunks import key, raw_entry
     from kvboost_hf.store.disk import DiskTier
 
     args = sys.argv[1:]

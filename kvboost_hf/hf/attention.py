@@ -188,3 +188,6 @@ def register_kvboost_attention() -> None:
     """Register ``"kvboost"`` in transformers' attention and mask interfaces (idempotent)."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, kvboost_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, kvboost_mask)
+
+
+register_kvboost_attention()  # importing this module registers (kvboost_hf's import arranges that it is imported)
