@@ -16,13 +16,15 @@ one model and one cache. It makes no scheduling decision: the scheduler hands it
   row at once on the device); log-probabilities are computed on the device, and the step's ids and
   log-probabilities reach the host in one transfer.
 
-* speculative decode (with a :class:`~kvboost_hf.hf.speculative.Drafter`): the draft proposes ``g`` tokens per
-  row, one target forward verifies all rows' proposals, and each row takes its own choices position by position
-  while they equal the proposals (then one more), and no further than its budget or an end token. Rows accept
-  different counts; each row's rejected columns are dropped and the rows right-aligned, so the layout stays
-  left-padded. A row with a grammar constraint (whose state advances with every token it sees) takes one token
-  per step. The prompt forward verifies the first tree too (the draft prefills the prompts and drafts before it),
-  unless it is a sparse repair forward.
+* speculative decode (with a :class:`~kvboost_hf.hf.speculative.Drafter`, which decides when and how large its
+  trees are, :meth:`~kvboost_hf.hf.speculative.Drafter.tree_sizes`; verified by a
+  :class:`~kvboost_hf.hf.verify.TreeVerifier`): the draft proposes ``g`` tokens per row, one target forward
+  verifies all rows' proposals, and each row takes its own choices position by position while they equal the
+  proposals (then one more), and no further than its budget or an end token. Rows accept different counts; each
+  row's rejected columns are dropped and the rows right-aligned, so the layout stays left-padded. A row with a
+  grammar constraint (whose state advances with every token it sees) takes one token per step. The prompt forward
+  verifies the first tree too (the draft prefills the prompts and drafts before it), unless it is a sparse repair
+  forward.
 
 Both return the sampled tokens per row (:class:`RowOutput`) and decide nothing about them: the scheduler appends
 them to the rows, decides which rows stop (end tokens, budget, stop strings on the incrementally decoded text,
