@@ -57,6 +57,20 @@ def test_draft_tree_structure():
     assert tree.has_children(0) and not tree.has_children(5)
 
 
+def test_the_drafters_policy_drafts_only_for_rows_that_can_take_two_tokens(target):
+    """Drafter.tree_sizes decides whether a forward verifies trees and how large: nothing when no row may take two
+    more tokens; else a tree one level shallower than the largest budget (at most num_draft_tokens deep) holding the
+    tree budget."""
+    chain = Drafter(target, DraftConfig(num_draft_tokens=5))
+    assert chain.tree_sizes([]) is None and chain.tree_sizes([1, 1, 0]) is None
+    assert chain.tree_sizes([1, 4]) == [1, 1, 1]
+    assert chain.tree_sizes([2]) == [1]
+    assert chain.tree_sizes([30, 1]) == [1, 1, 1, 1, 1]
+    tree = Drafter(target, DraftConfig(num_draft_tokens=5, tree_budget=6, tree_branching=2))
+    assert tree.tree_sizes([4, 2]) == [2, 2, 2]
+    assert tree.tree_sizes([2]) == [2]  # one level: branching 2 below the root
+
+
 @given(st.integers(1, 300), st.integers(1, 6), st.integers(1, 12), st.integers(1, 12))
 def test_level_sizes_spread_the_budget_over_the_depth(budget, branching, depth, limit):
     settings = DraftConfig(num_draft_tokens=depth, tree_budget=budget, tree_branching=branching)
