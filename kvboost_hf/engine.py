@@ -180,7 +180,8 @@ class InferenceEngine:
     :class:`~kvboost_hf.hf.warm.PromptWarmer`) and :attr:`factories` (a :class:`~kvboost_hf.factories.Factories`:
     caches, batch policy and key space, decode loops and their drafters, schedulers, rows, decode totals). Its
     attributes ``model``, ``tokenizer``, ``store``, ``chunking``, ``repair``, ``tokens``, ``max_context``, ``graphs``,
-    ``lock``, ``draft_settings``, ``draft_model``, ``speculative`` and ``verify_costs`` are those of its parts.
+    ``lock``, ``draft_model``, ``speculative`` and ``verify_costs`` are those of its parts (read them, do not assign
+    them); :attr:`draft_settings` may be assigned (the drafters of later calls use the new settings).
     """
 
     def __init__(
@@ -218,7 +219,6 @@ class InferenceEngine:
             model, tokenizer, self.prompts, store, self.chunking, self.repair, self.graphs,
             draft_model=draft_model, draft=draft, strict=strict,
         )  # fmt: skip
-        self.draft_settings = self.factories.draft_settings
         self.draft_model = self.factories.draft_model
         self.speculative = self.factories.speculative
         self.verify_costs = self.factories.verify_costs  # the target's timed verify forwards (adaptive tree budget)
@@ -254,6 +254,15 @@ class InferenceEngine:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def draft_settings(self) -> DraftConfig:
+        """How the draft proposes (the factories' settings; assigning new ones applies to the next call's loops)."""
+        return self.factories.draft_settings
+
+    @draft_settings.setter
+    def draft_settings(self, settings: DraftConfig) -> None:
+        self.factories.draft_settings = settings
 
     # ------------------------------------------------------------------ prompts (see PromptEncoder)
     def render(self, prompt: Prompt, *, add_generation_prompt: bool = True) -> str:
