@@ -179,9 +179,9 @@ class InferenceEngine:
     rendering, tokenizing, segments, the context length, end and padding tokens), :attr:`warmer` (a
     :class:`~kvboost_hf.hf.warm.PromptWarmer`) and :attr:`factories` (a :class:`~kvboost_hf.factories.Factories`:
     caches, batch policy and key space, decode loops and their drafters, schedulers, rows, decode totals). Its
-    attributes ``model``, ``tokenizer``, ``store``, ``chunking``, ``repair``, ``tokens``, ``max_context``, ``graphs``,
-    ``lock``, ``draft_model``, ``speculative`` and ``verify_costs`` are those of its parts (read them, do not assign
-    them); :attr:`draft_settings` may be assigned (the drafters of later calls use the new settings).
+    attributes ``model``, ``tokenizer``, ``chunking``, ``repair``, ``tokens``, ``max_context``, ``graphs``, ``lock``,
+    ``draft_model``, ``speculative`` and ``verify_costs`` are those of its parts (read them, do not assign them);
+    :attr:`store` and :attr:`draft_settings` may be assigned (later calls use the new ones).
     """
 
     def __init__(
@@ -211,7 +211,6 @@ class InferenceEngine:
         self.max_context = self.prompts.max_context
         if not isinstance(store, ChunkStore):  # on CUDA, a GPU tier sized from the memory the model left free
             store = ChunkStore((store or StoreConfig()).for_model_device(self.device))
-        self.store = store
         self.graphs = GraphedDecoder(model, graphs or GraphConfig(enabled=self.device.type == "cuda"))
         self.lock = threading.RLock()  # held while the model runs: one forward at a time
         model_digest(model)  # computed once here, not inside the first request's TTFT
@@ -223,7 +222,7 @@ class InferenceEngine:
         self.speculative = self.factories.speculative
         self.verify_costs = self.factories.verify_costs  # the target's timed verify forwards (adaptive tree budget)
         self.warmer = PromptWarmer(
-            model, store, self.chunking, self.prompts,
+            model, self.chunking, self.prompts,
             lambda mode, cache_salt, starts: self.new_cache(mode, cache_salt, segment_starts=starts, adapter=False),
             self.lock,
         )  # fmt: skip
@@ -254,6 +253,15 @@ class InferenceEngine:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def store(self) -> ChunkStore:
+        """The chunk store every cache of this engine reads and writes (assigning another applies to later calls)."""
+        return self.factories.store
+
+    @store.setter
+    def store(self, store: ChunkStore) -> None:
+        self.factories.store = store
 
     @property
     def draft_settings(self) -> DraftConfig:

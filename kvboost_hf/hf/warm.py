@@ -21,7 +21,6 @@ from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.prefill import forward
 from kvboost_hf.hf.prompts import Prompt, PromptEncoder
 from kvboost_hf.results import WarmResult
-from kvboost_hf.store.chunk_store import ChunkStore
 
 #: ``(mode, cache_salt, segment_starts) -> a fresh chunk-reuse cache`` (no hooks) on the engine's store and model.
 NewCache = Callable[[GenerationMode, str | None, Sequence[int]], ChunkReuseCache]
@@ -32,24 +31,22 @@ class PromptWarmer:
 
     Args:
         model: the causal LM that computes them.
-        store: the chunk store they go to (its ``puts`` counter gives each result's ``chunks_stored``).
         chunking: how the caches cut texts (``new_cache``'s).
         prompts: renders and tokenizes the texts.
-        new_cache: builds each text's cache.
+        new_cache: builds each text's cache (on the store they go to: its ``puts`` counter gives each result's
+            ``chunks_stored``).
         lock: held while the model runs (one forward at a time).
     """
 
     def __init__(
         self,
         model: PreTrainedModel,
-        store: ChunkStore,
         chunking: ChunkingConfig,
         prompts: PromptEncoder,
         new_cache: NewCache,
         lock: contextlib.AbstractContextManager,
     ) -> None:
         self.model = model
-        self.store = store
         self.chunking = chunking
         self.prompts = prompts
         self.new_cache = new_cache
@@ -83,9 +80,9 @@ class PromptWarmer:
     def _store(self, ids: list[int], segment_starts: list[int], cache_salt: str | None) -> WarmResult:
         """Compute the K/V of ``ids`` and store them (by content key too when there are segments)."""
         self.prompts.check_length(len(ids), 1)
-        puts_before = self.store.stats()["puts"]
         mode = GenerationMode.CHUNK_KV_REUSE if segment_starts else GenerationMode.PREFIX_CACHE
         cache = self.new_cache(mode, cache_salt, segment_starts)
+        puts_before = cache.store.stats()["puts"]
         with self.lock:
             forward(self.model, cache, input_ids=torch.tensor([ids], device=self.model.device), logits_to_keep=1)
             cache.save(tail=True)
@@ -106,7 +103,7 @@ class PromptWarmer:
                 "continue it in the same segment recompute those tokens"
             )
         return WarmResult(
-            chunks_stored=self.store.stats()["puts"] - puts_before,
+            chunks_stored=cache.store.stats()["puts"] - puts_before,
             token_count=len(ids),
             chunk_size=chunking.chunk_size,
             chunk_boundary_aligned=partial == 0,
