@@ -421,7 +421,7 @@ def test_the_sampled_output_distribution_is_the_targets_exactly(monkeypatch, bra
     row's draws, each weighted by the probability the loop drew it with (the softmax at the verify forward's node).
     The weights are the exact distribution the loop samples from; each must equal the target's own probability of
     that continuation (a full forward per prefix), through trees with misses (branching 2) and without (4)."""
-    import kvboost_hf.hf.decode as decode_module
+    import kvboost_hf.hf.rows as rows_module
 
     vocab, prompt, temperature = 4, [1, 3, 2, 0, 0, 2], 0.7
     target = make_tiny_model("llama", seed=3, vocab_size=vocab, num_hidden_layers=1)
@@ -434,7 +434,7 @@ def test_the_sampled_output_distribution_is_the_targets_exactly(monkeypatch, bra
         weight[0] *= float(torch.softmax(scores.float(), dim=-1)[0, token])
         return token
 
-    monkeypatch.setattr(decode_module, "choose_token", scripted)
+    monkeypatch.setattr(rows_module, "choose_token", scripted)  # each row's own draw (DecodeRow.choose)
     settings = DraftConfig(num_draft_tokens=2, tree_budget=50, tree_branching=branching)
     first = 2
     total = 0.0
