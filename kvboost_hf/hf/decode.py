@@ -47,6 +47,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
@@ -171,13 +172,13 @@ def _counting_streamed_bytes(method: Callable[..., list[RowOutput]]) -> Callable
     streamer copies while it runs."""
 
     @functools.wraps(method)
-    def counted(loop: DecodeLoop, *args: object) -> list[RowOutput]:
+    def counted(loop: DecodeLoop, *args: Any, **kwargs: Any) -> list[RowOutput]:
         streamer = layer_streamer(loop.model)
         if streamer is None:
-            return method(loop, *args)
+            return method(loop, *args, **kwargs)
         before = streamer.stats(settle=False).bytes_streamed
         try:
-            return method(loop, *args)
+            return method(loop, *args, **kwargs)
         finally:
             copied = streamer.stats(settle=False).bytes_streamed - before
             loop.streamed_bytes = (loop.streamed_bytes or 0) + copied
