@@ -147,8 +147,9 @@ def reference(
 def engine_reference(engine, prompt, max_new_tokens: int, sampling: SamplingConfig = GREEDY) -> Reference:
     """:func:`reference` for an engine's prompt (strings, segments or chat messages), rendered and tokenised the way
     the engine does (``engine.encode``), with its EOS and pad ids."""
+    prompts = engine.prompts
     return reference(
-        engine.model, engine.encode(prompt), max_new_tokens, sampling, engine.eos_token_ids, engine.pad_token_id
+        engine.model, engine.encode(prompt), max_new_tokens, sampling, prompts.eos_token_ids, prompts.pad_token_id
     )
 
 
@@ -176,7 +177,7 @@ def cache_reference(engine, prompt, max_new_tokens: int, *, cache_salt: str | No
         write_back=False,
     )
     tensor = torch.tensor([ids], device=engine.model.device)
-    config = generation_config(GREEDY, max_new_tokens, engine.eos_token_ids, engine.pad_token_id)
+    config = generation_config(GREEDY, max_new_tokens, engine.prompts.eos_token_ids, engine.prompts.pad_token_id)
     out = engine.model.generate(tensor, attention_mask=torch.ones_like(tensor), cache=cache, generation_config=config)
     (reuse,) = cache.last_reuse  # the prompt forward's figures (one row)
     return CacheReference(out.sequences[0, len(ids) :].tolist(), reuse)

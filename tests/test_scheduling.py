@@ -374,13 +374,13 @@ def test_generate_many_batches_segment_prompts_with_plain_prompts_and_keeps_thei
     assert all(reference.reuse.approx_tokens > 0 for reference in alone)
     plain = [engine_reference(engine, prompt, 6).tokens for prompt in others]
     loops = []
-    decode_loop = engine.decode_loop
+    decode_loop = engine.factories.decode_loop
 
     def counted_loop(*args, **kwargs):
         loops.append(decode_loop(*args, **kwargs))
         return loops[-1]
 
-    monkeypatch.setattr(engine, "decode_loop", counted_loop)
+    monkeypatch.setattr(engine.factories, "decode_loop", counted_loop)
     results = engine.generate_many([others[0], rag[0], others[1], rag[1], others[2]], max_new_tokens=6)
     assert len(loops) == 1  # one batch, one decode loop for the five rows
     for got, expected in zip([results[1], results[3]], alone, strict=True):
@@ -401,9 +401,9 @@ def test_prompts_needing_repair_are_prefilled_alone_and_decode_in_the_batch(engi
         engine.warm(document)
     repaired = [f"{words(90 + i, 8)} {document}" for i, document in enumerate(documents)]
     prompts = [repaired[0], words(95, 10), repaired[1], words(96, 13)]
-    policy = engine.batch_policy()
+    policy = engine.factories.batch_policy()
     assert [policy.prefill_alone(engine.encode(p), None) for p in prompts] == [True, False, True, False]
-    rows = engine.new_rows([DecodeRequest(prompt_ids=engine.encode(p), max_new_tokens=6) for p in prompts])
+    rows = engine.factories.new_rows([DecodeRequest(prompt_ids=engine.encode(p), max_new_tokens=6) for p in prompts])
     works = policy.prefill_works(rows, None)  # the plain rows together, then each repaired prompt alone
     assert [[rows.index(row) for row in work.rows] for work in works] == [[1, 3], [0], [2]]
     alone = [cache_reference(engine, prompt, 6) for prompt in prompts]  # the oracle writes nothing back

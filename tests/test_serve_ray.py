@@ -154,11 +154,11 @@ def test_ingress_keys_are_the_keys_the_replicas_store(client, engine, url):
     body = json.dumps({"model": MODEL, "messages": messages}).encode()
     ids = prompt_ids(engine.tokens, "/v1/chat/completions", body)
     assert ids == engine.encode(messages)
-    keys = routing_keys(engine.key_space, ids, None)
+    keys = routing_keys(engine.factories.key_space, ids, None)
     assert len(keys) == len(ids) // CHUNK
     handle = serve.get_deployment_handle("KVBoostReplica", APP_NAME)
     space, _ = handle.routing_context.remote().result()
-    assert space == engine.key_space
+    assert space == engine.factories.key_space
     deadline = time.monotonic() + 10  # Redis writes are queued in the background
     while not all(handle.stored.remote(keys).result()):
         assert time.monotonic() < deadline, "the prompt's chunks never reached the store"

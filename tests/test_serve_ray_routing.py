@@ -44,7 +44,7 @@ def engine():
 
 def test_keys_are_the_stored_keys_per_tenant(engine):
     """After a generation, every routing key of its prompt is in the store, in its tenant's namespace only."""
-    space = engine.key_space
+    space = engine.factories.key_space
     prompt = list(range(2, 23))  # 5 full chunks and a tail
     for salt in (None, "tenant-a"):
         assert space.namespace(salt) == engine.new_cache(cache_salt=salt, adapter=False).namespace

@@ -510,7 +510,7 @@ def test_sampling_options_change_output_as_specified(engine, client):
     assert stopped.usage.completion_tokens == 1 and stopped.choices[0].finish_reason == "stop"
     top1 = client.completions.create(**{**base, "temperature": 1.5}, extra_body={"top_k": 1})
     assert top1.choices[0].text == oracle_text(engine, prompt, 3)
-    eos = sorted(engine.eos_token_ids)[0]
+    eos = sorted(engine.prompts.eos_token_ids)[0]
     short = client.completions.create(**{**base, "max_tokens": 4}, logit_bias={str(eos): 100})
     assert short.usage.completion_tokens == 1  # EOS forced at once
     held = client.completions.create(

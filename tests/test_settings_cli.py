@@ -13,7 +13,7 @@ import pytest
 from kvboost_hf import KVBoost
 from kvboost_hf.core.config import GenerationMode, RecomputeStrategy, RepairConfig
 from kvboost_hf.core.settings import add_settings_arguments, settings_from_args, settings_values
-from kvboost_hf.engine import sampling_params
+from kvboost_hf.engine import GenerateOptions, sampling_params
 from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.server.launch import SETTINGS_FLAGS, add_arguments
 from kvboost_hf.server.settings import ServerConfig
@@ -141,6 +141,24 @@ def test_sampling_shorthands_build_one_params_and_both_is_an_error():
         sampling_params(given, temperature=0.2)
     with pytest.raises(ValueError, match="seed"):
         sampling_params(given, seed=1)
+
+
+def test_generate_options_resolve_sampling_once_and_build_one_request_per_prompt():
+    """The options the three generate entry points share: the shorthands become the rows' sampling settings (a
+    conflict is refused before any prompt is read), a single stop string is one stop, ``logprobs`` keeps the first
+    token's logits."""
+    options = GenerateOptions(max_new_tokens=5, temperature=0.5, do_sample=True, seed=3, stop="END", logprobs=2)
+    assert options.decoding == SamplingConfig(temperature=0.5, top_p=1.0, seed=3)
+    first, second = options.requests([([7, 8, 9], []), ([4, 5], [0, 1])])
+    assert (first.prompt_ids, first.segment_starts, second.prompt_ids, second.segment_starts) == (
+        [7, 8, 9], (), [4, 5], (0, 1)
+    )  # fmt: skip
+    assert first.max_new_tokens == 5 and first.stop == ("END",) and first.sampling == options.decoding
+    assert first.top_logprobs == 2 and first.keep_first_logits
+    assert GenerateOptions(stop=["a", "b"]).requests([([1], [])])[0].stop == ("a", "b")
+    assert not GenerateOptions().requests([([1], [])])[0].keep_first_logits
+    with pytest.raises(ValueError, match="top_p"):
+        GenerateOptions(sampling=SamplingConfig(), top_p=0.9)
 
 
 def test_engine_takes_settings_objects_and_names_an_old_keyword(embedded_engine):

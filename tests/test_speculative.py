@@ -294,7 +294,8 @@ def test_engine_reports_streamed_bytes_per_token_with_a_draft(target):
     assert drafted.streamed_bytes_per_token <= 0.45 * plain.streamed_bytes_per_token
     assert engine.cache_stats()["streaming_bytes_streamed"] == handle.stats().bytes_streamed
     handle.close()
-    resident = reference(target, engine.encode(prompt), 12, GREEDY, engine.eos_token_ids, engine.pad_token_id)
+    prompts = engine.prompts
+    resident = reference(target, engine.encode(prompt), 12, GREEDY, prompts.eos_token_ids, prompts.pad_token_id)
     assert drafted.output_ids == resident.tokens  # transformers' greedy generate() on the resident target
 
 

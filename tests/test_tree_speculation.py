@@ -57,6 +57,20 @@ def test_draft_tree_structure():
     assert tree.has_children(0) and not tree.has_children(5)
 
 
+def test_the_drafters_policy_drafts_only_for_rows_that_can_take_two_tokens(target):
+    """Drafter.tree_sizes decides whether a forward verifies trees and how large: nothing when no row may take two
+    more tokens; else a tree one level shallower than the largest budget (at most num_draft_tokens deep) holding the
+    tree budget."""
+    chain = Drafter(target, DraftConfig(num_draft_tokens=5))
+    assert chain.tree_sizes([]) is None and chain.tree_sizes([1, 1, 0]) is None
+    assert chain.tree_sizes([1, 4]) == [1, 1, 1]
+    assert chain.tree_sizes([2]) == [1]
+    assert chain.tree_sizes([30, 1]) == [1, 1, 1, 1, 1]
+    tree = Drafter(target, DraftConfig(num_draft_tokens=5, tree_budget=6, tree_branching=2))
+    assert tree.tree_sizes([4, 2]) == [2, 2, 2]
+    assert tree.tree_sizes([2]) == [2]  # one level: branching 2 below the root
+
+
 @given(st.integers(1, 300), st.integers(1, 6), st.integers(1, 12), st.integers(1, 12))
 def test_level_sizes_spread_the_budget_over_the_depth(budget, branching, depth, limit):
     settings = DraftConfig(num_draft_tokens=depth, tree_budget=budget, tree_branching=branching)
@@ -407,7 +421,7 @@ def test_the_sampled_output_distribution_is_the_targets_exactly(monkeypatch, bra
     row's draws, each weighted by the probability the loop drew it with (the softmax at the verify forward's node).
     The weights are the exact distribution the loop samples from; each must equal the target's own probability of
     that continuation (a full forward per prefix), through trees with misses (branching 2) and without (4)."""
-    import kvboost_hf.hf.decode as decode_module
+    import kvboost_hf.hf.rows as rows_module
 
     vocab, prompt, temperature = 4, [1, 3, 2, 0, 0, 2], 0.7
     target = make_tiny_model("llama", seed=3, vocab_size=vocab, num_hidden_layers=1)
@@ -420,7 +434,7 @@ def test_the_sampled_output_distribution_is_the_targets_exactly(monkeypatch, bra
         weight[0] *= float(torch.softmax(scores.float(), dim=-1)[0, token])
         return token
 
-    monkeypatch.setattr(decode_module, "choose_token", scripted)
+    monkeypatch.setattr(rows_module, "choose_token", scripted)  # each row's own draw (DecodeRow.choose)
     settings = DraftConfig(num_draft_tokens=2, tree_budget=50, tree_branching=branching)
     first = 2
     total = 0.0

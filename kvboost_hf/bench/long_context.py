@@ -92,7 +92,7 @@ def full_prefill_ms(engine: InferenceEngine, prompt: str) -> float:
         with torch.inference_mode():
             engine.model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
-                pad_token_id=engine.pad_token_id,
+                pad_token_id=engine.prompts.pad_token_id,
             )  # fmt: skip
 
     return timed_call(run, engine.device)[0]

@@ -272,7 +272,7 @@ def teacher_forced_batched(
     logprobs = []
     for continuation in continuations:
         ids, mask = left_pad(
-            [prompt + continuation, companion(prompt) + continuation], engine.pad_token_id, engine.device
+            [prompt + continuation, companion(prompt) + continuation], engine.prompts.pad_token_id, engine.device
         )
         with engine.lock, torch.inference_mode():
             logits = engine.model(

@@ -60,7 +60,7 @@ def decode_once(engine: InferenceEngine, text: str, max_new_tokens: int) -> dict
         prompt_ids=engine.encode(text), max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature=0)
     )
     scheduler = engine.scheduler(max_batch_size=1)
-    group = RequestGroup(engine.new_rows([request]))
+    group = RequestGroup(engine.factories.new_rows([request]))
     scheduler.add(group)
     with engine.lock:
         started = time.perf_counter()

@@ -447,7 +447,9 @@ class VerifyCosts:
 
 
 class Drafter:
-    """The draft side of speculative decoding in :class:`~kvboost_hf.hf.decode.DecodeLoop`.
+    """The draft side of speculative decoding in :class:`~kvboost_hf.hf.decode.DecodeLoop`, and its policy: whether a
+    forward verifies trees and how large they are (:meth:`tree_sizes`); the target side is
+    :class:`~kvboost_hf.hf.verify.TreeVerifier`.
 
     Args:
         model: the resident draft (sharing the target's vocabulary), or the target itself when
@@ -478,12 +480,18 @@ class Drafter:
         self.forwards = 0
         self.cached_tokens: list[int] = []
 
-    def level_sizes(self, depth: int, rows: int) -> list[int]:
-        """Nodes per level of the next round's trees (at most ``depth`` deep) for ``rows`` rows: the settings'
-        budget, or with ``adaptive_tree_budget`` the one the timed verify forwards suggest."""
+    def tree_sizes(self, tokens_left: Sequence[int]) -> list[int] | None:
+        """The speculation policy: nodes per level of the next round's trees for rows that may still take
+        ``tokens_left`` tokens each, or None when the round should draft nothing (no row can take two tokens: its
+        proposals could not be used). The trees are at most one less deep than the largest budget and hold the
+        settings' tree budget, or with ``adaptive_tree_budget`` the one the timed verify forwards suggest for this
+        many rows."""
+        most = max(tokens_left, default=0)
+        if most <= 1:
+            return None
         settings = self.settings
-        budget = settings.adaptive_budget(self.costs, rows) if settings.adaptive_tree_budget else None
-        return settings.level_sizes(depth, budget)
+        budget = settings.adaptive_budget(self.costs, len(tokens_left)) if settings.adaptive_tree_budget else None
+        return settings.level_sizes(most - 1, budget)
 
     def prefill(
         self,

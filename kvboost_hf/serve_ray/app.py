@@ -128,7 +128,7 @@ class KVBoostReplica:
 
     def routing_context(self) -> tuple[KeySpace, PreTrainedTokenizerBase]:
         """What the ingress needs to compute this replica's chunk keys: the key space and the tokenizer."""
-        return self.engine.key_space, self.engine.tokenizer
+        return self.engine.factories.key_space, self.engine.tokenizer
 
     def stored(self, keys: Sequence[str]) -> list[bool]:
         """Whether this replica's store (RAM, then its lower tiers) holds each of ``keys``."""

@@ -158,7 +158,7 @@ class JobRun:
         self.choices = {id(request): _Choice(index) for index, request in enumerate(requests)}
         job.rows_left = job.n
         self.group = RequestGroup(
-            engine.new_rows(requests),
+            engine.factories.new_rows(requests),
             job.cache_salt,
             on_token=self._report,
             on_fail=self._fail,

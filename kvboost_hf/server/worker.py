@@ -59,9 +59,9 @@ class Worker:
         settings: the server's settings; the worker reads ``reuse_mode`` (a :class:`GenerationMode` value),
             ``batch_window_ms``,
             ``max_batch_size`` (rows running at once, over all batches) and ``max_queue`` (jobs waiting before
-            ``submit`` refuses). Jobs are batched by the engine's :meth:`~InferenceEngine.batch_policy` (the rules
-            of ``generate_many``: a job with document segments, or whose reuse needs repair, is prefilled alone,
-            then joins).
+            ``submit`` refuses). Jobs are batched by the engine's batch policy
+            (:meth:`~kvboost_hf.factories.Factories.batch_policy`, the rules of ``generate_many``: a job with
+            document segments, or whose reuse needs repair, is prefilled alone, then joins).
         metrics: where batch sizes, latencies and token origins are recorded.
     """
 

@@ -34,7 +34,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("store/offload", ("store", "offload")),
     ("reuse", ("reuse",)),
     ("hf", ("hf",)),
-    ("engine", ("engine", "scheduling", "corpus")),  # corpus: the engine's default prompts, no imports of its own
+    # factories: the engine's caches, loops and schedulers; corpus: its default prompts, no imports of its own
+    ("engine", ("engine", "factories", "scheduling", "corpus")),
     ("server", ("server",)),
     ("serve_ray", ("serve_ray",)),
     ("bench", ("bench", "demo", "cli", "tools", "__init__")),

@@ -1,0 +1,264 @@
+"""Stage 8, speculative part: tree verification, the target's side of a draft round, called by the runner
+(:class:`~kvboost_hf.hf.decode.DecodeLoop`) through a :class:`TreeVerifier`.
+
+The verifier asks its :class:`~kvboost_hf.hf.speculative.Drafter` what to draft (:meth:`Drafter.tree_sizes
+<kvboost_hf.hf.speculative.Drafter.tree_sizes>`: whether a forward verifies trees and how large they are), builds
+the target forward that verifies every row's tree (a decode step's, :meth:`TreeVerifier.step`, or the prompt
+forward's, :meth:`TreeVerifier.prompt_queries`), then walks each row down its tree with the row's own choices
+(:meth:`TreeVerifier.verify`) and keeps only the accepted paths' columns in both caches.
+
+Invariants: a row takes its own choice at the root, then at the child holding that choice, and so on (plus one more
+token), never past its budget or an end token, so a draft never changes a row's tokens; after :meth:`verify` both
+caches hold, per row, the columns up to its root and its accepted path (right-aligned, the freed columns masked left
+padding), and :class:`Verified` carries the batch's matching 2D mask and last positions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from kvboost_hf.hf.cache import ChunkReuseCache, keep_cache_columns, select_columns
+from kvboost_hf.hf.rows import DecodeRow, DraftRound, RowOutput, TokenLogprob, sampled, to_device
+from kvboost_hf.hf.sampling import greedy_tokens
+from kvboost_hf.hf.speculative import Drafter, DraftTree, tree_attention_mask
+
+#: A row's walk down its tree: the accepted nodes (their columns stay), the tokens taken (the target's own choices:
+#: one per accepted node, plus one) and the round (None for a row that does not speculate).
+Walk = tuple[list[int], list[int], DraftRound | None]
+
+#: The runner's target forward: ``(input_ids, position_ids, keep, attention_mask) -> logits [B, keep, V]`` (fp32).
+TargetForward = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A verify forward's result: each running row's output (in the order of the rows), and the batch's 2D attention
+    mask ``[B, C]`` and last positions ``[B]`` after the accepted paths (the runner's new ones)."""
+
+    outputs: list[RowOutput]
+    mask: torch.Tensor
+    positions: torch.Tensor
+
+
+class TreeVerifier:
+    """Verifies the draft trees of one runner's rows.
+
+    Args:
+        draft: the runner's drafter (its cache follows the target cache's layout, see :class:`Drafter`).
+        pad_token_id: the token fed for a row with nothing to feed the draft (its column is dropped).
+        dtype: the target's dtype (its additive tree masks).
+    """
+
+    def __init__(self, draft: Drafter, pad_token_id: int, dtype: torch.dtype) -> None:
+        self.draft = draft
+        self.pad_token_id = pad_token_id
+        self.dtype = dtype
+
+    def tree_sizes(self, rows: Sequence[DecodeRow]) -> list[int] | None:
+        """Nodes per tree level of the next round for ``rows``, or None when the next forward verifies no tree (the
+        drafter's policy, :meth:`~kvboost_hf.hf.speculative.Drafter.tree_sizes`, on each row's tokens left)."""
+        return self.draft.tree_sizes([row.tokens_left for row in rows])
+
+    def prompt_queries(
+        self,
+        rows: Sequence[DecodeRow],
+        cache: ChunkReuseCache | DynamicCache,
+        inputs: dict[str, Any],
+        mask: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        segment_starts: tuple[int, ...],
+    ) -> tuple[dict[str, Any], list[DraftTree] | None]:
+        """The prompt forward's inputs (``inputs``: :func:`~kvboost_hf.hf.prefill.forward_inputs` through the target
+        ``cache`` of the left-padded prompts ``input_ids`` with 2D ``mask`` and ``position_ids``) with each row's
+        first tree appended as queries, and the trees; unchanged and None when no tree is verified there (the
+        drafter's policy says none, or the forward is a sparse repair forward, whose K/V are scattered to the
+        prompt's own columns). The draft then prefills the prompts (its cache built with ``segment_starts``) and
+        proposes each row's tree below its last prompt token, so the prompt forward verifies it: one target forward
+        fewer per generation, the draft's prefill counted in the time to first token. ``rows``: the prompts' rows
+        (the first of a repeated prompt drafts for all)."""
+        sparse = isinstance(cache, ChunkReuseCache) and cache.expects_sparse_forward
+        sizes = None if sparse else self.tree_sizes(rows)
+        if sizes is None:
+            return inputs, None
+        first, roots = self.draft.prefill(input_ids, mask, position_ids, segment_starts), position_ids[:, -1]
+        trees = self.draft.expand(first, mask, roots, sizes, lambda i, lg, d: rows[i].draft_scores(lg, d))
+        return _with_tree_queries(inputs, mask, trees, roots, self.dtype), trees
+
+    def step(
+        self,
+        rows: Sequence[DecodeRow],
+        cache: ChunkReuseCache | DynamicCache,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        sizes: Sequence[int],
+        forward: TargetForward,
+    ) -> Verified:
+        """One speculative decode step: draft a tree of ``sizes`` nodes per level (a chain without a tree budget)
+        below each row's last token, verify every row's tree in one target forward (``forward``; timed into the
+        drafter's :class:`~kvboost_hf.hf.speculative.VerifyCosts`), and :meth:`verify`. ``mask`` ``[B, C]`` and
+        ``positions`` ``[B]`` are the runner's before the step."""
+        draft = self.draft
+        last = torch.tensor([[row.tokens[-1]] for row in rows], device=mask.device)
+        trees = draft.propose(last, mask, positions, sizes, lambda i, lg, d: rows[i].draft_scores(lg, d))
+        nodes = sum(sizes)
+        fed = torch.tensor([[row.tokens[-1], *tree.tokens] for row, tree in zip(rows, trees, strict=True)])
+        visible = torch.zeros(len(rows), nodes + 1, nodes + 1, dtype=torch.bool)
+        visible[:, :, 0] = True  # every query sees the root
+        for row, tree in enumerate(trees):
+            visible[row, 1:, 1:] = tree.sees()
+        depths = torch.tensor([[0, *tree.depths] for tree in trees], device=mask.device)
+        tree_mask = tree_attention_mask(mask, visible, self.dtype)
+        started = time.perf_counter()
+        logits = forward(fed.to(mask.device), positions[:, None] + 1 + depths, nodes + 1, tree_mask)
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)  # the forward's whole time, for the adaptive tree budget
+        draft.costs.add(len(rows) * (nodes + 1), time.perf_counter() - started)
+        root_mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+        return self.verify(rows, cache, trees, logits, root_mask, positions + 1)
+
+    def verify(
+        self,
+        rows: Sequence[DecodeRow],
+        cache: ChunkReuseCache | DynamicCache,
+        trees: list[DraftTree],
+        logits: torch.Tensor,
+        root_mask: torch.Tensor,
+        root_positions: torch.Tensor,
+    ) -> Verified:
+        """Each row's tokens from a verify forward's logits ``[B, 1 + nodes, V]`` (its root's, then each node's);
+        keeps only the accepted paths' columns in the target ``cache`` and the draft's. Layout before: ``root_mask``
+        ``[B, C]`` covers the columns up to each row's root (the last; at ``root_positions`` ``[B]``), then the
+        tree's nodes in both caches (the draft's: each tree's first ``fed`` nodes)."""
+        greedy = greedy_tokens(logits).tolist()  # every plain greedy row's choices, in one transfer
+        walks = [walk(row, logits[i], trees[i], greedy[i]) for i, row in enumerate(rows)]
+        now = time.perf_counter()
+        kept = [path for path, _, _ in walks]
+        base = root_mask.shape[1]
+        self._keep_draft_paths(trees, kept, root_mask, root_positions)
+        target_columns = [[*range(base), *(base + node for node in path)] for path in kept]
+        keep_cache_columns(cache, target_columns)
+        nodes = len(trees[0].tokens)
+        mask = select_columns(torch.cat([root_mask, root_mask.new_ones(len(trees), nodes)], dim=1),
+                              target_columns, dim=1)  # fmt: skip
+        positions = root_positions + torch.tensor([len(path) for path in kept], device=root_positions.device)
+        logprobs = path_logprobs(rows, logits, walks)
+        outputs = [
+            RowOutput(row, tuple(tokens), found, now, draft)
+            for row, (_, tokens, draft), found in zip(rows, walks, logprobs, strict=True)
+        ]
+        return Verified(outputs, mask, positions)
+
+    def _keep_draft_paths(
+        self, trees: list[DraftTree], kept: list[list[int]], root_mask: torch.Tensor, root_positions: torch.Tensor
+    ) -> None:
+        """Reduce the draft's cache to each row's columns up to its root and its kept path, in the target cache's
+        layout (see :meth:`verify`).
+
+        The draft fed each tree's first ``fed`` nodes; a kept path that ends on a later node is fed to it now (one
+        forward; rows without one feed a placeholder that is dropped)."""
+        draft = self.draft
+        assert draft.cache is not None, "the draft's prefill ran"
+        rows, base, inner = len(trees), root_mask.shape[1], trees[0].fed
+        fed_paths = [[node for node in path if node < inner] for path in kept]
+        columns = [[*range(base), *(base + node for node in path)] for path in fed_paths]
+        keep_cache_columns(draft.cache, columns)
+        width = max(len(c) for c in columns)
+        mask = select_columns(torch.cat([root_mask, root_mask.new_ones(rows, inner)], dim=1), columns, dim=1)
+        leaves = [path[-1] if path and path[-1] >= inner else None for path in kept]
+        if all(leaf is None for leaf in leaves):
+            return
+        tokens = [
+            [tree.tokens[leaf] if leaf is not None else self.pad_token_id]
+            for tree, leaf in zip(trees, leaves, strict=True)
+        ]
+        depths = [[tree.depths[leaf] if leaf is not None else 1] for tree, leaf in zip(trees, leaves, strict=True)]
+        positions = root_positions[:, None] + torch.tensor(depths, device=root_positions.device)
+        draft.forward(torch.tensor(tokens, device=root_mask.device), torch.cat([mask, mask.new_ones(rows, 1)], dim=1),
+                      positions)  # fmt: skip
+        final = [[*range(width - len(c), width), *([width] if leaf is not None else [])]
+                 for c, leaf in zip(columns, leaves, strict=True)]  # fmt: skip
+        keep_cache_columns(draft.cache, final, base + max(len(path) for path in kept))
+
+
+def walk(row: DecodeRow, logits: torch.Tensor, tree: DraftTree, greedy: list[int]) -> Walk:
+    """Walk ``row`` down its tree with the verify forward's logits ``[1 + nodes, V]`` (the root's, then each node's;
+    ``greedy``: their argmax, the choice of a plain greedy row): its own choice at the root, then at the child holding
+    that choice, and so on until no child holds it, its budget is spent or it chose an end token (a row that does not
+    speculate takes the root's choice only). Returns the tree nodes whose columns stay (every taken token's but the
+    last: the accepted nodes), the taken tokens (one of the target's own plus the accepted ones) and the round (None
+    for a row that does not speculate)."""
+    path: list[int] = []
+    tokens: list[int] = []
+    node = -1
+    while True:
+        index = node + 1
+        token = greedy[index] if row.plain_greedy else row.choose(logits[index : index + 1], tokens)
+        tokens.append(token)
+        limited = token in row.end_ids or len(tokens) >= row.tokens_left
+        child = tree.child(node, token) if row.speculates and not limited else None
+        if child is None:
+            break
+        path.append(child)
+        node = child
+    if not row.speculates:
+        return path, tokens, None
+    return path, tokens, DraftRound(len(tree.tokens), len(path), not limited and tree.has_children(node))
+
+
+def path_logprobs(
+    rows: Sequence[DecodeRow], logits: torch.Tensor, walks: Sequence[Walk]
+) -> list[tuple[TokenLogprob, ...]]:
+    """Per row, the log-probabilities of the tokens it took down its tree (``walks``, see :func:`walk`; none for a
+    row that asked for none), from the verify logits ``[B, 1 + nodes, V]`` of its root and each kept node, computed
+    in one pass."""
+    picks = [
+        (i, column, token)
+        for i, (path, tokens, _) in enumerate(walks)
+        if rows[i].request.top_logprobs is not None
+        for column, token in zip([0, *(node + 1 for node in path)], tokens, strict=True)
+    ]
+    per_row: list[list[TokenLogprob]] = [[] for _ in walks]
+    if picks:
+        chosen_rows, columns, tokens = zip(*picks, strict=True)
+        picked = logits[list(chosen_rows), list(columns)]
+        _, found = sampled([rows[i] for i in chosen_rows], picked, to_device(tokens, logits.device))
+        for i, entry in zip(chosen_rows, found, strict=True):
+            if entry is not None:
+                per_row[i].append(entry)
+    return [tuple(entries) for entries in per_row]
+
+
+def _with_tree_queries(
+    inputs: dict[str, Any], mask: torch.Tensor, trees: list[DraftTree], root_positions: torch.Tensor, dtype: torch.dtype
+) -> dict[str, Any]:
+    """Dense prompt forward inputs (a suffix of the prompt after the cached columns; ``mask`` ``[B, C]``: the whole
+    prompt's 2D mask) with every row's tree nodes appended as queries: the suffix stays causal over the prompt's
+    columns, each node sees the whole prompt and its ancestors, at position ``root_positions + depth``; logits are
+    kept for the last prompt token and every node."""
+    suffix = inputs["input_ids"]
+    rows, length = suffix.shape
+    nodes = len(trees[0].tokens)
+    cached = mask.shape[1] - length
+    valid = mask[:, cached:].bool().cpu()
+    visible = torch.zeros(rows, length + nodes, length + nodes, dtype=torch.bool)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    visible[:, :length, :length] = causal & (valid[:, None, :] | torch.eye(length, dtype=torch.bool))
+    visible[:, length:, :length] = valid[:, None, :]
+    visible[:, length:, length:] = torch.stack([tree.sees() for tree in trees])
+    depths = torch.tensor([tree.depths for tree in trees], device=mask.device)
+    positions = inputs["position_ids"]  # the suffix's (the prefill always passes positions)
+    tokens = torch.tensor([tree.tokens for tree in trees], device=mask.device)
+    return {
+        **inputs,
+        "input_ids": torch.cat([suffix, tokens], dim=1),
+        "position_ids": torch.cat([positions, root_positions[:, None] + depths], dim=1),
+        "attention_mask": tree_attention_mask(mask[:, :cached], visible, dtype),
+        "logits_to_keep": 1 + nodes,
+    }
