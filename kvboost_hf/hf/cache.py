@@ -132,6 +132,7 @@ class ChunkReuseCache(Cache):
         self.write_back = write_back and self.mode is not GenerationMode.BASELINE
         self._token_buffer = torch.empty(0, 0, dtype=torch.long)  # host; its first _token_columns are the tokens
         self._token_columns = 0
+        self._owns_token_buffer = False
         self.pads: list[int] = []
         self.ledgers: list[ChunkLedger] = []
         self.last_reuse: list[RowReuse] = []
@@ -187,15 +188,19 @@ class ChunkReuseCache(Cache):
     @tokens.setter
     def tokens(self, tokens: torch.Tensor) -> None:
         self._token_buffer, self._token_columns = tokens, tokens.shape[1]
+        self._owns_token_buffer = False  # never written in place: the next append copies it into a buffer of ours
 
     def _append_tokens(self, fed_ids: torch.Tensor) -> None:
         """Append ``fed_ids`` ``[B, n]`` to :attr:`tokens` in amortised O(n) host work (the buffer grows by a
-        fraction of itself, as the layers' K/V buffers do)."""
+        fraction of itself, as the layers' K/V buffers do). Only a buffer allocated here is written in place (an
+        ordinary tensor, also when allocated in inference mode)."""
         end = self._token_columns + fed_ids.shape[1]
-        if end > self._token_buffer.shape[1] or self._token_buffer.shape[0] != fed_ids.shape[0]:
-            grown = self._token_buffer.new_empty(fed_ids.shape[0], grown_capacity(end, self._token_buffer.shape[1]))
+        buffer = self._token_buffer
+        if not self._owns_token_buffer or end > buffer.shape[1] or buffer.shape[0] != fed_ids.shape[0]:
+            with torch.inference_mode(False):
+                grown = torch.empty(fed_ids.shape[0], grown_capacity(end, buffer.shape[1]), dtype=torch.long)
             grown[:, : self._token_columns] = self.tokens
-            self._token_buffer = grown
+            self._token_buffer, self._owns_token_buffer = grown, True
         self._token_buffer[:, self._token_columns : end] = fed_ids.to(self._token_buffer.device)
         self._token_columns = end
 
