@@ -44,9 +44,14 @@ def test_multiturn_names_the_pair_that_differs_and_where(monkeypatch):
         "baseline_vs_hf_prompt_cache": None,
         "baseline_vs_kvboost": 2,
         "hf_prompt_cache_vs_kvboost": 2,
+        "baseline_vs_hf_static": None,  # transformers' StaticCache: plain generate()'s tokens (fp32)
     }
     assert result["identical_turns"]["baseline_vs_kvboost"] == 2
-    assert result["identical_turns"]["baseline_vs_baseline_repeat"] == 3
+    assert (
+        result["identical_turns"]["baseline_vs_baseline_repeat"]
+        == result["identical_turns"]["baseline_vs_hf_static"]
+        == 3
+    )
     assert result["dtype"] == "float32" and result["weights"] == "random"
     line = multiturn.report(result).splitlines()[3]  # title, header, turn 1, turn 2
-    assert line.split()[-4:] == ["=", "=", "@2", "@2"]
+    assert line.split()[-5:] == ["=", "=", "@2", "@2", "="]

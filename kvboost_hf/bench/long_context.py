@@ -150,18 +150,19 @@ def warm_breakdown(engine: InferenceEngine, prompt: str) -> dict[str, float]:
 def warm_copies(engine: InferenceEngine, prompt: str) -> dict[str, Any]:
     """Bytes one warm request copies (all data-moving ops, prompt and 1 decode step) against its reused bytes."""
     caches: list[ChunkReuseCache] = []
-    original = engine.new_cache
+    factories = engine.factories  # where the decode loops get their caches
+    original = factories.new_cache
 
     def recording(*args: Any, **kwargs: Any) -> ChunkReuseCache:
         caches.append(original(*args, **kwargs))
         return caches[-1]
 
-    engine.new_cache = recording  # type: ignore[method-assign]
+    factories.new_cache = recording  # type: ignore[method-assign]
     try:
         with CopyCounter() as counter:
             result = engine.generate(prompt, max_new_tokens=2)
     finally:
-        del engine.new_cache
+        del factories.new_cache
     reused = sum(cache.stitched_bytes for cache in caches)
     return {"copied_bytes": counter.total, "reused_bytes": reused, "cached_tokens": result.cached_tokens,
             "by_direction": dict(counter.bytes),
