@@ -250,8 +250,8 @@ class AppliedLoop(DecodeLoop):
         super().__init__(*args, **kwargs)
         self.on_token = on_token
 
-    def add(self, work: PrefillWork) -> list[RowOutput]:
-        return self._applied(super().add(work))
+    def add(self, work: PrefillWork, columns: int = 0) -> list[RowOutput]:
+        return self._applied(super().add(work, columns))
 
     def step(self) -> list[RowOutput]:
         return self._applied(super().step())

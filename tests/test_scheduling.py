@@ -33,7 +33,9 @@ SPACE = KeySpace("digest", "torch.float32", ChunkingConfig(CHUNK))
 
 class FakeLoop:
     """Records what it is handed and samples token 1 for each row per prefill and per step (with ``fail_after``:
-    raises at that many steps), or what ``script`` gives: a row's next tokens per call (several: a verify round)."""
+    raises at that many steps), or what ``script`` gives: a row's next tokens per call (several: a verify round).
+    A prefill handed fewer columns than its longest prompt completes once the columns handed add up to it
+    (``chunks``: each call's work and columns)."""
 
     def __init__(self, fail_after: int | None = None, script=None) -> None:
         self.fail_after = fail_after
@@ -41,15 +43,23 @@ class FakeLoop:
         self.rows: list[DecodeRow] = []
         self.running: list[DecodeRow] = []
         self.works: list[PrefillWork] = []
+        self.chunks: list[tuple[PrefillWork, int]] = []
+        self.progress: dict[int, int] = {}
         self.steps = 0
         self.computed_tokens = 0
         self.closed = False
 
     @property
     def done(self) -> bool:
-        return not self.running
+        return not self.running and not self.progress
 
-    def add(self, work: PrefillWork) -> list[RowOutput]:
+    def add(self, work: PrefillWork, columns: int = 0) -> list[RowOutput]:
+        self.chunks.append((work, columns))
+        width = max(len(row.request.prompt_ids) for row in work.rows)
+        computed = self.progress.pop(id(work), 0) + (columns or width)
+        if computed < width:
+            self.progress[id(work)] = computed
+            return []
         self.works.append(work)
         self.rows += work.rows
         self.computed_tokens += sum(len(row.request.prompt_ids) for row in work.rows)
@@ -72,7 +82,7 @@ class FakeLoop:
         self.running = [row for row in self.running if not row.finished]
 
     def abandon(self) -> None:
-        self.running = []
+        self.running, self.progress = [], {}
         self.closed = True
 
 
@@ -130,7 +140,8 @@ def test_groups_of_one_key_share_a_batch_joining_it_while_it_runs_and_tenants_ge
     assert [(r.work.new, r.computed_tokens) for r in report.results] == [(False, 2), (True, 1)]
     h.scheduler.run()
     assert h.scheduler.idle and sorted(map(id, h.done)) == sorted(map(id, h.loops))  # each ended once
-    assert first.batch.decode_counts == {"steps": 2} and all(g.done for g in (first, second, other))
+    # the join step decodes the running row too: first's tokens 2-3 and second's 2-3 take three steps, not two
+    assert first.batch.decode_counts == {"steps": 3} and all(g.done for g in (first, second, other))
 
 
 def test_a_new_batch_waits_for_its_window_unless_full_or_windows_are_skipped():
