@@ -265,11 +265,12 @@ class RunningBatch:
             group.on_fail(error)
 
     def fail(self, error: BaseException) -> None:
-        """Report ``error`` to every group of this batch still running and drop its rows and caches unsaved (they may
-        be inconsistent after a failed forward)."""
+        """Report ``error`` to every group of this batch still running (or being prefilled) and drop its rows,
+        prefills and caches unsaved (they may be inconsistent after a failed forward)."""
         for group in self.groups:
             if not group.done:
                 group.on_fail(error)
+        self.prefilling = []
         self.loop.abandon()
 
     @property
@@ -284,7 +285,8 @@ class RunningBatch:
 
     @property
     def done(self) -> bool:
-        return self.loop.done
+        """No row running and no prefill admitted and not complete (one that got no column yet included)."""
+        return self.loop.done and not self.prefilling
 
     @property
     def age_s(self) -> float:

@@ -14,17 +14,26 @@ import time
 import pytest
 from conftest import make_tiny_model
 from helpers import word_tokenizer, words
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from oracle import cache_reference, engine_reference
 
 from kvboost_hf import KVBoost
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
+from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.core.keys import KeySpace
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, DraftRound, PrefillWork, RowOutput, SharedPrefix
 from kvboost_hf.hf.sampling import SamplingConfig
-from kvboost_hf.scheduling import BatchPolicy, RequestCancelled, RequestGroup, Scheduler, prefill_works
+from kvboost_hf.scheduling import (
+    BatchPolicy,
+    Prefilling,
+    RequestCancelled,
+    RequestGroup,
+    Scheduler,
+    prefill_works,
+    split_budget,
+)
 from kvboost_hf.store.chunk_store import ChunkStore
 
 CHUNK = 4
@@ -44,7 +53,7 @@ class FakeLoop:
         self.running: list[DecodeRow] = []
         self.works: list[PrefillWork] = []
         self.chunks: list[tuple[PrefillWork, int]] = []
-        self.progress: dict[int, int] = {}
+        self.progress: dict[int, tuple[PrefillWork, int]] = {}
         self.steps = 0
         self.computed_tokens = 0
         self.closed = False
@@ -56,9 +65,9 @@ class FakeLoop:
     def add(self, work: PrefillWork, columns: int = 0) -> list[RowOutput]:
         self.chunks.append((work, columns))
         width = max(len(row.request.prompt_ids) for row in work.rows)
-        computed = self.progress.pop(id(work), 0) + (columns or width)
+        computed = self.progress.pop(id(work), (work, 0))[1] + (columns or width)
         if computed < width:
-            self.progress[id(work)] = computed
+            self.progress[id(work)] = (work, computed)
             return []
         self.works.append(work)
         self.rows += work.rows
@@ -80,6 +89,9 @@ class FakeLoop:
 
     def retire_finished(self) -> None:
         self.running = [row for row in self.running if not row.finished]
+        self.progress = {
+            key: (work, n) for key, (work, n) in self.progress.items() if not all(r.finished for r in work.rows)
+        }
 
     def abandon(self) -> None:
         self.running, self.progress = [], {}
@@ -90,7 +102,13 @@ class Harness:
     """A scheduler on fake loops, with every loop, failure and ended batch recorded."""
 
     def __init__(
-        self, max_rows: int = 4, window_s: float = 0.0, fail_salt: str | None = "never", store=None, script=None
+        self,
+        max_rows: int = 4,
+        window_s: float = 0.0,
+        fail_salt: str | None = "never",
+        store=None,
+        script=None,
+        token_budget: int = 0,
     ) -> None:
         self.loops: list[FakeLoop] = []
         self.failures: list[tuple[RequestGroup, BaseException]] = []
@@ -107,7 +125,7 @@ class Harness:
 
         self.scheduler = Scheduler(
             policy, new_loop, decode=lambda ids: "".join(f"<{t}>" for t in ids), max_rows=max_rows,
-            batch_window_s=window_s, on_done=on_done,
+            token_budget=token_budget, batch_window_s=window_s, on_done=on_done,
         )  # fmt: skip
 
     def group(
@@ -258,6 +276,87 @@ def test_the_scheduler_appends_sampled_tokens_and_decides_every_stop():
     assert h.loops[0].done and h.scheduler.idle
 
 
+def test_a_long_prompt_joins_in_chunks_while_the_running_rows_take_a_token_every_step():
+    """Token budget 20, three running rows: each step decodes them first (3 tokens), and the 100-token prompt that
+    joins gets the 17 columns left, until its last 15; its first token comes with the last chunk. Its row counts
+    against ``max_rows`` meanwhile, so a group that would exceed it waits."""
+    h = Harness(max_rows=4, token_budget=20)
+    running = h.group([1], [2], [3], tokens=12)  # three prompts: one forward of three rows
+    h.scheduler.step(now=0.0)
+    joining = h.group(list(range(100)), tokens=2)
+    waiting = h.group([7])
+    for step in range(6):
+        h.scheduler.step(now=0.0)
+        assert [len(row.tokens) for row in running.rows] == [2 + step] * 3
+        assert waiting.batch is None and h.scheduler.running_rows == 4
+        assert joining.rows[0].tokens == ([1] if step == 5 else [])
+    assert [columns for work, columns in h.loops[0].chunks if work.rows == tuple(joining.rows)] == [17] * 5 + [15]
+    h.scheduler.run()
+    assert all(group.done for group in (running, joining, waiting))
+
+
+def test_abort_fails_a_group_whose_prefill_is_under_way():
+    h = Harness(max_rows=2, token_budget=4)
+    running = h.group([1], tokens=9)
+    h.scheduler.step(now=0.0)
+    joining = h.group(list(range(30)))
+    h.scheduler.step(now=0.0)
+    assert joining.batch is not None and not joining.rows[0].tokens  # 3 of its 30 columns computed
+    h.scheduler.abort(RuntimeError("shutdown"))
+    assert [g for g, _ in h.failures] == [joining] and running.rows[0].finish_reason == "cancelled"
+    assert h.scheduler.idle and h.done == h.loops and h.loops[0].done
+
+
+def test_without_a_token_budget_a_join_is_prefilled_whole_after_the_running_rows_step():
+    h = Harness(max_rows=4)
+    running = h.group([1], tokens=5)
+    h.scheduler.step(now=0.0)
+    joining = h.group(list(range(100)), tokens=2)
+    report = h.scheduler.step(now=0.0)
+    work = report.results[0].work
+    assert work.decode and [chunk.columns for chunk in work.prefills] == [100]  # the whole prompt in this step
+    assert len(running.rows[0].tokens) == 2 and joining.rows[0].tokens == [1]
+
+
+@pytest.mark.parametrize("budget", [-1, 1, 3])
+def test_a_token_budget_below_max_rows_is_refused(budget):
+    with pytest.raises(ConfigError, match="token_budget"):
+        Harness(max_rows=4, token_budget=budget)
+
+
+def prefill_entry(rows: int, repeat: bool, left: int) -> Prefilling:
+    """A prefill under way of ``rows`` rows (one prompt when ``repeat``, else one each) with ``left`` columns."""
+    prompts = [[1]] * rows if repeat else [[index + 1] for index in range(rows)]
+    decoded = DecodeLoop.rows_for([DecodeRequest(prompt_ids=p, max_new_tokens=1) for p in prompts], set())
+    return Prefilling(PrefillWork(tuple(decoded), repeat=repeat and rows > 1), left)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    budget=st.integers(0, 64),
+    decode_rows=st.integers(0, 8),
+    prefills=st.lists(st.tuples(st.integers(1, 4), st.booleans(), st.integers(1, 40)), max_size=5),
+)
+def test_split_budget_decodes_first_then_fills_prefills_oldest_first_within_the_budget(budget, decode_rows, prefills):
+    """Without a budget every prefill gets all its columns; with one, the decode rows' tokens plus each prefill's
+    forward rows x columns stay within it, no prefill gets more than it has left, and a prefill that gets less
+    than that leaves less than one column of its forward rows for those after it (oldest first)."""
+    assume(budget == 0 or budget >= decode_rows)  # the scheduler's rule: a budget is at least max_rows
+    entries = [prefill_entry(rows, repeat, left) for rows, repeat, left in prefills]
+    columns = split_budget(budget, decode_rows, entries)
+    lefts = [left for _, _, left in prefills]
+    if budget == 0:
+        assert columns == lefts
+        return
+    widths = [1 if repeat else rows for rows, repeat, _ in prefills]
+    assert all(0 <= n <= left for n, left in zip(columns, lefts, strict=True))
+    assert decode_rows + sum(w * n for w, n in zip(widths, columns, strict=True)) <= budget
+    rest = budget - decode_rows
+    for width, n, left in zip(widths, columns, lefts, strict=True):
+        rest -= width * n
+        assert n == left or rest < width, "a prefill took less than it could"
+
+
 prompt_pool = st.lists(st.integers(0, 2), min_size=1, max_size=11)  # few tokens: prompts share prefixes often
 
 
@@ -296,12 +395,13 @@ def test_prefill_plans_cover_every_row_once_with_the_scheduling_rules(prompts, a
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random queues, steps, cancellations and failing batches: every group ends exactly once (finished or failed),
-    rows never exceed ``max_rows``, a group runs in one batch only, and every batch's end is reported once."""
+    """Random queues, steps, cancellations and failing batches under a token budget of 6 (prompts up to 9 tokens
+    are prefilled in chunks): every group ends exactly once (finished or failed), rows never exceed ``max_rows``
+    nor a step's tokens the budget, a group runs in one batch only, and every batch's end is reported once."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.h = Harness(max_rows=4, window_s=0.0, fail_salt="bad")
+        self.h = Harness(max_rows=4, window_s=0.0, fail_salt="bad", token_budget=6)
         self.groups: list[RequestGroup] = []
         self.now = 0.0
 
@@ -317,7 +417,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         self.now += 1.0
-        self.h.scheduler.step(now=self.now)
+        scheduler = self.h.scheduler
+        output = scheduler.schedule(now=self.now)
+        decoded = sum(len(work.batch.rows) for work in output.work if work.decode)
+        prefilled = sum(
+            (1 if chunk.work.repeat else len(chunk.work.rows)) * chunk.columns
+            for work in output.work
+            for chunk in work.prefills
+        )
+        assert decoded + prefilled <= scheduler.token_budget
+        scheduler.update_from_output(scheduler.execute(output))
 
     @rule(index=st.integers(0, 50))
     def cancel(self, index):
