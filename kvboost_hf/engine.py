@@ -42,7 +42,14 @@ from kvboost_hf.hf.speculative import DraftConfig, Drafter, DraftSource, VerifyC
 from kvboost_hf.hf.tokens import SegmentTokenizer, TokenCacheConfig, TokenIdsCache
 from kvboost_hf.offload import LayerStreamingConfig, layer_streamer
 from kvboost_hf.results import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
-from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE, BatchKey, BatchPolicy, RequestGroup, Scheduler
+from kvboost_hf.scheduling import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_TOKEN_BUDGET,
+    BatchKey,
+    BatchPolicy,
+    RequestGroup,
+    Scheduler,
+)
 from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -454,7 +461,8 @@ class InferenceEngine:
             raise InputError("prompts is empty")
         sampling = sampling_params(sampling, temperature=temperature, do_sample=do_sample, top_p=top_p, seed=seed)
         rows = self._rows(prompts, max_new_tokens, sampling, stop, cancel=cancel, logprobs=logprobs)
-        scheduler = self.scheduler(mode, max_batch_size=len(rows), repair=repair)
+        # all rows start together, nothing runs that a prefill could pause: no token budget
+        scheduler = self.scheduler(mode, max_batch_size=len(rows), token_budget=0, repair=repair)
         return self._run(scheduler, rows, range(len(rows)), mode, cache_salt, on_token, started)
 
     def generate_many(
@@ -463,6 +471,7 @@ class InferenceEngine:
         max_new_tokens: int = 64,
         *,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        token_budget: int = DEFAULT_TOKEN_BUDGET,
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
         cache_salt: str | None = None,
         temperature: float | None = None,
@@ -480,13 +489,15 @@ class InferenceEngine:
         ``max_batch_size`` rows at a time: prompts are admitted shortest first, a new one joins the running batch
         as soon as a row leaves it (continuous batching), a segment prompt or one whose reuse needs a repair is
         prefilled alone and then decodes with the batch, and chunks stored by earlier rows are loaded by later
-        ones. Options are :meth:`generate_batch`'s; input order is kept. A row's TTFT is measured from the call for
-        the rows admitted first, from its admission for a row admitted later."""
+        ones; each step computes at most ``token_budget`` tokens (0: none), so a long prompt joining is prefilled
+        in chunks between the running rows' steps. Options are :meth:`generate_batch`'s; input order is kept. A
+        row's TTFT is measured from the call for the rows admitted first, from its admission for a row admitted
+        later."""
         started = time.perf_counter()
         sampling = sampling_params(sampling, temperature=temperature, do_sample=do_sample, top_p=top_p, seed=seed)
         rows = self._rows(prompts, max_new_tokens, sampling, stop, cancel=cancel, logprobs=logprobs)
         order = sorted(range(len(rows)), key=lambda index: len(rows[index].request.prompt_ids))
-        scheduler = self.scheduler(mode, max_batch_size=max_batch_size, repair=repair)
+        scheduler = self.scheduler(mode, max_batch_size=max_batch_size, token_budget=token_budget, repair=repair)
         return self._run(scheduler, rows, order, mode, cache_salt, on_token, started)
 
     def _rows(
@@ -564,14 +575,16 @@ class InferenceEngine:
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
         *,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        token_budget: int = DEFAULT_TOKEN_BUDGET,
         batch_window_ms: float = 0.0,
         repair: RepairConfig | None = None,
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
     ) -> Scheduler:
         """A :class:`~kvboost_hf.scheduling.Scheduler` for this engine: batches of this engine's decode loops
-        (:meth:`decode_loop`) in ``mode``, at most ``max_batch_size`` rows running, a new batch formed once its
-        oldest request waited ``batch_window_ms``; each batch's decode figures are added to :meth:`cache_stats`.
-        The rows' text is decoded (special tokens skipped) under ``tokenizer_lock``. Step it under :attr:`lock`."""
+        (:meth:`decode_loop`) in ``mode``, at most ``max_batch_size`` rows running and ``token_budget`` tokens
+        computed per step (0: no budget), a new batch formed once its oldest request waited ``batch_window_ms``;
+        each batch's decode figures are added to :meth:`cache_stats`. The rows' text is decoded (special tokens
+        skipped) under ``tokenizer_lock``. Step it under :attr:`lock`."""
         mode = GenerationMode(mode)
 
         def new_loop(key: BatchKey) -> DecodeLoop:
@@ -582,6 +595,7 @@ class InferenceEngine:
             new_loop,
             decode=functools.partial(self.tokenizer.decode, skip_special_tokens=True),
             max_rows=max_batch_size,
+            token_budget=token_budget,
             batch_window_s=batch_window_ms / 1e3,
             on_done=self.count_decode,
             tokenizer_lock=tokenizer_lock,
