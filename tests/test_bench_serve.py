@@ -17,6 +17,17 @@ def test_join_gaps_split_steady_gaps_from_those_overlapping_the_join():
     assert math.isclose(gaps["worst_ms"], 2100.0, abs_tol=1e-6)
     assert gaps["gaps_during_join"] == 2  # one per row: 1.0 -> 3.1 and 1.05 -> 3.15
     assert math.isclose(gaps["ratio"], 21.0, rel_tol=1e-9)
+    assert math.isclose(gaps["joined_ms"], 2100.0, abs_tol=1e-6) and math.isnan(gaps["chunks_worst_ms"])
+
+
+def test_join_gaps_tell_the_chunk_steps_from_the_step_that_joined():
+    """Steps of 0.1 s, 0.3 s while the join is prefilled in chunks (sent at 1.0 s), 0.5 s for the step whose end
+    brought its first token (2.0 s): worst 500 ms, from the joining step; chunk steps at most 300 ms."""
+    times = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.3, 1.6, 1.9, 2.4, 2.5, 2.6]
+    gaps = join_gaps([times], start=1.0, end=2.0)
+    assert math.isclose(gaps["median_ms"], 100.0, abs_tol=1e-6)
+    assert math.isclose(gaps["chunks_worst_ms"], 300.0, abs_tol=1e-6)
+    assert math.isclose(gaps["joined_ms"], 500.0, abs_tol=1e-6) and math.isclose(gaps["worst_ms"], 500.0, abs_tol=1e-6)
 
 
 def test_join_gaps_without_gaps_on_a_side_are_nan():

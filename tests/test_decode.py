@@ -8,7 +8,17 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import greedy, make_tiny_model, noisy_copy
-from helpers import DECODE_CHUNKING, DECODE_EOS, as_text, finish, new_loop, prefill, reuse_caches, run_loop
+from helpers import (
+    DECODE_CHUNKING,
+    DECODE_EOS,
+    as_text,
+    finish,
+    new_loop,
+    prefill,
+    prefill_in_chunks,
+    reuse_caches,
+    run_loop,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import reference
@@ -20,7 +30,6 @@ from kvboost_hf.hf.cache import select_columns
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest
 from kvboost_hf.hf.detokenize import visible_text
 from kvboost_hf.hf.speculative import DraftConfig, Drafter
-from kvboost_hf.scheduling import prefill_works
 
 
 @pytest.fixture(scope="module")
@@ -231,23 +240,6 @@ def test_rows_joining_a_running_batch_equal_generate_alone(any_window_model, reu
             model, [DecodeRequest(prompt_ids=p, max_new_tokens=1, sampling=greedy_params) for p in later], store
         )
         assert all(row.reuse.cached_tokens > 0 for row in again.rows)
-
-
-def prefill_in_chunks(loop: DecodeLoop, requests, columns: int, eos=DECODE_EOS) -> int:
-    """Prefill ``requests`` as the scheduler plans them, ``columns`` columns per call, the running rows stepping
-    between calls; returns the calls that returned no token (chunks before the last)."""
-    rows = DecodeLoop.rows_for(requests, eos)
-    never = lambda prompt_ids, segment_starts: False  # noqa: E731
-    partial = 0
-    for work in prefill_works(rows, DECODE_CHUNKING, reuse=loop.new_cache is not None, alone=never):
-        running = list(loop.running)
-        while not loop.add(work, columns):
-            assert loop.running == running  # the joining rows run only once prefilled
-            partial += 1
-            if loop.running:
-                loop.step()
-            running = list(loop.running)
-    return partial
 
 
 @pytest.mark.parametrize("reuse", [False, True], ids=["plain", "chunk-reuse"])
