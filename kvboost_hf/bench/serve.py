@@ -301,7 +301,8 @@ def join_gaps(streams: Sequence[Sequence[float]], start: float, end: float) -> d
     gaps wholly before or after ``[start, end]`` (steady decoding); ``worst_ms`` and ``join_p50_ms``, the largest
     and the median of the gaps that overlap it; ``ratio`` = worst / median (NaN where a side has no gap);
     ``joined_ms``, the largest gap holding ``end`` (the step that completed the join's prefill and added its row to
-    the batch) and ``chunks_worst_ms``, the largest of the others overlapping the join (steps of its chunks)."""
+    the batch, or the next one where that step's tokens of a row reached the client before the join's) and
+    ``chunks_worst_ms``, the largest of the others overlapping the join (steps of its chunks)."""
     outside: list[float] = []
     chunks: list[float] = []
     joined: list[float] = []
