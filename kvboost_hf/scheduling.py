@@ -273,6 +273,20 @@ class RunningBatch:
         self.prefilling = []
         self.loop.abandon()
 
+    def drop_cancelled_prefills(self) -> None:
+        """Drop the prefills under way whose groups were all cancelled (``RequestGroup.cancel``): their rows end
+        (``"cancelled"``, no token) and each group fails with :class:`RequestCancelled`, as if cancelled while
+        pending; the runner drops their prompt forwards at its next ``retire_finished``."""
+        for entry in list(self.prefilling):
+            groups = list({id(self.owner(row)): self.owner(row) for row in entry.work.rows}.values())
+            if not all(group.cancel is not None and group.cancel.is_set() for group in groups):
+                continue
+            self.prefilling.remove(entry)
+            for group in groups:
+                for row in group.rows:
+                    row.cancel()
+                group.on_fail(RequestCancelled("cancelled before its first token"))
+
     @property
     def rows(self) -> list[DecodeRow]:
         """The rows still running (prefilled, not ended)."""
@@ -467,6 +481,8 @@ class Scheduler:
                 batch.drop(groups, error)
                 admitted[batch_id], prefills = (new, []), []
             batch.prefilling += [Prefilling(work, prompt_width(work)) for work in prefills]
+        for batch in self.running:
+            batch.drop_cancelled_prefills()
         prefilling = [entry for batch in self.running for entry in batch.prefilling]
         decode_rows = sum(len(batch.rows) for batch in self.running)
         columns = split_budget(self.token_budget, decode_rows, prefilling)

@@ -307,6 +307,21 @@ def test_abort_fails_a_group_whose_prefill_is_under_way():
     assert h.scheduler.idle and h.done == h.loops and h.loops[0].done
 
 
+def test_a_group_cancelled_while_its_prompt_is_prefilled_in_chunks_fails_and_its_chunks_stop():
+    h = Harness(max_rows=2, token_budget=4)
+    running = h.group([1], tokens=6)
+    h.scheduler.step(now=0.0)
+    joining = h.group(list(range(30)))
+    h.scheduler.step(now=0.0)
+    joining.cancel.set()
+    h.scheduler.step(now=0.0)
+    assert [(g, type(e)) for g, e in h.failures] == [(joining, RequestCancelled)]
+    assert len([columns for work, columns in h.loops[0].chunks if work.rows == tuple(joining.rows)]) == 1
+    assert joining.rows[0].finish_reason == "cancelled" and not joining.rows[0].tokens
+    h.scheduler.run()
+    assert running.done and len(running.rows[0].tokens) == 6 and h.scheduler.idle and h.loops[0].done
+
+
 def test_without_a_token_budget_a_join_is_prefilled_whole_after_the_running_rows_step():
     h = Harness(max_rows=4)
     running = h.group([1], tokens=5)
@@ -447,7 +462,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         failed = [id(group) for group, _ in self.h.failures]
         assert len(failed) == len(set(failed)), "a group failed twice"
         for group in self.groups:
-            assert group.done != (id(group) in failed), "a group ends exactly once: finished or failed"
+            # a group cancelled while its prompt was prefilled fails, its rows ended without a token
+            cancelled_early = id(group) in failed and not any(row.tokens for row in group.rows)
+            assert cancelled_early or group.done != (id(group) in failed), "a group ends once: finished or failed"
         ended = [id(loop) for loop in self.h.done]
         assert sorted(ended) == sorted(id(loop) for loop in self.h.loops), "every batch's end reported once"
 
