@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import torch
 from conftest import make_tiny_model
 from helpers import word_tokenizer, words
 from hypothesis import assume, given, settings
@@ -607,3 +608,32 @@ def test_a_job_submitted_while_the_scheduler_reads_the_store_is_queued_at_once(e
     finally:
         release.set()
         worker.shutdown(grace_s=5)
+
+
+def test_generate_many_under_a_small_token_budget_gives_generates_tokens_over_a_partly_stored_prompt(
+    engine, monkeypatch
+):
+    """``generate_many`` with 2 rows and a budget of 5 tokens per step: the first two prompts are prefilled 2
+    columns per step (one forward of 2 rows); when both leave, the third is prefilled 5 columns per step, its first
+    16 tokens loaded from the store (a warmed prefix), only the other 14 computed in chunks. Every output and first
+    token distribution equals transformers' greedy ones, and the stored prefix is reported as cached."""
+    engine.store.clear()
+    head = words(70, 16)  # two 8-token chunks
+    prompts = [words(71, 9), words(72, 12), f"{head} {words(73, 14)}"]
+    engine.warm(head)
+    expected = [engine_reference(engine, prompt, 5) for prompt in prompts]
+    chunks: list[int] = []
+    chunk = DecodeLoop._prompt_chunk
+
+    def counted(loop, prompt, columns):
+        chunks.append(columns)
+        return chunk(loop, prompt, columns)
+
+    monkeypatch.setattr(DecodeLoop, "_prompt_chunk", counted)
+    results = engine.generate_many(
+        prompts, max_new_tokens=5, max_batch_size=2, token_budget=5, mode="prefix_cache", logprobs=0
+    )
+    assert [result.output_ids for result in results] == [reference.tokens for reference in expected]
+    for result, reference in zip(results, expected, strict=True):
+        torch.testing.assert_close(result.first_token_logits, reference.first_logits, atol=1e-4, rtol=1e-4)
+    assert results[2].cached_tokens == 16 and chunks == [2] * 6 + [5, 5, 5]  # the last call computes 4
