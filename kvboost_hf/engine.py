@@ -41,7 +41,7 @@ from kvboost_hf.hf.tokens import SegmentTokenizer, TokenCacheConfig, TokenIdsCac
 from kvboost_hf.hf.warm import PromptWarmer
 from kvboost_hf.offload import LayerStreamingConfig, layer_streamer
 from kvboost_hf.results import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
-from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE, RequestGroup, Scheduler
+from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE, DEFAULT_TOKEN_BUDGET, RequestGroup, Scheduler
 from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -379,6 +379,7 @@ class InferenceEngine:
         max_new_tokens: int = 64,
         *,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        token_budget: int = DEFAULT_TOKEN_BUDGET,
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
         cache_salt: str | None = None,
         temperature: float | None = None,
@@ -396,14 +397,16 @@ class InferenceEngine:
         ``max_batch_size`` rows at a time: prompts are admitted shortest first, a new one joins the running batch
         as soon as a row leaves it (continuous batching), a segment prompt or one whose reuse needs a repair is
         prefilled alone and then decodes with the batch, and chunks stored by earlier rows are loaded by later
-        ones. Options are :meth:`generate_batch`'s; input order is kept. A row's TTFT is measured from the call for
-        the rows admitted first, from its admission for a row admitted later."""
+        ones; each step computes at most ``token_budget`` tokens (0: none), so a long prompt joining is prefilled
+        in chunks between the running rows' steps. Options are :meth:`generate_batch`'s; input order is kept. A
+        row's TTFT is measured from the call for the rows admitted first, from its admission for a row admitted
+        later."""
         options = GenerateOptions(
             max_new_tokens=max_new_tokens, mode=mode, temperature=temperature, do_sample=do_sample, top_p=top_p,
             stop=stop, seed=seed, cache_salt=cache_salt, cancel=cancel, logprobs=logprobs, repair=repair,
             sampling=sampling,
         )  # fmt: skip
-        return self._generate(prompts, options, on_token, max_batch_size=max_batch_size)
+        return self._generate(prompts, options, on_token, max_batch_size=max_batch_size, token_budget=token_budget)
 
     def _generate(
         self,
@@ -411,24 +414,29 @@ class InferenceEngine:
         options: GenerateOptions,
         on_token: Callable[[int, int], None] | None,
         max_batch_size: int | None = None,
+        token_budget: int = DEFAULT_TOKEN_BUDGET,
     ) -> list[GenerationResult]:
         """The one generate path: one row per prompt (tokenized once, with its segment starts), queued on a fresh
-        :meth:`scheduler` (``max_batch_size`` None: every row in one batch, in input order; else at most that many
-        rows at a time, shortest prompt first), stepped until every row finished; the results in input order (the
-        first error a batch met is raised). ``on_token(index, token)`` after each token of input ``index``. A row's
-        TTFT runs from the call (tokenizing included) when it was admitted in the first step, else from its
-        admission."""
+        :meth:`scheduler` (``max_batch_size`` None: every row in one batch, in input order, no token budget: all
+        rows start together, nothing runs that a prefill could pause; else at most that many rows at a time,
+        shortest prompt first, ``token_budget`` tokens per step), stepped until every row finished; the results in
+        input order (the first error a batch met is raised). ``on_token(index, token)`` after each token of input
+        ``index``. A row's TTFT runs from the call (tokenizing included) when it was admitted in the first step,
+        else from its admission."""
         started = time.perf_counter()
         encoded = [self.prompts.encode_segments(prompt) for prompt in prompts]
         for ids, _ in encoded:
             self.prompts.check_length(len(ids), options.max_new_tokens)
         rows = self.factories.new_rows(options.requests(encoded))
         order: Sequence[int] = range(len(rows))
+        if max_batch_size is not None:
+            order = sorted(order, key=lambda index: len(rows[index].request.prompt_ids))
+        budget = 0 if max_batch_size is None else token_budget
         if max_batch_size is None:
             max_batch_size = len(rows)
-        else:
-            order = sorted(order, key=lambda index: len(rows[index].request.prompt_ids))
-        scheduler = self.scheduler(options.mode, max_batch_size=max_batch_size, repair=options.repair)
+        scheduler = self.scheduler(
+            options.mode, max_batch_size=max_batch_size, token_budget=budget, repair=options.repair
+        )
         errors: list[BaseException] = []
         groups = [
             RequestGroup(
@@ -456,18 +464,21 @@ class InferenceEngine:
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
         *,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        token_budget: int = DEFAULT_TOKEN_BUDGET,
         batch_window_ms: float = 0.0,
         repair: RepairConfig | None = None,
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
     ) -> Scheduler:
         """A :class:`~kvboost_hf.scheduling.Scheduler` for this engine (:meth:`Factories.scheduler
         <kvboost_hf.factories.Factories.scheduler>`): batches of its decode loops in ``mode``, at most
-        ``max_batch_size`` rows running, a new batch formed once its oldest request waited ``batch_window_ms``;
-        each batch's decode figures are added to :meth:`cache_stats`. The rows' text is decoded (special tokens
-        skipped) under ``tokenizer_lock``. Step it under :attr:`lock`."""
+        ``max_batch_size`` rows running and ``token_budget`` tokens computed per step (0: no budget), a new batch
+        formed once its oldest request waited ``batch_window_ms``; each batch's decode figures are added to
+        :meth:`cache_stats`. The rows' text is decoded (special tokens skipped) under ``tokenizer_lock``. Step it
+        under :attr:`lock`."""
         return self.factories.scheduler(
             mode,
             max_batch_size=max_batch_size,
+            token_budget=token_budget,
             batch_window_ms=batch_window_ms,
             repair=repair,
             tokenizer_lock=tokenizer_lock,

@@ -33,7 +33,7 @@ from kvboost_hf.hf.models import check_model_support, load_model_and_tokenizer, 
 from kvboost_hf.hf.prompts import PromptEncoder
 from kvboost_hf.hf.rows import new_rows
 from kvboost_hf.hf.speculative import DraftConfig, Drafter, DraftSource, VerifyCosts, resolve_draft
-from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE, BatchKey, BatchPolicy, Scheduler
+from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE, DEFAULT_TOKEN_BUDGET, BatchKey, BatchPolicy, Scheduler
 from kvboost_hf.store.chunk_store import ChunkStore
 
 # Decode counters summed over an engine's calls (:meth:`DecodeTotals.stats`): tokens of all rows; target forwards (a
@@ -237,14 +237,16 @@ class Factories:
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
         *,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        token_budget: int = DEFAULT_TOKEN_BUDGET,
         batch_window_ms: float = 0.0,
         repair: RepairConfig | None = None,
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
     ) -> Scheduler:
         """A :class:`~kvboost_hf.scheduling.Scheduler` of decode loops (:meth:`decode_loop`) in ``mode``, at most
-        ``max_batch_size`` rows running, a new batch formed once its oldest request waited ``batch_window_ms``;
-        each batch's decode figures are added to :attr:`totals`. The rows' text is decoded (special tokens skipped)
-        under ``tokenizer_lock``. Step it under the engine's lock."""
+        ``max_batch_size`` rows running and ``token_budget`` tokens computed per step (0: none), a new batch formed
+        once its oldest request waited ``batch_window_ms``; each batch's decode figures are added to
+        :attr:`totals`. The rows' text is decoded (special tokens skipped) under ``tokenizer_lock``. Step it under
+        the engine's lock."""
         mode = GenerationMode(mode)
 
         def new_loop(key: BatchKey) -> DecodeLoop:
@@ -255,6 +257,7 @@ class Factories:
             new_loop,
             decode=functools.partial(self.tokenizer.decode, skip_special_tokens=True),
             max_rows=max_batch_size,
+            token_budget=token_budget,
             batch_window_s=batch_window_ms / 1e3,
             on_done=self.totals.count,
             tokenizer_lock=tokenizer_lock,

@@ -5,10 +5,11 @@ The contract, in the shape of vLLM's ``schedule()`` / ``update_from_output()``:
 
 1. :meth:`Scheduler.add` queues a :class:`RequestGroup` (one request's rows: the ``n`` choices of one prompt);
 2. :meth:`Scheduler.schedule` decides what runs now and returns it as a :class:`SchedulerOutput`: for every running
-   batch, the :class:`~kvboost_hf.hf.decode.PrefillWork` of the groups admitted to it, or else one decode step;
+   batch, one decode step of its running rows and chunks (:class:`PrefillChunk`) of the
+   :class:`~kvboost_hf.hf.decode.PrefillWork` of the groups admitted to it, within the step's token budget;
 3. :meth:`Scheduler.execute` hands that to each batch's :class:`~kvboost_hf.hf.decode.DecodeLoop` (the model
    runner, which makes no decision of its own) and returns the tokens it sampled per row
-   (:class:`~kvboost_hf.hf.decode.RowOutput`, in the :class:`StepReport`);
+   (:class:`~kvboost_hf.hf.decode.RowOutput`, in the :class:`StepReport`) and the prefills it completed;
 4. :meth:`Scheduler.update_from_output` appends them to their rows (the text decoded incrementally), decides which
    rows stop (:func:`stop_reason`: an end token, the budget, a stop string, cancellation; tokens after the one
    that ends a row are dropped), reports each token to its group (``on_token``), has the runner drop the ended
@@ -20,10 +21,14 @@ The rules, in order:
 
 1. rows of one batch share one cache namespace: the same ``cache_salt`` (the :class:`BatchKey`);
 2. admission: a pending group whose key matches a running batch joins it at once (continuous batching: its prompt is
-   prefilled in that step, in place of the batch's decode step, then its rows decode in the same forward as the
+   prefilled from that step on, after the batch's decode step, then its rows decode in the same forward as the
    running rows); other pending groups of one key form a
    new batch once the oldest has waited ``batch_window_s`` (or they fill ``max_rows``); the rows of all running
-   batches stay within ``max_rows``, and groups are admitted oldest first;
+   batches, those being prefilled included, stay within ``max_rows``, and groups are admitted oldest first;
+2b. token budget: a step computes at most ``token_budget`` tokens (0: no budget): every running row's decode step
+   first (one token each), then chunks of the prefills under way, oldest first (:func:`split_budget`); a prompt
+   longer than what is left is prefilled over several steps (chunked prefill: exact, each chunk attends to the
+   columns before it), so a long prompt joining a batch never pauses its running rows for its whole prefill;
 3. prefill: the rows admitted to a batch in one schedule are prefilled together (one left-padded forward), except
    those :meth:`BatchPolicy.prefill_alone` names, each prompt of which is prefilled in a cache of its own and then
    joined. Rows of one prompt (the ``n`` choices of a request) prefilled together are prefilled once and repeated;
@@ -62,6 +67,11 @@ from kvboost_hf.reuse.plan import ChunkSource, has_nonprefix_hits
 #: Rows running at once unless the caller says otherwise (``ServerConfig.max_batch_size``, the engine's
 #: ``generate_many`` and ``scheduler``, :class:`Scheduler`'s ``max_rows``): the one place this default is written.
 DEFAULT_MAX_BATCH_SIZE = 8
+
+#: Tokens one scheduler step computes at most unless the caller says otherwise (``ServerConfig.token_budget``, the
+#: engine's ``generate_many`` and ``scheduler``, :class:`Scheduler`'s ``token_budget``): the one place this default is
+#: written. 0 means no budget.
+DEFAULT_TOKEN_BUDGET = 2048
 
 logger = logging.getLogger(__name__)
 
@@ -236,9 +246,11 @@ class RunningBatch:
         self.loop = new_loop(key)
         self.started = time.perf_counter()
         self.decode_counts: dict[str, Any] | None = None
+        self.prefilling: list[Prefilling] = []
 
     def admit(self, groups: Sequence[RequestGroup], now: float) -> None:
-        """Make ``groups`` part of this batch (their rows are prefilled by the next :meth:`Scheduler.execute`)."""
+        """Make ``groups`` part of this batch (their rows are prefilled from the next :meth:`Scheduler.execute`
+        on, once :meth:`Scheduler.schedule` planned their :class:`~kvboost_hf.hf.decode.PrefillWork`)."""
         for group in groups:
             group.admitted_at, group.batch = now, self
             self._owners.update((id(row), group) for row in group.rows)
@@ -253,21 +265,42 @@ class RunningBatch:
             group.on_fail(error)
 
     def fail(self, error: BaseException) -> None:
-        """Report ``error`` to every group of this batch still running and drop its rows and caches unsaved (they may
-        be inconsistent after a failed forward)."""
+        """Report ``error`` to every group of this batch still running (or being prefilled) and drop its rows,
+        prefills and caches unsaved (they may be inconsistent after a failed forward)."""
         for group in self.groups:
             if not group.done:
                 group.on_fail(error)
+        self.prefilling = []
         self.loop.abandon()
+
+    def drop_cancelled_prefills(self) -> None:
+        """Drop the prefills under way whose groups were all cancelled (``RequestGroup.cancel``): their rows end
+        (``"cancelled"``, no token) and each group fails with :class:`RequestCancelled`, as if cancelled while
+        pending; the runner drops their prompt forwards at its next ``retire_finished``."""
+        for entry in list(self.prefilling):
+            groups = list({id(self.owner(row)): self.owner(row) for row in entry.work.rows}.values())
+            if not all(group.cancel is not None and group.cancel.is_set() for group in groups):
+                continue
+            self.prefilling.remove(entry)
+            for group in groups:
+                for row in group.rows:
+                    row.cancel()
+                group.on_fail(RequestCancelled("cancelled before its first token"))
 
     @property
     def rows(self) -> list[DecodeRow]:
-        """The rows still running."""
+        """The rows still running (prefilled, not ended)."""
         return self.loop.running
 
     @property
+    def joining_rows(self) -> list[DecodeRow]:
+        """The rows admitted whose prefill is not complete."""
+        return [row for entry in self.prefilling for row in entry.work.rows]
+
+    @property
     def done(self) -> bool:
-        return self.loop.done
+        """No row running and no prefill admitted and not complete (one that got no column yet included)."""
+        return self.loop.done and not self.prefilling
 
     @property
     def age_s(self) -> float:
@@ -278,15 +311,41 @@ class RunningBatch:
         return self._owners[id(row)]
 
 
+@dataclass
+class Prefilling:
+    """A prefill admitted to a batch and not complete: its ``work`` and at most how many columns of its prompt
+    forward are left to compute (``left``: the left-padded prompts' width less the columns scheduled so far; the
+    runner computes fewer when the store holds the prompts' first chunks)."""
+
+    work: PrefillWork
+    left: int
+
+    @property
+    def forward_rows(self) -> int:
+        """Rows of its prompt forward: one for a repeated prompt (the ``n`` choices of a request)."""
+        return 1 if self.work.repeat else len(self.work.rows)
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Part of a prefill a batch runs in one step: up to ``columns`` (>= 1) more columns of ``work``'s prompt
+    forward (the runner computes the whole forward at once when ``columns`` is at least its width)."""
+
+    work: PrefillWork
+    columns: int
+
+
 @dataclass(frozen=True)
 class BatchWork:
-    """What one batch runs in one scheduler step: the prefills of the groups just admitted to it (``admitted``;
-    ``new``: the batch was formed now), or, when none was, one decode step for every row still running."""
+    """What one batch runs in one scheduler step: one decode step for its running rows (``decode``), then chunks of
+    its prefills (``prefills``: the groups admitted now, ``admitted``, and earlier ones not complete); ``new``: the
+    batch was formed now."""
 
     batch: RunningBatch
     new: bool = False
     admitted: tuple[RequestGroup, ...] = ()
-    prefills: tuple[PrefillWork, ...] = ()
+    decode: bool = False
+    prefills: tuple[PrefillChunk, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -298,14 +357,17 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class BatchResult:
-    """How one :class:`BatchWork` ran: the prompt tokens its prefills computed (not loaded), the tokens the runner
-    sampled per row (``outputs``; appended to the rows by :meth:`Scheduler.update_from_output`, which drops any
-    after the one that ends a row) and the error that failed the batch (None: it ran)."""
+    """How one :class:`BatchWork` ran: the prompt tokens its prefills computed (not loaded; counted when a prefill
+    completes), the tokens the runner sampled per row (``outputs``; appended to the rows by
+    :meth:`Scheduler.update_from_output`, which drops any after the one that ends a row), the prefills that
+    completed (``prefilled``: their rows' first tokens are in ``outputs``) and the error that failed the batch
+    (None: it ran)."""
 
     work: BatchWork
     computed_tokens: int = 0
     error: BaseException | None = None
     outputs: tuple[RowOutput, ...] = ()
+    prefilled: tuple[PrefillWork, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -326,6 +388,10 @@ class Scheduler:
         decode: token ids -> text (special tokens skipped), e.g. ``tokenizer.decode``: the rows' text, decoded a
             few recent tokens at a time; called under ``tokenizer_lock``.
         max_rows: rows running at once, over all batches (>= 1).
+        token_budget: tokens one step computes at most, over all batches (0: no budget, or >= ``max_rows``): each
+            running row's decode step counts one (a speculative step's tree nodes are not counted), the rest goes
+            to prefill chunks, the batches' oldest prefills first, each prompt forward of ``r`` rows taking up to
+            ``rest // r`` columns of what is left of it.
         batch_window_s: how long the oldest pending group of a key waits for others before its batch forms
             (``skip_windows = True`` admits without waiting).
         on_done: called once with each batch's loop when it ends; what it returns is kept as its
@@ -340,17 +406,21 @@ class Scheduler:
         *,
         decode: Callable[[list[int]], str],
         max_rows: int = DEFAULT_MAX_BATCH_SIZE,
+        token_budget: int = DEFAULT_TOKEN_BUDGET,
         batch_window_s: float = 0.0,
         on_done: Callable[[DecodeLoop], dict[str, Any]] = lambda loop: {},
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
     ) -> None:
         if max_rows < 1:
             raise ConfigError(f"max_rows must be >= 1, got {max_rows}")
+        if token_budget < 0 or 0 < token_budget < max_rows:
+            raise ConfigError(f"token_budget must be 0 (none) or >= max_rows={max_rows}, got {token_budget}")
         self.policy = policy
         self.new_loop = new_loop
         self.decode = decode
         self.tokenizer_lock = tokenizer_lock or contextlib.nullcontext()
         self.max_rows = max_rows
+        self.token_budget = token_budget
         self.batch_window_s = batch_window_s
         self.on_done = on_done
         self._pending: list[RequestGroup] = []
@@ -374,8 +444,8 @@ class Scheduler:
 
     @property
     def running_rows(self) -> int:
-        """Rows in running batches."""
-        return sum(len(batch.rows) for batch in self.running)
+        """Rows in running batches, those whose prefill is under way included."""
+        return sum(len(batch.rows) + len(batch.joining_rows) for batch in self.running)
 
     @property
     def idle(self) -> bool:
@@ -390,49 +460,67 @@ class Scheduler:
     # ------------------------------------------------------------------ the contract
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         """Admit what is ready and fits (groups cancelled while pending fail with :class:`RequestCancelled`), plan
-        the admitted rows' prefills, and step every running batch that admitted nothing."""
+        the admitted rows' prefills, and split the step's token budget: a decode step for every running row first,
+        then chunks of the prefills, oldest first (:func:`split_budget`)."""
         now = time.perf_counter() if now is None else now
-        admitted: dict[int, tuple[RunningBatch, bool, list[RequestGroup]]] = {}
+        admitted: dict[int, tuple[bool, list[RequestGroup]]] = {}
         for key, batch, groups in self._admit(now):
             new = batch is None
             if batch is None:
                 batch = RunningBatch(key, self.new_loop)
                 self.running.append(batch)
             batch.admit(groups, now)
-            admitted[id(batch)] = (batch, new, groups)
-        work = []
-        for batch in self.running:
-            _, new, groups = admitted.get(id(batch), (batch, False, []))
+            admitted[id(batch)] = (new, groups)
+        for batch_id, (new, groups) in admitted.items():
+            batch = next(batch for batch in self.running if id(batch) == batch_id)
             rows = [row for group in groups for row in group.rows]
             try:
-                prefills = self.policy.prefill_works(rows, batch.key.cache_salt) if rows else []
+                prefills = self.policy.prefill_works(rows, batch.key.cache_salt)
             except Exception as error:  # e.g. the store could not be read: these groups fail, the batch goes on
                 logger.exception("planning the prefill of %d rows failed", len(rows))
                 batch.drop(groups, error)
-                groups, prefills = [], []
-            work.append(BatchWork(batch, new, tuple(groups), tuple(prefills)))
+                admitted[batch_id], prefills = (new, []), []
+            batch.prefilling += [Prefilling(work, prompt_width(work)) for work in prefills]
+        for batch in self.running:
+            batch.drop_cancelled_prefills()
+        prefilling = [entry for batch in self.running for entry in batch.prefilling]
+        decode_rows = sum(len(batch.rows) for batch in self.running)
+        columns = split_budget(self.token_budget, decode_rows, prefilling)
+        chunks = {id(entry): PrefillChunk(entry.work, n) for entry, n in zip(prefilling, columns, strict=True) if n}
+        for entry, n in zip(prefilling, columns, strict=True):
+            entry.left -= n
+        work = []
+        for batch in self.running:
+            new, groups = admitted.get(id(batch), (False, []))
+            planned = tuple(chunks[id(entry)] for entry in batch.prefilling if id(entry) in chunks)
+            work.append(BatchWork(batch, new, tuple(groups), decode=bool(batch.rows), prefills=planned))
         return SchedulerOutput(tuple(work))
 
     def execute(self, output: SchedulerOutput) -> StepReport:
-        """Run each batch's work on its loop: its prefills, or one step; the report carries the tokens sampled. An
-        exception fails that batch only: its groups get it through ``on_fail`` and its caches are dropped unsaved
-        (possibly inconsistent)."""
+        """Run each batch's work on its loop: its decode step, then its prefill chunks; the report carries the
+        tokens sampled and the prefills completed. An exception fails that batch only: its groups get it through
+        ``on_fail`` and its caches are dropped unsaved (possibly inconsistent)."""
         results = []
         for work in output.work:
             loop = work.batch.loop
             before = loop.computed_tokens
             outputs: list[RowOutput] = []
+            prefilled: list[PrefillWork] = []
             try:
-                for prefill in work.prefills:
-                    outputs += loop.add(prefill)
-                if not work.prefills and not loop.done:
+                if work.decode:
                     outputs += loop.step()
+                for chunk in work.prefills:
+                    if first := loop.add(chunk.work, chunk.columns):
+                        outputs += first
+                        prefilled.append(chunk.work)
             except Exception as error:
                 logger.exception("batch of %d rows failed", len(loop.running))
                 work.batch.fail(error)
                 results.append(BatchResult(work, loop.computed_tokens - before, error))
                 continue
-            results.append(BatchResult(work, loop.computed_tokens - before, outputs=tuple(outputs)))
+            results.append(
+                BatchResult(work, loop.computed_tokens - before, outputs=tuple(outputs), prefilled=tuple(prefilled))
+            )
         return StepReport(tuple(results))
 
     def update_from_output(self, report: StepReport) -> StepReport:
@@ -442,6 +530,8 @@ class Scheduler:
         them."""
         for result in report.results:
             if result.error is None:
+                batch, completed = result.work.batch, {id(work) for work in result.prefilled}
+                batch.prefilling = [entry for entry in batch.prefilling if id(entry.work) not in completed]
                 for output in result.outputs:
                     group = result.work.batch.owner(output.row)
                     append_output(output, self.decode, group.on_token, self.tokenizer_lock)
@@ -468,7 +558,7 @@ class Scheduler:
 
     def abort(self, error: BaseException) -> None:
         """Fail every pending group with ``error`` and end every running row now (cancelled, reported once to its
-        group; what was computed is stored)."""
+        group; what was computed is stored); a group whose prefill is under way fails with ``error`` too."""
         with self._queue_lock:
             waiting, self._pending = self._pending, []
         for group in waiting:
@@ -477,6 +567,11 @@ class Scheduler:
             for row in batch.rows:
                 row.cancel()
                 batch.owner(row).on_token(row)
+            for group in {id(batch.owner(row)): batch.owner(row) for row in batch.joining_rows}.values():
+                for row in group.rows:
+                    row.cancel()
+                group.on_fail(error)
+            batch.prefilling = []
             batch.loop.retire_finished()
             batch.decode_counts = self.on_done(batch.loop)
         self.running = []
@@ -516,6 +611,30 @@ class Scheduler:
             if chosen:
                 formed.append((key, running, chosen))
         return formed
+
+
+def prompt_width(work: PrefillWork) -> int:
+    """Columns of ``work``'s left-padded prompt forward before stored chunks are loaded: its longest prompt."""
+    return max(len(row.request.prompt_ids) for row in work.rows)
+
+
+def split_budget(budget: int, decode_rows: int, prefilling: Sequence[Prefilling]) -> list[int]:
+    """Columns of each prefill to compute in one step under a token ``budget`` (0: none: each prefill gets all its
+    ``left`` columns) after ``decode_rows`` decode steps of one token: in order, each prefill takes what is left of
+    the budget divided by its forward rows, at most its ``left`` columns; a prefill that gets no column waits (0).
+
+    Invariants: with a budget, ``decode_rows + sum(forward_rows * columns) <= budget`` when ``decode_rows <=
+    budget``; every prefill gets ``0 <= columns <= left``; the first prefill gets at least one column when
+    ``decode_rows + its forward rows <= budget``."""
+    if not budget:
+        return [entry.left for entry in prefilling]
+    rest = budget - decode_rows
+    columns = []
+    for entry in prefilling:
+        take = max(0, min(entry.left, rest // entry.forward_rows))
+        rest -= take * entry.forward_rows
+        columns.append(take)
+    return columns
 
 
 def stop_reason(row: DecodeRow) -> str | None:

@@ -236,8 +236,8 @@ class AppliedLoop(DecodeLoop):
         super().__init__(*args, **kwargs)
         self.on_token = on_token
 
-    def add(self, work: PrefillWork) -> list[RowOutput]:
-        return self._applied(super().add(work))
+    def add(self, work: PrefillWork, columns: int = 0) -> list[RowOutput]:
+        return self._applied(super().add(work, columns))
 
     def step(self) -> list[RowOutput]:
         return self._applied(super().step())
@@ -262,6 +262,23 @@ def prefill(loop: DecodeLoop, requests, alone=None, eos=DECODE_EOS) -> None:
     never = lambda prompt_ids, segment_starts: False  # noqa: E731
     for work in prefill_works(rows, DECODE_CHUNKING, reuse=loop.new_cache is not None, alone=alone or never):
         loop.add(work)
+
+
+def prefill_in_chunks(loop: DecodeLoop, requests, columns: int, eos=DECODE_EOS) -> int:
+    """Prefill ``requests`` as the scheduler plans them, ``columns`` columns per call, the running rows stepping
+    between calls; returns the calls that returned no token (chunks before the last)."""
+    rows = DecodeLoop.rows_for(requests, eos)
+    never = lambda prompt_ids, segment_starts: False  # noqa: E731
+    partial = 0
+    for work in prefill_works(rows, DECODE_CHUNKING, reuse=loop.new_cache is not None, alone=never):
+        running = list(loop.running)
+        while not loop.add(work, columns):
+            assert loop.running == running  # the joining rows run only once prefilled
+            partial += 1
+            if loop.running:
+                loop.step()
+            running = list(loop.running)
+    return partial
 
 
 def finish(loop: DecodeLoop) -> DecodeLoop:

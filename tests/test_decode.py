@@ -8,7 +8,17 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import greedy, make_tiny_model, noisy_copy
-from helpers import DECODE_CHUNKING, DECODE_EOS, as_text, finish, new_loop, prefill, reuse_caches, run_loop
+from helpers import (
+    DECODE_CHUNKING,
+    DECODE_EOS,
+    as_text,
+    finish,
+    new_loop,
+    prefill,
+    prefill_in_chunks,
+    reuse_caches,
+    run_loop,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import reference
@@ -25,6 +35,9 @@ from kvboost_hf.hf.speculative import DraftConfig, Drafter
 @pytest.fixture(scope="module")
 def model():
     return make_tiny_model("llama")
+
+
+GREEDY_PARAMS = SamplingConfig(temperature=0)
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "gemma2"])
@@ -227,6 +240,52 @@ def test_rows_joining_a_running_batch_equal_generate_alone(any_window_model, reu
             model, [DecodeRequest(prompt_ids=p, max_new_tokens=1, sampling=greedy_params) for p in later], store
         )
         assert all(row.reuse.cached_tokens > 0 for row in again.rows)
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["plain", "chunk-reuse"])
+def test_prompts_prefilled_in_chunks_between_steps_equal_generate_alone(any_window_model, reuse):
+    """Chunked prefill: rows of different lengths (left-padded in one forward) join a running row 7 columns per
+    call, the running row decoding between the calls; with reuse one prompt's first 16 tokens are stored, loaded,
+    and only the rest is computed in chunks. Every row gets transformers' tokens for its prompt alone."""
+    model = any_window_model
+    store = ChunkStore() if reuse else None
+    first, *later = prompts()  # 21, then 9 and 30 tokens
+    if store is not None:  # two chunks of the longest prompt stored
+        run_loop(model, [DecodeRequest(prompt_ids=later[1][:16], max_new_tokens=1)], store)
+    loop = new_loop(model, reuse_caches(store, model))
+    prefill(loop, [DecodeRequest(prompt_ids=first, max_new_tokens=12, sampling=GREEDY_PARAMS)])
+    requests = [
+        DecodeRequest(prompt_ids=p, max_new_tokens=6, sampling=GREEDY_PARAMS, keep_first_logits=True) for p in later
+    ]
+    partial = prefill_in_chunks(loop, requests, columns=7)
+    assert partial == (1 if reuse else 4)  # 30 - 16 loaded = 14 columns in 2 calls; else 30 in 5
+    finish(loop)
+    for row in loop.rows:
+        expected = reference(model, row.request.prompt_ids, row.request.max_new_tokens, eos_token_ids=DECODE_EOS)
+        assert row.tokens == expected.tokens
+        if row.first_logits is not None:  # the joined rows': their prompt forward's last position
+            torch.testing.assert_close(row.first_logits, expected.first_logits, atol=1e-4, rtol=1e-4)
+    if reuse:
+        assert [row.reuse.cached_tokens for row in loop.rows[1:]] == [0, 16]
+
+
+def test_a_repeated_prompt_chunked_with_a_draft_equals_generate_alone(model, noisy_draft):
+    """The ``n`` choices of one prompt are prefilled once in chunks (one forward row per chunk), then repeated; with
+    a draft, the chunked prompt forward verifies no tree (the draft prefills after), and every row still gets
+    transformers' tokens."""
+    drafter = Drafter(noisy_draft, DraftConfig(num_draft_tokens=3), None)
+    loop = new_loop(model, draft=drafter)
+    prompt = prompts()[2]
+    prefill(loop, [DecodeRequest(prompt_ids=prompts()[1], max_new_tokens=20, sampling=GREEDY_PARAMS)])
+    requests = [DecodeRequest(prompt_ids=prompt, max_new_tokens=9, sampling=GREEDY_PARAMS, keep_first_logits=True)]
+    assert prefill_in_chunks(loop, requests * 2, columns=8) == 3  # 30 columns in 4 calls
+    assert len(loop.running) == 3
+    finish(loop)
+    expected = reference(model, prompt, 9, eos_token_ids=DECODE_EOS)
+    assert [row.tokens for row in loop.rows[1:]] == [expected.tokens, expected.tokens]
+    for row in loop.rows[1:]:
+        torch.testing.assert_close(row.first_logits, expected.first_logits, atol=1e-4, rtol=1e-4)
+    assert loop.rows[0].tokens == reference(model, prompts()[1], 20, eos_token_ids=DECODE_EOS).tokens
 
 
 class RecordingStore(ChunkStore):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch._dynamo
 from conftest import make_tiny_model
-from helpers import DECODE_EOS, finish, new_loop, prefill, reuse_caches
+from helpers import DECODE_EOS, finish, new_loop, prefill, prefill_in_chunks, reuse_caches
 from oracle import reference
 
 from kvboost_hf import ChunkReuseCache, ChunkStore
@@ -118,10 +118,11 @@ def test_capacity_bucket_is_a_power_of_two_from_256_up_to_the_cap():
 
 def runner_decodes_graphed_through_joins_and_retirements(device: str, backend: str | None) -> None:
     """A reuse loop whose plain decode steps go through the graphs: one row graphed, a second joining (the cache
-    grows back, then turns static again at 2 rows), a third making 3 rows (outside the buckets: the loop's eager
-    forward), rows retiring at different lengths; every row's tokens are transformers' greedy generate()'s."""
+    grows back, then turns static again at 2 rows), a third prefilled in chunks while the two decode graphed, then
+    making 3 rows (outside the buckets: the loop's eager forward), rows retiring at different lengths; every row's
+    tokens are transformers' greedy generate()'s."""
     model = make_tiny_model("qwen2").to(device)
-    prompts = {(*PROMPTS[0],): 9, (*PROMPTS[1],): 4, tuple(range(60, 75)): 3}  # prompt -> max_new_tokens
+    prompts = {(*PROMPTS[0],): 9, (*PROMPTS[1],): 8, tuple(range(60, 75)): 3}  # prompt -> max_new_tokens
     requests = [
         DecodeRequest(prompt_ids=list(p), max_new_tokens=n, sampling=SamplingConfig(temperature=0))
         for p, n in prompts.items()
@@ -137,9 +138,10 @@ def runner_decodes_graphed_through_joins_and_retirements(device: str, backend: s
     prefill(loop, requests[1:2])
     loop.step()  # two rows: static again, graphed
     assert decoder.graphed_steps == 3 and set(decoder.graph_shapes) == {(1, 256), (2, 256)}
-    prefill(loop, requests[2:])
+    assert prefill_in_chunks(loop, requests[2:], columns=4) == 3  # 15 columns in 4 calls, a graphed step after 3
+    assert decoder.graphed_steps == 6 and len(loop.running) == 3
     loop.step()  # three rows: above the buckets, the loop's eager forward
-    assert decoder.graphed_steps == 3
+    assert decoder.graphed_steps == 6
     finish(loop)
     assert [row.tokens for row in loop.rows] == expected
     assert decoder.graphed_steps > 3 and not decoder.failed_shapes

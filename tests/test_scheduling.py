@@ -12,19 +12,29 @@ import threading
 import time
 
 import pytest
+import torch
 from conftest import make_tiny_model
 from helpers import word_tokenizer, words
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from oracle import cache_reference, engine_reference
 
 from kvboost_hf import KVBoost
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
+from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.core.keys import KeySpace
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, DraftRound, PrefillWork, RowOutput, SharedPrefix
 from kvboost_hf.hf.sampling import SamplingConfig
-from kvboost_hf.scheduling import BatchPolicy, RequestCancelled, RequestGroup, Scheduler, prefill_works
+from kvboost_hf.scheduling import (
+    BatchPolicy,
+    Prefilling,
+    RequestCancelled,
+    RequestGroup,
+    Scheduler,
+    prefill_works,
+    split_budget,
+)
 from kvboost_hf.store.chunk_store import ChunkStore
 
 CHUNK = 4
@@ -33,7 +43,9 @@ SPACE = KeySpace("digest", "torch.float32", ChunkingConfig(CHUNK))
 
 class FakeLoop:
     """Records what it is handed and samples token 1 for each row per prefill and per step (with ``fail_after``:
-    raises at that many steps), or what ``script`` gives: a row's next tokens per call (several: a verify round)."""
+    raises at that many steps), or what ``script`` gives: a row's next tokens per call (several: a verify round).
+    A prefill handed fewer columns than its longest prompt completes once the columns handed add up to it
+    (``chunks``: each call's work and columns)."""
 
     def __init__(self, fail_after: int | None = None, script=None) -> None:
         self.fail_after = fail_after
@@ -41,15 +53,23 @@ class FakeLoop:
         self.rows: list[DecodeRow] = []
         self.running: list[DecodeRow] = []
         self.works: list[PrefillWork] = []
+        self.chunks: list[tuple[PrefillWork, int]] = []
+        self.progress: dict[int, tuple[PrefillWork, int]] = {}
         self.steps = 0
         self.computed_tokens = 0
         self.closed = False
 
     @property
     def done(self) -> bool:
-        return not self.running
+        return not self.running and not self.progress
 
-    def add(self, work: PrefillWork) -> list[RowOutput]:
+    def add(self, work: PrefillWork, columns: int = 0) -> list[RowOutput]:
+        self.chunks.append((work, columns))
+        width = max(len(row.request.prompt_ids) for row in work.rows)
+        computed = self.progress.pop(id(work), (work, 0))[1] + (columns or width)
+        if computed < width:
+            self.progress[id(work)] = (work, computed)
+            return []
         self.works.append(work)
         self.rows += work.rows
         self.computed_tokens += sum(len(row.request.prompt_ids) for row in work.rows)
@@ -70,9 +90,12 @@ class FakeLoop:
 
     def retire_finished(self) -> None:
         self.running = [row for row in self.running if not row.finished]
+        self.progress = {
+            key: (work, n) for key, (work, n) in self.progress.items() if not all(r.finished for r in work.rows)
+        }
 
     def abandon(self) -> None:
-        self.running = []
+        self.running, self.progress = [], {}
         self.closed = True
 
 
@@ -80,7 +103,13 @@ class Harness:
     """A scheduler on fake loops, with every loop, failure and ended batch recorded."""
 
     def __init__(
-        self, max_rows: int = 4, window_s: float = 0.0, fail_salt: str | None = "never", store=None, script=None
+        self,
+        max_rows: int = 4,
+        window_s: float = 0.0,
+        fail_salt: str | None = "never",
+        store=None,
+        script=None,
+        token_budget: int = 0,
     ) -> None:
         self.loops: list[FakeLoop] = []
         self.failures: list[tuple[RequestGroup, BaseException]] = []
@@ -97,7 +126,7 @@ class Harness:
 
         self.scheduler = Scheduler(
             policy, new_loop, decode=lambda ids: "".join(f"<{t}>" for t in ids), max_rows=max_rows,
-            batch_window_s=window_s, on_done=on_done,
+            token_budget=token_budget, batch_window_s=window_s, on_done=on_done,
         )  # fmt: skip
 
     def group(
@@ -130,7 +159,8 @@ def test_groups_of_one_key_share_a_batch_joining_it_while_it_runs_and_tenants_ge
     assert [(r.work.new, r.computed_tokens) for r in report.results] == [(False, 2), (True, 1)]
     h.scheduler.run()
     assert h.scheduler.idle and sorted(map(id, h.done)) == sorted(map(id, h.loops))  # each ended once
-    assert first.batch.decode_counts == {"steps": 2} and all(g.done for g in (first, second, other))
+    # the join step decodes the running row too: first's tokens 2-3 and second's 2-3 take three steps, not two
+    assert first.batch.decode_counts == {"steps": 3} and all(g.done for g in (first, second, other))
 
 
 def test_a_new_batch_waits_for_its_window_unless_full_or_windows_are_skipped():
@@ -247,6 +277,102 @@ def test_the_scheduler_appends_sampled_tokens_and_decides_every_stop():
     assert h.loops[0].done and h.scheduler.idle
 
 
+def test_a_long_prompt_joins_in_chunks_while_the_running_rows_take_a_token_every_step():
+    """Token budget 20, three running rows: each step decodes them first (3 tokens), and the 100-token prompt that
+    joins gets the 17 columns left, until its last 15; its first token comes with the last chunk. Its row counts
+    against ``max_rows`` meanwhile, so a group that would exceed it waits."""
+    h = Harness(max_rows=4, token_budget=20)
+    running = h.group([1], [2], [3], tokens=12)  # three prompts: one forward of three rows
+    h.scheduler.step(now=0.0)
+    joining = h.group(list(range(100)), tokens=2)
+    waiting = h.group([7])
+    for step in range(6):
+        h.scheduler.step(now=0.0)
+        assert [len(row.tokens) for row in running.rows] == [2 + step] * 3
+        assert waiting.batch is None and h.scheduler.running_rows == 4
+        assert joining.rows[0].tokens == ([1] if step == 5 else [])
+    assert [columns for work, columns in h.loops[0].chunks if work.rows == tuple(joining.rows)] == [17] * 5 + [15]
+    h.scheduler.run()
+    assert all(group.done for group in (running, joining, waiting))
+
+
+def test_abort_fails_a_group_whose_prefill_is_under_way():
+    h = Harness(max_rows=2, token_budget=4)
+    running = h.group([1], tokens=9)
+    h.scheduler.step(now=0.0)
+    joining = h.group(list(range(30)))
+    h.scheduler.step(now=0.0)
+    assert joining.batch is not None and not joining.rows[0].tokens  # 3 of its 30 columns computed
+    h.scheduler.abort(RuntimeError("shutdown"))
+    assert [g for g, _ in h.failures] == [joining] and running.rows[0].finish_reason == "cancelled"
+    assert h.scheduler.idle and h.done == h.loops and h.loops[0].done
+
+
+def test_a_group_cancelled_while_its_prompt_is_prefilled_in_chunks_fails_and_its_chunks_stop():
+    h = Harness(max_rows=2, token_budget=4)
+    running = h.group([1], tokens=6)
+    h.scheduler.step(now=0.0)
+    joining = h.group(list(range(30)))
+    h.scheduler.step(now=0.0)
+    joining.cancel.set()
+    h.scheduler.step(now=0.0)
+    assert [(g, type(e)) for g, e in h.failures] == [(joining, RequestCancelled)]
+    assert len([columns for work, columns in h.loops[0].chunks if work.rows == tuple(joining.rows)]) == 1
+    assert joining.rows[0].finish_reason == "cancelled" and not joining.rows[0].tokens
+    h.scheduler.run()
+    assert running.done and len(running.rows[0].tokens) == 6 and h.scheduler.idle and h.loops[0].done
+
+
+def test_without_a_token_budget_a_join_is_prefilled_whole_after_the_running_rows_step():
+    h = Harness(max_rows=4)
+    running = h.group([1], tokens=5)
+    h.scheduler.step(now=0.0)
+    joining = h.group(list(range(100)), tokens=2)
+    report = h.scheduler.step(now=0.0)
+    work = report.results[0].work
+    assert work.decode and [chunk.columns for chunk in work.prefills] == [100]  # the whole prompt in this step
+    assert len(running.rows[0].tokens) == 2 and joining.rows[0].tokens == [1]
+
+
+@pytest.mark.parametrize("budget", [-1, 1, 3])
+def test_a_token_budget_below_max_rows_is_refused(budget):
+    with pytest.raises(ConfigError, match="token_budget"):
+        Harness(max_rows=4, token_budget=budget)
+
+
+def prefill_entry(rows: int, repeat: bool, left: int) -> Prefilling:
+    """A prefill under way of ``rows`` rows (one prompt when ``repeat``, else one each) with ``left`` columns."""
+    prompts = [[1]] * rows if repeat else [[index + 1] for index in range(rows)]
+    decoded = DecodeLoop.rows_for([DecodeRequest(prompt_ids=p, max_new_tokens=1) for p in prompts], set())
+    return Prefilling(PrefillWork(tuple(decoded), repeat=repeat and rows > 1), left)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    budget=st.integers(0, 64),
+    decode_rows=st.integers(0, 8),
+    prefills=st.lists(st.tuples(st.integers(1, 4), st.booleans(), st.integers(1, 40)), max_size=5),
+)
+def test_split_budget_decodes_first_then_fills_prefills_oldest_first_within_the_budget(budget, decode_rows, prefills):
+    """Without a budget every prefill gets all its columns; with one, the decode rows' tokens plus each prefill's
+    forward rows x columns stay within it, no prefill gets more than it has left, and a prefill that gets less
+    than that leaves less than one column of its forward rows for those after it (oldest first)."""
+    assume(budget == 0 or budget >= decode_rows)  # the scheduler's rule: a budget is at least max_rows
+    entries = [prefill_entry(rows, repeat, left) for rows, repeat, left in prefills]
+    columns = split_budget(budget, decode_rows, entries)
+    lefts = [left for _, _, left in prefills]
+    if budget == 0:
+        assert columns == lefts
+        return
+    widths = [1 if repeat else rows for rows, repeat, _ in prefills]
+    assert all(0 <= n <= left for n, left in zip(columns, lefts, strict=True))
+    assert decode_rows + sum(w * n for w, n in zip(widths, columns, strict=True)) <= budget
+    rest = budget - decode_rows
+    for width, n, left in zip(widths, columns, lefts, strict=True):
+        rest -= width * n
+        assert n == left or rest < width, "a prefill took less than it could"
+
+
 prompt_pool = st.lists(st.integers(0, 2), min_size=1, max_size=11)  # few tokens: prompts share prefixes often
 
 
@@ -285,12 +411,13 @@ def test_prefill_plans_cover_every_row_once_with_the_scheduling_rules(prompts, a
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random queues, steps, cancellations and failing batches: every group ends exactly once (finished or failed),
-    rows never exceed ``max_rows``, a group runs in one batch only, and every batch's end is reported once."""
+    """Random queues, steps, cancellations and failing batches under a token budget of 6 (prompts up to 9 tokens
+    are prefilled in chunks): every group ends exactly once (finished or failed), rows never exceed ``max_rows``
+    nor a step's tokens the budget, a group runs in one batch only, and every batch's end is reported once."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.h = Harness(max_rows=4, window_s=0.0, fail_salt="bad")
+        self.h = Harness(max_rows=4, window_s=0.0, fail_salt="bad", token_budget=6)
         self.groups: list[RequestGroup] = []
         self.now = 0.0
 
@@ -306,7 +433,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         self.now += 1.0
-        self.h.scheduler.step(now=self.now)
+        scheduler = self.h.scheduler
+        output = scheduler.schedule(now=self.now)
+        decoded = sum(len(work.batch.rows) for work in output.work if work.decode)
+        prefilled = sum(
+            (1 if chunk.work.repeat else len(chunk.work.rows)) * chunk.columns
+            for work in output.work
+            for chunk in work.prefills
+        )
+        assert decoded + prefilled <= scheduler.token_budget
+        scheduler.update_from_output(scheduler.execute(output))
 
     @rule(index=st.integers(0, 50))
     def cancel(self, index):
@@ -327,7 +463,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         failed = [id(group) for group, _ in self.h.failures]
         assert len(failed) == len(set(failed)), "a group failed twice"
         for group in self.groups:
-            assert group.done != (id(group) in failed), "a group ends exactly once: finished or failed"
+            # a group cancelled while its prompt was prefilled fails, its rows ended without a token
+            cancelled_early = id(group) in failed and not any(row.tokens for row in group.rows)
+            assert cancelled_early or group.done != (id(group) in failed), "a group ends once: finished or failed"
         ended = [id(loop) for loop in self.h.done]
         assert sorted(ended) == sorted(id(loop) for loop in self.h.loops), "every batch's end reported once"
 
@@ -470,3 +608,32 @@ def test_a_job_submitted_while_the_scheduler_reads_the_store_is_queued_at_once(e
     finally:
         release.set()
         worker.shutdown(grace_s=5)
+
+
+def test_generate_many_under_a_small_token_budget_gives_generates_tokens_over_a_partly_stored_prompt(
+    engine, monkeypatch
+):
+    """``generate_many`` with 2 rows and a budget of 5 tokens per step: the first two prompts are prefilled 2
+    columns per step (one forward of 2 rows); when both leave, the third is prefilled 5 columns per step, its first
+    16 tokens loaded from the store (a warmed prefix), only the other 14 computed in chunks. Every output and first
+    token distribution equals transformers' greedy ones, and the stored prefix is reported as cached."""
+    engine.store.clear()
+    head = words(70, 16)  # two 8-token chunks
+    prompts = [words(71, 9), words(72, 12), f"{head} {words(73, 14)}"]
+    engine.warm(head)
+    expected = [engine_reference(engine, prompt, 5) for prompt in prompts]
+    chunks: list[int] = []
+    chunk = DecodeLoop._prompt_chunk
+
+    def counted(loop, prompt, columns):
+        chunks.append(columns)
+        return chunk(loop, prompt, columns)
+
+    monkeypatch.setattr(DecodeLoop, "_prompt_chunk", counted)
+    results = engine.generate_many(
+        prompts, max_new_tokens=5, max_batch_size=2, token_budget=5, mode="prefix_cache", logprobs=0
+    )
+    assert [result.output_ids for result in results] == [reference.tokens for reference in expected]
+    for result, reference in zip(results, expected, strict=True):
+        torch.testing.assert_close(result.first_token_logits, reference.first_logits, atol=1e-4, rtol=1e-4)
+    assert results[2].cached_tokens == 16 and chunks == [2] * 6 + [5, 5, 5]  # the last call computes 4

@@ -218,18 +218,31 @@ def test_worker_takes_the_server_settings_in_their_units():
     from kvboost_hf.server.worker import Worker
 
     worker = Worker(
-        _SchedulerEngine(), ServerConfig(reuse_mode="chunk_kv_reuse", batch_window_ms=250, max_batch_size=3)
+        _SchedulerEngine(),
+        ServerConfig(reuse_mode="chunk_kv_reuse", batch_window_ms=250, max_batch_size=3, token_budget=96),
     )  # type: ignore[arg-type]
     assert worker.max_batch_size == 3 and worker.max_queue == 64 and worker.mode is GenerationMode.CHUNK_KV_REUSE
-    assert worker.scheduler == (worker.mode, {"max_batch_size": 3, "batch_window_ms": 250})
+    assert worker.scheduler == (worker.mode, {"max_batch_size": 3, "token_budget": 96, "batch_window_ms": 250})
     default = Worker(_SchedulerEngine())  # type: ignore[arg-type]
     settings = ServerConfig()
-    expected = {"max_batch_size": settings.max_batch_size, "batch_window_ms": settings.batch_window_ms}
+    expected = {
+        "max_batch_size": settings.max_batch_size,
+        "token_budget": settings.token_budget,
+        "batch_window_ms": settings.batch_window_ms,
+    }
     assert default.scheduler == (GenerationMode.PREFIX_CACHE, expected)
 
 
 @pytest.mark.parametrize(
-    "field, value", [("reuse_mode", "sometimes"), ("max_batch_size", 0), ("max_queue", 0), ("batch_window_ms", -1)]
+    "field, value",
+    [
+        ("reuse_mode", "sometimes"),
+        ("max_batch_size", 0),
+        ("max_queue", 0),
+        ("batch_window_ms", -1),
+        ("token_budget", -1),
+        ("token_budget", 3),
+    ],
 )
 def test_server_settings_refuse_values_the_worker_cannot_run(field, value):
     with pytest.raises(ValueError, match=field):

@@ -11,6 +11,13 @@ Throughput is completed requests per second of the run's wall time. Output: a ta
 ``serve.png`` under ``--out``. Bounded: ``--users`` x ``--turns`` requests, each with ``--max-tokens`` tokens,
 and every run stops starting turns after ``--time-limit-s`` seconds.
 
+``--join`` measures chunked prefill instead: ``--join-rows`` rows stream greedy answers (end tokens ignored) and a
+prompt of about 4k tokens joins them, once against a server without a token budget (its prefill is one forward:
+the running rows wait for all of it) and once with ``--token-budget`` ``--join-budget`` (decode steps first, the
+prompt in chunks between them). Per arm: the join's TTFT and the running rows' worst inter-token gap during the
+join against their median gap outside it (target: at most 3x); the rows' answers must be equal in both arms.
+Output: a table and ``serve_join.json`` under ``--out``.
+
 The servers load the embedded model, ``--model DIR`` (a local model folder), or ``--random-shape NAME``: random
 weights of a real shape written to a temporary folder first (timings only; its vocabulary is cut to the
 tokenizer's so every generated id decodes to text).
@@ -19,11 +26,13 @@ tokenizer's so every generated id decodes to text).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,6 +50,7 @@ from kvboost_hf.corpus import documents
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
 
 if TYPE_CHECKING:  # openai is an optional dependency, imported where it is used
+    import openai
     from openai.types.chat import ChatCompletionMessageParam
 
 logger = logging.getLogger(__name__)
@@ -137,6 +147,52 @@ def user_message(user: int, turn: int) -> str:
     return f"(user {user}) {QUESTIONS[(user + turn) % len(QUESTIONS)]}"
 
 
+@dataclass
+class Streamed:
+    """One streamed chat completion as the client saw it: when it was sent and when each content chunk arrived
+    (``time.perf_counter()`` values), the answer, the usage figures and the replica header."""
+
+    started: float
+    times: list[float] = field(default_factory=list)
+    answer: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    replica: str | None = None
+
+
+def stream_chat(
+    client: openai.OpenAI,
+    messages: list[ChatCompletionMessageParam],
+    max_tokens: int,
+    streamed: Streamed,
+    extra_body: dict[str, object] | None = None,
+) -> Streamed:
+    """Stream one greedy chat completion into ``streamed`` (filled as chunks arrive, so another thread may watch its
+    ``times``); returns it."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra_body,
+    )
+    streamed.replica = raw.headers.get("x-kvboost-replica")
+    for chunk in raw.parse():
+        now = time.perf_counter()
+        if chunk.usage is not None:
+            streamed.prompt_tokens = chunk.usage.prompt_tokens
+            streamed.completion_tokens = chunk.usage.completion_tokens
+            details = chunk.usage.prompt_tokens_details
+            streamed.cached_tokens = (details.cached_tokens or 0) if details else 0
+        if chunk.choices and chunk.choices[0].delta.content:
+            streamed.answer += chunk.choices[0].delta.content
+            streamed.times.append(now)
+    return streamed
+
+
 def run_user(
     url: str,
     user: int,
@@ -156,40 +212,22 @@ def run_user(
             break
         messages.append({"role": "user", "content": user_message(user, turn)})
         record = RequestRecord(user, turn)
-        answer = ""
-        started = last = time.perf_counter()
+        streamed = Streamed(time.perf_counter())
         try:
-            raw = client.chat.completions.with_raw_response.create(
-                model=MODEL,
-                messages=messages,
-                max_tokens=args.max_tokens,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-            record.replica = raw.headers.get("x-kvboost-replica")
-            for chunk in raw.parse():
-                now = time.perf_counter()
-                if chunk.usage is not None:
-                    record.prompt_tokens = chunk.usage.prompt_tokens
-                    record.completion_tokens = chunk.usage.completion_tokens
-                    details = chunk.usage.prompt_tokens_details
-                    record.cached_tokens = (details.cached_tokens or 0) if details else 0
-                if chunk.choices and chunk.choices[0].delta.content:
-                    answer += chunk.choices[0].delta.content
-                    if record.ttft_ms is None:
-                        record.ttft_ms = (now - started) * 1e3
-                    else:
-                        record.gaps_ms.append((now - last) * 1e3)
-                    last = now
+            stream_chat(client, messages, args.max_tokens, streamed)
         except Exception as exc:  # counted as an error of the run, the user goes on
             record.error = f"{type(exc).__name__}: {exc}"
-        record.total_ms = (time.perf_counter() - started) * 1e3
-        record.answer = answer
+        times = streamed.times
+        record.ttft_ms = (times[0] - streamed.started) * 1e3 if times else None
+        record.gaps_ms = [(later - earlier) * 1e3 for earlier, later in itertools.pairwise(times)]
+        record.prompt_tokens, record.cached_tokens = streamed.prompt_tokens, streamed.cached_tokens
+        record.completion_tokens, record.replica = streamed.completion_tokens, streamed.replica
+        record.total_ms = (time.perf_counter() - streamed.started) * 1e3
+        record.answer = streamed.answer
         records.append(record)
         if on_record is not None:
             on_record(record)
-        messages.append({"role": "assistant", "content": answer})
+        messages.append({"role": "assistant", "content": record.answer})
     return records
 
 
@@ -257,6 +295,126 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict:
     }
 
 
+def join_gaps(streams: Sequence[Sequence[float]], start: float, end: float) -> dict[str, float]:
+    """The running rows' inter-token gaps around a join sent at ``start`` whose first token came at ``end``
+    (``time.perf_counter()`` values; ``streams``: each row's content chunk times): ``median_ms``, the median of the
+    gaps wholly before or after ``[start, end]`` (steady decoding); ``worst_ms`` and ``join_p50_ms``, the largest
+    and the median of the gaps that overlap it; ``ratio`` = worst / median (NaN where a side has no gap);
+    ``joined_ms``, the largest gap holding ``end`` (the step that completed the join's prefill and added its row to
+    the batch, or the next one where that step's tokens of a row reached the client before the join's) and
+    ``chunks_worst_ms``, the largest of the others overlapping the join (steps of its chunks)."""
+    outside: list[float] = []
+    chunks: list[float] = []
+    joined: list[float] = []
+    for times in streams:
+        for earlier, later in itertools.pairwise(times):
+            gap = (later - earlier) * 1e3
+            if earlier < end <= later:
+                joined.append(gap)
+            elif later > start and earlier < end:
+                chunks.append(gap)
+            else:
+                outside.append(gap)
+    during = chunks + joined
+    median = statistics.median(outside) if outside else float("nan")
+    worst = max(during, default=float("nan"))
+    return {
+        "median_ms": median,
+        "worst_ms": worst,
+        "join_p50_ms": statistics.median(during) if during else float("nan"),
+        "ratio": worst / median,
+        "gaps_during_join": len(during),
+        "joined_ms": max(joined, default=float("nan")),
+        "chunks_worst_ms": max(chunks, default=float("nan")),
+    }
+
+
+def run_join(budget: int, args: argparse.Namespace, model_flags: Sequence[str] = ()) -> dict:
+    """Start a server with token budget ``budget`` (0: none), stream ``--join-rows`` greedy answers of
+    ``--join-stream-tokens`` tokens (end tokens ignored), and once each streamed ``--join-after-tokens`` send a
+    prompt of about ``--join-chars`` characters of documentation (four tokens to the character or so); returns the
+    join's prompt tokens and TTFT, the running rows' gaps around it (:func:`join_gaps`), whether every row was still
+    streaming when the join's first token came (``covered``) and the rows' answers."""
+    import openai
+
+    # argparse keeps the last of a repeated flag: room for the running rows and the join
+    flags = [*server_flags(args), *model_flags, "--max-batch-size", str(args.join_rows + 1)]
+    server = ServerProcess([*flags, "--token-budget", str(budget)], args.startup_timeout_s)
+    errors: list[BaseException] = []
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                               timeout=args.request_timeout_s)  # fmt: skip
+        running = [Streamed(time.perf_counter()) for _ in range(args.join_rows)]
+
+        def stream(index: int) -> None:
+            try:
+                message: ChatCompletionMessageParam = {"role": "user", "content": user_message(index, 0)}
+                stream_chat(client, [message], args.join_stream_tokens, running[index], {"ignore_eos": True})
+            except Exception as error:  # reported after the run
+                errors.append(error)
+
+        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(args.join_rows)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + args.request_timeout_s
+        while any(len(row.times) < args.join_after_tokens for row in running) and not errors:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the running rows did not start streaming")
+            time.sleep(0.01)
+        join = Streamed(time.perf_counter())
+        document: ChatCompletionMessageParam = {"role": "system", "content": system_prompt(args.join_chars, 3)}
+        question: ChatCompletionMessageParam = {"role": "user", "content": QUESTIONS[0]}
+        stream_chat(client, [document, question], 4, join, {"ignore_eos": True})
+        for thread in threads:
+            thread.join(args.request_timeout_s)
+    finally:
+        server.stop()
+    if errors:
+        raise errors[0]
+    end = join.times[0]
+    return {
+        "token_budget": budget,
+        "join_prompt_tokens": join.prompt_tokens,
+        "join_ttft_ms": (end - join.started) * 1e3,
+        **join_gaps([row.times for row in running], join.started, end),
+        "covered": all(row.times[-1] > end for row in running),
+        "answers": [row.answer for row in running],
+    }
+
+
+def join_main(args: argparse.Namespace, model_flags: Sequence[str]) -> int:
+    """``--join``: the running rows' gaps while a long prompt joins, without a token budget and with
+    ``--join-budget``, in one run; prints a table and writes ``serve_join.json``. Exit status 0 when both arms ran
+    and the rows streamed through the join with the same answers."""
+    arms = {}
+    for name, budget in (("before", 0), ("after", args.join_budget)):
+        logger.info("%s: %d streaming rows, a long prompt joins (token budget %d)", name, args.join_rows, budget)
+        arms[name] = run_join(budget, args, model_flags)
+    print(
+        f"{'arm':<7}{'budget':>7}{'prompt':>7}{'join TTFT':>10}{'median':>8}{'worst':>8}{'join p50':>9}"
+        f"{'chunks':>8}{'joined':>8}{'ratio':>7}"
+    )
+    for name, arm in arms.items():
+        print(
+            f"{name:<7}{arm['token_budget']:>7}{arm['join_prompt_tokens']:>7}{arm['join_ttft_ms']:>10.0f}"
+            f"{arm['median_ms']:>8.0f}{arm['worst_ms']:>8.0f}{arm['join_p50_ms']:>9.0f}{arm['chunks_worst_ms']:>8.0f}"
+            f"{arm['joined_ms']:>8.0f}{arm['ratio']:>7.1f}"
+        )
+    same = arms["before"]["answers"] == arms["after"]["answers"]
+    covered = all(arm["covered"] for arm in arms.values())
+    print(
+        f"running rows' worst gap during the join: {arms['before']['ratio']:.1f}x their median without a budget, "
+        f"{arms['after']['ratio']:.1f}x with {args.join_budget} tokens per step (target <= 3x); answers equal: "
+        f"{same}; rows streamed through the join: {covered}"
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    payload = {"config": config, "cpu_count": os.cpu_count(), "answers_equal": same, **arms}
+    (args.out / "serve_join.json").write_text(json.dumps(payload, indent=2))
+    print(f"wrote {args.out / 'serve_join.json'}")
+    return 0 if same and covered else 1
+
+
 def plot(off: dict, on: dict, path: Path) -> None:
     plt = pyplot()
 
@@ -308,8 +466,17 @@ def main(argv: list[str] | None = None) -> int:
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model", help="local model folder the servers load (default: the embedded model)")
     model.add_argument("--random-shape", help="random weights of this shape (a kvboost_hf.bench.shapes name)")
+    join = parser.add_argument_group("join: a long prompt joining streaming rows, without and with a token budget")
+    join.add_argument("--join", action="store_true", help="run this measurement instead of the chat users")
+    join.add_argument("--join-rows", type=int, default=8, help="rows streaming when the prompt joins")
+    join.add_argument("--join-chars", type=int, default=16_000, help="the joining prompt's characters (~4k tokens)")
+    join.add_argument("--join-budget", type=int, default=24, help="the token budget of the second arm")
+    join.add_argument("--join-stream-tokens", type=int, default=512, help="tokens each running row streams")
+    join.add_argument("--join-after-tokens", type=int, default=16, help="tokens each row streamed before the join")
     args = parser.parse_args(argv)
     check_load(parser, args)
+    if args.join and not (1 <= args.join_rows <= 32 and args.join_after_tokens < args.join_stream_tokens <= 2048):
+        parser.error("keep the join bounded: join-rows <= 32, join-after-tokens < join-stream-tokens <= 2048")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # no per-request lines from httpx
     logger.setLevel(logging.INFO)
     system = system_prompt(args.system_chars)
@@ -321,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
 
             folder = str(save_random_model(args.random_shape, Path(scratch) / args.random_shape))
         model_flags = ["--model", folder, "--served-model-name", MODEL] if folder is not None else []
+        if args.join:
+            return join_main(args, model_flags)
         for reuse in (False, True):
             logger.info("running %d users x %d turns with reuse %s", args.users, args.turns, "on" if reuse else "off")
             runs["on" if reuse else "off"] = run_mode(reuse, args, system, model_flags)

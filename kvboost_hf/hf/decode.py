@@ -186,6 +186,24 @@ def _counting_streamed_bytes(method: Callable[..., list[RowOutput]]) -> Callable
     return counted
 
 
+@dataclass
+class _Prompt:
+    """A prompt forward of one :class:`PrefillWork`: its prompts (one for a repeated prompt), left-padded
+    (``input_ids``, ``position_ids`` ``[P, W]``), its cache's segment starts, the tokens its shared prefixes computed
+    per row index; once chunked, the forward's inputs with stored chunks loaded (``inputs``), how many of their
+    columns are computed, and the rows' state while other calls run (``state``)."""
+
+    work: PrefillWork
+    prompts: list[list[int]]
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    starts: tuple[int, ...]
+    shared_computed: dict[int, int]
+    inputs: dict[str, Any] = field(default_factory=dict)
+    computed: int = 0
+    state: _Batch = field(default_factory=_Batch)
+
+
 class DecodeLoop:
     """Rows decoded together on one model and one cache, forward by forward (the scheduler's model runner).
 
@@ -238,41 +256,102 @@ class DecodeLoop:
         self.verify_forwards = 0
         self.streamed_bytes: int | None = None if layer_streamer(model) is None else 0
         self.computed_tokens = 0
+        self._prompts: list[_Prompt] = []  # chunked prompt forwards under way
 
     rows_for = staticmethod(new_rows)  # the rows of requests (:func:`~kvboost_hf.hf.rows.new_rows`)
 
     @property
     def done(self) -> bool:
-        return not self.running
+        """No row running and no prompt forward under way."""
+        return not self.running and not self._prompts
 
     # ------------------------------------------------------------------ forwards
     @_counting_streamed_bytes
-    def add(self, work: PrefillWork) -> list[RowOutput]:
+    def add(self, work: PrefillWork, columns: int = 0) -> list[RowOutput]:
         """Prefill ``work``'s rows and return each one's first token (or tokens, when the prompt forward verified a
         draft tree); append the rows below the running rows: their K/V (the draft's too), attention masks and
         positions, the narrower side left-padded with masked columns, so the next :meth:`step` decodes old and new
-        rows in one forward."""
-        self.rows += work.rows
+        rows in one forward.
+
+        ``columns`` > 0 (the scheduler's chunk of a token budget): a prompt forward wider than that (the
+        left-padded prompts, before stored chunks are loaded) is computed in chunks of at most ``columns`` columns
+        of what the store did not hold, one per call with the same ``work``; calls before the last return ``[]``
+        and leave the running rows as they were (the work's rows are not running meanwhile). A chunked prompt
+        forward verifies no draft tree (the draft prefills after the first tokens); a sparse repair forward is
+        computed in one call. 0: the whole prompt forward in this call."""
         earlier = _Batch.detach(self)
-        outputs = self._prefill(work)
+        outputs = self._prefill(work, columns)
         earlier.attach(self)
         return outputs
 
-    def _prefill(self, work: PrefillWork) -> list[RowOutput]:
+    def _prefill(self, work: PrefillWork, columns: int) -> list[RowOutput]:
+        """Begin or continue ``work``'s prompt forward in the (detached) loop; its rows' first tokens once it is
+        complete, else ``[]`` (the work's state is then set aside until the next call)."""
+        prompt = next((prompt for prompt in self._prompts if prompt.work is work), None)
+        if prompt is None:
+            prompt = self._begin_prefill(work)
+            if not columns or prompt.input_ids.shape[1] <= columns:
+                logits, trees = self._prompt_forward(list(work.rows), prompt.input_ids, prompt.position_ids,
+                                                     prompt.starts)  # fmt: skip
+                return self._first_tokens(prompt, logits, trees)
+            prompt.inputs = forward_inputs(self.cache, input_ids=prompt.input_ids, attention_mask=self.mask,
+                                           position_ids=prompt.position_ids, logits_to_keep=1)  # fmt: skip
+        else:
+            self._prompts.remove(prompt)
+            prompt.state.attach(self)
+        last = self._prompt_chunk(prompt, columns)
+        if last is None:
+            prompt.state = _Batch.detach(self)
+            self._prompts.append(prompt)
+            return []
+        return self._first_tokens(prompt, last, None)
+
+    def _begin_prefill(self, work: PrefillWork) -> _Prompt:
+        """Store the work's shared prefixes, then make its rows the loop's, in a fresh cache, with their left-padded
+        prompts' mask; returns the prompt forward to run."""
+        self.rows += work.rows
         rows = list(work.rows)
         prompts = [list(rows[0].request.prompt_ids)] if work.repeat else [list(r.request.prompt_ids) for r in rows]
-        repeats = len(rows) if work.repeat else 1
         starts = work.cache_segment_starts(reuse=self.new_cache is not None)
         shared_computed: dict[int, int] = {}
         if self.new_cache is not None:
             for prefix in work.shared_prefixes:
                 if computed := self._store_prefix(list(prefix.tokens)):
                     shared_computed[prefix.row] = shared_computed.get(prefix.row, 0) + computed
-        self.running = list(rows)
+        self.running = rows
         self.cache = self.new_cache(starts) if self.new_cache is not None else DynamicCache()
         input_ids, self.mask = left_pad(prompts, self.pad_token_id, self.device)
         position_ids = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 1)
-        logits, trees = self._prompt_forward(rows, input_ids, position_ids, starts)
+        return _Prompt(work, prompts, input_ids, position_ids, starts, shared_computed)
+
+    def _prompt_chunk(self, prompt: _Prompt, columns: int) -> torch.Tensor | None:
+        """Compute the next ``columns`` columns of ``prompt``'s prepared forward (all of a sparse repair forward);
+        the last prompt positions' logits ``[P, 1, V]`` once every column is computed, else None."""
+        inputs = prompt.inputs
+        width = inputs["input_ids"].shape[1]
+        sparse = isinstance(self.cache, ChunkReuseCache) and self.cache.expects_sparse_forward
+        stop = width if sparse else min(width, prompt.computed + columns)
+        if not sparse:  # a dense suffix: its columns in order, each chunk seeing the columns before it
+            cached = self.mask.shape[1] - width
+            part = slice(prompt.computed, stop)
+            inputs = {
+                **inputs,
+                "input_ids": inputs["input_ids"][:, part],
+                "position_ids": inputs["position_ids"][:, part],
+                "attention_mask": self.mask[:, : cached + stop],
+            }
+        out = run_forward(self.model, inputs)
+        self.forwards += 1
+        prompt.computed = stop
+        return out.logits[:, -1:, :].float() if stop == width else None
+
+    def _first_tokens(self, prompt: _Prompt, logits: torch.Tensor, trees: list[DraftTree] | None) -> list[RowOutput]:
+        """The rows' first tokens from the complete prompt forward's logits ``[P, 1 + nodes, V]`` (``trees``: those
+        it verified, or None): counts the computed tokens, repeats a repeated prompt, records each row's reuse."""
+        work, prompts, shared_computed = prompt.work, prompt.prompts, prompt.shared_computed
+        rows, input_ids, position_ids = list(work.rows), prompt.input_ids, prompt.position_ids
+        repeats = len(rows) if work.repeat else 1
+        assert self.cache is not None, "the prompt forward ran"
         reuse = self.cache.last_reuse if isinstance(self.cache, ChunkReuseCache) else []
         loaded = [reuse[index].cached_tokens if index < len(reuse) else 0 for index in range(len(prompts))]
         self.computed_tokens += sum(len(p) - n for p, n in zip(prompts, loaded, strict=True))
@@ -298,7 +377,7 @@ class DecodeLoop:
             return self._verified(verified)
         outputs = self._sample(logits[:, 0])
         if self.draft is not None:  # after the first tokens were sampled (their time is the TTFT)
-            self.draft.prefill(input_ids, self.mask, position_ids, starts)
+            self.draft.prefill(input_ids, self.mask, position_ids, prompt.starts)
         return outputs
 
     def _prompt_forward(
@@ -442,7 +521,12 @@ class DecodeLoop:
 
     def retire_finished(self) -> None:
         """Drop the rows that ended (:attr:`DecodeRow.finished`, decided by the caller) from the batch; their chunks
-        (unfinished last chunks included) are stored first."""
+        (unfinished last chunks included) are stored first. A chunked prompt forward whose rows all ended (e.g.
+        cancelled) is dropped, the chunks it completed stored."""
+        for prompt in [prompt for prompt in self._prompts if all(row.finished for row in prompt.work.rows)]:
+            self._prompts.remove(prompt)
+            if isinstance(prompt.state.cache, ChunkReuseCache):
+                prompt.state.cache.save(tail=False)
         keep = [i for i, row in enumerate(self.running) if not row.finished]
         if len(keep) == len(self.running):
             return
@@ -460,9 +544,9 @@ class DecodeLoop:
         self.positions = self.positions[index]
 
     def abandon(self) -> None:
-        """Drop every running row and the caches unsaved (after a failed forward they may be inconsistent;
-        :meth:`retire_finished` drops them so once the last row's chunks are stored)."""
-        self.running = []
+        """Drop every running row, every prompt forward under way and the caches unsaved (after a failed forward
+        they may be inconsistent; :meth:`retire_finished` drops them so once the last row's chunks are stored)."""
+        self.running, self._prompts = [], []
         self.cache = None
         if self.draft is not None:
             self.draft.cache = None

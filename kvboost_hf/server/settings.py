@@ -8,7 +8,7 @@ from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
-from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE
+from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE, DEFAULT_TOKEN_BUDGET
 from kvboost_hf.server.grammar import GrammarConfig
 
 
@@ -25,6 +25,9 @@ class ServerConfig:
             ``prefix``, ``chunk`` are accepted and stored as these.
         batch_window_ms: how long a tenant's oldest waiting request waits for others before a new batch forms (ms).
         max_batch_size: rows generated at once.
+        token_budget: tokens one scheduler step computes at most: the running rows' decode steps first, then chunks
+            of joining prompts, so a long prompt never pauses the running streams for its whole prefill (0: no
+            budget, each prompt prefilled in one forward; else >= max_batch_size).
         max_queue: requests waiting before 429.
         default_max_tokens: budget when a request names none.
         max_tokens_limit: largest budget a request may ask for (None: up to the context).
@@ -51,6 +54,7 @@ class ServerConfig:
     reuse_mode: str = GenerationMode.PREFIX_CACHE.value
     batch_window_ms: float = 10.0
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    token_budget: int = DEFAULT_TOKEN_BUDGET
     max_queue: int = 64
     default_max_tokens: int = 256
     max_tokens_limit: int | None = None
@@ -74,6 +78,10 @@ class ServerConfig:
         if self.max_batch_size < 1 or self.max_queue < 1:
             raise ConfigError(
                 f"max_batch_size and max_queue must be >= 1, got {self.max_batch_size} and {self.max_queue}"
+            )
+        if self.token_budget < 0 or 0 < self.token_budget < self.max_batch_size:
+            raise ConfigError(
+                f"token_budget must be 0 (none) or >= max_batch_size={self.max_batch_size}, got {self.token_budget}"
             )
         if self.batch_window_ms < 0:
             raise ConfigError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")

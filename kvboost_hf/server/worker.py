@@ -58,9 +58,9 @@ class Worker:
         engine: the engine (its model is used from this worker only).
         settings: the server's settings; the worker reads ``reuse_mode`` (a :class:`GenerationMode` value),
             ``batch_window_ms``,
-            ``max_batch_size`` (rows running at once, over all batches) and ``max_queue`` (jobs waiting before
-            ``submit`` refuses). Jobs are batched by the engine's batch policy
-            (:meth:`~kvboost_hf.factories.Factories.batch_policy`, the rules of ``generate_many``: a job with
+            ``max_batch_size`` (rows running at once, over all batches), ``token_budget`` (tokens per scheduler
+            step) and ``max_queue`` (jobs waiting before ``submit`` refuses). Jobs are batched by the engine's batch
+            policy (:meth:`~kvboost_hf.factories.Factories.batch_policy`, the rules of ``generate_many``: a job with
             document segments, or whose reuse needs repair, is prefilled alone, then joins).
         metrics: where batch sizes, latencies and token origins are recorded.
     """
@@ -79,6 +79,7 @@ class Worker:
         self.scheduler = engine.scheduler(
             self.mode,
             max_batch_size=settings.max_batch_size,
+            token_budget=settings.token_budget,
             batch_window_ms=settings.batch_window_ms,
             tokenizer_lock=self.tokenizer_lock,
         )
