@@ -479,9 +479,8 @@ class DecodeLoop:
         recorded with the host's copy of the fed tokens, so no step waits on the device for them."""
         cache = self.cache
         assert isinstance(cache, ChunkReuseCache) and self.graphs is not None
-        if cache.max_cache_len is None or cache.max_cache_len < cache.get_seq_length() + 1:
+        if cache.max_cache_len is None or cache.max_cache_len <= cache.get_seq_length():  # no room for this token
             cache.set_max_cache_len(capacity)
-        cache.ensure_room(1)
         logits = self.graphs.step(cache, last, self.positions[:, None], self.mask)
         cache.record(last_on_host)
         self.forwards += 1

@@ -47,7 +47,7 @@ import xgrammar
 from transformers import LogitsProcessor, PreTrainedTokenizerBase
 
 from kvboost_hf.core.errors import KVBoostError, StateError
-from kvboost_hf.hf.detokenize import IncrementalText
+from kvboost_hf.hf.detokenize import IncrementalText, trailing_replacements
 from kvboost_hf.server.grammar_process import CompileDied, CompileFailed, CompilePool, CompileProcess, CompileTimeout
 
 TOOL_CALL_BEGIN = "<tool_call>"
@@ -375,7 +375,9 @@ class ToolCallProcessor(GrammarProcessor):
         self.last_call_end = 0  # generated tokens when the last of them was first seen complete
         self.shortest_call: int | None = None  # fewest tokens a complete call of this turn took
         self.text = IncrementalText()
-        self.call_ends_read = 0  # ends of calls in the text when it was last read
+        self.scanned = (
+            0  # text offset from which a new end of call may still start (the settled text before it had none new)
+        )
         self.repeated = False  # that reading found a repeated call
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
@@ -386,9 +388,12 @@ class ToolCallProcessor(GrammarProcessor):
             return masked
         generated = len(self.generated)
         self.text.update(self.generated, self.decode)
-        if (call_ends := self.text.text.count(_ARGUMENTS_END)) > self.call_ends_read:
-            self.call_ends_read = call_ends
-            reading = _read(self.text.text, final=False)
+        text = self.text.text
+        new_call_end = text.find(_ARGUMENTS_END, self.scanned) >= 0  # only the new text is searched
+        settled = len(text) - trailing_replacements(text)  # a pending character may still change
+        self.scanned = max(self.scanned, settled - len(_ARGUMENTS_END) + 1)
+        if new_call_end:
+            reading = _read(text, final=False)
             self.repeated = reading.repeated
             complete = sum(call.complete for call in reading.calls)
             if complete > self.complete_calls:  # one call per step while decoding; several share the span evenly
