@@ -47,7 +47,7 @@ import xgrammar
 from transformers import LogitsProcessor, PreTrainedTokenizerBase
 
 from kvboost_hf.core.errors import KVBoostError, StateError
-from kvboost_hf.hf.detokenize import IncrementalText, trailing_replacements
+from kvboost_hf.hf.detokenize import REPLACEMENT, IncrementalText
 from kvboost_hf.server.grammar_process import CompileDied, CompileFailed, CompilePool, CompileProcess, CompileTimeout
 
 TOOL_CALL_BEGIN = "<tool_call>"
@@ -390,7 +390,7 @@ class ToolCallProcessor(GrammarProcessor):
         self.text.update(self.generated, self.decode)
         text = self.text.text
         new_call_end = text.find(_ARGUMENTS_END, self.scanned) >= 0  # only the new text is searched
-        settled = len(text) - trailing_replacements(text)  # a pending character may still change
+        settled = len(text.rstrip(REPLACEMENT))  # a pending (incomplete) character may still change
         self.scanned = max(self.scanned, settled - len(_ARGUMENTS_END) + 1)
         if new_call_end:
             reading = _read(text, final=False)
