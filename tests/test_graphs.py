@@ -197,3 +197,55 @@ def test_a_graphed_decode_step_synchronises_once_for_its_sampled_ids():
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
     assert decoder.graphed_steps == 4 and len(syncs) == 1, syncs
+
+
+def decode_across_buckets(model, requests, graphs: GraphedDecoder | None) -> tuple[list[list[int]], list, list]:
+    """Rows joining and retiring across row buckets in one reuse loop: two rows, a third joining (3 rows: the
+    4-row bucket), two more joining (5 rows: the 8-row bucket), then retiring at their budgets down to one.
+    Returns every row's tokens, the store's chunks (key, entry) by key, and the rows running before each step."""
+    store = ChunkStore(StoreConfig(1 << 24))
+    loop = new_loop(model, reuse_caches(store, model), graphs=graphs)
+    running = []
+    for joining, steps in ((requests[:2], 1), (requests[2:3], 2), (requests[3:], 0)):
+        prefill(loop, joining)
+        for _ in range(steps):
+            running.append(len(loop.running))
+            loop.step()
+    while not loop.done:
+        running.append(len(loop.running))
+        loop.step()
+    ram = store.tier("ram")
+    assert ram is not None
+    return [row.tokens for row in loop.rows], sorted(ram.items(), key=lambda item: item[0]), running
+
+
+def test_rows_between_buckets_decode_through_the_larger_graph_with_generates_tokens_and_unpadded_write_back():
+    """3 rows decode through the 4-row graph and 5 through the 8-row one (padding rows copy the last row, their
+    logits dropped), across joins and retirements: every row's tokens are generate()'s; the chunks written back are,
+    key for key, those of graphs with a bucket for every batch size (no padding row ever) and of the eager runner,
+    equal up to fp32 rounding (not bit for bit: a matrix product's rows on this CPU change in their last bits with
+    the row count, 4 and 5 rows against 2 and 3, and a static cache attends over its whole capacity, masked)."""
+    model = make_tiny_model("qwen2")
+    budgets = [12, 10, 9, 7, 5]
+    prompts = [PROMPTS[0], PROMPTS[1], list(range(100, 118)), list(range(60, 75)), list(range(20, 33))]
+    requests = [
+        DecodeRequest(prompt_ids=p, max_new_tokens=n, sampling=SamplingConfig(temperature=0))
+        for p, n in zip(prompts, budgets, strict=True)
+    ]
+    expected = [reference(model, p, n, eos_token_ids=DECODE_EOS).tokens for p, n in zip(prompts, budgets, strict=True)]
+    padded = GraphedDecoder(model, GraphConfig(backend="eager"))
+    unpadded = GraphedDecoder(model, GraphConfig(row_buckets=tuple(range(1, 9)), backend="eager"))
+    torch._dynamo.reset()
+    tokens, chunks, running = decode_across_buckets(model, requests, padded)
+    exact_tokens, exact_chunks, exact_running = decode_across_buckets(model, requests, unpadded)
+    eager_tokens, eager_chunks, _ = decode_across_buckets(model, requests, None)
+    assert tokens == exact_tokens == eager_tokens == expected
+    assert 3 in running and 5 in running and running == exact_running  # the padded batches did run
+    assert padded.eager_steps == 0 and not padded.failed_shapes and padded.graphed_steps == len(running)
+    assert {rows for rows, _ in padded.graph_shapes} == {1, 2, 4, 8}
+    assert [key for key, _ in chunks] == [key for key, _ in exact_chunks] == [key for key, _ in eager_chunks]
+    assert chunks
+    for (_, entry), *others in zip(chunks, exact_chunks, eager_chunks, strict=True):
+        for _, other in others:
+            assert torch.allclose(entry.keys, other.keys, rtol=0, atol=1e-5)
+            assert torch.allclose(entry.values, other.values, rtol=0, atol=1e-5)

@@ -26,7 +26,10 @@ Invariants:
   past columns plus the new ones), so outputs equal a ``DynamicCache``'s bit for bit;
 * a row's ledger says how far its K/V are exact (only exact chunks are stored under prefix keys) and holds the
   row's own segment starts, so the rows of one cache may come from caches built for different segments;
-* a prompt that does not extend the tokens already cached raises instead of attending to stale K/V.
+* a prompt that does not extend the tokens already cached raises instead of attending to stale K/V;
+* the layers may hold ``padding_rows`` rows below the real ones (:meth:`ChunkReuseCache.pad_batch`, a decode graph's
+  batch bucket): copies of the last real row with no tokens, pad or ledger of their own, never written back and
+  dropped before any row operation (join, selection, repeat, column selection).
 """
 
 from __future__ import annotations
@@ -135,6 +138,7 @@ class ChunkReuseCache(Cache):
         self._owns_token_buffer = False
         self.pads: list[int] = []
         self.ledgers: list[ChunkLedger] = []
+        self.padding_rows = 0  # layer rows below the real ones (pad_batch)
         self.last_reuse: list[RowReuse] = []
         self.reuse_enabled = True
         self.forwards = 0  # forwards recorded since the cache was created
@@ -164,6 +168,32 @@ class ChunkReuseCache(Cache):
         for layer in self.layers:
             layer.set_max_cache_len(max_cache_len)
         self.max_cache_len = max_cache_len
+
+    def pad_batch(self, rows: int) -> None:
+        """Make every layer hold ``rows`` rows: the real rows, then copies of the last one (a decode graph's batch
+        bucket; their results are the caller's to discard). The padding rows have no tokens, pad or ledger (the
+        bookkeeping and write-back see the real rows only) and any row operation drops them first. One copy of the
+        K/V when the row count changes, none otherwise."""
+        real = self._layer_rows() - self.padding_rows
+        if rows < real:
+            raise InputError(f"cannot pad a batch of {real} rows to {rows}")
+        if rows != real + self.padding_rows:
+            self._select_layer_rows([*range(real), *[real - 1] * (rows - real)])
+            self.padding_rows = rows - real
+
+    def _drop_padding(self) -> None:
+        """The layers back to the real rows (a no-op without padding rows)."""
+        if self.padding_rows:
+            self._select_layer_rows(list(range(self._layer_rows() - self.padding_rows)))
+            self.padding_rows = 0
+
+    def _layer_rows(self) -> int:
+        """Rows the layers hold (padding included; 0 before the first forward)."""
+        return next((layer.keys.shape[0] for layer in self.layers if layer.is_initialized), 0)
+
+    def _select_layer_rows(self, rows: list[int]) -> None:
+        layer = next(layer for layer in self.layers if layer.is_initialized)
+        super().batch_select_indices(torch.tensor(rows, device=layer.keys.device))
 
     def sync_device_lengths(self) -> None:
         """Every layer's device length back to its host length (see ``ChunkReuseLayer.sync_device_length``)."""
@@ -429,15 +459,19 @@ class ChunkReuseCache(Cache):
                 ledger.truncate(max(length - pad, 0))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._drop_padding()
         super().reorder_cache(beam_idx)
         self._select_rows(beam_idx.tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self._drop_padding()
         super().batch_repeat_interleave(repeats)
         self._select_rows([row for row in range(self.tokens.shape[0]) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the real rows ``indices`` (the padding rows go: a graphed step pads again)."""
         super().batch_select_indices(indices)
+        self.padding_rows = 0
         self._select_rows(torch.as_tensor(indices).tolist())
 
     def join(self, other: ChunkReuseCache) -> None:
@@ -452,6 +486,8 @@ class ChunkReuseCache(Cache):
             raise InputError("cannot join caches of different namespaces (model, dtype, chunking or cache_salt)")
         if self.expects_sparse_forward or other.expects_sparse_forward:
             raise StateError("cannot join a cache while a sparse prefill forward is pending")
+        self._drop_padding()
+        other._drop_padding()
         width = max(self.num_columns, other.num_columns)
         if self.reuse_enabled and other.reuse_enabled:
             left, right = width - self.num_columns, width - other.num_columns
@@ -471,6 +507,7 @@ class ChunkReuseCache(Cache):
         each row's ledger forgets chunks past its remaining tokens."""
         if self.expects_sparse_forward:
             raise StateError("cannot select columns while a sparse prefill forward is pending")
+        self._drop_padding()
         width = max(len(kept) for kept in columns) if width is None else width
         keep_layer_columns(self, columns, width)
         if not self.reuse_enabled or self.num_columns == 0:

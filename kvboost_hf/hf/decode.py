@@ -56,7 +56,7 @@ from kvboost_hf.core.chunking import chunk_spans
 from kvboost_hf.core.errors import InputError
 from kvboost_hf.core.keys import chain_prefix_keys
 from kvboost_hf.hf.cache import ChunkReuseCache, join_caches, prepend_zeros
-from kvboost_hf.hf.graphs import GraphedDecoder, capacity_bucket
+from kvboost_hf.hf.graphs import GraphedDecoder, capacity_bucket, pad_rows, row_bucket
 from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.prefill import forward, forward_inputs, run_forward
 from kvboost_hf.hf.rows import DecodeRequest as DecodeRequest  # the rows' types, importable from here as before
@@ -218,7 +218,10 @@ class DecodeLoop:
         graphs: runs plain decode steps (no draft, a reuse cache with no context adjustment) as CUDA graphs where
             they fit (:class:`~kvboost_hf.hf.graphs.GraphedDecoder`, shared by the loops of one model so each shape
             is captured once): the cache turns static at a capacity bucket holding every row's remaining tokens
-            (one K/V copy) and grows again when rows join. None: every step eager.
+            (one K/V copy) and grows again when rows join; a batch between two row buckets is padded up to the
+            larger (:meth:`~kvboost_hf.hf.cache.ChunkReuseCache.pad_batch`: copies of the last row, whose logits are
+            dropped and which write nothing back; one K/V copy when the row count changes). None: every step
+            eager.
 
     ``rows`` holds every row added (in order), ``running`` those still decoding. ``forwards`` counts target model
     forwards (prefills and shared prefixes included; the draft's are ``draft.forwards``), ``verify_forwards`` those
@@ -463,28 +466,34 @@ class DecodeLoop:
 
     def _graph_capacity(self) -> int | None:
         """The static capacity (tokens) for a graphed plain decode step, or None when the step runs eagerly (no
-        graphs, a draft, a plain cache, a context adjustment, rows outside the buckets, a capacity above the cap)."""
+        graphs, a draft, a plain cache, a context adjustment, rows above the largest bucket, a capacity above the
+        cap)."""
         cache = self.cache
         if self.graphs is None or self.draft is not None or not isinstance(cache, ChunkReuseCache):
             return None
         if cache.attention_kwargs() or not self.graphs.config.enabled:
             return None
-        if len(self.running) not in self.graphs.config.row_buckets:
+        if row_bucket(len(self.running), self.graphs.config.row_buckets) is None:
             return None
         needed = cache.get_seq_length() + max(row.tokens_left for row in self.running)
         return capacity_bucket(needed, self.graphs.config)
 
     def _graphed_forward(self, capacity: int, last: torch.Tensor, last_on_host: torch.Tensor) -> torch.Tensor:
-        """A plain decode step through the graphs (the cache made static first when it is not, or too small);
-        recorded with the host's copy of the fed tokens, so no step waits on the device for them."""
+        """A plain decode step through the graphs: the cache padded to the rows' bucket and made static first when it
+        is not, or too small; the padding rows fed copies of the last row's token, position and mask, their logits
+        dropped. Recorded with the host's copy of the fed tokens (the real rows'), so no step waits on the device
+        for them."""
         cache = self.cache
         assert isinstance(cache, ChunkReuseCache) and self.graphs is not None
+        real, rows = len(self.running), self.graphs.rows_for(len(self.running))
+        cache.pad_batch(rows)
         if cache.max_cache_len is None or cache.max_cache_len <= cache.get_seq_length():  # no room for this token
             cache.set_max_cache_len(capacity)
-        logits = self.graphs.step(cache, last, self.positions[:, None], self.mask)
+        inputs = (pad_rows(tensor, rows) for tensor in (last, self.positions[:, None], self.mask))
+        logits = self.graphs.step(cache, *inputs)
         cache.record(last_on_host)
         self.forwards += 1
-        return logits.float()
+        return logits[:real].float()
 
     def _store_prefix(self, prefix: list[int]) -> int:
         """Compute and store the chunk-aligned ``prefix`` (one forward, batch of one) unless all its chunks are

@@ -8,8 +8,10 @@ graphs) and runs a step through it when the cache is static and its rows are one
 any other step (graphs off, a growing cache, a batch above the buckets, more shapes than
 :attr:`GraphConfig.max_graphs`, a shape whose compile failed) runs eagerly, with the same results.
 
-Rows are padded by the caller, who owns the cache: build the cache for :meth:`GraphedDecoder.rows_for` rows (extra
-rows repeating a real one: :func:`pad_rows`), feed them, read the real rows' logits. Dynamo keeps one graph per
+Rows are padded by the caller, who owns the cache: give the cache :meth:`GraphedDecoder.rows_for` rows (extra rows
+repeating a real one: :func:`pad_rows`, or :meth:`~kvboost_hf.hf.cache.ChunkReuseCache.pad_batch` as the decode loop
+does), feed them, read the real rows' logits. A padding row attends to its own columns only (rows never see each
+other), so it changes no real row's result beyond the last bits a matrix product's row count can change. Dynamo keeps one graph per
 (rows, capacity); each costs a capture (a compile the first time) and, on CUDA, memory in the graphs' pool, which
 :attr:`GraphedDecoder.capture_bytes` counts. :func:`capacity_bucket` picks capacities from a short ladder so few
 shapes serve every length.
