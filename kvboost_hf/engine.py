@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,7 @@ from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.decode import DecodeRequest, DecodeRow
-from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder
+from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, GraphWarmUp
 from kvboost_hf.hf.models import CACHE_ARGUMENT, check_model_support, load_model_and_tokenizer, load_streamed_model
 from kvboost_hf.hf.prompts import Prompt, PromptEncoder
 from kvboost_hf.hf.sampling import SamplingConfig
@@ -306,6 +306,19 @@ class InferenceEngine:
         document hits it at any position (:meth:`PromptWarmer.warm_documents
         <kvboost_hf.hf.warm.PromptWarmer.warm_documents>`)."""
         return self.warmer.warm_documents(documents, cache_salt=cache_salt)
+
+    # ------------------------------------------------------------------ decode graphs
+    def warm_up_graphs(self, shapes: Iterable[tuple[int, int]], *, progress: bool = True) -> GraphWarmUp:
+        """Compile and capture the decode graphs of ``shapes`` now (``(rows, tokens)`` pairs: a batch of that many
+        rows whose cache needs that many tokens, prompt plus answer; each rounded up to its graph buckets), so the
+        requests that later decode with those shapes pay no compile (~30 s each for a 7B model on a GPU)
+        (:meth:`GraphedDecoder.warm_up <kvboost_hf.hf.graphs.GraphedDecoder.warm_up>`: dummy caches built as the
+        requests' are, nothing stored, no cache a request sees touched; ``max_graphs`` and ``max_capture_bytes``
+        respected). Runs under :attr:`lock`; a tqdm bar with ``progress``; its outcome is also in
+        :meth:`cache_stats` (``graph_warmed_shapes``, ``graph_warm_up_seconds``) and :attr:`graphs`' ``state``.
+        A no-op (every shape skipped) with graphs off, as on a CPU by default."""
+        with self.lock:
+            return self.graphs.warm_up(lambda: self.new_cache(adapter=False), shapes, progress=progress)
 
     # ------------------------------------------------------------------ generate
     def generate(

@@ -20,6 +20,8 @@ requests get 503, running ones finish or are ended cleanly), and only then lets 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import json
 import logging
 import secrets
@@ -36,6 +38,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvboost_hf.engine import InferenceEngine
+from kvboost_hf.hf.graphs import parse_graph_shapes
 from kvboost_hf.offload import layer_streamer
 from kvboost_hf.server.admission import Admission
 from kvboost_hf.server.errors import ApiError, install_error_handlers
@@ -213,8 +216,10 @@ def uvicorn_config(app: ASGIApp, settings: ServerConfig, **kwargs: Any) -> uvico
 
 
 def create_app(engine: InferenceEngine, settings: ServerConfig | None = None) -> FastAPI:
-    """The OpenAI-compatible app serving ``engine``. The model is used only by the app's worker thread."""
+    """The OpenAI-compatible app serving ``engine``. The model is used only by the app's worker thread, whose first
+    call warms the decode graphs up (``settings.warm_up_graphs``, parsed here: a bad value raises before serving)."""
     settings = settings or ServerConfig()
+    graph_shapes = parse_graph_shapes(settings.warm_up_graphs, engine.graphs.config)
     metrics = Metrics()
     worker = Worker(engine, settings, metrics=metrics)
     _register_scraped(metrics, worker, engine)
@@ -224,6 +229,9 @@ def create_app(engine: InferenceEngine, settings: ServerConfig | None = None) ->
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         worker.start()
+        if graph_shapes:  # on the worker, before any request: /health shows decode_graphs "warming", then "ready"
+            warm_up = worker.call(functools.partial(engine.warm_up_graphs, graph_shapes))
+            warm_up.add_done_callback(_log_warm_up)
         if settings.grammar_limits.start_with_server:
             await asyncio.to_thread(admission.start)  # the compile processes come up while the server serves
         yield
@@ -246,6 +254,16 @@ def create_app(engine: InferenceEngine, settings: ServerConfig | None = None) ->
     install_error_handlers(app)
     register_routes(app, engine, settings, worker, admission, metrics)
     return app
+
+
+def _log_warm_up(done: concurrent.futures.Future) -> None:
+    """Log the outcome of the server's decode graph warm-up."""
+    if (error := done.exception()) is not None:
+        logger.error("decode graph warm-up failed: %s; shapes compile at their first step", error, exc_info=error)
+        return
+    result = done.result()
+    logger.info("decode graphs warmed up in %.1f s: %d captured, %d skipped, %d failed", result.seconds,
+                len(result.warmed), len(result.skipped), len(result.failed))  # fmt: skip
 
 
 SPECULATIVE_COUNTERS = {

@@ -66,13 +66,16 @@ def _register_service_routes(
 
     @app.get("/health", responses=ERRORS)
     async def health() -> dict[str, Any]:
-        """Liveness (no API key needed): queue depth, running rows, and whether structured output's compile
-        processes are up (``structured_output``: ready, starting or idle; a readiness probe can wait for ready)."""
+        """Liveness (no API key needed): queue depth, running rows, whether structured output's compile
+        processes are up (``structured_output``: ready, starting or idle; a readiness probe can wait for ready), and
+        the decode graphs' warm-up (``decode_graphs``: warming, ready, lazy without a warm-up, or off; see
+        ``ServerConfig.warm_up_graphs``)."""
         return {
             "status": "ok",
             "queue_depth": worker.queue_depth,
             "running_rows": worker.running_rows,
             "structured_output": admission.structured_output,
+            "decode_graphs": engine.graphs.state,
         }
 
     @app.get("/metrics", responses=ERRORS)

@@ -1,0 +1,153 @@
+"""Decode graphs warmed up ahead of requests (``GraphedDecoder.warm_up``, ``InferenceEngine.warm_up_graphs``, the
+server's ``warm_up_graphs`` setting): a later request of a warmed shape compiles nothing, keeps transformers'
+generate() tokens, and the warm-up leaves the store as it found it.
+
+Compiles are counted by a ``torch.compile`` backend of the test's own (dynamo calls a backend once per graph it
+compiles), not by the decoder's counters."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch._dynamo
+from conftest import make_tiny_model
+from helpers import word_tokenizer, words
+from oracle import reference
+
+from kvboost_hf import KVBoost
+from kvboost_hf.core.errors import ConfigError
+from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, graph_shape, parse_graph_shapes
+
+EOS = 1  # word_tokenizer's <eos>
+
+
+class CountingBackend:
+    """A ``torch.compile`` backend that counts the graphs it is handed and runs each as traced (no code
+    generation, like backend ``"eager"``)."""
+
+    def __init__(self) -> None:
+        self.compiles = 0
+
+    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list) -> object:
+        self.compiles += 1
+        return graph_module.forward
+
+
+def counting_engine(**graph_options) -> tuple[KVBoost, CountingBackend]:
+    """An engine on a tiny Qwen2 and the word tokenizer whose decode graphs compile through a counting backend."""
+    backend = CountingBackend()
+    config = GraphConfig(backend=backend, **graph_options)  # type: ignore[arg-type]
+    return KVBoost(make_tiny_model("qwen2"), word_tokenizer(), chunking=8, graphs=config), backend
+
+
+def store_snapshot(engine: KVBoost) -> tuple:
+    """Everything a warm-up could leave in the store: its entries (key, tensors), LRU order and counters."""
+    ram = engine.store.tier("ram")
+    assert ram is not None
+    entries = [(key, entry.keys.clone(), entry.values.clone()) for key, entry in sorted(ram.items())]
+    return entries, ram.eviction_order(), engine.store.stats()
+
+
+def same_snapshot(a: tuple, b: tuple) -> bool:
+    (entries_a, order_a, stats_a), (entries_b, order_b, stats_b) = a, b
+    same_entries = len(entries_a) == len(entries_b) and all(
+        ka == kb and torch.equal(keys_a, keys_b) and torch.equal(values_a, values_b)
+        for (ka, keys_a, values_a), (kb, keys_b, values_b) in zip(entries_a, entries_b, strict=True)
+    )
+    return same_entries and order_a == order_b and stats_a == stats_b
+
+
+def test_graph_shapes_round_up_to_the_buckets():
+    config = GraphConfig(row_buckets=(1, 2, 4, 8), max_capacity=4096)
+    assert parse_graph_shapes(" 1x100, 3X4000,4x4096 ,", config) == ((1, 256), (4, 4096))
+    assert parse_graph_shapes("", config) == ()
+    assert graph_shape(5, 257, config) == (8, 512)
+    for bad in ("4", "x256", "4x", "ax256", "0x256", "-1x256", "9x256", "1x4097"):
+        with pytest.raises(ConfigError):
+            parse_graph_shapes(bad, config)
+
+
+def test_a_request_of_a_warmed_shape_compiles_nothing_and_gives_generates_tokens():
+    """Warm-up of 1 row and of 3 rows (the 4-row graph) compiles each once; then a request and a batch of three
+    decode graphed with no compile, their tokens generate()'s; the store is untouched by the warm-up (entries, LRU
+    order, hit and miss counters), the step counters too."""
+    engine, backend = counting_engine()
+    texts = [words(seed, 20 + seed) for seed in range(3)]
+    engine.warm(texts[0])  # something in the store for the warm-up to leave alone
+    before = store_snapshot(engine)
+    torch._dynamo.reset()
+    assert engine.graphs.state == "lazy"
+    result = engine.warm_up_graphs([(1, 64), (3, 100), (1, 200)], progress=False)  # 1x200: the 1x256 graph again
+    assert result.warmed == ((1, 256), (4, 256)) and not result.skipped and not result.failed
+    assert backend.compiles == 2 and engine.graphs.state == "ready"
+    assert same_snapshot(store_snapshot(engine), before)
+    stats = engine.cache_stats()
+    assert (stats["graph_graphed_steps"], stats["graph_eager_steps"], stats["generated_tokens"]) == (0, 0, 0)
+    assert stats["graph_warmed_shapes"] == 2 and stats["graph_warm_up_seconds"] > 0
+
+    alone = engine.generate(texts[0], max_new_tokens=8)
+    batch = engine.generate_batch(texts, max_new_tokens=8)
+    assert backend.compiles == 2  # no compile in the requests' path
+    stats = engine.cache_stats()
+    assert stats["graph_graphed_steps"] > 0 and stats["graph_eager_steps"] == 0
+    expected = [reference(engine.model, engine.encode(t), 8, eos_token_ids={EOS}).tokens for t in texts]
+    assert [alone.output_ids] + [r.output_ids for r in batch] == [expected[0], *expected]
+
+
+def test_warm_up_respects_max_graphs_the_capture_cap_and_graphs_off():
+    engine, backend = counting_engine(max_graphs=1)
+    torch._dynamo.reset()
+    result = engine.warm_up_graphs([(1, 64), (2, 64)], progress=False)
+    assert (result.warmed, result.skipped, backend.compiles) == (((1, 256),), ((2, 256),), 1)
+    again = engine.warm_up_graphs([(1, 64)], progress=False)  # graphed already: nothing to do
+    assert (again.warmed, again.skipped, backend.compiles) == ((), ((1, 256),), 1)
+
+    capped, capped_backend = counting_engine(max_capture_bytes=0)  # no memory for any graph
+    assert capped.warm_up_graphs([(1, 64)], progress=False).skipped == ((1, 256),)
+    assert capped_backend.compiles == 0 and capped.graphs.state == "ready"
+
+    model = make_tiny_model("qwen2")
+    off = GraphedDecoder(model, GraphConfig(enabled=False))
+    assert off.warm_up(lambda: pytest.fail("no cache needed"), [(1, 64)], progress=False).skipped == ((1, 256),)
+    assert off.state == "off"
+
+
+def test_a_shape_whose_warm_up_compile_fails_runs_eagerly_later():
+    def broken(graph_module, example_inputs):
+        raise RuntimeError("no graphs here")
+
+    engine = KVBoost(make_tiny_model("qwen2"), word_tokenizer(), chunking=8, graphs=GraphConfig(backend=broken))  # type: ignore[arg-type]
+    torch._dynamo.reset()
+    result = engine.warm_up_graphs([(1, 64)], progress=False)
+    assert result.failed == ((1, 256),) and not result.warmed
+    text = words(5, 20)
+    got = engine.generate(text, max_new_tokens=6).output_ids
+    assert got == reference(engine.model, engine.encode(text), 6, eos_token_ids={EOS}).tokens
+    assert engine.cache_stats()["graph_graphed_steps"] == 0
+
+
+def test_the_server_warms_its_graphs_up_before_health_reports_them_ready():
+    """``ServerConfig(warm_up_graphs=...)``: the worker warms the graphs up at start, /health's ``decode_graphs``
+    turns ``ready``; a completion of the warmed shape then compiles nothing."""
+    from fastapi.testclient import TestClient
+
+    from kvboost_hf.server.app import create_app
+    from kvboost_hf.server.settings import ServerConfig
+
+    engine, backend = counting_engine()
+    torch._dynamo.reset()
+    with pytest.raises(ConfigError):
+        create_app(engine, ServerConfig(warm_up_graphs="64x1"))  # above the row buckets: refused before serving
+    app = create_app(engine, ServerConfig(warm_up_graphs="1x64"))
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 120
+        while (state := client.get("/health").json()["decode_graphs"]) != "ready":
+            assert state in ("lazy", "warming") and time.monotonic() < deadline
+            time.sleep(0.05)
+        assert backend.compiles == 1
+        body = {"model": ServerConfig().model_name, "prompt": words(7, 20), "max_tokens": 6, "temperature": 0}
+        answer = client.post("/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text
+    assert backend.compiles == 1 and engine.cache_stats()["graph_graphed_steps"] > 0
