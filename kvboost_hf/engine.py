@@ -32,7 +32,7 @@ from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.decode import DecodeRequest, DecodeRow
-from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, GraphWarmUp
+from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, GraphWarmUp, parse_graph_shapes
 from kvboost_hf.hf.models import CACHE_ARGUMENT, check_model_support, load_model_and_tokenizer, load_streamed_model
 from kvboost_hf.hf.prompts import Prompt, PromptEncoder
 from kvboost_hf.hf.sampling import SamplingConfig
@@ -319,6 +319,13 @@ class InferenceEngine:
         A no-op (every shape skipped) with graphs off, as on a CPU by default."""
         with self.lock:
             return self.graphs.warm_up(lambda: self.new_cache(adapter=False), shapes, progress=progress)
+
+    def graph_shapes(self, text: str) -> tuple[tuple[int, int], ...]:
+        """The decode graph shapes ``(rows, capacity)`` a text such as ``"1x4096,8x4096"`` names (rows x tokens,
+        rounded up to this engine's graph buckets; :func:`~kvboost_hf.hf.graphs.parse_graph_shapes`), for
+        :meth:`warm_up_graphs`. Raises :class:`~kvboost_hf.core.errors.ConfigError` for a malformed entry or one
+        that would run eagerly."""
+        return parse_graph_shapes(text, self.graphs.config)
 
     # ------------------------------------------------------------------ generate
     def generate(

@@ -38,7 +38,6 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvboost_hf.engine import InferenceEngine
-from kvboost_hf.hf.graphs import parse_graph_shapes
 from kvboost_hf.offload import layer_streamer
 from kvboost_hf.server.admission import Admission
 from kvboost_hf.server.errors import ApiError, install_error_handlers
@@ -219,7 +218,7 @@ def create_app(engine: InferenceEngine, settings: ServerConfig | None = None) ->
     """The OpenAI-compatible app serving ``engine``. The model is used only by the app's worker thread, whose first
     call warms the decode graphs up (``settings.warm_up_graphs``, parsed here: a bad value raises before serving)."""
     settings = settings or ServerConfig()
-    graph_shapes = parse_graph_shapes(settings.warm_up_graphs, engine.graphs.config)
+    graph_shapes = engine.graph_shapes(settings.warm_up_graphs)
     metrics = Metrics()
     worker = Worker(engine, settings, metrics=metrics)
     _register_scraped(metrics, worker, engine)
