@@ -23,12 +23,13 @@ def test_dry_run_decode_step_measures_every_arm_against_its_bound(tmp_path):
             if not arm.startswith("engine"):  # the engine's steps are not timed one by one
                 assert figures["step_ms"] >= figures["host_outside_forward_ms"] > 0
             assert figures["tokens_agree"]  # fp32: static and compiled give the eager tokens, the engine's arms agree
-        engine = row["arms"]["engine"]
-        graphed = row["arms"]["engine_graphed"]
+        engine, graphed, warmed = (row["arms"][arm] for arm in ("engine", "engine_graphed", "engine_warmed"))
         assert engine["graphed_steps"] == 0 and engine["rows_run"] == graphed["rows_run"] == row["batch"]
-        # 1 row: two calls of 3 tokens, the last 2 of each from graphed steps; 3 rows are no bucket and the loop does
-        # not pad: eager
-        assert graphed["graphed_steps"] == {1: 2 * 2, 3: 0}[row["batch"]]
+        # two calls of 3 tokens, the last 2 of each from graphed steps (3 rows through the 4-row graph, padded)
+        assert graphed["graphed_steps"] == warmed["graphed_steps"] == 2 * 2
+        assert engine["request_compiles"] == 0 and graphed["request_compiles"] == 1  # the first call compiled
+        assert warmed["request_compiles"] == 0 and warmed["graph_warm_up_s"] > 0  # compiled before the calls
+        assert engine["graph_warm_up_s"] is None and graphed["graph_warm_up_s"] is None
         compiled = row["arms"]["compiled"]
         assert compiled["capacity_tokens"] == 16 + 1 + 3 and compiled["graphed_steps"] == 1 + 3
         assert compiled["rows_run"] == {1: 1, 3: 4}[row["batch"]]  # 3 rows padded up to the bucket of 4

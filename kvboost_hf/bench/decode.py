@@ -15,9 +15,14 @@ and batch size (``--batches``, default 1, 8, 32), every row is prefilled with ``
 
 * ``engine`` / ``engine_graphed``: the whole product path, :meth:`InferenceEngine.generate_batch` on the same
   prompts (decoded to text and tokenized again, so about ``--context`` tokens) for ``--steps`` new tokens, graphs
-  off / on (:class:`~kvboost_hf.hf.graphs.GraphConfig`, ``--compile-backend``); its tok/s is the rows' decode rates
-  summed (each row's tokens after the first over the time from its first token), its warm-up the first call
-  (compiles and captures included). Needs a tokenizer (``KVBOOST_HF_TOKENIZER`` or the embedded model's).
+  off / on (:class:`~kvboost_hf.hf.graphs.GraphConfig`, ``--compile-backend``; a batch between two row buckets,
+  e.g. 3 or 5, runs through the next bucket's graph, padded); its tok/s is the rows' decode rates summed (each
+  row's tokens after the first over the time from its first token), its warm-up the first call (compiles and
+  captures included). Needs a tokenizer (``KVBOOST_HF_TOKENIZER`` or the embedded model's).
+* ``engine_warmed``: ``engine_graphed`` after :meth:`InferenceEngine.warm_up_graphs` of the batch's shape (rows x
+  its longest prompt plus ``--steps``): ``graph_warm_up_s`` is what the warm-up took (the compile moved out of the
+  requests' path), ``warmup_s`` the first call after it. Every engine arm reports ``request_compiles``, the graphs
+  dynamo compiled during its two calls (0 once warmed up).
 
 Each step is what a decode loop does: one forward of one token per row (``logits_to_keep=1``), the greedy token
 taken on the device, the cache's ``record`` (its host bookkeeping). Reported per arm, as medians over the timed
@@ -59,7 +64,7 @@ from kvboost_hf.hf.prefill import forward
 from kvboost_hf.store.chunk_store import ChunkStore
 from kvboost_hf.store.config import StoreConfig
 
-ARMS = ("eager", "static", "compiled", "engine", "engine_graphed")
+ARMS = ("eager", "static", "compiled", "engine", "engine_graphed", "engine_warmed")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -218,19 +223,26 @@ def profile_steps(
 
 
 def engine_arm(model: PreTrainedModel, arm: str, prompt: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
-    """``generate_batch`` of ``prompt``'s rows (as text) through an engine on ``model``, graphs off or on: an untimed
-    first call (its seconds: ``warmup_s``), then the timed one; the rows' summed decode rate and the graphs'
-    counters."""
+    """``generate_batch`` of ``prompt``'s rows (as text) through an engine on ``model``, graphs off or on (warmed up
+    first for ``engine_warmed``: its seconds ``graph_warm_up_s``): an untimed first call (its seconds:
+    ``warmup_s``), then the timed one; the rows' summed decode rate, the graphs' counters and the graphs compiled
+    during the two calls."""
+    from torch._dynamo.utils import counters
     from transformers import AutoTokenizer
 
     from kvboost_hf.bench.shapes import tokenizer_dir
     from kvboost_hf.engine import InferenceEngine
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
-    graphs = GraphConfig(enabled=arm == "engine_graphed", backend=args.compile_backend)
+    graphs = GraphConfig(enabled=arm != "engine", backend=args.compile_backend)
     engine = InferenceEngine(model, tokenizer, graphs=graphs, store=StoreConfig(1 << 30))
     texts = [tokenizer.decode(row) for row in prompt.tolist()]
     torch._dynamo.reset()
+    warm_up_s = None
+    if arm == "engine_warmed":
+        tokens = max(len(engine.encode(text)) for text in texts) + args.steps
+        warm_up_s = engine.warm_up_graphs([(len(texts), tokens)]).seconds
+    compiled_before = counters["stats"]["unique_graphs"]
     started = time.perf_counter()
     engine.generate_batch(texts, args.steps, temperature=0)
     warmup_s = time.perf_counter() - started
@@ -242,6 +254,8 @@ def engine_arm(model: PreTrainedModel, arm: str, prompt: torch.Tensor, args: arg
         "forward_ms": None,
         "host_outside_forward_ms": float("nan"),
         "warmup_s": warmup_s,
+        "graph_warm_up_s": warm_up_s,
+        "request_compiles": counters["stats"]["unique_graphs"] - compiled_before,
         "rows_run": len(results),
         "graphed_steps": stats["graph_graphed_steps"],
         "capture_bytes": stats["graph_capture_bytes"],

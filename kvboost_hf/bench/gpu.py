@@ -13,6 +13,9 @@ Steps, in order (``--steps`` picks a subset, in this order):
    cache and compiled (``torch.compile`` reduce-overhead: CUDA graphs), and the engine end to end with graphs off
    and on, each beside its bound (weights + K/V bytes per step at the device bandwidth measured in the same run)
    with the host time per step outside the forward (``bench decode``);
+   ``decode_buckets``: the engine on the 7B shape at batch 1, 3 and 5 (3 and 5 padded up to the 4- and 8-row
+   graphs), graphs off, on, and warmed up first: tok/s, the warm-up's seconds per shape, the first call's seconds
+   and the compiles in the requests' path (``bench decode --arms engine,engine_graphed,engine_warmed``);
 3. ``multiturn``: multi-turn TTFT and pairwise output agreement on a random-weight Qwen2.5-0.5B shape in fp32 (where
    all outputs must be identical), and ``multiturn_7b`` on a random-weight Qwen2.5-7B shape in bf16;
 4. ``streaming``: layer streaming of a random-weight Qwen2.5-14B shape (bf16): tok/s, bytes/token, pinned H2D
@@ -105,6 +108,7 @@ def campaign(dry_run: bool, model: Path | None = None) -> list[Step]:
             Step("tests", (*tests, *GPU_TEST_FILES), 120),
             Step("attention", _bench("attention", *_ATTENTION_TINY), 60),
             Step("decode", _bench("decode", *_DECODE_TINY), 120),
+            Step("decode_buckets", _bench("decode", *_DECODE_BUCKETS_TINY), 120, needs_tokenizer=True),
             Step("multiturn", (*multiturn, *_MULTITURN_TINY), 120, needs_tokenizer=random),
             Step("multiturn_7b", (*multiturn_7b, *_MULTITURN_TINY), 60, needs_tokenizer=True),
             Step("streaming", _bench("streaming", *_STREAMING_TINY), 60, needs_tokenizer=True),
@@ -118,6 +122,7 @@ def campaign(dry_run: bool, model: Path | None = None) -> list[Step]:
         Step("tests", (*tests, *GPU_TEST_FILES), 300),
         Step("attention", _bench("attention", "--dtype", "bfloat16", *_ATTENTION_GRID), 150, needs_cuda=True),
         Step("decode", _bench("decode", "--dtype", "bfloat16", *_DECODE_GRID), 420, needs_cuda=True),
+        Step("decode_buckets", _bench("decode", "--dtype", "bfloat16", *_DECODE_BUCKETS), 360, True, True),
         Step("multiturn", (*multiturn, "--repeats", "2"), 120, True, random),
         Step("multiturn_7b", (*multiturn_7b, "--repeats", "2"), 180, True, True),
         Step("streaming", _bench("streaming", "--random-shape", "qwen2.5-14b", "--repeats", "2"), 240, True, True),
@@ -170,7 +175,18 @@ _ATTENTION_TINY = (
     *("--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--warmup", "1", "--iters", "2"),
     *("--prefill-batches", "1", "--prefill-lens", "64", "--decode-batches", "1", "--decode-lens", "64"),
 )
-_DECODE_GRID = ("--shapes", "qwen2.5-7b,qwen2.5-14b", "--batches", "1,8", "--context", "512", "--steps", "32")
+_DECODE_GRID = (
+    *("--shapes", "qwen2.5-7b,qwen2.5-14b", "--batches", "1,8", "--context", "512", "--steps", "32"),
+    *("--arms", "eager,static,compiled,engine,engine_graphed"),
+)
+_DECODE_BUCKETS = (
+    *("--shapes", "qwen2.5-7b", "--batches", "1,3,5", "--context", "512", "--steps", "32"),
+    *("--arms", "engine,engine_graphed,engine_warmed"),
+)
+_DECODE_BUCKETS_TINY = (
+    *("--shapes", "tiny", "--batches", "3", "--context", "16", "--steps", "3", "--copy-mb", "4"),
+    *("--arms", "engine,engine_graphed,engine_warmed"),
+)
 _DECODE_TINY = (
     *("--shapes", "tiny", "--batches", "1,3", "--context", "16", "--steps", "3", "--warmup", "1", "--copy-mb", "4"),
 )
