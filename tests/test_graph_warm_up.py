@@ -151,3 +151,23 @@ def test_the_server_warms_its_graphs_up_before_health_reports_them_ready():
         answer = client.post("/v1/completions", json=body)
         assert answer.status_code == 200, answer.text
     assert backend.compiles == 1 and engine.cache_stats()["graph_graphed_steps"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_cuda_graphs_warmed_up_serve_requests_with_no_compile_and_generates_tokens_in_fp32():
+    """Inductor with CUDA graphs (the default on CUDA): warm-up of 1 and 3 rows, then a request and a batch of three
+    compile nothing (dynamo's graph counter) and give generate()'s fp32 tokens."""
+    from torch._dynamo.utils import counters
+
+    engine = KVBoost(make_tiny_model("qwen2").to("cuda"), word_tokenizer(), chunking=8, graphs=GraphConfig())
+    texts = [words(seed, 20 + seed) for seed in range(3)]
+    torch._dynamo.reset()
+    result = engine.warm_up_graphs([(1, 64), (3, 64)], progress=False)
+    assert result.warmed == ((1, 256), (4, 256)) and engine.cache_stats()["graph_capture_bytes"] >= 0
+    compiled = counters["stats"]["unique_graphs"]
+    outputs = [engine.generate(texts[0], max_new_tokens=8), *engine.generate_batch(texts, max_new_tokens=8)]
+    assert counters["stats"]["unique_graphs"] == compiled
+    expected = [reference(engine.model, engine.encode(t), 8, eos_token_ids={EOS}).tokens for t in texts]
+    assert [output.output_ids for output in outputs] == [expected[0], *expected]
+    assert engine.cache_stats()["graph_graphed_steps"] > 0 and engine.cache_stats()["graph_eager_steps"] == 0

@@ -219,13 +219,13 @@ def decode_across_buckets(model, requests, graphs: GraphedDecoder | None) -> tup
     return [row.tokens for row in loop.rows], sorted(ram.items(), key=lambda item: item[0]), running
 
 
-def test_rows_between_buckets_decode_through_the_larger_graph_with_generates_tokens_and_unpadded_write_back():
+def rows_between_buckets_decode_through_the_larger_graph(device: str, backend: str | None) -> None:
     """3 rows decode through the 4-row graph and 5 through the 8-row one (padding rows copy the last row, their
     logits dropped), across joins and retirements: every row's tokens are generate()'s; the chunks written back are,
     key for key, those of graphs with a bucket for every batch size (no padding row ever) and of the eager runner,
     equal up to fp32 rounding (not bit for bit: a matrix product's rows on this CPU change in their last bits with
     the row count, 4 and 5 rows against 2 and 3, and a static cache attends over its whole capacity, masked)."""
-    model = make_tiny_model("qwen2")
+    model = make_tiny_model("qwen2").to(device)
     budgets = [12, 10, 9, 7, 5]
     prompts = [PROMPTS[0], PROMPTS[1], list(range(100, 118)), list(range(60, 75)), list(range(20, 33))]
     requests = [
@@ -233,8 +233,8 @@ def test_rows_between_buckets_decode_through_the_larger_graph_with_generates_tok
         for p, n in zip(prompts, budgets, strict=True)
     ]
     expected = [reference(model, p, n, eos_token_ids=DECODE_EOS).tokens for p, n in zip(prompts, budgets, strict=True)]
-    padded = GraphedDecoder(model, GraphConfig(backend="eager"))
-    unpadded = GraphedDecoder(model, GraphConfig(row_buckets=tuple(range(1, 9)), backend="eager"))
+    padded = GraphedDecoder(model, GraphConfig(backend=backend))
+    unpadded = GraphedDecoder(model, GraphConfig(row_buckets=tuple(range(1, 9)), backend=backend))
     torch._dynamo.reset()
     tokens, chunks, running = decode_across_buckets(model, requests, padded)
     exact_tokens, exact_chunks, exact_running = decode_across_buckets(model, requests, unpadded)
@@ -249,3 +249,13 @@ def test_rows_between_buckets_decode_through_the_larger_graph_with_generates_tok
         for _, other in others:
             assert torch.allclose(entry.keys, other.keys, rtol=0, atol=1e-5)
             assert torch.allclose(entry.values, other.values, rtol=0, atol=1e-5)
+
+
+def test_rows_between_buckets_decode_through_the_larger_graph_with_generates_tokens_and_unpadded_write_back():
+    rows_between_buckets_decode_through_the_larger_graph("cpu", "eager")  # traced, no code generation
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_rows_between_buckets_decode_through_the_larger_cuda_graph_with_generates_tokens_in_fp32():
+    rows_between_buckets_decode_through_the_larger_graph("cuda", None)  # inductor, reduce-overhead

@@ -138,6 +138,7 @@ GPU_TEST_FILES = (
     "tests/test_reuse_path.py",
     "tests/test_compiled_decode.py",
     "tests/test_graphs.py",
+    "tests/test_graph_warm_up.py",
     "tests/test_awq_gpu.py",
     "tests/test_gpu_sampling.py",
 )
