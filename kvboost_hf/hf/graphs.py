@@ -266,7 +266,9 @@ class GraphedDecoder:
         The store, the caches of requests and the step counters are untouched. Shapes are skipped (logged) when
         graphs are off, when graphed already, beyond ``max_graphs`` or ``max_capture_bytes``, or when the dummy
         cache's static K/V would not fit the device's free memory; a failed compile leaves its shape eager, as a
-        lazy one would. ``progress``: a tqdm bar over the shapes."""
+        lazy one would. ``progress``: a tqdm bar over the shapes. Raises
+        :class:`~kvboost_hf.core.errors.ConfigError` (before any work) for a shape above the buckets
+        (:func:`graph_shape`)."""
         wanted = [graph_shape(rows, tokens, self.config) for rows, tokens in shapes]
         warmed: list[tuple[int, int]] = []
         skipped: list[tuple[int, int]] = []
