@@ -74,6 +74,12 @@ def capacity_bucket(tokens: int, config: GraphConfig) -> int | None:
     return capacity if capacity <= config.max_capacity else None
 
 
+def graphed_columns(width: int, config: GraphConfig) -> int:
+    """Columns a cache may hold for a batch ``width`` wide when graphed decoding may make it static: the capacity
+    bucket of ``width`` (:func:`capacity_bucket`), or ``width`` above the largest (that step runs eagerly)."""
+    return capacity_bucket(width, config) or width
+
+
 def row_bucket(rows: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket holding ``rows`` rows, or None when ``rows`` is above every bucket."""
     if rows < 1:
