@@ -8,6 +8,7 @@ needs repair keep it, in batches. The decode loop's own behaviour is tested in t
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -18,11 +19,11 @@ from helpers import word_tokenizer, words
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from oracle import cache_reference, engine_reference
+from oracle import GREEDY, cache_reference, engine_reference
 
 from kvboost_hf import KVBoost
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
-from kvboost_hf.core.errors import ConfigError
+from kvboost_hf.core.errors import CapacityError, ConfigError
 from kvboost_hf.core.keys import KeySpace
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, DraftRound, PrefillWork, RowOutput, SharedPrefix
 from kvboost_hf.hf.sampling import SamplingConfig
@@ -637,3 +638,138 @@ def test_generate_many_under_a_small_token_budget_gives_generates_tokens_over_a_
     for result, reference in zip(results, expected, strict=True):
         torch.testing.assert_close(result.first_token_logits, reference.first_logits, atol=1e-4, rtol=1e-4)
     assert results[2].cached_tokens == 16 and chunks == [2] * 6 + [5, 5, 5]  # the last call computes 4
+
+
+# ---------------------------------------------------------------------------------------------- K/V memory budget
+def bytes_per_token(model) -> int:
+    """One row's K/V bytes per column, from the model's config (fp32): layers x 2 x kv_heads x head_dim x 4."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
+
+
+def held_kv_bytes(scheduler: Scheduler) -> int:
+    """The K/V bytes the scheduler's batches hold now, read from their caches' tensors (the running rows' caches
+    and those of prompt forwards under way)."""
+    caches = []
+    for batch in scheduler.running:
+        caches += [batch.loop.cache, *(prompt.state.cache for prompt in batch.loop._prompts)]
+    tensors = [t for cache in caches if cache is not None for layer in cache.layers for t in (layer.keys, layer.values)]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def budget_run(engine, scheduler: Scheduler, prompts, max_new_tokens: int, lower_at=None, arrive_at=None):
+    """Queue one greedy row per prompt (``arrive_at``: the step each is added at, default all at once) and step
+    ``scheduler`` until idle, with ``lower_at = (step, bytes)`` lowering its K/V budget before that step. Returns
+    the rows, each row's tokens as ``on_token`` reported them, and per step ``(budget, bytes reserved after the
+    schedule, bytes held after the step)``."""
+    arrive_at = arrive_at or [0] * len(prompts)
+    requests = [
+        DecodeRequest(prompt_ids=engine.encode(p), max_new_tokens=max_new_tokens, sampling=GREEDY) for p in prompts
+    ]
+    rows = engine.factories.new_rows(requests)
+    streamed: list[list[int]] = [[] for _ in rows]
+    failures: list[BaseException] = []
+    groups = [
+        RequestGroup([row], on_token=lambda row, seen=seen: seen.append(row.tokens[-1]), on_fail=failures.append)
+        for row, seen in zip(rows, streamed, strict=True)
+    ]
+    trace = []
+    step = 0
+    while step <= max(arrive_at) or not scheduler.idle:
+        for group, at in zip(groups, arrive_at, strict=True):
+            if at == step:
+                scheduler.add(group)
+        if lower_at is not None and lower_at[0] == step:
+            scheduler.kv_budget = dataclasses.replace(scheduler.kv_budget, budget_bytes=lower_at[1])
+        output = scheduler.schedule()
+        reserved = scheduler.memory.reserved_bytes
+        scheduler.update_from_output(scheduler.execute(output))
+        trace.append((scheduler.kv_budget.budget_bytes, reserved, held_kv_bytes(scheduler)))
+        step += 1
+        assert step < 500, "the scheduler made no progress"
+    assert failures == []
+    return rows, streamed, trace
+
+
+def test_a_batch_over_the_kv_budget_is_admitted_partly_preempted_and_resumed_with_generates_tokens(engine):
+    """Four prompts whose K/V (prompt and 12 tokens each, every row as wide as the widest) fit three at a time: the
+    fourth waits. After five steps the budget is lowered under three rows: the newest row is preempted (its
+    chunks stored), waits at the front of the queue and resumes once the others end, loading its prompt and
+    tokens' full chunks from the store. Every row's tokens equal transformers' greedy ones, each token reached its
+    stream once, and after every schedule the bytes reserved, and after every step the bytes the caches hold,
+    are within the budget."""
+    engine.store.clear()
+    prompts = [words(80, 13), words(81, 15), words(82, 17), words(83, 22)]
+    lengths = [len(engine.encode(p)) for p in prompts]
+    per_token = bytes_per_token(engine.model)
+    three = 3 * (lengths[2] + 12) * per_token  # the first three rows, all as wide as the third, 12 tokens each
+    scheduler = engine.scheduler("prefix_cache", max_batch_size=4, token_budget=0, kv_budget_bytes=three)
+    assert scheduler.kv_budget.bytes_per_token == per_token
+    lowered = 2 * (lengths[2] + 12) * per_token
+    before = dataclasses.replace(scheduler.memory)  # the engine's counters, over its schedulers
+    rows, streamed, trace = budget_run(engine, scheduler, prompts, 12, lower_at=(5, lowered))
+
+    assert [row.tokens for row in rows] == [engine_reference(engine, p, 12).tokens for p in prompts]
+    assert streamed == [row.tokens for row in rows]
+    assert [row.preemptions for row in rows] == [0, 0, 1, 0]
+    assert rows[2].resumed_cached_tokens >= 16  # its prompt and 5 tokens: 22 tokens, two full chunks of 8
+    memory = scheduler.memory
+    assert (memory.preemptions, memory.rows_preempted) == (before.preemptions + 1, before.rows_preempted + 1)
+    assert memory.admissions_deferred >= before.admissions_deferred + 1  # the fourth row waited
+    assert engine.cache_stats()["kv_preemptions"] == memory.preemptions
+    for budget, reserved, held in trace:
+        assert held <= reserved <= budget
+    assert max(held for _, _, held in trace) > 0
+
+
+def test_a_join_prefilled_over_many_steps_is_preempted_as_the_batch_widens_and_resumes_from_its_chunks(engine):
+    """A 4-token prompt decodes 20 tokens; a 12-token prompt (20 tokens too) joins at the second step and is
+    prefilled one column per step (token budget 2). The budget fits both only as they stand at that step: each
+    step the running row widens the batch, so the joining row (every row as wide as the widest) outgrows it and is
+    preempted, the chunk its prefill completed stored; it waits until the first row ends, then is prefilled again,
+    loading that chunk. Both rows' tokens equal transformers' greedy ones, within the budget throughout."""
+    engine.store.clear()
+    prompts = [words(84, 3), words(85, 11)]
+    lengths = [len(engine.encode(p)) for p in prompts]
+    per_token = bytes_per_token(engine.model)
+    # two rows as wide as the joining prompt and a column more, 20 tokens each: exceeded once the running row has
+    # widened the batch two columns past that prompt, when the join has computed 9 of its 11 columns
+    budget = 2 * (lengths[1] + 1 + 20) * per_token - 1
+    scheduler = engine.scheduler("prefix_cache", max_batch_size=2, token_budget=2, kv_budget_bytes=budget)
+    before = scheduler.memory.preemptions
+    rows, streamed, trace = budget_run(engine, scheduler, prompts, 20, arrive_at=[0, 1])
+
+    assert [row.tokens for row in rows] == [engine_reference(engine, p, 20).tokens for p in prompts]
+    assert streamed == [row.tokens for row in rows]
+    assert rows[1].preemptions == 1 and scheduler.memory.preemptions == before + 1
+    assert rows[1].reuse.cached_tokens == 8  # the chunk its first prefill completed
+    for budget, reserved, held in trace:
+        assert held <= reserved <= budget
+
+
+def test_a_request_whose_kv_cannot_fit_the_budget_alone_is_refused_naming_the_bytes(engine):
+    prompt = words(86, 10)
+    needed = (len(engine.encode(prompt)) + 6) * bytes_per_token(engine.model)
+    scheduler = engine.scheduler("prefix_cache", kv_budget_bytes=needed - 1)
+    row = engine.factories.new_rows(
+        [DecodeRequest(prompt_ids=engine.encode(prompt), max_new_tokens=6, sampling=GREEDY)]
+    )
+    with pytest.raises(CapacityError, match=f"needs {needed} bytes of K/V .* budget of {needed - 1} bytes"):
+        scheduler.add(RequestGroup(row))
+    assert scheduler.idle
+    with pytest.raises(CapacityError, match=f"needs {needed} bytes"):
+        engine.generate_many([prompt], max_new_tokens=6, kv_budget_bytes=needed - 1)
+    result = engine.generate_many([prompt], max_new_tokens=6, kv_budget_bytes=needed)  # exactly fits
+    assert result[0].output_ids == engine_reference(engine, prompt, 6).tokens
+
+
+def test_a_prompt_prefilled_in_chunks_completes_when_every_running_row_ends_meanwhile(engine):
+    """The running row ends (4 tokens) while an 11-token prompt that joined is prefilled one column per step: the
+    runner drops the running rows' caches but keeps the prompt forward under way, which completes (it used to be
+    dropped with them and never complete) with transformers' greedy tokens."""
+    engine.store.clear()
+    prompts = [words(87, 3), words(88, 11)]
+    scheduler = engine.scheduler("prefix_cache", max_batch_size=2, token_budget=2, kv_budget_bytes=1 << 30)
+    rows, _, _ = budget_run(engine, scheduler, prompts, 4, arrive_at=[0, 1])
+    assert [row.tokens for row in rows] == [engine_reference(engine, p, 4).tokens for p in prompts]
