@@ -257,7 +257,7 @@ class RequestGroup:
     def contexts(self) -> list[tuple[int, int]]:
         """``(context tokens, tokens left)`` of each live row: what its prefill computes or loads and what it may
         still take (see :class:`~kvboost_hf.kv_budget.BatchShape`)."""
-        return [(len(row.context_ids), row.tokens_left) for row in self.live_rows]
+        return [(row.context_length, row.tokens_left) for row in self.live_rows]
 
 
 class RunningBatch:
@@ -311,7 +311,7 @@ class RunningBatch:
     def shape(self) -> BatchShape:
         """This batch as the K/V projection sees it (:class:`~kvboost_hf.kv_budget.BatchShape`): its width now,
         its running rows' tokens left, and the contexts of the rows whose prefill is not complete."""
-        joining = tuple((len(row.context_ids), row.tokens_left) for row in self.joining_rows)
+        joining = tuple((row.context_length, row.tokens_left) for row in self.joining_rows)
         return BatchShape(self.loop.columns, tuple(row.tokens_left for row in self.rows), joining)
 
     def drop(self, groups: Sequence[RequestGroup], error: BaseException) -> None:
@@ -706,7 +706,7 @@ class Scheduler:
             taken = newest.batch.preempt(newest)
             self.memory.preemptions += len(taken)
             self.memory.rows_preempted += sum(len(group.live_rows) for group in taken)
-            preempted = taken + preempted
+            preempted += taken
             logger.info("preempted %d request(s) to keep K/V within %d bytes", len(taken), self.kv_budget.budget_bytes)
         if preempted:
             with self._queue_lock:
@@ -767,7 +767,7 @@ class Scheduler:
 def prompt_width(work: PrefillWork) -> int:
     """Columns of ``work``'s left-padded prompt forward before stored chunks are loaded: its longest context (a
     prompt, and a preempted row's tokens)."""
-    return max(len(row.context_ids) for row in work.rows)
+    return max(row.context_length for row in work.rows)
 
 
 def split_budget(budget: int, decode_rows: int, prefilling: Sequence[Prefilling]) -> list[int]:

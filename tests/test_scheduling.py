@@ -658,14 +658,19 @@ def held_kv_bytes(scheduler: Scheduler) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def budget_run(engine, scheduler: Scheduler, prompts, max_new_tokens: int, lower_at=None, arrive_at=None):
-    """Queue one greedy row per prompt (``arrive_at``: the step each is added at, default all at once) and step
+def budget_run(
+    engine, scheduler: Scheduler, prompts, max_new_tokens: int, lower_at=None, arrive_at=None, samplings=None
+):
+    """Queue one row per prompt (greedy unless ``samplings`` says; ``arrive_at``: the step each is added at,
+    default all at once) and step
     ``scheduler`` until idle, with ``lower_at = (step, bytes)`` lowering its K/V budget before that step. Returns
     the rows, each row's tokens as ``on_token`` reported them, and per step ``(budget, bytes reserved after the
     schedule, bytes held after the step)``."""
     arrive_at = arrive_at or [0] * len(prompts)
+    samplings = samplings or [GREEDY] * len(prompts)
     requests = [
-        DecodeRequest(prompt_ids=engine.encode(p), max_new_tokens=max_new_tokens, sampling=GREEDY) for p in prompts
+        DecodeRequest(prompt_ids=engine.encode(p), max_new_tokens=max_new_tokens, sampling=sampling)
+        for p, sampling in zip(prompts, samplings, strict=True)
     ]
     rows = engine.factories.new_rows(requests)
     streamed: list[list[int]] = [[] for _ in rows]
@@ -692,13 +697,15 @@ def budget_run(engine, scheduler: Scheduler, prompts, max_new_tokens: int, lower
     return rows, streamed, trace
 
 
-def test_a_batch_over_the_kv_budget_is_admitted_partly_preempted_and_resumed_with_generates_tokens(engine):
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=0.8, seed=11)], ids=["greedy", "seeded"])
+def test_a_batch_over_the_kv_budget_is_admitted_partly_preempted_and_resumed_with_generates_tokens(engine, sampling):
     """Four prompts whose K/V (prompt and 12 tokens each, every row as wide as the widest) fit three at a time: the
-    fourth waits. After five steps the budget is lowered under three rows: the newest row is preempted (its
-    chunks stored), waits at the front of the queue and resumes once the others end, loading its prompt and
-    tokens' full chunks from the store. Every row's tokens equal transformers' greedy ones, each token reached its
-    stream once, and after every schedule the bytes reserved, and after every step the bytes the caches hold,
-    are within the budget."""
+    fourth waits. After five steps the budget is lowered under three rows: the newest row (greedy, or sampled with
+    a seed) is preempted (its chunks stored), waits at the front of the queue and resumes once the others end,
+    loading its prompt and tokens' full chunks from the store, with its own generator. Every row's tokens equal
+    transformers' (greedy; the seeded row's draws from its seed alone), each token reached its stream once, and
+    after every schedule the bytes reserved, and after every step the bytes the caches hold, are within the
+    budget."""
     engine.store.clear()
     prompts = [words(80, 13), words(81, 15), words(82, 17), words(83, 22)]
     lengths = [len(engine.encode(p)) for p in prompts]
@@ -708,9 +715,11 @@ def test_a_batch_over_the_kv_budget_is_admitted_partly_preempted_and_resumed_wit
     assert scheduler.kv_budget.bytes_per_token == per_token
     lowered = 2 * (lengths[2] + 12) * per_token
     before = dataclasses.replace(scheduler.memory)  # the engine's counters, over its schedulers
-    rows, streamed, trace = budget_run(engine, scheduler, prompts, 12, lower_at=(5, lowered))
+    samplings = [GREEDY, GREEDY, sampling, GREEDY]
+    rows, streamed, trace = budget_run(engine, scheduler, prompts, 12, lower_at=(5, lowered), samplings=samplings)
 
-    assert [row.tokens for row in rows] == [engine_reference(engine, p, 12).tokens for p in prompts]
+    expected = [engine_reference(engine, p, 12, s).tokens for p, s in zip(prompts, samplings, strict=True)]
+    assert [row.tokens for row in rows] == expected
     assert streamed == [row.tokens for row in rows]
     assert [row.preemptions for row in rows] == [0, 0, 1, 0]
     assert rows[2].resumed_cached_tokens >= 16  # its prompt and 5 tokens: 22 tokens, two full chunks of 8

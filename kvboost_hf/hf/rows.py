@@ -160,6 +160,11 @@ class DecodeRow:
         return (*self.request.prompt_ids, *self.tokens)
 
     @property
+    def context_length(self) -> int:
+        """``len(context_ids)``, without building them."""
+        return len(self.request.prompt_ids) + len(self.tokens)
+
+    @property
     def prefill_setting(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """``(context ids, segment starts)``: rows with equal settings are prefilled once (the ``n`` choices of a
         request) in one cache."""
