@@ -716,8 +716,9 @@ class Scheduler:
         """Pending groups that are ready and fit, by key: ``(key, running batch to join or None, groups)``."""
         with self._queue_lock:
             cancelled = [group for group in self._pending if group.cancel is not None and group.cancel.is_set()]
+            self._pending = [group for group in self._pending if group not in cancelled]
             refused = [(group, error) for group in self._pending if (error := self._never_fits(group)) is not None]
-            dropped = {id(group) for group in cancelled} | {id(group) for group, _ in refused}
+            dropped = {id(group) for group, _ in refused}
             self._pending = [group for group in self._pending if id(group) not in dropped]
             formed = self._ready(now)
             taken = {id(group) for _, _, groups in formed for group in groups}

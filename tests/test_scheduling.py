@@ -27,6 +27,7 @@ from kvboost_hf.core.errors import CapacityError, ConfigError
 from kvboost_hf.core.keys import KeySpace
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, DraftRound, PrefillWork, RowOutput, SharedPrefix
 from kvboost_hf.hf.sampling import SamplingConfig
+from kvboost_hf.kv_budget import KVBudget
 from kvboost_hf.scheduling import (
     BatchPolicy,
     Prefilling,
@@ -46,7 +47,8 @@ class FakeLoop:
     """Records what it is handed and samples token 1 for each row per prefill and per step (with ``fail_after``:
     raises at that many steps), or what ``script`` gives: a row's next tokens per call (several: a verify round).
     A prefill handed fewer columns than its longest prompt completes once the columns handed add up to it
-    (``chunks``: each call's work and columns)."""
+    (``chunks``: each call's work and columns). ``width`` models the left-padded layout: a step adds a column, a
+    prefill joins as wide as the wider of the batch and its longest context, and it resets when no row runs."""
 
     def __init__(self, fail_after: int | None = None, script=None) -> None:
         self.fail_after = fail_after
@@ -59,14 +61,19 @@ class FakeLoop:
         self.steps = 0
         self.computed_tokens = 0
         self.closed = False
+        self.width = 0
 
     @property
     def done(self) -> bool:
         return not self.running and not self.progress
 
+    @property
+    def columns(self) -> int:
+        return self.width if self.running else 0
+
     def add(self, work: PrefillWork, columns: int = 0) -> list[RowOutput]:
         self.chunks.append((work, columns))
-        width = max(len(row.request.prompt_ids) for row in work.rows)
+        width = max(row.context_length for row in work.rows)
         computed = self.progress.pop(id(work), (work, 0))[1] + (columns or width)
         if computed < width:
             self.progress[id(work)] = (work, computed)
@@ -74,6 +81,7 @@ class FakeLoop:
         self.works.append(work)
         self.rows += work.rows
         self.computed_tokens += sum(len(row.request.prompt_ids) for row in work.rows)
+        self.width = max(self.columns, width)
         self.running += work.rows
         return [self._sample(row) for row in work.rows]
 
@@ -81,6 +89,7 @@ class FakeLoop:
         if self.fail_after is not None and self.steps >= self.fail_after:
             raise RuntimeError("device lost")
         self.steps += 1
+        self.width += 1
         return [self._sample(row) for row in self.running]
 
     def _sample(self, row: DecodeRow) -> RowOutput:
@@ -90,10 +99,18 @@ class FakeLoop:
         )
 
     def retire_finished(self) -> None:
-        self.running = [row for row in self.running if not row.finished]
+        self.preempt([row for row in self.running + self.joining if row.finished])
+
+    def preempt(self, rows) -> None:
+        leaving = {id(row) for row in rows}
+        self.running = [row for row in self.running if id(row) not in leaving]
         self.progress = {
-            key: (work, n) for key, (work, n) in self.progress.items() if not all(r.finished for r in work.rows)
+            key: (work, n) for key, (work, n) in self.progress.items() if not all(id(r) in leaving for r in work.rows)
         }
+
+    @property
+    def joining(self) -> list[DecodeRow]:
+        return [row for work, _ in self.progress.values() for row in work.rows]
 
     def abandon(self) -> None:
         self.running, self.progress = [], {}
@@ -111,6 +128,7 @@ class Harness:
         store=None,
         script=None,
         token_budget: int = 0,
+        kv_budget: KVBudget | None = None,
     ) -> None:
         self.loops: list[FakeLoop] = []
         self.failures: list[tuple[RequestGroup, BaseException]] = []
@@ -127,7 +145,7 @@ class Harness:
 
         self.scheduler = Scheduler(
             policy, new_loop, decode=lambda ids: "".join(f"<{t}>" for t in ids), max_rows=max_rows,
-            token_budget=token_budget, batch_window_s=window_s, on_done=on_done,
+            token_budget=token_budget, kv_budget=kv_budget, batch_window_s=window_s, on_done=on_done,
         )  # fmt: skip
 
     def group(
@@ -473,6 +491,56 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 SchedulerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+class KVBudgetMachine(SchedulerMachine):
+    """The same under a K/V budget (one byte per token and row) that rules change at random: after every schedule
+    the bytes reserved are within the budget, and so are the bytes the fake runners hold (rows x their width, joins
+    included) after every step; a group that cannot fit alone is refused with CapacityError (when queued, or later
+    through ``on_fail``); preempted rows keep their tokens; every group still ends once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = Harness(max_rows=4, window_s=0.0, fail_salt="bad", token_budget=6, kv_budget=KVBudget(60, 1))
+
+    @rule(
+        rows=st.integers(1, 3),
+        tokens=st.integers(1, 4),
+        salt=st.sampled_from([None, "tenant-b", "bad"]),
+        prompt=st.lists(st.integers(0, 3), min_size=1, max_size=9),
+    )
+    def add(self, rows, tokens, salt, prompt):
+        try:
+            super().add(rows, tokens, salt, prompt)
+        except CapacityError as error:
+            assert rows * (len(prompt) + tokens) > self.h.scheduler.kv_budget.budget_bytes, error
+
+    @rule(budget=st.integers(4, 60))
+    def change_budget(self, budget):
+        self.h.scheduler.kv_budget = KVBudget(budget, 1)
+
+    @rule()
+    def step(self):
+        super().step()
+        scheduler = self.h.scheduler
+        budget = scheduler.kv_budget.budget_bytes
+        assert scheduler.memory.reserved_bytes <= budget
+        held = sum(
+            (len(batch.loop.running) + len(batch.loop.joining)) * max(batch.loop.columns, *widths)
+            for batch in scheduler.running
+            for widths in [[row.context_length for row in batch.loop.joining] or [0]]
+        )
+        assert held <= scheduler.memory.reserved_bytes <= budget
+        for group in self.groups:
+            assert all(len(row.tokens) <= row.request.max_new_tokens for row in group.rows)
+
+    def teardown(self):
+        self.h.scheduler.kv_budget = KVBudget(1 << 20, 1)  # what waits can run (a refused group already failed)
+        super().teardown()
+
+
+KVBudgetMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+test_kv_budget_state_machine = KVBudgetMachine.TestCase
 
 
 def test_a_prefill_work_checks_its_invariants():
