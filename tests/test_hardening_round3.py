@@ -504,13 +504,9 @@ def test_a_client_over_its_compile_share_gets_a_429_and_others_are_answered(embe
     settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, grammar_limits=GrammarConfig(workers=2))
 
     def body(title: str, salt: str) -> bytes:
-        schema = {**_SCHEMA, "title": title}
-        response_format = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
-        messages = [{"role": "user", "content": "Is water wet?"}]
-        request = {"model": MODEL_NAME, "messages": messages, "max_tokens": 4, "temperature": 0}
-        return json.dumps({**request, "response_format": response_format, "cache_salt": salt}).encode()
+        return _structured_body({**_SCHEMA, "title": title}, salt)
 
-    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    headers = _HEADERS
     with HardenedServer(create_app(embedded_engine, settings), settings) as live:
         url = f"{live.url}/v1/chat/completions"
         with httpx.Client(timeout=60) as attacker, ThreadPoolExecutor(2) as pool:
@@ -527,6 +523,62 @@ def test_a_client_over_its_compile_share_gets_a_429_and_others_are_answered(embe
             assert answered.status_code == 200, answered.text
             release.set()
             assert all(request.result(60).status_code == 200 for request in held_requests)
+
+
+def _structured_body(schema: dict, salt: str) -> bytes:
+    """A chat request whose answer must follow ``schema``, under ``cache_salt`` ``salt``."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    messages = [{"role": "user", "content": "Is water wet?"}]
+    request = {"model": MODEL_NAME, "messages": messages, "max_tokens": 4, "temperature": 0}
+    return json.dumps({**request, "response_format": response_format, "cache_salt": salt}).encode()
+
+
+_HEADERS = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+
+
+def test_an_invalid_schema_is_a_400_while_the_compile_queue_is_full(embedded_engine, monkeypatch):
+    """Item 2's last clause: two clients hold the whole compile queue (2 places, compiles held here). A valid
+    new schema from a third client gets 503 ``grammar_busy`` (the queue is full); invalid schemas, as a response
+    format and as tool parameters, get 400 ``invalid_schema`` (before: 503, which clients retry)."""
+    release = threading.Event()
+    original = CompileProcess.compile
+
+    def held(process, kind, args, time_limit_s):
+        if "held" in json.dumps(args):
+            assert release.wait(60)
+        return original(process, kind, args, time_limit_s)
+
+    monkeypatch.setattr(CompileProcess, "compile", held)
+    limits = GrammarConfig(workers=2, max_waiting=2, max_waiting_per_client=1)
+    settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, grammar_limits=limits)
+    with HardenedServer(create_app(embedded_engine, settings), settings) as live:
+        url = f"{live.url}/v1/chat/completions"
+
+        def post(address: str, content: bytes) -> httpx.Response:
+            with httpx.Client(timeout=60, transport=httpx.HTTPTransport(local_address=address)) as client:
+                return client.post(url, content=content, headers=_HEADERS)
+
+        with ThreadPoolExecutor(2) as pool:
+            holders = [
+                pool.submit(post, f"127.0.0.{i + 1}", _structured_body({**_SCHEMA, "title": f"held {i}"}, "s"))
+                for i in range(2)
+            ]
+            deadline = time.monotonic() + 60
+            while (busy := post("127.0.0.3", _structured_body(_SCHEMA, "t"))).status_code != 503:
+                assert time.monotonic() < deadline, busy.text  # until both held compiles are queued
+                time.sleep(0.05)
+            assert busy.json()["error"]["code"] == "grammar_busy"
+            invalid = post("127.0.0.3", _structured_body({"type": "object", "properties": {"a": {"type": "txt"}}}, "t"))
+            assert invalid.status_code == 400, invalid.text
+            assert invalid.json()["error"]["code"] == "invalid_schema" and "'txt'" in invalid.text
+            tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": "a"}}}
+            request = json.loads(_structured_body(_SCHEMA, "t"))
+            del request["response_format"]
+            bad_tool = post("127.0.0.3", json.dumps({**request, "tools": [tool]}).encode())
+            assert bad_tool.status_code == 400, bad_tool.text
+            assert bad_tool.json()["error"]["code"] == "invalid_schema" and "tools[0]" in bad_tool.text
+            release.set()
+            assert all(holder.result(60).status_code == 200 for holder in holders)
 
 
 @pytest.mark.compile_processes_at_start
