@@ -104,7 +104,8 @@ def _random_schema(rng: random.Random, depth: int = 0) -> Any:
         elif word in ("additionalProperties", "items", "not"):
             node[word] = _random_schema(rng, depth + 1) if deeper else rng.choice([True, 5, {}])
         elif word in ("prefixItems", "anyOf", "allOf", "oneOf"):
-            node[word] = rng.choice([5, {}, [_random_schema(rng, depth + 1) for _ in range(rng.randint(0, 2) * deeper)]])
+            items = [_random_schema(rng, depth + 1) for _ in range(rng.randint(0, 2) * deeper)]
+            node[word] = rng.choice([5, {}, items])
         elif word == "enum":
             node[word] = rng.choice([[], [1], "x", [1, "a"]])
         elif word == "$ref":

@@ -45,8 +45,8 @@ def certain_schema_problem(schema: Any, path: str = "schema") -> str | None:
         return None
 
 
-class _GaveUp(KVBoostError):  # noqa: N818 - internal control flow, never raised to a caller
-    """The bounds were reached: nothing certain."""
+class _GaveUp(KVBoostError):
+    """The bounds were reached: nothing certain (internal: never raised to a caller)."""
 
 
 def _node_problem(node: Any, path: str, depth: int, budget: list[int]) -> str | None:
