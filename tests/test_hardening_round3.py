@@ -20,11 +20,13 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers import API_KEY, ENV, MODEL_NAME, assert_same, key, raw_entry
+from test_disk_tier import _flip_inside_record
 from test_server_hardening import HardenedServer
 
 from kvboost_hf.server.app import ServerConfig, create_app
 from kvboost_hf.server.grammar import GrammarCompiler, GrammarConfig, GrammarError, GrammarQuota
 from kvboost_hf.server.grammar_process import CompileProcess
+from kvboost_hf.store import codec
 from kvboost_hf.store.disk import WRITE_LOCK, DiskTier
 
 # ---------------------------------------------------------------------------------------------- the write lock
@@ -124,6 +126,7 @@ def test_close_returns_within_its_timeout_while_a_stopped_process_holds_the_lock
     tier = DiskTier(tmp_path / "d", 1 << 22, lock_wait_s=0.05)
     stopped_holder()
     _put_batch(tier, 0, 8)
+    tier.note_tail(key(0), frozenset({3, 5}))
     start = time.monotonic()
     tier.close(timeout_s=1.0)
     assert time.monotonic() - start < 1.0 + 0.5
@@ -131,6 +134,25 @@ def test_close_returns_within_its_timeout_while_a_stopped_process_holds_the_lock
     reopened = DiskTier(tmp_path / "d", 1 << 22, lock_wait_s=0.05)
     try:
         assert all(reopened.get(key(i)) is not None for i in range(8))
+        assert reopened.tail_lengths(key(0)) == {3, 5}
+    finally:
+        reopened.close()
+
+
+def test_a_damaged_spilled_record_is_a_miss(tmp_path: Path, stopped_holder: Callable[[], subprocess.Popen]):
+    """A spilled record is checked like any other (SHA-256 and the key it was stored under): a flipped byte in
+    the spill's file is a miss, counted in ``corrupt``, never wrong K/V."""
+    tier = DiskTier(tmp_path / "d", 1 << 22, lock_wait_s=0.05)
+    stopped_holder()
+    tier.put(key(7), raw_entry(seed=7))
+    assert tier.flush(timeout_s=1.0) and tier.stats()["spill_writes"] == 1
+    tier.close()
+    (spill,) = [path for path in (tmp_path / "d" / "writers").iterdir() if not path.name.startswith(".")]
+    _flip_inside_record(spill, codec.encode(key(7), raw_entry(seed=7)), 3000)
+    reopened = DiskTier(tmp_path / "d", 1 << 22, lock_wait_s=0.05)
+    try:
+        assert reopened.get(key(7)) is None
+        assert reopened.stats()["corrupt"] == 1
     finally:
         reopened.close()
 

@@ -1006,6 +1006,7 @@ def _release_env(env: Any) -> None:
 SPILL_DIR = "writers"  # under the directory: one spill environment per process that needed one
 OWNER_LOCK = "owner.lock"  # in a spill: flocked by its owner while open (free: the owner ended)
 _SPILL_BYTES = b"\0bytes"  # spill key of its page-rounded record bytes
+_SPILL_COUNT = b"\0count"  # spill key of its number of records
 _SPILL_RECORD = b"r"  # spill key prefixes: record, tail note
 _SPILL_TAIL = b"t"
 _SPILL_SHARE = 4  # a spill holds at most max_bytes / 4 of records
@@ -1025,7 +1026,8 @@ class _Spill:
     another one's writes. Only this process writes it (LMDB's writer mutex of this environment is never wanted
     by another process); every process reads it (:class:`_SpillReader`). Its records are codec records like
     the shared environment's (checksummed, keyed), one database: ``b"r" + key`` -> record, ``b"t" + parent``
-    -> packed tail lengths, ``_SPILL_BYTES`` -> page-rounded record bytes, at most ``budget``. The owner holds
+    -> packed tail lengths, ``_SPILL_BYTES`` -> page-rounded record bytes (at most ``budget``), ``_SPILL_COUNT``
+    -> records. The owner holds
     :data:`OWNER_LOCK` (``flock``) while open: a spill whose lock is free belongs to a process that ended and
     is adopted by the next holder of :data:`WRITE_LOCK` (merged into the shared environment, then removed).
     Thread-safe (one lock around every transaction)."""
@@ -1043,6 +1045,7 @@ class _Spill:
             self._data_fd = os.open(staging / "data.mdb", os.O_RDWR)
             if staging != self.path:
                 os.replace(staging, self.path)  # readers list it only once it is a whole environment
+                _sync_directory(self.path.parent)  # its name survives a power loss like its commits
         except BaseException:
             os.close(self._owner)
             raise
@@ -1056,6 +1059,7 @@ class _Spill:
             txn = self.env.begin(write=True)
             try:
                 used = _used(txn, None, _SPILL_BYTES)
+                count = _used(txn, None, _SPILL_COUNT)
                 fresh = [(k, r) for k, r in records if txn.get(_SPILL_RECORD + k.encode()) is None]
                 used += sum(_pages(len(record), self._page) for _, record in fresh)
                 if used > self.budget:
@@ -1066,19 +1070,20 @@ class _Spill:
                 for k, record in fresh:
                     txn.put(_SPILL_RECORD + k.encode(), record)
                 txn.put(_SPILL_BYTES, _U64.pack(used))
+                txn.put(_SPILL_COUNT, _U64.pack(count + len(fresh)))
                 txn.commit()
             finally:
                 txn.abort()  # after a commit: nothing (the transaction is already done)
             self._extend_over_counted()
-        with self.env.begin(buffers=True) as txn:
-            return sum(1 for k, record in records if txn.get(_SPILL_RECORD + k.encode()) != record)
+        with self.env.begin(buffers=True) as check:
+            return sum(1 for k, record in records if check.get(_SPILL_RECORD + k.encode()) != record)
 
     def take(self, count: int) -> list[tuple[bytes, bytes]]:
         """Up to ``count`` entries (spill key, value), records and tail notes, in key order."""
         with self._lock, self.env.begin() as txn:
             out = []
             for name, value in txn.cursor():
-                if name != _SPILL_BYTES:
+                if name not in (_SPILL_BYTES, _SPILL_COUNT):
                     out.append((bytes(name), bytes(value)))
                     if len(out) == count:
                         break
@@ -1088,11 +1093,14 @@ class _Spill:
         """Delete entries (merged into the shared environment) and their bytes."""
         with self._lock, self.env.begin(write=True) as txn:
             used = _used(txn, None, _SPILL_BYTES)
+            count = _used(txn, None, _SPILL_COUNT)
             for name in names:
                 value = txn.pop(name)
                 if value is not None and name.startswith(_SPILL_RECORD):
                     used -= _pages(len(value), self._page)
+                    count -= 1
             txn.put(_SPILL_BYTES, _U64.pack(max(used, 0)))
+            txn.put(_SPILL_COUNT, _U64.pack(max(count, 0)))
         self._extend_over_counted()
 
     def get(self, name: bytes) -> bytes | None:
@@ -1103,7 +1111,7 @@ class _Spill:
     def entries(self) -> int:
         """Records held."""
         with self._lock, self.env.begin() as txn:
-            return sum(1 for name in txn.cursor().iternext(values=False) if name.startswith(_SPILL_RECORD))
+            return _used(txn, None, _SPILL_COUNT)
 
     def _extend_over_counted(self) -> None:
         """As :meth:`DiskTier._extend_over_counted`: readers never find the file shorter than its counted pages."""
@@ -1150,7 +1158,7 @@ class _SpillReader:
                 return out
             for name, value in cursor:
                 name = bytes(name)
-                if name != start and name != _SPILL_BYTES:
+                if name != start and name not in (_SPILL_BYTES, _SPILL_COUNT):
                     out.append((name, bytes(value)))
                     if len(out) == count:
                         break
@@ -1160,7 +1168,7 @@ class _SpillReader:
         if _data_file_problem(self._data_fd) is not None:
             return 0
         with self.env.begin() as txn:
-            return sum(1 for name in txn.cursor().iternext(values=False) if name.startswith(_SPILL_RECORD))
+            return _used(txn, None, _SPILL_COUNT)
 
     @contextlib.contextmanager
     def adoptable(self) -> Iterator[bool]:
@@ -1344,6 +1352,15 @@ def _by_eviction_order(txn: Any, db: Any) -> list[tuple[int, float, str]]:
             items.append((hits, last, bytes(key).decode(errors="replace")))
     items.sort()
     return items
+
+
+def _sync_directory(path: Path) -> None:
+    """``fsync`` a directory (its entries: a rename in it is durable once this returns)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _unspilled(entries: list[tuple[bytes, bytes]]) -> tuple[list[tuple[str, bytearray]], list[tuple[str, Any]]]:
