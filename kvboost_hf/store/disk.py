@@ -108,7 +108,7 @@ class DiskTier(StorageTier):
         self.lock_takeovers = 0  # write locks found abandoned by a dead holder and finished
         self.lost = 0  # chunks whose write failed or did not read back after its commit
         self._unreported_lost = 0  # lost since the last flush (which then returns False)
-        self._stale_holders: set[str] = set()  # holders past their lease already logged
+        self._stale_holders: set[str] = set()  # leases held past their term already logged
         self._main_busy = False  # the last try found WRITE_LOCK held: the next one does not wait for it
         self.spill_writes = 0  # chunks written to this process's spill because another process held the lock
         self._spill: _Spill | None = None  # this process's spill, opened on first need
@@ -285,12 +285,12 @@ class DiskTier(StorageTier):
 
     def flush(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
         """Wait (up to ``timeout_s``) until queued writes are committed (to the shared environment, or to this
-        process's spill while another process holds the write lock), then commit hit counts and merge spilled
-        entries while the write lock is free and time is left. True only if everything queued before the call
+        process's spill while another process holds the write lock), then commit hit counts with one slice of
+        spilled entries (:data:`MERGE_BATCH`) if the write lock is free. True only if everything queued before the call
         is on disk and no chunk was lost since the last flush (see the module docstring)."""
         deadline = time.monotonic() + timeout_s
         drained = self._writer.flush(timeout_s)
-        self._merge_spills(deadline)
+        self._merge_spills(deadline, adopt=True, slices=1)  # the rest: with later writes, flushes, the close
         with self._lock:
             lost, self._unreported_lost = self._unreported_lost, 0
         if lost:
@@ -306,7 +306,7 @@ class DiskTier(StorageTier):
             logger.warning("disk tier: a write to %s is still running at close; leaving it open", self.directory)
             self.disabled = "closed"
             return
-        self._merge_spills(deadline)
+        self._merge_spills(deadline, adopt=False, slices=None)  # its own spill only: the others' are not its job
         self._close_spills()
         with self._lock:
             if self._env is not None and self.disabled is None and not (self.directory / "data.mdb").exists():
@@ -447,10 +447,10 @@ class DiskTier(StorageTier):
         except _LockBusy as busy:
             self.lock_waits += 1
             self._main_busy = True
-            if busy.stale and busy.holder not in self._stale_holders:
-                self._stale_holders.add(busy.holder)
+            if busy.stale and busy.lease not in self._stale_holders:
+                self._stale_holders.add(busy.lease)
                 logger.warning(
-                    "disk tier: %s/%s is held past its lease by %s; writes stay in memory until it lets go",
+                    "disk tier: %s/%s is held past its lease by %s; writes go to this process's spill until it lets go",
                     self.directory,
                     WRITE_LOCK,
                     busy.holder,
@@ -517,13 +517,14 @@ class DiskTier(StorageTier):
         return True
 
     def _write_batch(
-        self, batch: list[tuple[str, Any]], lock_wait_s: float | None = None
+        self, batch: list[tuple[str, Any]], lock_wait_s: float | None = None, adopt: bool = True
     ) -> list[tuple[str, Any]] | None:
         """One transaction: the batch's records, deletes and tail notes, hit counts, a slice of spilled entries
         (:meth:`_merge_slice`), and the evictions needed to stay within ``max_bytes``. Runs on the writer thread
         (and in flush/close with an empty batch). When another process holds the write lock, the records and
         tail notes go to this process's spill instead (:meth:`_spill_batch`) and what it could not take is
-        returned (the writer keeps it and tries again); a batch that failed counts its chunks in ``lost``."""
+        returned (the writer keeps it and tries again); a batch that failed counts its chunks in ``lost``.
+        ``adopt``: the slice may come from an ended process's spill."""
         self._merged = 0
         if self.read_only:
             return None
@@ -531,7 +532,7 @@ class DiskTier(StorageTier):
         records = [(key, codec.encode(key, item)) for key, item in batch if _is_chunk(key, item)]
         if self._env is not None and not self._open_databases(wait):
             return self._spill_batch(batch, records)
-        merging = self._merge_slice()
+        merging = self._merge_slice(adopt)
         with self._lock:  # held only for the checks: readers must not wait for the commit's fsync
             hits, self._hits = self._hits, {}
             if (not batch and not hits and merging is None) or not self._usable() or self._replaced():
@@ -660,17 +661,19 @@ class DiskTier(StorageTier):
                 return value
         return None
 
-    def _merge_slice(self) -> tuple[list[tuple[bytes, bytes]], Callable[[], None]] | None:
+    def _merge_slice(self, adopt: bool) -> tuple[list[tuple[bytes, bytes]], Callable[[], None]] | None:
         """Up to :data:`MERGE_BATCH` spilled entries to commit into the shared environment, and what to do once
         they are committed and read back: from this process's spill first (then removed from it), else from the
         spill of a process that ended (adopted: the place reached remembered; the spill removed once all of it
-        was merged). None when there is nothing to merge."""
+        was merged; only if ``adopt``). None when there is nothing to merge."""
         sources = self._spill_sources()
         if self._spill is not None:
             spill = self._spill
             entries = spill.take(MERGE_BATCH)
             if entries:
                 return entries, functools.partial(spill.remove, [name for name, _ in entries])
+        if not adopt:
+            return None
         with self._spills_lock:
             for name, reader in list(self._readers.items()):
                 if reader not in sources:
@@ -699,14 +702,18 @@ class DiskTier(StorageTier):
         _release_env(self._readers.pop(name))
         logger.info("disk tier: the spill %s was merged and removed", reader.path)
 
-    def _merge_spills(self, deadline: float) -> None:
-        """Commit hit counts, then merge spilled entries slice by slice while the write lock is free (waited for
-        at most ``lock_wait_s``) and until ``deadline`` (monotonic seconds)."""
+    def _merge_spills(self, deadline: float, adopt: bool, slices: int | None) -> None:
+        """Commit hit counts with a slice of spilled entries (``adopt``: an ended process's spill may give it),
+        then more slices, up to ``slices`` in all (None: no limit), while the write lock is free (waited for at
+        most ``lock_wait_s``) and ``deadline`` (monotonic seconds) is not reached. A commit started before the
+        deadline may end after it (one commit: milliseconds, more for an fsync on a busy disk)."""
+        done = 0
         while True:
             wait = min(self.lock_wait_s, max(deadline - time.monotonic(), 0.0))
-            if self._write_batch([], lock_wait_s=wait) is not None or not self._merged:
+            if self._write_batch([], lock_wait_s=wait, adopt=adopt) is not None or not self._merged:
                 return
-            if time.monotonic() >= deadline:
+            done += 1
+            if done == slices or time.monotonic() >= deadline:
                 return
 
     def _close_spills(self) -> None:
@@ -890,10 +897,11 @@ class _LockBusy(KVBoostError):
     """Another process held :data:`WRITE_LOCK` longer than the wait allowed; ``holder`` describes its lease,
     ``stale`` says it is past the lease."""
 
-    def __init__(self, holder: str, stale: bool):
+    def __init__(self, holder: str, stale: bool, lease: str = ""):
         super().__init__(f"{WRITE_LOCK} held by {holder}")
         self.holder = holder
         self.stale = stale
+        self.lease = lease  # the lease as written (one per taking of the lock)
 
 
 @contextlib.contextmanager
@@ -912,7 +920,8 @@ def _write_lock(directory: Path, wait_s: float, lease_s: float) -> Iterator[str]
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    raise _LockBusy(*_describe_lease(os.pread(fd, _LEASE_BYTES, 0).decode(errors="replace"))) from None
+                    lease = os.pread(fd, _LEASE_BYTES, 0).decode(errors="replace").strip()
+                    raise _LockBusy(*_describe_lease(lease), lease) from None
                 time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
                 pause = min(pause * 2, 0.02)
         left = os.pread(fd, _LEASE_BYTES, 0).decode(errors="replace").strip()
@@ -1010,7 +1019,7 @@ _SPILL_COUNT = b"\0count"  # spill key of its number of records
 _SPILL_RECORD = b"r"  # spill key prefixes: record, tail note
 _SPILL_TAIL = b"t"
 _SPILL_SHARE = 4  # a spill holds at most max_bytes / 4 of records
-MERGE_BATCH = 16  # spilled entries moved into the shared environment per commit
+MERGE_BATCH = 64  # spilled entries moved into the shared environment per commit
 _RELIST_S = 1.0  # seconds after which writers/ is listed again even if its mtime did not change
 _READER_MAP_SIZE = 1 << 40  # address space a reader maps for a spill (never more than the file is read)
 
