@@ -111,12 +111,14 @@ class DiskTier(StorageTier):
         self._stale_holders: set[str] = set()  # leases held past their term already logged
         self._main_busy = False  # the last try found WRITE_LOCK held: the next one does not wait for it
         self.spill_writes = 0  # chunks written to this process's spill because another process held the lock
+        self._spill_logged = False  # the first batch written to the spill was logged
         self._spill: _Spill | None = None  # this process's spill, opened on first need
         self._readers: dict[str, _SpillReader] = {}  # other processes' spills, by name
         self._readers_seen: tuple[int | None, float] = (None, 0.0)  # writers/ mtime, monotonic time of listing
         self._adopted: dict[str, bytes] = {}  # dead spills being merged: the last spill key merged
         self._spills_lock = threading.RLock()  # the readers' list and the spill's opening
         self._spills_closed = False  # after close: no spill opened again
+        self._sources: tuple[list[Any], float] = ([], -_RECHECK_S)  # _spill_sources' answer and when it was made
         self._merged = 0  # spilled entries merged by the last write
         self.corrupt = 0
         self.evictions = 0
@@ -148,7 +150,7 @@ class DiskTier(StorageTier):
         pending = self._writer.pending(key)
         if pending is not None:
             return None if pending is _DELETE else pending
-        record = None
+        record, source = None, None  # source: the spill it came from (None: the shared environment)
         with self._lock:
             if self._usable():
                 try:
@@ -158,7 +160,7 @@ class DiskTier(StorageTier):
                 except lmdb.Error as exc:
                     self._failed("read", exc)
         if record is None:
-            spilled = self._spilled(_SPILL_RECORD + key.encode())
+            spilled, source = self._spilled(_SPILL_RECORD + key.encode())
             if spilled is None:
                 return None
             record = bytearray(spilled)
@@ -168,8 +170,12 @@ class DiskTier(StorageTier):
             with self._lock:
                 self.corrupt += 1
             logger.warning("disk tier: dropping corrupt entry %s... (%s)", key[:16], exc)
-            self.delete(key)
-            return None
+            if source is None:
+                self.delete(key)
+            elif source is self._spill:
+                with contextlib.suppress(lmdb.Error):
+                    self._spill.remove([_SPILL_RECORD + key.encode()])
+            return None  # in another process's spill: a miss here, dropped where it is merged and read again
         with self._lock:
             self._hits[key] = self._hits.get(key, 0) + 1
         return entry
@@ -184,7 +190,7 @@ class DiskTier(StorageTier):
         pending = self._writer.pending(key)
         if pending is not None:
             return pending is not _DELETE
-        return self._meta_of(key) is not None or self._spilled(_SPILL_RECORD + key.encode()) is not None
+        return self._meta_of(key) is not None or self._spilled(_SPILL_RECORD + key.encode())[0] is not None
 
     def delete(self, key: str) -> None:
         if self.disabled is None and not self.read_only:
@@ -575,10 +581,10 @@ class DiskTier(StorageTier):
         """Write the batch's ``records`` and tail notes to this process's spill (another process holds the write
         lock) and read them back; deletes stay queued. Returns what the writer keeps: the deletes, or the whole
         batch when the spill cannot take it (full, or it cannot be opened)."""
-        spill = self._own_spill()
+        tails = [(key[len(_TAIL_PREFIX) :], item) for key, item in batch if key.startswith(_TAIL_PREFIX)]
+        spill = self._own_spill() if records or tails else None
         if spill is None:
             return batch
-        tails = [(key[len(_TAIL_PREFIX) :], item) for key, item in batch if key.startswith(_TAIL_PREFIX)]
         try:
             unreadable = spill.write(records, tails)
         except (OSError, lmdb.Error) as exc:
@@ -586,7 +592,8 @@ class DiskTier(StorageTier):
             return batch
         if unreadable is None:
             return batch
-        if not self.spill_writes:
+        if not self._spill_logged:
+            self._spill_logged = True
             logger.warning(
                 "disk tier: %s/%s is held by another process; writing to this process's spill %s until it is free",
                 self.directory,
@@ -609,14 +616,20 @@ class DiskTier(StorageTier):
                 opener = functools.partial(_Spill, self.directory, max(self.max_bytes // _SPILL_SHARE, 1))
                 try:
                     self._spill = _acquire(path, opener)
+                    self._sources = ([], -_RECHECK_S)  # seen by the next read
                 except (OSError, lmdb.Error) as exc:
                     self._failed("opening a spill", exc)
             return self._spill
 
     def _spill_sources(self) -> list[Any]:
-        """This process's spill (if there is one) and readers of the other processes' spills. The listing of
-        ``writers/`` is read again when its mtime changed or :data:`_RELIST_S` after the last one (one ``stat``
-        per call otherwise)."""
+        """This process's spill (if there is one) and readers of the other processes' spills, as of at most
+        :data:`_RECHECK_S` ago (a spill another process just created is seen that much later: a miss meanwhile).
+        Past that, ``writers/`` is listed again when its mtime changed or :data:`_RELIST_S` after the last
+        listing (one ``stat`` otherwise)."""
+        now = time.monotonic()
+        sources, checked = self._sources
+        if now - checked < _RECHECK_S:
+            return sources
         try:
             stamp: int | None = os.stat(self.directory / SPILL_DIR).st_mtime_ns
         except OSError:
@@ -625,10 +638,11 @@ class DiskTier(StorageTier):
             if self._spills_closed:
                 return []
             seen, at = self._readers_seen
-            now = time.monotonic()
             if stamp != seen or now - at > _RELIST_S:
                 self._relist(stamp, now)
-            return ([self._spill] if self._spill is not None else []) + list(self._readers.values())
+            sources = ([self._spill] if self._spill is not None else []) + list(self._readers.values())
+            self._sources = (sources, now)
+            return sources
 
     def _relist(self, stamp: int | None, now: float) -> None:
         """Open readers of the spills listed in ``writers/`` (this process's own: opened as its spill), close those
@@ -649,8 +663,8 @@ class DiskTier(StorageTier):
                 self._readers[name] = _acquire(path, functools.partial(_SpillReader, path))
         self._readers_seen = (stamp, now)
 
-    def _spilled(self, name: bytes) -> bytes | None:
-        """The value under spill key ``name`` in the first spill holding it, or None."""
+    def _spilled(self, name: bytes) -> tuple[bytes | None, Any]:
+        """The value under spill key ``name`` in the first spill holding it and that spill, or ``(None, None)``."""
         for source in self._spill_sources():
             try:
                 value = source.get(name)
@@ -658,8 +672,8 @@ class DiskTier(StorageTier):
                 self._failed("spill read", exc)
                 continue
             if value is not None:
-                return value
-        return None
+                return value, source
+        return None, None
 
     def _merge_slice(self, adopt: bool) -> tuple[list[tuple[bytes, bytes]], Callable[[], None]] | None:
         """Up to :data:`MERGE_BATCH` spilled entries to commit into the shared environment, and what to do once
@@ -699,6 +713,7 @@ class DiskTier(StorageTier):
             return
         shutil.rmtree(gone, ignore_errors=True)
         self._adopted.pop(name, None)
+        self._sources = ([], -_RECHECK_S)
         _release_env(self._readers.pop(name))
         logger.info("disk tier: the spill %s was merged and removed", reader.path)
 
@@ -721,6 +736,7 @@ class DiskTier(StorageTier):
         the readers; none is opened again."""
         with self._spills_lock:
             self._spills_closed = True
+            self._sources = ([], -_RECHECK_S)
             for reader in self._readers.values():
                 _release_env(reader)
             self._readers.clear()
@@ -1021,6 +1037,7 @@ _SPILL_TAIL = b"t"
 _SPILL_SHARE = 4  # a spill holds at most max_bytes / 4 of records
 MERGE_BATCH = 64  # spilled entries moved into the shared environment per commit
 _RELIST_S = 1.0  # seconds after which writers/ is listed again even if its mtime did not change
+_RECHECK_S = 0.05  # seconds a reading of writers/ is used before its mtime is looked at again
 _READER_MAP_SIZE = 1 << 40  # address space a reader maps for a spill (never more than the file is read)
 
 
