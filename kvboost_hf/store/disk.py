@@ -5,7 +5,8 @@ LMDB gives concurrent readers in many processes, one serialised writer, and copy
 crash (SIGKILL, power loss after ``fsync``) cannot tear; a slot file shared between processes would need its own
 cross-process allocator, index and recovery. Fetch latency is one memcpy out of the page cache either way.
 
-Layout of ``directory`` (LMDB's ``data.mdb`` and ``lock.mdb``), three named databases:
+Layout of ``directory``: LMDB's ``data.mdb`` and ``lock.mdb`` (the shared environment), :data:`WRITE_LOCK`,
+:data:`OPENING_LOCK` and ``writers/`` (spills, below). The shared environment has three named databases:
 
 * ``records``: key -> :mod:`kvboost_hf.store.codec` record (SHA-256 and the key it was stored under: a flipped
   byte, a torn or foreign value is a miss, counted in ``corrupt``, and deleted);
@@ -29,15 +30,30 @@ again before calling it truncated (a commit was in progress: counted in ``rechec
 
 The write lock is a lease, never waited on without bound: its holder writes its pid, process start time and
 the time it took the lock into :data:`WRITE_LOCK` and clears them when it lets go. A background write waits at
-most ``lock_wait_s`` for it; a batch that did not get it stays in memory (served by ``get``) and is tried again
-later, counted in ``lock_waits``; ``flush`` and ``close`` return within their ``timeout_s``. A waiter that finds
-the holder past its ``lease_s`` logs it once with the holder's state (a stopped or hung process keeps LMDB's
-own writer mutex too, so no other process can write until it runs or dies). A holder that died leaves its lease
-written: the next holder finishes what it left (extends ``data.mdb`` over the counted pages; LMDB's robust
-mutex and copy-on-write pages make its unfinished transaction vanish) and counts it in ``lock_takeovers``.
+most ``lock_wait_s`` for it (and not at all right after a try found it held), counted in ``lock_waits``; a
+waiter that finds the holder past its ``lease_s`` logs it once with the holder's state. A holder that died
+leaves its lease written: the next holder finishes what it left (extends ``data.mdb`` over the counted pages;
+LMDB's robust mutex and copy-on-write pages make its unfinished transaction vanish) and counts it in
+``lock_takeovers``.
+
+Spills: a stopped or hung holder keeps LMDB's own writer mutex as well as the lock, and LMDB has one writer per
+environment, so a batch that does not get the lock goes to this process's *spill*: an LMDB environment of its
+own, ``writers/<pid>-<start ticks>/`` (:class:`_Spill`), that only this process writes (nobody else's stop can
+block it), committed and read back like the shared one (``spill_writes``). Every process reads every spill
+after a miss in the shared environment (:class:`_SpillReader`; the listing of ``writers/`` is looked at when
+its mtime changes). Spilled entries are moved into the shared environment, :data:`MERGE_BATCH` at a time, with
+the next commits that get the lock (the writer's batches, one slice per ``flush``, all of them at ``close``),
+and removed from the spill once committed and read back there; the budget and the eviction order are then the
+shared environment's. A spill whose owner ended (its :data:`OWNER_LOCK` ``flock`` is free: a killed process
+included) is adopted the same way by any process that writes or flushes, then removed. A spill holds at most
+``max_bytes / 4`` of records: so the directory holds at most ``max_bytes`` plus that much per process that
+spilled; a batch the spill cannot take stays in memory and is tried again. Nothing in the shared environment's
+format changes: a process without spills (or of an earlier version) uses the directory as before.
+``flush`` and ``close`` return within their ``timeout_s`` (plus one commit started before it ran out).
 
 Durability: ``flush`` returns True only when every chunk written since the last flush was committed and then
-read back, byte for byte, from a new read transaction under the lock (what a reopened environment sees); a
+read back, byte for byte, from a new read transaction (of the shared environment under the lock, or of the
+spill: what a reopened environment sees); a
 chunk whose commit failed (a full file system: ``ENOSPC`` or a short write) or that did not read back is
 counted in ``lost`` and makes the next ``flush`` return False.
 """
@@ -79,10 +95,11 @@ class DiskTier(StorageTier):
     """Restart-surviving, multi-process tier under ``directory`` (see the module docstring).
 
     ``max_bytes`` bounds the bytes of records held (page-rounded); the LMDB file grows as needed, up to
-    ``1.25 * max_bytes`` plus a little, and is never reserved up front. Tiers of one process on one directory
-    share one LMDB environment (LMDB allows one per process; the first one's file size limit applies).
-    ``queue_size`` bounds the writes waiting for the disk. ``nbytes`` and ``len`` are the values every process
-    sharing the directory sees.
+    ``1.25 * max_bytes`` plus a little, and is never reserved up front; each process's spill holds at most
+    ``max_bytes / 4`` more while another process holds the write lock. Tiers of one process on one directory
+    share one LMDB environment and one spill (LMDB allows one per process; the first one's size limits apply).
+    ``queue_size`` bounds the writes waiting for the disk. ``nbytes`` and ``len`` are the shared environment's
+    (what every process sharing the directory sees); entries still in spills are ``stats()["spilled"]``.
     """
 
     name = "disk"
