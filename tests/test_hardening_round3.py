@@ -212,7 +212,7 @@ def test_other_processes_keep_writing_while_one_is_stopped_mid_write(tmp_path: P
         watchdog.start()
         writers = [
             subprocess.Popen(
-                [sys.executable, "-c", _KEEP_WRITING, str(directory), str(process), "2.0"],
+                [sys.executable, "-c", _KEEP_WRITING, str(directory), str(process), "1.0"],
                 env=ENV,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
