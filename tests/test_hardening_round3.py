@@ -19,13 +19,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import API_KEY, ENV, MODEL_NAME, key, raw_entry
+from helpers import API_KEY, ENV, MODEL_NAME, assert_same, key, raw_entry
+from test_disk_tier import _flip_inside_record
 from test_server_hardening import HardenedServer
 
 from kvboost_hf.server.app import ServerConfig, create_app
 from kvboost_hf.server.grammar import GrammarCompiler, GrammarConfig, GrammarError, GrammarQuota
 from kvboost_hf.server.grammar_process import CompileProcess
-from kvboost_hf.store.disk import WRITE_LOCK, DiskTier
+from kvboost_hf.store import codec
+from kvboost_hf.store.disk import MERGE_BATCH, WRITE_LOCK, DiskTier
 
 # ---------------------------------------------------------------------------------------------- the write lock
 
@@ -82,27 +84,30 @@ def test_flush_returns_within_its_timeout_while_a_stopped_process_holds_the_lock
     tmp_path: Path, stopped_holder: Callable[[], subprocess.Popen], caplog
 ):
     """Before: ``flush(timeout_s=1)`` blocked until the holder ran again (here: the 6 s watchdog). Now it returns
-    False within the timeout, the writes are served from memory, counted in ``lock_waits``, the holder is named
-    once past its lease, and the writes land once it lets go."""
+    True within the timeout: the writes went to this process's spill (counted in ``lock_waits`` and
+    ``spill_writes``) and are served from there, the holder is named once past its lease, and the spill is
+    merged into the shared environment once it lets go."""
     directory = tmp_path / "d"
     tier = DiskTier(directory, 1 << 22, lock_wait_s=0.05, lease_s=5.0)
     holder = stopped_holder()
     try:
         with caplog.at_level("WARNING", logger="kvboost_hf.store.disk"):
             _put_batch(tier, 0, 8)
-            time.sleep(0.2)  # the writer thread takes the batch (and the hit counts so far)
+            time.sleep(0.6)  # the writer thread takes the batch; the holder passes its 0.5 s lease
             assert tier.get(key(100)) is not None  # a hit count for flush to commit
             start = time.monotonic()
             drained = tier.flush(timeout_s=1.0)
             elapsed = time.monotonic() - start
         assert elapsed < 1.0 + 0.5, elapsed
-        assert not drained
-        assert all(tier.get(key(i)) is not None for i in range(8))  # still served, from memory
-        assert tier.stats()["lock_waits"] >= 1
+        assert drained
+        assert tier.queued == 0 and all(tier.get(key(i)) is not None for i in range(8))  # served from the spill
+        assert tier.stats()["lock_waits"] >= 1 and tier.stats()["spill_writes"] == 8
+        assert tier.stats()["spilled"] == 8 and tier.stats()["chunks"] == 1
         assert f"held past its lease by process {holder.pid} (stopped" in caplog.text
         os.kill(holder.pid, signal.SIGCONT)
         assert holder.stdout is not None and holder.stdout.readline().strip() == "released"
         assert tier.flush(timeout_s=5.0)
+        assert tier.stats()["spilled"] == 0 and tier.stats()["chunks"] == 9  # merged
     finally:
         tier.close()
     reopened = DiskTier(directory, 1 << 22)
@@ -115,15 +120,133 @@ def test_flush_returns_within_its_timeout_while_a_stopped_process_holds_the_lock
 def test_close_returns_within_its_timeout_while_a_stopped_process_holds_the_lock(
     tmp_path: Path, stopped_holder: Callable[[], subprocess.Popen]
 ):
-    """Before: ``close(timeout_s=1)`` took until the holder ran again. Now within the timeout; what could not be
-    written is counted as dropped."""
+    """Before: ``close(timeout_s=1)`` took until the holder ran again, and dropped the 8 writes. Now within the
+    timeout, nothing dropped: the writes are in this process's spill, served by a tier opened while the holder
+    is still stopped."""
     tier = DiskTier(tmp_path / "d", 1 << 22, lock_wait_s=0.05)
     stopped_holder()
     _put_batch(tier, 0, 8)
+    tier.note_tail(key(0), frozenset({3, 5}))
     start = time.monotonic()
     tier.close(timeout_s=1.0)
     assert time.monotonic() - start < 1.0 + 0.5
-    assert tier.dropped == 8
+    assert tier.dropped == 0
+    reopened = DiskTier(tmp_path / "d", 1 << 22, lock_wait_s=0.05)
+    try:
+        assert all(reopened.get(key(i)) is not None for i in range(8))
+        assert reopened.tail_lengths(key(0)) == {3, 5}
+    finally:
+        reopened.close()
+
+
+def test_a_damaged_spilled_record_is_a_miss(tmp_path: Path, stopped_holder: Callable[[], subprocess.Popen]):
+    """A spilled record is checked like any other (SHA-256 and the key it was stored under): a flipped byte in
+    the spill's file is a miss, counted in ``corrupt``, never wrong K/V."""
+    tier = DiskTier(tmp_path / "d", 1 << 22, lock_wait_s=0.05)
+    stopped_holder()
+    tier.put(key(7), raw_entry(seed=7))
+    assert tier.flush(timeout_s=1.0) and tier.stats()["spill_writes"] == 1
+    tier.close()
+    (spill,) = [path for path in (tmp_path / "d" / "writers").iterdir() if not path.name.startswith(".")]
+    _flip_inside_record(spill, codec.encode(key(7), raw_entry(seed=7)), 3000)
+    reopened = DiskTier(tmp_path / "d", 1 << 22, lock_wait_s=0.05)
+    try:
+        assert reopened.get(key(7)) is None
+        assert reopened.stats()["corrupt"] == 1 and reopened.stats()["spilled"] == 0  # removed from its spill
+    finally:
+        reopened.close()
+
+
+_STOP_MID_WRITE = textwrap.dedent(
+    """
+    import os, signal, sys
+    from kvboost_hf.store.disk import DiskTier
+    tier = DiskTier(sys.argv[1], 1 << 26)
+    with tier._transaction():  # WRITE_LOCK and LMDB's own writer mutex held, a write transaction open
+        print("writing", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    tier.close()
+    """
+)
+
+_KEEP_WRITING = textwrap.dedent(
+    """
+    import json, sys, time
+    from chunks import key, raw_entry
+    from kvboost_hf.store.disk import DiskTier
+    directory, process, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    tier = DiskTier(directory, 1 << 26)
+    durable, flushes = [], []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        numbers = [process * 100_000 + len(flushes) * 4 + i for i in range(4)]
+        for number in numbers:
+            tier.put(key(number), raw_entry(seed=number))
+        start = time.monotonic()
+        if tier.flush(timeout_s=1.0):
+            durable += numbers
+        flushes.append(time.monotonic() - start)
+    stats = tier.stats()
+    start = time.monotonic()
+    tier.close(timeout_s=1.0)
+    close = time.monotonic() - start
+    print(json.dumps({"durable": durable, "flushes": flushes, "close": close, "stats": stats}))
+    """
+)
+
+
+def test_other_processes_keep_writing_while_one_is_stopped_mid_write(tmp_path: Path):
+    """Item 5's target: three processes share a directory; one is stopped (SIGSTOP) inside a write transaction,
+    holding ``WRITE_LOCK`` and LMDB's own writer mutex. Before: the other two wrote 0 chunks while it was stopped
+    (every ``flush`` False after its timeout; LMDB allows one writer per environment). Now each writes into its
+    own spill environment: its flushes return True within their timeout (+1 s), its close too, and after the
+    stopped process resumes and all end, a reopened tier serves every chunk a flush called written (bit for bit)
+    and merges the spills of the ended processes into the shared environment."""
+    directory = tmp_path / "d"
+    stopped = subprocess.Popen(
+        [sys.executable, "-c", _STOP_MID_WRITE, str(directory)], env=ENV, stdout=subprocess.PIPE, text=True
+    )
+    watchdog = threading.Timer(20.0, os.kill, (stopped.pid, signal.SIGCONT))  # never a hung suite
+    try:
+        assert stopped.stdout is not None and stopped.stdout.readline().strip() == "writing"
+        watchdog.start()
+        writers = [
+            subprocess.Popen(
+                [sys.executable, "-c", _KEEP_WRITING, str(directory), str(process), "1.0"],
+                env=ENV,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for process in (1, 2)
+        ]
+        reports = []
+        for writer in writers:
+            out, err = writer.communicate(timeout=60)
+            assert writer.returncode == 0, err[-2000:]
+            reports.append(json.loads(out))
+        assert stopped.poll() is None  # still stopped: all of the above happened while it held the lock
+    finally:
+        watchdog.cancel()
+        os.kill(stopped.pid, signal.SIGCONT)
+        stopped.communicate(timeout=30)
+    for report in reports:
+        assert len(report["durable"]) >= 20, report["stats"]  # before: 0
+        assert max(report["flushes"]) < 1.0 + 1.0 and report["close"] < 1.0 + 1.0
+        assert report["stats"]["spill_writes"] >= len(report["durable"]) and report["stats"]["lost"] == 0
+    durable = [number for report in reports for number in report["durable"]]
+    reopened = DiskTier(directory, 1 << 26)
+    try:
+        for number in durable:
+            found = reopened.get(key(number))
+            assert found is not None, number
+            assert_same(found, raw_entry(seed=number))
+        for _ in range(len(durable) // MERGE_BATCH + 3):  # a slice per flush: the ended processes' spills
+            assert reopened.flush(timeout_s=5.0)  # are adopted (merged), then removed
+        assert reopened.stats()["spilled"] == 0 and reopened.stats()["chunks"] >= len(durable)
+        assert [name for name in os.listdir(directory / "writers") if not name.startswith(".")] == []
+    finally:
+        reopened.close()
 
 
 _DIE_AFTER_COMMIT = textwrap.dedent(
@@ -504,13 +627,9 @@ def test_a_client_over_its_compile_share_gets_a_429_and_others_are_answered(embe
     settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, grammar_limits=GrammarConfig(workers=2))
 
     def body(title: str, salt: str) -> bytes:
-        schema = {**_SCHEMA, "title": title}
-        response_format = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
-        messages = [{"role": "user", "content": "Is water wet?"}]
-        request = {"model": MODEL_NAME, "messages": messages, "max_tokens": 4, "temperature": 0}
-        return json.dumps({**request, "response_format": response_format, "cache_salt": salt}).encode()
+        return _structured_body({**_SCHEMA, "title": title}, salt)
 
-    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    headers = _HEADERS
     with HardenedServer(create_app(embedded_engine, settings), settings) as live:
         url = f"{live.url}/v1/chat/completions"
         with httpx.Client(timeout=60) as attacker, ThreadPoolExecutor(2) as pool:
@@ -527,6 +646,62 @@ def test_a_client_over_its_compile_share_gets_a_429_and_others_are_answered(embe
             assert answered.status_code == 200, answered.text
             release.set()
             assert all(request.result(60).status_code == 200 for request in held_requests)
+
+
+def _structured_body(schema: dict, salt: str) -> bytes:
+    """A chat request whose answer must follow ``schema``, under ``cache_salt`` ``salt``."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    messages = [{"role": "user", "content": "Is water wet?"}]
+    request = {"model": MODEL_NAME, "messages": messages, "max_tokens": 4, "temperature": 0}
+    return json.dumps({**request, "response_format": response_format, "cache_salt": salt}).encode()
+
+
+_HEADERS = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+
+
+def test_an_invalid_schema_is_a_400_while_the_compile_queue_is_full(embedded_engine, monkeypatch):
+    """Item 2's last clause: two clients hold the whole compile queue (2 places, compiles held here). A valid
+    new schema from a third client gets 503 ``grammar_busy`` (the queue is full); invalid schemas, as a response
+    format and as tool parameters, get 400 ``invalid_schema`` (before: 503, which clients retry)."""
+    release = threading.Event()
+    original = CompileProcess.compile
+
+    def held(process, kind, args, time_limit_s):
+        if "held" in json.dumps(args):
+            assert release.wait(60)
+        return original(process, kind, args, time_limit_s)
+
+    monkeypatch.setattr(CompileProcess, "compile", held)
+    limits = GrammarConfig(workers=2, max_waiting=2, max_waiting_per_client=1)
+    settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, grammar_limits=limits)
+    with HardenedServer(create_app(embedded_engine, settings), settings) as live:
+        url = f"{live.url}/v1/chat/completions"
+
+        def post(address: str, content: bytes) -> httpx.Response:
+            with httpx.Client(timeout=60, transport=httpx.HTTPTransport(local_address=address)) as client:
+                return client.post(url, content=content, headers=_HEADERS)
+
+        with ThreadPoolExecutor(2) as pool:
+            holders = [
+                pool.submit(post, f"127.0.0.{i + 1}", _structured_body({**_SCHEMA, "title": f"held {i}"}, "s"))
+                for i in range(2)
+            ]
+            deadline = time.monotonic() + 60
+            while (busy := post("127.0.0.3", _structured_body(_SCHEMA, "t"))).status_code != 503:
+                assert time.monotonic() < deadline, busy.text  # until both held compiles are queued
+                time.sleep(0.05)
+            assert busy.json()["error"]["code"] == "grammar_busy"
+            invalid = post("127.0.0.3", _structured_body({"type": "object", "properties": {"a": {"type": "txt"}}}, "t"))
+            assert invalid.status_code == 400, invalid.text
+            assert invalid.json()["error"]["code"] == "invalid_schema" and "'txt'" in invalid.text
+            tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": "a"}}}
+            request = json.loads(_structured_body(_SCHEMA, "t"))
+            del request["response_format"]
+            bad_tool = post("127.0.0.3", json.dumps({**request, "tools": [tool]}).encode())
+            assert bad_tool.status_code == 400, bad_tool.text
+            assert bad_tool.json()["error"]["code"] == "invalid_schema" and "tools[0]" in bad_tool.text
+            release.set()
+            assert all(holder.result(60).status_code == 200 for holder in holders)
 
 
 @pytest.mark.compile_processes_at_start

@@ -24,7 +24,9 @@ schema never changes another tenant's compile time. Two identities: ``tenant`` (
 cache; ``client`` (the server passes the client's address: a salt chosen per request must not buy a client more
 of the queue) is what the shares of the queue and of the workers are counted against (a caller that names no
 client, e.g. a library user, has no queue share and its workers' share counted per ``tenant``). A compile whose child
-process died is run once more on another child (:mod:`~kvboost_hf.server.grammar_process`).
+process died is run once more on another child (:mod:`~kvboost_hf.server.grammar_process`). A schema that certainly
+cannot compile (:mod:`~kvboost_hf.server.schema_check`, checked in this process) is GrammarError before any of
+these bounds, so it is a 400 whatever the load, never a 503.
 
 Invariant: a row constrained by a processor can only produce text the grammar accepts (or a prefix of it when its
 token budget runs out first).
@@ -49,6 +51,7 @@ from transformers import LogitsProcessor, PreTrainedTokenizerBase
 from kvboost_hf.core.errors import KVBoostError, StateError
 from kvboost_hf.hf.detokenize import REPLACEMENT, IncrementalText
 from kvboost_hf.server.grammar_process import CompileDied, CompileFailed, CompilePool, CompileProcess, CompileTimeout
+from kvboost_hf.server.schema_check import certain_schema_problem
 
 TOOL_CALL_BEGIN = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -160,7 +163,10 @@ class GrammarCompiler:
         return self.json_schema({"type": "object"}, tenant=tenant, client=client)
 
     def json_schema(self, schema: dict[str, Any], *, tenant: str | None = None, client: str | None = None) -> Compiled:
-        """JSON valid against ``schema``, compact (:func:`compact_json_grammar`)."""
+        """JSON valid against ``schema``, compact (:func:`compact_json_grammar`). A schema that certainly cannot
+        compile (:func:`~kvboost_hf.server.schema_check.certain_schema_problem`) is GrammarError at once, whatever
+        the load."""
+        _refuse_if_certainly_invalid(schema, "schema")
         source = json.dumps(schema)
         return self._compile(tenant, client, f"json {source}", "json_schema", [source])
 
@@ -177,6 +183,8 @@ class GrammarCompiler:
         unless ``parallel``."""
         if not tools:
             raise GrammarError("no tools to call")
+        for i, tool in enumerate(tools):
+            _refuse_if_certainly_invalid(tool.parameters, f"tools[{i}].function.parameters")
         source = json.dumps([[tool.name, tool.parameters] for tool in tools] + [required, parallel])
         jobs_tools = [[tool.name, tool.parameters, tool.description] for tool in tools]
         return self._compile(tenant, client, f"tags {source}", "tool_calls", [jobs_tools, required, parallel])
@@ -290,6 +298,14 @@ class GrammarCompiler:
                 while len(self._cache) > self.limits.cache_entries:
                     self._cache.popitem(last=False)
             return grammar
+
+
+def _refuse_if_certainly_invalid(schema: Any, path: str) -> None:
+    """GrammarError naming what makes ``schema`` certainly uncompilable (checked in this process, before any
+    queue), if anything."""
+    problem = certain_schema_problem(schema, path)
+    if problem is not None:
+        raise GrammarError(f"invalid schema: {problem}")
 
 
 def compact_json_grammar(schema: dict[str, Any]) -> xgrammar.Grammar:

@@ -5,7 +5,8 @@ LMDB gives concurrent readers in many processes, one serialised writer, and copy
 crash (SIGKILL, power loss after ``fsync``) cannot tear; a slot file shared between processes would need its own
 cross-process allocator, index and recovery. Fetch latency is one memcpy out of the page cache either way.
 
-Layout of ``directory`` (LMDB's ``data.mdb`` and ``lock.mdb``), three named databases:
+Layout of ``directory``: LMDB's ``data.mdb`` and ``lock.mdb`` (the shared environment), :data:`WRITE_LOCK`,
+:data:`OPENING_LOCK` and ``writers/`` (spills, below). The shared environment has three named databases:
 
 * ``records``: key -> :mod:`kvboost_hf.store.codec` record (SHA-256 and the key it was stored under: a flipped
   byte, a torn or foreign value is a miss, counted in ``corrupt``, and deleted);
@@ -29,15 +30,30 @@ again before calling it truncated (a commit was in progress: counted in ``rechec
 
 The write lock is a lease, never waited on without bound: its holder writes its pid, process start time and
 the time it took the lock into :data:`WRITE_LOCK` and clears them when it lets go. A background write waits at
-most ``lock_wait_s`` for it; a batch that did not get it stays in memory (served by ``get``) and is tried again
-later, counted in ``lock_waits``; ``flush`` and ``close`` return within their ``timeout_s``. A waiter that finds
-the holder past its ``lease_s`` logs it once with the holder's state (a stopped or hung process keeps LMDB's
-own writer mutex too, so no other process can write until it runs or dies). A holder that died leaves its lease
-written: the next holder finishes what it left (extends ``data.mdb`` over the counted pages; LMDB's robust
-mutex and copy-on-write pages make its unfinished transaction vanish) and counts it in ``lock_takeovers``.
+most ``lock_wait_s`` for it (and not at all right after a try found it held), counted in ``lock_waits``; a
+waiter that finds the holder past its ``lease_s`` logs it once with the holder's state. A holder that died
+leaves its lease written: the next holder finishes what it left (extends ``data.mdb`` over the counted pages;
+LMDB's robust mutex and copy-on-write pages make its unfinished transaction vanish) and counts it in
+``lock_takeovers``.
+
+Spills: a stopped or hung holder keeps LMDB's own writer mutex as well as the lock, and LMDB has one writer per
+environment, so a batch that does not get the lock goes to this process's *spill*: an LMDB environment of its
+own, ``writers/<pid>-<start ticks>/`` (:class:`_Spill`), that only this process writes (nobody else's stop can
+block it), committed and read back like the shared one (``spill_writes``). Every process reads every spill
+after a miss in the shared environment (:class:`_SpillReader`; the listing of ``writers/`` is looked at when
+its mtime changes). Spilled entries are moved into the shared environment, :data:`MERGE_BATCH` at a time, with
+the next commits that get the lock (the writer's batches, one slice per ``flush``, all of them at ``close``),
+and removed from the spill once committed and read back there; the budget and the eviction order are then the
+shared environment's. A spill whose owner ended (its :data:`OWNER_LOCK` ``flock`` is free: a killed process
+included) is adopted the same way by any process that writes or flushes, then removed. A spill holds at most
+``max_bytes / 4`` of records: so the directory holds at most ``max_bytes`` plus that much per process that
+spilled; a batch the spill cannot take stays in memory and is tried again. Nothing in the shared environment's
+format changes: a process without spills (or of an earlier version) uses the directory as before.
+``flush`` and ``close`` return within their ``timeout_s`` (plus one commit started before it ran out).
 
 Durability: ``flush`` returns True only when every chunk written since the last flush was committed and then
-read back, byte for byte, from a new read transaction under the lock (what a reopened environment sees); a
+read back, byte for byte, from a new read transaction (of the shared environment under the lock, or of the
+spill: what a reopened environment sees); a
 chunk whose commit failed (a full file system: ``ENOSPC`` or a short write) or that did not read back is
 counted in ``lost`` and makes the next ``flush`` return False.
 """
@@ -46,13 +62,15 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import logging
 import os
+import shutil
 import struct
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +95,11 @@ class DiskTier(StorageTier):
     """Restart-surviving, multi-process tier under ``directory`` (see the module docstring).
 
     ``max_bytes`` bounds the bytes of records held (page-rounded); the LMDB file grows as needed, up to
-    ``1.25 * max_bytes`` plus a little, and is never reserved up front. Tiers of one process on one directory
-    share one LMDB environment (LMDB allows one per process; the first one's file size limit applies).
-    ``queue_size`` bounds the writes waiting for the disk. ``nbytes`` and ``len`` are the values every process
-    sharing the directory sees.
+    ``1.25 * max_bytes`` plus a little, and is never reserved up front; each process's spill holds at most
+    ``max_bytes / 4`` more while another process holds the write lock. Tiers of one process on one directory
+    share one LMDB environment and one spill (LMDB allows one per process; the first one's size limits apply).
+    ``queue_size`` bounds the writes waiting for the disk. ``nbytes`` and ``len`` are the shared environment's
+    (what every process sharing the directory sees); entries still in spills are ``stats()["spilled"]``.
     """
 
     name = "disk"
@@ -106,7 +125,18 @@ class DiskTier(StorageTier):
         self.lock_takeovers = 0  # write locks found abandoned by a dead holder and finished
         self.lost = 0  # chunks whose write failed or did not read back after its commit
         self._unreported_lost = 0  # lost since the last flush (which then returns False)
-        self._stale_holders: set[str] = set()  # holders past their lease already logged
+        self._stale_holders: set[str] = set()  # leases held past their term already logged
+        self._main_busy = False  # the last try found WRITE_LOCK held: the next one does not wait for it
+        self.spill_writes = 0  # chunks written to this process's spill because another process held the lock
+        self._spill_logged = False  # the first batch written to the spill was logged
+        self._spill: _Spill | None = None  # this process's spill, opened on first need
+        self._readers: dict[str, _SpillReader] = {}  # other processes' spills, by name
+        self._readers_seen: tuple[int | None, float] = (None, 0.0)  # writers/ mtime, monotonic time of listing
+        self._adopted: dict[str, bytes] = {}  # dead spills being merged: the last spill key merged
+        self._spills_lock = threading.RLock()  # the readers' list and the spill's opening
+        self._spills_closed = False  # after close: no spill opened again
+        self._sources: tuple[list[Any], float] = ([], -_RECHECK_S)  # _spill_sources' answer and when it was made
+        self._merged = 0  # spilled entries merged by the last write
         self.corrupt = 0
         self.evictions = 0
         self.errors = 0
@@ -137,26 +167,32 @@ class DiskTier(StorageTier):
         pending = self._writer.pending(key)
         if pending is not None:
             return None if pending is _DELETE else pending
+        record, source = None, None  # source: the spill it came from (None: the shared environment)
         with self._lock:
-            if not self._usable():
-                return None
-            try:
-                with self._env.begin(db=self._records, buffers=True) as txn:
-                    buffer = txn.get(key.encode())
-                    record = None if buffer is None else bytearray(buffer)
-            except lmdb.Error as exc:
-                self._failed("read", exc)
-                return None
+            if self._usable():
+                try:
+                    with self._env.begin(db=self._records, buffers=True) as txn:
+                        buffer = txn.get(key.encode())
+                        record = None if buffer is None else bytearray(buffer)
+                except lmdb.Error as exc:
+                    self._failed("read", exc)
         if record is None:
-            return None
+            spilled, source = self._spilled(_SPILL_RECORD + key.encode())
+            if spilled is None:
+                return None
+            record = bytearray(spilled)
         try:
             entry = codec.decode(key, record)
         except codec.CorruptEntryError as exc:
             with self._lock:
                 self.corrupt += 1
             logger.warning("disk tier: dropping corrupt entry %s... (%s)", key[:16], exc)
-            self.delete(key)
-            return None
+            if source is None:
+                self.delete(key)
+            elif source is self._spill:
+                with contextlib.suppress(lmdb.Error):
+                    self._spill.remove([_SPILL_RECORD + key.encode()])
+            return None  # in another process's spill: a miss here, dropped where it is merged and read again
         with self._lock:
             self._hits[key] = self._hits.get(key, 0) + 1
         return entry
@@ -171,14 +207,15 @@ class DiskTier(StorageTier):
         pending = self._writer.pending(key)
         if pending is not None:
             return pending is not _DELETE
-        return self._meta_of(key) is not None
+        return self._meta_of(key) is not None or self._spilled(_SPILL_RECORD + key.encode())[0] is not None
 
     def delete(self, key: str) -> None:
         if self.disabled is None and not self.read_only:
             self._writer.submit(key, _DELETE, block_s=1.0)
 
     def clear(self) -> None:
-        """Drop every entry (and tail note) after the queued writes land; every process sharing it sees it."""
+        """Drop every entry (and tail note) after the queued writes land, in the shared environment (every
+        process sharing it sees it) and this process's spill (other processes' spills are theirs)."""
         self._writer.flush()
         with self._lock:
             if self.read_only or not self._usable():
@@ -188,6 +225,8 @@ class DiskTier(StorageTier):
                 with self._transaction(self.lease_s) as txn:
                     for db in (self._records, self._meta, self._tails):
                         txn.drop(db, delete=False)
+                if self._spill is not None:
+                    self._spill.remove([name for name, _ in self._spill.take(-1)])
             except (lmdb.Error, _LockBusy) as exc:
                 self._failed("clear", exc)
 
@@ -211,7 +250,9 @@ class DiskTier(StorageTier):
         ``dropped`` (writes not done), ``queued`` (writes not yet on disk), ``corrupt`` (records refused),
         ``rechecks`` (a short ``data.mdb`` seen during another commit, intact once it ended), ``lock_waits``
         (batches kept in memory because another process held the write lock), ``lock_takeovers`` (locks left by a
-        dead holder), ``lost`` (chunks whose write failed or did not read back), ``read_only`` (1 when the
+        dead holder), ``lost`` (chunks whose write failed or did not read back), ``spill_writes`` (chunks this
+        process wrote to its spill while another held the lock), ``spilled`` (chunks in the spills of every process,
+        not yet merged; not in ``chunks``), ``read_only`` (1 when the
         directory cannot be written: reads served, nothing written), ``disabled`` (1 once the tier
         gave up; not after a plain close)."""
         return {
@@ -226,6 +267,8 @@ class DiskTier(StorageTier):
             "lock_waits": self.lock_waits,
             "lock_takeovers": self.lock_takeovers,
             "lost": self.lost,
+            "spill_writes": self.spill_writes,
+            "spilled": sum(source.entries() for source in self._spill_sources()),
             "read_only": int(self.read_only),
             "disabled": int(self.disabled not in (None, "closed")),
         }
@@ -239,6 +282,9 @@ class DiskTier(StorageTier):
     def tail_lengths(self, parent_key: str) -> set[int]:
         pending = self._writer.pending(_TAIL_PREFIX + parent_key)
         out = set(pending) if pending is not None else set()
+        for source in self._spill_sources():
+            with contextlib.suppress(lmdb.Error):
+                out |= _unpack_lengths(source.get(_SPILL_TAIL + parent_key.encode()))
         with self._lock:
             if not self._usable():
                 return out
@@ -261,12 +307,13 @@ class DiskTier(StorageTier):
         return len(self._writer)
 
     def flush(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
-        """Wait (up to ``timeout_s``) until queued writes are committed, then commit hit counts (if the write
-        lock is free in the time left). True only if everything queued before the call is on disk and no chunk
-        was lost since the last flush (see the module docstring)."""
+        """Wait (up to ``timeout_s``) until queued writes are committed (to the shared environment, or to this
+        process's spill while another process holds the write lock), then commit hit counts with one slice of
+        spilled entries (:data:`MERGE_BATCH`) if the write lock is free. True only if everything queued before the call
+        is on disk and no chunk was lost since the last flush (see the module docstring)."""
         deadline = time.monotonic() + timeout_s
         drained = self._writer.flush(timeout_s)
-        self._write_batch([], lock_wait_s=max(deadline - time.monotonic(), 0.0))
+        self._merge_spills(deadline, adopt=True, slices=1)  # the rest: with later writes, flushes, the close
         with self._lock:
             lost, self._unreported_lost = self._unreported_lost, 0
         if lost:
@@ -282,7 +329,8 @@ class DiskTier(StorageTier):
             logger.warning("disk tier: a write to %s is still running at close; leaving it open", self.directory)
             self.disabled = "closed"
             return
-        self._write_batch([], lock_wait_s=max(deadline - time.monotonic(), 0.0))
+        self._merge_spills(deadline, adopt=False, slices=None)  # its own spill only: the others' are not its job
+        self._close_spills()
         with self._lock:
             if self._env is not None and self.disabled is None and not (self.directory / "data.mdb").exists():
                 logger.warning("disk tier: %s vanished while open; its entries are gone", self.directory)
@@ -410,6 +458,7 @@ class DiskTier(StorageTier):
         pages (no data, no space on most file systems). A lock left by a dead holder is finished first."""
         try:
             with _write_lock(self.directory, self.lock_wait_s if wait_s is None else wait_s, self.lease_s) as left:
+                self._main_busy = False
                 if left:
                     self.lock_takeovers += 1
                     logger.warning(
@@ -420,10 +469,11 @@ class DiskTier(StorageTier):
                 self._extend_over_counted()
         except _LockBusy as busy:
             self.lock_waits += 1
-            if busy.stale and busy.holder not in self._stale_holders:
-                self._stale_holders.add(busy.holder)
+            self._main_busy = True
+            if busy.stale and busy.lease not in self._stale_holders:
+                self._stale_holders.add(busy.lease)
                 logger.warning(
-                    "disk tier: %s/%s is held past its lease by %s; writes stay in memory until it lets go",
+                    "disk tier: %s/%s is held past its lease by %s; writes go to this process's spill until it lets go",
                     self.directory,
                     WRITE_LOCK,
                     busy.holder,
@@ -490,32 +540,38 @@ class DiskTier(StorageTier):
         return True
 
     def _write_batch(
-        self, batch: list[tuple[str, Any]], lock_wait_s: float | None = None
+        self, batch: list[tuple[str, Any]], lock_wait_s: float | None = None, adopt: bool = True
     ) -> list[tuple[str, Any]] | None:
-        """One transaction: the batch's records, deletes and tail notes, hit counts, and the evictions needed to
-        stay within ``max_bytes``. Runs on the writer thread (and in flush/close with an empty batch). Returns
-        the batch when another process held the write lock (the writer keeps it and tries again); a batch that
-        failed counts its chunks in ``lost``."""
-        if self._env is not None and not self._open_databases(self.lock_wait_s if lock_wait_s is None else lock_wait_s):
-            return batch
+        """One transaction: the batch's records, deletes and tail notes, hit counts, a slice of spilled entries
+        (:meth:`_merge_slice`), and the evictions needed to stay within ``max_bytes``. Runs on the writer thread
+        (and in flush/close with an empty batch). When another process holds the write lock, the records and
+        tail notes go to this process's spill instead (:meth:`_spill_batch`) and what it could not take is
+        returned (the writer keeps it and tries again); a batch that failed counts its chunks in ``lost``.
+        ``adopt``: the slice may come from an ended process's spill."""
+        self._merged = 0
         if self.read_only:
             return None
+        wait = self._lock_wait(lock_wait_s)
         records = [(key, codec.encode(key, item)) for key, item in batch if _is_chunk(key, item)]
+        if self._env is not None and not self._open_databases(wait):
+            return self._spill_batch(batch, records)
+        merging = self._merge_slice(adopt)
         with self._lock:  # held only for the checks: readers must not wait for the commit's fsync
             hits, self._hits = self._hits, {}
-            if (not batch and not hits) or not self._usable() or self._replaced():
+            if (not batch and not hits and merging is None) or not self._usable() or self._replaced():
                 return None
+        merged_records, merged_tails = _unspilled(merging[0] if merging is not None else [])
         try:
             try:
-                unreadable = self._commit(batch, records, hits, lock_wait_s)
+                unreadable = self._commit(batch + merged_tails, records + merged_records, hits, wait)
             except lmdb.MapFullError:
                 self._evict_fraction(0.25)  # fragmentation: free a quarter of the budget and try once more
-                unreadable = self._commit(batch, records, hits, lock_wait_s)
+                unreadable = self._commit(batch + merged_tails, records + merged_records, hits, wait)
         except _LockBusy:
             with self._lock:
                 for key, count in hits.items():  # counted again with the next commit
                     self._hits[key] = self._hits.get(key, 0) + count
-            return batch
+            return self._spill_batch(batch, records)
         except (OSError, lmdb.Error) as exc:
             self._failed("write", exc)
             self._lose(len(records))
@@ -523,7 +579,187 @@ class DiskTier(StorageTier):
         if unreadable:
             logger.warning("disk tier: %d chunks committed to %s did not read back", unreadable, self.directory)
             self._lose(unreadable)
+        elif merging is not None:  # in the shared environment now: out of the spill
+            merging[1]()
+            self._merged = len(merging[0])
         return None
+
+    def _lock_wait(self, wait_s: float | None) -> float:
+        """Seconds to wait for :data:`WRITE_LOCK`: none right after a try found it held (the writes go to the
+        spill at once), else ``wait_s`` (default ``lock_wait_s``)."""
+        if self._main_busy:
+            return 0.0
+        return self.lock_wait_s if wait_s is None else wait_s
+
+    # ------------------------------------------------------------------ spills
+    def _spill_batch(
+        self, batch: list[tuple[str, Any]], records: list[tuple[str, bytearray]]
+    ) -> list[tuple[str, Any]] | None:
+        """Write the batch's ``records`` and tail notes to this process's spill (another process holds the write
+        lock) and read them back; deletes stay queued. Returns what the writer keeps: the deletes, or the whole
+        batch when the spill cannot take it (full, or it cannot be opened)."""
+        tails = [(key[len(_TAIL_PREFIX) :], item) for key, item in batch if key.startswith(_TAIL_PREFIX)]
+        spill = self._own_spill() if records or tails else None
+        if spill is None:
+            return batch
+        try:
+            unreadable = spill.write(records, tails)
+        except (OSError, lmdb.Error) as exc:
+            self._failed("spill write", exc)
+            return batch
+        if unreadable is None:
+            return batch
+        if not self._spill_logged:
+            self._spill_logged = True
+            logger.warning(
+                "disk tier: %s/%s is held by another process; writing to this process's spill %s until it is free",
+                self.directory,
+                WRITE_LOCK,
+                spill.path,
+            )
+        self.spill_writes += len(records) - unreadable
+        if unreadable:
+            logger.warning("disk tier: %d chunks written to the spill %s did not read back", unreadable, spill.path)
+            self._lose(unreadable)
+        deletes = [(key, item) for key, item in batch if item is _DELETE]
+        return deletes or None
+
+    def _own_spill(self) -> _Spill | None:
+        """This process's spill for the directory, opened (or created) on first need; None when it cannot be
+        (an error counted)."""
+        with self._spills_lock:
+            if self._spill is None and not self._spills_closed:
+                path = self.directory / SPILL_DIR / _spill_name()
+                opener = functools.partial(_Spill, self.directory, max(self.max_bytes // _SPILL_SHARE, 1))
+                try:
+                    self._spill = _acquire(path, opener)
+                    self._sources = ([], -_RECHECK_S)  # seen by the next read
+                except (OSError, lmdb.Error) as exc:
+                    self._failed("opening a spill", exc)
+            return self._spill
+
+    def _spill_sources(self) -> list[Any]:
+        """This process's spill (if there is one) and readers of the other processes' spills, as of at most
+        :data:`_RECHECK_S` ago (a spill another process just created is seen that much later: a miss meanwhile).
+        Past that, ``writers/`` is listed again when its mtime changed or :data:`_RELIST_S` after the last
+        listing (one ``stat`` otherwise)."""
+        now = time.monotonic()
+        sources, checked = self._sources
+        if now - checked < _RECHECK_S:
+            return sources
+        try:
+            stamp: int | None = os.stat(self.directory / SPILL_DIR).st_mtime_ns
+        except OSError:
+            stamp = None
+        with self._spills_lock:
+            if self._spills_closed:
+                return []
+            seen, at = self._readers_seen
+            if stamp != seen or now - at > _RELIST_S:
+                self._relist(stamp, now)
+            sources = ([self._spill] if self._spill is not None else []) + list(self._readers.values())
+            self._sources = (sources, now)
+            return sources
+
+    def _relist(self, stamp: int | None, now: float) -> None:
+        """Open readers of the spills listed in ``writers/`` (this process's own: opened as its spill), close those
+        no longer listed (call under ``_spills_lock``)."""
+        try:
+            names = {name for name in os.listdir(self.directory / SPILL_DIR) if not name.startswith(".")}
+        except OSError:
+            names = set()
+        if _spill_name() in names:
+            self._own_spill()  # left by an earlier tier of this process: merged from now on
+        names.discard(_spill_name())
+        for name in set(self._readers) - names:
+            self._adopted.pop(name, None)
+            _release_env(self._readers.pop(name))
+        for name in names - set(self._readers):
+            path = self.directory / SPILL_DIR / name
+            with contextlib.suppress(OSError, lmdb.Error):  # removed meanwhile: gone at the next listing
+                self._readers[name] = _acquire(path, functools.partial(_SpillReader, path))
+        self._readers_seen = (stamp, now)
+
+    def _spilled(self, name: bytes) -> tuple[bytes | None, Any]:
+        """The value under spill key ``name`` in the first spill holding it and that spill, or ``(None, None)``."""
+        for source in self._spill_sources():
+            try:
+                value = source.get(name)
+            except lmdb.Error as exc:
+                self._failed("spill read", exc)
+                continue
+            if value is not None:
+                return value, source
+        return None, None
+
+    def _merge_slice(self, adopt: bool) -> tuple[list[tuple[bytes, bytes]], Callable[[], None]] | None:
+        """Up to :data:`MERGE_BATCH` spilled entries to commit into the shared environment, and what to do once
+        they are committed and read back: from this process's spill first (then removed from it), else from the
+        spill of a process that ended (adopted: the place reached remembered; the spill removed once all of it
+        was merged; only if ``adopt``). None when there is nothing to merge."""
+        sources = self._spill_sources()
+        if self._spill is not None:
+            spill = self._spill
+            entries = spill.take(MERGE_BATCH)
+            if entries:
+                return entries, functools.partial(spill.remove, [name for name, _ in entries])
+        if not adopt:
+            return None
+        with self._spills_lock:
+            for name, reader in list(self._readers.items()):
+                if reader not in sources:
+                    continue
+                with reader.adoptable() as ended:
+                    if not ended:
+                        continue
+                    entries = reader.after(self._adopted.get(name, b""), MERGE_BATCH)
+                    if entries:
+                        if name not in self._adopted:
+                            logger.warning("disk tier: merging the spill %s of a process that ended", reader.path)
+                        return entries, functools.partial(self._adopted.__setitem__, name, entries[-1][0])
+                    self._remove_spill(name, reader)
+        return None
+
+    def _remove_spill(self, name: str, reader: _SpillReader) -> None:
+        """Remove the spill ``name`` of an ended process, every entry of it merged (call holding its owner lock and
+        ``_spills_lock``): renamed out of the listing first, so that no process opens it half removed."""
+        gone = self.directory / SPILL_DIR / f".gone-{name}-{os.getpid()}"
+        try:
+            os.replace(reader.path, gone)
+        except OSError:
+            return
+        shutil.rmtree(gone, ignore_errors=True)
+        self._adopted.pop(name, None)
+        self._sources = ([], -_RECHECK_S)
+        _release_env(self._readers.pop(name))
+        logger.info("disk tier: the spill %s was merged and removed", reader.path)
+
+    def _merge_spills(self, deadline: float, adopt: bool, slices: int | None) -> None:
+        """Commit hit counts with a slice of spilled entries (``adopt``: an ended process's spill may give it),
+        then more slices, up to ``slices`` in all (None: no limit), while the write lock is free (waited for at
+        most ``lock_wait_s``) and ``deadline`` (monotonic seconds) is not reached. A commit started before the
+        deadline may end after it (one commit: milliseconds, more for an fsync on a busy disk)."""
+        done = 0
+        while True:
+            wait = min(self.lock_wait_s, max(deadline - time.monotonic(), 0.0))
+            if self._write_batch([], lock_wait_s=wait, adopt=adopt) is not None or not self._merged:
+                return
+            done += 1
+            if done == slices or time.monotonic() >= deadline:
+                return
+
+    def _close_spills(self) -> None:
+        """Let go of this process's spill (it stays on disk, adopted once no tier of this process has it) and of
+        the readers; none is opened again."""
+        with self._spills_lock:
+            self._spills_closed = True
+            self._sources = ([], -_RECHECK_S)
+            for reader in self._readers.values():
+                _release_env(reader)
+            self._readers.clear()
+            if self._spill is not None:
+                _release_env(self._spill)
+                self._spill = None
 
     def _lose(self, chunks: int) -> None:
         with self._lock:
@@ -694,10 +930,11 @@ class _LockBusy(KVBoostError):
     """Another process held :data:`WRITE_LOCK` longer than the wait allowed; ``holder`` describes its lease,
     ``stale`` says it is past the lease."""
 
-    def __init__(self, holder: str, stale: bool):
+    def __init__(self, holder: str, stale: bool, lease: str = ""):
         super().__init__(f"{WRITE_LOCK} held by {holder}")
         self.holder = holder
         self.stale = stale
+        self.lease = lease  # the lease as written (one per taking of the lock)
 
 
 @contextlib.contextmanager
@@ -716,7 +953,8 @@ def _write_lock(directory: Path, wait_s: float, lease_s: float) -> Iterator[str]
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    raise _LockBusy(*_describe_lease(os.pread(fd, _LEASE_BYTES, 0).decode(errors="replace"))) from None
+                    lease = os.pread(fd, _LEASE_BYTES, 0).decode(errors="replace").strip()
+                    raise _LockBusy(*_describe_lease(lease), lease) from None
                 time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
                 pause = min(pause * 2, 0.02)
         left = os.pread(fd, _LEASE_BYTES, 0).decode(errors="replace").strip()
@@ -768,24 +1006,34 @@ def _describe_lease(lease: str) -> tuple[str, bool]:
     return f"process {pid} ({state}, holding it {held:.1f} s, lease {term:g} s)", held > term
 
 
-_open_envs: dict[str, list[Any]] = {}  # real path -> [environment, users]: LMDB allows one per process
+_open_envs: dict[str, list[Any]] = {}  # real path -> [environment or spill, users]: LMDB allows one per process
 _open_envs_lock = threading.Lock()
 
 
 def _acquire_env(directory: Path, map_size: int) -> Any:
     """The process's LMDB environment for ``directory``, opened on first use (tiers in one process share it)."""
-    path = os.path.realpath(directory)
+
+    def open_env() -> Any:
+        _check_files(directory)  # only here: closing a descriptor of a mapped lock file drops LMDB's locks
+        return lmdb.open(os.path.realpath(directory), map_size=map_size, max_dbs=3, max_readers=_MAX_READERS)
+
+    return _acquire(directory, open_env)
+
+
+def _acquire(path: Path, opener: Any) -> Any:
+    """The process's one open object (an environment, a :class:`_Spill`, a :class:`_SpillReader`) for ``path``,
+    made by ``opener()`` on first use and shared by the tiers of the process until each released it."""
+    real = os.path.realpath(path)
     with _open_envs_lock:
-        held = _open_envs.get(path)
+        held = _open_envs.get(real)
         if held is None:
-            _check_files(directory)  # only here: closing a descriptor of a mapped lock file drops LMDB's locks
-            env = lmdb.open(path, map_size=map_size, max_dbs=3, max_readers=_MAX_READERS)
-            held = _open_envs[path] = [env, 0]
+            held = _open_envs[real] = [opener(), 0]
         held[1] += 1
         return held[0]
 
 
 def _release_env(env: Any) -> None:
+    """Give back what :func:`_acquire` returned; the last user closes it."""
     with _open_envs_lock:
         for path, held in list(_open_envs.items()):
             if held[0] is env:
@@ -794,6 +1042,199 @@ def _release_env(env: Any) -> None:
                     del _open_envs[path]
                     env.close()
                 return
+
+
+# ---------------------------------------------------------------------------------------------------- spills
+SPILL_DIR = "writers"  # under the directory: one spill environment per process that needed one
+OWNER_LOCK = "owner.lock"  # in a spill: flocked by its owner while open (free: the owner ended)
+_SPILL_BYTES = b"\0bytes"  # spill key of its page-rounded record bytes
+_SPILL_COUNT = b"\0count"  # spill key of its number of records
+_SPILL_RECORD = b"r"  # spill key prefixes: record, tail note
+_SPILL_TAIL = b"t"
+_SPILL_SHARE = 4  # a spill holds at most max_bytes / 4 of records
+MERGE_BATCH = 64  # spilled entries moved into the shared environment per commit
+_RELIST_S = 1.0  # seconds after which writers/ is listed again even if its mtime did not change
+_RECHECK_S = 0.05  # seconds a reading of writers/ is used before its mtime is looked at again
+_READER_MAP_SIZE = 1 << 40  # address space a reader maps for a spill (never more than the file is read)
+
+
+def _spill_name() -> str:
+    """This process's spill name: pid and start time (a reused pid gets another name)."""
+    return f"{os.getpid()}-{_start_ticks(os.getpid())}"
+
+
+class _Spill:
+    """This process's own environment under ``<directory>/writers/<pid>-<start ticks>``: what its tiers write
+    while another process holds :data:`WRITE_LOCK` (stopped, hung, or just slow), so that no process can stop
+    another one's writes. Only this process writes it (LMDB's writer mutex of this environment is never wanted
+    by another process); every process reads it (:class:`_SpillReader`). Its records are codec records like
+    the shared environment's (checksummed, keyed), one database: ``b"r" + key`` -> record, ``b"t" + parent``
+    -> packed tail lengths, ``_SPILL_BYTES`` -> page-rounded record bytes (at most ``budget``), ``_SPILL_COUNT``
+    -> records. The owner holds
+    :data:`OWNER_LOCK` (``flock``) while open: a spill whose lock is free belongs to a process that ended and
+    is adopted by the next holder of :data:`WRITE_LOCK` (merged into the shared environment, then removed).
+    Thread-safe (one lock around every transaction)."""
+
+    def __init__(self, directory: Path, budget: int) -> None:
+        self.budget = budget
+        self.path = directory / SPILL_DIR / _spill_name()
+        staging = self.path if self.path.exists() else directory / SPILL_DIR / f".{self.path.name}.new"
+        staging.mkdir(parents=True, exist_ok=True)
+        self._owner = os.open(staging / OWNER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        self._lock = threading.Lock()
+        try:
+            fcntl.flock(self._owner, fcntl.LOCK_EX | fcntl.LOCK_NB)  # an adopter may be removing it: not now
+            self.env = lmdb.open(str(staging), map_size=int(budget * _MAP_HEADROOM) + (16 << 20), max_dbs=0)
+            self._data_fd = os.open(staging / "data.mdb", os.O_RDWR)
+            if staging != self.path:
+                os.replace(staging, self.path)  # readers list it only once it is a whole environment
+                _sync_directory(self.path.parent)  # its name survives a power loss like its commits
+        except BaseException:
+            os.close(self._owner)
+            raise
+        self._page = self.env.stat()["psize"]
+
+    def write(self, records: list[tuple[str, bytearray]], tails: list[tuple[str, frozenset[int]]]) -> int | None:
+        """Commit ``records`` (already there: skipped) and the tail notes in one transaction, then read the
+        records back from a new read transaction; the number that did not read back byte for byte, or None (and
+        nothing written) when the records would take the spill past its budget."""
+        with self._lock:
+            txn = self.env.begin(write=True)
+            try:
+                used = _used(txn, None, _SPILL_BYTES)
+                count = _used(txn, None, _SPILL_COUNT)
+                fresh = [(k, r) for k, r in records if txn.get(_SPILL_RECORD + k.encode()) is None]
+                used += sum(_pages(len(record), self._page) for _, record in fresh)
+                if used > self.budget:
+                    return None
+                for parent, lengths in tails:
+                    name = _SPILL_TAIL + parent.encode()
+                    txn.put(name, _pack_lengths(_unpack_lengths(txn.get(name)) | set(lengths)))
+                for k, record in fresh:
+                    txn.put(_SPILL_RECORD + k.encode(), record)
+                txn.put(_SPILL_BYTES, _U64.pack(used))
+                txn.put(_SPILL_COUNT, _U64.pack(count + len(fresh)))
+                txn.commit()
+            finally:
+                txn.abort()  # after a commit: nothing (the transaction is already done)
+            self._extend_over_counted()
+        with self.env.begin(buffers=True) as check:
+            return sum(1 for k, record in records if check.get(_SPILL_RECORD + k.encode()) != record)
+
+    def take(self, count: int) -> list[tuple[bytes, bytes]]:
+        """Up to ``count`` entries (spill key, value), records and tail notes, in key order."""
+        with self._lock, self.env.begin() as txn:
+            out = []
+            for name, value in txn.cursor():
+                if name not in (_SPILL_BYTES, _SPILL_COUNT):
+                    out.append((bytes(name), bytes(value)))
+                    if len(out) == count:
+                        break
+            return out
+
+    def remove(self, names: list[bytes]) -> None:
+        """Delete entries (merged into the shared environment) and their bytes."""
+        with self._lock, self.env.begin(write=True) as txn:
+            used = _used(txn, None, _SPILL_BYTES)
+            count = _used(txn, None, _SPILL_COUNT)
+            for name in names:
+                value = txn.pop(name)
+                if value is not None and name.startswith(_SPILL_RECORD):
+                    used -= _pages(len(value), self._page)
+                    count -= 1
+            txn.put(_SPILL_BYTES, _U64.pack(max(used, 0)))
+            txn.put(_SPILL_COUNT, _U64.pack(max(count, 0)))
+        self._extend_over_counted()
+
+    def get(self, name: bytes) -> bytes | None:
+        with self._lock, self.env.begin() as txn:
+            value = txn.get(name)
+            return None if value is None else bytes(value)
+
+    def entries(self) -> int:
+        """Records held."""
+        with self._lock, self.env.begin() as txn:
+            return _used(txn, None, _SPILL_COUNT)
+
+    def _extend_over_counted(self) -> None:
+        """As :meth:`DiskTier._extend_over_counted`: readers never find the file shorter than its counted pages."""
+        counted = (self.env.info()["last_pgno"] + 1) * self._page
+        if os.fstat(self._data_fd).st_size < counted:
+            os.ftruncate(self._data_fd, counted)
+
+    def close(self) -> None:
+        """Close it; the spill stays on disk (adopted once this process ends, or by its next tier)."""
+        self.env.close()
+        os.close(self._data_fd)
+        os.close(self._owner)  # releases the owner lock
+
+
+class _SpillReader:
+    """Another process's spill, opened read-only. Every read first checks, with ``pread``, that ``data.mdb``
+    covers the pages its meta page counts (else a miss: the owner is between a commit and extending the file,
+    or the file was damaged), so a short file is never mapped."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._data_fd = os.open(path / "data.mdb", os.O_RDONLY)
+        try:
+            self.env = lmdb.open(str(path), readonly=True, map_size=_READER_MAP_SIZE, max_dbs=0)
+        except BaseException:
+            os.close(self._data_fd)
+            raise
+
+    def get(self, name: bytes) -> bytes | None:
+        if _data_file_problem(self._data_fd) is not None:
+            return None
+        with self.env.begin() as txn:
+            value = txn.get(name)
+            return None if value is None else bytes(value)
+
+    def after(self, start: bytes, count: int) -> list[tuple[bytes, bytes]]:
+        """Up to ``count`` entries after spill key ``start`` (b"" from the first), in key order."""
+        if _data_file_problem(self._data_fd) is not None:
+            return []
+        with self.env.begin() as txn:
+            cursor = txn.cursor()
+            out: list[tuple[bytes, bytes]] = []
+            if not (cursor.set_range(start) if start else cursor.first()):
+                return out
+            for name, value in cursor:
+                name = bytes(name)
+                if name != start and name not in (_SPILL_BYTES, _SPILL_COUNT):
+                    out.append((name, bytes(value)))
+                    if len(out) == count:
+                        break
+            return out
+
+    def entries(self) -> int:
+        if _data_file_problem(self._data_fd) is not None:
+            return 0
+        with self.env.begin() as txn:
+            return _used(txn, None, _SPILL_COUNT)
+
+    @contextlib.contextmanager
+    def adoptable(self) -> Iterator[bool]:
+        """Whether the process that wrote it ended (its owner lock was free); while True, this process holds
+        the owner lock (no owner can come back to it meanwhile)."""
+        try:
+            fd = os.open(self.path / OWNER_LOCK, os.O_RDWR)
+        except OSError:
+            yield False
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+            else:
+                yield True
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.env.close()
+        os.close(self._data_fd)
 
 
 class _Truncated(KVBoostError):
@@ -939,8 +1380,9 @@ def _pages(length: int, page: int) -> int:
     return -(-length // page) * page
 
 
-def _used(txn: Any, meta_db: Any) -> int:
-    raw = txn.get(_BYTES, db=meta_db)
+def _used(txn: Any, meta_db: Any, name: bytes = _BYTES) -> int:
+    """Bytes in use as counted under ``name`` in ``meta_db`` (None: the default database)."""
+    raw = txn.get(name) if meta_db is None else txn.get(name, db=meta_db)
     return _U64.unpack(raw)[0] if raw is not None and len(raw) == _U64.size else 0
 
 
@@ -953,6 +1395,26 @@ def _by_eviction_order(txn: Any, db: Any) -> list[tuple[int, float, str]]:
             items.append((hits, last, bytes(key).decode(errors="replace")))
     items.sort()
     return items
+
+
+def _sync_directory(path: Path) -> None:
+    """``fsync`` a directory (its entries: a rename in it is durable once this returns)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unspilled(entries: list[tuple[bytes, bytes]]) -> tuple[list[tuple[str, bytearray]], list[tuple[str, Any]]]:
+    """Spill entries as a commit takes them: ``(key, record)`` pairs and tail-note batch items."""
+    records = [(name[1:].decode(), bytearray(value)) for name, value in entries if name.startswith(_SPILL_RECORD)]
+    tails = [
+        (_TAIL_PREFIX + name[1:].decode(), frozenset(_unpack_lengths(value)))
+        for name, value in entries
+        if name.startswith(_SPILL_TAIL)
+    ]
+    return records, tails
 
 
 def _pack_lengths(lengths: set[int]) -> bytes:
