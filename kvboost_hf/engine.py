@@ -88,6 +88,11 @@ def load_model(
     return model, tokenizer
 
 
+#: Tokens a generate call adds to each prompt unless told otherwise (``GenerateOptions.max_new_tokens``, the engine's
+#: generate entry points): the one place it is written.
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
 @dataclass(frozen=True, kw_only=True)
 class GenerateOptions:
     """What one ``generate``, ``generate_batch`` or ``generate_many`` call asks of every prompt (their shared
@@ -109,7 +114,7 @@ class GenerateOptions:
     ``decoding`` is the :class:`SamplingConfig` every row decodes with (``sampling``, or the shorthands').
     """
 
-    max_new_tokens: int = 64
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE
     temperature: float | None = None
     do_sample: bool | None = None
@@ -332,7 +337,7 @@ class InferenceEngine:
     def generate(
         self,
         prompt: Prompt,
-        max_new_tokens: int = 64,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
         temperature: float | None = None,
         do_sample: bool | None = None,
@@ -364,7 +369,7 @@ class InferenceEngine:
     def generate_batch(
         self,
         prompts: Sequence[Prompt],
-        max_new_tokens: int = 64,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
         temperature: float | None = None,
         do_sample: bool | None = None,
@@ -397,7 +402,7 @@ class InferenceEngine:
     def generate_many(
         self,
         prompts: Sequence[Prompt],
-        max_new_tokens: int = 64,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         *,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         token_budget: int = DEFAULT_TOKEN_BUDGET,
