@@ -403,6 +403,8 @@ class DecodeLoop:
             inputs, trees = self.verifier.prompt_queries(
                 rows, self.cache, inputs, self.mask, input_ids, position_ids, segment_starts
             )
+        elif (capacity := self._prefill_capacity(inputs)) is not None:
+            return self._graphed_prefill(capacity, inputs)[:, None], None
         out = run_forward(self.model, inputs)
         self.forwards += 1
         keep = inputs["logits_to_keep"]
@@ -492,6 +494,37 @@ class DecodeLoop:
         inputs = (pad_rows(tensor, rows) for tensor in (last, self.positions[:, None], self.mask))
         logits = self.graphs.step(cache, *inputs)
         cache.record(last_on_host)
+        self.forwards += 1
+        return logits[:real].float()
+
+    def _prefill_capacity(self, inputs: dict[str, Any]) -> int | None:
+        """The static capacity (tokens) for a graphed prompt forward of ``inputs`` (:func:`forward_inputs`' result,
+        the reused K/V loaded), or None when it runs eagerly: no graphs, a draft, a plain cache, a sparse repair
+        forward, a context adjustment, no reused column, or a shape the graphs refuse
+        (:meth:`~kvboost_hf.hf.graphs.GraphedDecoder.prefill_capacity`)."""
+        cache = self.cache
+        if self.graphs is None or self.draft is not None or not isinstance(cache, ChunkReuseCache):
+            return None
+        if cache.expects_sparse_forward or not cache.reuse_enabled or cache.attention_kwargs():
+            return None
+        rows, queries = inputs["input_ids"].shape
+        answer = max(row.tokens_left for row in self.running)
+        return self.graphs.prefill_capacity(rows, cache.num_columns, queries, answer)
+
+    def _graphed_prefill(self, capacity: int, inputs: dict[str, Any]) -> torch.Tensor:
+        """A prompt forward of the uncached tail through the graphs (:meth:`~kvboost_hf.hf.graphs.GraphedDecoder.
+        prefill`): the cache padded to the rows' bucket and made static at ``capacity`` (one K/V copy, which the
+        decode steps after it keep), the padding rows fed copies of the last row, their logits dropped. Returns
+        the real rows' last-token logits ``[P, V]`` (fp32)."""
+        cache = self.cache
+        assert isinstance(cache, ChunkReuseCache) and self.graphs is not None
+        fed = inputs["input_ids"]
+        real, rows = fed.shape[0], self.graphs.rows_for(fed.shape[0])
+        cache.pad_batch(rows)
+        cache.set_max_cache_len(capacity)
+        padded = (pad_rows(inputs[name], rows) for name in ("input_ids", "position_ids", "attention_mask"))
+        logits = self.graphs.prefill(cache, *padded)
+        cache.record(fed)
         self.forwards += 1
         return logits[:real].float()
 
