@@ -220,8 +220,11 @@ class DecodeLoop:
             is captured once): the cache turns static at a capacity bucket holding every row's remaining tokens
             (one K/V copy) and grows again when rows join; a batch between two row buckets is padded up to the
             larger (:meth:`~kvboost_hf.hf.cache.ChunkReuseCache.pad_batch`: copies of the last row, whose logits are
-            dropped and which write nothing back; one K/V copy when the row count changes). None: every step
-            eager.
+            dropped and which write nothing back; one K/V copy when the row count changes). A prompt forward whose
+            uncached tail follows reused K/V (a warm chat turn) and fits a query bucket runs graphed too
+            (:meth:`~kvboost_hf.hf.graphs.GraphedDecoder.prefill`, in one call of a chunked prefill when the tail
+            fits its columns): the cache turns static first, at a capacity that also holds the rows' answers, so
+            the decode steps after it keep it. None: every forward eager.
 
     ``rows`` holds every row added (in order), ``running`` those still decoding. ``forwards`` counts target model
     forwards (prefills and shared prefixes included; the draft's are ``draft.forwards``), ``verify_forwards`` those
@@ -299,6 +302,9 @@ class DecodeLoop:
                 return self._first_tokens(prompt, logits, trees)
             prompt.inputs = forward_inputs(self.cache, input_ids=prompt.input_ids, attention_mask=self.mask,
                                            position_ids=prompt.position_ids, logits_to_keep=1)  # fmt: skip
+            tail = prompt.inputs["input_ids"].shape[1]  # what the store did not hold: one chunk when <= columns
+            if tail <= columns and (capacity := self._prefill_capacity(prompt.inputs)) is not None:
+                return self._first_tokens(prompt, self._graphed_prefill(capacity, prompt.inputs)[:, None], None)
         else:
             self._prompts.remove(prompt)
             prompt.state.attach(self)

@@ -88,8 +88,8 @@ class GraphConfig:
     memory for a 7B model) and ran 56 tok/s, barely above eager's 50: keep the default."""
     max_graphs: int = 8
     """Distinct shapes (decode steps' and prefills' together) graphed at most (each costs a compile, ~30 s for a 7B
-    model, and holds a capture's memory; dynamo recompiles a function 8 times by default); later shapes run
-    eagerly."""
+    model, and holds a capture's memory); later shapes run eagerly. Dynamo's ``recompile_limit`` (8 by default,
+    process-wide) is raised to it where lower."""
     max_capacity: int = 32768
     """Tokens: a step needing a larger cache runs eagerly."""
     max_capture_bytes: int | None = None
@@ -469,6 +469,9 @@ class GraphedDecoder:
             cuda = next(self.model.parameters()).device.type == "cuda"
             backend = self.config.backend or ("inductor" if cuda else "eager")
             mode = "reduce-overhead" if backend == "inductor" and cuda else None
+            # every shape is a recompile of one function: let dynamo keep max_graphs of them (process-wide setting)
+            limit = torch._dynamo.config.recompile_limit
+            torch._dynamo.config.recompile_limit = max(limit, self.config.max_graphs)
             self._compiled = torch.compile(
                 self.model.forward, backend=backend, mode=mode, fullgraph=True, dynamic=False
             )
