@@ -77,6 +77,19 @@ def test_a_warm_chat_turn_prefills_graphed_with_generates_tokens_and_the_eager_s
         assert torch.allclose(entry.values, eager.values, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])  # sliding windows of 24 columns; gemma2's eager attention
+def test_a_warm_turn_prefills_graphed_with_generates_tokens_under_a_sliding_window(arch):
+    """The padded tail (32 queries) is wider than the window and the reused K/V longer: the sliding-window mask over
+    the static capacity hides what a real query may not see, the padding included."""
+    model = make_tiny_model(arch)
+    graphs = GraphedDecoder(model, GraphConfig(backend="eager"))
+    torch._dynamo.reset()
+    prompts, rows, _ = chat(model, graphs, [0])
+    expected = [reference(model, prompt, BUDGET, eos_token_ids=DECODE_EOS).tokens for prompt in prompts]
+    assert [row.tokens for row in rows] == expected
+    assert graphs.graphed_prefills == 1 and (1, 256, 32) in graphs.graph_shapes
+
+
 def test_one_prefill_graph_serves_two_tail_lengths_of_its_bucket():
     """Conversations 0 and 2, one after the other: tails of 22 and 24 tokens, both padded to 32, compile the
     prefill graph once (and the decode graph once)."""
