@@ -54,10 +54,13 @@ def chat(model, graphs: GraphedDecoder | None, conversations: list[int], *, toge
     return seconds, rows, sorted(ram.items(), key=lambda item: item[0])
 
 
-@pytest.mark.parametrize("conversations", [[0], [0, 1, 2]])  # 1 row; 3 rows in the 4-row graph
-def test_a_warm_chat_turn_prefills_graphed_with_generates_tokens_and_the_eager_store(conversations):
-    model = make_tiny_model("qwen2")
-    config = GraphConfig(backend="eager")
+def warm_turn_prefills_graphed(device: str, backend: str | None, conversations: list[int]) -> None:
+    """The second turns of ``conversations`` (together) prefill through one graph with generate()'s tokens; the
+    store the graphed run writes back is the eager runner's, key for key, equal up to fp32 rounding (not bit for
+    bit: a static cache attends over its whole capacity, masked, and padded rows change a matrix product's last
+    bits)."""
+    model = make_tiny_model("qwen2").to(device)
+    config = GraphConfig(backend=backend)
     graphs = GraphedDecoder(model, config)
     torch._dynamo.reset()
     prompts, rows, chunks = chat(model, graphs, conversations)
@@ -75,6 +78,18 @@ def test_a_warm_chat_turn_prefills_graphed_with_generates_tokens_and_the_eager_s
     for (_, entry), (_, eager) in zip(chunks, eager_chunks, strict=True):
         assert torch.allclose(entry.keys, eager.keys, rtol=0, atol=1e-5)
         assert torch.allclose(entry.values, eager.values, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("conversations", [[0], [0, 1, 2]])  # 1 row; 3 rows in the 4-row graph
+def test_a_warm_chat_turn_prefills_graphed_with_generates_tokens_and_the_eager_store(conversations):
+    warm_turn_prefills_graphed("cpu", "eager", conversations)  # traced, no code generation
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("conversations", [[0], [0, 1, 2]])
+def test_a_warm_chat_turn_prefills_cuda_graphed_with_generates_tokens_in_fp32(conversations):
+    warm_turn_prefills_graphed("cuda", None, conversations)  # inductor, reduce-overhead
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma2"])  # sliding windows of 24 columns; gemma2's eager attention

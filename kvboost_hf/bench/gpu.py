@@ -141,6 +141,7 @@ GPU_TEST_FILES = (
     "tests/test_compiled_decode.py",
     "tests/test_graphs.py",
     "tests/test_graph_warm_up.py",
+    "tests/test_graphed_prefill.py",
     "tests/test_awq_gpu.py",
     "tests/test_gpu_sampling.py",
 )
