@@ -11,6 +11,7 @@ reports time to first token and reuse.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -403,6 +404,7 @@ class InferenceEngine:
         *,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         token_budget: int = DEFAULT_TOKEN_BUDGET,
+        kv_budget_bytes: int | None = None,
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
         cache_salt: str | None = None,
         temperature: float | None = None,
@@ -421,15 +423,21 @@ class InferenceEngine:
         as soon as a row leaves it (continuous batching), a segment prompt or one whose reuse needs a repair is
         prefilled alone and then decodes with the batch, and chunks stored by earlier rows are loaded by later
         ones; each step computes at most ``token_budget`` tokens (0: none), so a long prompt joining is prefilled
-        in chunks between the running rows' steps. Options are :meth:`generate_batch`'s; input order is kept. A
-        row's TTFT is measured from the call for the rows admitted first, from its admission for a row admitted
-        later."""
+        in chunks between the running rows' steps; the running rows' K/V stay within ``kv_budget_bytes`` (None:
+        derived from the free device memory on CUDA, none elsewhere; 0: none): a prompt waits while its K/V would
+        not fit, and the newest rows are preempted (their chunks stored, resumed later from the store with the
+        same tokens) when the batch outgrows it. Options are :meth:`generate_batch`'s; input order is kept. A
+        row's TTFT is measured from the call for the rows admitted first, from its first admission for a row
+        admitted later."""
         options = GenerateOptions(
             max_new_tokens=max_new_tokens, mode=mode, temperature=temperature, do_sample=do_sample, top_p=top_p,
             stop=stop, seed=seed, cache_salt=cache_salt, cancel=cancel, logprobs=logprobs, repair=repair,
             sampling=sampling,
         )  # fmt: skip
-        return self._generate(prompts, options, on_token, max_batch_size=max_batch_size, token_budget=token_budget)
+        return self._generate(
+            prompts, options, on_token, max_batch_size=max_batch_size, token_budget=token_budget,
+            kv_budget_bytes=kv_budget_bytes,
+        )  # fmt: skip
 
     def _generate(
         self,
@@ -438,14 +446,15 @@ class InferenceEngine:
         on_token: Callable[[int, int], None] | None,
         max_batch_size: int | None = None,
         token_budget: int = DEFAULT_TOKEN_BUDGET,
+        kv_budget_bytes: int | None = None,
     ) -> list[GenerationResult]:
         """The one generate path: one row per prompt (tokenized once, with its segment starts), queued on a fresh
-        :meth:`scheduler` (``max_batch_size`` None: every row in one batch, in input order, no token budget: all
-        rows start together, nothing runs that a prefill could pause; else at most that many rows at a time,
-        shortest prompt first, ``token_budget`` tokens per step), stepped until every row finished; the results in
-        input order (the first error a batch met is raised). ``on_token(index, token)`` after each token of input
-        ``index``. A row's TTFT runs from the call (tokenizing included) when it was admitted in the first step,
-        else from its admission."""
+        :meth:`scheduler` (``max_batch_size`` None: every row in one batch, in input order, no token budget and no
+        K/V budget: all rows start together, nothing runs that a prefill could pause; else at most that many rows
+        at a time, shortest prompt first, ``token_budget`` tokens per step, K/V within ``kv_budget_bytes``),
+        stepped until every row finished; the results in input order (the first error a batch met is raised).
+        ``on_token(index, token)`` after each token of input ``index``. A row's TTFT runs from the call (tokenizing
+        included) when it was admitted in the first step, else from its first admission."""
         started = time.perf_counter()
         encoded = [self.prompts.encode_segments(prompt) for prompt in prompts]
         for ids, _ in encoded:
@@ -455,11 +464,13 @@ class InferenceEngine:
         if max_batch_size is not None:
             order = sorted(order, key=lambda index: len(rows[index].request.prompt_ids))
         budget = 0 if max_batch_size is None else token_budget
+        kv_budget = 0 if max_batch_size is None else kv_budget_bytes
         if max_batch_size is None:
             max_batch_size = len(rows)
         scheduler = self.scheduler(
-            options.mode, max_batch_size=max_batch_size, token_budget=budget, repair=options.repair
-        )
+            options.mode, max_batch_size=max_batch_size, token_budget=budget, kv_budget_bytes=kv_budget,
+            repair=options.repair,
+        )  # fmt: skip
         errors: list[BaseException] = []
         groups = [
             RequestGroup(
@@ -488,20 +499,23 @@ class InferenceEngine:
         *,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         token_budget: int = DEFAULT_TOKEN_BUDGET,
+        kv_budget_bytes: int | None = None,
         batch_window_ms: float = 0.0,
         repair: RepairConfig | None = None,
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
     ) -> Scheduler:
         """A :class:`~kvboost_hf.scheduling.Scheduler` for this engine (:meth:`Factories.scheduler
         <kvboost_hf.factories.Factories.scheduler>`): batches of its decode loops in ``mode``, at most
-        ``max_batch_size`` rows running and ``token_budget`` tokens computed per step (0: no budget), a new batch
-        formed once its oldest request waited ``batch_window_ms``; each batch's decode figures are added to
-        :meth:`cache_stats`. The rows' text is decoded (special tokens skipped) under ``tokenizer_lock``. Step it
-        under :attr:`lock`."""
+        ``max_batch_size`` rows running and ``token_budget`` tokens computed per step (0: no budget), their K/V
+        within ``kv_budget_bytes`` (None: derived from the free device memory on CUDA, none elsewhere; 0: none), a
+        new batch formed once its oldest request waited ``batch_window_ms``; each batch's decode figures and the
+        memory counters are added to :meth:`cache_stats`. The rows' text is decoded (special tokens skipped) under
+        ``tokenizer_lock``. Step it under :attr:`lock`."""
         return self.factories.scheduler(
             mode,
             max_batch_size=max_batch_size,
             token_budget=token_budget,
+            kv_budget_bytes=kv_budget_bytes,
             batch_window_ms=batch_window_ms,
             repair=repair,
             tokenizer_lock=tokenizer_lock,
@@ -532,13 +546,16 @@ class InferenceEngine:
         included; ``settle=False`` reads its host-side counters only, never synchronising the device, as a thread
         other than the model's must); the prompt token ids cache's counters (``token_cache_*``:
         :meth:`~kvboost_hf.hf.tokens.SegmentTokenizer.stats`); the decode graphs' counters (``graph_*``:
-        :meth:`~kvboost_hf.hf.graphs.GraphedDecoder.stats`)."""
+        :meth:`~kvboost_hf.hf.graphs.GraphedDecoder.stats`); the schedulers' K/V memory counters (``kv_*``:
+        :class:`~kvboost_hf.scheduling.MemoryCounters`: preemptions, rows preempted, admissions deferred, bytes
+        reserved now and at most)."""
         totals = self.factories.totals.totals
         stats: dict[str, int | float] = {
             **self.store.stats(),
             **self.factories.totals.stats(),
             **self.tokens.stats(),
             **{f"graph_{name}": value for name, value in self.graphs.stats().items()},
+            **{f"kv_{name}": value for name, value in dataclasses.asdict(self.factories.memory).items()},
         }
         streamer = layer_streamer(self.model)
         if streamer is not None:

@@ -28,12 +28,20 @@ from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.keys import KeySpace, model_digest
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow
-from kvboost_hf.hf.graphs import GraphedDecoder
-from kvboost_hf.hf.models import check_model_support, load_model_and_tokenizer, model_dtype
+from kvboost_hf.hf.graphs import GraphedDecoder, graphed_columns, graphed_rows
+from kvboost_hf.hf.models import check_model_support, kv_entry_shape, load_model_and_tokenizer, model_dtype
 from kvboost_hf.hf.prompts import PromptEncoder
 from kvboost_hf.hf.rows import new_rows
 from kvboost_hf.hf.speculative import DraftConfig, Drafter, DraftSource, VerifyCosts, resolve_draft
-from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE, DEFAULT_TOKEN_BUDGET, BatchKey, BatchPolicy, Scheduler
+from kvboost_hf.kv_budget import KVBudget, resolve_budget_bytes
+from kvboost_hf.scheduling import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_TOKEN_BUDGET,
+    BatchKey,
+    BatchPolicy,
+    MemoryCounters,
+    Scheduler,
+)
 from kvboost_hf.store.chunk_store import ChunkStore
 
 # Decode counters summed over an engine's calls (:meth:`DecodeTotals.stats`): tokens of all rows; target forwards (a
@@ -148,6 +156,7 @@ class Factories:
         self.speculative = draft_model is not None or self.draft_settings.early_exit_layers is not None
         self.verify_costs = VerifyCosts()
         self.totals = DecodeTotals()
+        self.memory = MemoryCounters()
 
     def new_cache(
         self,
@@ -238,14 +247,16 @@ class Factories:
         *,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         token_budget: int = DEFAULT_TOKEN_BUDGET,
+        kv_budget_bytes: int | None = None,
         batch_window_ms: float = 0.0,
         repair: RepairConfig | None = None,
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
     ) -> Scheduler:
         """A :class:`~kvboost_hf.scheduling.Scheduler` of decode loops (:meth:`decode_loop`) in ``mode``, at most
-        ``max_batch_size`` rows running and ``token_budget`` tokens computed per step (0: none), a new batch formed
-        once its oldest request waited ``batch_window_ms``; each batch's decode figures are added to
-        :attr:`totals`. The rows' text is decoded (special tokens skipped) under ``tokenizer_lock``. Step it under
+        ``max_batch_size`` rows running and ``token_budget`` tokens computed per step (0: none), the running
+        batches' K/V within :meth:`kv_budget` of ``kv_budget_bytes``, a new batch formed once its oldest request
+        waited ``batch_window_ms``; each batch's decode figures are added to :attr:`totals`, the memory counters to
+        :attr:`memory`. The rows' text is decoded (special tokens skipped) under ``tokenizer_lock``. Step it under
         the engine's lock."""
         mode = GenerationMode(mode)
 
@@ -258,7 +269,41 @@ class Factories:
             decode=functools.partial(self.tokenizer.decode, skip_special_tokens=True),
             max_rows=max_batch_size,
             token_budget=token_budget,
+            kv_budget=self.kv_budget(kv_budget_bytes),
+            memory=self.memory,
             batch_window_s=batch_window_ms / 1e3,
             on_done=self.totals.count,
             tokenizer_lock=tokenizer_lock,
         )
+
+    def kv_budget(self, budget_bytes: int | None = None) -> KVBudget | None:
+        """The K/V budget of a scheduler for the setting ``budget_bytes``
+        (:func:`~kvboost_hf.kv_budget.resolve_budget_bytes`: None derives it from the device's free memory on CUDA,
+        none elsewhere; 0: none), counting :meth:`kv_bytes_per_token` per row and column, the width rounded up to a
+        graph's capacity bucket and the rows to its row bucket when decode steps may be graphed; None when there is
+        no budget."""
+        resolved = resolve_budget_bytes(budget_bytes, self.model.device)
+        if not resolved:
+            return None
+        config = self.graphs.config
+        if not config.enabled:
+            return KVBudget(resolved, self.kv_bytes_per_token())
+        return KVBudget(
+            resolved,
+            self.kv_bytes_per_token(),
+            columns=functools.partial(graphed_columns, config=config),
+            rows=functools.partial(graphed_rows, config=config),
+        )
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K/V one row holds per column: layers x 2 (keys, values) x kv_heads x head_dim x the dtype's size
+        of the target's cache, plus the draft's (a draft model's layers, or an early-exit draft's own cache of the
+        target's first layers)."""
+        layers, heads, head_dim = kv_entry_shape(self.model)
+        per_layer = 2 * heads * head_dim * model_dtype(self.model).itemsize
+        if self.draft_model is not None:
+            draft_layers, draft_heads, draft_dim = kv_entry_shape(self.draft_model)
+            draft = draft_layers * 2 * draft_heads * draft_dim * model_dtype(self.draft_model).itemsize
+        else:
+            draft = (self.draft_settings.early_exit_layers or 0) * per_layer
+        return layers * per_layer + draft

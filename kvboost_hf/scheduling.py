@@ -29,6 +29,17 @@ The rules, in order:
    first (one token each), then chunks of the prefills under way, oldest first (:func:`split_budget`); a prompt
    longer than what is left is prefilled over several steps (chunked prefill: exact, each chunk attends to the
    columns before it), so a long prompt joining a batch never pauses its running rows for its whole prefill;
+2c. K/V memory (with a :class:`~kvboost_hf.kv_budget.KVBudget`): a group is admitted only if the running
+   batches' projected K/V bytes (:mod:`kvboost_hf.kv_budget`: every row as wide as its batch's widest, each taking
+   all its tokens) still fit the budget with its rows; else it waits, and the groups after it of its key wait too
+   (a batch is admitted partly). Before admitting, while the projection exceeds the budget (a prefill spread over
+   several steps while the batch widened, a speculative step, a budget lowered), the newest admitted group is
+   preempted: its running rows' chunks are stored (writing them back is the swap: the store is a cache already), its
+   rows leave their batch unfinished and the group goes back to the front of the queue, its tokens kept; admitted
+   again, each row is prefilled from its prompt and tokens (loading what was stored, computing the rest) and goes on
+   with the tokens it would have taken. A group that cannot fit the budget alone is refused
+   (:class:`~kvboost_hf.core.errors.CapacityError` from :meth:`Scheduler.add`, or through ``on_fail`` when the
+   budget was lowered under it);
 3. prefill: the rows admitted to a batch in one schedule are prefilled together (one left-padded forward), except
    those :meth:`BatchPolicy.prefill_alone` names, each prompt of which is prefilled in a cache of its own and then
    joined. Rows of one prompt (the ``n`` choices of a request) prefilled together are prefilled once and repeated;
@@ -42,7 +53,9 @@ The rules, in order:
      missed chunk, stored under prefix or content key; see :func:`~kvboost_hf.reuse.plan.has_nonprefix_hits`):
      the cache stitches and repairs those for one row at a time.
 
-Invariants: a group's rows run in one batch, from their prefill to their end; a failure while running a batch fails
+Invariants: a group's rows run in one batch at a time (a preempted group leaves it whole and is admitted again
+whole); after :meth:`Scheduler.schedule` the running batches' projected K/V bytes are within the budget, so no step
+holds more K/V than it (:mod:`kvboost_hf.kv_budget` says what is counted); a failure while running a batch fails
 that batch's groups and nothing else. :meth:`Scheduler.add` may be called from any thread (the queue has its own
 lock, never held during a store read or a forward); every other method from one thread at a time.
 """
@@ -62,6 +75,7 @@ from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.core.errors import CapacityError, ConfigError, InputError, KVBoostError
 from kvboost_hf.core.keys import KeySpace
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRow, PrefillWork, RowOutput, SharedPrefix
+from kvboost_hf.kv_budget import BatchShape, KVBudget
 from kvboost_hf.reuse.plan import ChunkSource, has_nonprefix_hits
 
 #: Rows running at once unless the caller says otherwise (``ServerConfig.max_batch_size``, the engine's
@@ -145,7 +159,7 @@ def prefill_works(
     prompt are one repeated prefill; with ``reuse`` (chunk-reuse caches) a work's rows with different prompts get
     their shared prefixes, and a work of one segment setting its segment starts. ``alone`` is asked once per
     distinct prompt, and not at all when the rows are one prompt."""
-    keys = [row.request.prefill_setting for row in rows]  # tuples of the whole prompt: built once per row
+    keys = [row.prefill_setting for row in rows]  # tuples of the whole prompt: built once per row
     settings = list(dict.fromkeys(keys))
     if len(settings) == 1:
         return [prefill_work(rows, chunking, reuse=reuse, settings=settings)]
@@ -170,12 +184,12 @@ def prefill_work(
     (none for rows with segment starts: shared prefixes are chunked without them). ``settings``: the rows' distinct
     prefill settings when the caller has them."""
     if settings is None:
-        settings = list({row.request.prefill_setting for row in rows})
+        settings = list({row.prefill_setting for row in rows})
     starts = settings[0][1] if reuse and len(settings) == 1 else ()
     if len(settings) == 1 and len(rows) > 1:
         return PrefillWork(tuple(rows), segment_starts=starts, repeat=True)
     plain = reuse and not any(row.request.segment_starts for row in rows)
-    prefixes = shared_prefixes([row.request.prompt_ids for row in rows], chunking) if plain else []
+    prefixes = shared_prefixes([row.context_ids for row in rows], chunking) if plain else []
     return PrefillWork(tuple(rows), segment_starts=starts, shared_prefixes=tuple(prefixes))
 
 
@@ -209,8 +223,10 @@ class RequestGroup:
     ``on_token(row)`` is called after each token of one of its rows (and once when a row is cancelled); ``on_fail``
     with the error when the group cannot run (cancelled before it started, its batch failed, shutdown); neither
     may block. ``cancel``: when set before admission the group is dropped (:class:`RequestCancelled`); its rows'
-    requests usually share it, ending them after their current token. ``arrival`` and ``admitted_at`` are
-    ``time.perf_counter()`` values; ``batch`` is the batch it was admitted to (None while pending).
+    requests usually share it, ending them after their current token. ``arrival`` and ``admitted_at`` (its first
+    admission) are ``time.perf_counter()`` values; ``batch`` is the batch it was admitted to (None while pending);
+    ``admission`` orders its latest admission among all (the newest is preempted first); ``waited_for_memory``: its
+    admission waited for K/V memory at least once.
     """
 
     rows: list[DecodeRow]
@@ -221,6 +237,8 @@ class RequestGroup:
     arrival: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
     batch: RunningBatch | None = None
+    admission: int = -1
+    waited_for_memory: bool = False
 
     def __post_init__(self) -> None:
         if not self.rows:
@@ -229,6 +247,17 @@ class RequestGroup:
     @property
     def done(self) -> bool:
         return all(row.finished for row in self.rows)
+
+    @property
+    def live_rows(self) -> list[DecodeRow]:
+        """Its rows not finished (all of them until one ends; a preempted group is admitted again with these)."""
+        return [row for row in self.rows if not row.finished]
+
+    @property
+    def contexts(self) -> list[tuple[int, int]]:
+        """``(context tokens, tokens left)`` of each live row: what its prefill computes or loads and what it may
+        still take (see :class:`~kvboost_hf.kv_budget.BatchShape`)."""
+        return [(row.context_length, row.tokens_left) for row in self.live_rows]
 
 
 class RunningBatch:
@@ -249,12 +278,41 @@ class RunningBatch:
         self.prefilling: list[Prefilling] = []
 
     def admit(self, groups: Sequence[RequestGroup], now: float) -> None:
-        """Make ``groups`` part of this batch (their rows are prefilled from the next :meth:`Scheduler.execute`
-        on, once :meth:`Scheduler.schedule` planned their :class:`~kvboost_hf.hf.decode.PrefillWork`)."""
+        """Make ``groups`` part of this batch (their live rows are prefilled from the next
+        :meth:`Scheduler.execute` on, once :meth:`Scheduler.schedule` planned their
+        :class:`~kvboost_hf.hf.decode.PrefillWork`)."""
         for group in groups:
-            group.admitted_at, group.batch = now, self
+            group.admitted_at, group.batch = group.admitted_at or now, self
             self._owners.update((id(row), group) for row in group.rows)
         self.groups += groups
+
+    def preempt(self, group: RequestGroup) -> list[RequestGroup]:
+        """Take ``group`` out of this batch unfinished, with the groups whose rows share a prefill under way with
+        its rows (one prompt forward leaves whole): the runner stores their chunks and drops their rows
+        (:meth:`~kvboost_hf.hf.decode.DecodeLoop.preempt`). Returns the groups taken out, in admission order."""
+        taken = {id(group): group}
+        for entry in self.prefilling:
+            owners = {id(self.owner(row)): self.owner(row) for row in entry.work.rows}
+            if id(group) in owners:
+                taken.update(owners)
+        leaving = [row for member in taken.values() for row in member.live_rows]
+        ids = {id(row) for row in leaving}
+        self.prefilling = [entry for entry in self.prefilling if not ids.intersection(map(id, entry.work.rows))]
+        self.loop.preempt(leaving)
+        for row in leaving:
+            row.preemptions += 1
+        self.groups = [member for member in self.groups if id(member) not in taken]
+        for member in taken.values():
+            member.batch = None
+            for row in member.rows:
+                del self._owners[id(row)]
+        return sorted(taken.values(), key=lambda member: member.admission)
+
+    def shape(self) -> BatchShape:
+        """This batch as the K/V projection sees it (:class:`~kvboost_hf.kv_budget.BatchShape`): its width now,
+        its running rows' tokens left, and the contexts of the rows whose prefill is not complete."""
+        joining = tuple((row.context_length, row.tokens_left) for row in self.joining_rows)
+        return BatchShape(self.loop.columns, tuple(row.tokens_left for row in self.rows), joining)
 
     def drop(self, groups: Sequence[RequestGroup], error: BaseException) -> None:
         """Take ``groups`` (admitted, not prefilled) out of this batch and report ``error`` to them."""
@@ -370,6 +428,25 @@ class BatchResult:
     prefilled: tuple[PrefillWork, ...] = ()
 
 
+@dataclass
+class MemoryCounters:
+    """The K/V memory side of admission, over every schedule of the schedulers sharing it: ``preemptions`` (groups
+    preempted), ``rows_preempted``, ``admissions_deferred`` (groups whose admission waited for memory, each counted
+    once), ``reserved_bytes`` (the running batches' projected K/V bytes after the latest schedule) and
+    ``peak_reserved_bytes`` (the most after any schedule)."""
+
+    preemptions: int = 0
+    rows_preempted: int = 0
+    admissions_deferred: int = 0
+    reserved_bytes: int = 0
+    peak_reserved_bytes: int = 0
+
+    def reserve(self, reserved: int) -> None:
+        """Record the projection after a schedule."""
+        self.reserved_bytes = reserved
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, reserved)
+
+
 @dataclass(frozen=True)
 class StepReport:
     """What a step did: each batch's result (with the tokens sampled) and the batches that ended (finished or failed)
@@ -392,6 +469,9 @@ class Scheduler:
             running row's decode step counts one (a speculative step's tree nodes are not counted), the rest goes
             to prefill chunks, the batches' oldest prefills first, each prompt forward of ``r`` rows taking up to
             ``rest // r`` columns of what is left of it.
+        kv_budget: the K/V memory budget of admission and preemption (rule 2c; None: rows are the only limit). It
+            may be replaced between steps (e.g. lowered when free memory shrinks): the next schedule preempts to fit.
+        memory: where the memory counters go (:class:`MemoryCounters`; default: this scheduler's own).
         batch_window_s: how long the oldest pending group of a key waits for others before its batch forms
             (``skip_windows = True`` admits without waiting).
         on_done: called once with each batch's loop when it ends; what it returns is kept as its
@@ -407,6 +487,8 @@ class Scheduler:
         decode: Callable[[list[int]], str],
         max_rows: int = DEFAULT_MAX_BATCH_SIZE,
         token_budget: int = DEFAULT_TOKEN_BUDGET,
+        kv_budget: KVBudget | None = None,
+        memory: MemoryCounters | None = None,
         batch_window_s: float = 0.0,
         on_done: Callable[[DecodeLoop], dict[str, Any]] = lambda loop: {},
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
@@ -421,6 +503,9 @@ class Scheduler:
         self.tokenizer_lock = tokenizer_lock or contextlib.nullcontext()
         self.max_rows = max_rows
         self.token_budget = token_budget
+        self.kv_budget = kv_budget
+        self.memory = memory if memory is not None else MemoryCounters()
+        self._admissions = 0
         self.batch_window_s = batch_window_s
         self.on_done = on_done
         self._pending: list[RequestGroup] = []
@@ -430,11 +515,37 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queue
     def add(self, group: RequestGroup) -> None:
-        """Queue ``group`` (raises ValueError when it has more rows than ``max_rows``)."""
+        """Queue ``group``; raises :class:`~kvboost_hf.core.errors.CapacityError` when it has more rows than
+        ``max_rows`` or its K/V cannot fit the budget even alone (:meth:`alone_bytes`)."""
         if len(group.rows) > self.max_rows:
             raise CapacityError(f"a request needs 1 to max_rows={self.max_rows} rows, got {len(group.rows)}")
+        if (error := self._never_fits(group)) is not None:
+            raise error
         with self._queue_lock:
             self._pending.append(group)
+
+    def alone_bytes(self, group: RequestGroup) -> int:
+        """The projected K/V bytes of ``group``'s live rows in a batch of their own (0 without a K/V budget)."""
+        if self.kv_budget is None:
+            return 0
+        return self.kv_budget.bytes(BatchShape().join(group.contexts))
+
+    def _never_fits(self, group: RequestGroup) -> CapacityError | None:
+        """The error refusing ``group`` when its K/V cannot fit the budget alone, else None."""
+        if self.kv_budget is None or (needed := self.alone_bytes(group)) <= self.kv_budget.budget_bytes:
+            return None
+        return CapacityError(
+            f"a request of {len(group.live_rows)} rows needs {needed} bytes of K/V (prompt and max tokens, "
+            f"{self.kv_budget.bytes_per_token} bytes per token and row), over the K/V budget of "
+            f"{self.kv_budget.budget_bytes} bytes"
+        )
+
+    @property
+    def reserved_bytes(self) -> int:
+        """The running batches' projected K/V bytes (0 without a K/V budget): see :mod:`kvboost_hf.kv_budget`."""
+        if self.kv_budget is None:
+            return 0
+        return sum(self.kv_budget.bytes(batch.shape()) for batch in self.running)
 
     @property
     def pending(self) -> list[RequestGroup]:
@@ -463,17 +574,20 @@ class Scheduler:
         the admitted rows' prefills, and split the step's token budget: a decode step for every running row first,
         then chunks of the prefills, oldest first (:func:`split_budget`)."""
         now = time.perf_counter() if now is None else now
+        self._preempt()
         admitted: dict[int, tuple[bool, list[RequestGroup]]] = {}
         for key, batch, groups in self._admit(now):
             new = batch is None
             if batch is None:
                 batch = RunningBatch(key, self.new_loop)
                 self.running.append(batch)
+            for group in groups:
+                group.admission, self._admissions = self._admissions, self._admissions + 1
             batch.admit(groups, now)
             admitted[id(batch)] = (new, groups)
         for batch_id, (new, groups) in admitted.items():
             batch = next(batch for batch in self.running if id(batch) == batch_id)
-            rows = [row for group in groups for row in group.rows]
+            rows = [row for group in groups for row in group.live_rows]
             try:
                 prefills = self.policy.prefill_works(rows, batch.key.cache_salt)
             except Exception as error:  # e.g. the store could not be read: these groups fail, the batch goes on
@@ -494,6 +608,8 @@ class Scheduler:
             new, groups = admitted.get(id(batch), (False, []))
             planned = tuple(chunks[id(entry)] for entry in batch.prefilling if id(entry) in chunks)
             work.append(BatchWork(batch, new, tuple(groups), decode=bool(batch.rows), prefills=planned))
+        if self.kv_budget is not None:
+            self.memory.reserve(self.reserved_bytes)
         return SchedulerOutput(tuple(work))
 
     def execute(self, output: SchedulerOutput) -> StepReport:
@@ -577,16 +693,40 @@ class Scheduler:
         self.running = []
 
     # ------------------------------------------------------------------ decisions
+    def _preempt(self) -> None:
+        """While the running batches' projected K/V exceed the budget, preempt the newest admitted group (with
+        those sharing a prefill under way with it) and queue them again at the front, oldest first (rule 2c)."""
+        if self.kv_budget is None:
+            return
+        preempted: list[RequestGroup] = []
+        while self.reserved_bytes > self.kv_budget.budget_bytes:
+            admitted = [group for batch in self.running for group in batch.groups if not group.done]
+            newest = max(admitted, key=lambda group: group.admission)  # some group holds the bytes reserved
+            assert newest.batch is not None, "an admitted group has a batch"
+            taken = newest.batch.preempt(newest)
+            self.memory.preemptions += len(taken)
+            self.memory.rows_preempted += sum(len(group.live_rows) for group in taken)
+            preempted += taken
+            logger.info("preempted %d request(s) to keep K/V within %d bytes", len(taken), self.kv_budget.budget_bytes)
+        if preempted:
+            with self._queue_lock:
+                self._pending[:0] = sorted(preempted, key=lambda group: group.admission)
+
     def _admit(self, now: float) -> list[tuple[BatchKey, RunningBatch | None, list[RequestGroup]]]:
         """Pending groups that are ready and fit, by key: ``(key, running batch to join or None, groups)``."""
         with self._queue_lock:
             cancelled = [group for group in self._pending if group.cancel is not None and group.cancel.is_set()]
             self._pending = [group for group in self._pending if group not in cancelled]
+            refused = [(group, error) for group in self._pending if (error := self._never_fits(group)) is not None]
+            dropped = {id(group) for group, _ in refused}
+            self._pending = [group for group in self._pending if id(group) not in dropped]
             formed = self._ready(now)
             taken = {id(group) for _, _, groups in formed for group in groups}
             self._pending = [group for group in self._pending if id(group) not in taken]
         for group in cancelled:
             group.on_fail(RequestCancelled("cancelled before it started"))
+        for group, error in refused:  # the budget was lowered under it after it was queued
+            group.on_fail(error)
         return formed
 
     def _ready(self, now: float) -> list[tuple[BatchKey, RunningBatch | None, list[RequestGroup]]]:
@@ -595,27 +735,40 @@ class Scheduler:
         for group in self._pending:  # insertion order = oldest first
             by_key.setdefault(self.policy.key(group.cache_salt), []).append(group)
         free = self.max_rows - self.running_rows
+        budget = self.kv_budget
+        spare = 0 if budget is None else budget.budget_bytes - self.reserved_bytes
         formed = []
         for key, members in by_key.items():
             running = next((batch for batch in self.running if not batch.done and batch.key == key), None)
             window_over = now >= members[0].arrival + self.batch_window_s
-            ready = running is not None or sum(len(g.rows) for g in members) >= self.max_rows or window_over
+            ready = running is not None or sum(len(g.live_rows) for g in members) >= self.max_rows or window_over
             if not (ready or self.skip_windows):
                 continue
+            shape = running.shape() if budget is not None and running is not None else BatchShape()
             chosen: list[RequestGroup] = []
             for group in members:
-                if len(group.rows) > free:
+                if len(group.live_rows) > free:
                     break
+                if budget is not None:
+                    grown = shape.join(group.contexts)
+                    more = budget.bytes(grown) - budget.bytes(shape)
+                    if more > spare:
+                        if not group.waited_for_memory:
+                            group.waited_for_memory = True
+                            self.memory.admissions_deferred += 1
+                        break
+                    shape, spare = grown, spare - more
                 chosen.append(group)
-                free -= len(group.rows)
+                free -= len(group.live_rows)
             if chosen:
                 formed.append((key, running, chosen))
         return formed
 
 
 def prompt_width(work: PrefillWork) -> int:
-    """Columns of ``work``'s left-padded prompt forward before stored chunks are loaded: its longest prompt."""
-    return max(len(row.request.prompt_ids) for row in work.rows)
+    """Columns of ``work``'s left-padded prompt forward before stored chunks are loaded: its longest context (a
+    prompt, and a preempted row's tokens)."""
+    return max(row.context_length for row in work.rows)
 
 
 def split_budget(budget: int, decode_rows: int, prefilling: Sequence[Prefilling]) -> list[int]:

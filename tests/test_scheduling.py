@@ -8,6 +8,7 @@ needs repair keep it, in batches. The decode loop's own behaviour is tested in t
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -18,14 +19,15 @@ from helpers import word_tokenizer, words
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from oracle import cache_reference, engine_reference
+from oracle import GREEDY, cache_reference, engine_reference
 
 from kvboost_hf import KVBoost
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
-from kvboost_hf.core.errors import ConfigError
+from kvboost_hf.core.errors import CapacityError, ConfigError
 from kvboost_hf.core.keys import KeySpace
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, DraftRound, PrefillWork, RowOutput, SharedPrefix
 from kvboost_hf.hf.sampling import SamplingConfig
+from kvboost_hf.kv_budget import KVBudget
 from kvboost_hf.scheduling import (
     BatchPolicy,
     Prefilling,
@@ -45,7 +47,8 @@ class FakeLoop:
     """Records what it is handed and samples token 1 for each row per prefill and per step (with ``fail_after``:
     raises at that many steps), or what ``script`` gives: a row's next tokens per call (several: a verify round).
     A prefill handed fewer columns than its longest prompt completes once the columns handed add up to it
-    (``chunks``: each call's work and columns)."""
+    (``chunks``: each call's work and columns). ``width`` models the left-padded layout: a step adds a column, a
+    prefill joins as wide as the wider of the batch and its longest context, and it resets when no row runs."""
 
     def __init__(self, fail_after: int | None = None, script=None) -> None:
         self.fail_after = fail_after
@@ -58,14 +61,19 @@ class FakeLoop:
         self.steps = 0
         self.computed_tokens = 0
         self.closed = False
+        self.width = 0
 
     @property
     def done(self) -> bool:
         return not self.running and not self.progress
 
+    @property
+    def columns(self) -> int:
+        return self.width if self.running else 0
+
     def add(self, work: PrefillWork, columns: int = 0) -> list[RowOutput]:
         self.chunks.append((work, columns))
-        width = max(len(row.request.prompt_ids) for row in work.rows)
+        width = max(row.context_length for row in work.rows)
         computed = self.progress.pop(id(work), (work, 0))[1] + (columns or width)
         if computed < width:
             self.progress[id(work)] = (work, computed)
@@ -73,6 +81,7 @@ class FakeLoop:
         self.works.append(work)
         self.rows += work.rows
         self.computed_tokens += sum(len(row.request.prompt_ids) for row in work.rows)
+        self.width = max(self.columns, width)
         self.running += work.rows
         return [self._sample(row) for row in work.rows]
 
@@ -80,6 +89,7 @@ class FakeLoop:
         if self.fail_after is not None and self.steps >= self.fail_after:
             raise RuntimeError("device lost")
         self.steps += 1
+        self.width += 1
         return [self._sample(row) for row in self.running]
 
     def _sample(self, row: DecodeRow) -> RowOutput:
@@ -89,10 +99,18 @@ class FakeLoop:
         )
 
     def retire_finished(self) -> None:
-        self.running = [row for row in self.running if not row.finished]
+        self.preempt([row for row in self.running + self.joining if row.finished])
+
+    def preempt(self, rows) -> None:
+        leaving = {id(row) for row in rows}
+        self.running = [row for row in self.running if id(row) not in leaving]
         self.progress = {
-            key: (work, n) for key, (work, n) in self.progress.items() if not all(r.finished for r in work.rows)
+            key: (work, n) for key, (work, n) in self.progress.items() if not all(id(r) in leaving for r in work.rows)
         }
+
+    @property
+    def joining(self) -> list[DecodeRow]:
+        return [row for work, _ in self.progress.values() for row in work.rows]
 
     def abandon(self) -> None:
         self.running, self.progress = [], {}
@@ -110,6 +128,7 @@ class Harness:
         store=None,
         script=None,
         token_budget: int = 0,
+        kv_budget: KVBudget | None = None,
     ) -> None:
         self.loops: list[FakeLoop] = []
         self.failures: list[tuple[RequestGroup, BaseException]] = []
@@ -126,7 +145,7 @@ class Harness:
 
         self.scheduler = Scheduler(
             policy, new_loop, decode=lambda ids: "".join(f"<{t}>" for t in ids), max_rows=max_rows,
-            token_budget=token_budget, batch_window_s=window_s, on_done=on_done,
+            token_budget=token_budget, kv_budget=kv_budget, batch_window_s=window_s, on_done=on_done,
         )  # fmt: skip
 
     def group(
@@ -474,6 +493,56 @@ SchedulerMachine.TestCase.settings = settings(max_examples=60, stateful_step_cou
 test_scheduler_state_machine = SchedulerMachine.TestCase
 
 
+class KVBudgetMachine(SchedulerMachine):
+    """The same under a K/V budget (one byte per token and row) that rules change at random: after every schedule
+    the bytes reserved are within the budget, and so are the bytes the fake runners hold (rows x their width, joins
+    included) after every step; a group that cannot fit alone is refused with CapacityError (when queued, or later
+    through ``on_fail``); preempted rows keep their tokens; every group still ends once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = Harness(max_rows=4, window_s=0.0, fail_salt="bad", token_budget=6, kv_budget=KVBudget(60, 1))
+
+    @rule(
+        rows=st.integers(1, 3),
+        tokens=st.integers(1, 4),
+        salt=st.sampled_from([None, "tenant-b", "bad"]),
+        prompt=st.lists(st.integers(0, 3), min_size=1, max_size=9),
+    )
+    def add(self, rows, tokens, salt, prompt):
+        try:
+            super().add(rows, tokens, salt, prompt)
+        except CapacityError as error:
+            assert rows * (len(prompt) + tokens) > self.h.scheduler.kv_budget.budget_bytes, error
+
+    @rule(budget=st.integers(4, 60))
+    def change_budget(self, budget):
+        self.h.scheduler.kv_budget = KVBudget(budget, 1)
+
+    @rule()
+    def step(self):
+        super().step()
+        scheduler = self.h.scheduler
+        budget = scheduler.kv_budget.budget_bytes
+        assert scheduler.memory.reserved_bytes <= budget
+        held = sum(
+            (len(batch.loop.running) + len(batch.loop.joining)) * max(batch.loop.columns, *widths)
+            for batch in scheduler.running
+            for widths in [[row.context_length for row in batch.loop.joining] or [0]]
+        )
+        assert held <= scheduler.memory.reserved_bytes <= budget
+        for group in self.groups:
+            assert all(len(row.tokens) <= row.request.max_new_tokens for row in group.rows)
+
+    def teardown(self):
+        self.h.scheduler.kv_budget = KVBudget(1 << 20, 1)  # what waits can run (a refused group already failed)
+        super().teardown()
+
+
+KVBudgetMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+test_kv_budget_state_machine = KVBudgetMachine.TestCase
+
+
 def test_a_prefill_work_checks_its_invariants():
     rows = DecodeLoop.rows_for(
         [DecodeRequest(prompt_ids=p, max_new_tokens=1) for p in ([1, 2, 3, 4], (1, 2, 3, 4), [1, 2, 9])], set()
@@ -637,3 +706,147 @@ def test_generate_many_under_a_small_token_budget_gives_generates_tokens_over_a_
     for result, reference in zip(results, expected, strict=True):
         torch.testing.assert_close(result.first_token_logits, reference.first_logits, atol=1e-4, rtol=1e-4)
     assert results[2].cached_tokens == 16 and chunks == [2] * 6 + [5, 5, 5]  # the last call computes 4
+
+
+# ---------------------------------------------------------------------------------------------- K/V memory budget
+def bytes_per_token(model) -> int:
+    """One row's K/V bytes per column, from the model's config (fp32): layers x 2 x kv_heads x head_dim x 4."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
+
+
+def held_kv_bytes(scheduler: Scheduler) -> int:
+    """The K/V bytes the scheduler's batches hold now, read from their caches' tensors (the running rows' caches
+    and those of prompt forwards under way)."""
+    caches = []
+    for batch in scheduler.running:
+        caches += [batch.loop.cache, *(prompt.state.cache for prompt in batch.loop._prompts)]
+    tensors = [t for cache in caches if cache is not None for layer in cache.layers for t in (layer.keys, layer.values)]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def budget_run(
+    engine, scheduler: Scheduler, prompts, max_new_tokens: int, lower_at=None, arrive_at=None, samplings=None
+):
+    """Queue one row per prompt (greedy unless ``samplings`` says; ``arrive_at``: the step each is added at,
+    default all at once) and step
+    ``scheduler`` until idle, with ``lower_at = (step, bytes)`` lowering its K/V budget before that step. Returns
+    the rows, each row's tokens as ``on_token`` reported them, and per step ``(budget, bytes reserved after the
+    schedule, bytes held after the step)``."""
+    arrive_at = arrive_at or [0] * len(prompts)
+    samplings = samplings or [GREEDY] * len(prompts)
+    requests = [
+        DecodeRequest(prompt_ids=engine.encode(p), max_new_tokens=max_new_tokens, sampling=sampling)
+        for p, sampling in zip(prompts, samplings, strict=True)
+    ]
+    rows = engine.factories.new_rows(requests)
+    streamed: list[list[int]] = [[] for _ in rows]
+    failures: list[BaseException] = []
+    groups = [
+        RequestGroup([row], on_token=lambda row, seen=seen: seen.append(row.tokens[-1]), on_fail=failures.append)
+        for row, seen in zip(rows, streamed, strict=True)
+    ]
+    trace = []
+    step = 0
+    while step <= max(arrive_at) or not scheduler.idle:
+        for group, at in zip(groups, arrive_at, strict=True):
+            if at == step:
+                scheduler.add(group)
+        if lower_at is not None and lower_at[0] == step:
+            scheduler.kv_budget = dataclasses.replace(scheduler.kv_budget, budget_bytes=lower_at[1])
+        output = scheduler.schedule()
+        reserved = scheduler.memory.reserved_bytes
+        scheduler.update_from_output(scheduler.execute(output))
+        trace.append((scheduler.kv_budget.budget_bytes, reserved, held_kv_bytes(scheduler)))
+        step += 1
+        assert step < 500, "the scheduler made no progress"
+    assert failures == []
+    return rows, streamed, trace
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=0.8, seed=11)], ids=["greedy", "seeded"])
+def test_a_batch_over_the_kv_budget_is_admitted_partly_preempted_and_resumed_with_generates_tokens(engine, sampling):
+    """Four prompts whose K/V (prompt and 12 tokens each, every row as wide as the widest) fit three at a time: the
+    fourth waits. After five steps the budget is lowered under three rows: the newest row (greedy, or sampled with
+    a seed) is preempted (its chunks stored), waits at the front of the queue and resumes once the others end,
+    loading its prompt and tokens' full chunks from the store, with its own generator. Every row's tokens equal
+    transformers' (greedy; the seeded row's draws from its seed alone), each token reached its stream once, and
+    after every schedule the bytes reserved, and after every step the bytes the caches hold, are within the
+    budget."""
+    engine.store.clear()
+    prompts = [words(80, 13), words(81, 15), words(82, 17), words(83, 22)]
+    lengths = [len(engine.encode(p)) for p in prompts]
+    per_token = bytes_per_token(engine.model)
+    three = 3 * (lengths[2] + 12) * per_token  # the first three rows, all as wide as the third, 12 tokens each
+    scheduler = engine.scheduler("prefix_cache", max_batch_size=4, token_budget=0, kv_budget_bytes=three)
+    assert scheduler.kv_budget.bytes_per_token == per_token
+    lowered = 2 * (lengths[2] + 12) * per_token
+    before = dataclasses.replace(scheduler.memory)  # the engine's counters, over its schedulers
+    samplings = [GREEDY, GREEDY, sampling, GREEDY]
+    rows, streamed, trace = budget_run(engine, scheduler, prompts, 12, lower_at=(5, lowered), samplings=samplings)
+
+    expected = [engine_reference(engine, p, 12, s).tokens for p, s in zip(prompts, samplings, strict=True)]
+    assert [row.tokens for row in rows] == expected
+    assert streamed == [row.tokens for row in rows]
+    assert [row.preemptions for row in rows] == [0, 0, 1, 0]
+    assert rows[2].resumed_cached_tokens >= 16  # its prompt and 5 tokens: 22 tokens, two full chunks of 8
+    memory = scheduler.memory
+    assert (memory.preemptions, memory.rows_preempted) == (before.preemptions + 1, before.rows_preempted + 1)
+    assert memory.admissions_deferred >= before.admissions_deferred + 1  # the fourth row waited
+    assert engine.cache_stats()["kv_preemptions"] == memory.preemptions
+    for budget, reserved, held in trace:
+        assert held <= reserved <= budget
+    assert max(held for _, _, held in trace) > 0
+
+
+def test_a_join_prefilled_over_many_steps_is_preempted_as_the_batch_widens_and_resumes_from_its_chunks(engine):
+    """A 4-token prompt decodes 20 tokens; a 12-token prompt (20 tokens too) joins at the second step and is
+    prefilled one column per step (token budget 2). The budget fits both only as they stand at that step: each
+    step the running row widens the batch, so the joining row (every row as wide as the widest) outgrows it and is
+    preempted, the chunk its prefill completed stored; it waits until the first row ends, then is prefilled again,
+    loading that chunk. Both rows' tokens equal transformers' greedy ones, within the budget throughout."""
+    engine.store.clear()
+    prompts = [words(84, 3), words(85, 11)]
+    lengths = [len(engine.encode(p)) for p in prompts]
+    per_token = bytes_per_token(engine.model)
+    # two rows as wide as the joining prompt and a column more, 20 tokens each: exceeded once the running row has
+    # widened the batch two columns past that prompt, when the join has computed 9 of its 11 columns
+    budget = 2 * (lengths[1] + 1 + 20) * per_token - 1
+    scheduler = engine.scheduler("prefix_cache", max_batch_size=2, token_budget=2, kv_budget_bytes=budget)
+    before = scheduler.memory.preemptions
+    rows, streamed, trace = budget_run(engine, scheduler, prompts, 20, arrive_at=[0, 1])
+
+    assert [row.tokens for row in rows] == [engine_reference(engine, p, 20).tokens for p in prompts]
+    assert streamed == [row.tokens for row in rows]
+    assert rows[1].preemptions == 1 and scheduler.memory.preemptions == before + 1
+    assert rows[1].reuse.cached_tokens == 8  # the chunk its first prefill completed
+    for budget, reserved, held in trace:
+        assert held <= reserved <= budget
+
+
+def test_a_request_whose_kv_cannot_fit_the_budget_alone_is_refused_naming_the_bytes(engine):
+    prompt = words(86, 10)
+    needed = (len(engine.encode(prompt)) + 6) * bytes_per_token(engine.model)
+    scheduler = engine.scheduler("prefix_cache", kv_budget_bytes=needed - 1)
+    row = engine.factories.new_rows(
+        [DecodeRequest(prompt_ids=engine.encode(prompt), max_new_tokens=6, sampling=GREEDY)]
+    )
+    with pytest.raises(CapacityError, match=f"needs {needed} bytes of K/V .* budget of {needed - 1} bytes"):
+        scheduler.add(RequestGroup(row))
+    assert scheduler.idle
+    with pytest.raises(CapacityError, match=f"needs {needed} bytes"):
+        engine.generate_many([prompt], max_new_tokens=6, kv_budget_bytes=needed - 1)
+    result = engine.generate_many([prompt], max_new_tokens=6, kv_budget_bytes=needed)  # exactly fits
+    assert result[0].output_ids == engine_reference(engine, prompt, 6).tokens
+
+
+def test_a_prompt_prefilled_in_chunks_completes_when_every_running_row_ends_meanwhile(engine):
+    """The running row ends (4 tokens) while an 11-token prompt that joined is prefilled one column per step: the
+    runner drops the running rows' caches but keeps the prompt forward under way, which completes (it used to be
+    dropped with them and never complete) with transformers' greedy tokens."""
+    engine.store.clear()
+    prompts = [words(87, 3), words(88, 11)]
+    scheduler = engine.scheduler("prefix_cache", max_batch_size=2, token_budget=2, kv_budget_bytes=1 << 30)
+    rows, _, _ = budget_run(engine, scheduler, prompts, 4, arrive_at=[0, 1])
+    assert [row.tokens for row in rows] == [engine_reference(engine, p, 4).tokens for p in prompts]

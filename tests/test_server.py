@@ -423,6 +423,20 @@ def test_disconnect_mid_stream_cancels_generation(server):
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
+def test_a_request_whose_kv_cannot_fit_the_budget_answers_400_and_one_that_fits_is_served(engine):
+    """With ``kv_budget_bytes`` for 64 tokens of one row: a 4-token prompt asking 200 tokens cannot fit (400 naming
+    the bytes); asking 16 it is served."""
+    per_token = engine.factories.kv_bytes_per_token()
+    settings = ServerConfig(model_name=MODEL_NAME, batch_window_ms=0, kv_budget_bytes=64 * per_token)
+    with LiveServer(create_app(engine, settings)) as live:
+        body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0}
+        refused = httpx.post(f"{live.url}/v1/completions", json=body, timeout=120)
+        served = httpx.post(f"{live.url}/v1/completions", json={**body, "max_tokens": 16}, timeout=120)
+    assert refused.status_code == 400, refused.text
+    assert f"over the K/V budget of {64 * per_token} bytes" in refused.json()["error"]["message"]
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] <= 16
+
+
 def test_overflow_answers_429_with_retry_after(engine):
     settings = ServerConfig(model_name=MODEL_NAME, batch_window_ms=0, max_batch_size=1, max_queue=1)
     with LiveServer(create_app(engine, settings)) as live:

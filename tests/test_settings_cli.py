@@ -219,15 +219,19 @@ def test_worker_takes_the_server_settings_in_their_units():
 
     worker = Worker(
         _SchedulerEngine(),
-        ServerConfig(reuse_mode="chunk_kv_reuse", batch_window_ms=250, max_batch_size=3, token_budget=96),
+        ServerConfig(
+            reuse_mode="chunk_kv_reuse", batch_window_ms=250, max_batch_size=3, token_budget=96, kv_budget_bytes=4096
+        ),
     )  # type: ignore[arg-type]
     assert worker.max_batch_size == 3 and worker.max_queue == 64 and worker.mode is GenerationMode.CHUNK_KV_REUSE
-    assert worker.scheduler == (worker.mode, {"max_batch_size": 3, "token_budget": 96, "batch_window_ms": 250})
+    given = {"max_batch_size": 3, "token_budget": 96, "kv_budget_bytes": 4096, "batch_window_ms": 250}
+    assert worker.scheduler == (worker.mode, given)
     default = Worker(_SchedulerEngine())  # type: ignore[arg-type]
     settings = ServerConfig()
     expected = {
         "max_batch_size": settings.max_batch_size,
         "token_budget": settings.token_budget,
+        "kv_budget_bytes": settings.kv_budget_bytes,
         "batch_window_ms": settings.batch_window_ms,
     }
     assert default.scheduler == (GenerationMode.PREFIX_CACHE, expected)
@@ -242,6 +246,7 @@ def test_worker_takes_the_server_settings_in_their_units():
         ("batch_window_ms", -1),
         ("token_budget", -1),
         ("token_budget", 3),
+        ("kv_budget_bytes", -1),
     ],
 )
 def test_server_settings_refuse_values_the_worker_cannot_run(field, value):

@@ -102,10 +102,10 @@ class PrefillWork:
     def __post_init__(self) -> None:
         if not self.rows:
             raise InputError("a prefill work needs at least one row")
-        if self.repeat and (self.shared_prefixes or len({row.request.prefill_setting[0] for row in self.rows}) > 1):
+        if self.repeat and (self.shared_prefixes or len({row.prefill_setting[0] for row in self.rows}) > 1):
             raise InputError("repeat needs rows of one prompt and no shared prefixes")
         for prefix in self.shared_prefixes:
-            if tuple(self.rows[prefix.row].request.prompt_ids[: len(prefix.tokens)]) != prefix.tokens:
+            if self.rows[prefix.row].context_ids[: len(prefix.tokens)] != prefix.tokens:
                 raise InputError(f"shared prefix of {len(prefix.tokens)} tokens is not row {prefix.row}'s prefix")
 
     def cache_segment_starts(self, reuse: bool) -> tuple[int, ...]:
@@ -226,15 +226,15 @@ class DecodeLoop:
             fits its columns): the cache turns static first, at a capacity that also holds the rows' answers, so
             the decode steps after it keep it. None: every forward eager.
 
-    ``rows`` holds every row added (in order), ``running`` those still decoding. ``forwards`` counts target model
-    forwards (prefills and shared prefixes included; the draft's are ``draft.forwards``), ``verify_forwards`` those
-    of them that verified draft tokens (one per speculative step, and a prompt forward that verified the first
-    tree); ``streamed_bytes`` the bytes the target's layer streamer copied during this loop's prefills and steps (an
-    early-exit draft's forwards on the target included; None when the target is not streamed);
-    ``computed_tokens`` the prompt tokens computed (not loaded) for all rows. Call :meth:`add` with each
-    :class:`PrefillWork`, and :meth:`step` while rows run: each returns the tokens it sampled per row
-    (:class:`RowOutput`) and appends nothing; the caller appends them and ends rows, then calls
-    :meth:`retire_finished` before the next call.
+    ``rows`` holds every row added (in order) and not preempted since, ``running`` those still decoding.
+    ``forwards`` counts target model forwards (prefills and shared prefixes included; the draft's are
+    ``draft.forwards``), ``verify_forwards`` those of them that verified draft tokens (one per speculative step, and
+    a prompt forward that verified the first tree); ``streamed_bytes`` the bytes the target's layer streamer copied
+    during this loop's prefills and steps (an early-exit draft's forwards on the target included; None when the
+    target is not streamed); ``computed_tokens`` the prompt tokens computed (not loaded) for all rows. Call
+    :meth:`add` with each :class:`PrefillWork`, and :meth:`step` while rows run: each returns the tokens it sampled
+    per row (:class:`RowOutput`) and appends nothing; the caller appends them and ends rows, then calls
+    :meth:`retire_finished` before the next call. :meth:`preempt` takes rows out unfinished, their chunks stored.
     """
 
     def __init__(
@@ -270,6 +270,15 @@ class DecodeLoop:
     def done(self) -> bool:
         """No row running and no prompt forward under way."""
         return not self.running and not self._prompts
+
+    @property
+    def columns(self) -> int:
+        """Columns of K/V each running row holds (0 with none running): the left-padded batch's width, or a static
+        cache's capacity when larger (graphed decoding). Prompt forwards under way hold at most their prompts'
+        widths besides (see :mod:`kvboost_hf.kv_budget`)."""
+        if not self.running:
+            return 0
+        return max(self.mask.shape[1], getattr(self.cache, "max_cache_len", None) or 0)
 
     # ------------------------------------------------------------------ forwards
     @_counting_streamed_bytes
@@ -320,7 +329,7 @@ class DecodeLoop:
         prompts' mask; returns the prompt forward to run."""
         self.rows += work.rows
         rows = list(work.rows)
-        prompts = [list(rows[0].request.prompt_ids)] if work.repeat else [list(r.request.prompt_ids) for r in rows]
+        prompts = [list(rows[0].context_ids)] if work.repeat else [list(row.context_ids) for row in rows]
         starts = work.cache_segment_starts(reuse=self.new_cache is not None)
         shared_computed: dict[int, int] = {}
         if self.new_cache is not None:
@@ -377,9 +386,13 @@ class DecodeLoop:
         self.positions = position_ids[:, -1]
         for index, row in enumerate(rows):
             if index < len(reuse):
-                row.reuse = reuse[index]
-                row.reuse.cached_tokens = max(0, loaded[index] - shared_computed.get(index, 0))
-            if row.request.keep_first_logits:
+                cached = max(0, loaded[index] - shared_computed.get(index, 0))
+                if row.tokens:  # a preempted row resuming: its context's chunks came back from the store
+                    row.resumed_cached_tokens += cached
+                else:
+                    row.reuse = reuse[index]
+                    row.reuse.cached_tokens = cached
+            if row.request.keep_first_logits and not row.tokens:
                 row.first_logits = logits[index, 0].cpu()
         if trees is not None and self.verifier is not None:
             verified = self.verifier.verify(self.running, self.cache, trees, logits, self.mask, self.positions)
@@ -570,18 +583,32 @@ class DecodeLoop:
         """Drop the rows that ended (:attr:`DecodeRow.finished`, decided by the caller) from the batch; their chunks
         (unfinished last chunks included) are stored first. A chunked prompt forward whose rows all ended (e.g.
         cancelled) is dropped, the chunks it completed stored."""
-        for prompt in [prompt for prompt in self._prompts if all(row.finished for row in prompt.work.rows)]:
+        self._release(lambda row: row.finished)
+
+    def preempt(self, rows: Sequence[DecodeRow]) -> None:
+        """Take ``rows`` out of the batch unfinished (the scheduler frees their K/V memory): running rows, and
+        prompt forwards under way all of whose rows are among them. Their chunks are stored first (a running row's
+        unfinished last chunk included, a prompt forward's completed chunks), so a later prefill of each row's
+        :attr:`~kvboost_hf.hf.rows.DecodeRow.context_ids` loads them and computes only the rest."""
+        leaving = {id(row) for row in rows}
+        self._release(lambda row: id(row) in leaving)
+        self.rows = [row for row in self.rows if id(row) not in leaving]  # counted by the loop they end in
+
+    def _release(self, leaving: Callable[[DecodeRow], bool]) -> None:
+        """Drop the running rows and the prompt forwards under way (all of whose rows) ``leaving`` names, their
+        chunks stored first; the prompt forwards of other rows go on (also when no row is left running)."""
+        for prompt in [prompt for prompt in self._prompts if all(leaving(row) for row in prompt.work.rows)]:
             self._prompts.remove(prompt)
             if isinstance(prompt.state.cache, ChunkReuseCache):
                 prompt.state.cache.save(tail=False)
-        keep = [i for i, row in enumerate(self.running) if not row.finished]
+        keep = [i for i, row in enumerate(self.running) if not leaving(row)]
         if len(keep) == len(self.running):
             return
         self._save(tail=True)  # store the leaving rows' chunks (and unfinished last chunks) first
-        self.running = [self.running[i] for i in keep]
         if not keep:
-            self.abandon()  # every chunk is stored: nothing is lost
+            _Batch.detach(self)  # every chunk is stored: the caches go, prompt forwards under way stay
             return
+        self.running = [self.running[i] for i in keep]
         index = torch.tensor(keep, device=self.device)
         assert self.cache is not None, "running rows have a cache"
         self.cache.batch_select_indices(index)
@@ -592,7 +619,7 @@ class DecodeLoop:
 
     def abandon(self) -> None:
         """Drop every running row, every prompt forward under way and the caches unsaved (after a failed forward
-        they may be inconsistent; :meth:`retire_finished` drops them so once the last row's chunks are stored)."""
+        they may be inconsistent)."""
         self.running, self._prompts = [], []
         self.cache = None
         if self.draft is not None:

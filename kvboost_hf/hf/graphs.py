@@ -163,6 +163,18 @@ def query_bucket(queries: int, buckets: tuple[int, ...]) -> int | None:
     return next((bucket for bucket in buckets if bucket >= queries), None)
 
 
+def graphed_columns(width: int, config: GraphConfig) -> int:
+    """Columns a cache may hold for a batch ``width`` wide when graphed decoding may make it static: the capacity
+    bucket of ``width`` (:func:`capacity_bucket`), or ``width`` above the largest (that step runs eagerly)."""
+    return capacity_bucket(width, config) or width
+
+
+def graphed_rows(rows: int, config: GraphConfig) -> int:
+    """Rows a cache may hold for a batch of ``rows`` rows when graphed decoding may pad it: the row bucket of
+    ``rows`` (:func:`row_bucket`, the padding rows copies of the last), or ``rows`` above the largest (eager)."""
+    return row_bucket(rows, config.row_buckets) or rows
+
+
 def row_bucket(rows: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket holding ``rows`` rows, or None when ``rows`` is above every bucket."""
     if rows < 1:

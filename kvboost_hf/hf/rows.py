@@ -63,12 +63,6 @@ class DecodeRequest:
         if outside := [start for start in self.segment_starts if not 0 <= start <= len(self.prompt_ids)]:
             raise InputError(f"segment starts {outside} lie outside the prompt's {len(self.prompt_ids)} tokens")
 
-    @property
-    def prefill_setting(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(prompt ids, segment starts)``: rows with equal settings are prefilled once (the ``n`` choices of a
-        request) in one cache."""
-        return tuple(self.prompt_ids), tuple(self.segment_starts)
-
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -119,6 +113,12 @@ class DecodeRow:
     ``draft_accepted`` of them equal to the row's own choice (and taken), ``draft_rejected`` verify rounds that
     ended on a differing proposal; ``draft_rounds`` holds, per verify round of this row, ``(draft tokens accepted,
     whether a differing proposal ended it)`` (see :func:`~kvboost_hf.hf.speculative.acceptance_by_depth`).
+
+    Preemption (the scheduler's, to free K/V memory): the row leaves its batch unfinished, its chunks stored, and
+    is prefilled again later from its :attr:`context_ids` (prompt and tokens so far), with the same generator and
+    processors, so it goes on with the tokens it would have taken. ``preemptions`` counts them;
+    ``resumed_cached_tokens`` the context tokens those prefills loaded from the store (``reuse`` stays the first
+    prefill's).
     """
 
     request: DecodeRequest
@@ -136,6 +136,8 @@ class DecodeRow:
     draft_accepted: int = 0
     draft_rejected: int = 0
     draft_rounds: list[tuple[int, bool]] = field(default_factory=list)
+    preemptions: int = 0
+    resumed_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         request = self.request
@@ -150,6 +152,23 @@ class DecodeRow:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def context_ids(self) -> tuple[int, ...]:
+        """What a prefill of this row computes or loads: its prompt, then the tokens it took before it was
+        preempted (none before its first prefill)."""
+        return (*self.request.prompt_ids, *self.tokens)
+
+    @property
+    def context_length(self) -> int:
+        """``len(context_ids)``, without building them."""
+        return len(self.request.prompt_ids) + len(self.tokens)
+
+    @property
+    def prefill_setting(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(context ids, segment starts)``: rows with equal settings are prefilled once (the ``n`` choices of a
+        request) in one cache."""
+        return self.context_ids, tuple(self.request.segment_starts)
 
     @property
     def speculates(self) -> bool:

@@ -29,6 +29,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from kvboost_hf.core.errors import CapacityError
 from kvboost_hf.server.admission import Prepared
 from kvboost_hf.server.batching import Delta, Done, Event, Failed, Finished, Job, TextLogprob
 from kvboost_hf.server.errors import ApiError
@@ -89,6 +90,8 @@ class Exchange:
             raise ApiError(429, str(exc), code="rate_limit_exceeded", headers=headers) from exc
         except ShuttingDown as exc:
             raise ApiError(503, str(exc), code="shutting_down") from exc
+        except CapacityError as exc:  # its K/V (prompt and max_tokens) cannot fit the server's K/V budget
+            raise ApiError(400, str(exc), param="max_tokens") from exc
 
     async def events(self, watch_disconnect: bool) -> AsyncGenerator[Event, None]:
         """The job's events until Done or Failed; cancels the job when the consumer stops early."""

@@ -28,6 +28,10 @@ class ServerConfig:
         token_budget: tokens one scheduler step computes at most: the running rows' decode steps first, then chunks
             of joining prompts, so a long prompt never pauses the running streams for its whole prefill (0: no
             budget, each prompt prefilled in one forward; else >= max_batch_size).
+        kv_budget_bytes: bytes of K/V the running requests may hold: a request waits while its prompt and
+            max_tokens would not fit, and the newest requests are preempted (their K/V stored, resumed from the
+            store with the same tokens) when the batch outgrows it; one that cannot fit alone is refused (None:
+            derived from the free device memory on CUDA, none on CPU; 0: none).
         max_queue: requests waiting before 429.
         default_max_tokens: budget when a request names none.
         max_tokens_limit: largest budget a request may ask for (None: up to the context).
@@ -59,6 +63,7 @@ class ServerConfig:
     batch_window_ms: float = 10.0
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     token_budget: int = DEFAULT_TOKEN_BUDGET
+    kv_budget_bytes: int | None = None
     max_queue: int = 64
     default_max_tokens: int = 256
     max_tokens_limit: int | None = None
@@ -88,5 +93,7 @@ class ServerConfig:
             raise ConfigError(
                 f"token_budget must be 0 (none) or >= max_batch_size={self.max_batch_size}, got {self.token_budget}"
             )
+        if self.kv_budget_bytes is not None and self.kv_budget_bytes < 0:
+            raise ConfigError(f"kv_budget_bytes must be None (derived), 0 (none) or > 0, got {self.kv_budget_bytes}")
         if self.batch_window_ms < 0:
             raise ConfigError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")

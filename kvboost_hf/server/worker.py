@@ -57,10 +57,10 @@ class Worker:
     Args:
         engine: the engine (its model is used from this worker only).
         settings: the server's settings; the worker reads ``reuse_mode`` (a :class:`GenerationMode` value),
-            ``batch_window_ms``,
-            ``max_batch_size`` (rows running at once, over all batches), ``token_budget`` (tokens per scheduler
-            step) and ``max_queue`` (jobs waiting before ``submit`` refuses). Jobs are batched by the engine's batch
-            policy (:meth:`~kvboost_hf.factories.Factories.batch_policy`, the rules of ``generate_many``: a job with
+            ``batch_window_ms``, ``max_batch_size`` (rows running at once, over all batches), ``token_budget``
+            (tokens per scheduler step), ``kv_budget_bytes`` (the K/V memory budget) and ``max_queue`` (jobs
+            waiting before ``submit`` refuses). Jobs are batched by the engine's batch policy
+            (:meth:`~kvboost_hf.factories.Factories.batch_policy`, the rules of ``generate_many``: a job with
             document segments, or whose reuse needs repair, is prefilled alone, then joins).
         metrics: where batch sizes, latencies and token origins are recorded.
     """
@@ -80,6 +80,7 @@ class Worker:
             self.mode,
             max_batch_size=settings.max_batch_size,
             token_budget=settings.token_budget,
+            kv_budget_bytes=settings.kv_budget_bytes,
             batch_window_ms=settings.batch_window_ms,
             tokenizer_lock=self.tokenizer_lock,
         )

@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reuse", ("reuse",)),
     ("hf", ("hf",)),
     # factories: the engine's caches, loops and schedulers; corpus: its default prompts, no imports of its own
-    ("engine", ("engine", "factories", "scheduling", "corpus")),
+    ("engine", ("engine", "factories", "scheduling", "kv_budget", "corpus")),
     ("server", ("server",)),
     ("serve_ray", ("serve_ray",)),
     ("bench", ("bench", "demo", "cli", "tools", "__init__")),
