@@ -140,7 +140,7 @@ def test_a_chunked_warm_turn_prefills_graphed_when_its_tail_fits_one_call(column
     [
         (GraphConfig(backend="eager", query_buckets=(16,)), "a tail above the largest query bucket"),
         (GraphConfig(backend="eager", query_buckets=()), "no query buckets"),
-        (GraphConfig(backend="eager", max_capacity=256, query_buckets=(256,)), "a capacity above max_capacity"),
+        (GraphConfig(backend="eager", max_capacity=256, query_buckets=(256,)), "a padded tail above max_capacity"),
     ],
 )
 def test_prefills_outside_the_buckets_run_eagerly_with_generates_tokens(config, reason):
@@ -187,6 +187,17 @@ def test_warmed_up_prefill_and_decode_graphs_serve_a_warm_turn_with_no_compile()
     expected = [reference(model, prompt, BUDGET, eos_token_ids=DECODE_EOS).tokens for prompt in prompts]
     assert [row.tokens for row in rows] == expected
     assert backend.compiles == 2 and graphs.graphed_prefills == 1  # the warm turn compiled nothing
+
+
+def test_a_prefill_gets_the_capacity_its_answer_needs_and_runs_eagerly_where_its_padding_would_not_fit():
+    graphs = GraphedDecoder(make_tiny_model("qwen2"), GraphConfig(max_capacity=1024))
+    assert graphs.prefill_capacity(rows=3, held=100, queries=20, answer=4) == 256  # 124 tokens; 132 padded
+    assert graphs.prefill_capacity(rows=1, held=240, queries=10, answer=100) == 512  # 350 tokens
+    assert graphs.prefill_capacity(rows=1, held=230, queries=20, answer=4) is None  # 254 tokens, 262 padded
+    assert graphs.prefill_capacity(rows=1, held=0, queries=20, answer=4) is None  # nothing reused: a cold prompt
+    assert graphs.prefill_capacity(rows=1, held=100, queries=257, answer=4) is None  # above the query buckets
+    assert graphs.prefill_capacity(rows=33, held=100, queries=20, answer=4) is None  # above the row buckets
+    assert graphs.prefill_capacity(rows=1, held=1000, queries=20, answer=100) is None  # above max_capacity
 
 
 def test_prefill_shapes_round_up_to_the_query_buckets():

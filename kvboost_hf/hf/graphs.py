@@ -255,16 +255,20 @@ class GraphedDecoder:
 
     def prefill_capacity(self, rows: int, held: int, queries: int, answer: int) -> int | None:
         """The static capacity (tokens) a cache holding ``held`` reused columns gets for a graphed prefill of
-        ``queries`` new tokens per row of ``rows`` followed by up to ``answer`` decode steps (so the decode steps
-        after it run over the same static cache), or None when the prefill runs eagerly: graphs off, no reused
-        column, a tail above the query buckets, rows above the row buckets, a capacity above ``max_capacity``, or
+        ``queries`` new tokens per row of ``rows`` followed by up to ``answer`` decode steps: the capacity bucket
+        of ``held + queries + answer``, what the decode steps after it run over (and what a K/V budget counts:
+        :func:`graphed_columns`). None when the prefill runs eagerly: graphs off, no reused column, a tail above
+        the query buckets, rows above the row buckets, a capacity above ``max_capacity``, a padded tail that would
+        not fit that capacity (``held`` plus the query bucket past it: near a bucket's end with a short answer), or
         a shape not graphed that :meth:`_may_graph` refuses."""
         bucket = query_bucket(queries, self.config.query_buckets)
         rows_bucket = row_bucket(rows, self.config.row_buckets)
         if not self.config.enabled or held < 1 or bucket is None or rows_bucket is None:
             return None
-        capacity = capacity_bucket(held + max(bucket, queries + answer), self.config)
-        return capacity if capacity is not None and self._may_graph((rows_bucket, capacity, bucket)) else None
+        capacity = capacity_bucket(held + queries + answer, self.config)
+        if capacity is None or held + bucket > capacity or not self._may_graph((rows_bucket, capacity, bucket)):
+            return None
+        return capacity
 
     def _may_graph(self, shape: Shape) -> bool:
         """Whether ``shape`` runs graphed: graphed already, or room for one more graph (``max_graphs``, the capture
