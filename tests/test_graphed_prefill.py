@@ -23,29 +23,51 @@ FIRST_TURNS = [list(range(3, 43)), list(range(50, 83)), list(range(90, 120))]
 NEW_MESSAGES = [list(range(5, 24)), list(range(60, 81)), list(range(20, 41))]
 
 
-def requests(prompts: list[list[int]]) -> list[DecodeRequest]:
-    return [DecodeRequest(prompt_ids=p, max_new_tokens=BUDGET, sampling=SamplingConfig(temperature=0)) for p in prompts]
+GREEDY = SamplingConfig(temperature=0)
+SAMPLED = [
+    SamplingConfig(temperature=1.3, top_k=40, seed=11),
+    SamplingConfig(temperature=0.8, top_p=0.9, repetition_penalty=1.3, logit_bias=((7, 3.0),), seed=3),
+    SamplingConfig(presence_penalty=0.6, frequency_penalty=0.4, min_tokens=5, seed=5),
+]
 
 
-def chat(model, graphs: GraphedDecoder | None, conversations: list[int], *, together: bool = True, columns: int = 0):
+def requests(prompts: list[list[int]], samplings: list[SamplingConfig]) -> list[DecodeRequest]:
+    return [
+        DecodeRequest(prompt_ids=p, max_new_tokens=BUDGET, sampling=sampling)
+        for p, sampling in zip(prompts, samplings, strict=True)
+    ]
+
+
+def chat(
+    model,
+    graphs: GraphedDecoder | None,
+    conversations: list[int],
+    *,
+    together: bool = True,
+    columns: int = 0,
+    samplings: list[SamplingConfig] | None = None,
+):
     """Two turns of each conversation (indices into :data:`FIRST_TURNS`/:data:`NEW_MESSAGES`) in one reuse loop on
     a fresh store: the first turns, then the second turns (first turn + its answer + the new message; prefilled
     ``columns`` columns per call when > 0, as the scheduler's token budget does), all rows of a turn in one batch
-    (``together``) or one conversation after the other. Returns the second turns' prompts, their rows (tokens,
+    (``together``) or one conversation after the other; conversation ``i`` samples with ``samplings[i]`` (default
+    greedy). Returns the second turns' prompts, their rows (tokens,
     reuse) and the store's chunks (key, entry) by key."""
     store = ChunkStore(StoreConfig(1 << 24))
     loop = new_loop(model, reuse_caches(store, model), graphs=graphs)
     groups = [conversations] if together else [[index] for index in conversations]
+    samplings = samplings or [GREEDY] * len(FIRST_TURNS)
     seconds, rows = [], []
     for group in groups:
-        prefill(loop, requests([FIRST_TURNS[i] for i in group]))
+        settings = [samplings[i] for i in group]
+        prefill(loop, requests([FIRST_TURNS[i] for i in group], settings))
         finish(loop)
         answers = [row.tokens for row in loop.rows[-len(group) :]]
         prompts = [FIRST_TURNS[i] + answer + NEW_MESSAGES[i] for i, answer in zip(group, answers, strict=True)]
         if columns:
-            prefill_in_chunks(loop, requests(prompts), columns)
+            prefill_in_chunks(loop, requests(prompts, settings), columns)
         else:
-            prefill(loop, requests(prompts))
+            prefill(loop, requests(prompts, settings))
         finish(loop)
         seconds += prompts
         rows += loop.rows[-len(group) :]
@@ -90,6 +112,18 @@ def test_a_warm_chat_turn_prefills_graphed_with_generates_tokens_and_the_eager_s
 @pytest.mark.parametrize("conversations", [[0], [0, 1, 2]])
 def test_a_warm_chat_turn_prefills_cuda_graphed_with_generates_tokens_in_fp32(conversations):
     warm_turn_prefills_graphed("cuda", None, conversations)  # inductor, reduce-overhead
+
+
+def test_sampled_rows_of_a_graphed_warm_turn_draw_what_generate_draws_alone():
+    """Seeded rows with their processors (top-k, top-p, penalties, bias, min_tokens): the graphed prefill's logits
+    go through them as the eager forward's do."""
+    model = make_tiny_model("qwen2")
+    graphs = GraphedDecoder(model, GraphConfig(backend="eager"))
+    torch._dynamo.reset()
+    prompts, rows, _ = chat(model, graphs, [0, 1, 2], samplings=SAMPLED)
+    for prompt, row, sampling in zip(prompts, rows, SAMPLED, strict=True):
+        assert row.tokens == reference(model, prompt, BUDGET, sampling, DECODE_EOS).tokens
+    assert graphs.graphed_prefills == 1 and (4, 256, 32) in graphs.graph_shapes
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma2"])  # sliding windows of 24 columns; gemma2's eager attention
