@@ -173,7 +173,8 @@ class InferenceEngine:
             :mod:`kvboost_hf.hf.speculative`), only the number of target forwards.
         draft: how the draft proposes (:class:`DraftConfig`: tokens per round, tree budget and branching; with
             ``early_exit_layers`` the target's own first layers draft and no ``draft_model`` is needed).
-        graphs: CUDA graphs for plain decode steps (:class:`~kvboost_hf.hf.graphs.GraphConfig`; default on when the
+        graphs: CUDA graphs for plain decode steps and for the prompt forwards of short uncached tails after reused
+            K/V, e.g. a warm chat turn (:class:`~kvboost_hf.hf.graphs.GraphConfig`; default on when the
             model is on CUDA, off elsewhere; ``GraphConfig(enabled=False)`` turns them off): one
             :class:`~kvboost_hf.hf.graphs.GraphedDecoder` shared by every call, its counters in :meth:`cache_stats`
             (``graph_*``).
@@ -314,10 +315,11 @@ class InferenceEngine:
         return self.warmer.warm_documents(documents, cache_salt=cache_salt)
 
     # ------------------------------------------------------------------ decode graphs
-    def warm_up_graphs(self, shapes: Iterable[tuple[int, int]], *, progress: bool = True) -> GraphWarmUp:
-        """Compile and capture the decode graphs of ``shapes`` now (``(rows, tokens)`` pairs: a batch of that many
-        rows whose cache needs that many tokens, prompt plus answer; each rounded up to its graph buckets), so the
-        requests that later decode with those shapes pay no compile (~30 s each for a 7B model on a GPU)
+    def warm_up_graphs(self, shapes: Iterable[tuple[int, ...]], *, progress: bool = True) -> GraphWarmUp:
+        """Compile and capture the graphs of ``shapes`` now (``(rows, tokens)``: decode steps of a batch of that
+        many rows whose cache needs that many tokens, prompt plus answer; ``(rows, tokens, queries)``: prompt
+        forwards of ``queries`` new tokens after reused K/V, a warm chat turn's; each rounded up to its graph
+        buckets), so the requests that later run those shapes pay no compile (~30 s each for a 7B model on a GPU)
         (:meth:`GraphedDecoder.warm_up <kvboost_hf.hf.graphs.GraphedDecoder.warm_up>`: dummy caches built as the
         requests' are, nothing stored, no cache a request sees touched; ``max_graphs`` and ``max_capture_bytes``
         respected). Runs under :attr:`lock`; a tqdm bar with ``progress``; its outcome is also in
@@ -326,9 +328,10 @@ class InferenceEngine:
         with self.lock:
             return self.graphs.warm_up(lambda: self.new_cache(adapter=False), shapes, progress=progress)
 
-    def graph_shapes(self, text: str) -> tuple[tuple[int, int], ...]:
-        """The decode graph shapes ``(rows, capacity)`` a text such as ``"1x4096,8x4096"`` names (rows x tokens,
-        rounded up to this engine's graph buckets; :func:`~kvboost_hf.hf.graphs.parse_graph_shapes`), for
+    def graph_shapes(self, text: str) -> tuple[tuple[int, ...], ...]:
+        """The graph shapes a text such as ``"1x4096,8x4096,1x4096x64"`` names (rows x tokens of a decode step,
+        then x queries for a prefill: ``(rows, capacity)`` or ``(rows, capacity, query bucket)``, rounded up to
+        this engine's graph buckets; :func:`~kvboost_hf.hf.graphs.parse_graph_shapes`), for
         :meth:`warm_up_graphs`. Raises :class:`~kvboost_hf.core.errors.ConfigError` for a malformed entry or one
         that would run eagerly."""
         return parse_graph_shapes(text, self.graphs.config)

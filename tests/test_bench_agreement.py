@@ -55,3 +55,18 @@ def test_multiturn_names_the_pair_that_differs_and_where(monkeypatch):
     assert result["dtype"] == "float32" and result["weights"] == "random"
     line = multiturn.report(result).splitlines()[3]  # title, header, turn 1, turn 2
     assert line.split()[-5:] == ["=", "=", "@2", "@2", "="]
+
+
+def test_multiturn_graphed_arm_prefills_the_warm_turn_graphed_with_plain_generates_tokens():
+    """``--graphs on`` off CUDA (traced, no code generation): an untimed conversation compiles first, then the warm
+    turn's prompt forward of its new tokens runs graphed (``pf`` g) with plain generate()'s tokens (fp32). Its
+    ~1,020-token prompt plus 12 new tokens passes 1,024: a 2,048-token capacity, where its padded tail fits (in a
+    1,024 one, ~900 reused tokens plus 128 padded queries would not: that prefill would run eagerly)."""
+    result = multiturn.run(
+        turns=2, max_new_tokens=12, chunk_size=16, repeats=1, random_shape="tiny", dtype="float32", graphs=True
+    )
+    first, second = result["turns"]
+    assert not first["kvboost_prefill_graphed"] and second["kvboost_prefill_graphed"]  # turn 1 reuses nothing
+    assert second["kvboost_cached_tokens"] > 0 and all(row["outputs_identical"] for row in result["turns"])
+    assert result["graph_compile_pass_s"] > 0 and result["graph_stats"]["failed_shapes"] == 0
+    assert [line.split()[5] for line in multiturn.report(result).splitlines()[2:4]] == ["e", "g"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch._dynamo
 from conftest import make_tiny_model
-from helpers import word_tokenizer, words
+from helpers import CountingBackend, word_tokenizer, words
 from oracle import reference
 
 from kvboost_hf import KVBoost
@@ -21,18 +21,6 @@ from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, graph_shape, parse_graph_shapes
 
 EOS = 1  # word_tokenizer's <eos>
-
-
-class CountingBackend:
-    """A ``torch.compile`` backend that counts the graphs it is handed and runs each as traced (no code
-    generation, like backend ``"eager"``)."""
-
-    def __init__(self) -> None:
-        self.compiles = 0
-
-    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list) -> object:
-        self.compiles += 1
-        return graph_module.forward
 
 
 def counting_engine(**graph_options) -> tuple[KVBoost, CountingBackend]:
@@ -70,28 +58,31 @@ def test_graph_shapes_round_up_to_the_buckets():
 
 
 def test_a_request_of_a_warmed_shape_compiles_nothing_and_gives_generates_tokens():
-    """Warm-up of 1 row and of 3 rows (the 4-row graph) compiles each once; then a request and a batch of three
-    decode graphed with no compile, their tokens generate()'s; the store is untouched by the warm-up (entries, LRU
-    order, hit and miss counters), the step counters too."""
+    """Warm-up of 1 row and of 3 rows (the 4-row graph), and of a 1-row prefill of up to 16 new tokens, compiles
+    each once; then a request (its prompt warm: its short tail prefilled graphed) and a batch of three run graphed
+    with no compile, their tokens generate()'s; the store is untouched by the warm-up (entries, LRU order, hit and
+    miss counters), the step counters too."""
     engine, backend = counting_engine()
     texts = [words(seed, 20 + seed) for seed in range(3)]
     engine.warm(texts[0])  # something in the store for the warm-up to leave alone
     before = store_snapshot(engine)
     torch._dynamo.reset()
     assert engine.graphs.state == "lazy"
-    result = engine.warm_up_graphs([(1, 64), (3, 100), (1, 200)], progress=False)  # 1x200: the 1x256 graph again
-    assert result.warmed == ((1, 256), (4, 256)) and not result.skipped and not result.failed
-    assert backend.compiles == 2 and engine.graphs.state == "ready"
+    shapes = [(1, 64), (3, 100), (1, 200), (1, 64, 9)]  # 1x200: the 1x256 graph again
+    result = engine.warm_up_graphs(shapes, progress=False)
+    assert result.warmed == ((1, 256), (4, 256), (1, 256, 16)) and not result.skipped and not result.failed
+    assert backend.compiles == 3 and engine.graphs.state == "ready"
     assert same_snapshot(store_snapshot(engine), before)
     stats = engine.cache_stats()
     assert (stats["graph_graphed_steps"], stats["graph_eager_steps"], stats["generated_tokens"]) == (0, 0, 0)
-    assert stats["graph_warmed_shapes"] == 2 and stats["graph_warm_up_seconds"] > 0
+    assert stats["graph_warmed_shapes"] == 3 and stats["graph_warm_up_seconds"] > 0
 
     alone = engine.generate(texts[0], max_new_tokens=8)
     batch = engine.generate_batch(texts, max_new_tokens=8)
-    assert backend.compiles == 2  # no compile in the requests' path
+    assert backend.compiles == 3  # no compile in the requests' path
     stats = engine.cache_stats()
     assert stats["graph_graphed_steps"] > 0 and stats["graph_eager_steps"] == 0
+    assert stats["graph_graphed_prefills"] >= 1 and stats["graph_eager_prefills"] == 0
     expected = [reference(engine.model, engine.encode(t), 8, eos_token_ids={EOS}).tokens for t in texts]
     assert [alone.output_ids] + [r.output_ids for r in batch] == [expected[0], *expected]
 

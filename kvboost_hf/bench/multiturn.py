@@ -6,8 +6,11 @@ as system prompt, each user turn quoting more documentation). For every turn, in
 (a) ``baseline``: plain ``model.generate()``, full prefill;
 (b) ``hf_prompt_cache``: transformers' prompt-reuse recipe, a ``DynamicCache`` holding the previous turn's
     prompt, deep-copied per request (the copy is inside the timed region, as it is per request);
-(c) ``kvboost``: ``engine.generate`` with a fresh ``ChunkReuseCache`` on the engine's chunk store (on CUDA its decode
-    steps run as CUDA graphs, :mod:`kvboost_hf.hf.graphs`);
+(c) ``kvboost``: ``engine.generate`` with a fresh ``ChunkReuseCache`` on the engine's chunk store (on CUDA, or with
+    ``--graphs on``, its decode steps and a warm turn's prompt forward of the new tokens after the reused K/V run as
+    compiled graphs, CUDA graphs on a GPU: :mod:`kvboost_hf.hf.graphs`; ``pf`` says per turn whether that prompt
+    forward ran graphed, ``g``, or eagerly, ``e``; with graphs on, one untimed conversation first compiles every
+    shape the timed ones meet, its seconds ``graph_compile_pass_s``);
 (d) ``hf_static``: plain ``model.generate()`` with transformers' ``StaticCache`` (prompt + new tokens long), which
     ``generate()`` compiles on CUDA by itself (its decode steps; the prefill runs eagerly): what a user who already
     runs transformers fast gets, full prefill every turn.
@@ -36,6 +39,7 @@ import copy
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -56,6 +60,7 @@ from kvboost_hf.bench.shapes import DTYPES, SHAPES, random_engine
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.corpus import chat_script
 from kvboost_hf.engine import InferenceEngine
+from kvboost_hf.hf.graphs import GraphConfig
 from kvboost_hf.hf.models import CACHE_ARGUMENT
 
 METHODS = ("baseline", "hf_prompt_cache", "kvboost", "hf_static")
@@ -67,6 +72,10 @@ PAIRS = (
     ("hf_prompt_cache", "kvboost"),
     ("baseline", "hf_static"),
 )
+GRAPHS = {"auto": None, "on": True, "off": False}
+"""``--graphs``: the engine's default (on CUDA only), or forced on (compiled graphs; traced eagerly off CUDA) or off."""
+MAX_GRAPHS = 16
+"""Graph shapes the conversation may meet: decode steps and prefills at each capacity bucket its turns reach."""
 TARGETS = {"turn8_vs_baseline_min": 8.0, "turn8_vs_hf_prompt_cache_max": 1.15, "turn1_vs_baseline_max": 1.05}
 
 
@@ -131,19 +140,28 @@ def run(
     random_shape: str | None = None,
     model: str | None = None,
     dtype: str | None = None,
+    graphs: bool | None = None,
 ) -> dict:
     """Play the conversation ``repeats`` times (each from an empty store) and keep each turn's median TTFT and
     earliest difference per pair.
 
     ``random_shape``: a random-weight model of that shape (:mod:`kvboost_hf.bench.shapes`) instead of ``model`` (a
     hub name or local directory; None: the embedded model); its answers are noise but its timings are those of the
-    real shape. ``dtype``: the weights' dtype (None: float32 on CPU, bfloat16 on GPU)."""
+    real shape. ``dtype``: the weights' dtype (None: float32 on CPU, bfloat16 on GPU). ``graphs``: the kvboost
+    method's compiled graphs (:data:`GRAPHS`; None: the engine's default); when on, an untimed conversation first
+    compiles the shapes the timed ones meet."""
+    options: dict[str, Any] = {} if graphs is None else {"graphs": GraphConfig(enabled=graphs, max_graphs=MAX_GRAPHS)}
     if random_shape is None:
-        engine = InferenceEngine.from_pretrained(model, dtype=dtype, chunking=chunk_size)
+        engine = InferenceEngine.from_pretrained(model, dtype=dtype, chunking=chunk_size, **options)
     else:
-        engine = random_engine(random_shape, dtype=dtype, chunking=chunk_size)
+        engine = random_engine(random_shape, dtype=dtype, chunking=chunk_size, **options)
     system, user_messages = chat_script(turns)
     engine.generate("warm-up", max_new_tokens=2, mode="baseline")  # first-call allocator effects, no reuse
+    compile_pass_s = None
+    if engine.graphs.state != "off":
+        started = time.perf_counter()
+        play(engine, system, user_messages, max_new_tokens)  # compiles, untimed: no timed turn pays one
+        compile_pass_s = time.perf_counter() - started
     samples: list[list[dict]] = []
     for _ in tqdm(range(repeats), desc="repeats"):
         engine.store.clear()
@@ -160,6 +178,7 @@ def run(
             for pair in row["first_difference"]
         }
         row["outputs_identical"] = all(s["outputs_identical"] for s in turn_samples)
+        row["kvboost_prefill_graphed"] = all(s["kvboost_prefill_graphed"] for s in turn_samples)
         rows.append(row)
     identical = {pair: sum(r["first_difference"][pair] is None for r in rows) for pair in rows[0]["first_difference"]}
     return {
@@ -172,6 +191,9 @@ def run(
         "max_new_tokens": max_new_tokens,
         "repeats": repeats,
         "targets": TARGETS,
+        "graphs": engine.graphs.state,
+        "graph_compile_pass_s": compile_pass_s,
+        "graph_stats": engine.graphs.stats(),
         "identical_turns": identical,
         "turns": rows,
     }
@@ -192,9 +214,10 @@ def play(engine: InferenceEngine, system: str, user_messages: list[str], max_new
                 reuse, static = method == "hf_prompt_cache", method == "hf_static"
                 results[method] = recipe.generate(messages, max_new_tokens, reuse=reuse, static=static)
                 continue
+            graphed_before = engine.graphs.graphed_prefills
             with CharacterCounter(engine.tokenizer) as counter:
                 r = engine.generate(messages, max_new_tokens=max_new_tokens)
-            tokenized = counter.chars
+            tokenized, prefill_graphed = counter.chars, engine.graphs.graphed_prefills > graphed_before
             results[method] = (r.ttft_ms, r.output_ids, r.total_ms)
             cached, prompt_tokens = r.cached_tokens, r.prompt_tokens
         results["baseline_repeat"] = recipe.generate(messages, max_new_tokens, reuse=False)
@@ -207,6 +230,7 @@ def play(engine: InferenceEngine, system: str, user_messages: list[str], max_new
                 "kvboost_cached_tokens": cached,
                 "prompt_chars": len(engine.render(messages)),
                 "kvboost_chars_tokenized": tokenized,
+                "kvboost_prefill_graphed": prefill_graphed,
                 **{f"{m}_ttft_ms": results[m][0] for m in METHODS},
                 **{f"{m}_total_ms": results[m][2] for m in METHODS},
                 "first_difference": differences,
@@ -223,7 +247,7 @@ def report(result: dict) -> str:
     lines = [
         f"{result['model']} ({result['weights']} weights, {result['dtype']}); first differing generated token per "
         "pair (=: identical; plain/plain is plain generate() run twice, the noise floor)",
-        f"{'turn':>4} {'prompt':>6} {'cached':>6} {'chars':>6} {'tok ch':>6} "
+        f"{'turn':>4} {'prompt':>6} {'cached':>6} {'chars':>6} {'tok ch':>6} {'pf':>2} "
         f"{'baseline ms':>11} {'hf cache ms':>11} {'kvboost ms':>10} {'static ms':>9} "
         f"{'vs base':>7} {'vs hf':>6} " + " ".join(f"{name:>11}" for name in header),
     ]
@@ -231,6 +255,7 @@ def report(result: dict) -> str:
         lines.append(
             f"{row['turn']:>4} {row['prompt_tokens']:>6} {row['kvboost_cached_tokens']:>6} "
             f"{row['prompt_chars']:>6} {row['kvboost_chars_tokenized']:>6} "
+            f"{'g' if row['kvboost_prefill_graphed'] else 'e':>2} "
             f"{row['baseline_ttft_ms']:>11.0f} {row['hf_prompt_cache_ttft_ms']:>11.0f} {row['kvboost_ttft_ms']:>10.0f} "
             f"{row['hf_static_ttft_ms']:>9.0f} "
             f"{row['baseline_ttft_ms'] / row['kvboost_ttft_ms']:>6.1f}x "
@@ -277,9 +302,19 @@ def main(argv: list[str]) -> int:
     model.add_argument("--model", help="hub name or local model directory (default: the embedded model)")
     model.add_argument("--random-shape", choices=sorted(SHAPES), help="random-weight model of this shape")
     parser.add_argument("--dtype", choices=DTYPES, help="weights' dtype (default: float32 on CPU, bfloat16 on GPU)")
+    parser.add_argument(
+        "--graphs", choices=sorted(GRAPHS), default="auto", help="kvboost's compiled graphs (auto: on CUDA only)"
+    )
     args = parser.parse_args(argv)
     result = run(
-        args.turns, args.max_new_tokens, args.chunk_size, args.repeats, args.random_shape, args.model, args.dtype
+        args.turns,
+        args.max_new_tokens,
+        args.chunk_size,
+        args.repeats,
+        args.random_shape,
+        args.model,
+        args.dtype,
+        GRAPHS[args.graphs],
     )
     save_results(args.out, "multiturn", result, report, plot)
     return 0

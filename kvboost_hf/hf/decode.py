@@ -220,8 +220,11 @@ class DecodeLoop:
             is captured once): the cache turns static at a capacity bucket holding every row's remaining tokens
             (one K/V copy) and grows again when rows join; a batch between two row buckets is padded up to the
             larger (:meth:`~kvboost_hf.hf.cache.ChunkReuseCache.pad_batch`: copies of the last row, whose logits are
-            dropped and which write nothing back; one K/V copy when the row count changes). None: every step
-            eager.
+            dropped and which write nothing back; one K/V copy when the row count changes). A prompt forward whose
+            uncached tail follows reused K/V (a warm chat turn) and fits a query bucket runs graphed too
+            (:meth:`~kvboost_hf.hf.graphs.GraphedDecoder.prefill`, in one call of a chunked prefill when the tail
+            fits its columns): the cache turns static first, at a capacity that also holds the rows' answers, so
+            the decode steps after it keep it. None: every forward eager.
 
     ``rows`` holds every row added (in order) and not preempted since, ``running`` those still decoding.
     ``forwards`` counts target model forwards (prefills and shared prefixes included; the draft's are
@@ -308,6 +311,9 @@ class DecodeLoop:
                 return self._first_tokens(prompt, logits, trees)
             prompt.inputs = forward_inputs(self.cache, input_ids=prompt.input_ids, attention_mask=self.mask,
                                            position_ids=prompt.position_ids, logits_to_keep=1)  # fmt: skip
+            tail = prompt.inputs["input_ids"].shape[1]  # what the store did not hold: one chunk when <= columns
+            if tail <= columns and (capacity := self._prefill_capacity(prompt.inputs)) is not None:
+                return self._first_tokens(prompt, self._graphed_prefill(capacity, prompt.inputs)[:, None], None)
         else:
             self._prompts.remove(prompt)
             prompt.state.attach(self)
@@ -416,6 +422,8 @@ class DecodeLoop:
             inputs, trees = self.verifier.prompt_queries(
                 rows, self.cache, inputs, self.mask, input_ids, position_ids, segment_starts
             )
+        elif (capacity := self._prefill_capacity(inputs)) is not None:
+            return self._graphed_prefill(capacity, inputs)[:, None], None
         out = run_forward(self.model, inputs)
         self.forwards += 1
         keep = inputs["logits_to_keep"]
@@ -505,6 +513,37 @@ class DecodeLoop:
         inputs = (pad_rows(tensor, rows) for tensor in (last, self.positions[:, None], self.mask))
         logits = self.graphs.step(cache, *inputs)
         cache.record(last_on_host)
+        self.forwards += 1
+        return logits[:real].float()
+
+    def _prefill_capacity(self, inputs: dict[str, Any]) -> int | None:
+        """The static capacity (tokens) for a graphed prompt forward of ``inputs`` (:func:`forward_inputs`' result,
+        the reused K/V loaded), or None when it runs eagerly: no graphs, a draft, a plain cache, a sparse repair
+        forward, a context adjustment, no reused column, or a shape the graphs refuse
+        (:meth:`~kvboost_hf.hf.graphs.GraphedDecoder.prefill_capacity`)."""
+        cache = self.cache
+        if self.graphs is None or self.draft is not None or not isinstance(cache, ChunkReuseCache):
+            return None
+        if cache.expects_sparse_forward or not cache.reuse_enabled or cache.attention_kwargs():
+            return None
+        rows, queries = inputs["input_ids"].shape
+        answer = max(row.tokens_left for row in self.running)
+        return self.graphs.prefill_capacity(rows, cache.num_columns, queries, answer)
+
+    def _graphed_prefill(self, capacity: int, inputs: dict[str, Any]) -> torch.Tensor:
+        """A prompt forward of the uncached tail through the graphs (:meth:`~kvboost_hf.hf.graphs.GraphedDecoder.
+        prefill`): the cache padded to the rows' bucket and made static at ``capacity`` (one K/V copy, which the
+        decode steps after it keep), the padding rows fed copies of the last row, their logits dropped. Returns
+        the real rows' last-token logits ``[P, V]`` (fp32)."""
+        cache = self.cache
+        assert isinstance(cache, ChunkReuseCache) and self.graphs is not None
+        fed = inputs["input_ids"]
+        real, rows = fed.shape[0], self.graphs.rows_for(fed.shape[0])
+        cache.pad_batch(rows)
+        cache.set_max_cache_len(capacity)
+        padded = (pad_rows(inputs[name], rows) for name in ("input_ids", "position_ids", "attention_mask"))
+        logits = self.graphs.prefill(cache, *padded)
+        cache.record(fed)
         self.forwards += 1
         return logits[:real].float()
 

@@ -1,4 +1,4 @@
-"""Stage 8 helper: decode steps run as compiled graphs (CUDA graphs on a GPU), one per (rows, capacity) shape.
+"""Stage 8 helper: decode steps and short prefills run as compiled graphs (CUDA graphs on a GPU), one per shape.
 
 A decode forward over a static-mode :class:`~kvboost_hf.hf.cache.ChunkReuseCache` (``max_cache_len``) has the same
 shapes at every context length, so one captured graph serves it from the first step to the cache's capacity; only
@@ -14,8 +14,17 @@ repeating a real one: :func:`pad_rows`, or :meth:`~kvboost_hf.hf.cache.ChunkReus
 does), feed them, read the real rows' logits. A padding row attends to its own columns only (rows never see each
 other), so it changes no real row's result beyond the last bits a matrix product's row count can change.
 
-Dynamo keeps one graph per (rows, capacity); each costs a compile the first time it runs (~30 s for a 7B model on a
-GPU) and, on CUDA, memory in the graphs' pool, which :attr:`GraphedDecoder.capture_bytes` counts.
+Short prefills (:meth:`GraphedDecoder.prefill`): the prompt forward of a request's uncached tail over the K/V it
+reused (a warm chat turn's new message: tens to hundreds of tokens) is graphed per ``(rows, capacity, queries)``,
+the tail padded up to the next of :attr:`GraphConfig.query_buckets` with copies of its last token at the next
+positions. Their K/V land in the columns after the real ones, which no real query attends (the causal mask), and
+are dropped after the forward (the layers' lengths set back, so the next forward overwrites them): nothing padded
+is recorded, written back or attended later. The logits are those of the last real token, picked inside the graph
+by an index tensor (``logits_to_keep``), so the padding costs no host synchronisation.
+
+A shape is ``(rows, capacity)`` for a decode step and ``(rows, capacity, queries)`` for a prefill (``queries`` >= 2,
+a query bucket). Dynamo keeps one graph per shape; each costs a compile the first time it runs (~30 s for a 7B model
+on a GPU) and, on CUDA, memory in the graphs' pool, which :attr:`GraphedDecoder.capture_bytes` counts.
 :meth:`GraphedDecoder.warm_up` pays the compiles ahead of requests, with a dummy cache that no request sees.
 :func:`capacity_bucket` picks capacities from a short ladder so few shapes serve every length.
 """
@@ -43,12 +52,16 @@ __all__ = [
     "graph_shape",
     "pad_rows",
     "parse_graph_shapes",
+    "query_bucket",
     "row_bucket",
 ]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
+DEFAULT_QUERY_BUCKETS = (16, 32, 64, 128, 256)
+Shape = tuple[int, ...]
+"""A graph's shape: ``(rows, capacity)`` for a decode step, ``(rows, capacity, queries)`` for a prefill."""
 MIN_CAPACITY = 256  # tokens: the smallest capacity bucket
 WARM_UP_STEPS = 3
 """Graphed steps a warm-up runs per shape: on CUDA the first compiles (and runs under cudagraph trees' warm-up), the
@@ -57,21 +70,26 @@ second records the CUDA graph, the third replays it."""
 
 @dataclass(frozen=True)
 class GraphConfig:
-    """Settings of graphed decoding."""
+    """Settings of graphed decoding and short prefills."""
 
     enabled: bool = True
-    """Run decode steps as compiled graphs where they fit; False runs every step eagerly."""
+    """Run decode steps and short prefills as compiled graphs where they fit; False runs every forward eagerly."""
     row_buckets: tuple[int, ...] = DEFAULT_ROW_BUCKETS
     """Batch sizes (rows) a graph is kept for, ascending; a batch is padded up to the next one, a larger batch runs
     eagerly."""
+    query_buckets: tuple[int, ...] = DEFAULT_QUERY_BUCKETS
+    """Query lengths (tokens, ascending, each >= 2) a prompt forward over reused K/V is graphed at: its uncached
+    tail is padded up to the next one; a longer tail (above the last, the limit) runs eagerly; () graphs no
+    prefill."""
     backend: str | None = None
     """``torch.compile`` backend; None: inductor with CUDA graphs (``mode="reduce-overhead"``) on CUDA, ``"eager"``
     (traced, no code generation) elsewhere. Measured on an H200 (7B shape, bf16, batch 1): inductor 126 tok/s after
     a 33 s first compile; ``"cudagraphs"`` captures in ~10 s but copies the weights into its graph inputs (15 GB more
     memory for a 7B model) and ran 56 tok/s, barely above eager's 50: keep the default."""
     max_graphs: int = 8
-    """Distinct (rows, capacity) shapes graphed at most (each costs a compile, ~30 s for a 7B model, and holds a
-    capture's memory; dynamo recompiles a function 8 times by default); later shapes run eagerly."""
+    """Distinct shapes (decode steps' and prefills' together) graphed at most (each costs a compile, ~30 s for a 7B
+    model, and holds a capture's memory); later shapes run eagerly. Dynamo's ``recompile_limit`` (8 by default,
+    process-wide) is raised to it where lower."""
     max_capacity: int = 32768
     """Tokens: a step needing a larger cache runs eagerly."""
     max_capture_bytes: int | None = None
@@ -82,6 +100,9 @@ class GraphConfig:
         buckets = self.row_buckets
         if not buckets or any(rows < 1 for rows in buckets) or list(buckets) != sorted(set(buckets)):
             raise ConfigError(f"row_buckets must be ascending distinct positive batch sizes, got {buckets}")
+        queries = self.query_buckets
+        if any(length < 2 for length in queries) or list(queries) != sorted(set(queries)):
+            raise ConfigError(f"query_buckets must be ascending distinct query lengths >= 2, got {queries}")
         if self.max_graphs < 0 or self.max_capacity < MIN_CAPACITY:
             raise ConfigError(
                 f"max_graphs must be >= 0 and max_capacity >= {MIN_CAPACITY} tokens, got {self.max_graphs} and "
@@ -98,33 +119,48 @@ def capacity_bucket(tokens: int, config: GraphConfig) -> int | None:
     return capacity if capacity <= config.max_capacity else None
 
 
-def parse_graph_shapes(text: str, config: GraphConfig) -> tuple[tuple[int, int], ...]:
-    """The graph shapes ``(rows, capacity)`` a text such as ``"1x2048,3x4000"`` names (batch rows x tokens, comma
-    separated; empty: none), each rounded up to its buckets (:func:`graph_shape`: ``3x4000`` -> ``(4, 4096)``), in
+def parse_graph_shapes(text: str, config: GraphConfig) -> tuple[Shape, ...]:
+    """The graph shapes a text such as ``"1x2048,3x4000,1x2048x40"`` names (comma separated; empty: none): batch rows
+    x tokens of cache for a decode step, with x query tokens for a prefill of that many new tokens; each rounded up
+    to its buckets (:func:`graph_shape`: ``3x4000`` -> ``(4, 4096)``, ``1x2048x40`` -> ``(1, 2048, 64)``), in
     order, once each. Raises :class:`~kvboost_hf.core.errors.ConfigError` for a malformed entry or one above the
     buckets."""
-    shapes: dict[tuple[int, int], None] = {}
+    shapes: dict[Shape, None] = {}
     for entry in filter(None, (part.strip() for part in text.split(","))):
-        rows, _, tokens = (part.strip() for part in entry.lower().partition("x"))
-        if not (rows.isdigit() and tokens.isdigit()):
-            raise ConfigError(f"a graph shape is ROWSxTOKENS with positive integers (e.g. 4x2048), got {entry!r}")
-        shapes[graph_shape(int(rows), int(tokens), config)] = None
+        numbers = [part.strip() for part in entry.lower().split("x")]
+        if len(numbers) not in (2, 3) or not all(number.isdigit() for number in numbers):
+            raise ConfigError(
+                f"a graph shape is ROWSxTOKENS or ROWSxTOKENSxQUERIES with positive integers (e.g. 4x2048 or "
+                f"1x2048x64), got {entry!r}"
+            )
+        rows, tokens, *queries = map(int, numbers)
+        shapes[graph_shape(rows, tokens, config, *queries)] = None
     return tuple(shapes)
 
 
-def graph_shape(rows: int, tokens: int, config: GraphConfig) -> tuple[int, int]:
-    """The graph ``(rows bucket, capacity bucket)`` that a step of ``rows`` rows needing ``tokens`` tokens of cache
-    runs with. Raises :class:`~kvboost_hf.core.errors.ConfigError` when it runs eagerly (above the largest row
-    bucket or ``config.max_capacity``) or for a count below 1."""
-    if rows < 1 or tokens < 1:
-        raise ConfigError(f"a graph shape has at least one row and one token, got {rows} x {tokens}")
-    bucket, capacity = row_bucket(rows, config.row_buckets), capacity_bucket(tokens, config)
-    if bucket is None or capacity is None:
+def graph_shape(rows: int, tokens: int, config: GraphConfig, queries: int = 1) -> Shape:
+    """The graph shape that a forward of ``queries`` new tokens per row (1: a decode step) for ``rows`` rows whose
+    cache needs ``tokens`` tokens runs with: ``(rows bucket, capacity bucket)``, or ``(rows bucket, capacity bucket,
+    query bucket)`` for a prefill (the capacity holding at least the padded queries and one reused column). Raises
+    :class:`~kvboost_hf.core.errors.ConfigError` when it runs eagerly (above the largest row or query bucket or
+    ``config.max_capacity``) or for a count below 1."""
+    if rows < 1 or tokens < 1 or queries < 1:
+        raise ConfigError(f"a graph shape has at least one row, token and query, got {rows} x {tokens} x {queries}")
+    bucket = row_bucket(rows, config.row_buckets)
+    padded = 1 if queries == 1 else query_bucket(queries, config.query_buckets)
+    capacity = capacity_bucket(max(tokens, (padded or 0) + 1), config)
+    if bucket is None or capacity is None or padded is None:
         raise ConfigError(
-            f"{rows} rows x {tokens} tokens is above the largest row bucket {config.row_buckets[-1]} or max_capacity "
-            f"{config.max_capacity}: such steps run eagerly"
+            f"{rows} rows x {tokens} tokens x {queries} queries is above the largest row bucket "
+            f"{config.row_buckets[-1]}, query bucket {config.query_buckets[-1:]} or max_capacity "
+            f"{config.max_capacity}: such forwards run eagerly"
         )
-    return bucket, capacity
+    return (bucket, capacity) if padded == 1 else (bucket, capacity, padded)
+
+
+def query_bucket(queries: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest query bucket holding ``queries`` new tokens, or None above every bucket."""
+    return next((bucket for bucket in buckets if bucket >= queries), None)
 
 
 def graphed_columns(width: int, config: GraphConfig) -> int:
@@ -157,27 +193,29 @@ def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class GraphWarmUp:
-    """What one :meth:`GraphedDecoder.warm_up` did, by shape ``(rows, capacity)``: ``warmed`` compiled and captured
-    now; ``skipped`` not (graphs off, graphed already, over ``max_graphs`` or ``max_capture_bytes``, or a dummy cache
+    """What one :meth:`GraphedDecoder.warm_up` did, by :data:`Shape`: ``warmed`` compiled and captured now;
+    ``skipped`` not (graphs off, graphed already, over ``max_graphs`` or ``max_capture_bytes``, or a dummy cache
     larger than the device's free memory; each logged); ``failed`` whose compile or capture raised (they run
     eagerly); ``seconds`` the warm-up's wall time."""
 
-    warmed: tuple[tuple[int, int], ...]
-    skipped: tuple[tuple[int, int], ...]
-    failed: tuple[tuple[int, int], ...]
+    warmed: tuple[Shape, ...]
+    skipped: tuple[Shape, ...]
+    failed: tuple[Shape, ...]
     seconds: float
 
 
 class GraphedDecoder:
-    """Decode steps of ``model``: through one compiled ``forward`` when they fit a graph, eagerly otherwise.
+    """Decode steps and short prefills of ``model``: through one compiled ``forward`` when they fit a graph, eagerly
+    otherwise.
 
-    ``graphed_steps``/``eager_steps`` count the steps each way (a warm-up's not included); ``graph_shapes`` lists the
-    ``(rows, capacity)`` shapes run graphed (one graph each) with their runs (a warm-up's included);
-    ``failed_shapes`` those whose compile or capture raised (logged once; they run eagerly from then on);
-    ``capture_bytes`` is the growth of the CUDA allocator's reserved memory over the first runs of each shape
-    (compilation and capture; 0 on a CPU), each run's growth counted from 0 up (memory the allocator hands back
-    during a run, e.g. compilation's temporaries, is not subtracted); ``warmed_shapes`` the shapes
-    :meth:`warm_up` compiled, ``warm_up_seconds`` the time its calls took; :attr:`state` what a readiness probe reads.
+    ``graphed_steps``/``eager_steps`` count the decode steps each way and ``graphed_prefills``/``eager_prefills``
+    the prompt forwards handed to :meth:`prefill` (a warm-up's not included); ``graph_shapes`` lists the shapes
+    (:data:`Shape`) run graphed (one graph each) with their runs (a warm-up's included); ``failed_shapes`` those
+    whose compile or capture raised (logged once; they run eagerly from then on); ``capture_bytes`` is the growth
+    of the CUDA allocator's reserved memory over the first runs of each shape (compilation and capture; 0 on a
+    CPU), each run's growth counted from 0 up (memory the allocator hands back during a run, e.g. compilation's
+    temporaries, is not subtracted); ``warmed_shapes`` the shapes :meth:`warm_up` compiled, ``warm_up_seconds``
+    the time its calls took; :attr:`state` what a readiness probe reads.
     """
 
     def __init__(self, model: PreTrainedModel, config: GraphConfig | None = None) -> None:
@@ -186,10 +224,12 @@ class GraphedDecoder:
         self._compiled: Callable[..., Any] | None = None
         self.graphed_steps = 0
         self.eager_steps = 0
-        self.graph_shapes: dict[tuple[int, int], int] = {}  # shape -> runs with it
-        self.failed_shapes: set[tuple[int, int]] = set()
+        self.graphed_prefills = 0
+        self.eager_prefills = 0
+        self.graph_shapes: dict[Shape, int] = {}  # shape -> runs with it
+        self.failed_shapes: set[Shape] = set()
         self.capture_bytes = 0
-        self.warmed_shapes: set[tuple[int, int]] = set()
+        self.warmed_shapes: set[Shape] = set()
         self.warm_up_seconds = 0.0
         self._warm_up = "lazy"  # "warming" while warm_up() runs, "ready" once one returned
 
@@ -204,13 +244,33 @@ class GraphedDecoder:
         bucket = row_bucket(rows, self.config.row_buckets)
         return bucket if self.config.enabled and bucket is not None else rows
 
-    def graphed(self, cache: Any, rows: int) -> bool:
-        """Whether a step of ``rows`` rows over ``cache`` runs graphed."""
+    def graphed(self, cache: Any, rows: int, queries: int = 1) -> bool:
+        """Whether a forward of ``queries`` new tokens (1: a decode step; else a query bucket) for ``rows`` rows
+        over ``cache`` runs graphed."""
         if not (self.config.enabled and getattr(cache, "is_compileable", False) and rows in self.config.row_buckets):
             return False
-        return self._may_graph((rows, cache.max_cache_len))
+        if queries == 1:
+            return self._may_graph((rows, cache.max_cache_len))
+        return queries in self.config.query_buckets and self._may_graph((rows, cache.max_cache_len, queries))
 
-    def _may_graph(self, shape: tuple[int, int]) -> bool:
+    def prefill_capacity(self, rows: int, held: int, queries: int, answer: int) -> int | None:
+        """The static capacity (tokens) a cache holding ``held`` reused columns gets for a graphed prefill of
+        ``queries`` new tokens per row of ``rows`` followed by up to ``answer`` decode steps: the capacity bucket
+        of ``held + queries + answer``, what the decode steps after it run over (and what a K/V budget counts:
+        :func:`graphed_columns`). None when the prefill runs eagerly: graphs off, no reused column, a tail above
+        the query buckets, rows above the row buckets, a capacity above ``max_capacity``, a padded tail that would
+        not fit that capacity (``held`` plus the query bucket past it: near a bucket's end with a short answer), or
+        a shape not graphed that :meth:`_may_graph` refuses."""
+        bucket = query_bucket(queries, self.config.query_buckets)
+        rows_bucket = row_bucket(rows, self.config.row_buckets)
+        if not self.config.enabled or held < 1 or bucket is None or rows_bucket is None:
+            return None
+        capacity = capacity_bucket(held + queries + answer, self.config)
+        if capacity is None or held + bucket > capacity or not self._may_graph((rows_bucket, capacity, bucket)):
+            return None
+        return capacity
+
+    def _may_graph(self, shape: Shape) -> bool:
         """Whether ``shape`` runs graphed: graphed already, or room for one more graph (``max_graphs``, the capture
         memory cap), and not failed."""
         if shape in self.failed_shapes:
@@ -241,63 +301,102 @@ class GraphedDecoder:
         self.eager_steps += 1
         return self._run(self.model.forward, cache, input_ids, position_ids, attention_mask, None)
 
+    def prefill(
+        self, cache: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """The prompt forward of the uncached tail ``input_ids`` ``[rows, queries]`` at ``position_ids`` over the
+        reused K/V ``cache`` holds (static, with room for the tail's query bucket: :meth:`prefill_capacity`);
+        ``attention_mask``: the 2D mask of the held columns and the tail's (``[rows, held + queries]``, 0 for left
+        padding). Returns the last token's logits ``[rows, vocab]``, the layers holding exactly ``held + queries``
+        columns; the caller records ``input_ids`` in the cache.
+
+        Graphed when the shape fits (:meth:`graphed`): the tail padded to its query bucket with copies of its last
+        token at the following positions (attended columns), the last real token's logits picked by an index
+        tensor; the padding's K/V, written after the real columns where the causal mask hides them from every real
+        query, are then cut off (the lengths set back). Otherwise, or when the shape's compile fails, eagerly."""
+        rows, queries = input_ids.shape
+        bucket = query_bucket(queries, self.config.query_buckets)
+        if bucket is not None and self.graphed(cache, rows, bucket):
+            extra, device = bucket - queries, input_ids.device
+            following = position_ids[:, -1:] + torch.arange(1, extra + 1, device=device)
+            last = torch.tensor([queries - 1]).to(device, non_blocking=True)
+            logits = self._graphed_run(
+                cache,
+                torch.cat([input_ids, input_ids[:, -1:].expand(rows, extra)], dim=1),
+                torch.cat([position_ids, following], dim=1),
+                torch.nn.functional.pad(attention_mask, (0, extra), value=1),
+                last,
+            )
+            if logits is not None:
+                cache.crop(-extra)  # the padding's columns: the next forward overwrites them
+                self.graphed_prefills += 1
+                return logits
+        self.eager_prefills += 1
+        return self._run(self.model.forward, cache, input_ids, position_ids, attention_mask, None)
+
     def _graphed_run(
         self,
         cache: Any,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
+        keep: int | torch.Tensor = 1,
     ) -> torch.Tensor | None:
-        """A step through the compiled forward; None when this shape's first run (its compile or capture) raised:
-        the shape is then failed (logged) and the step is the caller's to run eagerly."""
-        shape = (input_ids.shape[0], cache.max_cache_len)
+        """A forward through the compiled ``forward`` (``keep``: ``logits_to_keep``); None when this shape's first
+        run (its compile or capture) raised: the shape is then failed (logged) and the forward is the caller's to
+        run eagerly."""
+        rows, queries = input_ids.shape
+        shape: Shape = (rows, cache.max_cache_len) if queries == 1 else (rows, cache.max_cache_len, queries)
         try:
-            logits = self._run(self._graph(), cache, input_ids, position_ids, attention_mask, shape)
+            logits = self._run(self._graph(), cache, input_ids, position_ids, attention_mask, shape, keep)
         except Exception:
             if shape in self.graph_shapes:  # it ran before: not a compile or capture failure
                 raise
-            logger.warning("graphed decode of %d rows x %d tokens failed; it runs eagerly", *shape, exc_info=True)
+            logger.warning("graphed forward of shape %s (rows, tokens[, queries]) failed; it runs eagerly", shape,
+                           exc_info=True)  # fmt: skip
             self.failed_shapes.add(shape)
             if (sync := getattr(cache, "sync_device_lengths", None)) is not None:
-                sync()  # a failed compile may have run part of the step
+                sync()  # a failed compile may have run part of the forward
             return None
         self.graph_shapes[shape] = self.graph_shapes.get(shape, 0) + 1
         return logits
 
     def warm_up(
-        self, new_cache: Callable[[], Any], shapes: Iterable[tuple[int, int]], *, progress: bool = True
+        self, new_cache: Callable[[], Any], shapes: Iterable[tuple[int, ...]], *, progress: bool = True
     ) -> GraphWarmUp:
-        """Compile and capture the graphs of ``shapes`` (``(rows, tokens)``, each rounded up to its row and capacity
-        buckets) before any request needs them, so no request's step pays a compile (a later cache of a warmed
-        shape replays its graph; on CUDA its buffers' new addresses cost a re-record, not a compile).
+        """Compile and capture the graphs of ``shapes`` (``(rows, tokens)`` for decode steps, ``(rows, tokens,
+        queries)`` for prefills of that many new tokens, each rounded up to its buckets: :func:`graph_shape`)
+        before any request needs them, so no request's forward pays a compile (a later cache of a warmed shape
+        replays its graph; on CUDA its buffers' new addresses cost a re-record, not a compile).
 
         Per shape: a dummy cache from ``new_cache()`` (a fresh, empty :class:`~kvboost_hf.hf.cache.ChunkReuseCache`
         with the settings requests' caches get, so the compiled graph's guards hold for them), one eager forward of
         one token per row straight through the model (no store lookup, nothing recorded, nothing written back), the
-        cache made static at the capacity, then :data:`WARM_UP_STEPS` graphed steps; the cache is dropped after.
-        The store, the caches of requests and the step counters are untouched. Shapes are skipped (logged) when
-        graphs are off, when graphed already, beyond ``max_graphs`` or ``max_capture_bytes``, or when the dummy
-        cache's static K/V would not fit the device's free memory; a failed compile leaves its shape eager, as a
-        lazy one would. ``progress``: a tqdm bar over the shapes. Raises
+        cache made static at the capacity, then :data:`WARM_UP_STEPS` graphed forwards (decode steps, or prefills
+        of the query bucket, each cut off after); the cache is dropped after.
+        The store, the caches of requests and the counters of steps and prefills are untouched. Shapes are skipped
+        (logged) when graphs are off, when graphed already, beyond ``max_graphs`` or ``max_capture_bytes``, or when
+        the dummy cache's static K/V would not fit the device's free memory; a failed compile leaves its shape
+        eager, as a lazy one would. ``progress``: a tqdm bar over the shapes. Raises
         :class:`~kvboost_hf.core.errors.ConfigError` (before any work) for a shape above the buckets
         (:func:`graph_shape`)."""
-        wanted = [graph_shape(rows, tokens, self.config) for rows, tokens in shapes]
-        warmed: list[tuple[int, int]] = []
-        skipped: list[tuple[int, int]] = []
-        failed: list[tuple[int, int]] = []
+        wanted = [graph_shape(shape[0], shape[1], self.config, *shape[2:]) for shape in shapes]
+        warmed: list[Shape] = []
+        skipped: list[Shape] = []
+        failed: list[Shape] = []
         started = time.perf_counter()
         self._warm_up = "warming"
         try:
-            for shape in tqdm(list(dict.fromkeys(wanted)), desc="decode graphs", unit="shape", disable=not progress):
+            for shape in tqdm(list(dict.fromkeys(wanted)), desc="forward graphs", unit="shape", disable=not progress):
                 if not self.config.enabled or shape in self.graph_shapes or not self._may_graph(shape):
-                    logger.info("decode graph warm-up skips %d rows x %d tokens: graphs off, graphed already, failed "
-                                "before, or max_graphs/max_capture_bytes reached", *shape)  # fmt: skip
+                    logger.info("graph warm-up skips shape %s: graphs off, graphed already, failed before, or "
+                                "max_graphs/max_capture_bytes reached", shape)  # fmt: skip
                     skipped.append(shape)
                     continue
                 began = time.perf_counter()
-                outcome = self._warm_shape(new_cache(), *shape)
+                outcome = self._warm_shape(new_cache(), shape)
                 (skipped if outcome is None else warmed if outcome else failed).append(shape)
-                logger.info("decode graph warm-up of %d rows x %d tokens: %s in %.1f s", *shape,
+                logger.info("graph warm-up of shape %s: %s in %.1f s", shape,
                             {None: "skipped", True: "captured", False: "failed"}[outcome],
                             time.perf_counter() - began)  # fmt: skip
         finally:
@@ -306,27 +405,31 @@ class GraphedDecoder:
         self.warmed_shapes.update(warmed)
         return GraphWarmUp(tuple(warmed), tuple(skipped), tuple(failed), time.perf_counter() - started)
 
-    def _warm_shape(self, cache: Any, rows: int, capacity: int) -> bool | None:
-        """Warm one shape up on the empty dummy ``cache``: True once graphed, False when its compile failed, None
+    def _warm_shape(self, cache: Any, shape: Shape) -> bool | None:
+        """Warm ``shape`` up on the empty dummy ``cache``: True once graphed, False when its compile failed, None
         when its static K/V would not fit the device's free memory (see :meth:`warm_up`)."""
+        rows, capacity, queries = (*shape, 1)[:3]
         device = next(self.model.parameters()).device
-        ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        ids = torch.zeros(rows, queries, dtype=torch.long, device=device)
+        last = 1 if queries == 1 else torch.tensor([queries - 1], device=device)  # a prefill's keeps an index
         with torch.inference_mode():  # the prompt forward: one column of K/V per row
-            self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{CACHE_ARGUMENT: cache})
+            self.model(input_ids=ids[:, :1], use_cache=True, logits_to_keep=1, **{CACHE_ARGUMENT: cache})
         if device.type == "cuda":
             per_column = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)  # all rows, 1 column
             needed, free = per_column * capacity, torch.cuda.mem_get_info(device)[0]
             if needed > free:
-                logger.warning("decode graph warm-up: a %d-row cache of %d tokens needs %d bytes, %d are free",
+                logger.warning("graph warm-up: a %d-row cache of %d tokens needs %d bytes, %d are free",
                                rows, capacity, needed, free)  # fmt: skip
                 return None
         cache.set_max_cache_len(capacity)
-        for step in range(WARM_UP_STEPS):
-            position = torch.full((rows, 1), 1 + step, device=device)
-            mask = torch.ones(rows, 2 + step, dtype=torch.long, device=device)
-            if self._graphed_run(cache, ids, position, mask) is None:
+        for _ in range(WARM_UP_STEPS):
+            held = cache.get_seq_length()  # settles the layers' host lengths, as a request's record() does
+            position = torch.arange(held, held + queries, device=device).repeat(rows, 1)  # contiguous, as a request's
+            mask = torch.ones(rows, held + queries, dtype=torch.long, device=device)
+            if self._graphed_run(cache, ids, position, mask, last) is None:
                 return False
-            cache.get_seq_length()  # settles the layers' host lengths, as a request's record() does after a step
+            if queries > 1:
+                cache.crop(-queries)  # as a prefill's padding: the dummy cache back to its one column
         return True
 
     def _run(
@@ -336,7 +439,8 @@ class GraphedDecoder:
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        shape: tuple[int, int] | None,
+        shape: Shape | None,
+        keep: int | torch.Tensor = 1,
     ) -> torch.Tensor:
         device = input_ids.device
         width = shape[1] if shape is not None else cache.get_seq_length() + input_ids.shape[1]
@@ -353,7 +457,7 @@ class GraphedDecoder:
                 position_ids=position_ids,
                 attention_mask=attention_mask,
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=keep,
                 **{CACHE_ARGUMENT: cache},
             )
             logits = out.logits[:, -1].clone()
@@ -362,11 +466,13 @@ class GraphedDecoder:
         return logits
 
     def stats(self) -> dict[str, Any]:
-        """Counters for ``cache_stats()``: steps each way, shapes graphed and failed, capture bytes, shapes warmed
-        up and the warm-ups' seconds."""
+        """Counters for ``cache_stats()``: decode steps and prefills each way, shapes graphed and failed, capture
+        bytes, shapes warmed up and the warm-ups' seconds."""
         return {
             "graphed_steps": self.graphed_steps,
             "eager_steps": self.eager_steps,
+            "graphed_prefills": self.graphed_prefills,
+            "eager_prefills": self.eager_prefills,
             "graph_shapes": len(self.graph_shapes),
             "failed_shapes": len(self.failed_shapes),
             "capture_bytes": self.capture_bytes,
@@ -379,6 +485,9 @@ class GraphedDecoder:
             cuda = next(self.model.parameters()).device.type == "cuda"
             backend = self.config.backend or ("inductor" if cuda else "eager")
             mode = "reduce-overhead" if backend == "inductor" and cuda else None
+            # every shape is a recompile of one function: let dynamo keep max_graphs of them (process-wide setting)
+            limit = torch._dynamo.config.recompile_limit
+            torch._dynamo.config.recompile_limit = max(limit, self.config.max_graphs)
             self._compiled = torch.compile(
                 self.model.forward, backend=backend, mode=mode, fullgraph=True, dynamic=False
             )
