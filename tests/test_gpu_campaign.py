@@ -260,7 +260,7 @@ def test_dry_run_of_the_awq_steps(dry_run):
     plan = result["plan"]
     assert plan["streamed_layers"] == 3 and plan["used_bytes"] <= plan["budget_bytes"]
     assert result["streaming"]["bytes_per_forward"] < 3 * 24064  # packed int4 bytes, not dequantized weights
-    assert set(result["verify"]["tree_seconds"]) == {"1", "8", "32", "64"}
+    assert set(result["verify"]["tree_seconds"]) == set(result["verify"]["chain_seconds"]) == {"1", "64"}
     projected = result["projection"]
     assert projected["tokens_per_verify"] == 8.53 and "docs/benchmarks.md" in projected["tokens_per_verify_source"]
     assert projected["projected_tokens_per_sec"] > 0 and projected["verify_nodes"] == 64

@@ -208,7 +208,7 @@ _AWQ_STREAMING = (
 # the tiny shape's layers are 24 kB and its embeddings 25.2 MB: this budget streams all 3 layers through 2 slots
 _AWQ_STREAMING_TINY = (
     *("--random-shape", "tiny", "--awq", "--group-size", "32", "--device-budget", "26.42MB", "--workspace", "1MB"),
-    *("--kv-tokens", "256", "--new-tokens", "3", "--repeats", "1", "--copy-mb", "4", "--verify-sizes", "1,8,32,64"),
+    *("--kv-tokens", "256", "--new-tokens", "2", "--repeats", "1", "--copy-mb", "4", "--verify-sizes", "1,64"),
     *("--projection-nodes", "64", "--draft-shape", "tiny"),
 )
 _PROJECTION = (

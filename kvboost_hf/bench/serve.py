@@ -244,8 +244,11 @@ def run_mode(reuse: bool, args: argparse.Namespace, system: str, model_flags: Se
 
 
 def server_flags(args: argparse.Namespace) -> list[str]:
-    """The server flags every benchmarked server gets (chunking, batching, queue, threads)."""
+    """The server flags every benchmarked server gets (chunking, batching, queue, threads). The grammar compile
+    processes start on first use (no benchmarked request is structured): started with the server, their imports
+    would take CPU from the first measured turns."""
     flags = ["--chunk-size", str(args.chunk_size), "--batch-window-ms", str(args.batch_window_ms)]
+    flags += ["--no-start-with-server"]
     flags += ["--max-batch-size", str(args.max_batch_size), "--max-queue", str(4 * args.users)]
     if args.threads:  # 0: torch's default
         flags += ["--threads", str(args.threads)]

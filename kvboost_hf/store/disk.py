@@ -597,17 +597,19 @@ class DiskTier(StorageTier):
     ) -> list[tuple[str, Any]] | None:
         """Write the batch's ``records`` and tail notes to this process's spill (another process holds the write
         lock) and read them back; deletes stay queued. Returns what the writer keeps: the deletes, or the whole
-        batch when the spill cannot take it (full, or it cannot be opened)."""
+        batch when the spill cannot take it (full, or it cannot be opened): its next try then waits for the lock
+        again (``lock_wait_s``) instead of going to the spill at once, or a full spill would leave it only the
+        instants no other process holds the lock, and the queue would fill and drop writes."""
         tails = [(key[len(_TAIL_PREFIX) :], item) for key, item in batch if key.startswith(_TAIL_PREFIX)]
         spill = self._own_spill() if records or tails else None
-        if spill is None:
-            return batch
-        try:
-            unreadable = spill.write(records, tails)
-        except (OSError, lmdb.Error) as exc:
-            self._failed("spill write", exc)
-            return batch
-        if unreadable is None:
+        unreadable = None
+        if spill is not None:
+            try:
+                unreadable = spill.write(records, tails)
+            except (OSError, lmdb.Error) as exc:
+                self._failed("spill write", exc)
+        if spill is None or unreadable is None:
+            self._main_busy = False
             return batch
         if not self._spill_logged:
             self._spill_logged = True
