@@ -220,6 +220,18 @@ def as_text(tokens: list[int]) -> str:
     return "".join(f"<{t}>" for t in tokens)
 
 
+class CountingBackend:
+    """A ``torch.compile`` backend that counts the graphs it is handed and runs each as traced (no code
+    generation, like backend ``"eager"``)."""
+
+    def __init__(self) -> None:
+        self.compiles = 0
+
+    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list) -> object:
+        self.compiles += 1
+        return graph_module.forward
+
+
 def reuse_caches(store: ChunkStore | None, model, **options) -> Callable[[tuple[int, ...]], ChunkReuseCache] | None:
     """A loop's cache factory: chunk-reuse caches on ``store`` built for the rows' segment starts (None: plain K/V)."""
     if store is None:

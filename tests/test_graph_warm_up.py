@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch._dynamo
 from conftest import make_tiny_model
-from helpers import word_tokenizer, words
+from helpers import CountingBackend, word_tokenizer, words
 from oracle import reference
 
 from kvboost_hf import KVBoost
@@ -21,18 +21,6 @@ from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, graph_shape, parse_graph_shapes
 
 EOS = 1  # word_tokenizer's <eos>
-
-
-class CountingBackend:
-    """A ``torch.compile`` backend that counts the graphs it is handed and runs each as traced (no code
-    generation, like backend ``"eager"``)."""
-
-    def __init__(self) -> None:
-        self.compiles = 0
-
-    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list) -> object:
-        self.compiles += 1
-        return graph_module.forward
 
 
 def counting_engine(**graph_options) -> tuple[KVBoost, CountingBackend]:

@@ -1,0 +1,144 @@
+"""Graphed verify forwards of speculative decoding (``hf/verify_graphs.py``): chain and tree drafts, one row and
+several (padded to a row bucket), through graphs on a static cache give transformers' generate() tokens and the
+eager run's accepted drafts; one graph serves every draft count within its bucket (compiles counted by a backend of
+the test's own)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from conftest import make_tiny_model, noisy_copy
+from helpers import (
+    DECODE_EOS,
+    CountingBackend,
+    finish,
+    new_loop,
+    prefill,
+    reuse_caches,
+    word_tokenizer,
+    words,
+)
+from oracle import engine_reference, reference
+
+from kvboost_hf import ChunkStore, KVBoost, SamplingConfig
+from kvboost_hf.core.errors import ConfigError
+from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest
+from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder
+from kvboost_hf.hf.speculative import DraftConfig, Drafter
+from kvboost_hf.hf.verify_graphs import GraphedVerifier, draft_bucket
+from kvboost_hf.store.config import StoreConfig
+
+CHAIN = DraftConfig(num_draft_tokens=3)
+TREE = DraftConfig(num_draft_tokens=3, tree_budget=6, tree_branching=2)
+NEW_TOKENS = 14
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_model("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    """The target with noise on its weights: its proposals are often, not always, the target's choices."""
+    return noisy_copy(target, 0.35, seed=11)
+
+
+def prompts(count: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(2, 120, (n,), generator=generator).tolist() for n in (17, 9, 23)[:count]]
+
+
+def speculate(target, draft, settings, texts, verifier: GraphedVerifier | None) -> DecodeLoop:
+    """Greedy speculative decoding of ``texts`` in one loop over chunk-reuse caches (target and draft), its verify
+    forwards through ``verifier`` (None: eager)."""
+    store = ChunkStore(StoreConfig(1 << 24))
+    drafter = Drafter(draft, settings, reuse_caches(store, draft, adapter=False))
+    loop = new_loop(target, reuse_caches(store, target, adapter=False), draft=drafter, verify_graphs=verifier)
+    greedy = SamplingConfig(temperature=0)
+    prefill(loop, [DecodeRequest(prompt_ids=p, max_new_tokens=NEW_TOKENS, sampling=greedy) for p in texts])
+    return finish(loop)
+
+
+def test_draft_bucket_is_the_smallest_that_holds_the_nodes():
+    buckets = (2, 4, 8)
+    assert [draft_bucket(nodes, buckets) for nodes in (1, 2, 3, 5, 8, 9)] == [2, 2, 4, 8, 8, None]
+    for bad in [(0, 2), (4, 2), (2, 2)]:
+        with pytest.raises(ConfigError, match="draft_buckets"):
+            GraphConfig(draft_buckets=bad)
+
+
+@pytest.mark.parametrize("settings", [CHAIN, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("count", [1, 3])
+def test_graphed_verify_gives_generates_tokens_and_the_eager_acceptance(target, draft, settings, count):
+    """1 row, and 3 rows padded to the 4-row bucket (then fewer as rows end): every verify forward of the
+    speculative steps runs graphed (chain: 3 draft tokens padded to 4; tree: 6 nodes padded to 8, and fewer near
+    the budget's end), the tokens are generate()'s and each row accepts the same drafts in the same rounds as the
+    eager run."""
+    texts = prompts(count)
+    expected = [reference(target, p, NEW_TOKENS, eos_token_ids=DECODE_EOS).tokens for p in texts]
+    eager = speculate(target, draft, settings, texts, None)
+    verifier = GraphedVerifier(GraphedDecoder(target, GraphConfig(backend="eager")))
+    torch._dynamo.reset()
+    graphed = speculate(target, draft, settings, texts, verifier)
+    assert [row.tokens for row in graphed.rows] == expected == [row.tokens for row in eager.rows]
+    assert [row.draft_rounds for row in graphed.rows] == [row.draft_rounds for row in eager.rows]
+    assert sum(row.draft_accepted for row in graphed.rows) > 0  # the draft is worth verifying at all
+    steps = graphed.verify_forwards - 1  # the prompt forward verified the first tree, eagerly
+    assert (verifier.graphed_verifies, verifier.eager_verifies) == (steps, 0) and steps > 0
+    assert graphed.forwards == eager.forwards and not verifier.failed
+    buckets = {bucket for bucket, _, _ in verifier.shapes}  # rows retire at different lengths: smaller buckets
+    assert buckets == {1} if count == 1 else 4 in buckets
+    assert {drafts for _, _, drafts in verifier.shapes} <= {2, 4, 8}
+
+
+def test_one_graph_serves_every_draft_count_of_its_bucket(target, draft):
+    """Chains of 3 and then 4 draft tokens (bucket 4), and of 2 (bucket 2) on the same graphs: two compiles, not
+    three; the tokens are generate()'s."""
+    backend = CountingBackend()
+    verifier = GraphedVerifier(GraphedDecoder(target, GraphConfig(backend=backend)))  # type: ignore[arg-type]
+    texts = prompts(1)
+    expected = reference(target, texts[0], NEW_TOKENS, eos_token_ids=DECODE_EOS).tokens
+    torch._dynamo.reset()
+    for depth in (3, 4, 2):
+        loop = speculate(target, draft, DraftConfig(num_draft_tokens=depth), texts, verifier)
+        assert loop.rows[0].tokens == expected
+    assert {drafts for _, _, drafts in verifier.shapes} == {2, 4}
+    assert backend.compiles == 2 and verifier.eager_verifies == 0
+
+
+def test_shapes_outside_the_buckets_run_eagerly_with_the_same_tokens(target, draft):
+    """Graphs off: every verify forward eager (counted). Rows above the largest row bucket: eager while 3 rows run,
+    graphed once a row ended. Draft tokens above the largest bucket: 3-token rounds eager, the shorter rounds near
+    the rows' budgets graphed. The cache turns growing and static again in between; generate()'s tokens each
+    time."""
+    texts = prompts(3)
+    expected = [reference(target, p, NEW_TOKENS, eos_token_ids=DECODE_EOS).tokens for p in texts]
+    for config, graphs in (
+        (GraphConfig(enabled=False), False),
+        (GraphConfig(backend="eager", row_buckets=(1, 2)), True),  # 3 rows eager, then 2 graphed
+        (GraphConfig(backend="eager", draft_buckets=(2,)), True),  # 3 draft tokens eager, 1 or 2 graphed
+    ):
+        verifier = GraphedVerifier(GraphedDecoder(target, config))
+        loop = speculate(target, draft, CHAIN, texts, verifier)
+        assert [row.tokens for row in loop.rows] == expected
+        assert verifier.graphed_verifies + verifier.eager_verifies == loop.verify_forwards - 1
+        assert verifier.eager_verifies > 0 and (verifier.graphed_verifies > 0) == graphs
+
+
+def test_an_engine_verifies_graphed_with_generates_tokens_and_counts_it(target, draft):
+    """An engine with a draft and graphs on (backend "eager"): a warm batch of two prompts and a lone prompt give
+    transformers' greedy tokens; ``cache_stats()`` counts the verify forwards run graphed, none failed."""
+    engine = KVBoost(target, word_tokenizer(), chunking=16, draft_model=draft, draft=TREE,
+                     graphs=GraphConfig(backend="eager"))  # fmt: skip
+    texts = [words(3, 30), words(4, 22)]
+    torch._dynamo.reset()
+    engine.generate(texts[0], max_new_tokens=4)  # the first prompt's chunks stored: the batch below is warm
+    batch = engine.generate_batch(texts, max_new_tokens=NEW_TOKENS)
+    alone = engine.generate(texts[1], max_new_tokens=NEW_TOKENS)
+    assert [r.output_ids for r in batch] == [engine_reference(engine, t, NEW_TOKENS).tokens for t in texts]
+    assert alone.output_ids == batch[1].output_ids and batch[0].cached_tokens > 0
+    stats = engine.cache_stats()
+    assert stats["graph_graphed_verifies"] > 0 and stats["graph_verify_shapes"] >= 2  # 2 rows, then 1
+    assert stats["graph_failed_verify_shapes"] == 0
