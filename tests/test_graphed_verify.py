@@ -5,6 +5,8 @@ the test's own)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch._dynamo
@@ -80,6 +82,15 @@ def test_graphed_verify_gives_generates_tokens_and_the_eager_acceptance(target, 
     expected = [reference(target, p, NEW_TOKENS, eos_token_ids=DECODE_EOS).tokens for p in texts]
     eager = speculate(target, draft, settings, texts, None)
     verifier = GraphedVerifier(GraphedDecoder(target, GraphConfig(backend="eager")))
+    buffers = []  # per graphed verify: (layer rows, capacity), the first layer's key buffer address
+    run = verifier.run
+
+    def recording(cache, *args):
+        logits = run(cache, *args)
+        buffers.append(((cache.layers[0].keys.shape[0], cache.max_cache_len), cache.layers[0].keys.data_ptr()))
+        return logits
+
+    verifier.run = recording  # type: ignore[method-assign]
     torch._dynamo.reset()
     graphed = speculate(target, draft, settings, texts, verifier)
     assert [row.tokens for row in graphed.rows] == expected == [row.tokens for row in eager.rows]
@@ -88,8 +99,12 @@ def test_graphed_verify_gives_generates_tokens_and_the_eager_acceptance(target, 
     steps = graphed.verify_forwards - 1  # the prompt forward verified the first tree, eagerly
     assert (verifier.graphed_verifies, verifier.eager_verifies) == (steps, 0) and steps > 0
     assert graphed.forwards == eager.forwards and not verifier.failed
+    # the static buffers stay in place from one verify to the next while the rows' bucket and capacity hold
+    assert all(
+        address == following for (shape, address), (same, following) in itertools.pairwise(buffers) if shape == same
+    )
     buckets = {bucket for bucket, _, _ in verifier.shapes}  # rows retire at different lengths: smaller buckets
-    assert buckets == {1} if count == 1 else 4 in buckets
+    assert (buckets == {1}) if count == 1 else (4 in buckets)
     assert {drafts for _, _, drafts in verifier.shapes} <= {2, 4, 8}
 
 

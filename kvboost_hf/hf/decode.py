@@ -472,7 +472,10 @@ class DecodeLoop:
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One target forward (``attention_mask`` default: the loop's 2D mask); the last ``keep`` positions'
-        logits (fp32), ``[B, V]`` for ``keep == 1`` else ``[B, keep, V]``."""
+        logits (fp32), ``[B, V]`` for ``keep == 1`` else ``[B, keep, V]``. A reuse cache left padded by a graphed
+        verify forward drops its padding rows first."""
+        if isinstance(self.cache, ChunkReuseCache) and self.cache.padding_rows:
+            self.cache.pad_batch(input_ids.shape[0])
         out = forward(
             self.model,
             self.cache,

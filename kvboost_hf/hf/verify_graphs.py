@@ -14,8 +14,10 @@ to a row bucket:
   in the columns after the real nodes', which the verifier drops with the rejected nodes (it keeps each row's
   accepted path only), so nothing padded is kept, attended or written back;
 * rows are padded up to the row bucket with copies of the last row
-  (:meth:`~kvboost_hf.hf.cache.ChunkReuseCache.pad_batch`; rows never see each other), whose logits are dropped and
-  which the verifier's column selection drops too.
+  (:meth:`~kvboost_hf.hf.cache.ChunkReuseCache.pad_batch`; rows never see each other), whose logits are dropped;
+  the verifier's column selection keeps them (copies of the last row's kept columns), so from one graphed verify
+  to the next the static buffers keep their shape and address (a CUDA graph replays, no re-record); an eager
+  forward drops them first.
 
 Invariant: the real queries see exactly the columns the eager verify shows them (the 4D mask is the eager one,
 widened with masked columns), so the logits, the accepted tokens and the kept K/V are the eager verify's (up to the
@@ -105,15 +107,18 @@ class GraphedVerifier:
         columns ``cache`` holds) through its graph (:meth:`shape`; ``answer``: the most tokens a row may still
         take). Returns the logits ``[B, 1 + k, V]`` (fp32, a copy), the cache holding its ``C`` columns, then the
         root's and the nodes' (right after them the padding nodes', which the caller drops with its rejected
-        nodes), the fed tokens recorded (padding rows dropped by the caller's column selection). None when the
-        forward is the caller's to run eagerly (counted in ``eager_verifies``): the cache is then growing (no
-        longer static) with its real rows only."""
+        nodes), the fed tokens recorded; the layers padded to the rows' bucket (copies of the last row, which
+        the caller's column selection keeps for the next graphed verify, so the static buffers keep their shape
+        and address). None when the forward is the caller's to run eagerly (counted in ``eager_verifies``): the
+        cache is then growing (no longer static) with its real rows only."""
         rows, queries = input_ids.shape
         shape = self.shape(cache, rows, queries - 1, answer)
         logits = None if shape is None else self._graphed(cache, input_ids, position_ids, tree_mask, shape)
         if logits is None:
             self.eager_verifies += 1
-            if isinstance(cache, ChunkReuseCache) and cache.max_cache_len is not None:
+            if isinstance(cache, ChunkReuseCache):
+                if cache.padding_rows:
+                    cache.pad_batch(rows)  # the real rows only
                 cache.set_max_cache_len(None)  # the eager forward's 4D mask covers the held columns, not a capacity
             return None
         self.graphed_verifies += 1
@@ -162,7 +167,6 @@ class GraphedVerifier:
                            exc_info=True)  # fmt: skip
             self.failed.add(shape)
             cache.sync_device_lengths()  # a failed compile may have run part of the forward
-            cache.batch_select_indices(torch.arange(rows, device=device))  # the real rows only
             return None
         if watch:
             self.graphs.capture_bytes += max(0, torch.cuda.memory_reserved(device) - before)
