@@ -6,6 +6,7 @@ the test's own)."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -157,3 +158,22 @@ def test_an_engine_verifies_graphed_with_generates_tokens_and_counts_it(target, 
     stats = engine.cache_stats()
     assert stats["graph_graphed_verifies"] > 0 and stats["graph_verify_shapes"] >= 2  # 2 rows, then 1
     assert stats["graph_failed_verify_shapes"] == 0
+
+
+def test_the_speculative_benchmark_runs_each_draft_eager_and_graphed_side_by_side(tmp_path):
+    """``bench speculative --graphs both`` on the tiny random shape (CPU: backend "eager"): a ``copy`` row per draft
+    length with every verify forward eager, a ``copy+graphs`` row with every one graphed, both with the plain
+    greedy tokens; the report shows the graphed share."""
+    from kvboost_hf.bench import speculative
+
+    argv = ["--random-shape", "tiny", "--drafts", "copy", "--draft-lengths", "2,3", "--prompts", "1"]
+    assert speculative.main([*argv, "--max-new-tokens", "8", "--graphs", "both", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "speculative.json").read_text())
+    rows = result["rows"]["resident"]
+    assert result["graphs"] == "both" and [row["draft_tokens"] for row in rows["copy+graphs"]] == [2, 3]
+    for kind, graphed in (("copy", False), ("copy+graphs", True)):
+        for row in rows[kind]:
+            verifies = row["graphed_verifies"] + row["eager_verifies"]
+            assert row["outputs_identical"] and verifies > 0
+            assert row["graphed_verifies"] == (verifies if graphed else 0)
+    assert "100%" in speculative.report(result).split("copy+graphs")[1]
