@@ -35,6 +35,7 @@ from kvboost_hf.store.config import StoreConfig
 CHAIN = DraftConfig(num_draft_tokens=3)
 TREE = DraftConfig(num_draft_tokens=3, tree_budget=6, tree_branching=2)
 NEW_TOKENS = 14
+GREEDY = SamplingConfig(temperature=0)
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +54,15 @@ def prompts(count: int) -> list[list[int]]:
     return [torch.randint(2, 120, (n,), generator=generator).tolist() for n in (17, 9, 23)[:count]]
 
 
-def speculate(target, draft, settings, texts, verifier: GraphedVerifier | None) -> DecodeLoop:
-    """Greedy speculative decoding of ``texts`` in one loop over chunk-reuse caches (target and draft), its verify
-    forwards through ``verifier`` (None: eager)."""
+def speculate(
+    target, draft, settings, texts, verifier: GraphedVerifier | None, sampling: SamplingConfig = GREEDY
+) -> DecodeLoop:
+    """Speculative decoding of ``texts`` (greedy by default) in one loop over chunk-reuse caches (target and draft),
+    its verify forwards through ``verifier`` (None: eager)."""
     store = ChunkStore(StoreConfig(1 << 24))
     drafter = Drafter(draft, settings, reuse_caches(store, draft, adapter=False))
     loop = new_loop(target, reuse_caches(store, target, adapter=False), draft=drafter, verify_graphs=verifier)
-    greedy = SamplingConfig(temperature=0)
-    prefill(loop, [DecodeRequest(prompt_ids=p, max_new_tokens=NEW_TOKENS, sampling=greedy) for p in texts])
+    prefill(loop, [DecodeRequest(prompt_ids=p, max_new_tokens=NEW_TOKENS, sampling=sampling) for p in texts])
     return finish(loop)
 
 
@@ -107,6 +109,39 @@ def test_graphed_verify_gives_generates_tokens_and_the_eager_acceptance(target, 
     buckets = {bucket for bucket, _, _ in verifier.shapes}  # rows retire at different lengths: smaller buckets
     assert (buckets == {1}) if count == 1 else (4 in buckets)
     assert {drafts for _, _, drafts in verifier.shapes} <= {2, 4, 8}
+
+
+def test_seeded_sampled_rows_draw_the_same_tokens_graphed_and_eager(target, draft):
+    """Rows sampled with a seed (temperature, top-k, a penalty: their own processors on the verify logits) beside a
+    greedy row: the graphed verify's logits are the eager one's, so every draw is the same."""
+    texts = prompts(3)
+    sampling = SamplingConfig(temperature=0.9, top_k=30, presence_penalty=0.3, seed=1234)
+    eager = speculate(target, draft, TREE, texts, None, sampling)
+    verifier = GraphedVerifier(GraphedDecoder(target, GraphConfig(backend="eager")))
+    torch._dynamo.reset()
+    graphed = speculate(target, draft, TREE, texts, verifier, sampling)
+    assert [row.tokens for row in graphed.rows] == [row.tokens for row in eager.rows]
+    assert [row.draft_rounds for row in graphed.rows] == [row.draft_rounds for row in eager.rows]
+    assert verifier.graphed_verifies == graphed.verify_forwards - 1 > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("settings", [CHAIN, TREE], ids=["chain", "tree"])
+def test_cuda_graphed_verify_gives_the_eager_tokens_in_fp32(settings):
+    """Inductor with CUDA graphs (the default backend on CUDA): 3 rows padded to 4, chain and tree drafts, the tokens
+    and acceptance of the eager verify."""
+    target = make_tiny_model("llama", seed=0)
+    draft = noisy_copy(target, 0.35, seed=11).to("cuda")  # noise drawn on the CPU
+    target.to("cuda")
+    texts = prompts(3)
+    eager = speculate(target, draft, settings, texts, None)
+    verifier = GraphedVerifier(GraphedDecoder(target))
+    torch._dynamo.reset()
+    graphed = speculate(target, draft, settings, texts, verifier)
+    assert [row.tokens for row in graphed.rows] == [row.tokens for row in eager.rows]
+    assert [row.draft_rounds for row in graphed.rows] == [row.draft_rounds for row in eager.rows]
+    assert verifier.graphed_verifies == graphed.verify_forwards - 1 and not verifier.failed
 
 
 def test_one_graph_serves_every_draft_count_of_its_bucket(target, draft):
