@@ -111,6 +111,34 @@ def test_graphed_verify_gives_generates_tokens_and_the_eager_acceptance(target, 
     assert {drafts for _, _, drafts in verifier.shapes} <= {2, 4, 8}
 
 
+def test_rows_joining_and_leaving_a_graphed_speculative_batch_keep_generates_tokens(target, draft):
+    """One row decodes graphed (1-row graphs), two join mid-generation (the static cache grows back for the join,
+    then 3 rows verify through the 4-row graphs), rows leave at different lengths (2, then 1): every row's tokens
+    are generate()'s, and the chunks written back are exact (a longer prompt loading them gets a full prefill's
+    first logits)."""
+    first, *later = prompts(3)
+    store = ChunkStore(StoreConfig(1 << 24))
+    verifier = GraphedVerifier(GraphedDecoder(target, GraphConfig(backend="eager")))
+    drafter = Drafter(draft, CHAIN, reuse_caches(store, draft, adapter=False))
+    loop = new_loop(target, reuse_caches(store, target, adapter=False), draft=drafter, verify_graphs=verifier)
+    torch._dynamo.reset()
+    prefill(loop, [DecodeRequest(prompt_ids=first, max_new_tokens=NEW_TOKENS, sampling=GREEDY)])
+    loop.step()
+    assert verifier.graphed_verifies == 1
+    prefill(loop, [DecodeRequest(prompt_ids=p, max_new_tokens=NEW_TOKENS + 4, sampling=GREEDY) for p in later])
+    finish(loop)
+    for row, prompt in zip(loop.rows, [first, *later], strict=True):
+        assert row.tokens == reference(target, prompt, row.request.max_new_tokens, eos_token_ids=DECODE_EOS).tokens
+    assert 4 in {bucket for bucket, _, _ in verifier.shapes} and verifier.eager_verifies == 0
+    longer = [*first, *loop.rows[0].tokens, 5, 6, 7]
+    request = DecodeRequest(prompt_ids=longer, max_new_tokens=1, sampling=GREEDY, keep_first_logits=True)
+    plain, loaded = new_loop(target), new_loop(target, reuse_caches(store, target, adapter=False))
+    for each in (plain, loaded):
+        prefill(each, [request])
+    assert loaded.rows[0].reuse is not None and loaded.rows[0].reuse.cached_tokens > len(first)  # answer chunks too
+    assert torch.allclose(loaded.rows[0].first_logits, plain.rows[0].first_logits, atol=1e-4)
+
+
 def test_seeded_sampled_rows_draw_the_same_tokens_graphed_and_eager(target, draft):
     """Rows sampled with a seed (temperature, top-k, a penalty: their own processors on the verify logits) beside a
     greedy row: the graphed verify's logits are the eager one's, so every draw is the same."""
