@@ -173,11 +173,11 @@ class InferenceEngine:
             :mod:`kvboost_hf.hf.speculative`), only the number of target forwards.
         draft: how the draft proposes (:class:`DraftConfig`: tokens per round, tree budget and branching; with
             ``early_exit_layers`` the target's own first layers draft and no ``draft_model`` is needed).
-        graphs: CUDA graphs for plain decode steps and for the prompt forwards of short uncached tails after reused
-            K/V, e.g. a warm chat turn (:class:`~kvboost_hf.hf.graphs.GraphConfig`; default on when the
-            model is on CUDA, off elsewhere; ``GraphConfig(enabled=False)`` turns them off): one
-            :class:`~kvboost_hf.hf.graphs.GraphedDecoder` shared by every call, its counters in :meth:`cache_stats`
-            (``graph_*``).
+        graphs: CUDA graphs for plain decode steps, speculative verify forwards and the prompt forwards of short
+            uncached tails after reused K/V, e.g. a warm chat turn (:class:`~kvboost_hf.hf.graphs.GraphConfig`;
+            default on when the model is on CUDA, off elsewhere; ``GraphConfig(enabled=False)`` turns them off):
+            one :class:`~kvboost_hf.hf.graphs.GraphedDecoder` shared by every call, its counters in
+            :meth:`cache_stats` (``graph_*``).
         token_cache: the prompt token ids cache (:class:`~kvboost_hf.hf.tokens.TokenCacheConfig`, default 64 MiB):
             each prompt is tokenized once, and only its pieces between special tokens not seen before
             (:attr:`tokens`, a :class:`~kvboost_hf.hf.tokens.SegmentTokenizer`; ids identical to the tokenizer's).
@@ -551,7 +551,8 @@ class InferenceEngine:
         included; ``settle=False`` reads its host-side counters only, never synchronising the device, as a thread
         other than the model's must); the prompt token ids cache's counters (``token_cache_*``:
         :meth:`~kvboost_hf.hf.tokens.SegmentTokenizer.stats`); the decode graphs' counters (``graph_*``:
-        :meth:`~kvboost_hf.hf.graphs.GraphedDecoder.stats`); the schedulers' K/V memory counters (``kv_*``:
+        :meth:`~kvboost_hf.hf.graphs.GraphedDecoder.stats`, and the speculative verify graphs':
+        :meth:`~kvboost_hf.hf.verify_graphs.GraphedVerifier.stats`); the schedulers' K/V memory counters (``kv_*``:
         :class:`~kvboost_hf.scheduling.MemoryCounters`: preemptions, rows preempted, admissions deferred, bytes
         reserved now and at most)."""
         totals = self.factories.totals.totals
@@ -560,6 +561,7 @@ class InferenceEngine:
             **self.factories.totals.stats(),
             **self.tokens.stats(),
             **{f"graph_{name}": value for name, value in self.graphs.stats().items()},
+            **{f"graph_{name}": value for name, value in self.factories.verify_graphs.stats().items()},
             **{f"kv_{name}": value for name, value in dataclasses.asdict(self.factories.memory).items()},
         }
         streamer = layer_streamer(self.model)

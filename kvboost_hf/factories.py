@@ -33,6 +33,7 @@ from kvboost_hf.hf.models import check_model_support, kv_entry_shape, load_model
 from kvboost_hf.hf.prompts import PromptEncoder
 from kvboost_hf.hf.rows import new_rows
 from kvboost_hf.hf.speculative import DraftConfig, Drafter, DraftSource, VerifyCosts, resolve_draft
+from kvboost_hf.hf.verify_graphs import GraphedVerifier
 from kvboost_hf.kv_budget import KVBudget, resolve_budget_bytes
 from kvboost_hf.scheduling import (
     DEFAULT_MAX_BATCH_SIZE,
@@ -116,7 +117,8 @@ class Factories:
             given by path is loaded on the target's device and dtype and checked with ``strict``.
 
     ``speculative`` says whether loops decode with a drafter; ``verify_costs`` holds the target's timed verify
-    forwards (adaptive tree budget), shared by every drafter; ``totals`` the decode counters.
+    forwards (adaptive tree budget), shared by every drafter; ``verify_graphs`` the verify graphs every speculative
+    loop shares (on ``graphs``' compiled forward); ``totals`` the decode counters.
     """
 
     def __init__(
@@ -155,6 +157,7 @@ class Factories:
         self.draft_settings.check(model, self.draft_model)
         self.speculative = draft_model is not None or self.draft_settings.early_exit_layers is not None
         self.verify_costs = VerifyCosts()
+        self.verify_graphs = GraphedVerifier(graphs)
         self.totals = DecodeTotals()
         self.memory = MemoryCounters()
 
@@ -220,6 +223,7 @@ class Factories:
             pad_token_id=self.prompts.pad_token_id,
             draft=self._drafter(mode, cache_salt, repair),
             graphs=self.graphs,
+            verify_graphs=self.verify_graphs,
         )
 
     def _drafter(self, mode: GenerationMode, cache_salt: str | None, repair: RepairConfig | None) -> Drafter | None:

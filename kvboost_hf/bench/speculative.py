@@ -32,6 +32,13 @@ accepted), the i.i.d. model's tokens per verify (1 - a^(g+1)) / (1 - a) beside t
 forward, and where the output first differs from the resident plain greedy output (``=``: identical, over all
 prompts; the resident ``plain`` row compares a second plain run with the first: the noise floor). Writes
 ``speculative.json`` and ``speculative.png`` under ``--out``.
+
+``--graphs`` picks how the draft engines' verify forwards (and plain decode steps) run: ``auto`` (the engine's
+default: graphed on CUDA, eager elsewhere), ``on``, ``off``, or ``both``: each draft twice, eager (``copy``) and
+graphed (``copy+graphs``), side by side. A graphed row first runs each prompt once untimed at its draft length (the
+graphs of its draft-token bucket compiled then). Every row reports ``graphed_verifies`` and ``eager_verifies``, the
+timed runs' verify forwards after the prompt forward that ran graphed (:mod:`kvboost_hf.hf.verify_graphs`) and
+eagerly (column ``graphed``: the graphed share).
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from kvboost_hf.bench.shapes import DTYPES, SHAPES, copy_model, random_engine
 from kvboost_hf.bench.streaming import copy_bandwidth
 from kvboost_hf.corpus import sample_prompts
 from kvboost_hf.engine import InferenceEngine
+from kvboost_hf.hf.graphs import GraphConfig
 from kvboost_hf.hf.models import embedded_model_dir, load_model_and_tokenizer
 from kvboost_hf.hf.speculative import TREE_EXPANSIONS, DraftConfig
 from kvboost_hf.offload import LayerStreamingConfig, enable_layer_streaming, layer_streamer
@@ -71,16 +79,32 @@ def expected_tokens_per_verify(a: float, g: int) -> float:
     return float(g + 1) if a >= 1.0 else (1.0 - a ** (g + 1)) / (1.0 - a)
 
 
-def draft_engine(target: InferenceEngine, kind: str, model: str | None = None) -> InferenceEngine:
+GRAPH_ARMS: dict[str, tuple[tuple[str, GraphConfig | None], ...]] = {
+    "auto": (("", None),),
+    "on": (("", GraphConfig()),),
+    "off": (("", GraphConfig(enabled=False)),),
+    "both": (("", GraphConfig(enabled=False)), ("+graphs", GraphConfig())),
+}
+"""``--graphs``: per choice, the draft engines' (row name suffix, graph settings; None: the engine's default)."""
+VERIFY_COUNTERS = ("graphed_verifies", "eager_verifies")
+"""The engines' ``cache_stats()`` counters (``graph_`` prefixed there) each row reports for its timed runs."""
+
+
+def draft_engine(
+    target: InferenceEngine, kind: str, model: str | None = None, graphs: GraphConfig | None = None
+) -> InferenceEngine:
     """An engine on the target's model and store with the draft named ``kind`` (copy, bf16, awq, rtn4 or earlyN).
     ``copy``, ``bf16`` and ``rtn4`` start from a copy of the target's own weights (a streamed target's checkpoint
     is loaded again instead: a random-weight target must be copied before it streams), or load ``model`` (hub name
     or directory: a smaller checkpoint with the target's tokenizer) when given;
-    ``awq`` packs ``model`` (a local directory; ``None``: the embedded model)."""
+    ``awq`` packs ``model`` (a local directory; ``None``: the embedded model). ``graphs``: its graph settings
+    (None: the engine's default)."""
     if match := re.fullmatch(r"early(\d+)", kind):
         size, store, exit_layers = target.chunking.chunk_size, target.store, int(match.group(1))
         draft_settings = DraftConfig(early_exit_layers=exit_layers)
-        return InferenceEngine(target.model, target.tokenizer, chunking=size, store=store, draft=draft_settings)
+        return InferenceEngine(
+            target.model, target.tokenizer, chunking=size, store=store, draft=draft_settings, graphs=graphs
+        )
     if kind not in ("copy", "bf16", "awq", "rtn4"):
         raise ValueError(f"unknown draft {kind!r}: use copy, bf16, awq, rtn4 or earlyN (N layers of the target)")
     if kind == "awq":
@@ -96,7 +120,7 @@ def draft_engine(target: InferenceEngine, kind: str, model: str | None = None) -
         if kind == "rtn4":
             round_trip_int4(draft, group_size=64)
     return InferenceEngine(
-        target.model, target.tokenizer, chunking=target.chunking, store=target.store, draft_model=draft
+        target.model, target.tokenizer, chunking=target.chunking, store=target.store, draft_model=draft, graphs=graphs
     )
 
 
@@ -150,12 +174,18 @@ def run(
     random_shape: str | None = None,
     dtype: str | None = None,
     copy_mb: int = 256,
+    graphs: str = "auto",
 ) -> dict:
     """Rows per placement of the target (resident, streamed) and draft: ``plain`` first, then one per ``g``.
-    The target: :func:`target_engine` ``(model, random_shape, dtype, chunk_size)``."""
+    The target: :func:`target_engine` ``(model, random_shape, dtype, chunk_size)``; ``graphs``: a
+    :data:`GRAPH_ARMS` choice."""
     target = target_engine(model, random_shape, dtype, chunk_size)
     texts = sample_prompts(prompts)
-    engines = {kind: draft_engine(target, kind) for kind in drafts}
+    engines = {
+        kind + suffix: draft_engine(target, kind, graphs=config)
+        for kind in drafts
+        for suffix, config in GRAPH_ARMS[graphs]
+    }
     for engine in (target, *engines.values()):  # untimed: stores the prompts' chunks, pays one-time costs
         for text in texts:
             engine.generate(text, max_new_tokens=max_new_tokens)
@@ -176,8 +206,15 @@ def run(
             rows[placement][kind] = []
             for g in tqdm(lengths, desc=f"{placement} target, draft {kind}"):
                 engine.draft_settings = DraftConfig(g, early_exit_layers=exit_layers)
+                if engine.graphs.config.enabled:  # untimed: this draft length's graphs compile here
+                    for text in texts[:prompts]:
+                        engine.generate(text, max_new_tokens=max_new_tokens)
+                before = engine.cache_stats()
                 results = [engine.generate(text, max_new_tokens=max_new_tokens) for text in texts]
-                rows[placement][kind].append(summarise(results, resident_plain, g))
+                after = engine.cache_stats()
+                row = summarise(results, resident_plain, g)
+                row.update({name: after[f"graph_{name}"] - before[f"graph_{name}"] for name in VERIFY_COUNTERS})
+                rows[placement][kind].append(row)
     bound_gbps = bandwidth.get("h2d_pinned_gbps", bandwidth.get("memcpy_gbps"))
     for row in (r for by_draft in rows.get("streamed", {}).values() for r in by_draft):
         if bound_gbps and row["streamed_mb_per_token"]:
@@ -193,6 +230,7 @@ def run(
         "repeats": repeats,
         "max_new_tokens": max_new_tokens,
         "bandwidth": bandwidth,
+        "graphs": graphs,
         "rows": rows,
     }
 
@@ -222,20 +260,26 @@ def report(result: dict) -> str:
         lines += [
             f"{placement} target, plain: {plain['decode_tok_s']:.2f} tok/s, {_mb(plain)} MB streamed/token, "
             f"bound tok/s {_bound(plain)}, first difference from {versus}: {difference}",
-            f"{'draft':>7} {'g':>2} {'tok/s':>7} {'vs plain':>8} {'fwd/tok':>7} {'MB/tok':>6} {'bound tok/s':>12} "
-            f"{'r':>5} {'a':>5} {'tok/verify':>10} {'expected':>8} {'same':>5}",
+            f"{'draft':>12} {'g':>2} {'tok/s':>7} {'vs plain':>8} {'fwd/tok':>7} {'MB/tok':>6} {'bound tok/s':>12} "
+            f"{'r':>5} {'a':>5} {'tok/verify':>10} {'expected':>8} {'same':>5} {'graphed':>7}",
         ]
         for kind, rows in by_draft.items():
             for row in rows if kind != "plain" else []:
                 lines.append(
-                    f"{kind:>7} {row['draft_tokens']:>2} {row['decode_tok_s']:>7.2f} "
+                    f"{kind:>12} {row['draft_tokens']:>2} {row['decode_tok_s']:>7.2f} "
                     f"{row['decode_tok_s'] / plain['decode_tok_s']:>7.2f}x {row['target_forwards_per_token']:>7.2f} "
                     f"{_mb(row):>6} {_bound(row):>12} {row['acceptance_rate']:>5.2f} "
                     f"{row['position_acceptance']:>5.2f} "
                     f"{row['tokens_per_target_forward']:>10.2f} {row['expected_tokens_per_verify']:>8.2f} "
-                    f"{agreement_label(row['first_difference']):>5}"
+                    f"{agreement_label(row['first_difference']):>5} {_graphed(row):>7}"
                 )
     return "\n".join(lines)
+
+
+def _graphed(row: dict) -> str:
+    """The share of a row's verify forwards (after the prompt forward) that ran graphed; ``-`` without any."""
+    verifies = sum(row.get(name, 0) for name in VERIFY_COUNTERS)
+    return f"{row['graphed_verifies'] / verifies:.0%}" if verifies else "-"
 
 
 def plot(result: dict, path: Path) -> None:
@@ -290,6 +334,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dtype", choices=DTYPES, help="target's dtype (default: float32 on CPU, bfloat16 on GPU)")
     parser.add_argument("--copy-mb", type=int, default=256, help="size of the bandwidth test copies (MB)")
     parser.add_argument(
+        "--graphs",
+        choices=sorted(GRAPH_ARMS),
+        default="auto",
+        help="draft engines' graphed verify forwards: auto (on with CUDA), on, off, or both side by side",
+    )
+    parser.add_argument(
         "--tree-budgets",
         default=None,
         help="comma list of draft tree budgets (0: a chain; auto: the adaptive budget): run the tree benchmark on a "
@@ -319,6 +369,7 @@ def main(argv: list[str]) -> int:
     lengths = [int(g) for g in args.draft_lengths.split(",")]
     drafts = (args.drafts or "copy,bf16,early20").split(",")
     result = run(drafts, lengths, args.prompts, args.repeats, args.max_new_tokens, args.chunk_size, args.streaming,
-                 model=args.model, random_shape=args.random_shape, dtype=args.dtype, copy_mb=args.copy_mb)  # fmt: skip
+                 model=args.model, random_shape=args.random_shape, dtype=args.dtype, copy_mb=args.copy_mb,
+                 graphs=args.graphs)  # fmt: skip
     save_results(args.out, "speculative", result, report, plot)
     return 0

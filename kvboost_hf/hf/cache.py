@@ -29,7 +29,8 @@ Invariants:
 * a prompt that does not extend the tokens already cached raises instead of attending to stale K/V;
 * the layers may hold ``padding_rows`` rows below the real ones (:meth:`ChunkReuseCache.pad_batch`, a decode graph's
   batch bucket): copies of the last real row with no tokens, pad or ledger of their own, never written back and
-  dropped before any row operation (join, selection, repeat, column selection).
+  dropped before any row operation (join, selection, repeat); a column selection keeps them, as copies of the last
+  real row's columns (a graphed verify's buffers then keep their shape and address).
 """
 
 from __future__ import annotations
@@ -504,12 +505,12 @@ class ChunkReuseCache(Cache):
         """Keep, for each row ``i``, only its columns ``columns[i]`` (ascending: its left padding and real tokens,
         e.g. without a speculative verify's rejected tokens), rows right-aligned in ``width`` columns (default: the
         longest list). Freed columns become left padding (zero K/V; the caller's attention mask must exclude them);
-        each row's ledger forgets chunks past its remaining tokens."""
+        each row's ledger forgets chunks past its remaining tokens. Padding rows (:meth:`pad_batch`) stay, each
+        keeping the last real row's columns."""
         if self.expects_sparse_forward:
             raise StateError("cannot select columns while a sparse prefill forward is pending")
-        self._drop_padding()
         width = max(len(kept) for kept in columns) if width is None else width
-        keep_layer_columns(self, columns, width)
+        keep_layer_columns(self, [*columns, *[columns[-1]] * self.padding_rows], width)
         if not self.reuse_enabled or self.num_columns == 0:
             return
         self.tokens = select_columns(self.tokens, columns, dim=1, width=width)

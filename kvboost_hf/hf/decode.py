@@ -66,6 +66,7 @@ from kvboost_hf.hf.rows import TokenLogprob as TokenLogprob
 from kvboost_hf.hf.sampling import greedy_tokens
 from kvboost_hf.hf.speculative import Drafter, DraftTree
 from kvboost_hf.hf.verify import TreeVerifier, Verified
+from kvboost_hf.hf.verify_graphs import GraphedVerifier
 from kvboost_hf.offload.streamer import layer_streamer
 
 logger = logging.getLogger(__name__)
@@ -225,6 +226,9 @@ class DecodeLoop:
             (:meth:`~kvboost_hf.hf.graphs.GraphedDecoder.prefill`, in one call of a chunked prefill when the tail
             fits its columns): the cache turns static first, at a capacity that also holds the rows' answers, so
             the decode steps after it keep it. None: every forward eager.
+        verify_graphs: runs the verify forwards of speculative steps through graphs where they fit
+            (:class:`~kvboost_hf.hf.verify_graphs.GraphedVerifier`, shared like ``graphs``; draft tokens padded up
+            to a bucket, the cache static, rows padded); None: eager.
 
     ``rows`` holds every row added (in order) and not preempted since, ``running`` those still decoding.
     ``forwards`` counts target model forwards (prefills and shared prefixes included; the draft's are
@@ -245,9 +249,11 @@ class DecodeLoop:
         pad_token_id: int,
         draft: Drafter | None = None,
         graphs: GraphedDecoder | None = None,
+        verify_graphs: GraphedVerifier | None = None,
     ) -> None:
         self.model = model
         self.graphs = graphs
+        self.verify_graphs = verify_graphs
         self.rows: list[DecodeRow] = []
         self.running: list[DecodeRow] = []
         self.new_cache = new_cache
@@ -435,7 +441,9 @@ class DecodeLoop:
         per row); returns each row's tokens, in the order of :attr:`running`."""
         if self.verifier is not None and (sizes := self.verifier.tree_sizes(self.running)) is not None:
             assert self.cache is not None, "running rows have a cache"
-            verified = self.verifier.step(self.running, self.cache, self.mask, self.positions, sizes, self._forward)
+            verified = self.verifier.step(
+                self.running, self.cache, self.mask, self.positions, sizes, self._verify_forward
+            )
             outputs = self._verified(verified)
             self._save(tail=False)
             return outputs
@@ -472,7 +480,10 @@ class DecodeLoop:
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One target forward (``attention_mask`` default: the loop's 2D mask); the last ``keep`` positions'
-        logits (fp32), ``[B, V]`` for ``keep == 1`` else ``[B, keep, V]``."""
+        logits (fp32), ``[B, V]`` for ``keep == 1`` else ``[B, keep, V]``. A reuse cache left padded by a graphed
+        verify forward drops its padding rows first."""
+        if isinstance(self.cache, ChunkReuseCache) and self.cache.padding_rows:
+            self.cache.pad_batch(input_ids.shape[0])
         out = forward(
             self.model,
             self.cache,
@@ -484,6 +495,20 @@ class DecodeLoop:
         self.forwards += 1
         logits = out.logits[:, -keep:, :].float()
         return logits[:, -1, :] if keep == 1 else logits
+
+    def _verify_forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: int, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """A speculative step's verify forward (the verifier's :data:`~kvboost_hf.hf.verify.TargetForward`): through
+        the verify graphs where it fits (:meth:`GraphedVerifier.run
+        <kvboost_hf.hf.verify_graphs.GraphedVerifier.run>`), else :meth:`_forward`; logits ``[B, keep, V]``."""
+        if self.verify_graphs is not None:
+            answer = max(row.tokens_left for row in self.running)
+            logits = self.verify_graphs.run(self.cache, input_ids, position_ids, attention_mask, answer)
+            if logits is not None:
+                self.forwards += 1
+                return logits
+        return self._forward(input_ids, position_ids, keep, attention_mask)
 
     def _graph_capacity(self) -> int | None:
         """The static capacity (tokens) for a graphed plain decode step, or None when the step runs eagerly (no

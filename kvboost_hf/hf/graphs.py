@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 DEFAULT_QUERY_BUCKETS = (16, 32, 64, 128, 256)
+DEFAULT_DRAFT_BUCKETS = (2, 4, 8, 16, 32, 64)
 Shape = tuple[int, ...]
 """A graph's shape: ``(rows, capacity)`` for a decode step, ``(rows, capacity, queries)`` for a prefill."""
 MIN_CAPACITY = 256  # tokens: the smallest capacity bucket
@@ -95,6 +96,9 @@ class GraphConfig:
     max_capture_bytes: int | None = None
     """Bytes: once the graphs' memory (:attr:`GraphedDecoder.capture_bytes`) reaches this, no new shape is graphed
     (lazily or at warm-up; shapes already graphed keep running graphed). None: no cap."""
+    draft_buckets: tuple[int, ...] = DEFAULT_DRAFT_BUCKETS
+    """Draft tokens per row (tree nodes below the root), ascending: a speculative verify forward is graphed with its
+    nodes padded up to the next one (:mod:`kvboost_hf.hf.verify_graphs`); more run eagerly; () graphs no verify."""
 
     def __post_init__(self) -> None:
         buckets = self.row_buckets
@@ -110,6 +114,9 @@ class GraphConfig:
             )
         if self.max_capture_bytes is not None and self.max_capture_bytes < 0:
             raise ConfigError(f"max_capture_bytes must be >= 0 or None, got {self.max_capture_bytes}")
+        drafts = self.draft_buckets
+        if any(nodes < 1 for nodes in drafts) or list(drafts) != sorted(set(drafts)):
+            raise ConfigError(f"draft_buckets must be ascending distinct positive draft token counts, got {drafts}")
 
 
 def capacity_bucket(tokens: int, config: GraphConfig) -> int | None:
