@@ -664,10 +664,12 @@ def test_an_invalid_schema_is_a_400_while_the_compile_queue_is_full(embedded_eng
     new schema from a third client gets 503 ``grammar_busy`` (the queue is full); invalid schemas, as a response
     format and as tool parameters, get 400 ``invalid_schema`` (before: 503, which clients retry)."""
     release = threading.Event()
+    holding = threading.Semaphore(0)  # released once per held compile that started
     original = CompileProcess.compile
 
     def held(process, kind, args, time_limit_s):
         if "held" in json.dumps(args):
+            holding.release()
             assert release.wait(60)
         return original(process, kind, args, time_limit_s)
 
@@ -686,10 +688,9 @@ def test_an_invalid_schema_is_a_400_while_the_compile_queue_is_full(embedded_eng
                 pool.submit(post, f"127.0.0.{i + 1}", _structured_body({**_SCHEMA, "title": f"held {i}"}, "s"))
                 for i in range(2)
             ]
-            deadline = time.monotonic() + 60
-            while (busy := post("127.0.0.3", _structured_body(_SCHEMA, "t"))).status_code != 503:
-                assert time.monotonic() < deadline, busy.text  # until both held compiles are queued
-                time.sleep(0.05)
+            assert holding.acquire(timeout=60) and holding.acquire(timeout=60)  # both held compiles are running
+            busy = post("127.0.0.3", _structured_body(_SCHEMA, "t"))
+            assert busy.status_code == 503, busy.text
             assert busy.json()["error"]["code"] == "grammar_busy"
             invalid = post("127.0.0.3", _structured_body({"type": "object", "properties": {"a": {"type": "txt"}}}, "t"))
             assert invalid.status_code == 400, invalid.text
