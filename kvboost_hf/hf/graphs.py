@@ -350,22 +350,47 @@ class GraphedDecoder:
         keep: int | torch.Tensor = 1,
     ) -> torch.Tensor | None:
         """A forward through the compiled ``forward`` (``keep``: ``logits_to_keep``); None when this shape's first
-        run (its compile or capture) raised: the shape is then failed (logged) and the forward is the caller's to
-        run eagerly."""
+        run (its compile or capture) raised (:meth:`guarded`): the forward is then the caller's to run eagerly."""
         rows, queries = input_ids.shape
         shape: Shape = (rows, cache.max_cache_len) if queries == 1 else (rows, cache.max_cache_len, queries)
+        return self.guarded(
+            shape,
+            self.graph_shapes,
+            self.failed_shapes,
+            cache,
+            input_ids.device,
+            lambda: self._run(self._graph(), cache, input_ids, position_ids, attention_mask, shape, keep),
+        )
+
+    def guarded(
+        self,
+        shape: tuple[int, ...],
+        runs: dict[Any, int],
+        failed: set[Any],
+        cache: Any,
+        device: torch.device,
+        forward: Callable[[], torch.Tensor],
+    ) -> torch.Tensor | None:
+        """``forward()``, a graphed forward of ``shape``, under the graphs' rules: counted in ``runs`` (runs per
+        shape); on CUDA its first three runs add the memory they reserve to :attr:`capture_bytes`; when the shape's
+        first run raises (its compile or capture), the shape joins ``failed`` (logged), the cache's device lengths
+        are re-synced (a failed compile may have run part of the forward) and the result is None; a later raise is
+        not a compile's and propagates."""
+        watch = runs.get(shape, 0) < 3 and device.type == "cuda"
+        before = torch.cuda.memory_reserved(device) if watch else 0
         try:
-            logits = self._run(self._graph(), cache, input_ids, position_ids, attention_mask, shape, keep)
+            logits = forward()
         except Exception:
-            if shape in self.graph_shapes:  # it ran before: not a compile or capture failure
+            if shape in runs:  # it ran before: not a compile or capture failure
                 raise
-            logger.warning("graphed forward of shape %s (rows, tokens[, queries]) failed; it runs eagerly", shape,
-                           exc_info=True)  # fmt: skip
-            self.failed_shapes.add(shape)
+            logger.warning("graphed forward of shape %s failed; it runs eagerly", shape, exc_info=True)
+            failed.add(shape)
             if (sync := getattr(cache, "sync_device_lengths", None)) is not None:
-                sync()  # a failed compile may have run part of the forward
+                sync()
             return None
-        self.graph_shapes[shape] = self.graph_shapes.get(shape, 0) + 1
+        if watch:
+            self.capture_bytes += max(0, torch.cuda.memory_reserved(device) - before)
+        runs[shape] = runs.get(shape, 0) + 1
         return logits
 
     def warm_up(
@@ -456,8 +481,6 @@ class GraphedDecoder:
             attention_mask = (torch.arange(width, device=device) >= pads[:, None]).long()  # left padding masked
         elif attention_mask.shape[1] < width:
             attention_mask = torch.nn.functional.pad(attention_mask, (0, width - attention_mask.shape[1]))
-        watch = shape is not None and self.graph_shapes.get(shape, 0) < 3 and device.type == "cuda"
-        before = torch.cuda.memory_reserved(device) if watch else 0
         with torch.inference_mode():
             out = forward(
                 input_ids=input_ids,
@@ -467,10 +490,7 @@ class GraphedDecoder:
                 logits_to_keep=keep,
                 **{CACHE_ARGUMENT: cache},
             )
-            logits = out.logits[:, -1].clone()
-        if watch:
-            self.capture_bytes += max(0, torch.cuda.memory_reserved(device) - before)
-        return logits
+            return out.logits[:, -1].clone()
 
     def stats(self) -> dict[str, Any]:
         """Counters for ``cache_stats()``: decode steps and prefills each way, shapes graphed and failed, capture

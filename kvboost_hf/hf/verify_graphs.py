@@ -146,10 +146,8 @@ class GraphedVerifier:
         mask = tree_mask.new_full((rows, 1, 1 + drafts, capacity), torch.finfo(tree_mask.dtype).min)
         mask[:, :, :queries, : held + queries] = tree_mask
         mask[:, :, queries:, : held + 1] = tree_mask[:, :, :1, : held + 1]  # padding nodes: the root's columns
-        device = input_ids.device
-        watch = device.type == "cuda" and self.shapes.get(shape, 0) < 3
-        before = torch.cuda.memory_reserved(device) if watch else 0
-        try:
+
+        def graphed_forward() -> torch.Tensor:
             with torch.inference_mode():
                 out = self.graphs._graph()(
                     input_ids=fed,
@@ -159,18 +157,11 @@ class GraphedVerifier:
                     logits_to_keep=1 + drafts,
                     **{CACHE_ARGUMENT: cache},
                 )
-                logits = out.logits[:rows, :queries].to(torch.float32, copy=True)
-        except Exception:
-            if shape in self.shapes:  # it ran before: not a compile or capture failure
-                raise
-            logger.warning("graphed verify of %d rows x %d tokens x %d drafts failed; it runs eagerly", *shape,
-                           exc_info=True)  # fmt: skip
-            self.failed.add(shape)
-            cache.sync_device_lengths()  # a failed compile may have run part of the forward
+                return out.logits[:rows, :queries].to(torch.float32, copy=True)
+
+        logits = self.graphs.guarded(shape, self.shapes, self.failed, cache, input_ids.device, graphed_forward)
+        if logits is None:
             return None
-        if watch:
-            self.graphs.capture_bytes += max(0, torch.cuda.memory_reserved(device) - before)
-        self.shapes[shape] = self.shapes.get(shape, 0) + 1
         cache.record(fed[:rows])
         return logits
 
