@@ -100,6 +100,18 @@ class BatchShape:
         joined = max((context for context, _ in self.joining), default=0)
         return max(self.width, joined) + max((*self.running, *(left for _, left in self.joining)))
 
+    def join_padding(self, rows: Sequence[tuple[int, int]]) -> int:
+        """Cells (row x column) of left padding each decode step reads more when ``rows`` (``(context tokens,
+        tokens left)`` each) join this batch than when they run in a batch of their own: with ``W`` the batch's
+        width once its joining rows joined and ``C`` the widest new context, the batch's ``r`` rows widen by
+        ``max(0, C - W)`` columns each, or the ``n`` new rows by ``max(0, W - C)`` (0 for a batch with no row).
+        Times :attr:`KVBudget.bytes_per_token` it is the K/V bytes a step reads for nothing."""
+        if not self.rows or not rows:
+            return 0
+        width = max((self.width, *(context for context, _ in self.joining)))
+        widest = max(context for context, _ in rows)
+        return self.rows * max(0, widest - width) + len(rows) * max(0, width - widest)
+
     def join(self, rows: Sequence[tuple[int, int]]) -> BatchShape:
         """This shape with ``rows`` (``(context tokens, tokens left)`` each) joining too."""
         return BatchShape(self.width, self.running, (*self.joining, *rows))
