@@ -26,8 +26,8 @@ from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.errors import CapacityError, ConfigError
 from kvboost_hf.core.keys import KeySpace
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, DraftRound, PrefillWork, RowOutput, SharedPrefix
-from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.hf.models import forward_read_bytes
+from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.kv_budget import KVBudget
 from kvboost_hf.scheduling import (
     BatchPolicy,

@@ -132,7 +132,7 @@ def kv_entry_shape(model: PreTrainedModel) -> tuple[int, int, int]:
     return int(config.num_hidden_layers), int(getattr(config, "num_key_value_heads", None) or heads), int(head_dim)
 
 
-def forward_read_bytes(model: torch.nn.Module) -> int:
+def forward_read_bytes(model: PreTrainedModel) -> int:
     """Bytes of the model's tensors one decode forward reads: every parameter and buffer (packed int4 weights are
     buffers) except the input embedding table, of which it reads one row per token, unless the output head is tied
     to it (then it is read whole, once)."""
