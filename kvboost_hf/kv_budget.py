@@ -2,7 +2,8 @@
 
 The layout counted is the decode loop's (:class:`~kvboost_hf.hf.decode.DecodeLoop`): a batch's caches are
 left-padded, so every running row holds as many columns as the batch is wide; the width is that of the widest row
-ever admitted to it (columns are not trimmed when that row leaves) and grows by one column per decode step, also
+ever admitted to it (its leading columns are trimmed only once they are padding for every row left, which the
+projection does not count on: it stays an upper bound) and grows by one column per decode step, also
 during the steps a joining row spends being prefilled. A batch of ``rows`` rows ``width`` columns wide holds
 ``rows x width x bytes_per_token`` bytes (:attr:`KVBudget.bytes_per_token`: layers x 2 (keys, values) x kv_heads x
 head_dim x the dtype's size, the target's cache and a draft's added). Sliding-window layers keep every column (README,
