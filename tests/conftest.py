@@ -108,6 +108,17 @@ def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 
 @pytest.fixture
+def probed_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench.gpu.environment()`` without its probe subprocess (seconds of imports): a CPU machine's record, for
+    campaign tests that do not look at it. The probe itself is checked by tests/test_gpu_campaign.py's dry run and
+    its test without the embedded model."""
+    from kvboost_hf.bench import gpu
+
+    record = {"date_utc": "2026-01-01T00:00:00+00:00", "cuda_available": False, "tokenizer": None}
+    monkeypatch.setattr(gpu, "environment", lambda: dict(record))
+
+
+@pytest.fixture
 def redis_server(tmp_path):
     """A private redis-server for one test (skipped where redis-server is not installed)."""
     import shutil
