@@ -20,6 +20,12 @@ import pytest
 import torch
 import transformers
 
+# Under pytest-xdist each worker takes its share of the cores for torch's intra-op threads: by default every worker
+# starts a thread per core, and n workers' threads on the same cores spin-wait for each other.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _XDIST_WORKERS))
+
 _COMMON = dict(
     hidden_size=64,
     intermediate_size=128,
