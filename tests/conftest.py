@@ -20,6 +20,12 @@ import pytest
 import torch
 import transformers
 
+# Under pytest-xdist each worker takes its share of the cores for torch's intra-op threads: by default every worker
+# starts a thread per core, and n workers' threads on the same cores spin-wait for each other.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _XDIST_WORKERS))
+
 _COMMON = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -105,6 +111,17 @@ def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     return _kernel_module_under_interpreter()
+
+
+@pytest.fixture
+def probed_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench.gpu.environment()`` without its probe subprocess (seconds of imports): a CPU machine's record, for
+    campaign tests that do not look at it. The probe itself is checked by tests/test_gpu_campaign.py's dry run and
+    its test without the embedded model."""
+    from kvboost_hf.bench import gpu
+
+    record = {"date_utc": "2026-01-01T00:00:00+00:00", "cuda_available": False, "tokenizer": None}
+    monkeypatch.setattr(gpu, "environment", lambda: dict(record))
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from kvboost_hf.bench import decode, gpu
 from kvboost_hf.hf.models import forward_read_bytes
 
 
-def test_dry_run_decode_step_measures_every_arm_against_its_bound(tmp_path):
+def test_dry_run_decode_step_measures_every_arm_against_its_bound(tmp_path, probed_cpu):
     step = next(s for s in gpu.campaign(dry_run=True) if s.name == "decode")
     record = gpu.run_campaign(tmp_path / "out", [step], budget_s=300, dry_run=True)
     entry = record["steps"]["decode"]

@@ -7,7 +7,7 @@ import uuid
 import pytest
 import torch
 from conftest import make_tiny_model
-from oracle import engine_reference, oracle_text
+from oracle import engine_reference, expected_text
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from kvboost_hf import KVBoost, SamplingConfig, StoreConfig, UnsupportedModelError
@@ -74,22 +74,23 @@ def test_warm_reports_alignment(embedded_engine):
 def test_batch_equals_each_prompt_alone(embedded_engine):
     shared = documents()[3][1][:700]
     prompts = [shared + "\nQ: name one class.\nA:", shared + "\nQ: what is this module for? Be brief.\nA:"]
-    alone = [engine_reference(embedded_engine, p, 10).tokens for p in prompts]
-    batched = embedded_engine.generate_batch(prompts, max_new_tokens=10)
+    alone = [engine_reference(embedded_engine, p, 6).tokens for p in prompts]
+    batched = embedded_engine.generate_batch(prompts, max_new_tokens=6)
     assert [r.output_ids for r in batched] == alone
-    many = embedded_engine.generate_many([prompts[1], "Hello there", prompts[0]], max_new_tokens=10)
+    many = embedded_engine.generate_many([prompts[1], "Hello there", prompts[0]], max_new_tokens=6)
     assert [many[0].output_ids, many[2].output_ids] == [alone[1], alone[0]]
     assert many[1].prompt.startswith("Hello there")
 
 
 def test_temperature_zero_is_greedy_and_stop_strings_cut_exactly(embedded_engine):
     prompt = "List the numbers: 1, 2, 3,"
+    expected = engine_reference(embedded_engine, prompt, 12)  # transformers' greedy answer, computed once
     greedy = embedded_engine.generate(prompt, max_new_tokens=12, temperature=0.0, do_sample=True)
-    assert greedy.output_ids == engine_reference(embedded_engine, prompt, 12).tokens
-    stop_at = oracle_text(embedded_engine, prompt, 12)[3:6]  # three characters of transformers' greedy text
+    assert greedy.output_ids == expected.tokens
+    stop_at = expected_text(embedded_engine.tokenizer, expected)[3:6]  # three characters of its text
     stopped = embedded_engine.generate(prompt, max_new_tokens=12, stop=[stop_at])
     assert stopped.finish_reason == "stop"
-    assert stopped.output_text == oracle_text(embedded_engine, prompt, 12, stop=[stop_at])
+    assert stopped.output_text == expected_text(embedded_engine.tokenizer, expected, stop=[stop_at])
 
 
 def test_sampling_is_seeded_alone_and_in_a_batch(embedded_engine):

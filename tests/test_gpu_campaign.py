@@ -28,13 +28,11 @@ def distribution(name):
 
 importlib.metadata.distribution = distribution
 """
-STEPS = [
-    "tests", "crash", "hang", "attention", "streaming", "multiturn", "multiturn_7b", "multiturn_model", "awq",
-]  # fmt: skip
+STEPS = ["tests", "crash", "hang", "attention", "streaming", "multiturn", "multiturn_7b", "awq"]
 #: Steps of a second campaign run beside the first (its own folders): each step is a subprocess that mostly imports
 #: and runs tiny shapes on one core, so two campaigns at once use this suite's 2-core machine. Chosen to balance the
-#: two campaigns' seconds.
-BESIDE = ["speculative", "serve", "awq_streaming"]
+#: two campaigns' seconds (on an idle 2-core machine: about 40 s of steps for the first, 43 s for this one).
+BESIDE = ["speculative", "serve", "awq_streaming", "multiturn_model"]
 
 
 @dataclass(frozen=True)
@@ -129,14 +127,6 @@ def test_dry_run_records_every_step_and_survives_a_failure_and_a_hang(dry_run):
         names = set(archive.namelist())
     assert {"steps/streaming/streaming.json", "steps/streaming/streaming.png", "steps/tests/junit.xml"} <= names
     assert (dry_run.copy / "gpu.png").stat().st_size > 0
-
-
-@pytest.fixture
-def probed_cpu(monkeypatch):
-    """``gpu.environment()`` without its probe subprocess (seconds of imports): a CPU machine's record. The probe
-    itself is checked by the dry-run test and the test without the embedded model."""
-    record = {"date_utc": "2026-01-01T00:00:00+00:00", "cuda_available": False, "tokenizer": None}
-    monkeypatch.setattr(gpu, "environment", lambda: dict(record))
 
 
 def test_a_second_call_extends_the_record_and_budget_skips(tmp_path, probed_cpu):
