@@ -21,10 +21,13 @@ import torch
 import transformers
 
 # Under pytest-xdist each worker takes its share of the cores for torch's intra-op threads: by default every worker
-# starts a thread per core, and n workers' threads on the same cores spin-wait for each other.
+# starts a thread per core, and n workers' threads on the same cores spin-wait for each other. The processes a test
+# starts (notebook kernels, bench dry runs, Ray workers) inherit the share through OMP_NUM_THREADS.
 _XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _XDIST_WORKERS > 1:
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _XDIST_WORKERS))
+    _CORE_SHARE = max(1, len(os.sched_getaffinity(0)) // _XDIST_WORKERS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_CORE_SHARE))
+    torch.set_num_threads(_CORE_SHARE)
 
 _COMMON = dict(
     hidden_size=64,
