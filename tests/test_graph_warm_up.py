@@ -77,12 +77,13 @@ def test_verify_shapes_are_named_with_v_and_kept_apart_from_prefills():
 
 def test_a_speculative_request_of_a_warmed_verify_shape_compiles_nothing_and_gives_generates_tokens():
     """An engine with a draft (chains of 3 draft tokens: bucket 4, then 2 and 1 near the answer's end: bucket 2)
-    warms ``1x200v3,1x200v2`` up: two compiles, both verify shapes reported warmed, the store unchanged (entries,
-    LRU order, counters) and no verify counted; then a speculative request compiles nothing, runs every verify
-    forward after its prompt graphed, and gives generate()'s tokens."""
+    warms those for 1 row up: two compiles, both verify shapes reported warmed, the store unchanged (entries, LRU
+    order, counters) and no verify counted; then a speculative request compiles nothing, runs every verify forward
+    after its prompt graphed, and gives generate()'s tokens. Likewise a batch of three (the 4-row bucket, its
+    padding row a copy of the last) down to fewer rows as they end, after warming 3 and 2 rows too."""
     engine, backend = counting_engine(DraftConfig(num_draft_tokens=3))
-    text = words(3, 24)
-    engine.warm(text)  # the prompt's chunks in the store: something the warm-up must leave alone
+    texts = [words(seed, 20 + 3 * seed) for seed in range(3)]
+    engine.warm(texts[0])  # the prompt's chunks in the store: something the warm-up must leave alone
     before = store_snapshot(engine)
     torch._dynamo.reset()
     result = engine.warm_up_graphs(engine.graph_shapes("1x200v3,1x200v2"), progress=False)
@@ -93,12 +94,21 @@ def test_a_speculative_request_of_a_warmed_verify_shape_compiles_nothing_and_giv
     counts = [engine.cache_stats()[f"graph_{name}"] for name in ("graphed_verifies", "eager_verifies")]
     assert counts == [0, 0] and engine.cache_stats()["graph_warmed_verify_shapes"] == 2
 
-    got = engine.generate(text, max_new_tokens=12)
+    got = engine.generate(texts[0], max_new_tokens=12)
     assert backend.compiles == 2  # no compile in the request's path
-    assert got.output_ids == engine_reference(engine, text, 12).tokens
+    assert got.output_ids == engine_reference(engine, texts[0], 12).tokens
     stats = engine.cache_stats()
     assert stats["graph_graphed_verifies"] > 0 and stats["graph_eager_verifies"] == 0
     assert stats["graph_verify_shapes"] == 2 and stats["graph_failed_verify_shapes"] == 0
+
+    assert (
+        len(engine.warm_up_graphs(engine.graph_shapes("3x200v3,3x200v2,2x200v3,2x200v2"), progress=False).warmed) == 4
+    )
+    batch = engine.generate_batch(texts, max_new_tokens=12)
+    assert backend.compiles == 6  # the batch's verify forwards compiled nothing
+    assert [r.output_ids for r in batch] == [engine_reference(engine, t, 12).tokens for t in texts]
+    assert engine.cache_stats()["graph_eager_verifies"] == 0
+    assert (4, 256, 4) in engine.factories.verify_graphs.shapes  # the padded batch ran graphed
 
 
 def test_verify_warm_up_respects_max_graphs_the_capture_cap_and_needs_a_draft():

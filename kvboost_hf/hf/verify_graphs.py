@@ -178,13 +178,14 @@ class GraphedVerifier:
         mask = tree_mask.new_full((rows, 1, 1 + drafts, capacity), torch.finfo(tree_mask.dtype).min)
         mask[:, :, :queries, : held + queries] = tree_mask
         mask[:, :, queries:, : held + 1] = tree_mask[:, :, :1, : held + 1]  # padding nodes: the root's columns
+        mask = pad_rows(mask, bucket)  # outside inference mode, as every input: a padded batch keeps the guards
 
         def graphed_forward() -> torch.Tensor:
             with torch.inference_mode():
                 out = self.graphs._graph()(
                     input_ids=fed,
                     position_ids=positions,
-                    attention_mask=pad_rows(mask, bucket),
+                    attention_mask=mask,
                     use_cache=True,
                     logits_to_keep=1 + drafts,
                     **{CACHE_ARGUMENT: cache},
