@@ -232,3 +232,27 @@ def test_cuda_graphs_warmed_up_serve_requests_with_no_compile_and_generates_toke
     expected = [reference(engine.model, engine.encode(t), 8, eos_token_ids={EOS}).tokens for t in texts]
     assert [output.output_ids for output in outputs] == [expected[0], *expected]
     assert engine.cache_stats()["graph_graphed_steps"] > 0 and engine.cache_stats()["graph_eager_steps"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_cuda_verify_graphs_warmed_up_serve_a_speculative_request_with_no_compile_in_fp32():
+    """Inductor with CUDA graphs: verify shapes of a chain of 3 draft tokens (buckets 4 and 2) warmed up for 1 row,
+    then a speculative request compiles nothing (dynamo's graph counter), runs its verifies graphed and gives
+    generate()'s fp32 tokens."""
+    from torch._dynamo.utils import counters
+
+    model = make_tiny_model("qwen2")
+    draft = noisy_copy(model, 0.35, seed=11).to("cuda")  # noise drawn on the CPU
+    engine = KVBoost(model.to("cuda"), word_tokenizer(), chunking=8, graphs=GraphConfig(), draft_model=draft,
+                     draft=DraftConfig(num_draft_tokens=3))  # fmt: skip
+    text = words(3, 24)
+    torch._dynamo.reset()
+    result = engine.warm_up_graphs(engine.graph_shapes("1x200v3,1x200v2"), progress=False)
+    assert result.warmed == (VerifyShape(1, 256, 4), VerifyShape(1, 256, 2))
+    compiled = counters["stats"]["unique_graphs"]
+    got = engine.generate(text, max_new_tokens=12)
+    assert counters["stats"]["unique_graphs"] == compiled
+    assert got.output_ids == engine_reference(engine, text, 12).tokens
+    stats = engine.cache_stats()
+    assert stats["graph_graphed_verifies"] > 0 and stats["graph_eager_verifies"] == 0
