@@ -26,6 +26,10 @@ last bits a matrix product's shape can change on a GPU; identical in fp32 on a C
 Any other verify forward (graphs off, a plain cache, a context adjustment, rows or draft tokens above the buckets,
 a capacity above ``max_capacity``, no room under ``max_graphs`` or ``max_capture_bytes`` (decode and verify graphs
 count together), a shape whose compile failed) runs eagerly over a growing cache, with the same results.
+
+A verify shape compiles at its first forward, inside a request, unless warmed up before:
+:meth:`GraphedDecoder.warm_up <kvboost_hf.hf.graphs.GraphedDecoder.warm_up>` given a
+:class:`~kvboost_hf.hf.graphs.VerifyShape` and this verifier runs :meth:`GraphedVerifier.warm_shape` on a dummy cache.
 """
 
 from __future__ import annotations
