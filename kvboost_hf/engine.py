@@ -318,20 +318,26 @@ class InferenceEngine:
     def warm_up_graphs(self, shapes: Iterable[tuple[int, ...]], *, progress: bool = True) -> GraphWarmUp:
         """Compile and capture the graphs of ``shapes`` now (``(rows, tokens)``: decode steps of a batch of that
         many rows whose cache needs that many tokens, prompt plus answer; ``(rows, tokens, queries)``: prompt
-        forwards of ``queries`` new tokens after reused K/V, a warm chat turn's; each rounded up to its graph
-        buckets), so the requests that later run those shapes pay no compile (~30 s each for a 7B model on a GPU)
-        (:meth:`GraphedDecoder.warm_up <kvboost_hf.hf.graphs.GraphedDecoder.warm_up>`: dummy caches built as the
-        requests' are, nothing stored, no cache a request sees touched; ``max_graphs`` and ``max_capture_bytes``
+        forwards of ``queries`` new tokens after reused K/V, a warm chat turn's; a
+        :class:`~kvboost_hf.hf.graphs.VerifyShape` ``(rows, tokens, drafts)``: speculative verify forwards of
+        ``drafts`` draft tokens per row (tree nodes below the root), skipped without a draft; each rounded up to its
+        graph buckets), so the requests that later run those shapes pay no compile (~30 s each for a 7B model on a
+        GPU) (:meth:`GraphedDecoder.warm_up <kvboost_hf.hf.graphs.GraphedDecoder.warm_up>`: dummy caches built as
+        the requests' are, nothing stored, no cache a request sees touched; ``max_graphs`` and ``max_capture_bytes``
         respected). Runs under :attr:`lock`; a tqdm bar with ``progress``; its outcome is also in
-        :meth:`cache_stats` (``graph_warmed_shapes``, ``graph_warm_up_seconds``) and :attr:`graphs`' ``state``.
-        A no-op (every shape skipped) with graphs off, as on a CPU by default."""
+        :meth:`cache_stats` (``graph_warmed_shapes``, ``graph_warmed_verify_shapes``, ``graph_warm_up_seconds``)
+        and :attr:`graphs`' ``state``. A no-op (every shape skipped) with graphs off, as on a CPU by default."""
+        verifier = self.factories.verify_graphs if self.speculative else None
         with self.lock:
-            return self.graphs.warm_up(lambda: self.new_cache(adapter=False), shapes, progress=progress)
+            return self.graphs.warm_up(
+                lambda: self.new_cache(adapter=False), shapes, progress=progress, verifier=verifier
+            )
 
     def graph_shapes(self, text: str) -> tuple[tuple[int, ...], ...]:
-        """The graph shapes a text such as ``"1x4096,8x4096,1x4096x64"`` names (rows x tokens of a decode step,
-        then x queries for a prefill: ``(rows, capacity)`` or ``(rows, capacity, query bucket)``, rounded up to
-        this engine's graph buckets; :func:`~kvboost_hf.hf.graphs.parse_graph_shapes`), for
+        """The graph shapes a text such as ``"1x4096,8x4096,1x4096x64,2x4096v8"`` names (rows x tokens of a decode
+        step, then x queries for a prefill or v draft tokens for a speculative verify forward: ``(rows, capacity)``,
+        ``(rows, capacity, query bucket)`` or ``VerifyShape(rows, capacity, draft bucket)``, rounded up to this
+        engine's graph buckets; :func:`~kvboost_hf.hf.graphs.parse_graph_shapes`), for
         :meth:`warm_up_graphs`. Raises :class:`~kvboost_hf.core.errors.ConfigError` for a malformed entry or one
         that would run eagerly."""
         return parse_graph_shapes(text, self.graphs.config)

@@ -27,9 +27,9 @@ from oracle import engine_reference, reference
 from kvboost_hf import ChunkStore, KVBoost, SamplingConfig
 from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest
-from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder
+from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, draft_bucket
 from kvboost_hf.hf.speculative import DraftConfig, Drafter
-from kvboost_hf.hf.verify_graphs import GraphedVerifier, draft_bucket
+from kvboost_hf.hf.verify_graphs import GraphedVerifier
 from kvboost_hf.store.config import StoreConfig
 
 CHAIN = DraftConfig(num_draft_tokens=3)

@@ -549,6 +549,55 @@ def test_the_loop_uses_and_feeds_the_adaptive_budget(target, draft):
     assert all(nodes == 4 and seconds > 0 for nodes, seconds in costs.added)
 
 
+class DeviceClock:
+    """A fake host clock for the verify forwards of ``kvboost_hf.hf.verify``: each read moves it 1 us; a verify
+    forward's device work (``fixed + per_node * nodes`` seconds, ``nodes`` counting every row's root and draft
+    tokens) passes while the host waits for its greedy choices (their ``tolist()``), as on a GPU, where the forward
+    only queues work."""
+
+    def __init__(self, fixed: float, per_node: float) -> None:
+        self.now, self.fixed, self.per_node = 0.0, fixed, per_node
+
+    def perf_counter(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+    def greedy_tokens(self, logits: torch.Tensor) -> object:
+        clock, choices = self, logits.argmax(dim=-1)
+
+        class OnDevice:
+            def tolist(self) -> list:
+                clock.now += clock.fixed + clock.per_node * choices.numel()
+                return choices.tolist()
+
+        return OnDevice()
+
+
+def test_the_verify_time_spans_the_device_work_without_a_synchronize(target, draft, monkeypatch):
+    """A step's verify forward is timed until its choices reach the host, with no ``torch.cuda.synchronize``: the
+    timed seconds are the device's (30 ms + 2.5 ms a node) and the adaptive budget follows them: the cap first (44
+    nodes and the root: levels of 3, 9, 16, 16), then one node to explore, then 0.25 * 30 / 2.5 = 3 nodes a row;
+    the tokens are plain greedy's."""
+    import kvboost_hf.hf.verify as verify
+
+    clock = DeviceClock(0.03, 2.5e-3)
+    monkeypatch.setattr(verify, "time", clock)
+    monkeypatch.setattr(verify, "greedy_tokens", clock.greedy_tokens)
+    synchronized = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: synchronized.append(args))
+    settings = DraftConfig(num_draft_tokens=4, tree_budget=64, tree_branching=3, adaptive_tree_budget=True)
+    requests = [DecodeRequest(prompt_ids=prompts()[0], max_new_tokens=24, sampling=SamplingConfig(temperature=0))]
+    loop = new_loop(target, draft=Drafter(draft, settings, costs=VerifyCosts()))
+    prefill(loop, requests)
+    finish(loop)
+    assert loop.rows[0].tokens == decode(target, requests).rows[0].tokens
+    samples = list(loop.draft.costs.samples)
+    assert [nodes for nodes, _ in samples[:3]] == [45, 2, 4] and len(samples) == loop.verify_forwards - 1
+    for nodes, seconds in samples:
+        assert seconds == pytest.approx(0.03 + 2.5e-3 * nodes, abs=1e-5)
+    assert synchronized == []
+
+
 def test_server_flags_set_the_adaptive_budget():
     import argparse
 

@@ -23,9 +23,11 @@ is recorded, written back or attended later. The logits are those of the last re
 by an index tensor (``logits_to_keep``), so the padding costs no host synchronisation.
 
 A shape is ``(rows, capacity)`` for a decode step and ``(rows, capacity, queries)`` for a prefill (``queries`` >= 2,
-a query bucket). Dynamo keeps one graph per shape; each costs a compile the first time it runs (~30 s for a 7B model
+a query bucket); a speculative verify forward's is a :class:`VerifyShape` (:mod:`kvboost_hf.hf.verify_graphs`).
+Dynamo keeps one graph per shape; each costs a compile the first time it runs (~30 s for a 7B model
 on a GPU) and, on CUDA, memory in the graphs' pool, which :attr:`GraphedDecoder.capture_bytes` counts.
-:meth:`GraphedDecoder.warm_up` pays the compiles ahead of requests, with a dummy cache that no request sees.
+:meth:`GraphedDecoder.warm_up` pays the compiles ahead of requests (verify shapes' too, given the verifier), with a
+dummy cache that no request sees.
 :func:`capacity_bucket` picks capacities from a short ladder so few shapes serve every length.
 """
 
@@ -35,7 +37,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -44,16 +46,22 @@ from transformers import PreTrainedModel
 from kvboost_hf.core.errors import ConfigError, InputError
 from kvboost_hf.hf.models import CACHE_ARGUMENT
 
+if TYPE_CHECKING:
+    from kvboost_hf.hf.verify_graphs import GraphedVerifier
+
 __all__ = [
     "GraphConfig",
     "GraphWarmUp",
     "GraphedDecoder",
+    "VerifyShape",
     "capacity_bucket",
+    "draft_bucket",
     "graph_shape",
     "pad_rows",
     "parse_graph_shapes",
     "query_bucket",
     "row_bucket",
+    "verify_graph_shape",
 ]
 
 logger = logging.getLogger(__name__)
@@ -62,7 +70,21 @@ DEFAULT_ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 DEFAULT_QUERY_BUCKETS = (16, 32, 64, 128, 256)
 DEFAULT_DRAFT_BUCKETS = (2, 4, 8, 16, 32, 64)
 Shape = tuple[int, ...]
-"""A graph's shape: ``(rows, capacity)`` for a decode step, ``(rows, capacity, queries)`` for a prefill."""
+"""A graph's shape: ``(rows, capacity)`` for a decode step, ``(rows, capacity, queries)`` for a prefill, a
+:class:`VerifyShape` for a speculative verify forward."""
+
+
+class VerifyShape(NamedTuple):
+    """A verify graph's shape (:mod:`kvboost_hf.hf.verify_graphs`): a row bucket, a capacity (tokens) and a draft
+    bucket (draft tokens per row, the root not counted). Its type tells it from a prefill's ``(rows, capacity,
+    queries)`` in a list of shapes (it compares equal to a plain tuple of the same numbers: keep kinds apart by
+    type where both may meet)."""
+
+    rows: int
+    capacity: int
+    drafts: int
+
+
 MIN_CAPACITY = 256  # tokens: the smallest capacity bucket
 WARM_UP_STEPS = 3
 """Graphed steps a warm-up runs per shape: on CUDA the first compiles (and runs under cudagraph trees' warm-up), the
@@ -127,22 +149,33 @@ def capacity_bucket(tokens: int, config: GraphConfig) -> int | None:
 
 
 def parse_graph_shapes(text: str, config: GraphConfig) -> tuple[Shape, ...]:
-    """The graph shapes a text such as ``"1x2048,3x4000,1x2048x40"`` names (comma separated; empty: none): batch rows
-    x tokens of cache for a decode step, with x query tokens for a prefill of that many new tokens; each rounded up
-    to its buckets (:func:`graph_shape`: ``3x4000`` -> ``(4, 4096)``, ``1x2048x40`` -> ``(1, 2048, 64)``), in
-    order, once each. Raises :class:`~kvboost_hf.core.errors.ConfigError` for a malformed entry or one above the
-    buckets."""
-    shapes: dict[Shape, None] = {}
+    """The graph shapes a text such as ``"1x2048,3x4000,1x2048x40,2x4096v8"`` names (comma separated; empty:
+    none): batch rows x tokens of cache for a decode step, with x query tokens for a prefill of that many new
+    tokens, or with v draft tokens for a speculative verify forward of that many draft tokens per row; each rounded
+    up to its buckets (:func:`graph_shape`, :func:`verify_graph_shape`: ``3x4000`` -> ``(4, 4096)``,
+    ``1x2048x40`` -> ``(1, 2048, 64)``, ``3x4000v5`` -> ``VerifyShape(4, 4096, 8)``), in order, once each. Raises
+    :class:`~kvboost_hf.core.errors.ConfigError` for a malformed entry or one above the buckets."""
+    shapes: dict[tuple[bool, Shape], Shape] = {}  # keyed by kind too: a verify shape equals a prefill's tuple
     for entry in filter(None, (part.strip() for part in text.split(","))):
-        numbers = [part.strip() for part in entry.lower().split("x")]
-        if len(numbers) not in (2, 3) or not all(number.isdigit() for number in numbers):
+        forward, verify, drafts = entry.lower().partition("v")
+        numbers = [part.strip() for part in forward.split("x")]
+        if (
+            len(numbers) not in ((2,) if verify else (2, 3))
+            or not all(number.isdigit() for number in numbers)
+            or (verify and not drafts.strip().isdigit())
+        ):
             raise ConfigError(
-                f"a graph shape is ROWSxTOKENS or ROWSxTOKENSxQUERIES with positive integers (e.g. 4x2048 or "
-                f"1x2048x64), got {entry!r}"
+                f"a graph shape is ROWSxTOKENS, ROWSxTOKENSxQUERIES or ROWSxTOKENSvDRAFTS with positive integers "
+                f"(e.g. 4x2048, 1x2048x64 or 2x2048v8), got {entry!r}"
             )
         rows, tokens, *queries = map(int, numbers)
-        shapes[graph_shape(rows, tokens, config, *queries)] = None
-    return tuple(shapes)
+        shape = (
+            verify_graph_shape(rows, tokens, int(drafts), config)
+            if verify
+            else graph_shape(rows, tokens, config, *queries)
+        )
+        shapes[(bool(verify), shape)] = shape
+    return tuple(shapes.values())
 
 
 def graph_shape(rows: int, tokens: int, config: GraphConfig, queries: int = 1) -> Shape:
@@ -163,6 +196,32 @@ def graph_shape(rows: int, tokens: int, config: GraphConfig, queries: int = 1) -
             f"{config.max_capacity}: such forwards run eagerly"
         )
     return (bucket, capacity) if padded == 1 else (bucket, capacity, padded)
+
+
+def verify_graph_shape(rows: int, tokens: int, drafts: int, config: GraphConfig) -> VerifyShape:
+    """The graph shape that a speculative verify forward of ``drafts`` draft tokens per row (tree nodes below the
+    root) for ``rows`` rows whose cache needs ``tokens`` tokens (prompt, answer and a tree) runs with: the rows'
+    bucket, the capacity bucket (holding at least one held column, the root and the padded drafts) and the drafts'
+    bucket. Raises :class:`~kvboost_hf.core.errors.ConfigError` when it runs eagerly (above the largest row or
+    draft bucket or ``config.max_capacity``) or for a count below 1."""
+    if rows < 1 or tokens < 1 or drafts < 1:
+        raise ConfigError(f"a verify graph shape has at least one row, token and draft token, got {rows} x "
+                          f"{tokens} v {drafts}")  # fmt: skip
+    bucket, padded = row_bucket(rows, config.row_buckets), draft_bucket(drafts, config.draft_buckets)
+    capacity = capacity_bucket(max(tokens, (padded or 0) + 2), config)
+    if bucket is None or capacity is None or padded is None:
+        raise ConfigError(
+            f"{rows} rows x {tokens} tokens v {drafts} draft tokens is above the largest row bucket "
+            f"{config.row_buckets[-1]}, draft bucket {config.draft_buckets[-1:]} or max_capacity "
+            f"{config.max_capacity}: such verify forwards run eagerly"
+        )
+    return VerifyShape(bucket, capacity, padded)
+
+
+def draft_bucket(nodes: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket holding ``nodes`` draft tokens (tree nodes below the root, >= 1), or None above every
+    bucket."""
+    return next((bucket for bucket in buckets if bucket >= nodes), None)
 
 
 def query_bucket(queries: int, buckets: tuple[int, ...]) -> int | None:
@@ -394,39 +453,60 @@ class GraphedDecoder:
         return logits
 
     def warm_up(
-        self, new_cache: Callable[[], Any], shapes: Iterable[tuple[int, ...]], *, progress: bool = True
+        self,
+        new_cache: Callable[[], Any],
+        shapes: Iterable[tuple[int, ...]],
+        *,
+        progress: bool = True,
+        verifier: GraphedVerifier | None = None,
     ) -> GraphWarmUp:
         """Compile and capture the graphs of ``shapes`` (``(rows, tokens)`` for decode steps, ``(rows, tokens,
-        queries)`` for prefills of that many new tokens, each rounded up to its buckets: :func:`graph_shape`)
-        before any request needs them, so no request's forward pays a compile (a later cache of a warmed shape
-        replays its graph; on CUDA its buffers' new addresses cost a re-record, not a compile).
+        queries)`` for prefills of that many new tokens, each rounded up to its buckets: :func:`graph_shape`; a
+        :class:`VerifyShape` ``(rows, tokens, drafts)`` for ``verifier``'s verify forwards of that many draft tokens
+        per row: :func:`verify_graph_shape`) before any request needs them, so no request's forward pays a compile
+        (a later cache of a warmed shape replays its graph; on CUDA its buffers' new addresses cost a re-record, not
+        a compile).
 
         Per shape: a dummy cache from ``new_cache()`` (a fresh, empty :class:`~kvboost_hf.hf.cache.ChunkReuseCache`
         with the settings requests' caches get, so the compiled graph's guards hold for them), one eager forward of
         one token per row straight through the model (no store lookup, nothing recorded, nothing written back), the
-        cache made static at the capacity, then :data:`WARM_UP_STEPS` graphed forwards (decode steps, or prefills
-        of the query bucket, each cut off after); the cache is dropped after.
-        The store, the caches of requests and the counters of steps and prefills are untouched. Shapes are skipped
-        (logged) when graphs are off, when graphed already, beyond ``max_graphs`` or ``max_capture_bytes``, or when
-        the dummy cache's static K/V would not fit the device's free memory; a failed compile leaves its shape
-        eager, as a lazy one would. ``progress``: a tqdm bar over the shapes. Raises
-        :class:`~kvboost_hf.core.errors.ConfigError` (before any work) for a shape above the buckets
-        (:func:`graph_shape`)."""
-        wanted = [graph_shape(shape[0], shape[1], self.config, *shape[2:]) for shape in shapes]
+        cache made static at the capacity, then :data:`WARM_UP_STEPS` graphed forwards (decode steps, prefills of
+        the query bucket or verify forwards of the draft bucket, each cut off after); the cache is dropped after.
+        The store, the caches of requests and the counters of steps, prefills and verifies are untouched. Shapes are
+        skipped (logged) when graphs are off, when graphed already, beyond ``max_graphs`` or ``max_capture_bytes``,
+        for a verify shape without a ``verifier`` (no speculative decoding), or when the dummy cache's static K/V
+        would not fit the device's free memory; a failed compile leaves its shape eager, as a lazy one would.
+        ``progress``: a tqdm bar over the shapes. Raises :class:`~kvboost_hf.core.errors.ConfigError` (before any
+        work) for a shape above the buckets."""
+        wanted: dict[tuple[bool, Shape], Shape] = {}  # keyed by kind too: a verify shape equals a prefill's tuple
+        for named in shapes:
+            if isinstance(named, VerifyShape):
+                shape: Shape = verify_graph_shape(named.rows, named.capacity, named.drafts, self.config)
+            else:
+                shape = graph_shape(named[0], named[1], self.config, *named[2:])
+            wanted[(isinstance(shape, VerifyShape), shape)] = shape
         warmed: list[Shape] = []
         skipped: list[Shape] = []
         failed: list[Shape] = []
         started = time.perf_counter()
         self._warm_up = "warming"
         try:
-            for shape in tqdm(list(dict.fromkeys(wanted)), desc="forward graphs", unit="shape", disable=not progress):
-                if not self.config.enabled or shape in self.graph_shapes or not self._may_graph(shape):
-                    logger.info("graph warm-up skips shape %s: graphs off, graphed already, failed before, or "
-                                "max_graphs/max_capture_bytes reached", shape)  # fmt: skip
+            for shape in tqdm(list(wanted.values()), desc="forward graphs", unit="shape", disable=not progress):
+                if isinstance(shape, VerifyShape):
+                    ready = verifier is not None and verifier.may_warm(shape)
+                else:
+                    ready = shape not in self.graph_shapes and self._may_graph(shape)
+                if not (self.config.enabled and ready):
+                    logger.info("graph warm-up skips shape %s: graphs off, graphed already, failed before, "
+                                "max_graphs/max_capture_bytes reached or no verifier", shape)  # fmt: skip
                     skipped.append(shape)
                     continue
                 began = time.perf_counter()
-                outcome = self._warm_shape(new_cache(), shape)
+                if isinstance(shape, VerifyShape):
+                    assert verifier is not None
+                    outcome = verifier.warm_shape(new_cache(), shape)
+                else:
+                    outcome = self._warm_shape(new_cache(), shape)
                 (skipped if outcome is None else warmed if outcome else failed).append(shape)
                 logger.info("graph warm-up of shape %s: %s in %.1f s", shape,
                             {None: "skipped", True: "captured", False: "failed"}[outcome],
@@ -434,26 +514,38 @@ class GraphedDecoder:
         finally:
             self._warm_up = "ready"
             self.warm_up_seconds += time.perf_counter() - started
-        self.warmed_shapes.update(warmed)
+        self.warmed_shapes.update(shape for shape in warmed if not isinstance(shape, VerifyShape))
+        if verifier is not None:
+            verifier.warmed.update(shape for shape in warmed if isinstance(shape, VerifyShape))
         return GraphWarmUp(tuple(warmed), tuple(skipped), tuple(failed), time.perf_counter() - started)
 
-    def _warm_shape(self, cache: Any, shape: Shape) -> bool | None:
-        """Warm ``shape`` up on the empty dummy ``cache``: True once graphed, False when its compile failed, None
-        when its static K/V would not fit the device's free memory (see :meth:`warm_up`)."""
-        rows, capacity, queries = (*shape, 1)[:3]
+    def dummy_column(self, cache: Any, rows: int, capacity: int) -> bool:
+        """A warm-up's start on the empty dummy ``cache``: one eager forward of one token per row straight through
+        the model (no store lookup, nothing recorded), then the cache made static at ``capacity`` tokens. False
+        (logged, the cache left growing) when on CUDA that static K/V would not fit the device's free memory."""
         device = next(self.model.parameters()).device
-        ids = torch.zeros(rows, queries, dtype=torch.long, device=device)
-        last = 1 if queries == 1 else torch.tensor([queries - 1], device=device)  # a prefill's keeps an index
+        ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
         with torch.inference_mode():  # the prompt forward: one column of K/V per row
-            self.model(input_ids=ids[:, :1], use_cache=True, logits_to_keep=1, **{CACHE_ARGUMENT: cache})
+            self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{CACHE_ARGUMENT: cache})
         if device.type == "cuda":
             per_column = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)  # all rows, 1 column
             needed, free = per_column * capacity, torch.cuda.mem_get_info(device)[0]
             if needed > free:
                 logger.warning("graph warm-up: a %d-row cache of %d tokens needs %d bytes, %d are free",
                                rows, capacity, needed, free)  # fmt: skip
-                return None
+                return False
         cache.set_max_cache_len(capacity)
+        return True
+
+    def _warm_shape(self, cache: Any, shape: Shape) -> bool | None:
+        """Warm the decode or prefill ``shape`` up on the empty dummy ``cache``: True once graphed, False when its
+        compile failed, None when its static K/V would not fit the device's free memory (see :meth:`warm_up`)."""
+        rows, capacity, queries = (*shape, 1)[:3]
+        if not self.dummy_column(cache, rows, capacity):
+            return None
+        device = next(self.model.parameters()).device
+        ids = torch.zeros(rows, queries, dtype=torch.long, device=device)
+        last = 1 if queries == 1 else torch.tensor([queries - 1], device=device)  # a prefill's keeps an index
         for _ in range(WARM_UP_STEPS):
             held = cache.get_seq_length()  # settles the layers' host lengths, as a request's record() does
             position = torch.arange(held, held + queries, device=device).repeat(rows, 1)  # contiguous, as a request's

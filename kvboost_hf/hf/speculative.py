@@ -423,7 +423,8 @@ def tree_attention_mask(context: torch.Tensor, visible: torch.Tensor, dtype: tor
 
 class VerifyCosts:
     """Timed verify forwards of one target: ``samples`` holds the last ``window`` ``(nodes, seconds)`` pairs (tree
-    nodes of all rows, roots included, and the forward's wall time); :meth:`fit` is the least-squares line
+    nodes of all rows, roots included, and the forward's wall time in seconds, until its greedy choices reached the
+    host: :meth:`TreeVerifier.step <kvboost_hf.hf.verify.TreeVerifier.step>`); :meth:`fit` is the least-squares line
     ``seconds = fixed + per_node * nodes``. Old samples leave the window, so a budget that stays constant
     eventually leaves a single node count and :meth:`DraftConfig.adaptive_budget` explores again."""
 

@@ -101,9 +101,13 @@ class TreeVerifier:
         forward: TargetForward,
     ) -> Verified:
         """One speculative decode step: draft a tree of ``sizes`` nodes per level (a chain without a tree budget)
-        below each row's last token, verify every row's tree in one target forward (``forward``; timed into the
-        drafter's :class:`~kvboost_hf.hf.speculative.VerifyCosts`), and :meth:`verify`. ``mask`` ``[B, C]`` and
-        ``positions`` ``[B]`` are the runner's before the step."""
+        below each row's last token, verify every row's tree in one target forward (``forward``), and :meth:`verify`.
+        ``mask`` ``[B, C]`` and ``positions`` ``[B]`` are the runner's before the step.
+
+        The forward is timed into the drafter's :class:`~kvboost_hf.hf.speculative.VerifyCosts` (seconds of host
+        time, for the adaptive tree budget) from its call until its greedy choices reach the host: that transfer,
+        the step's one wait for the device, ends only once the forward ran, so the time covers the device's work
+        with no synchronisation of its own (the choices' argmax and copy included)."""
         draft = self.draft
         last = torch.tensor([[row.tokens[-1]] for row in rows], device=mask.device)
         trees = draft.propose(last, mask, positions, sizes, lambda i, lg, d: rows[i].draft_scores(lg, d))
@@ -117,11 +121,10 @@ class TreeVerifier:
         tree_mask = tree_attention_mask(mask, visible, self.dtype)
         started = time.perf_counter()
         logits = forward(fed.to(mask.device), positions[:, None] + 1 + depths, nodes + 1, tree_mask)
-        if logits.device.type == "cuda":
-            torch.cuda.synchronize(logits.device)  # the forward's whole time, for the adaptive tree budget
+        greedy = greedy_tokens(logits).tolist()  # waits for the forward: the timed interval ends after it
         draft.costs.add(len(rows) * (nodes + 1), time.perf_counter() - started)
         root_mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-        return self.verify(rows, cache, trees, logits, root_mask, positions + 1)
+        return self.verify(rows, cache, trees, logits, root_mask, positions + 1, greedy)
 
     def verify(
         self,
@@ -131,12 +134,15 @@ class TreeVerifier:
         logits: torch.Tensor,
         root_mask: torch.Tensor,
         root_positions: torch.Tensor,
+        greedy: list[list[int]] | None = None,
     ) -> Verified:
         """Each row's tokens from a verify forward's logits ``[B, 1 + nodes, V]`` (its root's, then each node's);
         keeps only the accepted paths' columns in the target ``cache`` and the draft's. Layout before: ``root_mask``
         ``[B, C]`` covers the columns up to each row's root (the last; at ``root_positions`` ``[B]``), then the
-        tree's nodes in both caches (the draft's: each tree's first ``fed`` nodes)."""
-        greedy = greedy_tokens(logits).tolist()  # every plain greedy row's choices, in one transfer
+        tree's nodes in both caches (the draft's: each tree's first ``fed`` nodes). ``greedy``: the logits' argmax
+        ``[B][1 + nodes]`` on the host when the caller has it (None: taken here, in one transfer)."""
+        if greedy is None:
+            greedy = greedy_tokens(logits).tolist()  # every plain greedy row's choices, in one transfer
         walks = [walk(row, logits[i], trees[i], greedy[i]) for i, row in enumerate(rows)]
         now = time.perf_counter()
         kept = [path for path, _, _ in walks]

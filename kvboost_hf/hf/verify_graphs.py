@@ -26,6 +26,10 @@ last bits a matrix product's shape can change on a GPU; identical in fp32 on a C
 Any other verify forward (graphs off, a plain cache, a context adjustment, rows or draft tokens above the buckets,
 a capacity above ``max_capacity``, no room under ``max_graphs`` or ``max_capture_bytes`` (decode and verify graphs
 count together), a shape whose compile failed) runs eagerly over a growing cache, with the same results.
+
+A verify shape compiles at its first forward, inside a request, unless warmed up before:
+:meth:`GraphedDecoder.warm_up <kvboost_hf.hf.graphs.GraphedDecoder.warm_up>` given a
+:class:`~kvboost_hf.hf.graphs.VerifyShape` and this verifier runs :meth:`GraphedVerifier.warm_shape` on a dummy cache.
 """
 
 from __future__ import annotations
@@ -36,21 +40,21 @@ from typing import Any
 import torch
 
 from kvboost_hf.hf.cache import ChunkReuseCache
-from kvboost_hf.hf.graphs import GraphedDecoder, capacity_bucket, pad_rows, row_bucket
+from kvboost_hf.hf.graphs import (
+    WARM_UP_STEPS,
+    GraphedDecoder,
+    VerifyShape,
+    capacity_bucket,
+    draft_bucket,
+    pad_rows,
+    row_bucket,
+)
 from kvboost_hf.hf.models import CACHE_ARGUMENT
+from kvboost_hf.hf.speculative import tree_attention_mask
 
-__all__ = ["GraphedVerifier", "VerifyShape", "draft_bucket"]
+__all__ = ["GraphedVerifier"]
 
 logger = logging.getLogger(__name__)
-
-VerifyShape = tuple[int, int, int]
-"""A verify graph's shape: ``(rows bucket, capacity, draft-token bucket)``."""
-
-
-def draft_bucket(nodes: int, buckets: tuple[int, ...]) -> int | None:
-    """The smallest bucket holding ``nodes`` draft tokens (tree nodes below the root, >= 1), or None above every
-    bucket."""
-    return next((bucket for bucket in buckets if bucket >= nodes), None)
 
 
 class GraphedVerifier:
@@ -58,8 +62,10 @@ class GraphedVerifier:
     ``graphs`` is) when they fit a graph; :meth:`run` says when they do not, and the caller runs them eagerly.
 
     ``graphed_verifies``/``eager_verifies`` count the verify forwards each way; ``shapes`` maps each
-    :data:`VerifyShape` run graphed (one graph each) to its runs; ``failed`` holds those whose compile raised (logged
-    once; eager from then on). Graph memory is added to ``graphs.capture_bytes``, as a decode graph's is.
+    :class:`~kvboost_hf.hf.graphs.VerifyShape` run graphed (one graph each) to its runs; ``failed`` holds those
+    whose compile raised (logged once; eager from then on); ``warmed`` those a warm-up captured
+    (:meth:`GraphedDecoder.warm_up <kvboost_hf.hf.graphs.GraphedDecoder.warm_up>` with this verifier:
+    :meth:`warm_shape`). Graph memory is added to ``graphs.capture_bytes``, as a decode graph's is.
     """
 
     def __init__(self, graphs: GraphedDecoder) -> None:
@@ -68,6 +74,7 @@ class GraphedVerifier:
         self.eager_verifies = 0
         self.shapes: dict[VerifyShape, int] = {}
         self.failed: set[VerifyShape] = set()
+        self.warmed: set[VerifyShape] = set()
 
     def shape(self, cache: Any, rows: int, nodes: int, answer: int) -> VerifyShape | None:
         """The graph of a verify forward of ``nodes`` draft tokens per row for ``rows`` rows over ``cache``, whose
@@ -85,14 +92,43 @@ class GraphedVerifier:
         capacity = cache.max_cache_len if static else capacity_bucket(needed + answer, config)
         if capacity is None:
             return None
-        shape = (bucket, capacity, drafts)
-        if shape in self.failed:
-            return None
-        if shape in self.shapes:
-            return shape
+        shape = VerifyShape(bucket, capacity, drafts)
+        return shape if shape in self.shapes or self.may_warm(shape) else None
+
+    def may_warm(self, shape: VerifyShape) -> bool:
+        """Whether ``shape``, not graphed yet, may be: not failed, and room for one more graph (``max_graphs``,
+        decode and verify graphs together; the capture memory cap)."""
+        config = self.graphs.config
+        if shape in self.failed or shape in self.shapes:
+            return False
         cap = config.max_capture_bytes
         room = len(self.graphs.graph_shapes) + len(self.shapes) < config.max_graphs
-        return shape if room and (cap is None or self.graphs.capture_bytes < cap) else None
+        return room and (cap is None or self.graphs.capture_bytes < cap)
+
+    def warm_shape(self, cache: ChunkReuseCache, shape: VerifyShape) -> bool | None:
+        """Warm ``shape`` up on the empty dummy ``cache`` (a warm-up's, see :meth:`GraphedDecoder.warm_up
+        <kvboost_hf.hf.graphs.GraphedDecoder.warm_up>`): one column per row, then :data:`~kvboost_hf.hf.graphs.
+        WARM_UP_STEPS` graphed verify forwards of a chain of ``shape.drafts`` draft tokens (token 0) below a root,
+        each cut off after. True once graphed, False when its compile failed, None when the static K/V would not
+        fit the device's free memory. No counter of verifies moves."""
+        rows, capacity, drafts = shape
+        if not self.graphs.dummy_column(cache, rows, capacity):
+            return None
+        device = next(self.graphs.model.parameters()).device
+        queries = 1 + drafts
+        fed = torch.zeros(rows, queries, dtype=torch.long, device=device)
+        chain = torch.ones(queries, queries, dtype=torch.bool).tril().expand(rows, -1, -1)  # each sees its ancestors
+        cache.begin(fed[:, :1], None)  # the dummy column as a request's prompt: a verify records what it feeds
+        cache.record(fed[:, :1])
+        for _ in range(WARM_UP_STEPS):
+            held = cache.get_seq_length()
+            positions = torch.arange(held, held + queries, device=device).repeat(rows, 1)
+            context = torch.ones(rows, held, dtype=torch.long, device=device)
+            tree_mask = tree_attention_mask(context, chain, self.graphs.model.dtype)
+            if self._graphed(cache, fed, positions, tree_mask, shape) is None:
+                return False
+            cache.crop(-queries)  # the dummy cache back to its one column
+        return True
 
     def run(
         self,
@@ -146,13 +182,14 @@ class GraphedVerifier:
         mask = tree_mask.new_full((rows, 1, 1 + drafts, capacity), torch.finfo(tree_mask.dtype).min)
         mask[:, :, :queries, : held + queries] = tree_mask
         mask[:, :, queries:, : held + 1] = tree_mask[:, :, :1, : held + 1]  # padding nodes: the root's columns
+        mask = pad_rows(mask, bucket)  # outside inference mode, as every input: a padded batch keeps the guards
 
         def graphed_forward() -> torch.Tensor:
             with torch.inference_mode():
                 out = self.graphs._graph()(
                     input_ids=fed,
                     position_ids=positions,
-                    attention_mask=pad_rows(mask, bucket),
+                    attention_mask=mask,
                     use_cache=True,
                     logits_to_keep=1 + drafts,
                     **{CACHE_ARGUMENT: cache},
@@ -166,11 +203,12 @@ class GraphedVerifier:
         return logits
 
     def stats(self) -> dict[str, int]:
-        """Counters for ``cache_stats()`` (prefixed ``graph_`` there): verify forwards each way, shapes graphed and
-        failed."""
+        """Counters for ``cache_stats()`` (prefixed ``graph_`` there): verify forwards each way, shapes graphed,
+        failed and warmed up."""
         return {
             "graphed_verifies": self.graphed_verifies,
             "eager_verifies": self.eager_verifies,
             "verify_shapes": len(self.shapes),
             "failed_verify_shapes": len(self.failed),
+            "warmed_verify_shapes": len(self.warmed),
         }

@@ -49,9 +49,10 @@ class ServerConfig:
         document_boundaries: which chat contents start documents for non-prefix reuse with reuse_mode chunk_kv_reuse
             (parts: each text part of a message with several; messages: also each message's content; none), unless
             a request names its own (see :mod:`kvboost_hf.hf.chat_segments`).
-        warm_up_graphs: graphs compiled at start, rows x tokens comma separated (e.g. 1x4096,8x4096,1x4096x64).
+        warm_up_graphs: graphs compiled at start, comma separated (e.g. 1x4096,8x4096,1x4096x64,1x4096v4).
             Each shape is batch rows x cache tokens for a decode step, with x new tokens for the prompt forward of a
-            warm chat turn (its tail after reused K/V), rounded up to the graph buckets; /health's decode_graphs says
+            warm chat turn (its tail after reused K/V) or v draft tokens per row for a speculative verify forward
+            (with a draft model), rounded up to the graph buckets; /health's decode_graphs says
             warming, then ready; requests arriving meanwhile wait. Empty: each shape compiles at its first step.
         grammar_limits: bounds of structured output and tool-call constraints (schema size: 400 beyond; compiles
             waiting: 503 beyond; compile wait: 503 after).
