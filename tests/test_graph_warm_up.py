@@ -121,6 +121,8 @@ def test_verify_warm_up_respects_max_graphs_the_capture_cap_and_needs_a_draft():
     assert (result.warmed, result.skipped, backend.compiles) == (((1, 256), (1, 256, 4)), ((1, 256, 2),), 2)
     again = engine.warm_up_graphs([VerifyShape(1, 64, 4)], progress=False)  # graphed already
     assert (again.warmed, again.skipped, backend.compiles) == ((), ((1, 256, 4),), 2)
+    late = engine.warm_up_graphs([(2, 64)], progress=False)  # a decode graph after the verify graph: no room either
+    assert (late.warmed, late.skipped, backend.compiles) == ((), ((2, 256),), 2)
     for capped, capped_backend in (counting_engine(chain, max_capture_bytes=0), counting_engine()):
         torch._dynamo.reset()
         assert capped.warm_up_graphs([VerifyShape(1, 64, 3)], progress=False).skipped == ((1, 256, 4),)

@@ -281,7 +281,9 @@ class GraphedDecoder:
     of the CUDA allocator's reserved memory over the first runs of each shape (compilation and capture; 0 on a
     CPU), each run's growth counted from 0 up (memory the allocator hands back during a run, e.g. compilation's
     temporaries, is not subtracted); ``warmed_shapes`` the shapes :meth:`warm_up` compiled, ``warm_up_seconds``
-    the time its calls took; :attr:`state` what a readiness probe reads.
+    the time its calls took; :attr:`state` what a readiness probe reads; ``verifiers`` the
+    :class:`~kvboost_hf.hf.verify_graphs.GraphedVerifier` s built on it, whose graphs count against ``max_graphs``
+    too (:attr:`graph_count`).
     """
 
     def __init__(self, model: PreTrainedModel, config: GraphConfig | None = None) -> None:
@@ -297,6 +299,7 @@ class GraphedDecoder:
         self.capture_bytes = 0
         self.warmed_shapes: set[Shape] = set()
         self.warm_up_seconds = 0.0
+        self.verifiers: list[GraphedVerifier] = []
         self._warm_up = "lazy"  # "warming" while warm_up() runs, "ready" once one returned
 
     @property
@@ -344,7 +347,12 @@ class GraphedDecoder:
         if shape in self.graph_shapes:
             return True
         cap = self.config.max_capture_bytes
-        return len(self.graph_shapes) < self.config.max_graphs and (cap is None or self.capture_bytes < cap)
+        return self.graph_count < self.config.max_graphs and (cap is None or self.capture_bytes < cap)
+
+    @property
+    def graph_count(self) -> int:
+        """Graphs captured for this model: decode and prefill shapes, and the verify shapes of :attr:`verifiers`."""
+        return len(self.graph_shapes) + sum(len(verifier.shapes) for verifier in self.verifiers)
 
     def step(
         self,

@@ -70,6 +70,7 @@ class GraphedVerifier:
 
     def __init__(self, graphs: GraphedDecoder) -> None:
         self.graphs = graphs
+        graphs.verifiers.append(self)  # its graphs count against the decoder's max_graphs as well
         self.graphed_verifies = 0
         self.eager_verifies = 0
         self.shapes: dict[VerifyShape, int] = {}
@@ -102,7 +103,7 @@ class GraphedVerifier:
         if shape in self.failed or shape in self.shapes:
             return False
         cap = config.max_capture_bytes
-        room = len(self.graphs.graph_shapes) + len(self.shapes) < config.max_graphs
+        room = self.graphs.graph_count < config.max_graphs
         return room and (cap is None or self.graphs.capture_bytes < cap)
 
     def warm_shape(self, cache: ChunkReuseCache, shape: VerifyShape) -> bool | None:
