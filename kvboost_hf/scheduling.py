@@ -40,11 +40,13 @@ The rules, in order:
    with the tokens it would have taken. A group that cannot fit the budget alone is refused
    (:class:`~kvboost_hf.core.errors.CapacityError` from :meth:`Scheduler.add`, or through ``on_fail`` when the
    budget was lowered under it);
-3. prefill: the rows admitted to a batch in one schedule are prefilled together (one left-padded forward), except
+3. prefill: the rows admitted to a batch in one schedule are prefilled together, in left-padded forwards of rows of
+   similar context lengths (:func:`padding_groups`: a row's left padding is at most its own length or
+   :data:`PADDING_SLACK` columns, so short prompts admitted with a long one are not padded to its width), except
    those :meth:`BatchPolicy.prefill_alone` names, each prompt of which is prefilled in a cache of its own and then
    joined. Rows of one prompt (the ``n`` choices of a request) prefilled together are prefilled once and repeated;
    rows with different prompts that share chunk-aligned prefixes have those prefixes computed and stored once
-   first. Prompts prefilled alone are
+   first (by the first of their forwards to run; the others load them). Prompts prefilled alone are
 
    * segment prompts (documents given as segments, looked up by content key so they stitch at any position): a
      cache is built with one prompt's segment starts, which shape its chunks and keys; each row keeps its own once
@@ -86,6 +88,10 @@ DEFAULT_MAX_BATCH_SIZE = 8
 #: engine's ``generate_many`` and ``scheduler``, :class:`Scheduler`'s ``token_budget``): the one place this default is
 #: written. 0 means no budget.
 DEFAULT_TOKEN_BUDGET = 2048
+
+#: Columns of left padding a row prefilled together with others may take whatever its length (see
+#: :func:`padding_groups`): below it, splitting a forward saves less than a forward and a join cost.
+PADDING_SLACK = 64
 
 logger = logging.getLogger(__name__)
 
@@ -153,24 +159,60 @@ def prefill_works(
     *,
     reuse: bool,
     alone: Callable[[Sequence[int], Sequence[int]], bool],
+    slack: int = PADDING_SLACK,
 ) -> list[PrefillWork]:
-    """The prefills of ``rows`` admitted together (rule 3): first the rows prefilled together, then, per prompt and
-    segment starts that ``alone(prompt ids, segment starts)`` names, its rows in a cache of their own. Rows of one
-    prompt are one repeated prefill; with ``reuse`` (chunk-reuse caches) a work's rows with different prompts get
-    their shared prefixes, and a work of one segment setting its segment starts. ``alone`` is asked once per
-    distinct prompt, and not at all when the rows are one prompt."""
+    """The prefills of ``rows`` admitted together (rule 3): first the rows prefilled together, one work per
+    :func:`padding_groups` group (narrowest first), then, per prompt and segment starts that ``alone(prompt ids,
+    segment starts)`` names, its rows in a cache of their own. Rows of one prompt are in one work, a repeated
+    prefill when they are all of it; with ``reuse`` (chunk-reuse caches) the works prefilled together get the
+    shared prefixes of the rows their forwards compute (a repeated prompt once; :func:`shared_prefixes`; each work
+    holding a row that starts with one gets it, so whichever runs first computes and stores it and the others load
+    it), and a work of one segment setting its segment starts. ``alone`` is asked once per distinct prompt, and not
+    at all when the rows are one prompt.
+
+    Invariants: every row is in exactly one work; in a work prefilled together ``widest - narrowest <=
+    max(narrowest, slack)`` context tokens, so each row's left padding is at most ``max(its context tokens,
+    slack)`` columns (see :func:`padding_groups`)."""
     keys = [row.prefill_setting for row in rows]  # tuples of the whole prompt: built once per row
     settings = list(dict.fromkeys(keys))
     if len(settings) == 1:
         return [prefill_work(rows, chunking, reuse=reuse, settings=settings)]
     verdicts = {setting: alone(*setting) for setting in settings}
     together = [row for row, key in zip(rows, keys, strict=True) if not verdicts[key]]
-    works = [prefill_work(together, chunking, reuse=reuse)] if together else []
+    groups = padding_groups(together, slack)
+    plain = reuse and not any(row.request.segment_starts for row in together)
+    forwarded = [row for group in groups for row in (group[:1] if repeated(group) else group)]  # rows computed
+    prefixes = shared_prefixes([row.context_ids for row in forwarded], chunking) if plain else []
+    works = [prefill_work(group, chunking, reuse=reuse, prefixes=prefixes_of(group, prefixes)) for group in groups]
     for setting in settings:
         if verdicts[setting]:
             members = [row for row, key in zip(rows, keys, strict=True) if key == setting]
             works.append(prefill_work(members, chunking, reuse=reuse, settings=[setting]))
     return works
+
+
+def padding_groups(rows: Sequence[DecodeRow], slack: int = PADDING_SLACK) -> list[list[DecodeRow]]:
+    """``rows`` split into the groups of one left-padded prompt forward each, narrowest first: sorted by context
+    length (stably), a group starts with its narrowest row and takes the next rows while they are at most
+    ``max(narrowest, slack)`` tokens wider.
+
+    Invariants: every row is in exactly one group; in each, ``widest - narrowest <= max(narrowest, slack)``, so a
+    row's left padding (the group's widest less its length) is at most ``max(its length, slack)`` columns: the
+    forward computes at most twice its real cells, or ``slack`` padding cells per row; rows of one length (those of
+    one prompt) are in one group."""
+    groups: list[list[DecodeRow]] = []
+    for row in sorted(rows, key=lambda row: row.context_length):
+        narrowest = groups[-1][0].context_length if groups else 0
+        if groups and row.context_length - narrowest <= max(narrowest, slack):
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
+def repeated(rows: Sequence[DecodeRow]) -> bool:
+    """Whether ``rows`` (more than one) are all of one prompt and segment starts: prefilled once and repeated."""
+    return len(rows) > 1 and len({row.prefill_setting for row in rows}) == 1
 
 
 def prefill_work(
@@ -179,18 +221,30 @@ def prefill_work(
     *,
     reuse: bool,
     settings: Sequence[tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+    prefixes: Sequence[SharedPrefix] = (),
 ) -> PrefillWork:
-    """One prefill of ``rows``: repeated when they are one prompt; else, with ``reuse``, with their shared prefixes
-    (none for rows with segment starts: shared prefixes are chunked without them). ``settings``: the rows' distinct
-    prefill settings when the caller has them."""
+    """One prefill of ``rows``: repeated when they are one prompt; with ``reuse``, with the shared ``prefixes``
+    (indexed into ``rows``; see :func:`prefixes_of`) and the segment starts of rows of one setting. ``settings``:
+    the rows' distinct prefill settings when the caller has them."""
     if settings is None:
         settings = list({row.prefill_setting for row in rows})
     starts = settings[0][1] if reuse and len(settings) == 1 else ()
-    if len(settings) == 1 and len(rows) > 1:
-        return PrefillWork(tuple(rows), segment_starts=starts, repeat=True)
-    plain = reuse and not any(row.request.segment_starts for row in rows)
-    prefixes = shared_prefixes([row.context_ids for row in rows], chunking) if plain else []
-    return PrefillWork(tuple(rows), segment_starts=starts, shared_prefixes=tuple(prefixes))
+    prefixes = tuple(prefixes) if reuse else ()
+    return PrefillWork(
+        tuple(rows), segment_starts=starts, repeat=len(settings) == 1 and len(rows) > 1, shared_prefixes=prefixes
+    )
+
+
+def prefixes_of(rows: Sequence[DecodeRow], prefixes: Sequence[SharedPrefix]) -> tuple[SharedPrefix, ...]:
+    """Of ``prefixes`` (computed over a larger set of rows), those some of ``rows`` start with, each counted for the
+    first of them (its index in ``rows``)."""
+    found = []
+    for prefix in prefixes:
+        size = len(prefix.tokens)
+        first = next((i for i, row in enumerate(rows) if row.context_ids[:size] == prefix.tokens), None)
+        if first is not None:
+            found.append(SharedPrefix(prefix.tokens, first))
+    return tuple(found)
 
 
 def shared_prefixes(prompts: Sequence[Sequence[int]], chunking: ChunkingConfig) -> list[SharedPrefix]:

@@ -9,6 +9,7 @@ needs repair keep it, in batches. The decode loop's own behaviour is tested in t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 
@@ -22,7 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from oracle import GREEDY, cache_reference, engine_reference
 
 from kvboost_hf import KVBoost
-from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
+from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.errors import CapacityError, ConfigError
 from kvboost_hf.core.keys import KeySpace
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, DraftRound, PrefillWork, RowOutput, SharedPrefix
@@ -34,6 +35,7 @@ from kvboost_hf.scheduling import (
     RequestCancelled,
     RequestGroup,
     Scheduler,
+    padding_groups,
     prefill_works,
     split_budget,
 )
@@ -395,38 +397,86 @@ def test_split_budget_decodes_first_then_fills_prefills_oldest_first_within_the_
 prompt_pool = st.lists(st.integers(0, 2), min_size=1, max_size=11)  # few tokens: prompts share prefixes often
 
 
-@settings(max_examples=150, deadline=None)
+def longest_shared_prefix(members: list[list[int]]) -> tuple[int, ...]:
+    """The longest prefix of whole ``CHUNK``-token chunks that every one of ``members`` starts with and is longer
+    than (a prompt's last token is always computed), written out here."""
+    size = 0
+    while all(len(p) > size + CHUNK and p[: size + CHUNK] == members[0][: size + CHUNK] for p in members):
+        size += CHUNK
+    return tuple(members[0][:size])
+
+
+@settings(max_examples=300, deadline=None)
 @given(
     prompts=st.lists(prompt_pool, min_size=1, max_size=6),
     alone_mask=st.lists(st.booleans(), min_size=6, max_size=6),
     reuse=st.booleans(),
+    slack=st.integers(0, 6),
 )
-def test_prefill_plans_cover_every_row_once_with_the_scheduling_rules(prompts, alone_mask, reuse):
-    """Every row is in exactly one work; the first work holds the rows prefilled together; each prompt named alone
-    gets a work of its own; a work of one prompt (and more rows) is repeated; shared prefixes are the longest
-    chunk-aligned prefixes of a group of rows starting with the same chunk."""
+def test_prefill_plans_cover_every_row_once_with_the_scheduling_rules(prompts, alone_mask, reuse, slack):
+    """Every row is in exactly one work; the rows prefilled together come first, narrowest first, in works whose
+    widest row is at most ``max(narrowest, slack)`` tokens longer than the narrowest; each prompt named alone gets a
+    work of its own after them; rows of one prompt share a work, repeated when it holds nothing else; the shared
+    prefixes are, for each group of prompts the together works compute (a repeated one once) starting with the same
+    chunk, the longest chunk-aligned prefix they share, given to every work holding one of them (so it is computed
+    once, by the first, and loaded by the others)."""
     rows = DecodeLoop.rows_for([DecodeRequest(prompt_ids=p, max_new_tokens=1) for p in prompts], set())
     named = {tuple(p) for p, alone in zip(prompts, alone_mask, strict=False) if alone}
-    works = prefill_works(rows, ChunkingConfig(CHUNK), reuse=reuse, alone=lambda ids, starts: tuple(ids) in named)
+    works = prefill_works(
+        rows, ChunkingConfig(CHUNK), reuse=reuse, alone=lambda ids, starts: tuple(ids) in named, slack=slack
+    )
     assert sorted(id(row) for work in works for row in work.rows) == sorted(map(id, rows))
-    distinct = {tuple(p) for p in prompts}
-    if len(distinct) > 1:
-        together = [row for row in rows if tuple(row.request.prompt_ids) not in named]
-        alone_works = works[1:] if together else works
-        assert not together or list(works[0].rows) == together
-        assert {tuple(w.rows[0].request.prompt_ids) for w in alone_works} == named & distinct
-    for work in works:
+    prompt_of = {id(row): tuple(row.request.prompt_ids) for row in rows}
+    home = {prompt_of[id(row)]: set() for row in rows}
+    for index, work in enumerate(works):
+        for row in work.rows:
+            home[prompt_of[id(row)]].add(index)
+    assert all(len(indices) == 1 for indices in home.values()), "rows of one prompt share a work"
+    distinct = set(home)
+    alone_prompts = named & distinct if len(distinct) > 1 else set()
+    together_works = works[: len(works) - len(alone_prompts)]
+    assert [{prompt_of[id(row)] for row in work.rows} for work in works[len(together_works) :]] == [
+        {p} for p in dict.fromkeys(tuple(p) for p in prompts) if p in alone_prompts
+    ]
+    narrowest = [min(len(row.request.prompt_ids) for row in work.rows) for work in together_works]
+    assert narrowest == sorted(set(narrowest)), "narrowest first, each length in one work"
+    for work, low in zip(together_works, narrowest, strict=True):
+        assert max(len(row.request.prompt_ids) for row in work.rows) - low <= max(low, slack)
+    computed = []  # (work index, prompt) of each prompt a together work's forward computes
+    for index, work in enumerate(works):
         prompts_of = [list(row.request.prompt_ids) for row in work.rows]
         assert work.repeat == (len(work.rows) > 1 and len({tuple(p) for p in prompts_of}) == 1)
-        assert reuse or not work.shared_prefixes
-        for prefix in work.shared_prefixes:
-            members = [p for p in prompts_of if p[:CHUNK] == prompts_of[prefix.row][:CHUNK]]
-            assert len(members) > 1 and len(prefix.tokens) % CHUNK == 0
-            assert all(p[: len(prefix.tokens)] == list(prefix.tokens) for p in members)
-            end = len(prefix.tokens) + CHUNK
-            spans_left = [span for span in chunk_spans(members[0], ChunkingConfig(CHUNK)) if span[1] == end]
-            longer = spans_left and all(len(p) > end and p[:end] == members[0][:end] for p in members)
-            assert not longer, "the prefix is the longest the group shares"
+        if index < len(together_works):
+            computed += [(index, p) for p in (prompts_of[:1] if work.repeat else prompts_of)]
+        for prefix in work.shared_prefixes:  # counted for the first row starting with it
+            size = len(prefix.tokens)
+            assert prefix.row == min(i for i, p in enumerate(prompts_of) if p[:size] == list(prefix.tokens))
+    expected: dict[int, set[tuple[int, ...]]] = {index: set() for index in range(len(works))}
+    if reuse:
+        by_first: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}
+        for index, p in computed:
+            if len(p) >= CHUNK:
+                by_first.setdefault(tuple(p[:CHUNK]), []).append((index, p))
+        for members in by_first.values():
+            if len(members) > 1 and (prefix := longest_shared_prefix([p for _, p in members])):
+                for index, _ in members:
+                    expected[index].add(prefix)
+    assert {index: {p.tokens for p in work.shared_prefixes} for index, work in enumerate(works)} == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=12), slack=st.integers(0, 80))
+def test_padding_groups_bound_each_forwards_padding_by_its_real_tokens(lengths, slack):
+    """Every row is in one group and its left padding (its group's widest less its length) is at most its length or
+    ``slack``; the groups are narrowest first and disjoint in length (rows of one length share a group)."""
+    rows = DecodeLoop.rows_for([DecodeRequest(prompt_ids=[1] * n, max_new_tokens=1) for n in lengths], set())
+    groups = padding_groups(rows, slack)
+    assert sorted(id(row) for group in groups for row in group) == sorted(map(id, rows))
+    for group in groups:
+        sizes = [row.context_length for row in group]
+        assert all(max(sizes) - n <= max(n, slack) for n in sizes)  # each row's padding
+    for narrower, wider in itertools.pairwise(groups):
+        assert max(row.context_length for row in narrower) < min(row.context_length for row in wider)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -633,6 +683,39 @@ def test_choices_of_one_prompt_are_prefilled_once_and_all_get_the_repair(engine)
     choices = engine.generate_batch([prompt, prompt, prompt], max_new_tokens=5)
     assert alone.reuse.approx_tokens > 0
     assert [(r.output_ids, r.approx_tokens) for r in choices] == [(alone.tokens, alone.reuse.approx_tokens)] * 3
+
+
+def test_generate_many_prefills_mixed_lengths_in_forwards_of_similar_widths_with_generates_tokens(engine, monkeypatch):
+    """Five prompts admitted in one schedule: a 6-token prompt twice and a 20-token one, a 90-token prompt twice, a
+    216-token one; the 20- and 216-token prompts start with the same 16 tokens (two chunks of 8). They are
+    prefilled in three forwards, narrowest first: ``[6, 6, 20]`` (14 columns of padding at most, under the slack of
+    64), ``[90]`` repeated, ``[216]`` (not padded to by the others); the shared 16 tokens are computed once, by the
+    first forward holding one of them, and loaded by the last. Every output equals transformers' greedy one."""
+    engine.store.clear()
+    head = words(102, 16)
+    prompts = [words(100, 6), f"{head} {words(101, 4)}", words(100, 6), f"{head} {words(103, 200)}", words(104, 90)]
+    prompts.append(prompts[-1])
+    assert [len(engine.encode(p)) for p in prompts] == [6, 20, 6, 216, 90, 90]
+    expected = [engine_reference(engine, p, 4).tokens for p in prompts]
+    forwards: list[tuple[list[int], bool]] = []
+    prefixes: list[int] = []
+    begin, store_prefix = DecodeLoop._begin_prefill, DecodeLoop._store_prefix
+
+    def recorded_begin(loop, work):
+        forwards.append(([row.context_length for row in work.rows], work.repeat))
+        return begin(loop, work)
+
+    def recorded_prefix(loop, prefix):
+        prefixes.append(store_prefix(loop, prefix))
+        return prefixes[-1]
+
+    monkeypatch.setattr(DecodeLoop, "_begin_prefill", recorded_begin)
+    monkeypatch.setattr(DecodeLoop, "_store_prefix", recorded_prefix)
+    results = engine.generate_many(prompts, max_new_tokens=4, max_batch_size=8)
+    assert [result.output_ids for result in results] == expected
+    assert forwards == [([6, 6, 20], False), ([90, 90], True), ([216], False)]
+    assert prefixes == [16, 0]  # computed before the first forward, found stored before the last
+    assert (results[1].cached_tokens, results[3].cached_tokens) == (0, 16)
 
 
 def test_a_job_submitted_while_the_scheduler_reads_the_store_is_queued_at_once(engine, monkeypatch):
