@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import make_tiny_model, noisy_copy
 from helpers import word_tokenizer, words
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -28,6 +28,7 @@ from kvboost_hf.core.errors import CapacityError, ConfigError
 from kvboost_hf.core.keys import KeySpace
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, DraftRound, PrefillWork, RowOutput, SharedPrefix
 from kvboost_hf.hf.sampling import SamplingConfig
+from kvboost_hf.hf.speculative import DraftConfig
 from kvboost_hf.kv_budget import KVBudget
 from kvboost_hf.scheduling import (
     BatchPolicy,
@@ -801,10 +802,13 @@ def bytes_per_token(model) -> int:
 
 def held_kv_bytes(scheduler: Scheduler) -> int:
     """The K/V bytes the scheduler's batches hold now, read from their caches' tensors (the running rows' caches
-    and those of prompt forwards under way)."""
+    and those of prompt forwards under way, the target's and a draft's)."""
     caches = []
     for batch in scheduler.running:
-        caches += [batch.loop.cache, *(prompt.state.cache for prompt in batch.loop._prompts)]
+        loop = batch.loop
+        caches += [loop.cache, *(prompt.state.cache for prompt in loop._prompts)]
+        if loop.draft is not None:  # the draft's caches, counted in the bytes per token too
+            caches += [loop.draft.cache, *(prompt.state.draft_cache for prompt in loop._prompts)]
     tensors = [t for cache in caches if cache is not None for layer in cache.layers for t in (layer.keys, layer.values)]
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -904,6 +908,63 @@ def test_a_join_prefilled_over_many_steps_is_preempted_as_the_batch_widens_and_r
     assert streamed == [row.tokens for row in rows]
     assert rows[1].preemptions == 1 and scheduler.memory.preemptions == before + 1
     assert rows[1].reuse.cached_tokens == 8  # the chunk its first prefill completed
+    for budget, reserved, held in trace:
+        assert held <= reserved <= budget
+
+
+DRAFTS = {"chain": DraftConfig(4), "tree": DraftConfig(num_draft_tokens=2, tree_budget=8)}
+
+
+@pytest.fixture(scope="module")
+def speculative_engines(engine):
+    """The tiny model with a noisy copy of itself as its draft (some proposals accepted: rows of one step take
+    different counts), drafting chains of 4 tokens or trees of 8 nodes 2 deep."""
+    draft = noisy_copy(engine.model, 0.6, seed=7)
+    return {
+        name: KVBoost(engine.model, word_tokenizer(), chunking=8, draft_model=draft, draft=settings)
+        for name, settings in DRAFTS.items()
+    }
+
+
+@pytest.mark.parametrize("drafting", list(DRAFTS))
+def test_a_speculative_batch_over_the_kv_budget_is_preempted_and_resumed_with_generates_tokens(
+    speculative_engines, drafting, monkeypatch
+):
+    """Three prompts decoded with a draft (chains, or trees with 4 columns beyond their depth) under a K/V budget
+    (target and draft caches) of all three; after three steps it is lowered to two: the newest row is preempted
+    (its chunks and the draft's stored) and resumes later, its draft prefilled again from its prompt and tokens
+    (speculative steps widen the batch by the most any row takes, so a row may be preempted again). Every row's
+    tokens equal transformers' greedy ones and each reached its stream once; drafts were verified; the bytes the
+    caches (target and draft) hold during every verify forward of a decode step, the tree's columns still in them,
+    and after every step, stay within the bytes reserved at the schedule."""
+    engine = speculative_engines[drafting]
+    engine.store.clear()
+    prompts = [words(130, 13), words(131, 15), words(132, 17)]
+    room = max(len(engine.encode(p)) for p in prompts) + 12 + {"chain": 0, "tree": 4}[drafting]
+    scheduler = engine.scheduler("prefix_cache", max_batch_size=3, token_budget=0, kv_budget_bytes=1)
+    assert scheduler.kv_budget is not None
+    assert scheduler.kv_budget.bytes_per_token == 2 * bytes_per_token(engine.model)  # the draft is a copy
+    per_token = scheduler.kv_budget.bytes_per_token
+    scheduler.kv_budget = dataclasses.replace(scheduler.kv_budget, budget_bytes=3 * room * per_token)
+    during: list[tuple[int, int]] = []
+    verify_forward = DecodeLoop._verify_forward
+
+    def measured(loop, *args):
+        logits = verify_forward(loop, *args)
+        during.append((held_kv_bytes(scheduler), scheduler.memory.reserved_bytes))
+        return logits
+
+    monkeypatch.setattr(DecodeLoop, "_verify_forward", measured)
+    before = engine.cache_stats()
+    rows, streamed, trace = budget_run(engine, scheduler, prompts, 12, lower_at=(3, 2 * room * per_token))
+
+    assert [row.tokens for row in rows] == [engine_reference(engine, p, 12).tokens for p in prompts]
+    assert streamed == [row.tokens for row in rows]
+    after = engine.cache_stats()
+    assert rows[2].preemptions >= 1 and rows[0].preemptions == 0
+    assert after["kv_rows_preempted"] - before["kv_rows_preempted"] == sum(row.preemptions for row in rows)
+    assert after["draft_tokens_accepted"] > before["draft_tokens_accepted"]
+    assert during and all(held <= reserved for held, reserved in during)
     for budget, reserved, held in trace:
         assert held <= reserved <= budget
 
