@@ -64,7 +64,9 @@ lock, never held during a store read or a forward); every other method from one 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -176,63 +178,54 @@ def prefill_works(
     keys = [row.prefill_setting for row in rows]  # tuples of the whole prompt: built once per row
     settings = list(dict.fromkeys(keys))
     if len(settings) == 1:
-        return [prefill_work(rows, chunking, reuse=reuse, settings=settings)]
+        return [prefill_work(rows, reuse=reuse, settings=settings)]
     verdicts = {setting: alone(*setting) for setting in settings}
     together = [row for row, key in zip(rows, keys, strict=True) if not verdicts[key]]
-    groups = padding_groups(together, slack)
-    plain = reuse and not any(row.request.segment_starts for row in together)
-    forwarded = [row for group in groups for row in (group[:1] if repeated(group) else group)]  # rows computed
-    prefixes = shared_prefixes([row.context_ids for row in forwarded], chunking) if plain else []
-    works = [prefill_work(group, chunking, reuse=reuse, prefixes=prefixes_of(group, prefixes)) for group in groups]
+    works = [prefill_work(group, reuse=reuse) for group in padding_groups(together, slack)]
+    if reuse and not any(row.request.segment_starts for row in together):  # prefixes: chunked without starts
+        computed = [row for work in works for row in (work.rows[:1] if work.repeat else work.rows)]
+        prefixes = shared_prefixes([row.context_ids for row in computed], chunking)
+        works = [dataclasses.replace(work, shared_prefixes=prefixes_of(work.rows, prefixes)) for work in works]
     for setting in settings:
         if verdicts[setting]:
             members = [row for row, key in zip(rows, keys, strict=True) if key == setting]
-            works.append(prefill_work(members, chunking, reuse=reuse, settings=[setting]))
+            works.append(prefill_work(members, reuse=reuse, settings=[setting]))
     return works
 
 
 def padding_groups(rows: Sequence[DecodeRow], slack: int = PADDING_SLACK) -> list[list[DecodeRow]]:
-    """``rows`` split into the groups of one left-padded prompt forward each, narrowest first: sorted by context
-    length (stably), a group starts with its narrowest row and takes the next rows while they are at most
-    ``max(narrowest, slack)`` tokens wider.
+    """``rows`` split into the groups of one left-padded prompt forward each, narrowest first: walking the context
+    lengths up, a group starts with its narrowest row and takes the next rows while they are at most
+    ``max(narrowest, slack)`` tokens wider; each group holds its rows in their order in ``rows`` (so rows within
+    the slack of each other are one group in the caller's order).
 
     Invariants: every row is in exactly one group; in each, ``widest - narrowest <= max(narrowest, slack)``, so a
-    row's left padding (the group's widest less its length) is at most ``max(its length, slack)`` columns: the
-    forward computes at most twice its real cells, or ``slack`` padding cells per row; rows of one length (those of
-    one prompt) are in one group."""
-    groups: list[list[DecodeRow]] = []
-    for row in sorted(rows, key=lambda row: row.context_length):
-        narrowest = groups[-1][0].context_length if groups else 0
-        if groups and row.context_length - narrowest <= max(narrowest, slack):
-            groups[-1].append(row)
-        else:
-            groups.append([row])
+    row's left padding (the group's widest less its length) is at most ``max(its length, slack)`` columns: a
+    forward's padding cells are at most its real cells, or ``slack`` per row for rows shorter than ``slack``; rows
+    of one length (those of one prompt) are in one group."""
+    starts: list[int] = []  # each group's narrowest context length, ascending
+    for length in sorted(row.context_length for row in rows):
+        if not starts or length - starts[-1] > max(starts[-1], slack):
+            starts.append(length)
+    groups: list[list[DecodeRow]] = [[] for _ in starts]
+    for row in rows:
+        groups[bisect.bisect_right(starts, row.context_length) - 1].append(row)
     return groups
-
-
-def repeated(rows: Sequence[DecodeRow]) -> bool:
-    """Whether ``rows`` (more than one) are all of one prompt and segment starts: prefilled once and repeated."""
-    return len(rows) > 1 and len({row.prefill_setting for row in rows}) == 1
 
 
 def prefill_work(
     rows: Sequence[DecodeRow],
-    chunking: ChunkingConfig,
     *,
     reuse: bool,
     settings: Sequence[tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
-    prefixes: Sequence[SharedPrefix] = (),
 ) -> PrefillWork:
-    """One prefill of ``rows``: repeated when they are one prompt; with ``reuse``, with the shared ``prefixes``
-    (indexed into ``rows``; see :func:`prefixes_of`) and the segment starts of rows of one setting. ``settings``:
-    the rows' distinct prefill settings when the caller has them."""
+    """One prefill of ``rows``, repeated when they are one prompt (and segment starts), with the segment starts of
+    rows of one setting when ``reuse``; no shared prefix. ``settings``: the rows' distinct prefill settings when the
+    caller has them."""
     if settings is None:
         settings = list({row.prefill_setting for row in rows})
     starts = settings[0][1] if reuse and len(settings) == 1 else ()
-    prefixes = tuple(prefixes) if reuse else ()
-    return PrefillWork(
-        tuple(rows), segment_starts=starts, repeat=len(settings) == 1 and len(rows) > 1, shared_prefixes=prefixes
-    )
+    return PrefillWork(tuple(rows), segment_starts=starts, repeat=len(settings) == 1 and len(rows) > 1)
 
 
 def prefixes_of(rows: Sequence[DecodeRow], prefixes: Sequence[SharedPrefix]) -> tuple[SharedPrefix, ...]:

@@ -468,12 +468,15 @@ def test_prefill_plans_cover_every_row_once_with_the_scheduling_rules(prompts, a
 @settings(max_examples=100, deadline=None)
 @given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=12), slack=st.integers(0, 80))
 def test_padding_groups_bound_each_forwards_padding_by_its_real_tokens(lengths, slack):
-    """Every row is in one group and its left padding (its group's widest less its length) is at most its length or
-    ``slack``; the groups are narrowest first and disjoint in length (rows of one length share a group)."""
+    """Every row is in one group, in its input order, and its left padding (its group's widest less its length) is
+    at most its length or ``slack``; the groups are narrowest first and disjoint in length (rows of one length share
+    a group)."""
     rows = DecodeLoop.rows_for([DecodeRequest(prompt_ids=[1] * n, max_new_tokens=1) for n in lengths], set())
     groups = padding_groups(rows, slack)
     assert sorted(id(row) for group in groups for row in group) == sorted(map(id, rows))
+    position = {id(row): index for index, row in enumerate(rows)}
     for group in groups:
+        assert [position[id(row)] for row in group] == sorted(position[id(row)] for row in group)
         sizes = [row.context_length for row in group]
         assert all(max(sizes) - n <= max(n, slack) for n in sizes)  # each row's padding
     for narrower, wider in itertools.pairwise(groups):
