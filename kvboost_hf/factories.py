@@ -29,7 +29,13 @@ from kvboost_hf.core.keys import KeySpace, model_digest
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow
 from kvboost_hf.hf.graphs import GraphedDecoder, graphed_columns, graphed_rows
-from kvboost_hf.hf.models import check_model_support, kv_entry_shape, load_model_and_tokenizer, model_dtype
+from kvboost_hf.hf.models import (
+    check_model_support,
+    forward_read_bytes,
+    kv_entry_shape,
+    load_model_and_tokenizer,
+    model_dtype,
+)
 from kvboost_hf.hf.prompts import PromptEncoder
 from kvboost_hf.hf.rows import new_rows
 from kvboost_hf.hf.speculative import DraftConfig, Drafter, DraftSource, VerifyCosts, resolve_draft
@@ -275,6 +281,7 @@ class Factories:
             token_budget=token_budget,
             kv_budget=self.kv_budget(kv_budget_bytes),
             memory=self.memory,
+            join_padding_limit=forward_read_bytes(self.model) // self.kv_bytes_per_token(),
             batch_window_s=batch_window_ms / 1e3,
             on_done=self.totals.count,
             tokenizer_lock=tokenizer_lock,

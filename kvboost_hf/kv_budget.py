@@ -2,7 +2,8 @@
 
 The layout counted is the decode loop's (:class:`~kvboost_hf.hf.decode.DecodeLoop`): a batch's caches are
 left-padded, so every running row holds as many columns as the batch is wide; the width is that of the widest row
-ever admitted to it (columns are not trimmed when that row leaves) and grows by one column per decode step, also
+ever admitted to it (its leading columns are trimmed only once they are padding for every row left, which the
+projection does not count on: it stays an upper bound) and grows by one column per decode step, also
 during the steps a joining row spends being prefilled. A batch of ``rows`` rows ``width`` columns wide holds
 ``rows x width x bytes_per_token`` bytes (:attr:`KVBudget.bytes_per_token`: layers x 2 (keys, values) x kv_heads x
 head_dim x the dtype's size, the target's cache and a draft's added). Sliding-window layers keep every column (README,
@@ -113,6 +114,18 @@ class BatchShape:
             return 0
         joined = max((context for context, _ in self.joining), default=0)
         return max(self.width, joined) + max((*self.running, *(left for _, left in self.joining)))
+
+    def join_padding(self, rows: Sequence[tuple[int, int]]) -> int:
+        """Cells (row x column) of left padding each decode step reads more when ``rows`` (``(context tokens,
+        tokens left)`` each) join this batch than when they run in a batch of their own: with ``W`` the batch's
+        width once its joining rows joined and ``C`` the widest new context, the batch's ``r`` rows widen by
+        ``max(0, C - W)`` columns each, or the ``n`` new rows by ``max(0, W - C)`` (0 for a batch with no row).
+        Times :attr:`KVBudget.bytes_per_token` it is the K/V bytes a step reads for nothing."""
+        if not self.rows or not rows:
+            return 0
+        width = max((self.width, *(context for context, _ in self.joining)))
+        widest = max(context for context, _ in rows)
+        return self.rows * max(0, widest - width) + len(rows) * max(0, width - widest)
 
     def join(self, rows: Sequence[tuple[int, int]]) -> BatchShape:
         """This shape with ``rows`` (``(context tokens, tokens left)`` each) joining too."""

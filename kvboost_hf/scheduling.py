@@ -22,7 +22,9 @@ The rules, in order:
 1. rows of one batch share one cache namespace: the same ``cache_salt`` (the :class:`BatchKey`);
 2. admission: a pending group whose key matches a running batch joins it at once (continuous batching: its prompt is
    prefilled from that step on, after the batch's decode step, then its rows decode in the same forward as the
-   running rows); other pending groups of one key form a
+   running rows), unless joining would add more left padding than ``join_padding_limit`` (a batch is as wide as its
+   widest row): then it starts a batch of its own at once, decoded by its own forward each step, and later groups
+   join whichever batch of their key their padding grows least; other pending groups of one key form a
    new batch once the oldest has waited ``batch_window_s`` (or they fill ``max_rows``); the rows of all running
    batches, those being prefilled included, stay within ``max_rows``, and groups are admitted oldest first;
 2b. token budget: a step computes at most ``token_budget`` tokens (0: no budget): every running row's decode step
@@ -519,6 +521,12 @@ class Scheduler:
         kv_budget: the K/V memory budget of admission and preemption (rule 2c; None: rows are the only limit). It
             may be replaced between steps (e.g. lowered when free memory shrinks): the next schedule preempts to fit.
         memory: where the memory counters go (:class:`MemoryCounters`; default: this scheduler's own).
+        join_padding_limit: the most cells (row x column) of left padding a group may add to a running batch of its
+            key by joining it (:meth:`~kvboost_hf.kv_budget.BatchShape.join_padding`): a group that would add more
+            (a long prompt joining short rows, or the reverse) starts a batch of its own, decoded by a forward of its
+            own each step. The break-even is the model's weight bytes over its K/V bytes per token (one more forward
+            reads the weights once more; the padding is read by every step). None: a group always joins (one batch
+            per key).
         batch_window_s: how long the oldest pending group of a key waits for others before its batch forms
             (``skip_windows = True`` admits without waiting).
         on_done: called once with each batch's loop when it ends; what it returns is kept as its
@@ -536,6 +544,7 @@ class Scheduler:
         token_budget: int = DEFAULT_TOKEN_BUDGET,
         kv_budget: KVBudget | None = None,
         memory: MemoryCounters | None = None,
+        join_padding_limit: int | None = None,
         batch_window_s: float = 0.0,
         on_done: Callable[[DecodeLoop], dict[str, Any]] = lambda loop: {},
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
@@ -544,6 +553,8 @@ class Scheduler:
             raise ConfigError(f"max_rows must be >= 1, got {max_rows}")
         if token_budget < 0 or 0 < token_budget < max_rows:
             raise ConfigError(f"token_budget must be 0 (none) or >= max_rows={max_rows}, got {token_budget}")
+        if join_padding_limit is not None and join_padding_limit < 0:
+            raise ConfigError(f"join_padding_limit must be None (always join) or >= 0 cells, got {join_padding_limit}")
         self.policy = policy
         self.new_loop = new_loop
         self.decode = decode
@@ -552,6 +563,7 @@ class Scheduler:
         self.token_budget = token_budget
         self.kv_budget = kv_budget
         self.memory = memory if memory is not None else MemoryCounters()
+        self.join_padding_limit = join_padding_limit
         self._admissions = 0
         self.batch_window_s = batch_window_s
         self.on_done = on_done
@@ -777,7 +789,8 @@ class Scheduler:
         return formed
 
     def _ready(self, now: float) -> list[tuple[BatchKey, RunningBatch | None, list[RequestGroup]]]:
-        """The pending groups to admit now (rule 2), by key (called with the queue locked)."""
+        """The pending groups to admit now (rule 2), by key: each to the batch :meth:`_lane_for` picks (called with
+        the queue locked)."""
         by_key: dict[BatchKey, list[RequestGroup]] = {}
         for group in self._pending:  # insertion order = oldest first
             by_key.setdefault(self.policy.key(group.cache_salt), []).append(group)
@@ -786,30 +799,52 @@ class Scheduler:
         spare = 0 if budget is None else budget.budget_bytes - self.reserved_bytes
         formed = []
         for key, members in by_key.items():
-            running = next((batch for batch in self.running if not batch.done and batch.key == key), None)
+            lanes = [_Lane(batch, batch.shape()) for batch in self.running if not batch.done and batch.key == key]
             window_over = now >= members[0].arrival + self.batch_window_s
-            ready = running is not None or sum(len(g.live_rows) for g in members) >= self.max_rows or window_over
+            ready = bool(lanes) or sum(len(g.live_rows) for g in members) >= self.max_rows or window_over
             if not (ready or self.skip_windows):
                 continue
-            shape = running.shape() if budget is not None and running is not None else BatchShape()
-            chosen: list[RequestGroup] = []
             for group in members:
                 if len(group.live_rows) > free:
                     break
+                lane = self._lane_for(lanes, group)
+                grown = lane.shape.join(group.contexts)
                 if budget is not None:
-                    grown = shape.join(group.contexts)
-                    more = budget.bytes(grown) - budget.bytes(shape)
+                    more = budget.bytes(grown) - budget.bytes(lane.shape)
                     if more > spare:
                         if not group.waited_for_memory:
                             group.waited_for_memory = True
                             self.memory.admissions_deferred += 1
                         break
-                    shape, spare = grown, spare - more
-                chosen.append(group)
+                    spare -= more
+                if lane not in lanes:
+                    lanes.append(lane)
+                lane.shape = grown
+                lane.groups.append(group)
                 free -= len(group.live_rows)
-            if chosen:
-                formed.append((key, running, chosen))
+            formed += [(key, lane.batch, lane.groups) for lane in lanes if lane.groups]
         return formed
+
+    def _lane_for(self, lanes: list[_Lane], group: RequestGroup) -> _Lane:
+        """The batch ``group`` joins among ``lanes`` (its key's running batches, then those formed in this schedule),
+        or a new one (not yet in ``lanes``): with no join limit the first; else the one whose padding grows least
+        (:meth:`~kvboost_hf.kv_budget.BatchShape.join_padding`) while it grows by at most ``join_padding_limit``."""
+        if not lanes:
+            return _Lane(None, BatchShape())
+        if self.join_padding_limit is None:
+            return lanes[0]
+        padding, best = min((lane.shape.join_padding(group.contexts), i) for i, lane in enumerate(lanes))
+        return lanes[best] if padding <= self.join_padding_limit else _Lane(None, BatchShape())
+
+
+@dataclass(eq=False)
+class _Lane:
+    """A batch admission may add groups to: a running one or one formed in this schedule (``batch`` None), its shape
+    with the groups chosen so far (``groups``) joined."""
+
+    batch: RunningBatch | None
+    shape: BatchShape
+    groups: list[RequestGroup] = field(default_factory=list)
 
 
 def prompt_width(work: PrefillWork) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvboost_hf.bench import decode, gpu
+from kvboost_hf.hf.models import forward_read_bytes
 
 
 def test_dry_run_decode_step_measures_every_arm_against_its_bound(tmp_path):
@@ -42,7 +43,8 @@ def test_decode_bound_counts_the_weights_read_and_the_context_kv():
     model = random_model("tiny", device="cpu")
     embedding = model.get_input_embeddings().weight.numel() * 4
     total = sum(p.numel() for p in model.parameters()) * 4
-    assert decode.weight_bytes(model) == total - embedding  # untied: the input table is not read whole
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())  # the rotary frequencies
+    assert forward_read_bytes(model) == total - embedding + buffers  # untied: the input table is not read whole
     # 3 layers, K and V, 2 KV heads of 16 dims, fp32
     assert decode.kv_bytes(model, rows=2, tokens=10) == 2 * 3 * 2 * 2 * 10 * 16 * 4
 

@@ -243,6 +243,41 @@ def test_rows_joining_a_running_batch_equal_generate_alone(any_window_model, reu
 
 
 @pytest.mark.parametrize("reuse", [False, True], ids=["plain", "chunk-reuse"])
+def test_rows_left_after_a_wide_row_leaves_drop_its_padding_and_equal_generate_alone(any_window_model, reuse):
+    """A 100-token prompt joins two short running rows (widening them to its width) and leaves after 2 tokens: the
+    batch drops the leading columns that are padding for both rows left (its caches and mask as wide as their
+    contexts again), and they still take the tokens they take alone; with reuse, what they write back is what a
+    batch that never held the wide row writes (a later run loads the same chunks)."""
+    model = any_window_model
+    store = ChunkStore() if reuse else None
+    greedy_params = SamplingConfig(temperature=0)
+    generator = torch.Generator().manual_seed(9)
+    short = [torch.randint(1, 120, (n,), generator=generator).tolist() for n in (11, 6)]
+    wide = torch.randint(1, 120, (100,), generator=generator).tolist()
+    loop = new_loop(model, reuse_caches(store, model))
+    prefill(loop, [DecodeRequest(prompt_ids=p, max_new_tokens=12, sampling=greedy_params) for p in short])
+    loop.step()
+    prefill(loop, [DecodeRequest(prompt_ids=wide, max_new_tokens=2, sampling=greedy_params)])
+    assert loop.mask.shape[1] == 100
+    loop.step()  # the wide row's second token: it leaves, the short rows go on
+    assert len(loop.running) == 2 and loop.mask.shape[1] == 11 + 2  # the longer short prompt and 2 tokens fed since
+    assert loop.cache.get_seq_length() == loop.mask.shape[1]
+    finish(loop)
+    for row, prompt in zip(loop.rows, [*short, wide], strict=True):
+        alone, _ = greedy(model, torch.tensor([prompt]), new=row.request.max_new_tokens)
+        assert row.tokens == alone[0, len(prompt) :].tolist()
+    if reuse:  # each short row's context was written back whole, and loading it gives the next token alone
+        contexts = [prompt + row.tokens for prompt, row in zip(short, loop.rows, strict=False)]
+        again = run_loop(
+            model, [DecodeRequest(prompt_ids=c, max_new_tokens=1, sampling=greedy_params) for c in contexts], store
+        )
+        assert [row.reuse.cached_tokens for row in again.rows] == [11 + 12 - 1, 6 + 12 - 1]  # all but the last
+        for row, context in zip(again.rows, contexts, strict=True):
+            alone, _ = greedy(model, torch.tensor([context]), new=1)
+            assert row.tokens == alone[0, len(context) :].tolist()
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["plain", "chunk-reuse"])
 def test_prompts_prefilled_in_chunks_between_steps_equal_generate_alone(any_window_model, reuse):
     """Chunked prefill: rows of different lengths (left-padded in one forward) join a running row 7 columns per
     call, the running row decoding between the calls; with reuse one prompt's first 16 tokens are stored, loaded,

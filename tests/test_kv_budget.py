@@ -66,6 +66,26 @@ def test_a_batch_holds_every_row_at_the_projected_width(shape, per_token, roundi
     assert budget.bytes(batch) == rows * (-(-batch.projected_width // rounding) * rounding) * per_token
 
 
+def cells_read(batches: list[list[int]]) -> int:
+    """Cells (row x column) one decode step reads over ``batches`` of left-padded rows (each row's context given):
+    every row of a batch as wide as its widest."""
+    return sum(len(contexts) * max(contexts) for contexts in batches if contexts)
+
+
+@given(shapes, st.lists(st.integers(1, 40), min_size=1, max_size=4))
+def test_join_padding_is_what_a_join_adds_to_the_cells_a_step_reads_over_separate_batches(shape, contexts):
+    """The batch's rows as the loop lays them out once its joining rows joined (every one as wide as the widest),
+    then the new rows joining it or in a batch of their own: the join's extra padding is the difference."""
+    width, running, joining = shape
+    batch = BatchShape(width, tuple(running), tuple(joining))
+    rows = [(context, 1) for context in contexts]
+    laid_out = [width] * len(running) + [context for context, _ in joining]
+    apart = cells_read([laid_out, contexts])
+    together = cells_read([laid_out + contexts])
+    assert batch.join_padding(rows) == (together - apart if laid_out else 0)
+    assert batch.join_padding([]) == 0
+
+
 def test_every_row_is_as_wide_as_the_widest_for_as_long_as_any_row_runs():
     """Written out: a batch 10 wide with a running row of 3 tokens left; a row of context 4 and 5 tokens left joins
     at width 10, so it ends at 15, not 9; rows of contexts 12 and 2 with 1 and 9 tokens left make every row 12 wide,

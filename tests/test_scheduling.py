@@ -27,6 +27,7 @@ from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.errors import CapacityError, ConfigError
 from kvboost_hf.core.keys import KeySpace
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, DraftRound, PrefillWork, RowOutput, SharedPrefix
+from kvboost_hf.hf.models import forward_read_bytes
 from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.hf.speculative import DraftConfig
 from kvboost_hf.kv_budget import KVBudget
@@ -132,6 +133,7 @@ class Harness:
         script=None,
         token_budget: int = 0,
         kv_budget: KVBudget | None = None,
+        join_padding_limit: int | None = None,
     ) -> None:
         self.loops: list[FakeLoop] = []
         self.failures: list[tuple[RequestGroup, BaseException]] = []
@@ -148,7 +150,8 @@ class Harness:
 
         self.scheduler = Scheduler(
             policy, new_loop, decode=lambda ids: "".join(f"<{t}>" for t in ids), max_rows=max_rows,
-            token_budget=token_budget, kv_budget=kv_budget, batch_window_s=window_s, on_done=on_done,
+            token_budget=token_budget, kv_budget=kv_budget, join_padding_limit=join_padding_limit,
+            batch_window_s=window_s, on_done=on_done,
         )  # fmt: skip
 
     def group(
@@ -183,6 +186,35 @@ def test_groups_of_one_key_share_a_batch_joining_it_while_it_runs_and_tenants_ge
     assert h.scheduler.idle and sorted(map(id, h.done)) == sorted(map(id, h.loops))  # each ended once
     # the join step decodes the running row too: first's tokens 2-3 and second's 2-3 take three steps, not two
     assert first.batch.decode_counts == {"steps": 3} and all(g.done for g in (first, second, other))
+
+
+@pytest.mark.parametrize("limit", [None, 86, 87])
+def test_a_join_that_would_pad_the_running_rows_past_the_limit_starts_a_batch_of_its_own(limit):
+    """Three 1-token prompts run (1 column wide after their prefill); a 30-token prompt joining would widen each of
+    them by 29 columns (87 cells of padding): with a join padding limit below that it starts a second batch of the
+    key, at the limit or without one it joins. A 2-token prompt arriving next joins the narrow batch, 2 columns wide
+    by then (padding 0, against 1 x (30 - 2) = 28 for the wide one). Every row gets its tokens, a step decoding both
+    batches."""
+    h = Harness(max_rows=6, join_padding_limit=limit)
+    running = h.group([1], [2], [3], tokens=6)
+    h.scheduler.step(now=0.0)
+    long = h.group(list(range(30)), tokens=3)
+    h.scheduler.step(now=0.0)
+    assert (long.batch is running.batch) == (limit is None or limit >= 87)
+    short = h.group([4, 5], tokens=2)
+    report = h.scheduler.step(now=0.0)
+    assert short.batch is running.batch and long.batch.key == running.batch.key
+    if long.batch is not running.batch:
+        assert len(h.loops) == 2 and h.loops[1].works == [h.loops[1].works[0]]  # the long prompt alone there
+        assert [len(result.outputs) for result in report.results] == [3 + 1, 1]  # each batch decoded this step
+    h.scheduler.run()
+    assert all(group.done for group in (running, long, short)) and h.failures == []
+    assert [len(row.tokens) for group in (running, long, short) for row in group.rows] == [6, 6, 6, 3, 2]
+
+
+def test_a_join_padding_limit_below_zero_is_refused():
+    with pytest.raises(ConfigError, match="join_padding_limit"):
+        Harness(join_padding_limit=-1)
 
 
 def test_a_new_batch_waits_for_its_window_unless_full_or_windows_are_skipped():
@@ -997,3 +1029,36 @@ def test_a_prompt_prefilled_in_chunks_completes_when_every_running_row_ends_mean
     scheduler = engine.scheduler("prefix_cache", max_batch_size=2, token_budget=2, kv_budget_bytes=1 << 30)
     rows, _, _ = budget_run(engine, scheduler, prompts, 4, arrive_at=[0, 1])
     assert [row.tokens for row in rows] == [engine_reference(engine, p, 4).tokens for p in prompts]
+
+
+def test_a_long_prompt_over_the_join_padding_limit_decodes_in_its_own_batch_with_generates_tokens(engine):
+    """Two short prompts run; a 60-word prompt arrives at step 2 and would pad them past a join padding limit of 20
+    cells, so it is prefilled and decoded in a second batch of the same key (a forward of its own each step); a
+    short prompt arriving at step 3 joins the narrow batch, whose caches never get as wide as the long prompt. Every
+    row's tokens equal transformers' greedy ones. The engine's default limit is the model's forward read bytes over
+    its K/V bytes per token (the break-even of one more forward against the padding every step reads)."""
+    engine.store.clear()
+    default = engine.scheduler("prefix_cache")
+    assert default.join_padding_limit == forward_read_bytes(engine.model) // bytes_per_token(engine.model)
+    prompts = [words(90, 4), words(91, 5), words(92, 60), words(93, 3)]
+    arrive_at = [0, 0, 2, 3]
+    scheduler = engine.scheduler("prefix_cache", max_batch_size=4, token_budget=0)
+    scheduler.join_padding_limit = 20
+    rows = engine.factories.new_rows(
+        [DecodeRequest(prompt_ids=engine.encode(p), max_new_tokens=6, sampling=GREEDY) for p in prompts]
+    )
+    groups = [RequestGroup([row]) for row in rows]
+    batches_per_step, narrow_widths = [], []
+    for step in range(40):
+        for group, at in zip(groups, arrive_at, strict=True):
+            if at == step:
+                scheduler.add(group)
+        scheduler.step()
+        batches_per_step.append(len(scheduler.running))
+        narrow_widths.append(groups[0].batch.loop.columns)
+        if scheduler.idle and step >= max(arrive_at):
+            break
+    assert scheduler.idle and max(batches_per_step) == 2
+    assert groups[0].batch is groups[1].batch is groups[3].batch is not groups[2].batch
+    assert max(narrow_widths) < len(engine.encode(prompts[2]))
+    assert [row.tokens for row in rows] == [engine_reference(engine, p, 6).tokens for p in prompts]

@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, PreTrainedModel
+from transformers import AutoTokenizer
 
 from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
 from kvboost_hf.bench.shapes import SHAPES, random_awq_model, random_engine, tokenizer_dir
 from kvboost_hf.bench.streaming import decode
 from kvboost_hf.engine import InferenceEngine
-from kvboost_hf.hf.models import resolve_device
+from kvboost_hf.hf.models import forward_read_bytes, resolve_device
 from kvboost_hf.kernels.awq_int4 import AwqTiles, awq_int4_matmul
 from kvboost_hf.kernels.awq_linear import AwqInt4Linear, triton_runs_on
 from kvboost_hf.tools.awq_pack import random_awq_linear
@@ -216,15 +216,6 @@ def device_bandwidth(device: torch.device, megabytes: int) -> float:
     return 2 * source.numel() / ms / 1e6
 
 
-def weight_bytes_per_token(model: PreTrainedModel) -> int:
-    """Bytes of every tensor a decode step reads: all of the model's but the input embedding table (one row)."""
-    embedding = model.get_input_embeddings().weight
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if t is not embedding}
-    tied = model.get_output_embeddings().weight is embedding
-    extra = embedding.numel() * embedding.element_size() if tied else 0
-    return sum(t.numel() * t.element_size() for t in tensors.values()) + extra
-
-
 def resident_decode(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     bandwidth = device_bandwidth(device, args.copy_mb)
     rows: dict[str, Any] = {"device_copy_gbps": bandwidth}
@@ -240,7 +231,7 @@ def resident_decode(args: argparse.Namespace, device: torch.device, dtype: torch
     for name, build in builders.items():
         engine = build()
         measured = decode(engine, args.new_tokens, args.repeats)
-        per_token = weight_bytes_per_token(engine.model)
+        per_token = forward_read_bytes(engine.model)
         rows[name] = {
             **measured,
             "weight_bytes_per_token": per_token,

@@ -59,7 +59,7 @@ from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_resul
 from kvboost_hf.bench.shapes import SHAPES, random_model
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, pad_rows
-from kvboost_hf.hf.models import resolve_device
+from kvboost_hf.hf.models import forward_read_bytes, resolve_device
 from kvboost_hf.hf.prefill import forward
 from kvboost_hf.store.chunk_store import ChunkStore
 from kvboost_hf.store.config import StoreConfig
@@ -110,15 +110,6 @@ def read_bandwidth(device: torch.device, megabytes: int, repeats: int = 5) -> fl
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def weight_bytes(model: PreTrainedModel) -> int:
-    """Bytes of the parameters one decode forward reads: all of them but an untied input embedding table (of
-    which it reads only the rows of its tokens)."""
-    embedding = model.get_input_embeddings().weight
-    tied = embedding is model.get_output_embeddings().weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return total if tied else total - embedding.numel() * embedding.element_size()
 
 
 def kv_bytes(model: PreTrainedModel, rows: int, tokens: float) -> float:
@@ -267,7 +258,7 @@ def measure_shape(shape: str, args: argparse.Namespace, device: torch.device, ba
     """Every batch and arm on one random-weight model of ``shape`` (built once, freed after)."""
     model = random_model(shape, device=device, dtype=args.dtype)
     backend = args.compile_backend or ("inductor" if device.type == "cuda" else "eager")  # GraphConfig's default
-    weights = weight_bytes(model)
+    weights = forward_read_bytes(model)
     rows_out = []
     for batch in map(int, args.batches.split(",")):
         generator = torch.Generator().manual_seed(batch)

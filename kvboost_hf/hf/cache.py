@@ -574,9 +574,30 @@ def join_layers(cache: Cache, other: Cache) -> None:
                     f"cannot join a {type(layer).__name__}: it keeps only its window of columns; use a "
                     "ChunkReuseCache, or a DynamicCache built without the model config (full-length layers)"
                 )
-        keys = [prepend_zeros(layer.keys, width - layer.keys.shape[-2], dim=2) for layer in (mine, theirs)]
-        values = [prepend_zeros(layer.values, width - layer.values.shape[-2], dim=2) for layer in (mine, theirs)]
-        mine.keys, mine.values = torch.cat(keys, dim=0), torch.cat(values, dim=0)
+        growing = isinstance(mine, ChunkReuseLayer) and mine.max_cache_len is None
+        capacity = grown_capacity(width + 1) if growing else width
+        keys = stacked_right_aligned([mine.keys, theirs.keys], width, capacity)
+        values = stacked_right_aligned([mine.values, theirs.values], width, capacity)
+        if growing:
+            mine.take_buffers(keys, values, width)  # the next decode step writes in place
+        else:
+            mine.keys, mine.values = keys, values
+
+
+def stacked_right_aligned(tensors: Sequence[torch.Tensor], width: int, capacity: int) -> torch.Tensor:
+    """``tensors`` (``[rows, heads, columns, dim]``, at most ``width`` columns each) stacked along the rows into one
+    new ``[sum rows, heads, capacity, dim]`` tensor, each right-aligned in the first ``width`` columns with zeros
+    to its left; columns past ``width`` are left unwritten (room to grow). One write per cell of the first
+    ``width`` columns (a join's only copy of the K/V)."""
+    first = tensors[0]
+    stacked = first.new_empty(sum(t.shape[0] for t in tensors), first.shape[1], capacity, first.shape[-1])
+    row = 0
+    for tensor in tensors:
+        rows, columns = tensor.shape[0], tensor.shape[-2]
+        stacked[row : row + rows, :, : width - columns].zero_()
+        stacked[row : row + rows, :, width - columns : width].copy_(tensor)
+        row += rows
+    return stacked
 
 
 def select_columns(

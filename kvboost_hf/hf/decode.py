@@ -55,7 +55,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 from kvboost_hf.core.chunking import chunk_spans
 from kvboost_hf.core.errors import InputError
 from kvboost_hf.core.keys import chain_prefix_keys
-from kvboost_hf.hf.cache import ChunkReuseCache, join_caches, prepend_zeros
+from kvboost_hf.hf.cache import ChunkReuseCache, join_caches, keep_cache_columns, prepend_zeros
 from kvboost_hf.hf.graphs import GraphedDecoder, capacity_bucket, pad_rows, row_bucket
 from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.prefill import forward, forward_inputs, run_forward
@@ -70,6 +70,9 @@ from kvboost_hf.hf.verify_graphs import GraphedVerifier
 from kvboost_hf.offload.streamer import layer_streamer
 
 logger = logging.getLogger(__name__)
+
+TRIM_MIN_COLUMNS = 64
+"""Fewest all-padding leading columns (tokens) a batch drops when rows leave it (see ``DecodeLoop._trim_padding``)."""
 
 
 @dataclass(frozen=True)
@@ -642,6 +645,19 @@ class DecodeLoop:
             self.draft.cache.batch_select_indices(index)
         self.mask = self.mask[index]
         self.positions = self.positions[index]
+        self._trim_padding()
+
+    def _trim_padding(self) -> None:
+        """Drop the leading columns that are left padding for every running row (a wider row left the batch) when
+        they are at least :data:`TRIM_MIN_COLUMNS` and a quarter of the width, so the steps after read only what
+        the rows hold and a trim's copy (one per layer) stays rare. Not with a draft, whose cache keeps a layout of
+        its own."""
+        if self.draft is None and self.cache is not None:
+            width = self.mask.shape[1]
+            first = int(self.mask.any(dim=0).int().argmax())  # one device read, only when rows leave
+            if first >= max(TRIM_MIN_COLUMNS, width // 4):
+                keep_cache_columns(self.cache, [range(first, width)] * len(self.running), width - first)
+                self.mask = self.mask[:, first:]
 
     def abandon(self) -> None:
         """Drop every running row, every prompt forward under way and the caches unsaved (after a failed forward

@@ -132,6 +132,17 @@ def kv_entry_shape(model: PreTrainedModel) -> tuple[int, int, int]:
     return int(config.num_hidden_layers), int(getattr(config, "num_key_value_heads", None) or heads), int(head_dim)
 
 
+def forward_read_bytes(model: PreTrainedModel) -> int:
+    """Bytes of the model's tensors one decode forward reads: every parameter and buffer (packed int4 weights are
+    buffers) except the input embedding table, of which it reads one row per token, unless the output head is tied
+    to it (then it is read whole, once)."""
+    embedding = model.get_input_embeddings().weight
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if t is not embedding}
+    tied = model.get_output_embeddings().weight is embedding
+    extra = embedding.numel() * embedding.element_size() if tied else 0
+    return sum(t.numel() * t.element_size() for t in tensors.values()) + extra
+
+
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
     """The floating dtype K/V are computed in."""
     dtype = getattr(model, "dtype", None)
