@@ -291,19 +291,22 @@ class Factories:
         """The K/V budget of a scheduler for the setting ``budget_bytes``
         (:func:`~kvboost_hf.kv_budget.resolve_budget_bytes`: None derives it from the device's free memory on CUDA,
         none elsewhere; 0: none), counting :meth:`kv_bytes_per_token` per row and column, the width rounded up to a
-        graph's capacity bucket and the rows to its row bucket when decode steps may be graphed; None when there is
-        no budget."""
+        graph's capacity bucket and the rows to its row bucket when decode steps may be graphed, and with a draft
+        the columns its trees hold beyond their depth
+        (:meth:`~kvboost_hf.hf.speculative.DraftConfig.extra_tree_columns`); None when there is no budget."""
         resolved = resolve_budget_bytes(budget_bytes, self.model.device)
         if not resolved:
             return None
+        tree = self.draft_settings.extra_tree_columns() if self.speculative else 0
         config = self.graphs.config
         if not config.enabled:
-            return KVBudget(resolved, self.kv_bytes_per_token())
+            return KVBudget(resolved, self.kv_bytes_per_token(), tree_columns=tree)
         return KVBudget(
             resolved,
             self.kv_bytes_per_token(),
             columns=functools.partial(graphed_columns, config=config),
             rows=functools.partial(graphed_rows, config=config),
+            tree_columns=tree,
         )
 
     def kv_bytes_per_token(self) -> int:

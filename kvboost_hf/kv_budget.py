@@ -23,9 +23,16 @@ it. It is not a bound for ever: a prefill spread over several steps (the token b
 the batch meanwhile, and a speculative step may take more tokens for one row than for another; so the scheduler
 projects again before every step and preempts when the sum exceeds the budget.
 
-Not counted: what a forward holds while it runs (activations, logits, the tree a verify forward appends before its
-rejected columns are dropped, the copy a join or a repeated prompt makes): the share of free memory the budget
-leaves (:data:`DEVICE_FRACTION`) is for those.
+Speculative steps: a verify forward appends each row's root and every node of its draft tree to both caches (the
+prompt forward that verifies the first tree, its nodes after the prompt) until the rejected columns are dropped. A
+round is at most one less deep than the most tokens a row may take, so a chain's columns are within the projection;
+a tree's nodes beyond its depth are not, and :attr:`KVBudget.tree_columns` (the drafter's
+:meth:`~kvboost_hf.hf.speculative.DraftConfig.extra_tree_columns`) adds them to every batch's width: a schedule
+whose projection fits the budget runs its step, verify forward included, within it.
+
+Not counted: what a forward holds while it runs besides the caches (activations, logits, the copy a join or a
+repeated prompt makes), and the draft tokens a graphed verify forward pads up to its bucket: the share of free
+memory the budget leaves (:data:`DEVICE_FRACTION`) is for those.
 """
 
 from __future__ import annotations
@@ -58,23 +65,30 @@ class KVBudget:
             capacity bucket); must be monotone and >= ``width``.
         rows: the rows a cache holds for a batch of ``rows`` rows (graphed decoding pads up to a row bucket); must
             be monotone and >= ``rows``.
+        tree_columns: columns a speculative step's draft tree holds per row beyond its depth, added to every
+            batch's projected width (0: no draft, or chains; see the module docstring); >= 0.
     """
 
     budget_bytes: int
     bytes_per_token: int
     columns: Callable[[int], int] = _unchanged
     rows: Callable[[int], int] = _unchanged
+    tree_columns: int = 0
 
     def __post_init__(self) -> None:
-        if self.budget_bytes <= 0 or self.bytes_per_token <= 0:
+        if self.budget_bytes <= 0 or self.bytes_per_token <= 0 or self.tree_columns < 0:
             raise ConfigError(
-                f"a K/V budget needs budget_bytes > 0 and bytes_per_token > 0, got {self.budget_bytes} and "
-                f"{self.bytes_per_token}"
+                f"a K/V budget needs budget_bytes > 0, bytes_per_token > 0 and tree_columns >= 0, got "
+                f"{self.budget_bytes}, {self.bytes_per_token} and {self.tree_columns}"
             )
 
     def bytes(self, shape: BatchShape) -> int:
-        """Bytes ``shape``'s batch holds at its projected width: rows x columns x bytes per token."""
-        return self.rows(shape.rows) * self.columns(shape.projected_width) * self.bytes_per_token
+        """Bytes ``shape``'s batch holds at most in a step: rows x columns (its projected width, and the draft
+        tree's columns beyond its depth) x bytes per token; 0 with no row."""
+        if not shape.rows:
+            return 0
+        width = shape.projected_width + self.tree_columns
+        return self.rows(shape.rows) * self.columns(width) * self.bytes_per_token
 
 
 @dataclass(frozen=True)

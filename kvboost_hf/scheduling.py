@@ -42,11 +42,13 @@ The rules, in order:
    with the tokens it would have taken. A group that cannot fit the budget alone is refused
    (:class:`~kvboost_hf.core.errors.CapacityError` from :meth:`Scheduler.add`, or through ``on_fail`` when the
    budget was lowered under it);
-3. prefill: the rows admitted to a batch in one schedule are prefilled together (one left-padded forward), except
+3. prefill: the rows admitted to a batch in one schedule are prefilled together, in left-padded forwards of rows of
+   similar context lengths (:func:`padding_groups`: a row's left padding is at most its own length or
+   :data:`PADDING_SLACK` columns, so short prompts admitted with a long one are not padded to its width), except
    those :meth:`BatchPolicy.prefill_alone` names, each prompt of which is prefilled in a cache of its own and then
    joined. Rows of one prompt (the ``n`` choices of a request) prefilled together are prefilled once and repeated;
    rows with different prompts that share chunk-aligned prefixes have those prefixes computed and stored once
-   first. Prompts prefilled alone are
+   first (by the first of their forwards to run; the others load them). Prompts prefilled alone are
 
    * segment prompts (documents given as segments, looked up by content key so they stitch at any position): a
      cache is built with one prompt's segment starts, which shape its chunks and keys; each row keeps its own once
@@ -64,7 +66,9 @@ lock, never held during a store read or a forward); every other method from one 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -88,6 +92,10 @@ DEFAULT_MAX_BATCH_SIZE = 8
 #: engine's ``generate_many`` and ``scheduler``, :class:`Scheduler`'s ``token_budget``): the one place this default is
 #: written. 0 means no budget.
 DEFAULT_TOKEN_BUDGET = 2048
+
+#: Columns of left padding a row prefilled together with others may take whatever its length (see
+#: :func:`padding_groups`): below it, splitting a forward saves less than a forward and a join cost.
+PADDING_SLACK = 64
 
 logger = logging.getLogger(__name__)
 
@@ -155,44 +163,83 @@ def prefill_works(
     *,
     reuse: bool,
     alone: Callable[[Sequence[int], Sequence[int]], bool],
+    slack: int = PADDING_SLACK,
 ) -> list[PrefillWork]:
-    """The prefills of ``rows`` admitted together (rule 3): first the rows prefilled together, then, per prompt and
-    segment starts that ``alone(prompt ids, segment starts)`` names, its rows in a cache of their own. Rows of one
-    prompt are one repeated prefill; with ``reuse`` (chunk-reuse caches) a work's rows with different prompts get
-    their shared prefixes, and a work of one segment setting its segment starts. ``alone`` is asked once per
-    distinct prompt, and not at all when the rows are one prompt."""
+    """The prefills of ``rows`` admitted together (rule 3): first the rows prefilled together, one work per
+    :func:`padding_groups` group (narrowest first), then, per prompt and segment starts that ``alone(prompt ids,
+    segment starts)`` names, its rows in a cache of their own. Rows of one prompt are in one work, a repeated
+    prefill when they are all of it; with ``reuse`` (chunk-reuse caches) the works prefilled together get the
+    shared prefixes of the rows their forwards compute (a repeated prompt once; :func:`shared_prefixes`; each work
+    holding a row that starts with one gets it, so whichever runs first computes and stores it and the others load
+    it), and a work of one segment setting its segment starts. ``alone`` is asked once per distinct prompt, and not
+    at all when the rows are one prompt.
+
+    Invariants: every row is in exactly one work; in a work prefilled together ``widest - narrowest <=
+    max(narrowest, slack)`` context tokens, so each row's left padding is at most ``max(its context tokens,
+    slack)`` columns (see :func:`padding_groups`)."""
     keys = [row.prefill_setting for row in rows]  # tuples of the whole prompt: built once per row
     settings = list(dict.fromkeys(keys))
     if len(settings) == 1:
-        return [prefill_work(rows, chunking, reuse=reuse, settings=settings)]
+        return [prefill_work(rows, reuse=reuse, settings=settings)]
     verdicts = {setting: alone(*setting) for setting in settings}
     together = [row for row, key in zip(rows, keys, strict=True) if not verdicts[key]]
-    works = [prefill_work(together, chunking, reuse=reuse)] if together else []
+    works = [prefill_work(group, reuse=reuse) for group in padding_groups(together, slack)]
+    if reuse and not any(row.request.segment_starts for row in together):  # prefixes: chunked without starts
+        computed = [row for work in works for row in (work.rows[:1] if work.repeat else work.rows)]
+        prefixes = shared_prefixes([row.context_ids for row in computed], chunking)
+        works = [dataclasses.replace(work, shared_prefixes=prefixes_of(work.rows, prefixes)) for work in works]
     for setting in settings:
         if verdicts[setting]:
             members = [row for row, key in zip(rows, keys, strict=True) if key == setting]
-            works.append(prefill_work(members, chunking, reuse=reuse, settings=[setting]))
+            works.append(prefill_work(members, reuse=reuse, settings=[setting]))
     return works
+
+
+def padding_groups(rows: Sequence[DecodeRow], slack: int = PADDING_SLACK) -> list[list[DecodeRow]]:
+    """``rows`` split into the groups of one left-padded prompt forward each, narrowest first: walking the context
+    lengths up, a group starts with its narrowest row and takes the next rows while they are at most
+    ``max(narrowest, slack)`` tokens wider; each group holds its rows in their order in ``rows`` (so rows within
+    the slack of each other are one group in the caller's order).
+
+    Invariants: every row is in exactly one group; in each, ``widest - narrowest <= max(narrowest, slack)``, so a
+    row's left padding (the group's widest less its length) is at most ``max(its length, slack)`` columns: a
+    forward's padding cells are at most its real cells, or ``slack`` per row for rows shorter than ``slack``; rows
+    of one length (those of one prompt) are in one group."""
+    starts: list[int] = []  # each group's narrowest context length, ascending
+    for length in sorted(row.context_length for row in rows):
+        if not starts or length - starts[-1] > max(starts[-1], slack):
+            starts.append(length)
+    groups: list[list[DecodeRow]] = [[] for _ in starts]
+    for row in rows:
+        groups[bisect.bisect_right(starts, row.context_length) - 1].append(row)
+    return groups
 
 
 def prefill_work(
     rows: Sequence[DecodeRow],
-    chunking: ChunkingConfig,
     *,
     reuse: bool,
     settings: Sequence[tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
 ) -> PrefillWork:
-    """One prefill of ``rows``: repeated when they are one prompt; else, with ``reuse``, with their shared prefixes
-    (none for rows with segment starts: shared prefixes are chunked without them). ``settings``: the rows' distinct
-    prefill settings when the caller has them."""
+    """One prefill of ``rows``, repeated when they are one prompt (and segment starts), with the segment starts of
+    rows of one setting when ``reuse``; no shared prefix. ``settings``: the rows' distinct prefill settings when the
+    caller has them."""
     if settings is None:
         settings = list({row.prefill_setting for row in rows})
     starts = settings[0][1] if reuse and len(settings) == 1 else ()
-    if len(settings) == 1 and len(rows) > 1:
-        return PrefillWork(tuple(rows), segment_starts=starts, repeat=True)
-    plain = reuse and not any(row.request.segment_starts for row in rows)
-    prefixes = shared_prefixes([row.context_ids for row in rows], chunking) if plain else []
-    return PrefillWork(tuple(rows), segment_starts=starts, shared_prefixes=tuple(prefixes))
+    return PrefillWork(tuple(rows), segment_starts=starts, repeat=len(settings) == 1 and len(rows) > 1)
+
+
+def prefixes_of(rows: Sequence[DecodeRow], prefixes: Sequence[SharedPrefix]) -> tuple[SharedPrefix, ...]:
+    """Of ``prefixes`` (computed over a larger set of rows), those some of ``rows`` start with, each counted for the
+    first of them (its index in ``rows``)."""
+    found = []
+    for prefix in prefixes:
+        size = len(prefix.tokens)
+        first = next((i for i, row in enumerate(rows) if row.context_ids[:size] == prefix.tokens), None)
+        if first is not None:
+            found.append(SharedPrefix(prefix.tokens, first))
+    return tuple(found)
 
 
 def shared_prefixes(prompts: Sequence[Sequence[int]], chunking: ChunkingConfig) -> list[SharedPrefix]:

@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from kvboost_hf import KVBoost
 from kvboost_hf.core.errors import ConfigError
+from kvboost_hf.hf.speculative import DraftConfig
 from kvboost_hf.kv_budget import BatchShape, KVBudget, resolve_budget_bytes
 
 
@@ -110,6 +111,34 @@ def test_a_graphed_batch_counts_its_padding_rows_and_its_capacity_bucket():
     assert shape.projected_width == 15 and KVBudget(1, 2).bytes(shape) == 3 * 15 * 2
     assert graphed.bytes(shape) == 4 * 256 * 2
     assert graphed_rows(9, config) == 9  # above the largest bucket: eager, no padding
+
+
+def test_a_draft_trees_columns_beyond_its_depth_widen_every_batch():
+    """A batch 10 wide whose rows may take 5 and 3 tokens: a chain round is at most 4 deep (root and 4 nodes: 15
+    columns, the projection); a tree round with 4 nodes beyond its depth holds 19, so the budget counts 2 rows x 19
+    columns; a batch of no row holds nothing. The drafter's figure, by hand from DraftConfig.level_sizes' rule:
+    trees of 8 nodes at most 2 deep, 2 children per node: 1 deep [2] (1 beyond), 2 deep [2, 4] (4 beyond); a
+    3-children 9-node budget at most 3 deep: [3, 3, 3] (6 beyond); adaptive budgets 1 to 8 at most 2 deep: still 4;
+    chains: none."""
+    shape = BatchShape(10, (5, 3))
+    assert KVBudget(1, 2).bytes(shape) == 2 * 15 * 2
+    assert KVBudget(1, 2, tree_columns=4).bytes(shape) == 2 * 19 * 2
+    assert KVBudget(1, 2, tree_columns=4).bytes(BatchShape()) == 0
+    assert DraftConfig(num_draft_tokens=2, tree_budget=8).extra_tree_columns() == 4
+    assert DraftConfig(num_draft_tokens=3, tree_budget=9, tree_branching=3).extra_tree_columns() == 6
+    assert DraftConfig(num_draft_tokens=2, tree_budget=8, adaptive_tree_budget=True).extra_tree_columns() == 4
+    assert DraftConfig(num_draft_tokens=5).extra_tree_columns() == 0
+    with pytest.raises(ConfigError):
+        KVBudget(1, 1, tree_columns=-1)
+
+
+def test_an_engine_with_a_tree_drafter_counts_its_tree_in_the_budget():
+    target = make_tiny_model("llama", seed=0)
+    tree = KVBoost(target, word_tokenizer(), draft_model=target, draft=DraftConfig(num_draft_tokens=2, tree_budget=8))
+    chain = KVBoost(target, word_tokenizer(), draft_model=target, draft=DraftConfig(num_draft_tokens=2))
+    plain = KVBoost(target, word_tokenizer())
+    budgets = [engine.factories.kv_budget(1 << 20) for engine in (tree, chain, plain)]
+    assert [budget.tree_columns for budget in budgets if budget is not None] == [4, 0, 0]
 
 
 def test_the_budget_setting_is_derived_on_cuda_only_and_checked():

@@ -9,12 +9,13 @@ needs repair keep it, in batches. The decode loop's own behaviour is tested in t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import make_tiny_model, noisy_copy
 from helpers import word_tokenizer, words
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -22,12 +23,13 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from oracle import GREEDY, cache_reference, engine_reference
 
 from kvboost_hf import KVBoost
-from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
+from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.errors import CapacityError, ConfigError
 from kvboost_hf.core.keys import KeySpace
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, DraftRound, PrefillWork, RowOutput, SharedPrefix
 from kvboost_hf.hf.models import forward_read_bytes
 from kvboost_hf.hf.sampling import SamplingConfig
+from kvboost_hf.hf.speculative import DraftConfig
 from kvboost_hf.kv_budget import KVBudget
 from kvboost_hf.scheduling import (
     BatchPolicy,
@@ -35,6 +37,7 @@ from kvboost_hf.scheduling import (
     RequestCancelled,
     RequestGroup,
     Scheduler,
+    padding_groups,
     prefill_works,
     split_budget,
 )
@@ -427,38 +430,89 @@ def test_split_budget_decodes_first_then_fills_prefills_oldest_first_within_the_
 prompt_pool = st.lists(st.integers(0, 2), min_size=1, max_size=11)  # few tokens: prompts share prefixes often
 
 
-@settings(max_examples=150, deadline=None)
+def longest_shared_prefix(members: list[list[int]]) -> tuple[int, ...]:
+    """The longest prefix of whole ``CHUNK``-token chunks that every one of ``members`` starts with and is longer
+    than (a prompt's last token is always computed), written out here."""
+    size = 0
+    while all(len(p) > size + CHUNK and p[: size + CHUNK] == members[0][: size + CHUNK] for p in members):
+        size += CHUNK
+    return tuple(members[0][:size])
+
+
+@settings(max_examples=300, deadline=None)
 @given(
     prompts=st.lists(prompt_pool, min_size=1, max_size=6),
     alone_mask=st.lists(st.booleans(), min_size=6, max_size=6),
     reuse=st.booleans(),
+    slack=st.integers(0, 6),
 )
-def test_prefill_plans_cover_every_row_once_with_the_scheduling_rules(prompts, alone_mask, reuse):
-    """Every row is in exactly one work; the first work holds the rows prefilled together; each prompt named alone
-    gets a work of its own; a work of one prompt (and more rows) is repeated; shared prefixes are the longest
-    chunk-aligned prefixes of a group of rows starting with the same chunk."""
+def test_prefill_plans_cover_every_row_once_with_the_scheduling_rules(prompts, alone_mask, reuse, slack):
+    """Every row is in exactly one work; the rows prefilled together come first, narrowest first, in works whose
+    widest row is at most ``max(narrowest, slack)`` tokens longer than the narrowest; each prompt named alone gets a
+    work of its own after them; rows of one prompt share a work, repeated when it holds nothing else; the shared
+    prefixes are, for each group of prompts the together works compute (a repeated one once) starting with the same
+    chunk, the longest chunk-aligned prefix they share, given to every work holding one of them (so it is computed
+    once, by the first, and loaded by the others)."""
     rows = DecodeLoop.rows_for([DecodeRequest(prompt_ids=p, max_new_tokens=1) for p in prompts], set())
     named = {tuple(p) for p, alone in zip(prompts, alone_mask, strict=False) if alone}
-    works = prefill_works(rows, ChunkingConfig(CHUNK), reuse=reuse, alone=lambda ids, starts: tuple(ids) in named)
+    works = prefill_works(
+        rows, ChunkingConfig(CHUNK), reuse=reuse, alone=lambda ids, starts: tuple(ids) in named, slack=slack
+    )
     assert sorted(id(row) for work in works for row in work.rows) == sorted(map(id, rows))
-    distinct = {tuple(p) for p in prompts}
-    if len(distinct) > 1:
-        together = [row for row in rows if tuple(row.request.prompt_ids) not in named]
-        alone_works = works[1:] if together else works
-        assert not together or list(works[0].rows) == together
-        assert {tuple(w.rows[0].request.prompt_ids) for w in alone_works} == named & distinct
-    for work in works:
+    prompt_of = {id(row): tuple(row.request.prompt_ids) for row in rows}
+    home = {prompt_of[id(row)]: set() for row in rows}
+    for index, work in enumerate(works):
+        for row in work.rows:
+            home[prompt_of[id(row)]].add(index)
+    assert all(len(indices) == 1 for indices in home.values()), "rows of one prompt share a work"
+    distinct = set(home)
+    alone_prompts = named & distinct if len(distinct) > 1 else set()
+    together_works = works[: len(works) - len(alone_prompts)]
+    assert [{prompt_of[id(row)] for row in work.rows} for work in works[len(together_works) :]] == [
+        {p} for p in dict.fromkeys(tuple(p) for p in prompts) if p in alone_prompts
+    ]
+    narrowest = [min(len(row.request.prompt_ids) for row in work.rows) for work in together_works]
+    assert narrowest == sorted(set(narrowest)), "narrowest first, each length in one work"
+    for work, low in zip(together_works, narrowest, strict=True):
+        assert max(len(row.request.prompt_ids) for row in work.rows) - low <= max(low, slack)
+    computed = []  # (work index, prompt) of each prompt a together work's forward computes
+    for index, work in enumerate(works):
         prompts_of = [list(row.request.prompt_ids) for row in work.rows]
         assert work.repeat == (len(work.rows) > 1 and len({tuple(p) for p in prompts_of}) == 1)
-        assert reuse or not work.shared_prefixes
-        for prefix in work.shared_prefixes:
-            members = [p for p in prompts_of if p[:CHUNK] == prompts_of[prefix.row][:CHUNK]]
-            assert len(members) > 1 and len(prefix.tokens) % CHUNK == 0
-            assert all(p[: len(prefix.tokens)] == list(prefix.tokens) for p in members)
-            end = len(prefix.tokens) + CHUNK
-            spans_left = [span for span in chunk_spans(members[0], ChunkingConfig(CHUNK)) if span[1] == end]
-            longer = spans_left and all(len(p) > end and p[:end] == members[0][:end] for p in members)
-            assert not longer, "the prefix is the longest the group shares"
+        if index < len(together_works):
+            computed += [(index, p) for p in (prompts_of[:1] if work.repeat else prompts_of)]
+        for prefix in work.shared_prefixes:  # counted for the first row starting with it
+            size = len(prefix.tokens)
+            assert prefix.row == min(i for i, p in enumerate(prompts_of) if p[:size] == list(prefix.tokens))
+    expected: dict[int, set[tuple[int, ...]]] = {index: set() for index in range(len(works))}
+    if reuse:
+        by_first: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}
+        for index, p in computed:
+            if len(p) >= CHUNK:
+                by_first.setdefault(tuple(p[:CHUNK]), []).append((index, p))
+        for members in by_first.values():
+            if len(members) > 1 and (prefix := longest_shared_prefix([p for _, p in members])):
+                for index, _ in members:
+                    expected[index].add(prefix)
+    assert {index: {p.tokens for p in work.shared_prefixes} for index, work in enumerate(works)} == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=12), slack=st.integers(0, 80))
+def test_padding_groups_bound_each_forwards_padding_by_its_real_tokens(lengths, slack):
+    """Every row is in one group, in its input order, and its left padding (its group's widest less its length) is
+    at most its length or ``slack``; the groups are narrowest first and disjoint in length (rows of one length share
+    a group)."""
+    rows = DecodeLoop.rows_for([DecodeRequest(prompt_ids=[1] * n, max_new_tokens=1) for n in lengths], set())
+    groups = padding_groups(rows, slack)
+    assert sorted(id(row) for group in groups for row in group) == sorted(map(id, rows))
+    position = {id(row): index for index, row in enumerate(rows)}
+    for group in groups:
+        assert [position[id(row)] for row in group] == sorted(position[id(row)] for row in group)
+        sizes = [row.context_length for row in group]
+        assert all(max(sizes) - n <= max(n, slack) for n in sizes)  # each row's padding
+    for narrower, wider in itertools.pairwise(groups):
+        assert max(row.context_length for row in narrower) < min(row.context_length for row in wider)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -667,6 +721,39 @@ def test_choices_of_one_prompt_are_prefilled_once_and_all_get_the_repair(engine)
     assert [(r.output_ids, r.approx_tokens) for r in choices] == [(alone.tokens, alone.reuse.approx_tokens)] * 3
 
 
+def test_generate_many_prefills_mixed_lengths_in_forwards_of_similar_widths_with_generates_tokens(engine, monkeypatch):
+    """Five prompts admitted in one schedule: a 6-token prompt twice and a 20-token one, a 90-token prompt twice, a
+    216-token one; the 20- and 216-token prompts start with the same 16 tokens (two chunks of 8). They are
+    prefilled in three forwards, narrowest first: ``[6, 6, 20]`` (14 columns of padding at most, under the slack of
+    64), ``[90]`` repeated, ``[216]`` (not padded to by the others); the shared 16 tokens are computed once, by the
+    first forward holding one of them, and loaded by the last. Every output equals transformers' greedy one."""
+    engine.store.clear()
+    head = words(102, 16)
+    prompts = [words(100, 6), f"{head} {words(101, 4)}", words(100, 6), f"{head} {words(103, 200)}", words(104, 90)]
+    prompts.append(prompts[-1])
+    assert [len(engine.encode(p)) for p in prompts] == [6, 20, 6, 216, 90, 90]
+    expected = [engine_reference(engine, p, 4).tokens for p in prompts]
+    forwards: list[tuple[list[int], bool]] = []
+    prefixes: list[int] = []
+    begin, store_prefix = DecodeLoop._begin_prefill, DecodeLoop._store_prefix
+
+    def recorded_begin(loop, work):
+        forwards.append(([row.context_length for row in work.rows], work.repeat))
+        return begin(loop, work)
+
+    def recorded_prefix(loop, prefix):
+        prefixes.append(store_prefix(loop, prefix))
+        return prefixes[-1]
+
+    monkeypatch.setattr(DecodeLoop, "_begin_prefill", recorded_begin)
+    monkeypatch.setattr(DecodeLoop, "_store_prefix", recorded_prefix)
+    results = engine.generate_many(prompts, max_new_tokens=4, max_batch_size=8)
+    assert [result.output_ids for result in results] == expected
+    assert forwards == [([6, 6, 20], False), ([90, 90], True), ([216], False)]
+    assert prefixes == [16, 0]  # computed before the first forward, found stored before the last
+    assert (results[1].cached_tokens, results[3].cached_tokens) == (0, 16)
+
+
 def test_a_job_submitted_while_the_scheduler_reads_the_store_is_queued_at_once(engine, monkeypatch):
     """The worker plans prefills (which may read a remote store) outside the lock ``submit`` takes: with the store's
     read stalled mid-plan, another job is still accepted at once, and every job finishes once the read returns."""
@@ -750,10 +837,13 @@ def bytes_per_token(model) -> int:
 
 def held_kv_bytes(scheduler: Scheduler) -> int:
     """The K/V bytes the scheduler's batches hold now, read from their caches' tensors (the running rows' caches
-    and those of prompt forwards under way)."""
+    and those of prompt forwards under way, the target's and a draft's)."""
     caches = []
     for batch in scheduler.running:
-        caches += [batch.loop.cache, *(prompt.state.cache for prompt in batch.loop._prompts)]
+        loop = batch.loop
+        caches += [loop.cache, *(prompt.state.cache for prompt in loop._prompts)]
+        if loop.draft is not None:  # the draft's caches, counted in the bytes per token too
+            caches += [loop.draft.cache, *(prompt.state.draft_cache for prompt in loop._prompts)]
     tensors = [t for cache in caches if cache is not None for layer in cache.layers for t in (layer.keys, layer.values)]
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -853,6 +943,63 @@ def test_a_join_prefilled_over_many_steps_is_preempted_as_the_batch_widens_and_r
     assert streamed == [row.tokens for row in rows]
     assert rows[1].preemptions == 1 and scheduler.memory.preemptions == before + 1
     assert rows[1].reuse.cached_tokens == 8  # the chunk its first prefill completed
+    for budget, reserved, held in trace:
+        assert held <= reserved <= budget
+
+
+DRAFTS = {"chain": DraftConfig(4), "tree": DraftConfig(num_draft_tokens=2, tree_budget=8)}
+
+
+@pytest.fixture(scope="module")
+def speculative_engines(engine):
+    """The tiny model with a noisy copy of itself as its draft (some proposals accepted: rows of one step take
+    different counts), drafting chains of 4 tokens or trees of 8 nodes 2 deep."""
+    draft = noisy_copy(engine.model, 0.6, seed=7)
+    return {
+        name: KVBoost(engine.model, word_tokenizer(), chunking=8, draft_model=draft, draft=settings)
+        for name, settings in DRAFTS.items()
+    }
+
+
+@pytest.mark.parametrize("drafting", list(DRAFTS))
+def test_a_speculative_batch_over_the_kv_budget_is_preempted_and_resumed_with_generates_tokens(
+    speculative_engines, drafting, monkeypatch
+):
+    """Three prompts decoded with a draft (chains, or trees with 4 columns beyond their depth) under a K/V budget
+    (target and draft caches) of all three; after three steps it is lowered to two: the newest row is preempted
+    (its chunks and the draft's stored) and resumes later, its draft prefilled again from its prompt and tokens
+    (speculative steps widen the batch by the most any row takes, so a row may be preempted again). Every row's
+    tokens equal transformers' greedy ones and each reached its stream once; drafts were verified; the bytes the
+    caches (target and draft) hold during every verify forward of a decode step, the tree's columns still in them,
+    and after every step, stay within the bytes reserved at the schedule."""
+    engine = speculative_engines[drafting]
+    engine.store.clear()
+    prompts = [words(130, 13), words(131, 15), words(132, 17)]
+    room = max(len(engine.encode(p)) for p in prompts) + 12 + {"chain": 0, "tree": 4}[drafting]
+    scheduler = engine.scheduler("prefix_cache", max_batch_size=3, token_budget=0, kv_budget_bytes=1)
+    assert scheduler.kv_budget is not None
+    assert scheduler.kv_budget.bytes_per_token == 2 * bytes_per_token(engine.model)  # the draft is a copy
+    per_token = scheduler.kv_budget.bytes_per_token
+    scheduler.kv_budget = dataclasses.replace(scheduler.kv_budget, budget_bytes=3 * room * per_token)
+    during: list[tuple[int, int]] = []
+    verify_forward = DecodeLoop._verify_forward
+
+    def measured(loop, *args):
+        logits = verify_forward(loop, *args)
+        during.append((held_kv_bytes(scheduler), scheduler.memory.reserved_bytes))
+        return logits
+
+    monkeypatch.setattr(DecodeLoop, "_verify_forward", measured)
+    before = engine.cache_stats()
+    rows, streamed, trace = budget_run(engine, scheduler, prompts, 12, lower_at=(3, 2 * room * per_token))
+
+    assert [row.tokens for row in rows] == [engine_reference(engine, p, 12).tokens for p in prompts]
+    assert streamed == [row.tokens for row in rows]
+    after = engine.cache_stats()
+    assert rows[2].preemptions >= 1 and rows[0].preemptions == 0
+    assert after["kv_rows_preempted"] - before["kv_rows_preempted"] == sum(row.preemptions for row in rows)
+    assert after["draft_tokens_accepted"] > before["draft_tokens_accepted"]
+    assert during and all(held <= reserved for held, reserved in during)
     for budget, reserved, held in trace:
         assert held <= reserved <= budget
 

@@ -6,6 +6,7 @@ ports. Every wait is bounded; generations are at most 16 tokens except the cance
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import threading
@@ -19,13 +20,27 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from helpers import API_KEY, MODEL_NAME, PERSON, SYSTEM, WEATHER_TOOL, LiveServer, chat, metric  # noqa: E402
+from conftest import make_tiny_model  # noqa: E402
+from helpers import (  # noqa: E402
+    API_KEY,
+    MODEL_NAME,
+    PERSON,
+    SYSTEM,
+    WEATHER_TOOL,
+    LiveServer,
+    chat,
+    metric,
+    word_tokenizer,
+    words,
+)
 from oracle import engine_reference, expected_text, oracle_text  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.core.config import GenerationMode  # noqa: E402
+from kvboost_hf.hf.decode import DecodeRequest  # noqa: E402
 from kvboost_hf.hf.detokenize import visible_text  # noqa: E402
 from kvboost_hf.hf.sampling import SamplingConfig  # noqa: E402
+from kvboost_hf.scheduling import RequestGroup  # noqa: E402
 from kvboost_hf.server.app import ServerConfig, create_app  # noqa: E402
 from kvboost_hf.server.batching import Delta, Done, Job, JobParams, JobRun  # noqa: E402
 from kvboost_hf.server.worker import Worker  # noqa: E402
@@ -181,6 +196,49 @@ def test_models_health_and_metrics(server, client):
     for name in ("kvboost_requests_total", "kvboost_ttft_seconds_bucket", "kvboost_queue_depth", "kvboost_batch_size"):
         assert name in text
     assert 'kvboost_store_hits_total{tier="ram"}' in text
+
+
+def test_metrics_expose_the_kv_budget_counters():
+    """A tiny engine's scheduler runs two greedy rows (10- and 14-token prompts, 6 tokens each) under a K/V budget
+    of both (two rows as wide as the longer prompt and its 6 tokens: 40 token-rows), then, after one step, of one
+    (20): the newer row is preempted, waits for memory once, and resumes alone. A live server on that engine then
+    scrapes, hand-counted in token-rows of K/V: 1 request and 1 row preempted, 1 admission deferred, a peak of 40
+    (the first schedule), and 19 reserved at the last schedule (the resumed row, 15 tokens of context, widened a
+    column per step while its tokens left fall by one: 15 + 4)."""
+    engine = KVBoost(make_tiny_model("llama", seed=0), word_tokenizer(), chunking=8)
+    config = engine.model.config
+    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * 4  # fp32 K/V bytes per token and row
+    per_token *= config.hidden_size // config.num_attention_heads
+    prompts = [engine.encode(words(120, 10)), engine.encode(words(121, 14))]
+    assert [len(ids) for ids in prompts] == [10, 14]
+    scheduler = engine.scheduler("prefix_cache", max_batch_size=2, token_budget=0, kv_budget_bytes=40 * per_token)
+    rows = engine.factories.new_rows([DecodeRequest(prompt_ids=ids, max_new_tokens=6) for ids in prompts])
+    for row in rows:
+        scheduler.add(RequestGroup([row]))
+    scheduler.step()
+    assert scheduler.kv_budget is not None
+    scheduler.kv_budget = dataclasses.replace(scheduler.kv_budget, budget_bytes=20 * per_token)
+    scheduler.run()
+    assert [row.preemptions for row in rows] == [0, 1] and all(len(row.tokens) == 6 for row in rows)
+    settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY)
+    with LiveServer(create_app(engine, settings)) as live:
+        scraped = {
+            name: metric(live, f"kvboost_{name}")
+            for name in (
+                "kv_preemptions_total",
+                "kv_rows_preempted_total",
+                "kv_admissions_deferred_total",
+                "kv_peak_reserved_bytes",
+                "kv_reserved_bytes",
+            )
+        }
+    assert scraped == {
+        "kv_preemptions_total": 1,
+        "kv_rows_preempted_total": 1,
+        "kv_admissions_deferred_total": 1,
+        "kv_peak_reserved_bytes": 40 * per_token,
+        "kv_reserved_bytes": 19 * per_token,
+    }
 
 
 def test_chat_temperature_zero_equals_transformers_greedy(engine, client):

@@ -92,10 +92,11 @@ class PrefillWork:
 
     ``repeat``: every row has one prompt (the ``n`` choices of a request): it is prefilled once and its K/V
     repeated, so a repair of non-prefix hits, which a cache makes for one row at a time, applies to every row.
-    ``shared_prefixes``: prefixes to compute and store first (rows with different prompts only).
+    ``shared_prefixes``: prefixes to compute and store first unless stored (shared by rows with different prompts,
+    of this work or of other works of one schedule: the first work to run computes them, the others load them).
 
-    Invariants (checked): at least one row; with ``repeat`` every row has the same prompt and there are no shared
-    prefixes; each shared prefix is a prefix of its row's prompt.
+    Invariants (checked): at least one row; with ``repeat`` every row has the same prompt; each shared prefix is a
+    prefix of its row's prompt.
     """
 
     rows: tuple[DecodeRow, ...]
@@ -106,8 +107,8 @@ class PrefillWork:
     def __post_init__(self) -> None:
         if not self.rows:
             raise InputError("a prefill work needs at least one row")
-        if self.repeat and (self.shared_prefixes or len({row.prefill_setting[0] for row in self.rows}) > 1):
-            raise InputError("repeat needs rows of one prompt and no shared prefixes")
+        if self.repeat and len({row.prefill_setting[0] for row in self.rows}) > 1:
+            raise InputError("repeat needs rows of one prompt")
         for prefix in self.shared_prefixes:
             if self.rows[prefix.row].context_ids[: len(prefix.tokens)] != prefix.tokens:
                 raise InputError(f"shared prefix of {len(prefix.tokens)} tokens is not row {prefix.row}'s prefix")

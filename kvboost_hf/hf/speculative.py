@@ -121,6 +121,21 @@ class DraftConfig:
             sizes.append(min(wanted, budget - sum(sizes)))
         return sizes
 
+    def extra_tree_columns(self) -> int:
+        """The most columns a round's tree holds per row beyond its depth: its nodes less its levels
+        (:meth:`level_sizes`), over every depth up to ``num_draft_tokens`` and every budget a round may take (up to
+        ``tree_budget`` with ``adaptive_tree_budget``, else ``tree_budget``); 0 for a chain. A verify forward holds
+        each row's root and every node until the rejected ones are dropped, and a round is at most one less deep
+        than the most tokens a row may take, so a batch ``W`` columns wide whose rows may take at most ``L`` tokens
+        holds at most ``W + L + extra_tree_columns()`` columns during a step (see :mod:`kvboost_hf.kv_budget`)."""
+        budgets: Sequence[int | None] = range(1, self.tree_budget + 1) if self.adaptive_tree_budget else [None]
+        return max(
+            sum(sizes) - len(sizes)
+            for depth in range(1, self.num_draft_tokens + 1)
+            for budget in budgets
+            for sizes in [self.level_sizes(depth, budget)]
+        )
+
     def adaptive_budget(self, costs: VerifyCosts, rows: int) -> int:
         """The tree budget per row for a verify forward of ``rows`` rows, from the verify forwards timed so far:
         ``tree_overhead * fixed / (per_node * rows)`` nodes (the extra nodes cost at most that share of the

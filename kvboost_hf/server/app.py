@@ -274,6 +274,18 @@ SPECULATIVE_COUNTERS = {
 }
 
 
+KV_COUNTERS = {
+    "kv_preemptions": "Requests preempted to keep the running rows' K/V within the K/V budget (resumed later).",
+    "kv_rows_preempted": "Rows preempted to keep the running rows' K/V within the K/V budget.",
+    "kv_admissions_deferred": "Requests whose admission waited for K/V memory (each counted once).",
+}
+
+KV_GAUGES = {
+    "kv_reserved_bytes": "Projected K/V bytes of the running batches after the latest schedule.",
+    "kv_peak_reserved_bytes": "The most projected K/V bytes after any schedule, over the engine's life.",
+}
+
+
 STREAMING_METRICS = (
     ("kvboost_streamed_bytes", "bytes_streamed", "Bytes of streamed decoder layers copied to the device."),
     ("kvboost_streamed_layer_reloads", "reloads", "Streamed layers copied when about to run (no prefetch)."),
@@ -292,18 +304,24 @@ def _register_scraped(metrics: Metrics, worker: Worker, engine: InferenceEngine)
         return {tier: metrics.state.get(f"{tier}_hits", 0) for tier in ("ram", "disk", "remote")}
 
     metrics.scraped_counter("kvboost_store_hits", "Chunk store hits by tier.", "tier", store_hits)
-    metrics.gauge("kvboost_store_misses_total", "Chunk store misses.", lambda: metrics.state.get("misses", 0))
+    metrics.gauge(
+        "kvboost_store_misses_total", "Chunk store misses.", functools.partial(_state_value, metrics, "misses")
+    )
     for name, help_text in SPECULATIVE_COUNTERS.items():
         metrics.scraped_counter(f"kvboost_{name}", help_text, None, _state_counter(metrics, name))
+    for name, help_text in KV_COUNTERS.items():  # the schedulers' MemoryCounters, engine-wide
+        metrics.scraped_counter(f"kvboost_{name}", help_text, None, _state_counter(metrics, name))
+    for name, help_text in KV_GAUGES.items():
+        metrics.gauge(f"kvboost_{name}", help_text, functools.partial(_state_value, metrics, name))
     metrics.gauge(
         "kvboost_draft_acceptance_rate",
         "Draft tokens accepted / proposed, over the engine's life.",
-        lambda: metrics.state.get("draft_acceptance_rate", 0.0),
+        functools.partial(_state_value, metrics, "draft_acceptance_rate"),
     )
     metrics.gauge(
         "kvboost_draft_tokens_accepted_per_verify",
         "Draft tokens accepted per verify forward, over the engine's life.",
-        lambda: metrics.state.get("draft_tokens_accepted_per_verify", 0.0),
+        functools.partial(_state_value, metrics, "draft_tokens_accepted_per_verify"),
     )
     if layer_streamer(engine.model) is not None:  # layer streaming: counters of the copies
         for name, field, help_text in STREAMING_METRICS:
@@ -311,13 +329,18 @@ def _register_scraped(metrics: Metrics, worker: Worker, engine: InferenceEngine)
         metrics.gauge(
             "kvboost_streamed_bytes_per_token",
             "Bytes streamed by decoding / generated tokens, over the engine's life.",
-            lambda: metrics.state.get("streamed_bytes_per_token", 0.0),
+            functools.partial(_state_value, metrics, "streamed_bytes_per_token"),
         )
 
 
 def _state_counter(metrics: Metrics, key: str) -> Callable[[], dict[str, float]]:
     """A scrape-time reader of one (unlabelled) counter of the scrape's snapshot."""
     return lambda: {"": metrics.state.get(key, 0)}
+
+
+def _state_value(metrics: Metrics, key: str) -> float:
+    """A scrape-time read of one gauge of the scrape's snapshot (0 when the engine does not report it)."""
+    return metrics.state.get(key, 0)
 
 
 def _route_paths(app: FastAPI) -> set[str]:
