@@ -37,7 +37,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from tqdm import tqdm
@@ -45,9 +45,6 @@ from transformers import PreTrainedModel
 
 from kvboost_hf.core.errors import ConfigError, InputError
 from kvboost_hf.hf.models import CACHE_ARGUMENT
-
-if TYPE_CHECKING:
-    from kvboost_hf.hf.verify_graphs import GraphedVerifier
 
 __all__ = [
     "GraphConfig",
@@ -270,6 +267,19 @@ class GraphWarmUp:
     seconds: float
 
 
+class VerifyGraphs(Protocol):
+    """What :class:`GraphedDecoder` uses of the verify graphs built on it
+    (:class:`~kvboost_hf.hf.verify_graphs.GraphedVerifier`, which imports this module): their shapes, counted against
+    ``max_graphs``, and their warm-up."""
+
+    shapes: dict[VerifyShape, int]
+    warmed: set[VerifyShape]
+
+    def may_warm(self, shape: VerifyShape) -> bool: ...
+
+    def warm_shape(self, cache: Any, shape: VerifyShape) -> bool | None: ...
+
+
 class GraphedDecoder:
     """Decode steps and short prefills of ``model``: through one compiled ``forward`` when they fit a graph, eagerly
     otherwise.
@@ -299,7 +309,7 @@ class GraphedDecoder:
         self.capture_bytes = 0
         self.warmed_shapes: set[Shape] = set()
         self.warm_up_seconds = 0.0
-        self.verifiers: list[GraphedVerifier] = []
+        self.verifiers: list[VerifyGraphs] = []
         self._warm_up = "lazy"  # "warming" while warm_up() runs, "ready" once one returned
 
     @property
@@ -466,7 +476,7 @@ class GraphedDecoder:
         shapes: Iterable[tuple[int, ...]],
         *,
         progress: bool = True,
-        verifier: GraphedVerifier | None = None,
+        verifier: VerifyGraphs | None = None,
     ) -> GraphWarmUp:
         """Compile and capture the graphs of ``shapes`` (``(rows, tokens)`` for decode steps, ``(rows, tokens,
         queries)`` for prefills of that many new tokens, each rounded up to its buckets: :func:`graph_shape`; a
