@@ -243,7 +243,8 @@ def prefixes_of(rows: Sequence[DecodeRow], prefixes: Sequence[SharedPrefix]) -> 
 
 
 def shared_prefixes(prompts: Sequence[Sequence[int]], chunking: ChunkingConfig) -> list[SharedPrefix]:
-    """For each group of prompts with the same first chunk, the longest chunk-aligned prefix they all share,
+    """For each group of prompts with the same first chunk, the longest chunk-aligned prefix they all share and are
+    all longer than (a prompt's last token is always computed, so a prefix that is a whole prompt saves nothing),
     counted for the group's first prompt (none for a prompt alone in its group)."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for index, prompt in enumerate(prompts):
@@ -257,7 +258,7 @@ def shared_prefixes(prompts: Sequence[Sequence[int]], chunking: ChunkingConfig) 
         first = list(prompts[members[0]])
         shared = 0
         for _, end in chunk_spans(first, chunking):
-            if any(len(prompts[m]) <= end or list(prompts[m][:end]) != first[:end] for m in members[1:]):
+            if any(len(prompts[m]) <= end or list(prompts[m][:end]) != first[:end] for m in members):
                 break
             shared = end
         if shared:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import make_tiny_model, noisy_copy
 from helpers import word_tokenizer, words
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from oracle import GREEDY, cache_reference, engine_reference
@@ -446,6 +446,7 @@ def longest_shared_prefix(members: list[list[int]]) -> tuple[int, ...]:
     reuse=st.booleans(),
     slack=st.integers(0, 6),
 )
+@example(prompts=[[0, 0, 0, 0], [0, 0, 0, 0, 0]], alone_mask=[False] * 6, reuse=True, slack=0)  # a whole-prompt prefix
 def test_prefill_plans_cover_every_row_once_with_the_scheduling_rules(prompts, alone_mask, reuse, slack):
     """Every row is in exactly one work; the rows prefilled together come first, narrowest first, in works whose
     widest row is at most ``max(narrowest, slack)`` tokens longer than the narrowest; each prompt named alone gets a
