@@ -183,16 +183,29 @@ def graph_shape(rows: int, tokens: int, config: GraphConfig, queries: int = 1) -
     ``config.max_capacity``) or for a count below 1."""
     if rows < 1 or tokens < 1 or queries < 1:
         raise ConfigError(f"a graph shape has at least one row, token and query, got {rows} x {tokens} x {queries}")
-    bucket = row_bucket(rows, config.row_buckets)
     padded = 1 if queries == 1 else query_bucket(queries, config.query_buckets)
-    capacity = capacity_bucket(max(tokens, (padded or 0) + 1), config)
+    bucket, capacity, padded = _buckets(
+        rows, tokens, padded, 1, config, f"{rows} rows x {tokens} tokens x {queries} queries",
+        f"query bucket {config.query_buckets[-1:]}",
+    )  # fmt: skip
+    return (bucket, capacity) if padded == 1 else (bucket, capacity, padded)
+
+
+def _buckets(
+    rows: int, tokens: int, padded: int | None, held: int, config: GraphConfig, shape: str, third: str
+) -> tuple[int, int, int]:
+    """``(rows bucket, capacity bucket, padded)`` of a graph for ``rows`` rows whose cache needs ``tokens`` tokens,
+    and at least ``padded`` (queries or draft tokens rounded up to their bucket; None above them) plus ``held``
+    columns. Raises :class:`~kvboost_hf.core.errors.ConfigError` naming ``shape`` and the ``third`` kind of bucket
+    when a count is above its buckets or ``config.max_capacity``."""
+    bucket = row_bucket(rows, config.row_buckets)
+    capacity = capacity_bucket(max(tokens, (padded or 0) + held), config)
     if bucket is None or capacity is None or padded is None:
         raise ConfigError(
-            f"{rows} rows x {tokens} tokens x {queries} queries is above the largest row bucket "
-            f"{config.row_buckets[-1]}, query bucket {config.query_buckets[-1:]} or max_capacity "
+            f"{shape} is above the largest row bucket {config.row_buckets[-1]}, {third} or max_capacity "
             f"{config.max_capacity}: such forwards run eagerly"
         )
-    return (bucket, capacity) if padded == 1 else (bucket, capacity, padded)
+    return bucket, capacity, padded
 
 
 def verify_graph_shape(rows: int, tokens: int, drafts: int, config: GraphConfig) -> VerifyShape:
@@ -204,14 +217,10 @@ def verify_graph_shape(rows: int, tokens: int, drafts: int, config: GraphConfig)
     if rows < 1 or tokens < 1 or drafts < 1:
         raise ConfigError(f"a verify graph shape has at least one row, token and draft token, got {rows} x "
                           f"{tokens} v {drafts}")  # fmt: skip
-    bucket, padded = row_bucket(rows, config.row_buckets), draft_bucket(drafts, config.draft_buckets)
-    capacity = capacity_bucket(max(tokens, (padded or 0) + 2), config)
-    if bucket is None or capacity is None or padded is None:
-        raise ConfigError(
-            f"{rows} rows x {tokens} tokens v {drafts} draft tokens is above the largest row bucket "
-            f"{config.row_buckets[-1]}, draft bucket {config.draft_buckets[-1:]} or max_capacity "
-            f"{config.max_capacity}: such verify forwards run eagerly"
-        )
+    bucket, capacity, padded = _buckets(
+        rows, tokens, draft_bucket(drafts, config.draft_buckets), 2, config,
+        f"{rows} rows x {tokens} tokens v {drafts} draft tokens", f"draft bucket {config.draft_buckets[-1:]}",
+    )  # fmt: skip
     return VerifyShape(bucket, capacity, padded)
 
 
