@@ -87,6 +87,18 @@ def tiny_model(request: pytest.FixtureRequest) -> transformers.PreTrainedModel:
     return make_tiny_model(request.param)
 
 
+@pytest.fixture(scope="module")
+def target() -> transformers.PreTrainedModel:
+    """A speculative test's target: the tiny Llama of seed 0 (one per module)."""
+    return make_tiny_model("llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft(target: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """The target with noise on its weights: its proposals are often, not always, the target's choices."""
+    return noisy_copy(target, 0.35, seed=11)
+
+
 @pytest.fixture(scope="session")
 def embedded_engine():
     """The embedded SmolLM2-135M-Instruct engine, loaded once per test session."""

@@ -38,17 +38,6 @@ NEW_TOKENS = 14
 GREEDY = SamplingConfig(temperature=0)
 
 
-@pytest.fixture(scope="module")
-def target():
-    return make_tiny_model("llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def draft(target):
-    """The target with noise on its weights: its proposals are often, not always, the target's choices."""
-    return noisy_copy(target, 0.35, seed=11)
-
-
 def prompts(count: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(5)
     return [torch.randint(2, 120, (n,), generator=generator).tolist() for n in (17, 9, 23)[:count]]

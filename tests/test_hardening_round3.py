@@ -44,6 +44,17 @@ _HOLD_LOCK = textwrap.dedent(
 )
 
 
+def run_script(script: str, *args: object) -> subprocess.Popen:
+    """``python -c script args`` in the test environment, its stdout and stderr captured as text."""
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *map(str, args)],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 @pytest.fixture
 def stopped_holder(tmp_path: Path) -> Iterator[Callable[[], subprocess.Popen]]:
     """Starts a process holding ``WRITE_LOCK`` of ``tmp_path/d`` (where ``key(100)`` is stored) with a 0.5 s
@@ -210,16 +221,7 @@ def test_other_processes_keep_writing_while_one_is_stopped_mid_write(tmp_path: P
     try:
         assert stopped.stdout is not None and stopped.stdout.readline().strip() == "writing"
         watchdog.start()
-        writers = [
-            subprocess.Popen(
-                [sys.executable, "-c", _KEEP_WRITING, str(directory), str(process), "1.0"],
-                env=ENV,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for process in (1, 2)
-        ]
+        writers = [run_script(_KEEP_WRITING, directory, process, "1.0") for process in (1, 2)]
         reports = []
         for writer in writers:
             out, err = writer.communicate(timeout=60)
@@ -339,16 +341,7 @@ def test_no_chunk_a_flush_called_written_is_missing_after_a_full_disk(small_file
     the first failure was a warning): whole batches of 4 missing after a reopen. Now every chunk of a flush
     that returned True reads back after the reopen, and the failures are counted in ``lost``."""
     directory = small_file_system / "d"
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", _FILL, str(directory), str(process), "20"],
-            env=ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for process in range(3)
-    ]
+    processes = [run_script(_FILL, directory, process, "20") for process in range(3)]
     reports = []
     for process in processes:
         out, err = process.communicate(timeout=120)

@@ -19,11 +19,6 @@ from kvboost_hf.offload import LayerStreamingConfig, enable_layer_streaming
 
 
 @pytest.fixture(scope="module")
-def target():
-    return make_tiny_model("llama", seed=0)
-
-
-@pytest.fixture(scope="module")
 def drafts(target):
     """A different model (low acceptance), an exact copy of the target (every proposal accepted) and a copy with
     noise added to its weights (some proposals accepted)."""

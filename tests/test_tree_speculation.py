@@ -17,17 +17,6 @@ from kvboost_hf.hf.speculative import DraftConfig, Drafter, DraftTree, VerifyCos
 from kvboost_hf.offload import LayerStreamingConfig, enable_layer_streaming
 
 
-@pytest.fixture(scope="module")
-def target():
-    return make_tiny_model("llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def draft(target):
-    """The target with noise on its weights: its top continuations are often, not always, the target's."""
-    return noisy_copy(target, 0.35, seed=11)
-
-
 def prompts() -> list[list[int]]:
     generator = torch.Generator().manual_seed(9)
     return [torch.randint(1, 120, (n,), generator=generator).tolist() for n in (19, 7, 26)]
