@@ -48,7 +48,8 @@ The rules, in order:
    those :meth:`BatchPolicy.prefill_alone` names, each prompt of which is prefilled in a cache of its own and then
    joined. Rows of one prompt (the ``n`` choices of a request) prefilled together are prefilled once and repeated;
    rows with different prompts that share chunk-aligned prefixes have those prefixes computed and stored once
-   first (by the first of their forwards to run; the others load them). Prompts prefilled alone are
+   first, unless the store holds them already (the plan reads the store; the runner reads none): by the first of
+   their forwards in plan order, the others load them. Prompts prefilled alone are
 
    * segment prompts (documents given as segments, looked up by content key so they stitch at any position): a
      cache is built with one prompt's segment starts, which shape its chunks and keys; each row keeps its own once
@@ -79,7 +80,7 @@ from typing import Any
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.core.errors import CapacityError, ConfigError, InputError, KVBoostError
-from kvboost_hf.core.keys import KeySpace
+from kvboost_hf.core.keys import KeySpace, chain_prefix_keys
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRow, PrefillWork, RowOutput, SharedPrefix
 from kvboost_hf.kv_budget import BatchShape, KVBudget
 from kvboost_hf.reuse.plan import ChunkSource, has_nonprefix_hits
@@ -148,13 +149,16 @@ class BatchPolicy:
         return has_nonprefix_hits(self.store, prompt_ids, namespace=namespace, chunking=self.key_space.chunking)
 
     def prefill_works(self, rows: Sequence[DecodeRow], cache_salt: str | None) -> list[PrefillWork]:
-        """The prefills of ``rows`` of tenant ``cache_salt`` admitted together (see :func:`prefill_works`)."""
-        return prefill_works(
+        """The prefills of ``rows`` of tenant ``cache_salt`` admitted together (see :func:`prefill_works`), less the
+        shared prefixes the store holds already (:func:`without_stored_prefixes`: reads the store), so the runner
+        computes every prefix it is given."""
+        works = prefill_works(
             rows,
             self.chunking,
             reuse=self.mode is not GenerationMode.BASELINE,
             alone=lambda prompt_ids, starts: self.prefill_alone(prompt_ids, cache_salt, starts),
         )
+        return without_stored_prefixes(works, self.store, self.key_space.namespace(cache_salt), self.chunking)
 
 
 def prefill_works(
@@ -169,10 +173,10 @@ def prefill_works(
     :func:`padding_groups` group (narrowest first), then, per prompt and segment starts that ``alone(prompt ids,
     segment starts)`` names, its rows in a cache of their own. Rows of one prompt are in one work, a repeated
     prefill when they are all of it; with ``reuse`` (chunk-reuse caches) the works prefilled together get the
-    shared prefixes of the rows their forwards compute (a repeated prompt once; :func:`shared_prefixes`; each work
-    holding a row that starts with one gets it, so whichever runs first computes and stores it and the others load
-    it), and a work of one segment setting its segment starts. ``alone`` is asked once per distinct prompt, and not
-    at all when the rows are one prompt.
+    shared prefixes of the rows their forwards compute (a repeated prompt once; :func:`shared_prefixes`; each given
+    to the first work holding a row that starts with it, :func:`give_prefixes`: that work computes and stores it,
+    the later ones load it), and a work of one segment setting its segment starts. ``alone`` is asked once per
+    distinct prompt, and not at all when the rows are one prompt.
 
     Invariants: every row is in exactly one work; in a work prefilled together ``widest - narrowest <=
     max(narrowest, slack)`` context tokens, so each row's left padding is at most ``max(its context tokens,
@@ -186,13 +190,34 @@ def prefill_works(
     works = [prefill_work(group, reuse=reuse) for group in padding_groups(together, slack)]
     if reuse and not any(row.request.segment_starts for row in together):  # prefixes: chunked without starts
         computed = [row for work in works for row in (work.rows[:1] if work.repeat else work.rows)]
-        prefixes = shared_prefixes([row.context_ids for row in computed], chunking)
-        works = [dataclasses.replace(work, shared_prefixes=prefixes_of(work.rows, prefixes)) for work in works]
+        works = give_prefixes(works, shared_prefixes([row.context_ids for row in computed], chunking))
     for setting in settings:
         if verdicts[setting]:
             members = [row for row, key in zip(rows, keys, strict=True) if key == setting]
             works.append(prefill_work(members, reuse=reuse, settings=[setting]))
     return works
+
+
+def without_stored_prefixes(
+    works: Sequence[PrefillWork], store: ChunkSource, namespace: str, chunking: ChunkingConfig
+) -> list[PrefillWork]:
+    """``works`` without the shared prefixes all of whose chunks ``store`` holds under their prefix keys in
+    ``namespace`` (the prompt forwards load those): one ``contains_many`` for all of them, none when no work has
+    one."""
+    prefixes = [prefix for work in works for prefix in work.shared_prefixes]
+    if not prefixes:
+        return list(works)
+    keys = [chain_prefix_keys(namespace, prefix.tokens, chunk_spans(prefix.tokens, chunking)) for prefix in prefixes]
+    found = store.contains_many([key for chain in keys for key in chain])  # one Redis round trip for all of them
+    stored, start = set(), 0
+    for prefix, chain in zip(prefixes, keys, strict=True):
+        if all(found[start : start + len(chain)]):
+            stored.add(prefix.tokens)
+        start += len(chain)
+    return [
+        dataclasses.replace(work, shared_prefixes=tuple(p for p in work.shared_prefixes if p.tokens not in stored))
+        for work in works
+    ]
 
 
 def padding_groups(rows: Sequence[DecodeRow], slack: int = PADDING_SLACK) -> list[list[DecodeRow]]:
@@ -230,16 +255,23 @@ def prefill_work(
     return PrefillWork(tuple(rows), segment_starts=starts, repeat=len(settings) == 1 and len(rows) > 1)
 
 
-def prefixes_of(rows: Sequence[DecodeRow], prefixes: Sequence[SharedPrefix]) -> tuple[SharedPrefix, ...]:
-    """Of ``prefixes`` (computed over a larger set of rows), those some of ``rows`` start with, each counted for the
-    first of them (its index in ``rows``)."""
-    found = []
-    for prefix in prefixes:
-        size = len(prefix.tokens)
-        first = next((i for i, row in enumerate(rows) if row.context_ids[:size] == prefix.tokens), None)
-        if first is not None:
-            found.append(SharedPrefix(prefix.tokens, first))
-    return tuple(found)
+def give_prefixes(works: Sequence[PrefillWork], prefixes: Sequence[SharedPrefix]) -> list[PrefillWork]:
+    """``works`` with each of ``prefixes`` (found over all their rows) given to the first work some of whose rows
+    start with it, counted for the first of those rows (its index in the work's rows): that work computes and stores
+    it, the later ones load it. Replaces the works' shared prefixes. (A later work whose prefill begins first, its
+    chunk fitting a token budget too small for the earlier work's rows, computes the prefix in its own forward.)"""
+    left = list(prefixes)
+    given = []
+    for work in works:
+        found = []
+        for prefix in list(left):
+            size = len(prefix.tokens)
+            first = next((i for i, row in enumerate(work.rows) if row.context_ids[:size] == prefix.tokens), None)
+            if first is not None:
+                found.append(SharedPrefix(prefix.tokens, first))
+                left.remove(prefix)
+        given.append(dataclasses.replace(work, shared_prefixes=tuple(found)))
+    return given
 
 
 def shared_prefixes(prompts: Sequence[Sequence[int]], chunking: ChunkingConfig) -> list[SharedPrefix]:

@@ -12,7 +12,6 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from kvboost_hf import KVBoost, SamplingConfig, StoreConfig, UnsupportedModelError
 from kvboost_hf.corpus import documents
-from kvboost_hf.hf import decode as decode_module
 from kvboost_hf.hf import rows as rows_module
 from kvboost_hf.hf.models import check_model_support, embedded_model_dir
 
@@ -36,7 +35,7 @@ def test_verify_correctness_catches_a_loop_defect_every_mode_shares(embedded_eng
         return int(scores.topk(2).indices[0, 1])
 
     monkeypatch.setattr(rows_module, "choose_token", runner_up)  # a row's own choice (DecodeRow.choose)
-    monkeypatch.setattr(decode_module, "greedy_tokens", lambda scores: scores.topk(2, dim=-1).indices[..., 1])
+    monkeypatch.setattr(rows_module, "greedy_tokens", lambda scores: scores.topk(2, dim=-1).indices[..., 1])  # sample
     report = embedded_engine.verify_correctness(["The capital of France is"], max_new_tokens=3)
     assert not report and report.checks[0].first_differing_step == 0
 

@@ -27,6 +27,7 @@ from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.errors import CapacityError, ConfigError
 from kvboost_hf.core.keys import KeySpace
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, DraftRound, PrefillWork, RowOutput, SharedPrefix
+from kvboost_hf.hf.forward_routes import ForwardRouter
 from kvboost_hf.hf.models import forward_read_bytes
 from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.hf.speculative import DraftConfig
@@ -452,8 +453,8 @@ def test_prefill_plans_cover_every_row_once_with_the_scheduling_rules(prompts, a
     widest row is at most ``max(narrowest, slack)`` tokens longer than the narrowest; each prompt named alone gets a
     work of its own after them; rows of one prompt share a work, repeated when it holds nothing else; the shared
     prefixes are, for each group of prompts the together works compute (a repeated one once) starting with the same
-    chunk, the longest chunk-aligned prefix they share, given to every work holding one of them (so it is computed
-    once, by the first, and loaded by the others)."""
+    chunk, the longest chunk-aligned prefix they share, given to the first work holding one of them (which computes
+    it once; the others load it)."""
     rows = DecodeLoop.rows_for([DecodeRequest(prompt_ids=p, max_new_tokens=1) for p in prompts], set())
     named = {tuple(p) for p, alone in zip(prompts, alone_mask, strict=False) if alone}
     works = prefill_works(
@@ -493,8 +494,7 @@ def test_prefill_plans_cover_every_row_once_with_the_scheduling_rules(prompts, a
                 by_first.setdefault(tuple(p[:CHUNK]), []).append((index, p))
         for members in by_first.values():
             if len(members) > 1 and (prefix := longest_shared_prefix([p for _, p in members])):
-                for index, _ in members:
-                    expected[index].add(prefix)
+                expected[min(index for index, _ in members)].add(prefix)
     assert {index: {p.tokens for p in work.shared_prefixes} for index, work in enumerate(works)} == expected
 
 
@@ -726,33 +726,58 @@ def test_generate_many_prefills_mixed_lengths_in_forwards_of_similar_widths_with
     """Five prompts admitted in one schedule: a 6-token prompt twice and a 20-token one, a 90-token prompt twice, a
     216-token one; the 20- and 216-token prompts start with the same 16 tokens (two chunks of 8). They are
     prefilled in three forwards, narrowest first: ``[6, 6, 20]`` (14 columns of padding at most, under the slack of
-    64), ``[90]`` repeated, ``[216]`` (not padded to by the others); the shared 16 tokens are computed once, by the
-    first forward holding one of them, and loaded by the last. Every output equals transformers' greedy one."""
+    64), ``[90]`` repeated, ``[216]`` (not padded to by the others); the shared 16 tokens (not stored: the plan asked
+    the store) are given to the first forward holding one of them, computed before it and loaded by the last. Every
+    output equals transformers' greedy one."""
     engine.store.clear()
     head = words(102, 16)
     prompts = [words(100, 6), f"{head} {words(101, 4)}", words(100, 6), f"{head} {words(103, 200)}", words(104, 90)]
     prompts.append(prompts[-1])
     assert [len(engine.encode(p)) for p in prompts] == [6, 20, 6, 216, 90, 90]
     expected = [engine_reference(engine, p, 4).tokens for p in prompts]
-    forwards: list[tuple[list[int], bool]] = []
-    prefixes: list[int] = []
-    begin, store_prefix = DecodeLoop._begin_prefill, DecodeLoop._store_prefix
+    forwards: list[tuple[list[int], bool, list[int]]] = []
+    computed: list[int] = []
+    begin = DecodeLoop._begin_prefill
 
     def recorded_begin(loop, work):
-        forwards.append(([row.context_length for row in work.rows], work.repeat))
-        return begin(loop, work)
-
-    def recorded_prefix(loop, prefix):
-        prefixes.append(store_prefix(loop, prefix))
-        return prefixes[-1]
+        prompt = begin(loop, work)
+        given = [len(prefix.tokens) for prefix in work.shared_prefixes]
+        forwards.append(([row.context_length for row in work.rows], work.repeat, given))
+        computed.append(sum(prompt.shared_computed.values()))  # the prefix tokens its shared prefixes computed
+        return prompt
 
     monkeypatch.setattr(DecodeLoop, "_begin_prefill", recorded_begin)
-    monkeypatch.setattr(DecodeLoop, "_store_prefix", recorded_prefix)
     results = engine.generate_many(prompts, max_new_tokens=4, max_batch_size=8)
     assert [result.output_ids for result in results] == expected
-    assert forwards == [([6, 6, 20], False), ([90, 90], True), ([216], False)]
-    assert prefixes == [16, 0]  # computed before the first forward, found stored before the last
+    assert forwards == [([6, 6, 20], False, [16]), ([90, 90], True, []), ([216], False, [])]
+    assert computed == [16, 0, 0]  # computed before the first forward (nothing stored); the others were not asked
     assert (results[1].cached_tokens, results[3].cached_tokens) == (0, 16)
+
+
+def test_the_plan_gives_the_runner_only_the_shared_prefixes_the_store_lacks(engine):
+    """The batch policy reads the store so the runner need not: a 20- and a 216-token prompt (two forwards) sharing a
+    16-token head get it as the first forward's shared prefix while the store lacks its chunks; the runner computes
+    it (16 tokens, counted for the first row) and the second forward loads it; planned again, the head is stored and
+    no forward is given a prefix."""
+    engine.store.clear()
+    head = words(140, 16)
+    prompts = [engine.encode(f"{head} {words(141, 4)}"), engine.encode(f"{head} {words(142, 200)}")]
+    assert prompts[0][:16] == prompts[1][:16] and [len(p) for p in prompts] == [20, 216]
+    policy = engine.factories.batch_policy()
+
+    def plan() -> list[PrefillWork]:
+        rows = engine.factories.new_rows([DecodeRequest(prompt_ids=p, max_new_tokens=2) for p in prompts])
+        return policy.prefill_works(rows, None)
+
+    works = plan()
+    assert [[row.context_length for row in work.rows] for work in works] == [[20], [216]]
+    assert [work.shared_prefixes for work in works] == [(SharedPrefix(tuple(prompts[0][:16]), 0),), ()]
+    loop = engine.factories.decode_loop()
+    for work in works:
+        loop.add(work)
+    assert loop.computed_tokens == 20 + (216 - 16)  # the head once (for the first row), then each row's own tail
+    assert [row.reuse.cached_tokens for row in loop.rows] == [0, 16]
+    assert [work.shared_prefixes for work in plan()] == [(), ()]
 
 
 def test_a_job_submitted_while_the_scheduler_reads_the_store_is_queued_at_once(engine, monkeypatch):
@@ -983,14 +1008,14 @@ def test_a_speculative_batch_over_the_kv_budget_is_preempted_and_resumed_with_ge
     per_token = scheduler.kv_budget.bytes_per_token
     scheduler.kv_budget = dataclasses.replace(scheduler.kv_budget, budget_bytes=3 * room * per_token)
     during: list[tuple[int, int]] = []
-    verify_forward = DecodeLoop._verify_forward
+    verify_forward = ForwardRouter.verify
 
-    def measured(loop, *args):
-        logits = verify_forward(loop, *args)
+    def measured(router, *args):
+        logits = verify_forward(router, *args)
         during.append((held_kv_bytes(scheduler), scheduler.memory.reserved_bytes))
         return logits
 
-    monkeypatch.setattr(DecodeLoop, "_verify_forward", measured)
+    monkeypatch.setattr(ForwardRouter, "verify", measured)
     before = engine.cache_stats()
     rows, streamed, trace = budget_run(engine, scheduler, prompts, 12, lower_at=(3, 2 * room * per_token))
 

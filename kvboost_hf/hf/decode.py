@@ -6,7 +6,8 @@ one model and one cache. It makes no scheduling decision: the scheduler hands it
 * :class:`PrefillWork`: rows to prefill together in one fresh cache (built with the work's segment starts). Their
   prompts are left-padded into one forward (a :class:`~kvboost_hf.hf.cache.ChunkReuseCache` stitches stored chunks,
   called explicitly through :func:`~kvboost_hf.hf.prefill.forward`, and computes only the rest); the work's shared
-  prefixes are computed once (batch of one) and stored first, so the batch prefill loads them for every row; a
+  prefixes (those the scheduler found missing from the store) are computed once (batch of one) and stored first,
+  so the batch prefill loads them for every row; a
   work whose rows are one prompt (the ``n`` choices of a request) is prefilled once and repeated. Each row gets its
   first token, then the rows are appended below the running ones (continuous batching).
 * :meth:`DecodeLoop.step`: one forward for the rows still running. Each row's logits go through its own
@@ -28,7 +29,9 @@ one model and one cache. It makes no scheduling decision: the scheduler hands it
 
 Both return the sampled tokens per row (:class:`RowOutput`) and decide nothing about them: the scheduler appends
 them to the rows, decides which rows stop (end tokens, budget, stop strings on the incrementally decoded text,
-cancellation) and calls :meth:`DecodeLoop.retire_finished`, which drops the ended rows from the batch.
+cancellation) and calls :meth:`DecodeLoop.retire_finished`, which drops the ended rows from the batch. The runner
+reads no store (stitching stored chunks is the cache's), and whether a forward runs through compiled graphs or
+eagerly is its :class:`~kvboost_hf.hf.forward_routes.ForwardRouter`'s.
 
 Invariants: a row's positions and attention mask are exactly those ``generate()`` builds for a left-padded batch
 (a dropped column is left padding), so with temperature 0 each row yields the tokens it yields alone, and a row
@@ -44,7 +47,6 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,18 +54,16 @@ from typing import Any
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
-from kvboost_hf.core.chunking import chunk_spans
 from kvboost_hf.core.errors import InputError
-from kvboost_hf.core.keys import chain_prefix_keys
 from kvboost_hf.hf.cache import ChunkReuseCache, join_caches, keep_cache_columns, prepend_zeros
-from kvboost_hf.hf.graphs import GraphedDecoder, capacity_bucket, pad_rows, row_bucket
+from kvboost_hf.hf.forward_routes import ForwardRouter
+from kvboost_hf.hf.graphs import GraphedDecoder
 from kvboost_hf.hf.models import model_dtype
-from kvboost_hf.hf.prefill import forward, forward_inputs, run_forward
+from kvboost_hf.hf.prefill import forward_inputs
 from kvboost_hf.hf.rows import DecodeRequest as DecodeRequest  # the rows' types, importable from here as before
-from kvboost_hf.hf.rows import DecodeRow, RowOutput, new_rows, sampled, to_device
+from kvboost_hf.hf.rows import DecodeRow, RowOutput, new_rows, sample
 from kvboost_hf.hf.rows import DraftRound as DraftRound
 from kvboost_hf.hf.rows import TokenLogprob as TokenLogprob
-from kvboost_hf.hf.sampling import greedy_tokens
 from kvboost_hf.hf.speculative import Drafter, DraftTree
 from kvboost_hf.hf.verify import TreeVerifier, Verified
 from kvboost_hf.hf.verify_graphs import GraphedVerifier
@@ -72,14 +72,14 @@ from kvboost_hf.offload.streamer import layer_streamer
 logger = logging.getLogger(__name__)
 
 TRIM_MIN_COLUMNS = 64
-"""Fewest all-padding leading columns (tokens) a batch drops when rows leave it (see ``DecodeLoop._trim_padding``)."""
+"""Fewest all-padding leading columns (tokens) a batch drops when rows leave it (see :func:`trim_padding`)."""
 
 
 @dataclass(frozen=True)
 class SharedPrefix:
-    """A chunk-aligned prefix (``tokens``) that several rows of one :class:`PrefillWork` start with: computed and
-    stored once before their prefill (unless stored already), then loaded for each of them. Its computed tokens are
-    counted for the work's row ``row`` (an index into :attr:`PrefillWork.rows`)."""
+    """A chunk-aligned prefix (``tokens``) that several rows start with and the store does not hold (the scheduler's
+    finding): computed and stored once before one work's prefill, then loaded for each row starting with it. Its
+    computed tokens are counted for the work's row ``row`` (an index into :attr:`PrefillWork.rows`)."""
 
     tokens: tuple[int, ...]
     row: int
@@ -92,8 +92,9 @@ class PrefillWork:
 
     ``repeat``: every row has one prompt (the ``n`` choices of a request): it is prefilled once and its K/V
     repeated, so a repair of non-prefix hits, which a cache makes for one row at a time, applies to every row.
-    ``shared_prefixes``: prefixes to compute and store first unless stored (shared by rows with different prompts,
-    of this work or of other works of one schedule: the first work to run computes them, the others load them).
+    ``shared_prefixes``: prefixes to compute and store before the prompt forward (shared by rows with different
+    prompts, of this work or of later works of one schedule, which load them); the runner computes each one it is
+    given without asking the store (the scheduler gave it only those the store lacked, each to one work).
 
     Invariants (checked): at least one row; with ``repeat`` every row has the same prompt; each shared prefix is a
     prefix of its row's prompt.
@@ -220,22 +221,15 @@ class DecodeLoop:
         draft: speculative decoding with this drafter (fresh, unused: the loop runs its prefills), or None. The drafter
             decides which forwards verify trees and how large (:meth:`~kvboost_hf.hf.speculative.Drafter.tree_sizes`);
             :attr:`verifier` (:class:`~kvboost_hf.hf.verify.TreeVerifier`) verifies them.
-        graphs: runs plain decode steps (no draft, a reuse cache with no context adjustment) as CUDA graphs where
-            they fit (:class:`~kvboost_hf.hf.graphs.GraphedDecoder`, shared by the loops of one model so each shape
-            is captured once): the cache turns static at a capacity bucket holding every row's remaining tokens
-            (one K/V copy) and grows again when rows join; a batch between two row buckets is padded up to the
-            larger (:meth:`~kvboost_hf.hf.cache.ChunkReuseCache.pad_batch`: copies of the last row, whose logits are
-            dropped and which write nothing back; one K/V copy when the row count changes). A prompt forward whose
-            uncached tail follows reused K/V (a warm chat turn) and fits a query bucket runs graphed too
-            (:meth:`~kvboost_hf.hf.graphs.GraphedDecoder.prefill`, in one call of a chunked prefill when the tail
-            fits its columns): the cache turns static first, at a capacity that also holds the rows' answers, so
-            the decode steps after it keep it. None: every forward eager.
-        verify_graphs: runs the verify forwards of speculative steps through graphs where they fit
-            (:class:`~kvboost_hf.hf.verify_graphs.GraphedVerifier`, shared like ``graphs``; draft tokens padded up
-            to a bucket, the cache static, rows padded); None: eager.
+        graphs, verify_graphs: the compiled graphs that plain decode steps and prompt forwards over reused K/V
+            (:class:`~kvboost_hf.hf.graphs.GraphedDecoder`), and speculative verify forwards
+            (:class:`~kvboost_hf.hf.verify_graphs.GraphedVerifier`) run through where they fit; None: eager.
+            :attr:`router` (:class:`~kvboost_hf.hf.forward_routes.ForwardRouter`) decides each forward's way and
+            runs it; a static cache grows again when rows join (the join makes it growable first), and a graphed
+            prompt forward runs in the call of a chunked prefill whose columns hold the whole uncached tail.
 
     ``rows`` holds every row added (in order) and not preempted since, ``running`` those still decoding.
-    ``forwards`` counts target model forwards (prefills and shared prefixes included; the draft's are
+    :attr:`forwards` counts target model forwards (prefills and shared prefixes included; the draft's are
     ``draft.forwards``), ``verify_forwards`` those of them that verified draft tokens (one per speculative step, and
     a prompt forward that verified the first tree); ``streamed_bytes`` the bytes the target's layer streamer copied
     during this loop's prefills and steps (an early-exit draft's forwards on the target included; None when the
@@ -256,8 +250,7 @@ class DecodeLoop:
         verify_graphs: GraphedVerifier | None = None,
     ) -> None:
         self.model = model
-        self.graphs = graphs
-        self.verify_graphs = verify_graphs
+        self.router = ForwardRouter(model, graphs, verify_graphs, speculative=draft is not None)
         self.rows: list[DecodeRow] = []
         self.running: list[DecodeRow] = []
         self.new_cache = new_cache
@@ -268,7 +261,6 @@ class DecodeLoop:
         self.cache: ChunkReuseCache | DynamicCache | None = None
         self.mask = torch.empty(0)
         self.positions = torch.empty(0)
-        self.forwards = 0
         self.verify_forwards = 0
         self.streamed_bytes: int | None = None if layer_streamer(model) is None else 0
         self.computed_tokens = 0
@@ -289,6 +281,12 @@ class DecodeLoop:
         if not self.running:
             return 0
         return max(self.mask.shape[1], getattr(self.cache, "max_cache_len", None) or 0)
+
+    @property
+    def forwards(self) -> int:
+        """Target model forwards run so far (:attr:`ForwardRouter.forwards
+        <kvboost_hf.hf.forward_routes.ForwardRouter.forwards>`)."""
+        return self.router.forwards
 
     # ------------------------------------------------------------------ forwards
     @_counting_streamed_bytes
@@ -322,8 +320,9 @@ class DecodeLoop:
             prompt.inputs = forward_inputs(self.cache, input_ids=prompt.input_ids, attention_mask=self.mask,
                                            position_ids=prompt.position_ids, logits_to_keep=1)  # fmt: skip
             tail = prompt.inputs["input_ids"].shape[1]  # what the store did not hold: one chunk when <= columns
-            if tail <= columns and (capacity := self._prefill_capacity(prompt.inputs)) is not None:
-                return self._first_tokens(prompt, self._graphed_prefill(capacity, prompt.inputs)[:, None], None)
+            graphed = self.router.graphed_prompt(self.cache, prompt.inputs, self.running) if tail <= columns else None
+            if graphed is not None:
+                return self._first_tokens(prompt, graphed[:, None], None)
         else:
             self._prompts.remove(prompt)
             prompt.state.attach(self)
@@ -335,17 +334,23 @@ class DecodeLoop:
         return self._first_tokens(prompt, last, None)
 
     def _begin_prefill(self, work: PrefillWork) -> _Prompt:
-        """Store the work's shared prefixes, then make its rows the loop's, in a fresh cache, with their left-padded
-        prompts' mask; returns the prompt forward to run."""
+        """Compute and store the work's shared prefixes (each one: the scheduler gave only those the store lacks),
+        then make its rows the loop's, in a fresh cache, with their left-padded prompts' mask; returns the prompt
+        forward to run."""
         self.rows += work.rows
         rows = list(work.rows)
         prompts = [list(rows[0].context_ids)] if work.repeat else [list(row.context_ids) for row in rows]
         starts = work.cache_segment_starts(reuse=self.new_cache is not None)
         shared_computed: dict[int, int] = {}
         if self.new_cache is not None:
-            for prefix in work.shared_prefixes:
-                if computed := self._store_prefix(list(prefix.tokens)):
-                    shared_computed[prefix.row] = shared_computed.get(prefix.row, 0) + computed
+            for prefix in work.shared_prefixes:  # one forward each (batch of one), stored before the prompts' forward
+                cache = self.new_cache(())
+                ids = torch.tensor([prefix.tokens], device=self.device)
+                self.router.run(forward_inputs(cache, input_ids=ids, logits_to_keep=1))
+                cache.save(tail=False)
+                computed = len(prefix.tokens) - (cache.last_reuse[0].cached_tokens if cache.last_reuse else 0)
+                shared_computed[prefix.row] = shared_computed.get(prefix.row, 0) + computed
+                logger.debug("stored a shared prefix of %d tokens", len(prefix.tokens))
         self.running = rows
         self.cache = self.new_cache(starts) if self.new_cache is not None else DynamicCache()
         input_ids, self.mask = left_pad(prompts, self.pad_token_id, self.device)
@@ -368,8 +373,7 @@ class DecodeLoop:
                 "position_ids": inputs["position_ids"][:, part],
                 "attention_mask": self.mask[:, : cached + stop],
             }
-        out = run_forward(self.model, inputs)
-        self.forwards += 1
+        out = self.router.run(inputs)
         prompt.computed = stop
         return out.logits[:, -1:, :].float() if stop == width else None
 
@@ -407,7 +411,7 @@ class DecodeLoop:
         if trees is not None and self.verifier is not None:
             verified = self.verifier.verify(self.running, self.cache, trees, logits, self.mask, self.positions)
             return self._verified(verified)
-        outputs = self._sample(logits[:, 0])
+        outputs = sample(self.running, logits[:, 0])
         if self.draft is not None:  # after the first tokens were sampled (their time is the TTFT)
             self.draft.prefill(input_ids, self.mask, position_ids, prompt.starts)
         return outputs
@@ -432,35 +436,25 @@ class DecodeLoop:
             inputs, trees = self.verifier.prompt_queries(
                 rows, self.cache, inputs, self.mask, input_ids, position_ids, segment_starts
             )
-        elif (capacity := self._prefill_capacity(inputs)) is not None:
-            return self._graphed_prefill(capacity, inputs)[:, None], None
-        out = run_forward(self.model, inputs)
-        self.forwards += 1
-        keep = inputs["logits_to_keep"]
-        return out.logits[:, -keep:, :].float(), trees
+        return self.router.prompt(self.cache, inputs, self.running), trees
 
     @_counting_streamed_bytes
     def step(self) -> list[RowOutput]:
         """One decode step for every running row (speculative when the drafter drafts for them: one or more tokens
-        per row); returns each row's tokens, in the order of :attr:`running`."""
+        per row); returns each row's tokens, in the order of :attr:`running`. The chunks completed so far are
+        written back after it (background writes; never inside the time to first token)."""
         if self.verifier is not None and (sizes := self.verifier.tree_sizes(self.running)) is not None:
             assert self.cache is not None, "running rows have a cache"
-            verified = self.verifier.step(
-                self.running, self.cache, self.mask, self.positions, sizes, self._verify_forward
-            )
+            verify = functools.partial(self.router.verify, self.cache, self.running)
+            verified = self.verifier.step(self.running, self.cache, self.mask, self.positions, sizes, verify)
             outputs = self._verified(verified)
             self._save(tail=False)
             return outputs
-        last_on_host = torch.tensor([[row.tokens[-1]] for row in self.running], dtype=torch.long)
-        last = last_on_host.to(self.device, non_blocking=True)
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.running), 1)], dim=1)
         self.positions = self.positions + 1
-        if (capacity := self._graph_capacity()) is None:
-            logits = self._forward(last, self.positions[:, None])
-        else:
-            logits = self._graphed_forward(capacity, last, last_on_host)
-        self._save(tail=False)  # chunks completed so far (background writes; never inside the TTFT)
-        return self._sample(logits)
+        logits = self.router.decode(self.cache, self.running, self.mask, self.positions)
+        self._save(tail=False)
+        return sample(self.running, logits)
 
     def _verified(self, verified: Verified) -> list[RowOutput]:
         """Take a verify forward's result (one more verify forward): the batch's mask and positions after the
@@ -476,138 +470,7 @@ class DecodeLoop:
         if self.draft is not None:
             self.draft.save(tail=tail)
 
-    def _forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        keep: int = 1,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One target forward (``attention_mask`` default: the loop's 2D mask); the last ``keep`` positions'
-        logits (fp32), ``[B, V]`` for ``keep == 1`` else ``[B, keep, V]``. A reuse cache left padded by a graphed
-        verify forward drops its padding rows first."""
-        if isinstance(self.cache, ChunkReuseCache) and self.cache.padding_rows:
-            self.cache.pad_batch(input_ids.shape[0])
-        out = forward(
-            self.model,
-            self.cache,
-            input_ids=input_ids,
-            attention_mask=self.mask if attention_mask is None else attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=keep,
-        )
-        self.forwards += 1
-        logits = out.logits[:, -keep:, :].float()
-        return logits[:, -1, :] if keep == 1 else logits
-
-    def _verify_forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: int, attention_mask: torch.Tensor
-    ) -> torch.Tensor:
-        """A speculative step's verify forward (the verifier's :data:`~kvboost_hf.hf.verify.TargetForward`): through
-        the verify graphs where it fits (:meth:`GraphedVerifier.run
-        <kvboost_hf.hf.verify_graphs.GraphedVerifier.run>`), else :meth:`_forward`; logits ``[B, keep, V]``."""
-        if self.verify_graphs is not None:
-            answer = max(row.tokens_left for row in self.running)
-            logits = self.verify_graphs.run(self.cache, input_ids, position_ids, attention_mask, answer)
-            if logits is not None:
-                self.forwards += 1
-                return logits
-        return self._forward(input_ids, position_ids, keep, attention_mask)
-
-    def _graph_capacity(self) -> int | None:
-        """The static capacity (tokens) for a graphed plain decode step, or None when the step runs eagerly (no
-        graphs, a draft, a plain cache, a context adjustment, rows above the largest bucket, a capacity above the
-        cap)."""
-        cache = self.cache
-        if self.graphs is None or self.draft is not None or not isinstance(cache, ChunkReuseCache):
-            return None
-        if cache.attention_kwargs() or not self.graphs.config.enabled:
-            return None
-        if row_bucket(len(self.running), self.graphs.config.row_buckets) is None:
-            return None
-        needed = cache.get_seq_length() + max(row.tokens_left for row in self.running)
-        return capacity_bucket(needed, self.graphs.config)
-
-    def _graphed_forward(self, capacity: int, last: torch.Tensor, last_on_host: torch.Tensor) -> torch.Tensor:
-        """A plain decode step through the graphs: the cache padded to the rows' bucket and made static first when it
-        is not, or too small; the padding rows fed copies of the last row's token, position and mask, their logits
-        dropped. Recorded with the host's copy of the fed tokens (the real rows'), so no step waits on the device
-        for them."""
-        cache = self.cache
-        assert isinstance(cache, ChunkReuseCache) and self.graphs is not None
-        real, rows = len(self.running), self.graphs.rows_for(len(self.running))
-        cache.pad_batch(rows)
-        if cache.max_cache_len is None or cache.max_cache_len <= cache.get_seq_length():  # no room for this token
-            cache.set_max_cache_len(capacity)
-        inputs = (pad_rows(tensor, rows) for tensor in (last, self.positions[:, None], self.mask))
-        logits = self.graphs.step(cache, *inputs)
-        cache.record(last_on_host)
-        self.forwards += 1
-        return logits[:real].float()
-
-    def _prefill_capacity(self, inputs: dict[str, Any]) -> int | None:
-        """The static capacity (tokens) for a graphed prompt forward of ``inputs`` (:func:`forward_inputs`' result,
-        the reused K/V loaded), or None when it runs eagerly: no graphs, a draft, a plain cache, a sparse repair
-        forward, a context adjustment, no reused column, or a shape the graphs refuse
-        (:meth:`~kvboost_hf.hf.graphs.GraphedDecoder.prefill_capacity`)."""
-        cache = self.cache
-        if self.graphs is None or self.draft is not None or not isinstance(cache, ChunkReuseCache):
-            return None
-        if cache.expects_sparse_forward or not cache.reuse_enabled or cache.attention_kwargs():
-            return None
-        rows, queries = inputs["input_ids"].shape
-        answer = max(row.tokens_left for row in self.running)
-        return self.graphs.prefill_capacity(rows, cache.num_columns, queries, answer)
-
-    def _graphed_prefill(self, capacity: int, inputs: dict[str, Any]) -> torch.Tensor:
-        """A prompt forward of the uncached tail through the graphs (:meth:`~kvboost_hf.hf.graphs.GraphedDecoder.
-        prefill`): the cache padded to the rows' bucket and made static at ``capacity`` (one K/V copy, which the
-        decode steps after it keep), the padding rows fed copies of the last row, their logits dropped. Returns
-        the real rows' last-token logits ``[P, V]`` (fp32)."""
-        cache = self.cache
-        assert isinstance(cache, ChunkReuseCache) and self.graphs is not None
-        fed = inputs["input_ids"]
-        real, rows = fed.shape[0], self.graphs.rows_for(fed.shape[0])
-        cache.pad_batch(rows)
-        cache.set_max_cache_len(capacity)
-        padded = (pad_rows(inputs[name], rows) for name in ("input_ids", "position_ids", "attention_mask"))
-        logits = self.graphs.prefill(cache, *padded)
-        cache.record(fed)
-        self.forwards += 1
-        return logits[:real].float()
-
-    def _store_prefix(self, prefix: list[int]) -> int:
-        """Compute and store the chunk-aligned ``prefix`` (one forward, batch of one) unless all its chunks are
-        stored; returns the tokens computed here."""
-        assert self.new_cache is not None, "prefixes are stored only with reuse on"
-        cache = self.new_cache(())
-        keys = chain_prefix_keys(cache.namespace, prefix, chunk_spans(prefix, cache.chunking))
-        if all(cache.store.contains_many(keys)):  # one Redis round trip for all of them
-            return 0
-        forward(self.model, cache, input_ids=torch.tensor([prefix], device=self.device), logits_to_keep=1)
-        self.forwards += 1
-        cache.save(tail=False)
-        loaded = cache.last_reuse[0].cached_tokens if cache.last_reuse else 0
-        logger.debug("stored a shared prefix of %d tokens", len(prefix))
-        return len(prefix) - loaded
-
-    # ------------------------------------------------------------------ tokens and rows
-    def _sample(self, logits: torch.Tensor) -> list[RowOutput]:
-        """One token per running row from the last positions' logits ``[B, V]``: plain greedy rows take the argmax
-        on the device, the others go through their processors and own choice; the ids and log-probabilities come
-        to the host in one transfer."""
-        rows = self.running
-        chosen = greedy_tokens(logits)
-        if others := [i for i, row in enumerate(rows) if not row.plain_greedy]:
-            picks = [rows[i].choose(logits[i : i + 1]) for i in others]
-            chosen = chosen.index_put((to_device(others, logits.device),), to_device(picks, logits.device))
-        tokens, logprobs = sampled(rows, logits, chosen)
-        now = time.perf_counter()
-        return [
-            RowOutput(row, (token,), () if logprob is None else (logprob,), now)
-            for row, token, logprob in zip(rows, tokens, logprobs, strict=True)
-        ]
-
+    # ------------------------------------------------------------------ rows leaving
     def retire_finished(self) -> None:
         """Drop the rows that ended (:attr:`DecodeRow.finished`, decided by the caller) from the batch; their chunks
         (unfinished last chunks included) are stored first. A chunked prompt forward whose rows all ended (e.g.
@@ -645,19 +508,8 @@ class DecodeLoop:
             self.draft.cache.batch_select_indices(index)
         self.mask = self.mask[index]
         self.positions = self.positions[index]
-        self._trim_padding()
-
-    def _trim_padding(self) -> None:
-        """Drop the leading columns that are left padding for every running row (a wider row left the batch) when
-        they are at least :data:`TRIM_MIN_COLUMNS` and a quarter of the width, so the steps after read only what
-        the rows hold and a trim's copy (one per layer) stays rare. Not with a draft, whose cache keeps a layout of
-        its own."""
-        if self.draft is None and self.cache is not None:
-            width = self.mask.shape[1]
-            first = int(self.mask.any(dim=0).int().argmax())  # one device read, only when rows leave
-            if first >= max(TRIM_MIN_COLUMNS, width // 4):
-                keep_cache_columns(self.cache, [range(first, width)] * len(self.running), width - first)
-                self.mask = self.mask[:, first:]
+        if self.draft is None:  # a draft's cache keeps a layout of its own
+            self.mask = trim_padding(self.cache, self.mask)
 
     def abandon(self) -> None:
         """Drop every running row, every prompt forward under way and the caches unsaved (after a failed forward
@@ -666,6 +518,19 @@ class DecodeLoop:
         self.cache = None
         if self.draft is not None:
             self.draft.cache = None
+
+
+def trim_padding(cache: Cache, mask: torch.Tensor) -> torch.Tensor:
+    """Drop from ``cache`` the leading columns that are left padding for every row of the 2D ``mask`` ``[B, C]``
+    (a wider row left the batch) when they are at least :data:`TRIM_MIN_COLUMNS` and a quarter of the width, so the
+    steps after read only what the rows hold and a trim's copy (one per layer) stays rare; returns the mask of the
+    columns kept (``mask`` itself when none is dropped)."""
+    width = mask.shape[1]
+    first = int(mask.any(dim=0).int().argmax())  # one device read, only when rows leave
+    if first < max(TRIM_MIN_COLUMNS, width // 4):
+        return mask
+    keep_cache_columns(cache, [range(first, width)] * mask.shape[0], width - first)
+    return mask[:, first:]
 
 
 def left_pad(

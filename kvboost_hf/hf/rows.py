@@ -1,7 +1,7 @@
 """The rows of a decode batch: what a row asks for (:class:`DecodeRequest`), its state (:class:`DecodeRow`: tokens,
 text, log-probabilities, finish reason, its own processors and seeded generator), what the runner sampled for it in
-one forward (:class:`RowOutput`, :class:`TokenLogprob`, :class:`DraftRound`), and the batched transfer of sampled ids
-and log-probabilities to the host (:func:`sampled`).
+one forward (:class:`RowOutput`, :class:`TokenLogprob`, :class:`DraftRound`), one token per row from a forward's
+logits (:func:`sample`), and the batched transfer of sampled ids and log-probabilities to the host (:func:`sampled`).
 
 The runner (:class:`~kvboost_hf.hf.decode.DecodeLoop`) and tree verification (:mod:`kvboost_hf.hf.verify`) read rows
 and choose their tokens; the scheduler (:mod:`kvboost_hf.scheduling`) appends them and ends rows.
@@ -10,6 +10,7 @@ and choose their tokens; the scheduler (:mod:`kvboost_hf.scheduling`) appends th
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from kvboost_hf.core.errors import InputError
 from kvboost_hf.hf.detokenize import IncrementalText
 from kvboost_hf.hf.prefill import RowReuse
-from kvboost_hf.hf.sampling import SamplingConfig, build_processors, choose_token
+from kvboost_hf.hf.sampling import SamplingConfig, build_processors, choose_token, greedy_tokens
 
 TokenTop = tuple[tuple[int, float], ...]
 
@@ -253,6 +254,22 @@ def new_rows(requests: Sequence[DecodeRequest], eos_token_ids: set[int] | frozen
             seed = int(torch.randint(0, 2**62, (1,)))
         rows.append(DecodeRow(request, seed, frozenset(eos_token_ids)))
     return rows
+
+
+def sample(rows: Sequence[DecodeRow], logits: torch.Tensor) -> list[RowOutput]:
+    """One token per row from the last positions' logits ``[B, V]`` (row ``i`` of the logits is ``rows[i]``'s):
+    plain greedy rows take the argmax on the device, the others go through their processors and own choice
+    (:meth:`DecodeRow.choose`); the ids and log-probabilities come to the host in one transfer (:func:`sampled`)."""
+    chosen = greedy_tokens(logits)
+    if others := [i for i, row in enumerate(rows) if not row.plain_greedy]:
+        picks = [rows[i].choose(logits[i : i + 1]) for i in others]
+        chosen = chosen.index_put((to_device(others, logits.device),), to_device(picks, logits.device))
+    tokens, logprobs = sampled(rows, logits, chosen)
+    now = time.perf_counter()
+    return [
+        RowOutput(row, (token,), () if logprob is None else (logprob,), now)
+        for row, token, logprob in zip(rows, tokens, logprobs, strict=True)
+    ]
 
 
 def sampled(

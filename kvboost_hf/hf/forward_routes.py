@@ -1,0 +1,192 @@
+"""Stage 8 helper: the way each target forward of the model runner goes, graphed or eager, and running it.
+
+The runner (:class:`~kvboost_hf.hf.decode.DecodeLoop`) says what to compute; :class:`ForwardRouter` decides whether
+that forward runs through compiled graphs (:class:`~kvboost_hf.hf.graphs.GraphedDecoder` for plain decode steps and
+prompt forwards over reused K/V, :class:`~kvboost_hf.hf.verify_graphs.GraphedVerifier` for speculative verify
+forwards) or eagerly, pads what a graph needs (the cache's rows to a row bucket, a static capacity) and returns the
+real rows' logits. Its one reason to change is the rules of that choice.
+
+Invariants: a graphed forward and its eager twin return the same logits (fp32) for the real rows and leave the same
+columns recorded in the cache (padding rows are copies of the last real row, never recorded or written back);
+:attr:`ForwardRouter.forwards` counts every target forward run through it, one per call whichever way it went.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from kvboost_hf.hf.cache import ChunkReuseCache
+from kvboost_hf.hf.graphs import GraphedDecoder, capacity_bucket, pad_rows, row_bucket
+from kvboost_hf.hf.prefill import forward, run_forward
+from kvboost_hf.hf.rows import DecodeRow
+from kvboost_hf.hf.verify_graphs import GraphedVerifier
+
+__all__ = ["ForwardRouter"]
+
+
+def _answer(rows: Sequence[DecodeRow]) -> int:
+    """The most tokens any of ``rows`` may still take (what a static cache's capacity must hold after its context)."""
+    return max(row.tokens_left for row in rows)
+
+
+class ForwardRouter:
+    """Runs the target forwards of one runner, each through the graphs where it fits, eagerly otherwise.
+
+    Args:
+        model: the target.
+        graphs: graphs plain decode steps (a reuse cache with no context adjustment, at most the largest row bucket
+            of rows) and prompt forwards whose uncached tail follows reused K/V and fits a query bucket
+            (:class:`~kvboost_hf.hf.graphs.GraphedDecoder`, shared by the runners of one model so each shape is
+            captured once): the cache is padded to the rows' bucket
+            (:meth:`~kvboost_hf.hf.cache.ChunkReuseCache.pad_batch`) and turned static at a capacity bucket holding
+            every row's remaining tokens (one K/V copy; the decode steps after a graphed prompt forward keep it).
+            None: every decode step and prompt forward eager.
+        verify_graphs: graphs the verify forwards of speculative steps where they fit
+            (:class:`~kvboost_hf.hf.verify_graphs.GraphedVerifier`, shared like ``graphs``); None: eager.
+        speculative: the runner drafts: its plain decode steps and prompt forwards run eagerly (the draft's cache
+            follows the target's layout, which graphs' padding rows would break).
+
+    ``forwards`` counts the forwards run (graphed and eager).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        graphs: GraphedDecoder | None,
+        verify_graphs: GraphedVerifier | None,
+        *,
+        speculative: bool,
+    ) -> None:
+        self.model = model
+        self.graphs = graphs
+        self.verify_graphs = verify_graphs
+        self.speculative = speculative
+        self.forwards = 0
+
+    def run(self, inputs: dict[str, Any]) -> Any:
+        """An eager forward of ``inputs`` (:func:`~kvboost_hf.hf.prefill.forward_inputs`' result, stored chunks
+        loaded; a prompt chunk, a shared prefix); returns the model's output, the fed tokens recorded."""
+        output = run_forward(self.model, inputs)
+        self.forwards += 1
+        return output
+
+    def decode(
+        self,
+        cache: ChunkReuseCache | DynamicCache | None,
+        rows: Sequence[DecodeRow],
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """One plain decode step feeding each of ``rows`` its last token at ``positions`` ``[B]`` under the 2D
+        ``mask`` ``[B, C]`` (the new column included); returns the logits ``[B, V]`` (fp32).
+
+        Graphed when it fits (:meth:`_decode_capacity`): the cache padded to the rows' bucket and made static first
+        when it is not, or too small; the padding rows fed copies of the last row's token, position and mask, their
+        logits dropped. Recorded with the host's copy of the fed tokens (the real rows'), so no step waits on the
+        device for them."""
+        last_on_host = torch.tensor([[row.tokens[-1]] for row in rows], dtype=torch.long)
+        last = last_on_host.to(mask.device, non_blocking=True)
+        if (capacity := self._decode_capacity(cache, rows)) is None:
+            return self._eager(cache, last, positions[:, None], mask)[:, -1, :]
+        assert isinstance(cache, ChunkReuseCache) and self.graphs is not None, "a graphed step's cache is static"
+        real, padded = len(rows), self.graphs.rows_for(len(rows))
+        cache.pad_batch(padded)
+        if cache.max_cache_len is None or cache.max_cache_len <= cache.get_seq_length():  # no room for this token
+            cache.set_max_cache_len(capacity)
+        logits = self.graphs.step(cache, *(pad_rows(tensor, padded) for tensor in (last, positions[:, None], mask)))
+        cache.record(last_on_host)
+        self.forwards += 1
+        return logits[:real].float()
+
+    def prompt(
+        self, cache: ChunkReuseCache | DynamicCache | None, inputs: dict[str, Any], rows: Sequence[DecodeRow]
+    ) -> torch.Tensor:
+        """A whole prompt forward of ``inputs`` (:func:`~kvboost_hf.hf.prefill.forward_inputs`' result, with any
+        verify queries appended) for ``rows``: graphed where it fits (:meth:`graphed_prompt`), else eagerly.
+        Returns the logits of its last ``inputs["logits_to_keep"]`` positions ``[P, keep, V]`` (fp32)."""
+        if (logits := self.graphed_prompt(cache, inputs, rows)) is not None:
+            return logits[:, None]
+        keep = inputs["logits_to_keep"]
+        return self.run(inputs).logits[:, -keep:, :].float()
+
+    def graphed_prompt(
+        self, cache: ChunkReuseCache | DynamicCache | None, inputs: dict[str, Any], rows: Sequence[DecodeRow]
+    ) -> torch.Tensor | None:
+        """A prompt forward of the uncached tail in ``inputs`` (the reused K/V loaded) through the graphs
+        (:meth:`~kvboost_hf.hf.graphs.GraphedDecoder.prefill`): the cache padded to the rows' bucket and made static
+        at the capacity of the rows' context and answers (one K/V copy, which the decode steps after it keep), the
+        padding rows fed copies of the last row, their logits dropped. Returns the real rows' last-token logits
+        ``[P, V]`` (fp32), or None, running nothing, when it runs eagerly: no graphs, a draft, a plain cache, a
+        sparse repair forward, a context adjustment, no reused column, or a shape the graphs refuse
+        (:meth:`~kvboost_hf.hf.graphs.GraphedDecoder.prefill_capacity`)."""
+        if self.graphs is None or self.speculative or not isinstance(cache, ChunkReuseCache):
+            return None
+        if cache.expects_sparse_forward or not cache.reuse_enabled or cache.attention_kwargs():
+            return None
+        fed = inputs["input_ids"]
+        real, queries = fed.shape
+        capacity = self.graphs.prefill_capacity(real, cache.num_columns, queries, _answer(rows))
+        if capacity is None:
+            return None
+        padded = self.graphs.rows_for(real)
+        cache.pad_batch(padded)
+        cache.set_max_cache_len(capacity)
+        tensors = (pad_rows(inputs[name], padded) for name in ("input_ids", "position_ids", "attention_mask"))
+        logits = self.graphs.prefill(cache, *tensors)
+        cache.record(fed)
+        self.forwards += 1
+        return logits[:real].float()
+
+    def verify(
+        self,
+        cache: ChunkReuseCache | DynamicCache | None,
+        rows: Sequence[DecodeRow],
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        keep: int,
+        attention_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """A speculative step's verify forward for ``rows`` (with ``cache`` and ``rows`` bound, the verifier's
+        :data:`~kvboost_hf.hf.verify.TargetForward`): through the verify graphs where it fits
+        (:meth:`GraphedVerifier.run <kvboost_hf.hf.verify_graphs.GraphedVerifier.run>`), else eagerly; logits
+        ``[B, keep, V]`` (fp32)."""
+        if self.verify_graphs is not None:
+            logits = self.verify_graphs.run(cache, input_ids, position_ids, attention_mask, _answer(rows))
+            if logits is not None:
+                self.forwards += 1
+                return logits
+        return self._eager(cache, input_ids, position_ids, attention_mask, keep)
+
+    def _eager(
+        self,
+        cache: ChunkReuseCache | DynamicCache | None,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        keep: int = 1,
+    ) -> torch.Tensor:
+        """One eager forward through ``cache`` (stored chunks loaded first); the last ``keep`` positions' logits
+        ``[B, keep, V]`` (fp32). A reuse cache left padded by a graphed verify forward drops its padding rows
+        first."""
+        if isinstance(cache, ChunkReuseCache) and cache.padding_rows:
+            cache.pad_batch(input_ids.shape[0])
+        out = forward(self.model, cache, input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids, logits_to_keep=keep)  # fmt: skip
+        self.forwards += 1
+        return out.logits[:, -keep:, :].float()
+
+    def _decode_capacity(self, cache: ChunkReuseCache | DynamicCache | None, rows: Sequence[DecodeRow]) -> int | None:
+        """The static capacity (tokens) for a graphed plain decode step of ``rows``, or None when the step runs
+        eagerly (no graphs, a draft, a plain cache, a context adjustment, rows above the largest bucket, a capacity
+        above the cap)."""
+        if self.graphs is None or self.speculative or not isinstance(cache, ChunkReuseCache):
+            return None
+        if cache.attention_kwargs() or not self.graphs.config.enabled:
+            return None
+        if row_bucket(len(rows), self.graphs.config.row_buckets) is None:
+            return None
+        return capacity_bucket(cache.get_seq_length() + _answer(rows), self.graphs.config)
