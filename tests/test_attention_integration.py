@@ -62,6 +62,7 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 
     monkeypatch.setattr(attention, "_kernel", lambda: spy)
     monkeypatch.setattr(attention, "ROUTE_PLAIN_TO_SDPA", False)
+    monkeypatch.setattr(attention, "ROUTE_CPU_TO_SDPA", False)
     yield calls
 
 
@@ -169,17 +170,39 @@ def test_sliding_window_with_padding_matches_sdpa(kernel_calls: list[int]) -> No
     torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
 
 
-def test_fallback_without_interpreter_matches_sdpa(
+def test_cpu_without_interpreter_reads_grouped_kv_in_place_and_matches_sdpa(
     model: PreTrainedModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """CPU tensors without TRITON_INTERPRET: SDPA serves the calls (bottom-right causal on a cache), one log line."""
+    """CPU tensors (the default route, even with TRITON_INTERPRET=1): torch SDPA serves the masked calls
+    (bottom-right causal on a cache) with the 2 K/V heads of the 4 query heads as they are (no expanded copy),
+    equal to transformers' sdpa; it is the CPU's path, not a fallback: nothing is logged. A padded batch (an
+    explicit 4D mask) takes it too."""
     ref = _prefill_on_cache(model, "sdpa")
-    monkeypatch.delenv("TRITON_INTERPRET")
+    calls: list[tuple[int, int, bool]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query: torch.Tensor, key: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append((query.shape[1], key.shape[1], bool(kwargs.get("enable_gqa"))))
+        return sdpa(query, key, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     attention._log_fallback.cache_clear()
     with caplog.at_level(logging.WARNING, logger=attention.__name__):
         out = _prefill_on_cache(model, "kvboost")
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
-    assert len([r for r in caplog.records if r.name == attention.__name__]) == 1
+    assert (4, 2, True) in calls, calls
+    assert not [r for r in caplog.records if r.name == attention.__name__]
+    ids = _prompt(2, 10)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    ref_tokens, ref_logits = _generate(model, "sdpa", ids, attention_mask=mask)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    calls.clear()
+    tokens, logits = _generate(model, "kvboost", ids, attention_mask=mask)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    assert (4, 2, True) in calls, calls
 
 
 def test_plain_prefill_and_decode_go_to_sdpa_and_prefill_on_a_cache_to_the_kernel(
@@ -195,6 +218,7 @@ def test_plain_prefill_and_decode_go_to_sdpa_and_prefill_on_a_cache_to_the_kerne
         return launcher(query, key, *args, **kwargs)
 
     monkeypatch.setattr(attention, "_kernel", lambda: spy)
+    monkeypatch.setattr(attention, "ROUTE_CPU_TO_SDPA", False)
     ids = torch.randint(1, 100, (1, 12))
     with torch.no_grad():
         out = model(ids, use_cache=True)  # plain prefill: SDPA

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, sampled
+from kvboost_hf.hf.rows import DecodeRequest, new_rows, sampled
 from kvboost_hf.hf.sampling import SamplingConfig
 
 pytestmark = [
@@ -23,7 +23,7 @@ def rows(tops: list[int | None]):
         DecodeRequest(prompt_ids=[1], max_new_tokens=4, sampling=SamplingConfig(temperature=0), top_logprobs=top)
         for top in tops
     ]
-    return DecodeLoop.rows_for(requests, set())
+    return new_rows(requests, set())
 
 
 @pytest.mark.parametrize("tops", [[None, None, None, None], [2, 2, 2, 2], [None, 3, None, 0]])

@@ -17,8 +17,11 @@ repair config with an APE-style context temperature or scale) is computed by
 Unmasked plain causal prefill (``Lq == Lk``) and single-query calls go to torch's SDPA, whose default backend is
 faster there and needs no mask (:data:`ROUTE_PLAIN_TO_SDPA`); the kernel serves queries over a longer cache (a
 prompt on top of reused chunks: SDPA would need a materialised mask and expanded K/V for those) and explicit
-masks. Where the kernel cannot run (no Triton, tensors not on CUDA without ``TRITON_INTERPRET=1``, training, unsupported
-dtype/head dim/features) the call goes to transformers' sdpa implementation, with one log line per reason.
+masks. On the CPU (:data:`ROUTE_CPU_TO_SDPA`) those calls go to torch's SDPA with ``enable_gqa``: its CPU
+kernel reads grouped K/V in place, where transformers' sdpa path copies every layer's K/V ``heads / kv_heads``
+times whenever a mask is given (a 16-token prompt chunk over 4k tokens of context: ~16% of its forward on the
+embedded model). Where neither can run (no Triton on CUDA, training, unsupported dtype/head dim/features) the call
+goes to transformers' sdpa implementation, with one log line per reason.
 """
 
 from __future__ import annotations
@@ -49,13 +52,24 @@ ATTN_IMPLEMENTATION = "kvboost"
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _KERNEL_MAX_HEAD_DIM = 128
 _UNSUPPORTED_KWARGS = ("softcap", "position_bias", "s_aux", "sinks", "cache")
+_ON_CPU = "on the CPU: torch SDPA with grouped K/V read in place"
 ROUTE_PLAIN_TO_SDPA = True
 """Send unmasked calls with ``Lq == Lk`` (plain causal prefill) or ``Lq == 1`` (decode without padding) to torch's
 SDPA, which needs no mask for them; False sends every supported call to the Triton kernel (the kernel's tests)."""
+ROUTE_CPU_TO_SDPA = True
+"""Send the calls on CPU tensors that the kernel would serve to torch's SDPA reading grouped K/V in place
+(:func:`_grouped_sdpa`); False runs the kernel on them interpreted, when ``TRITON_INTERPRET=1`` is set (the
+kernel's tests: the test session sets that variable for Triton, so it cannot be what picks the route)."""
 
 
 def _interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def default_attn_implementation(device: torch.device) -> str | None:
+    """The ``attn_implementation`` the package loads a model with to run on ``device``: ``"kvboost"`` on the CPU
+    (grouped K/V read in place for masked queries, see the module doc), None (transformers' default) elsewhere."""
+    return ATTN_IMPLEMENTATION if device.type == "cpu" else None
 
 
 @functools.cache
@@ -76,7 +90,15 @@ def _log_fallback(reason: str) -> None:
 def _fallback_reason(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float, kwargs: dict[str, Any]
 ) -> str | None:
-    """Why the Triton kernel cannot serve this call, or None when it can."""
+    """Why the Triton kernel cannot serve this call, or None when it can; :data:`_ON_CPU` when the call is fit for
+    the kernel but its tensors are on the CPU (:func:`_grouped_sdpa` serves it)."""
+    if dropout > 0.0 or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)):
+        return "the kernel is forward-only (dropout or autograd requested)"
+    used = [name for name in _UNSUPPORTED_KWARGS if kwargs.get(name) is not None]
+    if used:
+        return f"unsupported arguments {used}"
+    if query.device.type == "cpu" and (ROUTE_CPU_TO_SDPA or not _interpret_mode()):
+        return _ON_CPU
     if query.device.type != "cuda" and not _interpret_mode():
         return f"tensors are on {query.device.type} (set TRITON_INTERPRET=1 to run the kernel interpreted)"
     if _kernel() is None:
@@ -85,17 +107,33 @@ def _fallback_reason(
         return f"dtype {query.dtype} is not supported"
     if query.shape[-1] > _KERNEL_MAX_HEAD_DIM or value.shape[-1] != query.shape[-1]:
         return f"head dims q={query.shape[-1]} v={value.shape[-1]} are not supported"
-    if dropout > 0.0 or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)):
-        return "the kernel is forward-only (dropout or autograd requested)"
-    used = [name for name in _UNSUPPORTED_KWARGS if kwargs.get(name) is not None]
-    if used:
-        return f"unsupported arguments {used}"
     return None
 
 
 def _bottom_right_causal_mask(num_q: int, num_k: int, device: torch.device) -> torch.Tensor:
     """Boolean ``[1, 1, Lq, Lk]``: query ``i`` sees keys ``j <= Lk - Lq + i``."""
     return torch.ones(num_q, num_k, dtype=torch.bool, device=device).tril(num_k - num_q)[None, None]
+
+
+def _grouped_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+    causal: bool,
+) -> torch.Tensor:
+    """torch SDPA over grouped K/V read in place (``enable_gqa``): q ``[B, H, Lq, D]``, k/v ``[B, H_kv, Lk, D]``,
+    ``mask`` None (then causal, bottom-right aligned, when ``causal``) or 4D -> ``[B, Lq, H, D]``."""
+    num_q, num_k = query.shape[2], key.shape[2]
+    if mask is None and causal and num_q > 1:
+        mask = _bottom_right_causal_mask(num_q, num_k, query.device)
+    elif mask is not None:
+        mask = mask[..., :num_k]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
+    )
+    return out.transpose(1, 2).contiguous()
 
 
 def kvboost_attention_forward(
@@ -129,6 +167,8 @@ def kvboost_attention_forward(
             module, query, key, value, None, dropout=dropout, scaling=scaling, is_causal=causal, **kwargs
         )
     reason = _fallback_reason(query, key, value, dropout, kwargs)
+    if reason is _ON_CPU:
+        return _grouped_sdpa(query, key, value, attention_mask, scaling, causal), None
     if reason is not None:
         _log_fallback(reason)
         if attention_mask is None and causal and 1 < num_q < num_k:

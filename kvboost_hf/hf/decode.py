@@ -346,7 +346,7 @@ class DecodeLoop:
             for prefix in work.shared_prefixes:  # one forward each (batch of one), stored before the prompts' forward
                 cache = self.new_cache(())
                 ids = torch.tensor([prefix.tokens], device=self.device)
-                self.router.run(forward_inputs(cache, input_ids=ids, logits_to_keep=1))
+                self.router.run(forward_inputs(cache, input_ids=ids, logits_to_keep=1), logits=False)
                 cache.save(tail=False)
                 computed = len(prefix.tokens) - (cache.last_reuse[0].cached_tokens if cache.last_reuse else 0)
                 shared_computed[prefix.row] = shared_computed.get(prefix.row, 0) + computed
@@ -373,9 +373,10 @@ class DecodeLoop:
                 "position_ids": inputs["position_ids"][:, part],
                 "attention_mask": self.mask[:, : cached + stop],
             }
-        out = self.router.run(inputs)
+        last = stop == width
+        out = self.router.run(inputs, logits=last)  # an earlier chunk's logits are never read: no output head
         prompt.computed = stop
-        return out.logits[:, -1:, :].float() if stop == width else None
+        return out.logits[:, -1:, :].float() if last else None
 
     def _first_tokens(self, prompt: _Prompt, logits: torch.Tensor, trees: list[DraftTree] | None) -> list[RowOutput]:
         """The rows' first tokens from the complete prompt forward's logits ``[P, 1 + nodes, V]`` (``trees``: those

@@ -67,10 +67,11 @@ class ForwardRouter:
         self.speculative = speculative
         self.forwards = 0
 
-    def run(self, inputs: dict[str, Any]) -> Any:
+    def run(self, inputs: dict[str, Any], *, logits: bool = True) -> Any:
         """An eager forward of ``inputs`` (:func:`~kvboost_hf.hf.prefill.forward_inputs`' result, stored chunks
-        loaded; a prompt chunk, a shared prefix); returns the model's output, the fed tokens recorded."""
-        output = run_forward(self.model, inputs)
+        loaded; a prompt chunk, a shared prefix); returns the model's output, the fed tokens recorded.
+        ``logits=False``: the base model's output (no output head; :func:`~kvboost_hf.hf.prefill.run_forward`)."""
+        output = run_forward(self.model, inputs, logits=logits)
         self.forwards += 1
         return output
 

@@ -33,6 +33,7 @@ from transformers import (
 )
 
 from kvboost_hf.core.errors import MissingFileError, UnsupportedModelError
+from kvboost_hf.hf.attention import default_attn_implementation
 from kvboost_hf.offload.settings import LayerStreamingConfig
 from kvboost_hf.offload.streamer import LayerStreamer, enable_layer_streaming
 
@@ -284,7 +285,9 @@ def load_model_and_tokenizer(
     strict: bool = True,
     **model_kwargs: object,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer (``None``: the embedded default model), after the support check."""
+    """Load a causal LM and its tokenizer (``None``: the embedded default model), after the support check. Its
+    ``attn_implementation``, unless ``model_kwargs`` names one, is
+    :func:`~kvboost_hf.hf.attention.default_attn_implementation` for ``device``."""
     from transformers import AutoConfig
 
     path = embedded_model_dir() if model_name_or_path is None else model_name_or_path
@@ -295,6 +298,8 @@ def load_model_and_tokenizer(
         dtype = torch.float32 if target.type == "cpu" else torch.bfloat16
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
+    if "attn_implementation" not in model_kwargs and (attention := default_attn_implementation(target)) is not None:
+        model_kwargs["attn_implementation"] = attention
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs).to(target)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -317,5 +322,8 @@ def load_streamed_model(
     target = streaming.target_device
     if dtype is None:
         dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
-    model, tokenizer = load_model_and_tokenizer(model_name_or_path, device="cpu", dtype=dtype, strict=strict)
+    attention = {"attn_implementation": default_attn_implementation(target) or "sdpa"}  # where it will run
+    model, tokenizer = load_model_and_tokenizer(
+        model_name_or_path, device="cpu", dtype=dtype, strict=strict, **attention
+    )
     return model, tokenizer, enable_layer_streaming(model, streaming)
