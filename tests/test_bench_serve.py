@@ -28,6 +28,9 @@ def test_join_gaps_tell_the_chunk_steps_from_the_step_that_joined():
     assert math.isclose(gaps["median_ms"], 100.0, abs_tol=1e-6)
     assert math.isclose(gaps["chunks_worst_ms"], 300.0, abs_tol=1e-6)
     assert math.isclose(gaps["joined_ms"], 500.0, abs_tol=1e-6) and math.isclose(gaps["worst_ms"], 500.0, abs_tol=1e-6)
+    # during: 300, 300, 300, 500; the 90th percentile sits 0.9 x 3 = 2.7 ranks in: 300 + 0.7 x (500 - 300)
+    assert math.isclose(gaps["join_p90_ms"], 440.0, abs_tol=1e-6)
+    assert math.isclose(gaps["steady_worst_ms"], 100.0, abs_tol=1e-6)
 
 
 def test_join_gaps_without_gaps_on_a_side_are_nan():

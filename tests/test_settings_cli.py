@@ -252,3 +252,22 @@ def test_worker_takes_the_server_settings_in_their_units():
 def test_server_settings_refuse_values_the_worker_cannot_run(field, value):
     with pytest.raises(ValueError, match=field):
         ServerConfig(**{field: value})
+
+
+def test_freeze_startup_heap_exempts_the_live_objects_from_later_collections() -> None:
+    """The serving process's startup objects leave the collector's reach: a full collection afterwards scans none of
+    them (what ``serve`` and each Ray replica call once the model is loaded)."""
+    import gc
+
+    from kvboost_hf.server.launch import freeze_startup_heap
+
+    survivor = [[index] for index in range(1000)]  # live, tracked containers
+    gc.collect()  # survivors of a collection reach the oldest generation
+    assert any(each is survivor for each in gc.get_objects(generation=2))
+    try:
+        frozen = freeze_startup_heap()
+        assert frozen == gc.get_freeze_count() >= len(survivor)
+        assert not any(each is survivor for each in gc.get_objects(generation=2))
+    finally:
+        gc.unfreeze()
+    assert gc.get_freeze_count() == 0

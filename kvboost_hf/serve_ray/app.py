@@ -119,10 +119,11 @@ class KVBoostReplica:
     replica; each is its own process with its own RAM tier."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from kvboost_hf.server.launch import build_app, configure_process
+        from kvboost_hf.server.launch import build_app, configure_process, freeze_startup_heap
 
         configure_process(args)
         self.app, self.engine = build_app(args)
+        freeze_startup_heap()
         self.app.state.worker.start()  # what the app's lifespan does under uvicorn
         self.replica = serve.get_replica_context().replica_id.unique_id
 

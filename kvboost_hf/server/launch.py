@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import ipaddress
 import logging
 import os
@@ -197,6 +198,20 @@ def build_app(args: argparse.Namespace) -> tuple[FastAPI, InferenceEngine]:
     return create_app(engine, server_settings(args)), engine
 
 
+def freeze_startup_heap() -> int:
+    """Exempt the objects alive now (once the model is loaded: transformers', torch's and the engine's, ~445k for
+    the embedded model) from every later garbage collection (``gc.freeze()``, after one last collection); returns
+    how many. A full collection walks every tracked object: 100-260 ms measured in a serving process on this 2-core
+    machine, paid inside whichever decode step it interrupts. These objects live as long as the process, so
+    scanning them again finds nothing. Called by the serving processes only (the server, each Ray replica), never
+    by library code: a frozen object in a reference cycle is not reclaimed until ``gc.unfreeze()``."""
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    logger.info("froze %d startup objects out of garbage collection", frozen)
+    return frozen
+
+
 def configure_process(args: argparse.Namespace) -> None:
     """Logging format and level, and torch's thread count, from the flags (once per serving process)."""
     import torch
@@ -214,6 +229,7 @@ def serve(args: argparse.Namespace) -> int:
     host = args.host or LOOPBACK
     warn_if_open(host, args.api_key)
     app, engine = build_app(args)
+    freeze_startup_heap()
     settings: ServerConfig = app.state.settings
     config = uvicorn_config(
         app,
