@@ -36,3 +36,20 @@ def test_join_gaps_tell_the_chunk_steps_from_the_step_that_joined():
 def test_join_gaps_without_gaps_on_a_side_are_nan():
     gaps = join_gaps([[0.0, 0.1]], start=5.0, end=6.0)
     assert gaps["median_ms"] > 0 and math.isnan(gaps["worst_ms"]) and math.isnan(gaps["ratio"])
+
+
+def test_special_token_bias_bans_the_chat_turn_markers_that_have_no_text():
+    """The join's rows stream past their end token: the turn markers would decode to no text (no chunk, a gap of
+    two steps at the client), so the bias bans them, and nothing a row may visibly write."""
+    from transformers import AutoTokenizer
+
+    from kvboost_hf.bench.serve import special_token_bias
+    from kvboost_hf.hf.models import embedded_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    bias = special_token_bias(None)
+    markers = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+    assert {str(token) for token in markers} <= set(bias) and set(bias.values()) == {-100}
+    for token in map(int, bias):
+        assert tokenizer.decode([token], skip_special_tokens=True) == ""
+    assert str(tokenizer.convert_tokens_to_ids("Ġthe")) not in bias

@@ -337,12 +337,15 @@ def join_gaps(streams: Sequence[Sequence[float]], start: float, end: float) -> d
     }
 
 
-def run_join(budget: int, args: argparse.Namespace, model_flags: Sequence[str] = ()) -> dict:
+def run_join(
+    budget: int, args: argparse.Namespace, model_flags: Sequence[str] = (), bias: dict[str, int] | None = None
+) -> dict:
     """Start a server with token budget ``budget`` (0: none), stream ``--join-rows`` greedy answers of
     ``--join-stream-tokens`` tokens (end tokens ignored), and once each streamed ``--join-after-tokens`` send a
     prompt of about ``--join-chars`` characters of documentation (four tokens to the character or so); returns the
     join's prompt tokens and TTFT, the running rows' gaps around it (:func:`join_gaps`), whether every row was still
-    streaming when the join's first token came (``covered``) and the rows' answers."""
+    streaming when the join's first token came (``covered``) and the rows' answers. ``bias``: the rows'
+    ``logit_bias`` (:func:`special_token_bias`)."""
     import openai
 
     # argparse keeps the last of a repeated flag: room for the running rows and the join
@@ -358,7 +361,8 @@ def run_join(budget: int, args: argparse.Namespace, model_flags: Sequence[str] =
         def stream(index: int) -> None:
             try:
                 message: ChatCompletionMessageParam = {"role": "user", "content": user_message(index, 0)}
-                stream_chat(client, [message], args.join_stream_tokens, running[index], {"ignore_eos": True})
+                extra = {"ignore_eos": True, "logit_bias": bias or {}}
+                stream_chat(client, [message], args.join_stream_tokens, running[index], extra)
             except Exception as error:  # reported after the run
                 errors.append(error)
 
@@ -391,14 +395,27 @@ def run_join(budget: int, args: argparse.Namespace, model_flags: Sequence[str] =
     }
 
 
-def join_main(args: argparse.Namespace, model_flags: Sequence[str]) -> int:
+def special_token_bias(folder: str | None) -> dict[str, int]:
+    """A ``logit_bias`` banning the special tokens of the tokenizer in ``folder`` (None: the embedded model's). The
+    join's rows stream past their end token (``ignore_eos``); a special token (a chat template's turn markers) has
+    no text, so its step sends no chunk and the client would see a gap of two or three steps that no step made."""
+    from transformers import AutoTokenizer
+
+    from kvboost_hf.hf.models import embedded_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(folder if folder is not None else embedded_model_dir())
+    return {str(token): -100 for token in tokenizer.all_special_ids}
+
+
+def join_main(args: argparse.Namespace, model_flags: Sequence[str], bias: dict[str, int]) -> int:
     """``--join``: the running rows' gaps while a long prompt joins, without a token budget and with
-    ``--join-budget``, in one run; prints a table and writes ``serve_join.json``. Exit status 0 when both arms ran
-    and the rows streamed through the join with the same answers."""
+    ``--join-budget``, in one run (``bias``: the rows' ``logit_bias``, :func:`special_token_bias`); prints a table
+    and writes ``serve_join.json``. Exit status 0 when both arms ran and the rows streamed through the join with the
+    same answers."""
     arms = {}
     for name, budget in (("before", 0), ("after", args.join_budget)):
         logger.info("%s: %d streaming rows, a long prompt joins (token budget %d)", name, args.join_rows, budget)
-        arms[name] = run_join(budget, args, model_flags)
+        arms[name] = run_join(budget, args, model_flags, bias)
     print(
         f"{'arm':<7}{'budget':>7}{'prompt':>7}{'join TTFT':>10}{'median':>8}{'worst':>8}{'join p50':>9}"
         f"{'join p90':>9}{'chunks':>8}{'joined':>8}{'ratio':>7}{'steady worst':>13}"
@@ -498,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
             folder = str(save_random_model(args.random_shape, Path(scratch) / args.random_shape))
         model_flags = ["--model", folder, "--served-model-name", MODEL] if folder is not None else []
         if args.join:
-            return join_main(args, model_flags)
+            return join_main(args, model_flags, special_token_bias(folder))
         for reuse in (False, True):
             logger.info("running %d users x %d turns with reuse %s", args.users, args.turns, "on" if reuse else "off")
             runs["on" if reuse else "off"] = run_mode(reuse, args, system, model_flags)
