@@ -227,3 +227,16 @@ def test_plain_prefill_and_decode_go_to_sdpa_and_prefill_on_a_cache_to_the_kerne
         assert shapes == []
         model(ids[:, :5], cache=out.past_key_values, use_cache=True)  # 5 queries over 18 keys: kernel
     assert shapes and all(shape == (5, 18) for shape in shapes)
+
+
+def test_the_loader_picks_kvboost_for_a_model_that_runs_on_the_cpu_only() -> None:
+    """``load_model_and_tokenizer``: "kvboost" for a CPU model; transformers' default (sdpa) for one loaded on the
+    CPU to run elsewhere (a layer-streamed model); a caller's choice wins."""
+    from kvboost_hf.hf.models import load_model_and_tokenizer
+
+    on_cpu, _ = load_model_and_tokenizer(None)
+    assert on_cpu.config._attn_implementation == attention.ATTN_IMPLEMENTATION
+    streamed, _ = load_model_and_tokenizer(None, runs_on=torch.device("cuda"))
+    assert streamed.config._attn_implementation == "sdpa"
+    chosen, _ = load_model_and_tokenizer(None, attn_implementation="eager")
+    assert chosen.config._attn_implementation == "eager"

@@ -52,7 +52,6 @@ ATTN_IMPLEMENTATION = "kvboost"
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _KERNEL_MAX_HEAD_DIM = 128
 _UNSUPPORTED_KWARGS = ("softcap", "position_bias", "s_aux", "sinks", "cache")
-_ON_CPU = "on the CPU: torch SDPA with grouped K/V read in place"
 ROUTE_PLAIN_TO_SDPA = True
 """Send unmasked calls with ``Lq == Lk`` (plain causal prefill) or ``Lq == 1`` (decode without padding) to torch's
 SDPA, which needs no mask for them; False sends every supported call to the Triton kernel (the kernel's tests)."""
@@ -87,18 +86,19 @@ def _log_fallback(reason: str) -> None:
     logger.warning("kvboost attention falls back to torch SDPA: %s", reason)
 
 
-def _fallback_reason(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float, kwargs: dict[str, Any]
-) -> str | None:
-    """Why the Triton kernel cannot serve this call, or None when it can; :data:`_ON_CPU` when the call is fit for
-    the kernel but its tensors are on the CPU (:func:`_grouped_sdpa` serves it)."""
+def _unsupported_reason(query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict[str, Any]) -> str | None:
+    """Why neither the Triton kernel nor :func:`_grouped_sdpa` can serve this call (training, a feature neither
+    implements), or None."""
     if dropout > 0.0 or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)):
         return "the kernel is forward-only (dropout or autograd requested)"
     used = [name for name in _UNSUPPORTED_KWARGS if kwargs.get(name) is not None]
     if used:
         return f"unsupported arguments {used}"
-    if query.device.type == "cpu" and (ROUTE_CPU_TO_SDPA or not _interpret_mode()):
-        return _ON_CPU
+    return None
+
+
+def _kernel_unavailable_reason(query: torch.Tensor, value: torch.Tensor) -> str | None:
+    """Why the Triton kernel cannot run on these tensors (device, Triton, dtype, head dim), or None when it can."""
     if query.device.type != "cuda" and not _interpret_mode():
         return f"tensors are on {query.device.type} (set TRITON_INTERPRET=1 to run the kernel interpreted)"
     if _kernel() is None:
@@ -166,9 +166,10 @@ def kvboost_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, None, dropout=dropout, scaling=scaling, is_causal=causal, **kwargs
         )
-    reason = _fallback_reason(query, key, value, dropout, kwargs)
-    if reason is _ON_CPU:
+    reason = _unsupported_reason(query, key, dropout, kwargs)
+    if reason is None and query.device.type == "cpu" and (ROUTE_CPU_TO_SDPA or not _interpret_mode()):
         return _grouped_sdpa(query, key, value, attention_mask, scaling, causal), None
+    reason = reason or _kernel_unavailable_reason(query, value)
     if reason is not None:
         _log_fallback(reason)
         if attention_mask is None and causal and 1 < num_q < num_k:
@@ -178,7 +179,7 @@ def kvboost_attention_forward(
         )
     mask = attention_mask[..., :num_k] if attention_mask is not None else None
     kernel = _kernel()
-    assert kernel is not None  # _fallback_reason() returned None
+    assert kernel is not None  # _kernel_unavailable_reason() returned None
     out = kernel(query, key, value, scale=scaling, causal=causal and mask is None, mask=mask)
     return out, None
 

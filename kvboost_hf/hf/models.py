@@ -283,11 +283,13 @@ def load_model_and_tokenizer(
     device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
     strict: bool = True,
+    runs_on: torch.device | None = None,
     **model_kwargs: object,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer (``None``: the embedded default model), after the support check. Its
     ``attn_implementation``, unless ``model_kwargs`` names one, is
-    :func:`~kvboost_hf.hf.attention.default_attn_implementation` for ``device``."""
+    :func:`~kvboost_hf.hf.attention.default_attn_implementation` for the device it will run on: ``runs_on`` (a
+    model loaded on ``device`` and then moved, e.g. layer-streamed), else ``device``."""
     from transformers import AutoConfig
 
     path = embedded_model_dir() if model_name_or_path is None else model_name_or_path
@@ -298,7 +300,8 @@ def load_model_and_tokenizer(
         dtype = torch.float32 if target.type == "cpu" else torch.bfloat16
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    if "attn_implementation" not in model_kwargs and (attention := default_attn_implementation(target)) is not None:
+    attention = default_attn_implementation(runs_on or target)
+    if "attn_implementation" not in model_kwargs and attention is not None:
         model_kwargs["attn_implementation"] = attention
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs).to(target)
     model.eval()
@@ -322,8 +325,7 @@ def load_streamed_model(
     target = streaming.target_device
     if dtype is None:
         dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
-    attention = {"attn_implementation": default_attn_implementation(target) or "sdpa"}  # where it will run
     model, tokenizer = load_model_and_tokenizer(
-        model_name_or_path, device="cpu", dtype=dtype, strict=strict, **attention
+        model_name_or_path, device="cpu", dtype=dtype, strict=strict, runs_on=target
     )
     return model, tokenizer, enable_layer_streaming(model, streaming)
