@@ -81,7 +81,7 @@ from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.core.errors import CapacityError, ConfigError, InputError, KVBoostError
 from kvboost_hf.core.keys import KeySpace, chain_prefix_keys
-from kvboost_hf.hf.decode import DecodeLoop, DecodeRow, PrefillWork, RowOutput, SharedPrefix
+from kvboost_hf.hf.decode import DecodeLoop, DecodeRow, PrefillWork, RowOutput, SharedPrefix, execute_steps
 from kvboost_hf.kv_budget import BatchShape, KVBudget
 from kvboost_hf.reuse.plan import ChunkSource, has_nonprefix_hits
 
@@ -705,30 +705,23 @@ class Scheduler:
         return SchedulerOutput(tuple(work))
 
     def execute(self, output: SchedulerOutput) -> StepReport:
-        """Run each batch's work on its loop: its decode step, then its prefill chunks; the report carries the
-        tokens sampled and the prefills completed. An exception fails that batch only: its groups get it through
-        ``on_fail`` and its caches are dropped unsaved (possibly inconsistent)."""
+        """Run every batch's work on its loop: its decode step, then its prefill chunks, the decode steps and the
+        chunks of prompts under way of all batches in one forward where they can
+        (:func:`~kvboost_hf.hf.decode.execute_steps`); the report carries the tokens sampled and the prefills
+        completed. An exception fails only the batches whose work raised it: their groups get it through
+        ``on_fail`` and their caches are dropped unsaved (possibly inconsistent)."""
+        steps = [(work.batch.loop, work.decode, [(chunk.work, chunk.columns) for chunk in work.prefills])
+                 for work in output.work]  # fmt: skip
+        before = [work.batch.loop.computed_tokens for work in output.work]
         results = []
-        for work in output.work:
-            loop = work.batch.loop
-            before = loop.computed_tokens
-            outputs: list[RowOutput] = []
-            prefilled: list[PrefillWork] = []
-            try:
-                if work.decode:
-                    outputs += loop.step()
-                for chunk in work.prefills:
-                    if first := loop.add(chunk.work, chunk.columns):
-                        outputs += first
-                        prefilled.append(chunk.work)
-            except Exception as error:
-                logger.exception("batch of %d rows failed", len(loop.running))
-                work.batch.fail(error)
-                results.append(BatchResult(work, loop.computed_tokens - before, error))
-                continue
-            results.append(
-                BatchResult(work, loop.computed_tokens - before, outputs=tuple(outputs), prefilled=tuple(prefilled))
-            )
+        for work, computed, result in zip(output.work, before, execute_steps(steps), strict=True):
+            computed = work.batch.loop.computed_tokens - computed
+            if isinstance(result, BaseException):
+                work.batch.fail(result)
+                results.append(BatchResult(work, computed, result))
+            else:
+                outputs, prefilled = result
+                results.append(BatchResult(work, computed, outputs=tuple(outputs), prefilled=tuple(prefilled)))
         return StepReport(tuple(results))
 
     def update_from_output(self, report: StepReport) -> StepReport:

@@ -10,6 +10,9 @@ Mask contract between :func:`kvboost_mask` (registered in ``AttentionMaskInterfa
   mask for padding, sliding windows, static caches, packed sequences, or a caller's explicit 4D mask (e.g. the
   repair forward over scattered query positions). The kernel loads it tile by tile and applies nothing else.
 
+A packed forward (:data:`~kvboost_hf.hf.packed.PACKED_KWARG`: several batches' new tokens in one row, each part
+attending to its own cache) is computed by :meth:`~kvboost_hf.hf.packed.PackedCaches.attention`.
+
 A forward that passes :data:`~kvboost_hf.hf.context_attention.ADJUSTMENT_KWARG` (the reuse cache does, for a
 repair config with an APE-style context temperature or scale) is computed by
 :func:`~kvboost_hf.hf.context_attention.adjusted_attention` instead, on any device.
@@ -52,6 +55,9 @@ ATTN_IMPLEMENTATION = "kvboost"
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _KERNEL_MAX_HEAD_DIM = 128
 _UNSUPPORTED_KWARGS = ("softcap", "position_bias", "s_aux", "sinks", "cache")
+PACKED_KWARG = "kvboost_packed"
+"""The forward keyword that carries a packed forward's caches (a :class:`~kvboost_hf.hf.packed.PackedCaches`) down to
+the attention function, which hands the call to its ``attention(layer_idx, query, scaling)``."""
 ROUTE_PLAIN_TO_SDPA = True
 """Send unmasked calls with ``Lq == Lk`` (plain causal prefill) or ``Lq == 1`` (decode without padding) to torch's
 SDPA, which needs no mask for them; False sends every supported call to the Triton kernel (the kernel's tests)."""
@@ -148,6 +154,8 @@ def kvboost_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention for transformers: q ``[B, H, Lq, D]``, k/v ``[B, H_kv, Lk, D]`` -> (``[B, Lq, H, D]``, None)."""
+    if (packed := kwargs.pop(PACKED_KWARG, None)) is not None:  # one forward of several batches' tokens
+        return packed.attention(module.layer_idx, query, scaling), None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     num_q, num_k = query.shape[2], key.shape[2]
     adjustment = kwargs.pop(ADJUSTMENT_KWARG, None)

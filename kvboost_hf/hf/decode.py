@@ -59,6 +59,7 @@ from kvboost_hf.hf.cache import ChunkReuseCache, join_caches, keep_cache_columns
 from kvboost_hf.hf.forward_routes import ForwardRouter
 from kvboost_hf.hf.graphs import GraphedDecoder
 from kvboost_hf.hf.models import model_dtype
+from kvboost_hf.hf.packed import ForwardPart, packable, packed_forward
 from kvboost_hf.hf.prefill import forward_inputs
 from kvboost_hf.hf.rows import DecodeRequest as DecodeRequest  # the rows' types, importable from here as before
 from kvboost_hf.hf.rows import DecodeRow, RowOutput, new_rows, sample
@@ -209,6 +210,30 @@ class _Prompt:
     computed: int = 0
     state: _Batch = field(default_factory=_Batch)
 
+    def next_chunk(self, cache: Any, mask: torch.Tensor, columns: int) -> ForwardPart | None:
+        """The next ``columns`` columns of the prepared dense forward (:attr:`inputs`) through ``cache`` under the
+        prompts' whole 2D ``mask`` ``[P, C]``, as one part of a forward (last-position logits asked only of the
+        last chunk); None for a sparse repair forward, which one forward of :attr:`inputs` computes whole."""
+        if isinstance(cache, ChunkReuseCache) and cache.expects_sparse_forward:
+            return None
+        width = self.inputs["input_ids"].shape[1]
+        stop = min(width, self.computed + columns)
+        part = slice(self.computed, stop)
+        ids, positions = self.inputs["input_ids"][:, part], self.inputs["position_ids"][:, part]
+        return ForwardPart(cache, ids, positions, mask[:, : mask.shape[1] - width + stop], logits=stop == width)
+
+
+@dataclass
+class PackedStep:
+    """One batch's share of a packed forward (:meth:`DecodeLoop.pack`): its parts, in order (its decode step first
+    when ``decode``, then one chunk per prompt forward under way in ``prompts``), and the prefills it runs apart
+    after the forward (``apart``: ``(work, columns)``, not begun yet or sparse)."""
+
+    decode: bool
+    parts: list[ForwardPart] = field(default_factory=list)
+    prompts: list[_Prompt] = field(default_factory=list)
+    apart: list[tuple[PrefillWork, int]] = field(default_factory=list)
+
 
 class DecodeLoop:
     """Rows decoded together on one model and one cache, forward by forward (the scheduler's model runner).
@@ -289,6 +314,59 @@ class DecodeLoop:
         return self.router.forwards
 
     # ------------------------------------------------------------------ forwards
+    def pack(self, decode: bool, prefills: Sequence[tuple[PrefillWork, int]]) -> PackedStep | None:
+        """This batch's share of a forward packed with other batches' (:func:`execute_steps`): its decode step
+        when ``decode``, and the next chunk of each of ``prefills`` (``(work, columns)``) whose prompt forward is
+        under way and dense; the other prefills run after it, apart (:meth:`add`). None (the whole step runs apart)
+        with a draft, or when the decode step cannot share a forward (a graphed step, a streamed target:
+        :meth:`ForwardRouter.shares_decode <kvboost_hf.hf.forward_routes.ForwardRouter.shares_decode>`). Changes
+        nothing: :meth:`unpack` takes the step once the forward ran."""
+        decoding = decode and bool(self.running)
+        if self.verifier is not None or decoding and not self.router.shares_decode(self.cache, self.running):
+            return None
+        step = PackedStep(decoding)
+        if decoding:
+            mask = torch.cat([self.mask, self.mask.new_ones(len(self.running), 1)], dim=1)
+            last = torch.tensor([[row.tokens[-1]] for row in self.running], dtype=torch.long).to(self.device)
+            step.parts.append(ForwardPart(self.cache, last, self.positions[:, None] + 1, mask, logits=True))
+        for work, columns in prefills:
+            prompt = next((prompt for prompt in self._prompts if prompt.work is work), None)
+            chunk = prompt.next_chunk(prompt.state.cache, prompt.state.mask, columns) if prompt is not None else None
+            if prompt is None or chunk is None:
+                step.apart.append((work, columns))
+            else:
+                step.parts.append(chunk)
+                step.prompts.append(prompt)
+        return step
+
+    def unpack(
+        self, step: PackedStep, logits: Sequence[torch.Tensor | None]
+    ) -> tuple[list[RowOutput], list[PrefillWork]]:
+        """Take ``step`` (from :meth:`pack`) once one forward computed its parts (``logits``: each part's, in
+        order; that forward counts as one of this runner's), then run its prefills apart. Returns the tokens sampled
+        (the decode step's, then each completed prefill's first tokens) and the works whose prefill completed; the
+        completed prefills' rows join below the running ones, as :meth:`add` leaves them."""
+        self.router.forwards += bool(step.parts)
+        outputs: list[RowOutput] = []
+        completed: list[PrefillWork] = []
+        if step.decode:
+            decoded, *logits = logits
+            assert decoded is not None, "a decode part asks for logits"
+            self.mask, self.positions = step.parts[0].attention_mask, step.parts[0].position_ids[:, 0]
+            outputs += sample(self.running, decoded)
+            self._save(tail=False)
+        for prompt, part, last in zip(step.prompts, step.parts[step.decode :], logits, strict=True):
+            prompt.computed += part.input_ids.shape[1]
+            if last is not None:
+                self._prompts.remove(prompt)
+                earlier = _Batch.detach(self)
+                prompt.state.attach(self)
+                outputs += self._first_tokens(prompt, last[:, None], None)
+                earlier.attach(self)
+                completed.append(prompt.work)
+        more, also = _prefill_apart(self, step.apart)
+        return outputs + more, completed + also
+
     @_counting_streamed_bytes
     def add(self, work: PrefillWork, columns: int = 0) -> list[RowOutput]:
         """Prefill ``work``'s rows and return each one's first token (or tokens, when the prompt forward verified a
@@ -360,22 +438,14 @@ class DecodeLoop:
     def _prompt_chunk(self, prompt: _Prompt, columns: int) -> torch.Tensor | None:
         """Compute the next ``columns`` columns of ``prompt``'s prepared forward (all of a sparse repair forward);
         the last prompt positions' logits ``[P, 1, V]`` once every column is computed, else None."""
-        inputs = prompt.inputs
-        width = inputs["input_ids"].shape[1]
-        sparse = isinstance(self.cache, ChunkReuseCache) and self.cache.expects_sparse_forward
-        stop = width if sparse else min(width, prompt.computed + columns)
-        if not sparse:  # a dense suffix: its columns in order, each chunk seeing the columns before it
-            cached = self.mask.shape[1] - width
-            part = slice(prompt.computed, stop)
-            inputs = {
-                **inputs,
-                "input_ids": inputs["input_ids"][:, part],
-                "position_ids": inputs["position_ids"][:, part],
-                "attention_mask": self.mask[:, : cached + stop],
-            }
-        last = stop == width
+        chunk = prompt.next_chunk(self.cache, self.mask, columns)
+        inputs, last = prompt.inputs, True
+        if chunk is not None:  # a dense suffix: its columns in order, each chunk seeing the columns before it
+            inputs = {**inputs, "input_ids": chunk.input_ids, "position_ids": chunk.position_ids,
+                      "attention_mask": chunk.attention_mask}  # fmt: skip
+            last = chunk.logits
         out = self.router.run(inputs, logits=last)  # an earlier chunk's logits are never read: no output head
-        prompt.computed = stop
+        prompt.computed += inputs["input_ids"].shape[1]
         return out.logits[:, -1:, :].float() if last else None
 
     def _first_tokens(self, prompt: _Prompt, logits: torch.Tensor, trees: list[DraftTree] | None) -> list[RowOutput]:
@@ -519,6 +589,65 @@ class DecodeLoop:
         self.cache = None
         if self.draft is not None:
             self.draft.cache = None
+
+
+def _prefill_apart(
+    loop: DecodeLoop, prefills: Sequence[tuple[PrefillWork, int]]
+) -> tuple[list[RowOutput], list[PrefillWork]]:
+    """The next chunk of each of ``prefills`` (``(work, columns)``) by :meth:`DecodeLoop.add`, one forward each:
+    the completed works' first tokens, and those works."""
+    outputs: list[RowOutput] = []
+    completed: list[PrefillWork] = []
+    for work, columns in prefills:
+        if first := loop.add(work, columns):
+            outputs += first
+            completed.append(work)
+    return outputs, completed
+
+
+StepResult = tuple[list[RowOutput], list[PrefillWork]] | BaseException
+"""One batch's step (:func:`execute_steps`): the tokens sampled and the works whose prefill completed, or the
+exception that failed the batch."""
+
+
+def execute_steps(steps: Sequence[tuple[DecodeLoop, bool, Sequence[tuple[PrefillWork, int]]]]) -> list[StepResult]:
+    """One scheduler step of several batches on one model, ``(runner, decode, prefills)`` each (``prefills``:
+    ``(work, columns)``): every batch's decode step and the next chunks of its prompt forwards under way run as one
+    forward where they can (:func:`~kvboost_hf.hf.packed.packed_forward`: the weights read once, not once per batch
+    and chunk; :meth:`DecodeLoop.pack`), each batch's other prefills after it; a batch that cannot share a forward
+    runs its decode step (:meth:`DecodeLoop.step`) and prefills (:meth:`DecodeLoop.add`) on its own, as does
+    everything when only one part would be packed. Returns each batch's :data:`StepResult`, in order; an
+    exception fails only the batches whose work raised it (every batch in a shared forward that raised)."""
+    plans = [loop.pack(decode, prefills) for loop, decode, prefills in steps]
+    parts = [part for plan in plans if plan is not None for part in plan.parts]
+    if len(parts) < 2 or not packable(steps[0][0].model, [part.cache for part in parts]):
+        plans = [None] * len(steps)
+    shared: list[torch.Tensor | None] | BaseException = []
+    if any(plan is not None and plan.parts for plan in plans):
+        try:
+            shared = packed_forward(steps[0][0].model, parts)
+        except Exception as error:  # every batch that took part fails with it
+            logger.exception("a packed forward of %d parts failed", len(parts))
+            shared = error
+    results: list[StepResult] = []
+    taken = 0
+    for (loop, decode, prefills), plan in zip(steps, plans, strict=True):
+        try:
+            if plan is None:
+                outputs = loop.step() if decode else []
+                more, completed = _prefill_apart(loop, prefills)
+                results.append((outputs + more, completed))
+                continue
+            if isinstance(shared, BaseException) and plan.parts:
+                results.append(shared)
+                continue
+            assert not isinstance(shared, BaseException)
+            logits, taken = shared[taken : taken + len(plan.parts)], taken + len(plan.parts)
+            results.append(loop.unpack(plan, logits))
+        except Exception as error:
+            logger.exception("batch of %d rows failed", len(loop.running))
+            results.append(error)
+    return results
 
 
 def trim_padding(cache: Cache, mask: torch.Tensor) -> torch.Tensor:

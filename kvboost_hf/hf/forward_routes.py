@@ -24,6 +24,7 @@ from kvboost_hf.hf.graphs import GraphedDecoder, capacity_bucket, pad_rows, row_
 from kvboost_hf.hf.prefill import forward, run_forward
 from kvboost_hf.hf.rows import DecodeRow
 from kvboost_hf.hf.verify_graphs import GraphedVerifier
+from kvboost_hf.offload.streamer import layer_streamer
 
 __all__ = ["ForwardRouter"]
 
@@ -102,6 +103,16 @@ class ForwardRouter:
         cache.record(last_on_host)
         self.forwards += 1
         return logits[:real].float()
+
+    def shares_decode(self, cache: ChunkReuseCache | DynamicCache | None, rows: Sequence[DecodeRow]) -> bool:
+        """Whether a plain decode step of ``rows`` may run as a part of a packed forward
+        (:func:`~kvboost_hf.hf.packed.packed_forward`) rather than through :meth:`decode`: it would run eagerly
+        (no draft, no graph for it, no graph padding rows in ``cache``) and the target is not layer-streamed (a
+        streamed step's copies are counted per runner)."""
+        padded = isinstance(cache, ChunkReuseCache) and cache.padding_rows > 0
+        if self.speculative or layer_streamer(self.model) is not None or padded:
+            return False
+        return self._decode_capacity(cache, rows) is None
 
     def prompt(
         self, cache: ChunkReuseCache | DynamicCache | None, inputs: dict[str, Any], rows: Sequence[DecodeRow]

@@ -1,0 +1,169 @@
+"""Stage 8 helper: one model forward for the new tokens of several batches, each reading its own cache.
+
+A decode step of running rows and a chunk of a joining prompt run as two forwards read every weight twice; where a
+forward of a few dozen tokens costs about its weight reads (a CPU, or a GPU's decode step), that second read is most
+of what a join adds to the running rows' step. Packed (vLLM's mixed batch), the tokens of every part are laid side
+by side in one row ``[1, N]``: embeddings, projections, norms, rotary embeddings (per-token positions) and the MLP
+run once over the ``N`` tokens, and only attention runs per part, its queries against its own cache under its own
+mask. :class:`PackedCaches` is the cache the model sees: it writes each part's new K/V into that part's cache and
+holds what the cache returns for the attention, which ``attn_implementation="kvboost"`` hands to
+:meth:`PackedCaches.attention` when the forward carries :data:`PACKED_KWARG`.
+
+Where it applies (:func:`packable`): the ``"kvboost"`` attention, every layer full attention, no context adjustment,
+no sparse repair forward. Invariants: each part's cache ends holding and recording what its own forward would leave
+(the same K/V, up to the floating-point order of one matmul over more rows, and the same tokens recorded), and each
+part's logits are those of its own forward's last position per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import Cache, PreTrainedModel
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from kvboost_hf.core.errors import StateError
+from kvboost_hf.hf.attention import PACKED_KWARG
+from kvboost_hf.hf.models import CACHE_ARGUMENT
+from kvboost_hf.hf.prefill import reuse_cache
+
+
+@dataclass(frozen=True)
+class ForwardPart:
+    """One batch's share of a packed forward: ``input_ids`` and ``position_ids`` ``[R, T]`` (R rows of T new tokens)
+    fed through ``cache`` under the 2D ``attention_mask`` ``[R, K]`` (every column the cache holds plus the T new
+    ones; 0 = padding); ``logits``: return each row's last-position logits."""
+
+    cache: Any
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    logits: bool
+
+    @property
+    def tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """This part's slice ``[1, H, R*T, D]`` of a packed projection as ``[R, H, T, D]`` (a view)."""
+        rows, queries = self.input_ids.shape
+        return packed[0].unflatten(1, (rows, queries)).transpose(0, 1)
+
+    def causal_mask(self) -> torch.Tensor:
+        """Boolean ``[R, 1, T, K]``: query ``t`` of row ``r`` sees key ``j`` when the row holds it and
+        ``j <= K - T + t`` (bottom-right causal), as transformers' sdpa mask. A query that sees no key (left padding
+        of a prompt) gets zeros from torch's SDPA (torch >= 2.5), as in the part's own forward."""
+        queries, keys = self.input_ids.shape[1], self.attention_mask.shape[1]
+        causal = torch.ones(queries, keys, dtype=torch.bool, device=self.attention_mask.device)
+        return self.attention_mask.bool()[:, None, None, :] & causal.tril(keys - queries)
+
+
+def _full_attention_only(model: PreTrainedModel) -> bool:
+    layer_types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    return all(kind == "full_attention" for kind in layer_types)
+
+
+def packable(model: PreTrainedModel, caches: Sequence[Any]) -> bool:
+    """Whether one packed forward of ``model`` can serve parts through ``caches``: the ``"kvboost"`` attention,
+    full-attention layers only, and no cache with a context adjustment or an armed sparse repair forward."""
+    if getattr(model.config, "_attn_implementation", None) != "kvboost" or not _full_attention_only(model):
+        return False
+    for cache in caches:
+        if getattr(cache, "expects_sparse_forward", False):
+            return False
+        if hasattr(cache, "attention_kwargs") and cache.attention_kwargs():
+            return False
+    return True
+
+
+class PackedCaches(Cache):
+    """The cache a packed forward passes to the model: :meth:`update` splits each layer's new K/V ``[1, H_kv, N, D]``
+    by part and writes each slice into its part's cache; :meth:`attention` attends each part's queries to what that
+    cache returned. Masks are built once per forward, not per layer.
+
+    The model builds no mask of its own for it: :meth:`get_mask_sizes` reports the packed tokens as the whole
+    context, which ``kvboost_mask`` answers with None (plain causal, nothing materialised)."""
+
+    def __init__(self, parts: Sequence[ForwardPart]) -> None:
+        super().__init__(layers=[])
+        self.parts = tuple(parts)
+        ends = torch.tensor([part.tokens for part in self.parts]).cumsum(0).tolist()
+        self.spans = [(end - part.tokens, end) for part, end in zip(self.parts, ends, strict=True)]
+        self.masks = [part.causal_mask() for part in self.parts]
+        self._held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        held = []
+        for part, (start, end) in zip(self.parts, self.spans, strict=True):
+            keys, values = (part.unpack(tensor[:, :, start:end]) for tensor in (key_states, value_states))
+            held.append(part.cache.update(keys, values, layer_idx))
+        self._held[layer_idx] = held
+        return key_states, value_states  # what the attention reads is held per part (see :meth:`attention`)
+
+    def attention(self, layer_idx: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """Each part's queries of ``query`` ``[1, H, N, D]`` attended to its cache's K/V of layer ``layer_idx``
+        (written by :meth:`update` just before) -> ``[1, N, H, D]``."""
+        if layer_idx not in self._held:
+            raise StateError(f"layer {layer_idx} attends before its K/V were written in the packed forward")
+        outputs = []
+        for part, (start, end), mask, (keys, values) in zip(
+            self.parts, self.spans, self.masks, self._held.pop(layer_idx), strict=True
+        ):
+            if keys.shape[2] > mask.shape[-1]:  # a static cache returns its whole capacity: the rest is unwritten
+                mask = torch.nn.functional.pad(mask, (0, keys.shape[2] - mask.shape[-1]), value=False)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                part.unpack(query[:, :, start:end]), keys, values, attn_mask=mask, scale=scaling,
+                enable_gqa=keys.shape[1] != query.shape[1],
+            )  # fmt: skip
+            outputs.append(out.permute(0, 2, 1, 3).flatten(0, 1)[None])
+        return torch.cat(outputs, dim=1)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def packed_forward(model: PreTrainedModel, parts: Sequence[ForwardPart]) -> list[torch.Tensor | None]:
+    """One forward of ``model`` over every part's new tokens (check :func:`packable` first); each part's cache
+    records its tokens (a reuse cache's ``record``). Returns per part its rows' last-position logits ``[R, V]``
+    (fp32), or None for a part that asked for none."""
+    input_ids = torch.cat([part.input_ids.reshape(1, -1) for part in parts], dim=1)
+    position_ids = torch.cat([part.position_ids.reshape(1, -1) for part in parts], dim=1)
+    caches = PackedCaches(parts)
+    last = [
+        torch.arange(end - part.tokens + part.input_ids.shape[1] - 1, end, part.input_ids.shape[1])
+        for part, (_, end) in zip(parts, caches.spans, strict=True)
+        if part.logits
+    ]
+    inputs: dict[str, Any] = {
+        "input_ids": input_ids, "position_ids": position_ids, "attention_mask": None, CACHE_ARGUMENT: caches,
+        "use_cache": True, PACKED_KWARG: caches,
+    }  # fmt: skip
+    with torch.inference_mode():
+        if last:
+            logits = model.forward(**inputs, logits_to_keep=torch.cat(last).to(input_ids.device)).logits[0].float()
+        else:
+            getattr(model, "base_model", model).forward(**inputs)
+    for part in parts:
+        if (reusing := reuse_cache(part.cache)) is not None:
+            reusing.record(part.input_ids)
+    results: list[torch.Tensor | None] = []
+    taken = 0
+    for part in parts:
+        if part.logits:
+            rows = part.input_ids.shape[0]
+            results.append(logits[taken : taken + rows])
+            taken += rows
+        else:
+            results.append(None)
+    return results

@@ -1,0 +1,186 @@
+"""One forward for several batches' new tokens (kvboost_hf/hf/packed.py, and the runner's use of it in
+kvboost_hf/hf/decode.py): each part gets the logits and K/V of its own forward, and a scheduler whose batches share
+forwards gives transformers' tokens with the cached-token counts of one that does not."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from helpers import word_tokenizer, words
+from oracle import GREEDY, engine_reference
+from transformers import DynamicCache
+
+from kvboost_hf import KVBoost
+from kvboost_hf.hf import decode as decode_module
+from kvboost_hf.hf.decode import DecodeRequest, left_pad
+from kvboost_hf.hf.packed import ForwardPart, packable, packed_forward
+from kvboost_hf.scheduling import RequestGroup
+
+
+def kvboost_model(name: str):
+    model = make_tiny_model(name)
+    model.set_attn_implementation("kvboost")
+    return model
+
+
+def padded(lengths, seed: int):
+    """Left-padded random prompts of ``lengths``: ``(input_ids, mask, position_ids)`` as the runner builds them."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in lengths]
+    ids, mask = left_pad(prompts, 0, torch.device("cpu"))
+    return ids, mask, (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
+def alone(model, cache, part: ForwardPart) -> torch.Tensor:
+    """The part's own forward through ``cache``: its rows' last-position logits (fp32)."""
+    with torch.inference_mode():
+        out = model(input_ids=part.input_ids, attention_mask=part.attention_mask, position_ids=part.position_ids,
+                    cache=cache, use_cache=True)  # fmt: skip
+    return out.logits[:, -1].float()
+
+
+def assert_same_kv(cache, reference) -> None:
+    assert cache.get_seq_length() == reference.get_seq_length()
+    for layer, expected in zip(cache.layers, reference.layers, strict=True):
+        torch.testing.assert_close(layer.keys, expected.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.values, expected.values, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "phi3"])
+def test_a_packed_forward_gives_each_part_the_logits_and_kv_of_its_own_forward(name):
+    """Three left-padded rows decoding and a two-row prompt (one row left-padded by 6) prefilled in two chunks of
+    8 and 12 columns: each packed forward leaves every cache holding the K/V of the part's own forward, the decode
+    rows get their own logits each time and the prompt its last position's once its last chunk ran (the first chunk,
+    asking none, gets None; its padding queries see no key and stay finite)."""
+    model = kvboost_model(name)
+    ids, mask, positions = padded([7, 12, 3], seed=1)
+    running = DynamicCache()
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=running, use_cache=True)
+    prompt_ids, prompt_mask, prompt_positions = padded([20, 14], seed=2)
+    prompt = DynamicCache()
+    last = torch.tensor([[5], [9], [11]])
+    for step, (start, stop) in enumerate([(0, 8), (8, 20)]):
+        mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], dim=1)
+        positions = positions[:, -1:] + 1
+        parts = [
+            ForwardPart(running, last + step, positions, mask, logits=True),
+            ForwardPart(
+                prompt,
+                prompt_ids[:, start:stop],
+                prompt_positions[:, start:stop],
+                prompt_mask[:, :stop],
+                logits=stop == 20,
+            ),
+        ]
+        references = [copy.deepcopy(running), copy.deepcopy(prompt)]
+        expected = [alone(model, reference, part) for reference, part in zip(references, parts, strict=True)]
+        got = packed_forward(model, parts)
+        torch.testing.assert_close(got[0], expected[0], atol=1e-5, rtol=1e-5)
+        if stop == 20:
+            torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=1e-5)
+        else:
+            assert got[1] is None
+        assert_same_kv(running, references[0])
+        assert_same_kv(prompt, references[1])
+        assert all(torch.isfinite(layer.values).all() for layer in prompt.layers)
+
+
+def test_packable_needs_the_kvboost_attention_full_attention_layers_and_plain_caches():
+    """Only the ``"kvboost"`` attention carries a packed forward's parts to their caches; a sliding-window layer,
+    a cache with a context adjustment and an armed sparse repair forward each need a forward of their own."""
+    plain = DynamicCache()
+    assert packable(kvboost_model("llama"), [plain, plain])
+    assert not packable(make_tiny_model("llama"), [plain, plain])  # sdpa
+    assert not packable(kvboost_model("mistral"), [plain, plain])  # sliding window of 24
+    adjusted = types.SimpleNamespace(expects_sparse_forward=False, attention_kwargs=lambda: {"adjustment": 1})
+    sparse = types.SimpleNamespace(expects_sparse_forward=True, attention_kwargs=dict)
+    assert not packable(kvboost_model("llama"), [plain, adjusted])
+    assert not packable(kvboost_model("llama"), [sparse, plain])
+
+
+def run_join(engine, prompts, arrive_at, monkeypatch, *, pack: bool):
+    """Step a scheduler (token budget 6, join padding limit 20) over ``prompts`` arriving at ``arrive_at``; returns
+    the rows and the parts of each packed forward (``pack=False``: packing refused, every part its own forward)."""
+    packed_parts: list[int] = []
+
+    def counted(model, parts):
+        packed_parts.append(len(parts))
+        return packed_forward(model, parts)
+
+    monkeypatch.setattr(decode_module, "packed_forward", counted)
+    monkeypatch.setattr(decode_module, "packable", packable if pack else lambda model, caches: False)
+    scheduler = engine.scheduler("prefix_cache", max_batch_size=4, token_budget=6)
+    scheduler.join_padding_limit = 20
+    rows = engine.factories.new_rows(
+        [DecodeRequest(prompt_ids=engine.encode(p), max_new_tokens=8, sampling=GREEDY) for p in prompts]
+    )
+    groups = [RequestGroup([row]) for row in rows]
+    for step in range(200):
+        for group, at in zip(groups, arrive_at, strict=True):
+            if at == step:
+                scheduler.add(group)
+        scheduler.step()
+        if scheduler.idle and step >= max(arrive_at):
+            break
+    assert scheduler.idle
+    return rows, packed_parts
+
+
+def test_batches_sharing_forwards_give_generates_tokens_and_the_cached_counts_of_separate_forwards(monkeypatch):
+    """Two short rows decode; a 60-word prompt whose first 16 tokens are stored joins at step 2 in a batch of its own
+    (it would pad them past the limit) and is prefilled 4-6 columns per step. From its second chunk on, the running
+    rows' decode step and its chunk share one forward, and once it decodes the two batches' steps do. Every row's
+    tokens equal transformers' greedy ones and the cached tokens those of the same run with packing refused."""
+    engine = KVBoost(kvboost_model("llama"), word_tokenizer(), chunking=8)
+    head = words(70, 16)
+    prompts = [words(90, 4), words(91, 5), f"{head} {words(92, 44)}"]
+    expected = [engine_reference(engine, prompt, 8).tokens for prompt in prompts]
+    runs = {}
+    for pack in (False, True):
+        engine.store.clear()
+        engine.warm(head)
+        runs[pack] = run_join(engine, prompts, [0, 0, 2], monkeypatch, pack=pack)
+    (apart_rows, apart_parts), (packed_rows, packed_parts) = runs[False], runs[True]
+    assert apart_parts == [] and len(packed_parts) >= 5 and set(packed_parts) == {2}
+    for rows in (apart_rows, packed_rows):
+        assert [row.tokens for row in rows] == expected
+    assert [row.reuse.cached_tokens for row in packed_rows] == [row.reuse.cached_tokens for row in apart_rows]
+    assert packed_rows[2].reuse.cached_tokens >= 8
+
+
+def test_a_shared_forward_that_raises_fails_every_batch_in_it_and_the_scheduler_goes_on(monkeypatch):
+    """The running rows' batch and a joining prompt's batch share a forward that raises: both batches' groups get
+    the error, the scheduler drops them, and a request queued after runs to transformers' tokens."""
+    engine = KVBoost(kvboost_model("llama"), word_tokenizer(), chunking=8)
+    calls = []
+
+    def explode(model, parts):
+        calls.append(len(parts))
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(decode_module, "packed_forward", explode)
+    scheduler = engine.scheduler("prefix_cache", max_batch_size=4, token_budget=6)
+    scheduler.join_padding_limit = 20
+    prompts = [words(90, 4), words(92, 60)]
+    failures: list[BaseException] = []
+    rows = engine.factories.new_rows(
+        [DecodeRequest(prompt_ids=engine.encode(p), max_new_tokens=8, sampling=GREEDY) for p in prompts]
+    )
+    scheduler.add(RequestGroup([rows[0]], on_fail=failures.append))
+    scheduler.step()
+    scheduler.add(RequestGroup([rows[1]], on_fail=failures.append))
+    for _ in range(4):
+        scheduler.step()
+    assert calls == [2] and [str(error) for error in failures] == ["device lost", "device lost"]
+    assert scheduler.running == []
+    monkeypatch.setattr(decode_module, "packed_forward", packed_forward)
+    late = DecodeRequest(prompt_ids=engine.encode(words(93, 3)), max_new_tokens=4, sampling=GREEDY)
+    rows = engine.factories.new_rows([late])
+    scheduler.add(RequestGroup(rows))
+    scheduler.run()
+    assert rows[0].tokens == engine_reference(engine, words(93, 3), 4).tokens
