@@ -27,7 +27,11 @@ one model and one cache. It makes no scheduling decision: the scheduler hands it
   verifies the first tree too (the draft prefills the prompts and drafts before it), unless it is a sparse repair
   forward.
 
-Both return the sampled tokens per row (:class:`RowOutput`) and decide nothing about them: the scheduler appends
+* a shared forward (:func:`execute_steps`, what the scheduler calls): every batch's decode step and the next chunks
+  of its prompt forwards under way as parts of one forward (:mod:`kvboost_hf.hf.packed`; :meth:`DecodeLoop.pack`
+  and :meth:`DecodeLoop.unpack`), so the weights are read once per scheduler step, not once per batch and chunk.
+
+All return the sampled tokens per row (:class:`RowOutput`) and decide nothing about them: the scheduler appends
 them to the rows, decides which rows stop (end tokens, budget, stop strings on the incrementally decoded text,
 cancellation) and calls :meth:`DecodeLoop.retire_finished`, which drops the ended rows from the batch. The runner
 reads no store (stitching stored chunks is the cache's), and whether a forward runs through compiled graphs or
@@ -130,7 +134,7 @@ class PrefillWork:
 
 
 @dataclass
-class _Batch:
+class _RunningRows:
     """The running rows' state taken out of a loop while it prefills new rows: their caches, 2D attention mask
     ``[B, C]`` and last positions ``[B]`` (row ``i`` of each is ``running[i]``)."""
 
@@ -141,7 +145,7 @@ class _Batch:
     positions: torch.Tensor = field(default_factory=lambda: torch.empty(0))
 
     @classmethod
-    def detach(cls, loop: DecodeLoop) -> _Batch:
+    def detach(cls, loop: DecodeLoop) -> _RunningRows:
         """Take ``loop``'s running rows' state out of it (it is then empty)."""
         draft_cache = loop.draft.cache if loop.draft is not None else None
         earlier = cls(loop.running, loop.cache, draft_cache, loop.mask, loop.positions)
@@ -208,7 +212,7 @@ class _Prompt:
     shared_computed: dict[int, int]
     inputs: dict[str, Any] = field(default_factory=dict)
     computed: int = 0
-    state: _Batch = field(default_factory=_Batch)
+    state: _RunningRows = field(default_factory=_RunningRows)
 
     def next_chunk(self, cache: Any, mask: torch.Tensor, columns: int) -> ForwardPart | None:
         """The next ``columns`` columns of the prepared dense forward (:attr:`inputs`) through ``cache`` under the
@@ -261,7 +265,9 @@ class DecodeLoop:
     target is not streamed); ``computed_tokens`` the prompt tokens computed (not loaded) for all rows. Call
     :meth:`add` with each :class:`PrefillWork`, and :meth:`step` while rows run: each returns the tokens it sampled
     per row (:class:`RowOutput`) and appends nothing; the caller appends them and ends rows, then calls
-    :meth:`retire_finished` before the next call. :meth:`preempt` takes rows out unfinished, their chunks stored.
+    :meth:`retire_finished` before the next call. :meth:`pack` and :meth:`unpack` run a step's decode and prompt
+    chunks as parts of one forward shared with other batches (:func:`execute_steps`). :meth:`preempt` takes rows
+    out unfinished, their chunks stored.
     """
 
     def __init__(
@@ -322,7 +328,7 @@ class DecodeLoop:
         :meth:`ForwardRouter.shares_decode <kvboost_hf.hf.forward_routes.ForwardRouter.shares_decode>`). Changes
         nothing: :meth:`unpack` takes the step once the forward ran."""
         decoding = decode and bool(self.running)
-        if self.verifier is not None or decoding and not self.router.shares_decode(self.cache, self.running):
+        if self.verifier is not None or (decoding and not self.router.shares_decode(self.cache, self.running)):
             return None
         step = PackedStep(decoding)
         if decoding:
@@ -359,7 +365,7 @@ class DecodeLoop:
             prompt.computed += part.input_ids.shape[1]
             if last is not None:
                 self._prompts.remove(prompt)
-                earlier = _Batch.detach(self)
+                earlier = _RunningRows.detach(self)
                 prompt.state.attach(self)
                 outputs += self._first_tokens(prompt, last[:, None], None)
                 earlier.attach(self)
@@ -380,23 +386,35 @@ class DecodeLoop:
         and leave the running rows as they were (the work's rows are not running meanwhile). A chunked prompt
         forward verifies no draft tree (the draft prefills after the first tokens); a sparse repair forward is
         computed in one call. 0: the whole prompt forward in this call."""
-        earlier = _Batch.detach(self)
+        earlier = _RunningRows.detach(self)
         outputs = self._prefill(work, columns)
         earlier.attach(self)
         return outputs
 
     def _prefill(self, work: PrefillWork, columns: int) -> list[RowOutput]:
         """Begin or continue ``work``'s prompt forward in the (detached) loop; its rows' first tokens once it is
-        complete, else ``[]`` (the work's state is then set aside until the next call)."""
+        complete, else ``[]`` (the work's state is then set aside until the next call). A whole prompt forward
+        (stored chunks loaded first) also verifies each row's first tree when the verifier drafts one
+        (:meth:`~kvboost_hf.hf.verify.TreeVerifier.prompt_queries`: the logits are then ``[P, 1 + nodes, V]``)."""
         prompt = next((prompt for prompt in self._prompts if prompt.work is work), None)
         if prompt is None:
             prompt = self._begin_prefill(work)
-            if not columns or prompt.input_ids.shape[1] <= columns:
-                logits, trees = self._prompt_forward(list(work.rows), prompt.input_ids, prompt.position_ids,
-                                                     prompt.starts)  # fmt: skip
-                return self._first_tokens(prompt, logits, trees)
+            assert self.cache is not None, "the prefill built a cache"
             prompt.inputs = forward_inputs(self.cache, input_ids=prompt.input_ids, attention_mask=self.mask,
                                            position_ids=prompt.position_ids, logits_to_keep=1)  # fmt: skip
+            if not columns or prompt.input_ids.shape[1] <= columns:  # the whole prompt forward in this call
+                inputs, trees = prompt.inputs, None
+                if self.verifier is not None:  # it also verifies each row's first tree, when the verifier drafts
+                    inputs, trees = self.verifier.prompt_queries(
+                        list(work.rows),
+                        self.cache,
+                        inputs,
+                        self.mask,
+                        prompt.input_ids,
+                        prompt.position_ids,
+                        prompt.starts,
+                    )
+                return self._first_tokens(prompt, self.router.prompt(self.cache, inputs, self.running), trees)
             tail = prompt.inputs["input_ids"].shape[1]  # what the store did not hold: one chunk when <= columns
             graphed = self.router.graphed_prompt(self.cache, prompt.inputs, self.running) if tail <= columns else None
             if graphed is not None:
@@ -406,7 +424,7 @@ class DecodeLoop:
             prompt.state.attach(self)
         last = self._prompt_chunk(prompt, columns)
         if last is None:
-            prompt.state = _Batch.detach(self)
+            prompt.state = _RunningRows.detach(self)
             self._prompts.append(prompt)
             return []
         return self._first_tokens(prompt, last, None)
@@ -487,28 +505,6 @@ class DecodeLoop:
             self.draft.prefill(input_ids, self.mask, position_ids, prompt.starts)
         return outputs
 
-    def _prompt_forward(
-        self,
-        rows: list[DecodeRow],
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        segment_starts: tuple[int, ...],
-    ) -> tuple[torch.Tensor, list[DraftTree] | None]:
-        """The target's prompt forward (stored chunks loaded first); with a draft it also verifies each row's first
-        tree when the verifier drafts one (:meth:`~kvboost_hf.hf.verify.TreeVerifier.prompt_queries`). Returns the
-        logits ``[B, 1 + nodes, V]`` (the last prompt token's, then each node's) and the trees (None when nothing
-        was drafted: ``[B, 1, V]``). ``rows``: the prompts' rows (the first of a repeated prompt drafts for all);
-        ``segment_starts``: theirs (the draft's cache is built with them too)."""
-        assert self.cache is not None, "the prefill built a cache"
-        inputs = forward_inputs(self.cache, input_ids=input_ids, attention_mask=self.mask,
-                                position_ids=position_ids, logits_to_keep=1)  # fmt: skip
-        trees = None
-        if self.verifier is not None:
-            inputs, trees = self.verifier.prompt_queries(
-                rows, self.cache, inputs, self.mask, input_ids, position_ids, segment_starts
-            )
-        return self.router.prompt(self.cache, inputs, self.running), trees
-
     @_counting_streamed_bytes
     def step(self) -> list[RowOutput]:
         """One decode step for every running row (speculative when the drafter drafts for them: one or more tokens
@@ -569,7 +565,7 @@ class DecodeLoop:
             return
         self._save(tail=True)  # store the leaving rows' chunks (and unfinished last chunks) first
         if not keep:
-            _Batch.detach(self)  # every chunk is stored: the caches go, prompt forwards under way stay
+            _RunningRows.detach(self)  # every chunk is stored: the caches go, prompt forwards under way stay
             return
         self.running = [self.running[i] for i in keep]
         index = torch.tensor(keep, device=self.device)
