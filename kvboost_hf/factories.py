@@ -28,7 +28,7 @@ from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.keys import KeySpace, model_digest
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow
-from kvboost_hf.hf.graphs import GraphedDecoder, graphed_columns, graphed_rows
+from kvboost_hf.hf.graphs import GraphedDecoder, graphed_columns, graphed_drafts, graphed_rows
 from kvboost_hf.hf.models import (
     check_model_support,
     forward_read_bytes,
@@ -293,12 +293,14 @@ class Factories:
         none elsewhere; 0: none), counting :meth:`kv_bytes_per_token` per row and column, the width rounded up to a
         graph's capacity bucket and the rows to its row bucket when decode steps may be graphed, and with a draft
         the columns its trees hold beyond their depth
-        (:meth:`~kvboost_hf.hf.speculative.DraftConfig.extra_tree_columns`); None when there is no budget."""
+        (:meth:`~kvboost_hf.hf.speculative.DraftConfig.extra_tree_columns`; the draft tokens a graphed verify
+        forward pads up to its bucket included); None when there is no budget."""
         resolved = resolve_budget_bytes(budget_bytes, self.model.device)
         if not resolved:
             return None
-        tree = self.draft_settings.extra_tree_columns() if self.speculative else 0
         config = self.graphs.config
+        padded = functools.partial(graphed_drafts, config=config) if config.enabled else None
+        tree = self.draft_settings.extra_tree_columns(padded) if self.speculative else 0
         if not config.enabled:
             return KVBudget(resolved, self.kv_bytes_per_token(), tree_columns=tree)
         return KVBudget(

@@ -30,9 +30,12 @@ a tree's nodes beyond its depth are not, and :attr:`KVBudget.tree_columns` (the 
 :meth:`~kvboost_hf.hf.speculative.DraftConfig.extra_tree_columns`) adds them to every batch's width: a schedule
 whose projection fits the budget runs its step, verify forward included, within it.
 
+A graphed verify forward pads each round's draft tokens up to a draft bucket (padding nodes after the real ones,
+dropped with the rejected nodes): where verify forwards may run graphed, ``tree_columns`` counts the padded rounds
+(``extra_tree_columns(padded=graphed_drafts)``), a chain's padding included.
+
 Not counted: what a forward holds while it runs besides the caches (activations, logits, the copy a join or a
-repeated prompt makes), and the draft tokens a graphed verify forward pads up to its bucket: the share of free
-memory the budget leaves (:data:`DEVICE_FRACTION`) is for those.
+repeated prompt makes): the share of free memory the budget leaves (:data:`DEVICE_FRACTION`) is for those.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ tensors. The scheduler's admission and preemption with it are tested in test_sch
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from conftest import make_tiny_model
@@ -14,6 +16,7 @@ from transformers import DynamicCache
 
 from kvboost_hf import KVBoost
 from kvboost_hf.core.errors import ConfigError
+from kvboost_hf.hf.graphs import GraphConfig, graphed_columns, graphed_drafts, graphed_rows
 from kvboost_hf.hf.speculative import DraftConfig
 from kvboost_hf.kv_budget import BatchShape, KVBudget, resolve_budget_bytes
 
@@ -101,12 +104,14 @@ def test_every_row_is_as_wide_as_the_widest_for_as_long_as_any_row_runs():
 def test_a_graphed_batch_counts_its_padding_rows_and_its_capacity_bucket():
     """With graphs on, 3 rows decode in the 4-row graph (a padding row) at a 256-token capacity: the engine's budget
     counts 4 x 256 columns, not 3 x 15."""
-    from functools import partial
-
-    from kvboost_hf.hf.graphs import GraphConfig, graphed_columns, graphed_rows
 
     config = GraphConfig(row_buckets=(1, 2, 4, 8))
-    graphed = KVBudget(1, 2, columns=partial(graphed_columns, config=config), rows=partial(graphed_rows, config=config))
+    graphed = KVBudget(
+        1,
+        2,
+        columns=functools.partial(graphed_columns, config=config),
+        rows=functools.partial(graphed_rows, config=config),
+    )
     shape = BatchShape(10, (5, 5, 5))
     assert shape.projected_width == 15 and KVBudget(1, 2).bytes(shape) == 3 * 15 * 2
     assert graphed.bytes(shape) == 4 * 256 * 2
@@ -139,6 +144,30 @@ def test_an_engine_with_a_tree_drafter_counts_its_tree_in_the_budget():
     plain = KVBoost(target, word_tokenizer())
     budgets = [engine.factories.kv_budget(1 << 20) for engine in (tree, chain, plain)]
     assert [budget.tree_columns for budget in budgets if budget is not None] == [4, 0, 0]
+
+
+def test_a_graphed_verify_forwards_padded_draft_tokens_are_counted():
+    """Verify forwards that may run graphed pad a round's draft tokens up to a draft bucket (2, 4, 8, ...): a chain
+    of at most 3 drafts pads 3 to 4 (1 column beyond its depth); trees of 8 nodes at most 2 deep: [2] holds 2 (1
+    beyond), [2, 4] holds 6 padded to 8 (6 beyond); with buckets (2, 4) those 6 nodes are above the largest and run
+    eagerly, unpadded (4 beyond). An engine whose graphs are on counts the padded figure, one whose graphs are off
+    the real one."""
+    config = GraphConfig(draft_buckets=(2, 4))
+    padded = functools.partial(graphed_drafts, config=GraphConfig())
+    assert [graphed_drafts(nodes, config) for nodes in (1, 2, 3, 4, 5)] == [2, 2, 4, 4, 5]
+    assert DraftConfig(num_draft_tokens=3).extra_tree_columns(padded) == 1
+    assert DraftConfig(num_draft_tokens=2, tree_budget=8).extra_tree_columns(padded) == 6
+    small_buckets = functools.partial(graphed_drafts, config=config)
+    assert DraftConfig(num_draft_tokens=2, tree_budget=8).extra_tree_columns(small_buckets) == 4
+    target = make_tiny_model("llama", seed=0)
+    draft = DraftConfig(num_draft_tokens=2, tree_budget=8)
+    columns = [
+        KVBoost(target, word_tokenizer(), draft_model=target, draft=draft, graphs=GraphConfig(enabled=enabled))
+        .factories.kv_budget(1 << 20)
+        .tree_columns
+        for enabled in (True, False)
+    ]
+    assert columns == [6, 4]
 
 
 def test_the_budget_setting_is_derived_on_cuda_only_and_checked():

@@ -241,6 +241,13 @@ def graphed_columns(width: int, config: GraphConfig) -> int:
     return capacity_bucket(width, config) or width
 
 
+def graphed_drafts(nodes: int, config: GraphConfig) -> int:
+    """Draft tokens a verify forward of ``nodes`` nodes holds when it may run graphed: its draft bucket
+    (:func:`draft_bucket`, padding nodes after the real ones until the verifier drops them), or ``nodes`` above the
+    largest (eager)."""
+    return draft_bucket(nodes, config.draft_buckets) or nodes
+
+
 def graphed_rows(rows: int, config: GraphConfig) -> int:
     """Rows a cache may hold for a batch of ``rows`` rows when graphed decoding may pad it: the row bucket of
     ``rows`` (:func:`row_bucket`, the padding rows copies of the last), or ``rows`` above the largest (eager)."""

@@ -121,16 +121,19 @@ class DraftConfig:
             sizes.append(min(wanted, budget - sum(sizes)))
         return sizes
 
-    def extra_tree_columns(self) -> int:
+    def extra_tree_columns(self, padded: Callable[[int], int] | None = None) -> int:
         """The most columns a round's tree holds per row beyond its depth: its nodes less its levels
         (:meth:`level_sizes`), over every depth up to ``num_draft_tokens`` and every budget a round may take (up to
-        ``tree_budget`` with ``adaptive_tree_budget``, else ``tree_budget``); 0 for a chain. A verify forward holds
-        each row's root and every node until the rejected ones are dropped, and a round is at most one less deep
-        than the most tokens a row may take, so a batch ``W`` columns wide whose rows may take at most ``L`` tokens
-        holds at most ``W + L + extra_tree_columns()`` columns during a step (see :mod:`kvboost_hf.kv_budget`)."""
+        ``tree_budget`` with ``adaptive_tree_budget``, else ``tree_budget``); 0 for an eager chain. A verify forward
+        holds each row's root and every node until the rejected ones are dropped, and a round is at most one less
+        deep than the most tokens a row may take, so a batch ``W`` columns wide whose rows may take at most ``L``
+        tokens holds at most ``W + L + extra_tree_columns()`` columns during a step (see :mod:`kvboost_hf.kv_budget`).
+        ``padded``: the draft tokens a verify forward of ``n`` nodes holds, when verify forwards may run graphed
+        (padded up to a draft bucket: :func:`~kvboost_hf.hf.graphs.graphed_drafts`); None: ``n``."""
         budgets: Sequence[int | None] = range(1, self.tree_budget + 1) if self.adaptive_tree_budget else [None]
+        held = padded or (lambda nodes: nodes)
         return max(
-            sum(sizes) - len(sizes)
+            held(sum(sizes)) - len(sizes)
             for depth in range(1, self.num_draft_tokens + 1)
             for budget in budgets
             for sizes in [self.level_sizes(depth, budget)]
