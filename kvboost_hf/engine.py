@@ -42,7 +42,13 @@ from kvboost_hf.hf.tokens import SegmentTokenizer, TokenCacheConfig, TokenIdsCac
 from kvboost_hf.hf.warm import PromptWarmer
 from kvboost_hf.offload import LayerStreamingConfig, layer_streamer
 from kvboost_hf.results import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
-from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE, DEFAULT_TOKEN_BUDGET, RequestGroup, Scheduler
+from kvboost_hf.scheduling import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_PACK_FORWARDS,
+    DEFAULT_TOKEN_BUDGET,
+    RequestGroup,
+    Scheduler,
+)
 from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -514,6 +520,7 @@ class InferenceEngine:
         batch_window_ms: float = 0.0,
         repair: RepairConfig | None = None,
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
+        pack_forwards: bool = DEFAULT_PACK_FORWARDS,
     ) -> Scheduler:
         """A :class:`~kvboost_hf.scheduling.Scheduler` for this engine (:meth:`Factories.scheduler
         <kvboost_hf.factories.Factories.scheduler>`): batches of its decode loops in ``mode``, at most
@@ -521,7 +528,8 @@ class InferenceEngine:
         within ``kv_budget_bytes`` (None: derived from the free device memory on CUDA, none elsewhere; 0: none), a
         new batch formed once its oldest request waited ``batch_window_ms``; each batch's decode figures and the
         memory counters are added to :meth:`cache_stats`. The rows' text is decoded (special tokens skipped) under
-        ``tokenizer_lock``. Step it under :attr:`lock`."""
+        ``tokenizer_lock``. ``pack_forwards``: the batches' decode steps and prompt chunks share one forward where
+        they can (False: a forward each). Step it under :attr:`lock`."""
         return self.factories.scheduler(
             mode,
             max_batch_size=max_batch_size,
@@ -530,6 +538,7 @@ class InferenceEngine:
             batch_window_ms=batch_window_ms,
             repair=repair,
             tokenizer_lock=tokenizer_lock,
+            pack_forwards=pack_forwards,
         )
 
     def new_cache(

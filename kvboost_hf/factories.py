@@ -43,6 +43,7 @@ from kvboost_hf.hf.verify_graphs import GraphedVerifier
 from kvboost_hf.kv_budget import KVBudget, resolve_budget_bytes
 from kvboost_hf.scheduling import (
     DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_PACK_FORWARDS,
     DEFAULT_TOKEN_BUDGET,
     BatchKey,
     BatchPolicy,
@@ -261,13 +262,15 @@ class Factories:
         batch_window_ms: float = 0.0,
         repair: RepairConfig | None = None,
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
+        pack_forwards: bool = DEFAULT_PACK_FORWARDS,
     ) -> Scheduler:
         """A :class:`~kvboost_hf.scheduling.Scheduler` of decode loops (:meth:`decode_loop`) in ``mode``, at most
         ``max_batch_size`` rows running and ``token_budget`` tokens computed per step (0: none), the running
         batches' K/V within :meth:`kv_budget` of ``kv_budget_bytes``, a new batch formed once its oldest request
         waited ``batch_window_ms``; each batch's decode figures are added to :attr:`totals`, the memory counters to
-        :attr:`memory`. The rows' text is decoded (special tokens skipped) under ``tokenizer_lock``. Step it under
-        the engine's lock."""
+        :attr:`memory`. The rows' text is decoded (special tokens skipped) under ``tokenizer_lock``. ``pack_forwards``:
+        the batches' decode steps and prompt chunks share one forward where they can (False: a forward each). Step
+        it under the engine's lock."""
         mode = GenerationMode(mode)
 
         def new_loop(key: BatchKey) -> DecodeLoop:
@@ -285,6 +288,7 @@ class Factories:
             batch_window_s=batch_window_ms / 1e3,
             on_done=self.totals.count,
             tokenizer_lock=tokenizer_lock,
+            pack_forwards=pack_forwards,
         )
 
     def kv_budget(self, budget_bytes: int | None = None) -> KVBudget | None:

@@ -94,6 +94,12 @@ DEFAULT_MAX_BATCH_SIZE = 8
 #: written. 0 means no budget.
 DEFAULT_TOKEN_BUDGET = 2048
 
+#: Whether a step runs every batch's decode step and the next chunks of its prompts under way as one packed forward
+#: where the model's attention allows (:func:`~kvboost_hf.hf.decode.execute_steps`) unless the caller says otherwise
+#: (``ServerConfig.pack_forwards``, the engine's ``scheduler``, :class:`Scheduler`'s ``pack_forwards``): the one
+#: place this default is written.
+DEFAULT_PACK_FORWARDS = True
+
 #: Columns of left padding a row prefilled together with others may take whatever its length (see
 #: :func:`padding_groups`): below it, splitting a forward saves less than a forward and a join cost.
 PADDING_SLACK = 64
@@ -557,14 +563,17 @@ class Scheduler:
         join_padding_limit: the most cells (row x column) of left padding a group may add to a running batch of its
             key by joining it (:meth:`~kvboost_hf.kv_budget.BatchShape.join_padding`): a group that would add more
             (a long prompt joining short rows, or the reverse) starts a batch of its own, decoded by a forward of its
-            own each step. The break-even is the model's weight bytes over its K/V bytes per token (one more forward
-            reads the weights once more; the padding is read by every step). None: a group always joins (one batch
-            per key).
+            own each step where batches do not share one (``pack_forwards``). The break-even is the model's weight
+            bytes over its K/V bytes per token (one more forward reads the weights once more; the padding is read by
+            every step). None: a group always joins (one batch per key).
         batch_window_s: how long the oldest pending group of a key waits for others before its batch forms
             (``skip_windows = True`` admits without waiting).
         on_done: called once with each batch's loop when it ends; what it returns is kept as its
             ``decode_counts``.
         tokenizer_lock: serialises ``decode`` with other threads using the same tokenizer (None: no lock).
+        pack_forwards: run every batch's decode step and the next chunks of its prompts under way as one forward
+            where the attention allows (:func:`~kvboost_hf.hf.decode.execute_steps`); False: a forward per batch
+            step and per chunk. May be changed between steps.
     """
 
     def __init__(
@@ -581,6 +590,7 @@ class Scheduler:
         batch_window_s: float = 0.0,
         on_done: Callable[[DecodeLoop], dict[str, Any]] = lambda loop: {},
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
+        pack_forwards: bool = DEFAULT_PACK_FORWARDS,
     ) -> None:
         if max_rows < 1:
             raise ConfigError(f"max_rows must be >= 1, got {max_rows}")
@@ -597,6 +607,7 @@ class Scheduler:
         self.kv_budget = kv_budget
         self.memory = memory if memory is not None else MemoryCounters()
         self.join_padding_limit = join_padding_limit
+        self.pack_forwards = pack_forwards
         self._admissions = 0
         self.batch_window_s = batch_window_s
         self.on_done = on_done
@@ -713,8 +724,9 @@ class Scheduler:
         steps = [(work.batch.loop, work.decode, [(chunk.work, chunk.columns) for chunk in work.prefills])
                  for work in output.work]  # fmt: skip
         before = [work.batch.loop.computed_tokens for work in output.work]
+        executed = execute_steps(steps, pack=self.pack_forwards)
         results = []
-        for work, computed, result in zip(output.work, before, execute_steps(steps), strict=True):
+        for work, computed, result in zip(output.work, before, executed, strict=True):
             computed = work.batch.loop.computed_tokens - computed
             if isinstance(result, BaseException):
                 work.batch.fail(result)

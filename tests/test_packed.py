@@ -104,8 +104,8 @@ def test_packable_needs_the_kvboost_attention_full_attention_layers_and_plain_ca
 
 
 def run_join(engine, prompts, arrive_at, monkeypatch, *, pack: bool):
-    """Step a scheduler (token budget 6, join padding limit 20) over ``prompts`` arriving at ``arrive_at``; returns
-    the rows and the parts of each packed forward (``pack=False``: packing refused, every part its own forward)."""
+    """Step a scheduler (token budget 6, join padding limit 20, ``pack_forwards=pack``) over ``prompts`` arriving at
+    ``arrive_at``; returns the rows and the parts of each packed forward."""
     packed_parts: list[int] = []
 
     def counted(model, parts):
@@ -113,8 +113,7 @@ def run_join(engine, prompts, arrive_at, monkeypatch, *, pack: bool):
         return packed_forward(model, parts)
 
     monkeypatch.setattr(decode_module, "packed_forward", counted)
-    monkeypatch.setattr(decode_module, "packable", packable if pack else lambda model, caches: False)
-    scheduler = engine.scheduler("prefix_cache", max_batch_size=4, token_budget=6)
+    scheduler = engine.scheduler("prefix_cache", max_batch_size=4, token_budget=6, pack_forwards=pack)
     scheduler.join_padding_limit = 20
     rows = engine.factories.new_rows(
         [DecodeRequest(prompt_ids=engine.encode(p), max_new_tokens=8, sampling=GREEDY) for p in prompts]
@@ -135,7 +134,8 @@ def test_batches_sharing_forwards_give_generates_tokens_and_the_cached_counts_of
     """Two short rows decode; a 60-word prompt whose first 16 tokens are stored joins at step 2 in a batch of its own
     (it would pad them past the limit) and is prefilled 4-6 columns per step. From its second chunk on, the running
     rows' decode step and its chunk share one forward, and once it decodes the two batches' steps do. Every row's
-    tokens equal transformers' greedy ones and the cached tokens those of the same run with packing refused."""
+    tokens equal transformers' greedy ones and the cached tokens those of the same run with packing off (a forward
+    per batch step and per chunk, none packed)."""
     engine = KVBoost(kvboost_model("llama"), word_tokenizer(), chunking=8)
     head = words(70, 16)
     prompts = [words(90, 4), words(91, 5), f"{head} {words(92, 44)}"]

@@ -220,11 +220,22 @@ def test_worker_takes_the_server_settings_in_their_units():
     worker = Worker(
         _SchedulerEngine(),
         ServerConfig(
-            reuse_mode="chunk_kv_reuse", batch_window_ms=250, max_batch_size=3, token_budget=96, kv_budget_bytes=4096
+            reuse_mode="chunk_kv_reuse",
+            batch_window_ms=250,
+            max_batch_size=3,
+            token_budget=96,
+            kv_budget_bytes=4096,
+            pack_forwards=False,
         ),
     )  # type: ignore[arg-type]
     assert worker.max_batch_size == 3 and worker.max_queue == 64 and worker.mode is GenerationMode.CHUNK_KV_REUSE
-    given = {"max_batch_size": 3, "token_budget": 96, "kv_budget_bytes": 4096, "batch_window_ms": 250}
+    given = {
+        "max_batch_size": 3,
+        "token_budget": 96,
+        "kv_budget_bytes": 4096,
+        "batch_window_ms": 250,
+        "pack_forwards": False,
+    }
     assert worker.scheduler == (worker.mode, given)
     default = Worker(_SchedulerEngine())  # type: ignore[arg-type]
     settings = ServerConfig()
@@ -233,6 +244,7 @@ def test_worker_takes_the_server_settings_in_their_units():
         "token_budget": settings.token_budget,
         "kv_budget_bytes": settings.kv_budget_bytes,
         "batch_window_ms": settings.batch_window_ms,
+        "pack_forwards": settings.pack_forwards,
     }
     assert default.scheduler == (GenerationMode.PREFIX_CACHE, expected)
 

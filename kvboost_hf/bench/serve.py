@@ -13,9 +13,11 @@ and every run stops starting turns after ``--time-limit-s`` seconds.
 
 ``--join`` measures chunked prefill instead: ``--join-rows`` rows stream greedy answers (end tokens ignored) and a
 prompt of about 4k tokens joins them, once against a server without a token budget (its prefill is one forward:
-the running rows wait for all of it) and once with ``--token-budget`` ``--join-budget`` (decode steps first, the
-prompt in chunks between them). Per arm: the join's TTFT and the running rows' worst inter-token gap during the
-join against their median gap outside it (target: at most 3x); the rows' answers must be equal in both arms.
+the running rows wait for all of it), once with ``--token-budget`` ``--join-budget`` and ``--no-pack-forwards``
+(decode steps first, the prompt in chunks between them, each a forward of its own) and once with that budget and
+packed forwards (the server's default: the decode steps and the chunk in one forward where the attention allows).
+Per arm: the join's TTFT and the running rows' worst inter-token gap during the join against their median gap
+outside it (target: at most 3x); the rows' answers must be equal in every arm.
 Output: a table and ``serve_join.json`` under ``--out``.
 
 The servers load the embedded model, ``--model DIR`` (a local model folder), or ``--random-shape NAME``: random
@@ -338,19 +340,25 @@ def join_gaps(streams: Sequence[Sequence[float]], start: float, end: float) -> d
 
 
 def run_join(
-    budget: int, args: argparse.Namespace, model_flags: Sequence[str] = (), bias: dict[str, int] | None = None
+    budget: int,
+    args: argparse.Namespace,
+    model_flags: Sequence[str] = (),
+    bias: dict[str, int] | None = None,
+    *,
+    pack: bool = True,
 ) -> dict:
-    """Start a server with token budget ``budget`` (0: none), stream ``--join-rows`` greedy answers of
-    ``--join-stream-tokens`` tokens (end tokens ignored), and once each streamed ``--join-after-tokens`` send a
-    prompt of about ``--join-chars`` characters of documentation (four tokens to the character or so); returns the
-    join's prompt tokens and TTFT, the running rows' gaps around it (:func:`join_gaps`), whether every row was still
-    streaming when the join's first token came (``covered``) and the rows' answers. ``bias``: the rows'
-    ``logit_bias`` (:func:`special_token_bias`)."""
+    """Start a server with token budget ``budget`` (0: none) and packed forwards on or off (``pack``), stream
+    ``--join-rows`` greedy answers of ``--join-stream-tokens`` tokens (end tokens ignored), and once each streamed
+    ``--join-after-tokens`` send a prompt of about ``--join-chars`` characters of documentation (four tokens to the
+    character or so); returns the join's prompt tokens and TTFT, the running rows' gaps around it
+    (:func:`join_gaps`), whether every row was still streaming when the join's first token came (``covered``) and
+    the rows' answers. ``bias``: the rows' ``logit_bias`` (:func:`special_token_bias`)."""
     import openai
 
     # argparse keeps the last of a repeated flag: room for the running rows and the join
     flags = [*server_flags(args), *model_flags, "--max-batch-size", str(args.join_rows + 1)]
-    server = ServerProcess([*flags, "--token-budget", str(budget)], args.startup_timeout_s)
+    packing = "--pack-forwards" if pack else "--no-pack-forwards"
+    server = ServerProcess([*flags, "--token-budget", str(budget), packing], args.startup_timeout_s)
     errors: list[BaseException] = []
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
@@ -387,6 +395,7 @@ def run_join(
     end = join.times[0]
     return {
         "token_budget": budget,
+        "pack_forwards": pack,
         "join_prompt_tokens": join.prompt_tokens,
         "join_ttft_ms": (end - join.started) * 1e3,
         **join_gaps([row.times for row in running], join.started, end),
@@ -408,30 +417,35 @@ def special_token_bias(folder: str | None) -> dict[str, int]:
 
 
 def join_main(args: argparse.Namespace, model_flags: Sequence[str], bias: dict[str, int]) -> int:
-    """``--join``: the running rows' gaps while a long prompt joins, without a token budget and with
-    ``--join-budget``, in one run (``bias``: the rows' ``logit_bias``, :func:`special_token_bias`); prints a table
-    and writes ``serve_join.json``. Exit status 0 when both arms ran and the rows streamed through the join with the
-    same answers."""
+    """``--join``: the running rows' gaps while a long prompt joins, without a token budget, with ``--join-budget``
+    and a forward per batch step and chunk (``unpacked``), and with that budget and packed forwards (``after``), in
+    one run (``bias``: the rows' ``logit_bias``, :func:`special_token_bias`); prints a table and writes
+    ``serve_join.json``. Exit status 0 when every arm ran and the rows streamed through the join with the same
+    answers."""
     arms = {}
-    for name, budget in (("before", 0), ("after", args.join_budget)):
-        logger.info("%s: %d streaming rows, a long prompt joins (token budget %d)", name, args.join_rows, budget)
-        arms[name] = run_join(budget, args, model_flags, bias)
+    for name, budget, pack in (("before", 0, True), ("unpacked", args.join_budget, False),
+                               ("after", args.join_budget, True)):  # fmt: skip
+        logger.info("%s: %d streaming rows, a long prompt joins (token budget %d, packed forwards %s)", name,
+                    args.join_rows, budget, pack)  # fmt: skip
+        arms[name] = run_join(budget, args, model_flags, bias, pack=pack)
     print(
-        f"{'arm':<7}{'budget':>7}{'prompt':>7}{'join TTFT':>10}{'median':>8}{'worst':>8}{'join p50':>9}"
+        f"{'arm':<9}{'budget':>7}{'packed':>7}{'prompt':>7}{'join TTFT':>10}{'median':>8}{'worst':>8}{'join p50':>9}"
         f"{'join p90':>9}{'chunks':>8}{'joined':>8}{'ratio':>7}{'steady worst':>13}"
     )
     for name, arm in arms.items():
         print(
-            f"{name:<7}{arm['token_budget']:>7}{arm['join_prompt_tokens']:>7}{arm['join_ttft_ms']:>10.0f}"
+            f"{name:<9}{arm['token_budget']:>7}{'yes' if arm['pack_forwards'] else 'no':>7}"
+            f"{arm['join_prompt_tokens']:>7}{arm['join_ttft_ms']:>10.0f}"
             f"{arm['median_ms']:>8.0f}{arm['worst_ms']:>8.0f}{arm['join_p50_ms']:>9.0f}{arm['join_p90_ms']:>9.0f}"
             f"{arm['chunks_worst_ms']:>8.0f}{arm['joined_ms']:>8.0f}{arm['ratio']:>7.1f}{arm['steady_worst_ms']:>13.0f}"
         )
-    same = arms["before"]["answers"] == arms["after"]["answers"]
+    same = all(arm["answers"] == arms["before"]["answers"] for arm in arms.values())
     covered = all(arm["covered"] for arm in arms.values())
     print(
         f"running rows' worst gap during the join: {arms['before']['ratio']:.1f}x their median without a budget, "
-        f"{arms['after']['ratio']:.1f}x with {args.join_budget} tokens per step (target <= 3x); answers equal: "
-        f"{same}; rows streamed through the join: {covered}"
+        f"{arms['unpacked']['ratio']:.1f}x with {args.join_budget} tokens per step in forwards of their own, "
+        f"{arms['after']['ratio']:.1f}x packed (target <= 3x); answers equal: {same}; rows streamed through the "
+        f"join: {covered}"
     )
     args.out.mkdir(parents=True, exist_ok=True)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}

@@ -606,17 +606,19 @@ StepResult = tuple[list[RowOutput], list[PrefillWork]] | BaseException
 exception that failed the batch."""
 
 
-def execute_steps(steps: Sequence[tuple[DecodeLoop, bool, Sequence[tuple[PrefillWork, int]]]]) -> list[StepResult]:
+def execute_steps(
+    steps: Sequence[tuple[DecodeLoop, bool, Sequence[tuple[PrefillWork, int]]]], *, pack: bool
+) -> list[StepResult]:
     """One scheduler step of several batches on one model, ``(runner, decode, prefills)`` each (``prefills``:
     ``(work, columns)``): every batch's decode step and the next chunks of its prompt forwards under way run as one
     forward where they can (:func:`~kvboost_hf.hf.packed.packed_forward`: the weights read once, not once per batch
     and chunk; :meth:`DecodeLoop.pack`), each batch's other prefills after it; a batch that cannot share a forward
     runs its decode step (:meth:`DecodeLoop.step`) and prefills (:meth:`DecodeLoop.add`) on its own, as does
-    everything when only one part would be packed. Returns each batch's :data:`StepResult`, in order; an
-    exception fails only the batches whose work raised it (every batch in a shared forward that raised)."""
+    everything when only one part would be packed or ``pack`` is False. Returns each batch's :data:`StepResult`, in
+    order; an exception fails only the batches whose work raised it (every batch in a shared forward that raised)."""
     plans = [loop.pack(decode, prefills) for loop, decode, prefills in steps]
     parts = [part for plan in plans if plan is not None for part in plan.parts]
-    if len(parts) < 2 or not packable(steps[0][0].model, [part.cache for part in parts]):
+    if not pack or len(parts) < 2 or not packable(steps[0][0].model, [part.cache for part in parts]):
         plans = [None] * len(steps)
     shared: list[torch.Tensor | None] | BaseException = []
     if any(plan is not None and plan.parts for plan in plans):

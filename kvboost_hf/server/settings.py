@@ -8,7 +8,7 @@ from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
-from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE, DEFAULT_TOKEN_BUDGET
+from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PACK_FORWARDS, DEFAULT_TOKEN_BUDGET
 from kvboost_hf.server.grammar import GrammarConfig
 
 
@@ -28,6 +28,9 @@ class ServerConfig:
         token_budget: tokens one scheduler step computes at most: the running rows' decode steps first, then chunks
             of joining prompts, so a long prompt never pauses the running streams for its whole prefill (0: no
             budget, each prompt prefilled in one forward; else >= max_batch_size).
+        pack_forwards: run every batch's decode step and the next chunks of its joining prompts as one forward
+            where the model's attention allows (the kvboost attention: the default on the CPU), reading the weights
+            once per step; off: a forward per batch step and per chunk.
         kv_budget_bytes: bytes of K/V the running requests may hold: a request waits while its prompt and
             max_tokens would not fit, and the newest requests are preempted (their K/V stored, resumed from the
             store with the same tokens) when the batch outgrows it; one that cannot fit alone is refused (None:
@@ -64,6 +67,7 @@ class ServerConfig:
     batch_window_ms: float = 10.0
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     token_budget: int = DEFAULT_TOKEN_BUDGET
+    pack_forwards: bool = DEFAULT_PACK_FORWARDS
     kv_budget_bytes: int | None = None
     max_queue: int = 64
     default_max_tokens: int = 256

@@ -58,8 +58,8 @@ class Worker:
         engine: the engine (its model is used from this worker only).
         settings: the server's settings; the worker reads ``reuse_mode`` (a :class:`GenerationMode` value),
             ``batch_window_ms``, ``max_batch_size`` (rows running at once, over all batches), ``token_budget``
-            (tokens per scheduler step), ``kv_budget_bytes`` (the K/V memory budget) and ``max_queue`` (jobs
-            waiting before ``submit`` refuses). Jobs are batched by the engine's batch policy
+            (tokens per scheduler step), ``pack_forwards``, ``kv_budget_bytes`` (the K/V memory budget) and
+            ``max_queue`` (jobs waiting before ``submit`` refuses). Jobs are batched by the engine's batch policy
             (:meth:`~kvboost_hf.factories.Factories.batch_policy`, the rules of ``generate_many``: a job with
             document segments, or whose reuse needs repair, is prefilled alone, then joins).
         metrics: where batch sizes, latencies and token origins are recorded.
@@ -83,6 +83,7 @@ class Worker:
             kv_budget_bytes=settings.kv_budget_bytes,
             batch_window_ms=settings.batch_window_ms,
             tokenizer_lock=self.tokenizer_lock,
+            pack_forwards=settings.pack_forwards,
         )
         self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
         self._closing = False
