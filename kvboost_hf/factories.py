@@ -36,15 +36,18 @@ from kvboost_hf.hf.models import (
     load_model_and_tokenizer,
     model_dtype,
 )
+from kvboost_hf.hf.packed import packable
 from kvboost_hf.hf.prompts import PromptEncoder
 from kvboost_hf.hf.rows import new_rows
 from kvboost_hf.hf.speculative import DraftConfig, Drafter, DraftSource, VerifyCosts, resolve_draft
 from kvboost_hf.hf.verify_graphs import GraphedVerifier
 from kvboost_hf.kv_budget import KVBudget, resolve_budget_bytes
+from kvboost_hf.offload.streamer import layer_streamer
 from kvboost_hf.scheduling import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_PACK_FORWARDS,
     DEFAULT_TOKEN_BUDGET,
+    PACKED_JOIN_PADDING_CELLS,
     BatchKey,
     BatchPolicy,
     MemoryCounters,
@@ -284,12 +287,25 @@ class Factories:
             token_budget=token_budget,
             kv_budget=self.kv_budget(kv_budget_bytes),
             memory=self.memory,
-            join_padding_limit=forward_read_bytes(self.model) // self.kv_bytes_per_token(),
+            join_padding_limit=self.join_padding_limit(pack_forwards),
             batch_window_s=batch_window_ms / 1e3,
             on_done=self.totals.count,
             tokenizer_lock=tokenizer_lock,
             pack_forwards=pack_forwards,
         )
+
+    def join_padding_limit(self, pack_forwards: bool) -> int:
+        """Cells (row x column) of left padding a group may add to a running batch by joining it, rather than start
+        a batch of its own (the scheduler's ``join_padding_limit``): where the batches' steps share one packed
+        forward (``pack_forwards``, and this engine's runners can pack theirs: the ``"kvboost"`` attention over
+        full-attention layers (:func:`~kvboost_hf.hf.packed.packable`), no draft, no decode graphs, no layer
+        streaming) a batch of its own costs no read of the weights:
+        :data:`~kvboost_hf.scheduling.PACKED_JOIN_PADDING_CELLS`; else it costs one more forward per step, and the
+        break-even is the model's forward read bytes over its K/V bytes per token."""
+        runners_pack = not (self.speculative or self.graphs.config.enabled or layer_streamer(self.model))
+        if pack_forwards and runners_pack and packable(self.model, []):
+            return PACKED_JOIN_PADDING_CELLS
+        return forward_read_bytes(self.model) // self.kv_bytes_per_token()
 
     def kv_budget(self, budget_bytes: int | None = None) -> KVBudget | None:
         """The K/V budget of a scheduler for the setting ``budget_bytes``

@@ -17,8 +17,9 @@ from transformers import DynamicCache
 from kvboost_hf import KVBoost
 from kvboost_hf.hf import decode as decode_module
 from kvboost_hf.hf.decode import DecodeRequest, left_pad
+from kvboost_hf.hf.models import forward_read_bytes
 from kvboost_hf.hf.packed import ForwardPart, packable, packed_forward
-from kvboost_hf.scheduling import RequestGroup
+from kvboost_hf.scheduling import PACKED_JOIN_PADDING_CELLS, RequestGroup
 
 
 def kvboost_model(name: str):
@@ -184,3 +185,21 @@ def test_a_shared_forward_that_raises_fails_every_batch_in_it_and_the_scheduler_
     scheduler.add(RequestGroup(rows))
     scheduler.run()
     assert rows[0].tokens == engine_reference(engine, words(93, 3), 4).tokens
+
+
+def test_where_batches_share_forwards_a_join_may_add_only_a_few_slack_columns_of_padding():
+    """A batch of its own costs one more forward per step, unless the batches' steps are packed into one: then the
+    engine's scheduler lets a group join a running batch only while it adds at most PACKED_JOIN_PADDING_CELLS cells
+    of padding. With the sdpa attention, packing off, or a draft, the limit stays the weights' break-even."""
+    packing = KVBoost(kvboost_model("llama"), word_tokenizer(), chunking=8)
+    plain = KVBoost(make_tiny_model("llama"), word_tokenizer(), chunking=8)
+    drafting = KVBoost(kvboost_model("llama"), word_tokenizer(), chunking=8, draft_model=make_tiny_model("llama"))
+
+    def break_even(engine):
+        return forward_read_bytes(engine.model) // engine.factories.kv_bytes_per_token()
+
+    assert PACKED_JOIN_PADDING_CELLS == 512 < break_even(packing)
+    assert packing.scheduler("prefix_cache").join_padding_limit == PACKED_JOIN_PADDING_CELLS
+    assert packing.scheduler("prefix_cache", pack_forwards=False).join_padding_limit == break_even(packing)
+    assert plain.scheduler("prefix_cache").join_padding_limit == break_even(plain)
+    assert drafting.scheduler("prefix_cache").join_padding_limit == break_even(drafting)
