@@ -28,6 +28,7 @@ from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.keys import KeySpace, model_digest
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow
+from kvboost_hf.hf.forward_routes import forwards_pack
 from kvboost_hf.hf.graphs import GraphedDecoder, graphed_columns, graphed_drafts, graphed_rows
 from kvboost_hf.hf.models import (
     check_model_support,
@@ -36,13 +37,11 @@ from kvboost_hf.hf.models import (
     load_model_and_tokenizer,
     model_dtype,
 )
-from kvboost_hf.hf.packed import packable
 from kvboost_hf.hf.prompts import PromptEncoder
 from kvboost_hf.hf.rows import new_rows
 from kvboost_hf.hf.speculative import DraftConfig, Drafter, DraftSource, VerifyCosts, resolve_draft
 from kvboost_hf.hf.verify_graphs import GraphedVerifier
 from kvboost_hf.kv_budget import KVBudget, resolve_budget_bytes
-from kvboost_hf.offload.streamer import layer_streamer
 from kvboost_hf.scheduling import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_PACK_FORWARDS,
@@ -297,13 +296,11 @@ class Factories:
     def join_padding_limit(self, pack_forwards: bool) -> int:
         """Cells (row x column) of left padding a group may add to a running batch by joining it, rather than start
         a batch of its own (the scheduler's ``join_padding_limit``): where the batches' steps share one packed
-        forward (``pack_forwards``, and this engine's runners can pack theirs: the ``"kvboost"`` attention over
-        full-attention layers (:func:`~kvboost_hf.hf.packed.packable`), no draft, no decode graphs, no layer
-        streaming) a batch of its own costs no read of the weights:
+        forward (``pack_forwards``, and this engine's runners can pack theirs:
+        :func:`~kvboost_hf.hf.forward_routes.forwards_pack`) a batch of its own costs no read of the weights:
         :data:`~kvboost_hf.scheduling.PACKED_JOIN_PADDING_CELLS`; else it costs one more forward per step, and the
         break-even is the model's forward read bytes over its K/V bytes per token."""
-        runners_pack = not (self.speculative or self.graphs.config.enabled or layer_streamer(self.model))
-        if pack_forwards and runners_pack and packable(self.model, []):
+        if pack_forwards and forwards_pack(self.model, self.graphs, speculative=self.speculative):
             return PACKED_JOIN_PADDING_CELLS
         return forward_read_bytes(self.model) // self.kv_bytes_per_token()
 

@@ -133,7 +133,7 @@ def run_join(engine, prompts, arrive_at, monkeypatch, *, pack: bool):
 
 def test_batches_sharing_forwards_give_generates_tokens_and_the_cached_counts_of_separate_forwards(monkeypatch):
     """Two short rows decode; a 60-word prompt whose first 16 tokens are stored joins at step 2 in a batch of its own
-    (it would pad them past the limit) and is prefilled 4-6 columns per step. From its second chunk on, the running
+    (it would pad them past the limit) and is prefilled 4-6 columns per step. From its first chunk on, the running
     rows' decode step and its chunk share one forward, and once it decodes the two batches' steps do. Every row's
     tokens equal transformers' greedy ones and the cached tokens those of the same run with packing off (a forward
     per batch step and per chunk, none packed)."""
@@ -203,3 +203,29 @@ def test_where_batches_share_forwards_a_join_may_add_only_a_few_slack_columns_of
     assert packing.scheduler("prefix_cache", pack_forwards=False).join_padding_limit == break_even(packing)
     assert plain.scheduler("prefix_cache").join_padding_limit == break_even(plain)
     assert drafting.scheduler("prefix_cache").join_padding_limit == break_even(drafting)
+
+
+def test_a_prompt_arriving_while_rows_decode_is_prefilled_in_their_decode_steps_forward(monkeypatch):
+    """Without a token budget a new prompt is prefilled whole: it joins the running row's batch, and its prompt
+    forward (begun first: stored chunks loaded) is a part of that step's forward with the row's decode step; both
+    rows get transformers' greedy tokens."""
+    engine = KVBoost(kvboost_model("llama"), word_tokenizer(), chunking=8)
+    parts: list[list[tuple[int, ...]]] = []
+
+    def counted(model, packed):
+        parts.append([tuple(part.input_ids.shape) for part in packed])
+        return packed_forward(model, packed)
+
+    monkeypatch.setattr(decode_module, "packed_forward", counted)
+    scheduler = engine.scheduler("prefix_cache", max_batch_size=4, token_budget=0)
+    prompts = [words(94, 6), words(95, 9)]
+    requests = [DecodeRequest(prompt_ids=engine.encode(p), max_new_tokens=6, sampling=GREEDY) for p in prompts]
+    rows = engine.factories.new_rows(requests)
+    scheduler.add(RequestGroup([rows[0]]))
+    scheduler.step()
+    scheduler.step()
+    scheduler.add(RequestGroup([rows[1]]))
+    scheduler.step()
+    assert parts == [[(1, 1), (1, len(requests[1].prompt_ids))]]
+    scheduler.run()
+    assert [row.tokens for row in rows] == [engine_reference(engine, p, 6).tokens for p in prompts]

@@ -215,13 +215,14 @@ class _Prompt:
     state: _RunningRows = field(default_factory=_RunningRows)
 
     def next_chunk(self, cache: Any, mask: torch.Tensor, columns: int) -> ForwardPart | None:
-        """The next ``columns`` columns of the prepared dense forward (:attr:`inputs`) through ``cache`` under the
-        prompts' whole 2D ``mask`` ``[P, C]``, as one part of a forward (last-position logits asked only of the
-        last chunk); None for a sparse repair forward, which one forward of :attr:`inputs` computes whole."""
+        """The next ``columns`` columns (0: all the rest) of the prepared dense forward (:attr:`inputs`) through
+        ``cache`` under the prompts' whole 2D ``mask`` ``[P, C]``, as one part of a forward (last-position logits
+        asked only of the last chunk); None for a sparse repair forward, which one forward of :attr:`inputs`
+        computes whole."""
         if isinstance(cache, ChunkReuseCache) and cache.expects_sparse_forward:
             return None
         width = self.inputs["input_ids"].shape[1]
-        stop = min(width, self.computed + columns)
+        stop = min(width, self.computed + columns) if columns else width
         part = slice(self.computed, stop)
         ids, positions = self.inputs["input_ids"][:, part], self.inputs["position_ids"][:, part]
         return ForwardPart(cache, ids, positions, mask[:, : mask.shape[1] - width + stop], logits=stop == width)
@@ -231,7 +232,7 @@ class _Prompt:
 class PackedStep:
     """One batch's share of a packed forward (:meth:`DecodeLoop.pack`): its parts, in order (its decode step first
     when ``decode``, then one chunk per prompt forward under way in ``prompts``), and the prefills it runs apart
-    after the forward (``apart``: ``(work, columns)``, not begun yet or sparse)."""
+    after the forward (``apart``: ``(work, columns)``, sparse repair forwards)."""
 
     decode: bool
     parts: list[ForwardPart] = field(default_factory=list)
@@ -322,27 +323,34 @@ class DecodeLoop:
     # ------------------------------------------------------------------ forwards
     def pack(self, decode: bool, prefills: Sequence[tuple[PrefillWork, int]]) -> PackedStep | None:
         """This batch's share of a forward packed with other batches' (:func:`execute_steps`): its decode step
-        when ``decode``, and the next chunk of each of ``prefills`` (``(work, columns)``) whose prompt forward is
-        under way and dense; the other prefills run after it, apart (:meth:`add`). None (the whole step runs apart)
-        with a draft, or when the decode step cannot share a forward (a graphed step, a streamed target:
-        :meth:`ForwardRouter.shares_decode <kvboost_hf.hf.forward_routes.ForwardRouter.shares_decode>`). Changes
-        nothing: :meth:`unpack` takes the step once the forward ran."""
-        decoding = decode and bool(self.running)
-        if self.verifier is not None or (decoding and not self.router.shares_decode(self.cache, self.running)):
+        when ``decode``, and the next chunk of each of ``prefills`` (``(work, columns)``; a sparse repair forward
+        runs after it, apart: :meth:`add`). None (the whole step runs apart) when this runner's forwards cannot be
+        packed (a draft, graphs, a streamed target, an attention other than ``"kvboost"``:
+        :meth:`ForwardRouter.packs <kvboost_hf.hf.forward_routes.ForwardRouter.packs>`). It begins the prefills not
+        begun yet (their shared prefixes computed and stored, their stored chunks loaded: what :meth:`add` does
+        first) and sets them aside, so their first chunk is a part too; :meth:`unpack` takes the step once the
+        forward ran (a prefill set aside and not packed goes on in :meth:`add`)."""
+        if self.verifier is not None or not self.router.packs():
             return None
-        step = PackedStep(decoding)
-        if decoding:
-            mask = torch.cat([self.mask, self.mask.new_ones(len(self.running), 1)], dim=1)
-            last = torch.tensor([[row.tokens[-1]] for row in self.running], dtype=torch.long).to(self.device)
-            step.parts.append(ForwardPart(self.cache, last, self.positions[:, None] + 1, mask, logits=True))
+        step = PackedStep(decode and bool(self.running))
         for work, columns in prefills:
             prompt = next((prompt for prompt in self._prompts if prompt.work is work), None)
-            chunk = prompt.next_chunk(prompt.state.cache, prompt.state.mask, columns) if prompt is not None else None
-            if prompt is None or chunk is None:
+            if prompt is None:
+                earlier = _RunningRows.detach(self)
+                prompt = self._begin_prefill(work)
+                prompt.state = _RunningRows.detach(self)
+                self._prompts.append(prompt)
+                earlier.attach(self)
+            chunk = prompt.next_chunk(prompt.state.cache, prompt.state.mask, columns)
+            if chunk is None:
                 step.apart.append((work, columns))
             else:
                 step.parts.append(chunk)
                 step.prompts.append(prompt)
+        if step.decode:
+            mask = torch.cat([self.mask, self.mask.new_ones(len(self.running), 1)], dim=1)
+            last = torch.tensor([[row.tokens[-1]] for row in self.running], dtype=torch.long).to(self.device)
+            step.parts.insert(0, ForwardPart(self.cache, last, self.positions[:, None] + 1, mask, logits=True))
         return step
 
     def unpack(
@@ -400,8 +408,6 @@ class DecodeLoop:
         if prompt is None:
             prompt = self._begin_prefill(work)
             assert self.cache is not None, "the prefill built a cache"
-            prompt.inputs = forward_inputs(self.cache, input_ids=prompt.input_ids, attention_mask=self.mask,
-                                           position_ids=prompt.position_ids, logits_to_keep=1)  # fmt: skip
             if not columns or prompt.input_ids.shape[1] <= columns:  # the whole prompt forward in this call
                 inputs, trees = prompt.inputs, None
                 if self.verifier is not None:  # it also verifies each row's first tree, when the verifier drafts
@@ -432,7 +438,7 @@ class DecodeLoop:
     def _begin_prefill(self, work: PrefillWork) -> _Prompt:
         """Compute and store the work's shared prefixes (each one: the scheduler gave only those the store lacks),
         then make its rows the loop's, in a fresh cache, with their left-padded prompts' mask; returns the prompt
-        forward to run."""
+        forward to run, its stored chunks loaded (:attr:`_Prompt.inputs`)."""
         self.rows += work.rows
         rows = list(work.rows)
         prompts = [list(rows[0].context_ids)] if work.repeat else [list(row.context_ids) for row in rows]
@@ -451,7 +457,10 @@ class DecodeLoop:
         self.cache = self.new_cache(starts) if self.new_cache is not None else DynamicCache()
         input_ids, self.mask = left_pad(prompts, self.pad_token_id, self.device)
         position_ids = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 1)
-        return _Prompt(work, prompts, input_ids, position_ids, starts, shared_computed)
+        prompt = _Prompt(work, prompts, input_ids, position_ids, starts, shared_computed)
+        prompt.inputs = forward_inputs(self.cache, input_ids=input_ids, attention_mask=self.mask,
+                                       position_ids=position_ids, logits_to_keep=1)  # fmt: skip
+        return prompt
 
     def _prompt_chunk(self, prompt: _Prompt, columns: int) -> torch.Tensor | None:
         """Compute the next ``columns`` columns of ``prompt``'s prepared forward (all of a sparse repair forward);

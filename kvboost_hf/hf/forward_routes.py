@@ -21,17 +21,28 @@ from transformers import DynamicCache, PreTrainedModel
 
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.graphs import GraphedDecoder, capacity_bucket, pad_rows, row_bucket
+from kvboost_hf.hf.packed import packable
 from kvboost_hf.hf.prefill import forward, run_forward
 from kvboost_hf.hf.rows import DecodeRow
 from kvboost_hf.hf.verify_graphs import GraphedVerifier
 from kvboost_hf.offload.streamer import layer_streamer
 
-__all__ = ["ForwardRouter"]
+__all__ = ["ForwardRouter", "forwards_pack"]
 
 
 def _answer(rows: Sequence[DecodeRow]) -> int:
     """The most tokens any of ``rows`` may still take (what a static cache's capacity must hold after its context)."""
     return max(row.tokens_left for row in rows)
+
+
+def forwards_pack(model: PreTrainedModel, graphs: GraphedDecoder | None, *, speculative: bool) -> bool:
+    """Whether a runner of ``model`` may run its plain decode steps and dense prompt chunks as parts of a packed
+    forward (:func:`~kvboost_hf.hf.packed.packed_forward`): no draft (``speculative``), no graphs (a graphed step is
+    faster on the device that has them), a target that is not layer-streamed (a streamed step's copies are counted
+    per runner) and whose attention can carry the parts (:func:`~kvboost_hf.hf.packed.packable`)."""
+    if speculative or layer_streamer(model) is not None or (graphs is not None and graphs.config.enabled):
+        return False
+    return packable(model, [])
 
 
 class ForwardRouter:
@@ -104,15 +115,11 @@ class ForwardRouter:
         self.forwards += 1
         return logits[:real].float()
 
-    def shares_decode(self, cache: ChunkReuseCache | DynamicCache | None, rows: Sequence[DecodeRow]) -> bool:
-        """Whether a plain decode step of ``rows`` may run as a part of a packed forward
-        (:func:`~kvboost_hf.hf.packed.packed_forward`) rather than through :meth:`decode`: it would run eagerly
-        (no draft, no graph for it, no graph padding rows in ``cache``) and the target is not layer-streamed (a
-        streamed step's copies are counted per runner)."""
-        padded = isinstance(cache, ChunkReuseCache) and cache.padding_rows > 0
-        if self.speculative or layer_streamer(self.model) is not None or padded:
-            return False
-        return self._decode_capacity(cache, rows) is None
+    def packs(self) -> bool:
+        """Whether this runner's plain decode steps and dense prompt chunks may run as parts of a packed forward
+        (:func:`~kvboost_hf.hf.packed.packed_forward`) instead of through :meth:`decode` and :meth:`run`
+        (:func:`forwards_pack`)."""
+        return forwards_pack(self.model, self.graphs, speculative=self.speculative)
 
     def prompt(
         self, cache: ChunkReuseCache | DynamicCache | None, inputs: dict[str, Any], rows: Sequence[DecodeRow]
