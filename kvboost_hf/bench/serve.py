@@ -247,7 +247,8 @@ def run_mode(reuse: bool, args: argparse.Namespace, system: str, model_flags: Se
 
 
 def server_flags(args: argparse.Namespace) -> list[str]:
-    """The server flags every benchmarked server gets (chunking, batching, queue, threads). The grammar compile
+    """The server flags every benchmarked server gets (chunking, batching, queue, threads, packed forwards off when
+    asked). The grammar compile
     processes start on first use (no benchmarked request is structured): started with the server, their imports
     would take CPU from the first measured turns."""
     flags = ["--chunk-size", str(args.chunk_size), "--batch-window-ms", str(args.batch_window_ms)]
@@ -255,6 +256,8 @@ def server_flags(args: argparse.Namespace) -> list[str]:
     flags += ["--max-batch-size", str(args.max_batch_size), "--max-queue", str(4 * args.users)]
     if args.threads:  # 0: torch's default
         flags += ["--threads", str(args.threads)]
+    if not args.pack_forwards:
+        flags += ["--no-pack-forwards"]
     return flags
 
 
@@ -488,6 +491,12 @@ def add_load_arguments(parser: argparse.ArgumentParser, users: int, turns: int) 
     parser.add_argument("--max-batch-size", type=int, default=4)
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads of each server (1: stable timings on a shared CPU)"
+    )
+    parser.add_argument(
+        "--pack-forwards",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the servers' packed forwards (off: a forward per batch step and per prompt; the server's own flag)",
     )
     parser.add_argument("--time-limit-s", type=float, default=120.0, help="per run: no new turn after this")
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
