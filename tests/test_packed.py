@@ -11,6 +11,8 @@ import pytest
 import torch
 from conftest import make_tiny_model
 from helpers import word_tokenizer, words
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from oracle import GREEDY, engine_reference
 from transformers import DynamicCache
 
@@ -26,6 +28,9 @@ def kvboost_model(name: str):
     model = make_tiny_model(name)
     model.set_attn_implementation("kvboost")
     return model
+
+
+PACKED_LLAMA = kvboost_model("llama")  # the property test's model (built once: hypothesis runs many examples)
 
 
 def padded(lengths, seed: int):
@@ -229,3 +234,45 @@ def test_a_prompt_arriving_while_rows_decode_is_prefilled_in_their_decode_steps_
     assert parts == [[(1, 1), (1, len(requests[1].prompt_ids))]]
     scheduler.run()
     assert [row.tokens for row in rows] == [engine_reference(engine, p, 6).tokens for p in prompts]
+
+
+@st.composite
+def packed_layouts(draw):
+    """1-3 parts, each ``(cached columns, new columns, real tokens per row)``: 1-3 left-padded rows whose real tokens
+    are their last 1 to ``cached + new`` columns (so padding may reach into the new columns, as in a chunk of a
+    left-padded prompt); 0-12 columns cached, 1-6 new."""
+    parts = []
+    for _ in range(draw(st.integers(1, 3))):
+        cached, new = draw(st.integers(0, 12)), draw(st.integers(1, 6))
+        reals = draw(st.lists(st.integers(1, cached + new), min_size=1, max_size=3))
+        parts.append((cached, new, reals))
+    return parts
+
+
+@given(layout=packed_layouts(), seed=st.integers(0, 2**16))
+@settings(max_examples=25, deadline=None)
+def test_any_packed_layout_gives_each_part_its_own_forwards_logits_and_kv(layout, seed):
+    """For random parts (rows with different real lengths, left-padded, the padding reaching into the new columns
+    of some), one packed forward leaves each part's cache and last-position logits as its own forward does."""
+    model = PACKED_LLAMA
+    generator = torch.Generator().manual_seed(seed)
+    parts, references, expected = [], [], []
+    for cached, new, reals in layout:
+        mask = torch.zeros(len(reals), cached + new, dtype=torch.long)
+        for row, real in enumerate(reals):
+            mask[row, cached + new - real :] = 1
+        ids = torch.randint(3, 128, tuple(mask.shape), generator=generator)
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        cache = DynamicCache()
+        if cached:
+            with torch.inference_mode():
+                model(input_ids=ids[:, :cached], attention_mask=mask[:, :cached], position_ids=positions[:, :cached],
+                      cache=cache, use_cache=True)  # fmt: skip
+        part = ForwardPart(cache, ids[:, cached:], positions[:, cached:], mask, logits=True)
+        reference = copy.deepcopy(cache)
+        parts.append(part)
+        references.append(reference)
+        expected.append(alone(model, reference, part))
+    for got, want, part, reference in zip(packed_forward(model, parts), expected, parts, references, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert_same_kv(part.cache, reference)
