@@ -276,3 +276,30 @@ def test_any_packed_layout_gives_each_part_its_own_forwards_logits_and_kv(layout
     for got, want, part, reference in zip(packed_forward(model, parts), expected, parts, references, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert_same_kv(part.cache, reference)
+
+
+def test_a_prefill_that_fails_to_begin_fails_its_batch_only(monkeypatch):
+    """Beginning a prefill (its stored chunks loaded, here a store read that raises) happens while the batches'
+    shared forward is put together: the joining prompt's batch fails with the error, and the running row, whose
+    batch shares no forward that step, goes on to transformers' tokens."""
+    engine = KVBoost(kvboost_model("llama"), word_tokenizer(), chunking=8)
+    scheduler = engine.scheduler("prefix_cache", max_batch_size=4, token_budget=6)
+    scheduler.join_padding_limit = 20
+    prompts = [words(90, 4), words(92, 60)]
+    requests = [DecodeRequest(prompt_ids=engine.encode(p), max_new_tokens=6, sampling=GREEDY) for p in prompts]
+    rows = engine.factories.new_rows(requests)
+    begin = decode_module.DecodeLoop._begin_prefill
+
+    def failing(loop, work):
+        if work.rows[0] is rows[1]:
+            raise OSError("store unreachable")
+        return begin(loop, work)
+
+    monkeypatch.setattr(decode_module.DecodeLoop, "_begin_prefill", failing)
+    failures: list[BaseException] = []
+    scheduler.add(RequestGroup([rows[0]], on_fail=failures.append))
+    scheduler.step()
+    scheduler.add(RequestGroup([rows[1]], on_fail=failures.append))
+    scheduler.run()
+    assert [str(error) for error in failures] == ["store unreachable"]
+    assert rows[0].tokens == engine_reference(engine, prompts[0], 6).tokens

@@ -625,12 +625,13 @@ def execute_steps(
     runs its decode step (:meth:`DecodeLoop.step`) and prefills (:meth:`DecodeLoop.add`) on its own, as does
     everything when only one part would be packed or ``pack`` is False. Returns each batch's :data:`StepResult`, in
     order; an exception fails only the batches whose work raised it (every batch in a shared forward that raised)."""
-    plans = [loop.pack(decode, prefills) for loop, decode, prefills in steps]
-    parts = [part for plan in plans if plan is not None for part in plan.parts]
-    if not pack or len(parts) < 2 or not packable(steps[0][0].model, [part.cache for part in parts]):
-        plans = [None] * len(steps)
+    plans = [_plan(loop, decode, prefills) if pack else None for loop, decode, prefills in steps]
+    parts = [part for plan in plans if isinstance(plan, PackedStep) for part in plan.parts]
+    if len(parts) < 2 or not packable(steps[0][0].model, [part.cache for part in parts]):
+        plans = [plan if isinstance(plan, BaseException) else None for plan in plans]  # all apart
+        parts = []
     shared: list[torch.Tensor | None] | BaseException = []
-    if any(plan is not None and plan.parts for plan in plans):
+    if parts:
         try:
             shared = packed_forward(steps[0][0].model, parts)
         except Exception as error:  # every batch that took part fails with it
@@ -639,22 +640,36 @@ def execute_steps(
     results: list[StepResult] = []
     taken = 0
     for (loop, decode, prefills), plan in zip(steps, plans, strict=True):
+        if isinstance(plan, BaseException):  # its pack() raised
+            results.append(plan)
+            continue
+        if plan is not None and plan.parts and isinstance(shared, BaseException):
+            results.append(shared)
+            continue
         try:
             if plan is None:
                 outputs = loop.step() if decode else []
                 more, completed = _prefill_apart(loop, prefills)
                 results.append((outputs + more, completed))
-                continue
-            if isinstance(shared, BaseException) and plan.parts:
-                results.append(shared)
-                continue
-            assert not isinstance(shared, BaseException)
-            logits, taken = shared[taken : taken + len(plan.parts)], taken + len(plan.parts)
-            results.append(loop.unpack(plan, logits))
+            else:
+                assert not isinstance(shared, BaseException)
+                logits, taken = shared[taken : taken + len(plan.parts)], taken + len(plan.parts)
+                results.append(loop.unpack(plan, logits))
         except Exception as error:
             logger.exception("batch of %d rows failed", len(loop.running))
             results.append(error)
     return results
+
+
+def _plan(
+    loop: DecodeLoop, decode: bool, prefills: Sequence[tuple[PrefillWork, int]]
+) -> PackedStep | BaseException | None:
+    """``loop``'s :meth:`DecodeLoop.pack`, or the exception it raised (beginning a prefill can: the batch fails)."""
+    try:
+        return loop.pack(decode, prefills)
+    except Exception as error:
+        logger.exception("batch of %d rows failed", len(loop.running))
+        return error
 
 
 def trim_padding(cache: Cache, mask: torch.Tensor) -> torch.Tensor:
