@@ -24,13 +24,15 @@ from kvboost_hf.hf.packed import ForwardPart, packable, packed_forward
 from kvboost_hf.scheduling import PACKED_JOIN_PADDING_CELLS, RequestGroup
 
 
-def kvboost_model(name: str):
-    model = make_tiny_model(name)
+def kvboost_model(name: str, **overrides):
+    model = make_tiny_model(name, **overrides)
     model.set_attn_implementation("kvboost")
     return model
 
 
-PACKED_LLAMA = kvboost_model("llama")  # the property test's model (built once: hypothesis runs many examples)
+# the property test's models (built once: hypothesis runs many examples); Mistral's window of 5 columns is shorter
+# than most examples' contexts, so its cache returns only the window and the mask starts at an offset
+PACKED_MODELS = {"llama": kvboost_model("llama"), "mistral": kvboost_model("mistral", sliding_window=5)}
 
 
 def padded(lengths, seed: int):
@@ -97,12 +99,14 @@ def test_a_packed_forward_gives_each_part_the_logits_and_kv_of_its_own_forward(n
 
 
 def test_packable_needs_the_kvboost_attention_full_attention_layers_and_plain_caches():
-    """Only the ``"kvboost"`` attention carries a packed forward's parts to their caches; a sliding-window layer,
-    a cache with a context adjustment and an armed sparse repair forward each need a forward of their own."""
+    """Only the ``"kvboost"`` attention carries a packed forward's parts to their caches; sliding-window layers are
+    served (Mistral's window of 24), soft-capped attention (Gemma2), a cache with a context adjustment and an armed
+    sparse repair forward each need a forward of their own."""
     plain = DynamicCache()
     assert packable(kvboost_model("llama"), [plain, plain])
     assert not packable(make_tiny_model("llama"), [plain, plain])  # sdpa
-    assert not packable(kvboost_model("mistral"), [plain, plain])  # sliding window of 24
+    assert packable(kvboost_model("mistral"), [plain, plain])
+    assert not packable(kvboost_model("gemma2"), [plain, plain])
     adjusted = types.SimpleNamespace(expects_sparse_forward=False, attention_kwargs=lambda: {"adjustment": 1})
     sparse = types.SimpleNamespace(expects_sparse_forward=True, attention_kwargs=dict)
     assert not packable(kvboost_model("llama"), [plain, adjusted])
@@ -136,13 +140,16 @@ def run_join(engine, prompts, arrive_at, monkeypatch, *, pack: bool):
     return rows, packed_parts
 
 
-def test_batches_sharing_forwards_give_generates_tokens_and_the_cached_counts_of_separate_forwards(monkeypatch):
+@pytest.mark.parametrize(("name", "overrides"), [("llama", {}), ("mistral", {"sliding_window": 12})], ids=str)
+def test_batches_sharing_forwards_give_generates_tokens_and_the_cached_counts_of_separate_forwards(
+    monkeypatch, name, overrides
+):
     """Two short rows decode; a 60-word prompt whose first 16 tokens are stored joins at step 2 in a batch of its own
     (it would pad them past the limit) and is prefilled 4-6 columns per step. From its first chunk on, the running
     rows' decode step and its chunk share one forward, and once it decodes the two batches' steps do. Every row's
     tokens equal transformers' greedy ones and the cached tokens those of the same run with packing off (a forward
-    per batch step and per chunk, none packed)."""
-    engine = KVBoost(kvboost_model("llama"), word_tokenizer(), chunking=8)
+    per batch step and per chunk, none packed); also for a model whose layers attend a 12-token sliding window."""
+    engine = KVBoost(kvboost_model(name, **overrides), word_tokenizer(), chunking=8)
     head = words(70, 16)
     prompts = [words(90, 4), words(91, 5), f"{head} {words(92, 44)}"]
     expected = [engine_reference(engine, prompt, 8).tokens for prompt in prompts]
@@ -249,12 +256,14 @@ def packed_layouts(draw):
     return parts
 
 
+@pytest.mark.parametrize("name", sorted(PACKED_MODELS))
 @given(layout=packed_layouts(), seed=st.integers(0, 2**16))
 @settings(max_examples=25, deadline=None)
-def test_any_packed_layout_gives_each_part_its_own_forwards_logits_and_kv(layout, seed):
+def test_any_packed_layout_gives_each_part_its_own_forwards_logits_and_kv(name, layout, seed):
     """For random parts (rows with different real lengths, left-padded, the padding reaching into the new columns
-    of some), one packed forward leaves each part's cache and last-position logits as its own forward does."""
-    model = PACKED_LLAMA
+    of some), one packed forward leaves each part's cache (built from the model's config: sliding-window layers
+    return their window only) and last-position logits as its own forward does."""
+    model = PACKED_MODELS[name]
     generator = torch.Generator().manual_seed(seed)
     parts, references, expected = [], [], []
     for cached, new, reals in layout:
@@ -263,7 +272,7 @@ def test_any_packed_layout_gives_each_part_its_own_forwards_logits_and_kv(layout
             mask[row, cached + new - real :] = 1
         ids = torch.randint(3, 128, tuple(mask.shape), generator=generator)
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-        cache = DynamicCache()
+        cache = DynamicCache(config=model.config)
         if cached:
             with torch.inference_mode():
                 model(input_ids=ids[:, :cached], attention_mask=mask[:, :cached], position_ids=positions[:, :cached],

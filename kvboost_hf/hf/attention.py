@@ -46,7 +46,7 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
-from kvboost_hf.core.errors import InputError
+from kvboost_hf.core.errors import InputError, StateError
 from kvboost_hf.hf.context_attention import ADJUSTMENT_KWARG, adjusted_attention
 
 logger = logging.getLogger(__name__)
@@ -155,6 +155,8 @@ def kvboost_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """Attention for transformers: q ``[B, H, Lq, D]``, k/v ``[B, H_kv, Lk, D]`` -> (``[B, Lq, H, D]``, None)."""
     if (packed := kwargs.pop(PACKED_KWARG, None)) is not None:  # one forward of several batches' tokens
+        if (reason := _unsupported_reason(query, key, dropout, kwargs)) is not None:
+            raise StateError(f"a packed forward cannot serve this attention call: {reason}")
         return packed.attention(module.layer_idx, query, scaling), None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     num_q, num_k = query.shape[2], key.shape[2]

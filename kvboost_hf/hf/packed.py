@@ -9,10 +9,11 @@ mask. :class:`PackedCaches` is the cache the model sees: it writes each part's n
 holds what the cache returns for the attention, which ``attn_implementation="kvboost"`` hands to
 :meth:`PackedCaches.attention` when the forward carries :data:`PACKED_KWARG`.
 
-Where it applies (:func:`packable`): the ``"kvboost"`` attention, every layer full attention, no context adjustment,
-no sparse repair forward. Invariants: each part's cache ends holding and recording what its own forward would leave
-(the same K/V, up to the floating-point order of one matmul over more rows, and the same tokens recorded), and each
-part's logits are those of its own forward's last position per row.
+Where it applies (:func:`packable`): the ``"kvboost"`` attention, full or sliding-window attention layers (a sliding
+layer's part masked as transformers masks it: :func:`layer_windows`), no soft-capped attention, no context
+adjustment, no sparse repair forward. Invariants: each part's cache ends holding and recording what its own forward
+would leave (the same K/V, up to the floating-point order of one matmul over more rows, and the same tokens
+recorded), and each part's logits are those of its own forward's last position per row.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from transformers import Cache, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
 from kvboost_hf.core.errors import StateError
 from kvboost_hf.hf.attention import PACKED_KWARG
@@ -61,15 +63,25 @@ class ForwardPart:
         return self.attention_mask.bool()[:, None, None, :] & causal.tril(keys - queries)
 
 
-def _full_attention_only(model: PreTrainedModel) -> bool:
-    layer_types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
-    return all(kind == "full_attention" for kind in layer_types)
+def layer_windows(model: PreTrainedModel) -> list[int | None] | None:
+    """Per decoder layer of ``model``: None for full attention, the window (tokens) for sliding-window attention;
+    None when a layer is of another kind (chunked, linear, ...), which a packed forward does not serve."""
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    windows: list[int | None] = []
+    for kind, kwargs in zip(layer_types, layer_kwargs, strict=True):
+        if kind not in ("full_attention", "sliding_attention"):
+            return None
+        windows.append(int(kwargs["sliding_window"]) if kind == "sliding_attention" else None)
+    return windows
 
 
 def packable(model: PreTrainedModel, caches: Sequence[Any]) -> bool:
     """Whether one packed forward of ``model`` can serve parts through ``caches``: the ``"kvboost"`` attention,
-    full-attention layers only, and no cache with a context adjustment or an armed sparse repair forward."""
-    if getattr(model.config, "_attn_implementation", None) != "kvboost" or not _full_attention_only(model):
+    full or sliding-window attention layers (:func:`layer_windows`) without soft-capping, and no cache with a
+    context adjustment or an armed sparse repair forward."""
+    if getattr(model.config, "_attn_implementation", None) != "kvboost" or layer_windows(model) is None:
+        return False
+    if getattr(model.config.get_text_config(decoder=True), "attn_logit_softcapping", None) is not None:
         return False
     for cache in caches:
         if getattr(cache, "expects_sparse_forward", False):
@@ -82,28 +94,53 @@ def packable(model: PreTrainedModel, caches: Sequence[Any]) -> bool:
 class PackedCaches(Cache):
     """The cache a packed forward passes to the model: :meth:`update` splits each layer's new K/V ``[1, H_kv, N, D]``
     by part and writes each slice into its part's cache; :meth:`attention` attends each part's queries to what that
-    cache returned. Masks are built once per forward, not per layer.
+    cache returned. ``windows``: per layer, None (full attention: each part's :meth:`ForwardPart.causal_mask`) or a
+    sliding window (tokens: the part's mask is transformers' sliding-window mask over the columns its cache returns,
+    from the sizes it announces, ``get_mask_sizes``). Masks are built once per forward and shape, not per layer.
 
     The model builds no mask of its own for it: :meth:`get_mask_sizes` reports the packed tokens as the whole
     context, which ``kvboost_mask`` answers with None (plain causal, nothing materialised)."""
 
-    def __init__(self, parts: Sequence[ForwardPart]) -> None:
+    def __init__(self, parts: Sequence[ForwardPart], windows: Sequence[int | None]) -> None:
         super().__init__(layers=[])
         self.parts = tuple(parts)
+        self.windows = tuple(windows)
         ends = torch.tensor([part.tokens for part in self.parts]).cumsum(0).tolist()
         self.spans = [(end - part.tokens, end) for part, end in zip(self.parts, ends, strict=True)]
         self.masks = [part.causal_mask() for part in self.parts]
-        self._held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._sliding_masks: dict[tuple[int, int, int, int], torch.Tensor] = {}
+        self._held: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         held = []
-        for part, (start, end) in zip(self.parts, self.spans, strict=True):
+        for index, (part, (start, end)) in enumerate(zip(self.parts, self.spans, strict=True)):
+            mask = self._mask(index, layer_idx)  # before the update: the sizes are the cache's past and the new
             keys, values = (part.unpack(tensor[:, :, start:end]) for tensor in (key_states, value_states))
-            held.append(part.cache.update(keys, values, layer_idx))
+            held.append((*part.cache.update(keys, values, layer_idx), mask))
         self._held[layer_idx] = held
         return key_states, value_states  # what the attention reads is held per part (see :meth:`attention`)
+
+    def _mask(self, index: int, layer_idx: int) -> torch.Tensor:
+        """Part ``index``'s boolean mask ``[R, 1, T, kv]`` at layer ``layer_idx``, before its update."""
+        window = self.windows[layer_idx]
+        if window is None:
+            return self.masks[index]
+        part = self.parts[index]
+        queries = part.input_ids.shape[1]
+        kv_length, kv_offset = part.cache.get_mask_sizes(queries, layer_idx)
+        key = (index, window, kv_length, kv_offset)
+        if key not in self._sliding_masks:
+            mask = sdpa_mask(
+                batch_size=part.input_ids.shape[0], q_length=queries, kv_length=kv_length,
+                q_offset=part.attention_mask.shape[1] - queries, kv_offset=kv_offset,
+                mask_function=sliding_window_causal_mask_function(window), attention_mask=part.attention_mask.bool(),
+                allow_is_causal_skip=False, device=part.attention_mask.device,
+            )  # fmt: skip
+            assert mask is not None, "no causal skip was allowed"
+            self._sliding_masks[key] = mask
+        return self._sliding_masks[key]
 
     def attention(self, layer_idx: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """Each part's queries of ``query`` ``[1, H, N, D]`` attended to its cache's K/V of layer ``layer_idx``
@@ -111,8 +148,8 @@ class PackedCaches(Cache):
         if layer_idx not in self._held:
             raise StateError(f"layer {layer_idx} attends before its K/V were written in the packed forward")
         outputs = []
-        for part, (start, end), mask, (keys, values) in zip(
-            self.parts, self.spans, self.masks, self._held.pop(layer_idx), strict=True
+        for part, (start, end), (keys, values, mask) in zip(
+            self.parts, self.spans, self._held.pop(layer_idx), strict=True
         ):
             if keys.shape[2] > mask.shape[-1]:  # a static cache returns its whole capacity: the rest is unwritten
                 mask = torch.nn.functional.pad(mask, (0, keys.shape[2] - mask.shape[-1]), value=False)
@@ -139,7 +176,10 @@ def packed_forward(model: PreTrainedModel, parts: Sequence[ForwardPart]) -> list
     (fp32), or None for a part that asked for none."""
     input_ids = torch.cat([part.input_ids.reshape(1, -1) for part in parts], dim=1)
     position_ids = torch.cat([part.position_ids.reshape(1, -1) for part in parts], dim=1)
-    caches = PackedCaches(parts)
+    windows = layer_windows(model)
+    if windows is None:
+        raise StateError("a packed forward serves full and sliding-window attention layers only (see packable)")
+    caches = PackedCaches(parts, windows)
     last = [
         torch.arange(end - part.tokens + part.input_ids.shape[1] - 1, end, part.input_ids.shape[1])
         for part, (_, end) in zip(parts, caches.spans, strict=True)
