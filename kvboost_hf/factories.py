@@ -68,7 +68,9 @@ DECODE_TOTALS = (
 
 
 class DecodeTotals:
-    """Decode counters summed over the loops counted (:data:`DECODE_TOTALS`)."""
+    """Decode counters summed over the loops counted (:data:`DECODE_TOTALS`). ``target_forwards`` sums each loop's
+    forwards: a packed forward that carried several batches' work (:func:`~kvboost_hf.hf.decode.execute_steps`)
+    counts once per batch."""
 
     def __init__(self) -> None:
         self.totals = dict.fromkeys(DECODE_TOTALS, 0)

@@ -316,8 +316,9 @@ class DecodeLoop:
 
     @property
     def forwards(self) -> int:
-        """Target model forwards run so far (:attr:`ForwardRouter.forwards
-        <kvboost_hf.hf.forward_routes.ForwardRouter.forwards>`)."""
+        """Target model forwards that carried this runner's work so far (:attr:`ForwardRouter.forwards
+        <kvboost_hf.hf.forward_routes.ForwardRouter.forwards>`): a packed forward shared with other batches counts
+        in each of them."""
         return self.router.forwards
 
     # ------------------------------------------------------------------ forwards
