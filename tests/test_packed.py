@@ -312,3 +312,23 @@ def test_a_prefill_that_fails_to_begin_fails_its_batch_only(monkeypatch):
     scheduler.run()
     assert [str(error) for error in failures] == ["store unreachable"]
     assert rows[0].tokens == engine_reference(engine, prompts[0], 6).tokens
+
+
+def test_a_whole_unpadded_prompt_part_uses_sdpas_own_causal_path(monkeypatch):
+    """A part whose queries are all its keys and which has no padding (a whole new prompt) attends with torch SDPA's
+    ``is_causal`` and no mask, as its own forward does (the masked half of the square is skipped, not computed and
+    hidden); a left-padded part gets its explicit mask."""
+    model = kvboost_model("llama")
+    calls: list[tuple[bool, bool]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, is_causal=False, **kwargs):
+        calls.append((attn_mask is None, is_causal))
+        return sdpa(query, key, value, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    ids, mask, positions = padded([5, 3], seed=3)
+    whole = ForwardPart(DynamicCache(), torch.arange(3, 9)[None], torch.arange(6)[None], torch.ones(1, 6), True)
+    padded_part = ForwardPart(DynamicCache(), ids, positions, mask, logits=True)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    packed_forward(model, [whole, padded_part])
+    assert calls == [(True, True), (False, False)] * model.config.num_hidden_layers

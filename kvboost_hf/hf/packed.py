@@ -54,6 +54,12 @@ class ForwardPart:
         rows, queries = self.input_ids.shape
         return packed[0].unflatten(1, (rows, queries)).transpose(0, 1)
 
+    def plain_causal(self) -> bool:
+        """No padding, and one query per row or as many queries as keys (a whole prompt): torch SDPA's own
+        ``is_causal`` (top-left aligned) is then exactly bottom-right causal, with no mask to build or read."""
+        queries, keys = self.input_ids.shape[1], self.attention_mask.shape[1]
+        return queries in (1, keys) and bool(self.attention_mask.bool().all())
+
     def causal_mask(self) -> torch.Tensor:
         """Boolean ``[R, 1, T, K]``: query ``t`` of row ``r`` sees key ``j`` when the row holds it and
         ``j <= K - T + t`` (bottom-right causal), as transformers' sdpa mask. A query that sees no key (left padding
@@ -107,9 +113,11 @@ class PackedCaches(Cache):
         self.windows = tuple(windows)
         ends = torch.tensor([part.tokens for part in self.parts]).cumsum(0).tolist()
         self.spans = [(end - part.tokens, end) for part, end in zip(self.parts, ends, strict=True)]
-        self.masks = [part.causal_mask() for part in self.parts]
+        # full layers: no mask where the part has no padding and its queries are all its keys or one (SDPA's own
+        # causal path, which skips the masked half of a whole prompt), else the explicit one
+        self.masks = [None if part.plain_causal() else part.causal_mask() for part in self.parts]
         self._sliding_masks: dict[tuple[int, int, int, int], torch.Tensor] = {}
-        self._held: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self._held: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -122,8 +130,9 @@ class PackedCaches(Cache):
         self._held[layer_idx] = held
         return key_states, value_states  # what the attention reads is held per part (see :meth:`attention`)
 
-    def _mask(self, index: int, layer_idx: int) -> torch.Tensor:
-        """Part ``index``'s boolean mask ``[R, 1, T, kv]`` at layer ``layer_idx``, before its update."""
+    def _mask(self, index: int, layer_idx: int) -> torch.Tensor | None:
+        """Part ``index``'s boolean mask ``[R, 1, T, kv]`` at layer ``layer_idx``, before its update (None: plain
+        causal, :meth:`ForwardPart.plain_causal`)."""
         window = self.windows[layer_idx]
         if window is None:
             return self.masks[index]
@@ -151,11 +160,14 @@ class PackedCaches(Cache):
         for part, (start, end), (keys, values, mask) in zip(
             self.parts, self.spans, self._held.pop(layer_idx), strict=True
         ):
-            if keys.shape[2] > mask.shape[-1]:  # a static cache returns its whole capacity: the rest is unwritten
+            columns = part.attention_mask.shape[1]
+            if mask is None and keys.shape[2] != columns:  # a static cache returns its whole capacity
+                mask = part.causal_mask()
+            if mask is not None and keys.shape[2] > mask.shape[-1]:  # the capacity's unwritten rest stays hidden
                 mask = torch.nn.functional.pad(mask, (0, keys.shape[2] - mask.shape[-1]), value=False)
             out = torch.nn.functional.scaled_dot_product_attention(
                 part.unpack(query[:, :, start:end]), keys, values, attn_mask=mask, scale=scaling,
-                enable_gqa=keys.shape[1] != query.shape[1],
+                is_causal=mask is None and part.input_ids.shape[1] > 1, enable_gqa=keys.shape[1] != query.shape[1],
             )  # fmt: skip
             outputs.append(out.permute(0, 2, 1, 3).flatten(0, 1)[None])
         return torch.cat(outputs, dim=1)
