@@ -626,6 +626,7 @@ def execute_steps(
     runs its decode step (:meth:`DecodeLoop.step`) and prefills (:meth:`DecodeLoop.add`) on its own, as does
     everything when only one part would be packed or ``pack`` is False. Returns each batch's :data:`StepResult`, in
     order; an exception fails only the batches whose work raised it (every batch in a shared forward that raised)."""
+    pack = pack and (len(steps) > 1 or any(prefills for _, _, prefills in steps))  # else one part at most
     plans = [_plan(loop, decode, prefills) if pack else None for loop, decode, prefills in steps]
     parts = [part for plan in plans if isinstance(plan, PackedStep) for part in plan.parts]
     if len(parts) < 2 or not packable(steps[0][0].model, [part.cache for part in parts]):
