@@ -100,8 +100,8 @@ def test_a_packed_forward_gives_each_part_the_logits_and_kv_of_its_own_forward(n
 
 def test_packable_needs_the_kvboost_attention_full_attention_layers_and_plain_caches():
     """Only the ``"kvboost"`` attention carries a packed forward's parts to their caches; sliding-window layers are
-    served (Mistral's window of 24), soft-capped attention (Gemma2), a cache with a context adjustment and an armed
-    sparse repair forward each need a forward of their own."""
+    served (Mistral's window of 24), soft-capped attention (Gemma2), a cache with a context adjustment, an armed
+    sparse repair forward and a static cache each need a forward of their own."""
     plain = DynamicCache()
     assert packable(kvboost_model("llama"), [plain, plain])
     assert not packable(make_tiny_model("llama"), [plain, plain])  # sdpa
@@ -109,8 +109,10 @@ def test_packable_needs_the_kvboost_attention_full_attention_layers_and_plain_ca
     assert not packable(kvboost_model("gemma2"), [plain, plain])
     adjusted = types.SimpleNamespace(expects_sparse_forward=False, attention_kwargs=lambda: {"adjustment": 1})
     sparse = types.SimpleNamespace(expects_sparse_forward=True, attention_kwargs=dict)
+    static = types.SimpleNamespace(max_cache_len=256)  # a graph's cache returns its whole capacity
     assert not packable(kvboost_model("llama"), [plain, adjusted])
     assert not packable(kvboost_model("llama"), [sparse, plain])
+    assert not packable(kvboost_model("llama"), [plain, static])
 
 
 def run_join(engine, prompts, arrive_at, monkeypatch, *, pack: bool):

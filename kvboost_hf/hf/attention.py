@@ -116,7 +116,7 @@ def _kernel_unavailable_reason(query: torch.Tensor, value: torch.Tensor) -> str 
     return None
 
 
-def _bottom_right_causal_mask(num_q: int, num_k: int, device: torch.device) -> torch.Tensor:
+def bottom_right_causal_mask(num_q: int, num_k: int, device: torch.device) -> torch.Tensor:
     """Boolean ``[1, 1, Lq, Lk]``: query ``i`` sees keys ``j <= Lk - Lq + i``."""
     return torch.ones(num_q, num_k, dtype=torch.bool, device=device).tril(num_k - num_q)[None, None]
 
@@ -133,7 +133,7 @@ def _grouped_sdpa(
     ``mask`` None (then causal, bottom-right aligned, when ``causal``) or 4D -> ``[B, Lq, H, D]``."""
     num_q, num_k = query.shape[2], key.shape[2]
     if mask is None and causal and num_q > 1:
-        mask = _bottom_right_causal_mask(num_q, num_k, query.device)
+        mask = bottom_right_causal_mask(num_q, num_k, query.device)
     elif mask is not None:
         mask = mask[..., :num_k]
     out = torch.nn.functional.scaled_dot_product_attention(
@@ -183,7 +183,7 @@ def kvboost_attention_forward(
     if reason is not None:
         _log_fallback(reason)
         if attention_mask is None and causal and 1 < num_q < num_k:
-            attention_mask = _bottom_right_causal_mask(num_q, num_k, query.device)
+            attention_mask = bottom_right_causal_mask(num_q, num_k, query.device)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=causal, **kwargs
         )

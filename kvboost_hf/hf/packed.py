@@ -28,7 +28,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
 from kvboost_hf.core.errors import StateError
-from kvboost_hf.hf.attention import PACKED_KWARG
+from kvboost_hf.hf.attention import PACKED_KWARG, bottom_right_causal_mask
 from kvboost_hf.hf.models import CACHE_ARGUMENT
 from kvboost_hf.hf.prefill import reuse_cache
 
@@ -65,8 +65,8 @@ class ForwardPart:
         ``j <= K - T + t`` (bottom-right causal), as transformers' sdpa mask. A query that sees no key (left padding
         of a prompt) gets zeros from torch's SDPA (torch >= 2.5), as in the part's own forward."""
         queries, keys = self.input_ids.shape[1], self.attention_mask.shape[1]
-        causal = torch.ones(queries, keys, dtype=torch.bool, device=self.attention_mask.device)
-        return self.attention_mask.bool()[:, None, None, :] & causal.tril(keys - queries)
+        causal = bottom_right_causal_mask(queries, keys, self.attention_mask.device)
+        return self.attention_mask.bool()[:, None, None, :] & causal
 
 
 def layer_windows(model: PreTrainedModel) -> list[int | None] | None:
@@ -83,14 +83,14 @@ def layer_windows(model: PreTrainedModel) -> list[int | None] | None:
 
 def packable(model: PreTrainedModel, caches: Sequence[Any]) -> bool:
     """Whether one packed forward of ``model`` can serve parts through ``caches``: the ``"kvboost"`` attention,
-    full or sliding-window attention layers (:func:`layer_windows`) without soft-capping, and no cache with a
-    context adjustment or an armed sparse repair forward."""
+    full or sliding-window attention layers (:func:`layer_windows`) without soft-capping, and no cache that is
+    static (a graph's: it returns its whole capacity), has a context adjustment or an armed sparse repair forward."""
     if getattr(model.config, "_attn_implementation", None) != "kvboost" or layer_windows(model) is None:
         return False
     if getattr(model.config.get_text_config(decoder=True), "attn_logit_softcapping", None) is not None:
         return False
     for cache in caches:
-        if getattr(cache, "expects_sparse_forward", False):
+        if getattr(cache, "expects_sparse_forward", False) or getattr(cache, "max_cache_len", None) is not None:
             return False
         if hasattr(cache, "attention_kwargs") and cache.attention_kwargs():
             return False
@@ -160,11 +160,6 @@ class PackedCaches(Cache):
         for part, (start, end), (keys, values, mask) in zip(
             self.parts, self.spans, self._held.pop(layer_idx), strict=True
         ):
-            columns = part.attention_mask.shape[1]
-            if mask is None and keys.shape[2] != columns:  # a static cache returns its whole capacity
-                mask = part.causal_mask()
-            if mask is not None and keys.shape[2] > mask.shape[-1]:  # the capacity's unwritten rest stays hidden
-                mask = torch.nn.functional.pad(mask, (0, keys.shape[2] - mask.shape[-1]), value=False)
             out = torch.nn.functional.scaled_dot_product_attention(
                 part.unpack(query[:, :, start:end]), keys, values, attn_mask=mask, scale=scaling,
                 is_causal=mask is None and part.input_ids.shape[1] > 1, enable_gqa=keys.shape[1] != query.shape[1],
