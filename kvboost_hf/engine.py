@@ -2,10 +2,10 @@
 
 ``KVBoost`` (this module's :class:`InferenceEngine`) delegates to its parts: a prompt encoder
 (:mod:`kvboost_hf.hf.prompts`), the warm path (:mod:`kvboost_hf.hf.warm`) and the factories of caches, decode loops,
-drafters and schedulers (:mod:`kvboost_hf.factories`). ``generate``, ``generate_batch`` and ``generate_many`` share
-one path: their options become a :class:`GenerateOptions`, each prompt one row queued on a fresh scheduler
-(:class:`~kvboost_hf.scheduling.Scheduler`, the one the server runs) stepped until every row finished; each result
-reports time to first token and reuse.
+drafters and engine cores (:mod:`kvboost_hf.factories`). ``generate``, ``generate_batch`` and ``generate_many``
+share one path: their options become a :class:`GenerateOptions`, each prompt one row queued on a fresh engine core
+(:class:`~kvboost_hf.engine_core.EngineCore`: a scheduler and a model runner, what the server runs) stepped until
+every row finished; each result reports time to first token and reuse.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.errors import ConfigError, InputError
 from kvboost_hf.core.keys import model_digest
+from kvboost_hf.engine_core import EngineCore
 from kvboost_hf.factories import Factories
 from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.cache import ChunkReuseCache
@@ -42,13 +43,8 @@ from kvboost_hf.hf.tokens import SegmentTokenizer, TokenCacheConfig, TokenIdsCac
 from kvboost_hf.hf.warm import PromptWarmer
 from kvboost_hf.offload import LayerStreamingConfig, layer_streamer
 from kvboost_hf.results import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
-from kvboost_hf.scheduling import (
-    DEFAULT_MAX_BATCH_SIZE,
-    DEFAULT_PACK_FORWARDS,
-    DEFAULT_TOKEN_BUDGET,
-    RequestGroup,
-    Scheduler,
-)
+from kvboost_hf.runner import DEFAULT_PACK_FORWARDS
+from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE, DEFAULT_TOKEN_BUDGET, RequestGroup
 from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -400,7 +396,7 @@ class InferenceEngine:
         sampling: SamplingConfig | None = None,
     ) -> list[GenerationResult]:
         """Generate for several prompts (any prefixes, segment prompts included) in one left-padded batch, through
-        the scheduler the server runs (:meth:`scheduler`: prompts that the batch policy prefills alone join the
+        the scheduler the server runs (:meth:`core`: prompts that the batch policy prefills alone join the
         batch before its first decode step). Each row's greedy output equals what it gets alone, and every row is
         sampled with ``seed`` as if alone. ``on_token(row, token)`` is called as each token exists; the other
         options are :class:`GenerateOptions`'. With a draft every row is decoded speculatively; its tokens are
@@ -435,7 +431,7 @@ class InferenceEngine:
         repair: RepairConfig | None = None,
         sampling: SamplingConfig | None = None,
     ) -> list[GenerationResult]:
-        """Generate for many prompts through the scheduler the server runs (:meth:`scheduler`), up to
+        """Generate for many prompts through the scheduler the server runs (:meth:`core`), up to
         ``max_batch_size`` rows at a time: prompts are admitted shortest first, a new one joins the running batch
         as soon as a row leaves it (continuous batching), a segment prompt or one whose reuse needs a repair is
         prefilled alone and then decodes with the batch, and chunks stored by earlier rows are loaded by later
@@ -466,7 +462,7 @@ class InferenceEngine:
         kv_budget_bytes: int | None = None,
     ) -> list[GenerationResult]:
         """The one generate path: one row per prompt (tokenized once, with its segment starts), queued on a fresh
-        :meth:`scheduler` (``max_batch_size`` None: every row in one batch, in input order, no token budget and no
+        :meth:`core` (``max_batch_size`` None: every row in one batch, in input order, no token budget and no
         K/V budget: all rows start together, nothing runs that a prefill could pause; else at most that many rows
         at a time, shortest prompt first, ``token_budget`` tokens per step, K/V within ``kv_budget_bytes``),
         stepped until every row finished; the results in input order (the first error a batch met is raised).
@@ -484,7 +480,7 @@ class InferenceEngine:
         kv_budget = 0 if max_batch_size is None else kv_budget_bytes
         if max_batch_size is None:
             max_batch_size = len(rows)
-        scheduler = self.scheduler(
+        core = self.core(
             options.mode, max_batch_size=max_batch_size, token_budget=budget, kv_budget_bytes=kv_budget,
             repair=options.repair,
         )  # fmt: skip
@@ -499,9 +495,9 @@ class InferenceEngine:
             for index in range(len(rows))
         ]
         for index in order:
-            scheduler.add(groups[index])
+            core.scheduler.add(groups[index])
         with self.lock:
-            scheduler.run()
+            core.run()
         if errors:
             raise errors[0]
         mode = GenerationMode(options.mode)
@@ -510,7 +506,7 @@ class InferenceEngine:
         return [_result(group, mode, start, self.tokenizer.decode) for group, start in zip(groups, starts, strict=True)]
 
     # ------------------------------------------------------------------ factories (see Factories)
-    def scheduler(
+    def core(
         self,
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
         *,
@@ -521,16 +517,16 @@ class InferenceEngine:
         repair: RepairConfig | None = None,
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
         pack_forwards: bool = DEFAULT_PACK_FORWARDS,
-    ) -> Scheduler:
-        """A :class:`~kvboost_hf.scheduling.Scheduler` for this engine (:meth:`Factories.scheduler
-        <kvboost_hf.factories.Factories.scheduler>`): batches of its decode loops in ``mode``, at most
-        ``max_batch_size`` rows running and ``token_budget`` tokens computed per step (0: no budget), their K/V
+    ) -> EngineCore:
+        """An :class:`~kvboost_hf.engine_core.EngineCore` for this engine (:meth:`Factories.core
+        <kvboost_hf.factories.Factories.core>`): a scheduler and a model runner of its decode loops in ``mode``, at
+        most ``max_batch_size`` rows running and ``token_budget`` tokens computed per step (0: no budget), their K/V
         within ``kv_budget_bytes`` (None: derived from the free device memory on CUDA, none elsewhere; 0: none), a
         new batch formed once its oldest request waited ``batch_window_ms``; each batch's decode figures and the
         memory counters are added to :meth:`cache_stats`. The rows' text is decoded (special tokens skipped) under
         ``tokenizer_lock``. ``pack_forwards``: the batches' decode steps and prompt chunks share one forward where
         they can (False: a forward each). Step it under :attr:`lock`."""
-        return self.factories.scheduler(
+        return self.factories.core(
             mode,
             max_batch_size=max_batch_size,
             token_budget=token_budget,
@@ -632,7 +628,7 @@ def _result(
     (row,) = group.rows
     batch = group.batch
     assert batch is not None and batch.decode_counts is not None, "the group ran in a batch that ended"
-    streamed = batch.loop.streamed_bytes
+    streamed = batch.decode_counts["streamed_bytes"]
     first = row.first_token_time or started
     finished = row.last_token_time or first
     prompt_ids = list(row.request.prompt_ids)
@@ -658,7 +654,6 @@ def _result(
         token_logprobs=None if logprobs is None else [entry.logprob for entry in logprobs],
         top_logprobs=None if logprobs is None else [list(entry.top) for entry in logprobs],
         **batch.decode_counts,
-        streamed_bytes=streamed,
         streamed_bytes_per_token=None if streamed is None else streamed / max(len(tokens), 1),
     )
 

@@ -26,6 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.keys import KeySpace, model_digest
+from kvboost_hf.engine_core import EngineCore
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow
 from kvboost_hf.hf.forward_routes import forwards_pack
@@ -42,9 +43,9 @@ from kvboost_hf.hf.rows import new_rows
 from kvboost_hf.hf.speculative import DraftConfig, Drafter, DraftSource, VerifyCosts, resolve_draft
 from kvboost_hf.hf.verify_graphs import GraphedVerifier
 from kvboost_hf.kv_budget import KVBudget, resolve_budget_bytes
+from kvboost_hf.runner import DEFAULT_PACK_FORWARDS, ModelRunner
 from kvboost_hf.scheduling import (
     DEFAULT_MAX_BATCH_SIZE,
-    DEFAULT_PACK_FORWARDS,
     DEFAULT_TOKEN_BUDGET,
     PACKED_JOIN_PADDING_CELLS,
     BatchKey,
@@ -69,7 +70,7 @@ DECODE_TOTALS = (
 
 class DecodeTotals:
     """Decode counters summed over the loops counted (:data:`DECODE_TOTALS`). ``target_forwards`` sums each loop's
-    forwards: a packed forward that carried several batches' work (:func:`~kvboost_hf.hf.decode.execute_steps`)
+    forwards: a packed forward that carried several batches' work (:meth:`~kvboost_hf.runner.ModelRunner.run_steps`)
     counts once per batch."""
 
     def __init__(self) -> None:
@@ -102,6 +103,8 @@ class DecodeTotals:
             "draft_acceptance_rate": accepted / proposed if drafted else None,
             "draft_position_acceptance": accepted / max(accepted + rejected, 1) if drafted else None,
             "draft_cached_tokens": draft_reuse[0] if draft_reuse else None,
+            "draft_forwards": loop.draft.forwards if loop.draft is not None else 0,
+            "streamed_bytes": loop.streamed_bytes,
         }
 
     def stats(self) -> dict[str, int | float]:
@@ -256,7 +259,7 @@ class Factories:
             )
         return Drafter(self.draft_model, self.draft_settings, draft_cache, self.verify_costs)
 
-    def scheduler(
+    def core(
         self,
         mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
         *,
@@ -267,8 +270,9 @@ class Factories:
         repair: RepairConfig | None = None,
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
         pack_forwards: bool = DEFAULT_PACK_FORWARDS,
-    ) -> Scheduler:
-        """A :class:`~kvboost_hf.scheduling.Scheduler` of decode loops (:meth:`decode_loop`) in ``mode``, at most
+    ) -> EngineCore:
+        """An :class:`~kvboost_hf.engine_core.EngineCore`: a :class:`~kvboost_hf.scheduling.Scheduler` and a
+        :class:`~kvboost_hf.runner.ModelRunner` of decode loops (:meth:`decode_loop`) in ``mode``, at most
         ``max_batch_size`` rows running and ``token_budget`` tokens computed per step (0: none), the running
         batches' K/V within :meth:`kv_budget` of ``kv_budget_bytes``, a new batch formed once its oldest request
         waited ``batch_window_ms``; each batch's decode figures are added to :attr:`totals`, the memory counters to
@@ -280,9 +284,8 @@ class Factories:
         def new_loop(key: BatchKey) -> DecodeLoop:
             return self.decode_loop(mode, key.cache_salt, repair)
 
-        return Scheduler(
+        scheduler = Scheduler(
             self.batch_policy(mode),
-            new_loop,
             decode=functools.partial(self.tokenizer.decode, skip_special_tokens=True),
             max_rows=max_batch_size,
             token_budget=token_budget,
@@ -290,10 +293,9 @@ class Factories:
             memory=self.memory,
             join_padding_limit=self.join_padding_limit(pack_forwards),
             batch_window_s=batch_window_ms / 1e3,
-            on_done=self.totals.count,
             tokenizer_lock=tokenizer_lock,
-            pack_forwards=pack_forwards,
         )
+        return EngineCore(scheduler, ModelRunner(new_loop, on_close=self.totals.count, pack_forwards=pack_forwards))
 
     def join_padding_limit(self, pack_forwards: bool) -> int:
         """Cells (row x column) of left padding a group may add to a running batch by joining it, rather than start

@@ -41,6 +41,7 @@ class GenerationResult:
     # P(a draft token is accepted | the ones before it were): the a of (1 - a^(g+1)) / (1 - a) tokens per verify
     draft_position_acceptance: float | None = None
     draft_cached_tokens: int | None = None  # prompt tokens the draft loaded from the store (None: no draft cache)
+    draft_forwards: int = 0  # forwards of the draft in this call (a batch's rows share them; 0 without a draft)
     streamed_bytes: int | None = None  # layer streaming only: bytes copied host to device by this call (batch's)
     streamed_bytes_per_token: float | None = None  # streamed_bytes / this row's generated tokens
 

@@ -7,15 +7,19 @@ The contract, in the shape of vLLM's ``schedule()`` / ``update_from_output()``:
 2. :meth:`Scheduler.schedule` decides what runs now and returns it as a :class:`SchedulerOutput`: for every running
    batch, one decode step of its running rows and chunks (:class:`PrefillChunk`) of the
    :class:`~kvboost_hf.hf.decode.PrefillWork` of the groups admitted to it, within the step's token budget;
-3. :meth:`Scheduler.execute` hands that to each batch's :class:`~kvboost_hf.hf.decode.DecodeLoop` (the model
-   runner, which makes no decision of its own) and returns the tokens it sampled per row
-   (:class:`~kvboost_hf.hf.decode.RowOutput`, in the :class:`StepReport`) and the prefills it completed;
+3. the model runner (:class:`~kvboost_hf.runner.ModelRunner`, which the scheduler does not hold and which makes
+   no decision of its own) runs it and returns the tokens it sampled per row
+   (:class:`~kvboost_hf.hf.decode.RowOutput`, in a :class:`StepReport`) and the prefills it completed;
 4. :meth:`Scheduler.update_from_output` appends them to their rows (the text decoded incrementally), decides which
    rows stop (:func:`stop_reason`: an end token, the budget, a stop string, cancellation; tokens after the one
-   that ends a row are dropped), reports each token to its group (``on_token``), has the runner drop the ended
-   rows and retires the batches that ended.
+   that ends a row are dropped), reports each token to its group (``on_token``) and retires the batches that
+   ended; the runner then drops the ended rows (their chunks stored) and reports each batch's width
+   (:meth:`Scheduler.record_widths`), which the K/V projection reads.
 
-:meth:`Scheduler.step` does the last three; :meth:`Scheduler.run` steps until nothing is left.
+:class:`~kvboost_hf.engine_core.EngineCore` holds both and steps them. What crosses between them is plain data:
+:class:`SchedulerOutput` (per batch: its id and key, the rows preempted since the last step, a decode step, prefill
+chunks) one way, :class:`StepReport` (sampled tokens, completed prefills, computed tokens, errors) and the batches'
+widths the other.
 
 The rules, in order:
 
@@ -36,10 +40,12 @@ The rules, in order:
    all its tokens) still fit the budget with its rows; else it waits, and the groups after it of its key wait too
    (a batch is admitted partly). Before admitting, while the projection exceeds the budget (a prefill spread over
    several steps while the batch widened, a speculative step, a budget lowered), the newest admitted group is
-   preempted: its running rows' chunks are stored (writing them back is the swap: the store is a cache already), its
-   rows leave their batch unfinished and the group goes back to the front of the queue, its tokens kept; admitted
-   again, each row is prefilled from its prompt and tokens (loading what was stored, computing the rest) and goes on
-   with the tokens it would have taken. A group that cannot fit the budget alone is refused
+   preempted: its rows leave their batch unfinished (the step's :class:`BatchWork` names them: the runner stores
+   their chunks first; writing them back is the swap, the store is a cache already) and the group goes back to the
+   front of the queue, its tokens kept; the projection counts the batch's width as the runner last reported it
+   until the runner reports it again (rows leaving may narrow it: counted wider, never narrower); admitted again,
+   each row is prefilled from its prompt and tokens (loading what was stored, computing the rest) and goes on with
+   the tokens it would have taken. A group that cannot fit the budget alone is refused
    (:class:`~kvboost_hf.core.errors.CapacityError` from :meth:`Scheduler.add`, or through ``on_fail`` when the
    budget was lowered under it);
 3. prefill: the rows admitted to a batch in one schedule are prefilled together, in left-padded forwards of rows of
@@ -70,6 +76,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -81,16 +88,16 @@ from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.core.errors import CapacityError, ConfigError, InputError, KVBoostError
 from kvboost_hf.core.keys import KeySpace, chain_prefix_keys
-from kvboost_hf.hf.decode import DecodeLoop, DecodeRow, PrefillWork, RowOutput, SharedPrefix, execute_steps
+from kvboost_hf.hf.decode import DecodeRow, PrefillWork, RowOutput, SharedPrefix
 from kvboost_hf.kv_budget import BatchShape, KVBudget
 from kvboost_hf.reuse.plan import ChunkSource, has_nonprefix_hits
 
 #: Rows running at once unless the caller says otherwise (``ServerConfig.max_batch_size``, the engine's
-#: ``generate_many`` and ``scheduler``, :class:`Scheduler`'s ``max_rows``): the one place this default is written.
+#: ``generate_many`` and ``core``, :class:`Scheduler`'s ``max_rows``): the one place this default is written.
 DEFAULT_MAX_BATCH_SIZE = 8
 
 #: Tokens one scheduler step computes at most unless the caller says otherwise (``ServerConfig.token_budget``, the
-#: engine's ``generate_many`` and ``scheduler``, :class:`Scheduler`'s ``token_budget``): the one place this default is
+#: engine's ``generate_many`` and ``core``, :class:`Scheduler`'s ``token_budget``): the one place this default is
 #: written. 0 means no budget.
 DEFAULT_TOKEN_BUDGET = 2048
 
@@ -99,17 +106,11 @@ DEFAULT_TOKEN_BUDGET = 2048
 PADDING_SLACK = 64
 
 #: Cells (row x column) of left padding a group may add to a running batch by joining it, when the batches' steps
-#: share one packed forward (:func:`~kvboost_hf.hf.decode.execute_steps`): a batch of its own then costs its parts'
+#: share one packed forward (:meth:`~kvboost_hf.runner.ModelRunner.execute`): a batch of its own then costs its parts'
 #: attention calls, not one more read of the weights, so a join is worth no more padding than a few slack columns
 #: per row (:data:`PADDING_SLACK` x :data:`DEFAULT_MAX_BATCH_SIZE`). Measured on the embedded model (2 CPU threads):
 #: 8 short rows and a 922-token row took 100 ms per step joined (padded), 67 ms as two batches in one forward.
 PACKED_JOIN_PADDING_CELLS = PADDING_SLACK * DEFAULT_MAX_BATCH_SIZE
-
-#: Whether a step runs every batch's decode step and the next chunks of its prompts under way as one packed forward
-#: where the model's attention allows (:func:`~kvboost_hf.hf.decode.execute_steps`) unless the caller says otherwise
-#: (``ServerConfig.pack_forwards``, the engine's ``scheduler``, :class:`Scheduler`'s ``pack_forwards``): the one
-#: place this default is written.
-DEFAULT_PACK_FORWARDS = True
 
 logger = logging.getLogger(__name__)
 
@@ -356,26 +357,30 @@ class RequestGroup:
 
 
 class RunningBatch:
-    """A batch the scheduler runs: one decode loop (one cache namespace) and the groups admitted to it, each row
-    reporting to its group.
+    """A batch the scheduler runs (one cache namespace, one runner batch of id ``id``) and the groups admitted to
+    it, each row reporting to its group.
 
-    ``decode_counts`` is filled when it ends (what the scheduler's ``on_done`` returns); ``started`` is a
-    ``time.perf_counter()`` value.
+    ``rows`` are its running rows (prefilled, not ended) as the scheduler counts them; ``columns`` its width as the
+    runner last reported it (:meth:`Scheduler.record_widths`; 0 before its first report); ``leaving`` the rows
+    preempted since its last step (the next :class:`BatchWork` hands them to the runner). ``decode_counts`` is
+    filled when it ends (what the runner's ``on_close`` returned); ``started`` is a ``time.perf_counter()`` value.
     """
 
-    def __init__(self, key: BatchKey, new_loop: Callable[[BatchKey], DecodeLoop]) -> None:
+    def __init__(self, key: BatchKey, batch_id: int) -> None:
         self.key = key
+        self.id = batch_id
         self.groups: list[RequestGroup] = []
         self._owners: dict[int, RequestGroup] = {}
-        self.loop = new_loop(key)
+        self.rows: list[DecodeRow] = []
+        self.columns = 0
+        self.leaving: list[DecodeRow] = []
         self.started = time.perf_counter()
         self.decode_counts: dict[str, Any] | None = None
         self.prefilling: list[Prefilling] = []
 
     def admit(self, groups: Sequence[RequestGroup], now: float) -> None:
-        """Make ``groups`` part of this batch (their live rows are prefilled from the next
-        :meth:`Scheduler.execute` on, once :meth:`Scheduler.schedule` planned their
-        :class:`~kvboost_hf.hf.decode.PrefillWork`)."""
+        """Make ``groups`` part of this batch (their live rows are prefilled from the next step on, once
+        :meth:`Scheduler.schedule` planned their :class:`~kvboost_hf.hf.decode.PrefillWork`)."""
         for group in groups:
             group.admitted_at, group.batch = group.admitted_at or now, self
             self._owners.update((id(row), group) for row in group.rows)
@@ -383,8 +388,9 @@ class RunningBatch:
 
     def preempt(self, group: RequestGroup) -> list[RequestGroup]:
         """Take ``group`` out of this batch unfinished, with the groups whose rows share a prefill under way with
-        its rows (one prompt forward leaves whole): the runner stores their chunks and drops their rows
-        (:meth:`~kvboost_hf.hf.decode.DecodeLoop.preempt`). Returns the groups taken out, in admission order."""
+        its rows (one prompt forward leaves whole): their rows are :attr:`leaving` (the runner stores their chunks
+        and drops them at the next step: :meth:`~kvboost_hf.hf.decode.DecodeLoop.preempt`). Returns the groups taken
+        out, in admission order."""
         taken = {id(group): group}
         for entry in self.prefilling:
             owners = {id(self.owner(row)): self.owner(row) for row in entry.work.rows}
@@ -393,7 +399,8 @@ class RunningBatch:
         leaving = [row for member in taken.values() for row in member.live_rows]
         ids = {id(row) for row in leaving}
         self.prefilling = [entry for entry in self.prefilling if not ids.intersection(map(id, entry.work.rows))]
-        self.loop.preempt(leaving)
+        self.rows = [row for row in self.rows if id(row) not in ids]
+        self.leaving += leaving
         for row in leaving:
             row.preemptions += 1
         self.groups = [member for member in self.groups if id(member) not in taken]
@@ -404,10 +411,11 @@ class RunningBatch:
         return sorted(taken.values(), key=lambda member: member.admission)
 
     def shape(self) -> BatchShape:
-        """This batch as the K/V projection sees it (:class:`~kvboost_hf.kv_budget.BatchShape`): its width now,
-        its running rows' tokens left, and the contexts of the rows whose prefill is not complete."""
+        """This batch as the K/V projection sees it (:class:`~kvboost_hf.kv_budget.BatchShape`): its width (as the
+        runner last reported it, 0 with no row running), its running rows' tokens left, and the contexts of the rows
+        whose prefill is not complete."""
         joining = tuple((row.context_length, row.tokens_left) for row in self.joining_rows)
-        return BatchShape(self.loop.columns, tuple(row.tokens_left for row in self.rows), joining)
+        return BatchShape(self.columns if self.rows else 0, tuple(row.tokens_left for row in self.rows), joining)
 
     def drop(self, groups: Sequence[RequestGroup], error: BaseException) -> None:
         """Take ``groups`` (admitted, not prefilled) out of this batch and report ``error`` to them."""
@@ -418,18 +426,17 @@ class RunningBatch:
             group.on_fail(error)
 
     def fail(self, error: BaseException) -> None:
-        """Report ``error`` to every group of this batch still running (or being prefilled) and drop its rows,
-        prefills and caches unsaved (they may be inconsistent after a failed forward)."""
+        """Report ``error`` to every group of this batch still running (or being prefilled) and forget its rows and
+        prefills (the runner dropped its caches unsaved: they may be inconsistent after a failed forward)."""
         for group in self.groups:
             if not group.done:
                 group.on_fail(error)
-        self.prefilling = []
-        self.loop.abandon()
+        self.prefilling, self.rows = [], []
 
     def drop_cancelled_prefills(self) -> None:
         """Drop the prefills under way whose groups were all cancelled (``RequestGroup.cancel``): their rows end
         (``"cancelled"``, no token) and each group fails with :class:`RequestCancelled`, as if cancelled while
-        pending; the runner drops their prompt forwards at its next ``retire_finished``."""
+        pending; the runner drops their prompt forwards when it next drops ended rows."""
         for entry in list(self.prefilling):
             groups = list({id(self.owner(row)): self.owner(row) for row in entry.work.rows}.values())
             if not all(group.cancel is not None and group.cancel.is_set() for group in groups):
@@ -440,10 +447,12 @@ class RunningBatch:
                     row.cancel()
                 group.on_fail(RequestCancelled("cancelled before its first token"))
 
-    @property
-    def rows(self) -> list[DecodeRow]:
-        """The rows still running (prefilled, not ended)."""
-        return self.loop.running
+    def take(self, result: BatchResult) -> None:
+        """Take the runner's ``result`` of this batch's step: the rows of the prefills it completed run from now on
+        (those already ended excepted), the prefills leave :attr:`prefilling`."""
+        completed = {id(work) for work in result.prefilled}
+        self.prefilling = [entry for entry in self.prefilling if id(entry.work) not in completed]
+        self.rows += [row for work in result.prefilled for row in work.rows if not row.finished]
 
     @property
     def joining_rows(self) -> list[DecodeRow]:
@@ -453,7 +462,7 @@ class RunningBatch:
     @property
     def done(self) -> bool:
         """No row running and no prefill admitted and not complete (one that got no column yet included)."""
-        return self.loop.done and not self.prefilling
+        return not self.rows and not self.prefilling
 
     @property
     def age_s(self) -> float:
@@ -490,15 +499,18 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class BatchWork:
-    """What one batch runs in one scheduler step: one decode step for its running rows (``decode``), then chunks of
-    its prefills (``prefills``: the groups admitted now, ``admitted``, and earlier ones not complete); ``new``: the
-    batch was formed now."""
+    """What one batch runs in one scheduler step, as plain data for the runner: the batch's id (``batch_id``) and
+    key (``new``: formed now, the runner builds its loop), the rows preempted since its last step (``preempted``:
+    taken out first, their chunks stored), one decode step for its running rows (``decode``), then chunks of its
+    prefills (``prefills``: of the groups admitted now, ``admitted``, and of earlier ones not complete)."""
 
-    batch: RunningBatch
+    batch_id: int
+    key: BatchKey
     new: bool = False
     admitted: tuple[RequestGroup, ...] = ()
     decode: bool = False
     prefills: tuple[PrefillChunk, ...] = ()
+    preempted: tuple[DecodeRow, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -510,11 +522,10 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class BatchResult:
-    """How one :class:`BatchWork` ran: the prompt tokens its prefills computed (not loaded; counted when a prefill
-    completes), the tokens the runner sampled per row (``outputs``; appended to the rows by
-    :meth:`Scheduler.update_from_output`, which drops any after the one that ends a row), the prefills that
-    completed (``prefilled``: their rows' first tokens are in ``outputs``) and the error that failed the batch
-    (None: it ran)."""
+    """How one :class:`BatchWork` ran (the runner's report): the prompt tokens its prefills computed (not loaded;
+    counted when a prefill completes), the tokens the runner sampled per row (``outputs``; appended to the rows by
+    :meth:`Scheduler.update_from_output`, which drops any after the one that ends a row), the prefills that completed
+    (``prefilled``: their rows' first tokens are in ``outputs``) and the error that failed the batch (None: it ran)."""
 
     work: BatchWork
     computed_tokens: int = 0
@@ -544,8 +555,8 @@ class MemoryCounters:
 
 @dataclass(frozen=True)
 class StepReport:
-    """What a step did: each batch's result (with the tokens sampled) and the batches that ended (finished or failed)
-    in it."""
+    """What a step did: each batch's result (the runner's, with the tokens sampled) and the batches that ended
+    (finished or failed) in it (:meth:`Scheduler.update_from_output` names them)."""
 
     results: tuple[BatchResult, ...] = ()
     ended: tuple[RunningBatch, ...] = ()
@@ -556,7 +567,6 @@ class Scheduler:
 
     Args:
         policy: the batch keys and prefill-alone verdicts (the engine's :meth:`~InferenceEngine.batch_policy`).
-        new_loop: a fresh decode loop for a batch of ``key``.
         decode: token ids -> text (special tokens skipped), e.g. ``tokenizer.decode``: the rows' text, decoded a
             few recent tokens at a time; called under ``tokenizer_lock``.
         max_rows: rows running at once, over all batches (>= 1).
@@ -568,25 +578,19 @@ class Scheduler:
             may be replaced between steps (e.g. lowered when free memory shrinks): the next schedule preempts to fit.
         memory: where the memory counters go (:class:`MemoryCounters`; default: this scheduler's own).
         join_padding_limit: the most cells (row x column) of left padding a group may add to a running batch of its
-            key by joining it (:meth:`~kvboost_hf.kv_budget.BatchShape.join_padding`): a group that would add more
-            (a long prompt joining short rows, or the reverse) starts a batch of its own, decoded by a forward of its
-            own each step where batches do not share one (``pack_forwards``). The break-even is the model's weight
+            key by joining it (:meth:`~kvboost_hf.kv_budget.BatchShape.join_padding`): a group that would add more (a
+            long prompt joining short rows, or the reverse) starts a batch of its own, decoded by a forward of its own
+            each step where the runner does not pack the batches' steps into one. The break-even is the model's weight
             bytes over its K/V bytes per token (one more forward reads the weights once more; the padding is read by
             every step). None: a group always joins (one batch per key).
         batch_window_s: how long the oldest pending group of a key waits for others before its batch forms
             (``skip_windows = True`` admits without waiting).
-        on_done: called once with each batch's loop when it ends; what it returns is kept as its
-            ``decode_counts``.
         tokenizer_lock: serialises ``decode`` with other threads using the same tokenizer (None: no lock).
-        pack_forwards: run every batch's decode step and the next chunks of its prompts under way as one forward
-            where the attention allows (:func:`~kvboost_hf.hf.decode.execute_steps`); False: a forward per batch
-            step and per chunk. May be changed between steps.
     """
 
     def __init__(
         self,
         policy: BatchPolicy,
-        new_loop: Callable[[BatchKey], DecodeLoop],
         *,
         decode: Callable[[list[int]], str],
         max_rows: int = DEFAULT_MAX_BATCH_SIZE,
@@ -595,9 +599,7 @@ class Scheduler:
         memory: MemoryCounters | None = None,
         join_padding_limit: int | None = None,
         batch_window_s: float = 0.0,
-        on_done: Callable[[DecodeLoop], dict[str, Any]] = lambda loop: {},
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
-        pack_forwards: bool = DEFAULT_PACK_FORWARDS,
     ) -> None:
         if max_rows < 1:
             raise ConfigError(f"max_rows must be >= 1, got {max_rows}")
@@ -606,7 +608,6 @@ class Scheduler:
         if join_padding_limit is not None and join_padding_limit < 0:
             raise ConfigError(f"join_padding_limit must be None (always join) or >= 0 cells, got {join_padding_limit}")
         self.policy = policy
-        self.new_loop = new_loop
         self.decode = decode
         self.tokenizer_lock = tokenizer_lock or contextlib.nullcontext()
         self.max_rows = max_rows
@@ -614,10 +615,9 @@ class Scheduler:
         self.kv_budget = kv_budget
         self.memory = memory if memory is not None else MemoryCounters()
         self.join_padding_limit = join_padding_limit
-        self.pack_forwards = pack_forwards
         self._admissions = 0
+        self._batch_ids = itertools.count()
         self.batch_window_s = batch_window_s
-        self.on_done = on_done
         self._pending: list[RequestGroup] = []
         self._queue_lock = threading.Lock()
         self.running: list[RunningBatch] = []
@@ -689,7 +689,7 @@ class Scheduler:
         for key, batch, groups in self._admit(now):
             new = batch is None
             if batch is None:
-                batch = RunningBatch(key, self.new_loop)
+                batch = RunningBatch(key, next(self._batch_ids))
                 self.running.append(batch)
             for group in groups:
                 group.admission, self._admissions = self._admissions, self._admissions + 1
@@ -717,68 +717,43 @@ class Scheduler:
         for batch in self.running:
             new, groups = admitted.get(id(batch), (False, []))
             planned = tuple(chunks[id(entry)] for entry in batch.prefilling if id(entry) in chunks)
-            work.append(BatchWork(batch, new, tuple(groups), decode=bool(batch.rows), prefills=planned))
+            leaving, batch.leaving = tuple(batch.leaving), []
+            work.append(BatchWork(batch.id, batch.key, new, tuple(groups), bool(batch.rows), planned, leaving))
         if self.kv_budget is not None:
             self.memory.reserve(self.reserved_bytes)
         return SchedulerOutput(tuple(work))
 
-    def execute(self, output: SchedulerOutput) -> StepReport:
-        """Run every batch's work on its loop: its decode step, then its prefill chunks, the decode steps and the
-        chunks of prompts under way of all batches in one forward where they can
-        (:func:`~kvboost_hf.hf.decode.execute_steps`); the report carries the tokens sampled and the prefills
-        completed. An exception fails only the batches whose work raised it: their groups get it through
-        ``on_fail`` and their caches are dropped unsaved (possibly inconsistent)."""
-        steps = [(work.batch.loop, work.decode, [(chunk.work, chunk.columns) for chunk in work.prefills])
-                 for work in output.work]  # fmt: skip
-        before = [work.batch.loop.computed_tokens for work in output.work]
-        executed = execute_steps(steps, pack=self.pack_forwards)
-        results = []
-        for work, computed, result in zip(output.work, before, executed, strict=True):
-            computed = work.batch.loop.computed_tokens - computed
-            if isinstance(result, BaseException):
-                work.batch.fail(result)
-                results.append(BatchResult(work, computed, result))
-            else:
-                outputs, prefilled = result
-                results.append(BatchResult(work, computed, outputs=tuple(outputs), prefilled=tuple(prefilled)))
-        return StepReport(tuple(results))
-
     def update_from_output(self, report: StepReport) -> StepReport:
-        """Append each batch's sampled tokens to its rows and end the rows that stop (:func:`stop_reason`; tokens
-        after the one that ends a row are dropped), reporting each token to its group; then have each runner drop
-        its ended rows and retire the batches that ended (``on_done`` runs once for each). Returns ``report`` with
-        them."""
+        """Take the runner's ``report`` of a step: each batch's completed prefills (their rows run from now on), its
+        sampled tokens appended to its rows, the rows that stop ended (:func:`stop_reason`; tokens after the one that
+        ends a row are dropped), each token reported to its group; a batch whose step raised fails
+        (:meth:`RunningBatch.fail`). Retires the batches that ended (the runner's loops of those, and the ended rows
+        of the others, are the caller's to release: :class:`~kvboost_hf.engine_core.EngineCore`). Returns
+        ``report`` with them."""
+        batches = {batch.id: batch for batch in self.running}
         for result in report.results:
-            if result.error is None:
-                batch, completed = result.work.batch, {id(work) for work in result.prefilled}
-                batch.prefilling = [entry for entry in batch.prefilling if id(entry.work) not in completed]
-                for output in result.outputs:
-                    group = result.work.batch.owner(output.row)
-                    append_output(output, self.decode, group.on_token, self.tokenizer_lock)
-                result.work.batch.loop.retire_finished()
+            batch = batches[result.work.batch_id]
+            if result.error is not None:
+                batch.fail(result.error)
+                continue
+            batch.take(result)
+            for output in result.outputs:
+                append_output(output, self.decode, batch.owner(output.row).on_token, self.tokenizer_lock)
+            batch.rows = [row for row in batch.rows if not row.finished]
         ended = tuple(batch for batch in self.running if batch.done)
-        for batch in ended:
-            batch.decode_counts = self.on_done(batch.loop)
         self.running = [batch for batch in self.running if not batch.done]
         return StepReport(report.results, ended)
 
-    def step(self, now: float | None = None) -> StepReport:
-        """:meth:`schedule`, :meth:`execute`, :meth:`update_from_output`."""
-        return self.update_from_output(self.execute(self.schedule(now)))
+    def record_widths(self, columns: dict[int, int]) -> None:
+        """Take the runner's widths of the running batches (batch id -> columns of K/V each running row holds),
+        which the K/V projection counts (:meth:`RunningBatch.shape`)."""
+        for batch in self.running:
+            batch.columns = columns.get(batch.id, 0)
 
-    def run(self) -> None:
-        """Step until nothing is pending or running (windows are not waited for: :attr:`skip_windows` is set
-        meanwhile, so what is pending is admitted as soon as it fits)."""
-        skipping, self.skip_windows = self.skip_windows, True
-        try:
-            while not self.idle:
-                self.step()
-        finally:
-            self.skip_windows = skipping
-
-    def abort(self, error: BaseException) -> None:
+    def abort(self, error: BaseException) -> tuple[RunningBatch, ...]:
         """Fail every pending group with ``error`` and end every running row now (cancelled, reported once to its
-        group; what was computed is stored); a group whose prefill is under way fails with ``error`` too."""
+        group); a group whose prefill is under way fails with ``error`` too. Returns the batches ended (their
+        runner's loops are the caller's to release: what was computed is stored then)."""
         with self._queue_lock:
             waiting, self._pending = self._pending, []
         for group in waiting:
@@ -791,10 +766,9 @@ class Scheduler:
                 for row in group.rows:
                     row.cancel()
                 group.on_fail(error)
-            batch.prefilling = []
-            batch.loop.retire_finished()
-            batch.decode_counts = self.on_done(batch.loop)
-        self.running = []
+            batch.prefilling, batch.rows = [], []
+        ended, self.running = tuple(self.running), []
+        return ended
 
     # ------------------------------------------------------------------ decisions
     def _preempt(self) -> None:

@@ -30,7 +30,7 @@ from conftest import greedy
 from transformers import DynamicCache, PreTrainedTokenizerFast
 
 from kvboost_hf import ChunkingConfig, ChunkReuseCache, ChunkStore, GenerationMode, RepairConfig
-from kvboost_hf.hf.decode import DecodeLoop, DecodeRow, PrefillWork, RowOutput
+from kvboost_hf.hf.decode import DecodeLoop, DecodeRow, DraftRound, PrefillWork, RowOutput
 from kvboost_hf.scheduling import append_output, prefill_works
 
 TESTS_DIR = Path(__file__).parent
@@ -306,6 +306,83 @@ def run_loop(model, requests, store=None, **kwargs) -> DecodeLoop:
     loop = new_loop(model, reuse_caches(store, model), **kwargs)
     prefill(loop, requests)
     return finish(loop)
+
+
+class FakeLoop:
+    """Records what it is handed and samples token 1 for each row per prefill and per step (with ``fail_after``:
+    raises at that many steps), or what ``script`` gives: a row's next tokens per call (several: a verify round).
+    A prefill handed fewer columns than its longest prompt completes once the columns handed add up to it
+    (``chunks``: each call's work and columns). ``width`` models the left-padded layout: a step adds a column, a
+    prefill joins as wide as the wider of the batch and its longest context, and it resets when no row runs."""
+
+    def __init__(self, fail_after: int | None = None, script=None) -> None:
+        self.fail_after = fail_after
+        self.script = script or (lambda row: (1,))
+        self.rows: list[DecodeRow] = []
+        self.running: list[DecodeRow] = []
+        self.works: list[PrefillWork] = []
+        self.chunks: list[tuple[PrefillWork, int]] = []
+        self.progress: dict[int, tuple[PrefillWork, int]] = {}
+        self.steps = 0
+        self.computed_tokens = 0
+        self.closed = False
+        self.width = 0
+
+    @property
+    def done(self) -> bool:
+        return not self.running and not self.progress
+
+    @property
+    def columns(self) -> int:
+        return self.width if self.running else 0
+
+    def add(self, work: PrefillWork, columns: int = 0) -> list[RowOutput]:
+        self.chunks.append((work, columns))
+        width = max(row.context_length for row in work.rows)
+        computed = self.progress.pop(id(work), (work, 0))[1] + (columns or width)
+        if computed < width:
+            self.progress[id(work)] = (work, computed)
+            return []
+        self.works.append(work)
+        self.rows += work.rows
+        self.computed_tokens += sum(len(row.request.prompt_ids) for row in work.rows)
+        self.width = max(self.columns, width)
+        self.running += work.rows
+        return [self._sample(row) for row in work.rows]
+
+    def pack(self, decode: bool, prefills) -> None:
+        return None  # no forward shared with other batches: execute_steps calls step() and add()
+
+    def step(self) -> list[RowOutput]:
+        if self.fail_after is not None and self.steps >= self.fail_after:
+            raise RuntimeError("device lost")
+        self.steps += 1
+        self.width += 1
+        return [self._sample(row) for row in self.running]
+
+    def _sample(self, row: DecodeRow) -> RowOutput:
+        tokens = tuple(self.script(row))
+        return RowOutput(
+            row, tokens, draft=DraftRound(len(tokens), len(tokens) - 1, False) if len(tokens) > 1 else None
+        )
+
+    def retire_finished(self) -> None:
+        self.preempt([row for row in self.running + self.joining if row.finished])
+
+    def preempt(self, rows) -> None:
+        leaving = {id(row) for row in rows}
+        self.running = [row for row in self.running if id(row) not in leaving]
+        self.progress = {
+            key: (work, n) for key, (work, n) in self.progress.items() if not all(id(r) in leaving for r in work.rows)
+        }
+
+    @property
+    def joining(self) -> list[DecodeRow]:
+        return [row for work, _ in self.progress.values() for row in work.rows]
+
+    def abandon(self) -> None:
+        self.running, self.progress = [], {}
+        self.closed = True
 
 
 # ---------------------------------------------------------------------------------------------- live server

@@ -17,6 +17,7 @@ from oracle import GREEDY, engine_reference
 from transformers import DynamicCache
 
 from kvboost_hf import KVBoost
+from kvboost_hf import runner as runner_module
 from kvboost_hf.hf import decode as decode_module
 from kvboost_hf.hf.decode import DecodeRequest, left_pad
 from kvboost_hf.hf.models import forward_read_bytes
@@ -124,9 +125,9 @@ def run_join(engine, prompts, arrive_at, monkeypatch, *, pack: bool):
         packed_parts.append(len(parts))
         return packed_forward(model, parts)
 
-    monkeypatch.setattr(decode_module, "packed_forward", counted)
-    scheduler = engine.scheduler("prefix_cache", max_batch_size=4, token_budget=6, pack_forwards=pack)
-    scheduler.join_padding_limit = 20
+    monkeypatch.setattr(runner_module, "packed_forward", counted)
+    core = engine.core("prefix_cache", max_batch_size=4, token_budget=6, pack_forwards=pack)
+    core.scheduler.join_padding_limit = 20
     rows = engine.factories.new_rows(
         [DecodeRequest(prompt_ids=engine.encode(p), max_new_tokens=8, sampling=GREEDY) for p in prompts]
     )
@@ -134,11 +135,11 @@ def run_join(engine, prompts, arrive_at, monkeypatch, *, pack: bool):
     for step in range(200):
         for group, at in zip(groups, arrive_at, strict=True):
             if at == step:
-                scheduler.add(group)
-        scheduler.step()
-        if scheduler.idle and step >= max(arrive_at):
+                core.scheduler.add(group)
+        core.step()
+        if core.scheduler.idle and step >= max(arrive_at):
             break
-    assert scheduler.idle
+    assert core.scheduler.idle
     return rows, packed_parts
 
 
@@ -178,26 +179,26 @@ def test_a_shared_forward_that_raises_fails_every_batch_in_it_and_the_scheduler_
         calls.append(len(parts))
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(decode_module, "packed_forward", explode)
-    scheduler = engine.scheduler("prefix_cache", max_batch_size=4, token_budget=6)
-    scheduler.join_padding_limit = 20
+    monkeypatch.setattr(runner_module, "packed_forward", explode)
+    core = engine.core("prefix_cache", max_batch_size=4, token_budget=6)
+    core.scheduler.join_padding_limit = 20
     prompts = [words(90, 4), words(92, 60)]
     failures: list[BaseException] = []
     rows = engine.factories.new_rows(
         [DecodeRequest(prompt_ids=engine.encode(p), max_new_tokens=8, sampling=GREEDY) for p in prompts]
     )
-    scheduler.add(RequestGroup([rows[0]], on_fail=failures.append))
-    scheduler.step()
-    scheduler.add(RequestGroup([rows[1]], on_fail=failures.append))
+    core.scheduler.add(RequestGroup([rows[0]], on_fail=failures.append))
+    core.step()
+    core.scheduler.add(RequestGroup([rows[1]], on_fail=failures.append))
     for _ in range(4):
-        scheduler.step()
+        core.step()
     assert calls == [2] and [str(error) for error in failures] == ["device lost", "device lost"]
-    assert scheduler.running == []
-    monkeypatch.setattr(decode_module, "packed_forward", packed_forward)
+    assert core.scheduler.running == []
+    monkeypatch.setattr(runner_module, "packed_forward", packed_forward)
     late = DecodeRequest(prompt_ids=engine.encode(words(93, 3)), max_new_tokens=4, sampling=GREEDY)
     rows = engine.factories.new_rows([late])
-    scheduler.add(RequestGroup(rows))
-    scheduler.run()
+    core.scheduler.add(RequestGroup(rows))
+    core.run()
     assert rows[0].tokens == engine_reference(engine, words(93, 3), 4).tokens
 
 
@@ -213,10 +214,10 @@ def test_where_batches_share_forwards_a_join_may_add_only_a_few_slack_columns_of
         return forward_read_bytes(engine.model) // engine.factories.kv_bytes_per_token()
 
     assert PACKED_JOIN_PADDING_CELLS == 512 < break_even(packing)
-    assert packing.scheduler("prefix_cache").join_padding_limit == PACKED_JOIN_PADDING_CELLS
-    assert packing.scheduler("prefix_cache", pack_forwards=False).join_padding_limit == break_even(packing)
-    assert plain.scheduler("prefix_cache").join_padding_limit == break_even(plain)
-    assert drafting.scheduler("prefix_cache").join_padding_limit == break_even(drafting)
+    assert packing.core("prefix_cache").scheduler.join_padding_limit == PACKED_JOIN_PADDING_CELLS
+    assert packing.core("prefix_cache", pack_forwards=False).scheduler.join_padding_limit == break_even(packing)
+    assert plain.core("prefix_cache").scheduler.join_padding_limit == break_even(plain)
+    assert drafting.core("prefix_cache").scheduler.join_padding_limit == break_even(drafting)
 
 
 def test_a_prompt_arriving_while_rows_decode_is_prefilled_in_their_decode_steps_forward(monkeypatch):
@@ -230,18 +231,18 @@ def test_a_prompt_arriving_while_rows_decode_is_prefilled_in_their_decode_steps_
         parts.append([tuple(part.input_ids.shape) for part in packed])
         return packed_forward(model, packed)
 
-    monkeypatch.setattr(decode_module, "packed_forward", counted)
-    scheduler = engine.scheduler("prefix_cache", max_batch_size=4, token_budget=0)
+    monkeypatch.setattr(runner_module, "packed_forward", counted)
+    core = engine.core("prefix_cache", max_batch_size=4, token_budget=0)
     prompts = [words(94, 6), words(95, 9)]
     requests = [DecodeRequest(prompt_ids=engine.encode(p), max_new_tokens=6, sampling=GREEDY) for p in prompts]
     rows = engine.factories.new_rows(requests)
-    scheduler.add(RequestGroup([rows[0]]))
-    scheduler.step()
-    scheduler.step()
-    scheduler.add(RequestGroup([rows[1]]))
-    scheduler.step()
+    core.scheduler.add(RequestGroup([rows[0]]))
+    core.step()
+    core.step()
+    core.scheduler.add(RequestGroup([rows[1]]))
+    core.step()
     assert parts == [[(1, 1), (1, len(requests[1].prompt_ids))]]
-    scheduler.run()
+    core.run()
     assert [row.tokens for row in rows] == [engine_reference(engine, p, 6).tokens for p in prompts]
 
 
@@ -294,8 +295,8 @@ def test_a_prefill_that_fails_to_begin_fails_its_batch_only(monkeypatch):
     shared forward is put together: the joining prompt's batch fails with the error, and the running row, whose
     batch shares no forward that step, goes on to transformers' tokens."""
     engine = KVBoost(kvboost_model("llama"), word_tokenizer(), chunking=8)
-    scheduler = engine.scheduler("prefix_cache", max_batch_size=4, token_budget=6)
-    scheduler.join_padding_limit = 20
+    core = engine.core("prefix_cache", max_batch_size=4, token_budget=6)
+    core.scheduler.join_padding_limit = 20
     prompts = [words(90, 4), words(92, 60)]
     requests = [DecodeRequest(prompt_ids=engine.encode(p), max_new_tokens=6, sampling=GREEDY) for p in prompts]
     rows = engine.factories.new_rows(requests)
@@ -308,10 +309,10 @@ def test_a_prefill_that_fails_to_begin_fails_its_batch_only(monkeypatch):
 
     monkeypatch.setattr(decode_module.DecodeLoop, "_begin_prefill", failing)
     failures: list[BaseException] = []
-    scheduler.add(RequestGroup([rows[0]], on_fail=failures.append))
-    scheduler.step()
-    scheduler.add(RequestGroup([rows[1]], on_fail=failures.append))
-    scheduler.run()
+    core.scheduler.add(RequestGroup([rows[0]], on_fail=failures.append))
+    core.step()
+    core.scheduler.add(RequestGroup([rows[1]], on_fail=failures.append))
+    core.run()
     assert [str(error) for error in failures] == ["store unreachable"]
     assert rows[0].tokens == engine_reference(engine, prompts[0], 6).tokens
 

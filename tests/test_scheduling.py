@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 from conftest import make_tiny_model, noisy_copy
-from helpers import word_tokenizer, words
+from helpers import FakeLoop, word_tokenizer, words
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -26,12 +26,14 @@ from kvboost_hf import KVBoost
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.errors import CapacityError, ConfigError
 from kvboost_hf.core.keys import KeySpace
-from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow, DraftRound, PrefillWork, RowOutput, SharedPrefix
+from kvboost_hf.engine_core import EngineCore
+from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, PrefillWork, SharedPrefix
 from kvboost_hf.hf.forward_routes import ForwardRouter
 from kvboost_hf.hf.models import forward_read_bytes
 from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.hf.speculative import DraftConfig
 from kvboost_hf.kv_budget import KVBudget
+from kvboost_hf.runner import ModelRunner
 from kvboost_hf.scheduling import (
     BatchPolicy,
     Prefilling,
@@ -48,85 +50,9 @@ CHUNK = 4
 SPACE = KeySpace("digest", "torch.float32", ChunkingConfig(CHUNK))
 
 
-class FakeLoop:
-    """Records what it is handed and samples token 1 for each row per prefill and per step (with ``fail_after``:
-    raises at that many steps), or what ``script`` gives: a row's next tokens per call (several: a verify round).
-    A prefill handed fewer columns than its longest prompt completes once the columns handed add up to it
-    (``chunks``: each call's work and columns). ``width`` models the left-padded layout: a step adds a column, a
-    prefill joins as wide as the wider of the batch and its longest context, and it resets when no row runs."""
-
-    def __init__(self, fail_after: int | None = None, script=None) -> None:
-        self.fail_after = fail_after
-        self.script = script or (lambda row: (1,))
-        self.rows: list[DecodeRow] = []
-        self.running: list[DecodeRow] = []
-        self.works: list[PrefillWork] = []
-        self.chunks: list[tuple[PrefillWork, int]] = []
-        self.progress: dict[int, tuple[PrefillWork, int]] = {}
-        self.steps = 0
-        self.computed_tokens = 0
-        self.closed = False
-        self.width = 0
-
-    @property
-    def done(self) -> bool:
-        return not self.running and not self.progress
-
-    @property
-    def columns(self) -> int:
-        return self.width if self.running else 0
-
-    def add(self, work: PrefillWork, columns: int = 0) -> list[RowOutput]:
-        self.chunks.append((work, columns))
-        width = max(row.context_length for row in work.rows)
-        computed = self.progress.pop(id(work), (work, 0))[1] + (columns or width)
-        if computed < width:
-            self.progress[id(work)] = (work, computed)
-            return []
-        self.works.append(work)
-        self.rows += work.rows
-        self.computed_tokens += sum(len(row.request.prompt_ids) for row in work.rows)
-        self.width = max(self.columns, width)
-        self.running += work.rows
-        return [self._sample(row) for row in work.rows]
-
-    def pack(self, decode: bool, prefills) -> None:
-        return None  # no forward shared with other batches: execute_steps calls step() and add()
-
-    def step(self) -> list[RowOutput]:
-        if self.fail_after is not None and self.steps >= self.fail_after:
-            raise RuntimeError("device lost")
-        self.steps += 1
-        self.width += 1
-        return [self._sample(row) for row in self.running]
-
-    def _sample(self, row: DecodeRow) -> RowOutput:
-        tokens = tuple(self.script(row))
-        return RowOutput(
-            row, tokens, draft=DraftRound(len(tokens), len(tokens) - 1, False) if len(tokens) > 1 else None
-        )
-
-    def retire_finished(self) -> None:
-        self.preempt([row for row in self.running + self.joining if row.finished])
-
-    def preempt(self, rows) -> None:
-        leaving = {id(row) for row in rows}
-        self.running = [row for row in self.running if id(row) not in leaving]
-        self.progress = {
-            key: (work, n) for key, (work, n) in self.progress.items() if not all(id(r) in leaving for r in work.rows)
-        }
-
-    @property
-    def joining(self) -> list[DecodeRow]:
-        return [row for work, _ in self.progress.values() for row in work.rows]
-
-    def abandon(self) -> None:
-        self.running, self.progress = [], {}
-        self.closed = True
-
-
 class Harness:
-    """A scheduler on fake loops, with every loop, failure and ended batch recorded."""
+    """A scheduler and a runner of fake loops (``core`` steps them), with every loop, failure and ended batch
+    recorded."""
 
     def __init__(
         self,
@@ -153,10 +79,11 @@ class Harness:
             return {"steps": loop.steps}
 
         self.scheduler = Scheduler(
-            policy, new_loop, decode=lambda ids: "".join(f"<{t}>" for t in ids), max_rows=max_rows,
-            token_budget=token_budget, kv_budget=kv_budget, join_padding_limit=join_padding_limit,
-            batch_window_s=window_s, on_done=on_done,
+            policy, decode=lambda ids: "".join(f"<{t}>" for t in ids), max_rows=max_rows, token_budget=token_budget,
+            kv_budget=kv_budget, join_padding_limit=join_padding_limit, batch_window_s=window_s,
         )  # fmt: skip
+        self.runner = ModelRunner(new_loop, on_close=on_done)
+        self.core = EngineCore(self.scheduler, self.runner)
 
     def group(
         self, *prompts, tokens: int = 3, salt: str | None = None, arrival: float = 0.0, starts=()
@@ -180,13 +107,13 @@ def test_groups_of_one_key_share_a_batch_joining_it_while_it_runs_and_tenants_ge
     first = h.group([1, 2, 3])
     output = h.scheduler.schedule(now=0.0)
     assert [(w.new, len(w.prefills)) for w in output.work] == [(True, 1)]
-    h.scheduler.update_from_output(h.scheduler.execute(output))
+    h.core.execute(output)
     second, other = h.group([4, 5]), h.group([6], salt="tenant-b")
-    report = h.scheduler.step(now=0.0)
+    report = h.core.step(now=0.0)
     assert len(h.loops) == 2 and first.batch is second.batch is not other.batch
     assert [w.rows for w in h.loops[0].works] == [tuple(first.rows), tuple(second.rows)]  # joined, prefilled apart
     assert [(r.work.new, r.computed_tokens) for r in report.results] == [(False, 2), (True, 1)]
-    h.scheduler.run()
+    h.core.run()
     assert h.scheduler.idle and sorted(map(id, h.done)) == sorted(map(id, h.loops))  # each ended once
     # the join step decodes the running row too: first's tokens 2-3 and second's 2-3 take three steps, not two
     assert first.batch.decode_counts == {"steps": 3} and all(g.done for g in (first, second, other))
@@ -201,17 +128,17 @@ def test_a_join_that_would_pad_the_running_rows_past_the_limit_starts_a_batch_of
     batches."""
     h = Harness(max_rows=6, join_padding_limit=limit)
     running = h.group([1], [2], [3], tokens=6)
-    h.scheduler.step(now=0.0)
+    h.core.step(now=0.0)
     long = h.group(list(range(30)), tokens=3)
-    h.scheduler.step(now=0.0)
+    h.core.step(now=0.0)
     assert (long.batch is running.batch) == (limit is None or limit >= 87)
     short = h.group([4, 5], tokens=2)
-    report = h.scheduler.step(now=0.0)
+    report = h.core.step(now=0.0)
     assert short.batch is running.batch and long.batch.key == running.batch.key
     if long.batch is not running.batch:
         assert len(h.loops) == 2 and h.loops[1].works == [h.loops[1].works[0]]  # the long prompt alone there
         assert [len(result.outputs) for result in report.results] == [3 + 1, 1]  # each batch decoded this step
-    h.scheduler.run()
+    h.core.run()
     assert all(group.done for group in (running, long, short)) and h.failures == []
     assert [len(row.tokens) for group in (running, long, short) for row in group.rows] == [6, 6, 6, 3, 2]
 
@@ -238,13 +165,13 @@ def test_a_new_batch_waits_for_its_window_unless_full_or_windows_are_skipped():
 def test_rows_stay_within_max_rows_and_groups_are_admitted_oldest_first():
     h = Harness(max_rows=3)
     first, second, third = h.group([1], [1], tokens=3), h.group([2], [2]), h.group([3])
-    h.scheduler.step(now=0.0)  # first's prefill: its first tokens
+    h.core.step(now=0.0)  # first's prefill: its first tokens
     assert first.batch is not None and second.batch is None and third.batch is None  # second does not fit: waits,
     assert h.scheduler.running_rows == 2  # and the younger third waits behind it
-    h.scheduler.step(now=0.0)
-    h.scheduler.step(now=0.0)  # first gets its third token: it finishes
+    h.core.step(now=0.0)
+    h.core.step(now=0.0)  # first gets its third token: it finishes
     assert second.batch is None
-    h.scheduler.step(now=0.0)
+    h.core.step(now=0.0)
     assert second.batch is not None and third.batch is not None and h.scheduler.running_rows == 3
     with pytest.raises(ValueError, match="max_rows=3"):
         h.group([1], [1], [1], [1])
@@ -261,11 +188,11 @@ def test_a_group_cancelled_while_pending_fails_with_request_cancelled_and_never_
 def test_a_failing_batch_fails_its_groups_only():
     h = Harness(fail_salt="bad")
     bad, good = h.group([1, 2], tokens=5, salt="bad"), h.group([3], tokens=5)
-    h.scheduler.step(now=0.0)
-    report = h.scheduler.step(now=0.0)
+    h.core.step(now=0.0)
+    report = h.core.step(now=0.0)
     assert [type(r.error) for r in report.results] == [RuntimeError, type(None)]
     assert [g for g, _ in h.failures] == [bad] and h.loops[0].closed and bad.batch in report.ended
-    h.scheduler.run()
+    h.core.run()
     assert good.done and not h.loops[1].closed
 
 
@@ -276,19 +203,19 @@ def test_a_failed_prefill_plan_fails_the_admitted_groups_and_the_batch_goes_on()
 
     h = Harness(store=BrokenStore())
     running = h.group([9, 9], tokens=4)
-    h.scheduler.step(now=0.0)  # one prompt alone: no store read
+    h.core.step(now=0.0)  # one prompt alone: no store read
     joining = h.group([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])  # two prompts: the plan reads the store
-    h.scheduler.step(now=0.0)
+    h.core.step(now=0.0)
     assert [(g, type(e)) for g, e in h.failures] == [(joining, ConnectionError)] and joining.batch is None
-    h.scheduler.run()
+    h.core.run()
     assert running.done and len(h.loops[0].works) == 1
 
 
 def test_abort_fails_what_waits_and_cancels_what_runs():
     h = Harness(max_rows=1)
     running, waiting = h.group([1], tokens=9), h.group([2])
-    h.scheduler.step(now=0.0)
-    h.scheduler.abort(RuntimeError("shutdown"))
+    h.core.step(now=0.0)
+    h.core.abort(RuntimeError("shutdown"))
     assert running.rows[0].finish_reason == "cancelled" and [g for g, _ in h.failures] == [waiting]
     assert h.scheduler.idle and h.done == h.loops
 
@@ -298,7 +225,7 @@ def test_run_admits_what_waits_without_waiting_for_its_window():
     scheduler that waited for the window would still be spinning when the thread is joined)."""
     h = Harness(window_s=3600.0)
     group = h.group([1, 2], arrival=time.perf_counter())
-    runner = threading.Thread(target=h.scheduler.run, daemon=True)
+    runner = threading.Thread(target=h.core.run, daemon=True)
     runner.start()
     runner.join(30)
     assert not runner.is_alive() and group.done and h.scheduler.idle
@@ -320,7 +247,7 @@ def test_the_scheduler_appends_sampled_tokens_and_decides_every_stop():
     rows = DecodeLoop.rows_for(requests, set())
     requests[3].cancel.set()
     h.scheduler.add(RequestGroup(rows, on_token=lambda row: seen.append((rows.index(row), row.tokens[-1]))))
-    report = h.scheduler.step(now=0.0)
+    report = h.core.step(now=0.0)
     assert [output.tokens for output in report.results[0].outputs] == [(5, 6, 7)] * 4  # what the runner sampled
     stopped, ended, budget, cancelled = rows
     assert (stopped.tokens, stopped.text, stopped.finish_reason) == ([5, 6], "<5>", "stop")
@@ -329,7 +256,7 @@ def test_the_scheduler_appends_sampled_tokens_and_decides_every_stop():
     assert (budget.tokens, budget.finish_reason) == ([5, 6, 7], None) and budget.text == "<5><6><7>"
     assert (stopped.draft_accepted, stopped.draft_rejected, stopped.draft_rounds) == (1, 0, [(1, False)])
     assert budget.draft_rounds == [(2, False)]
-    h.scheduler.run()
+    h.core.run()
     assert (budget.tokens, budget.finish_reason) == ([5, 6, 7, 5], "length")
     assert seen == [(0, 5), (0, 6), (1, 5), (1, 6), (2, 5), (2, 6), (2, 7), (3, 5), (2, 5)]
     assert h.loops[0].done and h.scheduler.idle
@@ -341,27 +268,27 @@ def test_a_long_prompt_joins_in_chunks_while_the_running_rows_take_a_token_every
     against ``max_rows`` meanwhile, so a group that would exceed it waits."""
     h = Harness(max_rows=4, token_budget=20)
     running = h.group([1], [2], [3], tokens=12)  # three prompts: one forward of three rows
-    h.scheduler.step(now=0.0)
+    h.core.step(now=0.0)
     joining = h.group(list(range(100)), tokens=2)
     waiting = h.group([7])
     for step in range(6):
-        h.scheduler.step(now=0.0)
+        h.core.step(now=0.0)
         assert [len(row.tokens) for row in running.rows] == [2 + step] * 3
         assert waiting.batch is None and h.scheduler.running_rows == 4
         assert joining.rows[0].tokens == ([1] if step == 5 else [])
     assert [columns for work, columns in h.loops[0].chunks if work.rows == tuple(joining.rows)] == [17] * 5 + [15]
-    h.scheduler.run()
+    h.core.run()
     assert all(group.done for group in (running, joining, waiting))
 
 
 def test_abort_fails_a_group_whose_prefill_is_under_way():
     h = Harness(max_rows=2, token_budget=4)
     running = h.group([1], tokens=9)
-    h.scheduler.step(now=0.0)
+    h.core.step(now=0.0)
     joining = h.group(list(range(30)))
-    h.scheduler.step(now=0.0)
+    h.core.step(now=0.0)
     assert joining.batch is not None and not joining.rows[0].tokens  # 3 of its 30 columns computed
-    h.scheduler.abort(RuntimeError("shutdown"))
+    h.core.abort(RuntimeError("shutdown"))
     assert [g for g, _ in h.failures] == [joining] and running.rows[0].finish_reason == "cancelled"
     assert h.scheduler.idle and h.done == h.loops and h.loops[0].done
 
@@ -369,24 +296,24 @@ def test_abort_fails_a_group_whose_prefill_is_under_way():
 def test_a_group_cancelled_while_its_prompt_is_prefilled_in_chunks_fails_and_its_chunks_stop():
     h = Harness(max_rows=2, token_budget=4)
     running = h.group([1], tokens=6)
-    h.scheduler.step(now=0.0)
+    h.core.step(now=0.0)
     joining = h.group(list(range(30)))
-    h.scheduler.step(now=0.0)
+    h.core.step(now=0.0)
     joining.cancel.set()
-    h.scheduler.step(now=0.0)
+    h.core.step(now=0.0)
     assert [(g, type(e)) for g, e in h.failures] == [(joining, RequestCancelled)]
     assert len([columns for work, columns in h.loops[0].chunks if work.rows == tuple(joining.rows)]) == 1
     assert joining.rows[0].finish_reason == "cancelled" and not joining.rows[0].tokens
-    h.scheduler.run()
+    h.core.run()
     assert running.done and len(running.rows[0].tokens) == 6 and h.scheduler.idle and h.loops[0].done
 
 
 def test_without_a_token_budget_a_join_is_prefilled_whole_after_the_running_rows_step():
     h = Harness(max_rows=4)
     running = h.group([1], tokens=5)
-    h.scheduler.step(now=0.0)
+    h.core.step(now=0.0)
     joining = h.group(list(range(100)), tokens=2)
-    report = h.scheduler.step(now=0.0)
+    report = h.core.step(now=0.0)
     work = report.results[0].work
     assert work.decode and [chunk.columns for chunk in work.prefills] == [100]  # the whole prompt in this step
     assert len(running.rows[0].tokens) == 2 and joining.rows[0].tokens == [1]
@@ -544,14 +471,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.now += 1.0
         scheduler = self.h.scheduler
         output = scheduler.schedule(now=self.now)
-        decoded = sum(len(work.batch.rows) for work in output.work if work.decode)
+        decoded = sum(len(self.h.runner.loops[work.batch_id].running) for work in output.work if work.decode)
         prefilled = sum(
             (1 if chunk.work.repeat else len(chunk.work.rows)) * chunk.columns
             for work in output.work
             for chunk in work.prefills
         )
         assert decoded + prefilled <= scheduler.token_budget
-        scheduler.update_from_output(scheduler.execute(output))
+        self.h.core.execute(output)
 
     @rule(index=st.integers(0, 50))
     def cancel(self, index):
@@ -568,7 +495,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not pending & set(owners)
 
     def teardown(self):
-        self.h.scheduler.run()
+        self.h.core.run()
         failed = [id(group) for group, _ in self.h.failures]
         assert len(failed) == len(set(failed)), "a group failed twice"
         for group in self.groups:
@@ -616,9 +543,9 @@ class KVBudgetMachine(SchedulerMachine):
         budget = scheduler.kv_budget.budget_bytes
         assert scheduler.memory.reserved_bytes <= budget
         held = sum(
-            (len(batch.loop.running) + len(batch.loop.joining)) * max(batch.loop.columns, *widths)
-            for batch in scheduler.running
-            for widths in [[row.context_length for row in batch.loop.joining] or [0]]
+            (len(loop.running) + len(loop.joining)) * max(loop.columns, *widths)
+            for loop in self.h.runner.loops.values()
+            for widths in [[row.context_length for row in loop.joining] or [0]]
         )
         assert held <= scheduler.memory.reserved_bytes <= budget
         for group in self.groups:
@@ -864,12 +791,11 @@ def bytes_per_token(model) -> int:
     return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
 
 
-def held_kv_bytes(scheduler: Scheduler) -> int:
-    """The K/V bytes the scheduler's batches hold now, read from their caches' tensors (the running rows' caches
-    and those of prompt forwards under way, the target's and a draft's)."""
+def held_kv_bytes(runner: ModelRunner) -> int:
+    """The K/V bytes the runner's batches hold now, read from their caches' tensors (the running rows' caches and
+    those of prompt forwards under way, the target's and a draft's)."""
     caches = []
-    for batch in scheduler.running:
-        loop = batch.loop
+    for loop in runner.loops.values():
         caches += [loop.cache, *(prompt.state.cache for prompt in loop._prompts)]
         if loop.draft is not None:  # the draft's caches, counted in the bytes per token too
             caches += [loop.draft.cache, *(prompt.state.draft_cache for prompt in loop._prompts)]
@@ -877,12 +803,10 @@ def held_kv_bytes(scheduler: Scheduler) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def budget_run(
-    engine, scheduler: Scheduler, prompts, max_new_tokens: int, lower_at=None, arrive_at=None, samplings=None
-):
+def budget_run(engine, core: EngineCore, prompts, max_new_tokens: int, lower_at=None, arrive_at=None, samplings=None):
     """Queue one row per prompt (greedy unless ``samplings`` says; ``arrive_at``: the step each is added at,
     default all at once) and step
-    ``scheduler`` until idle, with ``lower_at = (step, bytes)`` lowering its K/V budget before that step. Returns
+    ``core`` until idle, with ``lower_at = (step, bytes)`` lowering its K/V budget before that step. Returns
     the rows, each row's tokens as ``on_token`` reported them, and per step ``(budget, bytes reserved after the
     schedule, bytes held after the step)``."""
     arrive_at = arrive_at or [0] * len(prompts)
@@ -900,6 +824,7 @@ def budget_run(
     ]
     trace = []
     step = 0
+    scheduler = core.scheduler
     while step <= max(arrive_at) or not scheduler.idle:
         for group, at in zip(groups, arrive_at, strict=True):
             if at == step:
@@ -908,8 +833,8 @@ def budget_run(
             scheduler.kv_budget = dataclasses.replace(scheduler.kv_budget, budget_bytes=lower_at[1])
         output = scheduler.schedule()
         reserved = scheduler.memory.reserved_bytes
-        scheduler.update_from_output(scheduler.execute(output))
-        trace.append((scheduler.kv_budget.budget_bytes, reserved, held_kv_bytes(scheduler)))
+        core.execute(output)
+        trace.append((scheduler.kv_budget.budget_bytes, reserved, held_kv_bytes(core.runner)))
         step += 1
         assert step < 500, "the scheduler made no progress"
     assert failures == []
@@ -930,12 +855,13 @@ def test_a_batch_over_the_kv_budget_is_admitted_partly_preempted_and_resumed_wit
     lengths = [len(engine.encode(p)) for p in prompts]
     per_token = bytes_per_token(engine.model)
     three = 3 * (lengths[2] + 12) * per_token  # the first three rows, all as wide as the third, 12 tokens each
-    scheduler = engine.scheduler("prefix_cache", max_batch_size=4, token_budget=0, kv_budget_bytes=three)
+    core = engine.core("prefix_cache", max_batch_size=4, token_budget=0, kv_budget_bytes=three)
+    scheduler = core.scheduler
     assert scheduler.kv_budget.bytes_per_token == per_token
     lowered = 2 * (lengths[2] + 12) * per_token
     before = dataclasses.replace(scheduler.memory)  # the engine's counters, over its schedulers
     samplings = [GREEDY, GREEDY, sampling, GREEDY]
-    rows, streamed, trace = budget_run(engine, scheduler, prompts, 12, lower_at=(5, lowered), samplings=samplings)
+    rows, streamed, trace = budget_run(engine, core, prompts, 12, lower_at=(5, lowered), samplings=samplings)
 
     expected = [engine_reference(engine, p, 12, s).tokens for p, s in zip(prompts, samplings, strict=True)]
     assert [row.tokens for row in rows] == expected
@@ -964,9 +890,10 @@ def test_a_join_prefilled_over_many_steps_is_preempted_as_the_batch_widens_and_r
     # two rows as wide as the joining prompt and a column more, 20 tokens each: exceeded once the running row has
     # widened the batch two columns past that prompt, when the join has computed 9 of its 11 columns
     budget = 2 * (lengths[1] + 1 + 20) * per_token - 1
-    scheduler = engine.scheduler("prefix_cache", max_batch_size=2, token_budget=2, kv_budget_bytes=budget)
+    core = engine.core("prefix_cache", max_batch_size=2, token_budget=2, kv_budget_bytes=budget)
+    scheduler = core.scheduler
     before = scheduler.memory.preemptions
-    rows, streamed, trace = budget_run(engine, scheduler, prompts, 20, arrive_at=[0, 1])
+    rows, streamed, trace = budget_run(engine, core, prompts, 20, arrive_at=[0, 1])
 
     assert [row.tokens for row in rows] == [engine_reference(engine, p, 20).tokens for p in prompts]
     assert streamed == [row.tokens for row in rows]
@@ -1005,7 +932,8 @@ def test_a_speculative_batch_over_the_kv_budget_is_preempted_and_resumed_with_ge
     engine.store.clear()
     prompts = [words(130, 13), words(131, 15), words(132, 17)]
     room = max(len(engine.encode(p)) for p in prompts) + 12 + {"chain": 0, "tree": 4}[drafting]
-    scheduler = engine.scheduler("prefix_cache", max_batch_size=3, token_budget=0, kv_budget_bytes=1)
+    core = engine.core("prefix_cache", max_batch_size=3, token_budget=0, kv_budget_bytes=1)
+    scheduler = core.scheduler
     assert scheduler.kv_budget is not None
     assert scheduler.kv_budget.bytes_per_token == 2 * bytes_per_token(engine.model)  # the draft is a copy
     per_token = scheduler.kv_budget.bytes_per_token
@@ -1015,12 +943,12 @@ def test_a_speculative_batch_over_the_kv_budget_is_preempted_and_resumed_with_ge
 
     def measured(router, *args):
         logits = verify_forward(router, *args)
-        during.append((held_kv_bytes(scheduler), scheduler.memory.reserved_bytes))
+        during.append((held_kv_bytes(core.runner), scheduler.memory.reserved_bytes))
         return logits
 
     monkeypatch.setattr(ForwardRouter, "verify", measured)
     before = engine.cache_stats()
-    rows, streamed, trace = budget_run(engine, scheduler, prompts, 12, lower_at=(3, 2 * room * per_token))
+    rows, streamed, trace = budget_run(engine, core, prompts, 12, lower_at=(3, 2 * room * per_token))
 
     assert [row.tokens for row in rows] == [engine_reference(engine, p, 12).tokens for p in prompts]
     assert streamed == [row.tokens for row in rows]
@@ -1036,7 +964,7 @@ def test_a_speculative_batch_over_the_kv_budget_is_preempted_and_resumed_with_ge
 def test_a_request_whose_kv_cannot_fit_the_budget_alone_is_refused_naming_the_bytes(engine):
     prompt = words(86, 10)
     needed = (len(engine.encode(prompt)) + 6) * bytes_per_token(engine.model)
-    scheduler = engine.scheduler("prefix_cache", kv_budget_bytes=needed - 1)
+    scheduler = engine.core("prefix_cache", kv_budget_bytes=needed - 1).scheduler
     row = engine.factories.new_rows(
         [DecodeRequest(prompt_ids=engine.encode(prompt), max_new_tokens=6, sampling=GREEDY)]
     )
@@ -1055,8 +983,8 @@ def test_a_prompt_prefilled_in_chunks_completes_when_every_running_row_ends_mean
     dropped with them and never complete) with transformers' greedy tokens."""
     engine.store.clear()
     prompts = [words(87, 3), words(88, 11)]
-    scheduler = engine.scheduler("prefix_cache", max_batch_size=2, token_budget=2, kv_budget_bytes=1 << 30)
-    rows, _, _ = budget_run(engine, scheduler, prompts, 4, arrive_at=[0, 1])
+    core = engine.core("prefix_cache", max_batch_size=2, token_budget=2, kv_budget_bytes=1 << 30)
+    rows, _, _ = budget_run(engine, core, prompts, 4, arrive_at=[0, 1])
     assert [row.tokens for row in rows] == [engine_reference(engine, p, 4).tokens for p in prompts]
 
 
@@ -1067,11 +995,12 @@ def test_a_long_prompt_over_the_join_padding_limit_decodes_in_its_own_batch_with
     row's tokens equal transformers' greedy ones. The engine's default limit is the model's forward read bytes over
     its K/V bytes per token (the break-even of one more forward against the padding every step reads)."""
     engine.store.clear()
-    default = engine.scheduler("prefix_cache")
+    default = engine.core("prefix_cache").scheduler
     assert default.join_padding_limit == forward_read_bytes(engine.model) // bytes_per_token(engine.model)
     prompts = [words(90, 4), words(91, 5), words(92, 60), words(93, 3)]
     arrive_at = [0, 0, 2, 3]
-    scheduler = engine.scheduler("prefix_cache", max_batch_size=4, token_budget=0)
+    core = engine.core("prefix_cache", max_batch_size=4, token_budget=0)
+    scheduler = core.scheduler
     scheduler.join_padding_limit = 20
     rows = engine.factories.new_rows(
         [DecodeRequest(prompt_ids=engine.encode(p), max_new_tokens=6, sampling=GREEDY) for p in prompts]
@@ -1082,9 +1011,9 @@ def test_a_long_prompt_over_the_join_padding_limit_decodes_in_its_own_batch_with
         for group, at in zip(groups, arrive_at, strict=True):
             if at == step:
                 scheduler.add(group)
-        scheduler.step()
+        core.step()
         batches_per_step.append(len(scheduler.running))
-        narrow_widths.append(groups[0].batch.loop.columns)
+        narrow_widths.append(groups[0].batch.columns)  # the width the runner reported
         if scheduler.idle and step >= max(arrive_at):
             break
     assert scheduler.idle and max(batches_per_step) == 2

@@ -96,10 +96,10 @@ def test_batch_rows_equal_alone_with_mixed_settings(engine):
         banana = engine.encode(" banana")[0]
         forced = SamplingConfig(temperature=0, logit_bias=((banana, 100.0),), repetition_penalty=1.3)
         jobs.append(Job(engine.encode(prompts[1]), JobParams(max_tokens=3, sampling=forced), events[4].append))
-        scheduler, lock = engine.scheduler(GenerationMode.PREFIX_CACHE, max_batch_size=len(jobs)), threading.Lock()
+        core, lock = engine.core(GenerationMode.PREFIX_CACHE, max_batch_size=len(jobs)), threading.Lock()
         for job in jobs:
-            scheduler.add(JobRun(engine, job, lock).group)
-        scheduler.run()  # one batch: every job is admitted at once
+            core.scheduler.add(JobRun(engine, job, lock).group)
+        core.run()  # one batch: every job is admitted at once
         texts = ["".join(e.text for e in evs if isinstance(e, Delta)) for evs in events]
         assert texts[:3] == expected  # unaffected by the other rows' settings
         assert texts[4] == engine.tokenizer.decode([banana] * 3)
@@ -211,14 +211,14 @@ def test_metrics_expose_the_kv_budget_counters():
     per_token *= config.hidden_size // config.num_attention_heads
     prompts = [engine.encode(words(120, 10)), engine.encode(words(121, 14))]
     assert [len(ids) for ids in prompts] == [10, 14]
-    scheduler = engine.scheduler("prefix_cache", max_batch_size=2, token_budget=0, kv_budget_bytes=40 * per_token)
+    core = engine.core("prefix_cache", max_batch_size=2, token_budget=0, kv_budget_bytes=40 * per_token)
     rows = engine.factories.new_rows([DecodeRequest(prompt_ids=ids, max_new_tokens=6) for ids in prompts])
     for row in rows:
-        scheduler.add(RequestGroup([row]))
-    scheduler.step()
-    assert scheduler.kv_budget is not None
-    scheduler.kv_budget = dataclasses.replace(scheduler.kv_budget, budget_bytes=20 * per_token)
-    scheduler.run()
+        core.scheduler.add(RequestGroup([row]))
+    core.step()
+    assert core.scheduler.kv_budget is not None
+    core.scheduler.kv_budget = dataclasses.replace(core.scheduler.kv_budget, budget_bytes=20 * per_token)
+    core.run()
     assert [row.preemptions for row in rows] == [0, 1] and all(len(row.tokens) == 6 for row in rows)
     settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY)
     with LiveServer(create_app(engine, settings)) as live:

@@ -205,20 +205,20 @@ def test_draft_tree_flags_reach_the_engine(tmp_path):
     assert engine.draft_settings == expected and engine.speculative
 
 
-class _SchedulerEngine:
-    """The one engine call a Worker makes before it starts: a scheduler for the server's mode and settings."""
+class _CoreEngine:
+    """The one engine call a Worker makes before it starts: an engine core for the server's mode and settings."""
 
-    def scheduler(self, mode: object, **settings: object) -> tuple[object, dict[str, object]]:
+    def core(self, mode: object, **settings: object) -> tuple[object, dict[str, object]]:
         return mode, {key: value for key, value in settings.items() if key != "tokenizer_lock"}
 
 
 def test_worker_takes_the_server_settings_in_their_units():
     """The worker has no defaults of its own: it hands ServerConfig's fields (the batch window in ms) and its mode to
-    the engine's scheduler."""
+    the engine's core."""
     from kvboost_hf.server.worker import Worker
 
     worker = Worker(
-        _SchedulerEngine(),
+        _CoreEngine(),
         ServerConfig(
             reuse_mode="chunk_kv_reuse",
             batch_window_ms=250,
@@ -236,8 +236,8 @@ def test_worker_takes_the_server_settings_in_their_units():
         "batch_window_ms": 250,
         "pack_forwards": False,
     }
-    assert worker.scheduler == (worker.mode, given)
-    default = Worker(_SchedulerEngine())  # type: ignore[arg-type]
+    assert worker.core == (worker.mode, given)
+    default = Worker(_CoreEngine())  # type: ignore[arg-type]
     settings = ServerConfig()
     expected = {
         "max_batch_size": settings.max_batch_size,
@@ -246,7 +246,7 @@ def test_worker_takes_the_server_settings_in_their_units():
         "batch_window_ms": settings.batch_window_ms,
         "pack_forwards": settings.pack_forwards,
     }
-    assert default.scheduler == (GenerationMode.PREFIX_CACHE, expected)
+    assert default.core == (GenerationMode.PREFIX_CACHE, expected)
 
 
 @pytest.mark.parametrize(

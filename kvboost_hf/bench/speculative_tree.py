@@ -59,22 +59,22 @@ def decode_once(engine: InferenceEngine, text: str, max_new_tokens: int) -> dict
     request = DecodeRequest(
         prompt_ids=engine.encode(text), max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature=0)
     )
-    scheduler = engine.scheduler(max_batch_size=1)
+    core = engine.core(max_batch_size=1)
     group = RequestGroup(engine.factories.new_rows([request]))
-    scheduler.add(group)
+    core.scheduler.add(group)
     with engine.lock:
         started = time.perf_counter()
-        scheduler.run()
+        core.run()
         seconds = time.perf_counter() - started
     (row,) = group.rows
-    assert group.batch is not None, "the request ran"
-    loop = group.batch.loop
+    assert group.batch is not None and group.batch.decode_counts is not None, "the request ran"
+    counts = group.batch.decode_counts
     return {
         "tokens": row.tokens,
-        "target_forwards": loop.forwards,
-        "verify_forwards": loop.verify_forwards,
-        "draft_forwards": loop.draft.forwards if loop.draft is not None else 0,
-        "streamed_bytes": loop.streamed_bytes or 0,
+        "target_forwards": counts["target_forwards"],
+        "verify_forwards": counts["verify_forwards"],
+        "draft_forwards": counts["draft_forwards"],
+        "streamed_bytes": counts["streamed_bytes"] or 0,
         "proposed": row.draft_proposed,
         "accepted": row.draft_accepted,
         "rounds": row.draft_rounds,

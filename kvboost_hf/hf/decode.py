@@ -1,7 +1,8 @@
-"""Stage 8: the model runner of the decode loop; :mod:`kvboost_hf.scheduling` decides what it runs.
+"""Stage 8: one batch's decode loop; :mod:`kvboost_hf.scheduling` decides what it runs, and
+:class:`~kvboost_hf.runner.ModelRunner` (one loop per running batch) hands it over.
 
 One :class:`DecodeLoop` runs a batch of rows (prompts of any lengths and prefixes, each with its own settings) on
-one model and one cache. It makes no scheduling decision: the scheduler hands it
+one model and one cache. It makes no scheduling decision: the scheduler's output gives it
 
 * :class:`PrefillWork`: rows to prefill together in one fresh cache (built with the work's segment starts). Their
   prompts are left-padded into one forward (a :class:`~kvboost_hf.hf.cache.ChunkReuseCache` stitches stored chunks,
@@ -27,14 +28,15 @@ one model and one cache. It makes no scheduling decision: the scheduler hands it
   verifies the first tree too (the draft prefills the prompts and drafts before it), unless it is a sparse repair
   forward.
 
-* a shared forward (:func:`execute_steps`, what the scheduler calls): every batch's decode step and the next chunks
-  of its prompt forwards under way as parts of one forward (:mod:`kvboost_hf.hf.packed`; :meth:`DecodeLoop.pack`
-  and :meth:`DecodeLoop.unpack`), so the weights are read once per scheduler step, not once per batch and chunk.
+* a shared forward (what :meth:`~kvboost_hf.runner.ModelRunner.run_steps` runs): every batch's decode step and
+  the next chunks of its prompt forwards under way as parts of one forward (:mod:`kvboost_hf.hf.packed`;
+  :meth:`DecodeLoop.pack` and :meth:`DecodeLoop.unpack`), so the weights are read once per scheduler step, not
+  once per batch and chunk.
 
 All return the sampled tokens per row (:class:`RowOutput`) and decide nothing about them: the scheduler appends
-them to the rows, decides which rows stop (end tokens, budget, stop strings on the incrementally decoded text,
-cancellation) and calls :meth:`DecodeLoop.retire_finished`, which drops the ended rows from the batch. The runner
-reads no store (stitching stored chunks is the cache's), and whether a forward runs through compiled graphs or
+them to the rows and decides which rows stop (end tokens, budget, stop strings on the incrementally decoded text,
+cancellation); :meth:`DecodeLoop.retire_finished` then drops the ended rows from the batch. The loop reads no
+store (stitching stored chunks is the cache's), and whether a forward runs through compiled graphs or
 eagerly is its :class:`~kvboost_hf.hf.forward_routes.ForwardRouter`'s.
 
 Invariants: a row's positions and attention mask are exactly those ``generate()`` builds for a left-padded batch
@@ -63,7 +65,7 @@ from kvboost_hf.hf.cache import ChunkReuseCache, join_caches, keep_cache_columns
 from kvboost_hf.hf.forward_routes import ForwardRouter
 from kvboost_hf.hf.graphs import GraphedDecoder
 from kvboost_hf.hf.models import model_dtype
-from kvboost_hf.hf.packed import ForwardPart, packable, packed_forward
+from kvboost_hf.hf.packed import ForwardPart
 from kvboost_hf.hf.prefill import forward_inputs
 from kvboost_hf.hf.rows import DecodeRequest as DecodeRequest  # the rows' types, importable from here as before
 from kvboost_hf.hf.rows import DecodeRow, RowOutput, new_rows, sample
@@ -241,7 +243,8 @@ class PackedStep:
 
 
 class DecodeLoop:
-    """Rows decoded together on one model and one cache, forward by forward (the scheduler's model runner).
+    """Rows decoded together on one model and one cache, forward by forward (one batch of
+    :class:`~kvboost_hf.runner.ModelRunner`).
 
     Args:
         model: the causal LM.
@@ -267,8 +270,8 @@ class DecodeLoop:
     :meth:`add` with each :class:`PrefillWork`, and :meth:`step` while rows run: each returns the tokens it sampled
     per row (:class:`RowOutput`) and appends nothing; the caller appends them and ends rows, then calls
     :meth:`retire_finished` before the next call. :meth:`pack` and :meth:`unpack` run a step's decode and prompt
-    chunks as parts of one forward shared with other batches (:func:`execute_steps`). :meth:`preempt` takes rows
-    out unfinished, their chunks stored.
+    chunks as parts of one forward shared with other batches (:meth:`~kvboost_hf.runner.ModelRunner.run_steps`).
+    :meth:`preempt` takes rows out unfinished, their chunks stored.
     """
 
     def __init__(
@@ -323,14 +326,15 @@ class DecodeLoop:
 
     # ------------------------------------------------------------------ forwards
     def pack(self, decode: bool, prefills: Sequence[tuple[PrefillWork, int]]) -> PackedStep | None:
-        """This batch's share of a forward packed with other batches' (:func:`execute_steps`): its decode step
-        when ``decode``, and the next chunk of each of ``prefills`` (``(work, columns)``; a sparse repair forward
-        runs after it, apart: :meth:`add`). None (the whole step runs apart) when this runner's forwards cannot be
-        packed (a draft, graphs, a streamed target, an attention other than ``"kvboost"``:
-        :meth:`ForwardRouter.packs <kvboost_hf.hf.forward_routes.ForwardRouter.packs>`). It begins the prefills not
-        begun yet (their shared prefixes computed and stored, their stored chunks loaded: what :meth:`add` does
-        first) and sets them aside, so their first chunk is a part too; :meth:`unpack` takes the step once the
-        forward ran (a prefill set aside and not packed goes on in :meth:`add`)."""
+        """This batch's share of a forward packed with other batches'
+        (:meth:`~kvboost_hf.runner.ModelRunner.run_steps`): its decode step when ``decode``, and the next chunk of
+        each of ``prefills`` (``(work, columns)``; a sparse repair forward runs after it, apart: :meth:`add`). None
+        (the whole step runs apart) when this runner's forwards cannot be packed (a draft, graphs, a streamed target,
+        an attention other than ``"kvboost"``: :meth:`ForwardRouter.packs
+        <kvboost_hf.hf.forward_routes.ForwardRouter.packs>`). It begins the prefills not begun yet (their shared
+        prefixes computed and stored, their stored chunks loaded: what :meth:`add` does first) and sets them aside,
+        so their first chunk is a part too; :meth:`unpack` takes the step once the forward ran (a prefill set aside
+        and not packed goes on in :meth:`add`)."""
         if self.verifier is not None or not self.router.packs():
             return None
         step = PackedStep(decode and bool(self.running))
@@ -379,7 +383,7 @@ class DecodeLoop:
                 outputs += self._first_tokens(prompt, last[:, None], None)
                 earlier.attach(self)
                 completed.append(prompt.work)
-        more, also = _prefill_apart(self, step.apart)
+        more, also = prefill_apart(self, step.apart)
         return outputs + more, completed + also
 
     @_counting_streamed_bytes
@@ -597,7 +601,7 @@ class DecodeLoop:
             self.draft.cache = None
 
 
-def _prefill_apart(
+def prefill_apart(
     loop: DecodeLoop, prefills: Sequence[tuple[PrefillWork, int]]
 ) -> tuple[list[RowOutput], list[PrefillWork]]:
     """The next chunk of each of ``prefills`` (``(work, columns)``) by :meth:`DecodeLoop.add`, one forward each:
@@ -609,69 +613,6 @@ def _prefill_apart(
             outputs += first
             completed.append(work)
     return outputs, completed
-
-
-StepResult = tuple[list[RowOutput], list[PrefillWork]] | BaseException
-"""One batch's step (:func:`execute_steps`): the tokens sampled and the works whose prefill completed, or the
-exception that failed the batch."""
-
-
-def execute_steps(
-    steps: Sequence[tuple[DecodeLoop, bool, Sequence[tuple[PrefillWork, int]]]], *, pack: bool
-) -> list[StepResult]:
-    """One scheduler step of several batches on one model, ``(runner, decode, prefills)`` each (``prefills``:
-    ``(work, columns)``): every batch's decode step and the next chunks of its prompt forwards under way run as one
-    forward where they can (:func:`~kvboost_hf.hf.packed.packed_forward`: the weights read once, not once per batch
-    and chunk; :meth:`DecodeLoop.pack`), each batch's other prefills after it; a batch that cannot share a forward
-    runs its decode step (:meth:`DecodeLoop.step`) and prefills (:meth:`DecodeLoop.add`) on its own, as does
-    everything when only one part would be packed or ``pack`` is False. Returns each batch's :data:`StepResult`, in
-    order; an exception fails only the batches whose work raised it (every batch in a shared forward that raised)."""
-    pack = pack and (len(steps) > 1 or any(prefills for _, _, prefills in steps))  # else one part at most
-    plans = [_plan(loop, decode, prefills) if pack else None for loop, decode, prefills in steps]
-    parts = [part for plan in plans if isinstance(plan, PackedStep) for part in plan.parts]
-    if len(parts) < 2 or not packable(steps[0][0].model, [part.cache for part in parts]):
-        plans = [plan if isinstance(plan, BaseException) else None for plan in plans]  # all apart
-        parts = []
-    shared: list[torch.Tensor | None] | BaseException = []
-    if parts:
-        try:
-            shared = packed_forward(steps[0][0].model, parts)
-        except Exception as error:  # every batch that took part fails with it
-            logger.exception("a packed forward of %d parts failed", len(parts))
-            shared = error
-    results: list[StepResult] = []
-    taken = 0
-    for (loop, decode, prefills), plan in zip(steps, plans, strict=True):
-        if isinstance(plan, BaseException):  # its pack() raised
-            results.append(plan)
-            continue
-        if plan is not None and plan.parts and isinstance(shared, BaseException):
-            results.append(shared)
-            continue
-        try:
-            if plan is None:
-                outputs = loop.step() if decode else []
-                more, completed = _prefill_apart(loop, prefills)
-                results.append((outputs + more, completed))
-            else:
-                assert not isinstance(shared, BaseException)
-                logits, taken = shared[taken : taken + len(plan.parts)], taken + len(plan.parts)
-                results.append(loop.unpack(plan, logits))
-        except Exception as error:
-            logger.exception("batch of %d rows failed", len(loop.running))
-            results.append(error)
-    return results
-
-
-def _plan(
-    loop: DecodeLoop, decode: bool, prefills: Sequence[tuple[PrefillWork, int]]
-) -> PackedStep | BaseException | None:
-    """``loop``'s :meth:`DecodeLoop.pack`, or the exception it raised (beginning a prefill can: the batch fails)."""
-    try:
-        return loop.pack(decode, prefills)
-    except Exception as error:
-        logger.exception("batch of %d rows failed", len(loop.running))
-        return error
 
 
 def trim_padding(cache: Cache, mask: torch.Tensor) -> torch.Tensor:

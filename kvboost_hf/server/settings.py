@@ -8,7 +8,8 @@ from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
-from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PACK_FORWARDS, DEFAULT_TOKEN_BUDGET
+from kvboost_hf.runner import DEFAULT_PACK_FORWARDS
+from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE, DEFAULT_TOKEN_BUDGET
 from kvboost_hf.server.grammar import GrammarConfig
 
 

@@ -1,4 +1,4 @@
-"""The single thread that owns the model: a bounded queue in front of the engine's scheduler.
+"""The single thread that owns the model: a bounded queue in front of the engine's core (scheduler and runner).
 
 Each job becomes a request of the engine's :class:`~kvboost_hf.scheduling.Scheduler` (the one ``generate_many``
 runs; its module states the rules: batches per cache namespace, continuous batching, admission windows, prompts
@@ -6,7 +6,8 @@ prefilled alone). Per loop iteration the worker
 
 1. asks the scheduler what runs now (:meth:`~kvboost_hf.scheduling.Scheduler.schedule`);
 2. runs exclusive calls (``warm``);
-3. has the scheduler execute it under the engine's lock: new prompts prefilled, then one decode step per batch.
+3. has the core execute it under the engine's lock (:meth:`~kvboost_hf.engine_core.EngineCore.execute`): one
+   decode step per batch and the prompts' chunks, the tokens taken by the scheduler.
 
 A decode step therefore costs one forward per tenant (cache namespace), not one per user, and a new request gets
 its first token after at most one decode step of the running batches instead of after their whole generation.
@@ -32,7 +33,7 @@ from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.core.errors import CapacityError, KVBoostError
 from kvboost_hf.engine import InferenceEngine, Prompt
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
-from kvboost_hf.scheduling import SchedulerOutput, StepReport
+from kvboost_hf.scheduling import Scheduler, SchedulerOutput, StepReport
 from kvboost_hf.server.batching import Job, JobRun, ShuttingDown
 from kvboost_hf.server.metrics import Metrics
 from kvboost_hf.server.settings import ServerConfig
@@ -76,7 +77,7 @@ class Worker:
         self.metrics = metrics or Metrics()
         self.tokenizer_lock = threading.Lock()
         self._cond = threading.Condition()
-        self.scheduler = engine.scheduler(
+        self.core = engine.core(
             self.mode,
             max_batch_size=settings.max_batch_size,
             token_budget=settings.token_budget,
@@ -91,6 +92,11 @@ class Worker:
         self._woken = False  # something arrived (a job, a call, shutdown) since the worker last looked
         self._batch_seconds = 1.0  # moving average of a batch's wall time, from prefill to its last row
         self._thread = threading.Thread(target=self._run, name="kvboost-model-worker", daemon=True)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The core's scheduler (its queue, running batches and counters)."""
+        return self.core.scheduler
 
     # ------------------------------------------------------------------ public API (any thread)
     def start(self) -> None:
@@ -192,7 +198,7 @@ class Worker:
                     except Exception as exc:  # reported to the caller, the worker goes on
                         future.set_exception(exc)
             with self.engine.lock:  # other threads calling the engine wait for this step
-                report = self.scheduler.update_from_output(self.scheduler.execute(output))
+                report = self.core.execute(output)
             self._record(report)
         logger.info("model worker stopped")
 
@@ -234,7 +240,7 @@ class Worker:
                 self._cond.wait(None if deadline is None else max(0.0, deadline - time.perf_counter()))
 
     def _cancel_everything(self) -> None:
-        self.scheduler.abort(ShuttingDown("server shut down before the request started"))
+        self.core.abort(ShuttingDown("server shut down before the request started"))
         for _, future in self._calls:
             future.cancel()
         self._calls = []

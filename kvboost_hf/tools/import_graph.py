@@ -34,8 +34,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("store/offload", ("store", "offload")),
     ("reuse", ("reuse",)),
     ("hf", ("hf",)),
-    # factories: the engine's caches, loops and schedulers; corpus: its default prompts, no imports of its own
-    ("engine", ("engine", "factories", "scheduling", "kv_budget", "corpus")),
+    # factories: the engine's caches, loops and engine cores (scheduler + runner); corpus: its default prompts, no
+    # imports of its own
+    ("engine", ("engine", "engine_core", "factories", "runner", "scheduling", "kv_budget", "corpus")),
     ("server", ("server",)),
     ("serve_ray", ("serve_ray",)),
     ("bench", ("bench", "demo", "cli", "tools", "__init__")),
