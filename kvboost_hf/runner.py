@@ -67,18 +67,18 @@ class ModelRunner:
 
     def execute(self, output: SchedulerOutput) -> StepReport:
         """Run every batch's work: loops built for the batches formed now, preempted rows taken out (chunks stored),
-        then every decode step and prefill chunk (:meth:`run_steps`). Returns each batch's result, in order."""
-        for work in output.work:
-            if work.new:
-                self.loops[work.batch_id] = self.new_loop(work.key)
+        then every decode step and prefill chunk (:meth:`run_steps`). Returns each batch's result, in order; a batch
+        whose loop cannot be built, or whose preempted rows cannot be stored, fails alone."""
         failed: dict[int, BaseException] = {}
         for work in output.work:
-            if work.preempted:
-                try:
+            try:
+                if work.new:
+                    self.loops[work.batch_id] = self.new_loop(work.key)
+                if work.preempted:
                     self.loops[work.batch_id].preempt(work.preempted)
-                except Exception as error:  # storing their chunks failed: the batch fails
-                    logger.exception("preempting %d rows failed", len(work.preempted))
-                    failed[work.batch_id] = error
+            except Exception as error:  # e.g. out of memory for a draft's cache, a store that cannot be written
+                logger.exception("preparing the step of batch %d failed", work.batch_id)
+                failed[work.batch_id] = error
         running = [work for work in output.work if work.batch_id not in failed]
         before = {work.batch_id: self.loops[work.batch_id].computed_tokens for work in running}
         steps = [(self.loops[work.batch_id], work.decode, [(chunk.work, chunk.columns) for chunk in work.prefills])
@@ -91,7 +91,10 @@ class ModelRunner:
         """``work``'s :class:`~kvboost_hf.scheduling.BatchResult` from its step's ``result`` (``before``: its loop's
         computed tokens before the step; None: it did not run); a failed batch's loop drops its rows and caches
         unsaved."""
-        loop = self.loops[work.batch_id]
+        loop = self.loops.get(work.batch_id)
+        if loop is None:  # its loop could not be built: ``result`` says why
+            assert isinstance(result, BaseException), "a batch without a loop did not run"
+            return BatchResult(work, 0, result)
         computed = 0 if before is None else loop.computed_tokens - before
         if isinstance(result, BaseException):
             loop.abandon()

@@ -17,11 +17,14 @@ from kvboost_hf.store.chunk_store import ChunkStore
 
 
 def core_of(kv_budget: KVBudget | None = None) -> tuple[EngineCore, list[FakeLoop], list[FakeLoop]]:
-    """An engine core on fake loops: the core, the loops built and the loops closed (in order)."""
+    """An engine core on fake loops: the core, the loops built and the loops closed (in order). A batch of tenant
+    ``"no-memory"`` cannot get a loop (building it raises MemoryError)."""
     built: list[FakeLoop] = []
     closed: list[FakeLoop] = []
 
     def new_loop(key):
+        if key.cache_salt == "no-memory":
+            raise MemoryError("no memory for a draft cache")
         built.append(FakeLoop())
         return built[-1]
 
@@ -68,3 +71,18 @@ def test_an_ended_batch_closes_its_loop_once_with_its_decode_counts_and_abort_cl
     core.abort(RuntimeError("shutdown"))
     assert closed == built and core.scheduler.idle and running.rows[0].finish_reason == "cancelled"
     assert running.batch.decode_counts == {"steps": 1} and core.runner.loops == {}
+
+
+def test_a_batch_whose_loop_cannot_be_built_fails_its_groups_and_the_core_goes_on():
+    core, built, closed = core_of()
+    failures: list[BaseException] = []
+    doomed, fine = group_of([1], tokens=3), group_of([2], tokens=3)
+    doomed.cache_salt, doomed.on_fail = "no-memory", failures.append
+    core.scheduler.add(doomed)
+    core.scheduler.add(fine)
+    report = core.step()
+    assert [type(result.error) for result in report.results] == [MemoryError, type(None)]
+    assert report.ended == (doomed.batch,) and doomed.batch.decode_counts == {}
+    assert [str(error) for error in failures] == ["no memory for a draft cache"]
+    core.run()
+    assert fine.done and len(fine.rows[0].tokens) == 3 and closed == built
