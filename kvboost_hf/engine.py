@@ -628,7 +628,7 @@ def _result(
     (row,) = group.rows
     batch = group.batch
     assert batch is not None and batch.decode_counts is not None, "the group ran in a batch that ended"
-    streamed = batch.decode_counts["streamed_bytes"]
+    streamed = batch.decode_counts.get("streamed_bytes")
     first = row.first_token_time or started
     finished = row.last_token_time or first
     prompt_ids = list(row.request.prompt_ids)
