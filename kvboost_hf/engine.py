@@ -34,7 +34,7 @@ from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.decode import DecodeRequest, DecodeRow
-from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, GraphWarmUp, parse_graph_shapes
+from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, GraphWarmUp, graphs_by_default, parse_graph_shapes
 from kvboost_hf.hf.models import CACHE_ARGUMENT, check_model_support, load_model_and_tokenizer, load_streamed_model
 from kvboost_hf.hf.prompts import Prompt, PromptEncoder
 from kvboost_hf.hf.sampling import SamplingConfig
@@ -81,12 +81,23 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     strict: bool = True,
     streaming: LayerStreamingConfig | None = None,
+    attn_implementation: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The model and tokenizer :meth:`InferenceEngine.from_pretrained` wraps (same arguments), layer-streamed when
-    ``streaming`` is given."""
+    ``streaming`` is given, with ``attn_implementation`` (None: the package's default for the device it runs on,
+    :func:`~kvboost_hf.hf.attention.default_attn_implementation`)."""
     if streaming is None:
-        return load_model_and_tokenizer(model_name_or_path, device=device, dtype=dtype, strict=strict)
-    model, tokenizer, _ = load_streamed_model(model_name_or_path, streaming, device=device, dtype=dtype, strict=strict)
+        return load_model_and_tokenizer(
+            model_name_or_path, device=device, dtype=dtype, strict=strict, attn_implementation=attn_implementation
+        )
+    model, tokenizer, _ = load_streamed_model(
+        model_name_or_path,
+        streaming,
+        device=device,
+        dtype=dtype,
+        strict=strict,
+        attn_implementation=attn_implementation,
+    )
     return model, tokenizer
 
 
@@ -220,7 +231,7 @@ class InferenceEngine:
         self.max_context = self.prompts.max_context
         if not isinstance(store, ChunkStore):  # on CUDA, a GPU tier sized from the memory the model left free
             store = ChunkStore((store or StoreConfig()).for_model_device(self.device))
-        self.graphs = GraphedDecoder(model, graphs or GraphConfig(enabled=self.device.type == "cuda"))
+        self.graphs = GraphedDecoder(model, graphs or GraphConfig(enabled=graphs_by_default(self.device)))
         self.lock = threading.RLock()  # held while the model runs: one forward at a time
         model_digest(model)  # computed once here, not inside the first request's TTFT
         self.factories = Factories(

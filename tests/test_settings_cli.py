@@ -205,6 +205,45 @@ def test_draft_tree_flags_reach_the_engine(tmp_path):
     assert engine.draft_settings == expected and engine.speculative
 
 
+def test_graph_and_attention_flags_reach_the_engine(tmp_path):
+    """Graphs follow the device unless --graphs / --no-graphs says (off on this CPU); the generated graph flags
+    (comma-separated buckets) reach the engine's GraphConfig; --attn-implementation picks the model's attention
+    (default: the package's for the device, "kvboost" on the CPU)."""
+    from conftest import make_tiny_model
+    from helpers import word_tokenizer
+
+    from kvboost_hf.hf.graphs import GraphConfig
+    from kvboost_hf.server.launch import build_engine
+
+    make_tiny_model("llama").save_pretrained(tmp_path / "target")
+    word_tokenizer().save_pretrained(tmp_path / "target")
+    model = ["--model", str(tmp_path / "target")]
+    plain = build_engine(server_parser().parse_args(model))
+    assert plain.graphs.config == GraphConfig(enabled=False) and plain.model.config._attn_implementation == "kvboost"
+    flags = ["--graphs", "--graph-row-buckets", "1,4", "--graph-query-buckets", "", "--max-graphs", "3",
+             "--graph-max-capture-bytes", "1000", "--attn-implementation", "sdpa"]  # fmt: skip
+    engine = build_engine(server_parser().parse_args(model + flags))
+    expected = GraphConfig(row_buckets=(1, 4), query_buckets=(), max_graphs=3, max_capture_bytes=1000)
+    assert engine.graphs.config == expected and engine.model.config._attn_implementation == "sdpa"
+    with pytest.raises(SystemExit):
+        server_parser().parse_args(["--graph-row-buckets", "1,x"])
+
+
+def test_a_field_documented_after_its_declaration_gets_that_first_sentence_as_help():
+    @dataclass(frozen=True)
+    class Documented:
+        """Settings."""
+
+        buckets: tuple[int, ...] = (1, 2)
+        """Sizes, ascending; e.g. 1,2 or 4. Padded up to the next one."""
+
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, Documented)
+    action = next(a for a in parser._actions if "--buckets" in a.option_strings)
+    assert action.help == "Sizes, ascending; e.g. 1,2 or 4. (default: 1,2)"
+    assert settings_from_args(Documented, parser.parse_args(["--buckets", "3,5"])) == Documented((3, 5))
+
+
 class _CoreEngine:
     """The one engine call a Worker makes before it starts: an engine core for the server's mode and settings."""
 

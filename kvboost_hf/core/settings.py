@@ -4,20 +4,25 @@
 ``--field-name``, or a name given in ``names``): the type comes from the annotation (``X | None`` accepts ``X``;
 an :class:`~enum.Enum` gives the enum's values as choices; ``bool`` gives ``--flag/--no-flag``), the default is the
 field's own default and the help text is the field's entry in the class docstring. :func:`settings_from_args`
-builds the dataclass back from the parsed namespace. Parsing no flags therefore gives exactly the dataclass's
+builds the dataclass back from the parsed namespace. A ``tuple[int, ...]`` field takes comma-separated integers
+(``--row-buckets 1,2,4``; an empty value gives ``()``). Parsing no flags therefore gives exactly the dataclass's
 defaults: the defaults live on the dataclass only.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import enum
+import inspect
+import itertools
 import os
 import re
+import textwrap
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvboost_hf.core.errors import ArgumentTypeError
@@ -27,12 +32,21 @@ T = TypeVar("T")
 _SCALARS = (int, float, str)
 
 
-def _flag_type(annotation: Any) -> tuple[type, bool]:
-    """The type a flag parses (int, float, str, bool or an Enum) for ``annotation``, and whether None is allowed.
+def integers(text: str) -> tuple[int, ...]:
+    """A ``tuple[int, ...]`` flag's value: ``"1,2,4"`` -> ``(1, 2, 4)``, ``""`` -> ``()`` (a ValueError, which
+    argparse reports as an invalid value, for anything else)."""
+    return tuple(int(part) for part in text.split(",") if part.strip())
+
+
+def _flag_type(annotation: Any) -> tuple[Callable[[str], Any], bool]:
+    """The type a flag parses (int, float, str, bool, an Enum, or :func:`integers` for ``tuple[int, ...]``) for
+    ``annotation``, and whether None is allowed.
 
     A union of several types parses the first one that is an Enum, else int/float/str in that order (paths,
     devices and secrets are given as strings). Raises TypeError for a field no flag can express.
     """
+    if typing.get_origin(annotation) is tuple and typing.get_args(annotation) == (int, ...):
+        return integers, False
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         members = [a for a in args if a is not type(None)]
@@ -51,7 +65,9 @@ def _flag_type(annotation: Any) -> tuple[type, bool]:
 
 
 def field_help(cls: type) -> dict[str, str]:
-    """Each field's first line of help in ``cls``'s docstring (``name: text`` or ``name, other: text`` entries)."""
+    """Each field's help: the first line of its entry in ``cls``'s docstring (``name: text`` or ``name, other:
+    text``), else the first sentence of the string literal that follows the field in the class body (an attribute
+    docstring)."""
     found: dict[str, str] = {}
     for line in (cls.__doc__ or "").splitlines():
         match = re.match(r"\s+([a-z_][a-z0-9_]*(?:, [a-z_][a-z0-9_]*)*): (.+)", line)
@@ -59,6 +75,21 @@ def field_help(cls: type) -> dict[str, str]:
             continue
         for name in match.group(1).split(", "):
             found.setdefault(name, match.group(2).strip())
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    except (OSError, TypeError):  # no source (defined interactively)
+        return found
+    statements = body.body if isinstance(body, ast.ClassDef) else []
+    for field, text in itertools.pairwise(statements):
+        if (
+            isinstance(field, ast.AnnAssign)
+            and isinstance(field.target, ast.Name)
+            and isinstance(text, ast.Expr)
+            and isinstance(text.value, ast.Constant)
+            and isinstance(text.value.value, str)
+        ):
+            words = " ".join(text.value.value.split())
+            found.setdefault(field.target.id, re.split(r"(?<=\.)\s+(?=[A-Z`])", words, maxsplit=1)[0])
     return found
 
 
@@ -97,7 +128,7 @@ def add_settings_arguments(
         text = helps.get(field.name, field.name.replace("_", " "))
         if kind is bool:
             options["action"] = argparse.BooleanOptionalAction
-        elif issubclass(kind, enum.Enum):
+        elif isinstance(kind, type) and issubclass(kind, enum.Enum):
             options["type"] = kind
             options["choices"] = list(kind)
             options["metavar"] = "{" + ",".join(str(member.value) for member in kind) + "}"
@@ -107,6 +138,8 @@ def add_settings_arguments(
             if field.name in choices:
                 options["choices"] = list(choices[field.name])
         default_text = "none" if default is None else getattr(default, "value", default)
+        if isinstance(default, tuple):
+            default_text = ",".join(map(str, default)) or "none"
         options["help"] = f"{text} (default: {default_text})" if optional or default is not None else text
         parser.add_argument(flag_name(field.name, names), **options)
 

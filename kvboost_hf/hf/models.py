@@ -287,7 +287,7 @@ def load_model_and_tokenizer(
     **model_kwargs: object,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer (``None``: the embedded default model), after the support check. Its
-    ``attn_implementation``, unless ``model_kwargs`` names one, is
+    ``attn_implementation``, unless ``model_kwargs`` names one (not None), is
     :func:`~kvboost_hf.hf.attention.default_attn_implementation` for the device it will run on: ``runs_on`` (a
     model loaded on ``device`` and then moved, e.g. layer-streamed), else ``device``."""
     from transformers import AutoConfig
@@ -300,9 +300,10 @@ def load_model_and_tokenizer(
         dtype = torch.float32 if target.type == "cpu" else torch.bfloat16
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    attention = default_attn_implementation(runs_on or target)
-    if "attn_implementation" not in model_kwargs and attention is not None:
-        model_kwargs["attn_implementation"] = attention
+    if model_kwargs.get("attn_implementation") is None:
+        model_kwargs.pop("attn_implementation", None)
+        if (attention := default_attn_implementation(runs_on or target)) is not None:
+            model_kwargs["attn_implementation"] = attention
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs).to(target)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -316,16 +317,18 @@ def load_streamed_model(
     device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
     strict: bool = True,
+    **model_kwargs: object,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, LayerStreamer]:
     """Load on the CPU (no ``device_map``: no competing offload hooks), then stream the layers chosen by
     ``streaming`` to ``streaming.device`` (or ``device`` when that is unset). ``dtype`` defaults to bfloat16
-    for a CUDA target, else float32; a quantized checkpoint keeps its packed weights."""
+    for a CUDA target, else float32; a quantized checkpoint keeps its packed weights. ``model_kwargs`` go to
+    :func:`load_model_and_tokenizer` (e.g. ``attn_implementation``)."""
     if streaming.device is None and device is not None:
         streaming = dataclasses.replace(streaming, device=device)
     target = streaming.target_device
     if dtype is None:
         dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
     model, tokenizer = load_model_and_tokenizer(
-        model_name_or_path, device="cpu", dtype=dtype, strict=strict, runs_on=target
+        model_name_or_path, device="cpu", dtype=dtype, strict=strict, runs_on=target, **model_kwargs
     )
     return model, tokenizer, enable_layer_streaming(model, streaming)

@@ -14,6 +14,7 @@ from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import GENERATION_MODE_ALIASES, GenerationMode, RepairConfig
 from kvboost_hf.core.settings import add_settings_arguments, settings_from_args, settings_values
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
+from kvboost_hf.hf.graphs import GraphConfig, graphs_by_default
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
 from kvboost_hf.hf.speculative import TREE_EXPANSIONS, DraftConfig
 from kvboost_hf.hf.tokens import TokenCacheConfig
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
+
+#: GraphConfig fields whose flags say "graph" (--graph-row-buckets, ...); --max-graphs says it already.
+GRAPH_FLAG_PREFIXED = ("row_buckets", "query_buckets", "backend", "max_capacity", "max_capture_bytes", "draft_buckets")
 
 # Every settings dataclass the server is built from, with how its fields become flags: (class, group title,
 # options of add_settings_arguments). Each field not excluded gets a generated flag whose default is the field's.
@@ -110,6 +114,15 @@ SETTINGS_FLAGS: tuple[tuple[type, str, dict], ...] = (
         {"names": {name: "grammar-" + name.replace("_", "-") for name in ("workers", "max_waiting", "cache_entries")}},
     ),
     (TokenCacheConfig, "prompt token ids cache", {"names": {"max_bytes": "token-cache-max-bytes"}}),
+    (
+        GraphConfig,
+        "compiled graphs of decode steps and short prefills (--graphs / --no-graphs turns them on or off)",
+        {
+            # enabled: --graphs / --no-graphs in the model group, whose default depends on the model's device
+            "exclude": ("enabled",),
+            "names": {name: "graph-" + name.replace("_", "-") for name in GRAPH_FLAG_PREFIXED},
+        },
+    ),
 )
 
 
@@ -129,6 +142,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="environment variable holding the secret that seals Redis records with HMAC-SHA256",
     )
     model.add_argument("--stream-layers", action="store_true", help="stream decoder layers from host memory")
+    model.add_argument(
+        "--graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run decode steps and short prefills as compiled (CUDA) graphs (default: on when the model is on CUDA)",
+    )
+    model.add_argument(
+        "--attn-implementation",
+        default=None,
+        metavar="NAME",
+        help='the model\'s attention, e.g. "kvboost", "sdpa", "eager" (default: "kvboost" on the CPU, '
+        "transformers' own elsewhere)",
+    )
     process = parser.add_argument_group("process")
     process.add_argument("--host", default=None, help=f"bind address (default {LOOPBACK})")
     process.add_argument("--port", type=int, default=8000)
@@ -142,11 +168,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_engine(args: argparse.Namespace) -> InferenceEngine:
-    """The engine the flags describe (model, chunking, repair, store, draft, streaming and token cache settings)."""
+    """The engine the flags describe (model and its attention, chunking, repair, store, draft, streaming, token cache
+    and graph settings)."""
     from kvboost_hf.engine import InferenceEngine, load_model
 
     streaming = settings_from_args(LayerStreamingConfig, args) if args.stream_layers else None
-    model, tokenizer = load_model(args.model, streaming=streaming)
+    model, tokenizer = load_model(args.model, streaming=streaming, attn_implementation=args.attn_implementation)
+    graphs = args.graphs if args.graphs is not None else graphs_by_default(model.device)
     chunking = settings_values(ChunkingConfig, args)
     return InferenceEngine(
         model,
@@ -159,6 +187,7 @@ def build_engine(args: argparse.Namespace) -> InferenceEngine:
         draft_model=args.draft_model,
         draft=settings_from_args(DraftConfig, args),
         token_cache=settings_from_args(TokenCacheConfig, args),
+        graphs=settings_from_args(GraphConfig, args, enabled=graphs),
     )
 
 
