@@ -1,9 +1,11 @@
-"""The serve benchmark's join measure, on fabricated chunk times (no server): fast."""
+"""The serve benchmark's join measure, on fabricated chunk times (no server), and the flags its servers get: fast."""
 
 from __future__ import annotations
 
+import argparse
 import math
 
+from kvboost_hf.bench import serve
 from kvboost_hf.bench.serve import join_gaps
 
 
@@ -53,3 +55,12 @@ def test_special_token_bias_bans_the_chat_turn_markers_that_have_no_text():
     for token in map(int, bias):
         assert tokenizer.decode([token], skip_special_tokens=True) == ""
     assert str(tokenizer.convert_tokens_to_ids("Ġthe")) not in bias
+
+
+def test_the_servers_get_graph_and_attention_flags_only_when_asked():
+    parser = argparse.ArgumentParser()
+    serve.add_load_arguments(parser, users=2, turns=2)
+    default = serve.server_flags(parser.parse_args([]))
+    assert not [flag for flag in default if "graphs" in flag or "attn" in flag]
+    asked = serve.server_flags(parser.parse_args(["--no-graphs", "--attn-implementation", "kvboost"]))
+    assert asked[-3:] == ["--no-graphs", "--attn-implementation", "kvboost"]

@@ -247,8 +247,8 @@ def run_mode(reuse: bool, args: argparse.Namespace, system: str, model_flags: Se
 
 
 def server_flags(args: argparse.Namespace) -> list[str]:
-    """The server flags every benchmarked server gets (chunking, batching, queue, threads, packed forwards off when
-    asked). The grammar compile
+    """The server flags every benchmarked server gets (chunking, batching, queue, threads, packed forwards off, graphs
+    on or off and the attention when asked). The grammar compile
     processes start on first use (no benchmarked request is structured): started with the server, their imports
     would take CPU from the first measured turns."""
     flags = ["--chunk-size", str(args.chunk_size), "--batch-window-ms", str(args.batch_window_ms)]
@@ -258,6 +258,10 @@ def server_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--threads", str(args.threads)]
     if not args.pack_forwards:
         flags += ["--no-pack-forwards"]
+    if args.graphs is not None:
+        flags += ["--graphs" if args.graphs else "--no-graphs"]
+    if args.attn_implementation is not None:
+        flags += ["--attn-implementation", args.attn_implementation]
     return flags
 
 
@@ -498,6 +502,14 @@ def add_load_arguments(parser: argparse.ArgumentParser, users: int, turns: int) 
         default=True,
         help="the servers' packed forwards (off: a forward per batch step and per prompt; the server's own flag)",
     )
+    parser.add_argument(
+        "--graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the servers' compiled graphs (default: the server's, on for CUDA; e.g. --no-graphs with "
+        "--attn-implementation kvboost lets a GPU server pack its forwards)",
+    )
+    parser.add_argument("--attn-implementation", default=None, help="the servers' model attention (the server's flag)")
     parser.add_argument("--time-limit-s", type=float, default=120.0, help="per run: no new turn after this")
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
     parser.add_argument("--startup-timeout-s", type=float, default=180.0)
