@@ -34,7 +34,7 @@ from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.decode import DecodeRequest, DecodeRow
-from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, GraphWarmUp, graphs_by_default, parse_graph_shapes
+from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, GraphWarmUp, parse_graph_shapes
 from kvboost_hf.hf.models import CACHE_ARGUMENT, check_model_support, load_model_and_tokenizer, load_streamed_model
 from kvboost_hf.hf.prompts import Prompt, PromptEncoder
 from kvboost_hf.hf.sampling import SamplingConfig
@@ -99,6 +99,13 @@ def load_model(
         attn_implementation=attn_implementation,
     )
     return model, tokenizer
+
+
+def graphs_by_default(device: torch.device) -> bool:
+    """Whether an engine graphs its forwards on ``device`` unless its :class:`~kvboost_hf.hf.graphs.GraphConfig`
+    says otherwise (the engine's default, the server's without ``--graphs``/``--no-graphs``): on CUDA only
+    (elsewhere a graph saves no launches)."""
+    return device.type == "cuda"
 
 
 #: Tokens a generate call adds to each prompt unless told otherwise (``GenerateOptions.max_new_tokens``, the engine's

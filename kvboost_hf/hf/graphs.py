@@ -88,12 +88,6 @@ WARM_UP_STEPS = 3
 second records the CUDA graph, the third replays it."""
 
 
-def graphs_by_default(device: torch.device) -> bool:
-    """Whether forwards are graphed on ``device`` unless the caller says otherwise: on CUDA only (elsewhere a
-    graph saves no launches)."""
-    return device.type == "cuda"
-
-
 @dataclass(frozen=True)
 class GraphConfig:
     """Settings of graphed decoding and short prefills."""

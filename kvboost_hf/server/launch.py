@@ -14,7 +14,7 @@ from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import GENERATION_MODE_ALIASES, GenerationMode, RepairConfig
 from kvboost_hf.core.settings import add_settings_arguments, settings_from_args, settings_values
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
-from kvboost_hf.hf.graphs import GraphConfig, graphs_by_default
+from kvboost_hf.hf.graphs import GraphConfig
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
 from kvboost_hf.hf.speculative import TREE_EXPANSIONS, DraftConfig
 from kvboost_hf.hf.tokens import TokenCacheConfig
@@ -170,7 +170,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_engine(args: argparse.Namespace) -> InferenceEngine:
     """The engine the flags describe (model and its attention, chunking, repair, store, draft, streaming, token cache
     and graph settings)."""
-    from kvboost_hf.engine import InferenceEngine, load_model
+    from kvboost_hf.engine import InferenceEngine, graphs_by_default, load_model
 
     streaming = settings_from_args(LayerStreamingConfig, args) if args.stream_layers else None
     model, tokenizer = load_model(args.model, streaming=streaming, attn_implementation=args.attn_implementation)
