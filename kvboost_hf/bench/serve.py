@@ -50,7 +50,7 @@ import httpx
 from kvboost_hf.bench.common import pyplot
 from kvboost_hf.corpus import documents
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
-from kvboost_hf.server.launch import freeze_startup_heap
+from kvboost_hf.server.launch import add_forward_arguments, freeze_startup_heap
 
 if TYPE_CHECKING:  # openai is an optional dependency, imported where it is used
     import openai
@@ -502,14 +502,7 @@ def add_load_arguments(parser: argparse.ArgumentParser, users: int, turns: int) 
         default=True,
         help="the servers' packed forwards (off: a forward per batch step and per prompt; the server's own flag)",
     )
-    parser.add_argument(
-        "--graphs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the servers' compiled graphs (default: the server's, on for CUDA; e.g. --no-graphs with "
-        "--attn-implementation kvboost lets a GPU server pack its forwards)",
-    )
-    parser.add_argument("--attn-implementation", default=None, help="the servers' model attention (the server's flag)")
+    add_forward_arguments(parser.add_argument_group("the servers' forwards (passed on to them)"))
     parser.add_argument("--time-limit-s", type=float, default=120.0, help="per run: no new turn after this")
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
     parser.add_argument("--startup-timeout-s", type=float, default=180.0)

@@ -126,6 +126,25 @@ SETTINGS_FLAGS: tuple[tuple[type, str, dict], ...] = (
 )
 
 
+def add_forward_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Register ``--graphs`` / ``--no-graphs`` and ``--attn-implementation`` (both default None: the device's
+    default), how the server's model runs its forwards; ``bench serve`` registers them too, to pass them on."""
+    parser.add_argument(
+        "--graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run decode steps and short prefills as compiled (CUDA) graphs (default: on when the model is on CUDA; "
+        "--no-graphs with --attn-implementation kvboost lets a GPU server pack its forwards)",
+    )
+    parser.add_argument(
+        "--attn-implementation",
+        default=None,
+        metavar="NAME",
+        help='the model\'s attention, e.g. "kvboost", "sdpa", "eager" (default: "kvboost" on the CPU, '
+        "transformers' own elsewhere)",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the server's flags on ``parser``: model and process flags, then one per settings field."""
     model = parser.add_argument_group("model")
@@ -142,19 +161,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="environment variable holding the secret that seals Redis records with HMAC-SHA256",
     )
     model.add_argument("--stream-layers", action="store_true", help="stream decoder layers from host memory")
-    model.add_argument(
-        "--graphs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="run decode steps and short prefills as compiled (CUDA) graphs (default: on when the model is on CUDA)",
-    )
-    model.add_argument(
-        "--attn-implementation",
-        default=None,
-        metavar="NAME",
-        help='the model\'s attention, e.g. "kvboost", "sdpa", "eager" (default: "kvboost" on the CPU, '
-        "transformers' own elsewhere)",
-    )
+    add_forward_arguments(model)
     process = parser.add_argument_group("process")
     process.add_argument("--host", default=None, help=f"bind address (default {LOOPBACK})")
     process.add_argument("--port", type=int, default=8000)
