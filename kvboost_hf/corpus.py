@@ -10,6 +10,7 @@ import inspect
 import random
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from kvboost_hf.core.errors import ConfigError
 
@@ -60,6 +61,25 @@ def documents(min_chars: int = 400) -> list[tuple[str, str]]:
         if len(text) >= min_chars:
             docs.append((name, text))
     return docs
+
+
+def numbered_document(tokenizer: Any, tokens: int) -> str:
+    """About ``tokens`` tokens (by ``tokenizer``, a Hugging Face tokenizer) of numbered sections of the
+    documentation: a long document that the same question prefix follows (:func:`document_question`)."""
+    sources = [text for _, text in documents()]
+    parts: list[str] = []
+    count = 0
+    while count < tokens:
+        section = f"Section {len(parts) + 1}.\n{sources[len(parts) % len(sources)]}\n\n"
+        parts.append(section)
+        count += len(tokenizer(section, add_special_tokens=False)["input_ids"])
+    ids = tokenizer("".join(parts), add_special_tokens=False)["input_ids"][:tokens]
+    return tokenizer.decode(ids)
+
+
+def document_question(index: int) -> str:
+    """Question ``index`` on a :func:`numbered_document` (distinct per index, one shared prefix)."""
+    return f"\n\nQuestion {index}: which section describes the store's tier number {index}, and why?\nAnswer:"
 
 
 def sample_prompts(count: int = 3) -> list[str]:

@@ -1,7 +1,10 @@
 """The prompt token ids cache (kvboost_hf.hf.tokens): ids and offsets equal the tokenizer's own on the whole text,
 for the embedded tokenizer and for sentencepiece-style tokenizers built here with ``tokenizers``; a tokenizer whose
-pieces do not tokenize on their own falls back to whole texts; a warm chat request tokenizes only its new messages
-(counted at the tokenizer's backend); the cache stays within its bytes and counts what it does. The oracle is the
+pieces do not tokenize on their own falls back to whole texts; a new piece continues the ids of a cached one it
+starts with (a document followed by another question) where the tokenizer restarts after a newline, and is
+tokenized whole where it does not; a warm chat request tokenizes only its new messages and a warm document request
+only its new question (counted at the tokenizer's backend); the cache stays within its bytes and counts what it
+does. The oracle is the
 tokenizer itself called on the whole text."""
 
 from __future__ import annotations
@@ -19,7 +22,13 @@ from kvboost_hf.bench.profiling import CharacterCounter
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.chat_segments import encode_chat_segments
 from kvboost_hf.hf.models import embedded_model_dir
-from kvboost_hf.hf.tokens import SegmentTokenizer, TokenCacheConfig, TokenIdsCache, tokenizer_digest
+from kvboost_hf.hf.tokens import (
+    CONTINUATION_MIN_CHARS,
+    SegmentTokenizer,
+    TokenCacheConfig,
+    TokenIdsCache,
+    tokenizer_digest,
+)
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -118,6 +127,83 @@ def test_the_probe_keeps_pieces_where_they_tokenize_alone_and_falls_back_where_t
     assert tokens.stats()["token_cache_segmented"] == 0 and tokens.stats()["token_cache_chars_tokenized"] == len(text)
     off = SegmentTokenizer(embedded_tokenizer(), TokenIdsCache(TokenCacheConfig(max_bytes=0).max_bytes))
     assert not off.segmented and off.encode(text) == embedded_tokenizer()(text, add_special_tokens=False)["input_ids"]
+
+
+HEADER = "".join(f"Manual line {index:03d}: read it.\n" for index in range(60))  # 1,560 characters, 60 lines
+lines = st.one_of(
+    st.lists(st.sampled_from([*FRAGMENTS[:11], " ", ".", ":", "-", "\r", "    "]), max_size=8).map("".join),
+    st.text(max_size=30),
+)
+
+
+@pytest.mark.parametrize("name", ["embedded", "always"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=st.lists(lines, max_size=40).map("\n".join), questions=st.lists(contents, min_size=2, max_size=4))
+def test_a_piece_continuing_a_cached_one_has_the_whole_texts_ids(name, body, questions):
+    """A long multi-line document (a fixed header, then random lines) followed by different questions: every
+    prompt's ids and starts equal the tokenizer's own on the whole text. The embedded (byte-level) tokenizer
+    continues each later prompt from the earlier one; the sentencepiece-style one, whose pre-tokenizer does not
+    restart after a newline, is probed off and tokenizes each whole."""
+    assert len(HEADER) > CONTINUATION_MIN_CHARS
+    tokens = SegmentTokenizer(segment_tokenizer(name).tokenizer, TokenIdsCache(4 << 20))
+    assert tokens.continues == (name == "embedded")
+    seen: set[str] = set()
+    for question in questions:
+        text = HEADER + body + question
+        hits = tokens.prefix_hits
+        assert tokens.encode_with_starts(text) == oracle(tokens.tokenizer, text)
+        continued = tokens.prefix_hits > hits
+        if name != "embedded":
+            assert not continued
+        elif tokens._pieces(text) == [(0, text)] and seen and text not in seen:  # one piece, new, long prefix seen
+            assert continued
+        seen.add(text)
+
+
+def test_a_continuation_never_cuts_inside_a_line():
+    """The shared text ends inside a 612-character word (no space, no newline). Tokenizing is only resumed where the
+    probe showed the tokenizer restarts (right after a newline), never inside a line whose pre-token could span the
+    cut: each continuation tokenizes the whole word again, from its line's start."""
+    tokens = SegmentTokenizer(embedded_tokenizer(), TokenIdsCache(4 << 20))
+    word = "Supercalifragilisticexpialidocious" * 18
+    for question in ("? first", "? second", "! third"):
+        text = HEADER + word + question
+        assert tokens.encode_with_starts(text) == oracle(tokens.tokenizer, text)
+    assert tokens.prefix_hits == 2
+    assert len(HEADER + word) + 2 * len(word) < tokens.chars_tokenized < len(HEADER + word) + 2 * (len(word) + 40)
+
+
+def test_a_warm_document_request_tokenizes_its_question_and_the_documents_last_line_only():
+    """A RAG-style plain prompt (a document, then a question) asked again with another question: the engine's
+    token ids cache keeps the document's ids up to its last line and tokenizes the rest; the ids equal the
+    tokenizer's and the request reuses the document's K/V."""
+    engine, tokenizer = tiny_engine(), embedded_tokenizer()
+    document = "".join(f"Fact {index}: the store keeps chunk {index} for later.\n" for index in range(40))
+    last_line = document.splitlines(keepends=True)[-1]
+    engine.generate(document + "Question: which chunk comes first?", max_new_tokens=2)
+    question = "Question: which chunk is the last one?"
+    prompt = document + question
+    hits = engine.cache_stats()["token_cache_prefix_hits"]
+    with CharacterCounter(tokenizer) as counter:
+        second = engine.generate(prompt, max_new_tokens=2)
+    assert second.prompt_tokens == len(oracle(tokenizer, prompt)[0]) and second.cached_tokens > 0
+    assert engine.encode(prompt) == tokenizer(prompt)["input_ids"]
+    assert 0 < counter.chars <= len(last_line) + len(question) < len(prompt) // 10
+    assert engine.cache_stats()["token_cache_prefix_hits"] > hits
+
+
+def test_evicted_pieces_are_never_continued():
+    cache = TokenIdsCache(CONTINUATION_MIN_CHARS * 12)
+    tokens = SegmentTokenizer(embedded_tokenizer(), cache)
+    documents = [f"Doc {index}\n" + HEADER for index in range(8)]  # each about 1.6 KB: the cache holds a few
+    for document in documents:
+        tokens.encode(document + "first question")
+    assert cache.evictions > 0
+    for document in documents:
+        found = cache.longest_prefix(tokens.digest, document + "second question")
+        assert (found is None) == ((tokens.digest, document + "first question") not in cache._entries)
+    cache.clear()
+    assert cache.longest_prefix(tokens.digest, documents[-1] + "again") is None
 
 
 def test_tokenizers_never_share_entries():

@@ -8,7 +8,9 @@ included, best of ``--repeats`` distinct questions):
 * ``cold``: the engine with an empty store (it computes and writes back the document; best of two);
 * ``warm_<tier>``: another question on the same document, its K/V loaded from ``ram`` (the CPU RAM tier,
   page-locked on a GPU machine) or ``gpu`` (the GPU tier; GPU machines only);
-* ``limit_<tier>``: what the warm request cannot go below, measured in the same run: tokenizing the prompt +
+* ``limit_<tier>``: what the warm request cannot go below, measured in the same run: tokenizing the prompt as a
+  warm request does (the engine's token ids cache continues the document's cached ids and tokenizes its last line
+  and the question, :mod:`kvboost_hf.hf.tokens`) +
   the reused K/V bytes over the tier's measured copy bandwidth (pinned host-to-device, or device-to-device; on a
   CPU, a host memory copy) + a bare forward of only the new tokens over a prebuilt cache.
 
@@ -37,7 +39,7 @@ from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_resul
 from kvboost_hf.bench.profiling import CopyCounter, PhaseTimer, timed_call
 from kvboost_hf.bench.shapes import SHAPES, random_engine
 from kvboost_hf.core.chunking import ChunkingConfig
-from kvboost_hf.corpus import documents
+from kvboost_hf.corpus import document_question, numbered_document
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.layers import ChunkReuseLayer
@@ -56,23 +58,6 @@ PHASES = (
     ("forward", None, "forward"),  # the model's own forward (bound at run time)
     ("write_back", ChunkReuseCache, "save"),
 )
-
-
-def document_text(engine: InferenceEngine, tokens: int) -> str:
-    """About ``tokens`` tokens of text (numbered sections of the project's own documentation)."""
-    sources = [text for _, text in documents()]
-    parts: list[str] = []
-    count = 0
-    while count < tokens:
-        section = f"Section {len(parts) + 1}.\n{sources[len(parts) % len(sources)]}\n\n"
-        parts.append(section)
-        count += len(engine.tokenizer(section, add_special_tokens=False)["input_ids"])
-    ids = engine.tokenizer("".join(parts), add_special_tokens=False)["input_ids"][:tokens]
-    return engine.tokenizer.decode(ids)
-
-
-def question(index: int) -> str:
-    return f"\n\nQuestion {index}: which section describes the store's tier number {index}, and why?\nAnswer:"
 
 
 def ttft_ms(engine: InferenceEngine, prompt: str, **options: Any) -> tuple[float, Any]:
@@ -182,12 +167,13 @@ def store_for(tier: str, device: torch.device) -> ChunkStore:
 
 def measure_size(engine: InferenceEngine, tokens: int, repeats: int) -> dict[str, Any]:
     """Every figure of one document length (see the module docstring)."""
-    document = document_text(engine, tokens)
-    prompts = [document + question(index) for index in range(repeats + 2)]
+    document = numbered_document(engine.tokenizer, tokens)
+    prompts = [document + document_question(index) for index in range(repeats + 2)]
     prompt_ids = engine.encode(prompts[1])
     row: dict[str, Any] = {"tokens": len(prompt_ids)}
     row["full_ms"] = min(full_prefill_ms(engine, prompt) for prompt in prompts[:repeats])
-    unseen = [document + question(index) for index in range(repeats + 2, repeats + 5)]  # as a warm request's prompt
+    # prompts not asked yet, tokenized as a warm request's are (the token ids cache continues the document's ids)
+    unseen = [document + document_question(index) for index in range(repeats + 2, repeats + 5)]
     row["tokenize_ms"] = statistics.median(
         timed_call(functools.partial(engine.encode, text), "cpu")[0] for text in unseen
     )

@@ -17,12 +17,19 @@ built; where it fails (or the tokenizer is slow, splits special tokens, or cachi
 tokenized whole, once. A text holding an added token with ``lstrip``/``rstrip``/``single_word`` is tokenized
 whole too (cached as one piece). A tokenizer whose added tokens change later is learnt and probed again.
 
-A text without added tokens is one piece: a plain string prompt is reused only when it repeats exactly (a list of
-segments is cached per segment, so a document given as its own segment is tokenized once).
+A text without added tokens is one piece. A piece not seen before but starting with one seen before (a document
+followed by another question, a long system prompt followed by other text in one string) continues that piece's
+ids: the cache indexes every piece of at least :data:`CONTINUATION_MIN_CHARS` characters by its first
+:data:`HEAD_CHARS`, finds the one sharing the longest prefix with the new piece, keeps its tokens up to the last one
+that starts right after a newline at least :data:`CUT_MARGIN_CHARS` before the texts part, and tokenizes only the
+rest. Exact where a newline ends a pre-token whatever follows it (byte-level BPE with the usual split regexes does:
+a token never spans a newline and the next word), which is probed too (every cut of that kind in multi-line probe
+texts must give the whole text's ids); where it fails the piece is tokenized whole.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import re
@@ -66,14 +73,34 @@ class _Entry:
 
 _ENTRY_OVERHEAD = 200  # bytes of the key tuple, the entry object and the dict slot, roughly
 
+#: Characters a piece needs to be continued by a later piece (indexed by its head), and that a continuation must keep
+#: from it: below this, tokenizing the piece again costs less than finding it.
+CONTINUATION_MIN_CHARS = 1024
+
+#: Characters of a piece's head, the key a later piece starting with the same text finds it by.
+HEAD_CHARS = 256
+
+#: Characters a continuation's cut stays before the end of the text the two pieces share, so that whatever a
+#: pre-tokenizer looks at past a boundary (a character of lookahead, a run of newlines) is the same in both.
+CUT_MARGIN_CHARS = 16
+
+#: Cached pieces sharing a head that a new piece is compared with (the most recently used first).
+CONTINUATION_CANDIDATES = 4
+
+#: Tokens a continuation walks back from the end of the shared text to find one starting right after a newline.
+CUT_SEARCH_TOKENS = 4096
+
 
 class TokenIdsCache:
     """Token ids per (tokenizer digest, text piece), least recently used out first; at most ``max_bytes`` bytes
-    (texts as Python holds them, ids and character starts as 4-byte arrays). Thread-safe."""
+    (texts as Python holds them, ids and character starts as 4-byte arrays, head keys). Pieces of at least
+    :data:`CONTINUATION_MIN_CHARS` characters are also indexed by their first :data:`HEAD_CHARS` characters
+    (:meth:`longest_prefix`). Thread-safe."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
+        self._heads: dict[tuple[str, str], OrderedDict[str, None]] = {}  # (digest, head) -> pieces, newest last
         self._lock = threading.Lock()
         self.bytes = 0
         self.hits = 0
@@ -90,30 +117,74 @@ class TokenIdsCache:
             self.hits += 1
             return entry
 
+    def longest_prefix(self, digest: str, text: str) -> tuple[str, _Entry, int] | None:
+        """The cached piece (of tokenizer ``digest``, at least :data:`CONTINUATION_MIN_CHARS` long, other than
+        ``text``) sharing the longest prefix with ``text`` among the :data:`CONTINUATION_CANDIDATES` most recently
+        used with its head: ``(piece, entry, characters shared)``, or None (none shares a head with it)."""
+        if len(text) < CONTINUATION_MIN_CHARS:
+            return None
+        with self._lock:
+            pieces = self._heads.get((digest, text[:HEAD_CHARS]))
+            if not pieces:
+                return None
+            candidates = [piece for piece in reversed(pieces) if piece != text][:CONTINUATION_CANDIDATES]
+            if not candidates:
+                return None
+            shared, best = max((common_prefix_length(piece, text), piece) for piece in candidates)
+            self._entries.move_to_end((digest, best))
+            return best, self._entries[(digest, best)], shared
+
     def put(self, digest: str, text: str, ids: list[int], starts: list[int]) -> None:
         """Store a piece's ids (not when it alone exceeds ``max_bytes``), evicting the least recently used."""
         entry_ids, entry_starts = array("i", ids), array("i", starts)
         nbytes = sys.getsizeof(text) + sys.getsizeof(entry_ids) + sys.getsizeof(entry_starts) + _ENTRY_OVERHEAD
+        indexed = len(text) >= CONTINUATION_MIN_CHARS
+        nbytes += sys.getsizeof(text[:HEAD_CHARS]) if indexed else 0
         if nbytes > self.max_bytes:
             return
         with self._lock:
-            old = self._entries.pop((digest, text), None)
-            if old is not None:
-                self.bytes -= old.nbytes
+            self._drop((digest, text))
             self._entries[(digest, text)] = _Entry(entry_ids, entry_starts, nbytes)
+            if indexed:
+                self._heads.setdefault((digest, text[:HEAD_CHARS]), OrderedDict())[text] = None
             self.bytes += nbytes
             while self.bytes > self.max_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                self.bytes -= evicted.nbytes
+                self._drop(next(iter(self._entries)))
                 self.evictions += 1
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        """Forget the entry of ``key`` (with its head index), if cached (called with the lock held)."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        self.bytes -= entry.nbytes
+        digest, text = key
+        pieces = self._heads.get((digest, text[:HEAD_CHARS]))
+        if pieces is not None:
+            pieces.pop(text, None)
+            if not pieces:
+                del self._heads[(digest, text[:HEAD_CHARS])]
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._heads.clear()
             self.bytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def common_prefix_length(first: str, second: str) -> int:
+    """Characters ``first`` and ``second`` share from their start (a binary search over C-level comparisons)."""
+    low, high = 0, min(len(first), len(second))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if second.startswith(first[low:middle], low):
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -133,6 +204,18 @@ def encode_whole(
         return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]), None
     encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
     return list(encoded["input_ids"]), [start for start, _ in encoded["offset_mapping"]]
+
+
+#: Multi-line probe texts of a continuation's cut (:meth:`SegmentTokenizer._probe_continuation`): every line start
+#: a pre-tokenizer might treat differently (indentation, tabs, punctuation and digits either side of a newline,
+#: blank lines, ``\r\n``, non-ASCII and characters split over several byte-level tokens).
+CUT_PROBE_TEXT = (
+    "Chapter 1. The start\nPlain words follow.\n  indented two\n\tTabbed line\n\n\nAfter blank lines\n"
+    "ends with a colon:\n- a list item\n* another\n# A heading\n1. numbered\n2024 was a year\n"
+    "trailing spaces   \nnext line\r\nwindows line\n'quoted' line\n\"double\" quotes\n(paren) line)\n"
+    "东京 and 大阪\n🙂 emoji first\n🙂🙂\nhéllo wörld\n    def f(x):\n        return x + 1\n"
+    "}\n{\n\n  \n \nend.\n.\n...\n\n"
+)
 
 
 def _probe_texts(tokenizer: PreTrainedTokenizerBase, specials: list[str]) -> list[str]:
@@ -167,20 +250,24 @@ class SegmentTokenizer:
         cache: the piece cache (may be shared by several tokenizers: entries are keyed by :func:`tokenizer_digest`);
             None or ``max_bytes == 0`` tokenizes every text whole.
 
-    ``segmented`` says whether pieces are cached (the property held on every probe text); ``chars_tokenized``
-    counts the characters handed to the tokenizer by this object.
+    ``segmented`` says whether pieces are cached (the property held on every probe text); ``continues`` whether a
+    new piece may continue the ids of a cached one it starts with (the newline cut held on every probe text);
+    ``chars_tokenized`` counts the characters handed to the tokenizer by this object, ``prefix_hits`` the pieces
+    continued.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, cache: TokenIdsCache | None = None) -> None:
         self.tokenizer = tokenizer
         self.cache = cache
         self.chars_tokenized = 0
+        self.prefix_hits = 0
         self._special_prefix: list[int] = []
         self._special_suffix: list[int] = []
         self._plain: dict[str, int] = {}  # added tokens matched on the raw text, without strip/word flags
         self._pattern: re.Pattern[str] | None = None
         self.digest = ""
         self.segmented = False
+        self.continues = False
         self._state: tuple[object, ...] = ()
         if cache is not None and cache.max_bytes > 0:
             self._setup()
@@ -190,7 +277,7 @@ class SegmentTokenizer:
         added tokens or ``split_special_tokens`` change (a new digest: earlier entries are never served)."""
         tokenizer = self.tokenizer
         self._state = self._tokenizer_state()
-        self.segmented = False
+        self.segmented = self.continues = False
         if not self._state or getattr(tokenizer, "split_special_tokens", False):
             logger.info("token ids cache off: %s tokenizer", "special-splitting" if self._state else "no fast")
             return
@@ -198,10 +285,13 @@ class SegmentTokenizer:
         self._learn_added_tokens()
         try:
             self.segmented = self._probe()
+            self.continues = self.segmented and self._probe_continuation()
         except Exception:  # a tokenizer failing on a probe text loses the cache, not the engine
             logger.exception("token ids cache probe failed")
         if not self.segmented:
             logger.warning("this tokenizer's pieces do not tokenize on their own: each prompt is tokenized whole")
+        elif not self.continues:
+            logger.info("this tokenizer does not restart after a newline: a new piece is tokenized whole")
 
     def _tokenizer_state(self) -> tuple[object, ...]:
         """What, changed after construction (``add_tokens``, ``split_special_tokens``), calls for a new setup."""
@@ -243,7 +333,9 @@ class SegmentTokenizer:
             "token_cache_bytes": cache.bytes if cache else 0,
             "token_cache_evictions": cache.evictions if cache else 0,
             "token_cache_chars_tokenized": self.chars_tokenized,
+            "token_cache_prefix_hits": self.prefix_hits,
             "token_cache_segmented": int(self.segmented),
+            "token_cache_continues": int(self.continues),
         }
 
     def clear(self) -> None:
@@ -306,14 +398,16 @@ class SegmentTokenizer:
             else:
                 found[piece] = (entry.ids, entry.starts)
         if unseen:
-            self.chars_tokenized += sum(map(len, unseen))
             backend = self.tokenizer.backend_tokenizer
             if backend.truncation is not None or backend.padding is not None:  # left by an earlier call
                 backend.no_truncation()
                 backend.no_padding()
             for piece in unseen:  # one by one: a batch would wake the tokenizer's thread pool for a few pieces
-                encoding = backend.encode(piece, add_special_tokens=False)
-                piece_ids, piece_starts = encoding.ids, [start for start, _ in encoding.offsets]
+                kept, kept_starts, cut = self._continuation(piece)
+                encoding = backend.encode(piece[cut:], add_special_tokens=False)
+                self.chars_tokenized += len(piece) - cut
+                piece_ids = kept + encoding.ids
+                piece_starts = kept_starts + [start + cut for start, _ in encoding.offsets]
                 self.cache.put(self.digest, piece, piece_ids, piece_starts)
                 found[piece] = (piece_ids, piece_starts)
         ids: list[int] = []
@@ -328,6 +422,42 @@ class SegmentTokenizer:
             if with_starts:
                 starts.extend(start + offset for start in piece_starts)
         return ids, starts
+
+    def _continuation(self, piece: str) -> tuple[list[int], list[int], int]:
+        """What ``piece`` keeps of the cached piece sharing its longest prefix: that piece's ids and starts before
+        its last token that starts right after a newline, at least :data:`CUT_MARGIN_CHARS` before the texts part
+        and at least :data:`CONTINUATION_MIN_CHARS` in, and that token's start (where tokenizing resumes);
+        ``([], [], 0)`` when nothing is kept (continuation off, no such piece or token)."""
+        found = self.cache.longest_prefix(self.digest, piece) if self.continues and self.cache is not None else None
+        if found is None:
+            return [], [], 0
+        text, entry, shared = found
+        last = bisect.bisect_right(entry.starts, shared - CUT_MARGIN_CHARS) - 1
+        for index in range(last, max(last - CUT_SEARCH_TOKENS, 0), -1):
+            start = entry.starts[index]
+            if start < CONTINUATION_MIN_CHARS:
+                break
+            if text[start - 1] == "\n" and entry.starts[index - 1] < start:  # its char's first token
+                self.prefix_hits += 1
+                return entry.ids[:index].tolist(), entry.starts[:index].tolist(), start
+        return [], [], 0
+
+    def _probe_continuation(self) -> bool:
+        """Whether tokenizing may resume at a token that starts right after a newline (the first token of its
+        character): on :data:`CUT_PROBE_TEXT` (and it followed by a question), the ids before every such token and
+        the ids of the text from it equal the whole text's, and so do the starts."""
+        backend = self.tokenizer.backend_tokenizer
+        for text in (CUT_PROBE_TEXT, CUT_PROBE_TEXT + "What is the first line about?"):
+            encoding = backend.encode(text, add_special_tokens=False)
+            ids, starts = encoding.ids, [start for start, _ in encoding.offsets]
+            for index, start in enumerate(starts):
+                if index == 0 or text[start - 1] != "\n" or starts[index - 1] >= start:
+                    continue
+                tail = backend.encode(text[start:], add_special_tokens=False)
+                if ids[:index] + tail.ids != ids or starts[index:] != [start + s for s, _ in tail.offsets]:
+                    logger.info("token ids cache: tokenizing does not restart at character %d of the probe", start)
+                    return False
+        return True
 
     def _probe(self) -> bool:
         """Whether piece-wise ids and starts equal the whole text's on every probe text, with and without the
