@@ -106,7 +106,7 @@ DEFAULT_TOKEN_BUDGET = 2048
 PADDING_SLACK = 64
 
 #: Cells (row x column) of left padding a group may add to a running batch by joining it, when the batches' steps
-#: share one packed forward (:meth:`~kvboost_hf.runner.ModelRunner.execute`): a batch of its own then costs its parts'
+#: share one packed forward (:meth:`~kvboost_hf.runner.ModelRunner.run_steps`): a batch of its own then costs its parts'
 #: attention calls, not one more read of the weights, so a join is worth no more padding than a few slack columns
 #: per row (:data:`PADDING_SLACK` x :data:`DEFAULT_MAX_BATCH_SIZE`). Measured on the embedded model (2 CPU threads):
 #: 8 short rows and a 922-token row took 100 ms per step joined (padded), 67 ms as two batches in one forward.

@@ -351,7 +351,7 @@ class FakeLoop:
         return [self._sample(row) for row in work.rows]
 
     def pack(self, decode: bool, prefills) -> None:
-        return None  # no forward shared with other batches: execute_steps calls step() and add()
+        return None  # no forward shared with other batches: ModelRunner.run_steps calls step() and add()
 
     def step(self) -> list[RowOutput]:
         if self.fail_after is not None and self.steps >= self.fail_after:

@@ -74,7 +74,7 @@ class Harness:
             self.loops.append(FakeLoop(fail_after=0 if key.cache_salt == fail_salt else None, script=script))
             return self.loops[-1]
 
-        def on_done(loop):
+        def on_close(loop):
             self.done.append(loop)
             return {"steps": loop.steps}
 
@@ -82,7 +82,7 @@ class Harness:
             policy, decode=lambda ids: "".join(f"<{t}>" for t in ids), max_rows=max_rows, token_budget=token_budget,
             kv_budget=kv_budget, join_padding_limit=join_padding_limit, batch_window_s=window_s,
         )  # fmt: skip
-        self.runner = ModelRunner(new_loop, on_close=on_done)
+        self.runner = ModelRunner(new_loop, on_close=on_close)
         self.core = EngineCore(self.scheduler, self.runner)
 
     def group(
