@@ -15,9 +15,10 @@ Public API::
 
     engine = KVBoost.from_pretrained(name, draft_model=draft_path, draft=DraftConfig(5))  # speculative decoding
 
-Importing the package registers ``attn_implementation="kvboost"`` with transformers: at once where transformers'
-model code (``transformers.modeling_utils``, which every model and ``from_pretrained`` import) is loaded, otherwise
-the moment it loads. The names that need transformers or accelerate (the engine, the drop-in cache, sampling,
+Importing the package registers ``attn_implementation="kvboost"`` with transformers and routes a ``generate()``
+given a ``ChunkReuseCache`` to its write-back (:mod:`kvboost_hf.hf.dispatch`): at once where transformers' model code
+(``transformers.modeling_utils``, which every model and ``from_pretrained`` import) is loaded, otherwise the moment
+it loads. The names that need transformers or accelerate (the engine, the drop-in cache, sampling,
 speculative decoding, layer streaming) are imported on first use (PEP 562), so ``import kvboost_hf`` and its store
 modules cost the import of torch, not transformers' model code as well (about 3.5 s of CPU with torchao, which a
 process using only the store, such as a disk-tier worker, or a grammar compile process does not pay).
@@ -82,7 +83,8 @@ _ON_FIRST_USE = {
 # registrations. Neither concerns this package: they are quieted while that code loads (:func:`_quiet_imports`).
 _NOISY_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
 _TRANSFORMERS_MODELS = "transformers.modeling_utils"  # defines AttentionInterface; every model imports it
-_ATTENTION = "kvboost_hf.hf.attention"  # importing it registers "kvboost"
+# importing these registers "kvboost" and routes generate() given a reuse cache to the drop-in adapter
+_ON_MODEL_CODE = ("kvboost_hf.hf.attention", "kvboost_hf.hf.dispatch")
 
 
 @contextmanager
@@ -114,10 +116,16 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_ON_FIRST_USE})
 
 
+def _import_integrations() -> None:
+    """Import :data:`_ON_MODEL_CODE` (where the attention module's import is what loads the model code, that module
+    is half-imported here and registers when it finishes)."""
+    for module in _ON_MODEL_CODE:
+        importlib.import_module(module)
+
+
 class _RegisterAttention(importlib.abc.Loader):
-    """Loads transformers' model code with its own loader (import-time noise quieted), then imports
-    :data:`_ATTENTION`, which registers ``"kvboost"`` (where that import is what loads the model code, the module is
-    half-imported then and registers when it finishes)."""
+    """Loads transformers' model code with its own loader (import-time noise quieted), then
+    :func:`_import_integrations`."""
 
     def __init__(self, loader: importlib.abc.Loader) -> None:
         self._loader = loader
@@ -128,7 +136,7 @@ class _RegisterAttention(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         with _quiet_imports():
             self._loader.exec_module(module)
-            importlib.import_module(_ATTENTION)
+            _import_integrations()
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... of the file's own loader
         if name == "_loader":  # a copy made without __init__: no loader to ask (and no recursion)
@@ -157,7 +165,7 @@ class _OnTransformersModels(importlib.abc.MetaPathFinder):
 
 
 if _TRANSFORMERS_MODELS in sys.modules:
-    importlib.import_module(_ATTENTION)
+    _import_integrations()
 else:
     sys.meta_path.insert(0, _OnTransformersModels())
 

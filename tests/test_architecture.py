@@ -61,6 +61,8 @@ REGISTERED = """
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 assert "kvboost" in AttentionInterface._global_mapping and "kvboost" in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+from transformers import GenerationMixin
+assert getattr(GenerationMixin.generate, "_kvboost_dispatch", False), "generate() does not reach the adapter"
 """
 #: Fresh interpreters importing the package and transformers' model code in each order a program can.
 IMPORT_ORDERS = {

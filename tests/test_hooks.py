@@ -48,3 +48,17 @@ def test_hooks_are_installed_once_and_removable():
     assert hooks_installed(model)
     assert uninstall_hooks(model) and not uninstall_hooks(model)
     assert not model._forward_pre_hooks and not model._forward_hooks and "generate" not in vars(model)
+
+
+def test_the_first_generate_of_a_model_given_its_cache_inline_writes_back():
+    """``model.generate(ids, cache=ChunkReuseCache(store, model))`` looks ``model.generate`` up before the cache
+    installs the adapter: the call is still written back, its unfinished last chunk included (it was lost)."""
+    model = make_tiny_model("llama", seed=6)
+    store = ChunkStore()
+    ids = torch.randint(1, 120, (1, 21), generator=torch.Generator().manual_seed(2))
+    first = model.generate(ids, cache=ChunkReuseCache(store, model, 8), max_new_tokens=4, do_sample=False)
+    assert store.stats()["puts"] == 3  # chunks [0, 8) and [8, 16), and the tail [16, 24) of the 25 tokens
+    again = ChunkReuseCache(store, model, 8)
+    out = model.generate(first, cache=again, max_new_tokens=2, do_sample=False)
+    assert again.last_reuse[0].cached_tokens == 24
+    assert torch.equal(out, model.generate(first, max_new_tokens=2, do_sample=False))

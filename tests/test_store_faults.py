@@ -69,14 +69,17 @@ def test_sigkill_during_write_through_loses_only_queued_writes(tmp_path: Path):
     model = make_tiny_model("llama")
     with ChunkStore(StoreConfig(1 << 26, disk_cache_dir=tmp_path)) as store:
         survivors = store.stats()["disk_chunks"]
-        assert survivors >= 6  # the first three prompts' chunks were flushed before "ready"
-        reused = 0
+        assert survivors >= 9  # the first three prompts' chunks were flushed before "ready"
+        reused = []
         for i in range(_PROMPTS):
             cache = ChunkReuseCache(store, model, chunking=16, write_back=False)
             out = model.generate(prompt(i), cache=cache, **_GENERATE)
             assert torch.equal(out, model.generate(prompt(i), **_GENERATE)), f"prompt {i} differs"
-            reused += cache.last_reuse[0].cached_tokens
-        assert reused >= 3 * 32 and store.stats()["corrupt"] == 0
+            reused.append(cache.last_reuse[0].cached_tokens)
+        # the first three prompts (40-42 tokens, two chunks each) were flushed: the first one too, whose generate()
+        # was looked up before its cache existed (its write-back was once lost)
+        assert min(reused[:3]) >= 32, reused
+        assert store.stats()["corrupt"] == 0
 
 
 def test_store_dropped_without_close_keeps_its_entries(tmp_path: Path):

@@ -2,26 +2,27 @@
 
 :class:`~kvboost_hf.hf.cache.ChunkReuseCache` and its prefiller do their work in explicit calls
 (``cache.prefill()``, ``record()``, ``save()``; :func:`kvboost_hf.hf.prefill.forward` drives one forward
-with them), so nothing of the library needs these hooks. They exist for
+with them), so nothing of the library needs this adapter. It exists for
 ``model.generate(ids, cache=ChunkReuseCache(...))`` and ``model(...)``: installed once per model (a
-``ChunkReuseCache`` installs them), removable with :func:`uninstall_hooks`, and inert for any forward that is not
+``ChunkReuseCache`` installs it), removable with :func:`uninstall_hooks`, and inert for any call that is not
 given such a cache:
 
 * a forward pre-hook calls :func:`~kvboost_hf.hf.prefill.prepare_forward` (load what the store holds, feed only
   what is left);
 * a forward hook calls ``record()`` with the tokens the forward computed;
-* a wrapper of ``generate`` refuses a prompt that does not extend what the cache holds (instead of silently
-  attending to stale K/V), adds :class:`~kvboost_hf.hf.generation.ChunkWriteBack` to the logits processors
-  (write-back as generation proceeds) and saves the unfinished last chunk when generation ends.
+* ``generate()`` of a model with the adapter, given a reuse cache, runs :func:`generate_with_write_back`: it refuses
+  a prompt that does not extend what the cache holds (instead of silently attending to stale K/V), adds
+  :class:`~kvboost_hf.hf.generation.ChunkWriteBack` to the logits processors (write-back as generation proceeds)
+  and saves the unfinished last chunk when generation ends. :mod:`~kvboost_hf.hf.dispatch` routes such calls from
+  ``GenerationMixin.generate``, so a model class whose own ``generate`` never calls it gets the forward hooks only
+  (call ``cache.save()`` after its generation).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,67 +50,56 @@ def _post_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], 
         cache.record(kwargs.get("input_ids"))
 
 
-def _wrap_generate(model: torch.nn.Module) -> Callable[..., Any] | None:
-    """Shadow ``model.generate`` with the write-back wrapper (an instance attribute); returns the wrapped method."""
-    generate = getattr(model, "generate", None)
-    if generate is None:
-        return None
-
-    @functools.wraps(generate)
-    def generate_with_write_back(*args: Any, **kwargs: Any) -> Any:
-        cache: Any = given_cache(kwargs)
-        if not hasattr(cache, "save"):
-            return generate(*args, **kwargs)
-        input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-        if isinstance(input_ids, torch.Tensor) and not input_ids.is_floating_point():
-            cache.check_extends(input_ids, kwargs.get("attention_mask"))
-        processors = LogitsProcessorList(kwargs.get("logits_processor") or [])
-        if not any(isinstance(p, ChunkWriteBack) and p.cache is cache for p in processors):
-            processors.append(ChunkWriteBack(cache))
-        kwargs["logits_processor"] = processors
-        cache.prompt_forward_next = True
-        output = generate(*args, **kwargs)
-        drafting = getattr(kwargs.get("generation_config"), "is_assistant", False)
-        cache.save(tail=not drafting)  # a draft round is not the end of a generation
-        return output
-
-    setattr(model, "generate", generate_with_write_back)  # noqa: B010  (an instance attribute)
-    return generate
+def drives_generate(kwargs: dict[str, Any]) -> bool:
+    """Whether a ``generate()`` call with ``kwargs`` goes through :func:`generate_with_write_back`: it is given a
+    reuse cache whose model has the adapter (:mod:`~kvboost_hf.hf.dispatch` asks, for every call)."""
+    cache = reuse_cache(given_cache(kwargs))
+    return cache is not None and getattr(cache, "model", None) in _ADAPTERS
 
 
-@dataclass
-class _Installed:
-    """What :func:`install_hooks` added to a model, to take it away again."""
+def generate_with_write_back(generate: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+    """Run ``generate(*args, **kwargs)`` (given a reuse cache) with the adapter's write-back: refuse a prompt that
+    does not extend what the cache holds, add :class:`~kvboost_hf.hf.generation.ChunkWriteBack` to the logits
+    processors, and store the unfinished last chunk when generation ends (not after a draft round)."""
+    cache: Any = given_cache(kwargs)
+    input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if isinstance(input_ids, torch.Tensor) and not input_ids.is_floating_point():
+        cache.check_extends(input_ids, kwargs.get("attention_mask"))
+    processors = LogitsProcessorList(kwargs.get("logits_processor") or [])
+    if not any(isinstance(p, ChunkWriteBack) and p.cache is cache for p in processors):
+        processors.append(ChunkWriteBack(cache))
+    kwargs["logits_processor"] = processors
+    cache.prompt_forward_next = True
+    output = generate(*args, **kwargs)
+    drafting = getattr(kwargs.get("generation_config"), "is_assistant", False)
+    cache.save(tail=not drafting)  # a draft round is not the end of a generation
+    return output
 
-    handles: list[torch.utils.hooks.RemovableHandle]
-    wraps_generate: bool
 
-
-_ADAPTERS: weakref.WeakKeyDictionary[torch.nn.Module, _Installed] = weakref.WeakKeyDictionary()
+_ADAPTERS: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.utils.hooks.RemovableHandle]] = (
+    weakref.WeakKeyDictionary()
+)  # the models with the adapter, and the handles of their forward hooks
 
 
 def install_hooks(model: torch.nn.Module) -> None:
     """Attach the adapter to ``model`` (once: a second call is a no-op)."""
     if model in _ADAPTERS:
         return
-    handles = [
+    _ADAPTERS[model] = [
         model.register_forward_pre_hook(_pre_forward, with_kwargs=True),
         model.register_forward_hook(_post_forward, with_kwargs=True),
     ]
-    _ADAPTERS[model] = _Installed(handles, _wrap_generate(model) is not None)
 
 
 def uninstall_hooks(model: torch.nn.Module) -> bool:
     """Remove the adapter from ``model`` (its forward hooks and the ``generate`` wrapper); False when none was
     installed. Afterwards ``model.generate(cache=ChunkReuseCache(...))`` no longer loads or stores
     chunks (a new ``ChunkReuseCache`` installs the adapter again); explicit driving still works."""
-    installed = _ADAPTERS.pop(model, None)
-    if installed is None:
+    handles = _ADAPTERS.pop(model, None)
+    if handles is None:
         return False
-    for handle in installed.handles:
+    for handle in handles:
         handle.remove()
-    if installed.wraps_generate:
-        vars(model).pop("generate", None)  # the class's method shows again
     return True
 
 
