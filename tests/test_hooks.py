@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 from conftest import greedy, make_tiny_model
 from helpers import word_tokenizer, words
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, KVBoost
+from kvboost_hf.core.errors import InputError
 from kvboost_hf.hf.hooks import hooks_installed, install_hooks, uninstall_hooks, without_hooks
 
 
@@ -62,3 +66,25 @@ def test_the_first_generate_of_a_model_given_its_cache_inline_writes_back():
     out = model.generate(first, cache=again, max_new_tokens=2, do_sample=False)
     assert again.last_reuse[0].cached_tokens == 24
     assert torch.equal(out, model.generate(first, max_new_tokens=2, do_sample=False))
+
+
+def test_a_cache_built_for_another_model_is_refused_before_it_serves_or_stores_anything():
+    """Model B given model A's cache would load A's K/V (B hooked) or store B's K/V under A's namespace (B not
+    hooked): both are refused with the reason; a copy with the same weights is the same model."""
+    a, b = make_tiny_model("llama", seed=1), make_tiny_model("llama", seed=2)
+    store = ChunkStore()
+    ids = torch.randint(1, 120, (1, 30), generator=torch.Generator().manual_seed(3))
+    a.generate(ids, cache=ChunkReuseCache(store, a, 8), max_new_tokens=3, do_sample=False)
+    puts = store.stats()["puts"]
+    for hooked in (False, True):
+        if hooked:
+            install_hooks(b)
+        with pytest.raises(InputError, match="built for another model"):
+            b.generate(ids, cache=ChunkReuseCache(store, a, 8), max_new_tokens=3, do_sample=False)
+        assert store.stats()["puts"] == puts
+    twin = copy.deepcopy(a)
+    cache = ChunkReuseCache(store, a, 8)
+    out = twin.generate(ids, cache=cache, max_new_tokens=3, do_sample=False)
+    assert cache.last_reuse[0].cached_tokens == 24 and torch.equal(
+        out, a.generate(ids, max_new_tokens=3, do_sample=False)
+    )

@@ -45,7 +45,7 @@ from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.errors import ConfigError, InputError, StateError
-from kvboost_hf.core.keys import KeySpace
+from kvboost_hf.core.keys import KeySpace, model_digest
 from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
 from kvboost_hf.hf.blend import LayerFilter, scatter_into
 from kvboost_hf.hf.context_attention import ADJUSTMENT_KWARG, ContextAdjustment
@@ -273,6 +273,18 @@ class ChunkReuseCache(Cache):
     def row_tokens(self, row: int) -> list[int]:
         """The real (unpadded) token ids of ``row`` whose K/V are cached."""
         return self.tokens[row, self.pads[row] :].tolist()
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Raise unless ``model`` is the model this cache was built for, or one with the same digest (config and
+        weights, :func:`~kvboost_hf.core.keys.model_digest`): another model would read, and write back under this
+        cache's namespace, K/V that it did not compute."""
+        if model is self.model or model_digest(model) == self.key_space.digest:
+            return
+        raise InputError(
+            f"this ChunkReuseCache was built for another model ({type(self.model).__name__}, digest "
+            f"{self.key_space.digest[:12]}) than the one running it ({type(model).__name__}, digest "
+            f"{model_digest(model)[:12]}): build the cache with ChunkReuseCache(store, model) for the model you call"
+        )
 
     def check_extends(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
         """Raise unless ``input_ids`` (a full sequence handed to ``generate``) extends the cached tokens.

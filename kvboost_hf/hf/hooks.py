@@ -38,6 +38,7 @@ def _pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
     cache = reuse_cache(given_cache(kwargs))
     if cache is None:
         return None
+    cache.check_model(module)
     if args and "input_ids" not in kwargs:
         kwargs["input_ids"], args = args[0], args[1:]
     return args, prepare_forward(cache, kwargs, report=cache.prompt_forward_next)
@@ -57,11 +58,15 @@ def drives_generate(kwargs: dict[str, Any]) -> bool:
     return cache is not None and getattr(cache, "model", None) in _ADAPTERS
 
 
-def generate_with_write_back(generate: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
-    """Run ``generate(*args, **kwargs)`` (given a reuse cache) with the adapter's write-back: refuse a prompt that
-    does not extend what the cache holds, add :class:`~kvboost_hf.hf.generation.ChunkWriteBack` to the logits
-    processors, and store the unfinished last chunk when generation ends (not after a draft round)."""
+def generate_with_write_back(
+    model: torch.nn.Module, generate: Callable[..., Any], args: tuple, kwargs: dict[str, Any]
+) -> Any:
+    """Run ``generate(*args, **kwargs)`` of ``model`` (given a reuse cache) with the adapter's write-back: refuse a
+    cache built for another model and a prompt that does not extend what the cache holds, add
+    :class:`~kvboost_hf.hf.generation.ChunkWriteBack` to the logits processors, and store the unfinished last chunk
+    when generation ends (not after a draft round)."""
     cache: Any = given_cache(kwargs)
+    cache.check_model(model)
     input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if isinstance(input_ids, torch.Tensor) and not input_ids.is_floating_point():
         cache.check_extends(input_ids, kwargs.get("attention_mask"))
