@@ -149,6 +149,11 @@ class GenerateOptions:
     decoding: SamplingConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if not all(isinstance(stop, str) and stop for stop in stops):
+            raise ConfigError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and self.logprobs >= 0):
+            raise ConfigError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
         decoding = sampling_params(
             self.sampling, temperature=self.temperature, do_sample=self.do_sample, top_p=self.top_p, seed=self.seed
         )

@@ -132,6 +132,11 @@ def test_result_fields_and_stats(embedded_engine):
         ([], {}, "non-empty list"),
         ("word " * 9000, {}, "exceeds the model's context"),
         ("hello", {"max_new_tokens": 0}, "max_new_tokens"),
+        (None, {}, "got NoneType"),
+        (42, {}, "got int"),
+        ("hello", {"stop": ""}, "stop must be a non-empty string"),
+        ("hello", {"stop": ["ok", None]}, "stop must be a non-empty string"),
+        ("hello", {"logprobs": -1}, "logprobs must be"),
     ],
 )
 def test_bad_input_is_refused_and_store_unchanged(embedded_engine, prompt, kwargs, message):

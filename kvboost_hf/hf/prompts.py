@@ -23,6 +23,10 @@ from kvboost_hf.hf.chat_segments import DocumentBoundaries, encode_chat_segments
 from kvboost_hf.hf.tokens import SegmentTokenizer
 
 Prompt = str | Sequence[str] | Sequence[dict[str, Any]] | Sequence[int]
+_PROMPT_FORMS = (
+    "a prompt must be a string, a non-empty list of token ids or of segment strings, or a non-empty list of "
+    "{'role': ..., 'content': ...} messages"
+)
 """A string; a list of strings (segments: documents, a question, each starting a chunk, concatenated as is);
 chat messages (``{"role": ..., "content": ...}``) rendered with the tokenizer's chat template, where a content
 given as a list of strings is a list of text parts (joined; each part of a two-or-more-part content starts a
@@ -77,6 +81,8 @@ class PromptEncoder:
         segments (:func:`~kvboost_hf.hf.chat_segments.encode_chat_segments`: the ids never depend on it).
         Token ids are used as given (each must be in the model's vocabulary).
         """
+        if not isinstance(prompt, (str, Sequence)):
+            raise InputError(f"{_PROMPT_FORMS}, got {type(prompt).__name__}")
         if not isinstance(prompt, str) and _token_ids(items := list(prompt)):
             vocab = self.model.config.get_text_config(decoder=True).vocab_size
             if bad := [token for token in items if not 0 <= token < vocab]:
@@ -150,10 +156,7 @@ class PromptEncoder:
 def _chat_messages(items: list[Any]) -> list[dict[str, Any]]:
     """``items`` checked as chat messages (a dict with a role and a content each); raises InputError otherwise."""
     if not items or not all(isinstance(m, dict) and "role" in m and "content" in m for m in items):
-        raise InputError(
-            "a prompt must be a string, a non-empty list of segment strings, or a non-empty list of "
-            "{'role': ..., 'content': ...} messages"
-        )
+        raise InputError(_PROMPT_FORMS)
     return items
 
 

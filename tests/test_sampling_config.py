@@ -1,0 +1,66 @@
+"""``SamplingConfig`` refuses a setting outside its range, naming it, and takes every setting inside it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvboost_hf import SamplingConfig
+from kvboost_hf.core.errors import ConfigError
+
+VALID = st.fixed_dictionaries(
+    {
+        "temperature": st.floats(0, 10),
+        "top_p": st.floats(0, 1, exclude_min=True),
+        "top_k": st.integers(0, 1000),
+        "min_p": st.floats(0, 1),
+        "presence_penalty": st.floats(-2, 2),
+        "frequency_penalty": st.floats(-2, 2),
+        "repetition_penalty": st.floats(0, 10, exclude_min=True),
+        "logit_bias": st.lists(st.tuples(st.integers(0, 10**6), st.floats(-100, 100)), max_size=3).map(tuple),
+        "min_tokens": st.integers(0, 100),
+        "stop_token_ids": st.lists(st.integers(0, 10**6), max_size=3).map(tuple),
+        "seed": st.none() | st.integers(0, 2**63 - 1),
+    }
+)
+
+#: (field, a value outside its range) for every field with a range.
+OUT_OF_RANGE = [
+    ("temperature", -0.5),
+    ("temperature", math.nan),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("top_k", -1),
+    ("top_k", 2.5),
+    ("min_p", 1.01),
+    ("presence_penalty", math.inf),
+    ("frequency_penalty", -math.inf),
+    ("repetition_penalty", 0.0),
+    ("logit_bias", ((-3, 1.0),)),
+    ("logit_bias", ((3, math.nan),)),
+    ("min_tokens", -1),
+    ("stop_token_ids", (2, -7)),
+    ("seed", 1.5),
+    ("temperature", True),
+]
+
+
+@given(VALID)
+def test_every_setting_in_range_is_taken(settings):
+    assert SamplingConfig(**settings) == SamplingConfig(**settings)
+
+
+@given(VALID, st.sampled_from(OUT_OF_RANGE))
+def test_one_setting_out_of_range_is_refused_by_name(settings, bad):
+    name, value = bad
+    with pytest.raises(ConfigError, match=f"{name}="):
+        SamplingConfig(**{**settings, name: value})
+
+
+def test_numpy_numbers_are_numbers():
+    config = SamplingConfig(temperature=np.float32(0.5), top_k=np.int64(3), seed=np.int64(1))
+    assert config.top_k == 3 and not config.greedy
