@@ -151,6 +151,6 @@ def test_typed_errors_are_caught_by_their_builtin() -> None:
     """A check that used to raise ``ValueError`` still meets ``except ValueError`` (and ``except KVBoostError``)."""
     from kvboost_hf.store.config import StoreConfig
 
-    with pytest.raises(ValueError, match="max_bytes must be >= 0") as caught:
+    with pytest.raises(ValueError, match="max_bytes must be an integer >= 0") as caught:
         StoreConfig(max_bytes=-1)
     assert isinstance(caught.value, ConfigError)

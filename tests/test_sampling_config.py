@@ -64,3 +64,16 @@ def test_one_setting_out_of_range_is_refused_by_name(settings, bad):
 def test_numpy_numbers_are_numbers():
     config = SamplingConfig(temperature=np.float32(0.5), top_k=np.int64(3), seed=np.int64(1))
     assert config.top_k == 3 and not config.greedy
+
+
+def test_openai_shaped_settings_are_kept_as_tuples():
+    """A ``{token id: bias}`` dict, lists and None are taken (kept as tuples, hashable); a lone stop id is a tuple."""
+    config = SamplingConfig(logit_bias={7: 3.0, 2: -1.0}, stop_token_ids=[4, 5])
+    assert config.logit_bias == ((7, 3.0), (2, -1.0)) and config.stop_token_ids == (4, 5)
+    assert SamplingConfig(logit_bias=[[7, 3.0]], stop_token_ids=9) == SamplingConfig(
+        logit_bias=((7, 3.0),), stop_token_ids=(9,)
+    )
+    assert SamplingConfig(logit_bias=None, stop_token_ids=None) == SamplingConfig()
+    hash(config)
+    with pytest.raises(ConfigError, match="logit_bias="):
+        SamplingConfig(logit_bias=[5])

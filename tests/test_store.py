@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvboost_hf.core.chunk_kv import ChunkKV
+from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.store.chunk_store import ChunkStore
 from kvboost_hf.store.config import StoreConfig
 
@@ -103,3 +106,26 @@ def test_concurrent_use_keeps_accounting_exact():
     for t in threads:
         t.join()
     assert store.ram.nbytes == len(store.ram) * one <= 10 * one
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"max_bytes": "1GB"}, "max_bytes must be an integer >= 0"),
+        ({"max_bytes": 1.5e9}, "max_bytes must be an integer >= 0"),
+        ({"disk_max_bytes": 0}, "disk_max_bytes must be an integer >= 1"),
+        ({"kv_group_size": 0}, "kv_group_size must be an integer >= 1"),
+        ({"gpu_max_bytes": -1}, "gpu_max_bytes must be an integer >= 0"),
+        ({"kv_cache_bits": "8"}, "kv_cache_bits must be 16, 8 or 4, got '8'"),
+        ({"remote_url": "localhost:6379"}, "a Redis URL must start with one of redis://"),
+        ({"remote_ttl_s": -1}, "remote_ttl_s must be a number of seconds > 0"),
+        ({"remote_read_timeout_s": float("nan")}, "remote_read_timeout_s must be a number of seconds > 0"),
+    ],
+)
+def test_settings_of_the_wrong_type_or_range_are_refused_by_name(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        StoreConfig(**settings)
+
+
+def test_numpy_integers_are_byte_counts():
+    assert StoreConfig(max_bytes=np.int64(1 << 20)).max_bytes == 1 << 20

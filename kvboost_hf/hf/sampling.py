@@ -12,8 +12,6 @@ takes the argmax and never divides by its temperature.
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +29,7 @@ from transformers import (
 )
 
 from kvboost_hf.core.errors import ConfigError
+from kvboost_hf.core.values import is_finite, is_integer
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
@@ -63,36 +62,46 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         """Refuse a setting outside its range (:class:`~kvboost_hf.core.errors.ConfigError` naming it): a negative
-        temperature or a top-p over 1 would otherwise decode as something the caller did not ask for."""
+        temperature or a top-p over 1 would otherwise decode as something the caller did not ask for.
+        ``logit_bias`` may be given as a ``{token id: bias}`` dict (OpenAI's form), the sequences as lists or None: they
+        are kept as tuples (in the order given)."""
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else _listed(self.logit_bias)
+        object.__setattr__(self, "logit_bias", tuple(_listed(pair) for pair in bias))
+        object.__setattr__(self, "stop_token_ids", _listed(self.stop_token_ids))
         problems = [
             f"{name}={value!r} must be {rule}"
             for name, value, rule, ok in (
-                ("temperature", self.temperature, ">= 0", _finite(self.temperature) and self.temperature >= 0),
-                ("top_p", self.top_p, "in (0, 1]", _finite(self.top_p) and 0 < self.top_p <= 1),
-                ("top_k", self.top_k, "an integer >= 0", _integer(self.top_k) and self.top_k >= 0),
-                ("min_p", self.min_p, "in [0, 1]", _finite(self.min_p) and 0 <= self.min_p <= 1),
-                ("presence_penalty", self.presence_penalty, "finite", _finite(self.presence_penalty)),
-                ("frequency_penalty", self.frequency_penalty, "finite", _finite(self.frequency_penalty)),
+                ("temperature", self.temperature, ">= 0", is_finite(self.temperature) and self.temperature >= 0),
+                ("top_p", self.top_p, "in (0, 1]", is_finite(self.top_p) and 0 < self.top_p <= 1),
+                ("top_k", self.top_k, "an integer >= 0", is_integer(self.top_k) and self.top_k >= 0),
+                ("min_p", self.min_p, "in [0, 1]", is_finite(self.min_p) and 0 <= self.min_p <= 1),
+                ("presence_penalty", self.presence_penalty, "finite", is_finite(self.presence_penalty)),
+                ("frequency_penalty", self.frequency_penalty, "finite", is_finite(self.frequency_penalty)),
                 (
                     "repetition_penalty",
                     self.repetition_penalty,
                     "> 0",
-                    _finite(self.repetition_penalty) and self.repetition_penalty > 0,
+                    is_finite(self.repetition_penalty) and self.repetition_penalty > 0,
                 ),
                 (
                     "logit_bias",
                     self.logit_bias,
                     "(token id >= 0, finite bias) pairs",
-                    all(_integer(t) and t >= 0 and _finite(b) for t, b in self.logit_bias),
+                    all(len(p) == 2 and is_integer(p[0]) and p[0] >= 0 and is_finite(p[1]) for p in self.logit_bias),
                 ),
-                ("min_tokens", self.min_tokens, "an integer >= 0", _integer(self.min_tokens) and self.min_tokens >= 0),
+                (
+                    "min_tokens",
+                    self.min_tokens,
+                    "an integer >= 0",
+                    is_integer(self.min_tokens) and self.min_tokens >= 0,
+                ),
                 (
                     "stop_token_ids",
                     self.stop_token_ids,
                     "token ids >= 0",
-                    all(_integer(t) and t >= 0 for t in self.stop_token_ids),
+                    all(is_integer(t) and t >= 0 for t in self.stop_token_ids),
                 ),
-                ("seed", self.seed, "an integer or None", self.seed is None or _integer(self.seed)),
+                ("seed", self.seed, "an integer or None", self.seed is None or is_integer(self.seed)),
             )
             if not ok
         ]
@@ -111,14 +120,11 @@ class SamplingConfig:
 SamplingParams = SamplingConfig  # the name of earlier versions, still in README examples
 
 
-def _finite(value: object) -> bool:
-    """A real number (NumPy's included), not a bool, not infinite or NaN."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _integer(value: object) -> bool:
-    """An integer (NumPy's included), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+def _listed(value: object) -> tuple:
+    """``value`` as a tuple: a list or tuple's items, () for None, else the value alone (for the checks to name)."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
 class PresenceFrequencyPenalty(LogitsProcessor):

@@ -10,11 +10,12 @@ import torch
 
 from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.core.keys import FULL_PRECISION_BITS
+from kvboost_hf.core.values import is_finite, is_integer
 from kvboost_hf.store.base import StorageTier
 from kvboost_hf.store.disk import DEFAULT_MAX_BYTES as DEFAULT_DISK_MAX_BYTES
 from kvboost_hf.store.disk import DiskTier
 from kvboost_hf.store.quantization import DEFAULT_GROUP_SIZE, SUPPORTED_BITS
-from kvboost_hf.store.remote import DEFAULT_PREFIX, DEFAULT_READ_TIMEOUT_S, RemoteTier
+from kvboost_hf.store.remote import DEFAULT_PREFIX, DEFAULT_READ_TIMEOUT_S, RemoteTier, check_url
 
 
 @dataclass(frozen=True)
@@ -59,14 +60,20 @@ class StoreConfig:
     gpu_device: torch.device | str | None = None
 
     def __post_init__(self) -> None:
-        if self.max_bytes < 0:
-            raise ConfigError(f"max_bytes must be >= 0, got {self.max_bytes}")
+        for name, least in (("max_bytes", 0), ("disk_max_bytes", 1), ("kv_group_size", 1)):
+            value = getattr(self, name)
+            if not is_integer(value) or value < least:
+                raise ConfigError(f"{name} must be an integer >= {least} (bytes or tokens), got {value!r}")
+        if self.gpu_max_bytes is not None and not (is_integer(self.gpu_max_bytes) and self.gpu_max_bytes >= 0):
+            raise ConfigError(f"gpu_max_bytes must be an integer >= 0 (0: no GPU tier), got {self.gpu_max_bytes!r}")
+        for name in ("remote_ttl_s", "remote_read_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not (is_finite(value) and value > 0):
+                raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if self.remote_url is not None:
+            check_url(self.remote_url)
         if self.kv_cache_bits != 16 and self.kv_cache_bits not in SUPPORTED_BITS:
-            raise ConfigError(f"kv_cache_bits must be 16, 8 or 4, got {self.kv_cache_bits}")
-        if self.gpu_max_bytes is not None and self.gpu_max_bytes < 0:
-            raise ConfigError(f"gpu_max_bytes must be >= 0 (0: no GPU tier), got {self.gpu_max_bytes}")
-        if self.kv_group_size < 1:
-            raise ConfigError(f"kv_group_size must be >= 1 (tokens or channels), got {self.kv_group_size}")
+            raise ConfigError(f"kv_cache_bits must be 16, 8 or 4, got {self.kv_cache_bits!r}")
 
     @property
     def pins_memory(self) -> bool:

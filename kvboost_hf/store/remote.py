@@ -46,6 +46,7 @@ from kvboost_hf.store.base import CLOSE_TIMEOUT_S, BackgroundWriter, StorageTier
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "kvboost:"
+URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 DEFAULT_READ_TIMEOUT_S = 0.25  # seconds a lookup may wait before it is a miss (StoreConfig.remote_read_timeout_s)
 _TAIL = "tail:"
 _DELETE = object()
@@ -97,6 +98,7 @@ class RemoteTier(StorageTier):
         self._response_error: type[Exception] = redis.ResponseError
         self._outage_errors: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError)
         self._reply_error_logged = False
+        check_url(url)
         no_retry = Retry(NoBackoff(), 0)
         scheme, sep, rest = url.partition("://")
         self.cluster = scheme.endswith("+cluster")
@@ -417,3 +419,9 @@ class _Unverifiable(codec.CorruptEntryError):
 def _glob_escape(text: str) -> str:
     """``text`` as a literal inside a Redis MATCH pattern."""
     return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+def check_url(url: object) -> None:
+    """Raise :class:`~kvboost_hf.core.errors.ConfigError` unless ``url`` names a Redis server (:data:`URL_SCHEMES`)."""
+    if not isinstance(url, str) or not url.startswith(URL_SCHEMES):
+        raise ConfigError(f"a Redis URL must start with one of {', '.join(URL_SCHEMES)}, got {url!r}")
