@@ -88,3 +88,10 @@ def test_a_cache_built_for_another_model_is_refused_before_it_serves_or_stores_a
     assert cache.last_reuse[0].cached_tokens == 24 and torch.equal(
         out, a.generate(ids, max_new_tokens=3, do_sample=False)
     )
+    cache = ChunkReuseCache(store, twin, 8)
+    twin.to(torch.float64)
+    with pytest.raises(
+        InputError, match=r"built for K/V in torch\.float32, and the model running it computes torch\.float64"
+    ):
+        twin.generate(ids, cache=cache, max_new_tokens=3, do_sample=False)
+    assert store.stats()["puts"] == puts

@@ -277,7 +277,14 @@ class ChunkReuseCache(Cache):
     def check_model(self, model: torch.nn.Module) -> None:
         """Raise unless ``model`` is the model this cache was built for, or one with the same digest (config and
         weights, :func:`~kvboost_hf.core.keys.model_digest`): another model would read, and write back under this
-        cache's namespace, K/V that it did not compute."""
+        cache's namespace, K/V that it did not compute. A model whose dtype changed since the cache was built
+        (``model.to(torch.bfloat16)``) is refused too: its K/V would be stored under the old dtype's namespace."""
+        dtype = str(model_dtype(model))
+        if dtype != self.key_space.dtype:
+            raise InputError(
+                f"this ChunkReuseCache was built for K/V in {self.key_space.dtype}, and the model running it computes "
+                f"{dtype}: build a new ChunkReuseCache(store, model) after changing the model's dtype"
+            )
         if model is self.model or model_digest(model) == self.key_space.digest:
             return
         raise InputError(
