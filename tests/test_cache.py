@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import greedy, make_tiny_model
+from transformers import DynamicCache
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, GenerationMode
 from kvboost_hf.store.config import StoreConfig
@@ -256,3 +257,79 @@ def test_a_decode_steps_save_reads_a_rows_tokens_only_when_a_chunk_can_have_comp
     chunks_per_row = [(len(p) + len(t)) // DECODE_CHUNKING.chunk_size for p, t in zip(prompts, tokens, strict=True)]
     assert every_step_reads >= 2 * steps  # every row, every step
     assert skipping_reads <= sum(chunks_per_row) + 2 * len(prompts)  # at chunk completions and the ends
+
+
+def _generate(model, ids, cache=None, **kwargs):
+    extra = {"cache": cache} if cache is not None else {}
+    return model.generate(ids, do_sample=False, pad_token_id=0, max_new_tokens=6, **extra, **kwargs)
+
+
+def _tokens(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(2, 128, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_continuation_that_masks_tokens_inside_the_row_neither_loads_nor_stores():
+    """Turn 2 on the same cache with a gap in its mask (e.g. padding kept after an early end) computes K/V that a
+    full prefill does not: they are not stored (a later unmasked request was served them), and stored chunks
+    computed unmasked are not loaded into it; both turns equal plain generate() with the same masks."""
+    model = make_tiny_model("llama", seed=7)
+    model.generation_config.eos_token_id = None
+    store = ChunkStore(StoreConfig(1 << 26))
+    cache = ChunkReuseCache(store, model, 8)
+    first = _generate(model, _tokens(16, 0), cache)
+    follow = torch.cat([first, _tokens(20, 1)], 1)
+    _generate(model, follow, ChunkReuseCache(store, model, 8))  # the store now holds follow's chunks, unmasked
+    puts = store.stats()["puts"]
+    mask = torch.ones_like(follow)
+    mask[0, 4:30] = 0
+    out = _generate(model, follow, cache, attention_mask=mask)
+    assert torch.equal(out, _generate(model, follow, attention_mask=mask))
+    assert not cache.reuse_enabled and store.stats()["puts"] == puts
+    fresh = ChunkReuseCache(store, model, 8)
+    assert torch.equal(_generate(model, follow, fresh), _generate(model, follow))
+    assert fresh.last_reuse[0].cached_tokens == 40
+
+
+def test_a_continuation_from_inputs_embeds_acts_as_a_dynamic_cache():
+    """Token ids unknown from then on: reuse and write-back stop, and the output equals a DynamicCache's (it
+    raised "the cache is inconsistent")."""
+    model = make_tiny_model("llama", seed=8)
+    model.generation_config.eos_token_id = None
+    outputs = []
+    for cache in (DynamicCache(config=model.config), ChunkReuseCache(ChunkStore(), model, 8)):
+        follow = torch.cat([_generate(model, _tokens(20, 1), cache), _tokens(5, 9)], 1)
+        embeds = model.get_input_embeddings()(follow).detach()
+        outputs.append(
+            model.generate(inputs_embeds=embeds, cache=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        )
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_use_cache_false_records_and_stores_nothing():
+    """transformers then feeds whole sequences again, positions restarting at 0: those K/V are not chunks."""
+    model = make_tiny_model("llama", seed=9)
+    store = ChunkStore()
+    cache = ChunkReuseCache(store, model, 8)
+    _generate(model, _tokens(20, 1), cache, use_cache=False)
+    assert cache.num_columns == 0 and store.stats()["puts"] == 0
+
+
+def test_only_a_row_with_segments_or_content_chunks_takes_approximate_hits():
+    """A plain drop-in cache is exact even when the store holds the same document by content key (stored by a
+    request with segments): it found them at a new position and gave other tokens than plain generate()."""
+    model = make_tiny_model("llama", seed=10)
+    model.generation_config.eos_token_id = None
+    store = ChunkStore(StoreConfig(1 << 26))
+    document, question = _tokens(24, 16), _tokens(8, 17)
+    _generate(
+        model,
+        torch.cat([_tokens(8, 14), document, question], 1),
+        ChunkReuseCache(store, model, 8, segment_starts=[0, 8, 32]),
+    )
+    prompt = torch.cat([_tokens(8, 15), document, question], 1)
+    plain_cache = ChunkReuseCache(store, model, 8, write_back=False)
+    assert torch.equal(_generate(model, prompt, plain_cache), _generate(model, prompt))
+    assert plain_cache.last_reuse[0].approx_tokens == 0
+    segmented = ChunkReuseCache(store, model, 8, segment_starts=[0, 8, 32])
+    _generate(model, prompt, segmented)
+    assert segmented.last_reuse[0].approx_tokens > 0

@@ -339,12 +339,27 @@ class ChunkReuseCache(Cache):
             logger.warning("ChunkReuseCache: custom %dD attention mask; reuse disabled", attention_mask.dim())
             self.reuse_enabled = False
             return
-        mask = attention_mask.to("cpu", torch.long)
-        pads = (mask.cumsum(-1) == 0).sum(-1)
-        if not all(bool(mask[i, int(p) :].all()) for i, p in enumerate(pads)):
+        pads = left_pads(attention_mask)
+        if pads is None:
             logger.warning("ChunkReuseCache: attention mask is not left padding; reuse disabled for this call")
             self.reuse_enabled = False
-        self.pads = [int(p) for p in pads]
+            pads = [int(p) for p in (attention_mask.to("cpu", torch.long).cumsum(-1) == 0).sum(-1)]
+        self.pads = pads
+
+    def check_layout(self, attention_mask: torch.Tensor | dict | None, columns: int) -> None:
+        """Turn reuse off for good (with a warning) unless ``attention_mask`` of a forward continuing this cache
+        (2D over all ``columns``, the prepared 4D mask of a compileable cache, or None: nothing masked) keeps each
+        row's left padding and masks nothing else. K/V computed under a masked token inside a row differ from a
+        full prefill's: they are then neither stored nor mixed with stored ones (the cache acts as a DynamicCache).
+        """
+        layout = column_layout(attention_mask, columns)
+        pads = [0] * len(self.pads) if layout is None else left_pads(layout)
+        if pads != self.pads:
+            logger.warning(
+                "ChunkReuseCache: the attention mask masks tokens inside a row or changes its left padding; reuse "
+                "and write-back are off for this cache"
+            )
+            self.reuse_enabled = False
 
     def prefill(
         self,
@@ -387,8 +402,8 @@ class ChunkReuseCache(Cache):
         if self._pending_tokens is not None:  # the sparse forward filled its positions
             self._adopt_pending()
             return
-        if fed_ids is None and self.num_columns == 0:
-            self.reuse_enabled = False  # token ids unknown: nothing to look up or store
+        if fed_ids is None:
+            self.reuse_enabled = False  # token ids unknown from here on: nothing to look up or store
         if not self.reuse_enabled or fed_ids is None:
             return
         self.forwards += 1
@@ -451,8 +466,7 @@ class ChunkReuseCache(Cache):
     def _content_rotator(self, ledger: ChunkLedger) -> KeyRotator | None:
         """The rotator that also stores a row's chunks by content key (rotated to position 0): for a row with segment
         starts, or with content-defined chunking; None otherwise, or when non-prefix reuse is off (no rotator)."""
-        by_content = bool(ledger.segment_starts) or self.chunking.method == "content"
-        return self.prefiller.rotator if by_content else None
+        return self.prefiller.rotator if ledger.by_content(self.chunking) else None
 
     def _row_slicer(self, row: int):
         pad = self.pads[row]
@@ -564,6 +578,28 @@ def prompt_padding_mask(mask: torch.Tensor | dict | None, prompt_length: int) ->
     diagonal = mask[:, 0].diagonal(dim1=-2, dim2=-1)  # [B, prompt_length]: query j on column j
     attended = diagonal if diagonal.dtype == torch.bool else diagonal == 0
     return attended.long()
+
+
+def column_layout(mask: torch.Tensor | dict | None, columns: int) -> torch.Tensor | None:
+    """Which of the first ``columns`` columns each row attends (batch x columns, 1 = attended) per a forward's
+    ``mask``: a 2D mask as given (its length checked by the caller's comparison); of a prepared 4D mask (or a dict
+    of them per layer type: the full-attention one) the last query's row; None where nothing is masked."""
+    if isinstance(mask, dict):
+        mask = mask.get("full_attention", next((m for m in mask.values() if isinstance(m, torch.Tensor)), None))
+    if mask is None or mask.dim() != 4:
+        return mask
+    last = mask[:, 0, -1, :columns]
+    return (last if last.dtype == torch.bool else last == 0).long()
+
+
+def left_pads(layout: torch.Tensor) -> list[int] | None:
+    """Each row's leading masked columns in a 2D ``layout`` (1 = attended), or None when a row masks a column after
+    its first attended one (not left padding)."""
+    mask = layout.to("cpu", torch.long)
+    if mask.dim() != 2:
+        return None
+    pads = (mask.cumsum(-1) == 0).sum(-1).tolist()
+    return pads if all(bool(mask[row, pad:].all()) for row, pad in enumerate(pads)) else None
 
 
 def prepend_zeros(tensor: torch.Tensor, columns: int, dim: int = 1) -> torch.Tensor:

@@ -78,6 +78,12 @@ class ChunkLedger:
     def last_key(self) -> str | None:
         return self.keys[-1] if self.keys else None
 
+    def by_content(self, chunking: ChunkingConfig) -> bool:
+        """Whether the row takes part in non-prefix reuse: it has segment starts or content-defined chunks. Only such
+        a row stores its chunks by content key, and only such a row looks content keys up (approximate hits), so a
+        row that asked for neither gets exact hits only."""
+        return bool(self.segment_starts) or chunking.method == "content"
+
     def extend(self, tokens: Sequence[int], namespace: str, chunking: ChunkingConfig) -> None:
         """Add the chunks that ``tokens`` (the row's real tokens so far, a continuation of what was seen) complete."""
         new_spans = chunk_spans(tokens, chunking, self.end, self.segment_starts)
