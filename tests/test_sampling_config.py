@@ -1,4 +1,5 @@
-"""``SamplingConfig`` refuses a setting outside its range, naming it, and takes every setting inside it."""
+"""``SamplingConfig`` refuses a setting outside its range, naming it, and takes every setting inside it; a row's
+choice survives overflowing scores."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvboost_hf import SamplingConfig
 from kvboost_hf.core.errors import ConfigError
+from kvboost_hf.hf.sampling import build_processors, choose_token
 
 VALID = st.fixed_dictionaries(
     {
@@ -77,3 +80,19 @@ def test_openai_shaped_settings_are_kept_as_tuples():
     hash(config)
     with pytest.raises(ConfigError, match="logit_bias="):
         SamplingConfig(logit_bias=[5])
+
+
+def test_overflowing_scores_take_the_softmax_limit_and_nan_is_refused():
+    """A repetition penalty near 0 divides positive logits into +inf: the draw is then among those tokens alone
+    (it raised inside torch.multinomial and failed every request of the batch); a NaN score is refused by name."""
+    logits = torch.tensor([[2.0, -1.0, 3.0, 0.5, -2.0]])
+    config = SamplingConfig(repetition_penalty=1e-39, seed=0)
+    scores = build_processors(config, prompt_length=3, eos_token_ids=[4])(torch.tensor([[0, 2, 1]]), logits.clone())
+    assert scores[0, 0] == scores[0, 2] == math.inf
+    generator = torch.Generator().manual_seed(0)
+    assert {choose_token(scores, config, generator) for _ in range(40)} == {0, 2}
+    assert choose_token(scores, SamplingConfig(temperature=0), generator) == 0
+    with pytest.raises(ConfigError, match="NaN score"):
+        choose_token(torch.tensor([[1.0, math.nan]]), config, generator)
+    with pytest.raises(ConfigError, match="every token is masked"):
+        choose_token(torch.full((1, 3), -math.inf), config, generator)

@@ -12,6 +12,7 @@ takes the argmax and never divides by its temperature.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -183,10 +184,16 @@ def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
 def choose_token(scores: torch.Tensor, params: SamplingConfig, generator: torch.Generator) -> int:
     """The next token of one row from its processed scores ``[1, V]``: argmax when greedy, else a draw from the
     softmax with ``generator``, a CPU generator whatever the scores' device (the probabilities are moved to the
-    CPU for the draw, so a seed gives the same draws on every device). Raises ValueError when the processors left
-    no token allowed."""
-    if not torch.isfinite(scores).any():
+    CPU for the draw, so a seed gives the same draws on every device). Scores of +inf (a repetition penalty near
+    0 divides a positive logit into overflow) take the softmax's limit: those tokens alone, equally likely. Raises
+    ValueError when the processors left no token allowed or gave a NaN score."""
+    top = float(scores.max())  # one wait for the device: NaN if any score is NaN, -inf if every token is masked
+    if math.isnan(top):
+        raise ConfigError("the sampling settings gave a NaN score (e.g. a penalty that overflows the logits)")
+    if top == -math.inf:
         raise ConfigError("every token is masked: the sampling settings and constraints exclude each other")
+    if top == math.inf:
+        scores = torch.where(scores == math.inf, 0.0, -math.inf)
     if params.greedy:
         return int(greedy_tokens(scores))
     probs = torch.softmax(scores.float(), dim=-1)
