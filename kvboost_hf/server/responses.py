@@ -94,15 +94,23 @@ class Exchange:
             raise ApiError(400, str(exc), param="max_tokens") from exc
 
     async def events(self, watch_disconnect: bool) -> AsyncGenerator[Event, None]:
-        """The job's events until Done or Failed; cancels the job when the consumer stops early."""
+        """The job's events until Done or Failed; cancels the job when the consumer stops early. With
+        ``watch_disconnect`` the client is looked at every :data:`DISCONNECT_POLL_S` seconds, events flowing or not
+        (a client gone from a non-streamed answer stops its generation within that)."""
+        loop = asyncio.get_running_loop()
+        next_look = loop.time() + DISCONNECT_POLL_S
         try:
             while True:
                 try:
                     event = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
                 except TimeoutError:
-                    if watch_disconnect and await self.request.is_disconnected():
+                    event = None
+                if watch_disconnect and loop.time() >= next_look:
+                    next_look = loop.time() + DISCONNECT_POLL_S
+                    if await self.request.is_disconnected():
                         logger.info("client of %s went away; cancelling", self.id)
                         return
+                if event is None:
                     continue
                 yield event
                 if isinstance(event, Done | Failed):
