@@ -9,9 +9,17 @@ import pytest
 import torch
 import xgrammar
 from transformers import AutoTokenizer
+from xgrammar.testing import _is_grammar_accept_string
 
 from kvboost_hf.bench.shapes import tokenizer_dir
-from kvboost_hf.server.grammar import Tool, ToolCallProcessor, _read, tool_call_structure
+from kvboost_hf.server.grammar import (
+    GrammarError,
+    Tool,
+    ToolCallProcessor,
+    _read,
+    compact_json_grammar,
+    tool_call_structure,
+)
 
 WEATHER = Tool("get_weather", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
 
@@ -70,3 +78,28 @@ def test_a_long_tool_answer_decodes_a_bounded_window_per_token_and_ends_on_the_r
     assert repeat_seen < len(answer) and ends_only.index(True) == len(answer)  # right after that end tag
     assert processor.complete_calls == 1 and processor.repeated
     assert json.loads(_read(text, final=True).calls[0].arguments) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize(
+    ("schema", "accepted", "refused"),
+    [
+        ({"type": "object", "required": ["name"]}, '{"name": 1}', "{}"),
+        (
+            {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["name"]},
+            '{"age": 3, "name": "x"}',
+            '{"age": 123}',
+        ),
+        ({"type": "object", "required": ["n"], "additionalProperties": {"type": "integer"}}, '{"n": 1}', '{"n": "a"}'),
+        ({"type": "object", "const": {"required": ["x"]}, "required": []}, '{"required":["x"]}', '{"required":[]}'),
+    ],
+)
+def test_a_required_property_outside_properties_is_in_every_answer(schema, accepted, refused):
+    """xgrammar drops a required name missing from ``properties``, so ``{"required": ["name"]}`` answered ``{}``;
+    the name is added with the schema ``additionalProperties`` gives it (data under ``const`` is left alone)."""
+    grammar = compact_json_grammar(schema)
+    assert _is_grammar_accept_string(grammar, accepted) and not _is_grammar_accept_string(grammar, refused)
+
+
+def test_a_required_property_that_additional_properties_false_forbids_is_refused():
+    with pytest.raises(GrammarError, match="required property 'name' is not in properties and additionalProperties"):
+        compact_json_grammar({"type": "object", "required": ["name"], "additionalProperties": False})

@@ -51,7 +51,7 @@ from transformers import LogitsProcessor, PreTrainedTokenizerBase
 from kvboost_hf.core.errors import KVBoostError, StateError
 from kvboost_hf.hf.detokenize import REPLACEMENT, IncrementalText
 from kvboost_hf.server.grammar_process import CompileDied, CompileFailed, CompilePool, CompileProcess, CompileTimeout
-from kvboost_hf.server.schema_check import certain_schema_problem
+from kvboost_hf.server.schema_check import MAX_DEPTH, certain_schema_problem
 
 TOOL_CALL_BEGIN = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -312,8 +312,42 @@ def compact_json_grammar(schema: dict[str, Any]) -> xgrammar.Grammar:
     """The grammar of JSON valid against ``schema`` written compactly: no whitespace but the single spaces of the
     separators ``", "`` and ``": "`` (as ``json.dumps`` writes them), so a model cannot pad or loop in whitespace.
     Used for ``json_schema`` answers and for tool-call arguments alike. Raises what xgrammar raises for a schema
-    it cannot convert."""
-    return xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    it cannot convert, and GrammarError for a required property that ``additionalProperties: false`` forbids."""
+    return xgrammar.Grammar.from_json_schema(json.dumps(with_required_properties(schema)), any_whitespace=False)
+
+
+_JSON_VALUES = ("const", "enum", "default", "examples")  # keywords whose values are JSON data, not schemas
+
+
+def with_required_properties(node: Any, depth: int = 0) -> Any:
+    """``node`` (a JSON schema) where every object lists each ``required`` name under ``properties``: xgrammar drops
+    a required name it does not find there, so ``{"required": ["name"]}`` gave ``{}``, which fails the schema. A
+    name added this way takes the object's ``additionalProperties`` schema (``{}``, any value, when that is absent
+    or true), which is what the schema asks of it; ``additionalProperties: false`` makes the schema unsatisfiable
+    (GrammarError naming the property). Nodes deeper than :data:`~.schema_check.MAX_DEPTH` are left as they are
+    (their compile decides)."""
+    if depth > MAX_DEPTH:
+        return node
+    if isinstance(node, list):
+        return [with_required_properties(item, depth + 1) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {
+        key: value if key in _JSON_VALUES else with_required_properties(value, depth + 1) for key, value in node.items()
+    }
+    properties, required = out.get("properties", {}), out.get("required", [])
+    if not isinstance(properties, dict) or not isinstance(required, list):
+        return out
+    missing = [name for name in required if isinstance(name, str) and name not in properties]
+    if missing:
+        extra = out.get("additionalProperties", True)
+        if extra is False:
+            raise GrammarError(
+                f"required property {missing[0]!r} is not in properties and additionalProperties is false: no JSON "
+                "object satisfies the schema"
+            )
+        out["properties"] = {**properties, **{name: {} if extra is True else extra for name in missing}}
+    return out
 
 
 def tool_call_structure(tools: Sequence[Tool], required: bool, parallel: bool) -> str:
