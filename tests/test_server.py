@@ -674,6 +674,28 @@ def test_tool_calls_named_required_and_streamed(client):
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_a_stop_string_is_not_reported_as_a_finished_call(client, stream):
+    """A stop string inside the arguments cuts the call (arguments '{"'): the reason is "stop", not "tool_calls"
+    (which says the arguments are a complete call)."""
+    response = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=chat("What is the weather in Paris?"),
+        max_tokens=64,
+        temperature=0,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        stop=["city"],
+        stream=stream,
+    )
+    if stream:
+        finish = [c.finish_reason for chunk in response for c in chunk.choices if c.finish_reason]
+        assert finish == ["stop"]
+    else:
+        choice = response.choices[0]
+        assert choice.finish_reason == "stop" and choice.message.tool_calls[0].function.arguments == '{"'
+
+
 def test_instructor_gets_a_validated_object(server):
     instructor = pytest.importorskip("instructor")
     pydantic = pytest.importorskip("pydantic")

@@ -554,10 +554,12 @@ class ToolCallStream:
     def __init__(self) -> None:
         self.content_sent = 0
         self.arguments_sent: list[int] = []
+        self.calls_complete = False  # the last reading had calls, each of them complete
 
     def update(self, text: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
         """``(new content, new call deltas)``; with ``final`` nothing is held back any more."""
         reading = _read(text, final)
+        self.calls_complete = bool(reading.calls) and all(call.complete for call in reading.calls)
         new_content = reading.content[self.content_sent :]
         self.content_sent = max(self.content_sent, len(reading.content))
         deltas: list[ToolCallDelta] = []

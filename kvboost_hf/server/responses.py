@@ -170,7 +170,7 @@ class Exchange:
         if not calls:
             return {"role": "assistant", "content": content}, reason
         message = {"role": "assistant", "content": content or None, "tool_calls": [_tool_call(c) for c in calls]}
-        return message, _finish_reason(reason, bool(calls))
+        return message, _finish_reason(reason, all(call.complete for call in calls))
 
     # ------------------------------------------------------------------ SSE
     async def _sse(self) -> AsyncIterator[str]:
@@ -199,7 +199,7 @@ class Exchange:
                         yield self._chunk(self._tool_delta_choice(i, delta, call_ids[i]))
                 if isinstance(event, Finished):
                     reason = "length" if event.reason == SHUTDOWN_REASON else event.reason
-                    reason = _finish_reason(reason, bool(calls[i].arguments_sent))
+                    reason = _finish_reason(reason, calls[i].calls_complete)
                     empty: dict[str, Any] = {"delta": {}} if self.chat else {"text": ""}
                     yield self._chunk({"index": i, **empty, "logprobs": None, "finish_reason": reason})
             elif isinstance(event, Done):
@@ -238,9 +238,10 @@ class Exchange:
         return f"data: {json.dumps(chunk)}\n\n"
 
 
-def _finish_reason(reason: str, has_calls: bool) -> str:
-    """A choice's finish reason: "tool_calls" for one that ended by itself with calls; a cut one stays "length"."""
-    return "tool_calls" if has_calls and reason == "stop" else reason
+def _finish_reason(reason: str, calls_complete: bool) -> str:
+    """A choice's finish reason: "tool_calls" for one that ended by itself with calls, each of them complete; one
+    cut (by the token budget: "length", or by a stop string inside a call: "stop") keeps its reason."""
+    return "tool_calls" if calls_complete and reason == "stop" else reason
 
 
 def _call_id() -> str:
