@@ -42,7 +42,7 @@ from kvboost_hf.hf.detokenize import visible_text  # noqa: E402
 from kvboost_hf.hf.sampling import SamplingConfig  # noqa: E402
 from kvboost_hf.scheduling import RequestGroup  # noqa: E402
 from kvboost_hf.server.app import ServerConfig, create_app  # noqa: E402
-from kvboost_hf.server.batching import Delta, Done, Job, JobParams, JobRun  # noqa: E402
+from kvboost_hf.server.batching import Delta, Done, Job, JobParams, JobRun, token_bytes  # noqa: E402
 from kvboost_hf.server.worker import Worker  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -383,6 +383,17 @@ def test_sampling_with_seed_is_reproducible_and_logprobs(client):
     assert len(content) == response.usage.completion_tokens
     assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in content)
     assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)  # greedy = the top token
+    assert b"".join(bytes(entry.bytes) for entry in content) == response.choices[0].message.content.encode()
+
+
+def test_logprob_bytes_join_into_the_text_where_tokens_split_characters(engine):
+    """A byte-level token holding part of a character decodes alone to U+FFFD: its ``bytes`` are its own (they
+    were U+FFFD's three), so joined they give the text (OpenAI's contract)."""
+    text = "👌🏼 これはど Café"
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    raw = token_bytes(engine.tokenizer, engine.tokenizer.decode)
+    assert any(engine.tokenizer.decode([token]) == "\ufffd" for token in ids)
+    assert b"".join(raw(token) for token in ids) == text.encode()
 
 
 def test_warm_then_hit(server, client):

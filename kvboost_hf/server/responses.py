@@ -261,14 +261,19 @@ def _usage(done: Done) -> Usage:
     )
 
 
-def _token_entry(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+def _token_entry(token: str, logprob: float, raw: bytes) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(raw)}
 
 
 def _chat_logprobs(entries: list[TextLogprob]) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs``: each token's text, log-probability and own bytes (which join into the answer's
+    UTF-8 even where a token holds part of a character), and the same of its top alternatives."""
     return {
         "content": [
-            {**_token_entry(e.token, e.logprob), "top_logprobs": [_token_entry(t, lp) for t, lp in e.top]}
+            {
+                **_token_entry(e.token, e.logprob, e.token_bytes),
+                "top_logprobs": [_token_entry(t, lp, raw) for (t, lp), raw in zip(e.top, e.top_bytes, strict=True)],
+            }
             for e in entries
         ]
     }
