@@ -419,6 +419,11 @@ BAD_REQUESTS = {
     "empty messages": ({"model": MODEL_NAME, "messages": []}, 400, "messages"),
     "negative max_tokens": ({"model": MODEL_NAME, "messages": chat("hi"), "max_tokens": -1}, 400, "max_tokens"),
     "absurd max_tokens": ({"model": MODEL_NAME, "messages": chat("hi"), "max_tokens": 10**9}, 400, "context"),
+    "absurd max_completion_tokens": (
+        {"model": MODEL_NAME, "messages": chat("hi"), "max_completion_tokens": 10**9},
+        400,
+        "max_completion_tokens=1000000000",
+    ),
     "temperature too high": ({"model": MODEL_NAME, "messages": chat("hi"), "temperature": 7}, 400, "temperature"),
     "n too large": ({"model": MODEL_NAME, "messages": chat("hi"), "n": 50}, 400, "n="),
     "unknown role": ({"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
@@ -453,7 +458,12 @@ BAD_REQUESTS = {
         "vocab",
     ),
 }
-PARAMS = {"max_tokens as a string": "max_tokens", "stream as a string": "stream", "image part": "messages.0.content"}
+PARAMS = {
+    "absurd max_completion_tokens": "max_completion_tokens",
+    "max_tokens as a string": "max_tokens",
+    "stream as a string": "stream",
+    "image part": "messages.0.content",
+}
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))

@@ -223,23 +223,25 @@ class Admission:
         self, body: ChatCompletionRequest | CompletionRequest, prompt_tokens: int, max_tokens: int | None
     ) -> int:
         """``max_tokens`` checked against the batch size, the server's limit and the context left after the
-        prompt (400s naming the field), or the server's default that fits."""
+        prompt (400s naming the field the request used: ``max_completion_tokens`` or ``max_tokens``), or the
+        server's default that fits."""
         settings = self.settings
+        field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
         if body.n > settings.max_batch_size:
             raise ApiError(400, f"n={body.n} exceeds the server's max batch size {settings.max_batch_size}", param="n")
         room = self.engine.max_context - prompt_tokens if self.engine.max_context else None
         limit = settings.max_tokens_limit
         if max_tokens is not None and limit is not None and max_tokens > limit:
-            raise ApiError(400, f"max_tokens={max_tokens} exceeds this server's limit of {limit}", param="max_tokens")
+            raise ApiError(400, f"{field}={max_tokens} exceeds this server's limit of {limit}", param=field)
         if max_tokens is None:
             max_tokens = min(settings.default_max_tokens, limit or settings.default_max_tokens, room or 2**31)
             max_tokens = max(max_tokens, 1)
         if room is not None and max_tokens > room:
             raise ApiError(
                 400,
-                f"prompt of {prompt_tokens} tokens + max_tokens={max_tokens} exceeds the context of "
+                f"prompt of {prompt_tokens} tokens + {field}={max_tokens} exceeds the context of "
                 f"{self.engine.max_context} tokens",
-                param="max_tokens",
+                param=field,
                 code="context_length_exceeded",
             )
         return max_tokens
