@@ -33,7 +33,7 @@ def install_generate_dispatch() -> None:
         return original(self, *args, **kwargs)
 
     setattr(generate, _MARK, True)
-    GenerationMixin.generate = generate  # type: ignore[method-assign]
+    GenerationMixin.generate = generate
 
 
 install_generate_dispatch()  # importing this module installs it (kvboost_hf's import arranges that it is imported)
