@@ -233,9 +233,11 @@ class CountingBackend:
 
 
 def reuse_caches(store: ChunkStore | None, model, **options) -> Callable[[tuple[int, ...]], ChunkReuseCache] | None:
-    """A loop's cache factory: chunk-reuse caches on ``store`` built for the rows' segment starts (None: plain K/V)."""
+    """A loop's cache factory: chunk-reuse caches on ``store`` built for the rows' segment starts (None: plain K/V),
+    in the engine's default mode (``chunk_kv_reuse``, as :meth:`Factories.new_cache` builds them) unless given."""
     if store is None:
         return None
+    options = {"mode": GenerationMode.CHUNK_KV_REUSE, **options}
     return lambda starts: ChunkReuseCache(store, model, DECODE_CHUNKING, segment_starts=starts, **options)
 
 

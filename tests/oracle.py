@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
+from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.prefill import RowReuse
 from kvboost_hf.hf.sampling import SamplingConfig
@@ -172,6 +173,7 @@ def cache_reference(engine, prompt, max_new_tokens: int, *, cache_salt: str | No
         engine.model,
         engine.chunking,
         engine.repair,
+        mode=GenerationMode.CHUNK_KV_REUSE,
         cache_salt=cache_salt,
         segment_starts=starts,
         write_back=False,

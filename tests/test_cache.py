@@ -314,22 +314,20 @@ def test_use_cache_false_records_and_stores_nothing():
     assert cache.num_columns == 0 and store.stats()["puts"] == 0
 
 
-def test_only_a_row_with_segments_or_content_chunks_takes_approximate_hits():
-    """A plain drop-in cache is exact even when the store holds the same document by content key (stored by a
-    request with segments): it found them at a new position and gave other tokens than plain generate()."""
+def test_a_drop_in_cache_is_exact_unless_asked_for_approximate_hits():
+    """By default a drop-in cache takes exact prefix hits only, even where the store holds the same document by
+    content key (stored by a request with segments): it found them at a new position and gave other tokens than
+    plain generate(). ``mode="chunk_kv_reuse"`` takes them."""
     model = make_tiny_model("llama", seed=10)
     model.generation_config.eos_token_id = None
     store = ChunkStore(StoreConfig(1 << 26))
     document, question = _tokens(24, 16), _tokens(8, 17)
-    _generate(
-        model,
-        torch.cat([_tokens(8, 14), document, question], 1),
-        ChunkReuseCache(store, model, 8, segment_starts=[0, 8, 32]),
-    )
+    first = torch.cat([_tokens(8, 14), document, question], 1)
+    _generate(model, first, ChunkReuseCache(store, model, 8, mode="chunk_kv_reuse", segment_starts=[0, 8, 32]))
     prompt = torch.cat([_tokens(8, 15), document, question], 1)
-    plain_cache = ChunkReuseCache(store, model, 8, write_back=False)
-    assert torch.equal(_generate(model, prompt, plain_cache), _generate(model, prompt))
-    assert plain_cache.last_reuse[0].approx_tokens == 0
-    segmented = ChunkReuseCache(store, model, 8, segment_starts=[0, 8, 32])
-    _generate(model, prompt, segmented)
-    assert segmented.last_reuse[0].approx_tokens > 0
+    exact = ChunkReuseCache(store, model, 8, write_back=False)
+    assert torch.equal(_generate(model, prompt, exact), _generate(model, prompt))
+    assert exact.last_reuse[0].approx_tokens == 0
+    approximate = ChunkReuseCache(store, model, 8, mode="chunk_kv_reuse")
+    _generate(model, prompt, approximate)
+    assert approximate.last_reuse[0].approx_tokens > 0

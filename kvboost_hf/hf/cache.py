@@ -75,7 +75,13 @@ class ChunkReuseCache(Cache):
         model: the model this cache serves (its identity and dtype name the store namespace).
         chunking: a :class:`ChunkingConfig`, an int for fixed chunks of that many tokens, or None for its defaults.
         repair: how approximate (content-key) hits are repaired (:class:`RepairConfig`).
-        mode: a :class:`GenerationMode`.
+        mode: a :class:`GenerationMode`. ``"prefix_cache"`` takes exact prefix hits only: output as plain
+            ``generate()``'s. ``"chunk_kv_reuse"`` also takes approximate hits (chunks stored by content key:
+            segments, content-defined chunks, ``engine.warm``; found after the first prefix miss, at a new position,
+            then repaired per ``repair``) and stores this cache's segments by content key. None (the default):
+            ``"chunk_kv_reuse"`` when the cache is given ``segment_starts``, content-defined ``chunking`` or a
+            ``repair`` config (each asks for non-prefix reuse), else ``"prefix_cache"``: a plain drop-in cache is
+            exact even on a store where other requests stored text by content key.
         cache_salt: tenant isolation; caches with different salts never see each other's chunks.
         segment_starts: token offsets where a new segment (document, question) starts in the prompt of the rows of
             this cache's first forward: each starts a chunk, and those rows' chunks are also stored by content key
@@ -103,7 +109,7 @@ class ChunkReuseCache(Cache):
         chunking: ChunkingConfig | int | None = None,
         repair: RepairConfig | None = None,
         *,
-        mode: GenerationMode | str = GenerationMode.CHUNK_KV_REUSE,
+        mode: GenerationMode | str | None = None,
         cache_salt: str | None = None,
         segment_starts: list[int] | tuple[int, ...] = (),
         write_back: bool = True,
@@ -114,8 +120,8 @@ class ChunkReuseCache(Cache):
         self.max_cache_len = max_cache_len
         self.store = store
         self.model = model
-        self.mode = GenerationMode(mode)
         self.chunking = ChunkingConfig.of(chunking)
+        self.mode = GenerationMode(mode if mode is not None else default_mode(self.chunking, repair, segment_starts))
         self.repair = repair or RepairConfig()
         implementation = model.config._attn_implementation
         if self.repair.adjusts_attention and implementation != ATTN_IMPLEMENTATION:
@@ -578,6 +584,15 @@ def prompt_padding_mask(mask: torch.Tensor | dict | None, prompt_length: int) ->
     diagonal = mask[:, 0].diagonal(dim1=-2, dim2=-1)  # [B, prompt_length]: query j on column j
     attended = diagonal if diagonal.dtype == torch.bool else diagonal == 0
     return attended.long()
+
+
+def default_mode(
+    chunking: ChunkingConfig, repair: RepairConfig | None, segment_starts: Sequence[int]
+) -> GenerationMode:
+    """The mode of a cache given none: non-prefix reuse when its settings ask for it (segment starts,
+    content-defined chunks or a repair config), else exact prefix reuse."""
+    asks = bool(segment_starts) or chunking.method == "content" or repair is not None
+    return GenerationMode.CHUNK_KV_REUSE if asks else GenerationMode.PREFIX_CACHE
 
 
 def column_layout(mask: torch.Tensor | dict | None, columns: int) -> torch.Tensor | None:

@@ -194,12 +194,7 @@ class ChunkPrefiller:
 
     def _plan(self, cache: PrefillTarget, full: torch.Tensor, limit: int) -> ReusePlan:
         cached = cache.num_columns
-        sparse_possible = (
-            cached == 0
-            and full.shape[0] == 1
-            and self.rotator is not None
-            and cache.ledgers[0].by_content(cache.chunking)
-        )
+        sparse_possible = cached == 0 and full.shape[0] == 1 and self.rotator is not None
         return plan_reuse(
             cache.store,
             cache.ledgers,

@@ -79,9 +79,8 @@ class ChunkLedger:
         return self.keys[-1] if self.keys else None
 
     def by_content(self, chunking: ChunkingConfig) -> bool:
-        """Whether the row takes part in non-prefix reuse: it has segment starts or content-defined chunks. Only such
-        a row stores its chunks by content key, and only such a row looks content keys up (approximate hits), so a
-        row that asked for neither gets exact hits only."""
+        """Whether the row's chunks are also stored by content key: it has segment starts or content-defined
+        chunks (text that may reappear elsewhere with the same chunk boundaries)."""
         return bool(self.segment_starts) or chunking.method == "content"
 
     def extend(self, tokens: Sequence[int], namespace: str, chunking: ChunkingConfig) -> None:
