@@ -350,3 +350,20 @@ def test_server_seeded_request_gets_the_same_tokens_alone_batched_and_with_a_dra
         assert texts == [reference, *expected]
         assert metric(server, "kvboost_draft_tokens_proposed_total") > proposed
         assert metric(server, "kvboost_batch_size_count") == batches + 1  # one batch (later arrivals join it)
+
+
+@pytest.mark.parametrize("draft", ["early_exit", "noisy"])
+def test_a_prompt_joining_rows_on_their_last_token_keeps_the_draft_aligned(draft):
+    """Rows with one token left take a plain step (nothing to draft); the draft is fed it too, so a prompt joined
+    next pads target and draft alike (the draft was a column short: the next round's draft forward raised)."""
+    model = make_tiny_model("llama", seed=0)
+    options = (
+        {"draft": DraftConfig(3, early_exit_layers=1)}
+        if draft == "early_exit"
+        else {"draft_model": noisy_copy(model, 0.3, 1), "draft": DraftConfig(3)}
+    )
+    engine = KVBoost(model, word_tokenizer(), chunking=8, **options)
+    prompts = [words(3, 3), words(118, 18), words(219, 19)]
+    together = engine.generate_many(prompts, 8, mode="baseline", max_batch_size=2)
+    alone = [engine.generate(prompt, 8, mode="baseline") for prompt in prompts]
+    assert [r.output_ids for r in together] == [r.output_ids for r in alone]

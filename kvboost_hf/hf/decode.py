@@ -534,6 +534,8 @@ class DecodeLoop:
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.running), 1)], dim=1)
         self.positions = self.positions + 1
         logits = self.router.decode(self.cache, self.running, self.mask, self.positions)
+        if self.draft is not None and self.draft.cache is not None:  # it keeps the target's columns (its invariant)
+            self.draft.follow(self.running, self.mask, self.positions)
         self._save(tail=False)
         return sample(self.running, logits)
 

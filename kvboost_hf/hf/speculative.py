@@ -527,6 +527,13 @@ class Drafter:
         self.cached_tokens += [entry.cached_tokens for entry in reuse]
         return logits
 
+    def follow(self, rows: Sequence[Any], mask: torch.Tensor, positions: torch.Tensor) -> None:
+        """Feed the draft what a plain (not speculative) target step fed: each row's last token at ``positions``
+        ``[B]`` under ``mask`` ``[B, C]`` (its new column included), so the draft cache keeps the target's columns
+        (a prompt joined next pads both alike; a draft one column short failed the next round's forward)."""
+        last = torch.tensor([[row.tokens[-1]] for row in rows], dtype=torch.long).to(mask.device, non_blocking=True)
+        self.forward(last, mask, positions[:, None])
+
     def propose(
         self,
         last: torch.Tensor,
