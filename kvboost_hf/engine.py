@@ -28,6 +28,7 @@ from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.errors import ConfigError, InputError
 from kvboost_hf.core.keys import model_digest
+from kvboost_hf.core.values import is_integer
 from kvboost_hf.engine_core import EngineCore
 from kvboost_hf.factories import Factories
 from kvboost_hf.hf.attention import ATTN_IMPLEMENTATION
@@ -65,12 +66,14 @@ def sampling_params(
     """
     shorthands = {"temperature": temperature, "do_sample": do_sample, "top_p": top_p, "seed": seed}
     given = [name for name, value in shorthands.items() if value is not None]
-    if sampling is not None:
+    if isinstance(sampling, SamplingConfig):
         if given:
             raise ConfigError(f"give sampling= or the shorthands {given}, not both: put them in the SamplingConfig")
         return sampling
-    temperature = 1.0 if temperature is None else float(temperature)
-    top_p = 1.0 if top_p is None else float(top_p)
+    if sampling is not None and not isinstance(sampling, SamplingConfig):
+        raise ConfigError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+    temperature = 1.0 if temperature is None else temperature
+    top_p = 1.0 if top_p is None else top_p
     return SamplingConfig(temperature=temperature if do_sample else 0.0, top_p=top_p, seed=seed)
 
 
@@ -149,11 +152,21 @@ class GenerateOptions:
     decoding: SamplingConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if not all(isinstance(stop, str) and stop for stop in stops):
+        """Refuse an option of the wrong type or range (:class:`~kvboost_hf.core.errors.ConfigError` naming it)."""
+        stops = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if stops is not None and not (
+            isinstance(stops, (list, tuple)) and all(isinstance(stop, str) and stop for stop in stops)
+        ):
             raise ConfigError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and self.logprobs >= 0):
+        if self.logprobs is not None and not (is_integer(self.logprobs) and self.logprobs >= 0):
             raise ConfigError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+        if not _is_mode(self.mode):
+            names = ", ".join(repr(mode.value) for mode in GenerationMode)
+            raise ConfigError(f"mode must be one of {names}, got {self.mode!r}")
+        if self.cancel is not None and not callable(getattr(self.cancel, "is_set", None)):
+            raise ConfigError(f"cancel must be a threading.Event (or None), got {type(self.cancel).__name__}")
+        if self.repair is not None and not isinstance(self.repair, RepairConfig):
+            raise ConfigError(f"repair must be a RepairConfig, got {type(self.repair).__name__}")
         decoding = sampling_params(
             self.sampling, temperature=self.temperature, do_sample=self.do_sample, top_p=self.top_p, seed=self.seed
         )
@@ -175,6 +188,15 @@ class GenerateOptions:
             )
             for ids, starts in encoded
         ]
+
+
+def _is_mode(value: object) -> bool:
+    """Whether ``value`` names a :class:`GenerationMode` (a member, its value or an accepted alias)."""
+    try:
+        GenerationMode(value)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 class InferenceEngine:
@@ -424,7 +446,7 @@ class InferenceEngine:
         sampled with ``seed`` as if alone. ``on_token(row, token)`` is called as each token exists; the other
         options are :class:`GenerateOptions`'. With a draft every row is decoded speculatively; its tokens are
         those it gets without one. A row's TTFT is measured from the call (tokenizing included)."""
-        if not prompts:
+        if isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes, bytearray)) and not prompts:
             raise InputError("prompts is empty")
         options = GenerateOptions(
             max_new_tokens=max_new_tokens, mode=mode, temperature=temperature, do_sample=do_sample, top_p=top_p,
@@ -492,6 +514,10 @@ class InferenceEngine:
         ``on_token(index, token)`` after each token of input ``index``. A row's TTFT runs from the call (tokenizing
         included) when it was admitted in the first step, else from its first admission."""
         started = time.perf_counter()
+        if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Sequence):
+            raise InputError(f"prompts must be a list of prompts, got {type(prompts).__name__} (one: use generate)")
+        self.prompts.check_token_ids([token for token, _ in options.decoding.logit_bias], "logit_bias token ids")
+        self.prompts.check_token_ids(options.decoding.stop_token_ids, "stop_token_ids")
         encoded = [self.prompts.encode_segments(prompt) for prompt in prompts]
         for ids, _ in encoded:
             self.prompts.check_length(len(ids), options.max_new_tokens)

@@ -50,8 +50,9 @@ class GenerationResult:
 class WarmResult:
     """What :meth:`~kvboost_hf.engine.InferenceEngine.warm` stored.
 
-    Only full chunks are stored; ``partial_tail_tokens`` after the last full chunk are not, and
-    ``alignment_warning`` says so when they exist.
+    ``chunks_stored`` counts every entry written: the full chunks and the unfinished last chunk (its
+    ``partial_tail_tokens``, stored under its prefix key and reused by a prompt that continues the text with them);
+    ``alignment_warning`` says where such a partial chunk hits.
     """
 
     chunks_stored: int

@@ -70,6 +70,17 @@ def test_warm_reports_alignment(embedded_engine):
     assert follow.cached_tokens == (len(ids) // 64) * 64
 
 
+def test_warm_stores_the_unfinished_last_chunk_of_token_ids_and_says_so(embedded_engine):
+    """Token ids are stored with their partial last chunk (the report said it was not stored, and it was hit)."""
+    salt = uuid.uuid4().hex
+    ids = embedded_engine.encode(documents()[1][1])[:70]
+    result = embedded_engine.warm(ids, cache_salt=salt)
+    assert result.chunks_stored == 2 and result.partial_tail_tokens == 6
+    assert "stored as an unfinished chunk" in result.alignment_warning
+    follow = embedded_engine.generate([*ids, *embedded_engine.encode(" In short,")[1:]], 2, cache_salt=salt)
+    assert follow.cached_tokens == 70
+
+
 def test_batch_equals_each_prompt_alone(embedded_engine):
     shared = documents()[3][1][:700]
     prompts = [shared + "\nQ: name one class.\nA:", shared + "\nQ: what is this module for? Be brief.\nA:"]
@@ -137,6 +148,19 @@ def test_result_fields_and_stats(embedded_engine):
         ("hello", {"stop": ""}, "stop must be a non-empty string"),
         ("hello", {"stop": ["ok", None]}, "stop must be a non-empty string"),
         ("hello", {"logprobs": -1}, "logprobs must be"),
+        ("hello", {"logprobs": True}, "logprobs must be"),
+        ("hello", {"stop": 5}, "stop must be"),
+        ("hello", {"temperature": "hot", "do_sample": True}, "temperature='hot'"),
+        ("hello", {"seed": 2**70}, "seed="),
+        ("hello", {"sampling": {"temperature": 0}}, "sampling must be a SamplingConfig"),
+        ("hello", {"cancel": True}, "cancel must be a threading.Event"),
+        ("hello", {"repair": "selective"}, "repair must be a RepairConfig"),
+        ("hello", {"mode": "fast"}, "mode must be one of"),
+        ("hello", {"sampling": SamplingConfig(logit_bias={10**6: 1.0})}, "logit_bias token ids"),
+        ("hello", {"sampling": SamplingConfig(stop_token_ids=(10**6,))}, "stop_token_ids"),
+        (b"Hello", {}, "got bytes"),
+        ([{"role": "user", "content": None}], {}, "message 0: role must be a string and content"),
+        ([{"role": 3, "content": "hi"}], {}, "message 0: role must be a string"),
     ],
 )
 def test_bad_input_is_refused_and_store_unchanged(embedded_engine, prompt, kwargs, message):
@@ -160,6 +184,17 @@ def test_generate_many_of_no_prompts_is_empty_and_generate_batch_refuses_them(em
     assert embedded_engine.generate_many([]) == []
     with pytest.raises(ValueError, match="prompts is empty"):
         embedded_engine.generate_batch([])
+    for call in (embedded_engine.generate_batch, embedded_engine.generate_many):  # not one prompt per character
+        with pytest.raises(ValueError, match="prompts must be a list of prompts, got str"):
+            call("Hello", 2)
+    with pytest.raises(ValueError, match="got NoneType"):
+        embedded_engine.generate_many(None)
+
+
+def test_more_logprobs_than_the_vocabulary_are_all_of_it(embedded_engine):
+    vocabulary = embedded_engine.model.config.vocab_size
+    result = embedded_engine.generate("Hello", max_new_tokens=1, logprobs=vocabulary + 5)
+    assert len(result.top_logprobs[0]) == vocabulary
 
 
 def test_bad_settings_are_refused(embedded_engine):

@@ -81,12 +81,10 @@ class PromptEncoder:
         segments (:func:`~kvboost_hf.hf.chat_segments.encode_chat_segments`: the ids never depend on it).
         Token ids are used as given (each must be in the model's vocabulary).
         """
-        if not isinstance(prompt, (str, Sequence)):
+        if not isinstance(prompt, (str, Sequence)) or isinstance(prompt, (bytes, bytearray)):
             raise InputError(f"{_PROMPT_FORMS}, got {type(prompt).__name__}")
         if not isinstance(prompt, str) and _token_ids(items := list(prompt)):
-            vocab = self.model.config.get_text_config(decoder=True).vocab_size
-            if bad := [token for token in items if not 0 <= token < vocab]:
-                raise InputError(f"token ids {bad[:5]} are outside the model's vocabulary of {vocab}")
+            self.check_token_ids(items, "token ids")
             return items, []
         if isinstance(prompt, str):
             return self.tokenize(prompt, add_special_tokens=True), []
@@ -110,6 +108,12 @@ class PromptEncoder:
         if not ids:
             raise InputError("prompt is empty")
         return ids, starts
+
+    def check_token_ids(self, ids: Sequence[int], what: str) -> None:
+        """Raise InputError naming ``what`` when an id of ``ids`` is outside the model's vocabulary."""
+        vocab = self.model.config.get_text_config(decoder=True).vocab_size
+        if bad := [token for token in ids if not 0 <= token < vocab]:
+            raise InputError(f"{what} {bad[:5]} are outside the model's vocabulary of {vocab}")
 
     def encode(self, prompt: Prompt, *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered prompt; raises on an empty prompt."""
@@ -154,9 +158,18 @@ class PromptEncoder:
 
 
 def _chat_messages(items: list[Any]) -> list[dict[str, Any]]:
-    """``items`` checked as chat messages (a dict with a role and a content each); raises InputError otherwise."""
+    """``items`` checked as chat messages (a dict with a role and a content each: a string role, a string content
+    or a list of string parts); raises InputError otherwise, naming the first message that is not."""
     if not items or not all(isinstance(m, dict) and "role" in m and "content" in m for m in items):
         raise InputError(_PROMPT_FORMS)
+    for index, message in enumerate(items):
+        content = message["content"]
+        parts = isinstance(content, (list, tuple)) and all(isinstance(part, str) for part in content)
+        if not isinstance(message["role"], str) or not (isinstance(content, str) or parts):
+            raise InputError(
+                f"message {index}: role must be a string and content a string or a list of strings, got role "
+                f"{type(message['role']).__name__} and content {type(content).__name__}"
+            )
     return items
 
 

@@ -276,11 +276,11 @@ def sampled(
     rows: Sequence[DecodeRow], logits: torch.Tensor, chosen: torch.Tensor
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """The ``chosen`` ids ``[N]`` (on the logits' device) as ints, and for each row that asked for
-    log-probabilities its chosen token's and top ``k`` under the unscaled distribution of its logits ``[N, V]``
-    (None for the others): computed on the device, brought to the host in one transfer."""
+    log-probabilities its chosen token's and top ``k`` (at most ``V``) under the unscaled distribution of its
+    logits ``[N, V]`` (None for the others): computed on the device, brought to the host in one transfer."""
     asks = [i for i, row in enumerate(rows) if row.request.top_logprobs is not None]
     parts = [chosen.double()]
-    top = max((rows[i].request.top_logprobs or 0 for i in asks), default=0)
+    top = min(max((rows[i].request.top_logprobs or 0 for i in asks), default=0), logits.shape[-1])  # k <= V
     if asks:
         index = to_device(asks, logits.device)
         log_probs = torch.log_softmax((logits if len(asks) == len(rows) else logits[index]).float(), dim=-1)
@@ -292,7 +292,7 @@ def sampled(
     found: list[TokenLogprob | None] = [None] * count
     values_at, ids_at = count + len(asks), count + len(asks) * (1 + top)
     for slot, i in enumerate(asks):
-        k = rows[i].request.top_logprobs or 0
+        k = min(rows[i].request.top_logprobs or 0, top)
         pairs = tuple((int(host[ids_at + slot * top + j]), host[values_at + slot * top + j]) for j in range(k))
         found[i] = TokenLogprob(tokens[i], host[count + slot], pairs)
     return tokens, found

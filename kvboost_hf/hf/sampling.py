@@ -102,7 +102,12 @@ class SamplingConfig:
                     "token ids >= 0",
                     all(is_integer(t) and t >= 0 for t in self.stop_token_ids),
                 ),
-                ("seed", self.seed, "an integer or None", self.seed is None or is_integer(self.seed)),
+                (
+                    "seed",
+                    self.seed,
+                    "an integer in [-2**63, 2**64) or None",
+                    self.seed is None or (is_integer(self.seed) and -(2**63) <= self.seed < 2**64),
+                ),
             )
             if not ok
         ]

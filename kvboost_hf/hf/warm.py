@@ -94,8 +94,8 @@ class PromptWarmer:
         warning = None
         if tail:
             warning = (
-                f"the last {tail} of {len(ids)} tokens do not fill a chunk of {chunking.chunk_size} and are not "
-                "stored; later prompts recompute them"
+                f"the last {tail} of {len(ids)} tokens do not fill a chunk of {chunking.chunk_size}: they are stored "
+                "as an unfinished chunk, which a later prompt hits where it continues this text with them"
             )
         elif partial:
             warning = (
