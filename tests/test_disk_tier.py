@@ -4,6 +4,7 @@ killed with SIGKILL) never yields wrong K/V nor fails the caller."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from helpers import ENV, assert_same, key, make_entry, run_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.store import codec
 from kvboost_hf.store.disk import DiskTier
 
@@ -534,3 +536,43 @@ def test_malformed_metadata_never_reaches_the_caller(tier: DiskTier):
         tier.put(key(i), make_entry(tokens=1500, seed=i))  # 576 KB records: each one forces evictions
         assert tier.flush()
     assert tier.errors == 0 and tier.contains(key(7)) and tier.nbytes <= tier.max_bytes
+
+
+def test_an_entry_no_record_can_hold_is_lost_alone_and_flush_says_so(tier: DiskTier):
+    """The codec refuses int32 K/V: that entry is counted lost (flush False); its batch-mates are committed (the
+    batch was lost and flush said True)."""
+    bad = ChunkKV(torch.zeros(2, 3, 4, 8, dtype=torch.int32), torch.zeros(2, 3, 4, 8, dtype=torch.int32))
+    for i in range(6):
+        tier.put(key(i), bad if i == 3 else make_entry(seed=i))
+    assert not tier.flush(5)
+    assert tier.stats()["lost"] == 1 and sorted(tier.indexed_keys()) == sorted(key(i) for i in (0, 1, 2, 4, 5))
+    assert tier.flush(5)  # counted once
+
+
+def test_an_entry_larger_than_the_tier_is_counted_lost(tmp_path: Path):
+    with contextlib.closing(DiskTier(tmp_path, max_bytes=4096)) as tier:
+        tier.put(key(1), make_entry(tokens=64))
+        assert not tier.flush(5) and tier.stats()["lost"] == 1 and tier.indexed_keys() == []
+
+
+def test_a_damaged_record_put_again_is_replaced(tmp_path: Path):
+    """A read finds a record damaged (a miss; its delete is queued) and the chunk, recomputed, is put again before
+    the delete ran: the put replaces the damaged record (it was skipped as stored, and every later read missed)."""
+    with contextlib.closing(DiskTier(tmp_path, max_bytes=1 << 22)) as tier:
+        tier.put(key(1), make_entry(seed=1))
+        assert tier.flush(5)
+    record = bytes(codec.encode(key(1), make_entry(seed=1)))
+    data = bytearray((tmp_path / "data.mdb").read_bytes())
+    at = data.find(record[200:264])
+    data[at + 10] ^= 0xFF
+    (tmp_path / "data.mdb").write_bytes(data)
+    with contextlib.closing(DiskTier(tmp_path, max_bytes=1 << 22)) as tier:
+        for i in range(100, 300):  # a busy writer: the delete still waits in the queue
+            tier.put(key(i), make_entry(seed=i))
+        assert tier.get(key(1)) is None and tier.corrupt == 1
+        tier.put(key(1), make_entry(seed=1))
+        assert tier.flush(30)
+    with contextlib.closing(DiskTier(tmp_path, max_bytes=1 << 22)) as tier:
+        got = tier.get(key(1))
+        assert got is not None and tier.corrupt == 0
+        assert_same(got, make_entry(seed=1))

@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import TESTS_DIR, RedisServer, assert_same, key, make_entry
 
+from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.store import codec
 from kvboost_hf.store.remote import RemoteTier
 
@@ -293,3 +294,30 @@ def test_hmac_refuses_records_forged_without_the_secret(redis_server: RedisServe
     finally:
         sealed.close(timeout_s=2)
         other_secret.close(timeout_s=2)
+
+
+def test_clear_leaves_a_longer_prefix_alone(remote: RemoteTier, redis_server: RedisServer):
+    """A tenant whose prefix extends this one ("kvboost:" and "kvboost:tenant-b:") keeps its records."""
+    other = RemoteTier(redis_server.url, prefix="kvboost:tenant-b:")
+    try:
+        remote.put(key(1), make_entry())
+        other.put(key(2), make_entry(seed=2))
+        remote.note_tail(key(1), frozenset({3}))
+        assert remote.flush(5) and other.flush(5)
+        remote.clear()
+        assert remote.get(key(1)) is None and remote.tail_lengths(key(1)) == set()
+        assert other.get(key(2)) is not None
+    finally:
+        other.clear()
+        other.close()
+
+
+def test_an_entry_no_record_can_hold_is_lost_alone(remote: RemoteTier):
+    """An entry the codec refuses (int32 K/V) is counted lost; its batch-mates are written (the whole batch was
+    lost and nothing counted)."""
+    bad = ChunkKV(torch.zeros(2, 3, 4, 8, dtype=torch.int32), torch.zeros(2, 3, 4, 8, dtype=torch.int32))
+    for i in range(6):
+        remote.put(key(i), bad if i == 3 else make_entry(seed=i))
+    remote.flush(5)
+    assert [remote.get(key(i)) is not None for i in range(6)] == [True, True, True, False, True, True]
+    assert remote.dropped == 1

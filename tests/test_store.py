@@ -7,6 +7,8 @@ import threading
 import numpy as np
 import pytest
 import torch
+from helpers import key as chunk_key
+from helpers import raw_entry
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -129,3 +131,24 @@ def test_settings_of_the_wrong_type_or_range_are_refused_by_name(settings, messa
 
 def test_numpy_integers_are_byte_counts():
     assert StoreConfig(max_bytes=np.int64(1 << 20)).max_bytes == 1 << 20
+
+
+def test_an_entry_the_unpinned_entries_cannot_make_room_for_evicts_nothing():
+    """Two of three slots pinned, an entry of two slots: refused at once (an unpinned entry was evicted first)."""
+    size = raw_entry().nbytes
+    store = ChunkStore(StoreConfig(3 * size))
+    for i in range(3):
+        store.put(chunk_key(i), raw_entry(seed=i))
+    store.pin(chunk_key(0))
+    store.pin(chunk_key(1))
+    store.put(chunk_key(9), raw_entry(tokens=32, seed=9))
+    assert not store.ram.contains(chunk_key(9)) and store.ram.contains(chunk_key(2))
+    assert store.stats()["rejected"] == 1 and store.stats()["evictions"] == 0
+
+
+def test_an_entry_no_tier_can_encode_is_skipped_before_any_tier():
+    """int32 K/V: skipped (counted), so it never joins, and fails, a disk or Redis batch."""
+    store = ChunkStore(StoreConfig(1 << 20))
+    integers = torch.zeros(1, 2, 4, 8, dtype=torch.int32)
+    store.put(chunk_key(1), ChunkKV(integers, integers))
+    assert store.stats()["skipped"] == 1 and not store.ram.contains(chunk_key(1))

@@ -173,6 +173,9 @@ class FrequencyRecencyOrder:
     def is_pinned(self, key: str) -> bool:
         return key in self._pinned
 
+    def pinned_keys(self) -> frozenset[str]:
+        return frozenset(self._pinned)
+
     def pop_victim(self) -> str | None:
         """Stop tracking and return the next unpinned key to evict; None if every key is pinned."""
         while self._heap:

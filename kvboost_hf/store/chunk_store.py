@@ -35,6 +35,7 @@ import torch
 
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.errors import ArgumentTypeError
+from kvboost_hf.store import codec
 from kvboost_hf.store.base import CLOSE_TIMEOUT_S, StorageTier, StoredChunk
 from kvboost_hf.store.config import StoreConfig
 from kvboost_hf.store.quantization import QuantizedChunk, quantize_chunk
@@ -190,18 +191,20 @@ class ChunkStore:
 
     def put(self, key: str, entry: ChunkKV) -> None:
         """Store ``entry`` under ``key`` (quantized if configured) in RAM, and queue it for every lower tier;
-        a key already in RAM is only touched. A chunk that cannot be quantized is skipped (counted)."""
+        a key already in RAM is only touched. A chunk that cannot be quantized, or whose dtypes no tier can encode
+        (:func:`~kvboost_hf.store.codec.storable`: it would fail the disk or Redis batch it joined), is skipped
+        (counted in ``skipped``): storing is optional, serving is not."""
         stored: StoredChunk
+        if not codec.storable(entry):
+            self._skip(key, f"unsupported K/V dtypes {entry.keys.dtype}, {entry.values.dtype}")
+            return
         if self.kv_cache_bits == 16:
             stored = self._place(entry)
         else:
             try:
                 stored = quantize_chunk(entry.keys, entry.values, self.kv_cache_bits, self.kv_group_size)
-            except ValueError as exc:  # inf/NaN or beyond float16 statistics: storing is optional, serving is not
-                with self._lock:
-                    self._stats.skipped += 1
-                    first, self._skip_logged = not self._skip_logged, True
-                logger.log(logging.WARNING if first else logging.DEBUG, "chunk %s not stored: %s", key[:12], exc)
+            except ValueError as exc:  # inf/NaN or beyond float16 statistics
+                self._skip(key, str(exc))
                 return
             stored = self._place(stored)
         with self._lock:
@@ -220,6 +223,13 @@ class ChunkStore:
         for tier in lower:
             if not tier.local:
                 tier.put(key, stored)
+
+    def _skip(self, key: str, reason: str) -> None:
+        """Count a chunk not stored (``skipped``); the first is a warning, later ones debug lines."""
+        with self._lock:
+            self._stats.skipped += 1
+            first, self._skip_logged = not self._skip_logged, True
+        logger.log(logging.WARNING if first else logging.DEBUG, "chunk %s not stored: %s", key[:12], reason)
 
     def note_tail(self, parent_key: str | None, num_tokens: int) -> None:
         """Remember that a partial chunk of ``num_tokens`` tokens was stored after ``parent_key`` (None: at the

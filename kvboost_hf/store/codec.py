@@ -119,6 +119,32 @@ def encode(key: str, entry: StoredChunk) -> bytearray:
     return record
 
 
+def storable(entry: StoredChunk) -> bool:
+    """Whether :func:`encode` takes ``entry``'s K/V dtypes (a quantized entry's: those it was quantized from)."""
+    return entry.keys.dtype in _DTYPE_CODES and entry.values.dtype in _DTYPE_CODES
+
+
+def encode_each(items: list[tuple[str, StoredChunk]]) -> tuple[list[tuple[str, bytearray]], list[str]]:
+    """:func:`encode` of each ``(key, entry)``: the records, and the keys of the entries it refused (a tier writes
+    the others of a batch: one bad entry does not take its batch-mates down with it)."""
+    records, refused = [], []
+    for key, entry in items:
+        try:
+            records.append((key, encode(key, entry)))
+        except InputError:
+            refused.append(key)
+    return records, refused
+
+
+def intact(expected_key: str, record: bytes | bytearray | memoryview) -> bool:
+    """Whether ``record`` decodes (checksum, key and layout) as the entry stored under ``expected_key``."""
+    try:
+        decode(expected_key, record)
+    except CorruptEntryError:
+        return False
+    return True
+
+
 def decode(expected_key: str, record: bytes | bytearray | memoryview) -> StoredChunk:
     """The entry in ``record``, verified; raises :class:`CorruptEntryError` if it must not be served.
 

@@ -552,7 +552,10 @@ class DiskTier(StorageTier):
         if self.read_only:
             return None
         wait = self._lock_wait(lock_wait_s)
-        records = [(key, codec.encode(key, item)) for key, item in batch if _is_chunk(key, item)]
+        records, refused = codec.encode_each([(key, item) for key, item in batch if _is_chunk(key, item)])
+        if refused:
+            self._lose(len(refused))
+            batch = [(key, item) for key, item in batch if key not in refused]
         if self._env is not None and not self._open_databases(wait):
             return self._spill_batch(batch, records)
         merging = self._merge_slice(adopt)
@@ -800,8 +803,14 @@ class DiskTier(StorageTier):
                     used -= self._remove(txn, key.encode())
             for key, record in records:
                 size = _pages(len(record), self._page)
-                if size > self.max_bytes or txn.get(key.encode(), db=self._meta) is not None:
+                if size > self.max_bytes:
+                    self._lose(1)  # larger than the whole tier
                     continue
+                existing = txn.get(key.encode(), db=self._records)
+                if existing is not None and codec.intact(key, existing):
+                    continue  # stored already (by this process or another)
+                if existing is not None:  # a damaged record (its delete may have been replaced by this put)
+                    used -= self._remove(txn, key.encode())
                 if used + size > self.max_bytes:
                     used -= self._evict(txn, used + size - self.max_bytes, evicted)
                 txn.put(key.encode(), record, db=self._records)

@@ -43,8 +43,9 @@ class RamTier(StorageTier):
             if key in self._entries:
                 self._order.touch(key, hit=False)
                 return []
-            if entry.nbytes > self.max_bytes:
-                return [(key, entry)]  # larger than the whole tier: refused without evicting anything
+            pinned = sum(self._entries[k].nbytes for k in self._order.pinned_keys() if k in self._entries)
+            if entry.nbytes > self.max_bytes - pinned:
+                return [(key, entry)]  # larger than what evictions could free: refused without evicting anything
             evicted: list[tuple[str, StoredChunk]] = []
             while self._nbytes + entry.nbytes > self.max_bytes:
                 victim = self._order.pop_victim()

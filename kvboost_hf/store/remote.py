@@ -49,6 +49,7 @@ DEFAULT_PREFIX = "kvboost:"
 URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 DEFAULT_READ_TIMEOUT_S = 0.25  # seconds a lookup may wait before it is a miss (StoreConfig.remote_read_timeout_s)
 _TAIL = "tail:"
+_OWN_NAME = re.compile(rb"(tail:)?[0-9a-f]*")  # what follows the prefix in a name this tier writes
 _DELETE = object()
 _SEAL = b"KVBH"
 _TAG_BYTES = 32
@@ -175,11 +176,15 @@ class RemoteTier(StorageTier):
         self._call(lambda: self._client.delete(self.prefix + key))
 
     def clear(self) -> None:
-        """Delete every record under this tier's prefix (shared with every process using the prefix)."""
+        """Delete every record under this tier's prefix (shared with every process using the prefix); the names of a
+        longer prefix that starts with this one (another tenant's) are left alone."""
 
         def unlink_all() -> None:
             pipe = self._client.pipeline(transaction=False)  # one UNLINK per key: keys of a cluster span slots
-            for i, name in enumerate(self._client.scan_iter(match=_glob_escape(self.prefix) + "*", count=1000)):
+            names = self._client.scan_iter(match=_glob_escape(self.prefix) + "*", count=1000)
+            start = len(self.prefix.encode())
+            ours = (name for name in names if _OWN_NAME.fullmatch(name[start:]))  # not a longer prefix's names
+            for i, name in enumerate(ours):
                 pipe.unlink(name)
                 if i % 1000 == 999:
                     pipe.execute()
@@ -352,15 +357,19 @@ class RemoteTier(StorageTier):
     def _write_batch(self, batch: list[tuple[str, Any]]) -> None:
         pipe = self._client.pipeline(transaction=False)
         sizes = []
+        records, refused = codec.encode_each([(key, item) for key, item in batch if not key.startswith(_TAIL)])
         for key, item in batch:
             if key.startswith(_TAIL):
                 pipe.sadd(self.prefix + key, *sorted(item))
                 if self.ttl_ms is not None:
                     pipe.pexpire(self.prefix + key, self.ttl_ms)
-            else:
-                value = self._seal(codec.encode(key, item))
-                pipe.set(self.prefix + key, memoryview(value), px=self.ttl_ms)
-                sizes.append(len(value))
+        for key, record in records:
+            value = self._seal(record)
+            pipe.set(self.prefix + key, memoryview(value), px=self.ttl_ms)
+            sizes.append(len(value))
+        if refused:
+            with self._state_lock:
+                self._lost_writes += len(refused)
         if self._call(pipe.execute) is None:
             with self._state_lock:
                 self._lost_writes += len(batch)
