@@ -241,3 +241,28 @@ def test_get_many_reads_every_tier_once(tmp_path: Path, redis_server: RedisServe
         assert (stats["ram_hits"], stats["remote_hits"], stats["misses"]) == (1, 3, 2)
         store.flush()
         assert store.stats()["disk_chunks"] == 4  # Redis hits are kept on disk too
+
+
+def test_a_restart_seen_as_an_outage_is_published_again_once(redis_server: RedisServer):
+    """A call fails while Redis restarts (an outage), the next succeeds (reconnected: RAM entries published),
+    then the watcher sees the new run_id: it publishes nothing more (every entry was published twice)."""
+    holder = ChunkStore(StoreConfig(1 << 24, remote_url=redis_server.url))
+    assert holder.remote is not None
+    holder.remote.retry_after_s = 0.2
+    try:
+        for i in range(5):
+            holder.put(key(i), raw_entry(seed=i))
+        holder.flush()
+        redis_server.stop()
+        assert holder.remote.get(key(9)) is None  # a miss: the outage starts
+        redis_server.start()
+        deadline = time.monotonic() + 10
+        while holder.remote.get(key(9)) is None and holder.stats()["remote_republished"] < 5:
+            assert time.monotonic() < deadline, "RAM entries were not published again"
+            time.sleep(0.25)
+        assert holder.remote.check_restart()
+        holder.flush()
+        time.sleep(0.3)
+        assert holder.stats()["remote_republished"] == 5
+    finally:
+        holder.close(timeout_s=1)

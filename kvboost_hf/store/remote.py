@@ -116,6 +116,7 @@ class RemoteTier(StorageTier):
         self.republished = 0
         self._lost_writes = 0
         self._down_until = 0.0
+        self._republished_on_reconnect = False  # until check_restart next reads the run_id
         self._state_lock = threading.Lock()
         self._writer = BackgroundWriter("remote", self._write_batch, queue_size=queue_size)
         self._run_id: str | None = None
@@ -272,7 +273,8 @@ class RemoteTier(StorageTier):
         with self._state_lock:
             restarted = self._run_id is not None and run_id != self._run_id
             self._run_id = run_id
-        if restarted:
+            republished, self._republished_on_reconnect = self._republished_on_reconnect, False
+        if restarted and not republished:  # after an outage the reconnection published them already
             logger.warning("remote tier: Redis restarted (new run_id); publishing local entries again")
             if self.on_reconnect is not None:
                 self.on_reconnect()
@@ -409,6 +411,7 @@ class RemoteTier(StorageTier):
             return None
         with self._state_lock:
             reconnected, self._down_until = self._down_until != 0.0, 0.0
+            self._republished_on_reconnect |= reconnected and self.on_reconnect is not None
         if reconnected:
             logger.warning("remote tier is reachable again")
             if self.on_reconnect is not None:
