@@ -177,14 +177,21 @@ def test_quantized_store_serves_the_cache(bits: int):
         assert torch.equal(out, expected)
 
 
-def test_redis_restarted_empty_is_repopulated_from_ram(redis_server: RedisServer):
+def _holding_five(redis_server: RedisServer) -> ChunkStore:
+    """A store on ``redis_server`` holding 5 entries in RAM and Redis (outages retried after 0.2 s)."""
     holder = ChunkStore(StoreConfig(1 << 24, remote_url=redis_server.url))
     assert holder.remote is not None
     holder.remote.retry_after_s = 0.2
+    for i in range(5):
+        holder.put(key(i), raw_entry(seed=i))
+    holder.flush()
+    return holder
+
+
+def test_redis_restarted_empty_is_repopulated_from_ram(redis_server: RedisServer):
+    holder = _holding_five(redis_server)
+    assert holder.remote is not None
     try:
-        for i in range(5):
-            holder.put(key(i), raw_entry(seed=i))
-        holder.flush()
         redis_server.stop()
         redis_server.start()  # a fresh, empty Redis on the same port
         assert holder.remote.check_restart()  # what the watcher thread does every few seconds
@@ -246,13 +253,9 @@ def test_get_many_reads_every_tier_once(tmp_path: Path, redis_server: RedisServe
 def test_a_restart_seen_as_an_outage_is_published_again_once(redis_server: RedisServer):
     """A call fails while Redis restarts (an outage), the next succeeds (reconnected: RAM entries published),
     then the watcher sees the new run_id: it publishes nothing more (every entry was published twice)."""
-    holder = ChunkStore(StoreConfig(1 << 24, remote_url=redis_server.url))
+    holder = _holding_five(redis_server)
     assert holder.remote is not None
-    holder.remote.retry_after_s = 0.2
     try:
-        for i in range(5):
-            holder.put(key(i), raw_entry(seed=i))
-        holder.flush()
         redis_server.stop()
         assert holder.remote.get(key(9)) is None  # a miss: the outage starts
         redis_server.start()
