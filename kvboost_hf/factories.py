@@ -25,12 +25,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import GenerationMode, RepairConfig
+from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.core.keys import KeySpace, model_digest
 from kvboost_hf.engine_core import EngineCore
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow
 from kvboost_hf.hf.forward_routes import forwards_pack
 from kvboost_hf.hf.graphs import GraphedDecoder, graphed_columns, graphed_drafts, graphed_rows
+from kvboost_hf.hf.layers import has_sliding_layers
 from kvboost_hf.hf.models import (
     check_model_support,
     forward_read_bytes,
@@ -156,7 +158,6 @@ class Factories:
         self.chunking = chunking
         self.repair = repair
         self.graphs = graphs
-        self.draft_settings = draft if draft is not None else DraftConfig()
         self.draft_model: PreTrainedModel | None = None
         draft_factories = getattr(draft_model, "factories", None)  # another engine: its store and chunk settings
         self._draft_factories = draft_factories if isinstance(draft_factories, Factories) else None
@@ -168,12 +169,31 @@ class Factories:
             self.draft_model = resolve_draft(draft_model, model, tokenizer, load)
             check_model_support(self.draft_model.config, strict=strict)
             model_digest(self.draft_model)
-        self.draft_settings.check(model, self.draft_model)
-        self.speculative = draft_model is not None or self.draft_settings.early_exit_layers is not None
+        self.draft_settings = draft if draft is not None else DraftConfig()
         self.verify_costs = VerifyCosts()
         self.verify_graphs = GraphedVerifier(graphs)
         self.totals = DecodeTotals()
         self.memory = MemoryCounters()
+
+    @property
+    def draft_settings(self) -> DraftConfig:
+        """How the draft proposes; set, they are checked against the target and the draft as at construction."""
+        return self._draft_settings
+
+    @draft_settings.setter
+    def draft_settings(self, settings: DraftConfig) -> None:
+        """Check ``settings`` (ConfigError naming the problem) and take them; ``speculative`` follows them."""
+        if not isinstance(settings, DraftConfig):
+            raise ConfigError(f"draft settings must be a DraftConfig, got {type(settings).__name__}")
+        settings.check(self.model, self.draft_model)
+        speculative = self.draft_model is not None or settings.early_exit_layers is not None
+        sliding = [m for m in (self.model, self.draft_model) if m is not None and has_sliding_layers(m)]
+        if speculative and sliding:
+            raise ConfigError(
+                f"speculative decoding does not support sliding-window attention ({type(sliding[0]).__name__}): its "
+                "tree masks cover every cached column, where a sliding layer sees only its window"
+            )
+        self._draft_settings, self.speculative = settings, speculative
 
     def new_cache(
         self,

@@ -12,6 +12,7 @@ from helpers import VOCAB, chi_square, scrape_metrics, word_tokenizer, words
 from oracle import GREEDY, engine_reference, oracle_text, reference
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, KVBoost
+from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.corpus import documents
 from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.hf.speculative import DraftConfig, Speculation
@@ -367,3 +368,30 @@ def test_a_prompt_joining_rows_on_their_last_token_keeps_the_draft_aligned(draft
     together = engine.generate_many(prompts, 8, mode="baseline", max_batch_size=2)
     alone = [engine.generate(prompt, 8, mode="baseline") for prompt in prompts]
     assert [r.output_ids for r in together] == [r.output_ids for r in alone]
+
+
+def test_speculation_on_a_sliding_window_model_is_refused_by_name():
+    """Tree masks cover every cached column and a sliding layer sees its window only: past the window the verify
+    forward raised a size mismatch. Refused at construction and on assignment, target or draft."""
+    sliding = make_tiny_model("mistral", sliding_window=24)
+    with pytest.raises(ConfigError, match="does not support sliding-window attention"):
+        KVBoost(sliding, word_tokenizer(), chunking=8, draft=DraftConfig(3, early_exit_layers=1))
+    with pytest.raises(ConfigError, match=r"sliding-window attention \(MistralForCausalLM\)"):
+        KVBoost(make_tiny_model("llama"), word_tokenizer(), chunking=8, draft_model=sliding, draft=DraftConfig(3))
+    engine = KVBoost(sliding, word_tokenizer(), chunking=8)
+    with pytest.raises(ConfigError, match="does not support sliding-window attention"):
+        engine.draft_settings = DraftConfig(3, early_exit_layers=1)
+
+
+def test_assigned_draft_settings_are_checked_and_take_effect():
+    """The setter checks as the constructor does (it stored anything: a dict, 99 exit layers of 2) and turns
+    early-exit speculation on (it was silently ignored)."""
+    model = make_tiny_model("llama", seed=3)
+    engine = KVBoost(model, word_tokenizer(), chunking=8)
+    for bad, message in ((DraftConfig(3, early_exit_layers=99), "below the target's 2 layers"), ({}, "DraftConfig")):
+        with pytest.raises(ConfigError, match=message):
+            engine.draft_settings = bad
+    plain = engine.generate(words(5, 10), 6)
+    engine.draft_settings = DraftConfig(3, early_exit_layers=1)
+    drafted = engine.generate(words(5, 10), 6)
+    assert drafted.output_ids == plain.output_ids and drafted.draft_forwards > 0

@@ -347,6 +347,12 @@ class ChunkReuseSlidingLayer(ChunkReuseLayer):
         return min(past, self.sliding_window - 1) + query_length, max(past - self.sliding_window + 1, 0)
 
 
+def has_sliding_layers(model: PreTrainedModel) -> bool:
+    """Whether ``model`` has a sliding-window attention layer (its ``layer_types``, as :func:`cache_layers` reads)."""
+    layer_types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    return "sliding_attention" in layer_types
+
+
 def cache_layers(model: PreTrainedModel, max_cache_len: int | None = None) -> list[ChunkReuseLayer]:
     """One layer per decoder layer of ``model``, following its ``layer_types`` as ``DynamicCache(config=...)`` does;
     static (see the module doc) with ``max_cache_len``.
