@@ -12,10 +12,11 @@ import pytest
 
 from kvboost_hf import KVBoost
 from kvboost_hf.core.config import GenerationMode, RecomputeStrategy, RepairConfig
+from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.core.settings import add_settings_arguments, settings_from_args, settings_values
 from kvboost_hf.engine import GenerateOptions, sampling_params
 from kvboost_hf.hf.sampling import SamplingConfig
-from kvboost_hf.server.launch import SETTINGS_FLAGS, add_arguments
+from kvboost_hf.server.launch import SETTINGS_FLAGS, add_arguments, check_settings
 from kvboost_hf.server.settings import ServerConfig
 from kvboost_hf.store.config import StoreConfig
 
@@ -322,3 +323,38 @@ def test_freeze_startup_heap_exempts_the_live_objects_from_later_collections() -
     finally:
         gc.unfreeze()
     assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--chunk-size", "0"], "chunk_size must be a positive"),
+        (["--port", "70000"], "--port must be in"),
+        (["--threads", "0"], "--threads must be >= 1"),
+        (["--header-timeout-s", "0"], "header_timeout_s must be a number > 0"),
+        (["--body-timeout-s", "-1"], "body_timeout_s must be a number > 0"),
+        (["--max-tokens-limit", "-1"], "max_tokens_limit must be a number >= 1"),
+        (["--shutdown-grace-s", "nan"], "shutdown_grace_s must be a number >= 0"),
+        (["--grammar-workers", "0"], "workers must be a number >= 1"),
+        (["--token-budget", "3"], "token_budget"),
+        (["--recompute-ratio", "nan"], "ratio"),
+        (["--num-draft-tokens", "0"], "num_draft_tokens"),
+        (["--graph-row-buckets", "2,1"], "row_buckets"),
+        (["--stream-num-slots", "0"], "num_slots"),
+        (["--kv-budget-bytes", "-1"], "kv_budget_bytes"),
+        (["--max-cache-bytes", "-1"], "max_bytes"),
+    ],
+)
+def test_a_bad_server_flag_is_refused_before_the_model_loads(flags, message):
+    """Every settings object the flags describe is built without a model (a bad value was a traceback after the
+    model loaded, or was accepted and broke every request: a 408 for every POST with --body-timeout-s -1)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(ConfigError, match=message):
+        check_settings(parser.parse_args(flags))
+
+
+def test_the_default_server_flags_pass_the_check():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    check_settings(parser.parse_args([]))

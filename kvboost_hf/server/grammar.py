@@ -49,6 +49,7 @@ import xgrammar
 from transformers import LogitsProcessor, PreTrainedTokenizerBase
 
 from kvboost_hf.core.errors import KVBoostError, StateError
+from kvboost_hf.core.values import check_bounds
 from kvboost_hf.hf.detokenize import REPLACEMENT, IncrementalText
 from kvboost_hf.server.grammar_process import CompileDied, CompileFailed, CompilePool, CompileProcess, CompileTimeout
 from kvboost_hf.server.schema_check import MAX_DEPTH, certain_schema_problem
@@ -108,6 +109,20 @@ class GrammarConfig:
     max_waiting_per_client: int | None = None
     cache_entries: int = 128
     start_with_server: bool = True
+
+    def __post_init__(self) -> None:
+        check_bounds(
+            "GrammarConfig",
+            [
+                ("max_schema_bytes", self.max_schema_bytes, 1, False),
+                ("compile_timeout_s", self.compile_timeout_s, 0, True),
+                ("compile_limit_s", self.compile_limit_s, 0, True),
+                ("workers", self.workers, 1, False),
+                ("max_waiting", self.max_waiting, 1, False),
+                ("max_waiting_per_client", self.max_waiting_per_client, 1, False),
+                ("cache_entries", self.cache_entries, 1, False),
+            ],
+        )
 
     @property
     def client_share(self) -> int:

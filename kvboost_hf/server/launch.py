@@ -7,11 +7,13 @@ import gc
 import ipaddress
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import GENERATION_MODE_ALIASES, GenerationMode, RepairConfig
+from kvboost_hf.core.errors import ConfigError, KVBoostError
 from kvboost_hf.core.settings import add_settings_arguments, settings_from_args, settings_values
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.graphs import GraphConfig
@@ -216,6 +218,23 @@ def server_settings(args: argparse.Namespace) -> ServerConfig:
     )
 
 
+def check_settings(args: argparse.Namespace) -> None:
+    """Build every settings object the flags describe, without a model, so a bad value is a ConfigError naming it
+    before the model loads (it was a traceback after). What needs the model (the chunk boundary tokens, a draft's
+    layers) is checked when the engine is built."""
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    boundary_window = settings_values(ChunkingConfig, args)["boundary_window"]
+    ChunkingConfig(**{**settings_values(ChunkingConfig, args), "boundary_window": 0})
+    if boundary_window < 0:
+        raise ConfigError(f"--chunk-boundary-window must be >= 0, got {boundary_window}")
+    for cls in (RepairConfig, StoreConfig, DraftConfig, TokenCacheConfig, GraphConfig, LayerStreamingConfig):
+        settings_from_args(cls, args)
+    server_settings(args)
+
+
 def build_app(args: argparse.Namespace) -> tuple[FastAPI, InferenceEngine]:
     """Load the engine the flags describe (warmed with ``--warm``) and build the app serving it; the caller runs
     the app and closes ``engine.store`` when done. Logs what the draft and the warm file did."""
@@ -261,6 +280,11 @@ def serve(args: argparse.Namespace) -> int:
     """Load the model, build the app and run uvicorn until interrupted (graceful shutdown on SIGINT/SIGTERM)."""
     from kvboost_hf.server.app import GracefulServer, uvicorn_config
 
+    try:
+        check_settings(args)
+    except KVBoostError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     configure_process(args)
     host = args.host or LOOPBACK
     warn_if_open(host, args.api_key)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.core.errors import ConfigError
+from kvboost_hf.core.values import check_bounds
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
 from kvboost_hf.runner import DEFAULT_PACK_FORWARDS
@@ -101,5 +102,18 @@ class ServerConfig:
             )
         if self.kv_budget_bytes is not None and self.kv_budget_bytes < 0:
             raise ConfigError(f"kv_budget_bytes must be None (derived), 0 (none) or > 0, got {self.kv_budget_bytes}")
-        if self.batch_window_ms < 0:
-            raise ConfigError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
+        check_bounds(
+            "ServerConfig",
+            [
+                ("batch_window_ms", self.batch_window_ms, 0, False),
+                ("default_max_tokens", self.default_max_tokens, 1, False),
+                ("max_tokens_limit", self.max_tokens_limit, 1, False),
+                ("shutdown_grace_s", self.shutdown_grace_s, 0, False),
+                ("max_body_bytes", self.max_body_bytes, 1, False),
+                ("max_json_values", self.max_json_values, 1, False),
+                ("header_timeout_s", self.header_timeout_s, 0, True),
+                ("body_timeout_s", self.body_timeout_s, 0, True),
+                ("max_connections_per_client", self.max_connections_per_client, 0, False),
+                ("max_warm_documents", self.max_warm_documents, 1, False),
+            ],
+        )
