@@ -396,6 +396,37 @@ def test_logprob_bytes_join_into_the_text_where_tokens_split_characters(engine):
     assert b"".join(raw(token) for token in ids) == text.encode()
 
 
+def test_warmed_tool_history_is_hit_by_the_next_chat_turn(server, client):
+    """Messages holding a tool call and its result are warmed as chat renders them (they were rendered as plain
+    messages: 626 tokens warmed, 663 in the chat prompt, and only the system prompt's chunks hit)."""
+    context = " ".join(["alpha", "river", "stone", "cloud", "pine"] * 40)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    history = [
+        {"role": "system", "content": "Context: " + context},
+        {"role": "user", "content": "Call f"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "result " + context, "tool_call_id": "c1"},
+    ]
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    salt = uuid.uuid4().hex
+    warm = {"messages": history, "cache_salt": salt}
+    warmed = httpx.post(f"{server.url}/v1/warm", json=warm, headers=headers, timeout=60).json()
+    counted = httpx.post(
+        f"{server.url}/tokenize",
+        json={"messages": history, "add_generation_prompt": False},
+        headers=headers,
+        timeout=60,
+    ).json()
+    assert warmed["token_count"] == counted["count"]
+    answer = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[*history, {"role": "user", "content": "thanks"}],
+        max_tokens=1,
+        extra_body={"cache_salt": salt},
+    )
+    assert answer.usage.prompt_tokens_details.cached_tokens >= warmed["token_count"] // 16 * 16
+
+
 def test_warm_then_hit(server, client):
     text = f"Reference manual {uuid.uuid4().hex}. " + "The valve opens when the pressure exceeds the set point. " * 4
     headers = {"Authorization": f"Bearer {API_KEY}"}

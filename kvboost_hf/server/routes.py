@@ -131,7 +131,14 @@ def _register_generation_routes(
             salt = body.cache_salt
             slices = [functools.partial(engine.warm_documents, [doc], cache_salt=salt) for doc in body.documents]
         else:
-            prompt: Prompt = body.text if body.text is not None else plain_messages(body.messages or [])
+            messages = body.messages or []
+            prompt: Prompt
+            if body.text is not None:
+                prompt = body.text
+            elif any(m.tool_calls or m.role == "tool" for m in messages):  # rendered as chat renders tool history
+                prompt = await admission.tokenize(None, messages, False)
+            else:
+                prompt = plain_messages(messages)
             slices = [lambda: [engine.warm(prompt, cache_salt=body.cache_salt)]]
         results: list[WarmResult] = []
         try:
