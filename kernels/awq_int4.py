@@ -29,11 +29,11 @@ import triton
 import triton.language as tl
 
 from kvboost_hf.core.errors import ConfigError, InputError
+from kvboost_hf.kernels.awq_reference import check_group_size
 from kvboost_hf.kernels.cuda_compile import compile_variant
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FUSED_MAX_ROWS = 64  # more rows than this: dequantize once, then cuBLAS
-MIN_GROUP_SIZE = 16  # tl.dot needs input tiles of at least 16
 
 
 # Kernels and their launch are hand-aligned (arguments grouped by role): the formatter leaves them alone.
@@ -168,8 +168,7 @@ def check_awq_inputs(
         raise InputError(f"activations in {x.dtype} are not supported; use one of {SUPPORTED_DTYPES}")
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
         raise InputError(f"qweight and qzeros must be int32, got {qweight.dtype} and {qzeros.dtype}")
-    if group_size < MIN_GROUP_SIZE or group_size & (group_size - 1):
-        raise ConfigError(f"group_size must be a power of two >= {MIN_GROUP_SIZE}, got {group_size}")
+    check_group_size(group_size)
     k, packed_n = qweight.shape
     if x.shape[1] != k or k % group_size:
         raise InputError(f"x has {x.shape[1]} inputs, qweight {k} (must be a multiple of group_size={group_size})")

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from kvboost_hf.core.errors import InputError
-from kvboost_hf.kernels.awq_reference import PACK, awq_reference_matmul
+from kvboost_hf.kernels.awq_reference import PACK, awq_reference_matmul, check_group_size
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class AwqInt4Linear(torch.nn.Module):
         scales_dtype: torch.dtype = torch.float16,
     ) -> None:
         super().__init__()
+        check_group_size(group_size)
         if out_features % PACK or in_features % group_size:
             raise InputError(
                 f"AWQ int4 needs out_features ({out_features}) divisible by {PACK} and in_features ({in_features}) "

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import torch
 
+from kvboost_hf.core.errors import ConfigError
+
 BITS = 4
 PACK = 32 // BITS  # int4 codes per int32
+MIN_GROUP_SIZE = 16  # the Triton kernel's tl.dot needs input tiles of at least 16
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j holds column 8c + AWQ_ORDER[j]
 MAX_CODE = (1 << BITS) - 1
 
@@ -54,3 +57,15 @@ def awq_reference_matmul(
     weight = dequantize_awq(qweight, qzeros, scales, group_size).to(x.dtype)
     out = x @ weight
     return out if bias is None else out + bias.to(x.dtype)
+
+
+def check_group_size(group_size: object) -> None:
+    """Raise ConfigError unless ``group_size`` is a power of two >= :data:`MIN_GROUP_SIZE` (the kernel's tile floor;
+    every int4 path checks it, so a checkpoint packed for the CPU also runs on a GPU)."""
+    if (
+        not isinstance(group_size, int)
+        or isinstance(group_size, bool)
+        or group_size < MIN_GROUP_SIZE
+        or group_size & (group_size - 1)
+    ):
+        raise ConfigError(f"group_size must be a power of two >= {MIN_GROUP_SIZE}, got {group_size!r}")

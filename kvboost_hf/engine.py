@@ -77,6 +77,13 @@ def sampling_params(
     return SamplingConfig(temperature=temperature if do_sample else 0.0, top_p=top_p, seed=seed)
 
 
+def check_settings_type(name: str, value: object, cls: type) -> None:
+    """Raise ConfigError unless ``value`` (the ``name`` argument) is None or a ``cls`` (``graphs=True`` was taken,
+    then failed inside ``generate``)."""
+    if value is not None and not isinstance(value, cls):
+        raise ConfigError(f"{name} must be a {cls.__name__} or None, got {type(value).__name__}")
+
+
 def load_model(
     model_name_or_path: str | os.PathLike | None = None,
     *,
@@ -89,6 +96,7 @@ def load_model(
     """The model and tokenizer :meth:`InferenceEngine.from_pretrained` wraps (same arguments), layer-streamed when
     ``streaming`` is given, with ``attn_implementation`` (None: the package's default for the device it runs on,
     :func:`~kvboost_hf.hf.attention.default_attn_implementation`)."""
+    check_settings_type("streaming", streaming, LayerStreamingConfig)
     if streaming is None:
         return load_model_and_tokenizer(
             model_name_or_path, device=device, dtype=dtype, strict=strict, attn_implementation=attn_implementation
@@ -253,6 +261,13 @@ class InferenceEngine:
         graphs: GraphConfig | None = None,
     ) -> None:
         check_model_support(model.config, strict=strict)
+        for name, value, cls in (
+            ("repair", repair, RepairConfig),
+            ("draft", draft, DraftConfig),
+            ("token_cache", token_cache, TokenCacheConfig),
+            ("graphs", graphs, GraphConfig),
+        ):
+            check_settings_type(name, value, cls)
         self.chunking = ChunkingConfig.of(chunking)
         self.repair = repair if repair is not None else RepairConfig()
         if self.repair.adjusts_attention and model.config._attn_implementation != ATTN_IMPLEMENTATION:

@@ -12,8 +12,10 @@ from conftest import make_tiny_model
 from oracle import engine_reference
 from safetensors.torch import load_file
 
+from kvboost_hf.core.errors import ConfigError, InputError
+from kvboost_hf.kernels.awq_linear import AwqInt4Linear
 from kvboost_hf.kernels.awq_reference import AWQ_ORDER, unpack_int4
-from kvboost_hf.tools.awq_pack import dequantize_linear, main, pack_int4, quantize_linear
+from kvboost_hf.tools.awq_pack import dequantize_linear, int4_model, main, pack_int4, quantize_linear
 
 
 def reference_dequantize(qweight, qzeros, scales, group_size):
@@ -133,3 +135,22 @@ def test_round_trip_gives_a_model_the_packed_int4_weights():
             assert not torch.equal(after, before), name
         else:
             assert torch.equal(after, before), name
+
+
+@pytest.mark.parametrize("group_size", [0, -8, 8, 12, 16.0, True])
+def test_every_int4_path_refuses_a_group_size_the_kernel_cannot_run(group_size):
+    """A power of two >= 16 everywhere (pack_checkpoint took 8, which only the CPU path could run; 0 raised
+    ZeroDivisionError)."""
+    with pytest.raises(ConfigError, match="group_size must be a power of two >= 16"):
+        int4_model(make_tiny_model("llama"), group_size)
+    with pytest.raises(ConfigError, match="group_size must be a power of two >= 16"):
+        AwqInt4Linear(64, 64, group_size)
+
+
+def test_a_model_that_cannot_be_packed_is_left_as_it_was():
+    """Every layer is checked before any is replaced (a failure left 6 of 14 linears converted)."""
+    model = make_tiny_model("llama", intermediate_size=96)  # the MLP's down projection has 96 inputs
+    before = {name: type(module) for name, module in model.named_modules()}
+    with pytest.raises(InputError, match="nothing was replaced"):
+        int4_model(model, 64)
+    assert {name: type(module) for name, module in model.named_modules()} == before

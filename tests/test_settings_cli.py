@@ -9,13 +9,17 @@ import enum
 from dataclasses import dataclass
 
 import pytest
+from conftest import make_tiny_model
+from helpers import word_tokenizer
 
 from kvboost_hf import KVBoost
 from kvboost_hf.core.config import GenerationMode, RecomputeStrategy, RepairConfig
 from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.core.settings import add_settings_arguments, settings_from_args, settings_values
 from kvboost_hf.engine import GenerateOptions, sampling_params
+from kvboost_hf.hf.graphs import GraphConfig
 from kvboost_hf.hf.sampling import SamplingConfig
+from kvboost_hf.hf.speculative import DraftConfig
 from kvboost_hf.server.launch import SETTINGS_FLAGS, add_arguments, check_settings
 from kvboost_hf.server.settings import ServerConfig
 from kvboost_hf.store.config import StoreConfig
@@ -358,3 +362,29 @@ def test_the_default_server_flags_pass_the_check():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     check_settings(parser.parse_args([]))
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: GraphConfig(enabled="no"), "enabled must be True or False"),
+        (lambda: GraphConfig(row_buckets=(1.5,)), "must hold integers"),
+        (lambda: GraphConfig(max_graphs=1.5), "must be integers"),
+        (lambda: DraftConfig(num_draft_tokens=True), "num_draft_tokens"),
+        (lambda: DraftConfig(early_exit_layers=True), "early_exit_layers"),
+        (lambda: DraftConfig(tree_budget=4, adaptive_tree_budget="yes"), "adaptive_tree_budget must be True or False"),
+        (lambda: DraftConfig(confidence_threshold="x"), "confidence_threshold"),
+        (lambda: DraftConfig(tree_overhead="1"), "tree_overhead"),
+    ],
+)
+def test_settings_of_the_wrong_type_are_refused_by_name(make, message):
+    """A string "no" counted as true and a bool as 1; a string raised TypeError."""
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
+@pytest.mark.parametrize("argument", ["graphs", "token_cache", "draft", "repair"])
+def test_the_engine_refuses_a_settings_argument_of_another_type(argument):
+    """``graphs=True`` was taken, then failed inside generate with an AttributeError."""
+    with pytest.raises(ConfigError, match=f"{argument} must be a"):
+        KVBoost(make_tiny_model("llama"), word_tokenizer(), **{argument: True})

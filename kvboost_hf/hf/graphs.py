@@ -44,6 +44,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from kvboost_hf.core.errors import ConfigError, InputError
+from kvboost_hf.core.values import is_integer
 from kvboost_hf.hf.models import CACHE_ARGUMENT
 
 __all__ = [
@@ -120,6 +121,14 @@ class GraphConfig:
     nodes padded up to the next one (:mod:`kvboost_hf.hf.verify_graphs`); more run eagerly; () graphs no verify."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"enabled must be True or False, got {self.enabled!r}")
+        if not all(is_integer(n) for n in (*self.row_buckets, *self.query_buckets, *self.draft_buckets)):
+            raise ConfigError("row_buckets, query_buckets and draft_buckets must hold integers")
+        if not is_integer(self.max_graphs) or not is_integer(self.max_capacity):
+            raise ConfigError(
+                f"max_graphs and max_capacity must be integers, got {self.max_graphs!r}, {self.max_capacity!r}"
+            )
         buckets = self.row_buckets
         if not buckets or any(rows < 1 for rows in buckets) or list(buckets) != sorted(set(buckets)):
             raise ConfigError(f"row_buckets must be ascending distinct positive batch sizes, got {buckets}")

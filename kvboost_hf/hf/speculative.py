@@ -34,6 +34,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvboost_hf.core.errors import ArgumentTypeError, ConfigError, StateError
+from kvboost_hf.core.values import is_finite, is_integer
 from kvboost_hf.hf.models import CACHE_ARGUMENT, given_cache, model_dtype, truncated_depth
 from kvboost_hf.hf.prefill import forward
 
@@ -84,25 +85,27 @@ class DraftConfig:
     tree_overhead: float = 0.25
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
+        if not is_integer(self.num_draft_tokens) or self.num_draft_tokens < 1:
             raise ConfigError(f"num_draft_tokens must be a positive integer, got {self.num_draft_tokens!r}")
-        if not 0.0 <= self.confidence_threshold < 1.0:
+        if not (is_finite(self.confidence_threshold) and 0.0 <= self.confidence_threshold < 1.0):
             raise ConfigError(f"confidence_threshold must be in [0, 1), got {self.confidence_threshold!r}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.early_exit_layers is not None and (
-            not isinstance(self.early_exit_layers, int) or self.early_exit_layers < 1
+            not is_integer(self.early_exit_layers) or self.early_exit_layers < 1
         ):
             raise ConfigError(f"early_exit_layers must be a positive integer, got {self.early_exit_layers!r}")
-        if not isinstance(self.tree_budget, int) or self.tree_budget < 0:
+        if not is_integer(self.tree_budget) or self.tree_budget < 0:
             raise ConfigError(f"tree_budget must be an integer >= 0, got {self.tree_budget!r}")
-        if not isinstance(self.tree_branching, int) or self.tree_branching < 1:
+        if not is_integer(self.tree_branching) or self.tree_branching < 1:
             raise ConfigError(f"tree_branching must be a positive integer, got {self.tree_branching!r}")
         if self.tree_expansion not in TREE_EXPANSIONS:
             raise ConfigError(f"tree_expansion must be one of {TREE_EXPANSIONS}, got {self.tree_expansion!r}")
+        if not isinstance(self.adaptive_tree_budget, bool):
+            raise ConfigError(f"adaptive_tree_budget must be True or False, got {self.adaptive_tree_budget!r}")
         if self.adaptive_tree_budget and self.tree_budget < 1:
             raise ConfigError("adaptive_tree_budget needs tree_budget >= 1: the largest budget it may choose")
-        if not 0.0 < self.tree_overhead <= 100.0:
+        if not (is_finite(self.tree_overhead) and 0.0 < self.tree_overhead <= 100.0):
             raise ConfigError(f"tree_overhead must be in (0, 100], got {self.tree_overhead!r}")
 
     def level_sizes(self, depth: int, budget: int | None = None) -> list[int]:

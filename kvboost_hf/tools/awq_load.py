@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from kvboost_hf.core.errors import InputError
 from kvboost_hf.kernels.awq_linear import AwqInt4Linear
-from kvboost_hf.kernels.awq_reference import BITS
+from kvboost_hf.kernels.awq_reference import BITS, check_group_size
 from kvboost_hf.tools.awq_pack import checkpoint_files
 
 
@@ -52,6 +52,7 @@ def _awq_settings(path: Path) -> dict:
     found = {key: settings.get(key) for key in wanted}
     if found != wanted or not isinstance(settings.get("group_size"), int):
         raise InputError(f"{path} is not a 4-bit AWQ GEMM checkpoint with zero points: quantization_config {settings}")
+    check_group_size(settings["group_size"])
     return settings
 
 

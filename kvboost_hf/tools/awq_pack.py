@@ -34,9 +34,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from kvboost_hf.core.errors import ConfigError, InputError, KVBoostError, MissingFileError
+from kvboost_hf.core.errors import InputError, KVBoostError, MissingFileError
 from kvboost_hf.kernels.awq_linear import AwqInt4Linear
-from kvboost_hf.kernels.awq_reference import AWQ_ORDER, BITS, MAX_CODE, PACK, dequantize_awq
+from kvboost_hf.kernels.awq_reference import AWQ_ORDER, BITS, MAX_CODE, PACK, check_group_size, dequantize_awq
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,14 @@ def int4_model(model: torch.nn.Module, group_size: int = 64) -> int:
     round-to-nearest int4 packing (the tensors :func:`pack_checkpoint` writes: scales and bias in float16), on the
     weight's device. Returns how many layers were replaced. The model then runs on the int4 kernel (Triton on CUDA)
     and a layer streamer copies packed bytes."""
+    check_group_size(group_size)
     linears = _decoder_linears(model)
+    for name, linear in linears:  # every layer checked before any is replaced: no half-converted model
+        if linear.in_features % group_size or linear.out_features % PACK:
+            raise InputError(
+                f"{name} ({linear.in_features} -> {linear.out_features}) cannot be packed in groups of {group_size} "
+                f"inputs and {PACK} outputs per int32; nothing was replaced"
+            )
     for name, linear in linears:
         packed = {k: v.to(linear.weight.device) for k, v in quantize_linear(linear.weight, group_size).items()}
         bias = None if linear.bias is None else linear.bias.detach().half()
@@ -188,8 +195,7 @@ def pack_checkpoint(src: str | Path, dst: str | Path, group_size: int = 64) -> P
     config = json.loads((src / "config.json").read_text())
     if "quantization_config" in config:
         raise InputError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
-    if group_size < PACK or group_size & (group_size - 1):
-        raise ConfigError(f"group_size must be a power of two >= {PACK}, got {group_size}")
+    check_group_size(group_size)
     if (dst / "config.json").exists():
         raise CheckpointExistsError(f"{dst} already holds a checkpoint")
     dst.mkdir(parents=True, exist_ok=True)
