@@ -57,8 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-size", type=int, default=ChunkingConfig.chunk_size)
     parser.add_argument("--stats-json", type=Path, default=None, help="write the engine's counters to this file")
     args = parser.parse_args(argv)
-    if args.turns < 1:
-        parser.error("--turns must be at least 1")
+    for flag, value in (
+        ("--turns", args.turns),
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--chunk-size", args.chunk_size),
+    ):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if args.stats_json is not None and not args.stats_json.parent.is_dir():
+        parser.error(f"--stats-json: no directory {args.stats_json.parent} to write {args.stats_json.name} in")
     logging.basicConfig(level=logging.WARNING)
 
     engine = InferenceEngine.from_pretrained(args.model, chunking=args.chunk_size)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from kvboost_hf.demo import Turn, summary
+import pytest
+
+from kvboost_hf.demo import Turn, main, summary
 from kvboost_hf.results import GenerationResult
 
 
@@ -28,3 +30,19 @@ def test_summary_uses_the_turns_after_the_first_and_counts_identical_outputs():
 
 def test_summary_of_a_single_turn_uses_it():
     assert summary([Turn(_result(500, [1]), _result(250, [1]))])[0].startswith("TTFT, median of turn 1: cold 500 ms")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+        (["--chunk-size", "0"], "--chunk-size must be at least 1"),
+        (["--turns", "0"], "--turns must be at least 1"),
+        (["--stats-json", "/nonexistent-dir/stats.json"], "no directory /nonexistent-dir"),
+    ],
+)
+def test_bad_flags_are_usage_errors_before_the_model_loads(flags, message, capsys):
+    """They were tracebacks after loading (or, for --stats-json, after the whole run)."""
+    with pytest.raises(SystemExit) as stopped:
+        main(flags)
+    assert stopped.value.code == 2 and message in capsys.readouterr().err

@@ -70,6 +70,21 @@ def post(server: HardenedServer, body: dict | bytes, path: str = "/v1/chat/compl
 
 
 # ---------------------------------------------------------------------------------------------- item 8
+def test_an_unexpected_error_answers_500_and_says_its_connection_closes(server, caplog):
+    """Starlette re-raises after the 500 and uvicorn drops the connection: the answer says so, so a client's next
+    request goes on a new connection (it was sent on the dropped one and reset)."""
+
+    def fails() -> None:
+        raise RuntimeError("a bug")
+
+    server.app.add_api_route("/test-unexpected-error", fails)
+    with httpx.Client(base_url=server.url, headers=HEADERS, timeout=30) as client:
+        answer = client.get("/test-unexpected-error")
+        assert answer.status_code == 500 and answer.headers["connection"] == "close"
+        assert answer.json()["error"]["message"] == "internal error: RuntimeError"
+        assert client.get("/health").status_code == 200
+
+
 def test_client_errors_are_400_not_500(server):
     superscript = {"model": MODEL_NAME, "messages": chat("hi"), "logit_bias": {"²": 1}, "max_tokens": 1}
     response = post(server, superscript)

@@ -77,7 +77,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
-        return ApiError(500, f"internal error: {type(exc).__name__}").response()
+        # Starlette re-raises after sending this, and uvicorn then drops the connection: say so, so a client does not
+        # send its next request on it (it was reset)
+        return ApiError(500, f"internal error: {type(exc).__name__}", headers={"Connection": "close"}).response()
 
     handlers: dict[type[Exception], Callable[[Request, Exception], Awaitable[JSONResponse]]] = {
         ApiError: api_error,
