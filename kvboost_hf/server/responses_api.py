@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -68,6 +69,7 @@ RESPONSES_PARAM = {
     "response_format": "text.format",
     GRAMMAR_PARAM: "text.format.schema",
 }
+RESPONSES_FIELD_NAMES = ("max_tokens", "response_format")  # chat fields an error message may name
 SHUTDOWN_MESSAGE = "the server shut down before the answer was complete"
 
 
@@ -96,6 +98,8 @@ async def _admit(admission: Admission, chat: ChatCompletionRequest, client: str)
         return await admission.chat(chat, client)
     except ApiError as exc:
         exc.param = RESPONSES_PARAM.get(exc.param or "", exc.param)
+        for chat_field in RESPONSES_FIELD_NAMES:  # the message names them too (it named max_tokens)
+            exc.message = re.sub(rf"\b{chat_field}\b", RESPONSES_PARAM[chat_field], exc.message)
         raise
 
 
