@@ -490,6 +490,7 @@ BAD_REQUESTS = {
     ),
 }
 PARAMS = {
+    "prompt too long": "messages",
     "absurd max_completion_tokens": "max_completion_tokens",
     "max_tokens as a string": "max_tokens",
     "stream as a string": "stream",

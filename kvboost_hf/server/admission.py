@@ -230,6 +230,14 @@ class Admission:
         if body.n > settings.max_batch_size:
             raise ApiError(400, f"n={body.n} exceeds the server's max batch size {settings.max_batch_size}", param="n")
         room = self.engine.max_context - prompt_tokens if self.engine.max_context else None
+        if room is not None and room < 1:  # the prompt alone: blame it, not the budget
+            raise ApiError(
+                400,
+                f"prompt of {prompt_tokens} tokens fills the context of {self.engine.max_context} tokens: no room "
+                "for a token",
+                param="messages" if hasattr(body, "messages") else "prompt",
+                code="context_length_exceeded",
+            )
         limit = settings.max_tokens_limit
         if max_tokens is not None and limit is not None and max_tokens > limit:
             raise ApiError(400, f"{field}={max_tokens} exceeds this server's limit of {limit}", param=field)
