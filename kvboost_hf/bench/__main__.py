@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from kvboost_hf.core.errors import ConfigError
+
 BENCHMARKS = (
     "multiturn",
     "tokenizing",
@@ -38,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"benchmark {args[0]!r} is not implemented yet", file=sys.stderr)
             return 2
         raise
-    return int(module.main(args[1:]) or 0)
+    try:
+        return int(module.main(args[1:]) or 0)
+    except ConfigError as exc:  # a setting the flags describe is out of range: a usage error, not a traceback
+        print(f"python -m kvboost_hf.bench {args[0]}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

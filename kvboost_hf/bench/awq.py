@@ -32,7 +32,7 @@ import torch
 from transformers import AutoTokenizer
 
 from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
-from kvboost_hf.bench.shapes import SHAPES, random_awq_model, random_engine, tokenizer_dir
+from kvboost_hf.bench.shapes import SHAPES, random_awq_model, random_engine, tokenizer_dir, torch_dtype
 from kvboost_hf.bench.streaming import decode
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.models import forward_read_bytes, resolve_device
@@ -249,7 +249,7 @@ def resident_decode(args: argparse.Namespace, device: torch.device, dtype: torch
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = resolve_device(args.device)
-    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = torch_dtype(args.dtype) if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
     result: dict[str, Any] = {
         "machine": machine_info(device),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},

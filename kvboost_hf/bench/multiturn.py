@@ -306,6 +306,8 @@ def main(argv: list[str]) -> int:
         "--graphs", choices=sorted(GRAPHS), default="auto", help="kvboost's compiled graphs (auto: on CUDA only)"
     )
     args = parser.parse_args(argv)
+    if args.turns < 1:
+        parser.error(f"--turns must be at least 1, got {args.turns}")
     result = run(
         args.turns,
         args.max_new_tokens,

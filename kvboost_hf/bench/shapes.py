@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen2Config
 
+from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.models import embedded_model_dir, resolve_device
 from kvboost_hf.offload import layer_streamer
@@ -70,7 +71,15 @@ def _dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype
     """``dtype`` as a torch dtype; None: bfloat16 on GPU, float32 on CPU."""
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return torch_dtype(dtype) if isinstance(dtype, str) else dtype
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The floating torch dtype called ``name`` (``"bfloat16"``, ``"float16"``...); ConfigError naming it else."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(f"--dtype must name a floating torch dtype (float32, bfloat16, float16), got {name!r}")
+    return dtype
 
 
 def random_model(
@@ -141,7 +150,7 @@ def copy_model(
     if device is not None:
         duplicate.to(resolve_device(device))
     if dtype is not None:
-        duplicate.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+        duplicate.to(torch_dtype(dtype) if isinstance(dtype, str) else dtype)
     return duplicate.eval()
 
 

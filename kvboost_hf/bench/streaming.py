@@ -46,7 +46,7 @@ import torch
 from transformers import AutoTokenizer
 
 from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
-from kvboost_hf.bench.shapes import SHAPES, random_awq_model, random_engine, random_model, tokenizer_dir
+from kvboost_hf.bench.shapes import SHAPES, random_awq_model, random_engine, random_model, tokenizer_dir, torch_dtype
 from kvboost_hf.bench.speculative_tree import time_verify_forwards
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.models import model_dtype, resolve_device
@@ -182,7 +182,7 @@ def build_engine(args: argparse.Namespace) -> InferenceEngine:
     store = StoreConfig(gpu_max_bytes=0) if args.device_budget is not None else None
     host = "cpu" if args.device_budget is not None else None
     if args.model is not None and is_awq_checkpoint(args.model):  # an AWQ checkpoint, loaded without gptqmodel
-        dtype = getattr(torch, args.dtype) if args.dtype else torch.float16
+        dtype = torch_dtype(args.dtype) if args.dtype else torch.float16
         model = load_awq_model(args.model, device=host or resolve_device(args.device), dtype=dtype)
         return InferenceEngine(model, AutoTokenizer.from_pretrained(args.model), chunking=64, store=store)
     if args.random_shape is None:
