@@ -198,6 +198,13 @@ class GenerateOptions:
         ]
 
 
+def _prompt_list(prompts: object) -> Sequence[Prompt]:
+    """``prompts`` when it is a list of prompts; InputError otherwise (a string is one prompt, not a list of them)."""
+    if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Sequence):
+        raise InputError(f"prompts must be a list of prompts, got {type(prompts).__name__} (one: use generate)")
+    return prompts
+
+
 def _is_mode(value: object) -> bool:
     """Whether ``value`` names a :class:`GenerationMode` (a member, its value or an accepted alias)."""
     try:
@@ -461,7 +468,7 @@ class InferenceEngine:
         sampled with ``seed`` as if alone. ``on_token(row, token)`` is called as each token exists; the other
         options are :class:`GenerateOptions`'. With a draft every row is decoded speculatively; its tokens are
         those it gets without one. A row's TTFT is measured from the call (tokenizing included)."""
-        if isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes, bytearray)) and not prompts:
+        if not _prompt_list(prompts):
             raise InputError("prompts is empty")
         options = GenerateOptions(
             max_new_tokens=max_new_tokens, mode=mode, temperature=temperature, do_sample=do_sample, top_p=top_p,
@@ -529,8 +536,7 @@ class InferenceEngine:
         ``on_token(index, token)`` after each token of input ``index``. A row's TTFT runs from the call (tokenizing
         included) when it was admitted in the first step, else from its first admission."""
         started = time.perf_counter()
-        if isinstance(prompts, (str, bytes, bytearray)) or not isinstance(prompts, Sequence):
-            raise InputError(f"prompts must be a list of prompts, got {type(prompts).__name__} (one: use generate)")
+        _prompt_list(prompts)
         self.prompts.check_token_ids([token for token, _ in options.decoding.logit_bias], "logit_bias token ids")
         self.prompts.check_token_ids(options.decoding.stop_token_ids, "stop_token_ids")
         encoded = [self.prompts.encode_segments(prompt) for prompt in prompts]

@@ -38,19 +38,15 @@ def _pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
     cache = reuse_cache(given_cache(kwargs))
     if cache is None:
         return None
-    cache.check_model(module)
     if args and "input_ids" not in kwargs:
         kwargs["input_ids"], args = args[0], args[1:]
     if kwargs.get("use_cache") is False:
         cache.reuse_enabled = False  # transformers then feeds whole sequences again: columns are not positions
     fed = kwargs.get("input_ids")
-    if (
-        cache.reuse_enabled
-        and cache.num_columns
-        and fed is not None
-        and (cache.prompt_forward_next or fed.shape[1] > 1)
-    ):
-        cache.check_layout(kwargs.get("attention_mask"), cache.num_columns + fed.shape[1])  # not per decode step
+    if cache.prompt_forward_next or fed is None or fed.shape[1] > 1:  # a generation's first forward or a prompt's
+        cache.check_model(module)  # (not per decode step)
+        if cache.reuse_enabled and cache.num_columns and fed is not None:
+            cache.check_layout(kwargs.get("attention_mask"), cache.num_columns + fed.shape[1])
     return args, prepare_forward(cache, kwargs, report=cache.prompt_forward_next)
 
 

@@ -43,8 +43,7 @@ class RamTier(StorageTier):
             if key in self._entries:
                 self._order.touch(key, hit=False)
                 return []
-            pinned = sum(self._entries[k].nbytes for k in self._order.pinned_keys() if k in self._entries)
-            if entry.nbytes > self.max_bytes - pinned:
+            if self._nbytes + entry.nbytes > self.max_bytes and entry.nbytes > self.max_bytes - self._pinned_bytes():
                 return [(key, entry)]  # larger than what evictions could free: refused without evicting anything
             evicted: list[tuple[str, StoredChunk]] = []
             while self._nbytes + entry.nbytes > self.max_bytes:
@@ -57,6 +56,10 @@ class RamTier(StorageTier):
             self._nbytes += entry.nbytes
             self._order.add(key)
             return evicted
+
+    def _pinned_bytes(self) -> int:
+        """Bytes held by pinned entries (never evicted); under the lock."""
+        return sum(self._entries[k].nbytes for k in self._order.pinned_keys() if k in self._entries)
 
     def contains(self, key: str) -> bool:
         with self._lock:
