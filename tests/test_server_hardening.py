@@ -296,6 +296,40 @@ def test_metrics_read_one_snapshot_off_the_event_loop(server, engine, monkeypatc
     assert calls == [({"settle": False}, False)]  # once, in a thread, host-side counters only
 
 
+def _request_counts(server: HardenedServer) -> dict[str, float]:
+    """``kvboost_requests_total`` samples of a live server: labels text -> count."""
+    text = httpx.get(f"{server.url}/metrics", headers=HEADERS, timeout=10).text
+    prefix = "kvboost_requests_total{"
+    return {
+        line[len(prefix) : line.rindex("}")]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(prefix)
+    }
+
+
+def test_metrics_count_gate_refusals_under_route_templates(server):
+    """The API-key gate's 401 and the body limit's 413 are answered before the routes: they are counted all the
+    same. A path with a parameter counts under its route's template, and an unknown path under ``other``: labels
+    stay bounded."""
+    before = _request_counts(server)
+    unauthorised = httpx.get(f"{server.url}/v1/models", timeout=10)
+    too_large = httpx.post(
+        f"{server.url}/v1/chat/completions", content=b"x" * (SETTINGS.max_body_bytes + 1), headers=HEADERS, timeout=10
+    )
+    model = httpx.get(f"{server.url}/v1/models/{MODEL_NAME}", headers=HEADERS, timeout=10)
+    missing = httpx.get(f"{server.url}/no/such/path/{time.time()}", headers=HEADERS, timeout=10)
+    assert [r.status_code for r in (unauthorised, too_large, model, missing)] == [401, 413, 200, 404]
+    after = _request_counts(server)
+    for labels in (
+        'code="401",endpoint="/v1/models"',
+        'code="413",endpoint="/v1/chat/completions"',
+        'code="200",endpoint="/v1/models/{model_id}"',
+        'code="404",endpoint="other"',
+    ):
+        assert after.get(labels, 0) == before.get(labels, 0) + 1, labels
+    assert not any(MODEL_NAME in labels for labels in after)
+
+
 # ---------------------------------------------------------------------------------------------- #30 item 2
 def _raw_request(port: int, body: dict, http_version: str, extra_headers: str = "") -> tuple[float, bytes]:
     """(seconds, every byte of the reply) of one chat request on a fresh socket, read until the server closes it."""

@@ -5,10 +5,10 @@ Layers, outermost first:
 
 * the connection (:mod:`~kvboost_hf.server.transport`, with :func:`uvicorn_config`): time bounds on reading a
   request's headers and body, and a cap on the connections per client address;
+* request counting for ``/metrics`` (outermost, so the gate's 401, 413 and 408 answers are counted too);
 * :class:`RequestGate` (ASGI): the API key is checked from the headers before any byte of the body is read (only
   ``/health`` is public; ``/docs``, ``/redoc`` and ``/openapi.json`` need the key when one is set), and a body
   larger than ``max_body_bytes`` is refused with 413 (by its Content-Length, or while it streams in);
-* request counting for ``/metrics``;
 * routes (:mod:`~kvboost_hf.server.routes`): JSON bodies are parsed and bounded in a thread (``max_json_values``);
   rendering, tokenisation and grammar compilation run in threads too (:mod:`~kvboost_hf.server.admission`);
   answers are built by :mod:`~kvboost_hf.server.responses`.
@@ -34,7 +34,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.routing import Match, Mount, Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvboost_hf.engine import InferenceEngine
@@ -112,10 +112,12 @@ class RequestGate:
 
 
 class _CountRequests:
-    """ASGI middleware: counts answered requests (and errors) per known endpoint and status code."""
+    """ASGI middleware: counts answered requests (and errors) per endpoint and status code. The endpoint is the
+    path template of the route that matches (``/v1/models/{model_id}``), or ``other`` where none does: labels stay
+    bounded whatever paths clients send."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, endpoints: Callable[[], set[str]]) -> None:
-        self.app, self.metrics, self.endpoints = app, metrics, endpoints
+    def __init__(self, app: ASGIApp, metrics: Metrics, endpoint_of: Callable[[Scope], str]) -> None:
+        self.app, self.metrics, self.endpoint_of = app, metrics, endpoint_of
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -132,7 +134,7 @@ class _CountRequests:
         try:
             await self.app(scope, receive, send_and_record)
         finally:
-            endpoint = scope["path"] if scope["path"] in self.endpoints() else "other"
+            endpoint = self.endpoint_of(scope)
             self.metrics.requests.labels(endpoint, str(status)).inc()
             if status >= 400:
                 self.metrics.errors.labels(endpoint, str(status)).inc()
@@ -243,13 +245,13 @@ def create_app(engine: InferenceEngine, settings: ServerConfig | None = None) ->
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.shutdown_worker = lambda: worker.shutdown(settings.shutdown_grace_s)
-    app.add_middleware(_CountRequests, metrics=metrics, endpoints=lambda: _route_paths(app))
     app.add_middleware(
         RequestGate,
         api_key=settings.api_key,
         max_body_bytes=settings.max_body_bytes,
         body_timeout_s=settings.body_timeout_s,
     )
+    app.add_middleware(_CountRequests, metrics=metrics, endpoint_of=functools.partial(_endpoint_of, app))
     install_error_handlers(app)
     register_routes(app, engine, settings, worker, admission, metrics)
     return app
@@ -343,6 +345,16 @@ def _state_value(metrics: Metrics, key: str) -> float:
     return metrics.state.get(key, 0)
 
 
-def _route_paths(app: FastAPI) -> set[str]:
-    """The paths of the app's routes (read at request time, so routes added later count)."""
-    return {r.path for r in app.routes if isinstance(r, Route | WebSocketRoute | Mount)}
+def _endpoint_of(app: FastAPI, scope: Scope) -> str:
+    """The path template of the app's route that matches ``scope`` (read at request time, so routes added later
+    count): one that matches fully, else one whose path matches but not its method (a 405), else ``other``."""
+    endpoint = "other"
+    for route in app.routes:
+        if not isinstance(route, Route | WebSocketRoute | Mount):
+            continue
+        match = route.matches(scope)[0]
+        if match is Match.FULL:
+            return route.path
+        if match is Match.PARTIAL and endpoint == "other":
+            endpoint = route.path
+    return endpoint
