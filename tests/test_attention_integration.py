@@ -12,7 +12,15 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    Gemma2Config,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedModel,
+    Qwen2Config,
+)
 
 from kvboost_hf.hf import attention
 from kvboost_hf.hf.cache import ChunkReuseCache
@@ -168,6 +176,32 @@ def test_sliding_window_with_padding_matches_sdpa(kernel_calls: list[int]) -> No
     assert kernel_calls
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+
+
+def test_softcapped_attention_runs_the_models_eager_attention(caplog: pytest.LogCaptureFixture) -> None:
+    """Gemma2 passes ``softcap`` to attention, which SDPA lacks: ``"kvboost"`` (the loader's choice on the CPU)
+    raised transformers' "sdpa does not support softcap". It runs the model's eager attention, with the causal and
+    sliding-window masks made additive, and equals ``"eager"`` with left padding and over a cache."""
+    attention.register_kvboost_attention()
+    torch.manual_seed(0)
+    config = Gemma2Config(**TINY, head_dim=16, sliding_window=8, attn_logit_softcapping=5.0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    ids = _prompt(2, 20)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ref_tokens, ref_logits = _generate(model, "eager", ids, attention_mask=mask)
+    with caplog.at_level(logging.WARNING, logger=attention.__name__):
+        tokens, logits = _generate(model, "kvboost", ids, attention_mask=mask)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    assert "the model's eager attention" in caplog.text
+    plain = ids[:1]
+    expected = _forward_logits(model, "eager", input_ids=plain)
+    for impl in ("eager", "kvboost"):  # a prefill over a cache: the bottom-right causal mask
+        cache = DynamicCache(config=model.config)
+        _forward_logits(model, impl, input_ids=plain[:, :12], past_key_values=cache)
+        tail = _forward_logits(model, impl, input_ids=plain[:, 12:], past_key_values=cache)
+        torch.testing.assert_close(tail, expected[:, 12:], atol=ATOL, rtol=0)
 
 
 def test_cpu_without_interpreter_reads_grouped_kv_in_place_and_matches_sdpa(

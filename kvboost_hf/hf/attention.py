@@ -33,6 +33,7 @@ import functools
 import importlib.util
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -46,7 +47,7 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
-from kvboost_hf.core.errors import InputError, StateError
+from kvboost_hf.core.errors import InputError, StateError, UnsupportedModelError
 from kvboost_hf.hf.context_attention import ADJUSTMENT_KWARG, adjusted_attention
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ ATTN_IMPLEMENTATION = "kvboost"
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _KERNEL_MAX_HEAD_DIM = 128
 _UNSUPPORTED_KWARGS = ("softcap", "position_bias", "s_aux", "sinks", "cache")
+_EAGER_ONLY_KWARGS = ("softcap", "s_aux", "sinks")  # features torch SDPA lacks: the model's eager attention runs
 PACKED_KWARG = "kvboost_packed"
 """The forward keyword that carries a packed forward's caches (a :class:`~kvboost_hf.hf.packed.PackedCaches`) down to
 the attention function, which hands the call to its ``attention(layer_idx, query, scaling)``."""
@@ -88,8 +90,8 @@ def _kernel() -> Callable[..., torch.Tensor] | None:
 
 
 @functools.cache
-def _log_fallback(reason: str) -> None:
-    logger.warning("kvboost attention falls back to torch SDPA: %s", reason)
+def _log_fallback(reason: str, target: str = "torch SDPA") -> None:
+    logger.warning("kvboost attention falls back to %s: %s", target, reason)
 
 
 def _unsupported_reason(query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict[str, Any]) -> str | None:
@@ -169,6 +171,10 @@ def kvboost_attention_forward(
             raise InputError("the context adjustment needs the queries' position_ids")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return adjusted_attention(query, key, value, attention_mask, scale, adjustment, position_ids), None
+    if any(kwargs.get(name) is not None for name in _EAGER_ONLY_KWARGS):
+        used = [name for name in _EAGER_ONLY_KWARGS if kwargs.get(name) is not None]
+        _log_fallback(f"{used} are not implemented by SDPA", target="the model's eager attention")
+        return _eager_attention(module, query, key, value, attention_mask, causal, dropout, scaling, kwargs)
     if attention_mask is None and (num_q == num_k or num_q == 1) and ROUTE_PLAIN_TO_SDPA:
         # plain causal prefill, or one query seeing every key: torch's default SDPA needs no mask there and runs
         # a fused GQA kernel (1.5x the Triton kernel's prefill on an H200); the kernel serves the shapes only it
@@ -192,6 +198,36 @@ def kvboost_attention_forward(
     assert kernel is not None  # _kernel_unavailable_reason() returned None
     out = kernel(query, key, value, scale=scaling, causal=causal and mask is None, mask=mask)
     return out, None
+
+
+def _eager_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    causal: bool,
+    dropout: float,
+    scaling: float | None,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, Any]:
+    """The attention module's own ``eager_attention_forward`` (from its modeling module: the one that implements
+    its softcapping or sinks), given the additive mask it expects: ``"kvboost"``'s mask is None for a bottom-right
+    causal call and boolean otherwise. A model module without one is refused by name."""
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} passes {[n for n in _EAGER_ONLY_KWARGS if kwargs.get(n) is not None]} to "
+            f"attention, which only its eager attention implements; load the model without "
+            f"attn_implementation={ATTN_IMPLEMENTATION!r}"
+        )
+    num_q, num_k = query.shape[2], key.shape[2]
+    if attention_mask is None and causal and num_q > 1:
+        attention_mask = bottom_right_causal_mask(num_q, num_k, query.device)
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        blocked = torch.finfo(query.dtype).min
+        attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(~attention_mask, blocked)
+    return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def _is_bottom_right_causal(

@@ -338,6 +338,7 @@ class ChunkReuseCache(Cache):
         self.tokens = torch.empty(batch, 0, dtype=torch.long, device="cpu")
         self.ledgers = [ChunkLedger(segment_starts=self.segment_starts) for _ in range(batch)]
         self.pads = [0] * batch
+        given = attention_mask
         attention_mask = prompt_padding_mask(attention_mask, input_ids.shape[1])
         if attention_mask is None:
             return
@@ -350,7 +351,43 @@ class ChunkReuseCache(Cache):
             logger.warning("ChunkReuseCache: attention mask is not left padding; reuse disabled for this call")
             self.reuse_enabled = False
             pads = [int(p) for p in (attention_mask.to("cpu", torch.long).cumsum(-1) == 0).sum(-1)]
+        elif not self._masks_only_padding(given, pads, 0):
+            logger.warning("ChunkReuseCache: the 4D attention mask hides tokens inside a row; reuse disabled")
+            self.reuse_enabled = False
         self.pads = pads
+
+    def check_forward(
+        self, fed: torch.Tensor, attention_mask: torch.Tensor | dict | None, position_ids: torch.Tensor | None
+    ) -> None:
+        """Turn reuse and write-back off for good (with a warning) when a forward of the ``fed`` token ids through
+        the hooks computes K/V that a plain prefill would not: under autocast (another precision than the model's,
+        whose namespace the chunks are keyed in), at positions other than each row's next ones, or under a mask
+        that hides more than left padding (:meth:`check_layout`, :func:`hides_only_padding`)."""
+        if not self.reuse_enabled:
+            return
+        batch, queries = fed.shape
+        if self.num_columns:
+            self.check_layout(attention_mask, self.num_columns + queries)
+        reason = None
+        if torch.is_autocast_enabled(fed.device.type):
+            reason = "the forward runs under autocast"
+        elif position_ids is not None and not _next_positions(
+            position_ids, self._row_pads(attention_mask, batch, queries), self.num_columns
+        ):
+            reason = "its position_ids are not each row's next positions"
+        if reason is not None and self.reuse_enabled:
+            logger.warning("ChunkReuseCache: %s; reuse and write-back are off for this cache", reason)
+            self.reuse_enabled = False
+
+    def _row_pads(self, attention_mask: torch.Tensor | dict | None, batch: int, queries: int) -> list[int] | None:
+        """Each of ``batch`` rows' left padding for a forward of ``queries`` tokens: the cache's once it holds
+        columns, else read off ``attention_mask`` (None when it is not left padding: reuse is then off anyway)."""
+        if self.num_columns:
+            return self.pads
+        layout = prompt_padding_mask(attention_mask, queries)
+        if layout is None:
+            return [0] * batch
+        return left_pads(layout) if layout.dim() == 2 else None
 
     def check_layout(self, attention_mask: torch.Tensor | dict | None, columns: int) -> None:
         """Turn reuse off for good (with a warning) unless ``attention_mask`` of a forward continuing this cache
@@ -360,12 +397,29 @@ class ChunkReuseCache(Cache):
         """
         layout = column_layout(attention_mask, columns)
         pads = [0] * len(self.pads) if layout is None else left_pads(layout)
-        if pads != self.pads:
+        if pads != self.pads or not self._masks_only_padding(attention_mask, self.pads, None, columns):
             logger.warning(
                 "ChunkReuseCache: the attention mask masks tokens inside a row or changes its left padding; reuse "
                 "and write-back are off for this cache"
             )
             self.reuse_enabled = False
+
+    def _masks_only_padding(
+        self, mask: torch.Tensor | dict | None, pads: list[int], offset: int | None, columns: int | None = None
+    ) -> bool:
+        """Whether every 4D tensor of a forward's ``mask`` (a dict's per layer type too; 2D masks and None pass) is
+        causal and hides each row's left padding and nothing else, or only what this model's sliding window hides:
+        :func:`hides_only_padding`. Its queries are the columns from ``offset`` (None: ``columns`` minus its
+        query count)."""
+        masks = mask.values() if isinstance(mask, dict) else [mask]
+        windows = sorted({layer.sliding_window for layer in self.layers if isinstance(layer, ChunkReuseSlidingLayer)})
+        for each in masks:
+            if not isinstance(each, torch.Tensor) or each.dim() != 4:
+                continue
+            start = offset if offset is not None else (columns or 0) - each.shape[-2]
+            if not hides_only_padding(each, pads, start, windows):
+                return False
+        return True
 
     def prefill(
         self,
@@ -433,6 +487,20 @@ class ChunkReuseCache(Cache):
         for layer in self.layers:
             layer.keys, layer.values = layer.keys[:, :, : self.num_columns], layer.values[:, :, : self.num_columns]
         self._check_consistent()
+
+    def check_intact(self) -> None:
+        """Before a forward through the hooks: raise :class:`StateError` when a layer holds another number of columns
+        than the tokens recorded, as an exception part-way through an earlier forward (out of memory, an
+        interrupt) leaves it: the layers that ran kept their new columns. Such a cache cannot be continued."""
+        if not self.reuse_enabled or self._pending_tokens is not None:
+            return  # reuse off: the cache records nothing and acts as a DynamicCache
+        lengths = {layer.get_seq_length() for layer in self.layers}
+        if lengths != {self.num_columns}:
+            self.reuse_enabled = False
+            raise StateError(
+                f"ChunkReuseCache layers hold {sorted(lengths)} columns where {self.num_columns} tokens were recorded: "
+                "an earlier forward through this cache failed part-way. Use a fresh ChunkReuseCache."
+            )
 
     def _check_consistent(self) -> None:
         if self.get_seq_length() != self.num_columns:
@@ -605,6 +673,46 @@ def column_layout(mask: torch.Tensor | dict | None, columns: int) -> torch.Tenso
         return mask
     last = mask[:, 0, -1, :columns]
     return (last if last.dtype == torch.bool else last == 0).long()
+
+
+def _next_positions(position_ids: torch.Tensor, pads: list[int] | None, offset: int) -> bool:
+    """Whether ``position_ids`` (``[B or 1, Q]``) of queries at columns ``offset ..`` give each real token (at or
+    after its row's left padding) its position in the row: its column minus the padding. Other layouts (M-RoPE's
+    3D ids) and unknown padding count as not."""
+    if pads is None or position_ids.dim() != 2 or position_ids.shape[0] not in (1, len(pads)):
+        return pads is None  # no left padding known: reuse is already off
+    queries = position_ids.shape[1]
+    columns = torch.arange(offset, offset + queries, device=position_ids.device)
+    expected = columns[None, :] - torch.tensor(pads, device=position_ids.device)[:, None]  # [B, Q]
+    real = expected >= 0
+    return bool(((position_ids == expected) | ~real).all())
+
+
+MASK_CHECK_QUERIES = 1024  # queries compared per step by hides_only_padding (bounds its temporary memory)
+
+
+def hides_only_padding(mask: torch.Tensor, pads: list[int], offset: int, windows: Sequence[int] = ()) -> bool:
+    """Whether a 4D ``mask`` (``[B, heads or 1, Q, K]``, bool or additive float) over queries at columns
+    ``offset .. offset + Q - 1`` lets each real query (at or after its row's ``pads``) attend exactly the columns
+    from its row's first real one up to itself, or only the last ``w`` of them for one ``w`` of ``windows`` (a
+    sliding-window layer's mask). Padding queries are not compared (masks differ in what they give them). K/V
+    computed under any other mask (packed sequences, a custom mask) differ from a full prefill's."""
+    batch, _, queries, width = mask.shape
+    if batch != len(pads):
+        return False
+    attended = mask if mask.dtype == torch.bool else mask == 0
+    columns = torch.arange(width, device=mask.device)
+    first = torch.tensor(pads, device=mask.device)[:, None, None]  # [B, 1, 1]
+    for start in range(0, queries, MASK_CHECK_QUERIES):
+        query = torch.arange(start, min(start + MASK_CHECK_QUERIES, queries), device=mask.device) + offset
+        lag = query[:, None] - columns[None, :]  # [q, K]: how far each column is behind each query
+        causal = (lag >= 0)[None] & (columns >= first)  # [B, q, K]
+        real = (query[None, :] >= first[:, :, 0])[:, None, :, None]  # [B, 1, q, 1]
+        block = attended[:, :, start : start + MASK_CHECK_QUERIES]
+        shapes = [causal] + [causal & (lag < window)[None] for window in windows]
+        if not any(bool(((block == shape[:, None]) | ~real).all()) for shape in shapes):
+            return False
+    return True
 
 
 def left_pads(layout: torch.Tensor) -> list[int] | None:

@@ -29,7 +29,7 @@ def install_generate_dispatch() -> None:
     def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
         hooks = sys.modules.get(_HOOKS)
         if hooks is not None and hooks.drives_generate(kwargs):
-            return hooks.generate_with_write_back(self, functools.partial(original, self), args, kwargs)
+            return hooks.generate_with_write_back(self, original, args, kwargs)
         return original(self, *args, **kwargs)
 
     setattr(generate, _MARK, True)

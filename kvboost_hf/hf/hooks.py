@@ -21,6 +21,8 @@ given such a cache:
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,15 +40,15 @@ def _pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
     cache = reuse_cache(given_cache(kwargs))
     if cache is None:
         return None
-    if args and "input_ids" not in kwargs:
-        kwargs["input_ids"], args = args[0], args[1:]
+    cache.check_intact()
+    args, kwargs = as_keywords(type(module).forward, args, kwargs, bound=True)
     if kwargs.get("use_cache") is False:
         cache.reuse_enabled = False  # transformers then feeds whole sequences again: columns are not positions
     fed = kwargs.get("input_ids")
     if cache.prompt_forward_next or fed is None or fed.shape[1] > 1:  # a generation's first forward or a prompt's
         cache.check_model(module)  # (not per decode step)
-        if cache.reuse_enabled and cache.num_columns and fed is not None:
-            cache.check_layout(kwargs.get("attention_mask"), cache.num_columns + fed.shape[1])
+        if fed is not None:
+            cache.check_forward(fed, kwargs.get("attention_mask"), kwargs.get("position_ids"))
     return args, prepare_forward(cache, kwargs, report=cache.prompt_forward_next)
 
 
@@ -67,13 +69,16 @@ def drives_generate(kwargs: dict[str, Any]) -> bool:
 def generate_with_write_back(
     model: torch.nn.Module, generate: Callable[..., Any], args: tuple, kwargs: dict[str, Any]
 ) -> Any:
-    """Run ``generate(*args, **kwargs)`` of ``model`` (given a reuse cache) with the adapter's write-back: refuse a
-    cache built for another model and a prompt that does not extend what the cache holds, add
-    :class:`~kvboost_hf.hf.generation.ChunkWriteBack` to the logits processors, and store the unfinished last chunk
-    when generation ends (not after a draft round)."""
+    """Run ``generate(model, *args, **kwargs)`` (``GenerationMixin.generate``, given a reuse cache) with the
+    adapter's write-back: refuse a cache built for another model and a prompt that does not extend what the cache
+    holds, add :class:`~kvboost_hf.hf.generation.ChunkWriteBack` to the logits processors, and store the unfinished
+    last chunk when generation ends (not after a draft round)."""
     cache: Any = given_cache(kwargs)
     cache.check_model(model)
-    input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    cache.check_intact()
+    install_hooks(model)  # a copy of the cache's model (same digest) runs its forwards through the hooks too
+    args, kwargs = as_keywords(generate, args, kwargs, bound=True)
+    input_ids = kwargs.get("inputs", kwargs.get("input_ids"))
     if isinstance(input_ids, torch.Tensor) and not input_ids.is_floating_point():
         cache.check_extends(input_ids, kwargs.get("attention_mask"))
     processors = LogitsProcessorList(kwargs.get("logits_processor") or [])
@@ -81,10 +86,31 @@ def generate_with_write_back(
         processors.append(ChunkWriteBack(cache))
     kwargs["logits_processor"] = processors
     cache.prompt_forward_next = True
-    output = generate(*args, **kwargs)
+    output = generate(model, *args, **kwargs)
     drafting = getattr(kwargs.get("generation_config"), "is_assistant", False)
     cache.save(tail=not drafting)  # a draft round is not the end of a generation
     return output
+
+
+def as_keywords(
+    function: Callable[..., Any], args: tuple, kwargs: dict[str, Any], *, bound: bool = False
+) -> tuple[tuple, dict[str, Any]]:
+    """``args`` moved into ``kwargs`` under the names of ``function``'s parameters (a class's plain function when
+    ``bound``: its first, ``self``, is skipped), so hooks read every argument by name. Left as they are when they
+    do not bind (the call then raises its own error)."""
+    if not args:
+        return args, kwargs
+    names = _positional_names(function)[1 if bound else 0 :]
+    if len(args) > len(names) or any(name in kwargs for name in names[: len(args)]):
+        return args, kwargs
+    return (), {**kwargs, **dict(zip(names, args, strict=False))}
+
+
+@functools.lru_cache(maxsize=64)
+def _positional_names(function: Callable[..., Any]) -> list[str]:
+    """The names of ``function``'s parameters that a positional argument can fill, in order."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in inspect.signature(function).parameters.values() if p.kind in kinds]
 
 
 _ADAPTERS: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.utils.hooks.RemovableHandle]] = (
@@ -93,13 +119,27 @@ _ADAPTERS: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.utils.hooks.Rem
 
 
 def install_hooks(model: torch.nn.Module) -> None:
-    """Attach the adapter to ``model`` (once: a second call is a no-op)."""
+    """Attach the adapter to ``model`` (once: a second call is a no-op). A copy of a model with the adapter
+    (``copy.deepcopy``) carries copies of its hooks but no handles: they are replaced, never doubled."""
     if model in _ADAPTERS:
         return
+    _drop_copied_hooks(model)
     _ADAPTERS[model] = [
         model.register_forward_pre_hook(_pre_forward, with_kwargs=True),
         model.register_forward_hook(_post_forward, with_kwargs=True),
     ]
+
+
+def _drop_copied_hooks(model: torch.nn.Module) -> None:
+    """Remove the adapter's hooks that ``model`` holds without handles (copied with the module's hook dicts)."""
+    for hooks, flags in (
+        (model._forward_pre_hooks, (model._forward_pre_hooks_with_kwargs,)),
+        (model._forward_hooks, (model._forward_hooks_with_kwargs, model._forward_hooks_always_called)),
+    ):
+        for key in [key for key, hook in hooks.items() if hook in (_pre_forward, _post_forward)]:
+            del hooks[key]
+            for flag in flags:
+                flag.pop(key, None)
 
 
 def uninstall_hooks(model: torch.nn.Module) -> bool:
