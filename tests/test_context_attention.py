@@ -159,3 +159,30 @@ def test_every_forward_after_reordered_documents_passes_the_adjustment(monkeypat
     torch.testing.assert_close(cache.layers[0].keys[:, :, 64:], plain_cache.layers[0].keys[:, :, 64:])
     assert not torch.allclose(cache.layers[-1].keys[:, :, 64:68], plain_cache.layers[-1].keys[:, :, 64:68])
     assert not torch.allclose(first, plain_first, atol=1e-4) and not torch.allclose(step, plain_step, atol=1e-4)
+
+
+def test_tokens_computed_under_the_adjustment_are_never_stored_as_exact():
+    """With every approximate token repaired (ratio 1) no position is stale, so the row counted the whole prompt
+    and answer as exact and stored them under prefix keys; but the question and the answer ran under the adjusted
+    attention. A later plain (exact) request loaded them and gave other tokens. Now the row is exact up to its last
+    approximate column only: that request loads just the leading document and equals plain generate()."""
+    model = make_tiny_model("llama")
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    store = ChunkStore(StoreConfig(1 << 26))
+    gen = torch.Generator().manual_seed(1)
+    docs = [torch.randint(1, 128, (32,), generator=gen) for _ in range(2)]
+    for doc in docs:
+        cache = ChunkReuseCache(store, model, 16, segment_starts=[0, 32], adapter=False)
+        forward(model, cache, input_ids=doc[None], logits_to_keep=1)
+        cache.save()
+    ids = torch.cat([docs[1], docs[0], torch.randint(1, 128, (20,), generator=gen)])[None]
+    adjusted = ChunkReuseCache(
+        store, model, 16, RepairConfig("selective", 1.0, context_temperature=0.5), segment_starts=[0, 32, 64]
+    )
+    answer = model.generate(ids, cache=adjusted, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert adjusted.last_reuse[0].approx_tokens == 0 and adjusted.ledgers[0].exact_tokens == 64
+    follow = torch.cat([answer, torch.randint(1, 128, (6,), generator=gen)[None]], 1)
+    exact = ChunkReuseCache(store, model, 16)
+    out = model.generate(follow, cache=exact, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert exact.last_reuse[0].cached_tokens == 64
+    assert torch.equal(out, model.generate(follow, max_new_tokens=10, do_sample=False, pad_token_id=0))

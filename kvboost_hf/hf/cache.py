@@ -470,7 +470,10 @@ class ChunkReuseCache(Cache):
         self.prompt_forward_next = False
         columns_before = self.num_columns
         self._append_tokens(fed_ids)
+        adjusted = self.repair.adjusts_attention  # new queries after approximate columns attend adjusted
         for ledger, pad in zip(self.ledgers, self.pads, strict=True):
+            if adjusted and ledger.approximate:
+                continue
             if ledger.exact_tokens >= max(columns_before - pad, 0):  # every earlier real token was exact
                 ledger.exact_tokens = max(self.num_columns - pad, 0)
         self._check_consistent()

@@ -291,10 +291,14 @@ class ChunkPrefiller:
 
 
 def _settle(cache: PrefillTarget, selection: RepairSelection) -> None:
-    """Record what the repair forward recomputed: the row's stale positions and its reuse figures."""
+    """Record what the repair forward recomputed: the row's stale positions and its reuse figures. Under an
+    APE-style context adjustment the queries after the last approximate column ran with the adjusted attention:
+    the row is exact up to that column at most (and stays so: :meth:`ChunkReuseCache.record`)."""
     ledger = cache.ledgers[0]
     ledger.stale = frozenset(selection.stale)
     ledger.exact_tokens = selection.exact_tokens
+    if cache.repair.adjusts_attention and ledger.approximate:
+        ledger.exact_tokens = min(ledger.exact_tokens, max(ledger.approximate) + 1)
     cache.last_reuse = [
         RowReuse(
             prompt_tokens=int(selection.reused.numel()),
