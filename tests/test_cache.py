@@ -331,3 +331,27 @@ def test_a_drop_in_cache_is_exact_unless_asked_for_approximate_hits():
     approximate = ChunkReuseCache(store, model, 8, mode="chunk_kv_reuse")
     _generate(model, prompt, approximate)
     assert approximate.last_reuse[0].approx_tokens > 0
+
+
+@pytest.mark.parametrize("driven", ["hooks", "explicit"])
+def test_a_forward_outside_no_grad_over_loaded_chunks_runs(driven):
+    """The prefill stitches loaded K/V as views made under ``no_grad``; the next forward in grad mode (the
+    docs' loop without hooks, or ``model(ids, cache=...)``, neither wrapped in ``no_grad``) wrote into them and
+    autograd raised "a view was created in no_grad mode". The cache's K/V carry no gradient: it runs, and its
+    logits equal a DynamicCache's."""
+    model = make_tiny_model("llama", seed=15)
+    ids = _tokens(40, 3)
+    store = ChunkStore()
+    with torch.no_grad():
+        model(ids, cache=(first := ChunkReuseCache(store, model, 8)), use_cache=True, logits_to_keep=1)
+    first.save()
+    expected = model(ids, cache=DynamicCache(config=model.config), logits_to_keep=1).logits
+    cache = ChunkReuseCache(store, model, 8, adapter=driven == "hooks")
+    if driven == "hooks":
+        logits = model(ids, cache=cache, logits_to_keep=1).logits
+    else:
+        inputs = cache.prefill(ids).model_inputs()
+        logits = model.forward(**inputs, cache=cache, use_cache=True, logits_to_keep=1).logits
+        cache.record(inputs["input_ids"])
+    assert cache.last_reuse[0].cached_tokens == 39
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)

@@ -133,6 +133,9 @@ class ChunkReuseLayer(DynamicLayer):
         return super().get_mask_sizes(query_length)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # an inference cache: no gradient flows through its K/V (a forward outside no_grad wrote into buffers that
+        # are views made under no_grad by the prefill, which autograd refuses)
+        key_states, value_states = key_states.detach(), value_states.detach()
         if self.max_cache_len is not None:
             return self._static_update(key_states, value_states)
         if not self.is_initialized or self._length == 0:
