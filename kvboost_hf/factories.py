@@ -94,6 +94,7 @@ class DecodeTotals:
         totals["draft_tokens_accepted"] += accepted
         totals["streamed_bytes"] += loop.streamed_bytes or 0
         drafted = loop.draft is not None and proposed > 0
+        verified = drafted and loop.verify_forwards > 0  # a resumed row's drafts may all predate this loop
         draft_reuse = loop.draft.cached_tokens if loop.draft is not None else []
         return {
             "target_forwards": loop.forwards,
@@ -101,7 +102,7 @@ class DecodeTotals:
             "verify_forwards": loop.verify_forwards,
             "draft_tokens_proposed": proposed,
             "draft_tokens_accepted": accepted,
-            "draft_tokens_accepted_per_verify": accepted / loop.verify_forwards if drafted else None,
+            "draft_tokens_accepted_per_verify": accepted / loop.verify_forwards if verified else None,
             "draft_acceptance_rate": accepted / proposed if drafted else None,
             "draft_position_acceptance": accepted / max(accepted + rejected, 1) if drafted else None,
             "draft_cached_tokens": draft_reuse[0] if draft_reuse else None,

@@ -749,6 +749,8 @@ class Scheduler:
         which the K/V projection counts (:meth:`RunningBatch.shape`)."""
         for batch in self.running:
             batch.columns = columns.get(batch.id, 0)
+        if not self.running:
+            self.memory.reserve(0)  # nothing runs: nothing is reserved (until the next schedule)
 
     def abort(self, error: BaseException) -> tuple[RunningBatch, ...]:
         """Fail every pending group with ``error`` and end every running row now (cancelled, reported once to its

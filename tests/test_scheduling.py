@@ -29,10 +29,11 @@ from kvboost_hf.core.keys import KeySpace
 from kvboost_hf.engine_core import EngineCore
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, PrefillWork, SharedPrefix
 from kvboost_hf.hf.forward_routes import ForwardRouter
+from kvboost_hf.hf.graphs import GraphConfig
 from kvboost_hf.hf.models import forward_read_bytes
 from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.hf.speculative import DraftConfig
-from kvboost_hf.kv_budget import KVBudget
+from kvboost_hf.kv_budget import BatchShape, KVBudget
 from kvboost_hf.runner import ModelRunner
 from kvboost_hf.scheduling import (
     BatchPolicy,
@@ -1020,3 +1021,62 @@ def test_a_long_prompt_over_the_join_padding_limit_decodes_in_its_own_batch_with
     assert groups[0].batch is groups[1].batch is groups[3].batch is not groups[2].batch
     assert max(narrow_widths) < len(engine.encode(prompts[2]))
     assert [row.tokens for row in rows] == [engine_reference(engine, p, 6).tokens for p in prompts]
+
+
+def test_a_speculative_row_resumed_by_a_chunked_prefill_finishes_and_nothing_stays_reserved(engine):
+    """A row preempted after verify rounds resumed in a batch whose loop ran no verify forward (its chunked
+    prefill gave its last token): the loop's summary divided its rows' draft counts by 0 verify forwards and
+    ``generate_many`` raised ZeroDivisionError, losing every row. Now every row finishes with generate()'s tokens,
+    and once the call returns ``kv_reserved_bytes`` is 0 (the last schedule's value stayed)."""
+    draft = noisy_copy(engine.model, 0.5, seed=7)
+    speculative = KVBoost(engine.model, word_tokenizer(), chunking=8, draft_model=draft, draft=DraftConfig(4),
+                          graphs=GraphConfig(enabled=True))  # fmt: skip
+    prompts, new = [words(140, 25), words(141, 3)], 9
+    budget = max(
+        speculative.factories.kv_budget(1 << 40).bytes(BatchShape().join([(len(speculative.encode(p)), new)]))
+        for p in prompts
+    )  # the larger row alone
+    results = speculative.generate_many(prompts, max_new_tokens=new, max_batch_size=4, token_budget=4,
+                                        kv_budget_bytes=budget)  # fmt: skip
+    assert [r.output_ids for r in results] == [engine_reference(speculative, p, new).tokens for p in prompts]
+    stats = speculative.cache_stats()
+    assert stats["kv_preemptions"] > 0 and stats["kv_reserved_bytes"] == 0 < stats["kv_peak_reserved_bytes"]
+
+
+def test_a_step_that_fails_outside_its_batches_fails_its_requests_and_the_worker_serves_on(engine, monkeypatch):
+    """An exception out of ``EngineCore.execute`` itself (a bug, such as the draft counters' division by zero)
+    ended the worker thread: that request and every later one waited forever. It now fails the requests in
+    flight, is counted, and the next request is answered."""
+    from kvboost_hf.server.batching import Done, Failed, Job, JobParams
+    from kvboost_hf.server.settings import ServerConfig
+    from kvboost_hf.server.worker import Worker
+
+    worker = Worker(engine, ServerConfig(batch_window_ms=0, max_batch_size=4))
+    ends: list[tuple[int, str]] = []
+    execute = worker.core.execute
+    failing = [True]
+
+    def fails_once(output):
+        if failing and output.work:
+            failing.clear()
+            raise ZeroDivisionError("division by zero")
+        return execute(output)
+
+    monkeypatch.setattr(worker.core, "execute", fails_once)
+    worker.start()
+    try:
+        for i in range(2):
+
+            def sink(event, i=i):
+                if isinstance(event, Done | Failed):
+                    ends.append((i, type(event).__name__))
+
+            worker.submit(Job(engine.encode(words(150 + i, 12)), JobParams(max_tokens=3), sink))
+            deadline = time.monotonic() + 60
+            while len(ends) <= i and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert ends == [(0, "Failed"), (1, "Done")]
+        assert worker._thread.is_alive()
+        assert worker.metrics.errors.labels("worker", "500")._value.get() == 1
+    finally:
+        worker.shutdown(grace_s=5)

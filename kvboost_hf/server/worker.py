@@ -198,9 +198,24 @@ class Worker:
                     except Exception as exc:  # reported to the caller, the worker goes on
                         future.set_exception(exc)
             with self.engine.lock:  # other threads calling the engine wait for this step
-                report = self.core.execute(output)
+                report = self._execute(output)
             self._record(report)
         logger.info("model worker stopped")
+
+    def _execute(self, output: SchedulerOutput) -> StepReport:
+        """Run one step. A failure outside the runner's per-batch handling (a bug) fails the requests in flight,
+        logged, and the worker goes on serving: it used to end the thread, after which no request ever finished."""
+        try:
+            return self.core.execute(output)
+        except Exception as exc:
+            logger.exception("a model step failed outside its batches; the requests in flight fail with it")
+            self.metrics.errors.labels("worker", "500").inc()
+            try:
+                self.core.abort(exc)
+            except Exception:
+                logger.exception("ending the requests in flight failed too; they are dropped")
+                self.scheduler.running.clear()
+            return StepReport()
 
     def _record(self, report: StepReport) -> None:
         """Metrics of one step: batch sizes, prompt tokens computed and loaded, failures, batch wall times."""
