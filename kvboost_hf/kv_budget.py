@@ -7,7 +7,9 @@ projection does not count on: it stays an upper bound) and grows by one column p
 during the steps a joining row spends being prefilled. A batch of ``rows`` rows ``width`` columns wide holds
 ``rows x width x bytes_per_token`` bytes (:attr:`KVBudget.bytes_per_token`: layers x 2 (keys, values) x kv_heads x
 head_dim x the dtype's size, the target's cache and a draft's added). Sliding-window layers keep every column (README,
-Limitations), so this is exact for eager decoding; where graphed decoding makes a cache static at a capacity bucket,
+Limitations), so this counts eager decoding's columns exactly (not the headroom a growing reuse cache allocates
+beyond them: :func:`~kvboost_hf.hf.layers.grown_capacity`'s at least 256 columns per row, which the share of free
+memory the budget leaves must hold); where graphed decoding makes a cache static at a capacity bucket,
 :attr:`KVBudget.columns` rounds the width up to it and :attr:`KVBudget.rows` the rows up to the row bucket its
 padding rows fill (an upper bound).
 

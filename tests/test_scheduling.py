@@ -1080,3 +1080,19 @@ def test_a_step_that_fails_outside_its_batches_fails_its_requests_and_the_worker
         assert worker.metrics.errors.labels("worker", "500")._value.get() == 1
     finally:
         worker.shutdown(grace_s=5)
+
+
+def test_a_graphed_row_that_fits_its_kv_budget_is_never_preempted(engine):
+    """With graphed decoding the runner reported a static cache's capacity as the batch's width, and the projection
+    added the row's tokens left on top (the capacity already holds them), rounding up to the next capacity bucket:
+    a row that fits the budget alone was preempted after nearly every step (13 times for 15 tokens) and prefilled
+    again. Now it decodes graphed throughout, with generate()'s tokens."""
+    graphed = KVBoost(engine.model, word_tokenizer(), chunking=8, graphs=GraphConfig(enabled=True))
+    prompt, new = words(160, 20), 15
+    alone = graphed.factories.kv_budget(1 << 40).bytes(BatchShape().join([(len(graphed.encode(prompt)), new)]))
+    before = graphed.cache_stats()
+    [result] = graphed.generate_many([prompt], max_new_tokens=new, kv_budget_bytes=alone)
+    after = graphed.cache_stats()
+    assert result.output_ids == engine_reference(graphed, prompt, new).tokens
+    assert after["kv_preemptions"] == before["kv_preemptions"]
+    assert after["graph_graphed_steps"] - before["graph_graphed_steps"] == new - 1

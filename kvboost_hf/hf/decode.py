@@ -310,12 +310,15 @@ class DecodeLoop:
 
     @property
     def columns(self) -> int:
-        """Columns of K/V each running row holds (0 with none running): the left-padded batch's width, or a static
-        cache's capacity when larger (graphed decoding). Prompt forwards under way hold at most their prompts'
-        widths besides (see :mod:`kvboost_hf.kv_budget`)."""
+        """Columns of K/V each running row holds (0 with none running) as the K/V projection counts them: the
+        left-padded batch's width; with a static cache (graphed decoding), at least its capacity less the most
+        tokens a row may still take, so the projection (width + tokens left, rounded up to a capacity bucket)
+        covers the capacity without counting the rows' tokens twice (a row's capacity already holds them). Prompt
+        forwards under way hold at most their prompts' widths besides (see :mod:`kvboost_hf.kv_budget`)."""
         if not self.running:
             return 0
-        return max(self.mask.shape[1], getattr(self.cache, "max_cache_len", None) or 0)
+        capacity = getattr(self.cache, "max_cache_len", None) or 0
+        return max(self.mask.shape[1], capacity - max(row.tokens_left for row in self.running))
 
     @property
     def forwards(self) -> int:
