@@ -41,6 +41,23 @@ any_method_configs = st.one_of(
 )
 
 
+@given(
+    st.lists(st.integers(0, 30000), min_size=1, max_size=40),
+    st.lists(st.integers(0, 30000), min_size=1, max_size=200),
+    st.integers(4, 24),
+)
+def test_a_segments_content_cuts_do_not_depend_on_what_precedes_it(header, document, size):
+    """A document placed as a segment is cut as when it stands alone (its rolling hash starts at the segment
+    start), so the chunks a document warmed alone stored hit wherever it is placed."""
+    config = ChunkingConfig(size, method="content")
+    alone = chunk_spans(document, config, 0, [0, len(document)])
+    tokens = header + document
+    placed = chunk_spans(tokens, config, 0, [0, len(header), len(tokens)])
+    assert [(s - len(header), e - len(header)) for s, e in placed if s >= len(header)] == alone
+    resumed = chunk_spans(tokens, config, placed[-2][1], [0, len(header), len(tokens)]) if len(placed) > 1 else []
+    assert resumed == placed[len(placed) - len(resumed) :]  # restarting mid-segment cuts the same
+
+
 @given(token_lists, st.data(), any_method_configs)
 def test_fewer_new_tokens_than_the_shortest_chunk_complete_no_chunk(tokens, data, config):
     """What lets a decode step's save skip a row: past a row's last chunk, fewer than ``shortest_chunk`` new

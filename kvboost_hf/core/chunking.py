@@ -127,20 +127,21 @@ def chunk_spans(
     chunk before it is kept (an offset equal to ``len(token_ids)`` closes the last segment the same way).
     """
     cuts = sorted({s for s in segment_starts if start < s <= len(token_ids)})
+    segment = max((s for s in segment_starts if s <= start), default=0)
     spans: list[Span] = []
     for boundary in cuts:
-        spans += _spans_within(token_ids, config, start, boundary)
+        spans += _spans_within(token_ids, config, start, boundary, segment)
         last = spans[-1][1] if spans and spans[-1][1] > start else start
         if last < boundary:
             spans.append((last, boundary))
-        start = boundary
-    return spans + _spans_within(token_ids, config, start, len(token_ids))
+        start = segment = boundary
+    return spans + _spans_within(token_ids, config, start, len(token_ids), segment)
 
 
-def _spans_within(token_ids: Sequence[int], config: ChunkingConfig, start: int, stop: int) -> list[Span]:
-    """Full chunks of ``token_ids[start:stop]``."""
+def _spans_within(token_ids: Sequence[int], config: ChunkingConfig, start: int, stop: int, segment: int) -> list[Span]:
+    """Full chunks of ``token_ids[start:stop]``, inside the segment that starts at ``segment <= start``."""
     if config.method == "content":
-        return _content_spans(token_ids, config, start, stop)
+        return _content_spans(token_ids, config, start, stop, segment)
     spans: list[Span] = []
     size, window, boundaries = config.chunk_size, config.boundary_window, config.boundary_token_ids
     n = stop
@@ -156,19 +157,23 @@ def _spans_within(token_ids: Sequence[int], config: ChunkingConfig, start: int, 
     return spans
 
 
+_HASH_WINDOW = 64  # tokens the hash bits a cut tests depend on, at most: a restart at ``start`` replays them
+
+
 @cache
 def _gear_table() -> np.ndarray:
     """Fixed pseudo-random 64-bit values per token bucket (the same on every machine)."""
     return np.random.default_rng(0x6B76626F).integers(0, 2**63, size=1 << 16, dtype=np.uint64)
 
 
-def _content_spans(token_ids: Sequence[int], config: ChunkingConfig, start: int, stop: int) -> list[Span]:
+def _content_spans(token_ids: Sequence[int], config: ChunkingConfig, start: int, stop: int, segment: int) -> list[Span]:
     """Gear-hash content-defined cuts (as in FastCDC) over token ids.
 
     Bit ``j`` of the hash at token ``i`` depends only on the ``j + 1`` tokens up to ``i``; candidates test bits
     16.., so they depend on the last ~20 tokens, not on where a text sits in the prompt. A cut is taken at the
     first candidate at least ``min_chunk`` tokens after the last cut, or forced at ``max_chunk``; candidates
-    come about once per ``chunk_size - min_chunk`` tokens.
+    come about once per ``chunk_size - min_chunk`` tokens. The hash starts at the ``segment`` start (never from
+    the tokens before it), so a segment's cuts depend on its own tokens only, wherever it is placed.
     """
     table = _gear_table()
     bits = max(1, int(np.log2(max(2, config.chunk_size - config.min_chunk))))
@@ -176,7 +181,7 @@ def _content_spans(token_ids: Sequence[int], config: ChunkingConfig, start: int,
     spans: list[Span] = []
     h = np.uint64(0)
     last = start
-    warm_from = max(0, start - 64)
+    warm_from = max(segment, start - _HASH_WINDOW)
     with np.errstate(over="ignore"):
         for i in range(warm_from, stop):
             h = (h << np.uint64(1)) + table[token_ids[i] & 0xFFFF]
