@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import make_tiny_model
 from oracle import engine_reference, expected_text
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+from transformers import AutoTokenizer, DeepseekV3Config, GPT2Config, GPT2LMHeadModel
 
 from kvboost_hf import KVBoost, SamplingConfig, StoreConfig, UnsupportedModelError
 from kvboost_hf.corpus import documents
@@ -210,6 +210,15 @@ def test_unsupported_architectures_are_named():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(UnsupportedModelError, match="RoPE"):
         KVBoost(model, None)
+
+
+def test_latent_attention_models_are_refused_by_name():
+    """DeepSeek-V3 caches a compressed latent, not per-head K/V: every stored chunk would miss, so it is refused."""
+    config = DeepseekV3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, kv_lora_rank=32)
+    with pytest.raises(UnsupportedModelError, match="deepseek_v3 uses multi-head latent attention"):
+        check_model_support(config)
+    with pytest.raises(UnsupportedModelError, match="latent attention"):
+        check_model_support(config, strict=False)
 
 
 def test_unknown_architecture_is_a_warning_when_not_strict(caplog):

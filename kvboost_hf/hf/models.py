@@ -83,7 +83,6 @@ SUPPORTED_MODEL_TYPES = frozenset(
         "starcoder2",
         "cohere",
         "internlm2",
-        "deepseek_v3",
     }
 )
 REFUSED_MODEL_TYPES = {
@@ -110,6 +109,11 @@ def check_model_support(config: object, strict: bool = True) -> None:
         reason = REFUSED_MODEL_TYPES.get(model_type, "ALiBi position biases")
         raise UnsupportedModelError(
             f"{model_type} uses {reason}; chunk K/V reuse needs rotary (RoPE) positions carried in the keys"
+        )
+    if getattr(text_config, "kv_lora_rank", None):
+        raise UnsupportedModelError(
+            f"{model_type} uses multi-head latent attention: its cache holds a compressed latent and a shared "
+            "rotary key, not per-head K/V of the chunk reuse layout"
         )
     layer_types = set(getattr(text_config, "layer_types", None) or ())
     unknown_layers = layer_types - {"full_attention", "sliding_attention"}
