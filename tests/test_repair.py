@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from conftest import greedy, make_tiny_model
 from helpers import REPAIR_CHUNK, documents, full_prefill, run, shuffled_prompt, warm_alone
 from transformers import DynamicCache
 
 from kvboost_hf import ChunkingConfig, ChunkReuseCache, ChunkStore, GenerationMode
-from kvboost_hf.reuse.rope import KeyRotator
+from kvboost_hf.reuse.rope import KeyRotator, UnsupportedRopeError
 from kvboost_hf.store.config import StoreConfig
 
 CONTENT = ChunkingConfig(REPAIR_CHUNK, method="content")
@@ -26,6 +27,35 @@ def test_rerotation_equals_keys_computed_at_the_new_position(arch):
     model(ids, cache=moved, position_ids=torch.arange(24)[None] + 37)
     assert torch.allclose(rotator.rotate(at_zero, 37), moved.layers[0].keys, atol=1e-5)
     assert torch.allclose(rotator.rotate(moved.layers[0].keys, -37), at_zero, atol=1e-5)
+
+
+def test_rerotation_follows_cohere_interleaved_pairs():
+    """Cohere pairs neighbouring channels (cos and sin repeat each frequency twice), not channel i with i + D/2."""
+    config = transformers.CohereConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.CohereForCausalLM(config).eval()
+    ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    moved = DynamicCache()
+    model(ids, cache=moved, position_ids=torch.arange(12)[None] + 37)
+    rotated = KeyRotator(model).rotate(full_prefill(model, ids).layers[0].keys, 37)
+    assert torch.allclose(rotated, moved.layers[0].keys, atol=1e-5)
+
+
+def test_a_rotary_layout_the_rotator_does_not_reproduce_is_refused(monkeypatch):
+    """The rotator checks itself against the model's own apply_rotary_pos_emb when built: a layout it does not
+    know (here channel i paired with i + 1 modulo D) disables non-prefix reuse instead of serving wrong keys."""
+    from transformers.models.llama import modeling_llama
+
+    def shifted_pairs(q, k, cos, sin, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + q.roll(1, -1) * sin, k * cos + k.roll(1, -1) * sin
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", shifted_pairs)
+    with pytest.raises(UnsupportedRopeError, match="does not reproduce the model's own rotary embedding"):
+        KeyRotator(make_tiny_model("llama"))
 
 
 @pytest.mark.parametrize(
