@@ -23,7 +23,7 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvboost_hf.core.chunking import ChunkingConfig
+from kvboost_hf.core.chunking import ChunkingConfig, check_segment_starts
 from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.core.keys import KeySpace, model_digest
@@ -215,7 +215,7 @@ class Factories:
             repair or self.repair,
             mode=mode,
             cache_salt=cache_salt,
-            segment_starts=tuple(segment_starts),
+            segment_starts=check_segment_starts(segment_starts),
             adapter=adapter,
         )
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
+from kvboost_hf.core.chunking import ChunkingConfig, check_segment_starts, chunk_spans
+from kvboost_hf.core.errors import ConfigError, InputError
 
 token_lists = st.lists(st.integers(0, 20), max_size=300)
 configs = st.builds(
@@ -115,3 +117,25 @@ def test_chunking_default_is_written_once():
 def test_chunking_of_refuses_what_is_not_a_config_or_a_size(value):
     with pytest.raises(TypeError, match="chunking must be"):
         ChunkingConfig.of(value)
+
+
+def test_boundary_settings_are_checked_and_token_ids_kept_as_a_set():
+    assert ChunkingConfig(8, 2, [3, 1, 3]).boundary_token_ids == frozenset({1, 3})  # hashable whatever was given
+    hash(ChunkingConfig(8, 2, [3, 1]))
+    with pytest.raises(ConfigError, match="chunk_boundary_window"):
+        ChunkingConfig(8, True, frozenset({1}))
+    for ids in (["."], 5, "12"):
+        with pytest.raises(ConfigError, match="boundary_token_ids"):
+            ChunkingConfig(8, 2, ids)
+
+
+@given(st.lists(st.integers(0, 10_000), max_size=8))
+def test_segment_starts_become_sorted_distinct_offsets(offsets):
+    assert check_segment_starts(offsets) == tuple(sorted(set(offsets)))
+    assert check_segment_starts(np.array(offsets, dtype=np.int64)) == tuple(sorted(set(offsets)))
+
+
+@pytest.mark.parametrize("value", [["a", 3], [2.5], [-4, 16], 5, "0 16", [[0, 16]], [True], None])
+def test_bad_segment_starts_are_input_errors_naming_them(value):
+    with pytest.raises(InputError, match="segment_starts"):
+        check_segment_starts(value)

@@ -11,6 +11,7 @@ from oracle import engine_reference, expected_text
 from transformers import AutoTokenizer, DeepseekV3Config, GPT2Config, GPT2LMHeadModel
 
 from kvboost_hf import KVBoost, SamplingConfig, StoreConfig, UnsupportedModelError
+from kvboost_hf.core.errors import InputError
 from kvboost_hf.corpus import documents
 from kvboost_hf.hf import rows as rows_module
 from kvboost_hf.hf.models import check_model_support, embedded_model_dir
@@ -202,6 +203,12 @@ def test_bad_settings_are_refused(embedded_engine):
         KVBoost(embedded_engine.model, embedded_engine.tokenizer, chunking=0)
     with pytest.raises(ValueError, match="kv_cache_bits"):
         KVBoost(embedded_engine.model, embedded_engine.tokenizer, store=StoreConfig(kv_cache_bits=3))
+
+
+@pytest.mark.parametrize("starts", [[2.5], ["a", 3], [-4, 16], 5])
+def test_bad_segment_starts_of_a_new_cache_are_named(embedded_engine, starts):
+    with pytest.raises(InputError, match="segment_starts"):
+        embedded_engine.new_cache(segment_starts=starts)
 
 
 def test_unsupported_architectures_are_named():

@@ -9,7 +9,8 @@ from conftest import greedy, make_tiny_model
 from helpers import REPAIR_CHUNK, documents, full_prefill, run, shuffled_prompt, warm_alone
 from transformers import DynamicCache
 
-from kvboost_hf import ChunkingConfig, ChunkReuseCache, ChunkStore, GenerationMode
+from kvboost_hf import ChunkingConfig, ChunkReuseCache, ChunkStore, GenerationMode, RepairConfig
+from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.reuse.rope import KeyRotator, UnsupportedRopeError
 from kvboost_hf.store.config import StoreConfig
 
@@ -203,3 +204,29 @@ def test_selective_with_head_tokens_recomputes_that_many_tokens_of_every_reused_
     # doc 1 is an exact prefix hit; doc 0's three content chunks (16, 16, 8 tokens) each get 5 head tokens
     assert cache.last_reuse[0].recomputed_tokens == 15 and cache.last_reuse[0].approx_tokens == 25
     assert sorted(cache.ledgers[0].stale)[:6] == [45, 46, 47, 48, 49, 50]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("strategy", "blend", "RecomputeStrategy must be one of 'none', 'selective', 'cacheblend', got 'blend'"),
+        ("ratio", None, "recompute_ratio"),
+        ("ratio", "0.5", "recompute_ratio"),
+        ("ratio", float("nan"), "recompute_ratio"),
+        ("check_layer", None, "check_layer"),
+        ("check_layer", 1.5, "check_layer"),
+        ("overlap_k", True, "overlap_k"),
+        ("context_scale", "2", "context_scale"),
+    ],
+)
+def test_bad_repair_settings_are_config_errors_naming_them(field, value, named):
+    with pytest.raises(ConfigError, match=named):
+        RepairConfig(**{field: value})
+
+
+def test_an_unknown_mode_is_a_config_error_naming_the_modes():
+    with pytest.raises(ConfigError, match="'baseline', 'prefix_cache', 'chunk_kv_reuse', got 'fast'"):
+        GenerationMode("fast")
+    with pytest.raises(ConfigError, match="got \\['prefix'\\]"):
+        GenerationMode(["prefix"])
+    assert GenerationMode("prefix") is GenerationMode.PREFIX_CACHE  # a former spelling still names its mode

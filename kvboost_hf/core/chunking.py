@@ -17,13 +17,14 @@ chunks wherever it appears in a prompt (after at most one chunk of resynchronisa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 
 import numpy as np
 
-from kvboost_hf.core.errors import ArgumentTypeError, ConfigError
+from kvboost_hf.core.errors import ArgumentTypeError, ConfigError, InputError
+from kvboost_hf.core.values import is_integer
 
 Span = tuple[int, int]
 
@@ -48,10 +49,16 @@ class ChunkingConfig:
             raise ConfigError(f"chunk_size must be a positive number of tokens, got {self.chunk_size!r}")
         if self.method not in ("fixed", "content"):
             raise ConfigError(f"chunking must be 'fixed' or 'content', got {self.method!r}")
-        if not isinstance(self.boundary_window, int) or not 0 <= self.boundary_window < self.chunk_size:
+        if not is_integer(self.boundary_window) or not 0 <= self.boundary_window < self.chunk_size:
             raise ConfigError(
-                f"chunk_boundary_window must be in [0, chunk_size={self.chunk_size}), got {self.boundary_window!r}"
+                f"chunk_boundary_window must be a whole number in [0, chunk_size={self.chunk_size}), got "
+                f"{self.boundary_window!r}"
             )
+        ids = self.boundary_token_ids
+        tokens = [] if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable) else list(ids)
+        if (tokens == [] and ids) or not all(map(is_integer, tokens)):
+            raise ConfigError(f"boundary_token_ids must be a collection of token ids, got {ids!r}")
+        object.__setattr__(self, "boundary_token_ids", frozenset(int(token) for token in tokens))
         if self.boundary_window and not self.boundary_token_ids:
             raise ConfigError("chunk_boundary_window > 0 needs boundary_token_ids (sentence or line end tokens)")
 
@@ -113,6 +120,19 @@ class ChunkingConfig:
     def max_chunk(self) -> int:
         """Content-defined chunks hold at most this many tokens (twice ``chunk_size``)."""
         return 2 * self.chunk_size
+
+
+def check_segment_starts(segment_starts: object) -> tuple[int, ...]:
+    """``segment_starts`` as sorted, distinct token offsets (whole numbers >= 0); a 1-D tensor or array counts as
+    the list of its values. Raises :class:`InputError` naming the problem otherwise."""
+    values = segment_starts.tolist() if hasattr(segment_starts, "tolist") else segment_starts
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InputError(f"segment_starts must be a list of token offsets, got {segment_starts!r}")
+    offsets = list(values)
+    for offset in offsets:
+        if not (is_integer(offset) and offset >= 0):
+            raise InputError(f"segment_starts must be token offsets (whole numbers >= 0), got {offset!r} in {offsets}")
+    return tuple(sorted({int(offset) for offset in offsets}))
 
 
 def chunk_spans(

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import Enum
 
 from kvboost_hf.core.errors import ConfigError
+from kvboost_hf.core.values import is_finite, is_integer
+
+
+def unknown_member(enum: type[Enum], value: object) -> ConfigError:
+    """The error for a ``value`` that names no member of ``enum``, listing the values it takes."""
+    names = ", ".join(repr(member.value) for member in enum)
+    return ConfigError(f"{enum.__name__} must be one of {names}, got {value!r}")
 
 
 class GenerationMode(str, Enum):
@@ -19,8 +25,12 @@ class GenerationMode(str, Enum):
     CHUNK_KV_REUSE = "chunk_kv_reuse"  # everything enabled: also content-key hits, repaired
 
     @classmethod
-    def _missing_(cls, value: object) -> GenerationMode | None:
-        return GENERATION_MODE_ALIASES.get(value) if isinstance(value, str) else None
+    def _missing_(cls, value: object) -> GenerationMode:
+        """A former spelling's mode; :class:`ConfigError` naming the modes for anything else."""
+        mode = GENERATION_MODE_ALIASES.get(value) if isinstance(value, str) else None
+        if mode is None:
+            raise unknown_member(cls, value)
+        return mode
 
 
 #: The server's former ``--reuse-mode`` spellings, accepted wherever a mode is given: old spelling -> mode.
@@ -40,6 +50,11 @@ class RecomputeStrategy(str, Enum):
     NONE = "none"
     SELECTIVE = "selective"
     CACHEBLEND = "cacheblend"
+
+    @classmethod
+    def _missing_(cls, value: object) -> RecomputeStrategy:
+        """:class:`ConfigError` naming the strategies."""
+        raise unknown_member(cls, value)
 
 
 @dataclass(frozen=True)
@@ -67,13 +82,21 @@ class RepairConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", RecomputeStrategy(self.strategy))
-        if not 0.0 <= self.ratio <= 1.0:
-            raise ConfigError(f"recompute_ratio must be in [0, 1], got {self.ratio!r}")
-        if min(self.check_layer, self.overlap_k, self.sink_tokens, self.head_tokens, self.filter_layers) < 0:
-            raise ConfigError("check_layer, overlap_k, sink_tokens, head_tokens and filter_layers must be >= 0")
+        if not (is_finite(self.ratio) and 0.0 <= self.ratio <= 1.0):
+            raise ConfigError(f"recompute_ratio must be a number in [0, 1], got {self.ratio!r}")
+        counts = {
+            "check_layer": self.check_layer,
+            "overlap_k": self.overlap_k,
+            "sink_tokens": self.sink_tokens,
+            "head_tokens": self.head_tokens,
+            "filter_layers": self.filter_layers,
+        }
+        for name, count in counts.items():
+            if not (is_integer(count) and count >= 0):
+                raise ConfigError(f"RepairConfig.{name} must be a whole number >= 0, got {count!r}")
         if self.deviation not in ("key", "value"):
             raise ConfigError(f"deviation must be 'key' or 'value', got {self.deviation!r}")
-        if not all(math.isfinite(v) and v > 0.0 for v in (self.context_temperature, self.context_scale)):
+        if not all(is_finite(v) and v > 0.0 for v in (self.context_temperature, self.context_scale)):
             raise ConfigError(
                 f"context_temperature and context_scale must be finite and > 0, got {self.context_temperature!r} and "
                 f"{self.context_scale!r}"
