@@ -82,6 +82,29 @@ def test_warm_stores_the_unfinished_last_chunk_of_token_ids_and_says_so(embedded
     assert follow.cached_tokens == 70
 
 
+def test_a_warmed_string_hits_at_an_offset_with_a_tokenizer_that_adds_a_bos():
+    """warm(str) tokenizes with the BOS; the same text as a later segment has none. Its content chunks are also
+    stored as tokenized without it, so a prompt holding it after a header loads all of it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from kvboost_hf import RepairConfig
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<s>": 2, **{f"w{i}": i for i in range(3, 128)}}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 2)])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="<pad>", eos_token="<eos>", pad_token="<pad>", bos_token="<s>"
+    )
+    doc, header = " ".join(f"w{3 + i * 7 % 120}" for i in range(40)) + " ", "w5 w6 w7 w8 w9 "
+    engine = KVBoost(make_tiny_model("llama"), tokenizer, chunking=8, repair=RepairConfig("none"))
+    warmed = engine.warm(doc)
+    assert warmed.token_count == 41 and warmed.chunks_stored > 6  # with the BOS, and again without it
+    assert engine.generate([header, doc, "w10 w11"], max_new_tokens=1).cached_tokens == 40
+    assert engine.generate(doc + "w10 w11", max_new_tokens=1).cached_tokens == 40  # exact prefix hits still
+
+
 def test_batch_equals_each_prompt_alone(embedded_engine):
     shared = documents()[3][1][:700]
     prompts = [shared + "\nQ: name one class.\nA:", shared + "\nQ: what is this module for? Be brief.\nA:"]

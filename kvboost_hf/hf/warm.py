@@ -1,8 +1,9 @@
 """The warm path: compute and store a text's K/V ahead of the requests that will contain it (the engine's
 ``warm`` and ``warm_documents``, the server's ``/v1/warm``).
 
-Invariants: one target forward per text, through a fresh chunk-reuse cache built without hooks and run under the
-engine's lock; what is stored is what a prefill of the same tokens stores (by prefix key, and by content key for a
+Invariants: one target forward per text (two for a string its tokenizer adds special tokens to: see
+:meth:`PromptWarmer.warm`), through a fresh chunk-reuse cache built without hooks and run under the engine's lock;
+what is stored is what a prefill of the same tokens stores (by prefix key, and by content key for a
 text with segments, its last partial chunk included), so later prompts hit it exactly or, placed elsewhere as a
 segment, approximately (repaired).
 """
@@ -10,6 +11,7 @@ segment, approximately (repaired).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -60,12 +62,20 @@ class PromptWarmer:
         repair it). A list of segments is stored the same way, segment by segment (``[header, document]`` stores
         the document as computed after the header). Chat messages are rendered without a generation prompt and
         stored by prefix key, and their marked content parts (see :meth:`PromptEncoder.encode_segments`) by
-        content key too.
+        content key too. A string its tokenizer adds special tokens to (a BOS) is stored a second time as
+        tokenized without them (as :meth:`warm_documents` does), which is how a prompt's later segments are
+        tokenized: its content chunks then line up with the text placed at any offset, not shifted by the BOS.
+        ``chunks_stored`` counts both.
         """
         ids, starts = self.prompts.encode_segments(text, add_generation_prompt=False)
         if starts or isinstance(text, str):  # the last segment ends here: its partial last chunk is stored too
             starts = sorted({*starts, 0, len(ids)})
-        return self._store(ids, starts, cache_salt)
+        result = self._store(ids, starts, cache_salt)
+        bare = self.prompts.tokenize(text, add_special_tokens=False, allow_empty=True) if isinstance(text, str) else []
+        if bare and bare != ids:
+            as_segment = self._store(bare, [0, len(bare)], cache_salt)
+            result = dataclasses.replace(result, chunks_stored=result.chunks_stored + as_segment.chunks_stored)
+        return result
 
     def warm_documents(self, documents: Sequence[str], *, cache_salt: str | None = None) -> list[WarmResult]:
         """Store each document alone, as it appears inside a chat prompt (tokenized without special tokens), by
