@@ -10,11 +10,25 @@ import json
 import pytest
 import torch
 from conftest import make_tiny_model
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from kvboost_hf.core.errors import InputError
 from kvboost_hf.kernels.awq_linear import AwqInt4Linear, replace_awq_linears
 from kvboost_hf.tools.awq_load import load_awq_model
 from kvboost_hf.tools.awq_pack import int4_model, pack_checkpoint
+
+
+def assert_computes_as_packed(loaded, model) -> None:
+    """``loaded`` has the 14 int4 layers of a tiny model and computes what ``model`` quantized in memory does."""
+    int4_model(model, group_size=32)  # the reference: the same quantization, in memory
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(parameter.half().float())  # the checkpoint keeps non-quantized weights in float16
+    assert sum(isinstance(m, AwqInt4Linear) for m in loaded.modules()) == 14
+    ids = torch.randint(1, 128, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("arch", "tied"), [("qwen2", True), ("llama", False)])
@@ -24,16 +38,45 @@ def test_a_packed_checkpoint_loads_as_int4_layers(tmp_path, monkeypatch, arch, t
     model.save_pretrained(tmp_path / "src")
     pack_checkpoint(tmp_path / "src", tmp_path / "dst", group_size=32)
     loaded = load_awq_model(tmp_path / "dst", dtype=torch.float32)
-
-    int4_model(model, group_size=32)  # the reference: the same quantization, in memory
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.copy_(parameter.half().float())  # the checkpoint keeps non-quantized weights in float16
-    assert sum(isinstance(m, AwqInt4Linear) for m in loaded.modules()) == 14
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
-    ids = torch.randint(1, 128, (1, 10), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+    assert_computes_as_packed(loaded, model)
+
+
+def rename_to_one_shard(folder) -> None:
+    """Turn ``model.safetensors`` into an index naming one shard, as some hub repositories ship a small model."""
+    shard = "model-00001-of-00001.safetensors"
+    (folder / "model.safetensors").rename(folder / shard)
+    weight_map = dict.fromkeys(load_file(folder / shard), shard)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("layout", ["sharded", "one_indexed_shard"])
+def test_a_sharded_checkpoint_packs_into_its_own_shard_names(tmp_path, monkeypatch, layout):
+    """The packed shards keep the source's names, with an index: the float source shards were copied over them
+    (the loader then returned a float model under an int4 config) and one indexed shard got no index."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    model = make_tiny_model("llama")
+    if layout == "sharded":
+        model.save_pretrained(tmp_path / "src", max_shard_size="100KB")
+    else:
+        model.save_pretrained(tmp_path / "src")
+        rename_to_one_shard(tmp_path / "src")
+    pack_checkpoint(tmp_path / "src", tmp_path / "dst", group_size=32)
+    weight_map = json.loads((tmp_path / "dst" / "model.safetensors.index.json").read_text())["weight_map"]
+    stored = {key for shard in set(weight_map.values()) for key in load_file(tmp_path / "dst" / shard)}
+    assert stored == set(weight_map) and sum(key.endswith(".qweight") for key in stored) == 14
+    assert_computes_as_packed(load_awq_model(tmp_path / "dst", dtype=torch.float32), model)
+
+
+def test_an_awq_config_over_float_weights_is_refused(tmp_path):
+    """A checkpoint whose config says AWQ but whose tensors are float loaded silently as a float model."""
+    make_tiny_model("llama").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                                     "version": "gemm"}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="no linear layer of the model has a qweight"):
+        load_awq_model(tmp_path, dtype=torch.float32)
 
 
 def test_other_quantizations_are_refused(tmp_path):

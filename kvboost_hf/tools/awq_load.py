@@ -60,8 +60,8 @@ def load_awq_model(
     path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float16
 ) -> PreTrainedModel:
     """The AWQ GEMM checkpoint in ``path`` as a model on ``device``: quantized linears as ``AwqInt4Linear`` (packed
-    tensors and float16 scales as stored), every other floating tensor in ``dtype``. Raises ValueError for another
-    quantization or a checkpoint whose tensors do not fill the model."""
+    tensors and float16 scales as stored), every other floating tensor in ``dtype``. Raises InputError for another
+    quantization, a checkpoint with no int4 linear, or one whose tensors do not fill the model."""
     path, target = Path(path), torch.device(device)
     group_size = int(_awq_settings(path)["group_size"])
     config = AutoConfig.from_pretrained(path)
@@ -75,12 +75,16 @@ def load_awq_model(
                 tensor = reader.get_tensor(key)
                 keep = not tensor.is_floating_point() or key.endswith(".scales")
                 state[key] = tensor if keep else tensor.to(dtype)
+    swapped = 0
     for name, module in list(model.named_modules()):
         if f"{name}.qweight" in state and isinstance(module, torch.nn.Linear):
             layer = AwqInt4Linear(module.in_features, module.out_features, group_size, module.bias is not None,
                                   device="meta")  # fmt: skip
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, layer)
+            swapped += 1
+    if swapped == 0:
+        raise InputError(f"{path}: its config names AWQ int4 but no linear layer of the model has a qweight tensor")
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if config.get_text_config(decoder=True).tie_word_embeddings:
         model.tie_weights()

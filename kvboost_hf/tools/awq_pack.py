@@ -179,9 +179,12 @@ def random_int4_layers(
     return len(linears)
 
 
+SHARD_INDEX = "model.safetensors.index.json"
+
+
 def checkpoint_files(src: Path) -> list[str]:
     """Names of the safetensors files of the checkpoint in ``src`` (its shards, or ``model.safetensors``)."""
-    index = src / "model.safetensors.index.json"
+    index = src / SHARD_INDEX
     if index.exists():
         return sorted(set(json.loads(index.read_text())["weight_map"].values()))
     if (src / "model.safetensors").exists():
@@ -217,10 +220,10 @@ def pack_checkpoint(src: str | Path, dst: str | Path, group_size: int = 64) -> P
         weight_map.update(dict.fromkeys(out, name))
     if quantized == 0:
         raise InputError(f"no decoder-layer linear weights found in {src}")
-    if len(files) > 1:
+    if (src / SHARD_INDEX).exists():  # the packed shards keep the source's names, so they need an index too
         total = sum((dst / name).stat().st_size for name in files)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (dst / SHARD_INDEX).write_text(json.dumps(index, indent=2))
     config["torch_dtype"] = config["dtype"] = "float16"
     config["quantization_config"] = {
         "quant_method": "awq",
@@ -230,8 +233,9 @@ def pack_checkpoint(src: str | Path, dst: str | Path, group_size: int = 64) -> P
         "version": "gemm",
     }
     (dst / "config.json").write_text(json.dumps(config, indent=2))
+    written = {"config.json", SHARD_INDEX, *files}  # the float shards must never replace the packed ones
     for extra in src.iterdir():
-        if extra.is_file() and extra.name != "config.json" and not extra.name.startswith("model.safetensors"):
+        if extra.is_file() and extra.name not in written and not extra.name.startswith("model.safetensors"):
             shutil.copy2(extra, dst / extra.name)
     logger.info("Packed %d linear weights of %s into %s (int4, group %d)", quantized, src, dst, group_size)
     return dst
