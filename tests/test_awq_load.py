@@ -9,13 +9,14 @@ import json
 
 import pytest
 import torch
+import transformers
 from conftest import make_tiny_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from kvboost_hf.core.errors import InputError
 from kvboost_hf.kernels.awq_linear import AwqInt4Linear, replace_awq_linears
-from kvboost_hf.tools.awq_load import load_awq_model
+from kvboost_hf.tools.awq_load import load_awq_model, rebuild_computed_buffers
 from kvboost_hf.tools.awq_pack import int4_model, pack_checkpoint
 
 
@@ -40,6 +41,36 @@ def test_a_packed_checkpoint_loads_as_int4_layers(tmp_path, monkeypatch, arch, t
     loaded = load_awq_model(tmp_path / "dst", dtype=torch.float32)
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
     assert_computes_as_packed(loaded, model)
+
+
+def tiny_gemma() -> transformers.PreTrainedModel:
+    """A Gemma of ``make_tiny_model``'s size (the conftest list has Gemma2 only)."""
+    torch.manual_seed(0)
+    config = transformers.GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, vocab_size=128)  # fmt: skip
+    return transformers.GemmaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2"])
+def test_computed_buffers_are_filled_in_place(tmp_path, monkeypatch, arch):
+    """Gemma's scaled embedding holds a computed ``embed_scale`` buffer: the loader rebuilt every module with one as
+    ``type(module)(config)`` (TypeError for the embedding, whose loaded weight and ``lm_head`` tie it would drop)."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    model = tiny_gemma() if arch == "gemma" else make_tiny_model("gemma2")
+    model.save_pretrained(tmp_path / "src")
+    pack_checkpoint(tmp_path / "src", tmp_path / "dst", group_size=32)
+    loaded = load_awq_model(tmp_path / "dst", dtype=torch.float32)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert float(loaded.model.embed_tokens.embed_scale) == 64**0.5
+    assert_computes_as_packed(loaded, model)
+
+
+def test_a_buffer_no_initializer_computes_is_named():
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(make_tiny_model("llama").config)
+    model.model.register_buffer("mystery", torch.empty(3, device="meta"), persistent=False)
+    with pytest.raises(InputError, match=r"model \(LlamaModel\).*mystery"):
+        rebuild_computed_buffers(model, torch.device("cpu"))
 
 
 def rename_to_one_shard(folder) -> None:

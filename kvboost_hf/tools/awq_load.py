@@ -23,18 +23,29 @@ from kvboost_hf.kernels.awq_reference import BITS, check_group_size
 from kvboost_hf.tools.awq_pack import checkpoint_files
 
 
-def rebuild_computed_buffers(model: torch.nn.Module, device: torch.device) -> int:
-    """Re-create on ``device`` every submodule whose buffers are still on the meta device (rotary embeddings: their
-    buffers are computed from the config, not stored). Returns how many were rebuilt."""
-    config = getattr(model, "config", None)
-    rebuilt = 0
-    for name, module in list(model.named_modules()):
-        if any(b.is_meta for b in module._buffers.values() if b is not None):
-            parent, _, child = name.rpartition(".")
-            with torch.device(device):
-                setattr(model.get_submodule(parent), child, type(module)(config))
-            rebuilt += 1
-    return rebuilt
+def rebuild_computed_buffers(model: PreTrainedModel, device: torch.device) -> int:
+    """Fill on ``device`` every buffer of ``model`` still on the meta device (computed from the config, not stored:
+    rotary inverse frequencies, Gemma's embedding scale) with the value the model's own initializer gives it, as
+    transformers' ``from_pretrained`` does; the module stays in place and its loaded tensors are left as they are.
+    Raises InputError naming a buffer the initializer does not compute. Returns how many modules were filled."""
+    filled = 0
+    for name, module in model.named_modules():
+        computed = {key: buffer for key, buffer in module._buffers.items() if buffer is not None and buffer.is_meta}
+        if not computed:
+            continue
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            tensor._is_hf_initialized = True  # transformers' initializer skips these
+        for key, meta in computed.items():
+            if not meta.is_floating_point():
+                raise InputError(f"{name}.{key}: no value for this buffer and no way to compute it")
+            module._buffers[key] = torch.full_like(meta, torch.nan, device=device)  # NaN until computed
+        with torch.no_grad():
+            model._init_weights(module)
+        unset = [key for key in computed if torch.isnan(module.get_buffer(key)).any()]
+        if unset:
+            raise InputError(f"{name} ({type(module).__name__}): the model's initializer does not compute {unset}")
+        filled += 1
+    return filled
 
 
 def is_awq_checkpoint(path: str | Path) -> bool:
