@@ -12,7 +12,7 @@ import torch
 import transformers
 from conftest import make_tiny_model
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from kvboost_hf.core.errors import InputError
 from kvboost_hf.kernels.awq_linear import AwqInt4Linear, replace_awq_linears
@@ -108,6 +108,19 @@ def test_an_awq_config_over_float_weights_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(InputError, match="no linear layer of the model has a qweight"):
         load_awq_model(tmp_path, dtype=torch.float32)
+
+
+def test_the_generation_config_is_the_checkpoints(tmp_path):
+    """Extra stop tokens and sampling defaults come from ``generation_config.json``, as ``from_pretrained`` reads them
+    (the loader kept the defaults derived from ``config.json``: one EOS id, no sampling settings)."""
+    model = make_tiny_model("llama", eos_token_id=1, bos_token_id=2)
+    model.generation_config = GenerationConfig(eos_token_id=[1, 7], bos_token_id=2, do_sample=True, temperature=0.6)
+    model.save_pretrained(tmp_path / "src")
+    pack_checkpoint(tmp_path / "src", tmp_path / "dst", group_size=32)
+    loaded = load_awq_model(tmp_path / "dst", dtype=torch.float32).generation_config
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "src").generation_config
+    assert loaded.eos_token_id == expected.eos_token_id == [1, 7]
+    assert (loaded.do_sample, loaded.temperature) == (expected.do_sample, expected.temperature) == (True, 0.6)
 
 
 def test_other_quantizations_are_refused(tmp_path):

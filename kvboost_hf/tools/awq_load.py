@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers.utils import GENERATION_CONFIG_NAME
 
 from kvboost_hf.core.errors import InputError
 from kvboost_hf.kernels.awq_linear import AwqInt4Linear
@@ -71,7 +72,8 @@ def load_awq_model(
     path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float16
 ) -> PreTrainedModel:
     """The AWQ GEMM checkpoint in ``path`` as a model on ``device``: quantized linears as ``AwqInt4Linear`` (packed
-    tensors and float16 scales as stored), every other floating tensor in ``dtype``. Raises InputError for another
+    tensors and float16 scales as stored), every other floating tensor in ``dtype``, and the folder's
+    ``generation_config.json`` when it has one. Raises InputError for another
     quantization, a checkpoint with no int4 linear, or one whose tensors do not fill the model."""
     path, target = Path(path), torch.device(device)
     group_size = int(_awq_settings(path)["group_size"])
@@ -106,4 +108,6 @@ def load_awq_model(
     meta = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
     if meta:
         raise InputError(f"{path}: no values for {meta[:5]}")
+    if (path / GENERATION_CONFIG_NAME).exists():  # stop tokens and sampling defaults, as from_pretrained reads them
+        model.generation_config = GenerationConfig.from_pretrained(path)
     return model.eval()
