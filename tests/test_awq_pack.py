@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from conftest import make_tiny_model
 from oracle import engine_reference
 from safetensors.torch import load_file
@@ -15,7 +16,16 @@ from safetensors.torch import load_file
 from kvboost_hf.core.errors import ConfigError, InputError
 from kvboost_hf.kernels.awq_linear import AwqInt4Linear
 from kvboost_hf.kernels.awq_reference import AWQ_ORDER, unpack_int4
-from kvboost_hf.tools.awq_pack import dequantize_linear, int4_model, main, pack_int4, quantize_linear
+from kvboost_hf.tools.awq_load import load_awq_model
+from kvboost_hf.tools.awq_pack import (
+    dequantize_linear,
+    int4_model,
+    main,
+    pack_checkpoint,
+    pack_int4,
+    quantize_linear,
+    round_trip_int4,
+)
 
 
 def reference_dequantize(qweight, qzeros, scales, group_size):
@@ -123,8 +133,6 @@ def test_packed_embedded_model_streamed_equals_resident(tmp_path):
 def test_round_trip_gives_a_model_the_packed_int4_weights():
     """``round_trip_int4`` (the bench's ``rtn4`` draft): every decoder-layer linear weight becomes exactly what the
     packer stores for it, dequantized; embeddings, norms and the head stay as they were."""
-    from kvboost_hf.tools.awq_pack import round_trip_int4
-
     original = make_tiny_model("llama", seed=2)
     model = make_tiny_model("llama", seed=2)
     assert round_trip_int4(model, group_size=32) == 7 * original.config.num_hidden_layers  # q k v o gate up down
@@ -154,3 +162,38 @@ def test_a_model_that_cannot_be_packed_is_left_as_it_was():
     with pytest.raises(InputError, match="nothing was replaced"):
         int4_model(model, 64)
     assert {name: type(module) for name, module in model.named_modules()} == before
+
+
+TINY_MOE = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_experts": 8, "shared_expert_intermediate_size": 32}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 8, "head_dim": 16}),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_MOE))
+def test_mixture_of_experts_models_are_refused_by_every_int4_path(tmp_path, model_type):
+    """Routers and gates were quantized like projections (Qwen2-MoE's one-output gate refused the model) and fused
+    experts stayed float or failed to load: every path now refuses a mixture of experts up front, naming it."""
+    config_name, model_name, extra = TINY_MOE[model_type]
+    config = getattr(transformers, config_name)(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, num_experts_per_tok=2, moe_intermediate_size=32, **extra,
+    )  # fmt: skip
+    model = getattr(transformers, model_name)(config).eval()
+    model.save_pretrained(tmp_path / "src")
+    refused = pytest.raises(ConfigError, match=f"{model_type} is a mixture-of-experts model")
+    with refused:
+        pack_checkpoint(tmp_path / "src", tmp_path / "dst", group_size=16)
+    assert not (tmp_path / "dst").exists()
+    with refused:
+        int4_model(model, 16)
+    with refused:
+        round_trip_int4(model, 16)
+    assert not any(isinstance(module, AwqInt4Linear) for module in model.modules())
+    settings = json.loads((tmp_path / "src" / "config.json").read_text())
+    settings["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True,
+                                       "version": "gemm"}  # fmt: skip
+    (tmp_path / "src" / "config.json").write_text(json.dumps(settings))
+    with refused:
+        load_awq_model(tmp_path / "src")

@@ -21,7 +21,7 @@ from transformers.utils import GENERATION_CONFIG_NAME
 from kvboost_hf.core.errors import InputError
 from kvboost_hf.kernels.awq_linear import AwqInt4Linear
 from kvboost_hf.kernels.awq_reference import BITS, check_group_size
-from kvboost_hf.tools.awq_pack import checkpoint_files
+from kvboost_hf.tools.awq_pack import checkpoint_files, refuse_mixture_of_experts
 
 
 def rebuild_computed_buffers(model: PreTrainedModel, device: torch.device) -> int:
@@ -74,10 +74,12 @@ def load_awq_model(
     """The AWQ GEMM checkpoint in ``path`` as a model on ``device``: quantized linears as ``AwqInt4Linear`` (packed
     tensors and float16 scales as stored), every other floating tensor in ``dtype``, and the folder's
     ``generation_config.json`` when it has one. Raises InputError for another
-    quantization, a checkpoint with no int4 linear, or one whose tensors do not fill the model."""
+    quantization, a checkpoint with no int4 linear, or one whose tensors do not fill the model; ConfigError for a
+    mixture-of-experts model."""
     path, target = Path(path), torch.device(device)
     group_size = int(_awq_settings(path)["group_size"])
     config = AutoConfig.from_pretrained(path)
+    refuse_mixture_of_experts(config)
     del config.quantization_config
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -6,8 +6,8 @@ Usage::
 
 ``SRC_DIR`` holds a Hugging Face checkpoint in safetensors (one file or shards with an index). Every 2-D weight
 inside a decoder layer (``...layers.N...weight``: the attention and MLP projections) is quantized; embeddings,
-norms, ``lm_head`` and biases are kept in float16. The output uses the AWQ "GEMM" layout that transformers loads
-(through ``gptqmodel``, the ``awq`` extra) with ``quantization_config``
+norms, ``lm_head`` and biases are kept in float16. Mixture-of-experts models are refused. The output uses the AWQ
+"GEMM" layout that transformers loads (through ``gptqmodel``, the ``awq`` extra) with ``quantization_config``
 ``{"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": true, "version": "gemm"}``:
 
 * ``qweight`` int32 ``[in, out/8]``, ``qzeros`` int32 ``[in/G, out/8]``, ``scales`` float16 ``[in/G, out]``;
@@ -33,8 +33,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
+from transformers import AutoConfig, PretrainedConfig
 
-from kvboost_hf.core.errors import InputError, KVBoostError, MissingFileError
+from kvboost_hf.core.errors import ConfigError, InputError, KVBoostError, MissingFileError
 from kvboost_hf.kernels.awq_linear import AwqInt4Linear
 from kvboost_hf.kernels.awq_reference import AWQ_ORDER, BITS, MAX_CODE, PACK, check_group_size, dequantize_awq
 
@@ -96,7 +97,8 @@ def dequantize_linear(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch
 def round_trip_int4(model: torch.nn.Module, group_size: int = 64) -> int:
     """Replace, in place, every decoder-layer linear weight of ``model`` by its int4 value (what
     :func:`pack_checkpoint` stores, dequantized into the weight's dtype): the int4 copy's function without an int4
-    kernel. Returns how many weights were rounded."""
+    kernel. Returns how many weights were rounded. A mixture-of-experts model is refused."""
+    refuse_mixture_of_experts(model.config)
     rounded = 0
     for name, parameter in model.named_parameters():
         if _LAYER_WEIGHT.search(name) and parameter.dim() == 2:
@@ -106,8 +108,24 @@ def round_trip_int4(model: torch.nn.Module, group_size: int = 64) -> int:
     return rounded
 
 
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")  # Mixtral, Qwen MoE, DeepSeek
+
+
+def refuse_mixture_of_experts(config: PretrainedConfig) -> None:
+    """Raise :class:`ConfigError` for a mixture-of-experts model: its routers and gates would be quantized like
+    projections (or refused for their few outputs) and its fused experts are not linears this int4 layout packs."""
+    text_config = config.get_text_config(decoder=True)
+    if any(getattr(text_config, count, None) for count in _EXPERT_COUNTS):
+        raise ConfigError(
+            f"{text_config.model_type} is a mixture-of-experts model: int4 AWQ packing and loading support dense "
+            "models only"
+        )
+
+
 def _decoder_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
-    """``(name, module)`` of every ``nn.Linear`` inside a decoder layer (what :func:`pack_checkpoint` quantizes)."""
+    """``(name, module)`` of every ``nn.Linear`` inside a decoder layer (what :func:`pack_checkpoint` quantizes) of
+    a dense model (:func:`refuse_mixture_of_experts`)."""
+    refuse_mixture_of_experts(model.config)
     return [
         (name, module)
         for name, module in model.named_modules()
@@ -193,11 +211,12 @@ def checkpoint_files(src: Path) -> list[str]:
 
 
 def pack_checkpoint(src: str | Path, dst: str | Path, group_size: int = 64) -> Path:
-    """Write the AWQ int4 copy of the checkpoint in ``src`` to ``dst`` (created; must not hold a checkpoint)."""
+    """Write the AWQ int4 copy of the dense checkpoint in ``src`` to ``dst`` (created; must not hold a checkpoint)."""
     src, dst = Path(src), Path(dst)
     config = json.loads((src / "config.json").read_text())
     if "quantization_config" in config:
         raise InputError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
+    refuse_mixture_of_experts(AutoConfig.from_pretrained(src))
     check_group_size(group_size)
     if (dst / "config.json").exists():
         raise CheckpointExistsError(f"{dst} already holds a checkpoint")
