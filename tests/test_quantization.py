@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.store.quantization import QuantizedTensor, quantize, quantize_chunk
 
 
@@ -85,6 +86,13 @@ def test_constant_groups_are_exact_and_odd_sizes_pack():
         q = quantize(x, bits, 4, per_channel=True)
         assert q.data.numel() == (15 if bits == 8 else 8)
         assert torch.allclose(q.dequantize(), x, atol=1e-7)
+
+
+@pytest.mark.parametrize(("bits", "group_size", "message"), [(8.0, 4, "kv_cache_bits"), (4, 4.0, "group_size")])
+def test_float_settings_are_refused_by_name(bits, group_size, message):
+    """8.0 in (4, 8) is True: a float passed the check and failed inside as a TypeError."""
+    with pytest.raises(ConfigError, match=f"{message} must be"):
+        quantize(torch.randn(1, 1, 4, 4), bits, group_size, True)
 
 
 def test_rejects_bad_input():

@@ -119,6 +119,9 @@ def test_concurrent_use_keeps_accounting_exact():
         ({"kv_group_size": 0}, "kv_group_size must be an integer >= 1"),
         ({"gpu_max_bytes": -1}, "gpu_max_bytes must be an integer >= 0"),
         ({"kv_cache_bits": "8"}, "kv_cache_bits must be 16, 8 or 4, got '8'"),
+        ({"kv_cache_bits": 8.0}, "kv_cache_bits must be 16, 8 or 4, got 8.0"),  # accepted, then every put failed
+        ({"kv_cache_bits": 4.0}, "kv_cache_bits must be 16, 8 or 4, got 4.0"),
+        ({"kv_cache_bits": True}, "kv_cache_bits must be 16, 8 or 4, got True"),
         ({"remote_url": "localhost:6379"}, "a Redis URL must start with one of redis://"),
         ({"remote_ttl_s": -1}, "remote_ttl_s must be a number of seconds > 0"),
         ({"remote_read_timeout_s": float("nan")}, "remote_read_timeout_s must be a number of seconds > 0"),

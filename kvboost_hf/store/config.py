@@ -72,7 +72,8 @@ class StoreConfig:
                 raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
         if self.remote_url is not None:
             check_url(self.remote_url)
-        if self.kv_cache_bits != 16 and self.kv_cache_bits not in SUPPORTED_BITS:
+        bits = self.kv_cache_bits  # an int: 8.0 == 8 passes a membership test but cannot shift codes
+        if not (is_integer(bits) and (bits == FULL_PRECISION_BITS or bits in SUPPORTED_BITS)):
             raise ConfigError(f"kv_cache_bits must be 16, 8 or 4, got {self.kv_cache_bits!r}")
 
     @property

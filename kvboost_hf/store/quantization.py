@@ -24,6 +24,7 @@ import torch
 
 from kvboost_hf.core.chunk_kv import pinned_copy
 from kvboost_hf.core.errors import ConfigError, InputError
+from kvboost_hf.core.values import is_integer
 
 SUPPORTED_BITS = (4, 8)
 DEFAULT_GROUP_SIZE = 64
@@ -73,7 +74,7 @@ class QuantizedTensor:
         numel = math.prod(self.shape)
         expected_stats = stats_shape(self.shape, self.group_size, self.per_channel)
         if (
-            self.bits not in SUPPORTED_BITS
+            not (is_integer(self.bits) and self.bits in SUPPORTED_BITS)
             or self.data.dtype != torch.uint8
             or self.data.numel() != packed_numel(numel, self.bits)
             or tuple(self.scale.shape) != expected_stats
@@ -151,13 +152,13 @@ class QuantizedChunk:
 def quantize(x: torch.Tensor, bits: int, group_size: int, per_channel: bool) -> QuantizedTensor:
     """Quantize a ``[layers, heads, tokens, head_dim]`` tensor (see the module docstring for the axes).
 
-    Raises ValueError for unsupported ``bits``, ``group_size < 1``, or values that are not finite or do not fit
-    float16 statistics.
+    Raises ConfigError for ``bits`` not an int in :data:`SUPPORTED_BITS` or ``group_size`` not an int >= 1, and
+    InputError for values that are not finite or do not fit float16 statistics.
     """
-    if bits not in SUPPORTED_BITS:
-        raise ConfigError(f"kv_cache_bits must be one of {SUPPORTED_BITS} for quantization, got {bits}")
-    if group_size < 1:
-        raise ConfigError(f"group_size must be >= 1, got {group_size}")
+    if not (is_integer(bits) and bits in SUPPORTED_BITS):
+        raise ConfigError(f"kv_cache_bits must be one of {SUPPORTED_BITS} for quantization, got {bits!r}")
+    if not (is_integer(group_size) and group_size >= 1):
+        raise ConfigError(f"group_size must be an integer >= 1, got {group_size!r}")
     if x.dim() != 4:
         raise InputError(f"expected [layers, heads, tokens, head_dim], got shape {tuple(x.shape)}")
     shape = (int(x.shape[0]), int(x.shape[1]), int(x.shape[2]), int(x.shape[3]))
