@@ -88,6 +88,29 @@ def test_constant_groups_are_exact_and_odd_sizes_pack():
         assert torch.allclose(q.dequantize(), x, atol=1e-7)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    tokens=st.integers(0, 20),
+    dim=st.integers(1, 20),
+    bits=st.sampled_from([4, 8]),
+    extra=st.sampled_from([0, 1, 37, 2**40]),  # 2**40: padding to it cannot be allocated
+    per_channel=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_group_longer_than_the_axis_is_the_axis(tokens, dim, bits, extra, per_channel, seed):
+    """A group covering the whole axis gives the bytes a group of exactly the axis gives, without padding the axis
+    to ``group_size`` (``kv_group_size=2**20`` allocated 720 MiB for a 16 KiB chunk): the stored format is that of
+    ``group_size``, so entries written before read back the same."""
+    x = torch.randn(2, 2, tokens, dim, generator=torch.Generator().manual_seed(seed))
+    length = tokens if per_channel else dim
+    exact = quantize(x, bits, max(1, length), per_channel)
+    large = quantize(x, bits, max(1, length) + extra, per_channel)
+    assert large.group_size == max(1, length) + extra
+    for field in ("data", "scale", "zero"):
+        assert torch.equal(getattr(large, field), getattr(exact, field)), field
+    assert torch.equal(large.dequantize(), exact.dequantize())
+
+
 @pytest.mark.parametrize(("bits", "group_size", "message"), [(8.0, 4, "kv_cache_bits"), (4, 4.0, "group_size")])
 def test_float_settings_are_refused_by_name(bits, group_size, message):
     """8.0 in (4, 8) is True: a float passed the check and failed inside as a TypeError."""

@@ -3,7 +3,8 @@
 Keys are quantized **per channel**: every ``(layer, head, channel)`` gets its own scale and zero point,
 computed over groups of ``group_size`` consecutive tokens (key outliers live in fixed channels). Values are
 quantized **per token**: every ``(layer, head, token)`` gets its own scale and zero point, computed over groups
-of ``group_size`` consecutive channels. A group at the end of an axis may be shorter than ``group_size``.
+of ``group_size`` consecutive channels. A group at the end of an axis may be shorter than ``group_size``; a
+``group_size`` at least the axis's length is one group of the whole axis (nothing is padded to ``group_size``).
 
 Reconstruction is ``x = code * scale + zero`` with ``code`` in ``[0, 2**bits - 1]``. Scales and zeros are stored
 as float16 and rounded so that the group range stays inside the representable codes; the error of every
@@ -46,6 +47,12 @@ def stats_shape(shape: tuple[int, ...], group_size: int, per_channel: bool) -> t
 def _group_axis(per_channel: bool) -> int:
     """The axis whose consecutive elements share statistics: tokens for keys, channels for values."""
     return 2 if per_channel else 3
+
+
+def _working_group(group_size: int, length: int) -> int:
+    """Elements per group on an axis of ``length``: ``group_size``, or the whole axis when one group covers it (the
+    same statistics, without padding the axis up to ``group_size``); at least 1."""
+    return max(1, min(group_size, length))
 
 
 def packed_numel(numel: int, bits: int) -> int:
@@ -110,11 +117,12 @@ class QuantizedTensor:
         axis = _group_axis(self.per_channel)
         length = self.shape[axis]
         codes = _unpack(self.data, self.bits, math.prod(self.shape)).view(self.shape)
-        pad = -length % self.group_size
+        group = _working_group(self.group_size, length)
+        pad = -length % group
         if pad:
             pad_widths = (0, 0, 0, pad) if self.per_channel else (0, pad)
             codes = torch.nn.functional.pad(codes, pad_widths)
-        groups = codes.unflatten(axis, (-1, self.group_size)).to(torch.float32)
+        groups = codes.unflatten(axis, (-1, group)).to(torch.float32)
         scale, zero = self.scale.unsqueeze(axis + 1), self.zero.unsqueeze(axis + 1)
         out = torch.addcmul(zero.float(), groups, scale.float()).flatten(axis, axis + 1)
         if pad:
@@ -178,11 +186,12 @@ def _quantize_along(
     if not bool(torch.isfinite(x).all()):
         raise InputError("cannot quantize K/V that contain inf or nan")
     n = x.shape[axis]
-    pad = -n % group_size
+    group = _working_group(group_size, n)
+    pad = -n % group
     if pad:  # replicating the last element keeps every group's min and max unchanged
         last = x.narrow(axis, n - 1, 1)
         x = torch.cat([x, last.expand(*[pad if d == axis else -1 for d in range(x.dim())])], dim=axis)
-    groups = x.unflatten(axis, (-1, group_size))
+    groups = x.unflatten(axis, (-1, group))
     lo, hi = groups.amin(dim=axis + 1), groups.amax(dim=axis + 1)
     if lo.numel() and float(torch.maximum(lo.abs(), hi.abs()).max()) > torch.finfo(STATS_DTYPE).max / 2:
         raise InputError("K/V magnitude exceeds what float16 quantization statistics can represent")
