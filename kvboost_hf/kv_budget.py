@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from kvboost_hf.core.errors import ConfigError
+from kvboost_hf.core.values import is_integer
 
 #: Share of a CUDA device's free memory (when the scheduler is built) that a default K/V budget takes; the rest is
 #: for activations, logits, a GPU store tier still filling and other processes. The one place it is written.
@@ -144,13 +145,18 @@ def free_device_bytes(device: torch.device) -> int:
     return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
+def check_budget_setting(budget_bytes: int | None) -> None:
+    """Raise :class:`ConfigError` unless ``budget_bytes`` is None (derived) or an integer of bytes >= 0 (0: none)."""
+    if budget_bytes is not None and not (is_integer(budget_bytes) and budget_bytes >= 0):
+        raise ConfigError(f"kv_budget_bytes must be None (derived), 0 (none) or an integer > 0, got {budget_bytes!r}")
+
+
 def resolve_budget_bytes(budget_bytes: int | None, device: torch.device) -> int:
     """The K/V budget in bytes (0: none) for the setting ``budget_bytes``: None derives it, on a CUDA device
     :data:`DEVICE_FRACTION` of :func:`free_device_bytes` now, elsewhere none (host memory is not the scarce resource
-    the budget guards, and a process may swap); 0 is none; else the bytes given (>= 0)."""
+    the budget guards, and a process may swap); 0 is none; else the bytes given (an integer >= 0)."""
+    check_budget_setting(budget_bytes)
     if budget_bytes is not None:
-        if budget_bytes < 0:
-            raise ConfigError(f"kv_budget_bytes must be None (derived), 0 (none) or > 0, got {budget_bytes}")
         return budget_bytes
     if device.type != "cuda":
         return 0

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.offload import BudgetTooSmallError, parse_bytes, plan_device_memory
 
 MB = 10**6
@@ -78,9 +81,34 @@ def test_a_32b_int4_shape_in_12_gb():
 def test_bad_arguments_and_byte_sizes():
     with pytest.raises(BudgetTooSmallError, match="cannot hold"):
         plan_device_memory(100, [60, 60], 50, kv_bytes_per_token=1, min_kv_tokens=0)
-    with pytest.raises(ValueError, match="num_slots >= 1"):
+    with pytest.raises(ValueError, match="num_slots must be an integer >= 1"):
         plan_device_memory(100, [10], 0, kv_bytes_per_token=1, min_kv_tokens=0, num_slots=0)
     assert parse_bytes("12GB") == 12 * 10**9 and parse_bytes("12GiB") == 12 * 2**30
     assert parse_bytes("512 MB") == 512 * MB and parse_bytes("1e9") == 10**9 and parse_bytes("77") == 77
     with pytest.raises(ValueError, match="not a byte size"):
         parse_bytes("twelve gigs")
+
+
+def test_a_byte_size_beyond_a_float_is_a_config_error():
+    """``1e400`` overflowed in ``int(inf)`` (``bench streaming --device-budget 1e400`` printed a traceback)."""
+    with pytest.raises(ConfigError, match="not a byte size: '1e400'"):
+        parse_bytes("1e400")
+
+
+GOOD_PLAN = {"budget_bytes": 10**9, "layer_bytes": [10**8] * 4, "other_bytes": 0, "kv_bytes_per_token": 1000,
+             "min_kv_tokens": 10, "workspace_bytes": 0, "num_slots": 2}  # fmt: skip
+NOT_A_COUNT = st.one_of(
+    st.integers(max_value=-1), st.floats(0.1, 1e12).filter(lambda f: f != int(f)), st.just(True), st.just("1GB")
+)
+
+
+@given(name=st.sampled_from(sorted(GOOD_PLAN)), bad=NOT_A_COUNT)
+def test_every_count_of_the_plan_is_checked_by_name(name, bad):
+    """Negative workspace or other bytes let 4 GB of layers "fit" 1 GB, fractional bytes per token gave fractional
+    plans, ``num_slots=2.5`` raised TypeError: each count is an integer at least its least value."""
+    arguments = dict(GOOD_PLAN)
+    arguments[name] = [10**8, bad] if name == "layer_bytes" else bad
+    budget, layers, other = (arguments.pop(key) for key in ("budget_bytes", "layer_bytes", "other_bytes"))
+    label = "layer_bytes[1]" if name == "layer_bytes" else name
+    with pytest.raises(ConfigError, match=re.escape(f"plan_device_memory: {label} must be an integer >=")):
+        plan_device_memory(budget, layers, other, **arguments)

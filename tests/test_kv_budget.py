@@ -177,6 +177,9 @@ def test_the_budget_setting_is_derived_on_cuda_only_and_checked():
     assert resolve_budget_bytes(12345, cpu) == 12345
     with pytest.raises(ConfigError):
         resolve_budget_bytes(-1, cpu)
+    for bad in ("1GB", 1.5e9, True):  # a string raised TypeError; a float or a bool passed as bytes
+        with pytest.raises(ConfigError, match="kv_budget_bytes must be None"):
+            resolve_budget_bytes(bad, cpu)
     with pytest.raises(ConfigError):
         KVBudget(0, 1)
     with pytest.raises(ConfigError):

@@ -8,6 +8,7 @@ from conftest import explode_once, greedy, make_tiny_model
 from oracle import engine_reference
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, RepairConfig
+from kvboost_hf.core.errors import ArgumentTypeError
 from kvboost_hf.core.keys import model_digest
 from kvboost_hf.offload import (
     LayerStreamingConfig,
@@ -218,6 +219,7 @@ def test_device_memory_budget_chooses_the_resident_layers():
         ({"keep_last_k": 1.5}, "keep_last_k"),
         ({"device_memory_budget_bytes": 0}, "device_memory_budget_bytes"),
         ({"pin_memory": "yes"}, "pin_memory"),
+        ({"device": "gpu"}, "device is not a torch device: 'gpu'"),  # accepted, then a torch error when enabled
     ],
 )
 def test_bad_settings_are_refused(settings, message):
@@ -229,6 +231,8 @@ def test_bad_models_are_refused():
     model = make_tiny_model("llama", num_hidden_layers=LAYERS)
     with pytest.raises(ValueError, match="exceeds the model's 6 decoder layers"):
         enable_layer_streaming(model, LayerStreamingConfig(keep_first_k=4, keep_last_k=3))
+    with pytest.raises(ArgumentTypeError, match="takes a LayerStreamingConfig, got dict"):  # was AttributeError
+        enable_layer_streaming(model, {"keep_first_k": 1})
     enable_layer_streaming(model)
     with pytest.raises(ValueError, match="already enabled"):
         enable_layer_streaming(model)

@@ -375,6 +375,7 @@ def test_the_default_server_flags_pass_the_check():
         (lambda: DraftConfig(tree_budget=4, adaptive_tree_budget="yes"), "adaptive_tree_budget must be True or False"),
         (lambda: DraftConfig(confidence_threshold="x"), "confidence_threshold"),
         (lambda: DraftConfig(tree_overhead="1"), "tree_overhead"),
+        (lambda: ServerConfig(kv_budget_bytes="1GB"), "kv_budget_bytes must be None"),
     ],
 )
 def test_settings_of_the_wrong_type_are_refused_by_name(make, message):

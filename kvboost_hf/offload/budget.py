@@ -9,12 +9,14 @@ Layer sizes are the streamer's (:func:`~kvboost_hf.offload.streamer.layer_device
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvboost_hf.core.errors import CapacityError, ConfigError
+from kvboost_hf.core.values import is_integer
 from kvboost_hf.offload.settings import LayerStreamingConfig
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -29,7 +31,10 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
     if match is None or match.group(2) not in _UNITS:
         raise ConfigError(f"not a byte size: {text!r} (examples: 12GB, 12GiB, 512MB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
+    size = float(match.group(1)) * _UNITS[match.group(2)]
+    if not math.isfinite(size):
+        raise ConfigError(f"not a byte size: {text!r} is beyond a float (examples: 12GB, 12GiB, 512MB)")
+    return int(size)
 
 
 @dataclass(frozen=True)
@@ -70,14 +75,21 @@ def plan_device_memory(
     """The plan that keeps the most leading layers resident with ``num_slots`` slots (fewer slots, down to 1, only if
     ``num_slots`` cannot fit at all), at least ``min_kv_tokens`` of K/V, and gives every byte left over to K/V.
 
-    All layers resident (no slot) when they fit. Raises :class:`BudgetTooSmallError` when no plan fits.
+    All layers resident (no slot) when they fit. Every argument is an integer (bytes, tokens or slots); raises
+    :class:`ConfigError` naming one that is not, or is below its least value (budget, bytes per token and slots
+    >= 1, the rest >= 0; at least one layer), and :class:`BudgetTooSmallError` when no plan fits.
     """
     layers = list(layer_bytes)
-    if budget_bytes <= 0 or num_slots < 1 or min_kv_tokens < 0 or kv_bytes_per_token <= 0 or not layers:
-        raise ConfigError(
-            f"plan_device_memory needs a positive budget ({budget_bytes}), layers ({len(layers)}), num_slots >= 1 "
-            f"({num_slots}), bytes per K/V token > 0 ({kv_bytes_per_token}) and min_kv_tokens >= 0 ({min_kv_tokens})"
-        )
+    if not layers:
+        raise ConfigError("plan_device_memory: layer_bytes must name at least one layer")
+    counts = [
+        ("budget_bytes", budget_bytes, 1), ("kv_bytes_per_token", kv_bytes_per_token, 1), ("num_slots", num_slots, 1),
+        ("other_bytes", other_bytes, 0), ("workspace_bytes", workspace_bytes, 0), ("min_kv_tokens", min_kv_tokens, 0),
+        *((f"layer_bytes[{index}]", size, 0) for index, size in enumerate(layers)),
+    ]  # fmt: skip
+    for name, value, least in counts:
+        if not (is_integer(value) and value >= least):
+            raise ConfigError(f"plan_device_memory: {name} must be an integer >= {least}, got {value!r}")
     fixed = other_bytes + workspace_bytes + min_kv_tokens * kv_bytes_per_token
 
     def plan(resident: int, slots: int) -> DevicePlan:

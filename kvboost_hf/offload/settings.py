@@ -44,6 +44,11 @@ class LayerStreamingConfig:
             raise ConfigError(f"LayerStreamingConfig.num_slots must be an integer >= 1, got {self.num_slots!r}")
         if not isinstance(self.pin_memory, bool):
             raise ConfigError(f"LayerStreamingConfig.pin_memory must be a bool, got {self.pin_memory!r}")
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError) as exc:
+                raise ConfigError(f"LayerStreamingConfig.device is not a torch device: {self.device!r}") from exc
         budget = self.device_memory_budget_bytes
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
             raise ConfigError(

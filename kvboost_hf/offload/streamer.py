@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from accelerate.hooks import AlignDevicesHook, ModelHook, SequentialHook, add_hook_to_module, remove_hook_from_module
 
-from kvboost_hf.core.errors import CapacityError, ConfigError, InputError
+from kvboost_hf.core.errors import ArgumentTypeError, CapacityError, ConfigError, InputError
 from kvboost_hf.core.keys import model_digest
 from kvboost_hf.offload.settings import LayerStreamingConfig
 
@@ -519,8 +519,14 @@ def enable_layer_streaming(model: torch.nn.Module, settings: LayerStreamingConfi
     """Stream ``model``'s decoder layers from host memory (see :class:`LayerStreamingConfig`); returns the handle.
 
     The model may sit on the CPU (the intended use: weights loaded into host memory) or on the device already.
-    Everything that is not streamed is moved to ``settings.device``.
+    Everything that is not streamed is moved to ``settings.device``. Raises ArgumentTypeError for ``settings`` that
+    are not a :class:`LayerStreamingConfig`.
     """
+    if settings is not None and not isinstance(settings, LayerStreamingConfig):
+        raise ArgumentTypeError(
+            f"enable_layer_streaming takes a LayerStreamingConfig, got {type(settings).__name__}: write "
+            f"enable_layer_streaming(model, LayerStreamingConfig(**{settings!r}))"
+        )
     return LayerStreamer(model, settings or LayerStreamingConfig())
 
 

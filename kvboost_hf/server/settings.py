@@ -9,6 +9,7 @@ from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.core.values import check_bounds
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
+from kvboost_hf.kv_budget import check_budget_setting
 from kvboost_hf.runner import DEFAULT_PACK_FORWARDS
 from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE, DEFAULT_TOKEN_BUDGET
 from kvboost_hf.server.grammar import GrammarConfig
@@ -100,8 +101,7 @@ class ServerConfig:
             raise ConfigError(
                 f"token_budget must be 0 (none) or >= max_batch_size={self.max_batch_size}, got {self.token_budget}"
             )
-        if self.kv_budget_bytes is not None and self.kv_budget_bytes < 0:
-            raise ConfigError(f"kv_budget_bytes must be None (derived), 0 (none) or > 0, got {self.kv_budget_bytes}")
+        check_budget_setting(self.kv_budget_bytes)
         check_bounds(
             "ServerConfig",
             [
