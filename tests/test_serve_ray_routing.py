@@ -31,15 +31,30 @@ from kvboost_hf.serve_ray.routing import (
     request_keys,
     routing_keys,
 )
+from kvboost_hf.server.admission import plain_messages
+from kvboost_hf.server.schemas import ChatCompletionRequest
 
 SPACE = KeySpace("digest", "torch.float32", ChunkingConfig(4))
 token_lists = st.lists(st.integers(0, 99), max_size=40)
 replica_names = st.sampled_from(["a", "b", "c", "d"])
 
 
+#: A chat template that concatenates each content as a string (a list content would make it raise TypeError).
+WORD_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] + ' w3 ' + m['content'] + ' w4 ' }}{% endfor %}"
+    "{% if add_generation_prompt %}w5 {% endif %}"
+)
+chat_words = st.lists(st.sampled_from(["w6", "w7", "w8", "w9"]), min_size=1, max_size=3).map(" ".join)
+chat_contents = st.one_of(
+    chat_words, st.lists(st.builds(lambda text: {"type": "text", "text": text}, chat_words), min_size=1, max_size=3)
+)
+
+
 @pytest.fixture(scope="module")
 def engine():
-    return KVBoost(make_tiny_model("llama"), word_tokenizer(), chunking=4)
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = WORD_CHAT_TEMPLATE
+    return KVBoost(make_tiny_model("llama"), tokenizer, chunking=4)
 
 
 def test_keys_are_the_stored_keys_per_tenant(engine):
@@ -164,6 +179,29 @@ def test_prompt_ids_render_as_the_engine_or_give_up(engine):
     assert prompt_ids(ingress, path, b"not json") is None
     assert prompt_ids(ingress, path, b'{"messages": 3}') is None
     assert prompt_ids(ingress, "/v1/models", b"") is None
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["system", "developer", "user", "assistant"]), chat_contents), min_size=1, max_size=3
+    )
+)
+def test_chat_prompt_ids_at_the_ingress_are_the_replicas(engine, messages):
+    """A plain chat, its contents strings or lists of text parts, tokenises at the ingress exactly as a replica
+    tokenises it (routing on other ids would never hit)."""
+    body = json.dumps({"model": "m", "messages": [{"role": r, "content": c} for r, c in messages]}).encode()
+    chat = ChatCompletionRequest.model_validate(json.loads(body))
+    replica_ids, _ = engine.encode_segments(plain_messages(chat.messages))
+    ingress = SegmentTokenizer(engine.tokenizer, TokenIdsCache(1 << 20))
+    assert prompt_ids(ingress, "/v1/chat/completions", body) == replica_ids
+
+
+def test_prompt_ids_give_up_on_any_rendering_failure(engine):
+    """A template that fails on the messages (any exception, not only ValueError) gives no ids: routed by load."""
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = "{{ messages[0]['content'] + 1 }}"  # TypeError when rendered
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "w6"}]}).encode()
+    assert prompt_ids(SegmentTokenizer(tokenizer, TokenIdsCache(1 << 20)), "/v1/chat/completions", body) is None
 
 
 def test_only_greedy_or_seeded_streams_are_replayed():

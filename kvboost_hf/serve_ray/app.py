@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message
 from transformers import PreTrainedTokenizerBase
 
 from kvboost_hf.core.errors import KVBoostError, NotFoundError
+from kvboost_hf.hf.chat_segments import DocumentBoundaries, encode_chat_segments
 from kvboost_hf.hf.tokens import SegmentTokenizer, TokenCacheConfig, TokenIdsCache
 from kvboost_hf.serve_ray.routing import DEFAULT_MAX_CHUNKS, ForwardedRequest, KeySpace, routing_keys
 from kvboost_hf.server.admission import plain_messages
@@ -149,23 +150,23 @@ class KVBoostReplica:
 
 def prompt_ids(tokens: SegmentTokenizer, path: str, body: bytes) -> list[int] | None:
     """The prompt's token ids exactly as a replica tokenises it, for the request kinds the ingress can render alone
-    (plain chat messages, one completion prompt); None otherwise (tools, bad bodies: those are routed by load, and
-    a bad body gets its 400 from the replica). ``tokens``: the replicas' tokenizer with a token ids cache of the
-    ingress's own (a chat's earlier messages are not tokenized again)."""
-    tokenizer = tokens.tokenizer
+    (plain chat messages, their contents strings or lists of text parts, rendered by the engine's own function;
+    one completion prompt); None otherwise (tools, and any body the ingress fails to read, render or tokenise:
+    those are routed by load, and a bad body gets its 400 from the replica). ``tokens``: the replicas' tokenizer
+    with a token ids cache of the ingress's own (a chat's earlier messages are not tokenized again)."""
     try:
         if path == "/v1/chat/completions":
             chat = ChatCompletionRequest.model_validate(json.loads(body))
             if chat.tools or any(m.tool_calls or m.role == "tool" for m in chat.messages):
                 return None
             messages = plain_messages(chat.messages)
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return tokens.encode(text)
+            ids, _ = encode_chat_segments(tokens.tokenizer, messages, boundaries=DocumentBoundaries.NONE, tokens=tokens)
+            return ids
         if path == "/v1/completions":
             prompt = CompletionRequest.model_validate(json.loads(body)).prompt
             text = prompt if isinstance(prompt, str) else prompt[0] if len(prompt) == 1 else None
             return tokens.encode(text, add_special_tokens=True) if text else None
-    except ValueError:  # not JSON, or a body the replica will refuse
+    except Exception:  # not JSON, a template refusing the messages, ...: the replica answers with its own error
         return None
     return None
 
