@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -16,11 +17,12 @@ pytest.importorskip("ray.serve")
 
 from conftest import make_tiny_model
 from helpers import word_tokenizer
+from ray.exceptions import RayActorError
 
 from kvboost_hf import KVBoost
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.hf.tokens import SegmentTokenizer, TokenIdsCache
-from kvboost_hf.serve_ray.app import SseEvents, StreamIdentity, is_reproducible, prompt_ids
+from kvboost_hf.serve_ray.app import Ingress, SseEvents, StreamDiverged, StreamIdentity, is_reproducible, prompt_ids
 from kvboost_hf.serve_ray.routers import ChunkAffinityRouter, RoundRobinRouter
 from kvboost_hf.serve_ray.routing import (
     ForwardedRequest,
@@ -32,6 +34,9 @@ from kvboost_hf.serve_ray.routing import (
     routing_keys,
 )
 from kvboost_hf.server.admission import plain_messages
+from kvboost_hf.server.batching import Done
+from kvboost_hf.server.responses_api import ResponseBuilder
+from kvboost_hf.server.responses_schemas import ResponsesRequest
 from kvboost_hf.server.schemas import ChatCompletionRequest
 
 SPACE = KeySpace("digest", "torch.float32", ChunkingConfig(4))
@@ -262,6 +267,77 @@ def test_a_resumed_stream_keeps_its_first_id_and_created():
         return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
     first = event("chatcmpl-a", 1, "Hel")
-    assert identity.keep(first, resumed=False) == first
-    assert identity.keep(event("chatcmpl-b", 2, "lo"), resumed=True) == event("chatcmpl-a", 1, "lo")
-    assert identity.keep(b"data: [DONE]\n\n", resumed=True) == b"data: [DONE]\n\n"
+    assert identity.relay(first) == first
+    identity.resume()
+    identity.replayed(0, event("chatcmpl-b", 2, "Hel"))
+    assert identity.relay(event("chatcmpl-b", 2, "lo")) == event("chatcmpl-a", 1, "lo")
+    assert identity.relay(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
+
+
+def responses_attempt(created_at: int) -> list[bytes]:
+    """The events of one replica's greedy Responses API stream (its own response and item ids, ``created_at``)."""
+    builder = ResponseBuilder(ResponsesRequest.model_validate({"model": "m", "input": "hi"}), "m", tools_offered=False)
+    builder.created_at = created_at
+    events = builder.start() + builder.add("Once") + builder.add(" upon") + builder.add(" a time")
+    events += builder.finish("length") + builder.done(Done(prompt_tokens=3, cached_tokens=0, completion_tokens=3))
+    return [event.encode() for event in events]
+
+
+class LostReplica:
+    """A replica's answer parts that end with the replica dying after ``lost_after`` events (None: never)."""
+
+    def __init__(self, events: list[bytes], lost_after: int | None) -> None:
+        self.parts = events if lost_after is None else events[:lost_after]
+        self.lost = lost_after is not None
+
+    async def __aiter__(self):
+        for part in self.parts:
+            yield part
+        if self.lost:
+            raise RayActorError()
+
+    def cancel(self) -> None:
+        pass
+
+
+@given(st.lists(st.integers(0, 13), min_size=1, max_size=2).map(sorted))
+def test_a_resumed_responses_stream_is_the_first_replicas_stream(kills):
+    """A greedy Responses API stream whose replicas die after ``kills`` events (cumulative) reaches the client as
+    one response: the events of the first replica that sent any, one response id, ``created_at`` and item id
+    throughout (an item first sent after a resume may carry the new replica's id: the client never saw another)."""
+    attempts = [responses_attempt(created_at=1000 + i) for i in range(len(kills) + 1)]
+    assert len({event for attempt in attempts for event in attempt}) > len(attempts[0])  # the ids differ
+    lost_after = [*kills, None]
+    replicas = [LostReplica(attempt, lost) for attempt, lost in zip(attempts, lost_after, strict=True)]
+    first_heard = next(i for i, lost in enumerate(lost_after) if lost != 0)
+    later = iter(replicas[1:])
+
+    async def open_next(forwarded: ForwardedRequest) -> tuple[None, LostReplica]:
+        return None, next(later)
+
+    ingress = SimpleNamespace(max_attempts=len(replicas), open=open_next)
+    forwarded = fake_request("r1").args[0]
+
+    async def relayed() -> list[bytes]:
+        return [event async for event in Ingress.stream(ingress, forwarded, replicas[0], reproducible=True)]
+
+    stream = asyncio.run(relayed())
+    assert stream[0] == attempts[first_heard][0] and canonical(stream) == canonical(attempts[first_heard])
+
+
+def canonical(events: list[bytes]) -> list[bytes]:
+    """``events`` with each response id, item id and ``created_at`` named by its order of first appearance."""
+    names: dict[bytes, bytes] = {}
+    pattern = rb'(resp|msg)_[0-9a-f]{32}|"created_at": \d+'
+    return [re.sub(pattern, lambda m: names.setdefault(m.group(), b"<%d>" % len(names)), e) for e in events]
+
+
+def test_a_replay_naming_other_things_cuts_the_stream():
+    """A replay whose values cannot stand one to one for the relayed ones (two responses for one) is cut."""
+    identity = StreamIdentity()
+    for event in responses_attempt(created_at=1)[:2]:  # response.created, response.in_progress
+        identity.relay(event)
+    identity.resume()
+    identity.replayed(0, responses_attempt(created_at=2)[0])
+    with pytest.raises(StreamDiverged):
+        identity.replayed(1, responses_attempt(created_at=2)[1])  # another response's in_progress

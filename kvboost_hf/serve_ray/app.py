@@ -8,7 +8,8 @@
   router reads the keys) and relays the answer, naming the replica in the ``x-kvboost-replica`` header. When a
   replica dies before its answer is complete, the request is sent again (Ray Serve routes around the dead replica):
   a non-streamed answer is relayed only once complete; a stream whose events already reached the client is
-  continued from the same event on another replica when it is reproducible (greedy or seeded), and cut otherwise.
+  continued from the same event on another replica when it is reproducible (greedy or seeded), keeping the ids the
+  client has seen (:class:`StreamIdentity`), and cut otherwise.
 """
 
 # no `from __future__ import annotations`: FastAPI reads the ingress route's annotations at run time
@@ -16,7 +17,7 @@ import argparse
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
 import ray
@@ -201,28 +202,91 @@ class SseEvents:
         return [event + b"\n\n" for event in events]
 
 
-class StreamIdentity:
-    """Keeps one ``id`` and ``created`` over a stream continued by another replica: the first event's values are
-    remembered, and events of a resumed attempt (``data: {...}`` chunks of chat or text completions) carry them
-    instead of the new replica's."""
+#: Keys whose values name the answer or a part of it, or date it: a resumed attempt's values are replaced by those
+#: relayed (chat and completion chunks: ``id``, ``created``, a tool call's ``id``; Responses API events: the
+#: response's ``id`` and ``created_at``, its items' ``id`` and ``call_id``, an event's ``item_id``).
+IDENTITY_KEYS = frozenset({"id", "created", "created_at", "item_id", "call_id"})
 
-    FIELDS = ("id", "created")
+
+class StreamDiverged(KVBoostError):
+    """A resumed attempt's replay does not match the events the client already has: the stream is cut."""
+
+
+class StreamIdentity:
+    """Keeps a stream continued by other replicas one answer: the client never sees two values for one thing.
+
+    The values under :data:`IDENTITY_KEYS` anywhere in each relayed event's JSON data are recorded as relayed. A
+    resumed attempt replays the events the client already has; each replayed event is matched, value for value,
+    with the one relayed at its position, which tells which of the new replica's values stand for which relayed
+    ones; the attempt's later events carry the relayed values instead. Values first seen after a resume (a new
+    item) pass as they are. A replay whose values cannot be matched one to one raises :class:`StreamDiverged`."""
 
     def __init__(self) -> None:
-        self.fields: dict[str, object] | None = None
+        self.relayed: list[list[object]] = []  # per relayed event: its identity values, as relayed
+        self.replacing: dict[object, object] = {}  # the current attempt's value -> the relayed value it stands for
+        self.replaced_by: dict[object, object] = {}  # the inverse of ``replacing``
 
-    def keep(self, event: bytes, resumed: bool) -> bytes:
-        """``event`` as relayed: remembered if it is the first chunk, rewritten if ``resumed`` and different."""
-        if not event.startswith(b"data: {") or (self.fields is not None and not resumed):
-            return event
-        chunk = json.loads(event[len(b"data: ") :])
-        if self.fields is None:
-            self.fields = {name: chunk[name] for name in self.FIELDS if name in chunk}
-            return event
-        if all(chunk.get(name, value) == value for name, value in self.fields.items()):
-            return event
-        chunk |= {name: value for name, value in self.fields.items() if name in chunk}
-        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    def resume(self) -> None:
+        """A new attempt starts: its values are learned again from its replay."""
+        self.replacing, self.replaced_by = {}, {}
+
+    def replayed(self, index: int, event: bytes) -> None:
+        """Learn from ``event``, the current attempt's replay of relayed event ``index`` (not relayed again)."""
+        values, relayed = list(_identities(_split_event(event)[1])), self.relayed[index]
+        if len(values) != len(relayed) or any(
+            self.replacing.setdefault(new, old) != old or self.replaced_by.setdefault(old, new) != new
+            for new, old in zip(values, relayed, strict=True)
+        ):
+            raise StreamDiverged(f"event {index} replayed by another replica names other things than the one relayed")
+
+    def relay(self, event: bytes) -> bytes:
+        """``event`` as the client gets it: the current attempt's learned values replaced by the relayed ones."""
+        head, data = _split_event(event)
+        if self.replacing and data is not None and (replaced := _replaced(data, self.replacing)) != data:
+            event, data = head + b"data: " + json.dumps(replaced).encode() + b"\n\n", replaced
+        self.relayed.append(list(_identities(data)))
+        return event
+
+
+def _split_event(event: bytes) -> tuple[bytes, object]:
+    """An event's lines before its ``data:`` line (``event: ...`` of the Responses API), and its data parsed as
+    JSON; ``(event, None)`` when it has no JSON data (``data: [DONE]``)."""
+    start = 0 if event.startswith(b"data: ") else event.find(b"\ndata: ") + 1
+    if start == 0 and not event.startswith(b"data: "):
+        return event, None
+    try:
+        return event[:start], json.loads(event[start + len(b"data: ") :])
+    except ValueError:
+        return event, None
+
+
+def _is_identity(key: object, value: object) -> bool:
+    return key in IDENTITY_KEYS and isinstance(value, (str, int))
+
+
+def _identities(data: object) -> Iterator[object]:
+    """The values under :data:`IDENTITY_KEYS` anywhere in ``data``, in document order."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if _is_identity(key, value):
+                yield value
+            else:
+                yield from _identities(value)
+    elif isinstance(data, list):
+        for value in data:
+            yield from _identities(value)
+
+
+def _replaced(data: object, replacing: dict[object, object]) -> object:
+    """``data`` with each identity value that ``replacing`` names replaced."""
+    if isinstance(data, dict):
+        return {
+            key: replacing.get(value, value) if _is_identity(key, value) else _replaced(value, replacing)
+            for key, value in data.items()
+        }
+    if isinstance(data, list):
+        return [_replaced(value, replacing) for value in data]
+    return data
 
 
 class ReplicasLost(KVBoostError):
@@ -314,27 +378,30 @@ class Ingress:
     ) -> AsyncIterator[bytes]:
         """Relay complete events; if the replica dies, continue a reproducible stream on another replica from the
         first event the client has not seen (its earlier events are generated again and skipped). The stream keeps
-        its first ``id`` and ``created`` (:class:`StreamIdentity`); its usage, if asked for, is the last replica's,
-        which generated the whole answer again: its tokens are the whole answer's."""
+        its first ids and creation times (the answer's; a Responses API response's and its items': see
+        :class:`StreamIdentity`), and is cut when the replay names other things; its usage, if asked for, is the
+        last replica's, which generated the whole answer again: its tokens are the whole answer's."""
         relayed, attempts = 0, 1
         identity = StreamIdentity()
         try:
             while True:
-                events, skip = SseEvents(), relayed
+                events, position = SseEvents(), 0
                 try:
                     async for part in parts:
                         for event in events.feed(part):
-                            if skip:
-                                skip -= 1
-                                continue
-                            relayed += 1
-                            yield identity.keep(event, resumed=attempts > 1)
+                            if position < relayed:
+                                identity.replayed(position, event)
+                            else:
+                                relayed += 1
+                                yield identity.relay(event)
+                            position += 1
                     return
                 except REPLICA_LOST as exc:
                     logger.warning("replica lost after %d events (attempt %d): %s", relayed, attempts, exc)
                     if not reproducible or attempts >= self.max_attempts:
                         raise
                     attempts += 1
+                    identity.resume()
                     _, parts = await self.open(forwarded)
         finally:
             parts.cancel()
