@@ -1,5 +1,6 @@
 """Routing by chunk identity without Ray running: keys equal the store's, the prefix table, the ranking rules, the
-routers' hooks on fake replicas, and the ingress's pure helpers (prompt rendering, SSE cutting, reproducibility)."""
+routers' hooks on fake replicas, the ingress's pure helpers (prompt rendering, SSE cutting, reproducibility, a
+resumed stream's ids) and the launcher's flag checks."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from kvboost_hf import KVBoost
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.hf.tokens import SegmentTokenizer, TokenIdsCache
 from kvboost_hf.serve_ray.app import Ingress, SseEvents, StreamDiverged, StreamIdentity, is_reproducible, prompt_ids
+from kvboost_hf.serve_ray.launch import main as launch_main
 from kvboost_hf.serve_ray.routers import ChunkAffinityRouter, RoundRobinRouter
 from kvboost_hf.serve_ray.routing import (
     ForwardedRequest,
@@ -341,3 +343,27 @@ def test_a_replay_naming_other_things_cuts_the_stream():
     identity.replayed(0, responses_attempt(created_at=2)[0])
     with pytest.raises(StreamDiverged):
         identity.replayed(1, responses_attempt(created_at=2)[1])  # another response's in_progress
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--replicas", "0"], "--replicas must be a number >= 1"),
+        (["--max-ongoing-requests", "0"], "--max-ongoing-requests must be a number >= 1"),
+        (["--replica-cpus", "-1"], "--replica-cpus must be a number >= 0"),
+        (["--replica-gpus", "nan"], "--replica-gpus must be a number >= 0"),
+        (["--imbalance-threshold", "-5"], "--imbalance-threshold must be a number >= 0"),
+        (["--num-cpus", "0"], "--num-cpus must be a number >= 1"),
+        (["--chunk-size", "0"], "chunk_size must be a positive number"),  # the single server's own check
+        (["--port", "99999"], "--port must be in"),
+    ],
+)
+def test_a_bad_launcher_flag_is_a_usage_error_before_ray_starts(flags, message, capsys, monkeypatch):
+    """Each bad flag exits 2 naming it from the flags alone: Ray is never started (it was, and the replicas were
+    built three times before Ray Serve gave up, or a Ray or pydantic traceback came, or the value was accepted)."""
+    import ray
+
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: pytest.fail("Ray started"))
+    with pytest.raises(SystemExit) as exited:
+        launch_main(flags)
+    assert exited.value.code == 2 and message in capsys.readouterr().err

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import threading
 from typing import TYPE_CHECKING, Any, cast
 
+from kvboost_hf.core.errors import KVBoostError
 from kvboost_hf.serve_ray.routing import FALLBACKS
 from kvboost_hf.server.launch import (
     LOOPBACK,
     add_arguments,
+    check_settings,
     configure_process,
     server_settings,
     warn_if_open,
@@ -53,15 +56,35 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
 
 
+#: The least value of each replica and routing flag (a flag left unset, ``--num-cpus``'s default, is not checked).
+RAY_FLAG_MINIMUMS = {
+    "replicas": 1,
+    "imbalance_threshold": 0,
+    "replica_cpus": 0,
+    "replica_gpus": 0,
+    "max_ongoing_requests": 1,
+    "max_attempts": 1,
+    "num_cpus": 1,
+}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, checked before Ray starts: a replica or routing flag below its least value, or a server flag
+    :func:`~kvboost_hf.server.launch.check_settings` refuses, is a usage error naming it (exit 2)."""
     parser = argparse.ArgumentParser(
         prog="python -m kvboost_hf.serve_ray", description="OpenAI-compatible server on Ray Serve replicas"
     )
     add_arguments(parser)
     add_ray_arguments(parser)
     args = parser.parse_args(argv)
-    if args.replicas < 1 or args.max_attempts < 1:
-        parser.error("--replicas and --max-attempts must be at least 1")
+    for name, minimum in RAY_FLAG_MINIMUMS.items():
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value >= minimum):
+            parser.error(f"--{name.replace('_', '-')} must be a number >= {minimum}, got {value}")
+    try:
+        check_settings(args)
+    except KVBoostError as exc:
+        parser.error(str(exc))
     return args
 
 
