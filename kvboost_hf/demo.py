@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} must be at least 1, got {value}")
     if args.stats_json is not None and not args.stats_json.parent.is_dir():
         parser.error(f"--stats-json: no directory {args.stats_json.parent} to write {args.stats_json.name} in")
+    if args.stats_json is not None and args.stats_json.is_dir():
+        parser.error(f"--stats-json must name a file, got the directory {args.stats_json}")
     logging.basicConfig(level=logging.WARNING)
 
     engine = InferenceEngine.from_pretrained(args.model, chunking=args.chunk_size)

@@ -39,10 +39,11 @@ def test_summary_of_a_single_turn_uses_it():
         (["--chunk-size", "0"], "--chunk-size must be at least 1"),
         (["--turns", "0"], "--turns must be at least 1"),
         (["--stats-json", "/nonexistent-dir/stats.json"], "no directory /nonexistent-dir"),
+        (["--stats-json", "/tmp"], "--stats-json must name a file, got the directory /tmp"),
     ],
 )
 def test_bad_flags_are_usage_errors_before_the_model_loads(flags, message, capsys):
-    """They were tracebacks after loading (or, for --stats-json, after the whole run)."""
+    """They were tracebacks after loading (or, for --stats-json, after the whole run: a directory too)."""
     with pytest.raises(SystemExit) as stopped:
         main(flags)
     assert stopped.value.code == 2 and message in capsys.readouterr().err

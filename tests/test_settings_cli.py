@@ -358,6 +358,20 @@ def test_a_bad_server_flag_is_refused_before_the_model_loads(flags, message):
         check_settings(parser.parse_args(flags))
 
 
+def test_a_warm_flag_naming_no_readable_file_exits_2_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """``--warm`` missing or a directory was a FileNotFoundError / IsADirectoryError after the model loaded."""
+    from kvboost_hf.server import launch
+
+    monkeypatch.setattr(launch, "build_app", lambda args: pytest.fail("the model was loaded"))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for warm, found in ((tmp_path / "missing.txt", "not found"), (tmp_path, "a directory")):
+        assert launch.serve(parser.parse_args(["--warm", str(warm)])) == 2
+        assert f"--warm must name a readable text file, got {warm} ({found})" in capsys.readouterr().err
+    (tmp_path / "docs.txt").write_text("a document")
+    check_settings(parser.parse_args(["--warm", str(tmp_path / "docs.txt")]))
+
+
 def test_the_default_server_flags_pass_the_check():
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -219,13 +219,16 @@ def server_settings(args: argparse.Namespace) -> ServerConfig:
 
 
 def check_settings(args: argparse.Namespace) -> None:
-    """Build every settings object the flags describe, without a model, so a bad value is a ConfigError naming it
-    before the model loads (it was a traceback after). What needs the model (the chunk boundary tokens, a draft's
-    layers) is checked when the engine is built."""
+    """Build every settings object the flags describe, without a model, and check that ``--warm`` names a readable
+    file, so a bad value is a ConfigError naming it before the model loads (it was a traceback after). What needs
+    the model (the chunk boundary tokens, a draft's layers) is checked when the engine is built."""
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    if args.warm is not None and not (args.warm.is_file() and os.access(args.warm, os.R_OK)):
+        found = "a directory" if args.warm.is_dir() else "not readable" if args.warm.exists() else "not found"
+        raise ConfigError(f"--warm must name a readable text file, got {args.warm} ({found})")
     boundary_window = settings_values(ChunkingConfig, args)["boundary_window"]
     ChunkingConfig(**{**settings_values(ChunkingConfig, args), "boundary_window": 0})
     if boundary_window < 0:
