@@ -89,20 +89,30 @@ def sample_prompts(count: int = 3) -> list[str]:
     ]
 
 
+_SYSTEM_DOCUMENTS = 3  # documents chat_script's system prompt quotes; each user message quotes one of the rest
+
+
+def max_chat_turns() -> int:
+    """The most turns :func:`chat_script` has a user message for (one per document its system prompt leaves)."""
+    return len(documents()) - _SYSTEM_DOCUMENTS
+
+
 def chat_script(turns: int = 8, system_chars: int = 4000, message_chars: int = 220) -> tuple[str, list[str]]:
     """An agent-style chat: a long system prompt (reference documentation, ~1000 tokens) and ``turns`` short user
     messages, each quoting a little more documentation (~70 tokens), so the context passes 1500 tokens by turn 8
-    with 32-token answers."""
+    with 32-token answers. ``turns`` above :func:`max_chat_turns` raises ConfigError (never fewer messages)."""
+    messages = [
+        f"About the {title} module: {text[:message_chars]}\nWhat is it for, in one sentence?"
+        for title, text in documents()[_SYSTEM_DOCUMENTS:]
+    ]
+    if turns > len(messages):
+        raise ConfigError(f"turns must be at most {len(messages)} (one message per document), got {turns}")
     docs = documents(min_chars=system_chars)
     system = (
         "You are a helpful assistant. Answer using this reference.\n\n"
-        + "\n\n".join(text for _, text in docs[:3])[:system_chars]
+        + "\n\n".join(text for _, text in docs[:_SYSTEM_DOCUMENTS])[:system_chars]
     )
-    messages = [
-        f"About the {title} module: {text[:message_chars]}\nWhat is it for, in one sentence?"
-        for title, text in documents()[3 : turns + 3]
-    ]
-    return system, messages
+    return system, messages[:turns]
 
 
 _PLACES = (

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvboost_hf.core.chunking import ChunkingConfig
-from kvboost_hf.corpus import chat_script
+from kvboost_hf.corpus import chat_script, max_chat_turns
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.results import GenerationResult
 
@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
+    if args.turns > (max_turns := max_chat_turns()):
+        parser.error(f"--turns must be at most {max_turns} (the demo's chat has that many messages), got {args.turns}")
     if args.stats_json is not None and not args.stats_json.parent.is_dir():
         parser.error(f"--stats-json: no directory {args.stats_json.parent} to write {args.stats_json.name} in")
     if args.stats_json is not None and args.stats_json.is_dir():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvboost_hf.core.errors import ConfigError
+from kvboost_hf.corpus import chat_script, max_chat_turns
 from kvboost_hf.demo import Turn, main, summary
 from kvboost_hf.results import GenerationResult
 
@@ -38,6 +40,8 @@ def test_summary_of_a_single_turn_uses_it():
         (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
         (["--chunk-size", "0"], "--chunk-size must be at least 1"),
         (["--turns", "0"], "--turns must be at least 1"),
+        # it played fewer turns (21 of 30 on Python 3.11), the summary saying "turns 2-21"
+        (["--turns", str(max_chat_turns() + 1)], f"--turns must be at most {max_chat_turns()}"),
         (["--stats-json", "/nonexistent-dir/stats.json"], "no directory /nonexistent-dir"),
         (["--stats-json", "/tmp"], "--stats-json must name a file, got the directory /tmp"),
     ],
@@ -47,3 +51,11 @@ def test_bad_flags_are_usage_errors_before_the_model_loads(flags, message, capsy
     with pytest.raises(SystemExit) as stopped:
         main(flags)
     assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_chat_script_refuses_more_turns_than_it_has_messages():
+    most = max_chat_turns()
+    system, messages = chat_script(most)
+    assert system and len(set(messages)) == most > 8  # the benchmarks' default turns
+    with pytest.raises(ConfigError, match=f"turns must be at most {most}"):
+        chat_script(most + 1)
