@@ -3,8 +3,11 @@ processor, and the two wrong-output defects found with transformers' generation 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from conftest import make_tiny_model
+from helpers import word_tokenizer, words
 from transformers import LogitsProcessor
 
 from kvboost_hf import ChunkingConfig, ChunkReuseCache, ChunkStore, ChunkWriteBack, RepairConfig
@@ -152,3 +155,24 @@ def test_namespace_follows_the_store_precision():
         ChunkReuseCache(ChunkStore(), model, ChunkingConfig(64)).namespace,
     }
     assert len(namespaces) == 5
+
+
+def usage_snippet(heading: str) -> str:
+    """The first python block of docs/usage.md after the paragraph starting with ``heading``."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    after = text[text.index(heading) :]
+    return after[after.index("```python\n") + len("```python\n") : after.index("\n```", after.index("```python"))]
+
+
+def test_the_usage_docs_write_back_snippet_runs_and_its_next_turn_hits(capsys):
+    """docs/usage.md's write-back example, run as written with the installed transformers (5.x returns a
+    BatchEncoding from ``apply_chat_template(..., return_tensors="pt")`` unless ``return_dict=False``: the snippet
+    raised AttributeError in ``generate``)."""
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] + ' w2 ' }}{% endfor %}"
+    messages = [{"role": "system", "content": words(3, 90)}, {"role": "user", "content": "w5 w6"}]
+    namespace = {"model": make_tiny_model("llama"), "tokenizer": tokenizer, "messages": messages}
+    exec(usage_snippet("**Write-back as generation proceeds.**"), namespace)
+    prompt_tokens = namespace["history"].shape[1]
+    assert namespace["cache"].last_reuse[0].cached_tokens >= 64  # the earlier turn's chunks at least
+    assert capsys.readouterr().out.endswith(f"of {prompt_tokens} prompt tokens loaded\n")
