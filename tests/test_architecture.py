@@ -197,6 +197,25 @@ def test_architecture_doc_lists_the_exports_as_they_are():
     assert exported - listed - {"__version__"} == set(), "exported names missing from docs/ARCHITECTURE.md"
 
 
+def test_names_the_docs_place_in_a_source_file_are_defined_there() -> None:
+    """Each "`name` in `kvboost_hf/path.py`" of README.md and docs/*.md names a function, class or variable
+    defined in that file (docs/server.md named `rank` where the function is `choose_ranked`)."""
+    import re
+
+    placed = re.compile(r"`([A-Za-z_]\w*)[\w.]*(?:\(\))?` in `(kvboost_hf/[\w/]+\.py)`")
+    found = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for name, path in placed.findall(" ".join(doc.read_text().split())):
+            tree = ast.parse((ROOT / path).read_text())
+            defined = {
+                node.name
+                for node in ast.walk(tree)
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            } | {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)}
+            found.append((doc.name, name, path, name in defined))
+    assert len(found) >= 3 and [entry for entry in found if not entry[-1]] == []
+
+
 def test_the_server_takes_only_types_and_constants_from_hf() -> None:
     """The engine and its scheduler are the server's only entry into the library: what server modules import from
     ``kvboost_hf.hf`` are records, enums and constants (requests, rows, settings), never a function or a class that
