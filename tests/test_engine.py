@@ -7,11 +7,12 @@ import uuid
 import pytest
 import torch
 from conftest import make_tiny_model
+from helpers import word_tokenizer
 from oracle import engine_reference, expected_text
 from transformers import AutoTokenizer, DeepseekV3Config, GPT2Config, GPT2LMHeadModel
 
-from kvboost_hf import KVBoost, SamplingConfig, StoreConfig, UnsupportedModelError
-from kvboost_hf.core.errors import InputError
+from kvboost_hf import ChunkReuseCache, ChunkStore, KVBoost, SamplingConfig, StoreConfig, UnsupportedModelError
+from kvboost_hf.core.errors import ConfigError, InputError
 from kvboost_hf.corpus import documents
 from kvboost_hf.hf import rows as rows_module
 from kvboost_hf.hf.models import check_model_support, embedded_model_dir
@@ -290,3 +291,20 @@ def test_warmed_documents_hit_in_any_order_as_segments(embedded_engine):
     # ratio 1.0 made the whole prompt exact, so it was written back by prefix key: now a plain exact hit
     again = embedded_engine.generate(prompt, max_new_tokens=6, repair=RepairConfig("none"))
     assert again.output_ids == plain.tokens and again.recomputed_tokens == 0
+
+
+def test_constructor_arguments_of_the_wrong_kind_are_refused_by_name():
+    """A path for the model, no tokenizer, a string store or repair, a None store or swapped arguments raised
+    AttributeError from inside the constructors."""
+    model = make_tiny_model("llama")
+    tokenizer = word_tokenizer()
+    for call, named in (
+        (lambda: KVBoost("path/to/model", tokenizer), "model must be a loaded transformers model"),
+        (lambda: KVBoost(model, None), "tokenizer must be a transformers tokenizer"),
+        (lambda: KVBoost(model, tokenizer, store="ram"), "store must be a ChunkStore, a StoreConfig or None"),
+        (lambda: ChunkReuseCache(None, model), "store must be a ChunkStore"),
+        (lambda: ChunkReuseCache(model, ChunkStore()), "model must be a transformers model"),
+        (lambda: ChunkReuseCache(ChunkStore(), model, repair="cacheblend"), "repair must be a RepairConfig"),
+    ):
+        with pytest.raises(ConfigError, match=named):
+            call()

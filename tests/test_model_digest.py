@@ -81,3 +81,15 @@ def test_inference_tensors_have_a_digest():
     with torch.inference_mode():
         model.packed = torch.arange(6.0) + 1
     assert model_digest(model) != first
+
+
+def test_a_length_dependent_rope_forward_leaves_the_digest_alone():
+    """Dynamic NTK rewrites its rotary inv_freq (a non-persistent buffer) after a long forward: the digest, hence
+    the store namespace, must not follow it (caches built after a long request missed everything)."""
+    model = make_tiny_model(
+        "llama", max_position_embeddings=64, rope_parameters={"rope_type": "dynamic", "factor": 4.0}
+    )
+    before = model_digest(model)
+    model(torch.randint(1, 128, (1, 90)))
+    assert not torch.equal(model.model.rotary_emb.inv_freq, model.model.rotary_emb.original_inv_freq)
+    assert model_digest(model) == before

@@ -97,6 +97,51 @@ def test_length_dependent_rope_disables_only_non_prefix_reuse(caplog):
     assert torch.equal(out[0], greedy(model, ids)[0])
 
 
+LENGTH_DEPENDENT = {
+    "longrope": (
+        "phi3",
+        {
+            "max_position_embeddings": 256,
+            "original_max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "original_max_position_embeddings": 64,
+                "short_factor": [1.0] * 8,
+                "long_factor": [16.0] * 8,
+            },
+        },
+    ),
+    "dynamic": (
+        "llama",
+        {"max_position_embeddings": 64, "rope_parameters": {"rope_type": "dynamic", "factor": 16.0, "rope_theta": 1e4}},
+    ),
+}
+
+
+@pytest.mark.parametrize("rope", sorted(LENGTH_DEPENDENT))
+def test_length_dependent_rope_reuses_only_below_its_original_length(rope, caplog):
+    """K/V computed past the original length use other frequencies: a long prompt neither stores nor loads chunks,
+    so a short prompt sharing its start computes its own (as plain generate does); short prompts still reuse."""
+    arch, overrides = LENGTH_DEPENDENT[rope]
+    model = make_tiny_model(arch, **overrides)
+    store = ChunkStore(StoreConfig(1 << 26))
+    generator = torch.Generator().manual_seed(0)
+    long_prompt = torch.randint(1, 128, (1, 90), generator=generator)
+    short_prompt = torch.cat([long_prompt[:, :40], torch.randint(1, 128, (1, 8), generator=generator)], 1)
+    long_cache = ChunkReuseCache(store, model, 8)
+    model(long_prompt, cache=long_cache, use_cache=True, logits_to_keep=1)
+    long_cache.save()
+    assert "depend on the sequence length" in caplog.text and store.stats()["chunks"] == 0
+    model(long_prompt)  # the rotary module left in its long state, as after a long request
+    for turn in range(2):  # the first short prompt stores its chunks, the second loads them
+        cache = ChunkReuseCache(store, model, 8)
+        tokens, logits = greedy(model, short_prompt, cache)
+        assert (cache.last_reuse[0].cached_tokens >= 40) == (turn == 1)
+        plain_tokens, plain_logits = greedy(model, short_prompt)
+        assert torch.equal(tokens, plain_tokens) and torch.allclose(logits, plain_logits, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ROTATING)
 @pytest.mark.parametrize("strategy", ["selective", "cacheblend"])
 def test_ratio_one_reproduces_the_full_prefill_in_any_order(arch, strategy):

@@ -26,7 +26,7 @@ from kvboost_hf.core.chunking import ChunkingConfig, Span
 from kvboost_hf.core.errors import InputError
 
 STORAGE_FORMAT_VERSION = 1
-DIGEST_VERSION = 2  # 1: sampled weights; 2: xxh3-128 over every byte
+DIGEST_VERSION = 3  # 1: sampled weights; 2: xxh3-128 over every byte; 3: without non-persistent buffers
 FULL_PRECISION_BITS = 16  # kv_cache_bits of K/V stored unquantized (the default of StoreConfig.kv_cache_bits)
 _IGNORED_CONFIG_FIELDS = ("_name_or_path", "transformers_version", "_attn_implementation", "architectures")
 
@@ -37,7 +37,7 @@ def model_digest(model: torch.nn.Module, model_id: str | None = None) -> str:
     """Identity of a model: its config (minus paths and versions), its active PEFT adapters, and either a hash
     of every weight or the caller's ``model_id``.
 
-    Weights: xxh3-128 over the raw bytes of every parameter and buffer, with its name, shape and dtype (any
+    Weights: xxh3-128 over the raw bytes of every parameter and persistent buffer, with its name, shape and dtype (any
     changed byte, such as two swapped embedding rows, changes the digest). Cached per model object and
     recomputed when a tensor is added or removed (an adapter loaded), replaced (``param.data = ...``: its storage
     address changes) or changed in place through autograd's version counter (an optimizer step,
@@ -64,7 +64,16 @@ def model_digest(model: torch.nn.Module, model_id: str | None = None) -> str:
 
 
 def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [*model.named_parameters(), *model.named_buffers()]
+    """Parameters and persistent buffers: what a checkpoint holds. Non-persistent buffers (a rotary ``inv_freq``)
+    are derived from the config, and a length-dependent RoPE rewrites them at each forward, so they are left out:
+    the digest does not change with the length of the last sequence the model saw."""
+    buffers = [
+        (f"{prefix}.{name}" if prefix else name, buffer)
+        for prefix, module in model.named_modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None and name not in module._non_persistent_buffers_set
+    ]
+    return [*model.named_parameters(), *buffers]
 
 
 def _signature(tensors: list[tuple[str, torch.Tensor]]) -> tuple:

@@ -42,7 +42,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from kvboost_hf.core.chunk_kv import ChunkKV
-from kvboost_hf.core.chunking import ChunkingConfig
+from kvboost_hf.core.chunking import ChunkingConfig, check_segment_starts
 from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.errors import ConfigError, InputError, StateError
 from kvboost_hf.core.keys import KeySpace, model_digest
@@ -57,7 +57,7 @@ from kvboost_hf.hf.layers import (
     cache_layers,
     grown_capacity,
 )
-from kvboost_hf.hf.models import model_dtype
+from kvboost_hf.hf.models import check_model_support, model_dtype
 from kvboost_hf.hf.prefill import ChunkPrefiller, PendingForward, RowReuse
 from kvboost_hf.reuse.plan import ChunkLedger
 from kvboost_hf.reuse.rope import KeyRotator
@@ -116,12 +116,17 @@ class ChunkReuseCache(Cache):
         adapter: bool = True,
         max_cache_len: int | None = None,
     ) -> None:
+        _check_arguments(store, model, repair)
+        check_model_support(model.config, strict=False)
         super().__init__(layers=cache_layers(model, max_cache_len))
         self.max_cache_len = max_cache_len
         self.store = store
         self.model = model
         self.chunking = ChunkingConfig.of(chunking)
-        self.mode = GenerationMode(mode if mode is not None else default_mode(self.chunking, repair, segment_starts))
+        self.segment_starts = check_segment_starts(segment_starts)
+        self.mode = GenerationMode(
+            mode if mode is not None else default_mode(self.chunking, repair, self.segment_starts)
+        )
         self.repair = repair or RepairConfig()
         implementation = model.config._attn_implementation
         if self.repair.adjusts_attention and implementation != ATTN_IMPLEMENTATION:
@@ -130,7 +135,6 @@ class ChunkReuseCache(Cache):
                 f"attn_implementation={ATTN_IMPLEMENTATION!r} (it is {implementation!r}): load it with that "
                 f"argument or call model.set_attn_implementation({ATTN_IMPLEMENTATION!r})"
             )
-        self.segment_starts = tuple(sorted(set(segment_starts)))
         self.key_space = KeySpace.of_model(
             model,
             model_dtype(model),
@@ -655,6 +659,16 @@ def prompt_padding_mask(mask: torch.Tensor | dict | None, prompt_length: int) ->
     diagonal = mask[:, 0].diagonal(dim1=-2, dim2=-1)  # [B, prompt_length]: query j on column j
     attended = diagonal if diagonal.dtype == torch.bool else diagonal == 0
     return attended.long()
+
+
+def _check_arguments(store: object, model: object, repair: object) -> None:
+    """Refuse, naming it, a ``ChunkReuseCache`` argument of the wrong kind (they raised AttributeError inside)."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise ConfigError(f"ChunkReuseCache(store, model, ...): model must be a transformers model, got {model!r}")
+    if not isinstance(store, ChunkStore):
+        raise ConfigError(f"ChunkReuseCache(store, model, ...): store must be a ChunkStore, got {store!r}")
+    if repair is not None and not isinstance(repair, RepairConfig):
+        raise ConfigError(f"repair must be a RepairConfig (e.g. RepairConfig({repair!r})), got {repair!r}")
 
 
 def default_mode(

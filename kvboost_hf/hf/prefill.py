@@ -32,7 +32,7 @@ from kvboost_hf.hf.layers import ChunkReuseLayer, grown_capacity
 from kvboost_hf.hf.models import CACHE_ARGUMENT, kv_entry_shape, model_dtype
 from kvboost_hf.reuse.plan import ChunkLedger, ChunkSource, ReusePlan, plan_reuse
 from kvboost_hf.reuse.repair import RepairSelection, candidates_per_layer, position_mask, select_repairs
-from kvboost_hf.reuse.rope import KeyRotator, UnsupportedRopeError
+from kvboost_hf.reuse.rope import KeyRotator, UnsupportedRopeError, exact_reuse_length
 from kvboost_hf.reuse.stitch import place_hits, write_leading_runs
 
 logger = logging.getLogger(__name__)
@@ -94,6 +94,34 @@ def rotator_for(model: PreTrainedModel) -> KeyRotator | None:
             logger.warning("%s", exc)
     _ROTATORS[model] = rotator
     return rotator
+
+
+_EXACT_LENGTHS: weakref.WeakKeyDictionary[torch.nn.Module, int | None] = weakref.WeakKeyDictionary()
+_WARNED_PAST_EXACT_LENGTH: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def stop_reuse_past_exact_length(cache: Any, columns: int) -> None:
+    """Turn ``cache``'s reuse and write-back off for good (logged once per model) before a forward that makes it
+    hold ``columns`` columns, when the model's RoPE frequencies depend on the sequence length and ``columns``
+    passes :func:`~kvboost_hf.reuse.rope.exact_reuse_length`: K/V computed then use other frequencies than the
+    stored ones (computed in shorter sequences), so neither may be mixed with the other."""
+    model = cache.model
+    if model not in _EXACT_LENGTHS:
+        _EXACT_LENGTHS[model] = exact_reuse_length(model)
+    limit = _EXACT_LENGTHS[model]
+    if limit is None or columns <= limit or not cache.reuse_enabled:
+        return
+    cache.reuse_enabled = False
+    if model in _WARNED_PAST_EXACT_LENGTH:
+        return
+    _WARNED_PAST_EXACT_LENGTH.add(model)
+    logger.warning(
+        "ChunkReuseCache: %s's RoPE frequencies depend on the sequence length past %d tokens; reuse and "
+        "write-back are off for a cache of %d columns",
+        type(model).__name__,
+        limit,
+        columns,
+    )
 
 
 class PrefillTarget(Protocol):
@@ -171,6 +199,7 @@ class ChunkPrefiller:
         the multi-token verify forwards of assisted decoding, which may also stitch stored chunks).
         """
         cache.check_extends(input_ids)
+        stop_reuse_past_exact_length(cache, input_ids.shape[1])
         if cache.num_columns == 0:
             cache.begin(input_ids, attention_mask)
         cached = cache.num_columns
@@ -333,6 +362,7 @@ def _load_for_forward(cache: Any, kwargs: dict[str, Any], report: bool) -> dict[
     fed = kwargs.get("input_ids")
     if fed is not None:
         cache.ensure_room(fed.shape[1])
+        stop_reuse_past_exact_length(cache, cache.num_columns + fed.shape[1])
     if fed is None or cache.expects_sparse_forward or not cache.reuse_enabled:
         return kwargs
     keep = kwargs.get("logits_to_keep", 0)

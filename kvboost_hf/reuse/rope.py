@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -60,6 +61,27 @@ def _model_application(module: torch.nn.Module, interleaved: bool) -> Callable[.
             "against; non-prefix (approximate) reuse is disabled for this model"
         )
     return apply
+
+
+def exact_reuse_length(model: torch.nn.Module) -> int | None:
+    """Tokens a sequence may reach (padding included) for its K/V to be exact under a length-dependent RoPE: longrope
+    keeps its short factors up to ``original_max_position_embeddings`` positions, dynamic NTK its base frequencies
+    below ``max_position_embeddings``. Past that the frequencies depend on the forward's length (dynamic NTK: on
+    earlier forwards too), so those K/V may be neither stored nor mixed with stored ones. None when the frequencies
+    do not depend on the length (or there is no rotary module)."""
+    try:
+        module = _rotary_module(model)
+    except UnsupportedRopeError:
+        return None
+    rope_type = str(getattr(module, "rope_type", "default"))
+    if rope_type == "longrope":
+        config: Any = module.config
+        parameters = getattr(config, "rope_parameters", None) or {}
+        return int(parameters.get("original_max_position_embeddings") or config.original_max_position_embeddings)
+    if "dynamic" in rope_type:
+        original: Any = module.original_max_seq_len
+        return int(original) - 1
+    return None
 
 
 class KeyRotator:
