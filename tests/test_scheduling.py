@@ -1096,3 +1096,27 @@ def test_a_graphed_row_that_fits_its_kv_budget_is_never_preempted(engine):
     assert result.output_ids == engine_reference(graphed, prompt, new).tokens
     assert after["kv_preemptions"] == before["kv_preemptions"]
     assert after["graph_graphed_steps"] - before["graph_graphed_steps"] == new - 1
+
+
+@pytest.mark.parametrize("token_budget", [0, 16])
+def test_the_server_counts_the_prompt_tokens_of_a_chunked_prefill(engine, token_budget):
+    """``kvboost_prompt_tokens{origin}`` counted a step's tokens only in the step that admitted a group, before a
+    prefill spread over several steps (the token budget) had run: 0 computed and 0 loaded for a 100-token prompt
+    whose first 64 tokens were stored. Both are counted when the prefill completes."""
+    from kvboost_hf.server.batching import Done, Job, JobParams
+    from kvboost_hf.server.settings import ServerConfig
+    from kvboost_hf.server.worker import Worker
+
+    engine.store.clear()
+    prompt = engine.encode(words(170, 100))
+    engine.warm(engine.tokenizer.decode(prompt[:64]))
+    worker = Worker(engine, ServerConfig(token_budget=token_budget, batch_window_ms=0, max_batch_size=8))
+    done = threading.Event()
+    worker.start()
+    try:
+        worker.submit(Job(prompt, JobParams(max_tokens=3), lambda e: done.set() if isinstance(e, Done) else None))
+        assert done.wait(60)
+    finally:
+        worker.shutdown(grace_s=5)
+    counted = {origin: worker.metrics.prompt_tokens.labels(origin)._value.get() for origin in ("computed", "loaded")}
+    assert counted == {"computed": len(prompt) - 64, "loaded": 64}

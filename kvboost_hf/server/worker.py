@@ -223,8 +223,8 @@ class Worker:
             admitted = result.work.admitted
             if result.work.new:
                 self.metrics.batch_size.observe(sum(len(group.rows) for group in admitted))
-            if admitted and result.error is None:
-                loaded = sum(group.rows[0].reuse.cached_tokens * len(group.rows) for group in admitted)
+            if result.error is None:  # counted when each prefill completes (a chunked one over several steps)
+                loaded = sum(row.reuse.cached_tokens for work in result.prefilled for row in work.rows)
                 self.metrics.prompt_tokens.labels("computed").inc(result.computed_tokens)
                 self.metrics.prompt_tokens.labels("loaded").inc(loaded)
             if result.error is not None:
