@@ -84,6 +84,12 @@ def check_settings_type(name: str, value: object, cls: type) -> None:
         raise ConfigError(f"{name} must be a {cls.__name__} or None, got {type(value).__name__}")
 
 
+def _check_callback(on_token: object) -> None:
+    """Raise ConfigError unless ``on_token`` is None or callable (it failed at the first token, after a prefill)."""
+    if on_token is not None and not callable(on_token):
+        raise ConfigError(f"on_token must be a function of the new token (or None), got {on_token!r}")
+
+
 def load_model(
     model_name_or_path: str | os.PathLike | None = None,
     *,
@@ -175,6 +181,8 @@ class GenerateOptions:
             raise ConfigError(f"cancel must be a threading.Event (or None), got {type(self.cancel).__name__}")
         if self.repair is not None and not isinstance(self.repair, RepairConfig):
             raise ConfigError(f"repair must be a RepairConfig, got {type(self.repair).__name__}")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ConfigError(f"cache_salt must be a string (the tenant) or None, got {self.cache_salt!r}")
         decoding = sampling_params(
             self.sampling, temperature=self.temperature, do_sample=self.do_sample, top_p=self.top_p, seed=self.seed
         )
@@ -452,6 +460,7 @@ class InferenceEngine:
             stop=stop, seed=seed, cache_salt=cache_salt, cancel=cancel, logprobs=logprobs, repair=repair,
             sampling=sampling,
         )  # fmt: skip
+        _check_callback(on_token)
         report = None if on_token is None else (lambda row, token: on_token(token))
         return self._generate([prompt], options, report)[0]
 
@@ -548,6 +557,7 @@ class InferenceEngine:
         included) when it was admitted in the first step, else from its first admission."""
         started = time.perf_counter()
         _prompt_list(prompts)
+        _check_callback(on_token)
         self.prompts.check_token_ids([token for token, _ in options.decoding.logit_bias], "logit_bias token ids")
         self.prompts.check_token_ids(options.decoding.stop_token_ids, "stop_token_ids")
         encoded = [self.prompts.encode_segments(prompt) for prompt in prompts]

@@ -27,6 +27,7 @@ from kvboost_hf.core.chunking import ChunkingConfig, check_segment_starts
 from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.core.keys import KeySpace, model_digest
+from kvboost_hf.core.values import check_bounds
 from kvboost_hf.engine_core import EngineCore
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest, DecodeRow
@@ -301,6 +302,7 @@ class Factories:
         the batches' decode steps and prompt chunks share one forward where they can (False: a forward each). Step
         it under the engine's lock."""
         mode = GenerationMode(mode)
+        check_bounds("core", [("batch_window_ms", batch_window_ms, 0.0, False)])
 
         def new_loop(key: BatchKey) -> DecodeLoop:
             return self.decode_loop(mode, key.cache_salt, repair)

@@ -88,6 +88,7 @@ from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.core.errors import CapacityError, ConfigError, InputError, KVBoostError
 from kvboost_hf.core.keys import KeySpace, chain_prefix_keys
+from kvboost_hf.core.values import check_bounds, is_integer
 from kvboost_hf.hf.decode import DecodeRow, PrefillWork, RowOutput, SharedPrefix
 from kvboost_hf.kv_budget import BatchShape, KVBudget
 from kvboost_hf.reuse.plan import ChunkSource, has_nonprefix_hits
@@ -601,6 +602,10 @@ class Scheduler:
         batch_window_s: float = 0.0,
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
     ) -> None:
+        for name, value in (("max_rows (max_batch_size)", max_rows), ("token_budget", token_budget)):
+            if not is_integer(value):
+                raise ConfigError(f"{name} must be a whole number, got {value!r}")
+        check_bounds("Scheduler", [("batch_window_s", batch_window_s, 0.0, False)])
         if max_rows < 1:
             raise ConfigError(f"max_rows must be >= 1, got {max_rows}")
         if token_budget < 0 or 0 < token_budget < max_rows:

@@ -186,6 +186,8 @@ def test_result_fields_and_stats(embedded_engine):
         (b"Hello", {}, "got bytes"),
         ([{"role": "user", "content": None}], {}, "message 0: role must be a string and content"),
         ([{"role": 3, "content": "hi"}], {}, "message 0: role must be a string"),
+        ("hello", {"cache_salt": ["a"]}, "cache_salt must be a string"),
+        ("hello", {"on_token": 3}, "on_token must be a function"),
     ],
 )
 def test_bad_input_is_refused_and_store_unchanged(embedded_engine, prompt, kwargs, message):
@@ -308,3 +310,21 @@ def test_constructor_arguments_of_the_wrong_kind_are_refused_by_name():
     ):
         with pytest.raises(ConfigError, match=named):
             call()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"token_budget": 8.5}, "token_budget must be a whole number"),
+        ({"token_budget": None}, "token_budget must be a whole number"),
+        ({"max_batch_size": "4"}, r"max_rows \(max_batch_size\) must be a whole number"),
+        ({"kv_budget_bytes": "1e9"}, "kv_budget_bytes must be"),
+        ({"on_token": 3}, "on_token must be a function"),
+    ],
+)
+def test_bad_batching_arguments_are_refused_before_any_forward(kwargs, message):
+    """They raised TypeError from inside the scheduler, one (a fractional token budget) after a forward ran."""
+    engine = KVBoost(make_tiny_model("llama"), word_tokenizer(), chunking=8)
+    with pytest.raises(ConfigError, match=message):
+        engine.generate_many(["w1 w2 w3", "w4 w5"], max_new_tokens=2, **kwargs)
+    assert engine.cache_stats()["target_forwards"] == 0
