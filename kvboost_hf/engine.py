@@ -280,11 +280,11 @@ class InferenceEngine:
                 f"KVBoost(model, tokenizer): model must be a loaded transformers model, got {model!r} (load one "
                 "by name with KVBoost.from_pretrained)"
             )
+        check_model_support(model.config, strict=strict)
         if not callable(getattr(tokenizer, "encode", None)):
             raise ConfigError(
                 f"KVBoost(model, tokenizer): tokenizer must be a transformers tokenizer, got {tokenizer!r}"
             )
-        check_model_support(model.config, strict=strict)
         if store is not None and not isinstance(store, ChunkStore | StoreConfig):
             raise ConfigError(f"store must be a ChunkStore, a StoreConfig or None, got {type(store).__name__}")
         for name, value, cls in (

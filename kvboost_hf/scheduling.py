@@ -345,6 +345,20 @@ class RequestGroup:
     def done(self) -> bool:
         return all(row.finished for row in self.rows)
 
+    def end_cancelled(self, before: str) -> None:
+        """End this cancelled group while it has no running row (queued, or its prefill under way): fail it with
+        :class:`RequestCancelled` (``before``: what it was cancelled before) when no row has a token yet; else it
+        was preempted after taking tokens, and its live rows end ``"cancelled"``, each reported once through
+        ``on_token`` as a running row's cancellation is (it ended twice: finished and failed)."""
+        if not any(row.tokens for row in self.rows):
+            for row in self.rows:
+                row.cancel()
+            self.on_fail(RequestCancelled(f"cancelled before {before}"))
+            return
+        for row in self.live_rows:
+            row.cancel()
+            self.on_token(row)
+
     @property
     def live_rows(self) -> list[DecodeRow]:
         """Its rows not finished (all of them until one ends; a preempted group is admitted again with these)."""
@@ -436,17 +450,16 @@ class RunningBatch:
 
     def drop_cancelled_prefills(self) -> None:
         """Drop the prefills under way whose groups were all cancelled (``RequestGroup.cancel``): their rows end
-        (``"cancelled"``, no token) and each group fails with :class:`RequestCancelled`, as if cancelled while
-        pending; the runner drops their prompt forwards when it next drops ended rows."""
+        ``"cancelled"`` (:meth:`RequestGroup.end_cancelled`: a group with no token yet fails with
+        :class:`RequestCancelled`, as if cancelled while pending); the runner drops their prompt forwards when it
+        next drops ended rows."""
         for entry in list(self.prefilling):
             groups = list({id(self.owner(row)): self.owner(row) for row in entry.work.rows}.values())
             if not all(group.cancel is not None and group.cancel.is_set() for group in groups):
                 continue
             self.prefilling.remove(entry)
             for group in groups:
-                for row in group.rows:
-                    row.cancel()
-                group.on_fail(RequestCancelled("cancelled before its first token"))
+                group.end_cancelled("its first token")
 
     def take(self, result: BatchResult) -> None:
         """Take the runner's ``result`` of this batch's step: the rows of the prefills it completed run from now on
@@ -809,7 +822,7 @@ class Scheduler:
             taken = {id(group) for _, _, groups in formed for group in groups}
             self._pending = [group for group in self._pending if id(group) not in taken]
         for group in cancelled:
-            group.on_fail(RequestCancelled("cancelled before it started"))
+            group.end_cancelled("it started")
         for group, error in refused:  # the budget was lowered under it after it was queued
             group.on_fail(error)
         return formed

@@ -212,6 +212,42 @@ def test_a_failed_prefill_plan_fails_the_admitted_groups_and_the_batch_goes_on()
     assert running.done and len(h.loops[0].works) == 1
 
 
+@pytest.mark.parametrize("cancelled_while", ["queued", "prefilled"])
+def test_a_preempted_group_cancelled_before_it_resumes_ends_with_its_tokens(cancelled_while):
+    """A group preempted after taking tokens, then cancelled while queued again or while its prefill runs again,
+    failed with "cancelled before it started" (or "before its first token") after its tokens had been reported:
+    it ended twice. Its rows now end ``"cancelled"`` with their tokens, reported once each, and it does not fail
+    (found by the K/V budget state machine)."""
+    h = Harness(max_rows=4, token_budget=6, kv_budget=KVBudget(60, 1))
+    now = itertools.count(1.0)
+    h.group([0] * 7, tokens=3)
+    h.group([0], tokens=1)
+    for _ in range(2):
+        h.core.step(now=next(now))
+    preempted = h.group([0], [0], tokens=3)
+    for _ in range(2):
+        h.core.step(now=next(now))
+    h.scheduler.kv_budget = KVBudget(12, 1)
+    late = h.group([0], tokens=1)  # prefilled together with the preempted group's rows when they resume
+    h.core.step(now=next(now))
+    if cancelled_while == "prefilled":
+        h.core.step(now=next(now))
+        late.cancel.set()  # a prefill under way is dropped once all its groups are cancelled
+    assert all(row.tokens and row.preemptions == 1 for row in preempted.rows)
+    assert (preempted in h.scheduler.pending) == (cancelled_while == "queued")
+    reported: list = []
+    preempted.on_token = reported.append
+    preempted.cancel.set()
+    h.scheduler.kv_budget = KVBudget(1 << 20, 1)
+    h.core.run()
+    failed = {id(group): str(error) for group, error in h.failures}
+    assert id(preempted) not in failed
+    if cancelled_while == "prefilled":
+        assert failed[id(late)] == "cancelled before its first token"
+    assert [row.finish_reason for row in preempted.rows] == ["cancelled", "cancelled"]
+    assert reported == preempted.rows and all(row.tokens for row in preempted.rows)
+
+
 def test_abort_fails_what_waits_and_cancels_what_runs():
     h = Harness(max_rows=1)
     running, waiting = h.group([1], tokens=9), h.group([2])
@@ -472,7 +508,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.now += 1.0
         scheduler = self.h.scheduler
         output = scheduler.schedule(now=self.now)
-        decoded = sum(len(self.h.runner.loops[work.batch_id].running) for work in output.work if work.decode)
+        decoded = sum(  # the rows preempted now leave before the forward
+            len(self.h.runner.loops[work.batch_id].running) - len(work.preempted) for work in output.work if work.decode
+        )
         prefilled = sum(
             (1 if chunk.work.repeat else len(chunk.work.rows)) * chunk.columns
             for work in output.work
