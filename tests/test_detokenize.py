@@ -67,6 +67,37 @@ def test_incremental_text_equals_the_whole_decode_after_every_token(ids, data):
     assert text.offsets == [len(whole_decode(ids[:i]).rstrip("\ufffd")) for i in range(len(text.offsets))]
 
 
+def test_a_stop_prefix_before_an_incomplete_character_is_held_back():
+    assert visible_text("用户：\ufffd", ("：你",)) == ("用户", False)
+    assert visible_text("Answer: \ufffd\ufffd", (": 你",)) == ("Answer", False)
+    assert visible_text("Toky\ufffd", ("o 東",)) == ("Toky", False)
+
+
+@settings(max_examples=150, deadline=None)
+@given(answer=st.text(alphabet="ab :：用户你好東京é😀", min_size=1, max_size=12), data=st.data())
+def test_streamed_text_only_grows_with_non_ascii_stops(answer, data):
+    """A row's ``text`` streamed as deltas (the server's ``JobRun._report`` sends what it adds): with non-ASCII
+    stop strings and characters split over byte tokens, each text extends the one before, so the joined deltas
+    equal the final text (text once sent cannot be taken back)."""
+    start = data.draw(st.integers(0, len(answer) - 1))
+    stop = answer[start : start + data.draw(st.integers(1, 4))]
+    ids = tokenizer()(answer, add_special_tokens=False)["input_ids"]
+    row = DecodeRow(DecodeRequest(prompt_ids=[1], max_new_tokens=len(ids), stop=(stop,)), 0, frozenset())
+    streamed = ""
+    for token in ids:
+        row.append(token, whole_decode)
+        if row.stop_string_found:
+            row.finish("stop")
+        assert row.text.startswith(streamed), (streamed, row.text)
+        streamed = row.text
+        if row.finished:
+            break
+    else:
+        row.finish("length")
+    assert row.text.startswith(streamed)
+    assert row.text == visible_text(whole_decode(ids), (stop,))[0]
+
+
 def answer_ids(length: int) -> list[int]:
     """``length`` tokens of varied text: words, digits, punctuation, accents, CJK and emoji (characters split
     over several byte tokens)."""

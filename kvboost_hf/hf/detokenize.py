@@ -35,15 +35,17 @@ def trailing_replacements(text: str, end: int | None = None) -> int:
 
 def held_back(text: str, stops: Sequence[str]) -> int:
     """How many characters at the end of ``text`` (which holds no stop string) may not be shown while the row
-    runs: the longest end of ``text`` that starts a stop string, and then any U+FFFD before it (an incomplete
-    character). Reads at most ``max(len(stop))`` characters plus the U+FFFD run."""
+    runs: the trailing U+FFFD run (an incomplete character, which may complete a stop string) and the longest end
+    of the text before it that starts a stop string. Reads at most ``max(len(stop))`` characters plus the run."""
+    pending = trailing_replacements(text)
+    settled = len(text) - pending
     hold = 0
     for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:size]):
+        for size in range(min(len(stop) - 1, settled), hold, -1):
+            if text.startswith(stop[:size], settled - size):
                 hold = size
                 break
-    return hold + trailing_replacements(text, len(text) - hold)
+    return pending + hold
 
 
 def visible_text(text: str, stops: Sequence[str]) -> tuple[str, bool]:
