@@ -9,6 +9,7 @@ tokenizer itself called on the whole text."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -19,9 +20,11 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from kvboost_hf.bench.profiling import CharacterCounter
+from kvboost_hf.core.errors import InputError
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.chat_segments import encode_chat_segments
 from kvboost_hf.hf.models import embedded_model_dir
+from kvboost_hf.hf.prompts import PromptEncoder
 from kvboost_hf.hf.tokens import (
     CONTINUATION_MIN_CHARS,
     SegmentTokenizer,
@@ -252,6 +255,48 @@ def test_cache_is_bounded_in_bytes_evicts_least_recently_used_and_counts():
     assert tokens.chars_tokenized == before + len(texts[1]) - len("<|im_start|><|im_end|>")  # evicted long ago
     with pytest.raises(ValueError, match="max_bytes"):
         TokenCacheConfig(max_bytes=-1)
+
+
+@functools.cache
+def with_end_token() -> PreTrainedTokenizerFast:
+    """``sentencepiece_style("always")`` whose special tokens are ``<s>`` before a text and ``</s>`` after it."""
+    tokenizer = copy.deepcopy(sentencepiece_style("always"))
+    backend = tokenizer.backend_tokenizer
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>",
+        special_tokens=[("<s>", backend.token_to_id("<s>")), ("</s>", backend.token_to_id("</s>"))],
+    )
+    return tokenizer
+
+
+@functools.cache
+def prompt_encoder(end_token: bool, max_bytes: int) -> PromptEncoder:
+    tokenizer = with_end_token() if end_token else sentencepiece_style("always")
+    model = make_tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=256)
+    return PromptEncoder(model, tokenizer, SegmentTokenizer(tokenizer, TokenIdsCache(max_bytes)))
+
+
+@pytest.mark.parametrize("end_token", [False, True])
+@pytest.mark.parametrize("max_bytes", [0, 1 << 20])
+@settings(max_examples=30, deadline=None)
+@given(segments=st.lists(st.sampled_from(["", "hello", " world", "the user", " 123"]), min_size=1, max_size=4))
+def test_segment_prompts_have_the_special_tokens_first_and_last_whichever_segments_are_empty(
+    end_token, max_bytes, segments
+):
+    """A segment list's ids are the tokenizer's special prefix (BOS), each segment's own ids, then its special
+    suffix (EOS): an empty first segment keeps the BOS, and the EOS ends the prompt, not the first segment."""
+    encoder = prompt_encoder(end_token, max_bytes)
+    tokenizer = encoder.tokenizer
+    own = [tokenizer(segment, add_special_tokens=False)["input_ids"] for segment in segments]
+    if not any(own):
+        with pytest.raises(InputError, match="empty"):
+            encoder.encode_segments(segments)
+        return
+    prefix, suffix = [tokenizer.bos_token_id], [tokenizer.eos_token_id] if end_token else []
+    ids, starts = encoder.encode_segments(segments)
+    assert ids == prefix + [token for segment_ids in own for token in segment_ids] + suffix
+    assert starts == [0] + [len(prefix) + sum(map(len, own[:index])) for index in range(1, len(own))]
+    assert encoder.encode_segments(["".join(segments)])[0] == tokenizer("".join(segments))["input_ids"]
 
 
 @functools.cache

@@ -76,7 +76,8 @@ class PromptEncoder:
         """Token ids of the prompt and the token offsets where its segments start (empty for a single text).
 
         Every text is tokenized once (through :attr:`tokens`: pieces seen before come from its cache).
-        Segments are tokenized one by one (the first with the tokenizer's special tokens) so each starts a chunk.
+        Segments are tokenized one by one so each starts a chunk, between the tokenizer's special tokens (e.g. BOS
+        first and EOS last, as for the joined text, whichever segments are empty).
         Chat messages are tokenized as one rendered text; ``document_boundaries`` says which contents start
         segments (:func:`~kvboost_hf.hf.chat_segments.encode_chat_segments`: the ids never depend on it).
         Token ids are used as given (each must be in the model's vocabulary).
@@ -100,14 +101,15 @@ class PromptEncoder:
             if not chat_ids:
                 raise InputError("prompt tokenizes to zero tokens")
             return chat_ids, chat_starts
-        ids: list[int] = []
+        prefix, suffix = self.tokens.special_tokens()
+        ids = list(prefix)
         starts: list[int] = []
-        for index, segment in enumerate(segments):
-            starts.append(len(ids))
-            ids += self.tokenize(str(segment), add_special_tokens=index == 0, allow_empty=True)
-        if not ids:
+        for segment in segments:
+            starts.append(len(ids) if starts else 0)  # the first segment's chunk starts with the special prefix
+            ids += self.tokenize(str(segment), add_special_tokens=False, allow_empty=True)
+        if len(ids) == len(prefix):
             raise InputError("prompt is empty")
-        return ids, starts
+        return ids + suffix, starts
 
     def check_token_ids(self, ids: Sequence[int], what: str) -> None:
         """Raise InputError naming ``what`` when an id of ``ids`` is outside the model's vocabulary."""

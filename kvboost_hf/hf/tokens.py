@@ -206,6 +206,23 @@ def encode_whole(
     return list(encoded["input_ids"]), [start for start, _ in encoded["offset_mapping"]]
 
 
+#: The text whose ids with and without the tokenizer's special tokens show the ids those add before and after a text.
+SPECIAL_TOKENS_PROBE_TEXT = "Hello world"
+
+
+def special_tokens_around(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]] | None:
+    """The ids ``tokenizer(text)`` (``add_special_tokens=True``) puts before and after a text's own ids (Llama 2:
+    ``([bos], [])``), learnt on :data:`SPECIAL_TOKENS_PROBE_TEXT`; None where its own ids are not found in one run
+    among them (a post-processor that changes them)."""
+    text = SPECIAL_TOKENS_PROBE_TEXT
+    plain_ids, _ = encode_whole(tokenizer, text, add_special_tokens=False, with_starts=False)
+    special_ids, _ = encode_whole(tokenizer, text, add_special_tokens=True, with_starts=False)
+    at = next((i for i in range(len(special_ids) + 1) if special_ids[i : i + len(plain_ids)] == plain_ids), None)
+    if not plain_ids or at is None:
+        return None
+    return special_ids[:at], special_ids[at + len(plain_ids) :]
+
+
 #: Multi-line probe texts of a continuation's cut (:meth:`SegmentTokenizer._probe_continuation`): every line start
 #: a pre-tokenizer might treat differently (indentation, tabs, punctuation and digits either side of a newline,
 #: blank lines, ``\r\n``, non-ASCII and characters split over several byte-level tokens).
@@ -223,7 +240,7 @@ def _probe_texts(tokenizer: PreTrainedTokenizerBase, specials: list[str]) -> lis
     non-ASCII text, and a rendered chat when the tokenizer has a template."""
     bodies = ["user\nHello world", " leading space", "\n\nnewlines  and  spaces\n", "x", "12345 héllo 世界 🙂", "end "]
     marks = specials[:3] or [""]
-    texts = ["Hello world", " Hello", "plain text\nwith lines"]
+    texts = [SPECIAL_TOKENS_PROBE_TEXT, " Hello", "plain text\nwith lines"]
     for mark in marks:
         texts.append(mark + mark.join(bodies) + mark)
         texts.append(bodies[0] + mark + bodies[1])
@@ -313,6 +330,16 @@ class SegmentTokenizer:
             return encode_whole(self.tokenizer, text, add_special_tokens=add_special_tokens, with_starts=False)[0]
         ids = self._segmented(text, with_starts=False)[0]
         return self._special_prefix + ids + self._special_suffix if add_special_tokens else ids
+
+    def special_tokens(self) -> tuple[list[int], list[int]]:
+        """The ids ``add_special_tokens=True`` puts before and after a text's own (e.g. ``([bos], [])``); where they
+        cannot be told apart (see :func:`special_tokens_around`), all of an empty text's, before it."""
+        if self._current():
+            return list(self._special_prefix), list(self._special_suffix)
+        around = special_tokens_around(self.tokenizer)
+        if around is None:
+            return encode_whole(self.tokenizer, "", add_special_tokens=True, with_starts=False)[0], []
+        return around
 
     def encode_with_starts(self, text: str) -> tuple[list[int], list[int] | None]:
         """Ids (no special tokens added) and each token's first character in ``text`` (the offset mapping's
@@ -461,14 +488,12 @@ class SegmentTokenizer:
 
     def _probe(self) -> bool:
         """Whether piece-wise ids and starts equal the whole text's on every probe text, with and without the
-        tokenizer's special tokens (whose prefix and suffix are learnt from the first probe)."""
-        texts = _probe_texts(self.tokenizer, sorted(self._plain, key=lambda c: self._plain[c]))
-        plain_ids, _ = encode_whole(self.tokenizer, texts[0], add_special_tokens=False, with_starts=False)
-        special_ids, _ = encode_whole(self.tokenizer, texts[0], add_special_tokens=True, with_starts=False)
-        at = next((i for i in range(len(special_ids) + 1) if special_ids[i : i + len(plain_ids)] == plain_ids), None)
-        if not plain_ids or at is None:
+        tokenizer's special tokens (whose prefix and suffix :func:`special_tokens_around` learns)."""
+        around = special_tokens_around(self.tokenizer)
+        if around is None:
             return False
-        self._special_prefix, self._special_suffix = special_ids[:at], special_ids[at + len(plain_ids) :]
+        self._special_prefix, self._special_suffix = around
+        texts = _probe_texts(self.tokenizer, sorted(self._plain, key=lambda c: self._plain[c]))
         probe_cache, self.cache = self.cache, TokenIdsCache(1 << 20)
         try:
             for text in texts:
