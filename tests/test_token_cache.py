@@ -238,6 +238,18 @@ def test_a_token_added_after_construction_sets_the_cache_up_again():
     assert tokens.digest != digest and tokens.segmented
 
 
+def test_a_call_that_split_special_tokens_leaves_the_ids_exact():
+    """``tokenizer(..., split_special_tokens=True)`` leaves its backend splitting special tokens; pieces the
+    cache tokenizes at the backend (a text with an ``lstrip`` token is one) still keep them whole."""
+    tokenizer = copy.deepcopy(sentencepiece_style("always"))
+    tokens = SegmentTokenizer(tokenizer, TokenIdsCache(1 << 20))
+    text = "<|im_start|>user\nfill the <mask> please<|im_end|>\n"
+    for turn in range(2):
+        tokenizer("an unrelated <mask> call", split_special_tokens=True)
+        asked = text * (turn + 1)
+        assert tokens.encode(asked) == tokenizer(asked, add_special_tokens=False)["input_ids"]
+
+
 def test_cache_is_bounded_in_bytes_evicts_least_recently_used_and_counts():
     tokens = SegmentTokenizer(embedded_tokenizer(), TokenIdsCache(20_000))
     texts = [f"<|im_start|>user\nmessage number {i} " + "word " * 40 + "<|im_end|>" for i in range(200)]

@@ -425,10 +425,7 @@ class SegmentTokenizer:
             else:
                 found[piece] = (entry.ids, entry.starts)
         if unseen:
-            backend = self.tokenizer.backend_tokenizer
-            if backend.truncation is not None or backend.padding is not None:  # left by an earlier call
-                backend.no_truncation()
-                backend.no_padding()
+            backend = self._backend()
             for piece in unseen:  # one by one: a batch would wake the tokenizer's thread pool for a few pieces
                 kept, kept_starts, cut = self._continuation(piece)
                 encoding = backend.encode(piece[cut:], add_special_tokens=False)
@@ -449,6 +446,18 @@ class SegmentTokenizer:
             if with_starts:
                 starts.extend(start + offset for start in piece_starts)
         return ids, starts
+
+    def _backend(self) -> Any:
+        """The tokenizer's backend set as ``tokenizer(text)`` sets it per call: no truncation or padding, special
+        tokens split only with ``split_special_tokens`` (an earlier call with other arguments leaves its own)."""
+        backend = self.tokenizer.backend_tokenizer
+        if backend.truncation is not None or backend.padding is not None:
+            backend.no_truncation()
+            backend.no_padding()
+        split = bool(getattr(self.tokenizer, "split_special_tokens", False))
+        if backend.encode_special_tokens != split:
+            backend.encode_special_tokens = split
+        return backend
 
     def _continuation(self, piece: str) -> tuple[list[int], list[int], int]:
         """What ``piece`` keeps of the cached piece sharing its longest prefix: that piece's ids and starts before
@@ -473,7 +482,7 @@ class SegmentTokenizer:
         """Whether tokenizing may resume at a token that starts right after a newline (the first token of its
         character): on :data:`CUT_PROBE_TEXT` (and it followed by a question), the ids before every such token and
         the ids of the text from it equal the whole text's, and so do the starts."""
-        backend = self.tokenizer.backend_tokenizer
+        backend = self._backend()
         for text in (CUT_PROBE_TEXT, CUT_PROBE_TEXT + "What is the first line about?"):
             encoding = backend.encode(text, add_special_tokens=False)
             ids, starts = encoding.ids, [start for start, _ in encoding.offsets]
