@@ -4,6 +4,7 @@ and warmed documents hit. The embedded tokenizer with a tiny random model: fast.
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -14,6 +15,7 @@ from oracle import engine_reference
 from transformers import AutoTokenizer
 
 from kvboost_hf.core.config import RepairConfig
+from kvboost_hf.core.errors import InputError
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.chat_segments import encode_chat_segments, joined
 from kvboost_hf.hf.context_attention import adjusted_attention
@@ -133,6 +135,31 @@ def test_a_template_that_changes_contents_gets_no_segments():
     upper = TRIMMING_TEMPLATE.replace("| trim", "| upper")
     ids, starts = encode_chat_segments(tokenizer(), messages, chat_template=upper)
     assert ids == todays_ids(messages, chat_template=upper) and starts == []
+
+
+REFUSING_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}{% if '\ue000' in m['content'] %}{{ raise_exception('private use character') }}"
+    "{% endif %}{% endfor %}" + TRIMMING_TEMPLATE
+)
+
+
+def test_messages_the_template_refuses_are_an_input_error_naming_its_reason():
+    """A template's ``raise_exception`` (Gemma's, Mistral's for a system role) is an InputError, through the
+    engine too; one refusing only the sentinels that place contents leaves the prompt without segments."""
+    refused = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    with pytest.raises(InputError, match="chat template refused the messages: System role not supported"):
+        encode_chat_segments(tokenizer(), refused, chat_template=REFUSING_TEMPLATE)
+    refusing = copy.deepcopy(tokenizer())
+    refusing.chat_template = REFUSING_TEMPLATE
+    model = make_tiny_model("llama", vocab_size=len(refusing), max_position_embeddings=256)
+    engine = InferenceEngine(model, refusing, chunking=8)
+    for call in (engine.render, engine.encode, functools.partial(engine.generate, max_new_tokens=1)):
+        with pytest.raises(InputError, match="System role not supported"):
+            call(refused)
+    parts = [{"role": "user", "content": ["A document. ", "Question?"]}]
+    ids, starts = encode_chat_segments(tokenizer(), parts, chat_template=REFUSING_TEMPLATE)
+    assert ids == todays_ids(parts, chat_template=REFUSING_TEMPLATE) and starts == []
 
 
 # ---------------------------------------------------------------------------------------------- through the engine

@@ -211,6 +211,21 @@ def test_prompt_ids_give_up_on_any_rendering_failure(engine):
     assert prompt_ids(SegmentTokenizer(tokenizer, TokenIdsCache(1 << 20)), "/v1/chat/completions", body) is None
 
 
+def test_prompt_ids_give_up_on_messages_the_chat_template_refuses():
+    """The replica answers those with a 400 (tests/test_server_hardening.py); the ingress routes them by load."""
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    )
+    ingress = SegmentTokenizer(tokenizer, TokenIdsCache(1 << 20))
+    chat = {"model": "m", "messages": [{"role": "user", "content": "w5 w6"}]}
+    path = "/v1/chat/completions"
+    assert prompt_ids(ingress, path, json.dumps(chat).encode()) == tokenizer("w5 w6 ")["input_ids"]
+    refused = {"model": "m", "messages": [{"role": "system", "content": "w5"}, *chat["messages"]]}
+    assert prompt_ids(ingress, path, json.dumps(refused).encode()) is None
+
+
 def test_only_greedy_or_seeded_streams_are_replayed():
     assert is_reproducible(b'{"temperature": 0}') and is_reproducible(b'{"temperature": 0.7, "seed": 3}')
     assert not is_reproducible(b'{"temperature": 0.7}') and not is_reproducible(b"{}")

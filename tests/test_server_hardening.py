@@ -99,6 +99,37 @@ def test_client_errors_are_400_not_500(server):
     assert post(server, paired, "/v1/completions").status_code == 200
 
 
+def test_messages_the_chat_template_refuses_are_a_400_naming_them():
+    """A template's ``raise_exception`` (a system role Gemma's template refuses) answers 400 on ``messages`` with
+    its reason, with tools (rendered by the admission) or without, on the chat route and on /tokenize."""
+    from conftest import make_tiny_model
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from kvboost_hf.engine import InferenceEngine
+    from kvboost_hf.hf.models import embedded_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    tokenizer.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        + tokenizer.chat_template
+    )
+    model = make_tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=256)
+    engine = InferenceEngine(model, tokenizer, chunking=16)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    bodies = {
+        "/v1/chat/completions": {"model": "tiny", "messages": messages, "max_tokens": 1},
+        "/tokenize": {"model": "tiny", "messages": messages},
+    }
+    bodies["tools"] = {**bodies["/v1/chat/completions"], "tools": [WEATHER_TOOL]}
+    with TestClient(create_app(engine, ServerConfig(model_name="tiny"))) as client:
+        for name, body in bodies.items():
+            response = client.post(name if name.startswith("/") else "/v1/chat/completions", json=body)
+            error = response.json()["error"]
+            assert response.status_code == 400 and error["param"] == "messages", (name, response.text)
+            assert "chat template refused the messages: System role not supported" in error["message"], name
+
+
 # ---------------------------------------------------------------------------------------------- item 7
 def test_decode_body_counts_values_and_refuses_lone_surrogates():
     assert decode_body(b'{"a": [1, 2, {"b": "c"}]}', 6) == {"a": [1, 2, {"b": "c"}]}

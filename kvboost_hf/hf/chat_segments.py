@@ -33,8 +33,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
+from kvboost_hf.core.errors import InputError
 from kvboost_hf.hf.tokens import SegmentTokenizer, encode_whole
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,24 @@ class DocumentBoundaries(str, enum.Enum):
     NONE = "none"  # no segments: the prompt is chunked as one text
     PARTS = "parts"  # each text part of a message with two or more parts
     MESSAGES = "messages"  # each message's content, and each part of multi-part contents
+
+
+#: What the error says when the chat template raised on the messages.
+TEMPLATE_REFUSED = "chat template refused the messages"
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: ChatMessages, *, add_generation_prompt: bool, **template_kwargs: Any
+) -> str:
+    """``messages`` rendered through the chat template (``template_kwargs``: ``tools``, ``chat_template``...); a
+    template that raises (jinja's ``raise_exception``: a role it does not take, roles that do not alternate)
+    raises :class:`~kvboost_hf.core.errors.InputError` with its message."""
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+    except TemplateError as exc:
+        raise InputError(f"{TEMPLATE_REFUSED}: {exc}") from exc
 
 
 def joined(messages: ChatMessages) -> list[dict[str, Any]]:
@@ -71,13 +91,11 @@ def encode_chat_segments(
     ``tokens``: tokenizes the rendered text (a cache of ``tokenizer``'s ids per piece); None: ``tokenizer`` itself.
 
     The ids are ``tokenizer(rendered, add_special_tokens=False)["input_ids"]`` of the joined messages, whatever
-    ``boundaries`` says; the text is tokenized once.
+    ``boundaries`` says; the text is tokenized once. A template that raises on the messages raises InputError.
     """
     boundaries = DocumentBoundaries(boundaries)
     plain = joined(messages)
-    text = tokenizer.apply_chat_template(
-        plain, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
-    )
+    text = render_chat(tokenizer, plain, add_generation_prompt=add_generation_prompt, **template_kwargs)
     marked = {i: pieces for i, m in enumerate(messages) if (pieces := _marked_pieces(m, boundaries))}
     if marked and not tokenizer.is_fast:
         _warn_once("a slow tokenizer has no offset mapping: chat prompts get no document boundaries")
@@ -152,9 +170,10 @@ def _place_contents(
         return None  # a 64-bit nonce a client guessed
     with_content = [i for i, m in enumerate(plain) if isinstance(m.get("content"), str)]
     probes = [{**m, "content": f"{sentinel}{i}\ue001"} if i in with_content else m for i, m in enumerate(plain)]
-    probed = tokenizer.apply_chat_template(
-        probes, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
-    )
+    try:
+        probed = render_chat(tokenizer, probes, add_generation_prompt=add_generation_prompt, **template_kwargs)
+    except InputError:  # the template refuses the sentinels (it took the contents themselves)
+        return None
     placed: dict[int, _Placed] = {}
     cursor = position = 0  # in the probed text; in the real text
     for i in with_content:

@@ -7,8 +7,8 @@ cache), with the token offsets where its segments start (each starts a chunk, so
 any position). It also knows the model's limits on a request: its context length, end tokens and padding token.
 
 Invariants: the ids of a rendered prompt are exactly the tokenizer's on the whole text; segment starts never change
-an id; an empty prompt (or one of zero tokens) and token ids outside the vocabulary raise
-:class:`~kvboost_hf.core.errors.InputError`.
+an id; an empty prompt (or one of zero tokens), chat messages the chat template refuses and token ids outside the
+vocabulary raise :class:`~kvboost_hf.core.errors.InputError`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, TypeGuard
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvboost_hf.core.errors import CapacityError, ConfigError, InputError
-from kvboost_hf.hf.chat_segments import DocumentBoundaries, encode_chat_segments, joined
+from kvboost_hf.hf.chat_segments import DocumentBoundaries, encode_chat_segments, joined, render_chat
 from kvboost_hf.hf.tokens import SegmentTokenizer
 
 Prompt = str | Sequence[str] | Sequence[dict[str, Any]] | Sequence[int]
@@ -62,9 +62,7 @@ class PromptEncoder:
         if items and all(isinstance(item, str) for item in items):
             return "".join(str(item) for item in items)
         messages = _chat_messages(items)
-        return self.tokenizer.apply_chat_template(
-            joined(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        return render_chat(self.tokenizer, joined(messages), add_generation_prompt=add_generation_prompt)
 
     def encode_segments(
         self,

@@ -31,12 +31,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2 import TemplateError
 from starlette.requests import Request
 from transformers import LogitsProcessor
 
 from kvboost_hf.core.config import GenerationMode
 from kvboost_hf.engine import InferenceEngine
-from kvboost_hf.hf.chat_segments import DocumentBoundaries
+from kvboost_hf.hf.chat_segments import TEMPLATE_REFUSED, DocumentBoundaries
 from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.server.batching import JobParams
 from kvboost_hf.server.errors import ApiError
@@ -364,7 +365,9 @@ class Admission:
                     dicts, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
                 )
                 ids = self.engine.tokens.encode(text)  # pieces seen before come from the engine's token cache
-        except ValueError as exc:  # empty prompt, chat template refusing a role, ...
+        except TemplateError as exc:  # rendered here with tools: the template raised on the messages
+            raise ApiError(400, f"invalid prompt: {TEMPLATE_REFUSED}: {exc}", param="messages") from exc
+        except ValueError as exc:  # empty prompt, chat template refusing a role (InputError), ...
             raise ApiError(400, f"invalid prompt: {exc}", param="messages") from exc
         if not ids:
             raise ApiError(400, "invalid prompt: it renders to zero tokens", param="messages")
