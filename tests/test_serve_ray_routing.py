@@ -226,6 +226,16 @@ def test_prompt_ids_give_up_on_messages_the_chat_template_refuses():
     assert prompt_ids(ingress, path, json.dumps(refused).encode()) is None
 
 
+def test_prompt_ids_give_up_on_a_lone_surrogate(engine):
+    """``json.loads`` takes ``"\\ud800"``; the replica refuses the body with a 400 (server/app.py decode_body)."""
+    ingress = SegmentTokenizer(engine.tokenizer, TokenIdsCache(1 << 20))
+    assert prompt_ids(ingress, "/v1/completions", b'{"model": "m", "prompt": "w3 \\ud800 w4"}') is None
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    chat = b'{"model": "m", "messages": [{"role": "user", "content": "w5 \\udc00"}]}'
+    assert prompt_ids(SegmentTokenizer(tokenizer, TokenIdsCache(1 << 20)), "/v1/chat/completions", chat) is None
+
+
 def test_only_greedy_or_seeded_streams_are_replayed():
     assert is_reproducible(b'{"temperature": 0}') and is_reproducible(b'{"temperature": 0.7, "seed": 3}')
     assert not is_reproducible(b'{"temperature": 0.7}') and not is_reproducible(b"{}")

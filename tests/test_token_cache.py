@@ -341,6 +341,29 @@ def test_a_warm_chat_request_tokenizes_only_its_new_messages():
     assert engine.cache_stats()["token_cache_hits"] > hits
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    text=st.lists(st.sampled_from(FRAGMENTS), max_size=6).map("".join),
+    at=st.integers(0, 80),
+    surrogate=st.integers(0xD800, 0xDFFF).map(chr),
+)
+def test_a_lone_surrogate_is_an_input_error_whichever_way_the_text_is_tokenized(text, at, surrogate):
+    """No tokenizer takes a lone UTF-16 surrogate (a TypeError deep inside); every path refuses it by name, and
+    the same text without it tokenizes as before."""
+    bad = text[:at] + surrogate + text[at:]
+    off = SegmentTokenizer(embedded_tokenizer(), TokenIdsCache(0))
+    for tokens in (segment_tokenizer("embedded"), segment_tokenizer("first"), off):
+        with pytest.raises(InputError, match="lone UTF-16 surrogate"):
+            tokens.encode(bad, add_special_tokens=True)
+        with pytest.raises(InputError, match="lone UTF-16 surrogate"):
+            tokens.encode_with_starts(bad)
+        assert tokens.encode_with_starts(text) == oracle(tokens.tokenizer, text)
+    engine = tiny_engine()
+    for prompt in (bad, ["A document.\n", bad], [{"role": "user", "content": bad}]):
+        with pytest.raises(InputError, match="lone UTF-16 surrogate"):
+            engine.encode_segments(prompt)
+
+
 def test_the_servers_chat_admission_tokenizes_through_the_engines_cache():
     from helpers import WEATHER_TOOL
 

@@ -7,8 +7,8 @@ cache), with the token offsets where its segments start (each starts a chunk, so
 any position). It also knows the model's limits on a request: its context length, end tokens and padding token.
 
 Invariants: the ids of a rendered prompt are exactly the tokenizer's on the whole text; segment starts never change
-an id; an empty prompt (or one of zero tokens), chat messages the chat template refuses and token ids outside the
-vocabulary raise :class:`~kvboost_hf.core.errors.InputError`.
+an id; an empty prompt (or one of zero tokens), a text holding a lone UTF-16 surrogate, chat messages the chat
+template refuses and token ids outside the vocabulary raise :class:`~kvboost_hf.core.errors.InputError`.
 """
 
 from __future__ import annotations

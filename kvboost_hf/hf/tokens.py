@@ -42,7 +42,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from kvboost_hf.core.errors import ConfigError
+from kvboost_hf.core.errors import ConfigError, InputError
 
 logger = logging.getLogger(__name__)
 
@@ -196,10 +196,24 @@ def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256((header + state).encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def check_encodable(text: str) -> None:
+    """Raise InputError when ``text`` holds a lone UTF-16 surrogate (U+D800 to U+DFFF, which has no UTF-8 form: a
+    tokenizer refuses the text with a TypeError). Linear in ``len(text)``, done where a text is tokenized."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        surrogate = ord(text[exc.start])
+        raise InputError(f"prompt holds a lone UTF-16 surrogate (U+{surrogate:04X}), which no tokenizer takes") from exc
+
+
 def encode_whole(
     tokenizer: PreTrainedTokenizerBase, text: str, *, add_special_tokens: bool, with_starts: bool
 ) -> tuple[list[int], list[int] | None]:
-    """``tokenizer(text)``'s ids and (``with_starts``, fast tokenizers only) each token's first character."""
+    """``tokenizer(text)``'s ids and (``with_starts``, fast tokenizers only) each token's first character; a lone
+    surrogate in ``text`` raises InputError (:func:`check_encodable`)."""
+    check_encodable(text)
     if not with_starts or not tokenizer.is_fast:
         return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]), None
     encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
@@ -324,7 +338,8 @@ class SegmentTokenizer:
 
     # ------------------------------------------------------------------ public
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        """``tokenizer(text, add_special_tokens=...)["input_ids"]``, unseen pieces only tokenized."""
+        """``tokenizer(text, add_special_tokens=...)["input_ids"]``, unseen pieces only tokenized; a lone UTF-16
+        surrogate raises InputError."""
         if not self._current():
             self.chars_tokenized += len(text)
             return encode_whole(self.tokenizer, text, add_special_tokens=add_special_tokens, with_starts=False)[0]
@@ -427,6 +442,7 @@ class SegmentTokenizer:
         if unseen:
             backend = self._backend()
             for piece in unseen:  # one by one: a batch would wake the tokenizer's thread pool for a few pieces
+                check_encodable(piece)
                 kept, kept_starts, cut = self._continuation(piece)
                 encoding = backend.encode(piece[cut:], add_special_tokens=False)
                 self.chars_tokenized += len(piece) - cut
