@@ -238,6 +238,34 @@ def test_a_token_added_after_construction_sets_the_cache_up_again():
     assert tokens.digest != digest and tokens.segmented
 
 
+def test_special_tokens_changed_after_construction_are_the_ones_added():
+    """``add_bos_token``/``add_eos_token`` set later (transformers rebuilds the post-processor) and a post-processor
+    replaced at the backend: ``encode(add_special_tokens=True)`` and the segment prompts' special tokens follow."""
+    tokenizer = copy.deepcopy(sentencepiece_style("always"))
+    tokens = SegmentTokenizer(tokenizer, TokenIdsCache(1 << 20))
+    text = "<|im_start|>user\nhello world<|im_end|>\n"
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+
+    def change_post_processor() -> None:
+        tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single="</s> $A <s>", special_tokens=[("<s>", bos), ("</s>", eos)]
+        )
+
+    changes = [
+        lambda: setattr(tokenizer, "add_eos_token", True),
+        lambda: setattr(tokenizer, "add_bos_token", True),
+        lambda: setattr(tokenizer, "add_bos_token", False),
+        change_post_processor,
+    ]
+    for change in changes:
+        change()
+        expected = tokenizer(text)["input_ids"]
+        assert tokens.encode(text, add_special_tokens=True) == expected
+        prefix, suffix = tokens.special_tokens()
+        assert prefix + tokenizer(text, add_special_tokens=False)["input_ids"] + suffix == expected
+    assert tokens.segmented and expected[0] == eos and expected[-1] == bos
+
+
 def test_a_call_that_split_special_tokens_leaves_the_ids_exact():
     """``tokenizer(..., split_special_tokens=True)`` leaves its backend splitting special tokens; pieces the
     cache tokenizes at the backend (a text with an ``lstrip`` token is one) still keep them whole."""

@@ -15,7 +15,8 @@ whole text. The property depends on the tokenizer (a sentencepiece-style ``Metas
 from the same piece inside the prompt), so it is checked on probe texts when a :class:`SegmentTokenizer` is
 built; where it fails (or the tokenizer is slow, splits special tokens, or caching is off) every text is
 tokenized whole, once. A text holding an added token with ``lstrip``/``rstrip``/``single_word`` is tokenized
-whole too (cached as one piece). A tokenizer whose added tokens change later is learnt and probed again.
+whole too (cached as one piece). A tokenizer whose added tokens, or the special tokens it adds around a text
+(``add_bos_token``, ``add_eos_token``, its post-processor), change later is learnt and probed again.
 
 A text without added tokens is one piece. A piece not seen before but starting with one seen before (a document
 followed by another question, a long system prompt followed by other text in one string) continues that piece's
@@ -305,7 +306,8 @@ class SegmentTokenizer:
 
     def _setup(self) -> None:
         """Learn the tokenizer (digest, split pattern, special tokens) and probe the property; again whenever its
-        added tokens or ``split_special_tokens`` change (a new digest: earlier entries are never served)."""
+        added tokens, ``split_special_tokens`` or the special tokens it adds change (a new digest: earlier entries
+        are never served)."""
         tokenizer = self.tokenizer
         self._state = self._tokenizer_state()
         self.segmented = self.continues = False
@@ -325,15 +327,21 @@ class SegmentTokenizer:
             logger.info("this tokenizer does not restart after a newline: a new piece is tokenized whole")
 
     def _tokenizer_state(self) -> tuple[object, ...]:
-        """What, changed after construction (``add_tokens``, ``split_special_tokens``), calls for a new setup."""
+        """What, changed after construction (``add_tokens``, ``split_special_tokens``, ``add_bos_token`` and
+        ``add_eos_token``, the post-processor that adds special tokens), calls for a new setup. Checked per call:
+        the post-processor's serialized form is a few hundred bytes (under a microsecond)."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None) if self.tokenizer.is_fast else None
         if backend is None:
             return ()
         added = len(backend.get_added_tokens_decoder())
+        post_processor = backend.post_processor
         return (
             added,
             backend.get_vocab_size(with_added_tokens=True),
             getattr(self.tokenizer, "split_special_tokens", False),
+            getattr(self.tokenizer, "add_bos_token", None),
+            getattr(self.tokenizer, "add_eos_token", None),
+            post_processor.__getstate__() if post_processor is not None else None,
         )
 
     # ------------------------------------------------------------------ public
