@@ -233,9 +233,12 @@ def test_a_token_added_after_construction_sets_the_cache_up_again():
     text = "<|im_start|>user\nmy zorblax token<|im_end|>\n"
     assert tokens.encode(text) == tokenizer(text, add_special_tokens=False)["input_ids"]
     digest = tokens.digest
+    counted = tokens.stats()["token_cache_chars_tokenized"]
     tokenizer.add_tokens([AddedToken("zorblax", normalized=False)])
     assert tokens.encode(text) == tokenizer(text, add_special_tokens=False)["input_ids"]
     assert tokens.digest != digest and tokens.segmented
+    pieces = len("user\nmy ") + len(" token") + len("\n")  # a new digest: each piece is tokenized again
+    assert tokens.stats()["token_cache_chars_tokenized"] == counted + pieces  # the counter is kept
 
 
 def test_special_tokens_changed_after_construction_are_the_ones_added():

@@ -528,6 +528,7 @@ class SegmentTokenizer:
         self._special_prefix, self._special_suffix = around
         texts = _probe_texts(self.tokenizer, sorted(self._plain, key=lambda c: self._plain[c]))
         probe_cache, self.cache = self.cache, TokenIdsCache(1 << 20)
+        counted = self.chars_tokenized  # the prompts' count: the probe's own tokenizing is not added
         try:
             for text in texts:
                 for special in (False, True):
@@ -541,4 +542,4 @@ class SegmentTokenizer:
             return True
         finally:
             self.cache = probe_cache
-            self.chars_tokenized = 0
+            self.chars_tokenized = counted
