@@ -9,10 +9,10 @@ import torch
 from conftest import make_tiny_model
 from helpers import word_tokenizer
 from oracle import engine_reference, expected_text
-from transformers import AutoTokenizer, DeepseekV3Config, GPT2Config, GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, GPT2Config, GPT2LMHeadModel
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, KVBoost, SamplingConfig, StoreConfig, UnsupportedModelError
-from kvboost_hf.core.errors import ConfigError, InputError
+from kvboost_hf.core.errors import ConfigError, InputError, MissingFileError
 from kvboost_hf.corpus import documents
 from kvboost_hf.hf import rows as rows_module
 from kvboost_hf.hf.models import check_model_support, embedded_model_dir
@@ -274,6 +274,34 @@ def test_loads_a_local_model_directory(tmp_path):
     expected = model.generate(ids, max_new_tokens=5, do_sample=False)[0, ids.shape[1] :].tolist()
     for _ in range(2):
         assert engine.generate("a b c d e f g h i j k l m n o p", max_new_tokens=5).output_ids[:5] == expected
+
+
+def test_bad_load_arguments_are_named_before_any_weight_loads(tmp_path, monkeypatch):
+    """A missing folder was reported as a bad hub repo id, a GGUF file as a bad config, ``dtype="bogus"`` as an
+    AttributeError of torch, CUDA without one as an AssertionError; a folder without a tokenizer failed only after
+    its weights loaded."""
+    (gguf := tmp_path / "model.gguf").write_bytes(b"GGUF")
+    no_tokenizer = tmp_path / "weights-only"
+    make_tiny_model("llama").save_pretrained(no_tokenizer)
+    loaded: list = []
+    for kwargs, error, named in (
+        ({"model_name_or_path": tmp_path / "missing"}, MissingFileError, "does not exist"),
+        ({"model_name_or_path": "./typo-model"}, MissingFileError, "typo-model does not exist"),
+        ({"model_name_or_path": gguf}, InputError, "gguf_file="),
+        ({"dtype": "bogus"}, ConfigError, "dtype must be a floating torch dtype"),
+        ({"dtype": "int8"}, ConfigError, "dtype must be a floating torch dtype"),
+        ({"device": "gpu"}, ConfigError, "device must be a torch device"),
+    ):
+        with pytest.raises(error, match=named):
+            KVBoost.from_pretrained(**kwargs)
+    original = AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: loaded.append(1) or original(*a, **k))
+    with pytest.raises((OSError, ValueError)):  # transformers' own error about the tokenizer files
+        KVBoost.from_pretrained(no_tokenizer, device="cpu")
+    assert not loaded
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="asks for CUDA"):
+            KVBoost.from_pretrained(device="cuda")
 
 
 def test_warmed_documents_hit_in_any_order_as_segments(embedded_engine):

@@ -32,7 +32,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from kvboost_hf.core.errors import MissingFileError, UnsupportedModelError
+from kvboost_hf.core.errors import ConfigError, InputError, MissingFileError, UnsupportedModelError
 from kvboost_hf.hf.attention import default_attn_implementation
 from kvboost_hf.offload.settings import LayerStreamingConfig
 from kvboost_hf.offload.streamer import LayerStreamer, enable_layer_streaming
@@ -276,9 +276,40 @@ def _process_alive(pid: int) -> bool:
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """``device`` as a torch device (None: CUDA when there is one, else the CPU); an unknown name, or CUDA on a
+    machine without one, is a :class:`ConfigError`."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} asks for CUDA, which this machine's torch does not have")
+    return resolved
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``dtype`` (a torch dtype or its name, e.g. ``"bfloat16"``) as a floating torch dtype, else a ConfigError."""
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ConfigError(f"dtype must be a floating torch dtype or its name (e.g. 'bfloat16'), got {dtype!r}")
+    return resolved
+
+
+def check_model_path(path: str | os.PathLike) -> None:
+    """Refuse, naming it, a local-looking model path that is no directory (a missing folder was reported as a bad
+    hub repo id); a hub name (``org/name``) passes."""
+    text = os.fspath(path)
+    if os.path.isdir(text):
+        return
+    if os.path.isfile(text):
+        raise InputError(
+            f"{text} is a file: give the model's directory (with config.json and the weights)"
+            + ("; a GGUF file loads with transformers' gguf_file= argument" if text.endswith(".gguf") else "")
+        )
+    if os.path.isabs(text) or text.startswith((".", "~")) or text.count("/") > 1:  # not a hub name
+        raise MissingFileError(f"model directory {text} does not exist")
 
 
 def load_model_and_tokenizer(
@@ -297,20 +328,18 @@ def load_model_and_tokenizer(
     from transformers import AutoConfig
 
     path = embedded_model_dir() if model_name_or_path is None else model_name_or_path
+    check_model_path(path)
+    target = resolve_device(device)
+    dtype = resolve_dtype(dtype if dtype is not None else torch.float32 if target.type == "cpu" else torch.bfloat16)
     config = AutoConfig.from_pretrained(path)
     check_model_support(config, strict=strict)
-    target = resolve_device(device)
-    if dtype is None:
-        dtype = torch.float32 if target.type == "cpu" else torch.bfloat16
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path)  # before the weights: a missing tokenizer fails fast
     if model_kwargs.get("attn_implementation") is None:
         model_kwargs.pop("attn_implementation", None)
         if (attention := default_attn_implementation(runs_on or target)) is not None:
             model_kwargs["attn_implementation"] = attention
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs).to(target)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
 
 
