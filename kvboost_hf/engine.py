@@ -84,6 +84,12 @@ def check_settings_type(name: str, value: object, cls: type) -> None:
         raise ConfigError(f"{name} must be a {cls.__name__} or None, got {type(value).__name__}")
 
 
+def _is_loaded_model(model: object) -> bool:
+    """A torch module with a transformers config (a function, not an ``isinstance`` in place: that would narrow
+    the caller's model type for the type checker)."""
+    return isinstance(model, torch.nn.Module) and getattr(model, "config", None) is not None
+
+
 def _check_callback(on_token: object) -> None:
     """Raise ConfigError unless ``on_token`` is None or callable (it failed at the first token, after a prefill)."""
     if on_token is not None and not callable(on_token):
@@ -275,7 +281,7 @@ class InferenceEngine:
         token_cache: TokenCacheConfig | None = None,
         graphs: GraphConfig | None = None,
     ) -> None:
-        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        if not _is_loaded_model(model):
             raise ConfigError(
                 f"KVBoost(model, tokenizer): model must be a loaded transformers model, got {model!r} (load one "
                 "by name with KVBoost.from_pretrained)"
