@@ -38,10 +38,15 @@ def test_rerotation_follows_cohere_interleaved_pairs():
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.CohereForCausalLM(config).eval()
-    ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    _assert_rerotation_is_exact(model, length=12, offset=37)
+
+
+def _assert_rerotation_is_exact(model, length: int, offset: int) -> None:
+    """Layer 0's keys of ``length`` tokens prefilled at 0 and rotated by ``offset`` equal those prefilled there."""
+    ids = torch.randint(1, 128, (1, length), generator=torch.Generator().manual_seed(1))
     moved = DynamicCache()
-    model(ids, cache=moved, position_ids=torch.arange(12)[None] + 37)
-    rotated = KeyRotator(model).rotate(full_prefill(model, ids).layers[0].keys, 37)
+    model(ids, cache=moved, position_ids=torch.arange(length)[None] + offset)
+    rotated = KeyRotator(model).rotate(full_prefill(model, ids).layers[0].keys, offset)
     assert torch.allclose(rotated, moved.layers[0].keys, atol=1e-5)
 
 
@@ -76,12 +81,7 @@ def test_a_rotary_layout_the_rotator_does_not_reproduce_is_refused(monkeypatch):
     ids=lambda rope: rope["rope_type"],
 )
 def test_rerotation_is_exact_for_scaled_rope_variants(rope):
-    model = make_tiny_model("llama", rope_parameters=rope)
-    ids = torch.randint(1, 128, (1, 24), generator=torch.Generator().manual_seed(1))
-    moved = DynamicCache()
-    model(ids, cache=moved, position_ids=torch.arange(24)[None] + 200)
-    rotated = KeyRotator(model).rotate(full_prefill(model, ids).layers[0].keys, 200)
-    assert torch.allclose(rotated, moved.layers[0].keys, atol=1e-5)
+    _assert_rerotation_is_exact(make_tiny_model("llama", rope_parameters=rope), length=24, offset=200)
 
 
 def test_length_dependent_rope_disables_only_non_prefix_reuse(caplog):
