@@ -36,7 +36,13 @@ from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.decode import DecodeRequest, DecodeRow
 from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, GraphWarmUp, parse_graph_shapes
-from kvboost_hf.hf.models import CACHE_ARGUMENT, check_model_support, load_model_and_tokenizer, load_streamed_model
+from kvboost_hf.hf.models import (
+    CACHE_ARGUMENT,
+    check_model_support,
+    is_loaded_model,
+    load_model_and_tokenizer,
+    load_streamed_model,
+)
 from kvboost_hf.hf.prompts import Prompt, PromptEncoder
 from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.hf.speculative import DraftConfig, DraftSource
@@ -82,12 +88,6 @@ def check_settings_type(name: str, value: object, cls: type) -> None:
     then failed inside ``generate``)."""
     if value is not None and not isinstance(value, cls):
         raise ConfigError(f"{name} must be a {cls.__name__} or None, got {type(value).__name__}")
-
-
-def _is_loaded_model(model: object) -> bool:
-    """A torch module with a transformers config (a function, not an ``isinstance`` in place: that would narrow
-    the caller's model type for the type checker)."""
-    return isinstance(model, torch.nn.Module) and getattr(model, "config", None) is not None
 
 
 def _check_callback(on_token: object) -> None:
@@ -281,7 +281,7 @@ class InferenceEngine:
         token_cache: TokenCacheConfig | None = None,
         graphs: GraphConfig | None = None,
     ) -> None:
-        if not _is_loaded_model(model):
+        if not is_loaded_model(model):
             raise ConfigError(
                 f"KVBoost(model, tokenizer): model must be a loaded transformers model, got {model!r} (load one "
                 "by name with KVBoost.from_pretrained)"

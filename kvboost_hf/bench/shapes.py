@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Q
 
 from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.engine import InferenceEngine
-from kvboost_hf.hf.models import embedded_model_dir, resolve_device
+from kvboost_hf.hf.models import embedded_model_dir, resolve_device, resolve_dtype
 from kvboost_hf.offload import layer_streamer
 from kvboost_hf.tools.awq_load import rebuild_computed_buffers
 from kvboost_hf.tools.awq_pack import random_int4_layers
@@ -76,10 +76,12 @@ def _dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype
 
 def torch_dtype(name: str) -> torch.dtype:
     """The floating torch dtype called ``name`` (``"bfloat16"``, ``"float16"``...); ConfigError naming it else."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ConfigError(f"--dtype must name a floating torch dtype (float32, bfloat16, float16), got {name!r}")
-    return dtype
+    try:
+        return resolve_dtype(name)
+    except ConfigError:
+        raise ConfigError(
+            f"--dtype must name a floating torch dtype (float32, bfloat16, float16), got {name!r}"
+        ) from None
 
 
 def random_model(

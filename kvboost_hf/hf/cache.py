@@ -57,7 +57,7 @@ from kvboost_hf.hf.layers import (
     cache_layers,
     grown_capacity,
 )
-from kvboost_hf.hf.models import check_model_support, model_dtype
+from kvboost_hf.hf.models import check_model_support, is_loaded_model, model_dtype
 from kvboost_hf.hf.prefill import ChunkPrefiller, PendingForward, RowReuse
 from kvboost_hf.reuse.plan import ChunkLedger
 from kvboost_hf.reuse.rope import KeyRotator
@@ -663,7 +663,7 @@ def prompt_padding_mask(mask: torch.Tensor | dict | None, prompt_length: int) ->
 
 def _check_arguments(store: object, model: object, repair: object) -> None:
     """Refuse, naming it, a ``ChunkReuseCache`` argument of the wrong kind (they raised AttributeError inside)."""
-    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+    if not is_loaded_model(model):
         raise ConfigError(f"ChunkReuseCache(store, model, ...): model must be a transformers model, got {model!r}")
     if not isinstance(store, ChunkStore):
         raise ConfigError(f"ChunkReuseCache(store, model, ...): store must be a ChunkStore, got {store!r}")

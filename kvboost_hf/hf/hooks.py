@@ -40,13 +40,13 @@ def _pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
     cache = reuse_cache(given_cache(kwargs))
     if cache is None:
         return None
-    cache.check_intact()
     args, kwargs = as_keywords(type(module).forward, args, kwargs, bound=True)
     if kwargs.get("use_cache") is False:
         cache.reuse_enabled = False  # transformers then feeds whole sequences again: columns are not positions
     fed = kwargs.get("input_ids")
     if cache.prompt_forward_next or fed is None or fed.shape[1] > 1:  # a generation's first forward or a prompt's
         cache.check_model(module)  # (not per decode step)
+        cache.check_intact()
         if fed is not None:
             cache.check_forward(fed, kwargs.get("attention_mask"), kwargs.get("position_ids"))
     return args, prepare_forward(cache, kwargs, report=cache.prompt_forward_next)

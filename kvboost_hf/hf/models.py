@@ -289,6 +289,12 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
+def is_loaded_model(model: object) -> bool:
+    """A torch module with a transformers config (a function, not an ``isinstance`` in place: that would narrow
+    the caller's model type for the type checker)."""
+    return isinstance(model, torch.nn.Module) and getattr(model, "config", None) is not None
+
+
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """``dtype`` (a torch dtype or its name, e.g. ``"bfloat16"``) as a floating torch dtype, else a ConfigError."""
     resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
