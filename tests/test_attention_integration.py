@@ -199,8 +199,8 @@ def test_softcapped_attention_runs_the_models_eager_attention(caplog: pytest.Log
     expected = _forward_logits(model, "eager", input_ids=plain)
     for impl in ("eager", "kvboost"):  # a prefill over a cache: the bottom-right causal mask
         cache = DynamicCache(config=model.config)
-        _forward_logits(model, impl, input_ids=plain[:, :12], past_key_values=cache)
-        tail = _forward_logits(model, impl, input_ids=plain[:, 12:], past_key_values=cache)
+        _forward_logits(model, impl, input_ids=plain[:, :12], cache=cache)
+        tail = _forward_logits(model, impl, input_ids=plain[:, 12:], cache=cache)
         torch.testing.assert_close(tail, expected[:, 12:], atol=ATOL, rtol=0)
 
 
