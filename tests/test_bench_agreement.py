@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from kvboost_hf.bench import multiturn
 from kvboost_hf.bench.common import agreement_label, earliest_difference, first_difference
@@ -70,3 +71,45 @@ def test_multiturn_graphed_arm_prefills_the_warm_turn_graphed_with_plain_generat
     assert second["kvboost_cached_tokens"] > 0 and all(row["outputs_identical"] for row in result["turns"])
     assert result["graph_compile_pass_s"] > 0 and result["graph_stats"]["failed_shapes"] == 0
     assert [line.split()[5] for line in multiturn.report(result).splitlines()[2:4]] == ["e", "g"]
+
+
+def test_multiturn_runs_only_the_methods_asked_for_and_compares_only_their_pairs(tmp_path):
+    """``--methods baseline,kvboost`` (a GPU run leaves out hf_static, which compiles a graph per turn): the other
+    methods are neither timed nor compared, the report shows ``-`` for them, and a missing required or unknown
+    method is refused by name."""
+    multiturn.main(
+        [
+            "--random-shape",
+            "tiny",
+            "--turns",
+            "2",
+            "--max-new-tokens",
+            "3",
+            "--repeats",
+            "1",
+            "--chunk-size",
+            "16",
+            "--dtype",
+            "float32",
+            "--methods",
+            "kvboost,baseline",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    result = json.loads((tmp_path / "multiturn.json").read_text())
+    assert result["methods"] == ["baseline", "kvboost"]
+    turn = result["turns"][1]
+    assert "hf_static_ttft_ms" not in turn and "hf_prompt_cache_ttft_ms" not in turn
+    assert set(turn["first_difference"]) == {"baseline_vs_baseline_repeat", "baseline_vs_kvboost"}
+    assert turn["first_difference"]["baseline_vs_kvboost"] is None  # fp32: kvboost gives plain generate()'s tokens
+    fields = multiturn.report(result).splitlines()[3].split()  # title, header, turn 1, turn 2
+    assert [fields[7], fields[9], fields[11]] == ["-", "-", "-"]  # the recipe's and static's TTFT, kvboost vs hf
+    assert fields[-5:] == ["=", "-", "=", "-", "-"]
+    for bad in ("baseline,hf_static", "baseline,kvboost,bogus"):
+        try:
+            multiturn.main(["--random-shape", "tiny", "--methods", bad, "--out", str(tmp_path)])
+        except SystemExit as exit_:
+            assert exit_.code == 2
+        else:
+            raise AssertionError(f"--methods {bad} was accepted")

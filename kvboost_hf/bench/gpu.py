@@ -142,6 +142,7 @@ GPU_TEST_FILES = (
     "tests/test_graphs.py",
     "tests/test_graph_warm_up.py",
     "tests/test_graphed_prefill.py",
+    "tests/test_graphed_verify.py",
     "tests/test_awq_gpu.py",
     "tests/test_gpu_sampling.py",
 )

@@ -64,6 +64,9 @@ from kvboost_hf.hf.graphs import GraphConfig
 from kvboost_hf.hf.models import CACHE_ARGUMENT
 
 METHODS = ("baseline", "hf_prompt_cache", "kvboost", "hf_static")
+REQUIRED_METHODS = ("baseline", "kvboost")
+"""Always run: the reference and the product; ``--methods`` may leave out the others (``hf_static`` compiles a
+CUDA graph per turn's cache length: ~30 s each for a 7B shape)."""
 # Output pairs compared per turn: plain generate() run twice (the noise floor), then each reuse method against it.
 PAIRS = (
     ("baseline", "baseline_repeat"),
@@ -141,6 +144,7 @@ def run(
     model: str | None = None,
     dtype: str | None = None,
     graphs: bool | None = None,
+    methods: tuple[str, ...] = METHODS,
 ) -> dict:
     """Play the conversation ``repeats`` times (each from an empty store) and keep each turn's median TTFT and
     earliest difference per pair.
@@ -149,7 +153,9 @@ def run(
     hub name or local directory; None: the embedded model); its answers are noise but its timings are those of the
     real shape. ``dtype``: the weights' dtype (None: float32 on CPU, bfloat16 on GPU). ``graphs``: the kvboost
     method's compiled graphs (:data:`GRAPHS`; None: the engine's default); when on, an untimed conversation first
-    compiles the shapes the timed ones meet."""
+    compiles the shapes the timed ones meet. ``methods``: the methods run (in :data:`METHODS` order; must include
+    :data:`REQUIRED_METHODS`); a pair with a method left out is not compared."""
+    methods = checked_methods(methods)
     options: dict[str, Any] = {} if graphs is None else {"graphs": GraphConfig(enabled=graphs, max_graphs=MAX_GRAPHS)}
     if random_shape is None:
         engine = InferenceEngine.from_pretrained(model, dtype=dtype, chunking=chunk_size, **options)
@@ -160,17 +166,17 @@ def run(
     compile_pass_s = None
     if engine.graphs.state != "off":
         started = time.perf_counter()
-        play(engine, system, user_messages, max_new_tokens)  # compiles, untimed: no timed turn pays one
+        play(engine, system, user_messages, max_new_tokens, methods)  # compiles, untimed: no timed turn pays one
         compile_pass_s = time.perf_counter() - started
     samples: list[list[dict]] = []
     for _ in tqdm(range(repeats), desc="repeats"):
         engine.store.clear()
         engine.tokens.clear()
-        samples.append(play(engine, system, user_messages, max_new_tokens))
+        samples.append(play(engine, system, user_messages, max_new_tokens, methods))
     rows = []
     for turn_samples in zip(*samples, strict=True):
         row = dict(turn_samples[0])
-        for method in METHODS:
+        for method in methods:
             for figure in ("ttft_ms", "total_ms"):
                 row[f"{method}_{figure}"] = statistics.median(s[f"{method}_{figure}"] for s in turn_samples)
         row["first_difference"] = {
@@ -191,6 +197,7 @@ def run(
         "max_new_tokens": max_new_tokens,
         "repeats": repeats,
         "targets": TARGETS,
+        "methods": list(methods),
         "graphs": engine.graphs.state,
         "graph_compile_pass_s": compile_pass_s,
         "graph_stats": engine.graphs.stats(),
@@ -199,8 +206,25 @@ def run(
     }
 
 
-def play(engine: InferenceEngine, system: str, user_messages: list[str], max_new_tokens: int) -> list[dict]:
-    """One conversation; every turn runs the methods in rotating order on the same messages, then plain
+def checked_methods(methods: tuple[str, ...]) -> tuple[str, ...]:
+    """``methods`` in :data:`METHODS` order; a ``ValueError`` names an unknown or missing required one."""
+    unknown = sorted(set(methods) - set(METHODS))
+    missing = [method for method in REQUIRED_METHODS if method not in methods]
+    if unknown or missing:
+        raise ValueError(
+            f"methods must be among {METHODS} and include {REQUIRED_METHODS}: unknown {unknown}, missing {missing}"
+        )
+    return tuple(method for method in METHODS if method in methods)
+
+
+def play(
+    engine: InferenceEngine,
+    system: str,
+    user_messages: list[str],
+    max_new_tokens: int,
+    methods: tuple[str, ...] = METHODS,
+) -> list[dict]:
+    """One conversation; every turn runs ``methods`` in rotating order on the same messages, then plain
     ``generate()`` once more (untimed use: the noise floor of the output comparison)."""
     recipe = PromptCacheRecipe(engine)
     messages = [{"role": "system", "content": system}]
@@ -208,8 +232,8 @@ def play(engine: InferenceEngine, system: str, user_messages: list[str], max_new
     for turn, text in enumerate(user_messages, start=1):
         messages.append({"role": "user", "content": text})
         results: dict[str, tuple[float, list[int], float]] = {}
-        rotation = turn % len(METHODS)
-        for method in METHODS[rotation:] + METHODS[:rotation]:
+        rotation = turn % len(methods)
+        for method in methods[rotation:] + methods[:rotation]:
             if method != "kvboost":  # transformers' own generate(), from scratch or from the previous prompt
                 reuse, static = method == "hf_prompt_cache", method == "hf_static"
                 results[method] = recipe.generate(messages, max_new_tokens, reuse=reuse, static=static)
@@ -222,7 +246,11 @@ def play(engine: InferenceEngine, system: str, user_messages: list[str], max_new
             cached, prompt_tokens = r.cached_tokens, r.prompt_tokens
         results["baseline_repeat"] = recipe.generate(messages, max_new_tokens, reuse=False)
         answer = engine.tokenizer.decode(results["baseline"][1], skip_special_tokens=True)
-        differences = {pair_name(a, b): first_difference(results[a][1], results[b][1]) for a, b in PAIRS}
+        differences = {
+            pair_name(a, b): first_difference(results[a][1], results[b][1])
+            for a, b in PAIRS
+            if a in results and b in results
+        }
         rows.append(
             {
                 "turn": turn,
@@ -231,8 +259,8 @@ def play(engine: InferenceEngine, system: str, user_messages: list[str], max_new
                 "prompt_chars": len(engine.render(messages)),
                 "kvboost_chars_tokenized": tokenized,
                 "kvboost_prefill_graphed": prefill_graphed,
-                **{f"{m}_ttft_ms": results[m][0] for m in METHODS},
-                **{f"{m}_total_ms": results[m][2] for m in METHODS},
+                **{f"{m}_ttft_ms": results[m][0] for m in methods},
+                **{f"{m}_total_ms": results[m][2] for m in methods},
                 "first_difference": differences,
                 "outputs_identical": all(index is None for index in differences.values()),
             }
@@ -242,34 +270,46 @@ def play(engine: InferenceEngine, system: str, user_messages: list[str], max_new
 
 
 def report(result: dict) -> str:
-    """TTFT per turn and, per pair, where the outputs first differ (``=``: identical)."""
+    """TTFT per turn and, per pair, where the outputs first differ (``=``: identical; ``-``: a method not run)."""
     header = ("plain/plain", "hf/plain", "kv/plain", "kv/hf", "static/plain")
+
+    def ms(row: dict, method: str) -> str:
+        value = row.get(f"{method}_ttft_ms")
+        return "-" if value is None else f"{value:.0f}"
+
+    def agreement(row: dict, pair: tuple[str, str]) -> str:
+        name = pair_name(*pair)
+        return agreement_label(row["first_difference"][name]) if name in row["first_difference"] else "-"
+
     lines = [
         f"{result['model']} ({result['weights']} weights, {result['dtype']}); first differing generated token per "
-        "pair (=: identical; plain/plain is plain generate() run twice, the noise floor)",
+        "pair (=: identical; plain/plain is plain generate() run twice, the noise floor; -: not run)",
         f"{'turn':>4} {'prompt':>6} {'cached':>6} {'chars':>6} {'tok ch':>6} {'pf':>2} "
         f"{'baseline ms':>11} {'hf cache ms':>11} {'kvboost ms':>10} {'static ms':>9} "
         f"{'vs base':>7} {'vs hf':>6} " + " ".join(f"{name:>11}" for name in header),
     ]
     for row in result["turns"]:
+        recipe = row.get("hf_prompt_cache_ttft_ms")
         lines.append(
             f"{row['turn']:>4} {row['prompt_tokens']:>6} {row['kvboost_cached_tokens']:>6} "
             f"{row['prompt_chars']:>6} {row['kvboost_chars_tokenized']:>6} "
             f"{'g' if row['kvboost_prefill_graphed'] else 'e':>2} "
-            f"{row['baseline_ttft_ms']:>11.0f} {row['hf_prompt_cache_ttft_ms']:>11.0f} {row['kvboost_ttft_ms']:>10.0f} "
-            f"{row['hf_static_ttft_ms']:>9.0f} "
+            f"{ms(row, 'baseline'):>11} {ms(row, 'hf_prompt_cache'):>11} {ms(row, 'kvboost'):>10} "
+            f"{ms(row, 'hf_static'):>9} "
             f"{row['baseline_ttft_ms'] / row['kvboost_ttft_ms']:>6.1f}x "
-            f"{row['kvboost_ttft_ms'] / row['hf_prompt_cache_ttft_ms']:>5.2f}x "
-            + " ".join(f"{agreement_label(row['first_difference'][pair_name(*p)]):>11}" for p in PAIRS)
+            + (f"{row['kvboost_ttft_ms'] / recipe:>5.2f}x " if recipe is not None else f"{'-':>6} ")
+            + " ".join(f"{agreement(row, p):>11}" for p in PAIRS)
         )
     counts = ", ".join(
-        f"{name} {result['identical_turns'][pair_name(*p)]}" for name, p in zip(header, PAIRS, strict=True)
+        f"{name} {result['identical_turns'][pair_name(*p)]}"
+        for name, p in zip(header, PAIRS, strict=True)
+        if pair_name(*p) in result["identical_turns"]
     )
     lines.append(f"turns identical (of {len(result['turns'])}): {counts}")
     last = result["turns"][-1]
     lines.append(
         "last turn, whole call (prompt to last token): "
-        + ", ".join(f"{method} {last[f'{method}_total_ms']:.0f} ms" for method in METHODS)
+        + ", ".join(f"{method} {last[f'{method}_total_ms']:.0f} ms" for method in result["methods"])
     )
     return "\n".join(lines)
 
@@ -279,7 +319,7 @@ def plot(result: dict, path: Path) -> None:
 
     turns = [row["turn"] for row in result["turns"]]
     fig, ax = plt.subplots(figsize=(7, 4))
-    for method in METHODS:
+    for method in result["methods"]:
         ax.plot(turns, [row[f"{method}_ttft_ms"] for row in result["turns"]], marker="o", label=method)
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT (ms)")
@@ -305,9 +345,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--graphs", choices=sorted(GRAPHS), default="auto", help="kvboost's compiled graphs (auto: on CUDA only)"
     )
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help=f"comma list of the methods run, among {','.join(METHODS)} (baseline and kvboost always)",
+    )
     args = parser.parse_args(argv)
     if args.turns < 1:
         parser.error(f"--turns must be at least 1, got {args.turns}")
+    try:
+        methods = checked_methods(tuple(name.strip() for name in args.methods.split(",") if name.strip()))
+    except ValueError as error:
+        parser.error(f"--methods: {error}")
     result = run(
         args.turns,
         args.max_new_tokens,
@@ -317,6 +366,7 @@ def main(argv: list[str]) -> int:
         args.model,
         args.dtype,
         GRAPHS[args.graphs],
+        methods,
     )
     save_results(args.out, "multiturn", result, report, plot)
     return 0
