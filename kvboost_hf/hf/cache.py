@@ -36,7 +36,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import Cache, PreTrainedModel
@@ -59,6 +59,7 @@ from kvboost_hf.hf.layers import (
 )
 from kvboost_hf.hf.models import check_model_support, is_loaded_model, model_dtype
 from kvboost_hf.hf.prefill import ChunkPrefiller, PendingForward, RowReuse
+from kvboost_hf.hf.static_buffers import StaticBufferPool
 from kvboost_hf.reuse.plan import ChunkLedger
 from kvboost_hf.reuse.rope import KeyRotator
 from kvboost_hf.reuse.write_back import write_chunks, write_tail
@@ -160,6 +161,12 @@ class ChunkReuseCache(Cache):
         self.layer_filter: LayerFilter | None = None  # CacheBlend: the positions of _scatter each layer computes
         self._adjustment: tuple[tuple, ContextAdjustment] | None = None  # (layout, its adjustment): attention_kwargs
         self.prefiller = ChunkPrefiller(model, self.mode)
+        self.static_buffers: StaticBufferPool | None = None
+        """Where static mode takes its buffers (:meth:`static_stacks`); None: fresh ones per layer."""
+        self.stitch_capacity: Callable[[int], int | None] | None = None
+        """Set by a runner that may graph the prompt forward: given the columns the stitched K/V will fill, the
+        static capacity that forward will run at (None: it runs eagerly), so stored chunks are copied straight
+        into the static buffers (one copy instead of two)."""
         if adapter:
             install_hooks(model)
 
@@ -172,13 +179,43 @@ class ChunkReuseCache(Cache):
                 layer.settle()
         return super().get_seq_length(layer_idx)
 
-    def set_max_cache_len(self, max_cache_len: int | None) -> None:
+    def set_max_cache_len(
+        self, max_cache_len: int | None, stacks: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
         """Switch every layer to static mode with ``max_cache_len`` columns (None: back to growing buffers),
         keeping what the cache holds (see ``ChunkReuseLayer.set_max_cache_len``; one copy of the K/V when
-        becoming static). Raises :class:`~kvboost_hf.hf.layers.CacheCapacityError` when it holds more columns."""
-        for layer in self.layers:
-            layer.set_max_cache_len(max_cache_len)
+        becoming static, none where the layers already hold ``stacks``' leading columns). The static buffers are
+        layer ``i``'s views ``[i]`` of ``stacks`` (keys and values ``[layers, B, H_kv, max_cache_len, D]``), or of
+        :attr:`static_buffers`' stacks for this shape (:meth:`static_stacks`), else fresh per layer. Raises
+        :class:`~kvboost_hf.hf.layers.CacheCapacityError` when it holds more columns."""
+        if stacks is None and max_cache_len is not None and self.max_cache_len != max_cache_len:
+            stacks = self.static_stacks(self._layer_rows(), max_cache_len)
+        for index, layer in enumerate(self.layers):
+            buffers = None if stacks is None else (stacks[0][index], stacks[1][index])
+            if buffers is not None:
+                for buffer in buffers:
+                    torch._dynamo.mark_static_address(buffer)  # a view: the mark is per tensor object
+            layer.set_max_cache_len(max_cache_len, buffers)
         self.max_cache_len = max_cache_len
+
+    def static_stacks(self, rows: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Stacked static buffers for every layer, keys and values ``[layers, rows, H_kv, capacity, D]`` from
+        :attr:`static_buffers` (the same ones from one request to the next, so a graphed forward replays at the
+        addresses it was recorded with), in the layers' K/V shape, dtype and device (the model's before the first
+        forward); None without a pool or when the layers' K/V differ in those."""
+        if self.static_buffers is None or rows < 1:
+            return None
+        layers, heads, dim = self.prefiller.entry_shape
+        device, dtype = self.prefiller.device_and_dtype()
+        kinds = {(layer.keys.shape[1], layer.keys.shape[3], layer.keys.dtype, layer.keys.device)
+                 for layer in self.layers if layer.is_initialized}  # fmt: skip
+        if len(kinds) > 1 or len(self.layers) != layers:
+            return None
+        if kinds:
+            ((heads, dim, dtype, device),) = kinds
+        shape = (layers, rows, heads, capacity, dim)
+        keys = self.static_buffers.take(shape, dtype, device, slot=0)
+        return keys, self.static_buffers.take(shape, dtype, device, slot=1)
 
     def pad_batch(self, rows: int) -> None:
         """Make every layer hold ``rows`` rows: the real rows, then copies of the last one (a decode graph's batch

@@ -345,7 +345,7 @@ class DecodeLoop:
             prompt = next((prompt for prompt in self._prompts if prompt.work is work), None)
             if prompt is None:
                 earlier = _RunningRows.detach(self)
-                prompt = self._begin_prefill(work)
+                prompt = self._begin_prefill(work, columns)
                 prompt.state = _RunningRows.detach(self)
                 self._prompts.append(prompt)
                 earlier.attach(self)
@@ -414,7 +414,7 @@ class DecodeLoop:
         (:meth:`~kvboost_hf.hf.verify.TreeVerifier.prompt_queries`: the logits are then ``[P, 1 + nodes, V]``)."""
         prompt = next((prompt for prompt in self._prompts if prompt.work is work), None)
         if prompt is None:
-            prompt = self._begin_prefill(work)
+            prompt = self._begin_prefill(work, columns)
             assert self.cache is not None, "the prefill built a cache"
             if not columns or prompt.input_ids.shape[1] <= columns:  # the whole prompt forward in this call
                 inputs, trees = prompt.inputs, None
@@ -443,7 +443,7 @@ class DecodeLoop:
             return []
         return self._first_tokens(prompt, last, None)
 
-    def _begin_prefill(self, work: PrefillWork) -> _Prompt:
+    def _begin_prefill(self, work: PrefillWork, columns: int = 0) -> _Prompt:
         """Compute and store the work's shared prefixes (each one: the scheduler gave only those the store lacks),
         then make its rows the loop's, in a fresh cache, with their left-padded prompts' mask; returns the prompt
         forward to run, its stored chunks loaded (:attr:`_Prompt.inputs`)."""
@@ -464,6 +464,7 @@ class DecodeLoop:
         self.running = rows
         self.cache = self.new_cache(starts) if self.new_cache is not None else DynamicCache()
         input_ids, self.mask = left_pad(prompts, self.pad_token_id, self.device)
+        self.router.prepare_prompt(self.cache, rows, input_ids.shape[1], columns)
         position_ids = (self.mask.cumsum(-1) - 1).masked_fill(self.mask == 0, 1)
         prompt = _Prompt(work, prompts, input_ids, position_ids, starts, shared_computed)
         prompt.inputs = forward_inputs(self.cache, input_ids=input_ids, attention_mask=self.mask,

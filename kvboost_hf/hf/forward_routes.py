@@ -13,6 +13,7 @@ columns recorded in the cache (padding rows are copies of the last real row, nev
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -109,6 +110,7 @@ class ForwardRouter:
         real, padded = len(rows), self.graphs.rows_for(len(rows))
         cache.pad_batch(padded)
         if cache.max_cache_len is None or cache.max_cache_len <= cache.get_seq_length():  # no room for this token
+            self.graphs.adopt(cache)
             cache.set_max_cache_len(capacity)
         logits = self.graphs.step(cache, *(pad_rows(tensor, padded) for tensor in (last, positions[:, None], mask)))
         cache.record(last_on_host)
@@ -132,6 +134,36 @@ class ForwardRouter:
         keep = inputs["logits_to_keep"]
         return self.run(inputs).logits[:, -keep:, :].float()
 
+    def prepare_prompt(
+        self, cache: ChunkReuseCache | DynamicCache | None, rows: Sequence[DecodeRow], width: int, columns: int = 0
+    ) -> None:
+        """Before ``cache`` loads the stored chunks of a prompt forward ``width`` columns wide for ``rows`` (all
+        real: a batch at its row bucket), let it copy them straight into the static buffers the graphed prompt
+        forward will run on (:meth:`graphed_prompt`'s capacity, decided once the columns the chunks fill are
+        known), so each reused byte is copied once. Nothing when that forward cannot be graphed in one call:
+        no graphs, a draft, a plain cache, rows to pad, or a tail wider than ``columns`` (a token budget's chunk;
+        0: none)."""
+        if self.graphs is None or self.speculative or not isinstance(cache, ChunkReuseCache):
+            return
+        graphs, real, answer = self.graphs, len(rows), _answer(rows)
+        if graphs.rows_for(real) != real:
+            return
+
+        held_by = weakref.ref(cache)  # the cache keeps this function: no reference cycle (its buffers go with it)
+
+        def capacity(held: int) -> int | None:
+            target = held_by()
+            if target is None or target.expects_sparse_forward or not target.reuse_enabled:
+                return None
+            if target.attention_kwargs():
+                return None
+            if columns and width - held > columns:
+                return None
+            return graphs.prefill_capacity(real, held, width - held, answer)
+
+        graphs.adopt(cache)
+        cache.stitch_capacity = capacity
+
     def graphed_prompt(
         self, cache: ChunkReuseCache | DynamicCache | None, inputs: dict[str, Any], rows: Sequence[DecodeRow]
     ) -> torch.Tensor | None:
@@ -153,7 +185,8 @@ class ForwardRouter:
             return None
         padded = self.graphs.rows_for(real)
         cache.pad_batch(padded)
-        cache.set_max_cache_len(capacity)
+        self.graphs.adopt(cache)
+        cache.set_max_cache_len(capacity)  # none of it when the stored chunks were stitched into it (prepare_prompt)
         tensors = (pad_rows(inputs[name], padded) for name in ("input_ids", "position_ids", "attention_mask"))
         logits = self.graphs.prefill(cache, *tensors)
         cache.record(fed)

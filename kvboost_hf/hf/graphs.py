@@ -46,6 +46,7 @@ from transformers import PreTrainedModel
 from kvboost_hf.core.errors import ConfigError, InputError
 from kvboost_hf.core.values import is_integer
 from kvboost_hf.hf.models import CACHE_ARGUMENT
+from kvboost_hf.hf.static_buffers import StaticBufferPool
 
 __all__ = [
     "GraphConfig",
@@ -336,6 +337,14 @@ class GraphedDecoder:
         self.warm_up_seconds = 0.0
         self.verifiers: list[VerifyGraphs] = []
         self._warm_up = "lazy"  # "warming" while warm_up() runs, "ready" once one returned
+        self.buffers = StaticBufferPool()
+        """The static K/V buffers every cache made static for these graphs takes (:meth:`adopt`): a graph replays at
+        the addresses it was recorded with, request after request, instead of re-recording."""
+
+    def adopt(self, cache: Any) -> None:
+        """Let ``cache`` (a :class:`~kvboost_hf.hf.cache.ChunkReuseCache`) take its static buffers from
+        :attr:`buffers` when it becomes static."""
+        cache.static_buffers = self.buffers
 
     @property
     def state(self) -> str:
@@ -570,6 +579,7 @@ class GraphedDecoder:
         ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
         with torch.inference_mode():  # the prompt forward: one column of K/V per row
             self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{CACHE_ARGUMENT: cache})
+        self.adopt(cache)
         if device.type == "cuda":
             per_column = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)  # all rows, 1 column
             needed, free = per_column * capacity, torch.cuda.mem_get_info(device)[0]
@@ -640,6 +650,8 @@ class GraphedDecoder:
             "capture_bytes": self.capture_bytes,
             "warmed_shapes": len(self.warmed_shapes),
             "warm_up_seconds": self.warm_up_seconds,
+            "static_buffers_reused": self.buffers.reused,
+            "static_buffers_allocated": self.buffers.allocated,
         }
 
     def _graph(self) -> Callable[..., Any]:

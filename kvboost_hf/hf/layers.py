@@ -180,9 +180,13 @@ class ChunkReuseLayer(DynamicLayer):
             self._length = self._value_length = self._length + new
         return self._key_buffer, self._value_buffer
 
-    def set_max_cache_len(self, max_cache_len: int | None) -> None:
+    def set_max_cache_len(
+        self, max_cache_len: int | None, buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
         """Switch mode keeping the held columns: a number makes the layer static with that capacity (the columns
-        copied into fresh static buffers at a fixed address); None makes it grow again, writing on in the buffers
+        copied into static buffers at a fixed address: ``buffers``, keys and values ``[B, H_kv, max_cache_len, D]``
+        that nothing else uses, e.g. a :class:`~kvboost_hf.hf.static_buffers.StaticBufferPool`'s, their columns
+        past the held ones zeroed; else fresh zero buffers); None makes it grow again, writing on in the buffers
         it holds."""
         self.settle()
         if max_cache_len == self.max_cache_len:
@@ -194,8 +198,18 @@ class ChunkReuseLayer(DynamicLayer):
         keys, values = self.keys, self.values
         self.max_cache_len = max_cache_len
         if max_cache_len is not None and keys is not None and keys.dim() == 4:
-            self._key_buffer = self._value_buffer = None  # fresh static buffers: the setters copy the views in
+            # the setters copy the held views in (no copy where they already are the buffers' leading columns)
+            self._key_buffer, self._value_buffer = buffers if buffers is not None else (None, None)
             self.keys, self.values = keys, values
+            if buffers is not None:
+                self.clear_unheld_columns()
+
+    def clear_unheld_columns(self) -> None:
+        """Static mode: zero the buffers' columns past the held ones (a reused buffer's earlier contents), as a fresh
+        static buffer's are."""
+        assert self._key_buffer is not None and self._value_buffer is not None, "static buffers are held"
+        self._key_buffer[:, :, self._length :].zero_()
+        self._value_buffer[:, :, self._length :].zero_()
 
     def sync_device_length(self) -> None:
         """Static mode: set the device length to the host length (after a compiled step that raised before its

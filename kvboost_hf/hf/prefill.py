@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -143,9 +144,16 @@ class PrefillTarget(Protocol):
     stitched_bytes: int
     reuse_enabled: bool
     layer_filter: LayerFilter | None
+    stitch_capacity: Callable[[int], int | None] | None
 
     @property
     def num_columns(self) -> int: ...
+
+    def static_stacks(self, rows: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    def set_max_cache_len(
+        self, max_cache_len: int | None, stacks: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None: ...
 
     def check_extends(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None: ...
 
@@ -174,7 +182,7 @@ class ChunkPrefiller:
     def __init__(self, model: PreTrainedModel, mode: GenerationMode) -> None:
         self.model = model
         self.rotator = rotator_for(model) if mode is GenerationMode.CHUNK_KV_REUSE else None
-        self._entry_shape = kv_entry_shape(model)
+        self.entry_shape = kv_entry_shape(model)
 
     @torch.no_grad()
     def prefill(
@@ -233,7 +241,7 @@ class ChunkPrefiller:
             namespace=cache.namespace,
             chunking=cache.chunking,
             approximate=sparse_possible,
-            entry_shape=self._entry_shape,
+            entry_shape=self.entry_shape,
             device=self.device_and_dtype()[0],
         )
 
@@ -242,10 +250,16 @@ class ChunkPrefiller:
         layer buffers sized for the whole prompt (:func:`~kvboost_hf.hf.cache.grown_capacity`): the prompt's
         remaining tokens and the decode steps then write in place."""
         device, dtype = self.device_and_dtype()
-        layers, heads, head_dim = self._entry_shape
-        shape = (layers, full.shape[0], heads, grown_capacity(full.shape[1]), head_dim)
-        keys = torch.empty(shape, dtype=dtype, device=device)
-        values = torch.empty(shape, dtype=dtype, device=device)
+        layers, heads, head_dim = self.entry_shape
+        rows = full.shape[0]
+        capacity = cache.stitch_capacity(stop) if cache.stitch_capacity is not None else None
+        stacks = cache.static_stacks(rows, capacity) if capacity is not None and start == 0 else None
+        if stacks is not None:  # the static buffers the graphed prompt forward runs on: no second copy
+            keys, values = stacks
+        else:
+            shape = (layers, rows, heads, grown_capacity(full.shape[1]), head_dim)
+            keys = torch.empty(shape, dtype=dtype, device=device)
+            values = torch.empty(shape, dtype=dtype, device=device)
         for layer, layer_keys, layer_values in zip(cache.layers, keys, values, strict=True):
             if start:
                 layer_keys[:, :, :start].copy_(layer.keys)
@@ -254,6 +268,8 @@ class ChunkPrefiller:
         cache.stitched_bytes += write_leading_runs(keys, values, hits, cache.pads, start, stop)
         for layer, layer_keys, layer_values in zip(cache.layers, keys, values, strict=True):
             layer.take_buffers(layer_keys, layer_values, stop)  # written: a static layer copies them in
+        if stacks is not None:
+            cache.set_max_cache_len(capacity, stacks)  # the layers hold the stacks' leading columns: no copy
         cache.tokens = full[:, :stop].clone()
         for ledger, pad in zip(cache.ledgers, cache.pads, strict=True):
             ledger.stored = max(ledger.stored, sum(1 for _, end in ledger.spans if end <= stop - pad))
