@@ -302,10 +302,10 @@ def test_a_prefill_that_fails_to_begin_fails_its_batch_only(monkeypatch):
     rows = engine.factories.new_rows(requests)
     begin = decode_module.DecodeLoop._begin_prefill
 
-    def failing(loop, work):
+    def failing(loop, work, columns=0):
         if work.rows[0] is rows[1]:
             raise OSError("store unreachable")
-        return begin(loop, work)
+        return begin(loop, work, columns)
 
     monkeypatch.setattr(decode_module.DecodeLoop, "_begin_prefill", failing)
     failures: list[BaseException] = []

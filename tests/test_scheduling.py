@@ -708,8 +708,8 @@ def test_generate_many_prefills_mixed_lengths_in_forwards_of_similar_widths_with
     computed: list[int] = []
     begin = DecodeLoop._begin_prefill
 
-    def recorded_begin(loop, work):
-        prompt = begin(loop, work)
+    def recorded_begin(loop, work, columns=0):
+        prompt = begin(loop, work, columns)
         given = [len(prefix.tokens) for prefix in work.shared_prefixes]
         forwards.append(([row.context_length for row in work.rows], work.repeat, given))
         computed.append(sum(prompt.shared_computed.values()))  # the prefix tokens its shared prefixes computed
