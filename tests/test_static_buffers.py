@@ -121,3 +121,17 @@ def test_warm_requests_reuse_the_static_buffers_with_the_eager_engines_tokens(en
     assert stats["graphed_prefills"] == 3 and stats["eager_steps"] == 0
     assert stats["static_buffers_allocated"] == 2 and stats["static_buffers_reused"] == 6  # keys and values
     assert all(kept == addresses[0] for kept in addresses)
+
+
+def test_a_shape_whose_buffers_are_all_in_use_collects_once_until_one_comes_back():
+    pool = StaticBufferPool(max_per_shape=1)
+    held = pool.take(SHAPE, torch.float32, torch.device("cpu"))
+    for _ in range(3):
+        pool.take(SHAPE, torch.float32, torch.device("cpu"))
+    assert pool.collections == 1 and pool.allocated == 4  # one futile collection, not one per take
+    ident = held.data_ptr()
+    del held
+    again = pool.take(SHAPE, torch.float32, torch.device("cpu"))
+    assert again.data_ptr() == ident  # back by itself
+    pool.take(SHAPE, torch.float32, torch.device("cpu"))
+    assert pool.collections == 2  # a shape that got one back may collect again

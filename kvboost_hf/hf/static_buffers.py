@@ -17,7 +17,10 @@ write-back's slice) shares its storage, so two caches never write one buffer; on
 kernels and copies were queued on the same stream, so they complete before the next owner's; a buffer's columns
 past what its new owner copies in hold an earlier owner's finite K/V, which every forward masks (static layers
 attend only their held columns); the pool only grows when every buffer of a shape is in use, and keeps at most
-:attr:`StaticBufferPool.max_per_shape` free buffers of one shape.
+:attr:`StaticBufferPool.max_per_shape` buffers of one shape. Before growing it runs one garbage collection (a
+finished cache in a reference cycle, e.g. the one a compile traced, still counts as a user), but not again for a
+shape whose last collection freed nothing until one of its buffers comes back by itself (concurrent batches of
+one shape would otherwise pay a collection per request).
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ class StaticBufferPool:
         """Buffers handed out again (each one a CUDA graph re-record saved on a GPU)."""
         self.allocated = 0
         """Buffers allocated (kept or not)."""
+        self.collections = 0
+        """Garbage collections run to find a free buffer (each one costs up to ~0.3 s in a large process)."""
+        self._futile: set[Key] = set()  # shapes whose last collection freed nothing
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slot: int = 0) -> torch.Tensor:
         """A buffer of ``shape`` nobody else uses: a kept one whose users are all gone, else a fresh zero-filled
@@ -68,12 +74,19 @@ class StaticBufferPool:
         key = (slot, tuple(shape), dtype, torch.device(device))
         kept = self._buffers.setdefault(key, [])
         for collect in (False, True):
-            if collect and kept:
-                gc.collect()  # a finished cache in a reference cycle may still hold one
+            if collect:
+                if not kept or key in self._futile:
+                    break
+                gc.collect()  # a finished cache in a reference cycle (e.g. a compile's traced one) may hold one
+                self.collections += 1
             for buffer in kept:
                 if _storage_users(buffer) == 1:  # the pool's own tensor only
+                    if not collect:
+                        self._futile.discard(key)
                     self.reused += 1
                     return _handed_out(buffer)
+            if collect:  # every buffer in real use: no collection for this shape until one comes back by itself
+                self._futile.add(key)
         with torch.inference_mode(False):  # an ordinary tensor: crops and joins write it outside inference mode
             buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.allocated += 1
