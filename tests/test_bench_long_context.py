@@ -33,3 +33,20 @@ def test_the_campaign_runs_long_context_first():
         steps = gpu.campaign(dry_run)
         assert steps[0].name == "long_context" and "long_context" in steps[0].argv
         assert "tests/test_reuse_path.py" in next(step for step in steps if step.name == "tests").argv
+
+
+def test_a_size_past_the_models_context_is_refused_before_anything_runs(monkeypatch):
+    """The H200 run of ``--sizes 32768`` on the 32k-context 7B shape measured a full prefill, then failed: a size
+    whose prompt cannot fit is now refused first, naming the largest that fits."""
+    import pytest
+
+    from kvboost_hf.bench.shapes import random_engine
+    from kvboost_hf.core.errors import ConfigError
+
+    engine = random_engine("tiny", dtype="float32")
+    engine.max_context = 512  # as the engine reads it from the model's config
+    ran: list[str] = []
+    monkeypatch.setattr(type(engine), "generate", lambda *args, **kwargs: ran.append("generate"))
+    with pytest.raises(ConfigError, match=r"--sizes 600: .*context is 512: ask for at most \d+"):
+        long_context.run(engine, [300, 600], repeats=1)
+    assert ran == []

@@ -40,6 +40,7 @@ from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_resul
 from kvboost_hf.bench.profiling import CopyCounter, PhaseTimer, timed_call
 from kvboost_hf.bench.shapes import SHAPES, random_engine
 from kvboost_hf.core.chunking import ChunkingConfig
+from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.corpus import document_question, numbered_document
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.cache import ChunkReuseCache
@@ -218,7 +219,20 @@ def measure_size(engine: InferenceEngine, tokens: int, repeats: int) -> dict[str
     return row
 
 
+def check_sizes(engine: InferenceEngine, sizes: list[int]) -> None:
+    """Refuse, before anything runs, a document size whose prompt (the whole numbered sections and a question)
+    and 2 new tokens exceed the model's context."""
+    for tokens in sizes:
+        prompt = len(engine.encode(numbered_document(engine.tokenizer, tokens) + document_question(0)))
+        if engine.max_context and prompt + 2 > engine.max_context:
+            raise ConfigError(
+                f"--sizes {tokens}: its prompt is {prompt} tokens (whole sections and a question) and the model's "
+                f"context is {engine.max_context}: ask for at most {engine.max_context - 2 - (prompt - tokens)}"
+            )
+
+
 def run(engine: InferenceEngine, sizes: list[int], repeats: int) -> dict[str, Any]:
+    check_sizes(engine, sizes)
     engine.generate("warm-up " * 64, max_new_tokens=2, mode="baseline")  # allocator and kernel start-up
     rows = [measure_size(engine, tokens, repeats) for tokens in tqdm(sizes, desc="document sizes")]
     return {
