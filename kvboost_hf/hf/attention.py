@@ -25,6 +25,13 @@ kernel reads grouped K/V in place, where transformers' sdpa path copies every la
 times whenever a mask is given (a 16-token prompt chunk over 4k tokens of context: ~16% of its forward on the
 embedded model). Where neither can run (no Triton on CUDA, training, unsupported dtype/head dim/features) the call
 goes to transformers' sdpa implementation, with one log line per reason.
+
+The function is traceable by ``torch.compile(fullgraph=True)`` (the graphed decode steps and short prefills of
+:mod:`kvboost_hf.hf.graphs`) with the routing of its eager calls: every host-side decision it takes reads the
+tensors' shapes, devices and dtypes, module flags, or a constant resolved outside tracing (Triton's presence at
+import, ``TRITON_INTERPRET`` at trace time); fallbacks are logged by eager calls only. The kernel is the custom op
+``torch.ops.kvboost.flash_attention`` (:func:`flash_attention_op`), opaque to the compiler: inductor calls it and a
+CUDA graph captures its launches.
 """
 
 from __future__ import annotations
@@ -69,7 +76,15 @@ ROUTE_CPU_TO_SDPA = True
 kernel's tests: the test session sets that variable for Triton, so it cannot be what picks the route)."""
 
 
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+"""Whether Triton can be imported, looked up once here without importing it (so ``TRITON_INTERPRET`` can still be
+set before the kernel module loads): a constant that compiled graphs read instead of calling ``find_spec``."""
+
+
+@torch.compiler.assume_constant_result
 def _interpret_mode() -> bool:
+    """``TRITON_INTERPRET=1``: read per eager call; a compiled graph reads it once when traced and keeps the value
+    (Triton itself fixes interpretation when its kernels are first decorated, so it cannot change usefully later)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -80,18 +95,55 @@ def default_attn_implementation(device: torch.device) -> str | None:
 
 
 @functools.cache
-def _kernel() -> Callable[..., torch.Tensor] | None:
-    """The Triton launcher, imported on first use (so TRITON_INTERPRET can still be set before it), or None."""
-    if importlib.util.find_spec("triton") is None:
-        return None
+def _kernel() -> Callable[..., torch.Tensor]:
+    """The Triton launcher, imported on first launch (so TRITON_INTERPRET can still be set before it). Called only
+    by the custom op's implementation (:func:`flash_attention_op`), which runs eagerly, never under tracing; the
+    caller has checked :data:`_TRITON_INSTALLED`."""
     from kvboost_hf.kernels.flash_attention import flash_attention
 
     return flash_attention
 
 
+@torch.library.custom_op("kvboost::flash_attention", mutates_args=())
+def flash_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    causal: bool,
+) -> torch.Tensor:
+    """``torch.ops.kvboost.flash_attention``: the Triton kernel (:func:`kvboost_hf.kernels.flash_attention.
+    flash_attention`) as an op the compiler treats as opaque. q ``[B, H, Lq, D]``, k/v ``[B, H_kv, Lk, D]``,
+    ``mask`` None (causal bottom-right when ``causal``) or 4D -> a new contiguous ``[B, Lq, H, D]`` tensor in
+    ``query``'s dtype, on its device; the inputs are only read."""
+    return _kernel()(query, key, value, scale=scale, causal=causal, mask=mask)
+
+
+@flash_attention_op.register_fake
+def _flash_attention_fake(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    causal: bool,
+) -> torch.Tensor:
+    """The op's output under tracing: shape, dtype, device and (contiguous) strides of the launcher's ``out``."""
+    batch, heads, num_q, head_dim = query.shape
+    return query.new_empty(batch, num_q, heads, head_dim)
+
+
 @functools.cache
 def _log_fallback(reason: str, target: str = "torch SDPA") -> None:
     logger.warning("kvboost attention falls back to %s: %s", target, reason)
+
+
+def _warn_fallback(reason: str, target: str = "torch SDPA") -> None:
+    """Log a fallback once per (reason, target), from eager calls: under tracing (dynamo cannot trace the logging
+    or the cache around it) nothing is logged; the same call run eagerly logs it."""
+    if not torch.compiler.is_compiling():
+        _log_fallback(reason, target)
 
 
 def _unsupported_reason(query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict[str, Any]) -> str | None:
@@ -109,7 +161,7 @@ def _kernel_unavailable_reason(query: torch.Tensor, value: torch.Tensor) -> str 
     """Why the Triton kernel cannot run on these tensors (device, Triton, dtype, head dim), or None when it can."""
     if query.device.type != "cuda" and not _interpret_mode():
         return f"tensors are on {query.device.type} (set TRITON_INTERPRET=1 to run the kernel interpreted)"
-    if _kernel() is None:
+    if not _TRITON_INSTALLED:
         return "triton is not installed"
     if query.dtype not in _KERNEL_DTYPES:
         return f"dtype {query.dtype} is not supported"
@@ -173,7 +225,7 @@ def kvboost_attention_forward(
         return adjusted_attention(query, key, value, attention_mask, scale, adjustment, position_ids), None
     if any(kwargs.get(name) is not None for name in _EAGER_ONLY_KWARGS):
         used = [name for name in _EAGER_ONLY_KWARGS if kwargs.get(name) is not None]
-        _log_fallback(f"{used} are not implemented by SDPA", target="the model's eager attention")
+        _warn_fallback(f"{used} are not implemented by SDPA", target="the model's eager attention")
         return _eager_attention(module, query, key, value, attention_mask, causal, dropout, scaling, kwargs)
     if attention_mask is None and (num_q == num_k or num_q == 1) and ROUTE_PLAIN_TO_SDPA:
         # plain causal prefill, or one query seeing every key: torch's default SDPA needs no mask there and runs
@@ -187,17 +239,14 @@ def kvboost_attention_forward(
         return _grouped_sdpa(query, key, value, attention_mask, scaling, causal), None
     reason = reason or _kernel_unavailable_reason(query, value)
     if reason is not None:
-        _log_fallback(reason)
+        _warn_fallback(reason)
         if attention_mask is None and causal and 1 < num_q < num_k:
             attention_mask = bottom_right_causal_mask(num_q, num_k, query.device)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=causal, **kwargs
         )
     mask = attention_mask[..., :num_k] if attention_mask is not None else None
-    kernel = _kernel()
-    assert kernel is not None  # _kernel_unavailable_reason() returned None
-    out = kernel(query, key, value, scale=scaling, causal=causal and mask is None, mask=mask)
-    return out, None
+    return flash_attention_op(query, key, value, mask, scaling, causal and mask is None), None
 
 
 def _eager_attention(
