@@ -282,12 +282,18 @@ def _eager_attention(
 def _is_bottom_right_causal(
     q_length: int, kv_length: int, q_offset: Any, kv_offset: Any, mask_function: Callable, padding: Any
 ) -> bool:
-    """True when the mask is exactly causal with the queries being the last keys and no padding inside the window."""
-    if mask_function is not causal_mask_function or torch.compiler.is_compiling():
+    """True when the mask is exactly causal with the queries being the last keys and no padding inside the window.
+
+    Decided from Python ints only (the offsets: a static cache's tensor offset is never bottom-right causal here) and,
+    in eager calls, the padding's values; under tracing, where reading those would break the graph, any padding
+    counts as not causal, so a traced forward without a padding mask gets the eager forward's None mask."""
+    if mask_function is not causal_mask_function:
         return False
     if not (isinstance(q_offset, int) and isinstance(kv_offset, int)) or q_offset + q_length != kv_offset + kv_length:
         return False
-    return padding is None or bool(padding[:, kv_offset : kv_offset + kv_length].all())
+    if padding is None:
+        return True
+    return not torch.compiler.is_compiling() and bool(padding[:, kv_offset : kv_offset + kv_length].all())
 
 
 def kvboost_mask(
