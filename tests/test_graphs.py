@@ -177,6 +177,7 @@ def test_a_graphed_decode_step_synchronises_once_for_its_sampled_ids():
     """The runner's graphed plain step: the tokens fed reach the device without a wait, the cache records the
     host's copy, write-back skips rows with no complete chunk, so the sampled ids' transfer is the step's one
     synchronisation."""
+    import traceback
     import warnings
 
     model = make_tiny_model("qwen2").to("cuda")
@@ -188,15 +189,21 @@ def test_a_graphed_decode_step_synchronises_once_for_its_sampled_ids():
     for _ in range(3):  # compile, capture, replay
         loop.step()
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    syncs: list[str] = []  # the Python stack of each synchronising call (an H200 run saw 3: where they are)
+
+    def record(message, *args, **kwargs):
+        if "called a synchronizing" in str(message):
+            syncs.append("".join(traceback.format_stack(limit=12)[:-1]))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             loop.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
-    assert decoder.graphed_steps == 4 and len(syncs) == 1, syncs
+    assert decoder.graphed_steps == 4 and len(syncs) == 1, "\n--- a synchronisation at\n".join(["", *syncs])
 
 
 def decode_across_buckets(model, requests, graphs: GraphedDecoder | None) -> tuple[list[list[int]], list, list]:
