@@ -266,3 +266,36 @@ def test_rows_between_buckets_decode_through_the_larger_graph_with_generates_tok
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 def test_rows_between_buckets_decode_through_the_larger_cuda_graph_with_generates_tokens_in_fp32():
     rows_between_buckets_decode_through_the_larger_graph("cuda", None)  # inductor, reduce-overhead
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_cuda_graphed_decode_under_kvboost_attention_runs_graphed_near_the_eager_logits():
+    """A bf16 model under ``attn_implementation="kvboost"``: the default graphs (inductor, CUDA graphs) capture
+    decode steps whose attention is the Triton kernel's custom op over the static capacity. On an H200 every such
+    shape failed to compile (dynamo refused the attention function) and ran eagerly. Every step runs graphed, its
+    logits within bf16 rounding of the eager steps'."""
+    model = make_tiny_model("qwen2").to("cuda", torch.bfloat16)
+    model.set_attn_implementation("kvboost")
+    ids = torch.tensor([PROMPTS[0]], device="cuda")
+    steps = 6
+
+    def decode(decoder: GraphedDecoder) -> torch.Tensor:
+        cache = ChunkReuseCache(ChunkStore(StoreConfig(1 << 24)), model, 16, mode="baseline", adapter=False,
+                                write_back=False, max_cache_len=CAPACITY)  # fmt: skip
+        logits = []
+        with torch.inference_mode():
+            token = forward(model, cache, input_ids=ids, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            for step in range(steps):
+                position = torch.tensor([[ids.shape[1] + step]], device="cuda")
+                logits.append(decoder.step(cache, token, position).float())
+                cache.record(token.cpu())
+                token = logits[-1].argmax(-1, keepdim=True)
+        return torch.cat(logits)
+
+    torch._dynamo.reset()
+    expected = decode(GraphedDecoder(model, GraphConfig(enabled=False)))
+    decoder = GraphedDecoder(model, GraphConfig(row_buckets=(1,)))
+    graphed = decode(decoder)
+    assert (decoder.graphed_steps, decoder.failed_shapes) == (steps, set())
+    assert (graphed - expected).abs().max() <= 2e-2 * expected.abs().max()
