@@ -174,6 +174,7 @@ class GraphedVerifier:
         bucket, capacity, drafts = shape
         rows, queries = input_ids.shape
         if cache.max_cache_len != capacity:
+            self.graphs.adopt(cache)  # the static buffers of the cache before it: the graph replays, no re-record
             cache.set_max_cache_len(capacity)
         cache.pad_batch(bucket)
         extra = 1 + drafts - queries
