@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
+from test_attention_integration import TINY  # the same tiny Qwen2 shape
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, Qwen2Config
 
 from kvboost_hf import ChunkReuseCache, ChunkStore
@@ -24,15 +25,6 @@ from kvboost_hf.hf.prefill import forward
 from kvboost_hf.store.config import StoreConfig
 
 ATOL = 1e-5  # fp32 logits: the same kernels run eagerly and in the graph
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 128,
-    "max_position_embeddings": 256,
-}
 Call = tuple[int, int, bool]  # (queries, keys, mask is None) of one attention call
 
 

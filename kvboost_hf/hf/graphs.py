@@ -639,7 +639,8 @@ class GraphedDecoder:
 
     def stats(self) -> dict[str, Any]:
         """Counters for ``cache_stats()``: decode steps and prefills each way, shapes graphed and failed, capture
-        bytes, shapes warmed up and the warm-ups' seconds."""
+        bytes, shapes warmed up and the warm-ups' seconds, and the static K/V buffers handed out again, allocated
+        and kept (bytes, in use or free: device memory the pool holds between requests)."""
         return {
             "graphed_steps": self.graphed_steps,
             "eager_steps": self.eager_steps,
@@ -652,6 +653,7 @@ class GraphedDecoder:
             "warm_up_seconds": self.warm_up_seconds,
             "static_buffers_reused": self.buffers.reused,
             "static_buffers_allocated": self.buffers.allocated,
+            "static_buffers_bytes": self.buffers.kept_bytes,
         }
 
     def _graph(self) -> Callable[..., Any]:
