@@ -135,3 +135,34 @@ def test_a_shape_whose_buffers_are_all_in_use_collects_once_until_one_comes_back
     assert again.data_ptr() == ident  # back by itself
     pool.take(SHAPE, torch.float32, torch.device("cpu"))
     assert pool.collections == 2  # a shape that got one back may collect again
+
+
+def test_idle_buffers_past_the_cap_go_least_recently_taken_first():
+    """The cap is applied at each take: idle buffers (no cache uses them) beyond it are dropped, those of the least
+    recently taken shapes first; buffers in use never count."""
+    tiny, small, large = ((1, 1, 2, columns, 8) for columns in (8, 16, 64))
+    nbytes = {shape: torch.empty(shape).nbytes for shape in (tiny, small, large)}
+    pool = StaticBufferPool(max_free_bytes=nbytes[large])
+    pool.take(small, torch.float32, torch.device("cpu"))
+    pool.take(large, torch.float32, torch.device("cpu"))  # both idle now, small the older
+    in_use = pool.take(tiny, torch.float32, torch.device("cpu"))
+    assert pool.dropped == 1 and pool.kept_bytes == nbytes[large] + nbytes[tiny]  # small went, large stayed
+    assert pool.take(large, torch.float32, torch.device("cpu")).data_ptr() != in_use.data_ptr()
+    assert pool.reused == 1
+
+
+def test_an_allocation_out_of_memory_drops_the_idle_buffers_and_tries_again(monkeypatch):
+    pool = StaticBufferPool()
+    pool.take(SHAPE, torch.float32, torch.device("cpu"), slot=3)  # idle from here on
+    zeros, failures = torch.zeros, []
+
+    def out_of_memory_once(*args, **kwargs):
+        if not failures:
+            failures.append(pool.kept_bytes)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return zeros(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", out_of_memory_once)
+    buffer = pool.take((4, 4), torch.float32, torch.device("cpu"))
+    assert failures == [first_bytes()] and buffer.shape == (4, 4)
+    assert pool.dropped == 1 and pool.kept_bytes == buffer.nbytes
