@@ -368,6 +368,10 @@ def test_a_warm_flag_naming_no_readable_file_exits_2_before_the_model_loads(tmp_
     for warm, found in ((tmp_path / "missing.txt", "not found"), (tmp_path, "a directory")):
         assert launch.serve(parser.parse_args(["--warm", str(warm)])) == 2
         assert f"--warm must name a readable text file, got {warm} ({found})" in capsys.readouterr().err
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\u00e9 cr\u00e8me".encode("latin-1"))  # not UTF-8: it failed after the model loaded
+    assert launch.serve(parser.parse_args(["--warm", str(latin1)])) == 2
+    assert f"--warm must name a UTF-8 text file, got {latin1}" in capsys.readouterr().err
     (tmp_path / "docs.txt").write_text("a document")
     check_settings(parser.parse_args(["--warm", str(tmp_path / "docs.txt")]))
 

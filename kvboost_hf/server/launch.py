@@ -229,6 +229,11 @@ def check_settings(args: argparse.Namespace) -> None:
     if args.warm is not None and not (args.warm.is_file() and os.access(args.warm, os.R_OK)):
         found = "a directory" if args.warm.is_dir() else "not readable" if args.warm.exists() else "not found"
         raise ConfigError(f"--warm must name a readable text file, got {args.warm} ({found})")
+    if args.warm is not None:
+        try:
+            args.warm.read_text(encoding="utf-8")  # read again once the model is loaded
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"--warm must name a UTF-8 text file, got {args.warm} ({error})") from None
     boundary_window = settings_values(ChunkingConfig, args)["boundary_window"]
     ChunkingConfig(**{**settings_values(ChunkingConfig, args), "boundary_window": 0})
     if boundary_window < 0:
