@@ -91,7 +91,7 @@ from kvboost_hf.core.keys import KeySpace, chain_prefix_keys
 from kvboost_hf.core.values import check_bounds, is_integer
 from kvboost_hf.hf.decode import DecodeRow, PrefillWork, RowOutput, SharedPrefix
 from kvboost_hf.kv_budget import BatchShape, KVBudget
-from kvboost_hf.reuse.plan import ChunkSource, has_nonprefix_hits
+from kvboost_hf.reuse.plan import ChunkSource, has_nonprefix_hits, stored_prefix_tokens
 
 #: Rows running at once unless the caller says otherwise (``ServerConfig.max_batch_size``, the engine's
 #: ``generate_many`` and ``core``, :class:`Scheduler`'s ``max_rows``): the one place this default is written.
@@ -167,13 +167,17 @@ class BatchPolicy:
         """The prefills of ``rows`` of tenant ``cache_salt`` admitted together (see :func:`prefill_works`), less the
         shared prefixes the store holds already (:func:`without_stored_prefixes`: reads the store), so the runner
         computes every prefix it is given."""
+        namespace = self.key_space.namespace(cache_salt)
         works = prefill_works(
             rows,
             self.chunking,
             reuse=self.mode is not GenerationMode.BASELINE,
             alone=lambda prompt_ids, starts: self.prefill_alone(prompt_ids, cache_salt, starts),
+            stored=lambda together: stored_prefix_tokens(
+                self.store, [row.context_ids for row in together], namespace=namespace, chunking=self.chunking
+            ),
         )
-        return without_stored_prefixes(works, self.store, self.key_space.namespace(cache_salt), self.chunking)
+        return without_stored_prefixes(works, self.store, namespace, self.chunking)
 
 
 def prefill_works(
@@ -183,6 +187,7 @@ def prefill_works(
     reuse: bool,
     alone: Callable[[Sequence[int], Sequence[int]], bool],
     slack: int = PADDING_SLACK,
+    stored: Callable[[Sequence[DecodeRow]], list[int]] | None = None,
 ) -> list[PrefillWork]:
     """The prefills of ``rows`` admitted together (rule 3): first the rows prefilled together, one work per
     :func:`padding_groups` group (narrowest first), then, per prompt and segment starts that ``alone(prompt ids,
@@ -193,16 +198,31 @@ def prefill_works(
     the later ones load it), and a work of one segment setting its segment starts. ``alone`` is asked once per
     distinct prompt, and not at all when the rows are one prompt.
 
+    ``stored`` (with ``reuse``): per row of those prefilled together, the tokens the store holds of its context as
+    leading prefix chunks; each padding group is then split the same way by the tokens left to compute (context
+    less stored), since a left-padded prompt forward loads for every row only the columns all its rows have stored
+    and computes the rest: a cold row beside warm ones made them all compute their whole prompts.
+
     Invariants: every row is in exactly one work; in a work prefilled together ``widest - narrowest <=
     max(narrowest, slack)`` context tokens, so each row's left padding is at most ``max(its context tokens,
-    slack)`` columns (see :func:`padding_groups`)."""
+    slack)`` columns (see :func:`padding_groups`), and with ``stored`` the same bound holds for the tokens left to
+    compute as the store held them when asked, so no row computes more than ``max(2 x its own, its own + slack)``
+    of them."""
     keys = [row.prefill_setting for row in rows]  # tuples of the whole prompt: built once per row
     settings = list(dict.fromkeys(keys))
     if len(settings) == 1:
         return [prefill_work(rows, reuse=reuse, settings=settings)]
     verdicts = {setting: alone(*setting) for setting in settings}
     together = [row for row, key in zip(rows, keys, strict=True) if not verdicts[key]]
-    works = [prefill_work(group, reuse=reuse) for group in padding_groups(together, slack)]
+    groups = padding_groups(together, slack)
+    if reuse and stored is not None and len(together) > 1:
+        held = dict(zip(map(id, together), stored(together), strict=True))
+        groups = [
+            part
+            for group in groups
+            for part in length_groups(group, lambda row: row.context_length - held[id(row)], slack)
+        ]
+    works = [prefill_work(group, reuse=reuse) for group in groups]
     if reuse and not any(row.request.segment_starts for row in together):  # prefixes: chunked without starts
         computed = [row for work in works for row in (work.rows[:1] if work.repeat else work.rows)]
         works = give_prefixes(works, shared_prefixes([row.context_ids for row in computed], chunking))
@@ -236,22 +256,30 @@ def without_stored_prefixes(
 
 
 def padding_groups(rows: Sequence[DecodeRow], slack: int = PADDING_SLACK) -> list[list[DecodeRow]]:
-    """``rows`` split into the groups of one left-padded prompt forward each, narrowest first: walking the context
-    lengths up, a group starts with its narrowest row and takes the next rows while they are at most
-    ``max(narrowest, slack)`` tokens wider; each group holds its rows in their order in ``rows`` (so rows within
-    the slack of each other are one group in the caller's order).
+    """``rows`` split into the groups of one left-padded prompt forward each by context length
+    (:func:`length_groups`).
 
     Invariants: every row is in exactly one group; in each, ``widest - narrowest <= max(narrowest, slack)``, so a
     row's left padding (the group's widest less its length) is at most ``max(its length, slack)`` columns: a
     forward's padding cells are at most its real cells, or ``slack`` per row for rows shorter than ``slack``; rows
     of one length (those of one prompt) are in one group."""
-    starts: list[int] = []  # each group's narrowest context length, ascending
-    for length in sorted(row.context_length for row in rows):
-        if not starts or length - starts[-1] > max(starts[-1], slack):
-            starts.append(length)
+    return length_groups(rows, lambda row: row.context_length, slack)
+
+
+def length_groups(
+    rows: Sequence[DecodeRow], length: Callable[[DecodeRow], int], slack: int = PADDING_SLACK
+) -> list[list[DecodeRow]]:
+    """``rows`` split by ``length(row)`` (tokens), shortest first: walking the lengths up, a group starts with its
+    shortest row and takes the next rows while they are at most ``max(shortest, slack)`` tokens longer; each group
+    holds its rows in their order in ``rows``. Every row is in exactly one group; rows of one length in one."""
+    lengths = [length(row) for row in rows]
+    starts: list[int] = []  # each group's shortest length, ascending
+    for value in sorted(lengths):
+        if not starts or value - starts[-1] > max(starts[-1], slack):
+            starts.append(value)
     groups: list[list[DecodeRow]] = [[] for _ in starts]
-    for row in rows:
-        groups[bisect.bisect_right(starts, row.context_length) - 1].append(row)
+    for row, value in zip(rows, lengths, strict=True):
+        groups[bisect.bisect_right(starts, value) - 1].append(row)
     return groups
 
 

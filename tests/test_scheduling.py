@@ -1158,3 +1158,58 @@ def test_the_server_counts_the_prompt_tokens_of_a_chunked_prefill(engine, token_
         worker.shutdown(grace_s=5)
     counted = {origin: worker.metrics.prompt_tokens.labels(origin)._value.get() for origin in ("computed", "loaded")}
     assert counted == {"computed": len(prompt) - 64, "loaded": 64}
+
+
+def test_a_warm_prompt_admitted_with_a_cold_one_loads_its_stored_prefix(engine, monkeypatch):
+    """A 100-token prompt the store holds (its 12 chunks of 8 and its unfinished last 4 tokens), admitted with a
+    cold prompt of 100 tokens: they were one left-padded forward, which loads for every row only the columns all
+    rows have stored, so the warm row computed its whole prompt (0 cached). They are now two forwards (split by the
+    tokens left to compute), the warm one loading all but its last token; both outputs equal transformers' greedy
+    ones."""
+    engine.store.clear()
+    warm, cold = words(110, 100), words(111, 100)
+    assert [len(engine.encode(p)) for p in (warm, cold)] == [100, 100]
+    engine.generate(warm, max_new_tokens=1)  # stores the warm prompt
+    expected = [engine_reference(engine, p, 4).tokens for p in (warm, cold)]
+    forwards: list[list[int]] = []
+    begin = DecodeLoop._begin_prefill
+
+    def recorded_begin(loop, work, columns=0):
+        forwards.append([row.context_length for row in work.rows])
+        return begin(loop, work, columns)
+
+    monkeypatch.setattr(DecodeLoop, "_begin_prefill", recorded_begin)
+    results = engine.generate_many([warm, cold], max_new_tokens=4, max_batch_size=8)
+    assert [result.output_ids for result in results] == expected
+    assert forwards == [[100], [100]]
+    assert [result.cached_tokens for result in results] == [99, 0]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(1, 300), st.integers(0, 300)), min_size=1, max_size=12),
+    slack=st.integers(0, 80),
+)
+def test_prefill_works_bound_both_the_padding_and_the_tokens_left_to_compute(rows, slack):
+    """With the store's prefix coverage given, each work prefilled together keeps the padding bound of
+    :func:`padding_groups` and the same bound on the tokens left to compute (context less stored): no row of a
+    work computes more than ``max(2 x its own, its own + slack)``; every row is in exactly one work."""
+    lengths = [length for length, _ in rows]
+    held = {index: min(stored, length - 1) for index, (length, stored) in enumerate(rows)}
+    requests = [DecodeRequest(prompt_ids=[index + 2] * n, max_new_tokens=1) for index, n in enumerate(lengths)]
+    decode_rows = DecodeLoop.rows_for(requests, set())
+    index_of = {id(row): index for index, row in enumerate(decode_rows)}
+    works = prefill_works(
+        decode_rows,
+        ChunkingConfig(chunk_size=8),
+        reuse=True,
+        alone=lambda ids, starts: False,
+        slack=slack,
+        stored=lambda together: [held[index_of[id(row)]] for row in together],
+    )
+    assert sorted(id(row) for work in works for row in work.rows) == sorted(map(id, decode_rows))
+    for work in works:
+        sizes = [row.context_length for row in work.rows]
+        tails = [row.context_length - held[index_of[id(row)]] for row in work.rows]
+        assert all(max(sizes) - n <= max(n, slack) for n in sizes)
+        assert all(max(tails) - t <= max(t, slack) for t in tails)

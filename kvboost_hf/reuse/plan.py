@@ -309,6 +309,23 @@ def _tail_window(span: Span) -> tuple[int, int]:
     return span[0], span[1] - span[0] - 1
 
 
+def stored_prefix_tokens(
+    store: ChunkSource, prompts: Sequence[Sequence[int]], *, namespace: str, chunking: ChunkingConfig
+) -> list[int]:
+    """Per prompt, the tokens its leading run of stored prefix chunks covers (what a plan of it alone would load,
+    less any stored unfinished last chunk): one ``contains_many`` for all of them."""
+    spans = [chunk_spans(tokens, chunking) for tokens in prompts]
+    chains = [chain_prefix_keys(namespace, tokens, row_spans) for tokens, row_spans in zip(prompts, spans, strict=True)]
+    found = store.contains_many([key for chain in chains for key in chain])
+    covered, start = [], 0
+    for chain, row_spans in zip(chains, spans, strict=True):
+        flags = found[start : start + len(chain)]
+        start += len(chain)
+        run = flags.index(False) if False in flags else len(flags)
+        covered.append(row_spans[run - 1][1] if run else 0)
+    return covered
+
+
 def has_nonprefix_hits(
     store: ChunkSource,
     tokens: Sequence[int],
