@@ -11,7 +11,7 @@ import threading
 from typing import TYPE_CHECKING, Any, cast
 
 from kvboost_hf.core.errors import KVBoostError
-from kvboost_hf.serve_ray.routing import FALLBACKS
+from kvboost_hf.serve_ray.routing import DEFAULT_FALLBACK, DEFAULT_IMBALANCE_THRESHOLD, FALLBACKS
 from kvboost_hf.server.launch import (
     LOOPBACK,
     add_arguments,
@@ -42,10 +42,10 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--imbalance-threshold",
         type=int,
-        default=1,
+        default=DEFAULT_IMBALANCE_THRESHOLD,
         help="prefix routing: in-flight requests by which replicas may differ before load decides",
     )
-    group.add_argument("--fallback", choices=FALLBACKS, default="least_loaded", help="prefix routing without a match")
+    group.add_argument("--fallback", choices=FALLBACKS, default=DEFAULT_FALLBACK, help="prefix routing without a match")
     group.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica")
     group.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs per replica (1: one replica per GPU)")
     group.add_argument("--max-ongoing-requests", type=int, default=16, help="requests a replica accepts at once")

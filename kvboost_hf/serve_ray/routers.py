@@ -14,7 +14,14 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from kvboost_hf.serve_ray.routing import InFlight, PrefixTable, choose_ranked, request_keys
+from kvboost_hf.serve_ray.routing import (
+    DEFAULT_FALLBACK,
+    DEFAULT_IMBALANCE_THRESHOLD,
+    InFlight,
+    PrefixTable,
+    choose_ranked,
+    request_keys,
+)
 
 
 class ChunkAffinityRouter(RequestRouter):
@@ -28,8 +35,8 @@ class ChunkAffinityRouter(RequestRouter):
 
     def initialize_state(
         self,
-        imbalance_threshold: int = 1,
-        fallback: str = "least_loaded",
+        imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD,
+        fallback: str = DEFAULT_FALLBACK,
         table_capacity: int = 1 << 16,
         seed: int | None = None,
         **kwargs: Any,

@@ -23,6 +23,9 @@ from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.core.keys import KeySpace, chain_prefix_keys
 
 FALLBACKS = ("least_loaded", "power_of_two")
+DEFAULT_FALLBACK = FALLBACKS[0]
+DEFAULT_IMBALANCE_THRESHOLD = 1
+"""In-flight requests by which replicas may differ before prefix routing lets load decide."""
 DEFAULT_MAX_CHUNKS = 512  # keys computed per request: 512 chunks of the default 128 tokens cover 64k tokens
 
 
@@ -124,8 +127,8 @@ def choose_ranked(
     loads: Mapping[str, int],
     table: PrefixTable,
     *,
-    imbalance_threshold: int = 1,
-    fallback: str = "least_loaded",
+    imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD,
+    fallback: str = DEFAULT_FALLBACK,
     rng: random.Random | None = None,
 ) -> list[list[str]]:
     """Ranks of ``candidates`` for a request with chunk ``keys`` (Ray Serve tries the first rank first and takes
