@@ -37,7 +37,9 @@ dropped with the rejected nodes): where verify forwards may run graphed, ``tree_
 (``extra_tree_columns(padded=graphed_drafts)``), a chain's padding included.
 
 Not counted: what a forward holds while it runs besides the caches (activations, logits, the copy a join or a
-repeated prompt makes): the share of free memory the budget leaves (:data:`DEVICE_FRACTION`) is for those.
+repeated prompt makes), and the graphs' static buffers no cache uses between requests (at most 5% of the device's
+memory: :mod:`~kvboost_hf.hf.static_buffers`): the share of free memory the budget leaves (:data:`DEVICE_FRACTION`)
+is for those.
 """
 
 from __future__ import annotations
