@@ -102,7 +102,9 @@ def warm_turn_prefills_graphed(device: str, backend: str | None, conversations: 
         assert torch.allclose(entry.values, eager.values, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("conversations", [[0], [0, 1, 2]])  # 1 row; 3 rows in the 4-row graph
+# 1 row and 2 rows (at their row bucket: stored chunks stitched straight into the static buffers, left-padded for
+# 2); 3 rows in the 4-row graph (padded rows: the cache is made static after stitching)
+@pytest.mark.parametrize("conversations", [[0], [0, 1], [0, 1, 2]])
 def test_a_warm_chat_turn_prefills_graphed_with_generates_tokens_and_the_eager_store(conversations):
     warm_turn_prefills_graphed("cpu", "eager", conversations)  # traced, no code generation
 
