@@ -195,22 +195,45 @@ def profile_steps(
             cache.record(token)
             token = logits.argmax(-1, keepdim=True)
         synchronize(token.device)
+    sort_key = "self_device_time_total" if token.device.type == "cuda" else "self_cpu_time_total"
+    return profile_summary(profiler, steps, sort_key)
+
+
+def profile_summary(profiler: Any, steps: int, sort_key: str) -> dict[str, Any]:
+    """Per step of ``steps``: the device's kernel ms, the host's synchronising calls (a blocking cudaMemcpy, not
+    ...Async, and every synchronize: each a wait on the device), and the top operations by ``sort_key``."""
     averages = profiler.key_averages()
     kernels_us = sum(
         getattr(event, "self_device_time_total", 0) for event in profiler.events()
         if str(getattr(event, "device_type", "")).endswith("CUDA")
     )  # fmt: skip
-    # a blocking cudaMemcpy (not ...Async) and every synchronize wait on the device
     syncs = sum(
         event.count for event in averages
         if event.key.startswith(SYNCHRONIZING_CALLS) and not event.key.startswith("cudaMemcpyAsync")
     )  # fmt: skip
-    sort_key = "self_device_time_total" if token.device.type == "cuda" else "self_cpu_time_total"
     return {
         "profile_device_ms_per_step": kernels_us / 1e3 / steps,
         "profile_syncs_per_step": syncs / steps,
         "profile_table": averages.table(sort_by=sort_key, row_limit=12, max_name_column_width=60),
     }
+
+
+def profile_engine(engine: Any, texts: list[str], steps: int) -> dict[str, Any]:
+    """One more ``generate_batch`` of ``texts`` for ``steps`` tokens under ``torch.profiler``: per token step its
+    wall ms, the device's kernel ms and the synchronising host calls, and the top operations by host time (where an
+    engine step's host work goes: the gap between wall and device time); empty when ``steps`` is 0."""
+    if steps <= 0:
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    started = time.perf_counter()
+    with profile(activities=activities) as profiler:
+        engine.generate_batch(texts, steps, temperature=0)
+        synchronize(engine.device)
+    wall_ms = (time.perf_counter() - started) * 1e3
+    return {"profile_wall_ms_per_step": wall_ms / steps, **profile_summary(profiler, steps, "self_cpu_time_total")}
 
 
 def engine_arm(model: PreTrainedModel, arm: str, prompt: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
@@ -239,7 +262,9 @@ def engine_arm(model: PreTrainedModel, arm: str, prompt: torch.Tensor, args: arg
     warmup_s = time.perf_counter() - started
     results = engine.generate_batch(texts, args.steps, temperature=0)
     stats = engine.cache_stats()
+    profiled = profile_engine(engine, texts, args.profile_steps)
     return {
+        **profiled,
         "tok_per_s": sum(result.tokens_per_sec for result in results),
         "step_ms": 1e3 * len(results) / max(sum(result.tokens_per_sec for result in results), 1e-9),
         "forward_ms": None,
@@ -279,8 +304,10 @@ def measure_shape(shape: str, args: argparse.Namespace, device: torch.device, ba
                 flush=True,
             )
             if "profile_table" in figures:
+                wall = figures.get("profile_wall_ms_per_step")
                 print(
-                    f"profiled: device {figures['profile_device_ms_per_step']:.2f} ms/step, "
+                    ("profiled: " if wall is None else f"profiled: wall {wall:.2f} ms/step, ")
+                    + f"device {figures['profile_device_ms_per_step']:.2f} ms/step, "
                     f"{figures['profile_syncs_per_step']:.1f} synchronisations/step\n{figures['profile_table']}",
                     flush=True,
                 )

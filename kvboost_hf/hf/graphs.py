@@ -33,6 +33,7 @@ dummy cache that no request sees.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -483,10 +484,12 @@ class GraphedDecoder:
         forward: Callable[[], torch.Tensor],
     ) -> torch.Tensor | None:
         """``forward()``, a graphed forward of ``shape``, under the graphs' rules: counted in ``runs`` (runs per
-        shape); on CUDA its first three runs add the memory they reserve to :attr:`capture_bytes`; when the shape's
-        first run raises (its compile or capture), the shape joins ``failed`` (logged), the cache's device lengths
-        are re-synced (a failed compile may have run part of the forward) and the result is None; a later raise is
-        not a compile's and propagates."""
+        shape); on CUDA its first three runs add the memory they reserve to :attr:`capture_bytes`; after its first
+        run (the compile) a garbage collection frees what the compile left in reference cycles, which held the
+        traced cache's static buffers (the pool, :attr:`buffers`, would collect for them inside a later request);
+        when the shape's first run raises (its compile or capture), the shape joins ``failed`` (logged), the cache's
+        device lengths are re-synced (a failed compile may have run part of the forward) and the result is None; a
+        later raise is not a compile's and propagates."""
         watch = runs.get(shape, 0) < 3 and device.type == "cuda"
         before = torch.cuda.memory_reserved(device) if watch else 0
         try:
@@ -501,6 +504,8 @@ class GraphedDecoder:
             return None
         if watch:
             self.capture_bytes += max(0, torch.cuda.memory_reserved(device) - before)
+        if shape not in runs:  # it compiled: free what the compile left in reference cycles (it traced this cache,
+            gc.collect()  # whose static buffers the pool would otherwise collect for inside a later request)
         runs[shape] = runs.get(shape, 0) + 1
         return logits
 
