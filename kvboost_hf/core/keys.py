@@ -67,13 +67,19 @@ def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Parameters and persistent buffers: what a checkpoint holds. Non-persistent buffers (a rotary ``inv_freq``)
     are derived from the config, and a length-dependent RoPE rewrites them at each forward, so they are left out:
     the digest does not change with the length of the last sequence the model saw."""
-    buffers = [
-        (f"{prefix}.{name}" if prefix else name, buffer)
-        for prefix, module in model.named_modules()
-        for name, buffer in module._buffers.items()
-        if buffer is not None and name not in module._non_persistent_buffers_set
-    ]
-    return [*model.named_parameters(), *buffers]
+    parameters: list[tuple[str, torch.Tensor]] = []
+    buffers: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()  # a parameter shared by two modules (tied embeddings) once, as named_parameters() does
+    for prefix, module in model.named_modules():  # one walk (this check runs per request)
+        dot = f"{prefix}." if prefix else ""
+        for name, parameter in module._parameters.items():
+            if parameter is not None and id(parameter) not in seen:
+                seen.add(id(parameter))
+                parameters.append((dot + name, parameter))
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                buffers.append((dot + name, buffer))
+    return [*parameters, *buffers]
 
 
 def _signature(tensors: list[tuple[str, torch.Tensor]]) -> tuple:
