@@ -35,6 +35,7 @@ from kvboost_hf.hf.forward_routes import forwards_pack
 from kvboost_hf.hf.graphs import GraphedDecoder, graphed_columns, graphed_drafts, graphed_rows
 from kvboost_hf.hf.layers import has_sliding_layers
 from kvboost_hf.hf.models import (
+    cache_restart_length,
     check_model_support,
     forward_read_bytes,
     kv_entry_shape,
@@ -317,6 +318,7 @@ class Factories:
             join_padding_limit=self.join_padding_limit(pack_forwards),
             batch_window_s=batch_window_ms / 1e3,
             tokenizer_lock=tokenizer_lock,
+            restart_after=cache_restart_length(self.model),
         )
         return EngineCore(scheduler, ModelRunner(new_loop, on_close=self.totals.count, pack_forwards=pack_forwards))
 

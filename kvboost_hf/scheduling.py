@@ -48,6 +48,11 @@ The rules, in order:
    the tokens it would have taken. A group that cannot fit the budget alone is refused
    (:class:`~kvboost_hf.core.errors.CapacityError` from :meth:`Scheduler.add`, or through ``on_fail`` when the
    budget was lowered under it);
+2d. a long-RoPE restart (``restart_after``: models whose ``generate()`` drops its cache once the sequence passes
+   their original length, Phi3's family, :func:`~kvboost_hf.hf.models.cache_restart_length`): a running row whose
+   context (prompt and tokens) passes ``restart_after`` tokens, its K/V all computed at or below it, is preempted as
+   in 2c and queued again at the front, once: its next forward is a prefill of its whole context, computed with the
+   long factors at every position (reuse is off past that length), as ``generate()`` recomputes it;
 3. prefill: the rows admitted to a batch in one schedule are prefilled together, in left-padded forwards of rows of
    similar context lengths (:func:`padding_groups`: a row's left padding is at most its own length or
    :data:`PADDING_SLACK` columns, so short prompts admitted with a long one are not padded to its width), except
@@ -628,6 +633,8 @@ class Scheduler:
         batch_window_s: how long the oldest pending group of a key waits for others before its batch forms
             (``skip_windows = True`` admits without waiting).
         tokenizer_lock: serialises ``decode`` with other threads using the same tokenizer (None: no lock).
+        restart_after: context tokens past which a running row is prefilled again from its whole context (rule 2d;
+            None: never).
     """
 
     def __init__(
@@ -642,6 +649,7 @@ class Scheduler:
         join_padding_limit: int | None = None,
         batch_window_s: float = 0.0,
         tokenizer_lock: contextlib.AbstractContextManager | None = None,
+        restart_after: int | None = None,
     ) -> None:
         for name, value in (("max_rows (max_batch_size)", max_rows), ("token_budget", token_budget)):
             if not is_integer(value):
@@ -661,6 +669,7 @@ class Scheduler:
         self.kv_budget = kv_budget
         self.memory = memory if memory is not None else MemoryCounters()
         self.join_padding_limit = join_padding_limit
+        self.restart_after = restart_after
         self._admissions = 0
         self._batch_ids = itertools.count()
         self.batch_window_s = batch_window_s
@@ -730,6 +739,7 @@ class Scheduler:
         the admitted rows' prefills, and split the step's token budget: a decode step for every running row first,
         then chunks of the prefills, oldest first (:func:`split_budget`)."""
         now = time.perf_counter() if now is None else now
+        self._restart_long_contexts()
         self._preempt()
         admitted: dict[int, tuple[bool, list[RequestGroup]]] = {}
         for key, batch, groups in self._admit(now):
@@ -837,6 +847,31 @@ class Scheduler:
         if preempted:
             with self._queue_lock:
                 self._pending[:0] = sorted(preempted, key=lambda group: group.admission)
+
+    def _restart_long_contexts(self) -> None:
+        """Preempt the groups of running rows whose context passed :attr:`restart_after` tokens with K/V computed at
+        or below it, and queue them again at the front, oldest first (rule 2d; each row once)."""
+        limit = self.restart_after
+        if limit is None:
+            return
+        restarted: list[RequestGroup] = []
+        for batch in self.running:
+            running = {id(row) for row in batch.rows}
+            for group in list(batch.groups):
+                rows = [row for row in group.live_rows if id(row) in running]
+                if group.done or not any(
+                    row.context_length > limit >= len(row.request.prompt_ids) and not row.restarted for row in rows
+                ):
+                    continue
+                taken = batch.preempt(group)
+                for member in taken:
+                    for row in member.live_rows:
+                        row.restarted = True
+                restarted += taken
+        if restarted:
+            logger.info("prefilling %d request(s) again past %d tokens (long RoPE factors)", len(restarted), limit)
+            with self._queue_lock:
+                self._pending[:0] = sorted(restarted, key=lambda group: group.admission)
 
     def _admit(self, now: float) -> list[tuple[BatchKey, RunningBatch | None, list[RequestGroup]]]:
         """Pending groups that are ready and fit, by key: ``(key, running batch to join or None, groups)``."""

@@ -7,7 +7,7 @@ import uuid
 import pytest
 import torch
 from conftest import make_tiny_model
-from helpers import word_tokenizer
+from helpers import word_tokenizer, words
 from oracle import engine_reference, expected_text
 from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, GPT2Config, GPT2LMHeadModel
 
@@ -366,3 +366,38 @@ def test_a_results_prompt_is_its_text_as_given_and_token_ids_decoded():
     assert engine.generate(text, max_new_tokens=2).prompt == text
     ids = engine.encode(text)
     assert engine.generate(ids, max_new_tokens=2).prompt == engine.tokenizer.decode(ids)
+
+
+LONG_ROPE = {
+    "max_position_embeddings": 256,
+    "original_max_position_embeddings": 64,
+    "rope_parameters": {
+        "rope_type": "longrope",
+        "rope_theta": 1e4,
+        "original_max_position_embeddings": 64,
+        "short_factor": [1.0] * 8,
+        "long_factor": [16.0] * 8,
+    },
+}
+
+
+def test_a_long_rope_row_passing_its_original_length_is_recomputed_as_generate_does(caplog):
+    """Phi3's ``generate()`` drops its cache once the sequence passes ``original_max_position_embeddings`` and
+    recomputes it with the long RoPE factors; the engine's rows kept their short-factor K/V and took other tokens
+    (a 50-token prompt: from token 18 on). Now such a row is prefilled again from its whole context, once: its
+    tokens equal ``generate()``'s, beside a row that never passes the length and one whose prompt starts past it."""
+    import logging
+
+    from kvboost_hf.hf.models import cache_restart_length
+
+    model = make_tiny_model("phi3", **LONG_ROPE)
+    engine = KVBoost(model, word_tokenizer(), chunking=8)
+    assert cache_restart_length(model) == 64 and cache_restart_length(make_tiny_model("llama")) is None
+    prompts = [words(5, 50), words(6, 20), words(7, 80)]  # passes 64 while decoding; never does; starts past it
+    assert [len(engine.encode(p)) for p in prompts] == [50, 20, 80]
+    expected = [engine_reference(engine, p, 30).tokens for p in prompts]
+    with caplog.at_level(logging.INFO, logger="kvboost_hf.scheduling"):
+        assert engine.generate(prompts[0], max_new_tokens=30).output_ids == expected[0]
+    assert "prefilling 1 request(s) again past 64 tokens" in caplog.text
+    results = engine.generate_many(prompts, max_new_tokens=30, max_batch_size=4)
+    assert [result.output_ids for result in results] == expected

@@ -674,7 +674,9 @@ class ChunkReuseCache(Cache):
         self._check_consistent()
 
     def _select_rows(self, rows: list[int]) -> None:
-        if self.tokens.shape[0] == 0:
+        """Keep the per-row bookkeeping (tokens, pads, ledgers) of ``rows``: none is kept up once reuse is off (a
+        join with a cache whose reuse was off left this one's rows behind its layers')."""
+        if not self.reuse_enabled or self.tokens.shape[0] == 0:
             return
         self.tokens = self.tokens[rows]
         self.pads = [self.pads[r] for r in rows]

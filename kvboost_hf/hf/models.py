@@ -137,6 +137,20 @@ def kv_entry_shape(model: PreTrainedModel) -> tuple[int, int, int]:
     return int(config.num_hidden_layers), int(getattr(config, "num_key_value_heads", None) or heads), int(head_dim)
 
 
+CACHE_DROPPING_MODEL_TYPES = frozenset({"phi3", "phimoe"})
+"""Model types whose ``prepare_inputs_for_generation`` drops the cache once the input passes
+``original_max_position_embeddings`` tokens with a cache of at most that many: ``generate()`` then recomputes the
+whole sequence with the long RoPE factors."""
+
+
+def cache_restart_length(model: PreTrainedModel) -> int | None:
+    """The context length (tokens) past which ``generate()`` recomputes the whole sequence of ``model`` (a
+    :data:`CACHE_DROPPING_MODEL_TYPES` model's ``original_max_position_embeddings``), or None."""
+    config = model.config
+    length = getattr(config, "original_max_position_embeddings", None)
+    return int(length) if config.model_type in CACHE_DROPPING_MODEL_TYPES and length else None
+
+
 def forward_read_bytes(model: PreTrainedModel) -> int:
     """Bytes of the model's tensors one decode forward reads: every parameter and buffer (packed int4 weights are
     buffers) except the input embedding table, of which it reads one row per token, unless the output head is tied

@@ -139,6 +139,7 @@ class DecodeRow:
     draft_rounds: list[tuple[int, bool]] = field(default_factory=list)
     preemptions: int = 0
     resumed_cached_tokens: int = 0
+    restarted: bool = False  # prefilled again past a long-RoPE model's original length (the scheduler's rule 2d)
 
     def __post_init__(self) -> None:
         request = self.request
