@@ -9,6 +9,7 @@ import torch
 from conftest import make_tiny_model
 from helpers import word_tokenizer, words
 from oracle import engine_reference, expected_text
+from test_repair import LENGTH_DEPENDENT
 from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, GPT2Config, GPT2LMHeadModel
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, KVBoost, SamplingConfig, StoreConfig, UnsupportedModelError
@@ -368,17 +369,7 @@ def test_a_results_prompt_is_its_text_as_given_and_token_ids_decoded():
     assert engine.generate(ids, max_new_tokens=2).prompt == engine.tokenizer.decode(ids)
 
 
-LONG_ROPE = {
-    "max_position_embeddings": 256,
-    "original_max_position_embeddings": 64,
-    "rope_parameters": {
-        "rope_type": "longrope",
-        "rope_theta": 1e4,
-        "original_max_position_embeddings": 64,
-        "short_factor": [1.0] * 8,
-        "long_factor": [16.0] * 8,
-    },
-}
+LONG_ROPE = LENGTH_DEPENDENT["longrope"][1]  # a tiny Phi3 whose long factors start past 64 tokens
 
 
 def test_a_long_rope_row_passing_its_original_length_is_recomputed_as_generate_does(caplog):
