@@ -151,7 +151,3 @@ class StaticBufferPool:
     def kept_bytes(self) -> int:
         """Bytes of the buffers the pool keeps (in use or free)."""
         return sum(buffer.nbytes for kept in self._buffers.values() for buffer in kept)
-
-    def clear(self) -> None:
-        """Forget every kept buffer (those in use stay with their caches until these let them go)."""
-        self._buffers.clear()
