@@ -76,7 +76,8 @@ def test_multiturn_graphed_arm_prefills_the_warm_turn_graphed_with_plain_generat
 def test_multiturn_runs_only_the_methods_asked_for_and_compares_only_their_pairs(tmp_path):
     """``--methods baseline,kvboost`` (a GPU run leaves out hf_static, which compiles a graph per turn): the other
     methods are neither timed nor compared, the report shows ``-`` for them, and a missing required or unknown
-    method is refused by name."""
+    method is refused by name. ``--profile-turn`` profiles that turn's request once more (a turn past
+    ``--turns`` refused)."""
     multiturn.main(
         [
             "--random-shape",
@@ -93,11 +94,17 @@ def test_multiturn_runs_only_the_methods_asked_for_and_compares_only_their_pairs
             "float32",
             "--methods",
             "kvboost,baseline",
+            "--profile-turn",
+            "2",
             "--out",
             str(tmp_path),
         ]
     )
     result = json.loads((tmp_path / "multiturn.json").read_text())
+    profile = result["profile"]  # the warm turn's request again, one token, under both profilers
+    assert profile["turn"] == 2 and profile["ttft_ms"] > 0 and profile["profile_syncs_per_step"] == 0  # CPU
+    assert "Self CPU" in profile["profile_table"] and "engine.py" in profile["profile_python"]
+    assert "kvboost at turn 2, one token, profiled" in multiturn.report(result)
     assert result["methods"] == ["baseline", "kvboost"]
     turn = result["turns"][1]
     assert "hf_static_ttft_ms" not in turn and "hf_prompt_cache_ttft_ms" not in turn
@@ -106,10 +113,10 @@ def test_multiturn_runs_only_the_methods_asked_for_and_compares_only_their_pairs
     fields = multiturn.report(result).splitlines()[3].split()  # title, header, turn 1, turn 2
     assert [fields[7], fields[9], fields[11]] == ["-", "-", "-"]  # the recipe's and static's TTFT, kvboost vs hf
     assert fields[-5:] == ["=", "-", "=", "-", "-"]
-    for bad in ("baseline,hf_static", "baseline,kvboost,bogus"):
+    for bad in (["--methods", "baseline,hf_static"], ["--methods", "baseline,kvboost,bogus"], ["--profile-turn", "9"]):
         try:
-            multiturn.main(["--random-shape", "tiny", "--methods", bad, "--out", str(tmp_path)])
+            multiturn.main(["--random-shape", "tiny", *bad, "--out", str(tmp_path)])
         except SystemExit as exit_:
             assert exit_.code == 2
         else:
-            raise AssertionError(f"--methods {bad} was accepted")
+            raise AssertionError(f"{bad} was accepted")

@@ -56,6 +56,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
+from kvboost_hf.bench.profiling import profile_call, profile_report
 from kvboost_hf.bench.shapes import SHAPES, random_model
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, pad_rows
@@ -176,64 +177,32 @@ def decode_arm(model: PreTrainedModel, arm: str, prompt: torch.Tensor, args: arg
     }
 
 
-SYNCHRONIZING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
-
-
 def profile_steps(
     decoder: GraphedDecoder, cache: ChunkReuseCache, token: torch.Tensor, position: int, steps: int
 ) -> dict[str, Any]:
-    """``steps`` more decode steps under ``torch.profiler``: device ms and synchronising host calls per step, and
-    the top operations by device time (empty when ``steps`` is 0)."""
+    """``steps`` more decode steps under the profilers (:func:`~kvboost_hf.bench.profiling.profile_call`): device ms
+    and synchronising host calls per step, the top operations and Python functions (empty when ``steps`` is 0)."""
     if steps <= 0:
         return {}
-    from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if token.device.type == "cuda" else [])
-    with profile(activities=activities) as profiler:
+    def run_steps() -> None:
+        nonlocal token
         for step in range(steps):
             logits = decoder.step(cache, token, torch.full_like(token, position + step))
             cache.record(token)
             token = logits.argmax(-1, keepdim=True)
-        synchronize(token.device)
-    sort_key = "self_device_time_total" if token.device.type == "cuda" else "self_cpu_time_total"
-    return profile_summary(profiler, steps, sort_key)
 
-
-def profile_summary(profiler: Any, steps: int, sort_key: str) -> dict[str, Any]:
-    """Per step of ``steps``: the device's kernel ms, the host's synchronising calls (a blocking cudaMemcpy, not
-    ...Async, and every synchronize: each a wait on the device), and the top operations by ``sort_key``."""
-    averages = profiler.key_averages()
-    kernels_us = sum(
-        getattr(event, "self_device_time_total", 0) for event in profiler.events()
-        if str(getattr(event, "device_type", "")).endswith("CUDA")
-    )  # fmt: skip
-    syncs = sum(
-        event.count for event in averages
-        if event.key.startswith(SYNCHRONIZING_CALLS) and not event.key.startswith("cudaMemcpyAsync")
-    )  # fmt: skip
-    return {
-        "profile_device_ms_per_step": kernels_us / 1e3 / steps,
-        "profile_syncs_per_step": syncs / steps,
-        "profile_table": averages.table(sort_by=sort_key, row_limit=12, max_name_column_width=60),
-    }
+    return profile_call(run_steps, token.device, steps)[1]
 
 
 def profile_engine(engine: Any, texts: list[str], steps: int) -> dict[str, Any]:
-    """One more ``generate_batch`` of ``texts`` for ``steps`` tokens under ``torch.profiler``: per token step its
-    wall ms, the device's kernel ms and the synchronising host calls, and the top operations by host time (where an
-    engine step's host work goes: the gap between wall and device time); empty when ``steps`` is 0."""
+    """One more ``generate_batch`` of ``texts`` for ``steps`` tokens under the profilers: per token step its wall ms,
+    the device's kernel ms and the synchronising host calls, the top operations by host time and the Python
+    functions by cumulative time (where an engine step's host work goes: the gap between wall and device time; the
+    prompts' prefill is in the call, so ask for enough steps to amortise it); empty when ``steps`` is 0."""
     if steps <= 0:
         return {}
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = engine.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    started = time.perf_counter()
-    with profile(activities=activities) as profiler:
-        engine.generate_batch(texts, steps, temperature=0)
-        synchronize(engine.device)
-    wall_ms = (time.perf_counter() - started) * 1e3
-    return {"profile_wall_ms_per_step": wall_ms / steps, **profile_summary(profiler, steps, "self_cpu_time_total")}
+    return profile_call(lambda: engine.generate_batch(texts, steps, temperature=0), engine.device, steps)[1]
 
 
 def engine_arm(model: PreTrainedModel, arm: str, prompt: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
@@ -304,13 +273,7 @@ def measure_shape(shape: str, args: argparse.Namespace, device: torch.device, ba
                 flush=True,
             )
             if "profile_table" in figures:
-                wall = figures.get("profile_wall_ms_per_step")
-                print(
-                    ("profiled: " if wall is None else f"profiled: wall {wall:.2f} ms/step, ")
-                    + f"device {figures['profile_device_ms_per_step']:.2f} ms/step, "
-                    f"{figures['profile_syncs_per_step']:.1f} synchronisations/step\n{figures['profile_table']}",
-                    flush=True,
-                )
+                print(profile_report(figures, "step"), flush=True)
         references: dict[bool, Any] = {}  # the first arm of each family (the engine's prompts are text)
         for arm, figures in arms.items():
             family = arm.startswith("engine")

@@ -36,6 +36,7 @@ bfloat16 on GPU). Writes ``multiturn.json`` and ``multiturn.png`` under ``--out`
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import time
 from pathlib import Path
@@ -55,7 +56,7 @@ from kvboost_hf.bench.common import (
     pyplot,
     save_results,
 )
-from kvboost_hf.bench.profiling import CharacterCounter
+from kvboost_hf.bench.profiling import CharacterCounter, profile_call, profile_report
 from kvboost_hf.bench.shapes import DTYPES, SHAPES, random_engine
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.corpus import chat_script
@@ -145,6 +146,7 @@ def run(
     dtype: str | None = None,
     graphs: bool | None = None,
     methods: tuple[str, ...] = METHODS,
+    profile_turn: int | None = None,
 ) -> dict:
     """Play the conversation ``repeats`` times (each from an empty store) and keep each turn's median TTFT and
     earliest difference per pair.
@@ -154,7 +156,9 @@ def run(
     real shape. ``dtype``: the weights' dtype (None: float32 on CPU, bfloat16 on GPU). ``graphs``: the kvboost
     method's compiled graphs (:data:`GRAPHS`; None: the engine's default); when on, an untimed conversation first
     compiles the shapes the timed ones meet. ``methods``: the methods run (in :data:`METHODS` order; must include
-    :data:`REQUIRED_METHODS`); a pair with a method left out is not compared."""
+    :data:`REQUIRED_METHODS`); a pair with a method left out is not compared. ``profile_turn``: afterwards, the
+    conversation once more up to that turn (baseline and kvboost, from an empty store), kvboost's request at that
+    turn under the profilers (:func:`~kvboost_hf.bench.profiling.profile_call`): the result's ``profile``."""
     methods = checked_methods(methods)
     options: dict[str, Any] = {} if graphs is None else {"graphs": GraphConfig(enabled=graphs, max_graphs=MAX_GRAPHS)}
     if random_shape is None:
@@ -187,6 +191,12 @@ def run(
         row["kvboost_prefill_graphed"] = all(s["kvboost_prefill_graphed"] for s in turn_samples)
         rows.append(row)
     identical = {pair: sum(r["first_difference"][pair] is None for r in rows) for pair in rows[0]["first_difference"]}
+    profile = None
+    if profile_turn is not None:
+        engine.store.clear()
+        engine.tokens.clear()
+        profiled = play(engine, system, user_messages[:profile_turn], max_new_tokens, REQUIRED_METHODS, True)
+        profile = {"turn": profile_turn, **profiled[-1]["kvboost_profile"]}
     return {
         "benchmark": "multiturn",
         "machine": machine_info(engine.device),
@@ -203,6 +213,7 @@ def run(
         "graph_stats": engine.graphs.stats(),
         "identical_turns": identical,
         "turns": rows,
+        "profile": profile,
     }
 
 
@@ -223,9 +234,12 @@ def play(
     user_messages: list[str],
     max_new_tokens: int,
     methods: tuple[str, ...] = METHODS,
+    profile_last: bool = False,
 ) -> list[dict]:
     """One conversation; every turn runs ``methods`` in rotating order on the same messages, then plain
-    ``generate()`` once more (untimed use: the noise floor of the output comparison)."""
+    ``generate()`` once more (untimed use: the noise floor of the output comparison). ``profile_last``: kvboost's
+    request at the last turn runs for one token under the profilers (its row's ``kvboost_profile``: the TTFT and
+    the write-back after it; its times include the profilers' overhead)."""
     recipe = PromptCacheRecipe(engine)
     messages = [{"role": "system", "content": system}]
     rows = []
@@ -239,8 +253,14 @@ def play(
                 results[method] = recipe.generate(messages, max_new_tokens, reuse=reuse, static=static)
                 continue
             graphed_before = engine.graphs.graphed_prefills
+            profiled = profile_last and turn == len(user_messages)
             with CharacterCounter(engine.tokenizer) as counter:
-                r = engine.generate(messages, max_new_tokens=max_new_tokens)
+                if profiled:
+                    r, figures = profile_call(
+                        functools.partial(engine.generate, messages, max_new_tokens=1), engine.device
+                    )
+                else:
+                    r = engine.generate(messages, max_new_tokens=max_new_tokens)
             tokenized, prefill_graphed = counter.chars, engine.graphs.graphed_prefills > graphed_before
             results[method] = (r.ttft_ms, r.output_ids, r.total_ms)
             cached, prompt_tokens = r.cached_tokens, r.prompt_tokens
@@ -263,6 +283,7 @@ def play(
                 **{f"{m}_total_ms": results[m][2] for m in methods},
                 "first_difference": differences,
                 "outputs_identical": all(index is None for index in differences.values()),
+                **({"kvboost_profile": {"ttft_ms": r.ttft_ms, **figures}} if profiled else {}),
             }
         )
         messages.append({"role": "assistant", "content": answer})
@@ -311,6 +332,10 @@ def report(result: dict) -> str:
         "last turn, whole call (prompt to last token): "
         + ", ".join(f"{method} {last[f'{method}_total_ms']:.0f} ms" for method in result["methods"])
     )
+    if result.get("profile"):
+        profile = result["profile"]
+        lines.append(f"kvboost at turn {profile['turn']}, one token, profiled (TTFT {profile['ttft_ms']:.1f} ms):")
+        lines.append(profile_report(profile, "call"))
     return "\n".join(lines)
 
 
@@ -350,9 +375,16 @@ def main(argv: list[str]) -> int:
         default=",".join(METHODS),
         help=f"comma list of the methods run, among {','.join(METHODS)} (baseline and kvboost always)",
     )
+    parser.add_argument(
+        "--profile-turn",
+        type=int,
+        help="afterwards, profile kvboost's request at this turn (torch.profiler and cProfile): where its time goes",
+    )
     args = parser.parse_args(argv)
     if args.turns < 1:
         parser.error(f"--turns must be at least 1, got {args.turns}")
+    if args.profile_turn is not None and not 1 <= args.profile_turn <= args.turns:
+        parser.error(f"--profile-turn must be between 1 and --turns ({args.turns}), got {args.profile_turn}")
     try:
         methods = checked_methods(tuple(name.strip() for name in args.methods.split(",") if name.strip()))
     except ValueError as error:
@@ -367,6 +399,7 @@ def main(argv: list[str]) -> int:
         args.dtype,
         GRAPHS[args.graphs],
         methods,
+        args.profile_turn,
     )
     save_results(args.out, "multiturn", result, report, plot)
     return 0

@@ -8,12 +8,17 @@
   clock on a CPU. Nested phases count only in the innermost one.
 * :class:`CharacterCounter` counts the characters handed to a fast tokenizer's backend (every encode path, the
   engine's token ids cache included, ends there).
+* :func:`profile_call` runs a call under ``torch.profiler`` and ``cProfile`` together: wall against device time,
+  the synchronisations, the top operations and the top Python functions (where a slow call's host time goes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import functools
+import io
+import pstats
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -222,3 +227,67 @@ class CharacterCounter:
 
     def reset(self) -> None:
         self.chars = self.calls = 0
+
+
+SYNCHRONIZING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+"""CUDA runtime calls that make the host wait on the device (``cudaMemcpyAsync`` excepted by name)."""
+
+
+def profile_call(
+    call: Callable[[], Any], device: torch.device, per: int = 1, rows: int = 12
+) -> tuple[Any, dict[str, Any]]:
+    """Run ``call()`` once under ``torch.profiler`` (CPU activity, and CUDA's on a GPU) and ``cProfile``; returns
+    the call's result and figures per unit of ``per`` (e.g. decode steps): ``profile_wall_ms_per_step`` (both
+    profilers' overhead included), ``profile_device_ms_per_step`` (the kernels' total), ``profile_syncs_per_step``
+    (host calls that wait on the device: every synchronize and blocking ``cudaMemcpy``), ``profile_table`` (the top
+    ``rows`` operations by host time) and ``profile_python`` (the top Python functions by cumulative time, then by
+    own time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    python = cProfile.Profile()
+    started = time.perf_counter()
+    with profile(activities=activities) as profiler:
+        python.enable()
+        try:
+            result = call()
+            if cuda:
+                torch.cuda.synchronize(device)
+        finally:
+            python.disable()
+            wall_ms = (time.perf_counter() - started) * 1e3  # before the profiler's own processing at exit
+    averages = profiler.key_averages()
+    kernels_us = sum(
+        getattr(event, "self_device_time_total", 0) for event in profiler.events()
+        if str(getattr(event, "device_type", "")).endswith("CUDA")
+    )  # fmt: skip
+    syncs = sum(
+        event.count for event in averages
+        if event.key.startswith(SYNCHRONIZING_CALLS) and not event.key.startswith("cudaMemcpyAsync")
+    )  # fmt: skip
+    return result, {
+        "profile_wall_ms_per_step": wall_ms / per,
+        "profile_device_ms_per_step": kernels_us / 1e3 / per,
+        "profile_syncs_per_step": syncs / per,
+        "profile_table": averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60),
+        "profile_python": _python_hotspots(python, 2 * rows),
+    }
+
+
+def _python_hotspots(python: cProfile.Profile, rows: int) -> str:
+    """``rows`` functions by cumulative time, then by own time, as ``pstats`` prints them."""
+    text = io.StringIO()
+    stats = pstats.Stats(python, stream=text).strip_dirs()
+    for order in ("cumulative", "tottime"):
+        stats.sort_stats(order).print_stats(rows)
+    return text.getvalue()
+
+
+def profile_report(figures: dict[str, Any], unit: str) -> str:
+    """:func:`profile_call`'s figures as text, per ``unit`` (e.g. ``step``, ``call``)."""
+    return (
+        f"profiled: wall {figures['profile_wall_ms_per_step']:.2f} ms/{unit}, device "
+        f"{figures['profile_device_ms_per_step']:.2f} ms/{unit}, {figures['profile_syncs_per_step']:.1f} "
+        f"synchronisations/{unit}\n{figures['profile_table']}\n{figures['profile_python']}"
+    )
