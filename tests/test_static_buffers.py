@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from kvboost_hf import ChunkStore, InferenceEngine
 from kvboost_hf.bench.shapes import tokenizer_dir
 from kvboost_hf.core.errors import InputError
+from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.graphs import GraphConfig
 from kvboost_hf.hf.layers import ChunkReuseLayer
 from kvboost_hf.hf.static_buffers import StaticBufferPool
@@ -107,6 +108,15 @@ def test_warm_requests_reuse_the_static_buffers_with_the_eager_engines_tokens(en
         return static_copy(self, buffer, tensor)
 
     monkeypatch.setattr(ChunkReuseLayer, "_static_copy", counting)
+    lengths: list[list[int]] = []  # per request, the storage of every layer's device length once static
+    set_max_cache_len = ChunkReuseCache.set_max_cache_len
+
+    def recording(self, max_cache_len, stacks=None):
+        set_max_cache_len(self, max_cache_len, stacks)
+        if max_cache_len is not None:
+            lengths.append([layer._device_length.untyped_storage().data_ptr() for layer in self.layers])
+
+    monkeypatch.setattr(ChunkReuseCache, "set_max_cache_len", recording)
     addresses = []
     for index in range(4):
         prompt = f"{DOCUMENT}\nQuestion {index}: what does line {index} say?"
@@ -119,10 +129,14 @@ def test_warm_requests_reuse_the_static_buffers_with_the_eager_engines_tokens(en
                                 for buffer in kept))  # fmt: skip
     stats = graphed.graphs.stats()
     assert stats["graphed_prefills"] == 3 and stats["eager_steps"] == 0
-    assert stats["static_buffers_allocated"] == 2 and stats["static_buffers_reused"] == 6  # keys and values
+    assert stats["static_buffers_allocated"] == 3 and stats["static_buffers_reused"] == 9  # keys, values, lengths
     # each compile was followed by a collection, so no request collected for a buffer (~0.3 s each in a big process)
     assert graphed.graphs.buffers.collections == 0
     assert all(kept == addresses[0] for kept in addresses)
+    # the device lengths a graph reads in place are views of one kept buffer too: a fresh scalar per request (as
+    # before) moved whenever the allocator placed it elsewhere, and the graph re-recorded (an H200 run saw one)
+    assert len(lengths) >= 4 and all(ptrs == [ptrs[0]] * len(ptrs) == lengths[0] for ptrs in lengths)
+    assert lengths[0][0] in addresses[0]
 
 
 def test_a_shape_whose_buffers_are_all_in_use_collects_once_until_one_comes_back():

@@ -59,7 +59,7 @@ from kvboost_hf.hf.layers import (
 )
 from kvboost_hf.hf.models import check_model_support, is_loaded_model, model_dtype
 from kvboost_hf.hf.prefill import ChunkPrefiller, PendingForward, RowReuse
-from kvboost_hf.hf.static_buffers import StaticBufferPool
+from kvboost_hf.hf.static_buffers import StaticBufferPool, StaticStacks
 from kvboost_hf.reuse.plan import ChunkLedger
 from kvboost_hf.reuse.rope import KeyRotator
 from kvboost_hf.reuse.write_back import write_chunks, write_tail
@@ -179,30 +179,30 @@ class ChunkReuseCache(Cache):
                 layer.settle()
         return super().get_seq_length(layer_idx)
 
-    def set_max_cache_len(
-        self, max_cache_len: int | None, stacks: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> None:
+    def set_max_cache_len(self, max_cache_len: int | None, stacks: StaticStacks | None = None) -> None:
         """Switch every layer to static mode with ``max_cache_len`` columns (None: back to growing buffers),
         keeping what the cache holds (see ``ChunkReuseLayer.set_max_cache_len``; one copy of the K/V when
         becoming static, none where the layers already hold ``stacks``' leading columns). The static buffers are
-        layer ``i``'s views ``[i]`` of ``stacks`` (keys and values ``[layers, B, H_kv, max_cache_len, D]``), or of
-        :attr:`static_buffers`' stacks for this shape (:meth:`static_stacks`), else fresh per layer. Raises
-        :class:`~kvboost_hf.hf.layers.CacheCapacityError` when it holds more columns."""
+        layer ``i``'s views ``[i]`` of ``stacks`` (:meth:`static_stacks`' form), or of :attr:`static_buffers`'
+        stacks for this shape, else fresh per layer. Raises :class:`~kvboost_hf.hf.layers.CacheCapacityError` when
+        it holds more columns."""
         if stacks is None and max_cache_len is not None and self.max_cache_len != max_cache_len:
             stacks = self.static_stacks(self._layer_rows(), max_cache_len)
         for index, layer in enumerate(self.layers):
-            buffers = None if stacks is None else (stacks[0][index], stacks[1][index])
-            if buffers is not None:
-                for buffer in buffers:
-                    torch._dynamo.mark_static_address(buffer)  # a view: the mark is per tensor object
-            layer.set_max_cache_len(max_cache_len, buffers)
+            if stacks is None:
+                layer.set_max_cache_len(max_cache_len)
+                continue
+            views = (stacks.keys[index], stacks.values[index], stacks.lengths[index])
+            for view in views:
+                torch._dynamo.mark_static_address(view)  # the mark is per tensor object
+            layer.set_max_cache_len(max_cache_len, views[:2], device_length=views[2])
         self.max_cache_len = max_cache_len
 
-    def static_stacks(self, rows: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Stacked static buffers for every layer, keys and values ``[layers, rows, H_kv, capacity, D]`` from
-        :attr:`static_buffers` (the same ones from one request to the next, so a graphed forward replays at the
-        addresses it was recorded with), in the layers' K/V shape, dtype and device (the model's before the first
-        forward); None without a pool or when the layers' K/V differ in those."""
+    def static_stacks(self, rows: int, capacity: int) -> StaticStacks | None:
+        """Stacked static buffers for every layer from :attr:`static_buffers` (the same ones from one request to
+        the next, so a graphed forward replays at the addresses it was recorded with: its K/V and its device
+        lengths alike), in the layers' K/V shape, dtype and device (the model's before the first forward); None
+        without a pool or when the layers' K/V differ in those."""
         if self.static_buffers is None or rows < 1:
             return None
         layers, heads, dim = self.prefiller.entry_shape
@@ -214,8 +214,11 @@ class ChunkReuseCache(Cache):
         if kinds:
             ((heads, dim, dtype, device),) = kinds
         shape = (layers, rows, heads, capacity, dim)
-        keys = self.static_buffers.take(shape, dtype, device, slot=0)
-        return keys, self.static_buffers.take(shape, dtype, device, slot=1)
+        return StaticStacks(
+            self.static_buffers.take(shape, dtype, device, slot=0),
+            self.static_buffers.take(shape, dtype, device, slot=1),
+            self.static_buffers.take((layers,), torch.long, device, slot=2, kept_with=shape),
+        )
 
     def pad_batch(self, rows: int) -> None:
         """Make every layer hold ``rows`` rows: the real rows, then copies of the last one (a decode graph's batch

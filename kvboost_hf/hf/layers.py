@@ -181,13 +181,17 @@ class ChunkReuseLayer(DynamicLayer):
         return self._key_buffer, self._value_buffer
 
     def set_max_cache_len(
-        self, max_cache_len: int | None, buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        max_cache_len: int | None,
+        buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+        device_length: torch.Tensor | None = None,
     ) -> None:
         """Switch mode keeping the held columns: a number makes the layer static with that capacity (the columns
         copied into static buffers at a fixed address: ``buffers``, keys and values ``[B, H_kv, max_cache_len, D]``
         that nothing else uses, e.g. a :class:`~kvboost_hf.hf.static_buffers.StaticBufferPool`'s, their columns
-        past the held ones zeroed; else fresh zero buffers); None makes it grow again, writing on in the buffers
-        it holds."""
+        past the held ones zeroed; else fresh zero buffers; ``device_length``, an int64 scalar on their device that
+        nothing else uses, holds the length there, else a fresh one); None makes it grow again, writing on in the
+        buffers it holds."""
         self.settle()
         if max_cache_len == self.max_cache_len:
             return
@@ -195,6 +199,8 @@ class ChunkReuseLayer(DynamicLayer):
             raise CacheCapacityError(
                 f"cannot hold the layer's {self._length} tokens in a max_cache_len of {max_cache_len}"
             )
+        if device_length is not None:
+            self._device_length = device_length  # filled when the held columns are set (here or at the first update)
         keys, values = self.keys, self.values
         self.max_cache_len = max_cache_len
         if max_cache_len is not None and keys is not None and keys.dim() == 4:

@@ -31,6 +31,7 @@ from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.hf.blend import LayerFilter, install_layer_narrowing
 from kvboost_hf.hf.layers import ChunkReuseLayer, grown_capacity
 from kvboost_hf.hf.models import CACHE_ARGUMENT, kv_entry_shape, model_dtype
+from kvboost_hf.hf.static_buffers import StaticStacks
 from kvboost_hf.reuse.plan import ChunkLedger, ChunkSource, ReusePlan, plan_reuse
 from kvboost_hf.reuse.repair import RepairSelection, candidates_per_layer, position_mask, select_repairs
 from kvboost_hf.reuse.rope import KeyRotator, UnsupportedRopeError, exact_reuse_length
@@ -149,11 +150,9 @@ class PrefillTarget(Protocol):
     @property
     def num_columns(self) -> int: ...
 
-    def static_stacks(self, rows: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+    def static_stacks(self, rows: int, capacity: int) -> StaticStacks | None: ...
 
-    def set_max_cache_len(
-        self, max_cache_len: int | None, stacks: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> None: ...
+    def set_max_cache_len(self, max_cache_len: int | None, stacks: StaticStacks | None = None) -> None: ...
 
     def check_extends(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None: ...
 
@@ -255,7 +254,7 @@ class ChunkPrefiller:
         capacity = cache.stitch_capacity(stop) if cache.stitch_capacity is not None else None
         stacks = cache.static_stacks(rows, capacity) if capacity is not None and start == 0 else None
         if stacks is not None:  # the static buffers the graphed prompt forward runs on: no second copy
-            keys, values = stacks
+            keys, values = stacks.keys, stacks.values
         else:
             shape = (layers, rows, heads, grown_capacity(full.shape[1]), head_dim)
             keys = torch.empty(shape, dtype=dtype, device=device)

@@ -29,12 +29,25 @@ that ran out of memory is tried again.
 from __future__ import annotations
 
 import gc
+from typing import NamedTuple
 
 import torch
 
 from kvboost_hf.core.errors import InputError
 
 Key = tuple[int, tuple[int, ...], torch.dtype, torch.device]
+
+
+class StaticStacks(NamedTuple):
+    """A static cache's buffers for every layer, taken from a pool: layer ``i`` holds views ``[i]`` of each."""
+
+    keys: torch.Tensor
+    """``[layers, rows, H_kv, capacity, D]``."""
+    values: torch.Tensor
+    """Shaped as ``keys``."""
+    lengths: torch.Tensor
+    """``[layers]`` int64: each layer's held columns on the device (a graph reads them in place, so they must keep
+    their addresses from one request to the next as the K/V do)."""
 
 
 def _storage_users(tensor: torch.Tensor) -> int:
@@ -91,12 +104,20 @@ class StaticBufferPool:
         """Idle buffers dropped (over ``max_free_bytes``, or to make room after running out of memory)."""
         self._futile: set[Key] = set()  # shapes whose last collection freed nothing
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, slot: int = 0) -> torch.Tensor:
+    def take(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        slot: int = 0,
+        kept_with: tuple[int, ...] | None = None,
+    ) -> torch.Tensor:
         """A buffer of ``shape`` nobody else uses: a kept one whose users are all gone, else a fresh zero-filled
         one (kept while the shape has fewer than ``max_per_shape``). ``slot`` keeps apart buffers of one shape
-        that one caller holds at once (keys 0, values 1), so each gets the same buffer as last time. Its contents
-        are undefined past what the caller writes."""
-        key = (slot, tuple(shape), dtype, torch.device(device))
+        that one caller holds at once (keys 0, values 1), so each gets the same buffer as last time;
+        ``kept_with``: the shape it is kept under instead of its own (a companion of the buffers of that shape,
+        such as a K/V stack's device lengths). Its contents are undefined past what the caller writes."""
+        key = (slot, tuple(shape if kept_with is None else kept_with), dtype, torch.device(device))
         kept = self._buffers.pop(key, [])
         self._buffers[key] = kept  # the most recently taken shape last
         try:
