@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from kvboost_hf.bench import gpu, long_context
+from kvboost_hf.bench import gpu, long_context, phases
 
 
 def test_long_context_bench_reports_each_warm_figure_with_its_limit(tmp_path):
@@ -20,7 +20,7 @@ def test_long_context_bench_reports_each_warm_figure_with_its_limit(tmp_path):
         assert row["ram_copy_gb_s"] > 0 and row["full_ms"] > 0 and row["cold_ms"] > 0 and row["warm_ram_first_ms"] > 0
         assert row["breakdown_cold"]["write_back"] > 0 and row["breakdown_cold"]["copy_into_cache"] == 0
         breakdown = row["breakdown_ram"]
-        assert {name for name, _, _ in long_context.PHASES} | {"ttft", "other"} == set(breakdown)
+        assert {name for name, _, _ in phases.PHASES} | {"ttft", "other"} == set(breakdown)
         assert breakdown["copy_into_cache"] > 0 and breakdown["forward"] > 0
         copies = row["copies_ram"]
         assert copies["reused_bytes"] == copies["cached_tokens"] * row["kv_bytes_per_token"] > 0

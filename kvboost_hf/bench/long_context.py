@@ -37,17 +37,15 @@ import torch
 from tqdm import tqdm
 from transformers import Cache
 
-import kvboost_hf.hf.prefill as prefill_module
-import kvboost_hf.reuse.plan as plan_module
 from kvboost_hf.bench.common import machine_info, parser_for, pyplot, save_results
-from kvboost_hf.bench.profiling import CopyCounter, PhaseTimer, timed_call
+from kvboost_hf.bench.phases import phase_breakdown
+from kvboost_hf.bench.profiling import CopyCounter, timed_call
 from kvboost_hf.bench.shapes import SHAPES, random_engine
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.corpus import document_question, numbered_document
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.cache import ChunkReuseCache
-from kvboost_hf.hf.graphs import GraphedDecoder
 from kvboost_hf.hf.layers import ChunkReuseLayer
 from kvboost_hf.hf.models import CACHE_ARGUMENT, kv_entry_shape, model_dtype
 from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
@@ -55,16 +53,6 @@ from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 DEFAULT_SIZES = (4096, 16384, 32000)
 STORE_BYTES = 8 << 30  # every tier holds the longest document (1.84 GB on the 7B shape at 32k tokens)
 TARGETS = {"warm_within_limit_max": 1.5, "gpu_32k_speedup_min": 15.0, "ram_32k_speedup_min": 10.0}
-PHASES = (
-    ("tokenize", InferenceEngine, "encode_segments"),
-    ("keys", plan_module, "chain_prefix_keys"),
-    ("lookup", ChunkStore, "get_many"),
-    ("plan", prefill_module, "plan_reuse"),
-    ("copy_into_cache", prefill_module.ChunkPrefiller, "_stitch"),
-    ("forward", None, "forward"),  # the model's own forward (bound at run time)
-    ("forward", GraphedDecoder, "prefill"),  # or the graphed prompt forward, which calls the compiled one
-    ("write_back", ChunkReuseCache, "save"),
-)
 
 
 def ttft_ms(engine: InferenceEngine, prompt: str, **options: Any) -> tuple[float, Any]:
@@ -127,16 +115,9 @@ def bare_forward_ms(engine: InferenceEngine, document_ids: list[int], new_ids: l
 
 
 def warm_breakdown(engine: InferenceEngine, prompt: str) -> dict[str, float]:
-    """ms per phase of one request (warm, or cold on an empty store), plus ``ttft`` and ``other`` (TTFT not inside
-    any phase before the first token; write-back runs after it)."""
-    with PhaseTimer(engine.device) as timer:
-        for name, owner, attribute in PHASES:
-            timer.wrap(owner if owner is not None else engine.model, attribute, name)
-        ttft, _ = ttft_ms(engine, prompt)
-        phases = timer.totals()
-    before_first = sum(ms for name, ms in phases.items() if name != "write_back")
-    return {**{name: round(phases.get(name, 0.0), 2) for name, _, _ in PHASES}, "ttft": round(ttft, 2),
-            "other": round(max(ttft - before_first, 0.0), 2)}  # fmt: skip
+    """ms per phase of one request (warm, or cold on an empty store; see
+    :func:`~kvboost_hf.bench.phases.phase_breakdown`)."""
+    return phase_breakdown(engine, functools.partial(ttft_ms, engine, prompt))[1]
 
 
 def outside_dispatch_modes(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

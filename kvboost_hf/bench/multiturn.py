@@ -39,6 +39,7 @@ import copy
 import functools
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ from kvboost_hf.bench.common import (
     pyplot,
     save_results,
 )
+from kvboost_hf.bench.phases import phase_breakdown
 from kvboost_hf.bench.profiling import CharacterCounter, profile_call, profile_report
 from kvboost_hf.bench.shapes import DTYPES, SHAPES, random_engine
 from kvboost_hf.core.chunking import ChunkingConfig
@@ -63,6 +65,7 @@ from kvboost_hf.corpus import chat_script
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.graphs import GraphConfig
 from kvboost_hf.hf.models import CACHE_ARGUMENT
+from kvboost_hf.results import GenerationResult
 
 METHODS = ("baseline", "hf_prompt_cache", "kvboost", "hf_static")
 REQUIRED_METHODS = ("baseline", "kvboost")
@@ -132,6 +135,24 @@ class PromptCacheRecipe:
         return ttft, generated, (finished - started) * 1e3
 
 
+LastTurn = Callable[[Callable[[], GenerationResult]], tuple[GenerationResult, dict[str, Any]]]
+"""Runs kvboost's request at a conversation's last turn (the call given) and returns its result and figures."""
+
+
+def _by_phase(engine: InferenceEngine) -> LastTurn:
+    """A :data:`LastTurn` that times the request by phase: figures ``{"phases": ms per phase}``."""
+
+    def measure(call: Callable[[], GenerationResult]) -> tuple[GenerationResult, dict[str, Any]]:
+        def request() -> tuple[float, GenerationResult]:
+            result = call()
+            return result.ttft_ms, result
+
+        result, phases = phase_breakdown(engine, request)
+        return result, {"phases": phases}
+
+    return measure
+
+
 def pair_name(first: str, second: str) -> str:
     return f"{first}_vs_{second}"
 
@@ -157,8 +178,9 @@ def run(
     method's compiled graphs (:data:`GRAPHS`; None: the engine's default); when on, an untimed conversation first
     compiles the shapes the timed ones meet. ``methods``: the methods run (in :data:`METHODS` order; must include
     :data:`REQUIRED_METHODS`); a pair with a method left out is not compared. ``profile_turn``: afterwards, the
-    conversation once more up to that turn (baseline and kvboost, from an empty store), kvboost's request at that
-    turn under the profilers (:func:`~kvboost_hf.bench.profiling.profile_call`): the result's ``profile``."""
+    conversation twice more up to that turn (baseline and kvboost, from an empty store), kvboost's request at that
+    turn for one token timed by phase (:func:`~kvboost_hf.bench.phases.phase_breakdown`), then under the profilers
+    (:func:`~kvboost_hf.bench.profiling.profile_call`): the result's ``profile``."""
     methods = checked_methods(methods)
     options: dict[str, Any] = {} if graphs is None else {"graphs": GraphConfig(enabled=graphs, max_graphs=MAX_GRAPHS)}
     if random_shape is None:
@@ -195,8 +217,12 @@ def run(
     if profile_turn is not None:
         engine.store.clear()
         engine.tokens.clear()
-        profiled = play(engine, system, user_messages[:profile_turn], max_new_tokens, REQUIRED_METHODS, True)
-        profile = {"turn": profile_turn, **profiled[-1]["kvboost_profile"]}
+        profile = {"turn": profile_turn}
+        for measure in (_by_phase(engine), functools.partial(profile_call, device=engine.device)):
+            engine.store.clear()
+            engine.tokens.clear()
+            replayed = play(engine, system, user_messages[:profile_turn], max_new_tokens, REQUIRED_METHODS, measure)
+            profile |= replayed[-1]["kvboost_profile"]
     return {
         "benchmark": "multiturn",
         "machine": machine_info(engine.device),
@@ -234,12 +260,12 @@ def play(
     user_messages: list[str],
     max_new_tokens: int,
     methods: tuple[str, ...] = METHODS,
-    profile_last: bool = False,
+    last_turn: LastTurn | None = None,
 ) -> list[dict]:
     """One conversation; every turn runs ``methods`` in rotating order on the same messages, then plain
-    ``generate()`` once more (untimed use: the noise floor of the output comparison). ``profile_last``: kvboost's
-    request at the last turn runs for one token under the profilers (its row's ``kvboost_profile``: the TTFT and
-    the write-back after it; its times include the profilers' overhead)."""
+    ``generate()`` once more (untimed use: the noise floor of the output comparison). ``last_turn``: kvboost's
+    request at the last turn runs for one token through it (its row's ``kvboost_profile``: the TTFT and the
+    figures it returned)."""
     recipe = PromptCacheRecipe(engine)
     messages = [{"role": "system", "content": system}]
     rows = []
@@ -253,12 +279,10 @@ def play(
                 results[method] = recipe.generate(messages, max_new_tokens, reuse=reuse, static=static)
                 continue
             graphed_before = engine.graphs.graphed_prefills
-            profiled = profile_last and turn == len(user_messages)
+            profiled = last_turn is not None and turn == len(user_messages)
             with CharacterCounter(engine.tokenizer) as counter:
-                if profiled:
-                    r, figures = profile_call(
-                        functools.partial(engine.generate, messages, max_new_tokens=1), engine.device
-                    )
+                if last_turn is not None and profiled:
+                    r, figures = last_turn(functools.partial(engine.generate, messages, max_new_tokens=1))
                 else:
                     r = engine.generate(messages, max_new_tokens=max_new_tokens)
             tokenized, prefill_graphed = counter.chars, engine.graphs.graphed_prefills > graphed_before
@@ -334,7 +358,9 @@ def report(result: dict) -> str:
     )
     if result.get("profile"):
         profile = result["profile"]
-        lines.append(f"kvboost at turn {profile['turn']}, one token, profiled (TTFT {profile['ttft_ms']:.1f} ms):")
+        phases = ", ".join(f"{name} {ms:.1f}" for name, ms in profile["phases"].items())
+        lines.append(f"kvboost at turn {profile['turn']}, one token, by phase (ms): {phases}")
+        lines.append(f"the same request under the profilers (TTFT {profile['ttft_ms']:.1f} ms):")
         lines.append(profile_report(profile, "call"))
     return "\n".join(lines)
 
