@@ -21,7 +21,7 @@ def test_long_context_bench_reports_each_warm_figure_with_its_limit(tmp_path):
         assert row["breakdown_cold"]["write_back"] > 0 and row["breakdown_cold"]["copy_into_cache"] == 0
         breakdown = row["breakdown_ram"]
         assert {name for name, _, _ in phases.PHASES} | {"ttft", "other"} == set(breakdown)
-        assert breakdown["copy_into_cache"] > 0 and breakdown["forward"] > 0
+        assert breakdown["copy_into_cache"] > 0 and breakdown["forward"] > 0 and breakdown["tokenize"] > 0
         copies = row["copies_ram"]
         assert copies["reused_bytes"] == copies["cached_tokens"] * row["kv_bytes_per_token"] > 0
         assert copies["copied_over_reused"] <= 1.5  # the reused K/V are copied once, plus the new tokens' work

@@ -16,10 +16,11 @@ from kvboost_hf.bench.profiling import PhaseTimer
 from kvboost_hf.engine import InferenceEngine
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.graphs import GraphedDecoder
+from kvboost_hf.hf.prompts import PromptEncoder
 from kvboost_hf.store.chunk_store import ChunkStore
 
 PHASES = (
-    ("tokenize", InferenceEngine, "encode_segments"),
+    ("tokenize", PromptEncoder, "encode_segments"),  # what the engine's requests call
     ("keys", plan_module, "chain_prefix_keys"),
     ("lookup", ChunkStore, "get_many"),
     ("plan", prefill_module, "plan_reuse"),
