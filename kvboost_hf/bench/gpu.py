@@ -18,7 +18,8 @@ Steps, in order (``--steps`` picks a subset, in this order):
    and the compiles in the requests' path (``bench decode --arms engine,engine_graphed,engine_warmed``);
 3. ``multiturn``: multi-turn TTFT and pairwise output agreement on a random-weight Qwen2.5-0.5B shape in fp32 (where
    all outputs must be identical), and ``multiturn_7b`` on a random-weight Qwen2.5-7B shape in bf16 (kvboost's
-   decode steps and warm turns' prompt forwards graphed, after an untimed compile pass; ``pf`` per turn);
+   decode steps and warm turns' prompt forwards graphed, after an untimed compile pass; ``pf`` per turn; the last
+   turn's request replayed by phase and under the profilers: ``--profile-turn``);
 4. ``streaming``: layer streaming of a random-weight Qwen2.5-14B shape (bf16): tok/s, bytes/token, pinned H2D
    GB/s and the share of the H2D bound reached, peak memory;
 5. ``speculative``: a copy draft on the streamed 14B shape against streaming alone: tok/s, target forwards and
@@ -111,7 +112,7 @@ def campaign(dry_run: bool, model: Path | None = None) -> list[Step]:
             Step("decode", _bench("decode", *_DECODE_TINY), 120),
             Step("decode_buckets", _bench("decode", *_DECODE_BUCKETS_TINY), 120, needs_tokenizer=True),
             Step("multiturn", (*multiturn, *_MULTITURN_TINY), 120, needs_tokenizer=random),
-            Step("multiturn_7b", (*multiturn_7b, *_MULTITURN_TINY), 60, needs_tokenizer=True),
+            Step("multiturn_7b", (*multiturn_7b, *_MULTITURN_TINY, "--profile-turn", "2"), 60, needs_tokenizer=True),
             Step("streaming", _bench("streaming", *_STREAMING_TINY), 60, needs_tokenizer=True),
             Step("speculative", (*speculative, *_SPECULATIVE_TINY), 120, needs_tokenizer=random),
             Step("serve", (*serve, "--users", "1", "--turns", "1", "--max-tokens", "2"), 240, needs_tokenizer=random),
@@ -126,7 +127,7 @@ def campaign(dry_run: bool, model: Path | None = None) -> list[Step]:
         Step("decode_buckets", _bench("decode", "--dtype", "bfloat16", *_DECODE_BUCKETS), 360, True, True),
         # their untimed compile pass compiles each decode and prefill shape first (~30 s each for a 7B model)
         Step("multiturn", (*multiturn, "--repeats", "2"), 240, True, random),
-        Step("multiturn_7b", (*multiturn_7b, "--repeats", "2"), 420, True, True),
+        Step("multiturn_7b", (*multiturn_7b, "--repeats", "2", "--profile-turn", "8"), 420, True, True),
         Step("streaming", _bench("streaming", "--random-shape", "qwen2.5-14b", "--repeats", "2"), 240, True, True),
         Step("speculative", (*speculative, *_SPECULATIVE_GRID), 240, True, random),
         Step("serve", (*serve, "--users", "8", "--max-batch-size", "8", "--time-limit-s", "60"), 180, True, random),
