@@ -29,6 +29,23 @@ def test_reuse_equals_plain_generate(tiny_model, length):
     assert store.stats()["chunks"] == computed // CHUNK + (computed % CHUNK > 0)  # full chunks + the unfinished one
 
 
+def test_a_chunked_prefill_reports_what_each_of_its_chunks_loaded(tiny_model):
+    """``generate(prefill_chunk_size=...)`` runs the prompt as several forwards: each loads what the store holds for
+    its tokens, and ``last_reuse`` sums them over the whole prompt (it reported the first chunk's alone), while the
+    decode steps after the first token add nothing; tokens equal plain ``generate()``."""
+    store = ChunkStore(StoreConfig(1 << 26))
+    ids = torch.randint(1, 128, (1, 100), generator=torch.Generator().manual_seed(4))
+    expected, _ = greedy(tiny_model, ids)
+    for attempt in range(2):  # the first call stores the prompt's chunks, the second loads them chunk by chunk
+        cache = ChunkReuseCache(store, tiny_model, chunking=CHUNK)
+        got, _ = greedy(tiny_model, ids, cache, prefill_chunk_size=2 * CHUNK)
+        assert torch.equal(got, expected), f"attempt {attempt}"
+    (reuse,) = cache.last_reuse
+    # prefill chunks [0, 32), [32, 64), [64, 96), [96, 100): each computes its last token (its logits) at least
+    assert reuse.prompt_tokens == 100 and reuse.cached_tokens == 3 * (2 * CHUNK - 1) and reuse.hit_chunks == 6
+    assert not cache.prompt_in_progress
+
+
 def test_multi_turn_hits_previous_answer(tiny_model):
     store = ChunkStore(StoreConfig(1 << 26))
     gen = torch.Generator().manual_seed(1)

@@ -156,6 +156,7 @@ class ChunkReuseCache(Cache):
         self.forwards = 0  # forwards recorded since the cache was created
         self.stitched_bytes = 0  # bytes of stored K/V copied into the layers (each reused byte once)
         self.prompt_forward_next = True  # the next forward through the hooks starts a generation (set by generate())
+        self.prompt_in_progress = False  # generate() has not sampled its first token yet (chunked prefill's forwards)
         self._scatter: torch.Tensor | None = None  # positions the pending sparse forward writes
         self._pending_tokens: torch.Tensor | None = None  # the row's tokens once that forward ran
         self.layer_filter: LayerFilter | None = None  # CacheBlend: the positions of _scatter each layer computes
@@ -473,10 +474,13 @@ class ChunkReuseCache(Cache):
         keep: int = 1,
         defer: bool = False,
         report: bool = True,
+        continues: bool = False,
     ) -> PendingForward:
         """Load and repair what the store holds for the prompt ``input_ids``: :meth:`ChunkPrefiller.prefill
         <kvboost_hf.hf.prefill.ChunkPrefiller.prefill>` with this cache."""
-        return self.prefiller.prefill(self, input_ids, attention_mask, keep=keep, defer=defer, report=report)
+        return self.prefiller.prefill(
+            self, input_ids, attention_mask, keep=keep, defer=defer, report=report, continues=continues
+        )
 
     def arm_scatter(
         self, positions: torch.Tensor, tokens: torch.Tensor, layer_filter: LayerFilter | None = None

@@ -25,6 +25,7 @@ class ChunkWriteBack(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self._first_forward is None:
             self._first_forward = self.cache.forwards
+            self.cache.prompt_in_progress = False  # the prompt's forwards (every chunk of a chunked prefill) ran
         elif self.cache.forwards > self._first_forward:
             self.cache.save(tail=False)
         return scores

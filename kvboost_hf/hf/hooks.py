@@ -49,7 +49,8 @@ def _pre_forward(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
         cache.check_intact()
         if fed is not None:
             cache.check_forward(fed, kwargs.get("attention_mask"), kwargs.get("position_ids"))
-    return args, prepare_forward(cache, kwargs, report=cache.prompt_forward_next)
+    continues = cache.prompt_in_progress and not cache.prompt_forward_next  # chunked prefill's next chunk
+    return args, prepare_forward(cache, kwargs, report=cache.prompt_forward_next or continues, continues=continues)
 
 
 @torch.compiler.disable
@@ -85,7 +86,7 @@ def generate_with_write_back(
     if not any(isinstance(p, ChunkWriteBack) and p.cache is cache for p in processors):
         processors.append(ChunkWriteBack(cache))
     kwargs["logits_processor"] = processors
-    cache.prompt_forward_next = True
+    cache.prompt_forward_next = cache.prompt_in_progress = True
     output = generate(model, *args, **kwargs)
     drafting = getattr(kwargs.get("generation_config"), "is_assistant", False)
     cache.save(tail=not drafting)  # a draft round is not the end of a generation

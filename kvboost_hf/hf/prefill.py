@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -193,6 +193,7 @@ class ChunkPrefiller:
         keep: int = 1,
         defer: bool = False,
         report: bool = True,
+        continues: bool = False,
     ) -> PendingForward:
         """Load and repair what the store holds for the prompt ``input_ids`` (the full sequence, extending what the
         cache holds); return what is left to compute.
@@ -203,7 +204,9 @@ class ChunkPrefiller:
         instead, folded with the tail (one forward fewer): the caller must run it next with this cache.
         ``attention_mask`` (2D, batch x columns) marks left padding; any other layout disables reuse for the call.
         ``report`` records the reuse in ``cache.last_reuse`` (off for forwards after a generation's prompt, e.g.
-        the multi-token verify forwards of assisted decoding, which may also stitch stored chunks).
+        the multi-token verify forwards of assisted decoding, which may also stitch stored chunks); with
+        ``continues``, this forward carries on the prompt reported before (the next chunk of transformers' chunked
+        prefill): its figures add to that report, the prompt's length updated.
         """
         cache.check_extends(input_ids)
         stop_reuse_past_exact_length(cache, input_ids.shape[1])
@@ -211,6 +214,8 @@ class ChunkPrefiller:
             cache.begin(input_ids, attention_mask)
         cached = cache.num_columns
         if not cache.reuse_enabled or cache.mode is GenerationMode.BASELINE or input_ids.shape[1] - cached <= keep:
+            if report and continues:
+                _report(cache, input_ids.shape[1], cached, [[] for _ in cache.pads], continues)
             return PendingForward(input_ids[:, cached:], cached)
         full = input_ids.to(cache.tokens.device)
         limit = full.shape[1] - keep
@@ -220,10 +225,7 @@ class ChunkPrefiller:
             return pending if defer else self._compute_sparse_head(cache, pending, full, limit)
         target = plan.stitch_columns(cache.pads, cached, limit)
         if report:
-            cache.last_reuse = [
-                RowReuse(full.shape[1] - pad, max(0, target - pad), len(row.hits))
-                for pad, row in zip(cache.pads, plan.rows, strict=True)
-            ]
+            _report(cache, full.shape[1], target, [row.hits for row in plan.rows], continues)
         if target > cached:
             self._stitch(cache, plan, full, cached, target)
         return PendingForward(input_ids[:, target:], target)
@@ -334,6 +336,29 @@ class ChunkPrefiller:
         return param.device, model_dtype(self.model)
 
 
+def _report(cache: PrefillTarget, columns: int, target: int, hits: list[list[Any]], continues: bool) -> None:
+    """``cache.last_reuse`` after a dense prompt forward over ``columns`` columns whose first ``target`` the cache
+    holds once the ``hits`` (per row) are stitched in: each row's prompt tokens and the tokens not computed (held
+    before, or loaded now). ``continues``: the forward carries on the prompt reported last (a later chunk of a
+    chunked prefill), whose loaded tokens and hits it adds to; the columns its earlier chunks computed are not
+    counted as cached."""
+    cached = cache.num_columns
+    earlier = cache.last_reuse if continues and len(cache.last_reuse) == len(cache.pads) else None
+    reports = []
+    for row, (pad, row_hits) in enumerate(zip(cache.pads, hits, strict=True)):
+        loaded = max(0, target - pad) - max(0, cached - pad)
+        before = earlier[row] if earlier is not None else RowReuse(cached_tokens=max(0, cached - pad))
+        reports.append(
+            replace(
+                before,
+                prompt_tokens=columns - pad,
+                cached_tokens=before.cached_tokens + loaded,
+                hit_chunks=before.hit_chunks + len(row_hits),
+            )
+        )
+    cache.last_reuse = reports
+
+
 def _settle(cache: PrefillTarget, selection: RepairSelection) -> None:
     """Record what the repair forward recomputed: the row's stale positions and its reuse figures. Under an
     APE-style context adjustment the queries after the last approximate column ran with the adjusted attention:
@@ -359,20 +384,23 @@ def reuse_cache(cache: Any) -> Any | None:
     return cache if hasattr(cache, "prefill") and hasattr(cache, "record") else None
 
 
-def prepare_forward(cache: Any, kwargs: dict[str, Any], *, report: bool = True) -> dict[str, Any]:
+def prepare_forward(
+    cache: Any, kwargs: dict[str, Any], *, report: bool = True, continues: bool = False
+) -> dict[str, Any]:
     """The forward's keyword arguments once ``cache`` loaded what it holds for them (``kwargs`` is updated), with
     the cache's :meth:`~kvboost_hf.hf.cache.ChunkReuseCache.attention_kwargs` (an APE-style context adjustment).
 
     A forward that asks for every position's logits, hidden states or attentions is computed whole (and still
     recorded and written back); a decode step (no more new tokens than ``logits_to_keep``) has nothing to look up.
-    ``report`` records the loaded tokens in ``cache.last_reuse`` (a generation's prompt forward).
+    ``report`` records the loaded tokens in ``cache.last_reuse`` (a generation's prompt forward; ``continues``: a
+    later chunk of it, added to its report).
     """
-    kwargs = _load_for_forward(cache, kwargs, report)
+    kwargs = _load_for_forward(cache, kwargs, report, continues)
     kwargs.update(cache.attention_kwargs())
     return kwargs
 
 
-def _load_for_forward(cache: Any, kwargs: dict[str, Any], report: bool) -> dict[str, Any]:
+def _load_for_forward(cache: Any, kwargs: dict[str, Any], report: bool, continues: bool) -> dict[str, Any]:
     """:func:`prepare_forward` without the attention arguments."""
     fed = kwargs.get("input_ids")
     if fed is not None:
@@ -387,7 +415,9 @@ def _load_for_forward(cache: Any, kwargs: dict[str, Any], report: bool) -> dict[
     if cached and fed.shape[1] <= keep:
         return kwargs
     full = torch.cat([cache.tokens.to(fed.device), fed], dim=1) if cached else fed
-    pending = cache.prefill(full, kwargs.get("attention_mask"), keep=keep, defer=True, report=report)
+    pending = cache.prefill(
+        full, kwargs.get("attention_mask"), keep=keep, defer=True, report=report, continues=continues
+    )
     if pending.position_ids is not None:
         kwargs.update(pending.model_inputs())
     elif (skip := pending.cached_columns - cached) > 0:
