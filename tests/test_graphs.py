@@ -10,6 +10,7 @@ from helpers import DECODE_EOS, finish, new_loop, prefill, prefill_in_chunks, re
 from oracle import reference
 
 from kvboost_hf import ChunkReuseCache, ChunkStore
+from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.hf.decode import DecodeRequest
 from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, capacity_bucket, pad_rows, row_bucket
 from kvboost_hf.hf.prefill import forward
@@ -175,20 +176,23 @@ def test_a_shape_whose_compile_fails_runs_eagerly_with_the_same_tokens(caplog):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 def test_a_graphed_decode_step_synchronises_once_for_its_sampled_ids():
     """The runner's graphed plain step: the tokens fed reach the device without a wait, the cache records the
-    host's copy, write-back skips rows with no complete chunk, so the sampled ids' transfer is the step's one
-    synchronisation."""
+    host's copy, write-back skips rows with no complete chunk, and the chunk the step completes lands in pinned RAM
+    by an asynchronous copy (an H200 run saw its two blocking copies), so the sampled ids' transfer is the step's
+    one synchronisation."""
     import traceback
     import warnings
 
     model = make_tiny_model("qwen2").to("cuda")
     request = DecodeRequest(prompt_ids=PROMPTS[0], max_new_tokens=12, sampling=SamplingConfig(temperature=0))
     decoder = GraphedDecoder(model, GraphConfig(row_buckets=(1,)))
-    loop = new_loop(model, reuse_caches(ChunkStore(StoreConfig(1 << 24)), model), graphs=decoder)
+    store = ChunkStore(StoreConfig(1 << 24))
+    loop = new_loop(model, reuse_caches(store, model), graphs=decoder)
     torch._dynamo.reset()
     prefill(loop, [request])
     for _ in range(3):  # compile, capture, replay
         loop.step()
     torch.cuda.synchronize()
+    puts = store.stats()["puts"]  # the 4th step completes the chunk of tokens 16-23 (8-token chunks, 20 prompted)
     syncs: list[str] = []  # the Python stack of each synchronising call (an H200 run saw 3: where they are)
 
     def record(message, *args, **kwargs):
@@ -204,6 +208,37 @@ def test_a_graphed_decode_step_synchronises_once_for_its_sampled_ids():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert decoder.graphed_steps == 4 and len(syncs) == 1, "\n--- a synchronisation at\n".join(["", *syncs])
+    assert store.stats()["puts"] == puts + 1 and store.pin_memory
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_the_chunks_graphed_steps_write_back_land_in_pinned_ram_bit_for_bit():
+    """Every chunk a graphed decode loop writes back (prompt chunks, chunks its steps complete, its tail) lands in
+    one page-locked block per chunk, by asynchronous copies, holding exactly the device K/V it was put with once the
+    store flushed."""
+    model = make_tiny_model("qwen2").to("cuda")
+    request = DecodeRequest(prompt_ids=PROMPTS[0], max_new_tokens=12, sampling=SamplingConfig(temperature=0))
+    store = ChunkStore(StoreConfig(1 << 24))
+    computed: dict[str, ChunkKV] = {}
+    put = store.put
+
+    def recording_put(key: str, entry: ChunkKV) -> None:
+        computed[key] = ChunkKV(entry.keys.clone(), entry.values.clone())  # on the device, ordered before the copy
+        put(key, entry)
+
+    store.put = recording_put  # type: ignore[method-assign]
+    loop = new_loop(model, reuse_caches(store, model), graphs=GraphedDecoder(model, GraphConfig(row_buckets=(1,))))
+    torch._dynamo.reset()
+    prefill(loop, [request])
+    finish(loop)
+    store.flush()
+    assert store.pin_memory and store.stats()["landing"] == 0 and len(computed) >= 4  # 3 chunks and the tail
+    for key, entry in computed.items():
+        held = store.ram.get(key)
+        assert isinstance(held, ChunkKV) and held.keys.is_pinned(), key
+        assert held.keys.untyped_storage().data_ptr() == held.values.untyped_storage().data_ptr()  # one block
+        assert torch.equal(held.keys, entry.keys.cpu()) and torch.equal(held.values, entry.values.cpu()), key
 
 
 def decode_across_buckets(model, requests, graphs: GraphedDecoder | None) -> tuple[list[list[int]], list, list]:

@@ -16,6 +16,13 @@ from the tiers that work; ``stats()`` never raises (a tier whose counters fail i
 ``kv_cache_bits`` 8 or 4 every tier holds the KIVI-quantized form (RAM included: that is the saving); ``get``
 dequantises to the dtype the entry was put with. The live cache never sees quantized tensors; a chunk that
 cannot be quantized (inf/NaN, values beyond float16 statistics) is not stored (counted in ``skipped``).
+
+A ``put`` of CUDA K/V into page-locked RAM never waits on the device: the chunk *lands*
+(:mod:`~kvboost_hf.store.landing`: one pinned block, an asynchronous copy, an event after it). A landing chunk is
+contained but in no tier; the first store operation (``put``, ``get``, ``contains``, ``stats``) that finds its copy
+complete puts it in RAM and writes it through as a synchronous ``put`` would, a ``get`` of it waits for its copy,
+``flush``/``close`` wait for every copy and ``clear`` drops them. No tier sees the host bytes before they landed.
+Quantized puts (``kv_cache_bits`` 8 or 4) stay synchronous: quantizing reads statistics back from the device.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from kvboost_hf.core.errors import ArgumentTypeError
 from kvboost_hf.store import codec
 from kvboost_hf.store.base import CLOSE_TIMEOUT_S, StorageTier, StoredChunk
 from kvboost_hf.store.config import StoreConfig
+from kvboost_hf.store.landing import Landing, start_landing
 from kvboost_hf.store.quantization import QuantizedChunk, quantize_chunk
 from kvboost_hf.store.ram import GpuTier, RamTier
 
@@ -78,7 +86,8 @@ class ChunkStore:
         config: the store's settings (:class:`StoreConfig`; None: its defaults, a 2 GiB RAM tier only).
         tiers: more tiers below those the settings enable, fastest first.
 
-    Thread-safe. Never returns K/V that failed verification: a damaged disk or Redis record is a miss.
+    Thread-safe. Never returns K/V that failed verification (a damaged disk or Redis record is a miss), nor a
+    landing chunk's host bytes before its copy completed.
     After :meth:`close`, lookups see RAM only.
     """
 
@@ -103,6 +112,8 @@ class ChunkStore:
         self._degraded: set[str] = set()
         self._tail_lengths: OrderedDict[str, set[int]] = OrderedDict()
         self._lock = threading.Lock()
+        self._landing: dict[str, Landing] = {}  # put order; read and changed under _landing_lock only
+        self._landing_lock = threading.Lock()  # held while an entry lands: it is always landing or in the tiers
         self._closed = False
         self._skip_logged = False
         for tier in self._lower:
@@ -157,6 +168,8 @@ class ChunkStore:
     def get_many(self, keys: Sequence[str], device: torch.device | None = None) -> list[ChunkKV | None]:
         """:meth:`get` for several keys: each tier is asked once for the keys still missing (one Redis round
         trip for the lot). An entry found in a lower tier is promoted into every faster one."""
+        if self._landing:  # a chunk read right after its put: its copy is waited for unless the GPU tier serves it
+            self._land(waiting=frozenset(key for key in keys if self.gpu is None or not self.gpu.contains(key)))
         found: list[StoredChunk | None] = [None] * len(keys)
         tiers = self.tiers
         for level, tier in enumerate(tiers):
@@ -179,8 +192,10 @@ class ChunkStore:
         return self.contains_many([key])[0]
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is in some tier (each tier asked once for the keys not found above it)."""
-        out = [False] * len(keys)
+        """Whether each key is landing or in some tier (each tier asked once for the keys not found above it)."""
+        self._land()
+        with self._landing_lock:
+            out = [key in self._landing for key in keys]
         for tier in self.tiers:
             missing = [i for i, present in enumerate(out) if not present]
             if not missing:
@@ -193,10 +208,18 @@ class ChunkStore:
         """Store ``entry`` under ``key`` (quantized if configured) in RAM, and queue it for every lower tier;
         a key already in RAM is only touched. A chunk that cannot be quantized, or whose dtypes no tier can encode
         (:func:`~kvboost_hf.store.codec.storable`: it would fail the disk or Redis batch it joined), is skipped
-        (counted in ``skipped``): storing is optional, serving is not."""
+        (counted in ``skipped``): storing is optional, serving is not. CUDA K/V bound for page-locked RAM land
+        (see the module docstring): the GPU tier gets them now, RAM and the lower tiers once their copy completed."""
         stored: StoredChunk
+        self._land()
         if not codec.storable(entry):
             self._skip(key, f"unsupported K/V dtypes {entry.keys.dtype}, {entry.values.dtype}")
+            return
+        if self.kv_cache_bits == 16 and self._lands(key, entry, write_through=True):
+            with self._lock:
+                self._stats.puts += 1
+            if self.gpu is not None:
+                self._put_gpu(key, entry.to(self.gpu.device))
             return
         if self.kv_cache_bits == 16:
             stored = self._place(entry)
@@ -209,12 +232,17 @@ class ChunkStore:
             stored = self._place(stored)
         with self._lock:
             self._stats.puts += 1
+        self._settle(key, stored, entry if self.kv_cache_bits == 16 else stored)
+
+    def _settle(self, key: str, stored: StoredChunk, gpu_form: StoredChunk | None) -> None:
+        """The tiers' part of a put of ``stored`` (RAM's form): written through to the local lower tiers unless RAM
+        holds ``key``, ``gpu_form`` into the GPU tier (None: it is there already), into RAM (``rejected`` when no
+        tier kept it), then queued for the remote tiers."""
         lower = self._below_ram() if not self.ram.contains(key) else []
         for tier in lower:
             if tier.local:
                 _write_unless_held(tier, key, stored)
-        if self.gpu is not None:
-            gpu_form = entry if self.kv_cache_bits == 16 else stored
+        if self.gpu is not None and gpu_form is not None:
             self._put_gpu(key, gpu_form.to(self.gpu.device))
         self._demote(self.ram.put(key, stored))
         if not self.ram.contains(key) and not any(tier.contains(key) for tier in self._local_lower()):
@@ -267,8 +295,13 @@ class ChunkStore:
 
     def clear(self, remote: bool = False) -> None:
         """Drop every entry of the tiers this process owns or shares only by directory (RAM, disk: other
-        processes on that directory see it). Tiers shared over the network (Redis records under this store's
-        prefix, other replicas' included) are cleared only with ``remote=True``."""
+        processes on that directory see it), and the landing ones (once their copies completed). Tiers shared over
+        the network (Redis records under this store's prefix, other replicas' included) are cleared only with
+        ``remote=True``."""
+        with self._landing_lock:
+            for landing in self._landing.values():
+                landing.done.synchronize()
+            self._landing.clear()
         for tier in self.tiers:
             if remote or not tier.shared:
                 tier.clear()
@@ -276,8 +309,10 @@ class ChunkStore:
             self._tail_lengths.clear()
 
     def flush(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
-        """Wait (up to ``timeout_s`` per tier) until queued writes to the lower tiers are done; RAM entries
-        missing from a local lower tier (their write was dropped from a full queue) are queued again first."""
+        """Land every landing entry (waiting for its copy), then wait (up to ``timeout_s`` per tier) until queued
+        writes to the lower tiers are done; RAM entries missing from a local lower tier (their write was dropped
+        from a full queue) are queued again first."""
+        self._land(waiting=None)
         if self._closed:
             return
         for tier in self._lower:
@@ -306,11 +341,16 @@ class ChunkStore:
 
     def stats(self) -> dict[str, int]:
         """Counters; never raises. hits, misses, puts, rejected, skipped (not quantizable), evictions and
-        chunks (RAM), ``corrupt`` (records refused by every tier), ``<tier>_hits`` and each tier's own counters
+        chunks (RAM), ``landing`` and ``landing_bytes`` (chunks whose copy into RAM is in flight, and their bytes),
+        ``corrupt`` (records refused by every tier), ``<tier>_hits`` and each tier's own counters
         as ``<tier>_<counter>`` (:meth:`StorageTier.stats`: ``disk_queued``, ``remote_republished``...; the
         usual ram, disk and remote counters read 0 when the tier is absent). A tier whose counters cannot be
         read (damaged storage) reports ``<tier>_degraded`` 1 and counts in ``stats_errors``."""
+        self._land()
+        with self._landing_lock:
+            landing = [landing.entry.nbytes for landing in self._landing.values()]
         out: dict[str, int] = {f"{name}_{counter}": 0 for name, counters in _REPORTED.items() for counter in counters}
+        out |= {"landing": len(landing), "landing_bytes": sum(landing)}
         corrupt = 0
         for tier in self.all_tiers:
             try:
@@ -362,11 +402,42 @@ class ChunkStore:
         return stored
 
     def _put_gpu(self, key: str, stored: StoredChunk) -> None:
-        """Into the GPU tier; what it evicts or refuses goes to RAM when RAM does not hold it already."""
+        """Into the GPU tier; what it evicts or refuses goes to RAM when RAM does not hold it already (CUDA K/V
+        bound for page-locked RAM land there: :meth:`_lands`)."""
         assert self.gpu is not None
         for evicted_key, evicted in self.gpu.put(key, stored):
-            if not self.ram.contains(evicted_key):
+            if not self.ram.contains(evicted_key) and not self._lands(evicted_key, evicted, write_through=False):
                 self._demote(self.ram.put(evicted_key, self._place(evicted)))
+
+    def _lands(self, key: str, stored: StoredChunk, write_through: bool) -> bool:
+        """Whether ``key`` is landing: already, or now, ``stored`` being CUDA K/V bound for page-locked RAM (see
+        :class:`~kvboost_hf.store.landing.Landing` for ``write_through``). False: the caller stores it synchronously."""
+        if not (self.pin_memory and isinstance(stored, ChunkKV)):
+            return False
+        with self._landing_lock:
+            if key in self._landing:
+                return True
+            landing = start_landing(stored, write_through)
+            if landing is not None:
+                self._landing[key] = landing
+            return landing is not None
+
+    def _land(self, waiting: frozenset[str] | None = frozenset()) -> None:
+        """Move the landing entries whose copy completed into the tiers (:meth:`_settle` for a put, RAM only for a
+        GPU tier eviction), in put order; those under ``waiting`` keys (None: all) are waited for first."""
+        if not self._landing:  # read without the lock: an entry added meanwhile lands at a later call
+            return
+        with self._landing_lock:
+            for key, landing in list(self._landing.items()):
+                if waiting is None or key in waiting:
+                    landing.done.synchronize()
+                elif not landing.done.query():
+                    continue
+                del self._landing[key]
+                if landing.write_through:
+                    self._settle(key, landing.entry, None)
+                else:
+                    self._demote(self.ram.put(key, landing.entry))
 
     def _demote(self, evicted: list[tuple[str, StoredChunk]]) -> None:
         """Entries leaving RAM: queued for the local lower tiers that do not hold them (else just dropped)."""
