@@ -168,6 +168,7 @@ def test_chunk_reuse_on_cuda_exact_and_through_the_disk(tmp_path, tier):
     store = ChunkStore(StoreConfig(1 << 26, disk_cache_dir=tmp_path if tier == "disk" else None))
     greedy(model, ids, ChunkReuseCache(store, model, CHUNK))
     if tier == "disk":
+        store.flush()  # the chunks written back land in RAM and on disk
         store.ram.clear()
     cache = ChunkReuseCache(store, model, CHUNK)
     got, logits = greedy(model, ids, cache)

@@ -71,6 +71,7 @@ def chat(
         finish(loop)
         seconds += prompts
         rows += loop.rows[-len(group) :]
+    store.flush()  # on CUDA, chunks written back last may still be landing
     ram = store.tier("ram")
     assert ram is not None
     return seconds, rows, sorted(ram.items(), key=lambda item: item[0])

@@ -256,6 +256,7 @@ def decode_across_buckets(model, requests, graphs: GraphedDecoder | None) -> tup
     while not loop.done:
         running.append(len(loop.running))
         loop.step()
+    store.flush()  # on CUDA, chunks written back last may still be landing
     ram = store.tier("ram")
     assert ram is not None
     return [row.tokens for row in loop.rows], sorted(ram.items(), key=lambda item: item[0]), running

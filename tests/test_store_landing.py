@@ -53,6 +53,7 @@ class FakeCopy:
 
 @pytest.fixture
 def copies(monkeypatch: pytest.MonkeyPatch) -> dict[str, FakeCopy]:
+    """:func:`fake_landings` for one test."""
     return fake_landings(monkeypatch)
 
 
@@ -71,7 +72,7 @@ def fake_landings(monkeypatch: pytest.MonkeyPatch) -> dict[str, FakeCopy]:
 
 
 def _key_of(entry: ChunkKV) -> str:
-    """The key the tests put ``raw_entry(seed=i)`` under: ``key(i)``, found from its first element."""
+    """The key the tests put ``raw_entry(seed=i)`` under: ``key(i)`` (seeds below 64)."""
     return next(key(i) for i in range(64) if torch.equal(raw_entry(seed=i).keys, entry.keys))
 
 
@@ -183,6 +184,14 @@ def test_a_gpu_tier_eviction_lands_in_ram_without_being_written_through_again(co
     held = store.ram.get(key(0))
     assert held is not None
     assert_same(held, raw_entry(seed=0))
+
+
+def test_pinning_a_landing_chunk_the_gpu_tier_serves_lands_it_in_ram(copies):
+    store = landing_store(gpu_max_bytes=ENTRY_BYTES, gpu_device="cpu")
+    store.put(key(0), raw_entry(seed=0))
+    got = store.get(key(0))  # served by the GPU tier: no wait for the copy into RAM
+    assert got is not None and copies[key(0)].waits == 0 and store.stats()["landing"] == 1
+    assert store.pin(key(0)) and store.ram.is_pinned(key(0)) and copies[key(0)].waits == 1
 
 
 def test_quantized_puts_stay_synchronous(copies, monkeypatch: pytest.MonkeyPatch):

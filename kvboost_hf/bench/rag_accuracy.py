@@ -302,16 +302,19 @@ def mean_kl(reference: torch.Tensor, logprobs: torch.Tensor) -> float:
 
 class StoreSnapshot:
     """The keys of the store's RAM tier at creation; :meth:`restore` deletes every key added since, so each
-    configuration starts from the warmed documents only (write-back of one would otherwise help the next)."""
+    configuration starts from the warmed documents only (write-back of one would otherwise help the next). Both
+    flush the store first: chunks still landing are in RAM then."""
 
     def __init__(self, store: ChunkStore) -> None:
-        self.ram = store.ram
-        self.keys = {key for key, _ in self.ram.items()}
+        self.store = store
+        store.flush()
+        self.keys = {key for key, _ in store.ram.items()}
 
     def restore(self) -> None:
-        for key, _ in self.ram.items():
+        self.store.flush()
+        for key, _ in self.store.ram.items():
             if key not in self.keys:
-                self.ram.delete(key)
+                self.store.ram.delete(key)
 
 
 def answer_question(

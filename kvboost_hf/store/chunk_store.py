@@ -285,7 +285,8 @@ class ChunkStore:
         return sorted(lengths, reverse=True)
 
     def pin(self, key: str) -> bool:
-        """Keep ``key`` resident in RAM (loading it from a lower tier if needed); False if unknown."""
+        """Keep ``key`` resident in RAM (landing it, or loading it from a lower tier, if needed); False if unknown."""
+        self._land(waiting=frozenset((key,)))
         if not self.ram.contains(key) and self.get(key) is None:
             return False
         return self.ram.pin(key)
