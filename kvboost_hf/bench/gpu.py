@@ -112,7 +112,7 @@ def campaign(dry_run: bool, model: Path | None = None) -> list[Step]:
             Step("decode", _bench("decode", *_DECODE_TINY), 120),
             Step("decode_buckets", _bench("decode", *_DECODE_BUCKETS_TINY), 120, needs_tokenizer=True),
             Step("multiturn", (*multiturn, *_MULTITURN_TINY), 120, needs_tokenizer=random),
-            Step("multiturn_7b", (*multiturn_7b, *_MULTITURN_TINY, "--profile-turn", "2"), 60, needs_tokenizer=True),
+            Step("multiturn_7b", (*multiturn_7b, *_MULTITURN_TINY), 60, needs_tokenizer=True),
             Step("streaming", _bench("streaming", *_STREAMING_TINY), 60, needs_tokenizer=True),
             Step("speculative", (*speculative, *_SPECULATIVE_TINY), 120, needs_tokenizer=random),
             Step("serve", (*serve, "--users", "1", "--turns", "1", "--max-tokens", "2"), 240, needs_tokenizer=random),
