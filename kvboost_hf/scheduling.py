@@ -53,6 +53,9 @@ The rules, in order:
    context (prompt and tokens) passes ``restart_after`` tokens, its K/V all computed at or below it, is preempted as
    in 2c and queued again at the front, once: its next forward is a prefill of its whole context, computed with the
    long factors at every position (reuse is off past that length), as ``generate()`` recomputes it;
+2e. and no batch holds rows on both sides of ``restart_after``: transformers picks the RoPE factors from the largest
+   position of a whole forward, so a row past the length would switch its batch-mates' queries to the long factors
+   (their tokens would then depend on who they ran with). A group joins only a batch whose rows are on its side;
 3. prefill: the rows admitted to a batch in one schedule are prefilled together, in left-padded forwards of rows of
    similar context lengths (:func:`padding_groups`: a row's left padding is at most its own length or
    :data:`PADDING_SLACK` columns, so short prompts admitted with a long one are not padded to its width), except
@@ -873,6 +876,11 @@ class Scheduler:
             with self._queue_lock:
                 self._pending[:0] = sorted(restarted, key=lambda group: group.admission)
 
+    def _past_restart(self, rows: Sequence[DecodeRow]) -> bool:
+        """Whether any of ``rows`` holds more context (tokens) than :attr:`restart_after` (rule 2e's side)."""
+        limit = self.restart_after
+        return limit is not None and any(row.context_length > limit for row in rows)
+
     def _admit(self, now: float) -> list[tuple[BatchKey, RunningBatch | None, list[RequestGroup]]]:
         """Pending groups that are ready and fit, by key: ``(key, running batch to join or None, groups)``."""
         with self._queue_lock:
@@ -930,7 +938,11 @@ class Scheduler:
     def _lane_for(self, lanes: list[_Lane], group: RequestGroup) -> _Lane:
         """The batch ``group`` joins among ``lanes`` (its key's running batches, then those formed in this schedule),
         or a new one (not yet in ``lanes``): with no join limit the first; else the one whose padding grows least
-        (:meth:`~kvboost_hf.kv_budget.BatchShape.join_padding`) while it grows by at most ``join_padding_limit``."""
+        (:meth:`~kvboost_hf.kv_budget.BatchShape.join_padding`) while it grows by at most ``join_padding_limit``;
+        under :attr:`restart_after`, among the batches on the group's side of it only (rule 2e)."""
+        if self.restart_after is not None:  # rule 2e: only batches on the group's side of it
+            side = self._past_restart(group.live_rows)
+            lanes = [lane for lane in lanes if self._past_restart(lane.live_rows()) == side]
         if not lanes:
             return _Lane(None, BatchShape())
         if self.join_padding_limit is None:
@@ -947,6 +959,11 @@ class _Lane:
     batch: RunningBatch | None
     shape: BatchShape
     groups: list[RequestGroup] = field(default_factory=list)
+
+    def live_rows(self) -> list[DecodeRow]:
+        """The rows it would run: its running batch's groups' and the chosen groups' live rows."""
+        groups = [*(self.batch.groups if self.batch is not None else ()), *self.groups]
+        return [row for group in groups for row in group.live_rows]
 
 
 def prompt_width(work: PrefillWork) -> int:

@@ -392,3 +392,35 @@ def test_a_long_rope_row_passing_its_original_length_is_recomputed_as_generate_d
     assert "prefilling 1 request(s) again past 64 tokens" in caplog.text
     results = engine.generate_many(prompts, max_new_tokens=30, max_batch_size=4)
     assert [result.output_ids for result in results] == expected
+
+
+def test_a_long_rope_row_never_shares_a_forward_with_rows_on_the_other_side_of_its_original_length():
+    """transformers picks Phi3's RoPE factors from the largest position of a whole forward: a row decoding below
+    ``original_max_position_embeddings`` beside one past it took the long factors from then on (fp32 log-probs off
+    by up to 0.0016 on this tiny model from token 21; tokens equal only by luck), and a warm prompt's graphed forward
+    padded past the length switched its own queries (0.0023 from the first token). Now such rows run in batches of
+    their side (scheduler rule 2e) and such a prefill runs eagerly: every log-prob equals the row's alone (to fp32 rounding)."""
+    from kvboost_hf.hf.graphs import GraphConfig
+
+    model = make_tiny_model("phi3", **LONG_ROPE)
+    engine = KVBoost(model, word_tokenizer(), chunking=8)
+    prompts = [words(5, 40), words(6, 46)]  # the first stays below 64 tokens; the second passes it at its 19th
+    alone = [engine.generate(p, max_new_tokens=24, logprobs=0).token_logprobs for p in prompts]
+    engine.store.clear()
+    together = engine.generate_many(prompts, max_new_tokens=24, max_batch_size=4, logprobs=0)
+    assert max_difference([result.token_logprobs for result in together], alone) < 1e-5  # fp32 rounding only
+
+    graphed = KVBoost(model, word_tokenizer(), chunking=8, graphs=GraphConfig(enabled=True))
+    follow_up = f"{prompts[0]} {words(9, 18)}"  # 40 reused tokens, 18 new ones: a 32-query bucket reaches 72
+    for each in (engine, graphed):
+        each.generate(prompts[0], max_new_tokens=2)
+    expected = engine.generate(follow_up, max_new_tokens=6, logprobs=0)
+    result = graphed.generate(follow_up, max_new_tokens=6, logprobs=0)
+    assert result.cached_tokens == expected.cached_tokens == 40 and graphed.graphs.graphed_prefills == 0
+    assert max_difference([result.token_logprobs], [expected.token_logprobs]) < 1e-5
+
+
+def max_difference(got: list[list[float]], expected: list[list[float]]) -> float:
+    """The largest difference between two rows' lists of log-probabilities (equal lengths asserted)."""
+    assert [len(row) for row in got] == [len(row) for row in expected]
+    return max(abs(a - b) for row, other in zip(got, expected, strict=True) for a, b in zip(row, other, strict=True))

@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 from conftest import make_tiny_model
+from test_repair import LENGTH_DEPENDENT
 from helpers import word_tokenizer, words
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -101,8 +102,9 @@ def test_a_packed_forward_gives_each_part_the_logits_and_kv_of_its_own_forward(n
 
 def test_packable_needs_the_kvboost_attention_full_attention_layers_and_plain_caches():
     """Only the ``"kvboost"`` attention carries a packed forward's parts to their caches; sliding-window layers are
-    served (Mistral's window of 24), soft-capped attention (Gemma2), a cache with a context adjustment, an armed
-    sparse repair forward and a static cache each need a forward of their own."""
+    served (Mistral's window of 24), soft-capped attention (Gemma2), a length-dependent RoPE (Phi3's longrope), a
+    cache with a context adjustment, an armed sparse repair forward and a static cache each need a forward of their
+    own."""
     plain = DynamicCache()
     assert packable(kvboost_model("llama"), [plain, plain])
     assert not packable(make_tiny_model("llama"), [plain, plain])  # sdpa
@@ -114,6 +116,8 @@ def test_packable_needs_the_kvboost_attention_full_attention_layers_and_plain_ca
     assert not packable(kvboost_model("llama"), [plain, adjusted])
     assert not packable(kvboost_model("llama"), [sparse, plain])
     assert not packable(kvboost_model("llama"), [plain, static])
+    # a length-dependent RoPE takes its factors from the largest position of the whole packed forward
+    assert not packable(kvboost_model("phi3", **LENGTH_DEPENDENT["longrope"][1]), [plain, plain])
 
 
 def run_join(engine, prompts, arrive_at, monkeypatch, *, pack: bool):

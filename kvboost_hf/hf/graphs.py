@@ -48,6 +48,7 @@ from kvboost_hf.core.errors import ConfigError, InputError
 from kvboost_hf.core.values import is_integer
 from kvboost_hf.hf.models import CACHE_ARGUMENT
 from kvboost_hf.hf.static_buffers import StaticBufferPool
+from kvboost_hf.reuse.rope import exact_reuse_length
 
 __all__ = [
     "GraphConfig",
@@ -373,14 +374,19 @@ class GraphedDecoder:
         of ``held + queries + answer``, what the decode steps after it run over (and what a K/V budget counts:
         :func:`graphed_columns`). None when the prefill runs eagerly: graphs off, no reused column, a tail above
         the query buckets, rows above the row buckets, a capacity above ``max_capacity``, a padded tail that would
-        not fit that capacity (``held`` plus the query bucket past it: near a bucket's end with a short answer), or
-        a shape not graphed that :meth:`_may_graph` refuses."""
+        not fit that capacity (``held`` plus the query bucket past it: near a bucket's end with a short answer), a
+        padded tail whose positions would pass the model's length-dependent RoPE limit
+        (:func:`~kvboost_hf.reuse.rope.exact_reuse_length`: the padding's positions would switch every query's
+        frequencies), or a shape not graphed that :meth:`_may_graph` refuses."""
         bucket = query_bucket(queries, self.config.query_buckets)
         rows_bucket = row_bucket(rows, self.config.row_buckets)
         if not self.config.enabled or held < 1 or bucket is None or rows_bucket is None:
             return None
         capacity = capacity_bucket(held + queries + answer, self.config)
         if capacity is None or held + bucket > capacity or not self._may_graph((rows_bucket, capacity, bucket)):
+            return None
+        limit = exact_reuse_length(self.model)
+        if limit is not None and held + bucket > limit:
             return None
         return capacity
 

@@ -31,6 +31,7 @@ from kvboost_hf.core.errors import StateError
 from kvboost_hf.hf.attention import PACKED_KWARG, bottom_right_causal_mask
 from kvboost_hf.hf.models import CACHE_ARGUMENT
 from kvboost_hf.hf.prefill import reuse_cache
+from kvboost_hf.reuse.rope import exact_reuse_length
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,13 @@ def layer_windows(model: PreTrainedModel) -> list[int | None] | None:
 
 def packable(model: PreTrainedModel, caches: Sequence[Any]) -> bool:
     """Whether one packed forward of ``model`` can serve parts through ``caches``: the ``"kvboost"`` attention,
-    full or sliding-window attention layers (:func:`layer_windows`) without soft-capping, and no cache that is
+    full or sliding-window attention layers (:func:`layer_windows`) without soft-capping, RoPE frequencies that do
+    not depend on the length (:func:`~kvboost_hf.reuse.rope.exact_reuse_length`: transformers picks them from the
+    largest position of the whole forward, so one part's positions would change another's), and no cache that is
     static (a graph's: it returns its whole capacity), has a context adjustment or an armed sparse repair forward."""
     if getattr(model.config, "_attn_implementation", None) != "kvboost" or layer_windows(model) is None:
+        return False
+    if exact_reuse_length(model) is not None:
         return False
     if getattr(model.config.get_text_config(decoder=True), "attn_logit_softcapping", None) is not None:
         return False

@@ -98,7 +98,6 @@ def rotator_for(model: PreTrainedModel) -> KeyRotator | None:
     return rotator
 
 
-_EXACT_LENGTHS: weakref.WeakKeyDictionary[torch.nn.Module, int | None] = weakref.WeakKeyDictionary()
 _WARNED_PAST_EXACT_LENGTH: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
@@ -108,9 +107,7 @@ def stop_reuse_past_exact_length(cache: Any, columns: int) -> None:
     passes :func:`~kvboost_hf.reuse.rope.exact_reuse_length`: K/V computed then use other frequencies than the
     stored ones (computed in shorter sequences), so neither may be mixed with the other."""
     model = cache.model
-    if model not in _EXACT_LENGTHS:
-        _EXACT_LENGTHS[model] = exact_reuse_length(model)
-    limit = _EXACT_LENGTHS[model]
+    limit = exact_reuse_length(model)
     if limit is None or columns <= limit or not cache.reuse_enabled:
         return
     cache.reuse_enabled = False

@@ -13,6 +13,7 @@ built, so a layout it does not know is refused instead of served wrong.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -67,8 +68,19 @@ def exact_reuse_length(model: torch.nn.Module) -> int | None:
     """Tokens a sequence may reach (padding included) for its K/V to be exact under a length-dependent RoPE: longrope
     keeps its short factors up to ``original_max_position_embeddings`` positions, dynamic NTK its base frequencies
     below ``max_position_embeddings``. Past that the frequencies depend on the forward's length (dynamic NTK: on
-    earlier forwards too), so those K/V may be neither stored nor mixed with stored ones. None when the frequencies
-    do not depend on the length (or there is no rotary module)."""
+    earlier forwards too), so those K/V may be neither stored nor mixed with stored ones; and as transformers picks
+    them from the largest position of a whole forward, no forward may hold positions past it beside positions at
+    or below it. None when the frequencies do not depend on the length (or there is no rotary module). Found once
+    per model."""
+    if model not in _EXACT_LENGTHS:
+        _EXACT_LENGTHS[model] = _exact_reuse_length(model)
+    return _EXACT_LENGTHS[model]
+
+
+_EXACT_LENGTHS: weakref.WeakKeyDictionary[torch.nn.Module, int | None] = weakref.WeakKeyDictionary()
+
+
+def _exact_reuse_length(model: torch.nn.Module) -> int | None:
     try:
         module = _rotary_module(model)
     except UnsupportedRopeError:
