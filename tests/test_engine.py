@@ -420,6 +420,24 @@ def test_a_long_rope_row_never_shares_a_forward_with_rows_on_the_other_side_of_i
     assert max_difference([result.token_logprobs], [expected.token_logprobs]) < 1e-5
 
 
+def test_a_long_rope_row_drafts_no_tree_past_its_original_length():
+    """A speculative round's tree reaches positions past the row's last token; one reaching past
+    ``original_max_position_embeddings`` switched every query of that verify forward to the long factors, those of
+    the tokens below the length included (fp32 log-probs off by up to 0.0019 from a plain run). Now a row at or
+    below the length drafts no deeper than it: the same log-probs as without a draft, and drafts still proposed."""
+    from kvboost_hf import DraftConfig
+
+    model = make_tiny_model("phi3", **LONG_ROPE)
+    plain = KVBoost(model, word_tokenizer(), chunking=8)
+    drafted = KVBoost(model, word_tokenizer(), chunking=8, draft_model=plain, draft=DraftConfig(4))
+    for length in (58, 61):  # 14 new tokens pass 64 a few tokens in
+        prompt = words(5, length)
+        expected = plain.generate(prompt, max_new_tokens=14, logprobs=0)
+        result = drafted.generate(prompt, max_new_tokens=14, logprobs=0)
+        assert result.output_ids == expected.output_ids and result.draft_tokens_proposed > 0
+        assert max_difference([result.token_logprobs], [expected.token_logprobs]) < 1e-5
+
+
 def max_difference(got: list[list[float]], expected: list[list[float]]) -> float:
     """The largest difference between two rows' lists of log-probabilities (equal lengths asserted)."""
     assert [len(row) for row in got] == [len(row) for row in expected]

@@ -75,6 +75,7 @@ from kvboost_hf.hf.speculative import Drafter, DraftTree
 from kvboost_hf.hf.verify import TreeVerifier, Verified
 from kvboost_hf.hf.verify_graphs import GraphedVerifier
 from kvboost_hf.offload.streamer import layer_streamer
+from kvboost_hf.reuse.rope import exact_reuse_length
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +292,11 @@ class DecodeLoop:
         self.new_cache = new_cache
         self.pad_token_id = pad_token_id
         self.draft = draft
-        self.verifier = None if draft is None else TreeVerifier(draft, pad_token_id, model_dtype(model))
+        self.verifier = (
+            None
+            if draft is None
+            else TreeVerifier(draft, pad_token_id, model_dtype(model), position_limit=exact_reuse_length(model))
+        )
         self.device = model.device
         self.cache: ChunkReuseCache | DynamicCache | None = None
         self.mask = torch.empty(0)

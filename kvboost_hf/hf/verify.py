@@ -53,17 +53,32 @@ class TreeVerifier:
         draft: the runner's drafter (its cache follows the target cache's layout, see :class:`Drafter`).
         pad_token_id: the token fed for a row with nothing to feed the draft (its column is dropped).
         dtype: the target's dtype (its additive tree masks).
+        position_limit: the target's length-dependent RoPE limit (:func:`~kvboost_hf.reuse.rope.exact_reuse_length`;
+            None: none): a row at or below it drafts no deeper than it, as transformers takes the factors from a
+            forward's largest position (a tree past it would switch the queries of the tokens before it).
     """
 
-    def __init__(self, draft: Drafter, pad_token_id: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, draft: Drafter, pad_token_id: int, dtype: torch.dtype, position_limit: int | None = None
+    ) -> None:
         self.draft = draft
         self.pad_token_id = pad_token_id
         self.dtype = dtype
+        self.position_limit = position_limit
 
     def tree_sizes(self, rows: Sequence[DecodeRow]) -> list[int] | None:
         """Nodes per tree level of the next round for ``rows``, or None when the next forward verifies no tree (the
-        drafter's policy, :meth:`~kvboost_hf.hf.speculative.Drafter.tree_sizes`, on each row's tokens left)."""
-        return self.draft.tree_sizes([row.tokens_left for row in rows])
+        drafter's policy, :meth:`~kvboost_hf.hf.speculative.Drafter.tree_sizes`, on each row's tokens left, capped
+        so that no tree of a row at or below :attr:`position_limit` reaches past it)."""
+        return self.draft.tree_sizes([self._tokens_left(row) for row in rows])
+
+    def _tokens_left(self, row: DecodeRow) -> int:
+        """``row``'s tokens left, at most one more than the tree depth that keeps its positions within the limit: its
+        root sits at ``context_length - 1`` and a tree ``d`` deep reaches ``context_length + d - 1``."""
+        limit = self.position_limit
+        if limit is None or row.context_length > limit:
+            return row.tokens_left
+        return min(row.tokens_left, limit - row.context_length + 1)
 
     def prompt_queries(
         self,
