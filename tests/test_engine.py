@@ -399,7 +399,8 @@ def test_a_long_rope_row_never_shares_a_forward_with_rows_on_the_other_side_of_i
     ``original_max_position_embeddings`` beside one past it took the long factors from then on (fp32 log-probs off
     by up to 0.0016 on this tiny model from token 21; tokens equal only by luck), and a warm prompt's graphed forward
     padded past the length switched its own queries (0.0023 from the first token). Now such rows run in batches of
-    their side (scheduler rule 2e) and such a prefill runs eagerly: every log-prob equals the row's alone (to fp32 rounding)."""
+    their side (scheduler rule 2e) and such a prefill runs eagerly: every log-prob equals the row's alone (to fp32
+    rounding)."""
     from kvboost_hf.hf.graphs import GraphConfig
 
     model = make_tiny_model("phi3", **LONG_ROPE)

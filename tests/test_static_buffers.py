@@ -10,6 +10,7 @@ import gc
 import pytest
 import torch
 from conftest import make_tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoTokenizer
 
 from kvboost_hf import ChunkStore, InferenceEngine
@@ -18,6 +19,7 @@ from kvboost_hf.core.errors import InputError
 from kvboost_hf.hf.cache import ChunkReuseCache
 from kvboost_hf.hf.graphs import GraphConfig
 from kvboost_hf.hf.layers import ChunkReuseLayer
+from kvboost_hf.hf.models import CACHE_ARGUMENT
 from kvboost_hf.hf.static_buffers import StaticBufferPool
 from kvboost_hf.store.config import StoreConfig
 
@@ -81,6 +83,38 @@ def test_a_static_layer_in_a_reused_buffer_zeroes_the_columns_past_its_own():
     assert torch.equal(stale[0][0, :, :, :5], keys) and torch.equal(stale[1][0, :, :, :5], values)
     assert torch.count_nonzero(stale[0][0, :, :, 5:]) == 0 and torch.count_nonzero(stale[1][0, :, :, 5:]) == 0
     assert torch.equal(layer.keys, keys)
+
+
+def test_a_cache_turning_static_in_reused_stacks_zeroes_every_layers_columns_past_its_own():
+    """The cache zeroes a reused stack's earlier contents past the held columns in one op for all layers (not two
+    per layer: 56 launches on a 28-layer model), and fills every layer's device length, a view of the stack's."""
+    model = make_tiny_model("llama")
+    cache = ChunkReuseCache(ChunkStore(StoreConfig(1 << 24)), model, chunking=8)
+    cache.static_buffers = StaticBufferPool()
+    ids = torch.randint(1, 100, (1, 11), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        model(ids, **{CACHE_ARGUMENT: cache}, use_cache=True)
+    held = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    stacks = cache.static_stacks(1, 32)
+    for stack in (stacks.keys, stacks.values, stacks.lengths):
+        stack.fill_(7)  # an earlier owner's contents
+    with ZeroingCounter() as zeroed:
+        cache.set_max_cache_len(32, stacks)
+    assert zeroed.calls == 2  # keys and values, whatever the layer count
+    assert torch.count_nonzero(stacks.keys[..., 11:, :]) == torch.count_nonzero(stacks.values[..., 11:, :]) == 0
+    for index, (layer, (keys, values)) in enumerate(zip(cache.layers, held, strict=True)):
+        assert torch.equal(stacks.keys[index, ..., :11, :], keys) and torch.equal(layer.values, values)
+    assert stacks.lengths.tolist() == [11] * len(cache.layers)
+
+
+class ZeroingCounter(TorchDispatchMode):
+    """Counts the ``zero_`` operations run while active."""
+
+    calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops.aten.zero_.default
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(scope="module")

@@ -187,7 +187,8 @@ class ChunkReuseCache(Cache):
         layer ``i``'s views ``[i]`` of ``stacks`` (:meth:`static_stacks`' form), or of :attr:`static_buffers`'
         stacks for this shape, else fresh per layer. Raises :class:`~kvboost_hf.hf.layers.CacheCapacityError` when
         it holds more columns."""
-        if stacks is None and max_cache_len is not None and self.max_cache_len != max_cache_len:
+        switching = max_cache_len is not None and self.max_cache_len != max_cache_len
+        if stacks is None and max_cache_len is not None and switching:
             stacks = self.static_stacks(self._layer_rows(), max_cache_len)
         for index, layer in enumerate(self.layers):
             if stacks is None:
@@ -196,8 +197,23 @@ class ChunkReuseCache(Cache):
             views = (stacks.keys[index], stacks.values[index], stacks.lengths[index])
             for view in views:
                 torch._dynamo.mark_static_address(view)  # the mark is per tensor object
-            layer.set_max_cache_len(max_cache_len, views[:2], device_length=views[2])
+            layer.set_max_cache_len(max_cache_len, views[:2], device_length=views[2], clear=False)
+        if stacks is not None and switching:
+            self._clear_unheld_columns(stacks)
         self.max_cache_len = max_cache_len
+
+    def _clear_unheld_columns(self, stacks: StaticStacks) -> None:
+        """Zero ``stacks``' columns past those the layers hold (a reused stack's earlier contents): one op for the
+        keys and one for the values when every layer holds as many columns, as a reuse cache's do; layer by layer
+        otherwise."""
+        lengths = {layer.get_seq_length() for layer in self.layers}
+        if len(lengths) != 1:
+            for layer in self.layers:
+                layer.clear_unheld_columns()
+            return
+        (held,) = lengths
+        stacks.keys[..., held:, :].zero_()
+        stacks.values[..., held:, :].zero_()
 
     def static_stacks(self, rows: int, capacity: int) -> StaticStacks | None:
         """Stacked static buffers for every layer from :attr:`static_buffers` (the same ones from one request to

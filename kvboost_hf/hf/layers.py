@@ -185,12 +185,14 @@ class ChunkReuseLayer(DynamicLayer):
         max_cache_len: int | None,
         buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
         device_length: torch.Tensor | None = None,
+        clear: bool = True,
     ) -> None:
         """Switch mode keeping the held columns: a number makes the layer static with that capacity (the columns
         copied into static buffers at a fixed address: ``buffers``, keys and values ``[B, H_kv, max_cache_len, D]``
         that nothing else uses, e.g. a :class:`~kvboost_hf.hf.static_buffers.StaticBufferPool`'s, their columns
         past the held ones zeroed; else fresh zero buffers; ``device_length``, an int64 scalar on their device that
-        nothing else uses, holds the length there, else a fresh one); None makes it grow again, writing on in the
+        nothing else uses, holds the length there, else a fresh one; ``clear=False``: the caller zeroes ``buffers``'
+        columns past the held ones itself, for many layers at once); None makes it grow again, writing on in the
         buffers it holds."""
         self.settle()
         if max_cache_len == self.max_cache_len:
@@ -207,7 +209,7 @@ class ChunkReuseLayer(DynamicLayer):
             # the setters copy the held views in (no copy where they already are the buffers' leading columns)
             self._key_buffer, self._value_buffer = buffers if buffers is not None else (None, None)
             self.keys, self.values = keys, values
-            if buffers is not None:
+            if buffers is not None and clear:
                 self.clear_unheld_columns()
 
     def clear_unheld_columns(self) -> None:
