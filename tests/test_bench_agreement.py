@@ -107,6 +107,9 @@ def test_multiturn_runs_only_the_methods_asked_for_and_compares_only_their_pairs
     phases = profile["phases"]  # the same request by phase, in a replay of its own: the reused K/V copied in
     assert phases["tokenize"] > 0 and phases["copy_into_cache"] > 0 and phases["forward"] > 0 and phases["ttft"] > 0
     assert "kvboost at turn 2, one token, by phase (ms): tokenize" in multiturn.report(result)
+    collections = result["turns"][1]["kvboost_gc"][0]  # the garbage collections inside its timed request
+    assert len(collections["collections"]) == len(collections["ms"]) == 3
+    assert "garbage collections inside kvboost's requests:" in multiturn.report(result)
     assert result["methods"] == ["baseline", "kvboost"]
     turn = result["turns"][1]
     assert "hf_static_ttft_ms" not in turn and "hf_prompt_cache_ttft_ms" not in turn

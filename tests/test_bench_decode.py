@@ -68,3 +68,16 @@ def test_an_engine_arm_profiled_reports_wall_device_and_synchronisations_per_ste
     assert figures["profile_wall_ms_per_step"] > 0 and figures["profile_syncs_per_step"] == 0  # a CPU never waits
     assert figures["profile_device_ms_per_step"] == 0 and "Self CPU" in figures["profile_table"]
     assert decode.profile_engine(engine, ["x"], 0) == {}
+
+
+def test_the_gc_timer_counts_collections_by_generation_while_active():
+    """``GcTimer``: a full collection inside counts in generation 2 with its ms; one after the block is not seen."""
+    import gc
+
+    from kvboost_hf.bench.profiling import GcTimer
+
+    with GcTimer() as timer:
+        gc.collect()
+    gc.collect()
+    assert timer.collections[2] == 1 and timer.ms[2] >= 0.0
+    assert timer.as_dict() == {"collections": timer.collections, "ms": [round(ms, 2) for ms in timer.ms]}

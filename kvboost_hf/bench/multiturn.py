@@ -58,7 +58,7 @@ from kvboost_hf.bench.common import (
     save_results,
 )
 from kvboost_hf.bench.phases import phase_breakdown
-from kvboost_hf.bench.profiling import CharacterCounter, profile_call, profile_report
+from kvboost_hf.bench.profiling import CharacterCounter, GcTimer, profile_call, profile_report
 from kvboost_hf.bench.shapes import DTYPES, SHAPES, random_engine
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.corpus import chat_script
@@ -211,6 +211,7 @@ def run(
         }
         row["outputs_identical"] = all(s["outputs_identical"] for s in turn_samples)
         row["kvboost_prefill_graphed"] = all(s["kvboost_prefill_graphed"] for s in turn_samples)
+        row["kvboost_gc"] = [s["kvboost_gc"] for s in turn_samples]  # per repeat
         rows.append(row)
     identical = {pair: sum(r["first_difference"][pair] is None for r in rows) for pair in rows[0]["first_difference"]}
     profile = None
@@ -280,12 +281,13 @@ def play(
                 continue
             graphed_before = engine.graphs.graphed_prefills
             profiled = last_turn is not None and turn == len(user_messages)
-            with CharacterCounter(engine.tokenizer) as counter:
+            with CharacterCounter(engine.tokenizer) as counter, GcTimer() as collector:
                 if last_turn is not None and profiled:
                     r, figures = last_turn(functools.partial(engine.generate, messages, max_new_tokens=1))
                 else:
                     r = engine.generate(messages, max_new_tokens=max_new_tokens)
             tokenized, prefill_graphed = counter.chars, engine.graphs.graphed_prefills > graphed_before
+            collections = collector.as_dict()
             results[method] = (r.ttft_ms, r.output_ids, r.total_ms)
             cached, prompt_tokens = r.cached_tokens, r.prompt_tokens
         results["baseline_repeat"] = recipe.generate(messages, max_new_tokens, reuse=False)
@@ -303,6 +305,7 @@ def play(
                 "prompt_chars": len(engine.render(messages)),
                 "kvboost_chars_tokenized": tokenized,
                 "kvboost_prefill_graphed": prefill_graphed,
+                "kvboost_gc": collections,
                 **{f"{m}_ttft_ms": results[m][0] for m in methods},
                 **{f"{m}_total_ms": results[m][2] for m in methods},
                 "first_difference": differences,
@@ -356,6 +359,14 @@ def report(result: dict) -> str:
         "last turn, whole call (prompt to last token): "
         + ", ".join(f"{method} {last[f'{method}_total_ms']:.0f} ms" for method in result["methods"])
     )
+    collected = [sample for row in result["turns"] for sample in row.get("kvboost_gc", [])]
+    if collected:
+        per_request = [sum(sample["ms"]) for sample in collected]
+        lines.append(
+            f"garbage collections inside kvboost's requests: {sum(sum(s['collections']) for s in collected)} "
+            f"({sum(s['collections'][2] for s in collected)} full), {sum(per_request):.1f} ms in all, at most "
+            f"{max(per_request):.1f} ms in one request"
+        )
     if result.get("profile"):
         profile = result["profile"]
         phases = ", ".join(f"{name} {ms:.1f}" for name, ms in profile["phases"].items())

@@ -10,6 +10,8 @@
   engine's token ids cache included, ends there).
 * :func:`profile_call` runs a call under ``torch.profiler`` and ``cProfile`` together: wall against device time,
   the synchronisations, the top operations and the top Python functions (where a slow call's host time goes).
+* :class:`GcTimer` counts Python's garbage collections while active and their ms, by generation (a full
+  collection in a process holding compiled graphs can pause a request for tens of ms).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import cProfile
 import functools
+import gc
 import io
 import pstats
 import time
@@ -291,3 +294,32 @@ def profile_report(figures: dict[str, Any], unit: str) -> str:
         f"{figures['profile_device_ms_per_step']:.2f} ms/{unit}, {figures['profile_syncs_per_step']:.1f} "
         f"synchronisations/{unit}\n{figures['profile_table']}\n{figures['profile_python']}"
     )
+
+
+class GcTimer:
+    """Python's garbage collections while active (``with GcTimer() as timer:``): ``collections`` and ``ms`` by
+    generation (0, 1, 2; wall time between the collector's start and stop callbacks). Nested use is not supported."""
+
+    def __init__(self) -> None:
+        self.collections = [0, 0, 0]
+        self.ms = [0.0, 0.0, 0.0]
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        generation = min(int(info.get("generation", 2)), 2)
+        self.collections[generation] += 1
+        self.ms[generation] += (time.perf_counter() - self._started) * 1e3
+
+    def __enter__(self) -> GcTimer:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def as_dict(self) -> dict[str, Any]:
+        """``{"collections": [gen0, gen1, gen2], "ms": [...]}`` (ms rounded to 0.01)."""
+        return {"collections": list(self.collections), "ms": [round(ms, 2) for ms in self.ms]}
