@@ -20,7 +20,9 @@ to the first generated token (streamer timestamp), tokenisation, lookup and stit
 included (the plain methods tokenize with the tokenizer itself; kvboost through the engine's token ids cache, whose
 characters handed to the tokenizer each turn, ``tok ch``, are reported beside the prompt's). The conversation
 continues with the baseline's answer. The conversation is played ``--repeats`` times from an empty store and token
-cache; each turn reports the median.
+cache; each turn reports the median. Python's garbage collections inside kvboost's timed requests are counted and
+timed per request (``kvboost_gc``: by generation, a line of the report sums them). ``--profile-turn N`` replays
+turn N's kvboost request twice more, by phase and under the profilers (the result's ``profile``).
 
 Exactness is reported pairwise, per turn: the first generated token at which two methods' greedy outputs differ
 (``=``: identical; the earliest over the repeats), for plain ``generate()`` against a second plain run (the noise
