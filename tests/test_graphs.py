@@ -174,16 +174,22 @@ def test_a_shape_whose_compile_fails_runs_eagerly_with_the_same_tokens(caplog):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
-def test_a_graphed_decode_step_synchronises_once_for_its_sampled_ids():
+@pytest.mark.parametrize(
+    ("sampling", "waits"),
+    [(SamplingConfig(temperature=0), 1), (SamplingConfig(temperature=0.8, top_p=0.9, seed=3), 2)],
+    ids=["greedy", "sampled"],
+)
+def test_a_graphed_decode_step_synchronises_once_for_its_sampled_ids(sampling, waits):
     """The runner's graphed plain step: the tokens fed reach the device without a wait, the cache records the
     host's copy, write-back skips rows with no complete chunk, and the chunk the step completes lands in pinned RAM
     by an asynchronous copy (an H200 run saw its two blocking copies), so the sampled ids' transfer is the step's
-    one synchronisation."""
+    one synchronisation; a row drawing with its own generator adds one, its probabilities' transfer (every such row
+    of the step in it: each row used to wait twice)."""
     import traceback
     import warnings
 
     model = make_tiny_model("qwen2").to("cuda")
-    request = DecodeRequest(prompt_ids=PROMPTS[0], max_new_tokens=12, sampling=SamplingConfig(temperature=0))
+    request = DecodeRequest(prompt_ids=PROMPTS[0], max_new_tokens=12, sampling=sampling)
     decoder = GraphedDecoder(model, GraphConfig(row_buckets=(1,)))
     store = ChunkStore(StoreConfig(1 << 24))
     loop = new_loop(model, reuse_caches(store, model), graphs=decoder)
@@ -207,7 +213,7 @@ def test_a_graphed_decode_step_synchronises_once_for_its_sampled_ids():
             loop.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    assert decoder.graphed_steps == 4 and len(syncs) == 1, "\n--- a synchronisation at\n".join(["", *syncs])
+    assert decoder.graphed_steps == 4 and len(syncs) == waits, "\n--- a synchronisation at\n".join(["", *syncs])
     assert store.stats()["puts"] == puts + 1 and store.pin_memory
 
 

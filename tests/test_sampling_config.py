@@ -96,3 +96,32 @@ def test_overflowing_scores_take_the_softmax_limit_and_nan_is_refused():
         choose_token(torch.tensor([[1.0, math.nan]]), config, generator)
     with pytest.raises(ConfigError, match="every token is masked"):
         choose_token(torch.full((1, 3), -math.inf), config, generator)
+
+
+@given(
+    st.lists(st.sampled_from(["greedy", "sample", "overflow"]), min_size=1, max_size=5),
+    st.integers(0, 2**31),
+)
+def test_several_rows_choose_at_once_as_each_would_alone(kinds, seed):
+    """``choose_tokens`` (one wait on the device for a batch's sampled rows, where each row waited twice) takes,
+    row by row, what the one-row rule takes: the argmax of a greedy row, and for a sampled one the draw of its own
+    generator from the softmax of its own scores (+inf scores: those tokens alone)."""
+    from kvboost_hf.hf.sampling import choose_tokens
+
+    scores = torch.randn(len(kinds), 50, generator=torch.Generator().manual_seed(seed))
+    for row, kind in enumerate(kinds):
+        if kind == "overflow":
+            scores[row, [3, 17]] = math.inf
+    params = [SamplingConfig(temperature=0 if kind == "greedy" else 0.8) for kind in kinds]
+    got = choose_tokens(scores, params, [torch.Generator().manual_seed(seed + row) for row in range(len(kinds))])
+    expected = []
+    for row, kind in enumerate(kinds):  # the one-row rule, written out
+        one = scores[row]
+        if kind == "overflow":
+            one = torch.where(one == math.inf, 0.0, -math.inf)
+        if kind == "greedy":
+            expected.append(int(one.argmax()))
+            continue
+        generator = torch.Generator().manual_seed(seed + row)
+        expected.append(int(torch.multinomial(torch.softmax(one[None], dim=-1)[0], 1, generator=generator)))
+    assert got == expected

@@ -423,7 +423,12 @@ def test_the_sampled_output_distribution_is_the_targets_exactly(monkeypatch, bra
         weight[0] *= float(torch.softmax(scores.float(), dim=-1)[0, token])
         return token
 
+    def scripted_rows(scores, params, generators):
+        return [scripted(scores[row : row + 1], each, generator) for row, (each, generator) in
+                enumerate(zip(params, generators, strict=True))]  # fmt: skip
+
     monkeypatch.setattr(rows_module, "choose_token", scripted)  # each row's own draw (DecodeRow.choose)
+    monkeypatch.setattr(rows_module, "choose_tokens", scripted_rows)  # a plain step's rows at once (sample)
     settings = DraftConfig(num_draft_tokens=2, tree_budget=50, tree_branching=branching)
     first = 2
     total = 0.0

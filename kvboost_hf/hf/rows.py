@@ -21,7 +21,14 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from kvboost_hf.core.errors import InputError
 from kvboost_hf.hf.detokenize import IncrementalText
 from kvboost_hf.hf.prefill import RowReuse
-from kvboost_hf.hf.sampling import SamplingConfig, build_processors, choose_token, greedy_tokens
+from kvboost_hf.hf.sampling import (
+    SamplingConfig,
+    build_processors,
+    choose_token,
+    choose_tokens,
+    greedy_tokens,
+    reads_input_ids,
+)
 
 TokenTop = tuple[tuple[int, float], ...]
 
@@ -149,6 +156,7 @@ class DecodeRow:
             request.sampling, len(request.prompt_ids), self.eos_token_ids, constraints
         )
         self.end_ids = request.sampling.end_token_ids(self.eos_token_ids)
+        self.reads_ids = reads_input_ids(self.processors)
         self.detokenized = IncrementalText(request.stop)
 
     @property
@@ -191,10 +199,18 @@ class DecodeRow:
     def choose(self, logits: torch.Tensor, taken: Sequence[int] = ()) -> int:
         """The next token from this row's raw logits ``[1, V]`` after its tokens and ``taken`` (tokens chosen in
         this forward, not appended yet): its processors, then its own choice."""
-        if self.processors:
-            input_ids = torch.tensor([[*self.request.prompt_ids, *self.tokens, *taken]], device=logits.device)
-            logits = self.processors(input_ids, logits)
-        return choose_token(logits, self.request.sampling, self.generator)
+        return choose_token(self.processed(logits, taken), self.request.sampling, self.generator)
+
+    def processed(self, logits: torch.Tensor, taken: Sequence[int] = ()) -> torch.Tensor:
+        """This row's raw logits ``[1, V]`` through its processors, after its tokens and ``taken``; its context goes
+        to the device (without a wait) only for processors that read it (:attr:`reads_ids`)."""
+        if not self.processors:
+            return logits
+        if self.reads_ids:
+            input_ids = to_device([[*self.request.prompt_ids, *self.tokens, *taken]], logits.device)
+        else:
+            input_ids = torch.empty((1, 0), dtype=torch.long, device=logits.device)
+        return self.processors(input_ids, logits)
 
     def draft_scores(self, logits: torch.Tensor, drafted: Sequence[int]) -> torch.Tensor:
         """Log-probabilities ``[V]`` of the next draft token from draft logits ``[1, V]`` after this row's tokens and
@@ -260,10 +276,12 @@ def new_rows(requests: Sequence[DecodeRequest], eos_token_ids: set[int] | frozen
 def sample(rows: Sequence[DecodeRow], logits: torch.Tensor) -> list[RowOutput]:
     """One token per row from the last positions' logits ``[B, V]`` (row ``i`` of the logits is ``rows[i]``'s):
     plain greedy rows take the argmax on the device, the others go through their processors and own choice
-    (:meth:`DecodeRow.choose`); the ids and log-probabilities come to the host in one transfer (:func:`sampled`)."""
+    (:meth:`DecodeRow.processed`, :func:`~kvboost_hf.hf.sampling.choose_tokens`: one wait for all of them); the ids
+    and log-probabilities come to the host in one transfer (:func:`sampled`)."""
     chosen = greedy_tokens(logits)
     if others := [i for i, row in enumerate(rows) if not row.plain_greedy]:
-        picks = [rows[i].choose(logits[i : i + 1]) for i in others]
+        scores = torch.cat([rows[i].processed(logits[i : i + 1]) for i in others])
+        picks = choose_tokens(scores, [rows[i].request.sampling for i in others], [rows[i].generator for i in others])
         chosen = chosen.index_put((to_device(others, logits.device),), to_device(picks, logits.device))
     tokens, logprobs = sampled(rows, logits, chosen)
     now = time.perf_counter()

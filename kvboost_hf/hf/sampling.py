@@ -2,7 +2,8 @@
 
 :func:`build_processors` turns one request's OpenAI-style sampling settings into a transformers
 ``LogitsProcessorList`` (usable by ``generate(logits_processor=...)`` as well as by a decode loop of one's own), and
-:func:`choose_token` picks the next token of one row from the processed scores with that row's generator.
+:func:`choose_token` picks the next token of one row from the processed scores with that row's generator
+(:func:`choose_tokens`: of several rows, with one wait on the device for all of them).
 
 Invariants: processors see ``input_ids`` = prompt + generated tokens of one row (``[1, L]``) and scores ``[1, V]``;
 penalties that OpenAI defines on the completion (presence, frequency) skip the prompt, ``repetition_penalty`` covers
@@ -180,6 +181,16 @@ def build_processors(
     return processors
 
 
+IDS_FREE_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+"""Processors whose output depends on the scores alone (the ``input_ids`` they are handed go unread)."""
+
+
+def reads_input_ids(processors: Sequence[LogitsProcessor]) -> bool:
+    """Whether any of ``processors`` reads the ``input_ids`` it is handed (penalties, min_tokens, constraints, logit
+    bias): a row without one need not send its whole context to the device at every step."""
+    return any(not isinstance(processor, IDS_FREE_PROCESSORS) for processor in processors)
+
+
 def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
     """The greedy choice of each row, ``[..., V]`` -> ``[...]`` on the scores' device: the argmax (the first of equal
     maxima, as :func:`choose_token` takes it)."""
@@ -191,15 +202,34 @@ def choose_token(scores: torch.Tensor, params: SamplingConfig, generator: torch.
     softmax with ``generator``, a CPU generator whatever the scores' device (the probabilities are moved to the
     CPU for the draw, so a seed gives the same draws on every device). Scores of +inf (a repetition penalty near
     0 divides a positive logit into overflow) take the softmax's limit: those tokens alone, equally likely. Raises
-    ValueError when the processors left no token allowed or gave a NaN score."""
-    top = float(scores.max())  # one wait for the device: NaN if any score is NaN, -inf if every token is masked
-    if math.isnan(top):
-        raise ConfigError("the sampling settings gave a NaN score (e.g. a penalty that overflows the logits)")
-    if top == -math.inf:
-        raise ConfigError("every token is masked: the sampling settings and constraints exclude each other")
-    if top == math.inf:
-        scores = torch.where(scores == math.inf, 0.0, -math.inf)
-    if params.greedy:
-        return int(greedy_tokens(scores))
-    probs = torch.softmax(scores.float(), dim=-1)
-    return int(torch.multinomial(probs[0].cpu(), 1, generator=generator))
+    ConfigError when the processors left no token allowed or gave a NaN score."""
+    return choose_tokens(scores, [params], [generator])[0]
+
+
+def choose_tokens(
+    scores: torch.Tensor, params: Sequence[SamplingConfig], generators: Sequence[torch.Generator]
+) -> list[int]:
+    """:func:`choose_token` for each row of ``scores`` ``[N, V]`` (processed; row ``i`` with ``params[i]`` and
+    ``generators[i]``), the same tokens with one transfer to the host for all rows (their maxima, argmaxes and,
+    when one samples, every row's probabilities) instead of two waits per row."""
+    scores = scores.float()
+    tops = scores.max(dim=-1).values  # NaN if any score is NaN, -inf if every token is masked
+    overflowed = (tops == math.inf)[:, None]
+    scores = torch.where(overflowed, torch.where(scores == math.inf, 0.0, -math.inf), scores)
+    parts = [tops[:, None], greedy_tokens(scores).float()[:, None]]  # ids < 2**24: exact in float32
+    samples = not all(each.greedy for each in params)
+    if samples:
+        parts.append(torch.softmax(scores, dim=-1))
+    host = torch.cat(parts, dim=1).cpu()  # the one wait for the device
+    chosen = []
+    for row, (each, generator) in enumerate(zip(params, generators, strict=True)):
+        top = float(host[row, 0])
+        if math.isnan(top):
+            raise ConfigError("the sampling settings gave a NaN score (e.g. a penalty that overflows the logits)")
+        if top == -math.inf:
+            raise ConfigError("every token is masked: the sampling settings and constraints exclude each other")
+        if each.greedy:
+            chosen.append(int(host[row, 1]))
+        else:
+            chosen.append(int(torch.multinomial(host[row, 2:], 1, generator=generator)))
+    return chosen
