@@ -68,6 +68,10 @@ def test_an_engine_arm_profiled_reports_wall_device_and_synchronisations_per_ste
     assert figures["profile_wall_ms_per_step"] > 0 and figures["profile_syncs_per_step"] == 0  # a CPU never waits
     assert figures["profile_device_ms_per_step"] == 0 and "Self CPU" in figures["profile_table"]
     assert decode.profile_engine(engine, ["x"], 0) == {}
+    sampled = decode.profile_engine(engine, ["a short prompt", "another prompt here"], 3, temperature=0.8)
+    assert sampled["profile_wall_ms_per_step"] > 0  # every row sampled (seeded), as a chat backend decodes
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--temperature", "-1"])
 
 
 def test_the_gc_timer_counts_collections_by_generation_while_active():

@@ -22,7 +22,8 @@ and batch size (``--batches``, default 1, 8, 32), every row is prefilled with ``
 * ``engine_warmed``: ``engine_graphed`` after :meth:`InferenceEngine.warm_up_graphs` of the batch's shape (rows x
   its longest prompt plus ``--steps``): ``graph_warm_up_s`` is what the warm-up took (the compile moved out of the
   requests' path), ``warmup_s`` the first call after it. Every engine arm reports ``request_compiles``, the graphs
-  dynamo compiled during its two calls (0 once warmed up).
+  dynamo compiled during its two calls (0 once warmed up). ``--temperature T`` (above 0) samples every row of the
+  engine arms, seeded, as a chat backend decodes: the host's choice of sampled rows is then in every step.
 
 Each step is what a decode loop does: one forward of one token per row (``logits_to_keep=1``), the greedy token
 taken on the device, the cache's ``record`` (its host bookkeeping). Reported per arm, as medians over the timed
@@ -81,7 +82,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--compile-backend", default=None, help="torch.compile backend (default: inductor on CUDA)")
     parser.add_argument("--copy-mb", type=int, default=1024, help="size of the bandwidth test copy (MB)")
     parser.add_argument("--profile-steps", type=int, default=0, help="profiled steps per arm after the timed ones")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="the engine arms' sampling temperature (0: greedy; above: every row sampled, seeded, as a chat backend "
+        "decodes); the other arms decode greedily",
+    )
     args = parser.parse_args(argv)
+    if args.temperature < 0:
+        parser.error(f"--temperature must be >= 0, got {args.temperature}")
     for shape in args.shapes.split(","):
         if shape not in SHAPES:
             parser.error(f"unknown shape {shape!r}; choose from {sorted(SHAPES)}")
@@ -195,14 +205,24 @@ def profile_steps(
     return profile_call(run_steps, token.device, steps)[1]
 
 
-def profile_engine(engine: Any, texts: list[str], steps: int) -> dict[str, Any]:
+SAMPLING_SEED = 0
+"""The engine arms' seed when they sample (``--temperature`` above 0): every arm draws alike."""
+
+
+def engine_options(temperature: float) -> dict[str, Any]:
+    """``generate_batch`` options of the engine arms at ``temperature`` (0: greedy; else seeded sampling)."""
+    return {"temperature": temperature, "seed": SAMPLING_SEED if temperature > 0 else None}
+
+
+def profile_engine(engine: Any, texts: list[str], steps: int, temperature: float = 0.0) -> dict[str, Any]:
     """One more ``generate_batch`` of ``texts`` for ``steps`` tokens under the profilers: per token step its wall ms,
     the device's kernel ms and the synchronising host calls, the top operations by host time and the Python
     functions by cumulative time (where an engine step's host work goes: the gap between wall and device time; the
     prompts' prefill is in the call, so ask for enough steps to amortise it); empty when ``steps`` is 0."""
     if steps <= 0:
         return {}
-    return profile_call(lambda: engine.generate_batch(texts, steps, temperature=0), engine.device, steps)[1]
+    options = engine_options(temperature)
+    return profile_call(lambda: engine.generate_batch(texts, steps, **options), engine.device, steps)[1]
 
 
 def engine_arm(model: PreTrainedModel, arm: str, prompt: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
@@ -227,11 +247,11 @@ def engine_arm(model: PreTrainedModel, arm: str, prompt: torch.Tensor, args: arg
         warm_up_s = engine.warm_up_graphs([(len(texts), tokens)]).seconds
     compiled_before = counters["stats"]["unique_graphs"]
     started = time.perf_counter()
-    engine.generate_batch(texts, args.steps, temperature=0)
+    engine.generate_batch(texts, args.steps, **engine_options(args.temperature))
     warmup_s = time.perf_counter() - started
-    results = engine.generate_batch(texts, args.steps, temperature=0)
+    results = engine.generate_batch(texts, args.steps, **engine_options(args.temperature))
     stats = engine.cache_stats()
-    profiled = profile_engine(engine, texts, args.profile_steps)
+    profiled = profile_engine(engine, texts, args.profile_steps, args.temperature)
     return {
         **profiled,
         "tok_per_s": sum(result.tokens_per_sec for result in results),
