@@ -26,6 +26,7 @@ from oracle import reference
 from kvboost_hf import ChunkReuseCache, ChunkStore, SamplingConfig
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.core.keys import content_key
+from kvboost_hf.hf import rows as rows_module
 from kvboost_hf.hf.cache import select_columns
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRequest
 from kvboost_hf.hf.detokenize import visible_text
@@ -568,3 +569,29 @@ def test_decode_request_takes_keywords_only():
         DecodeRequest([1, 2], 4)  # type: ignore[misc]
     request = DecodeRequest(prompt_ids=[1, 2], max_new_tokens=4)
     assert (request.prompt_ids, request.max_new_tokens, request.stop) == ([1, 2], 4, ())
+
+
+def test_a_rows_processors_read_its_context_from_the_device_sending_only_new_tokens(model, monkeypatch):
+    """A row whose processors read ``input_ids`` (penalties) keeps its context in a device buffer and sends only
+    the tokens added since its last step (it sent its whole prompt and answer at every step: O(context) host work
+    per token); a row whose processors read none (temperature, top-k/p, min-p) sends nothing. Draws unchanged:
+    transformers' seeded ``generate()``."""
+    sent: list[int] = []
+    send = rows_module.to_device
+
+    def counting(values, device):
+        sent.append(sum(len(value) if isinstance(value, list) else 1 for value in values))
+        return send(values, device)
+
+    monkeypatch.setattr(rows_module, "to_device", counting)
+    prompt = prompts()[2]
+    penalised = SamplingConfig(temperature=0.8, repetition_penalty=1.3, presence_penalty=0.5, seed=3)
+    loop = run_loop(model, [DecodeRequest(prompt_ids=prompt, max_new_tokens=12, sampling=penalised)], None)
+    (row,) = loop.rows
+    assert row.tokens == reference(model, prompt, 12, penalised).tokens
+    context_sent = sum(sent) - 2 * len(row.tokens)  # each step also sends the row's index and its pick
+    assert context_sent == len(prompt) + len(row.tokens) - 1  # once each (the last token is never read)
+    sent.clear()
+    warped = SamplingConfig(temperature=0.8, top_k=20, seed=3)
+    loop = run_loop(model, [DecodeRequest(prompt_ids=prompt, max_new_tokens=12, sampling=warped)], None)
+    assert sum(sent) == 2 * len(loop.rows[0].tokens) and not loop.rows[0].reads_ids

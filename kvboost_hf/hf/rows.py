@@ -157,6 +157,8 @@ class DecodeRow:
         )
         self.end_ids = request.sampling.end_token_ids(self.eos_token_ids)
         self.reads_ids = reads_input_ids(self.processors)
+        self._ids: torch.Tensor | None = None  # [1, prompt + max_new_tokens] on the device: the context processors read
+        self._ids_written = 0  # its leading columns that hold the row's prompt and tokens
         self.detokenized = IncrementalText(request.stop)
 
     @property
@@ -207,10 +209,29 @@ class DecodeRow:
         if not self.processors:
             return logits
         if self.reads_ids:
-            input_ids = to_device([[*self.request.prompt_ids, *self.tokens, *taken]], logits.device)
+            input_ids = self._device_ids(logits.device, taken)
         else:
             input_ids = torch.empty((1, 0), dtype=torch.long, device=logits.device)
         return self.processors(input_ids, logits)
+
+    def _device_ids(self, device: torch.device, taken: Sequence[int]) -> torch.Tensor:
+        """``[1, L]`` on ``device``: the prompt, the tokens, then ``taken``, read from a buffer of the row's whole
+        budget that only the tokens added since the last call (and ``taken``) travel to, without a wait: O(new
+        tokens) host work per step, not O(context)."""
+        prompt, context = self.request.prompt_ids, self.context_length
+        end = context + len(taken)
+        if self._ids is None or self._ids.device != device or self._ids.shape[1] < end:
+            width = max(end, len(prompt) + self.request.max_new_tokens)
+            self._ids = torch.empty((1, width), dtype=torch.long, device=device)
+            self._ids_written = 0
+        if self._ids_written < context:
+            start = self._ids_written
+            fresh = [*prompt[start:], *self.tokens[max(start - len(prompt), 0) :]]
+            self._ids[:, start:context] = to_device([fresh], device)
+            self._ids_written = context
+        if taken:  # tokens chosen in this forward: past the written ones, overwritten by the row's own later
+            self._ids[:, context:end] = to_device([list(taken)], device)
+        return self._ids[:, :end]
 
     def draft_scores(self, logits: torch.Tensor, drafted: Sequence[int]) -> torch.Tensor:
         """Log-probabilities ``[V]`` of the next draft token from draft logits ``[1, V]`` after this row's tokens and
