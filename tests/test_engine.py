@@ -34,10 +34,10 @@ def test_verify_correctness_catches_a_loop_defect_every_mode_shares(embedded_eng
     every mode (the runner-up instead of the argmax, for a row alone and for plain greedy rows chosen together) is
     reported at the first step."""
 
-    def runner_up(scores, params, generator):
-        return int(scores.topk(2).indices[0, 1])
+    def runner_up(scores, params, generators):
+        return scores.topk(2).indices[:, 1].tolist()
 
-    monkeypatch.setattr(rows_module, "choose_token", runner_up)  # a row's own choice (DecodeRow.choose)
+    monkeypatch.setattr(rows_module, "choose_tokens", runner_up)  # rows choosing with their processors (sample)
     monkeypatch.setattr(rows_module, "greedy_tokens", lambda scores: scores.topk(2, dim=-1).indices[..., 1])  # sample
     report = embedded_engine.verify_correctness(["The capital of France is"], max_new_tokens=3)
     assert not report and report.checks[0].first_differing_step == 0

@@ -411,6 +411,7 @@ def test_the_sampled_output_distribution_is_the_targets_exactly(monkeypatch, bra
     The weights are the exact distribution the loop samples from; each must equal the target's own probability of
     that continuation (a full forward per prefix), through trees with misses (branching 2) and without (4)."""
     import kvboost_hf.hf.rows as rows_module
+    import kvboost_hf.hf.verify as verify_module
 
     vocab, prompt, temperature = 4, [1, 3, 2, 0, 0, 2], 0.7
     target = make_tiny_model("llama", seed=3, vocab_size=vocab, num_hidden_layers=1)
@@ -427,8 +428,8 @@ def test_the_sampled_output_distribution_is_the_targets_exactly(monkeypatch, bra
         return [scripted(scores[row : row + 1], each, generator) for row, (each, generator) in
                 enumerate(zip(params, generators, strict=True))]  # fmt: skip
 
-    monkeypatch.setattr(rows_module, "choose_token", scripted)  # each row's own draw (DecodeRow.choose)
     monkeypatch.setattr(rows_module, "choose_tokens", scripted_rows)  # a plain step's rows at once (sample)
+    monkeypatch.setattr(verify_module, "choose_tokens", scripted_rows)  # the rows walking their trees, per depth
     settings = DraftConfig(num_draft_tokens=2, tree_budget=50, tree_branching=branching)
     first = 2
     total = 0.0

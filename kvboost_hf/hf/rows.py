@@ -24,7 +24,6 @@ from kvboost_hf.hf.prefill import RowReuse
 from kvboost_hf.hf.sampling import (
     SamplingConfig,
     build_processors,
-    choose_token,
     choose_tokens,
     greedy_tokens,
     reads_input_ids,
@@ -197,11 +196,6 @@ class DecodeRow:
     def tokens_left(self) -> int:
         """Tokens the row may still take (its budget less its tokens)."""
         return self.request.max_new_tokens - len(self.tokens)
-
-    def choose(self, logits: torch.Tensor, taken: Sequence[int] = ()) -> int:
-        """The next token from this row's raw logits ``[1, V]`` after its tokens and ``taken`` (tokens chosen in
-        this forward, not appended yet): its processors, then its own choice."""
-        return choose_token(self.processed(logits, taken), self.request.sampling, self.generator)
 
     def processed(self, logits: torch.Tensor, taken: Sequence[int] = ()) -> torch.Tensor:
         """This row's raw logits ``[1, V]`` through its processors, after its tokens and ``taken``; its context goes

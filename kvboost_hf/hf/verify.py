@@ -25,7 +25,7 @@ from transformers import DynamicCache
 
 from kvboost_hf.hf.cache import ChunkReuseCache, keep_cache_columns, select_columns
 from kvboost_hf.hf.rows import DecodeRow, DraftRound, RowOutput, TokenLogprob, sampled, to_device
-from kvboost_hf.hf.sampling import greedy_tokens
+from kvboost_hf.hf.sampling import choose_tokens, greedy_tokens
 from kvboost_hf.hf.speculative import Drafter, DraftTree, tree_attention_mask
 
 #: A row's walk down its tree: the accepted nodes (their columns stay), the tokens taken (the target's own choices:
@@ -158,7 +158,7 @@ class TreeVerifier:
         ``[B][1 + nodes]`` on the host when the caller has it (None: taken here, in one transfer)."""
         if greedy is None:
             greedy = greedy_tokens(logits).tolist()  # every plain greedy row's choices, in one transfer
-        walks = [walk(row, logits[i], trees[i], greedy[i]) for i, row in enumerate(rows)]
+        walks = walk(rows, logits, trees, greedy)
         now = time.perf_counter()
         kept = [path for path, _, _ in walks]
         base = root_mask.shape[1]
@@ -208,29 +208,52 @@ class TreeVerifier:
         keep_cache_columns(draft.cache, final, base + max(len(path) for path in kept))
 
 
-def walk(row: DecodeRow, logits: torch.Tensor, tree: DraftTree, greedy: list[int]) -> Walk:
-    """Walk ``row`` down its tree with the verify forward's logits ``[1 + nodes, V]`` (the root's, then each node's;
-    ``greedy``: their argmax, the choice of a plain greedy row): its own choice at the root, then at the child holding
-    that choice, and so on until no child holds it, its budget is spent or it chose an end token (a row that does not
-    speculate takes the root's choice only). Returns the tree nodes whose columns stay (every taken token's but the
-    last: the accepted nodes), the taken tokens (one of the target's own plus the accepted ones) and the round (None
-    for a row that does not speculate)."""
-    path: list[int] = []
-    tokens: list[int] = []
-    node = -1
-    while True:
-        index = node + 1
-        token = greedy[index] if row.plain_greedy else row.choose(logits[index : index + 1], tokens)
-        tokens.append(token)
-        limited = token in row.end_ids or len(tokens) >= row.tokens_left
-        child = tree.child(node, token) if row.speculates and not limited else None
-        if child is None:
-            break
-        path.append(child)
-        node = child
-    if not row.speculates:
-        return path, tokens, None
-    return path, tokens, DraftRound(len(tree.tokens), len(path), not limited and tree.has_children(node))
+def walk(
+    rows: Sequence[DecodeRow], logits: torch.Tensor, trees: Sequence[DraftTree], greedy: Sequence[Sequence[int]]
+) -> list[Walk]:
+    """Walk each row down its tree with the verify forward's logits ``[B, 1 + nodes, V]`` (the root's, then each
+    node's; ``greedy``: their argmax, the choice of a plain greedy row): its own choice at the root, then at the child
+    holding that choice, and so on until no child holds it, its budget is spent or it chose an end token (a row that
+    does not speculate takes the root's choice only). The rows walk in step: at each depth the rows that choose with
+    their processors and generators choose together (:func:`~kvboost_hf.hf.sampling.choose_tokens`: one wait on the
+    device per depth, not two per row and depth), each from its own generator in its own order. Returns per row the
+    tree nodes whose columns stay (every taken token's but the last: the accepted nodes), the taken tokens (one of
+    the target's own plus the accepted ones) and the round (None for a row that does not speculate)."""
+    paths: list[list[int]] = [[] for _ in rows]
+    tokens: list[list[int]] = [[] for _ in rows]
+    nodes = [-1] * len(rows)
+    limited = [False] * len(rows)
+    walking = list(range(len(rows)))
+    while walking:
+        choosing = [i for i in walking if not rows[i].plain_greedy]
+        chosen: dict[int, int] = {i: greedy[i][nodes[i] + 1] for i in walking if rows[i].plain_greedy}
+        if choosing:
+            scores = torch.cat([rows[i].processed(logits[i, nodes[i] + 1][None], tokens[i]) for i in choosing])
+            picks = choose_tokens(
+                scores, [rows[i].request.sampling for i in choosing], [rows[i].generator for i in choosing]
+            )
+            chosen.update(zip(choosing, picks, strict=True))
+        still = []
+        for i in walking:
+            row, token = rows[i], chosen[i]
+            tokens[i].append(token)
+            limited[i] = token in row.end_ids or len(tokens[i]) >= row.tokens_left
+            child = trees[i].child(nodes[i], token) if row.speculates and not limited[i] else None
+            if child is not None:
+                paths[i].append(child)
+                nodes[i] = child
+                still.append(i)
+        walking = still
+    return [
+        (
+            paths[i],
+            tokens[i],
+            None
+            if not row.speculates
+            else DraftRound(len(trees[i].tokens), len(paths[i]), not limited[i] and trees[i].has_children(nodes[i])),
+        )
+        for i, row in enumerate(rows)
+    ]
 
 
 def path_logprobs(
