@@ -60,6 +60,7 @@ from kvboost_hf.hf.layers import (
 from kvboost_hf.hf.models import check_model_support, is_loaded_model, model_dtype
 from kvboost_hf.hf.prefill import ChunkPrefiller, PendingForward, RowReuse
 from kvboost_hf.hf.static_buffers import StaticBufferPool, StaticStacks
+from kvboost_hf.hf.transfer import to_device
 from kvboost_hf.reuse.plan import ChunkLedger
 from kvboost_hf.reuse.rope import KeyRotator
 from kvboost_hf.reuse.write_back import write_chunks, write_tail
@@ -261,7 +262,7 @@ class ChunkReuseCache(Cache):
 
     def _select_layer_rows(self, rows: list[int]) -> None:
         layer = next(layer for layer in self.layers if layer.is_initialized)
-        super().batch_select_indices(torch.tensor(rows, device=layer.keys.device))
+        super().batch_select_indices(to_device(rows, layer.keys.device))
 
     def sync_device_lengths(self) -> None:
         """Every layer's device length back to its host length (see ``ChunkReuseLayer.sync_device_length``)."""
@@ -327,7 +328,7 @@ class ChunkReuseCache(Cache):
             columns[row, [pad + position for position in ledger.approximate]] = True
         return ContextAdjustment(
             columns.to(device),
-            torch.tensor(starts, device=device),
+            to_device(starts, device),
             self.repair.context_temperature,
             self.repair.context_scale,
         )

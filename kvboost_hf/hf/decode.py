@@ -72,6 +72,7 @@ from kvboost_hf.hf.rows import DecodeRow, RowOutput, new_rows, sample
 from kvboost_hf.hf.rows import DraftRound as DraftRound
 from kvboost_hf.hf.rows import TokenLogprob as TokenLogprob
 from kvboost_hf.hf.speculative import Drafter, DraftTree
+from kvboost_hf.hf.transfer import to_device
 from kvboost_hf.hf.verify import TreeVerifier, Verified
 from kvboost_hf.hf.verify_graphs import GraphedVerifier
 from kvboost_hf.offload.streamer import layer_streamer
@@ -460,7 +461,7 @@ class DecodeLoop:
         if self.new_cache is not None:
             for prefix in work.shared_prefixes:  # one forward each (batch of one), stored before the prompts' forward
                 cache = self.new_cache(())
-                ids = torch.tensor([prefix.tokens], device=self.device)
+                ids = to_device([prefix.tokens], self.device)
                 self.router.run(forward_inputs(cache, input_ids=ids, logits_to_keep=1), logits=False)
                 cache.save(tail=False)
                 computed = len(prefix.tokens) - (cache.last_reuse[0].cached_tokens if cache.last_reuse else 0)
@@ -593,7 +594,7 @@ class DecodeLoop:
             _RunningRows.detach(self)  # every chunk is stored: the caches go, prompt forwards under way stay
             return
         self.running = [self.running[i] for i in keep]
-        index = torch.tensor(keep, device=self.device)
+        index = to_device(keep, self.device)
         assert self.cache is not None, "running rows have a cache"
         self.cache.batch_select_indices(index)
         if self.draft is not None and self.draft.cache is not None:

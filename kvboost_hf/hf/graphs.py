@@ -48,6 +48,7 @@ from kvboost_hf.core.errors import ConfigError, InputError
 from kvboost_hf.core.values import is_integer
 from kvboost_hf.hf.models import CACHE_ARGUMENT
 from kvboost_hf.hf.static_buffers import StaticBufferPool
+from kvboost_hf.hf.transfer import to_device
 from kvboost_hf.reuse.rope import exact_reuse_length
 
 __all__ = [
@@ -633,7 +634,7 @@ class GraphedDecoder:
         device = input_ids.device
         width = shape[1] if shape is not None else cache.get_seq_length() + input_ids.shape[1]
         if attention_mask is None:
-            pads = torch.tensor(getattr(cache, "pads", None) or [0] * input_ids.shape[0], device=device)
+            pads = to_device(getattr(cache, "pads", None) or [0] * input_ids.shape[0], device)
             attention_mask = (torch.arange(width, device=device) >= pads[:, None]).long()  # left padding masked
         elif attention_mask.shape[1] < width:
             attention_mask = torch.nn.functional.pad(attention_mask, (0, width - attention_mask.shape[1]))

@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -28,6 +27,7 @@ from kvboost_hf.hf.sampling import (
     greedy_tokens,
     reads_input_ids,
 )
+from kvboost_hf.hf.transfer import to_device
 
 TokenTop = tuple[tuple[int, float], ...]
 
@@ -231,9 +231,8 @@ class DecodeRow:
         """Log-probabilities ``[V]`` of the next draft token from draft logits ``[1, V]`` after this row's tokens and
         ``drafted``: through the row's processors (the raw ones for a row that does not speculate: its processors
         keep state)."""
-        if self.processors and self.speculates:
-            input_ids = torch.tensor([[*self.request.prompt_ids, *self.tokens, *drafted]], device=logits.device)
-            logits = self.processors(input_ids, logits)
+        if self.speculates:
+            logits = self.processed(logits, drafted)
         return torch.log_softmax(logits[0].float(), dim=-1)
 
     def append(
@@ -330,8 +329,3 @@ def sampled(
         pairs = tuple((int(host[ids_at + slot * top + j]), host[values_at + slot * top + j]) for j in range(k))
         found[i] = TokenLogprob(tokens[i], host[count + slot], pairs)
     return tokens, found
-
-
-def to_device(values: Sequence[Any], device: torch.device) -> torch.Tensor:
-    """``values`` (ints, nested lists) as a long tensor on ``device``, copied without a host synchronisation."""
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)

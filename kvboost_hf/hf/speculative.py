@@ -37,6 +37,7 @@ from kvboost_hf.core.errors import ArgumentTypeError, ConfigError, StateError
 from kvboost_hf.core.values import is_finite, is_integer
 from kvboost_hf.hf.models import CACHE_ARGUMENT, given_cache, model_dtype, truncated_depth
 from kvboost_hf.hf.prefill import forward
+from kvboost_hf.hf.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -588,10 +589,10 @@ class Drafter:
             if step == len(sizes):
                 break
             start = len(trees[0].tokens) - size
-            fed = torch.tensor([tree.tokens[start:] for tree in trees], device=logits.device)
+            fed = to_device([tree.tokens[start:] for tree in trees], logits.device)
             visible = torch.stack([tree.sees()[start:] for tree in trees])  # [B, size, nodes so far]
             tree_mask = tree_attention_mask(context, visible, model_dtype(self.model))
-            depths = torch.tensor([tree.depths[start:] for tree in trees], device=logits.device)
+            depths = to_device([tree.depths[start:] for tree in trees], logits.device)
             node_logits = self.forward(fed, tree_mask, root_positions[:, None] + depths, keep=size)
             node_logits = node_logits.reshape(rows, size, -1)
             for tree in trees:

@@ -24,9 +24,10 @@ import torch
 from transformers import DynamicCache
 
 from kvboost_hf.hf.cache import ChunkReuseCache, keep_cache_columns, select_columns
-from kvboost_hf.hf.rows import DecodeRow, DraftRound, RowOutput, TokenLogprob, sampled, to_device
+from kvboost_hf.hf.rows import DecodeRow, DraftRound, RowOutput, TokenLogprob, sampled
 from kvboost_hf.hf.sampling import choose_tokens, greedy_tokens
 from kvboost_hf.hf.speculative import Drafter, DraftTree, tree_attention_mask
+from kvboost_hf.hf.transfer import to_device
 
 #: A row's walk down its tree: the accepted nodes (their columns stay), the tokens taken (the target's own choices:
 #: one per accepted node, plus one) and the round (None for a row that does not speculate).
@@ -124,7 +125,7 @@ class TreeVerifier:
         the step's one wait for the device, ends only once the forward ran, so the time covers the device's work
         with no synchronisation of its own (the choices' argmax and copy included)."""
         draft = self.draft
-        last = torch.tensor([[row.tokens[-1]] for row in rows], device=mask.device)
+        last = to_device([[row.tokens[-1]] for row in rows], mask.device)
         trees = draft.propose(last, mask, positions, sizes, lambda i, lg, d: rows[i].draft_scores(lg, d))
         nodes = sum(sizes)
         fed = torch.tensor([[row.tokens[-1], *tree.tokens] for row, tree in zip(rows, trees, strict=True)])
@@ -132,7 +133,7 @@ class TreeVerifier:
         visible[:, :, 0] = True  # every query sees the root
         for row, tree in enumerate(trees):
             visible[row, 1:, 1:] = tree.sees()
-        depths = torch.tensor([[0, *tree.depths] for tree in trees], device=mask.device)
+        depths = to_device([[0, *tree.depths] for tree in trees], mask.device)
         tree_mask = tree_attention_mask(mask, visible, self.dtype)
         started = time.perf_counter()
         logits = forward(fed.to(mask.device), positions[:, None] + 1 + depths, nodes + 1, tree_mask)
@@ -168,7 +169,7 @@ class TreeVerifier:
         nodes = len(trees[0].tokens)
         mask = select_columns(torch.cat([root_mask, root_mask.new_ones(len(trees), nodes)], dim=1),
                               target_columns, dim=1)  # fmt: skip
-        positions = root_positions + torch.tensor([len(path) for path in kept], device=root_positions.device)
+        positions = root_positions + to_device([len(path) for path in kept], root_positions.device)
         logprobs = path_logprobs(rows, logits, walks)
         outputs = [
             RowOutput(row, tuple(tokens), found, now, draft)
@@ -200,8 +201,8 @@ class TreeVerifier:
             for tree, leaf in zip(trees, leaves, strict=True)
         ]
         depths = [[tree.depths[leaf] if leaf is not None else 1] for tree, leaf in zip(trees, leaves, strict=True)]
-        positions = root_positions[:, None] + torch.tensor(depths, device=root_positions.device)
-        draft.forward(torch.tensor(tokens, device=root_mask.device), torch.cat([mask, mask.new_ones(rows, 1)], dim=1),
+        positions = root_positions[:, None] + to_device(depths, root_positions.device)
+        draft.forward(to_device(tokens, root_mask.device), torch.cat([mask, mask.new_ones(rows, 1)], dim=1),
                       positions)  # fmt: skip
         final = [[*range(width - len(c), width), *([width] if leaf is not None else [])]
                  for c, leaf in zip(columns, leaves, strict=True)]  # fmt: skip
@@ -296,9 +297,9 @@ def _with_tree_queries(
     visible[:, :length, :length] = causal & (valid[:, None, :] | torch.eye(length, dtype=torch.bool))
     visible[:, length:, :length] = valid[:, None, :]
     visible[:, length:, length:] = torch.stack([tree.sees() for tree in trees])
-    depths = torch.tensor([tree.depths for tree in trees], device=mask.device)
+    depths = to_device([tree.depths for tree in trees], mask.device)
     positions = inputs["position_ids"]  # the suffix's (the prefill always passes positions)
-    tokens = torch.tensor([tree.tokens for tree in trees], device=mask.device)
+    tokens = to_device([tree.tokens for tree in trees], mask.device)
     return {
         **inputs,
         "input_ids": torch.cat([suffix, tokens], dim=1),
