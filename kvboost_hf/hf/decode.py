@@ -363,7 +363,7 @@ class DecodeLoop:
                 step.prompts.append(prompt)
         if step.decode:
             mask = torch.cat([self.mask, self.mask.new_ones(len(self.running), 1)], dim=1)
-            last = torch.tensor([[row.tokens[-1]] for row in self.running], dtype=torch.long).to(self.device)
+            last = to_device([[row.tokens[-1]] for row in self.running], self.device)
             step.parts.insert(0, ForwardPart(self.cache, last, self.positions[:, None] + 1, mask, logits=True))
         return step
 
@@ -643,11 +643,11 @@ def trim_padding(cache: Cache, mask: torch.Tensor) -> torch.Tensor:
 def left_pad(
     prompts: Sequence[Sequence[int]], pad_token_id: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask)`` of a left-padded batch on ``device``."""
+    """``(input_ids, attention_mask)`` of a left-padded batch on ``device`` (copied there without a wait)."""
     width = max(len(ids) for ids in prompts)
     input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, ids in enumerate(prompts):
         input_ids[row, width - len(ids) :] = torch.tensor(list(ids), dtype=torch.long)
         mask[row, width - len(ids) :] = 1
-    return input_ids.to(device), mask.to(device)
+    return input_ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
