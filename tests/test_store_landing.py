@@ -65,7 +65,7 @@ def fake_landings(monkeypatch: pytest.MonkeyPatch) -> dict[str, FakeCopy]:
         host = ChunkKV(torch.zeros_like(entry.keys), torch.zeros_like(entry.values))
         copy = FakeCopy(host, entry)
         started[_key_of(entry)] = copy
-        return Landing(host, entry, copy, write_through)
+        return Landing(host, copy, write_through)
 
     monkeypatch.setattr(chunk_store, "start_landing", start)
     return started

@@ -34,13 +34,14 @@ class CopyDone(Protocol):
 class Landing:
     """A chunk on its way into RAM.
 
-    ``entry`` (host memory) holds the K/V only once ``done`` reports complete; ``source`` (the device tensors the
-    copy reads) is kept alive until then. ``write_through``: landing also writes the entry to the lower tiers (a
-    put); False for a GPU tier eviction, which those tiers got when it was put.
+    ``entry`` (host memory) holds the K/V only once ``done`` reports complete. The device tensors the copy reads are
+    not kept: torch's caching allocator hands their memory out again only to work queued after the copy on its
+    stream (a 32k-token prompt's write-back would otherwise hold 1.8 GB of a 7B model's K/V on the device until its
+    chunks landed). ``write_through``: landing also writes the entry to the lower tiers (a put); False for a GPU
+    tier eviction, which those tiers got when it was put.
     """
 
     entry: ChunkKV
-    source: ChunkKV
     done: CopyDone
     write_through: bool
 
@@ -59,7 +60,7 @@ def start_landing(entry: ChunkKV, write_through: bool) -> Landing | None:
     host.values.copy_(values, non_blocking=True)
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(device))  # the stream the copies were issued on
-    return Landing(host, entry, done, write_through)
+    return Landing(host, done, write_through)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
