@@ -217,19 +217,27 @@ def choose_tokens(
     overflowed = (tops == math.inf)[:, None]
     scores = torch.where(overflowed, torch.where(scores == math.inf, 0.0, -math.inf), scores)
     parts = [tops[:, None], greedy_tokens(scores).float()[:, None]]  # ids < 2**24: exact in float32
-    samples = not all(each.greedy for each in params)
-    if samples:
+    if not all(each.greedy for each in params):
         parts.append(torch.softmax(scores, dim=-1))
-    host = torch.cat(parts, dim=1).cpu()  # the one wait for the device
+    host_tops, host_ids, *host_probs = _on_host(parts)
     chosen = []
     for row, (each, generator) in enumerate(zip(params, generators, strict=True)):
-        top = float(host[row, 0])
+        top = float(host_tops[row, 0])
         if math.isnan(top):
             raise ConfigError("the sampling settings gave a NaN score (e.g. a penalty that overflows the logits)")
         if top == -math.inf:
             raise ConfigError("every token is masked: the sampling settings and constraints exclude each other")
         if each.greedy:
-            chosen.append(int(host[row, 1]))
+            chosen.append(int(host_ids[row, 0]))
         else:
-            chosen.append(int(torch.multinomial(host[row, 2:], 1, generator=generator)))
+            chosen.append(int(torch.multinomial(host_probs[0][row], 1, generator=generator)))
     return chosen
+
+
+def _on_host(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``parts`` (``[N, *]`` each, one device) on the host: as they are on a CPU, else in one transfer (the one
+    wait on the device)."""
+    if parts[0].device.type == "cpu":
+        return parts
+    widths = [part.shape[1] for part in parts]
+    return list(torch.cat(parts, dim=1).cpu().split(widths, dim=1))
