@@ -27,7 +27,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from kvboost_hf.core.chunking import ChunkingConfig
 from kvboost_hf.core.config import GenerationMode, RepairConfig
 from kvboost_hf.core.errors import ConfigError, InputError
-from kvboost_hf.core.keys import model_digest
+from kvboost_hf.core.keys import digests_held, model_digest
 from kvboost_hf.core.values import is_integer
 from kvboost_hf.engine_core import EngineCore
 from kvboost_hf.factories import Factories
@@ -577,10 +577,6 @@ class InferenceEngine:
         kv_budget = 0 if max_batch_size is None else kv_budget_bytes
         if max_batch_size is None:
             max_batch_size = len(rows)
-        core = self.core(
-            options.mode, max_batch_size=max_batch_size, token_budget=budget, kv_budget_bytes=kv_budget,
-            repair=options.repair,
-        )  # fmt: skip
         errors: list[BaseException] = []
         groups = [
             RequestGroup(
@@ -591,10 +587,15 @@ class InferenceEngine:
             )
             for index in range(len(rows))
         ]
-        for index in order:
-            core.scheduler.add(groups[index])
-        with self.lock:
-            core.run()
+        with digests_held():  # the cache, batch policy and draft of this request check the weights once
+            core = self.core(
+                options.mode, max_batch_size=max_batch_size, token_budget=budget, kv_budget_bytes=kv_budget,
+                repair=options.repair,
+            )  # fmt: skip
+            for index in order:
+                core.scheduler.add(groups[index])
+            with self.lock:
+                core.run()
         if errors:
             raise errors[0]
         mode = GenerationMode(options.mode)

@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny_model
+from transformers import AutoTokenizer
 
-from kvboost_hf.core.keys import forget_model_digest, model_digest
+from kvboost_hf import InferenceEngine
+from kvboost_hf.bench.shapes import tokenizer_dir
+from kvboost_hf.core import keys
+from kvboost_hf.core.keys import digests_held, forget_model_digest, model_digest
 
 
 def test_swapping_two_embedding_rows_changes_the_digest():
@@ -41,7 +45,11 @@ def test_digest_is_cached_until_the_tensors_change():
     second = model_digest(model)  # an in-place edit moves the version counter: recomputed
     assert second != first
     model.register_buffer("extra", torch.zeros(3))  # a new tensor (as an adapter load adds): recomputed
-    assert model_digest(model) not in (first, second)
+    third = model_digest(model)
+    assert third not in (first, second)
+    up, gate = model.model.layers[0].mlp.up_proj, model.model.layers[0].mlp.gate_proj
+    up.weight, gate.weight = gate.weight, up.weight  # the same tensors, moved between modules: recomputed
+    assert model_digest(model) not in (first, second, third)
 
 
 def test_active_adapters_change_the_digest():
@@ -93,3 +101,34 @@ def test_a_length_dependent_rope_forward_leaves_the_digest_alone():
     model(torch.randint(1, 128, (1, 90)))
     assert not torch.equal(model.model.rotary_emb.inv_freq, model.model.rotary_emb.original_inv_freq)
     assert model_digest(model) == before
+
+
+def test_held_digests_check_each_model_once_and_only_inside_the_block(monkeypatch):
+    model = make_tiny_model("llama")
+    checks = []
+    original = keys._signature
+    monkeypatch.setattr(keys, "_signature", lambda m: checks.append(m) or original(m))
+    first = model_digest(model)
+    with digests_held():
+        assert model_digest(model) == first
+        with digests_held():  # nested: the outer block's digests
+            assert model_digest(model) == first
+        with torch.no_grad():
+            model.model.embed_tokens.weight.add_(1.0)  # inside the block: not seen (the engine holds its lock)
+        assert model_digest(model) == first
+        assert model_digest(model, model_id="m@1") != first  # another model_id: its own digest
+    assert len(checks) == 2  # the first call, then one for the block; the model_id digest reads no weight
+    assert model_digest(model) != first  # after the block: checked again, the edit seen
+
+
+def test_an_engine_request_checks_the_weights_once(monkeypatch):
+    """The request's batch policy and its cache both name their chunks by the model's digest: one check serves
+    both (each walks every module and tensor)."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    engine = InferenceEngine(make_tiny_model("qwen2", vocab_size=len(tokenizer)), tokenizer, chunking=16)
+    engine.generate("a first request", max_new_tokens=2)
+    checks = []
+    original = keys._signature
+    monkeypatch.setattr(keys, "_signature", lambda m: checks.append(m) or original(m))
+    engine.generate("a first request and a second", max_new_tokens=2)
+    assert checks == [engine.model]

@@ -12,10 +12,12 @@ Keys are 64-character lowercase hex strings, safe as file names and Redis keys.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import json
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +33,26 @@ FULL_PRECISION_BITS = 16  # kv_cache_bits of K/V stored unquantized (the default
 _IGNORED_CONFIG_FIELDS = ("_name_or_path", "transformers_version", "_attn_implementation", "architectures")
 
 _weight_digests: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]] = weakref.WeakKeyDictionary()
+_held_digests: contextvars.ContextVar[dict[tuple[int, str | None], str] | None] = contextvars.ContextVar(
+    "held_model_digests", default=None
+)
+
+
+@contextlib.contextmanager
+def digests_held() -> Iterator[None]:
+    """Within the block, :func:`model_digest` checks each ``(model, model_id)`` once and then returns that digest
+    (per thread or task: a context variable). For one request, whose cache, batch policy and draft each ask for the
+    digest while the weights cannot change (the engine runs it under its lock): the check walks every module and
+    tensor (~0.7 ms on a 28-layer model here), which it would otherwise repeat. Nested blocks share the outer one's
+    digests."""
+    if _held_digests.get() is not None:
+        yield
+        return
+    token = _held_digests.set({})
+    try:
+        yield
+    finally:
+        _held_digests.reset(token)
 
 
 def model_digest(model: torch.nn.Module, model_id: str | None = None) -> str:
@@ -48,8 +70,19 @@ def model_digest(model: torch.nn.Module, model_id: str | None = None) -> str:
     reads each tensor's version and address only.
     ``model_id``: for models versioned by their owner (a checkpoint name and revision): no weight is read, and
     two models given the same ``model_id`` and config share K/V, so it must change whenever the weights do.
-    Raises ValueError if a weight is on the meta device (offloaded) and no ``model_id`` is given.
+    Raises ValueError if a weight is on the meta device (offloaded) and no ``model_id`` is given. Inside
+    :func:`digests_held`, checked once per model.
     """
+    held = _held_digests.get()
+    if held is None:
+        return _model_digest(model, model_id)
+    key = (id(model), model_id)
+    if key not in held:
+        held[key] = _model_digest(model, model_id)
+    return held[key]
+
+
+def _model_digest(model: torch.nn.Module, model_id: str | None) -> str:
     h = hashlib.sha256(f"digest-v{DIGEST_VERSION}".encode())
     config = getattr(model, "config", None)
     if config is not None:
@@ -70,7 +103,7 @@ def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     parameters: list[tuple[str, torch.Tensor]] = []
     buffers: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()  # a parameter shared by two modules (tied embeddings) once, as named_parameters() does
-    for prefix, module in model.named_modules():  # one walk (this check runs per request)
+    for prefix, module in model.named_modules():
         dot = f"{prefix}." if prefix else ""
         for name, parameter in module._parameters.items():
             if parameter is not None and id(parameter) not in seen:
@@ -82,26 +115,41 @@ def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*parameters, *buffers]
 
 
-def _signature(tensors: list[tuple[str, torch.Tensor]]) -> tuple:
-    """What invalidates a cached digest: names, shapes, dtypes, storage addresses and in-place version counters.
+def _signature(model: torch.nn.Module) -> tuple:
+    """What invalidates a cached digest: every module holding tensors (its identity), then each of its parameters'
+    and persistent buffers' identity, storage address, shape, dtype and in-place version counter. So a tensor added,
+    removed, replaced, moved between modules or written in place changes it. This check runs per request: one walk
+    of ``_modules`` in breadth-first order (a shared module visited once), ~0.3 ms for the 339 tensors of a 28-layer
+    model on this project's CPU, where :func:`_tensors` (names built) took ~1.1 ms.
 
     Inference tensors (created under ``torch.inference_mode``, e.g. buffers a quantized layer packs on its first
     forward) have no version counter: for them only the address counts, so an in-place change to one inside
     inference mode is not noticed (call :func:`forget_model_digest` after such a change)."""
-    return tuple(
-        (name, tuple(t.shape), t.dtype, t.data_ptr(), -1 if t.is_inference() else t._version) for name, t in tensors
-    )
+    modules, seen, signature = [model], {id(model)}, []
+    for module in modules:
+        for child in module._modules.values():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                modules.append(child)
+        parameters, buffers = module._parameters, module._buffers
+        if not parameters and not buffers:
+            continue
+        signature.append(id(module))
+        skipped = module._non_persistent_buffers_set
+        for name, t in (*parameters.items(), *buffers.items()):
+            if t is not None and name not in skipped:
+                signature.append((id(t), t.data_ptr(), t.shape, t.dtype, -1 if t.is_inference() else t._version))
+    return tuple(signature)
 
 
 def _weight_digest(model: torch.nn.Module) -> str:
-    tensors = _tensors(model)
-    signature = _signature(tensors)
+    signature = _signature(model)
     cached = _weight_digests.get(model)
     if cached is not None and cached[0] == signature:
         return cached[1]
     h = xxhash.xxh3_128()
     with torch.no_grad():
-        for name, tensor in tensors:
+        for name, tensor in _tensors(model):
             if tensor.device.type == "meta":
                 raise InputError(
                     f"weight {name} is on the meta device (offloaded), so it cannot be fingerprinted: pass model_id"
