@@ -125,7 +125,8 @@ def _signature(model: torch.nn.Module) -> tuple:
     Inference tensors (created under ``torch.inference_mode``, e.g. buffers a quantized layer packs on its first
     forward) have no version counter: for them only the address counts, so an in-place change to one inside
     inference mode is not noticed (call :func:`forget_model_digest` after such a change)."""
-    modules, seen, signature = [model], {id(model)}, []
+    modules, seen = [model], {id(model)}
+    signature: list[object] = []
     for module in modules:
         for child in module._modules.values():
             if child is not None and id(child) not in seen:
