@@ -67,6 +67,7 @@ def test_an_engine_arm_profiled_reports_wall_device_and_synchronisations_per_ste
     figures = decode.profile_engine(engine, ["a short prompt", "another prompt here"], 3)
     assert figures["profile_wall_ms_per_step"] > 0 and figures["profile_syncs_per_step"] == 0  # a CPU never waits
     assert figures["profile_device_ms_per_step"] == 0 and "Self CPU" in figures["profile_table"]
+    assert figures["profile_sync_sites"] == {} and "where the host waited" not in decode.profile_report(figures, "step")
     assert decode.profile_engine(engine, ["x"], 0) == {}
     sampled = decode.profile_engine(engine, ["a short prompt", "another prompt here"], 3, temperature=0.8)
     assert sampled["profile_wall_ms_per_step"] > 0  # every row sampled (seeded), as a chat backend decodes
@@ -85,3 +86,41 @@ def test_the_gc_timer_counts_collections_by_generation_while_active():
     gc.collect()
     assert timer.collections[2] == 1 and timer.ms[2] >= 0.0
     assert timer.as_dict() == {"collections": timer.collections, "ms": [round(ms, 2) for ms in timer.ms]}
+
+
+def test_sync_sites_name_the_innermost_frame_of_the_package_per_wait():
+    """``SyncSites`` (what the GPU runs bring back: where each of a request's synchronisations is called): grouped by
+    the innermost ``kvboost_hf`` frame outside the benchmarks, else the innermost frame; the stacks numbered."""
+    import traceback
+
+    from kvboost_hf.bench.profiling import SYNC_WARNING, SyncSites, profile_report
+
+    def stack(*frames: tuple[str, int, str]) -> traceback.StackSummary:
+        return traceback.StackSummary.from_list([traceback.FrameSummary(f, n, name) for f, n, name in frames])
+
+    sites = SyncSites()
+    with sites:  # on a CPU it records nothing by itself
+        pass
+    assert sites.stacks == []
+    bench = ("/x/kvboost_hf/bench/decode.py", 3, "run")
+    step = ("/x/kvboost_hf/hf/decode.py", 540, "step")
+    sample = ("/x/kvboost_hf/hf/sampling.py", 88, "sample")
+    torch_frame = ("/y/torch/cuda/__init__.py", 7, "synchronize")
+    sites.stacks = [stack(bench, step, sample, torch_frame), stack(bench, step, torch_frame)]
+    sites.stacks += [stack(bench, step, sample, torch_frame), stack(torch_frame)]
+    assert sites.by_site() == {
+        "hf/sampling.py:88 sample": 2,
+        "hf/decode.py:540 step": 1,
+        "/y/torch/cuda/__init__.py:7 synchronize": 1,
+    }
+    assert sites.report().count("--- synchronisation") == 4 and "sampling.py" in sites.report()
+    sites._record(UserWarning("a warning of another kind"))
+    assert len(sites.stacks) == 4
+    sites._record(UserWarning(f"{SYNC_WARNING} CUDA operation"))
+    assert (
+        len(sites.stacks) == 5
+        and sites.stacks[-1][-1].name == "test_sync_sites_name_the_innermost_frame_of_the_package_per_wait"
+    )
+    figures = {"profile_wall_ms_per_step": 1.0, "profile_device_ms_per_step": 0.5, "profile_syncs_per_step": 3.0}
+    figures |= {"profile_sync_sites": sites.by_site(), "profile_table": "", "profile_python": ""}
+    assert "   2  hf/sampling.py:88 sample" in profile_report(figures, "step")

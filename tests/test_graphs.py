@@ -10,6 +10,7 @@ from helpers import DECODE_EOS, finish, new_loop, prefill, prefill_in_chunks, re
 from oracle import reference
 
 from kvboost_hf import ChunkReuseCache, ChunkStore
+from kvboost_hf.bench.profiling import SyncSites
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.hf.decode import DecodeRequest
 from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, capacity_bucket, pad_rows, row_bucket
@@ -185,9 +186,6 @@ def test_a_graphed_decode_step_synchronises_once_for_its_sampled_ids(sampling, w
     by an asynchronous copy (an H200 run saw its two blocking copies), so the sampled ids' transfer is the step's
     one synchronisation; a row drawing with its own generator adds one, its probabilities' transfer (every such row
     of the step in it: each row used to wait twice)."""
-    import traceback
-    import warnings
-
     model = make_tiny_model("qwen2").to("cuda")
     request = DecodeRequest(prompt_ids=PROMPTS[0], max_new_tokens=12, sampling=sampling)
     decoder = GraphedDecoder(model, GraphConfig(row_buckets=(1,)))
@@ -199,21 +197,9 @@ def test_a_graphed_decode_step_synchronises_once_for_its_sampled_ids(sampling, w
         loop.step()
     torch.cuda.synchronize()
     puts = store.stats()["puts"]  # the 4th step completes the chunk of tokens 16-23 (8-token chunks, 20 prompted)
-    syncs: list[str] = []  # the Python stack of each synchronising call (an H200 run saw 3: where they are)
-
-    def record(message, *args, **kwargs):
-        if "called a synchronizing" in str(message):
-            syncs.append("".join(traceback.format_stack(limit=12)[:-1]))
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            loop.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    assert decoder.graphed_steps == 4 and len(syncs) == waits, "\n--- a synchronisation at\n".join(["", *syncs])
+    with SyncSites() as syncs:  # the Python stack of each synchronising call (an H200 run saw 3: where they are)
+        loop.step()
+    assert decoder.graphed_steps == 4 and len(syncs.stacks) == waits, syncs.report()
     assert store.stats()["puts"] == puts + 1 and store.pin_memory
 
 

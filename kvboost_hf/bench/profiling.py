@@ -10,6 +10,8 @@
   engine's token ids cache included, ends there).
 * :func:`profile_call` runs a call under ``torch.profiler`` and ``cProfile`` together: wall against device time,
   the synchronisations, the top operations and the top Python functions (where a slow call's host time goes).
+* :class:`SyncSites` records where the host waited on a CUDA device (``torch.cuda.set_sync_debug_mode``), by the
+  innermost frame of this package in each wait's Python stack: the list of call sites to remove.
 * :class:`GcTimer` counts Python's garbage collections while active and their ms, by generation (a full
   collection in a process holding compiled graphs can pause a request for tens of ms).
 """
@@ -23,7 +25,9 @@ import gc
 import io
 import pstats
 import time
-from collections import defaultdict
+import traceback
+import warnings
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -236,13 +240,66 @@ SYNCHRONIZING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEv
 """CUDA runtime calls that make the host wait on the device (``cudaMemcpyAsync`` excepted by name)."""
 
 
+SYNC_WARNING = "called a synchronizing"
+"""What ``torch.cuda.set_sync_debug_mode("warn")``'s warning says for every call that waits on the device."""
+
+
+class SyncSites:
+    """The synchronising calls made inside the block on CUDA (``with SyncSites() as sites:``), each as its Python
+    stack (:attr:`stacks`, innermost frame last), through ``torch.cuda.set_sync_debug_mode("warn")`` with the
+    warnings captured (not shown). On a CPU nothing waits and nothing is recorded. :meth:`by_site` groups them by
+    the innermost frame in ``kvboost_hf`` (the call to change). Not reentrant; it sets the process-wide debug mode
+    and warning hook while active."""
+
+    def __init__(self, depth: int = 24) -> None:
+        self.depth = depth
+        self.stacks: list[traceback.StackSummary] = []
+        self._warnings: Any = None
+
+    def _record(self, message: Any, *args: Any, **kwargs: Any) -> None:
+        if SYNC_WARNING in str(message):
+            self.stacks.append(traceback.extract_stack(limit=self.depth)[:-1])
+
+    def __enter__(self) -> SyncSites:
+        if torch.cuda.is_available():
+            self._warnings = warnings.catch_warnings()
+            self._warnings.__enter__()
+            warnings.simplefilter("always")
+            warnings.showwarning = self._record
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._warnings is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            self._warnings.__exit__(*exc)
+            self._warnings = None
+
+    def by_site(self) -> dict[str, int]:
+        """Synchronisations per call site, most first: ``path:line function`` of the innermost frame under
+        ``kvboost_hf/`` (else the innermost frame), the path from the package's folder on."""
+        return dict(Counter(_site(stack) for stack in self.stacks).most_common())
+
+    def report(self) -> str:
+        """Each synchronisation's stack (the last ``depth`` frames), numbered: a test's failure message."""
+        return "".join(f"\n--- synchronisation {i}\n{''.join(stack.format())}" for i, stack in enumerate(self.stacks))
+
+
+def _site(stack: traceback.StackSummary) -> str:
+    ours = [frame for frame in stack if "/kvboost_hf/" in frame.filename and "/bench/" not in frame.filename]
+    frame = (ours or list(stack))[-1]
+    path = frame.filename.rsplit("/kvboost_hf/", 1)[-1] if "/kvboost_hf/" in frame.filename else frame.filename
+    return f"{path}:{frame.lineno} {frame.name}"
+
+
 def profile_call(
     call: Callable[[], Any], device: torch.device, per: int = 1, rows: int = 12
 ) -> tuple[Any, dict[str, Any]]:
     """Run ``call()`` once under ``torch.profiler`` (CPU activity, and CUDA's on a GPU) and ``cProfile``; returns
     the call's result and figures per unit of ``per`` (e.g. decode steps): ``profile_wall_ms_per_step`` (both
     profilers' overhead included), ``profile_device_ms_per_step`` (the kernels' total), ``profile_syncs_per_step``
-    (host calls that wait on the device: every synchronize and blocking ``cudaMemcpy``), ``profile_table`` (the top
+    (host calls that wait on the device: every synchronize and blocking ``cudaMemcpy``), ``profile_sync_sites``
+    (where they were called, per :meth:`SyncSites.by_site`, counts not divided; {} on a CPU), ``profile_table`` (the top
     ``rows`` operations by host time) and ``profile_python`` (the top Python functions by cumulative time, then by
     own time)."""
     from torch.profiler import ProfilerActivity, profile
@@ -254,7 +311,8 @@ def profile_call(
     with profile(activities=activities) as profiler:
         python.enable()
         try:
-            result = call()
+            with SyncSites() as sites:
+                result = call()
             if cuda:
                 torch.cuda.synchronize(device)
         finally:
@@ -273,6 +331,7 @@ def profile_call(
         "profile_wall_ms_per_step": wall_ms / per,
         "profile_device_ms_per_step": kernels_us / 1e3 / per,
         "profile_syncs_per_step": syncs / per,
+        "profile_sync_sites": sites.by_site(),
         "profile_table": averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60),
         "profile_python": _python_hotspots(python, 2 * rows),
     }
@@ -289,10 +348,13 @@ def _python_hotspots(python: cProfile.Profile, rows: int) -> str:
 
 def profile_report(figures: dict[str, Any], unit: str) -> str:
     """:func:`profile_call`'s figures as text, per ``unit`` (e.g. ``step``, ``call``)."""
+    sites = "".join(f"\n  {count:>4}  {site}" for site, count in figures.get("profile_sync_sites", {}).items())
     return (
         f"profiled: wall {figures['profile_wall_ms_per_step']:.2f} ms/{unit}, device "
         f"{figures['profile_device_ms_per_step']:.2f} ms/{unit}, {figures['profile_syncs_per_step']:.1f} "
-        f"synchronisations/{unit}\n{figures['profile_table']}\n{figures['profile_python']}"
+        f"synchronisations/{unit}"
+        + (f"\nwhere the host waited (calls, all {unit}s):{sites}" if sites else "")
+        + f"\n{figures['profile_table']}\n{figures['profile_python']}"
     )
 
 
