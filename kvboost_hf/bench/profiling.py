@@ -258,7 +258,7 @@ class SyncSites:
 
     def _record(self, message: Any, *args: Any, **kwargs: Any) -> None:
         if SYNC_WARNING in str(message):
-            self.stacks.append(traceback.extract_stack(limit=self.depth)[:-1])
+            self.stacks.append(traceback.StackSummary.from_list(traceback.extract_stack(limit=self.depth)[:-1]))
 
     def __enter__(self) -> SyncSites:
         if torch.cuda.is_available():
