@@ -69,13 +69,17 @@ DECODE_TOTALS = (
     "draft_tokens_proposed",
     "draft_tokens_accepted",
     "streamed_bytes",
+    "steps_ahead",
+    "steps_ahead_dropped",
 )
 
 
 class DecodeTotals:
     """Decode counters summed over the loops counted (:data:`DECODE_TOTALS`). ``target_forwards`` sums each loop's
     forwards: a packed forward that carried several batches' work (:meth:`~kvboost_hf.runner.ModelRunner.run_steps`)
-    counts once per batch."""
+    counts once per batch. ``steps_ahead``: decode steps launched before the host read their tokens
+    (:class:`~kvboost_hf.hf.graphs.GraphConfig`'s ``look_ahead``), ``steps_ahead_dropped`` those of them cut off
+    unused (rows left or joined first; each also counts in ``target_forwards``)."""
 
     def __init__(self) -> None:
         self.totals = dict.fromkeys(DECODE_TOTALS, 0)
@@ -95,6 +99,8 @@ class DecodeTotals:
         totals["draft_tokens_proposed"] += proposed
         totals["draft_tokens_accepted"] += accepted
         totals["streamed_bytes"] += loop.streamed_bytes or 0
+        totals["steps_ahead"] += loop.steps_ahead
+        totals["steps_ahead_dropped"] += loop.steps_ahead_dropped
         drafted = loop.draft is not None and proposed > 0
         verified = drafted and loop.verify_forwards > 0  # a resumed row's drafts may all predate this loop
         draft_reuse = loop.draft.cached_tokens if loop.draft is not None else []
@@ -261,6 +267,7 @@ class Factories:
             draft=self._drafter(mode, cache_salt, repair),
             graphs=self.graphs,
             verify_graphs=self.verify_graphs,
+            look_ahead=self.graphs is not None and self.graphs.config.looks_ahead(self.model.device),
         )
 
     def _drafter(self, mode: GenerationMode, cache_salt: str | None, repair: RepairConfig | None) -> Drafter | None:

@@ -68,11 +68,12 @@ from kvboost_hf.hf.models import model_dtype
 from kvboost_hf.hf.packed import ForwardPart
 from kvboost_hf.hf.prefill import forward_inputs
 from kvboost_hf.hf.rows import DecodeRequest as DecodeRequest  # the rows' types, importable from here as before
-from kvboost_hf.hf.rows import DecodeRow, RowOutput, new_rows, sample
+from kvboost_hf.hf.rows import DecodeRow, RowOutput, Sampled, new_rows, sample
 from kvboost_hf.hf.rows import DraftRound as DraftRound
 from kvboost_hf.hf.rows import TokenLogprob as TokenLogprob
+from kvboost_hf.hf.sampling import greedy_tokens
 from kvboost_hf.hf.speculative import Drafter, DraftTree
-from kvboost_hf.hf.transfer import to_device
+from kvboost_hf.hf.transfer import to_device, to_host_later
 from kvboost_hf.hf.verify import TreeVerifier, Verified
 from kvboost_hf.hf.verify_graphs import GraphedVerifier
 from kvboost_hf.offload.streamer import layer_streamer
@@ -244,6 +245,27 @@ class PackedStep:
     apart: list[tuple[PrefillWork, int]] = field(default_factory=list)
 
 
+@dataclass(eq=False)
+class _Ahead:
+    """A plain decode step launched before the host read the tokens it feeds (:attr:`DecodeLoop.look_ahead`):
+    ``rows`` fed ``fed`` (recorded in the cache once read), under ``mask`` at ``positions``, ``logits`` ``[B, V]``
+    still being computed. The next :meth:`DecodeLoop.step` takes it while the same rows run, each last token the one
+    it was fed; else it is cut off first (:meth:`DecodeLoop._drop_ahead`)."""
+
+    rows: list[DecodeRow]
+    fed: list[int]
+    logits: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+
+    def continues(self, running: Sequence[DecodeRow]) -> bool:
+        """Whether ``running`` are its rows, in order, each still running with the token it was fed last."""
+        return len(running) == len(self.rows) and all(
+            row is mine and not row.finished and row.tokens and row.tokens[-1] == token
+            for row, mine, token in zip(running, self.rows, self.fed, strict=True)
+        )
+
+
 class DecodeLoop:
     """Rows decoded together on one model and one cache, forward by forward (one batch of
     :class:`~kvboost_hf.runner.ModelRunner`).
@@ -262,6 +284,12 @@ class DecodeLoop:
             :attr:`router` (:class:`~kvboost_hf.hf.forward_routes.ForwardRouter`) decides each forward's way and
             runs it; a static cache grows again when rows join (the join makes it growable first), and a graphed
             prompt forward runs in the call of a chunked prefill whose columns hold the whole uncached tail.
+        look_ahead: a graphed plain step whose rows all choose greedily without processors launches the next step
+            on its argmax before reading its tokens (their copy to the host waits for that copy only), so on a
+            device that runs asynchronously (CUDA) the host's work on this step's tokens (the scheduler's appends,
+            detokenization, stop checks) overlaps the device's next step. The next :meth:`step` takes that step
+            when the same rows still run; rows leaving or joining first cut its column off, so tokens, K/V and what
+            is stored are those without it (a step of device work lost).
 
     ``rows`` holds every row added (in order) and not preempted since, ``running`` those still decoding.
     :attr:`forwards` counts target model forwards (prefills and shared prefixes included; the draft's are
@@ -285,9 +313,14 @@ class DecodeLoop:
         draft: Drafter | None = None,
         graphs: GraphedDecoder | None = None,
         verify_graphs: GraphedVerifier | None = None,
+        look_ahead: bool = False,
     ) -> None:
         self.model = model
         self.router = ForwardRouter(model, graphs, verify_graphs, speculative=draft is not None)
+        self.look_ahead = look_ahead and draft is None
+        self.steps_ahead = 0  # steps launched ahead
+        self.steps_ahead_dropped = 0  # of those, cut off unused
+        self._ahead: _Ahead | None = None
         self.rows: list[DecodeRow] = []
         self.running: list[DecodeRow] = []
         self.new_cache = new_cache
@@ -346,6 +379,7 @@ class DecodeLoop:
         and not packed goes on in :meth:`add`)."""
         if self.verifier is not None or not self.router.packs():
             return None
+        self._drop_ahead()
         step = PackedStep(decode and bool(self.running))
         for work, columns in prefills:
             prompt = next((prompt for prompt in self._prompts if prompt.work is work), None)
@@ -408,6 +442,7 @@ class DecodeLoop:
         and leave the running rows as they were (the work's rows are not running meanwhile). A chunked prompt
         forward verifies no draft tree (the draft prefills after the first tokens); a sparse repair forward is
         computed in one call. 0: the whole prompt forward in this call."""
+        self._drop_ahead()
         earlier = _RunningRows.detach(self)
         outputs = self._prefill(work, columns)
         earlier.attach(self)
@@ -541,13 +576,52 @@ class DecodeLoop:
             outputs = self._verified(verified)
             self._save(tail=False)
             return outputs
-        self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.running), 1)], dim=1)
-        self.positions = self.positions + 1
-        logits = self.router.decode(self.cache, self.running, self.mask, self.positions)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.continues(self.running):
+            logits, self.mask, self.positions = ahead.logits, ahead.mask, ahead.positions
+        else:
+            if ahead is not None:
+                self._cut(ahead)
+            self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.running), 1)], dim=1)
+            self.positions = self.positions + 1
+            logits = self.router.decode(self.cache, self.running, self.mask, self.positions)
         if self.draft is not None and self.draft.cache is not None:  # it keeps the target's columns (its invariant)
             self.draft.follow(self.running, self.mask, self.positions)
         self._save(tail=False)
+        if self.look_ahead and all(row.plain_greedy and row.tokens_left > 1 for row in self.running):
+            return self._step_ahead(logits)
         return sample(self.running, logits)
+
+    def _step_ahead(self, logits: torch.Tensor) -> list[RowOutput]:
+        """The running rows' greedy tokens from ``logits``, the next step launched on them (graphed: else not)
+        before they are read, then recorded (:attr:`look_ahead`)."""
+        rows = list(self.running)
+        chosen = greedy_tokens(logits)
+        sampled = Sampled(rows, logits, chosen)
+        read = to_host_later(sampled.packed)
+        mask = torch.cat([self.mask, self.mask.new_ones(len(rows), 1)], dim=1)
+        positions = self.positions + 1
+        ahead = self.router.decode_ahead(self.cache, rows, chosen, mask, positions)
+        outputs = sampled.outputs(lambda packed: read())
+        if ahead is not None:
+            assert isinstance(self.cache, ChunkReuseCache), "a graphed step's cache"
+            fed = [output.tokens[0] for output in outputs]
+            self.cache.record(torch.tensor(fed, dtype=torch.long)[:, None])
+            self._ahead = _Ahead(rows, fed, ahead, mask, positions)
+            self.steps_ahead += 1
+        return outputs
+
+    def _drop_ahead(self) -> None:
+        """Cut off the step launched ahead, if any (rows leave or join, a forward is packed): the cache and the
+        rows are as if it never ran."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self._cut(ahead)
+
+    def _cut(self, ahead: _Ahead) -> None:
+        assert isinstance(self.cache, ChunkReuseCache), "a step ahead ran graphed"
+        self.cache.crop(-1)
+        self.steps_ahead_dropped += 1
 
     def _verified(self, verified: Verified) -> list[RowOutput]:
         """Take a verify forward's result (one more verify forward): the batch's mask and positions after the
@@ -589,6 +663,7 @@ class DecodeLoop:
         keep = [i for i, row in enumerate(self.running) if not leaving(row)]
         if len(keep) == len(self.running):
             return
+        self._drop_ahead()
         self._save(tail=True)  # store the leaving rows' chunks (and unfinished last chunks) first
         if not keep:
             _RunningRows.detach(self)  # every chunk is stored: the caches go, prompt forwards under way stay
@@ -607,7 +682,7 @@ class DecodeLoop:
     def abandon(self) -> None:
         """Drop every running row, every prompt forward under way and the caches unsaved (after a failed forward
         they may be inconsistent)."""
-        self.running, self._prompts = [], []
+        self.running, self._prompts, self._ahead = [], [], None
         self.cache = None
         if self.draft is not None:
             self.draft.cache = None

@@ -106,14 +106,45 @@ class ForwardRouter:
         last = last_on_host.to(mask.device, non_blocking=True)
         if (capacity := self._decode_capacity(cache, rows)) is None:
             return self._eager(cache, last, positions[:, None], mask)[:, -1, :]
-        assert isinstance(cache, ChunkReuseCache) and self.graphs is not None, "a graphed step's cache is static"
+        assert isinstance(cache, ChunkReuseCache), "a graphed step's cache is static"
+        logits = self._graphed_decode(cache, rows, capacity, last, positions, mask)
+        cache.record(last_on_host)
+        return logits
+
+    def decode_ahead(
+        self,
+        cache: ChunkReuseCache | DynamicCache | None,
+        rows: Sequence[DecodeRow],
+        fed: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The plain decode step after the one whose tokens ``fed`` ``[B]`` (on the device) the host has not read
+        yet: :meth:`decode`'s graphed step with those tokens fed, nothing recorded in the cache (the caller records
+        them once it has read them). None, and nothing run, where the step would not run graphed (an eager forward
+        records its fed tokens itself, reading them from the device)."""
+        if (capacity := self._decode_capacity(cache, rows, taken=1)) is None:
+            return None
+        assert isinstance(cache, ChunkReuseCache), "a graphed step's cache is static"
+        return self._graphed_decode(cache, rows, capacity, fed[:, None], positions, mask)
+
+    def _graphed_decode(
+        self,
+        cache: ChunkReuseCache,
+        rows: Sequence[DecodeRow],
+        capacity: int,
+        last: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """The graphed plain step of :meth:`decode`, fed ``last`` ``[B, 1]`` (device), not recorded."""
+        assert self.graphs is not None, "a graphed step has graphs"
         real, padded = len(rows), self.graphs.rows_for(len(rows))
         cache.pad_batch(padded)
         if cache.max_cache_len is None or cache.max_cache_len <= cache.get_seq_length():  # no room for this token
             self.graphs.adopt(cache)
             cache.set_max_cache_len(capacity)
         logits = self.graphs.step(cache, *(pad_rows(tensor, padded) for tensor in (last, positions[:, None], mask)))
-        cache.record(last_on_host)
         self.forwards += 1
         return logits[:real].float()
 
@@ -231,14 +262,16 @@ class ForwardRouter:
         self.forwards += 1
         return out.logits[:, -keep:, :].float()
 
-    def _decode_capacity(self, cache: ChunkReuseCache | DynamicCache | None, rows: Sequence[DecodeRow]) -> int | None:
-        """The static capacity (tokens) for a graphed plain decode step of ``rows``, or None when the step runs
-        eagerly (no graphs, a draft, a plain cache, a context adjustment, rows above the largest bucket, a capacity
-        above the cap)."""
+    def _decode_capacity(
+        self, cache: ChunkReuseCache | DynamicCache | None, rows: Sequence[DecodeRow], taken: int = 0
+    ) -> int | None:
+        """The static capacity (tokens) for a graphed plain decode step of ``rows`` (``taken``: tokens each row took
+        that it does not hold yet), or None when the step runs eagerly (no graphs, a draft, a plain cache, a context
+        adjustment, rows above the largest bucket, a capacity above the cap)."""
         if self.graphs is None or self.speculative or not isinstance(cache, ChunkReuseCache):
             return None
         if cache.attention_kwargs() or not self.graphs.config.enabled:
             return None
         if row_bucket(len(rows), self.graphs.config.row_buckets) is None:
             return None
-        return capacity_bucket(cache.get_seq_length() + _answer(rows), self.graphs.config)
+        return capacity_bucket(cache.get_seq_length() + _answer(rows) - taken, self.graphs.config)

@@ -123,6 +123,11 @@ class GraphConfig:
     draft_buckets: tuple[int, ...] = DEFAULT_DRAFT_BUCKETS
     """Draft tokens per row (tree nodes below the root), ascending: a speculative verify forward is graphed with its
     nodes padded up to the next one (:mod:`kvboost_hf.hf.verify_graphs`); more run eagerly; () graphs no verify."""
+    look_ahead: bool | None = None
+    """Launch a graphed decode step of greedy rows before the host has read the tokens it feeds, so the host's work
+    on one step's tokens overlaps the device's next step (:class:`~kvboost_hf.hf.decode.DecodeLoop`'s
+    ``look_ahead``; the tokens are unchanged). None: on CUDA only (a CPU runs each forward as it is called: nothing
+    overlaps, and a step cut off when rows leave or join is lost work)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -149,6 +154,12 @@ class GraphConfig:
         drafts = self.draft_buckets
         if any(nodes < 1 for nodes in drafts) or list(drafts) != sorted(set(drafts)):
             raise ConfigError(f"draft_buckets must be ascending distinct positive draft token counts, got {drafts}")
+        if self.look_ahead not in (None, True, False):
+            raise ConfigError(f"look_ahead must be True, False or None, got {self.look_ahead!r}")
+
+    def looks_ahead(self, device: torch.device) -> bool:
+        """Whether decode loops on ``device`` launch steps ahead (:attr:`look_ahead`; None: on CUDA)."""
+        return self.enabled and (self.look_ahead if self.look_ahead is not None else device.type == "cuda")
 
 
 def capacity_bucket(tokens: int, config: GraphConfig) -> int | None:

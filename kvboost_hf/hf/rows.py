@@ -291,41 +291,56 @@ def sample(rows: Sequence[DecodeRow], logits: torch.Tensor) -> list[RowOutput]:
     """One token per row from the last positions' logits ``[B, V]`` (row ``i`` of the logits is ``rows[i]``'s):
     plain greedy rows take the argmax on the device, the others go through their processors and own choice
     (:meth:`DecodeRow.processed`, :func:`~kvboost_hf.hf.sampling.choose_tokens`: one wait for all of them); the ids
-    and log-probabilities come to the host in one transfer (:func:`sampled`)."""
+    and log-probabilities come to the host in one transfer (:class:`Sampled`)."""
     chosen = greedy_tokens(logits)
     if others := [i for i, row in enumerate(rows) if not row.plain_greedy]:
         scores = torch.cat([rows[i].processed(logits[i : i + 1]) for i in others])
         picks = choose_tokens(scores, [rows[i].request.sampling for i in others], [rows[i].generator for i in others])
         chosen = chosen.index_put((to_device(others, logits.device),), to_device(picks, logits.device))
-    tokens, logprobs = sampled(rows, logits, chosen)
-    now = time.perf_counter()
-    return [
-        RowOutput(row, (token,), () if logprob is None else (logprob,), now)
-        for row, token, logprob in zip(rows, tokens, logprobs, strict=True)
-    ]
+    return Sampled(rows, logits, chosen).outputs(Sampled.read)
 
 
-def sampled(
-    rows: Sequence[DecodeRow], logits: torch.Tensor, chosen: torch.Tensor
-) -> tuple[list[int], list[TokenLogprob | None]]:
-    """The ``chosen`` ids ``[N]`` (on the logits' device) as ints, and for each row that asked for
+@dataclass(eq=False)
+class Sampled:
+    """The ``chosen`` ids ``[N]`` of ``rows`` (on the logits' device), and for each row that asked for
     log-probabilities its chosen token's and top ``k`` (at most ``V``) under the unscaled distribution of its
-    logits ``[N, V]`` (None for the others): computed on the device, brought to the host in one transfer."""
-    asks = [i for i, row in enumerate(rows) if row.request.top_logprobs is not None]
-    parts = [chosen.double()]
-    top = min(max((rows[i].request.top_logprobs or 0 for i in asks), default=0), logits.shape[-1])  # k <= V
-    if asks:
-        index = to_device(asks, logits.device)
-        log_probs = torch.log_softmax((logits if len(asks) == len(rows) else logits[index]).float(), dim=-1)
-        values, ids = log_probs.topk(top, dim=-1)
-        parts += [log_probs.gather(1, chosen[index, None]).flatten(), values.flatten(), ids.flatten()]
-    host = torch.cat([part.double() for part in parts]).tolist()  # ids < 2**53: exact in float64
-    count = len(rows)
-    tokens = [int(token) for token in host[:count]]
-    found: list[TokenLogprob | None] = [None] * count
-    values_at, ids_at = count + len(asks), count + len(asks) * (1 + top)
-    for slot, i in enumerate(asks):
-        k = min(rows[i].request.top_logprobs or 0, top)
-        pairs = tuple((int(host[ids_at + slot * top + j]), host[values_at + slot * top + j]) for j in range(k))
-        found[i] = TokenLogprob(tokens[i], host[count + slot], pairs)
-    return tokens, found
+    logits ``[N, V]``: computed on the device into one flat float64 tensor (:attr:`packed`; ids < 2**53 are exact),
+    so one transfer brings them to the host, whenever the caller reads it (:meth:`outputs`)."""
+
+    rows: Sequence[DecodeRow]
+    logits: torch.Tensor
+    chosen: torch.Tensor
+
+    def __post_init__(self) -> None:
+        rows, logits, chosen = self.rows, self.logits, self.chosen
+        self.asks = [i for i, row in enumerate(rows) if row.request.top_logprobs is not None]
+        self.top = min(max((rows[i].request.top_logprobs or 0 for i in self.asks), default=0), logits.shape[-1])
+        parts = [chosen.double()]
+        if self.asks:
+            index = to_device(self.asks, logits.device)
+            log_probs = torch.log_softmax((logits if len(self.asks) == len(rows) else logits[index]).float(), dim=-1)
+            values, ids = log_probs.topk(self.top, dim=-1)
+            parts += [log_probs.gather(1, chosen[index, None]).flatten(), values.flatten(), ids.flatten()]
+        self.packed = torch.cat([part.double() for part in parts])
+
+    @staticmethod
+    def read(packed: torch.Tensor) -> list[float]:
+        """:attr:`packed` on the host (a wait on the device until it is computed)."""
+        return packed.tolist()
+
+    def outputs(self, read: Callable[[torch.Tensor], list[float]]) -> list[RowOutput]:
+        """Each row's :class:`RowOutput` from ``read(packed)`` (the host's copy: :meth:`read`, or a copy already
+        under way), timed when it arrived."""
+        host = read(self.packed)
+        now = time.perf_counter()
+        count, asks, top = len(self.rows), self.asks, self.top
+        tokens = [int(token) for token in host[:count]]
+        found: list[tuple[TokenLogprob, ...]] = [()] * count
+        values_at, ids_at = count + len(asks), count + len(asks) * (1 + top)
+        for slot, i in enumerate(asks):
+            k = min(self.rows[i].request.top_logprobs or 0, top)
+            pairs = tuple((int(host[ids_at + slot * top + j]), host[values_at + slot * top + j]) for j in range(k))
+            found[i] = (TokenLogprob(tokens[i], host[count + slot], pairs),)
+        return [
+            RowOutput(row, (token,), logprob, now) for row, token, logprob in zip(self.rows, tokens, found, strict=True)
+        ]

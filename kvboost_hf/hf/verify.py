@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from kvboost_hf.hf.cache import ChunkReuseCache, keep_cache_columns, select_columns
-from kvboost_hf.hf.rows import DecodeRow, DraftRound, RowOutput, TokenLogprob, sampled
+from kvboost_hf.hf.rows import DecodeRow, DraftRound, RowOutput, Sampled, TokenLogprob
 from kvboost_hf.hf.sampling import choose_tokens, greedy_tokens
 from kvboost_hf.hf.speculative import Drafter, DraftTree, tree_attention_mask
 from kvboost_hf.hf.transfer import to_device
@@ -273,10 +273,9 @@ def path_logprobs(
     if picks:
         chosen_rows, columns, tokens = zip(*picks, strict=True)
         picked = logits[list(chosen_rows), list(columns)]
-        _, found = sampled([rows[i] for i in chosen_rows], picked, to_device(tokens, logits.device))
-        for i, entry in zip(chosen_rows, found, strict=True):
-            if entry is not None:
-                per_row[i].append(entry)
+        found = Sampled([rows[i] for i in chosen_rows], picked, to_device(tokens, logits.device)).outputs(Sampled.read)
+        for i, output in zip(chosen_rows, found, strict=True):
+            per_row[i] += output.logprobs
     return [tuple(entries) for entries in per_row]
 
 

@@ -34,7 +34,15 @@ logger = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 
 #: GraphConfig fields whose flags say "graph" (--graph-row-buckets, ...); --max-graphs says it already.
-GRAPH_FLAG_PREFIXED = ("row_buckets", "query_buckets", "backend", "max_capacity", "max_capture_bytes", "draft_buckets")
+GRAPH_FLAG_PREFIXED = (
+    "row_buckets",
+    "query_buckets",
+    "backend",
+    "max_capacity",
+    "max_capture_bytes",
+    "draft_buckets",
+    "look_ahead",
+)
 
 # Every settings dataclass the server is built from, with how its fields become flags: (class, group title,
 # options of add_settings_arguments). Each field not excluded gets a generated flag whose default is the field's.
