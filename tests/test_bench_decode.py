@@ -24,7 +24,11 @@ def test_dry_run_decode_step_measures_every_arm_against_its_bound(tmp_path, prob
             if not arm.startswith("engine"):  # the engine's steps are not timed one by one
                 assert figures["step_ms"] >= figures["host_outside_forward_ms"] > 0
             assert figures["tokens_agree"]  # fp32: static and compiled give the eager tokens, the engine's arms agree
-        engine, graphed, warmed = (row["arms"][arm] for arm in ("engine", "engine_graphed", "engine_warmed"))
+        engine, graphed, serial, warmed = (
+            row["arms"][arm] for arm in ("engine", "engine_graphed", "engine_serial", "engine_warmed")
+        )
+        assert graphed["graphed_steps"] == serial["graphed_steps"] and serial["steps_ahead"] == 0
+        assert graphed["steps_ahead"] == 0  # GraphConfig's default looks ahead on CUDA only
         assert engine["graphed_steps"] == 0 and engine["rows_run"] == graphed["rows_run"] == row["batch"]
         # two calls of 3 tokens, the last 2 of each from graphed steps (3 rows through the 4-row graph, padded)
         assert graphed["graphed_steps"] == warmed["graphed_steps"] == 2 * 2

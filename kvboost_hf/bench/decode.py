@@ -18,7 +18,11 @@ and batch size (``--batches``, default 1, 8, 32), every row is prefilled with ``
   off / on (:class:`~kvboost_hf.hf.graphs.GraphConfig`, ``--compile-backend``; a batch between two row buckets,
   e.g. 3 or 5, runs through the next bucket's graph, padded); its tok/s is the rows' decode rates summed (each
   row's tokens after the first over the time from its first token), its warm-up the first call (compiles and
-  captures included). Needs a tokenizer (``KVBOOST_HF_TOKENIZER`` or the embedded model's).
+  captures included). Needs a tokenizer (``KVBOOST_HF_TOKENIZER`` or the embedded model's). ``engine_graphed``
+  launches each greedy step ahead where it can (``GraphConfig.look_ahead``, on by default on CUDA: the host's work
+  on a step's tokens overlaps the device's next step); ``steps_ahead`` and ``steps_ahead_dropped`` count them.
+* ``engine_serial``: ``engine_graphed`` with ``look_ahead=False`` (each step launched once the host took the last
+  one's tokens): beside ``engine_graphed``, what the overlap gains.
 * ``engine_warmed``: ``engine_graphed`` after :meth:`InferenceEngine.warm_up_graphs` of the batch's shape (rows x
   its longest prompt plus ``--steps``): ``graph_warm_up_s`` is what the warm-up took (the compile moved out of the
   requests' path), ``warmup_s`` the first call after it. Every engine arm reports ``request_compiles``, the graphs
@@ -66,7 +70,7 @@ from kvboost_hf.hf.prefill import forward
 from kvboost_hf.store.chunk_store import ChunkStore
 from kvboost_hf.store.config import StoreConfig
 
-ARMS = ("eager", "static", "compiled", "engine", "engine_graphed", "engine_warmed")
+ARMS = ("eager", "static", "compiled", "engine", "engine_graphed", "engine_serial", "engine_warmed")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -237,7 +241,8 @@ def engine_arm(model: PreTrainedModel, arm: str, prompt: torch.Tensor, args: arg
     from kvboost_hf.engine import InferenceEngine
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
-    graphs = GraphConfig(enabled=arm != "engine", backend=args.compile_backend)
+    look_ahead = False if arm == "engine_serial" else None  # None: GraphConfig's default (on CUDA)
+    graphs = GraphConfig(enabled=arm != "engine", backend=args.compile_backend, look_ahead=look_ahead)
     engine = InferenceEngine(model, tokenizer, graphs=graphs, store=StoreConfig(1 << 30))
     texts = [tokenizer.decode(row) for row in prompt.tolist()]
     torch._dynamo.reset()
@@ -263,6 +268,8 @@ def engine_arm(model: PreTrainedModel, arm: str, prompt: torch.Tensor, args: arg
         "request_compiles": counters["stats"]["unique_graphs"] - compiled_before,
         "rows_run": len(results),
         "graphed_steps": stats["graph_graphed_steps"],
+        "steps_ahead": stats["steps_ahead"],
+        "steps_ahead_dropped": stats["steps_ahead_dropped"],
         "capture_bytes": stats["graph_capture_bytes"],
         "tokens": [result.output_ids for result in results],
     }

@@ -10,9 +10,10 @@ Steps, in order (``--steps`` picks a subset, in this order):
 2. ``attention``: kernel vs torch's default SDPA selection (FLASH, cuDNN, EFFICIENT beside it), TFLOP/s of prefill
    and decode shapes (``bench attention``);
    ``decode``: resident decode tok/s on random Qwen2.5 7B and 14B shapes (bf16) at batch 1 and 8, eager, static
-   cache and compiled (``torch.compile`` reduce-overhead: CUDA graphs), and the engine end to end with graphs off
-   and on, each beside its bound (weights + K/V bytes per step at the device bandwidth measured in the same run)
-   with the host time per step outside the forward (``bench decode``);
+   cache and compiled (``torch.compile`` reduce-overhead: CUDA graphs), and the engine end to end with graphs off,
+   on (steps launched ahead) and on without steps ahead (``engine_serial``), each beside its bound (weights + K/V
+   bytes per step at the device bandwidth measured in the same run) with the host time per step outside the
+   forward (``bench decode``);
    ``decode_buckets``: the engine on the 7B shape at batch 1, 3 and 5 (3 and 5 padded up to the 4- and 8-row
    graphs), graphs off, on, and warmed up first: tok/s, the warm-up's seconds per shape, the first call's seconds
    and the compiles in the requests' path (``bench decode --arms engine,engine_graphed,engine_warmed``);
@@ -183,7 +184,7 @@ _ATTENTION_TINY = (
 )
 _DECODE_GRID = (
     *("--shapes", "qwen2.5-7b,qwen2.5-14b", "--batches", "1,8", "--context", "512", "--steps", "32"),
-    *("--arms", "eager,static,compiled,engine,engine_graphed"),
+    *("--arms", "eager,static,compiled,engine,engine_graphed,engine_serial"),
 )
 _DECODE_BUCKETS = (
     *("--shapes", "qwen2.5-7b", "--batches", "1,3,5", "--context", "512", "--steps", "32"),
