@@ -14,6 +14,7 @@ from oracle import reference
 from transformers import AutoTokenizer
 
 from kvboost_hf import ChunkStore, InferenceEngine
+from kvboost_hf.bench.profiling import SyncSites
 from kvboost_hf.bench.shapes import tokenizer_dir
 from kvboost_hf.hf.decode import DecodeRequest
 from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder
@@ -35,12 +36,12 @@ def store_contents(store: ChunkStore) -> dict[str, tuple[torch.Tensor, torch.Ten
     return {key: (entry.keys.clone(), entry.values.clone()) for key, entry in store.ram.items()}
 
 
-def joins_and_retirements(look_ahead: bool, work: list[DecodeRequest]):
+def joins_and_retirements(look_ahead: bool, work: list[DecodeRequest], device: str = "cpu", backend="eager"):
     """One row decoding graphed, a second joining, a third prefilled in chunks while they decode, three rows (above
     the 2-row bucket: eager, nothing launched ahead), rows leaving at 3, 8 and 9 tokens: the loop and its store."""
-    model = make_tiny_model("qwen2")
+    model = make_tiny_model("qwen2").to(device)
     store = ChunkStore(StoreConfig(1 << 24))
-    decoder = GraphedDecoder(model, GraphConfig(row_buckets=(1, 2), backend="eager"))
+    decoder = GraphedDecoder(model, GraphConfig(row_buckets=(1, 2), backend=backend))
     loop = new_loop(model, reuse_caches(store, model), graphs=decoder, look_ahead=look_ahead)
     torch._dynamo.reset()
     prefill(loop, work[:1])
@@ -124,3 +125,26 @@ def test_an_engine_looking_ahead_answers_as_one_that_does_not():
         stats.append(engine.cache_stats())
     assert results[0] == results[1]
     assert stats[0]["steps_ahead"] == 0 and stats[1]["steps_ahead"] > stats[1]["steps_ahead_dropped"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_cuda_graphed_steps_ahead_give_the_serial_tokens_and_wait_only_for_their_ids():
+    """On CUDA (inductor, CUDA graphs, fp32): the joins-and-retirements run gives the same tokens with and without
+    steps ahead; a steady step ahead waits for its own ids only (the event after their copy; no other
+    synchronisation, which would also wait for the step launched behind them)."""
+    plain, _ = joins_and_retirements(False, requests(), "cuda", None)
+    ahead, _ = joins_and_retirements(True, requests(), "cuda", None)
+    assert [row.tokens for row in ahead.rows] == [row.tokens for row in plain.rows] and ahead.steps_ahead > 0
+    model = make_tiny_model("qwen2").to("cuda")
+    decoder = GraphedDecoder(model, GraphConfig(row_buckets=(1,)))
+    loop = new_loop(model, reuse_caches(ChunkStore(StoreConfig(1 << 24)), model), graphs=decoder, look_ahead=True)
+    torch._dynamo.reset()
+    prefill(loop, [DecodeRequest(prompt_ids=list(range(3, 23)), max_new_tokens=12, sampling=GREEDY)])
+    for _ in range(4):  # compile, capture, replay
+        loop.step()
+    torch.cuda.synchronize()
+    launched = loop.steps_ahead
+    with SyncSites() as syncs:
+        loop.step()
+    assert loop.steps_ahead == launched + 1 and len(syncs.stacks) <= 1, syncs.report()
