@@ -136,7 +136,7 @@ class ModelRunner:
                 continue
             try:
                 if plan is None:
-                    outputs = loop.step() if decode else []
+                    outputs = loop.step(look_ahead=not prefills) if decode else []  # a prefill would cut it
                     more, completed = prefill_apart(loop, prefills)
                     results.append((outputs + more, completed))
                 else:

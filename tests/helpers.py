@@ -253,8 +253,8 @@ class AppliedLoop(DecodeLoop):
     def add(self, work: PrefillWork, columns: int = 0) -> list[RowOutput]:
         return self._applied(super().add(work, columns))
 
-    def step(self) -> list[RowOutput]:
-        return self._applied(super().step())
+    def step(self, look_ahead: bool = True) -> list[RowOutput]:
+        return self._applied(super().step(look_ahead))
 
     def _applied(self, outputs: list[RowOutput]) -> list[RowOutput]:
         for output in outputs:
@@ -355,7 +355,7 @@ class FakeLoop:
     def pack(self, decode: bool, prefills) -> None:
         return None  # no forward shared with other batches: ModelRunner.run_steps calls step() and add()
 
-    def step(self) -> list[RowOutput]:
+    def step(self, look_ahead: bool = True) -> list[RowOutput]:
         if self.fail_after is not None and self.steps >= self.fail_after:
             raise RuntimeError("device lost")
         self.steps += 1

@@ -27,9 +27,9 @@ class RecordingLoop(FakeLoop):
         self.events.append((self.name, "add"))
         return super().add(work, columns)
 
-    def step(self):
-        self.events.append((self.name, "step"))
-        return super().step()
+    def step(self, look_ahead=True):
+        self.events.append((self.name, "step" if look_ahead else "step, no step ahead"))
+        return super().step(look_ahead)
 
     def preempt(self, rows):
         self.events.append((self.name, "preempt"))
@@ -73,6 +73,18 @@ def test_a_new_batch_gets_a_loop_that_prefills_and_the_runner_returns_the_tokens
     assert events == [("a", "add")] and runner.widths() == {0: 3}
     again = runner.execute(SchedulerOutput((BatchWork(0, KEY, decode=True),))).results[0]
     assert again.computed_tokens == 0 and len(again.outputs) == 2 and runner.widths() == {0: 4}
+
+
+def test_a_decode_step_followed_by_prompt_chunks_of_its_batch_launches_no_step_ahead():
+    """A prompt chunk added to the loop after its decode step would cut a step launched ahead off at once (lost
+    device work): the runner asks the step for none then."""
+    runner, _, events = runner_of(a={})
+    runner.execute(SchedulerOutput((prefill(0, rows_of([1, 2])),)))
+    events.clear()
+    joining = prefill(0, rows_of([3, 4, 5]), new=False)
+    runner.execute(SchedulerOutput((BatchWork(0, KEY, decode=True, prefills=joining.prefills),)))
+    runner.execute(SchedulerOutput((BatchWork(0, KEY, decode=True),)))
+    assert events == [("a", "step, no step ahead"), ("a", "add"), ("a", "step")]
 
 
 def test_preempted_rows_leave_every_loop_before_any_forward_of_the_step():

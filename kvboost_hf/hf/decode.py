@@ -565,10 +565,12 @@ class DecodeLoop:
         return outputs
 
     @_counting_streamed_bytes
-    def step(self) -> list[RowOutput]:
+    def step(self, look_ahead: bool = True) -> list[RowOutput]:
         """One decode step for every running row (speculative when the drafter drafts for them: one or more tokens
         per row); returns each row's tokens, in the order of :attr:`running`. The chunks completed so far are
-        written back after it (background writes; never inside the time to first token)."""
+        written back after it (background writes; never inside the time to first token). ``look_ahead=False``:
+        launch no step ahead (:attr:`look_ahead`) this time (the caller adds prompt chunks next, which would cut it
+        off)."""
         if self.verifier is not None and (sizes := self.verifier.tree_sizes(self.running)) is not None:
             assert self.cache is not None, "running rows have a cache"
             verify = functools.partial(self.router.verify, self.cache, self.running)
@@ -588,7 +590,7 @@ class DecodeLoop:
         if self.draft is not None and self.draft.cache is not None:  # it keeps the target's columns (its invariant)
             self.draft.follow(self.running, self.mask, self.positions)
         self._save(tail=False)
-        if self.look_ahead and all(row.plain_greedy and row.tokens_left > 1 for row in self.running):
+        if look_ahead and self.look_ahead and all(row.plain_greedy and row.tokens_left > 1 for row in self.running):
             return self._step_ahead(logits)
         return sample(self.running, logits)
 
