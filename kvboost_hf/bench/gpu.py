@@ -142,6 +142,8 @@ GPU_TEST_FILES = (
     "tests/test_reuse_path.py",
     "tests/test_compiled_decode.py",
     "tests/test_graphs.py",
+    "tests/test_look_ahead.py",
+    "tests/test_store_landing.py",
     "tests/test_graph_warm_up.py",
     "tests/test_graphed_prefill.py",
     "tests/test_graphed_verify.py",
