@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import zipfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -87,11 +89,27 @@ def _run_campaign(run: DryRun) -> dict[str, Any]:
     with pytest.MonkeyPatch.context() as patch, ThreadPoolExecutor(2) as pool:
         patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hide), os.environ.get("PYTHONPATH")])))
         patch.setenv("KVBOOST_HF_TOKENIZER", str(run.tokenizer))
+        patch.setattr(gpu, "environment", _probed_once(gpu.environment))
         beside_out = run.out.parent / "beside"
         beside = pool.submit(gpu.run_campaign, beside_out, [steps[n] for n in BESIDE], budget_s=1200, dry_run=True)
         first = gpu.run_campaign(run.out, [steps[n] for n in STEPS], budget_s=1200, dry_run=True, copy_to=run.copy)
         first["steps"].update(beside.result()["steps"])
         return first
+
+
+def _probed_once(environment: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    """``environment`` probed on the first call only (its subprocess imports torch and transformers: seconds of CPU);
+    later calls, from either campaign's thread, get a copy of that record. Both campaigns run in one environment."""
+    lock = threading.Lock()
+    probed: list[dict[str, Any]] = []
+
+    def once() -> dict[str, Any]:
+        with lock:
+            if not probed:
+                probed.append(environment())
+            return dict(probed[0])
+
+    return once
 
 
 def test_dry_run_records_every_step_and_survives_a_failure_and_a_hang(dry_run):
