@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from kvboost_hf.hf.rows import DecodeRequest, new_rows, sampled
+from kvboost_hf.hf.rows import DecodeRequest, Sampled, new_rows
 from kvboost_hf.hf.sampling import SamplingConfig
 
 pytestmark = [
@@ -35,18 +35,20 @@ def test_sampling_plain_greedy_rows_synchronises_once_and_equals_the_cpu(tops):
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            tokens, logprobs = sampled(batch, logits, logits.argmax(dim=-1))
+            outputs = Sampled(batch, logits, logits.argmax(dim=-1)).outputs(Sampled.read)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     # torch's one-time notice "Synchronization debug mode is a prototype feature ..." is not a synchronisation
     syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
     assert len(syncs) == 1, syncs
     on_cpu = logits.cpu()
-    expected_tokens, expected = sampled(batch, on_cpu, on_cpu.argmax(dim=-1))
-    assert tokens == expected_tokens
-    for got, want in zip(logprobs, expected, strict=True):
-        assert (got is None) == (want is None)
-        if got is not None and want is not None:
+    expected = Sampled(batch, on_cpu, on_cpu.argmax(dim=-1)).outputs(Sampled.read)
+    assert [output.tokens for output in outputs] == [output.tokens for output in expected]
+    for got_output, want_output in zip(outputs, expected, strict=True):
+        assert (
+            len(got_output.logprobs) == len(want_output.logprobs) == (got_output.row.request.top_logprobs is not None)
+        )
+        for got, want in zip(got_output.logprobs, want_output.logprobs, strict=True):
             assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
             assert [t for t, _ in got.top] == [t for t, _ in want.top]
             assert [v for _, v in got.top] == pytest.approx([v for _, v in want.top], abs=1e-5)
