@@ -578,12 +578,11 @@ class DecodeLoop:
             outputs = self._verified(verified)
             self._save(tail=False)
             return outputs
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead.continues(self.running):
+        if self._ahead is not None and self._ahead.continues(self.running):
+            ahead, self._ahead = self._ahead, None
             logits, self.mask, self.positions = ahead.logits, ahead.mask, ahead.positions
         else:
-            if ahead is not None:
-                self._cut(ahead)
+            self._drop_ahead()
             self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.running), 1)], dim=1)
             self.positions = self.positions + 1
             logits = self.router.decode(self.cache, self.running, self.mask, self.positions)
@@ -614,13 +613,11 @@ class DecodeLoop:
         return outputs
 
     def _drop_ahead(self) -> None:
-        """Cut off the step launched ahead, if any (rows leave or join, a forward is packed): the cache and the
-        rows are as if it never ran."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            self._cut(ahead)
-
-    def _cut(self, ahead: _Ahead) -> None:
+        """Cut off the step launched ahead, if any (rows leave or join, a forward is packed): its column off the
+        cache (K/V length, recorded tokens, ledgers), so the cache and the rows are as if it never ran."""
+        if self._ahead is None:
+            return
+        self._ahead = None
         assert isinstance(self.cache, ChunkReuseCache), "a step ahead ran graphed"
         self.cache.crop(-1)
         self.steps_ahead_dropped += 1
