@@ -35,14 +35,16 @@ def test_sampling_plain_greedy_rows_synchronises_once_and_equals_the_cpu(tops):
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            outputs = Sampled(batch, logits, logits.argmax(dim=-1)).outputs(Sampled.read)
+            sampled = Sampled(batch, logits, logits.argmax(dim=-1))
+            outputs = sampled.outputs(sampled.packed.tolist())
         finally:
             torch.cuda.set_sync_debug_mode("default")
     # torch's one-time notice "Synchronization debug mode is a prototype feature ..." is not a synchronisation
     syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
     assert len(syncs) == 1, syncs
     on_cpu = logits.cpu()
-    expected = Sampled(batch, on_cpu, on_cpu.argmax(dim=-1)).outputs(Sampled.read)
+    on_host = Sampled(batch, on_cpu, on_cpu.argmax(dim=-1))
+    expected = on_host.outputs(on_host.packed.tolist())
     assert [output.tokens for output in outputs] == [output.tokens for output in expected]
     for got_output, want_output in zip(outputs, expected, strict=True):
         assert (

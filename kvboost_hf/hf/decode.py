@@ -603,7 +603,7 @@ class DecodeLoop:
         mask = torch.cat([self.mask, self.mask.new_ones(len(rows), 1)], dim=1)
         positions = self.positions + 1
         ahead = self.router.decode_ahead(self.cache, rows, chosen, mask, positions)
-        outputs = sampled.outputs(lambda packed: read())
+        outputs = sampled.outputs(read())
         if ahead is not None:
             assert isinstance(self.cache, ChunkReuseCache), "a graphed step's cache"
             fed = [output.tokens[0] for output in outputs]

@@ -297,7 +297,8 @@ def sample(rows: Sequence[DecodeRow], logits: torch.Tensor) -> list[RowOutput]:
         scores = torch.cat([rows[i].processed(logits[i : i + 1]) for i in others])
         picks = choose_tokens(scores, [rows[i].request.sampling for i in others], [rows[i].generator for i in others])
         chosen = chosen.index_put((to_device(others, logits.device),), to_device(picks, logits.device))
-    return Sampled(rows, logits, chosen).outputs(Sampled.read)
+    sampled = Sampled(rows, logits, chosen)
+    return sampled.outputs(sampled.packed.tolist())
 
 
 @dataclass(eq=False)
@@ -305,7 +306,7 @@ class Sampled:
     """The ``chosen`` ids ``[N]`` of ``rows`` (on the logits' device), and for each row that asked for
     log-probabilities its chosen token's and top ``k`` (at most ``V``) under the unscaled distribution of its
     logits ``[N, V]``: computed on the device into one flat float64 tensor (:attr:`packed`; ids < 2**53 are exact),
-    so one transfer brings them to the host, whenever the caller reads it (:meth:`outputs`)."""
+    so one transfer brings them to the host, whenever the caller reads it (then :meth:`outputs`)."""
 
     rows: Sequence[DecodeRow]
     logits: torch.Tensor
@@ -323,15 +324,9 @@ class Sampled:
             parts += [log_probs.gather(1, chosen[index, None]).flatten(), values.flatten(), ids.flatten()]
         self.packed = torch.cat([part.double() for part in parts])
 
-    @staticmethod
-    def read(packed: torch.Tensor) -> list[float]:
-        """:attr:`packed` on the host (a wait on the device until it is computed)."""
-        return packed.tolist()
-
-    def outputs(self, read: Callable[[torch.Tensor], list[float]]) -> list[RowOutput]:
-        """Each row's :class:`RowOutput` from ``read(packed)`` (the host's copy: :meth:`read`, or a copy already
-        under way), timed when it arrived."""
-        host = read(self.packed)
+    def outputs(self, host: list[float]) -> list[RowOutput]:
+        """Each row's :class:`RowOutput` from ``host``, :attr:`packed` read on the host (``packed.tolist()``, or a
+        copy started earlier), timed now."""
         now = time.perf_counter()
         count, asks, top = len(self.rows), self.asks, self.top
         tokens = [int(token) for token in host[:count]]

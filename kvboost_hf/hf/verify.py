@@ -273,7 +273,8 @@ def path_logprobs(
     if picks:
         chosen_rows, columns, tokens = zip(*picks, strict=True)
         picked = logits[list(chosen_rows), list(columns)]
-        found = Sampled([rows[i] for i in chosen_rows], picked, to_device(tokens, logits.device)).outputs(Sampled.read)
+        sampled = Sampled([rows[i] for i in chosen_rows], picked, to_device(tokens, logits.device))
+        found = sampled.outputs(sampled.packed.tolist())
         for i, output in zip(chosen_rows, found, strict=True):
             per_row[i] += output.logprobs
     return [tuple(entries) for entries in per_row]
