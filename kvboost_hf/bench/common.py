@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -59,10 +60,13 @@ def parser_for(name: str, doc: str | None) -> argparse.ArgumentParser:
 
 
 def pyplot() -> Any:
-    """``matplotlib.pyplot`` on the non-interactive Agg backend (benchmarks write PNG files; no display needed)."""
+    """``matplotlib.pyplot`` on the non-interactive Agg backend (benchmarks write PNG files; no display needed),
+    unless a backend is chosen already (``pyplot`` imported, or ``MPLBACKEND`` set, as a Jupyter kernel sets its
+    inline backend): a benchmark's plot drawn in a notebook must not turn the notebook's own figures off."""
     import matplotlib
 
-    matplotlib.use("Agg")
+    if "matplotlib.pyplot" not in sys.modules and "MPLBACKEND" not in os.environ:
+        matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
