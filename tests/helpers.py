@@ -26,10 +26,10 @@ from chunks import assert_same as assert_same
 from chunks import key as key
 from chunks import make_entry as make_entry
 from chunks import raw_entry as raw_entry
-from conftest import greedy
+from conftest import greedy, make_tiny_model
 from transformers import DynamicCache, PreTrainedTokenizerFast
 
-from kvboost_hf import ChunkingConfig, ChunkReuseCache, ChunkStore, GenerationMode, RepairConfig
+from kvboost_hf import ChunkingConfig, ChunkReuseCache, ChunkStore, GenerationMode, RepairConfig, StoreConfig
 from kvboost_hf.hf.decode import DecodeLoop, DecodeRow, DraftRound, PrefillWork, RowOutput
 from kvboost_hf.scheduling import append_output, prefill_works
 
@@ -44,6 +44,25 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), str(TESTS_DI
 def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``code`` in a child Python with :data:`ENV`; its output captured as text; ``timeout`` in seconds."""
     return subprocess.run([sys.executable, "-c", code, *args], env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def generate_through_store(remote_url: str) -> dict[str, Any]:
+    """The tiny Llama's greedy ``generate()`` of a fixed 70-token prompt through a ``ChunkReuseCache`` whose store has
+    a Redis tier at ``remote_url`` (the store closed, so its writes have landed), and without the cache: the tokens
+    of both, the prompt tokens the cache reused and the store's stats. Run by a test and by its child process."""
+    model = make_tiny_model("llama")
+    ids = torch.randint(1, 128, (1, 70), generator=torch.Generator().manual_seed(7))
+    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    store = ChunkStore(StoreConfig(1 << 26, remote_url=remote_url))
+    cache = ChunkReuseCache(store, model, chunking=16)
+    out = model.generate(ids, cache=cache, **options)
+    store.close()
+    return {
+        "tokens": out[0].tolist(),
+        "full_prefill": model.generate(ids, **options)[0].tolist(),
+        "cached_tokens": cache.last_reuse[0].cached_tokens,
+        "stats": store.stats(),
+    }
 
 
 def free_port() -> int:

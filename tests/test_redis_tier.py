@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TESTS_DIR, RedisServer, assert_same, key, make_entry
+from helpers import RedisServer, assert_same, generate_through_store, key, make_entry, run_python
 
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.store import codec
@@ -127,42 +123,17 @@ def test_full_queue_drops_writes_without_waiting(redis_server: RedisServer):
         tier.close()
 
 
-_PROCESS = textwrap.dedent(
-    """
-    import json, sys
-    import torch
-    from conftest import make_tiny_model
-    from kvboost_hf import ChunkReuseCache, ChunkStore, StoreConfig
-
-    model = make_tiny_model("llama")
-    ids = torch.randint(1, 128, (1, 70), generator=torch.Generator().manual_seed(7))
-    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
-    store = ChunkStore(StoreConfig(1 << 26, remote_url=sys.argv[1]))
-    cache = ChunkReuseCache(store, model, chunking=16)
-    out = model.generate(ids, cache=cache, **options)
-    store.close()
-    full_prefill = model.generate(ids, **options)
-    print(json.dumps({
-        "tokens": out[0].tolist(),
-        "full_prefill": full_prefill[0].tolist(),
-        "cached_tokens": cache.last_reuse[0].cached_tokens,
-        "stats": store.stats(),
-    }))
-    """
-)
-
-
 def test_second_process_reuses_first_process_chunks(redis_server: RedisServer):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), *sys.path])}
-
-    def run() -> dict:
-        done = subprocess.run(
-            [sys.executable, "-c", _PROCESS, redis_server.url], env=env, capture_output=True, text=True, timeout=120
-        )
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    first, second = run(), run()
+    """The test process writes a prompt's chunks to Redis; a new process finds them there (its own import, its own
+    store) and generates the tokens of a full prefill."""
+    first = json.loads(json.dumps(generate_through_store(redis_server.url)))
+    child = run_python(
+        "import json, sys\nfrom helpers import generate_through_store\n"
+        "print(json.dumps(generate_through_store(sys.argv[1])))",
+        redis_server.url,
+    )
+    assert child.returncode == 0, child.stderr
+    second = json.loads(child.stdout.strip().splitlines()[-1])
     assert first["cached_tokens"] == 0 and first["stats"]["remote_bytes"] > 0
     assert second["cached_tokens"] == 64 and second["stats"]["remote_hits"] == 4
     assert second["tokens"] == second["full_prefill"] == first["tokens"]
