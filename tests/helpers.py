@@ -8,10 +8,12 @@ needs none of them imports this one without them.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -431,6 +433,49 @@ WEATHER_TOOL = {
 }
 
 
+@functools.cache
+def loopback_tls() -> ssl.SSLContext:
+    """The one SSL context of the tests' HTTP clients. Their servers are plain http on 127.0.0.1, yet every httpx
+    client (``httpx.get`` makes one per call, ``openai.OpenAI`` one per client) builds a context and loads the CA
+    bundle into it (~50 ms of CPU) unless handed one. No CA is loaded here: a TLS connection would fail to verify."""
+    return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+
+
+def http_get(url: str, **kwargs: Any) -> Any:
+    """``httpx.get`` on :func:`loopback_tls` (a new connection per call, as ``httpx.get``)."""
+    import httpx
+
+    return httpx.get(url, verify=loopback_tls(), **kwargs)
+
+
+def http_post(url: str, **kwargs: Any) -> Any:
+    """``httpx.post`` on :func:`loopback_tls`."""
+    import httpx
+
+    return httpx.post(url, verify=loopback_tls(), **kwargs)
+
+
+def http_stream(method: str, url: str, **kwargs: Any) -> Any:
+    """``httpx.stream`` on :func:`loopback_tls` (a context manager)."""
+    import httpx
+
+    return httpx.stream(method, url, verify=loopback_tls(), **kwargs)
+
+
+def http_client(**kwargs: Any) -> Any:
+    """``httpx.Client(**kwargs)`` on :func:`loopback_tls` (a client given a ``transport`` builds no context)."""
+    import httpx
+
+    return httpx.Client(verify=loopback_tls(), **kwargs)
+
+
+def http_transport(**kwargs: Any) -> Any:
+    """``httpx.HTTPTransport(**kwargs)`` on :func:`loopback_tls`."""
+    import httpx
+
+    return httpx.HTTPTransport(verify=loopback_tls(), **kwargs)
+
+
 class LiveServer:
     """uvicorn serving ``app`` in a daemon thread on a loopback port of its own (a context manager; start and stop
     are bounded by 30 s each). The port's socket is bound here and handed to uvicorn, so no other test process
@@ -470,7 +515,13 @@ class LiveServer:
     def client(self, key: str | None = API_KEY):
         import openai
 
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or "none", max_retries=0, timeout=60)
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1",
+            api_key=key or "none",
+            max_retries=0,
+            timeout=60,
+            http_client=openai.DefaultHttpxClient(verify=loopback_tls()),
+        )
 
 
 def chat(user: str, system: str = SYSTEM) -> list[dict[str, str]]:
@@ -480,9 +531,7 @@ def chat(user: str, system: str = SYSTEM) -> list[dict[str, str]]:
 
 def metric(server: LiveServer, name: str) -> float:
     """The first sample of ``name`` in the server's ``/metrics``."""
-    import httpx
-
-    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
+    text = http_get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
     values = [float(m) for m in re.findall(rf"^{re.escape(name)} (\S+)$", text, flags=re.M)]
     assert values, f"{name} missing from /metrics"
     return values[0]

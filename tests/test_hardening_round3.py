@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import API_KEY, ENV, MODEL_NAME, assert_same, key, raw_entry
+from helpers import API_KEY, ENV, MODEL_NAME, assert_same, http_client, http_transport, key, raw_entry
 from test_disk_tier import _flip_inside_record
 from test_server_hardening import HardenedServer
 
@@ -625,7 +625,7 @@ def test_a_client_over_its_compile_share_gets_a_429_and_others_are_answered(embe
     headers = _HEADERS
     with HardenedServer(create_app(embedded_engine, settings), settings) as live:
         url = f"{live.url}/v1/chat/completions"
-        with httpx.Client(timeout=60) as attacker, ThreadPoolExecutor(2) as pool:
+        with http_client(timeout=60) as attacker, ThreadPoolExecutor(2) as pool:
             held_requests = [
                 pool.submit(attacker.post, url, content=body(f"attack {i}", f"s{i}"), headers=headers) for i in range(2)
             ]
@@ -633,8 +633,8 @@ def test_a_client_over_its_compile_share_gets_a_429_and_others_are_answered(embe
             third = attacker.post(url, content=body("third", "t"), headers=headers)
             assert third.status_code == 429, third.text
             assert third.json()["error"]["code"] == "grammar_quota" and "limit of 2" in third.text
-            transport = httpx.HTTPTransport(local_address="127.0.0.2")
-            with httpx.Client(timeout=60, transport=transport) as other:
+            transport = http_transport(local_address="127.0.0.2")
+            with http_client(timeout=60, transport=transport) as other:
                 answered = other.post(url, content=body("other", "s"), headers=headers)
             assert answered.status_code == 200, answered.text
             release.set()
@@ -673,7 +673,7 @@ def test_an_invalid_schema_is_a_400_while_the_compile_queue_is_full(embedded_eng
         url = f"{live.url}/v1/chat/completions"
 
         def post(address: str, content: bytes) -> httpx.Response:
-            with httpx.Client(timeout=60, transport=httpx.HTTPTransport(local_address=address)) as client:
+            with http_client(timeout=60, transport=http_transport(local_address=address)) as client:
                 return client.post(url, content=content, headers=_HEADERS)
 
         with ThreadPoolExecutor(2) as pool:
@@ -714,7 +714,9 @@ def test_the_server_starts_its_compile_processes_when_it_starts(embedded_engine,
         start(pool)
 
     monkeypatch.setattr(CompilePool, "start", recorded)
-    with TestClient(create_app(embedded_engine, ServerConfig(model_name=MODEL_NAME, api_key=API_KEY))):
+    one_process = GrammarConfig(workers=1)  # the shipped start_with_server; one compile process (a torch import)
+    settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, grammar_limits=one_process)
+    with TestClient(create_app(embedded_engine, settings)):
         assert len(started) == 1
     lazy = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, grammar_limits=GrammarConfig(start_with_server=False))
     with TestClient(create_app(embedded_engine, lazy)):

@@ -29,6 +29,9 @@ from helpers import (  # noqa: E402
     WEATHER_TOOL,
     LiveServer,
     chat,
+    http_get,
+    http_post,
+    http_stream,
     metric,
     word_tokenizer,
     words,
@@ -43,6 +46,7 @@ from kvboost_hf.hf.sampling import SamplingConfig  # noqa: E402
 from kvboost_hf.scheduling import RequestGroup  # noqa: E402
 from kvboost_hf.server.app import ServerConfig, create_app  # noqa: E402
 from kvboost_hf.server.batching import Delta, Done, Job, JobParams, JobRun, token_bytes  # noqa: E402
+from kvboost_hf.server.grammar import GrammarConfig  # noqa: E402
 from kvboost_hf.server.worker import Worker  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -55,7 +59,14 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine) -> Iterator[LiveServer]:
-    settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, batch_window_ms=30, max_batch_size=4, max_queue=16)
+    settings = ServerConfig(
+        model_name=MODEL_NAME,
+        api_key=API_KEY,
+        batch_window_ms=30,
+        max_batch_size=4,
+        max_queue=16,
+        grammar_limits=GrammarConfig(workers=1),  # one compile process (a torch import) serves these tests
+    )
     with LiveServer(create_app(engine, settings)) as live:
         yield live
 
@@ -190,9 +201,9 @@ def test_requests_arriving_during_generation_join_the_running_batch(engine):
 # ---------------------------------------------------------------------------------------------- API
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
-    health = httpx.get(f"{server.url}/health", timeout=10).json()
+    health = http_get(f"{server.url}/health", timeout=10).json()
     assert health["status"] == "ok" and health["structured_output"] in ("idle", "starting", "ready")
-    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
+    text = http_get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
     for name in ("kvboost_requests_total", "kvboost_ttft_seconds_bucket", "kvboost_queue_depth", "kvboost_batch_size"):
         assert name in text
     assert 'kvboost_store_hits_total{tier="ram"}' in text
@@ -414,8 +425,8 @@ def test_warmed_tool_history_is_hit_by_the_next_chat_turn(server, client):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     salt = uuid.uuid4().hex
     warm = {"messages": history, "cache_salt": salt}
-    warmed = httpx.post(f"{server.url}/v1/warm", json=warm, headers=headers, timeout=60).json()
-    counted = httpx.post(
+    warmed = http_post(f"{server.url}/v1/warm", json=warm, headers=headers, timeout=60).json()
+    counted = http_post(
         f"{server.url}/tokenize",
         json={"messages": history, "add_generation_prompt": False},
         headers=headers,
@@ -434,8 +445,8 @@ def test_warmed_tool_history_is_hit_by_the_next_chat_turn(server, client):
 def test_warm_then_hit(server, client):
     text = f"Reference manual {uuid.uuid4().hex}. " + "The valve opens when the pressure exceeds the set point. " * 4
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    assert httpx.post(f"{server.url}/v1/warm", json={"text": text}, timeout=10).status_code == 401
-    warmed = httpx.post(f"{server.url}/v1/warm", json={"text": text}, headers=headers, timeout=60).json()
+    assert http_post(f"{server.url}/v1/warm", json={"text": text}, timeout=10).status_code == 401
+    warmed = http_post(f"{server.url}/v1/warm", json={"text": text}, headers=headers, timeout=60).json()
     assert warmed["chunks_stored"] >= 2
     response = client.completions.create(model=MODEL_NAME, prompt=text + " Summary:", max_tokens=2, temperature=0)
     assert response.usage.prompt_tokens_details.cached_tokens >= 16
@@ -444,7 +455,7 @@ def test_warm_then_hit(server, client):
 def test_api_key_required(server):
     with pytest.raises(openai.AuthenticationError):
         server.client("wrong").models.list()
-    response = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL_NAME, "messages": []}, timeout=10)
+    response = http_post(f"{server.url}/v1/chat/completions", json={"model": MODEL_NAME, "messages": []}, timeout=10)
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
 
 
@@ -507,7 +518,7 @@ def test_bad_requests_get_openai_style_4xx(server, case):
     body, status, needle = BAD_REQUESTS[case]
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    response = httpx.post(f"{server.url}/v1/chat/completions", content=content, headers=headers, timeout=30)
+    response = http_post(f"{server.url}/v1/chat/completions", content=content, headers=headers, timeout=30)
     assert response.status_code == status, response.text
     assert needle in response.json()["error"]["message"]
     if case in PARAMS:
@@ -521,7 +532,7 @@ def test_bad_requests_get_openai_style_4xx(server, case):
 def test_unsupported_completion_options_are_rejected(server, body, needle):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     payload = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1, **body}
-    response = httpx.post(f"{server.url}/v1/completions", json=payload, headers=headers, timeout=30)
+    response = http_post(f"{server.url}/v1/completions", json=payload, headers=headers, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == needle
 
 
@@ -534,18 +545,18 @@ def test_disconnect_mid_stream_cancels_generation(server, stream):
     body["ignore_eos"] = True
     headers = {"Authorization": f"Bearer {API_KEY}"}
     if stream:
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=30) as response:
+        with http_stream("POST", f"{server.url}/v1/completions", json=body, headers=headers, timeout=30) as response:
             lines = response.iter_lines()
             assert sum(1 for line, _ in zip(lines, range(3), strict=False) if line.startswith("data:")) >= 1
     else:
         with pytest.raises(httpx.TimeoutException):
-            httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=1.0)
+            http_post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=1.0)
     deadline = time.monotonic() + 30
     while server.app.state.worker.running_rows and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.app.state.worker.running_rows == 0
     assert metric(server, "kvboost_completion_tokens_total") - before < 100
-    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    assert http_get(f"{server.url}/health", timeout=10).status_code == 200
 
 
 def test_a_request_whose_kv_cannot_fit_the_budget_answers_400_and_one_that_fits_is_served(engine):
@@ -555,8 +566,8 @@ def test_a_request_whose_kv_cannot_fit_the_budget_answers_400_and_one_that_fits_
     settings = ServerConfig(model_name=MODEL_NAME, batch_window_ms=0, kv_budget_bytes=64 * per_token)
     with LiveServer(create_app(engine, settings)) as live:
         body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0}
-        refused = httpx.post(f"{live.url}/v1/completions", json=body, timeout=120)
-        served = httpx.post(f"{live.url}/v1/completions", json={**body, "max_tokens": 16}, timeout=120)
+        refused = http_post(f"{live.url}/v1/completions", json=body, timeout=120)
+        served = http_post(f"{live.url}/v1/completions", json={**body, "max_tokens": 16}, timeout=120)
     assert refused.status_code == 400, refused.text
     assert f"over the K/V budget of {64 * per_token} bytes" in refused.json()["error"]["message"]
     assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] <= 16
@@ -569,7 +580,7 @@ def test_overflow_answers_429_with_retry_after(engine):
         results: list[httpx.Response] = []
 
         def send() -> None:
-            results.append(httpx.post(f"{live.url}/v1/completions", json=body, timeout=120))
+            results.append(http_post(f"{live.url}/v1/completions", json=body, timeout=120))
 
         threads = [threading.Thread(target=send) for _ in range(5)]
         for thread in threads:
@@ -588,7 +599,7 @@ def test_graceful_shutdown_finishes_in_flight_requests(engine):
     results: list[httpx.Response] = []
     body = {"model": MODEL_NAME, "prompt": "The weather today is", "max_tokens": 8, "temperature": 0}
     sender = threading.Thread(
-        target=lambda: results.append(httpx.post(f"{live.url}/v1/completions", json=body, timeout=60))
+        target=lambda: results.append(http_post(f"{live.url}/v1/completions", json=body, timeout=60))
     )
     sender.start()
     deadline = time.monotonic() + 30
@@ -674,7 +685,7 @@ def test_json_schema_and_json_object_outputs_parse(server, client):
     )
     person = json.loads(response.choices[0].message.content)
     assert set(person) == {"name", "age"} and isinstance(person["name"], str) and isinstance(person["age"], int)
-    assert httpx.get(f"{server.url}/health", timeout=10).json()["structured_output"] == "ready"  # a compile ran
+    assert http_get(f"{server.url}/health", timeout=10).json()["structured_output"] == "ready"  # a compile ran
     response = client.chat.completions.create(
         model=MODEL_NAME,
         messages=chat("Describe a cat as a JSON object."),
@@ -779,12 +790,12 @@ def test_models_retrieve_tokenize_and_detokenize(server, client, engine):
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-9")
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello there"}, headers=headers, timeout=10).json()
+    tokens = http_post(f"{server.url}/tokenize", json={"prompt": "Hello there"}, headers=headers, timeout=10).json()
     assert tokens["tokens"] == engine.encode("Hello there") and tokens["count"] == len(tokens["tokens"])
-    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}, headers=headers, timeout=10)
+    text = http_post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}, headers=headers, timeout=10)
     assert text.json()["prompt"].endswith("Hello there")
     messages = {"messages": chat("hi")}
-    chat_tokens = httpx.post(f"{server.url}/tokenize", json=messages, headers=headers, timeout=10).json()["tokens"]
+    chat_tokens = http_post(f"{server.url}/tokenize", json=messages, headers=headers, timeout=10).json()["tokens"]
     assert chat_tokens == engine.encode(chat("hi"))
 
 
@@ -797,10 +808,10 @@ def test_auth_before_body_and_body_limit(server):
         sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode() + b"{")
         assert sock.recv(64).startswith(b"HTTP/1.1 401")
     for path in ("/docs", "/redoc", "/openapi.json"):
-        assert httpx.get(f"{server.url}{path}", timeout=10).status_code == 401
+        assert http_get(f"{server.url}{path}", timeout=10).status_code == 401
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     big = b'{"model": "x", "prompt": "' + b"a" * (5 << 20) + b'"}'
-    response = httpx.post(f"{server.url}/v1/completions", content=big, headers=headers, timeout=30)
+    response = http_post(f"{server.url}/v1/completions", content=big, headers=headers, timeout=30)
     assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
 
 
@@ -809,15 +820,13 @@ def test_large_body_does_not_stall_other_clients(server):
     body = {"model": MODEL_NAME, "prompt": "word " * 700_000, "max_tokens": 1}  # 3.5 MB, under the 4 MB limit
     results: list[httpx.Response] = []
     sender = threading.Thread(
-        target=lambda: results.append(
-            httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
-        )
+        target=lambda: results.append(http_post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60))
     )
     sender.start()
     worst = 0.0
     while sender.is_alive():
         start = time.perf_counter()
-        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        assert http_get(f"{server.url}/health", timeout=10).status_code == 200
         worst = max(worst, time.perf_counter() - start)
     sender.join()
     assert results[0].status_code == 400 and results[0].json()["error"]["code"] == "context_length_exceeded"
@@ -831,12 +840,12 @@ def test_shutdown_ends_streams_and_requests_cleanly(engine):
     plain: list[httpx.Response] = []
 
     def stream() -> None:
-        with httpx.stream("POST", f"{live.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        with http_stream("POST", f"{live.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
             lines.extend(line for line in r.iter_lines() if line)
 
     threads = [
         threading.Thread(target=stream),
-        threading.Thread(target=lambda: plain.append(httpx.post(f"{live.url}/v1/completions", json=body, timeout=60))),
+        threading.Thread(target=lambda: plain.append(http_post(f"{live.url}/v1/completions", json=body, timeout=60))),
     ]
     for thread in threads:
         thread.start()

@@ -7,17 +7,17 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 pytest.importorskip("xgrammar")
 
-from helpers import API_KEY, MODEL_NAME, WEATHER_TOOL, LiveServer, chat  # noqa: E402
+from helpers import API_KEY, MODEL_NAME, WEATHER_TOOL, LiveServer, chat, http_get  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.server.app import ServerConfig, create_app  # noqa: E402
+from kvboost_hf.server.grammar import GrammarConfig  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]  # a tool call is 40-50 tokens of a 135M model on CPU
 
@@ -39,7 +39,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine) -> Iterator[LiveServer]:
-    settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, max_batch_size=4)
+    one_process = GrammarConfig(workers=1)  # one compile process (a torch import) serves these tests
+    settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, max_batch_size=4, grammar_limits=one_process)
     with LiveServer(create_app(engine, settings)) as live:
         yield live
 
@@ -190,5 +191,5 @@ def test_completion_logprobs_carry_text_offsets(client):
 def test_bearer_scheme_is_case_insensitive(server):
     for scheme, status in [("bearer", 200), ("BEARER", 200), ("Bearer", 200), ("Basic", 401)]:
         headers = {"Authorization": f"{scheme} {API_KEY}"}
-        assert httpx.get(f"{server.url}/v1/models", headers=headers, timeout=10).status_code == status, scheme
-    assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": "bearer wrong"}).status_code == 401
+        assert http_get(f"{server.url}/v1/models", headers=headers, timeout=10).status_code == status, scheme
+    assert http_get(f"{server.url}/v1/models", headers={"Authorization": "bearer wrong"}).status_code == 401

@@ -14,13 +14,12 @@ import re
 import uuid
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from helpers import API_KEY, MODEL_NAME, LiveServer, metric  # noqa: E402
+from helpers import API_KEY, MODEL_NAME, LiveServer, http_get, http_post, metric  # noqa: E402
 from oracle import oracle_text  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
@@ -94,7 +93,7 @@ def cached(response) -> int:
 
 
 def store_hits(server: LiveServer) -> float:
-    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
+    text = http_get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
     return float(re.search(r'^kvboost_store_hits_total\{tier="ram"\} (\S+)$', text, flags=re.M).group(1))
 
 
@@ -217,5 +216,5 @@ def test_a_rag_request_and_a_plain_request_share_one_batch(exact_engine):
     ],
 )  # fmt: skip
 def test_bad_boundary_requests_are_400s(server, path, body, needle):
-    response = httpx.post(f"{server.url}{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    response = http_post(f"{server.url}{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
     assert response.status_code == 400 and needle in response.text, response.text

@@ -11,19 +11,19 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pydantic
 import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from helpers import API_KEY, MODEL_NAME, PERSON, SYSTEM, WEATHER_TOOL, LiveServer, chat, metric  # noqa: E402
+from helpers import API_KEY, MODEL_NAME, PERSON, SYSTEM, WEATHER_TOOL, LiveServer, chat, http_post, metric  # noqa: E402
 
 from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.server.app import ServerConfig, create_app  # noqa: E402
 from kvboost_hf.server.batching import Done  # noqa: E402
 from kvboost_hf.server.errors import ApiError  # noqa: E402
+from kvboost_hf.server.grammar import GrammarConfig  # noqa: E402
 from kvboost_hf.server.responses_api import ResponseBuilder, chat_request  # noqa: E402
 from kvboost_hf.server.responses_schemas import ResponsesRequest  # noqa: E402
 
@@ -143,7 +143,14 @@ def test_builder_ends_cut_failed_and_empty_answers():
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
     engine = KVBoost.from_pretrained(chunking=16)
-    settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, batch_window_ms=30, max_batch_size=4, max_queue=16)
+    settings = ServerConfig(
+        model_name=MODEL_NAME,
+        api_key=API_KEY,
+        batch_window_ms=30,
+        max_batch_size=4,
+        max_queue=16,
+        grammar_limits=GrammarConfig(workers=1),  # one compile process (a torch import) serves these tests
+    )
     with LiveServer(create_app(engine, settings)) as live:
         yield live
 
@@ -161,7 +168,7 @@ def stream_events(client, **request) -> list:
 def prompt_tokens(server: LiveServer, messages: list[dict]) -> int:
     """Tokens of ``messages`` as the chat endpoint renders them (``/tokenize``: nothing is generated)."""
     body = {"model": MODEL_NAME, "messages": messages}
-    response = httpx.post(
+    response = http_post(
         f"{server.url}/tokenize", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30
     )
     return response.json()["count"]
@@ -340,7 +347,7 @@ BAD_REQUESTS = {
 def test_bad_requests_get_openai_style_errors_naming_the_field(server, case):
     fields, status, param = BAD_REQUESTS[case]
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    response = httpx.post(f"{server.url}/v1/responses", json={**BASE, **fields}, headers=headers, timeout=30)
+    response = http_post(f"{server.url}/v1/responses", json={**BASE, **fields}, headers=headers, timeout=30)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["message"] and error["type"]
