@@ -200,11 +200,11 @@ _DECODE_TINY = (
     *("--shapes", "tiny", "--batches", "1,3", "--context", "16", "--steps", "3", "--warmup", "1", "--copy-mb", "4"),
 )
 _MULTITURN_TINY = ("--turns", "2", "--max-new-tokens", "2", "--repeats", "1", "--chunk-size", "16")
-_STREAMING_TINY = ("--random-shape", "tiny", "--new-tokens", "3", "--repeats", "1", "--copy-mb", "4")
+_STREAMING_TINY = ("--random-shape", "tiny", "--new-tokens", "2", "--repeats", "1", "--copy-mb", "4")
 _SPECULATIVE_GRID = ("--draft-lengths", "2,4,8", "--prompts", "1", "--max-new-tokens", "24")
 _AWQ_TINY = (
     *("--shapes", "tiny", "--rows", "1,8,80", "--group-size", "32", "--warmup", "1", "--iters", "2"),
-    *("--decode-shape", "tiny", "--new-tokens", "3", "--repeats", "1", "--copy-mb", "4"),
+    *("--decode-shape", "tiny", "--new-tokens", "2", "--repeats", "1", "--copy-mb", "4"),
 )
 _AWQ_STREAMING = (
     *("--random-shape", "qwen2.5-32b", "--awq", "--device-budget", "12GB", "--new-tokens", "16", "--repeats", "2"),

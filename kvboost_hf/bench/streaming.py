@@ -146,7 +146,7 @@ def device_bytes(model: torch.nn.Module, device: torch.device) -> int:
 def decode(engine: InferenceEngine, new_tokens: int, repeats: int) -> dict[str, Any]:
     """Median decode tok/s over ``repeats`` greedy runs (after an untimed warm-up), their total seconds and
     tokens, and with layer streaming the seconds waited on copies during them."""
-    engine.generate(PROMPT, 4, mode="baseline")  # warm-up (lazy repacks, allocator)
+    engine.generate(PROMPT, 2, mode="baseline")  # warm-up (lazy repacks, allocator): a prompt and a decode forward
     device = engine.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
