@@ -4,6 +4,9 @@ them."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 
 from kvboost_hf.core.chunk_kv import ChunkKV
@@ -44,3 +47,16 @@ def assert_same(a: StoredChunk, b: StoredChunk) -> None:
     else:
         assert isinstance(b, ChunkKV)
         assert a.keys.dtype == b.keys.dtype and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def flip_inside_record(directory: Path, record: bytes | bytearray, offset: int) -> None:
+    """Flip one bit of the byte ``offset`` bytes into ``record`` where it lies in the disk tier's ``data.mdb`` under
+    ``directory`` (found by its first 256 bytes)."""
+    data = (directory / "data.mdb").read_bytes()
+    start = data.find(bytes(record[:256]))
+    assert start >= 0, "record not found in data.mdb"
+    with open(directory / "data.mdb", "r+b") as f:
+        f.seek(start + offset)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))

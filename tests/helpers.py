@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from chunks import assert_same as assert_same
+from chunks import flip_inside_record as flip_inside_record
 from chunks import key as key
 from chunks import make_entry as make_entry
 from chunks import raw_entry as raw_entry
@@ -479,11 +480,13 @@ def http_transport(**kwargs: Any) -> Any:
 class LiveServer:
     """uvicorn serving ``app`` in a daemon thread on a loopback port of its own (a context manager; start and stop
     are bounded by 30 s each). The port's socket is bound here and handed to uvicorn, so no other test process
-    (pytest -n) can take the port between choosing and serving it."""
+    (pytest -n) can take the port between choosing and serving it. ``settings``: uvicorn configured from them as
+    ``kvboost-hf serve`` configures it (its connection limits and timeouts); None: uvicorn's defaults."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, settings: Any = None) -> None:
         from kvboost_hf.server.app import GracefulServer
 
+        self.settings = settings
         self.socket = socket.socket()
         self.socket.bind(("127.0.0.1", 0))
         self.port = int(self.socket.getsockname()[1])
@@ -496,7 +499,12 @@ class LiveServer:
         """uvicorn's configuration of the server (host and port name the bound socket)."""
         import uvicorn
 
-        return uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=30)
+        from kvboost_hf.server.app import uvicorn_config
+
+        where = dict(host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=30)
+        if self.settings is None:
+            return uvicorn.Config(app, **where)
+        return uvicorn_config(app, self.settings, **where)
 
     def __enter__(self) -> LiveServer:
         self.thread.start()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ENV, assert_same, key, make_entry, run_python
+from helpers import ENV, assert_same, flip_inside_record, key, make_entry, run_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -99,24 +99,13 @@ def test_budget_holds_and_frequent_entries_survive(tmp_path_factory, sizes: list
         disk.close()
 
 
-def _flip_inside_record(directory: Path, record: bytearray, offset: int) -> None:
-    data = (directory / "data.mdb").read_bytes()
-    start = data.find(bytes(record[:256]))
-    assert start >= 0, "record not found in data.mdb"
-    with open(directory / "data.mdb", "r+b") as f:
-        f.seek(start + offset)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x10]))
-
-
 def test_flipped_byte_is_dropped_and_logged(tmp_path: Path, caplog):
     entries = {i: make_entry(tokens=300, seed=i) for i in (1, 2)}
     disk = DiskTier(tmp_path, max_bytes=1 << 20)
     for i, entry in entries.items():
         disk.put(key(i), entry)
     disk.close()
-    _flip_inside_record(tmp_path, codec.encode(key(1), entries[1]), 5000)
+    flip_inside_record(tmp_path, codec.encode(key(1), entries[1]), 5000)
     reopened = DiskTier(tmp_path, max_bytes=1 << 20)
     try:
         with caplog.at_level(logging.WARNING, logger="kvboost_hf.store.disk"):

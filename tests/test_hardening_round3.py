@@ -19,9 +19,18 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import API_KEY, ENV, MODEL_NAME, assert_same, http_client, http_transport, key, raw_entry
-from test_disk_tier import _flip_inside_record
-from test_server_hardening import HardenedServer
+from helpers import (
+    API_KEY,
+    ENV,
+    MODEL_NAME,
+    LiveServer,
+    assert_same,
+    flip_inside_record,
+    http_client,
+    http_transport,
+    key,
+    raw_entry,
+)
 
 from kvboost_hf.server.app import ServerConfig, create_app
 from kvboost_hf.server.grammar import GrammarCompiler, GrammarConfig, GrammarError, GrammarQuota
@@ -159,7 +168,7 @@ def test_a_damaged_spilled_record_is_a_miss(tmp_path: Path, stopped_holder: Call
     assert tier.flush(timeout_s=1.0) and tier.stats()["spill_writes"] == 1
     tier.close()
     (spill,) = [path for path in (tmp_path / "d" / "writers").iterdir() if not path.name.startswith(".")]
-    _flip_inside_record(spill, codec.encode(key(7), raw_entry(seed=7)), 3000)
+    flip_inside_record(spill, codec.encode(key(7), raw_entry(seed=7)), 3000)
     reopened = DiskTier(tmp_path / "d", 1 << 22, lock_wait_s=0.05)
     try:
         assert reopened.get(key(7)) is None
@@ -501,7 +510,7 @@ def test_health_and_metrics_are_served_over_the_connection_cap(embedded_engine):
     429 too. Now ``/health`` and ``/metrics`` are answered (one request, then the connection closes) and any
     other path still gets the 429."""
     settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, header_timeout_s=20, max_connections_per_client=2)
-    with HardenedServer(create_app(embedded_engine, settings), settings) as live:
+    with LiveServer(create_app(embedded_engine, settings), settings=settings) as live:
         held = [socket.create_connection(("127.0.0.1", live.port), timeout=10) for _ in range(2)]
         try:
             time.sleep(0.2)  # the server counted them
@@ -623,7 +632,7 @@ def test_a_client_over_its_compile_share_gets_a_429_and_others_are_answered(embe
         return _structured_body({**_SCHEMA, "title": title}, salt)
 
     headers = _HEADERS
-    with HardenedServer(create_app(embedded_engine, settings), settings) as live:
+    with LiveServer(create_app(embedded_engine, settings), settings=settings) as live:
         url = f"{live.url}/v1/chat/completions"
         with http_client(timeout=60) as attacker, ThreadPoolExecutor(2) as pool:
             held_requests = [
@@ -669,7 +678,7 @@ def test_an_invalid_schema_is_a_400_while_the_compile_queue_is_full(embedded_eng
     monkeypatch.setattr(CompileProcess, "compile", held)
     limits = GrammarConfig(workers=2, max_waiting=2, max_waiting_per_client=1)
     settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, grammar_limits=limits)
-    with HardenedServer(create_app(embedded_engine, settings), settings) as live:
+    with LiveServer(create_app(embedded_engine, settings), settings=settings) as live:
         url = f"{live.url}/v1/chat/completions"
 
         def post(address: str, content: bytes) -> httpx.Response:

@@ -33,25 +33,12 @@ from helpers import (  # noqa: E402
 )
 
 from kvboost_hf import KVBoost  # noqa: E402
-from kvboost_hf.server.app import ServerConfig, create_app, decode_body, uvicorn_config  # noqa: E402
+from kvboost_hf.server.app import ServerConfig, create_app, decode_body  # noqa: E402
 from kvboost_hf.server.grammar import GrammarBusy, GrammarCompiler, GrammarConfig, GrammarError  # noqa: E402
 from kvboost_hf.server.grammar_process import CompileProcess  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 HEADERS = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
-
-
-class HardenedServer(LiveServer):
-    """A live server configured as ``kvboost-hf serve`` configures uvicorn (:func:`uvicorn_config`)."""
-
-    def __init__(self, app, settings: ServerConfig) -> None:
-        self.settings = settings
-        super().__init__(app)
-
-    def config(self, app) -> uvicorn.Config:
-        return uvicorn_config(
-            app, self.settings, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=30
-        )
 
 
 SETTINGS = ServerConfig(
@@ -70,12 +57,12 @@ def engine():
 
 
 @pytest.fixture(scope="module")
-def server(engine) -> Iterator[HardenedServer]:
-    with HardenedServer(create_app(engine, SETTINGS), SETTINGS) as live:
+def server(engine) -> Iterator[LiveServer]:
+    with LiveServer(create_app(engine, SETTINGS), settings=SETTINGS) as live:
         yield live
 
 
-def post(server: HardenedServer, body: dict | bytes, path: str = "/v1/chat/completions") -> httpx.Response:
+def post(server: LiveServer, body: dict | bytes, path: str = "/v1/chat/completions") -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return http_post(f"{server.url}{path}", content=content, headers=HEADERS, timeout=60)
 
@@ -277,7 +264,7 @@ def test_one_tenant_never_holds_every_compile_worker(engine):
     and A's get a 400 once their compile passes the limit."""
     limits = GrammarConfig(compile_limit_s=6.0, compile_timeout_s=30.0, workers=2)
     settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, grammar_limits=limits)
-    with HardenedServer(create_app(engine, settings), settings) as live:
+    with LiveServer(create_app(engine, settings), settings=settings) as live:
         client = live.client()
         transport = http_transport(local_address="127.0.0.2")  # another client address: another tenant
         other = openai.OpenAI(
@@ -338,7 +325,7 @@ def test_metrics_read_one_snapshot_off_the_event_loop(server, engine, monkeypatc
     assert calls == [({"settle": False}, False)]  # once, in a thread, host-side counters only
 
 
-def _request_counts(server: HardenedServer) -> dict[str, float]:
+def _request_counts(server: LiveServer) -> dict[str, float]:
     """``kvboost_requests_total`` samples of a live server: labels text -> count."""
     text = http_get(f"{server.url}/metrics", headers=HEADERS, timeout=10).text
     prefix = "kvboost_requests_total{"
@@ -443,7 +430,7 @@ def test_dripped_bodies_are_bounded_in_total_time(server):
 
 def test_connections_per_client_address_are_capped(engine):
     settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, header_timeout_s=20, max_connections_per_client=3)
-    with HardenedServer(create_app(engine, settings), settings) as live:
+    with LiveServer(create_app(engine, settings), settings=settings) as live:
         held = [socket.create_connection(("127.0.0.1", live.port), timeout=10) for _ in range(3)]
         try:
             with socket.create_connection(("127.0.0.1", live.port), timeout=10) as extra:
