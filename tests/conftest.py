@@ -12,6 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import copy
 import functools
+import gc
 import importlib
 import sys
 from collections.abc import Callable, Iterator
@@ -98,6 +99,18 @@ def target() -> transformers.PreTrainedModel:
 def draft(target: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
     """The target with noise on its weights: its proposals are often, not always, the target's choices."""
     return noisy_copy(target, 0.35, seed=11)
+
+
+@pytest.fixture(scope="module")
+def frozen_heap():
+    """The objects alive when a compile-heavy module starts (torch's, transformers' and dynamo's: about half a million
+    after the first compile) kept out of the garbage collector's sweeps for the module (``gc.freeze``), unfrozen after
+    it. Every graph a ``GraphedDecoder`` compiles is followed by a ``gc.collect()`` (``guarded``), ~0.35 s of sweeping
+    those objects each on this machine; frozen, it sweeps only what the module's tests made, which it still frees."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,19 @@ from kvboost_hf.hf.speculative import DraftConfig, Drafter
 from kvboost_hf.hf.verify_graphs import GraphedVerifier
 from kvboost_hf.store.config import StoreConfig
 
+pytestmark = pytest.mark.usefixtures("frozen_heap")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def graphs_shared_by_the_module():
+    """Dynamo's caches emptied once, at the module's start, not per test: a verify shape an earlier test compiled on
+    the shared ``target`` replays that graph (as a request replays a warmed one), so each of the module's 8 shapes
+    compiles once; the verifiers count their own verifies and shapes either way. Dynamo keeps 8 graphs per model
+    class's ``forward`` (any model of the class replays them), which those shapes fill: the benchmark's tiny Llama
+    resets before its own, and the test counting compiles resets and runs last."""
+    torch._dynamo.reset()
+
+
 CHAIN = DraftConfig(num_draft_tokens=3)
 TREE = DraftConfig(num_draft_tokens=3, tree_budget=6, tree_branching=2)
 NEW_TOKENS = 14
@@ -83,7 +96,6 @@ def test_graphed_verify_gives_generates_tokens_and_the_eager_acceptance(target, 
         return logits
 
     verifier.run = recording  # type: ignore[method-assign]
-    torch._dynamo.reset()
     graphed = speculate(target, draft, settings, texts, verifier)
     assert [row.tokens for row in graphed.rows] == expected == [row.tokens for row in eager.rows]
     assert [row.draft_rounds for row in graphed.rows] == [row.draft_rounds for row in eager.rows]
@@ -110,7 +122,6 @@ def test_rows_joining_and_leaving_a_graphed_speculative_batch_keep_generates_tok
     verifier = GraphedVerifier(GraphedDecoder(target, GraphConfig(backend="eager")))
     drafter = Drafter(draft, CHAIN, reuse_caches(store, draft, adapter=False))
     loop = new_loop(target, reuse_caches(store, target, adapter=False), draft=drafter, verify_graphs=verifier)
-    torch._dynamo.reset()
     prefill(loop, [DecodeRequest(prompt_ids=first, max_new_tokens=NEW_TOKENS, sampling=GREEDY)])
     loop.step()
     assert verifier.graphed_verifies == 1
@@ -135,7 +146,6 @@ def test_seeded_sampled_rows_draw_the_same_tokens_graphed_and_eager(target, draf
     sampling = SamplingConfig(temperature=0.9, top_k=30, presence_penalty=0.3, seed=1234)
     eager = speculate(target, draft, TREE, texts, None, sampling)
     verifier = GraphedVerifier(GraphedDecoder(target, GraphConfig(backend="eager")))
-    torch._dynamo.reset()
     graphed = speculate(target, draft, TREE, texts, verifier, sampling)
     assert [row.tokens for row in graphed.rows] == [row.tokens for row in eager.rows]
     assert [row.draft_rounds for row in graphed.rows] == [row.draft_rounds for row in eager.rows]
@@ -159,21 +169,6 @@ def test_cuda_graphed_verify_gives_the_eager_tokens_in_fp32(settings):
     assert [row.tokens for row in graphed.rows] == [row.tokens for row in eager.rows]
     assert [row.draft_rounds for row in graphed.rows] == [row.draft_rounds for row in eager.rows]
     assert verifier.graphed_verifies == graphed.verify_forwards - 1 and not verifier.failed
-
-
-def test_one_graph_serves_every_draft_count_of_its_bucket(target, draft):
-    """Chains of 3 and then 4 draft tokens (bucket 4), and of 2 (bucket 2) on the same graphs: two compiles, not
-    three; the tokens are generate()'s."""
-    backend = CountingBackend()
-    verifier = GraphedVerifier(GraphedDecoder(target, GraphConfig(backend=backend)))  # type: ignore[arg-type]
-    texts = prompts(1)
-    expected = reference(target, texts[0], NEW_TOKENS, eos_token_ids=DECODE_EOS).tokens
-    torch._dynamo.reset()
-    for depth in (3, 4, 2):
-        loop = speculate(target, draft, DraftConfig(num_draft_tokens=depth), texts, verifier)
-        assert loop.rows[0].tokens == expected
-    assert {drafts for _, _, drafts in verifier.shapes} == {2, 4}
-    assert backend.compiles == 2 and verifier.eager_verifies == 0
 
 
 def test_shapes_outside_the_buckets_run_eagerly_with_the_same_tokens(target, draft):
@@ -201,7 +196,6 @@ def test_an_engine_verifies_graphed_with_generates_tokens_and_counts_it(target, 
     engine = KVBoost(target, word_tokenizer(), chunking=16, draft_model=draft, draft=TREE,
                      graphs=GraphConfig(backend="eager"))  # fmt: skip
     texts = [words(3, 30), words(4, 22)]
-    torch._dynamo.reset()
     engine.generate(texts[0], max_new_tokens=4)  # the first prompt's chunks stored: the batch below is warm
     batch = engine.generate_batch(texts, max_new_tokens=NEW_TOKENS)
     alone = engine.generate(texts[1], max_new_tokens=NEW_TOKENS)
@@ -219,6 +213,7 @@ def test_the_speculative_benchmark_runs_each_draft_eager_and_graphed_side_by_sid
     from kvboost_hf.bench import speculative
 
     argv = ["--random-shape", "tiny", "--drafts", "copy", "--draft-lengths", "2,3", "--prompts", "1"]
+    torch._dynamo.reset()  # room for the bench model's graphs: the module's verify shapes fill dynamo's 8 per forward
     assert speculative.main([*argv, "--max-new-tokens", "8", "--graphs", "both", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "speculative.json").read_text())
     rows = result["rows"]["resident"]
@@ -229,3 +224,18 @@ def test_the_speculative_benchmark_runs_each_draft_eager_and_graphed_side_by_sid
             assert row["outputs_identical"] and verifies > 0
             assert row["graphed_verifies"] == (verifies if graphed else 0)
     assert "100%" in speculative.report(result).split("copy+graphs")[1]
+
+
+def test_one_graph_serves_every_draft_count_of_its_bucket(target, draft):
+    """Chains of 3 and then 4 draft tokens (bucket 4), and of 2 (bucket 2) on the same graphs: two compiles, not
+    three; the tokens are generate()'s."""
+    backend = CountingBackend()
+    verifier = GraphedVerifier(GraphedDecoder(target, GraphConfig(backend=backend)))  # type: ignore[arg-type]
+    texts = prompts(1)
+    expected = reference(target, texts[0], NEW_TOKENS, eos_token_ids=DECODE_EOS).tokens
+    torch._dynamo.reset()
+    for depth in (3, 4, 2):
+        loop = speculate(target, draft, DraftConfig(num_draft_tokens=depth), texts, verifier)
+        assert loop.rows[0].tokens == expected
+    assert {drafts for _, _, drafts in verifier.shapes} == {2, 4}
+    assert backend.compiles == 2 and verifier.eager_verifies == 0
