@@ -23,6 +23,19 @@ FIRST_TURNS = [list(range(3, 43)), list(range(50, 83)), list(range(90, 120))]
 NEW_MESSAGES = [list(range(5, 24)), list(range(60, 81)), list(range(20, 41))]
 
 
+pytestmark = pytest.mark.usefixtures("frozen_heap")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def graphs_shared_by_the_module():
+    """Dynamo's caches emptied once, at the module's start, not per test: a decode or prefill shape an earlier test
+    compiled for a tiny Qwen2 replays that graph for this test's (same class, same weights), so each shape compiles
+    once for the module; the decoders count their own prefills, steps and shapes either way. Dynamo keeps 8 graphs
+    for every model's ``forward`` together (one transformers wrapper): the tests on other architectures, counting
+    compiles or failing one reset for themselves and run after the others."""
+    torch._dynamo.reset()
+
+
 GREEDY = SamplingConfig(temperature=0)
 SAMPLED = [
     SamplingConfig(temperature=1.3, top_k=40, seed=11),
@@ -85,7 +98,6 @@ def warm_turn_prefills_graphed(device: str, backend: str | None, conversations: 
     model = make_tiny_model("qwen2").to(device)
     config = GraphConfig(backend=backend)
     graphs = GraphedDecoder(model, config)
-    torch._dynamo.reset()
     prompts, rows, chunks = chat(model, graphs, conversations)
     _, eager_rows, eager_chunks = chat(model, None, conversations)
     tails = {len(prompt) - row.reuse.cached_tokens for prompt, row in zip(prompts, rows, strict=True)}
@@ -114,6 +126,7 @@ def test_a_warm_chat_turn_prefills_graphed_with_generates_tokens_and_the_eager_s
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 @pytest.mark.parametrize("conversations", [[0], [0, 1, 2]])
 def test_a_warm_chat_turn_prefills_cuda_graphed_with_generates_tokens_in_fp32(conversations):
+    torch._dynamo.reset()
     warm_turn_prefills_graphed("cuda", None, conversations)  # inductor, reduce-overhead
 
 
@@ -122,11 +135,40 @@ def test_sampled_rows_of_a_graphed_warm_turn_draw_what_generate_draws_alone():
     go through them as the eager forward's do."""
     model = make_tiny_model("qwen2")
     graphs = GraphedDecoder(model, GraphConfig(backend="eager"))
-    torch._dynamo.reset()
     prompts, rows, _ = chat(model, graphs, [0, 1, 2], samplings=SAMPLED)
     for prompt, row, sampling in zip(prompts, rows, SAMPLED, strict=True):
         assert row.tokens == reference(model, prompt, BUDGET, sampling, DECODE_EOS).tokens
     assert graphs.graphed_prefills == 1 and (4, 256, 32) in graphs.graph_shapes
+
+
+@pytest.mark.parametrize(("columns", "graphed"), [(40, 1), (10, 0)])
+def test_a_chunked_warm_turn_prefills_graphed_when_its_tail_fits_one_call(columns, graphed):
+    """The scheduler's token budget splits a prompt wider than its columns: a tail of about 20 tokens after the
+    reused K/V fits one call of 40 columns (graphed), not of 10 (computed in eager chunks)."""
+    model = make_tiny_model("qwen2")
+    graphs = GraphedDecoder(model, GraphConfig(backend="eager"))
+    prompts, rows, _ = chat(model, graphs, [0], columns=columns)
+    assert len(prompts[0]) > 40 and 10 < len(prompts[0]) - rows[0].reuse.cached_tokens <= 40
+    expected = [reference(model, prompt, BUDGET, eos_token_ids=DECODE_EOS).tokens for prompt in prompts]
+    assert [row.tokens for row in rows] == expected
+    assert graphs.graphed_prefills == graphed and graphs.eager_prefills == 0
+
+
+@pytest.mark.parametrize(
+    ("config", "reason"),
+    [
+        (GraphConfig(backend="eager", query_buckets=(16,)), "a tail above the largest query bucket"),
+        (GraphConfig(backend="eager", query_buckets=()), "no query buckets"),
+        (GraphConfig(backend="eager", max_capacity=256, query_buckets=(256,)), "a padded tail above max_capacity"),
+    ],
+)
+def test_prefills_outside_the_buckets_run_eagerly_with_generates_tokens(config, reason):
+    model = make_tiny_model("qwen2")
+    graphs = GraphedDecoder(model, config)
+    prompts, rows, _ = chat(model, graphs, [0])
+    expected = [reference(model, prompt, BUDGET, eos_token_ids=DECODE_EOS).tokens for prompt in prompts]
+    assert [row.tokens for row in rows] == expected, reason
+    assert graphs.graphed_prefills == 0 and all(len(shape) == 2 for shape in graphs.graph_shapes), reason
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma2"])  # sliding windows of 24 columns; gemma2's eager attention
@@ -156,38 +198,6 @@ def test_one_prefill_graph_serves_two_tail_lengths_of_its_bucket():
     assert [row.tokens for row in rows] == expected
     assert graphs.graph_shapes[(1, 256, 32)] == 2 and graphs.graphed_prefills == 2
     assert backend.compiles == 2 == len(graphs.graph_shapes)  # one decode graph, one prefill graph
-
-
-@pytest.mark.parametrize(("columns", "graphed"), [(40, 1), (10, 0)])
-def test_a_chunked_warm_turn_prefills_graphed_when_its_tail_fits_one_call(columns, graphed):
-    """The scheduler's token budget splits a prompt wider than its columns: a tail of about 20 tokens after the
-    reused K/V fits one call of 40 columns (graphed), not of 10 (computed in eager chunks)."""
-    model = make_tiny_model("qwen2")
-    graphs = GraphedDecoder(model, GraphConfig(backend="eager"))
-    torch._dynamo.reset()
-    prompts, rows, _ = chat(model, graphs, [0], columns=columns)
-    assert len(prompts[0]) > 40 and 10 < len(prompts[0]) - rows[0].reuse.cached_tokens <= 40
-    expected = [reference(model, prompt, BUDGET, eos_token_ids=DECODE_EOS).tokens for prompt in prompts]
-    assert [row.tokens for row in rows] == expected
-    assert graphs.graphed_prefills == graphed and graphs.eager_prefills == 0
-
-
-@pytest.mark.parametrize(
-    ("config", "reason"),
-    [
-        (GraphConfig(backend="eager", query_buckets=(16,)), "a tail above the largest query bucket"),
-        (GraphConfig(backend="eager", query_buckets=()), "no query buckets"),
-        (GraphConfig(backend="eager", max_capacity=256, query_buckets=(256,)), "a padded tail above max_capacity"),
-    ],
-)
-def test_prefills_outside_the_buckets_run_eagerly_with_generates_tokens(config, reason):
-    model = make_tiny_model("qwen2")
-    graphs = GraphedDecoder(model, config)
-    torch._dynamo.reset()
-    prompts, rows, _ = chat(model, graphs, [0])
-    expected = [reference(model, prompt, BUDGET, eos_token_ids=DECODE_EOS).tokens for prompt in prompts]
-    assert [row.tokens for row in rows] == expected, reason
-    assert graphs.graphed_prefills == 0 and all(len(shape) == 2 for shape in graphs.graph_shapes), reason
 
 
 def test_a_prefill_whose_compile_fails_runs_eagerly_with_the_same_tokens(caplog):

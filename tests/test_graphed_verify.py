@@ -39,9 +39,9 @@ pytestmark = pytest.mark.usefixtures("frozen_heap")
 def graphs_shared_by_the_module():
     """Dynamo's caches emptied once, at the module's start, not per test: a verify shape an earlier test compiled on
     the shared ``target`` replays that graph (as a request replays a warmed one), so each of the module's 8 shapes
-    compiles once; the verifiers count their own verifies and shapes either way. Dynamo keeps 8 graphs per model
-    class's ``forward`` (any model of the class replays them), which those shapes fill: the benchmark's tiny Llama
-    resets before its own, and the test counting compiles resets and runs last."""
+    compiles once; the verifiers count their own verifies and shapes either way. Dynamo keeps 8 graphs for every
+    model's ``forward`` together (one transformers wrapper), which those shapes fill: the benchmark resets before
+    compiling its model's, and the test counting compiles resets and runs last."""
     torch._dynamo.reset()
 
 
