@@ -18,6 +18,18 @@ from kvboost_hf.hf.prefill import forward
 from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.store.config import StoreConfig
 
+pytestmark = pytest.mark.usefixtures("frozen_heap")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def graphs_shared_by_the_module():
+    """Dynamo's caches emptied once, at the module's start, not per run: the 1- and 2-row graphs the runner's test
+    compiles for a tiny Qwen2 serve the bucket test's (same class, same weights, as a request replays a warmed
+    graph); the decoders count their own steps and shapes either way. The tests refusing a recompile or failing a
+    compile reset for themselves (the failing one last)."""
+    torch._dynamo.reset()
+
+
 STEPS = 10
 CAPACITY = 64
 
@@ -132,7 +144,6 @@ def runner_decodes_graphed_through_joins_and_retirements(device: str, backend: s
     expected = [reference(model, p, n, eos_token_ids=DECODE_EOS).tokens for p, n in prompts.items()]
     decoder = GraphedDecoder(model, GraphConfig(row_buckets=(1, 2), backend=backend))
     loop = new_loop(model, reuse_caches(ChunkStore(StoreConfig(1 << 24)), model), graphs=decoder)
-    torch._dynamo.reset()
     prefill(loop, requests[:1])
     loop.step()
     loop.step()
@@ -157,20 +168,8 @@ def test_the_runner_decodes_graphed_through_joins_and_retirements_with_generates
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 @pytest.mark.parametrize("backend", [None, "cudagraphs"])
 def test_the_runner_decodes_cuda_graphed_with_generates_tokens_in_fp32(backend):
-    runner_decodes_graphed_through_joins_and_retirements("cuda", backend)
-
-
-def test_a_shape_whose_compile_fails_runs_eagerly_with_the_same_tokens(caplog):
-    def broken(graph_module, example_inputs):
-        raise RuntimeError("no graphs here")
-
-    model = make_tiny_model("qwen2")
-    expected = [reference(model, prompt, STEPS + 1).tokens for prompt in PROMPTS[:1]]
-    decoder = GraphedDecoder(model, GraphConfig(backend=broken))  # type: ignore[arg-type]
     torch._dynamo.reset()
-    assert decode_rows(model, decoder, PROMPTS[:1], True) == expected
-    assert decoder.failed_shapes == {(1, CAPACITY)} and decoder.graphed_steps == 0
-    assert decoder.eager_steps == STEPS and "runs eagerly" in caplog.text
+    runner_decodes_graphed_through_joins_and_retirements("cuda", backend)
 
 
 @pytest.mark.gpu
@@ -270,7 +269,6 @@ def rows_between_buckets_decode_through_the_larger_graph(device: str, backend: s
     expected = [reference(model, p, n, eos_token_ids=DECODE_EOS).tokens for p, n in zip(prompts, budgets, strict=True)]
     padded = GraphedDecoder(model, GraphConfig(backend=backend))
     unpadded = GraphedDecoder(model, GraphConfig(row_buckets=tuple(range(1, 9)), backend=backend))
-    torch._dynamo.reset()
     tokens, chunks, running = decode_across_buckets(model, requests, padded)
     exact_tokens, exact_chunks, exact_running = decode_across_buckets(model, requests, unpadded)
     eager_tokens, eager_chunks, _ = decode_across_buckets(model, requests, None)
@@ -293,6 +291,7 @@ def test_rows_between_buckets_decode_through_the_larger_graph_with_generates_tok
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 def test_rows_between_buckets_decode_through_the_larger_cuda_graph_with_generates_tokens_in_fp32():
+    torch._dynamo.reset()
     rows_between_buckets_decode_through_the_larger_graph("cuda", None)  # inductor, reduce-overhead
 
 
@@ -327,3 +326,16 @@ def test_cuda_graphed_decode_under_kvboost_attention_runs_graphed_near_the_eager
     graphed = decode(decoder)
     assert (decoder.graphed_steps, decoder.failed_shapes) == (steps, set())
     assert (graphed - expected).abs().max() <= 2e-2 * expected.abs().max()
+
+
+def test_a_shape_whose_compile_fails_runs_eagerly_with_the_same_tokens(caplog):
+    def broken(graph_module, example_inputs):
+        raise RuntimeError("no graphs here")
+
+    model = make_tiny_model("qwen2")
+    expected = [reference(model, prompt, STEPS + 1).tokens for prompt in PROMPTS[:1]]
+    decoder = GraphedDecoder(model, GraphConfig(backend=broken))  # type: ignore[arg-type]
+    torch._dynamo.reset()
+    assert decode_rows(model, decoder, PROMPTS[:1], True) == expected
+    assert decoder.failed_shapes == {(1, CAPACITY)} and decoder.graphed_steps == 0
+    assert decoder.eager_steps == STEPS and "runs eagerly" in caplog.text
