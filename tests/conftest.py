@@ -101,15 +101,20 @@ def draft(target: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
     return noisy_copy(target, 0.35, seed=11)
 
 
-@pytest.fixture(scope="module")
-def frozen_heap():
-    """The objects alive when a compile-heavy module starts (torch's, transformers' and dynamo's: about half a million
-    after the first compile) kept out of the garbage collector's sweeps for the module (``gc.freeze``), unfrozen after
-    it. Every graph a ``GraphedDecoder`` compiles is followed by a ``gc.collect()`` (``guarded``), ~0.35 s of sweeping
-    those objects each on this machine; frozen, it sweeps only what the module's tests made, which it still frees."""
+@pytest.fixture(scope="module", autouse=True)
+def _frozen_heap() -> None:
+    """What is alive when a module starts (torch's, transformers' and dynamo's objects: half a million and more) kept
+    out of the cyclic garbage collector's sweeps from then on (``gc.freeze``). Each full sweep of them costs ~0.35 s
+    on this machine, and they come often: automatic ones (4.6 s of 57 in test_engine and test_scheduling), and the
+    ``gc.collect()`` after every graph a ``GraphedDecoder`` compiles. What a module makes is still swept and freed;
+    a frozen object is still freed when its last reference goes."""
     gc.collect()
     gc.freeze()
-    yield
+
+
+def pytest_sessionfinish() -> None:
+    """The frozen objects back to the collector, so the interpreter's exit frees their cycles (nanobind, under
+    xgrammar, reports the instances it finds alive then as leaks)."""
     gc.unfreeze()
 
 

@@ -24,8 +24,6 @@ from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder
 from kvboost_hf.hf.prefill import forward
 from kvboost_hf.store.config import StoreConfig
 
-pytestmark = pytest.mark.usefixtures("frozen_heap")
-
 ATOL = 1e-5  # fp32 logits: the same kernels run eagerly and in the graph
 Call = tuple[int, int, bool]  # (queries, keys, mask is None) of one attention call
 

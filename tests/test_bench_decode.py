@@ -7,8 +7,6 @@ import pytest
 from kvboost_hf.bench import decode, gpu
 from kvboost_hf.hf.models import forward_read_bytes
 
-pytestmark = pytest.mark.usefixtures("frozen_heap")
-
 
 def test_dry_run_decode_step_measures_every_arm_against_its_bound(tmp_path):
     """The campaign's decode step, its command run in this process (``python -m kvboost_hf.bench`` dispatches its

@@ -26,8 +26,6 @@ from kvboost_hf.hf.models import CACHE_ARGUMENT
 from kvboost_hf.hf.prefill import forward
 from kvboost_hf.store.config import StoreConfig
 
-pytestmark = pytest.mark.usefixtures("frozen_heap")
-
 CHUNK = 16
 CAPACITY = 96  # tokens: every prompt and generation of this file fits
 STEPS = 12  # compiled decode steps per test

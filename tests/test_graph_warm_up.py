@@ -21,8 +21,6 @@ from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder, VerifyShape, graph_shape, parse_graph_shapes
 from kvboost_hf.hf.speculative import DraftConfig
 
-pytestmark = pytest.mark.usefixtures("frozen_heap")
-
 EOS = 1  # word_tokenizer's <eos>
 
 

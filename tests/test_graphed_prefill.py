@@ -23,16 +23,12 @@ FIRST_TURNS = [list(range(3, 43)), list(range(50, 83)), list(range(90, 120))]
 NEW_MESSAGES = [list(range(5, 24)), list(range(60, 81)), list(range(20, 41))]
 
 
-pytestmark = pytest.mark.usefixtures("frozen_heap")
-
-
 @pytest.fixture(scope="module", autouse=True)
 def graphs_shared_by_the_module():
     """Dynamo's caches emptied once, at the module's start, not per test: a decode or prefill shape an earlier test
     compiled for a tiny Qwen2 replays that graph for this test's (same class, same weights), so each shape compiles
-    once for the module; the decoders count their own prefills, steps and shapes either way. Dynamo keeps 8 graphs
-    for every model's ``forward`` together (one transformers wrapper): the tests on other architectures, counting
-    compiles or failing one reset for themselves and run after the others."""
+    once for the module; the decoders count their own prefills, steps and shapes either way. The tests on other
+    architectures, counting compiles or failing one reset for themselves and run after the others."""
     torch._dynamo.reset()
 
 

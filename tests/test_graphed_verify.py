@@ -32,16 +32,14 @@ from kvboost_hf.hf.speculative import DraftConfig, Drafter
 from kvboost_hf.hf.verify_graphs import GraphedVerifier
 from kvboost_hf.store.config import StoreConfig
 
-pytestmark = pytest.mark.usefixtures("frozen_heap")
-
 
 @pytest.fixture(scope="module", autouse=True)
 def graphs_shared_by_the_module():
     """Dynamo's caches emptied once, at the module's start, not per test: a verify shape an earlier test compiled on
     the shared ``target`` replays that graph (as a request replays a warmed one), so each of the module's 8 shapes
-    compiles once; the verifiers count their own verifies and shapes either way. Dynamo keeps 8 graphs for every
-    model's ``forward`` together (one transformers wrapper), which those shapes fill: the benchmark resets before
-    compiling its model's, and the test counting compiles resets and runs last."""
+    compiles once; the verifiers count their own verifies and shapes either way. Dynamo's graphs of every model's
+    ``forward`` count against one limit (one transformers wrapper; each decoder raises it by its ``max_graphs``):
+    the benchmark resets before compiling its model's, and the test counting compiles resets and runs last."""
     torch._dynamo.reset()
 
 

@@ -18,8 +18,6 @@ from kvboost_hf.hf.prefill import forward
 from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.store.config import StoreConfig
 
-pytestmark = pytest.mark.usefixtures("frozen_heap")
-
 
 @pytest.fixture(scope="module", autouse=True)
 def graphs_shared_by_the_module():
@@ -326,6 +324,18 @@ def test_cuda_graphed_decode_under_kvboost_attention_runs_graphed_near_the_eager
     graphed = decode(decoder)
     assert (decoder.graphed_steps, decoder.failed_shapes) == (steps, set())
     assert (graphed - expected).abs().max() <= 2e-2 * expected.abs().max()
+
+
+def test_every_decoder_adds_its_graphs_to_dynamos_one_limit(monkeypatch):
+    """Dynamo's ``recompile_limit`` counts compiles per code object, and transformers' models share one ``forward``
+    code object (its decorator's wrapper): two decoders of 6 graphs each (a target and its draft) need a limit of 12
+    at least, where each raising it to its own 6 left it at 8 and the 9th graph compiled nothing (eager, "failed")."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    target, draft = make_tiny_model("qwen2"), make_tiny_model("llama")
+    assert target.forward.__func__.__code__ is draft.forward.__func__.__code__  # one code object for dynamo
+    for model in (target, draft):
+        GraphedDecoder(model, GraphConfig(max_graphs=6))._graph()
+    assert torch._dynamo.config.recompile_limit >= 12
 
 
 def test_a_shape_whose_compile_fails_runs_eagerly_with_the_same_tokens(caplog):

@@ -21,8 +21,6 @@ from kvboost_hf.hf.graphs import GraphConfig, GraphedDecoder
 from kvboost_hf.hf.sampling import SamplingConfig
 from kvboost_hf.store.config import StoreConfig
 
-pytestmark = pytest.mark.usefixtures("frozen_heap")
-
 
 @pytest.fixture(scope="module", autouse=True)
 def graphs_shared_by_the_module():

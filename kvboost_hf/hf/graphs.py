@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -92,6 +93,21 @@ WARM_UP_STEPS = 3
 """Graphed steps a warm-up runs per shape: on CUDA the first compiles (and runs under cudagraph trees' warm-up), the
 second records the CUDA graph, the third replays it."""
 
+_reserved_graphs = 0  # graphs the process's decoders may keep together (dynamo's limit is at least this)
+_reserve_lock = threading.Lock()
+
+
+def reserve_recompiles(graphs: int) -> int:
+    """Raise dynamo's ``recompile_limit`` (8 by default, process-wide) to hold ``graphs`` more; returns the limit.
+    The limit counts compiles per code object, and every transformers model's ``forward`` runs one code object (its
+    decorator's wrapper): the graphs of every decoder in the process, of every model (a target and its draft, two
+    engines), count against one limit, so each decoder adds its ``max_graphs`` instead of asking for its own only."""
+    global _reserved_graphs
+    with _reserve_lock:
+        _reserved_graphs += graphs
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _reserved_graphs)
+        return torch._dynamo.config.recompile_limit
+
 
 @dataclass(frozen=True)
 class GraphConfig:
@@ -114,7 +130,7 @@ class GraphConfig:
     max_graphs: int = 8
     """Distinct shapes (decode steps' and prefills' together) graphed at most (each costs a compile, ~30 s for a 7B
     model, and holds a capture's memory); later shapes run eagerly. Dynamo's ``recompile_limit`` (8 by default,
-    process-wide) is raised to it where lower."""
+    process-wide, counting every model's graphs together) is raised by it for each decoder."""
     max_capacity: int = 32768
     """Tokens: a step needing a larger cache runs eagerly."""
     max_capture_bytes: int | None = None
@@ -684,9 +700,7 @@ class GraphedDecoder:
             cuda = next(self.model.parameters()).device.type == "cuda"
             backend = self.config.backend or ("inductor" if cuda else "eager")
             mode = "reduce-overhead" if backend == "inductor" and cuda else None
-            # every shape is a recompile of one function: let dynamo keep max_graphs of them (process-wide setting)
-            limit = torch._dynamo.config.recompile_limit
-            torch._dynamo.config.recompile_limit = max(limit, self.config.max_graphs)
+            reserve_recompiles(self.config.max_graphs)  # every shape is a recompile of one function
             self._compiled = torch.compile(
                 self.model.forward, backend=backend, mode=mode, fullgraph=True, dynamic=False
             )
