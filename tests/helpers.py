@@ -477,6 +477,22 @@ def http_transport(**kwargs: Any) -> Any:
     return httpx.HTTPTransport(verify=loopback_tls(), **kwargs)
 
 
+def chat_server_settings() -> Any:
+    """The ``ServerConfig`` of the module servers that test the OpenAI routes: a short batch window, 4 rows, and one
+    grammar compile process (a torch import), which these tests' one-at-a-time structured requests need."""
+    from kvboost_hf.server.app import ServerConfig
+    from kvboost_hf.server.grammar import GrammarConfig
+
+    return ServerConfig(
+        model_name=MODEL_NAME,
+        api_key=API_KEY,
+        batch_window_ms=30,
+        max_batch_size=4,
+        max_queue=16,
+        grammar_limits=GrammarConfig(workers=1),
+    )
+
+
 class LiveServer:
     """uvicorn serving ``app`` in a daemon thread on a loopback port of its own (a context manager; start and stop
     are bounded by 30 s each). The port's socket is bound here and handed to uvicorn, so no other test process

@@ -29,6 +29,7 @@ from helpers import (  # noqa: E402
     WEATHER_TOOL,
     LiveServer,
     chat,
+    chat_server_settings,
     http_get,
     http_post,
     http_stream,
@@ -46,7 +47,6 @@ from kvboost_hf.hf.sampling import SamplingConfig  # noqa: E402
 from kvboost_hf.scheduling import RequestGroup  # noqa: E402
 from kvboost_hf.server.app import ServerConfig, create_app  # noqa: E402
 from kvboost_hf.server.batching import Delta, Done, Job, JobParams, JobRun, token_bytes  # noqa: E402
-from kvboost_hf.server.grammar import GrammarConfig  # noqa: E402
 from kvboost_hf.server.worker import Worker  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -59,14 +59,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine) -> Iterator[LiveServer]:
-    settings = ServerConfig(
-        model_name=MODEL_NAME,
-        api_key=API_KEY,
-        batch_window_ms=30,
-        max_batch_size=4,
-        max_queue=16,
-        grammar_limits=GrammarConfig(workers=1),  # one compile process (a torch import) serves these tests
-    )
+    settings = chat_server_settings()
     with LiveServer(create_app(engine, settings)) as live:
         yield live
 

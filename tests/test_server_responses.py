@@ -17,13 +17,23 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from helpers import API_KEY, MODEL_NAME, PERSON, SYSTEM, WEATHER_TOOL, LiveServer, chat, http_post, metric  # noqa: E402
+from helpers import (  # noqa: E402
+    API_KEY,
+    MODEL_NAME,
+    PERSON,
+    SYSTEM,
+    WEATHER_TOOL,
+    LiveServer,
+    chat,
+    chat_server_settings,
+    http_post,
+    metric,
+)
 
 from kvboost_hf import KVBoost  # noqa: E402
-from kvboost_hf.server.app import ServerConfig, create_app  # noqa: E402
+from kvboost_hf.server.app import create_app  # noqa: E402
 from kvboost_hf.server.batching import Done  # noqa: E402
 from kvboost_hf.server.errors import ApiError  # noqa: E402
-from kvboost_hf.server.grammar import GrammarConfig  # noqa: E402
 from kvboost_hf.server.responses_api import ResponseBuilder, chat_request  # noqa: E402
 from kvboost_hf.server.responses_schemas import ResponsesRequest  # noqa: E402
 
@@ -143,14 +153,7 @@ def test_builder_ends_cut_failed_and_empty_answers():
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
     engine = KVBoost.from_pretrained(chunking=16)
-    settings = ServerConfig(
-        model_name=MODEL_NAME,
-        api_key=API_KEY,
-        batch_window_ms=30,
-        max_batch_size=4,
-        max_queue=16,
-        grammar_limits=GrammarConfig(workers=1),  # one compile process (a torch import) serves these tests
-    )
+    settings = chat_server_settings()
     with LiveServer(create_app(engine, settings)) as live:
         yield live
 
