@@ -97,8 +97,8 @@ _reserved_graphs = 0  # graphs the process's decoders may keep together (dynamo'
 _reserve_lock = threading.Lock()
 
 
-def reserve_recompiles(graphs: int) -> int:
-    """Raise dynamo's ``recompile_limit`` (8 by default, process-wide) to hold ``graphs`` more; returns the limit.
+def reserve_recompiles(graphs: int) -> None:
+    """Raise dynamo's ``recompile_limit`` (8 by default, process-wide) to hold ``graphs`` more.
     The limit counts compiles per code object, and every transformers model's ``forward`` runs one code object (its
     decorator's wrapper): the graphs of every decoder in the process, of every model (a target and its draft, two
     engines), count against one limit, so each decoder adds its ``max_graphs`` instead of asking for its own only."""
@@ -106,7 +106,6 @@ def reserve_recompiles(graphs: int) -> int:
     with _reserve_lock:
         _reserved_graphs += graphs
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _reserved_graphs)
-        return torch._dynamo.config.recompile_limit
 
 
 @dataclass(frozen=True)
