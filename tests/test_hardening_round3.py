@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -32,9 +33,10 @@ from helpers import (
     raw_entry,
 )
 
+from kvboost_hf.server import grammar_process
 from kvboost_hf.server.app import ServerConfig, create_app
 from kvboost_hf.server.grammar import GrammarCompiler, GrammarConfig, GrammarError, GrammarQuota
-from kvboost_hf.server.grammar_process import CompileProcess
+from kvboost_hf.server.grammar_process import CompileDied, CompileProcess
 from kvboost_hf.store import codec
 from kvboost_hf.store.disk import MERGE_BATCH, WRITE_LOCK, DiskTier
 
@@ -406,8 +408,9 @@ def _wait_until_ready(compiler: GrammarCompiler) -> None:
         time.sleep(0.05)
 
 
-def _children(compiler: GrammarCompiler) -> list[subprocess.Popen]:
-    return [process._child for process in compiler._pool._processes]
+def _children(compiler: GrammarCompiler) -> list[Any]:
+    """The workers' current children (``_Child``: forked from the fork server, or spawned where it is missing)."""
+    return [process._child for process in compiler._pool._processes if process._child is not None]
 
 
 def test_a_child_killed_while_idle_costs_no_request(compiler: GrammarCompiler):
@@ -449,7 +452,7 @@ def test_children_killed_at_random_moments_cost_no_valid_schema(compiler: Gramma
     def killer() -> None:
         for _ in range(2):
             time.sleep(chooser.uniform(0.05, 0.5))
-            live = [child for child in _children(compiler) if child.poll() is None]
+            live = [child for child in _children(compiler) if child.running()]
             if live:
                 os.kill(chooser.choice(live).pid, signal.SIGKILL)
 
@@ -461,6 +464,83 @@ def test_children_killed_at_random_moments_cost_no_valid_schema(compiler: Gramma
         futures.append(compiler.json_schema({**_SCHEMA, "title": f"t{i}"}, client=f"c{i % 2}"))
     thread.join()
     assert all(future.result(120) is not None for future in futures)
+
+
+def _parent_pid(pid: int) -> int:
+    """``pid``'s parent process id (Linux: /proc)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
+@pytest.fixture
+def tokenizer_info(tokenizer, tmp_path: Path) -> tuple[Any, Path]:
+    """The embedded tokenizer's xgrammar info and its JSON file, as a pool writes them for its children."""
+    import xgrammar
+
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    path = tmp_path / "tokenizer_info.json"
+    path.write_text(info.serialize_json(), encoding="utf-8")
+    return info, path
+
+
+def _compiles(process: CompileProcess) -> bool:
+    return process.compile("json_schema", [json.dumps(_SCHEMA)], 60) is not None
+
+
+@pytest.mark.skipif(not grammar_process.USE_FORK_SERVER, reason="needs Linux 5.3+ (pidfds) for a fork server")
+def test_compile_children_are_forks_of_one_fork_server_and_each_ends_with_its_pipe(tokenizer_info):
+    """Every child (of every pool) is forked from this process's one fork server, so a restart imports nothing.
+    A child holds no other child's pipes: closing one's stdin ends that child only."""
+    first, second = (CompileProcess(*tokenizer_info) for _ in range(2))
+    try:
+        children = [first.wait_ready(), second.wait_ready()]
+        server = grammar_process._fork_server
+        assert server is not None and server.owner == os.getpid()
+        assert {_parent_pid(child.pid) for child in children} == {server.process.pid}
+        assert _compiles(first) and _compiles(second)
+        children[0].stdin.close()
+        children[0].wait(10)
+        assert not first.alive and second.alive and _compiles(second)
+        first.restart()  # replaced by another fork of the same server
+        assert _parent_pid(first.wait_ready().pid) == server.process.pid and _compiles(first)
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.skipif(not grammar_process.USE_FORK_SERVER, reason="needs Linux 5.3+ (pidfds) for a fork server")
+def test_a_killed_fork_server_is_replaced_and_its_children_keep_compiling(tokenizer_info):
+    """An operator (or the OOM killer) kills the fork server: children already forked go on compiling, and the
+    next child comes from a new fork server."""
+    running, later = (CompileProcess(*tokenizer_info) for _ in range(2))
+    try:
+        running.wait_ready()
+        server = grammar_process._fork_server
+        assert server is not None
+        server.process.kill()
+        server.process.wait(10)
+        assert _compiles(running)
+        replacement = _parent_pid(later.wait_ready().pid)
+        assert replacement != server.process.pid and _compiles(later)
+        assert grammar_process._fork_server is not None and grammar_process._fork_server.process.pid == replacement
+    finally:
+        running.close()
+        later.close()
+
+
+def test_without_a_fork_server_each_child_is_a_fresh_interpreter(tokenizer_info, monkeypatch):
+    """Where a fork server is not supported (no pidfds: macOS, Linux before 5.3), each child is this process's
+    own: killed, it is replaced by a new one."""
+    monkeypatch.setattr(grammar_process, "USE_FORK_SERVER", False)
+    process = CompileProcess(*tokenizer_info)
+    try:
+        child = process.wait_ready()
+        assert _parent_pid(child.pid) == os.getpid() and _compiles(process)
+        os.kill(child.pid, signal.SIGKILL)
+        with pytest.raises(CompileDied):
+            _compiles(process)
+        assert _compiles(process) and process.pid != child.pid
+    finally:
+        process.close()
 
 
 def test_one_client_holds_its_share_of_the_queue_whatever_its_salts(compiler: GrammarCompiler, monkeypatch):

@@ -2,9 +2,12 @@
 
 xgrammar's compile cannot be interrupted, and its time is not bounded by the constraint's size (a 46-byte schema
 ``{"type": "string", "pattern": "[a-z]{1,30000}"}`` compiles for minutes). So each compile runs in a child
-process (:class:`CompileProcess`: a fresh interpreter, never a fork of the server's threads nor a re-run of its
-``__main__`` as multiprocessing would do) killed when the compile passes its time limit, and replaced at once
-(the new one starts in the background: it imports xgrammar, and so torch, in a few seconds); the compiled grammar
+process (:class:`CompileProcess`) killed when the compile passes its time limit, and replaced at once. On Linux a
+child is a fork of one template process per server process (the fork server of
+:mod:`~kvboost_hf.server.grammar_child`, started on first use: it imports xgrammar, and so torch, once), so a
+replacement costs milliseconds and no import, and the children share the template's memory; never a fork of the
+server's threads nor a re-run of its ``__main__`` as multiprocessing would do. Elsewhere (no pidfds or descriptor
+passing) each child is a fresh interpreter that imports xgrammar itself, in a few seconds. The compiled grammar
 comes back as xgrammar's JSON serialisation. A child that dies on a constraint (a crash inside xgrammar) costs
 that request only: a job whose child died (a crash, or killed from outside: the OOM killer, an operator) is
 queued again once, in front, for the next worker with a live child; a second death fails it.
@@ -12,17 +15,20 @@ queued again once, in front, for the next worker with a live child; a second dea
 :class:`CompilePool` runs jobs on ``workers`` threads, each driving one child. Invariant: a tenant runs at most
 ``max(1, workers - 1)`` compiles at once (its further jobs wait, in arrival order), so with two or more workers
 one is always left to the other tenants, and each job holds its worker at most ``time_limit_s``. A worker whose
-child was killed or died waits for its new child before it takes the next job, so a restart (seconds: the child
-imports xgrammar and torch) never delays a job that another worker can run now.
+child was killed or died waits for its new child before it takes the next job, so a restart (seconds where the
+child imports xgrammar and torch itself) never delays a job that another worker can run now.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
 import os
 import select
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +38,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, Protocol, TypeVar
 
 import xgrammar
 
@@ -40,8 +46,10 @@ from kvboost_hf.core.errors import ConfigError, KVBoostError, StateError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-CHILD_START_TIMEOUT_S = 120.0  # a child imports xgrammar (and torch) before its first answer
+CHILD_START_TIMEOUT_S = 120.0  # a child (or the fork server) imports xgrammar (and torch) before its first answer
+FORK_TIMEOUT_S = 30.0  # the fork server's answer to a fork, once it is up (milliseconds)
 LIVENESS_S = 0.5  # how often an idle worker looks at its child
+CHILD_MODULE = "kvboost_hf.server.grammar_child"
 
 
 class CompileTimeout(KVBoostError, RuntimeError):
@@ -61,25 +69,222 @@ class _ChildExited(KVBoostError, OSError):
     """The child closed its answer pipe: it exited (internal; the caller restarts it and raises CompileDied)."""
 
 
+class _Child(Protocol):
+    """A compile child as :class:`CompileProcess` drives it: its pipes, liveness, kill and exit."""
+
+    pid: int
+    stdin: IO[bytes]
+    stdout: IO[bytes]
+
+    def running(self) -> bool: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout_s: float) -> int | None:
+        """Wait for the exit (subprocess.TimeoutExpired past ``timeout_s``); its status, None where unknown."""
+        ...
+
+    def close(self) -> None:
+        """Close this side's pipes (and handles) of an exited child."""
+        ...
+
+
+class _SpawnedChild:
+    """A child that is a fresh interpreter (``python -m kvboost_hf.server.grammar_child TOKENIZER_JSON_PATH``)."""
+
+    def __init__(self, tokenizer_path: Path) -> None:
+        self._popen = subprocess.Popen(
+            [sys.executable, "-m", CHILD_MODULE, str(tokenizer_path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=_child_environment(),
+        )
+        assert self._popen.stdin is not None and self._popen.stdout is not None
+        self.pid, self.stdin, self.stdout = self._popen.pid, self._popen.stdin, self._popen.stdout
+
+    def running(self) -> bool:
+        return self._popen.poll() is None
+
+    def kill(self) -> None:
+        self._popen.kill()
+
+    def wait(self, timeout_s: float) -> int | None:
+        return self._popen.wait(timeout_s)
+
+    def close(self) -> None:
+        _close_quietly(self.stdin, self.stdout)
+
+
+class _ForkedChild:
+    """A child forked by the fork server: not this process's child, so it is watched and killed through a pidfd
+    (race-free: the pid may be reused after its exit, the pidfd not), and its exit status is unknown (the kernel
+    reaps it for the fork server)."""
+
+    def __init__(self, pid: int, stdin: IO[bytes], stdout: IO[bytes]) -> None:
+        self.pid, self.stdin, self.stdout = pid, stdin, stdout
+        self._pidfd = os.pidfd_open(pid)  # ProcessLookupError if it already exited
+
+    def running(self) -> bool:
+        return not select.select([self._pidfd], [], [], 0)[0]
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):  # it has exited already
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+    def wait(self, timeout_s: float) -> int | None:
+        if not select.select([self._pidfd], [], [], timeout_s)[0]:
+            raise subprocess.TimeoutExpired(f"grammar compile child {self.pid}", timeout_s)
+        return None
+
+    def close(self) -> None:
+        _close_quietly(self.stdin, self.stdout)
+        with contextlib.suppress(OSError):
+            os.close(self._pidfd)
+
+
+class _ForkServer:
+    """The template the compile children are forked from (``python -m kvboost_hf.server.grammar_child --fork-server
+    FD``: protocol in that module), driven over one socket; thread-safe (one fork at a time). It exits when its
+    socket closes: at :meth:`close`, or when this process exits."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", CHILD_MODULE, "--fork-server", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                env=_child_environment(),
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.owner = os.getpid()  # a forked copy of this process must not share the socket
+        self._control = ours
+        self._lock = threading.Lock()
+        self._ready = False
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def fork(self, tokenizer_path: Path) -> _ForkedChild:
+        """A new compile child for the tokenizer at ``tokenizer_path`` (waits for the fork server's imports the
+        first time). Raises OSError (or CompileTimeout) where the fork server is gone or stuck."""
+        with self._lock:
+            if not self._ready:
+                if self._answer(CHILD_START_TIMEOUT_S) != b"ready":
+                    raise _ChildExited("the grammar fork server did not start")
+                self._ready = True
+            job_read, job_write = os.pipe()
+            answer_read, answer_write = os.pipe()
+            try:
+                socket.send_fds(self._control, [os.fsencode(tokenizer_path)], [job_read, answer_write])
+                pid = int(self._answer(FORK_TIMEOUT_S))
+                return _ForkedChild(pid, os.fdopen(job_write, "wb"), os.fdopen(answer_read, "rb"))
+            except BaseException:
+                os.close(job_write)
+                os.close(answer_read)
+                raise
+            finally:
+                os.close(job_read)
+                os.close(answer_write)
+
+    def _answer(self, timeout_s: float) -> bytes:
+        if not select.select([self._control], [], [], timeout_s)[0]:
+            raise CompileTimeout(f"the grammar fork server did not answer within {timeout_s:g} s")
+        message = self._control.recv(64)
+        if not message:
+            raise _ChildExited(f"the grammar fork server exited with status {self.process.wait(10)}")
+        return message
+
+    def close(self) -> None:
+        """Stop it (its children live on until their pipes close or they are killed)."""
+        self._control.close()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def fork_server_supported() -> bool:
+    """Whether compile children can be forked from a fork server here: Linux 5.3+ (pidfds) with descriptor
+    passing over Unix sockets."""
+    if not (hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal") and hasattr(socket, "send_fds")):
+        return False
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:  # an older kernel
+        return False
+    return True
+
+
+#: whether :func:`_launch` forks children from the fork server (else each is a fresh interpreter)
+USE_FORK_SERVER = fork_server_supported()
+_fork_server_lock = threading.Lock()
+_fork_server: _ForkServer | None = None
+
+
+def _launch(tokenizer_path: Path) -> _Child:
+    """A new compile child for the tokenizer at ``tokenizer_path``: forked from this process's fork server (a new
+    one if it is not running: killed from outside, or this process is a fork of its owner), else spawned."""
+    if not USE_FORK_SERVER:
+        return _SpawnedChild(tokenizer_path)
+    try:
+        return _current_fork_server().fork(tokenizer_path)
+    except OSError as exc:  # the fork server died between two forks: once more, on a new one
+        logger.warning("the grammar fork server failed (%s); starting another", exc)
+        _stop_fork_server()
+        return _current_fork_server().fork(tokenizer_path)
+
+
+def _current_fork_server() -> _ForkServer:
+    global _fork_server
+    with _fork_server_lock:
+        if _fork_server is not None and _fork_server.owner == os.getpid() and not _fork_server.alive:
+            _fork_server.close()
+        if _fork_server is None or _fork_server.owner != os.getpid() or not _fork_server.alive:
+            _fork_server = _ForkServer()
+        return _fork_server
+
+
+@atexit.register
+def _stop_fork_server() -> None:
+    """Close this process's fork server (at exit, or after it failed)."""
+    global _fork_server
+    with _fork_server_lock:
+        server, _fork_server = _fork_server, None
+    if server is not None and server.owner == os.getpid():
+        server.close()
+
+
+def _child_environment() -> dict[str, str]:
+    """The children's environment: this process's, with this copy of kvboost_hf first on PYTHONPATH."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))}
+
+
+def _close_quietly(*streams: IO[bytes]) -> None:
+    """Close ``streams``; a pipe whose reader died (closing flushes into it) is not an error."""
+    for stream in streams:
+        with contextlib.suppress(OSError):
+            stream.close()
+
+
 class CompileProcess:
-    """One child process (``python -m kvboost_hf.server.grammar_child``) compiling for one tokenizer: ``info``, also
-    written as xgrammar's JSON at ``tokenizer_path`` for the child to read. Jobs and answers are JSON lines on its
-    stdin and stdout (:mod:`~kvboost_hf.server.grammar_child`). Used by one thread at a time."""
+    """One compile child for one tokenizer: ``info``, also written as xgrammar's JSON at ``tokenizer_path`` for the
+    child to read (see the module for how children start). Jobs and answers are JSON lines on its stdin and stdout
+    (:mod:`~kvboost_hf.server.grammar_child`). The child starts when first waited for (:meth:`wait_ready`) and after
+    each restart. Used by one thread at a time."""
 
     def __init__(self, info: xgrammar.TokenizerInfo, tokenizer_path: Path) -> None:
         self.info, self.tokenizer_path = info, tokenizer_path
         self._closed = False
-        self._start()
-
-    def _start(self) -> None:
-        package_root = str(Path(__file__).resolve().parents[2])  # the child imports this copy of kvboost_hf
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))}
-        self._child = subprocess.Popen(
-            [sys.executable, "-m", "kvboost_hf.server.grammar_child", str(self.tokenizer_path)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-        )
+        self._child: _Child | None = None
         self._ready = False
 
     def compile(self, kind: str, args: list[Any], time_limit_s: float) -> xgrammar.CompiledGrammar:
@@ -87,10 +292,9 @@ class CompileProcess:
         ``time_limit_s`` seconds (CompileTimeout after: the child is killed and a new one started). Raises
         CompileFailed when it cannot compile."""
         try:
-            self.wait_ready()
-            assert self._child.stdin is not None
-            self._child.stdin.write(json.dumps({"kind": kind, "args": args}).encode() + b"\n")
-            self._child.stdin.flush()
+            child = self.wait_ready()
+            child.stdin.write(json.dumps({"kind": kind, "args": args}).encode() + b"\n")
+            child.stdin.flush()
             answer = self._receive(time_limit_s)
         except CompileTimeout:
             self._restart()
@@ -108,42 +312,48 @@ class CompileProcess:
         return self._ready
 
     @property
-    def pid(self) -> int:
-        """The current child's process id."""
-        return self._child.pid
+    def pid(self) -> int | None:
+        """The current child's process id (None before it starts)."""
+        return None if self._child is None else self._child.pid
 
     @property
     def alive(self) -> bool:
-        """Whether the current child is still running (it may have been killed while idle)."""
-        return self._child.poll() is None
+        """Whether the current child has not exited (it may have been killed while idle); True before it starts."""
+        return self._child is None or self._child.running()
 
-    def wait_ready(self) -> None:
-        """Wait (at most CHILD_START_TIMEOUT_S) for the child to have started (its first line)."""
+    def wait_ready(self) -> _Child:
+        """The current child, started if needed, once it has answered its first line (at most
+        CHILD_START_TIMEOUT_S)."""
+        if self._closed:
+            raise _ChildExited("the compile process is closed")
+        if self._child is None:
+            self._child = _launch(self.tokenizer_path)
         if not self._ready:
             self._receive(CHILD_START_TIMEOUT_S)
             self._ready = True
+        return self._child
 
     def _receive(self, timeout_s: float) -> dict[str, Any]:
         """The child's next answer line, its first byte within ``timeout_s``."""
+        assert self._child is not None
         stdout = self._child.stdout
-        assert stdout is not None
         readable, _, _ = select.select([stdout], [], [], timeout_s)
         if not readable:
             raise CompileTimeout(f"no answer within {timeout_s:g} s")
         line = stdout.readline()
         if not line:
-            raise _ChildExited(f"the child exited with status {self._child.wait(10)}")
+            status = self._child.wait(10)
+            raise _ChildExited("the child exited" + ("" if status is None else f" with status {status}"))
         answer: dict[str, Any] = json.loads(line)
         return answer
 
     def restart(self) -> None:
-        """Replace the child by a new one (not waited for: see :meth:`wait_ready`)."""
+        """Replace the child by a new one (started when next waited for: see :meth:`wait_ready`)."""
         self._restart()
 
     def _restart(self) -> None:
         self._stop()
-        if not self._closed:
-            self._start()
+        self._ready = False
 
     def close(self) -> None:
         """Kill the child (a compile in flight fails) and start no other."""
@@ -151,14 +361,12 @@ class CompileProcess:
         self._stop()
 
     def _stop(self) -> None:
-        """Kill the child and close its pipes; a child already dead (its pipe broken: closing stdin flushes into
-        it) is not an error."""
-        self._child.kill()
-        self._child.wait(10)
-        for stream in (self._child.stdin, self._child.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
+        """Kill the child and close its pipes; a child already dead (its pipe broken) is not an error."""
+        child, self._child = self._child, None
+        if child is not None:
+            child.kill()
+            child.wait(10)
+            child.close()
 
 
 class CompilePool:
