@@ -15,7 +15,6 @@ import functools
 import gc
 import importlib
 import sys
-from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import pytest
@@ -196,34 +195,3 @@ def greedy(model, ids, cache=None, new=8, **kwargs):
         **kwargs,
     )
     return out.sequences, torch.stack(out.logits, 1)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _compile_processes_on_first_use() -> Iterator[Callable[..., None] | None]:
-    """Servers built in tests start their grammar compile processes on the first structured request, not at start:
-    each server would otherwise start two interpreters (xgrammar and torch imports, seconds of CPU each) that most
-    tests never use. Session-wide, so that module-scoped servers (set up before any function-scoped fixture) are
-    covered too. Yields the shipped ``Admission.start`` (None without the server extra)."""
-    try:
-        from kvboost_hf.server import admission
-    except ImportError:  # the server extra is not installed
-        yield None
-        return
-    with pytest.MonkeyPatch.context() as patch:
-        shipped = admission.Admission.start
-        patch.setattr(admission.Admission, "start", lambda self: None)
-        yield shipped
-
-
-@pytest.fixture(autouse=True)
-def _compile_processes_at_start(
-    request: pytest.FixtureRequest,
-    monkeypatch: pytest.MonkeyPatch,
-    _compile_processes_on_first_use: Callable[..., None] | None,
-) -> None:
-    """Tests marked ``compile_processes_at_start`` keep the shipped default (``GrammarConfig.start_with_server``)
-    for the servers they build."""
-    if request.node.get_closest_marker("compile_processes_at_start") and _compile_processes_on_first_use is not None:
-        from kvboost_hf.server import admission
-
-        monkeypatch.setattr(admission.Admission, "start", _compile_processes_on_first_use)

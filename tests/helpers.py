@@ -479,7 +479,7 @@ def http_transport(**kwargs: Any) -> Any:
 
 def chat_server_settings() -> Any:
     """The ``ServerConfig`` of the module servers that test the OpenAI routes: a short batch window, 4 rows, and one
-    grammar compile process (a torch import), which these tests' one-at-a-time structured requests need."""
+    grammar compile process, which these tests' one-at-a-time structured requests need."""
     from kvboost_hf.server.app import ServerConfig
     from kvboost_hf.server.grammar import GrammarConfig
 

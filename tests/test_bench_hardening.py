@@ -1,7 +1,12 @@
-"""``bench hardening``'s request timer: the status of each outcome, and the server's seconds only."""
+"""``bench hardening``'s request timer (the status of each outcome, and the server's seconds only) and its memory
+figure of a server's child processes."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -9,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from helpers import free_port
 
-from kvboost_hf.bench.hardening import timed_post
+from kvboost_hf.bench.hardening import descendants_memory, timed_post
 
 
 class _Answer(BaseHTTPRequestHandler):
@@ -36,3 +41,26 @@ def test_timed_post_reports_the_status_of_each_outcome(url, caplog):
     assert status == 200 and 0 < seconds < 10
     assert timed_post(f"{url}/bad", b"{}")[1] == 400 and "400" in caplog.text
     assert timed_post(f"http://127.0.0.1:{free_port()}/ok", {}, timeout=5)[1] == 0  # nothing listens there
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="reads /proc (Linux 4.14+)")
+def test_descendants_memory_counts_children_and_grandchildren_once():
+    """A child holding a grandchild: two processes, each with its own resident memory; PSS (shared pages split
+    between the processes sharing them) is at most RSS."""
+    grandchild = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])"
+    child = subprocess.Popen(
+        [sys.executable, "-c", f"{grandchild}; print('up', flush=True); time.sleep(30)"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "up"
+        memory = descendants_memory(os.getpid())
+        own = descendants_memory(child.pid)
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)  # the child and the grandchild: one session
+        child.wait()
+    assert own is not None and own["processes"] == 1 and 0 < own["pss_mib"] <= own["rss_mib"]
+    assert memory is not None and memory["processes"] >= 2 and memory["rss_mib"] >= own["rss_mib"]
+    assert descendants_memory(2**22 + 1) is None  # no such process

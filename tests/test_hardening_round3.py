@@ -394,8 +394,7 @@ def shared_compiler(tokenizer) -> Iterator[GrammarCompiler]:
 
 @pytest.fixture
 def compiler(shared_compiler: GrammarCompiler) -> GrammarCompiler:
-    """Two compile workers (shared by the module's tests: each child imports torch), every child up and
-    answering before the test starts."""
+    """Two compile workers (shared by the module's tests), every child up and answering before the test starts."""
     shared_compiler.wait_started()
     _wait_until_ready(shared_compiler)
     return shared_compiler
@@ -787,7 +786,6 @@ def test_an_invalid_schema_is_a_400_while_the_compile_queue_is_full(embedded_eng
             assert all(holder.result(60).status_code == 200 for holder in holders)
 
 
-@pytest.mark.compile_processes_at_start
 def test_the_server_starts_its_compile_processes_when_it_starts(embedded_engine, monkeypatch):
     """``GrammarConfig.start_with_server`` (the default): the app's start starts the compile pool, before any
     request; with it off, nothing starts until a structured request comes."""
@@ -803,7 +801,7 @@ def test_the_server_starts_its_compile_processes_when_it_starts(embedded_engine,
         start(pool)
 
     monkeypatch.setattr(CompilePool, "start", recorded)
-    one_process = GrammarConfig(workers=1)  # the shipped start_with_server; one compile process (a torch import)
+    one_process = GrammarConfig(workers=1)  # the shipped start_with_server
     settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, grammar_limits=one_process)
     with TestClient(create_app(embedded_engine, settings)):
         assert len(started) == 1

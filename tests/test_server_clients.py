@@ -39,7 +39,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine) -> Iterator[LiveServer]:
-    one_process = GrammarConfig(workers=1)  # one compile process (a torch import) serves these tests
+    one_process = GrammarConfig(workers=1)  # one compile process serves these tests
     settings = ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, max_batch_size=4, grammar_limits=one_process)
     with LiveServer(create_app(engine, settings)) as live:
         yield live

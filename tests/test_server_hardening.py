@@ -47,7 +47,7 @@ SETTINGS = ServerConfig(
     max_json_values=1000,
     header_timeout_s=0.5,
     body_timeout_s=0.5,
-    grammar_limits=GrammarConfig(max_schema_bytes=2048, workers=1),  # one compile process (torch import) is enough
+    grammar_limits=GrammarConfig(max_schema_bytes=2048, workers=1),  # one compile process is enough
 )
 
 

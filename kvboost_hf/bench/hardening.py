@@ -14,7 +14,9 @@ older commit unpacked elsewhere); its server runs as ``python -m kvboost_hf.serv
 
 Before the loads, on the fresh server (issue #40 item 2): the seconds from the server's first ``/health`` 200 until
 it reports its compile processes up (``structured_output: ready``), then the seconds of a structured (small JSON
-schema) one-token chat, its first request, and the same for a second schema (a warm server's compile).
+schema) one-token chat, its first request, and the same for a second schema (a warm server's compile); then the
+memory of the server's child processes (the compile processes, and the fork server where there is one): their
+count, summed RSS and summed PSS (pages shared between them counted once; Linux only).
 
 Issue #30 (``--loads`` picks a subset; every load runs by default):
 
@@ -272,6 +274,32 @@ def warm_load(url: str) -> dict[str, Any]:
     }
 
 
+def descendants_memory(pid: int) -> dict[str, Any] | None:
+    """Count, summed RSS and summed PSS (MiB) of every descendant of process ``pid``, from /proc (None without it:
+    not Linux)."""
+    proc = Path("/proc")
+    if not (proc / str(pid)).exists():
+        return None
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        parent = pending.pop()
+        for task in (proc / str(parent) / "task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                pending.extend(int(child) for child in task.read_text().split())
+        if parent != pid:
+            found.append(parent)
+    totals = {"processes": 0, "rss_mib": 0.0, "pss_mib": 0.0}
+    for child in found:
+        with contextlib.suppress(OSError):  # it exited meanwhile
+            rollup = (proc / str(child) / "smaps_rollup").read_text().splitlines()[1:]  # after its header line
+            fields = dict(line.split(":", 1) for line in rollup)
+            totals["rss_mib"] += int(fields["Rss"].split()[0]) / 1024
+            totals["pss_mib"] += int(fields["Pss"].split()[0]) / 1024
+            totals["processes"] += 1
+    return {k: round(v, 1) for k, v in totals.items()}
+
+
 def run_loads(server: ServerProcess, args: argparse.Namespace) -> dict[str, Any]:
     """The results of the loads ``args.loads`` names against ``server``, in order."""
     loads: dict[str, Callable[[], dict[str, Any]]] = {
@@ -323,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, schema in (("first", FIRST_SCHEMA), ("warm", WARM_SCHEMA)):  # each compiles: a new schema
                 seconds, status = timed_post(f"{server.url}/v1/chat/completions", chat_body(schema, name))
                 first[f"{name}_structured_request"] = {"seconds": seconds, "status": status}
+            first["child_processes_memory"] = descendants_memory(server.process.pid)
             timed_post(f"{server.url}/v1/chat/completions", chat_body(None, "plain"))
             results[str(source)] = {**first, **run_loads(server, args)}
         finally:

@@ -92,13 +92,14 @@ class GrammarConfig:
             the caller, e.g. the server's admission; the compile goes on in the background and is cached).
         compile_limit_s: longest compile in seconds (its process is killed and the constraint refused after).
         workers: compiles running at once, each in a child process; a client runs at most workers - 1.
-            (1 worker: that one; every worker process holds its own xgrammar and torch import.)
+            (1 worker: that one.)
         max_waiting: compiles queued or running.
         max_waiting_per_client: compiles one client may have queued or running (None: half of ``max_waiting``,
             at least 1). Behind a reverse proxy every client has its address: raise it there.
         cache_entries: compiled grammars kept, least recently used dropped first.
         start_with_server: start the compile processes when the server starts (else on the first structured
-            request, which then waits for them: seconds, they import xgrammar and torch).
+            request, which then waits for them: seconds the first time, when the fork server, or each child where
+            there is none, imports xgrammar and torch).
     """
 
     max_schema_bytes: int = 32 << 10
