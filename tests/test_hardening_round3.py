@@ -430,11 +430,11 @@ def test_a_child_killed_mid_compile_is_retried_not_refused(compiler: GrammarComp
     original = CompileProcess._receive
     killed: list[int] = []
 
-    def receive(process: CompileProcess, timeout_s: float):
+    def receive(process: CompileProcess, child, timeout_s: float):
         if process.ready and not killed:
-            killed.append(process._child.pid)
-            os.kill(process._child.pid, signal.SIGKILL)
-        return original(process, timeout_s)
+            killed.append(child.pid)
+            os.kill(child.pid, signal.SIGKILL)
+        return original(process, child, timeout_s)
 
     monkeypatch.setattr(CompileProcess, "_receive", receive)
     assert compiler.json_schema(_SCHEMA).result(60) is not None
@@ -524,6 +524,35 @@ def test_a_killed_fork_server_is_replaced_and_its_children_keep_compiling(tokeni
     finally:
         running.close()
         later.close()
+
+
+def test_a_close_while_a_worker_waits_for_its_child_fails_that_wait_cleanly(tokenizer_info, monkeypatch):
+    """The server shuts down while a worker waits for its child's first line (the child stopped here, so the wait
+    cannot end otherwise): the wait fails with the pool's OSError, which the worker handles, not an
+    AttributeError from the child the close took away."""
+    launch = grammar_process._launch
+
+    def stopped(path: Path):
+        child = launch(path)
+        os.kill(child.pid, signal.SIGSTOP)
+        return child
+
+    monkeypatch.setattr(grammar_process, "_launch", stopped)
+    process = CompileProcess(*tokenizer_info)
+    failures: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            process.wait_ready()
+        except BaseException as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    time.sleep(0.5)
+    process.close()
+    thread.join(30)
+    assert not thread.is_alive() and len(failures) == 1 and isinstance(failures[0], OSError), failures
 
 
 def test_without_a_fork_server_each_child_is_a_fresh_interpreter(tokenizer_info, monkeypatch):

@@ -295,7 +295,7 @@ class CompileProcess:
             child = self.wait_ready()
             child.stdin.write(json.dumps({"kind": kind, "args": args}).encode() + b"\n")
             child.stdin.flush()
-            answer = self._receive(time_limit_s)
+            answer = self._receive(child, time_limit_s)
         except CompileTimeout:
             self._restart()
             raise
@@ -326,23 +326,23 @@ class CompileProcess:
         CHILD_START_TIMEOUT_S)."""
         if self._closed:
             raise _ChildExited("the compile process is closed")
-        if self._child is None:
-            self._child = _launch(self.tokenizer_path)
+        child = self._child
+        if child is None:
+            child = self._child = _launch(self.tokenizer_path)
         if not self._ready:
-            self._receive(CHILD_START_TIMEOUT_S)
+            self._receive(child, CHILD_START_TIMEOUT_S)
             self._ready = True
-        return self._child
+        return child
 
-    def _receive(self, timeout_s: float) -> dict[str, Any]:
-        """The child's next answer line, its first byte within ``timeout_s``."""
-        assert self._child is not None
-        stdout = self._child.stdout
-        readable, _, _ = select.select([stdout], [], [], timeout_s)
+    def _receive(self, child: _Child, timeout_s: float) -> dict[str, Any]:
+        """``child``'s next answer line, its first byte within ``timeout_s``. ``child`` is the caller's: a
+        :meth:`close` from another thread may have replaced ``self._child`` meanwhile."""
+        readable, _, _ = select.select([child.stdout], [], [], timeout_s)
         if not readable:
             raise CompileTimeout(f"no answer within {timeout_s:g} s")
-        line = stdout.readline()
+        line = child.stdout.readline()
         if not line:
-            status = self._child.wait(10)
+            status = child.wait(10)
             raise _ChildExited("the child exited" + ("" if status is None else f" with status {status}"))
         answer: dict[str, Any] = json.loads(line)
         return answer
