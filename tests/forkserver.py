@@ -1,0 +1,187 @@
+"""Python subprocesses forked from one process that imported torch and transformers already (tests only).
+
+A test that runs a ``python -m ...`` or ``python -c ...`` command in a subprocess pays ~8-10 s of CPU on this
+suite's 2-core machine before the command does anything: the child imports torch and transformers' model code.
+:class:`ForkServer` imports them once and forks one process per command, which then runs as ``python`` would run
+it (its argv, working folder, environment, stdout and stderr; the exit status of ``SystemExit``, 1 with the
+traceback on stderr for an exception). :meth:`ForkServer.popen` returns a :class:`ForkedProcess`, a
+``subprocess.Popen`` stand-in for what tests and the code they drive use of one (``wait``, ``poll``, ``kill``,
+``pid``, ``returncode``).
+
+What a fork cannot give: environment variables read at import time are the fork server's (start it with the
+environment its commands need), and nothing is imported fresh. Tests of import order or of a fresh interpreter
+keep ``subprocess``.
+
+Protocol: the test process sends each command (JSON: argv, cwd, env) with two file descriptors (the command's
+output, and the write end of a status pipe) over a ``SOCK_SEQPACKET`` socket. The fork server forks a waiter
+(reaped by the kernel: ``SIGCHLD`` ignored), which forks the command's process, writes its pid and then its exit
+status (``subprocess``'s convention: ``-N`` for signal N) as lines on the status pipe. The fork server never
+runs a command itself and never starts a thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+#: the fork server's program: the imports every command shares, then the loop of the module docstring
+_SERVER = textwrap.dedent(
+    """
+    import atexit, json, os, runpy, signal, socket, sys, traceback
+    import torch, transformers, transformers.modeling_utils  # what every command would import itself
+    import kvboost_hf
+
+    def run(request, output):
+        os.setpgid(0, 0)  # its own process group: a kill reaches what it starts
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        os.close(output)
+        argv = request["argv"]
+        status = 0
+        try:
+            if argv[0] == "-m":
+                sys.argv = [argv[1], *argv[2:]]
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            elif argv[0] == "-c":
+                sys.argv = ["-c", *argv[2:]]
+                exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+            else:
+                raise ValueError(f"only -m and -c commands are forked: {argv[:2]}")
+        except SystemExit as exit:
+            code = exit.code
+            if code is not None and not isinstance(code, int):
+                print(code, file=sys.stderr)
+            status = code if isinstance(code, int) else (0 if code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        atexit._run_exitfuncs()  # as an interpreter's exit would
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(status)
+
+    control = socket.socket(fileno=int(sys.argv[1]))
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the waiters are reaped by the kernel
+    control.send(b"ready")
+    while True:
+        message, fds, _, _ = socket.recv_fds(control, 1 << 20, 2)
+        if not message:
+            break
+        if os.fork() == 0:  # the waiter
+            control.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            output, status = fds
+            pid = os.fork()
+            if pid == 0:
+                os.close(status)
+                run(json.loads(message), output)
+            try:
+                os.setpgid(pid, pid)  # as the command does itself: whichever runs first, a kill finds the group
+            except OSError:
+                pass
+            os.close(output)
+            os.write(status, f"{pid}\\n".encode())
+            _, waited = os.waitpid(pid, 0)
+            os.write(status, f"{os.waitstatus_to_exitcode(waited)}\\n".encode())
+            os._exit(0)
+        for fd in fds:
+            os.close(fd)
+    """
+)
+
+
+class ForkedProcess:
+    """A command forked by :class:`ForkServer`: ``subprocess.Popen``'s ``pid``, ``returncode``, ``poll``, ``wait``
+    and ``kill``."""
+
+    def __init__(self, argv: Sequence[str], status: IO[bytes]) -> None:
+        self.args = list(argv)
+        self._status = status
+        self.pid = int(status.readline())
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._status], [], [], 0)[0]:
+            self._read_status()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not select.select([self._status], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            self._read_status()
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):  # it exited already
+                os.killpg(self.pid, signal.SIGKILL)
+
+    def _read_status(self) -> None:
+        line = self._status.readline()
+        self.returncode = int(line) if line.strip() else -signal.SIGKILL  # the waiter itself was killed
+        self._status.close()
+
+
+class ForkServer:
+    """One fork server (see the module), started with ``env``; ``close`` (or the context manager) stops it.
+    Thread-safe: each :meth:`popen` sends one message and gets its answers on a pipe of its own."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _SERVER, str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env
+        )
+        theirs.close()
+        self._control = ours
+        if not select.select([ours], [], [], 300)[0] or ours.recv(16) != b"ready":
+            self.close()
+            raise RuntimeError("the test fork server did not start")
+
+    def popen(
+        self, argv: Sequence[str], *, stdout: IO[Any] | int, cwd: str | Path, env: dict[str, str]
+    ) -> ForkedProcess:
+        """Run ``python *argv`` (``-m module ...`` or ``-c code ...``) in ``cwd`` with ``env``, its stdout and
+        stderr to ``stdout`` (a file or a descriptor)."""
+        output = stdout if isinstance(stdout, int) else stdout.fileno()
+        status_read, status_write = os.pipe()
+        try:
+            request = json.dumps({"argv": list(argv), "cwd": str(cwd), "env": env}).encode()
+            socket.send_fds(self._control, [request], [output, status_write])
+        except BaseException:
+            os.close(status_read)
+            raise
+        finally:
+            os.close(status_write)
+        return ForkedProcess(argv, os.fdopen(status_read, "rb"))
+
+    def close(self) -> None:
+        self._control.close()  # its loop ends with the socket
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> ForkServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
