@@ -27,7 +27,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import xgrammar
 
@@ -79,14 +79,14 @@ def serve_forks(control: socket.socket) -> None:
             return
         pid = os.fork()
         if pid == 0:
-            _run_forked(control, message.decode(), fds)
+            _run_forked(control, os.fsdecode(message), fds)
         for fd in fds:
             os.close(fd)
         control.send(str(pid).encode())
 
 
-def _run_forked(control: socket.socket, tokenizer_path: str, fds: list[int]) -> None:
-    """In a forked child: :func:`main` on the received stdin and stdout; never returns."""
+def _run_forked(control: socket.socket, tokenizer_path: str, fds: list[int]) -> NoReturn:
+    """In a forked child: :func:`main` on the received stdin and stdout, then exit."""
     status = 1
     try:
         control.close()

@@ -120,9 +120,9 @@ class _ForkedChild:
     (race-free: the pid may be reused after its exit, the pidfd not), and its exit status is unknown (the kernel
     reaps it for the fork server)."""
 
-    def __init__(self, pid: int, stdin: IO[bytes], stdout: IO[bytes]) -> None:
+    def __init__(self, pid: int, pidfd: int, stdin: IO[bytes], stdout: IO[bytes]) -> None:
         self.pid, self.stdin, self.stdout = pid, stdin, stdout
-        self._pidfd = os.pidfd_open(pid)  # ProcessLookupError if it already exited
+        self._pidfd = pidfd
 
     def running(self) -> bool:
         return not select.select([self._pidfd], [], [], 0)[0]
@@ -184,7 +184,7 @@ class _ForkServer:
             try:
                 socket.send_fds(self._control, [os.fsencode(tokenizer_path)], [job_read, answer_write])
                 pid = int(self._answer(FORK_TIMEOUT_S))
-                return _ForkedChild(pid, os.fdopen(job_write, "wb"), os.fdopen(answer_read, "rb"))
+                pidfd = os.pidfd_open(pid)  # ProcessLookupError if it already exited
             except BaseException:
                 os.close(job_write)
                 os.close(answer_read)
@@ -192,6 +192,7 @@ class _ForkServer:
             finally:
                 os.close(job_read)
                 os.close(answer_write)
+        return _ForkedChild(pid, pidfd, os.fdopen(job_write, "wb"), os.fdopen(answer_read, "rb"))
 
     def _answer(self, timeout_s: float) -> bytes:
         if not select.select([self._control], [], [], timeout_s)[0]:
@@ -245,9 +246,9 @@ def _launch(tokenizer_path: Path) -> _Child:
 def _current_fork_server() -> _ForkServer:
     global _fork_server
     with _fork_server_lock:
-        if _fork_server is not None and _fork_server.owner == os.getpid() and not _fork_server.alive:
-            _fork_server.close()
         if _fork_server is None or _fork_server.owner != os.getpid() or not _fork_server.alive:
+            if _fork_server is not None and _fork_server.owner == os.getpid():
+                _fork_server.close()  # it died: its socket goes
             _fork_server = _ForkServer()
         return _fork_server
 
