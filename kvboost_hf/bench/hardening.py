@@ -23,7 +23,8 @@ Issue #30 (``--loads`` picks a subset; every load runs by default):
 * ``close`` (item 2): a streamed chat of ``--close-tokens`` tokens (``ignore_eos``) with ``Connection: close``;
   measured: seconds, status, ``408`` bytes in the reply, whether it ends with ``[DONE]``;
 * ``pattern`` (item 3): tenant A sends two schemas with ``"pattern": "[a-z]{1,30000}"`` (and 30001) at once while
-  tenant B sends small structured chats one after another for ``--pattern-s`` seconds; measured: B's codes and
+  tenant B sends small structured chats one after another for ``--pattern-s`` seconds, each tenant from its own
+  loopback address (127.0.0.2 and 127.0.0.3: compile admission is per client address); measured: B's codes and
   worst latency, A's codes and seconds;
 * ``drip`` (item 5): ``--drip-connections`` bodies dripped one byte a second; measured: how many the server still
   holds after ``--drip-hold-s`` seconds; then ``--idle-connections`` idle sockets from one address: how many were
@@ -59,11 +60,16 @@ logger = logging.getLogger(__name__)
 MESSAGES = [{"role": "user", "content": "Say hi."}]
 
 
-def timed_post(url: str, body: dict[str, Any] | bytes, timeout: float = 120.0) -> tuple[float, int]:
+def timed_post(
+    url: str, body: dict[str, Any] | bytes, timeout: float = 120.0, source: str | None = None
+) -> tuple[float, int]:
     """(seconds, status) of one POST (status 0 when the request failed at the transport level), on a client built
-    before the clock starts (building one loads the CA bundle: 0.1-0.25 s of CPU here, not the server's time)."""
+    before the clock starts (building one loads the CA bundle: 0.1-0.25 s of CPU here, not the server's time).
+    ``source``: the local address to send from (a loopback address such as 127.0.0.2 is another client to the
+    server's per-address admission; Linux answers on all of 127.0.0.0/8), None: the system's choice."""
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    with httpx.Client(timeout=timeout) as client:
+    transport = None if source is None else httpx.HTTPTransport(local_address=source)
+    with httpx.Client(timeout=timeout, transport=transport) as client:
         start = time.perf_counter()
         try:
             response = client.post(url, content=content, headers={"Content-Type": "application/json"})
@@ -193,18 +199,23 @@ def close_load(port: int, tokens: int) -> dict[str, Any]:
     }
 
 
+#: the pattern load's two clients: compile admission is counted per client address, so each sends from its own
+TENANT_A_ADDRESS, TENANT_B_ADDRESS = "127.0.0.2", "127.0.0.3"
+
+
 def pattern_load(url: str, seconds: float) -> dict[str, Any]:
     chat_url = f"{url}/v1/chat/completions"
     slow = [chat_body({"type": "string", "pattern": f"[a-z]{{1,{30000 + i}}}"}, "tenant-a") for i in range(2)]
     small = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     timed_post(chat_url, chat_body(small, "warm-up"))  # compile processes up (new build)
     with ThreadPoolExecutor(2) as pool:
-        attacks = [pool.submit(timed_post, chat_url, body, 300.0) for body in slow]
+        attacks = [pool.submit(timed_post, chat_url, body, 300.0, TENANT_A_ADDRESS) for body in slow]
         time.sleep(0.5)
         tenant_b: list[tuple[float, int]] = []
         deadline = time.perf_counter() + seconds
         while time.perf_counter() < deadline:
-            tenant_b.append(timed_post(chat_url, chat_body(small, f"tenant-b-{len(tenant_b)}")))
+            body = chat_body(small, f"tenant-b-{len(tenant_b)}")
+            tenant_b.append(timed_post(chat_url, body, source=TENANT_B_ADDRESS))
         tenant_a = [attack.result() for attack in attacks]
     return {
         "tenant_b_codes": dict(Counter(code for _, code in tenant_b)),
