@@ -21,8 +21,6 @@ import pytest
 import torch
 import transformers
 
-pytest_plugins = ["mypy_beside"]  # --mypy: the type check beside the tests (tests/mypy_beside.py)
-
 # Under pytest-xdist each worker takes its share of the cores for torch's intra-op threads: by default every worker
 # starts a thread per core, and n workers' threads on the same cores spin-wait for each other. The processes a test
 # starts (notebook kernels, bench dry runs, Ray workers) inherit the share through OMP_NUM_THREADS.
