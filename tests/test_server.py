@@ -1,7 +1,8 @@
 """The OpenAI-compatible server, driven by the official ``openai`` client against uvicorn on 127.0.0.1.
 
-One engine (the embedded model) is loaded per module; servers run in background threads on free loopback
-ports. Every wait is bounded; generations are at most 16 tokens except the cancelled one.
+One engine (the embedded model's first layers: ``helpers.short_embedded_engine``) is loaded per module; servers
+run in background threads on free loopback ports. Every wait is bounded; generations are at most 16 tokens except
+the cancelled one.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from helpers import (  # noqa: E402
     http_post,
     http_stream,
     metric,
+    short_embedded_engine,
     word_tokenizer,
     words,
 )
@@ -54,7 +56,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 @pytest.fixture(scope="module")
 def engine():
-    return KVBoost.from_pretrained(chunking=16)
+    return short_embedded_engine(chunking=16)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,7 @@ def test_visible_text_cuts_exactly_and_holds_back_partial_stops():
 
 
 # ---------------------------------------------------------------------------------------------- batching core
-@pytest.mark.timeout(400)  # 9 generations on the embedded model; a busy shared CPU needs the room
+@pytest.mark.timeout(400)  # 9 generations; a busy shared CPU needs the room
 def test_batch_rows_equal_alone_with_mixed_settings(engine):
     """Rows of different lengths, budgets and sampling settings in one batch; greedy rows and the seeded sampled row
     equal transformers' ``generate()`` of their prompt alone. The five rows' budgets are 2 to 6 tokens, one each:

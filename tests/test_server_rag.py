@@ -1,7 +1,7 @@
 """RAG over the server (issue 19): documents sent as content parts (or, opted in, as separate messages) start
 segments, so with ``--reuse-mode chunk_kv_reuse`` they hit by content key in another order, after another prompt, or
 after ``/v1/warm`` stored them alone. Driven by the official ``openai`` client against live servers on 127.0.0.1 with
-the embedded model (see tests/test_server.py). Greedy decoding throughout.
+the embedded model's first layers (see tests/test_server.py). Greedy decoding throughout.
 
 What is asserted: reuse (usage's ``cached_tokens``, or store hits on /metrics when repair recomputes everything);
 with repair ratio 1.0 the answer equals a cold server's; with the default repair (approximate) only that it answers.
@@ -19,10 +19,17 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from helpers import API_KEY, MODEL_NAME, LiveServer, http_get, http_post, metric  # noqa: E402
+from helpers import (  # noqa: E402
+    API_KEY,
+    MODEL_NAME,
+    LiveServer,
+    http_get,
+    http_post,
+    metric,
+    short_embedded_engine,
+)
 from oracle import oracle_text  # noqa: E402
 
-from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.core.config import RepairConfig  # noqa: E402
 from kvboost_hf.engine import InferenceEngine  # noqa: E402
 from kvboost_hf.server.app import ServerConfig, create_app  # noqa: E402
@@ -44,7 +51,7 @@ QUESTION = "Question: what is the access code of the south archive?"
 @pytest.fixture(scope="module")
 def exact_engine():
     """Repair recomputes every reused token (ratio 1.0): answers equal a full prefill's."""
-    return KVBoost.from_pretrained(chunking=16, repair=RepairConfig("cacheblend", ratio=1.0))
+    return short_embedded_engine(chunking=16, repair=RepairConfig("cacheblend", ratio=1.0))
 
 
 def live(engine) -> LiveServer:
