@@ -8,6 +8,7 @@ needs none of them imports this one without them.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import re
@@ -30,6 +31,7 @@ from chunks import key as key
 from chunks import make_entry as make_entry
 from chunks import raw_entry as raw_entry
 from conftest import greedy, make_tiny_model
+from forkserver import ForkServer
 from transformers import DynamicCache, PreTrainedTokenizerFast
 
 from kvboost_hf import ChunkingConfig, ChunkReuseCache, ChunkStore, GenerationMode, RepairConfig, StoreConfig
@@ -44,9 +46,38 @@ TESTS_DIR = Path(__file__).parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), str(TESTS_DIR.parent), *sys.path])}
 
 
+#: what :func:`python_child`'s fork server imports: the store and the store tests' chunks (torch, ~1.9 s of CPU here)
+STORE_IMPORTS = ("torch", "kvboost_hf.store", "chunks")
+
+
+@functools.cache
+def _store_forks() -> ForkServer:
+    """The fork server of :func:`python_child`, started on first use in this test process with :data:`ENV` and
+    closed at its exit."""
+    forks = ForkServer(ENV, imports=STORE_IMPORTS)
+    atexit.register(forks.close)
+    return forks
+
+
+def python_child(code: str, *args: object, stdout: Any = subprocess.PIPE, stderr: Any = subprocess.PIPE) -> Any:
+    """``python -c code args`` with :data:`ENV` in this process's working folder, forked from a process that
+    imported :data:`STORE_IMPORTS` (tests/forkserver.py): a process of its own, as the store tests need (killed,
+    stopped, sharing a directory), without paying the imports per child. ``stdout``/``stderr`` as
+    ``subprocess.Popen`` takes them; pipes read as text. Returns a ``ForkedProcess``."""
+    command = ["-c", code, *map(str, args)]
+    return _store_forks().popen(command, stdout=stdout, stderr=stderr, env=ENV, text=True)
+
+
 def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run ``code`` in a child Python with :data:`ENV`; its output captured as text; ``timeout`` in seconds."""
-    return subprocess.run([sys.executable, "-c", code, *args], env=ENV, capture_output=True, text=True, timeout=timeout)
+    """Run ``code`` in a :func:`python_child`; its output captured as text; ``timeout`` in seconds (then killed)."""
+    child = python_child(code, *args)
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        raise
+    return subprocess.CompletedProcess(child.args, child.returncode, out, err)
 
 
 def generate_through_store(remote_url: str) -> dict[str, Any]:

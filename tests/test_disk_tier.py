@@ -10,15 +10,13 @@ import logging
 import os
 import random
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ENV, assert_same, flip_inside_record, key, make_entry, run_python
+from helpers import assert_same, flip_inside_record, key, make_entry, python_child, run_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -205,16 +203,7 @@ _WORKER = textwrap.dedent(
 
 def test_two_processes_share_one_directory(tmp_path: Path):
     n = 30
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _WORKER, str(tmp_path), str(a), str(b), str(n)],
-            env=ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for a, b in ((1, 2), (2, 1))
-    ]
+    procs = [python_child(_WORKER, tmp_path, a, b, n) for a, b in ((1, 2), (2, 1))]
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=120)
@@ -265,16 +254,7 @@ def test_processes_sharing_a_directory_keep_persisting(tmp_path: Path, budget: s
     they wrote, which leaves pages LMDB counts but never writes)."""
     processes, rounds, per = 3, 10, 40
     max_bytes = 1 << 28 if budget == "roomy" else 1 << 19
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _SHARING_WRITER, str(tmp_path), str(me), str(rounds), str(per), str(max_bytes)],
-            env=ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for me in range(1, processes + 1)
-    ]
+    procs = [python_child(_SHARING_WRITER, tmp_path, me, rounds, per, max_bytes) for me in range(1, processes + 1)]
     for proc in procs:
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-2000:]
@@ -330,8 +310,7 @@ def test_a_short_file_seen_during_another_commit_is_looked_at_again(tmp_path: Pa
     try:
         disk.put(key(1), make_entry(tokens=400, seed=1))
         assert disk.flush()
-        holder = subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(f"""
+        holder = python_child(textwrap.dedent(f"""
                 import fcntl, os, time
                 from pathlib import Path
                 directory = Path({str(tmp_path)!r})
@@ -344,11 +323,7 @@ def test_a_short_file_seen_during_another_commit_is_looked_at_again(tmp_path: Pa
                 time.sleep(1.0)
                 data.write_bytes(whole)
                 os.close(fd)
-            """)],
-            env=ENV,
-            stdout=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
+            """), stderr=None)  # fmt: skip
         assert holder.stdout is not None and holder.stdout.readline().strip() == "short"
         got = disk.get(key(1))
         holder.communicate(timeout=60)
@@ -384,8 +359,7 @@ def test_opening_waits_while_another_process_creates_the_files(tmp_path: Path):
     waits for it instead of setting the file aside, then opens what that process finished."""
     from kvboost_hf.store.disk import OPENING_LOCK
 
-    holder = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
+    holder = python_child(textwrap.dedent(f"""
             import fcntl, os, sys, time
             from pathlib import Path
             from kvboost_hf.store.disk import DiskTier
@@ -400,11 +374,7 @@ def test_opening_waits_while_another_process_creates_the_files(tmp_path: Path):
             tier = DiskTier(directory, max_bytes=1 << 20)  # creates the real file
             tier.close()
             print("done", flush=True)
-        """)],
-        env=ENV,
-        stdout=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
+        """), stderr=None)  # fmt: skip
     assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
     disk = DiskTier(tmp_path, max_bytes=1 << 20)
     try:
@@ -419,9 +389,9 @@ def test_opening_waits_while_another_process_creates_the_files(tmp_path: Path):
 
 def test_writer_killed_at_any_moment_leaves_a_consistent_store(tmp_path: Path):
     delay_s = random.uniform(0.05, 1.0)  # any moment: the outcome must not depend on it
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(tmp_path)], stdout=subprocess.PIPE, env=ENV)
+    proc = python_child(_KILLED_WRITER, tmp_path, stderr=None)
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         time.sleep(delay_s)
     finally:
         proc.send_signal(signal.SIGKILL)

@@ -123,7 +123,8 @@ class _ForkingSubprocess:
 
     def Popen(self, command: list[str], **options: Any) -> Any:
         if command[0] == sys.executable and command[1] == "-m" and options.get("stderr") == subprocess.STDOUT:
-            return self._forks.popen(command[1:], stdout=options["stdout"], cwd=options["cwd"], env=options["env"])
+            output = {"stdout": options["stdout"], "stderr": subprocess.STDOUT}
+            return self._forks.popen(command[1:], **output, cwd=options["cwd"], env=options["env"])
         return subprocess.Popen(command, **options)
 
 

@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -20,9 +19,9 @@ from typing import Any
 
 import httpx
 import pytest
+from forkserver import ForkedProcess
 from helpers import (
     API_KEY,
-    ENV,
     MODEL_NAME,
     LiveServer,
     assert_same,
@@ -30,7 +29,9 @@ from helpers import (
     http_client,
     http_transport,
     key,
+    python_child,
     raw_entry,
+    run_python,
 )
 
 from kvboost_hf.server import grammar_process
@@ -55,19 +56,8 @@ _HOLD_LOCK = textwrap.dedent(
 )
 
 
-def run_script(script: str, *args: object) -> subprocess.Popen:
-    """``python -c script args`` in the test environment, its stdout and stderr captured as text."""
-    return subprocess.Popen(
-        [sys.executable, "-c", script, *map(str, args)],
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 @pytest.fixture
-def stopped_holder(tmp_path: Path) -> Iterator[Callable[[], subprocess.Popen]]:
+def stopped_holder(tmp_path: Path) -> Iterator[Callable[[], ForkedProcess]]:
     """Starts a process holding ``WRITE_LOCK`` of ``tmp_path/d`` (where ``key(100)`` is stored) with a 0.5 s
     lease and stops it by SIGSTOP (a debugger, a hung process). A watchdog resumes it after 6 s, so code that
     waits for the lock without bound ends too (and fails its timing assertion) instead of hanging the suite."""
@@ -75,13 +65,11 @@ def stopped_holder(tmp_path: Path) -> Iterator[Callable[[], subprocess.Popen]]:
     tier = DiskTier(directory, 1 << 22)
     tier.put(key(100), raw_entry(seed=100))
     tier.close()
-    started: list[subprocess.Popen] = []
+    started: list[ForkedProcess] = []
     watchdog = threading.Timer(6.0, lambda: [os.kill(p.pid, signal.SIGCONT) for p in started])
 
-    def start() -> subprocess.Popen:
-        holder = subprocess.Popen(
-            [sys.executable, "-c", _HOLD_LOCK, str(directory), "0.5", "1.0"], env=ENV, stdout=subprocess.PIPE, text=True
-        )
+    def start() -> ForkedProcess:
+        holder = python_child(_HOLD_LOCK, directory, "0.5", "1.0", stderr=None)
         started.append(holder)
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         os.kill(holder.pid, signal.SIGSTOP)
@@ -103,7 +91,7 @@ def _put_batch(tier: DiskTier, first: int, count: int) -> None:
 
 
 def test_flush_returns_within_its_timeout_while_a_stopped_process_holds_the_lock(
-    tmp_path: Path, stopped_holder: Callable[[], subprocess.Popen], caplog
+    tmp_path: Path, stopped_holder: Callable[[], ForkedProcess], caplog
 ):
     """Before: ``flush(timeout_s=1)`` blocked until the holder ran again (here: the 6 s watchdog). Now it returns
     True within the timeout: the writes went to this process's spill (counted in ``lock_waits`` and
@@ -140,7 +128,7 @@ def test_flush_returns_within_its_timeout_while_a_stopped_process_holds_the_lock
 
 
 def test_close_returns_within_its_timeout_while_a_stopped_process_holds_the_lock(
-    tmp_path: Path, stopped_holder: Callable[[], subprocess.Popen]
+    tmp_path: Path, stopped_holder: Callable[[], ForkedProcess]
 ):
     """Before: ``close(timeout_s=1)`` took until the holder ran again, and dropped the 8 writes. Now within the
     timeout, nothing dropped: the writes are in this process's spill, served by a tier opened while the holder
@@ -161,7 +149,7 @@ def test_close_returns_within_its_timeout_while_a_stopped_process_holds_the_lock
         reopened.close()
 
 
-def test_a_damaged_spilled_record_is_a_miss(tmp_path: Path, stopped_holder: Callable[[], subprocess.Popen]):
+def test_a_damaged_spilled_record_is_a_miss(tmp_path: Path, stopped_holder: Callable[[], ForkedProcess]):
     """A spilled record is checked like any other (SHA-256 and the key it was stored under): a flipped byte in
     the spill's file is a miss, counted in ``corrupt``, never wrong K/V."""
     tier = DiskTier(tmp_path / "d", 1 << 22, lock_wait_s=0.05)
@@ -225,14 +213,12 @@ def test_other_processes_keep_writing_while_one_is_stopped_mid_write(tmp_path: P
     stopped process resumes and all end, a reopened tier serves every chunk a flush called written (bit for bit)
     and merges the spills of the ended processes into the shared environment."""
     directory = tmp_path / "d"
-    stopped = subprocess.Popen(
-        [sys.executable, "-c", _STOP_MID_WRITE, str(directory)], env=ENV, stdout=subprocess.PIPE, text=True
-    )
+    stopped = python_child(_STOP_MID_WRITE, directory, stderr=None)
     watchdog = threading.Timer(20.0, os.kill, (stopped.pid, signal.SIGCONT))  # never a hung suite
     try:
         assert stopped.stdout is not None and stopped.stdout.readline().strip() == "writing"
         watchdog.start()
-        writers = [run_script(_KEEP_WRITING, directory, process, "1.0") for process in (1, 2)]
+        writers = [python_child(_KEEP_WRITING, directory, process, "1.0") for process in (1, 2)]
         reports = []
         for writer in writers:
             out, err = writer.communicate(timeout=60)
@@ -292,9 +278,7 @@ def test_a_dead_holders_lock_is_taken_over_and_its_short_file_finished(tmp_path:
     try:
         tier.put(key(1), raw_entry(seed=1))
         assert tier.flush()
-        result = subprocess.run(
-            [sys.executable, "-c", _DIE_AFTER_COMMIT, str(directory)], env=ENV, capture_output=True, text=True
-        )
+        result = run_python(_DIE_AFTER_COMMIT, str(directory))
         assert result.returncode == -signal.SIGKILL and result.stdout.strip() == "short", result.stderr[-2000:]
         with caplog.at_level("WARNING", logger="kvboost_hf.store.disk"):
             assert tier.get(key(1)) is not None
@@ -352,7 +336,7 @@ def test_no_chunk_a_flush_called_written_is_missing_after_a_full_disk(small_file
     the first failure was a warning): whole batches of 4 missing after a reopen. Now every chunk of a flush
     that returned True reads back after the reopen, and the failures are counted in ``lost``."""
     directory = small_file_system / "d"
-    processes = [run_script(_FILL, directory, process, "20") for process in range(3)]
+    processes = [python_child(_FILL, directory, process, "20") for process in range(3)]
     reports = []
     for process in processes:
         out, err = process.communicate(timeout=120)

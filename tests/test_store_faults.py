@@ -8,8 +8,6 @@ import logging
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -17,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_tiny_model
-from helpers import ENV, key, raw_entry, run_python
+from helpers import key, python_child, raw_entry, run_python
 
 from kvboost_hf import ChunkReuseCache
 from kvboost_hf.core.chunk_kv import ChunkKV
@@ -57,9 +55,7 @@ _SERVING_PROCESS = textwrap.dedent(
 def test_sigkill_during_write_through_loses_only_queued_writes(tmp_path: Path):
     """A serving process killed at a random moment: a new one on the directory reuses what reached the disk,
     and every reuse gives the full-prefill output."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SERVING_PROCESS, str(tmp_path)], stdout=subprocess.PIPE, env=ENV, text=True
-    )
+    proc = python_child(_SERVING_PROCESS, tmp_path, stderr=None)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         time.sleep(random.uniform(0.0, 1.5))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import sys
 import textwrap
 import time
 from collections.abc import Callable, Iterator
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import greedy, make_tiny_model
-from helpers import ENV, RedisServer, key, make_entry, raw_entry
+from helpers import RedisServer, key, make_entry, python_child, raw_entry, run_python
 
 from kvboost_hf import ChunkReuseCache
 from kvboost_hf.core.chunk_kv import ChunkKV
@@ -110,11 +109,6 @@ _DISK_SCENARIO = textwrap.dedent(
 )
 
 
-def _run(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """Run ``code`` in a new interpreter: a crash (SIGBUS, SIGABRT) shows as a negative return code."""
-    return subprocess.run([sys.executable, "-c", code, *args], env=ENV, capture_output=True, text=True, timeout=timeout)
-
-
 TRUNCATED_SIZES = [100, 4096, 8192 + 100]
 
 
@@ -125,8 +119,8 @@ def truncated_runs(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess,
     (starting one costs seconds of imports)."""
     root = tmp_path_factory.mktemp("truncated")
     cases = [(str(root / f"d{i}"), f"truncate:{size}") for i, size in enumerate(TRUNCATED_SIZES)]
-    damaged = _run(_DISK_SCENARIO, *(arg for case in cases for arg in case), timeout=120)
-    reopened = _run(_DISK_SCENARIO, *(arg for directory, _ in cases for arg in (directory, "none")), timeout=120)
+    damaged = run_python(_DISK_SCENARIO, *(arg for case in cases for arg in case), timeout=120)
+    reopened = run_python(_DISK_SCENARIO, *(arg for directory, _ in cases for arg in (directory, "none")), timeout=120)
     return root, damaged, reopened
 
 
@@ -165,12 +159,12 @@ def test_garbage_in_the_lock_file_disables_the_tier(tmp_path: Path, offset: int)
     tier.put(key(1), raw_entry())
     assert tier.flush()
     tier.close()
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD_OPEN, str(directory)], stdout=subprocess.PIPE, text=True)
+    holder = python_child(_HOLD_OPEN, directory, stderr=None)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
         garbage = bytes(range(256)) * 32
-        _run(f"f = open({str(directory / 'lock.mdb')!r}, 'r+b'); f.seek({offset}); f.write({garbage!r})")
-        result = _run(_DISK_SCENARIO, str(directory), "none", timeout=30)
+        run_python(f"f = open({str(directory / 'lock.mdb')!r}, 'r+b'); f.seek({offset}); f.write({garbage!r})")
+        result = run_python(_DISK_SCENARIO, str(directory), "none", timeout=30)
     finally:
         holder.kill()
         holder.wait()
@@ -205,7 +199,7 @@ def test_full_file_system_is_a_warning_not_sigbus(tmp_path: Path):
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         subprocess.run(["dd", "if=/dev/zero", f"of={mount / 'fill'}", "bs=4k", "count=100"], capture_output=True)
-        result = _run(_DISK_SCENARIO, str(mount / "d"), "none")
+        result = run_python(_DISK_SCENARIO, str(mount / "d"), "none")
     finally:
         subprocess.run(["umount", str(mount)], check=True)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -220,7 +214,7 @@ def test_directory_recreated_by_another_process_is_noticed(tmp_path: Path, caplo
     store.put(key(0), raw_entry())
     store.flush()
     shutil.rmtree(directory)
-    assert _run("import sys, lmdb; lmdb.open(sys.argv[1], max_dbs=3).close()", str(directory)).returncode == 0
+    assert run_python("import sys, lmdb; lmdb.open(sys.argv[1], max_dbs=3).close()", str(directory)).returncode == 0
     with caplog.at_level("WARNING", logger="kvboost_hf.store.disk"):
         for i in range(1, 101):
             store.put(key(i), raw_entry(seed=i))
