@@ -13,9 +13,8 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 pytest.importorskip("xgrammar")
 
-from helpers import API_KEY, MODEL_NAME, WEATHER_TOOL, LiveServer, chat, http_get  # noqa: E402
+from helpers import API_KEY, MODEL_NAME, WEATHER_TOOL, LiveServer, chat, http_get, short_embedded_engine  # noqa: E402
 
-from kvboost_hf import KVBoost  # noqa: E402
 from kvboost_hf.server.app import ServerConfig, create_app  # noqa: E402
 from kvboost_hf.server.grammar import GrammarConfig  # noqa: E402
 
@@ -34,7 +33,7 @@ WEATHER_QUESTION = chat("What is the weather in Paris?", "You are a helpful assi
 
 @pytest.fixture(scope="module")
 def engine():
-    return KVBoost.from_pretrained(chunking=16)
+    return short_embedded_engine(chunking=16)
 
 
 @pytest.fixture(scope="module")
@@ -169,10 +168,13 @@ def test_message_extras_and_explicit_nulls_are_accepted(client):
 
 
 # ---------------------------------------------------------------------------------------------- item 10.5
-def test_completion_logprobs_carry_text_offsets(client):
+def test_completion_logprobs_carry_text_offsets(client, engine):
     """``text_offset[i]`` is where token i starts in the returned text, whole and streamed (offsets into the
-    whole text); the prompt makes the model write accented characters."""
+    whole text); a logit bias makes the model write "é" (one character, two bytes in UTF-8: byte offsets would
+    differ)."""
+    [accented] = engine.tokenizer.encode("é", add_special_tokens=False)
     request = dict(model=MODEL_NAME, prompt="Le café de la crème brûlée est", max_tokens=10, temperature=0, logprobs=1)
+    request |= {"logit_bias": {str(accented): 100}}
     choice = client.completions.create(**request).choices[0]
     text, logprobs = choice.text, choice.logprobs
     offsets = logprobs.text_offset
