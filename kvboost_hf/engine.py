@@ -25,7 +25,13 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvboost_hf.core.chunking import ChunkingConfig
-from kvboost_hf.core.config import GenerationMode, RepairConfig
+from kvboost_hf.core.config import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_PACK_FORWARDS,
+    DEFAULT_TOKEN_BUDGET,
+    GenerationMode,
+    RepairConfig,
+)
 from kvboost_hf.core.errors import ConfigError, InputError
 from kvboost_hf.core.keys import digests_held, model_digest
 from kvboost_hf.core.values import is_integer
@@ -50,8 +56,7 @@ from kvboost_hf.hf.tokens import SegmentTokenizer, TokenCacheConfig, TokenIdsCac
 from kvboost_hf.hf.warm import PromptWarmer
 from kvboost_hf.offload import LayerStreamingConfig, layer_streamer
 from kvboost_hf.results import CorrectnessReport, GenerationResult, PromptCheck, WarmResult
-from kvboost_hf.runner import DEFAULT_PACK_FORWARDS
-from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE, DEFAULT_TOKEN_BUDGET, RequestGroup
+from kvboost_hf.scheduling import RequestGroup
 from kvboost_hf.store.chunk_store import ChunkStore, StoreConfig
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvboost_hf.core.chunking import ChunkingConfig, check_segment_starts
-from kvboost_hf.core.config import GenerationMode, RepairConfig
+from kvboost_hf.core.config import DEFAULT_PACK_FORWARDS, GenerationMode, RepairConfig
 from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.core.keys import KeySpace, model_digest
 from kvboost_hf.core.values import check_bounds
@@ -47,7 +47,7 @@ from kvboost_hf.hf.rows import new_rows
 from kvboost_hf.hf.speculative import DraftConfig, Drafter, DraftSource, VerifyCosts, resolve_draft
 from kvboost_hf.hf.verify_graphs import GraphedVerifier
 from kvboost_hf.kv_budget import KVBudget, resolve_budget_bytes
-from kvboost_hf.runner import DEFAULT_PACK_FORWARDS, ModelRunner
+from kvboost_hf.runner import ModelRunner
 from kvboost_hf.scheduling import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_TOKEN_BUDGET,

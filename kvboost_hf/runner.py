@@ -24,17 +24,12 @@ from typing import Any
 
 import torch
 
+from kvboost_hf.core.config import DEFAULT_PACK_FORWARDS
 from kvboost_hf.hf.decode import DecodeLoop, PackedStep, PrefillWork, RowOutput, prefill_apart
 from kvboost_hf.hf.packed import packable, packed_forward
 from kvboost_hf.scheduling import BatchKey, BatchResult, BatchWork, SchedulerOutput, StepReport
 
 logger = logging.getLogger(__name__)
-
-#: Whether a step runs every batch's decode step and the next chunks of its prompts under way as one packed forward
-#: where the model's attention allows (:meth:`ModelRunner.execute`) unless the caller says otherwise
-#: (``ServerConfig.pack_forwards``, the engine's ``core``, :class:`ModelRunner`'s ``pack_forwards``): the one place
-#: this default is written.
-DEFAULT_PACK_FORWARDS = True
 
 StepResult = tuple[list[RowOutput], list[PrefillWork]] | BaseException
 """One batch's step: the tokens sampled and the works whose prefill completed, or the exception that failed it."""

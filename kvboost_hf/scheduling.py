@@ -93,22 +93,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvboost_hf.core.chunking import ChunkingConfig, chunk_spans
-from kvboost_hf.core.config import GenerationMode
+from kvboost_hf.core.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_TOKEN_BUDGET, GenerationMode
 from kvboost_hf.core.errors import CapacityError, ConfigError, InputError, KVBoostError
 from kvboost_hf.core.keys import KeySpace, chain_prefix_keys
 from kvboost_hf.core.values import check_bounds, is_integer
 from kvboost_hf.hf.decode import DecodeRow, PrefillWork, RowOutput, SharedPrefix
 from kvboost_hf.kv_budget import BatchShape, KVBudget
 from kvboost_hf.reuse.plan import ChunkSource, has_nonprefix_hits, stored_prefix_tokens
-
-#: Rows running at once unless the caller says otherwise (``ServerConfig.max_batch_size``, the engine's
-#: ``generate_many`` and ``core``, :class:`Scheduler`'s ``max_rows``): the one place this default is written.
-DEFAULT_MAX_BATCH_SIZE = 8
-
-#: Tokens one scheduler step computes at most unless the caller says otherwise (``ServerConfig.token_budget``, the
-#: engine's ``generate_many`` and ``core``, :class:`Scheduler`'s ``token_budget``): the one place this default is
-#: written. 0 means no budget.
-DEFAULT_TOKEN_BUDGET = 2048
 
 #: Columns of left padding a row prefilled together with others may take whatever its length (see
 #: :func:`padding_groups`): below it, splitting a forward saves less than a forward and a join cost.

@@ -49,8 +49,8 @@ import httpx
 
 from kvboost_hf.bench.common import pyplot
 from kvboost_hf.corpus import documents
-from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
 from kvboost_hf.server.launch import add_forward_arguments, freeze_startup_heap
+from kvboost_hf.server.settings import EMBEDDED_MODEL_NAME
 
 if TYPE_CHECKING:  # openai is an optional dependency, imported where it is used
     import openai

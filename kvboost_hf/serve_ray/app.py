@@ -33,10 +33,9 @@ from kvboost_hf.core.errors import KVBoostError, NotFoundError
 from kvboost_hf.hf.chat_segments import DocumentBoundaries, encode_chat_segments
 from kvboost_hf.hf.tokens import SegmentTokenizer, TokenCacheConfig, TokenIdsCache
 from kvboost_hf.serve_ray.routing import DEFAULT_MAX_CHUNKS, ForwardedRequest, KeySpace, routing_keys
-from kvboost_hf.server.admission import plain_messages
-from kvboost_hf.server.app import RequestGate
 from kvboost_hf.server.errors import ApiError
-from kvboost_hf.server.schemas import ChatCompletionRequest, CompletionRequest
+from kvboost_hf.server.gate import RequestGate
+from kvboost_hf.server.schemas import ChatCompletionRequest, CompletionRequest, plain_messages
 from kvboost_hf.server.settings import ServerConfig
 
 logger = logging.getLogger(__name__)

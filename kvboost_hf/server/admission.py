@@ -51,7 +51,14 @@ from kvboost_hf.server.grammar import (
     GrammarQuota,
     Tool,
 )
-from kvboost_hf.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, ToolDefinition
+from kvboost_hf.server.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ToolDefinition,
+    engine_role,
+    plain_messages,
+)
 from kvboost_hf.server.settings import ServerConfig
 from kvboost_hf.server.worker import Worker
 
@@ -454,16 +461,6 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-def plain_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """Text-only messages as the engine renders them ("developer" is a system message; a list content is the list
-    of its parts' texts, which the engine joins)."""
-    return [{"role": _role(m.role), "content": m.parts()} for m in messages]
-
-
-def _role(role: str) -> str:
-    return "system" if role == "developer" else role
-
-
 def _tool(definition: ToolDefinition) -> Tool:
     function = definition.function
     return Tool(function.name, function.parameters or EMPTY_PARAMETERS, function.description or "")
@@ -488,7 +485,7 @@ def _template_message(message: ChatMessage, native: bool) -> dict[str, Any]:
         if native:
             return {"role": "tool", "content": text, "tool_call_id": message.tool_call_id}
         return {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
-    rendered: dict[str, Any] = {"role": _role(message.role), "content": text}
+    rendered: dict[str, Any] = {"role": engine_role(message.role), "content": text}
     if message.tool_calls:
         calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)} for c in message.tool_calls]
         if native:

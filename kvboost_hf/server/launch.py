@@ -17,12 +17,11 @@ from kvboost_hf.core.errors import ConfigError, KVBoostError
 from kvboost_hf.core.settings import add_settings_arguments, settings_from_args, settings_values
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
 from kvboost_hf.hf.graphs import GraphConfig
-from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
 from kvboost_hf.hf.speculative import TREE_EXPANSIONS, DraftConfig
 from kvboost_hf.hf.tokens import TokenCacheConfig
 from kvboost_hf.offload.settings import LayerStreamingConfig
 from kvboost_hf.server.grammar import GrammarConfig
-from kvboost_hf.server.settings import ServerConfig
+from kvboost_hf.server.settings import EMBEDDED_MODEL_NAME, ServerConfig
 from kvboost_hf.store.config import StoreConfig
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request, Response
 
 from kvboost_hf.engine import InferenceEngine, Prompt
 from kvboost_hf.results import WarmResult
-from kvboost_hf.server.admission import Admission, client_address, plain_messages
+from kvboost_hf.server.admission import Admission, client_address
 from kvboost_hf.server.errors import ApiError
 from kvboost_hf.server.metrics import CONTENT_TYPE, Metrics
 from kvboost_hf.server.responses import Exchange
@@ -33,6 +33,7 @@ from kvboost_hf.server.schemas import (
     TokenizeResponse,
     WarmRequest,
     WarmResponse,
+    plain_messages,
 )
 from kvboost_hf.server.settings import ServerConfig
 from kvboost_hf.server.worker import ShuttingDown, Worker

@@ -13,6 +13,7 @@ openai SDK).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -339,3 +340,14 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
+
+
+def plain_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Text-only messages as the engine renders them ("developer" is a system message; a list content is the list
+    of its parts' texts, which the engine joins)."""
+    return [{"role": engine_role(m.role), "content": m.parts()} for m in messages]
+
+
+def engine_role(role: str) -> str:
+    """A message's role as the chat template gets it: "developer" is a system message."""
+    return "system" if role == "developer" else role

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvboost_hf.core.config import GenerationMode
+from kvboost_hf.core.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PACK_FORWARDS, DEFAULT_TOKEN_BUDGET, GenerationMode
 from kvboost_hf.core.errors import ConfigError
 from kvboost_hf.core.values import check_bounds
 from kvboost_hf.hf.chat_segments import DocumentBoundaries
-from kvboost_hf.hf.models import EMBEDDED_MODEL_NAME
 from kvboost_hf.kv_budget import check_budget_setting
-from kvboost_hf.runner import DEFAULT_PACK_FORWARDS
-from kvboost_hf.scheduling import DEFAULT_MAX_BATCH_SIZE, DEFAULT_TOKEN_BUDGET
 from kvboost_hf.server.grammar import GrammarConfig
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"  # the model id the server reports for the embedded model
 
 
 @dataclass(frozen=True)

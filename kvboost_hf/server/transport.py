@@ -7,7 +7,7 @@ Bounds (each applies to reading the request only; writing the response, however 
   its previous response ending (h11 still waiting for a request: ``their_state is IDLE``), else it gets a 408 and
   is closed;
 * body: a request's whole body must arrive within ``body_timeout_s`` of its headers, plus
-  :data:`BODY_GRACE_S` so that the app's own 408 (:class:`~kvboost_hf.server.app.RequestGate`, with its message)
+  :data:`BODY_GRACE_S` so that the app's own 408 (:class:`~kvboost_hf.server.gate.RequestGate`, with its message)
   goes first while the app reads the body. Past that the connection is closed, after a 408 when no response has
   started (bytes the app never reads, e.g. after an early 401 or 413, are bounded the same way);
 * connections: a client address may hold ``max_connections_per_client`` connections open at once (0: no cap);
