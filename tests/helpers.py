@@ -59,13 +59,20 @@ def _store_forks() -> ForkServer:
     return forks
 
 
-def python_child(code: str, *args: object, stdout: Any = subprocess.PIPE, stderr: Any = subprocess.PIPE) -> Any:
-    """``python -c code args`` with :data:`ENV` in this process's working folder, forked from a process that
-    imported :data:`STORE_IMPORTS` (tests/forkserver.py): a process of its own, as the store tests need (killed,
-    stopped, sharing a directory), without paying the imports per child. ``stdout``/``stderr`` as
-    ``subprocess.Popen`` takes them; pipes read as text. Returns a ``ForkedProcess``."""
+def python_child(
+    code: str,
+    *args: object,
+    stdout: Any = subprocess.PIPE,
+    stderr: Any = subprocess.PIPE,
+    env: dict[str, str] | None = None,
+) -> Any:
+    """``python -c code args`` with ``env`` (default :data:`ENV`; read at run time only: the fork server imported
+    with :data:`ENV`) in this process's working folder, forked from a process that imported :data:`STORE_IMPORTS`
+    (tests/forkserver.py): a process of its own, as the store tests need (killed, stopped, sharing a directory),
+    without paying the imports per child. ``stdout``/``stderr`` as ``subprocess.Popen`` takes them; pipes read as
+    text. Returns a ``ForkedProcess``."""
     command = ["-c", code, *map(str, args)]
-    return _store_forks().popen(command, stdout=stdout, stderr=stderr, env=ENV, text=True)
+    return _store_forks().popen(command, stdout=stdout, stderr=stderr, env=env or ENV, text=True)
 
 
 def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:

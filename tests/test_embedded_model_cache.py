@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from forkserver import ForkedProcess
+from helpers import ENV, python_child
 
 from kvboost_hf.hf import models
-
-TESTS_DIR = Path(__file__).parent
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), str(TESTS_DIR.parent), *sys.path])}
 
 _FAKES = textwrap.dedent(
     """
@@ -89,13 +88,10 @@ def _leftovers(work: Path) -> list[str]:
     return sorted(p.name for p in (work / "cache").iterdir() if ".tmp" in p.name)
 
 
-def _converter(work: Path, save_s: float, peers: int, name: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-c", _CONVERTER, _FAKES, str(work), str(save_s), str(peers), name],
-        env={**ENV, "KVBOOST_HF_CACHE": str(work / "cache")},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+def _converter(work: Path, save_s: float, peers: int, name: str) -> ForkedProcess:
+    """A process converting the fake model into ``work``'s cache (the variable is read when it converts)."""
+    return python_child(
+        _CONVERTER, _FAKES, work, save_s, peers, name, env={**ENV, "KVBOOST_HF_CACHE": str(work / "cache")}
     )
 
 
