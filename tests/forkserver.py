@@ -149,16 +149,19 @@ class ForkedProcess:
         for name in ("stdout", "stderr"):
             stream = getattr(self, name)
             if stream is not None and name not in self._readers:
-                reader = threading.Thread(target=lambda n=name, f=stream: self._read.__setitem__(n, f.read()))
-                reader.daemon = True
-                reader.start()
-                self._readers[name] = reader
+                self._readers[name] = threading.Thread(target=self._drain, args=(name, stream), daemon=True)
+                self._readers[name].start()
         for reader in self._readers.values():
             reader.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
             if reader.is_alive():
                 raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
         self.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0))
         return self._read.get("stdout"), self._read.get("stderr")
+
+    def _drain(self, name: str, stream: IO[Any]) -> None:
+        """Read ``stream`` to its end into ``_read[name]``, then close it (as ``Popen.communicate`` does)."""
+        with stream:
+            self._read[name] = stream.read()
 
     def send_signal(self, signum: int) -> None:
         if self.returncode is None:
