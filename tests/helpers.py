@@ -627,6 +627,15 @@ def metric(server: LiveServer, name: str) -> float:
     return values[0]
 
 
+def metric_above(server: LiveServer, name: str, floor: float, timeout_s: float = 10.0) -> float:
+    """:func:`metric` once it exceeds ``floor`` (polled for up to ``timeout_s`` seconds; the last value otherwise).
+    Decode totals are counted when a batch is released, which can come after its last answer reached the client."""
+    deadline = time.monotonic() + timeout_s
+    while (value := metric(server, name)) <= floor and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
+
+
 # ---------------------------------------------------------------------------------------------- statistics
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
     """Pearson's statistic and p-value of ``counts`` against ``probs``; bins expecting < 5 draws are pooled."""

@@ -321,7 +321,7 @@ def test_server_seeded_request_gets_the_same_tokens_alone_batched_and_with_a_dra
     neighbours equal transformers' greedy text too); the draft counters in /metrics grow in both cases."""
     pytest.importorskip("uvicorn")
     pytest.importorskip("openai")
-    from helpers import API_KEY, LiveServer, metric
+    from helpers import API_KEY, LiveServer, metric, metric_above
 
     from kvboost_hf.server.app import ServerConfig, create_app
 
@@ -340,16 +340,16 @@ def test_server_seeded_request_gets_the_same_tokens_alone_batched_and_with_a_dra
     assert reference == drawn
     with LiveServer(create_app(speculative, settings)) as server:
         client = server.client()
-        proposed = metric(server, "kvboost_draft_tokens_proposed_total")
+        before = metric(server, "kvboost_draft_tokens_proposed_total")
         assert complete(client, **seeded) == reference
-        assert metric(server, "kvboost_draft_tokens_proposed_total") > proposed
-        proposed = metric(server, "kvboost_draft_tokens_proposed_total")
+        proposed = metric_above(server, "kvboost_draft_tokens_proposed_total", before)
+        assert proposed > before
         batches = metric(server, "kvboost_batch_size_count")
         bodies = [seeded] + [{"prompt": p, "max_tokens": 12, "temperature": 0} for p in others]
         with concurrent.futures.ThreadPoolExecutor(4) as pool:  # one batch window: decoded together
             texts = list(pool.map(lambda body: complete(client, **body), bodies))
         assert texts == [reference, *expected]
-        assert metric(server, "kvboost_draft_tokens_proposed_total") > proposed
+        assert metric_above(server, "kvboost_draft_tokens_proposed_total", proposed) > proposed
         assert metric(server, "kvboost_batch_size_count") == batches + 1  # one batch (later arrivals join it)
 
 
