@@ -25,18 +25,31 @@ def packed_layer_bytes(layer: torch.nn.Module) -> tuple[int, int]:
 def int4_pair(model: torch.nn.Module, group_size: int, **settings):
     """The int4 copy of ``model`` resident, the same copy streamed, and the streamer's handle."""
     int4_model(model, group_size)
+    return (model, *streamed_copy(model, **settings))
+
+
+def streamed_copy(model: torch.nn.Module, **settings):
+    """A copy of ``model`` streamed under ``settings`` (:class:`LayerStreamingConfig`'s), and the streamer's handle."""
     streamed = copy.deepcopy(model)
-    return model, streamed, enable_layer_streaming(streamed, LayerStreamingConfig(**settings))
+    return streamed, enable_layer_streaming(streamed, LayerStreamingConfig(**settings))
+
+
+@pytest.fixture(scope="module")
+def interpreted_reference() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 3-layer tiny Qwen2's int4 copy (group 32), resident; a prompt; its greedy tokens and logits (a prompt forward
+    and a decode forward) through the interpreted kernel: the reference of each streamed layout below, computed once
+    (each interpreted run of the model costs seconds)."""
+    resident = make_tiny_model("qwen2", num_hidden_layers=3)
+    int4_model(resident, 32)
+    ids = torch.randint(1, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    return resident, ids, *greedy(resident, ids, new=2)
 
 
 @pytest.mark.parametrize(("first", "last", "slots"), [(0, 0, 2), (1, 0, 3)])
-def test_streamed_int4_equals_resident_through_the_interpreted_kernel(first, last, slots):
+def test_streamed_int4_equals_resident_through_the_interpreted_kernel(first, last, slots, interpreted_reference):
     """TRITON_INTERPRET=1 (set by conftest): every linear of both models runs the Triton kernel."""
-    resident, streamed, handle = int4_pair(
-        make_tiny_model("qwen2", num_hidden_layers=3), 32, keep_first_k=first, keep_last_k=last, num_slots=slots
-    )
-    ids = torch.randint(1, 128, (1, 9), generator=torch.Generator().manual_seed(0))
-    expected, expected_logits = greedy(resident, ids, new=2)  # a prompt forward and a decode forward
+    resident, ids, expected, expected_logits = interpreted_reference
+    streamed, handle = streamed_copy(resident, keep_first_k=first, keep_last_k=last, num_slots=slots)
     got, logits = greedy(streamed, ids, new=2)
     assert torch.equal(got, expected) and torch.equal(logits, expected_logits)
 
