@@ -1,16 +1,17 @@
-"""Stored chunks and keys for the store tests, light to import (torch and the store, not transformers' model code:
-about 3 s of CPU less for each child process of the disk, fault and hardening tests). :mod:`helpers` re-exports
-them."""
+"""Stored chunks and keys for the store tests, and a tier defined outside the package (:class:`DictTier`). Light to
+import (torch and the store, not transformers' model code: about 3 s of CPU less for each child process of the disk,
+fault and hardening tests). :mod:`helpers` re-exports the chunks and keys."""
 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import torch
 
 from kvboost_hf.core.chunk_kv import ChunkKV
-from kvboost_hf.store.base import StoredChunk
+from kvboost_hf.store.base import StorageTier, StoredChunk
 from kvboost_hf.store.quantization import QuantizedChunk, quantize_chunk
 
 
@@ -60,3 +61,42 @@ def flip_inside_record(directory: Path, record: bytes | bytearray, offset: int) 
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x10]))
+
+
+class DictTier(StorageTier):
+    """A whole tier in a few lines: only the abstract members; batching, tails, flush and stats are defaults."""
+
+    name = "dict"
+
+    def __init__(self) -> None:
+        self.entries: dict[str, StoredChunk] = {}
+        self.lock = threading.Lock()
+
+    def get(self, key: str) -> StoredChunk | None:
+        with self.lock:
+            return self.entries.get(key)
+
+    def put(self, key: str, entry: StoredChunk) -> list[tuple[str, StoredChunk]]:
+        with self.lock:
+            self.entries[key] = entry
+        return []
+
+    def contains(self, key: str) -> bool:
+        with self.lock:
+            return key in self.entries
+
+    def delete(self, key: str) -> None:
+        with self.lock:
+            self.entries.pop(key, None)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.entries.clear()
+
+    @property
+    def nbytes(self) -> int:
+        with self.lock:
+            return sum(entry.nbytes for entry in self.entries.values())
+
+    def __len__(self) -> int:
+        return len(self.entries)

@@ -59,6 +59,42 @@ TINY_ARCHITECTURES = {
 }
 EAGER_ONLY = {"gemma2"}  # transformers has no SDPA path for Gemma2's soft-capped attention
 
+#: The attention tests' tiny shape (test_attention_integration, test_attention_compile): 2 layers, 4 query heads
+#: over 2 K/V heads, 256 positions.
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 256,
+    "initializer_range": 0.2,  # peaked logits: greedy choices are not near-ties
+}
+
+#: Tiny configs whose rotary frequencies depend on the sequence length (architecture, config overrides): longrope
+#: switches to its long factors past 64 tokens, dynamic NTK rescales past 64 positions.
+LENGTH_DEPENDENT = {
+    "longrope": (
+        "phi3",
+        {
+            "max_position_embeddings": 256,
+            "original_max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "original_max_position_embeddings": 64,
+                "short_factor": [1.0] * 8,
+                "long_factor": [16.0] * 8,
+            },
+        },
+    ),
+    "dynamic": (
+        "llama",
+        {"max_position_embeddings": 64, "rope_parameters": {"rope_type": "dynamic", "factor": 16.0, "rope_theta": 1e4}},
+    ),
+}
+
 
 def make_tiny_model(name: str, seed: int = 0, **overrides: object) -> transformers.PreTrainedModel:
     """A randomly initialised 2-layer model of architecture ``name`` in fp32, eval mode."""

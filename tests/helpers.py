@@ -1,4 +1,5 @@
-"""Helpers shared by several test modules (test modules never import each other; fixtures live in conftest.py).
+"""Helpers shared by several test modules (test modules never import each other; fixtures and the tiny models' configs
+live in conftest.py, stored chunks and a tier defined outside the package in chunks.py).
 
 Sections: subprocesses, a private redis-server, word-level prompts for the tiny models,
 non-prefix reuse on tiny models, the decode loop on token ids, a live OpenAI-compatible server, statistics.

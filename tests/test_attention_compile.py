@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
-from test_attention_integration import TINY  # the same tiny Qwen2 shape
+from conftest import TINY
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, Qwen2Config
 
 from kvboost_hf import ChunkReuseCache, ChunkStore

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from conftest import TINY
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
@@ -28,16 +29,6 @@ from kvboost_hf.store.chunk_store import ChunkStore
 from kvboost_hf.store.config import StoreConfig
 
 ATOL = 1e-4  # fp32 logits
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 128,
-    "max_position_embeddings": 256,
-    "initializer_range": 0.2,  # peaked logits: greedy choices are not near-ties
-}
 CONFIGS: dict[str, Callable[[], object]] = {
     "llama": lambda: LlamaConfig(**TINY),
     "qwen2": lambda: Qwen2Config(**TINY),

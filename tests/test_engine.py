@@ -6,10 +6,9 @@ import uuid
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import LENGTH_DEPENDENT, make_tiny_model
 from helpers import word_tokenizer, words
 from oracle import engine_reference, expected_text
-from test_repair import LENGTH_DEPENDENT
 from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, GPT2Config, GPT2LMHeadModel
 
 from kvboost_hf import ChunkReuseCache, ChunkStore, KVBoost, SamplingConfig, StoreConfig, UnsupportedModelError

@@ -9,12 +9,11 @@ import types
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import LENGTH_DEPENDENT, make_tiny_model
 from helpers import word_tokenizer, words
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import GREEDY, engine_reference
-from test_repair import LENGTH_DEPENDENT
 from transformers import DynamicCache
 
 from kvboost_hf import KVBoost

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import greedy, make_tiny_model
+from conftest import LENGTH_DEPENDENT, greedy, make_tiny_model
 from helpers import REPAIR_CHUNK, documents, full_prefill, run, shuffled_prompt, warm_alone
 from transformers import DynamicCache
 
@@ -95,28 +95,6 @@ def test_length_dependent_rope_disables_only_non_prefix_reuse(caplog):
     out, cache = run(model, store, ids, starts, write_back=False)
     assert cache.last_reuse[0].approx_tokens == 0 and cache.last_reuse[0].cached_tokens == 40
     assert torch.equal(out[0], greedy(model, ids)[0])
-
-
-LENGTH_DEPENDENT = {
-    "longrope": (
-        "phi3",
-        {
-            "max_position_embeddings": 256,
-            "original_max_position_embeddings": 64,
-            "rope_parameters": {
-                "rope_type": "longrope",
-                "rope_theta": 1e4,
-                "original_max_position_embeddings": 64,
-                "short_factor": [1.0] * 8,
-                "long_factor": [16.0] * 8,
-            },
-        },
-    ),
-    "dynamic": (
-        "llama",
-        {"max_position_embeddings": 64, "rope_parameters": {"rope_type": "dynamic", "factor": 16.0, "rope_theta": 1e4}},
-    ),
-}
 
 
 @pytest.mark.parametrize("rope", sorted(LENGTH_DEPENDENT))

@@ -4,54 +4,14 @@ store's settings are one frozen StoreConfig; stats() never raises on a damaged t
 from __future__ import annotations
 
 import dataclasses
-import threading
 from pathlib import Path
 
 import lmdb
 import pytest
+from chunks import DictTier
 from helpers import assert_same, key, raw_entry
 
-from kvboost_hf.store import ChunkStore, StorageTier, StoreConfig
-from kvboost_hf.store.base import StoredChunk
-
-
-class DictTier(StorageTier):
-    """A whole tier in a few lines: only the abstract members; batching, tails, flush and stats are defaults."""
-
-    name = "dict"
-
-    def __init__(self) -> None:
-        self.entries: dict[str, StoredChunk] = {}
-        self.lock = threading.Lock()
-
-    def get(self, key: str) -> StoredChunk | None:
-        with self.lock:
-            return self.entries.get(key)
-
-    def put(self, key: str, entry: StoredChunk) -> list[tuple[str, StoredChunk]]:
-        with self.lock:
-            self.entries[key] = entry
-        return []
-
-    def contains(self, key: str) -> bool:
-        with self.lock:
-            return key in self.entries
-
-    def delete(self, key: str) -> None:
-        with self.lock:
-            self.entries.pop(key, None)
-
-    def clear(self) -> None:
-        with self.lock:
-            self.entries.clear()
-
-    @property
-    def nbytes(self) -> int:
-        with self.lock:
-            return sum(entry.nbytes for entry in self.entries.values())
-
-    def __len__(self) -> int:
-        return len(self.entries)
+from kvboost_hf.store import ChunkStore, StoreConfig
 
 
 def test_a_new_tier_plugs_in_without_changing_the_store():

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from chunks import DictTier
 from helpers import assert_same, key, raw_entry
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_store_interface import DictTier
 
 from kvboost_hf.core.chunk_kv import ChunkKV
 from kvboost_hf.store import chunk_store, quantization
