@@ -118,6 +118,18 @@ def test_no_import_cycle_between_modules() -> None:
     assert import_graph.strongly_connected(modules, {(edge.source, edge.target) for edge in edges}) == []
 
 
+def test_no_test_module_imports_another() -> None:
+    """Code that several test modules share lives in tests/'s other modules (conftest, helpers, chunks, ...): a test
+    module importing another runs that module's imports and assertion rewriting wherever it is imported."""
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                names = [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            assert not [name for name in names if name.split(".")[0].startswith("test_")], (path.name, names)
+
+
 def test_no_import_cycle_between_subpackages() -> None:
     modules, edges = _edges()
     groups = {import_graph.subpackage_of(module) for module in modules}
