@@ -396,6 +396,7 @@ def test_a_replay_naming_other_things_cuts_the_stream():
         (["--replica-gpus", "nan"], "--replica-gpus must be a number >= 0"),
         (["--imbalance-threshold", "-5"], "--imbalance-threshold must be a number >= 0"),
         (["--num-cpus", "0"], "--num-cpus must be a number >= 1"),
+        (["--shutdown-wait-s", "-1"], "--shutdown-wait-s must be a number >= 0"),
         (["--chunk-size", "0"], "chunk_size must be a positive number"),  # the single server's own check
         (["--port", "99999"], "--port must be in"),
     ],

@@ -27,6 +27,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 APP_NAME = "kvboost"
 ROUTINGS = ("prefix", "round_robin", "power_of_two")
+#: Seconds a stopping replica or ingress waits before it checks for requests still running, and between checks
+#: (Ray Serve's ``graceful_shutdown_wait_loop_s``, its default): the first wait lets requests already routed to it
+#: arrive. A shorter one stops faster (``serve.shutdown()`` of 2 replicas and the ingress: 7.8 s with this default,
+#: 1.3 s with 0.2 s, measured on a 2-core CPU machine) and risks refusing a request routed just before.
+DEFAULT_SHUTDOWN_WAIT_S = 2.0
 ROUTER_CLASSES = {
     "prefix": "kvboost_hf.serve_ray.routers.ChunkAffinityRouter",
     "round_robin": "kvboost_hf.serve_ray.routers.RoundRobinRouter",
@@ -51,6 +56,12 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-ongoing-requests", type=int, default=16, help="requests a replica accepts at once")
     group.add_argument("--max-attempts", type=int, default=3, help="replicas tried for a request whose replica died")
     group.add_argument(
+        "--shutdown-wait-s",
+        type=float,
+        default=DEFAULT_SHUTDOWN_WAIT_S,
+        help="a stopping replica or ingress waits this long, then again while requests still run, before it stops",
+    )
+    group.add_argument(
         "--address", default=None, help="Ray cluster to join (default: start a local Ray with --num-cpus CPUs)"
     )
     group.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
@@ -64,6 +75,7 @@ RAY_FLAG_MINIMUMS = {
     "replica_gpus": 0,
     "max_ongoing_requests": 1,
     "max_attempts": 1,
+    "shutdown_wait_s": 0,
     "num_cpus": 1,
 }
 
@@ -98,6 +110,7 @@ def build_application(args: argparse.Namespace) -> Any:
         "num_replicas": args.replicas,
         "max_ongoing_requests": args.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus},
+        "graceful_shutdown_wait_loop_s": args.shutdown_wait_s,
     }
     router = ROUTER_CLASSES[args.routing]
     if router is not None:
@@ -107,7 +120,9 @@ def build_application(args: argparse.Namespace) -> Any:
             request_router_kwargs=kwargs if args.routing == "prefix" else {},
         )
     replicas = as_deployment(KVBoostReplica).options(**options).bind(args)
-    ingress = as_deployment(Ingress).options(ray_actor_options={"num_cpus": 0})
+    ingress = as_deployment(Ingress).options(
+        ray_actor_options={"num_cpus": 0}, graceful_shutdown_wait_loop_s=args.shutdown_wait_s
+    )
     return ingress.bind(replicas, server_settings(args), max_attempts=args.max_attempts)
 
 
